@@ -1,0 +1,266 @@
+"""The TRIME objective against the float64 NumPy reference (tests/reference.py)."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests import reference as ref
+from trime_jax import loss
+
+MODES = [("none", 1, False), ("local", 1, False), ("long", 2, False), ("long", 3, False),
+         ("ext", 1, False), ("ext", 1, True)]
+
+
+def _batch(rng, b=6, l=7, d=5, v=6, pad=True, key_scale=3.0):
+  """A small batch with few distinct targets (so memories often match) and some padding."""
+  logits = rng.normal(size=(b, l, v))
+  keys = rng.normal(size=(b, l, d)) * key_scale
+  targets = rng.integers(0, v, size=(b, l))
+  if pad:
+    targets[1, -3:] = -1  # tail padding
+    targets[b - 2, :2] = -1  # head padding
+    targets[-1, :] = -1  # an all-padding row
+  return logits, keys, targets
+
+
+@pytest.mark.parametrize("memory,m,drop_local", MODES)
+@pytest.mark.parametrize("temperature", [1.0, 0.37, 2.5])
+@pytest.mark.parametrize("implementation,chunk", [("blockwise", 5), ("blockwise", 64), ("dense", None)])
+def test_trime_nll_matches_reference(memory, m, drop_local, temperature, implementation, chunk):
+  rng = np.random.default_rng(hash((memory, m, drop_local, temperature)) % 2**32)
+  logits, keys, targets = _batch(rng)
+  want = ref.trime_nll(logits, keys, targets, memory, m, drop_local, temperature)
+  with jax.enable_x64(True):
+    got = loss.trime_nll(jnp.asarray(logits), jnp.asarray(keys), jnp.asarray(targets), memory=memory,
+                         consecutive_segments=m, drop_local=drop_local, temperature=temperature,
+                         implementation=implementation, memory_chunk=chunk)
+    got = np.asarray(got)
+  assert got.dtype == np.float64
+  np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+  assert np.all(got[targets < 0] == 0.0)
+
+
+def test_masking_is_exact_and_memory_matters():
+  """No visible memory -> exactly the plain softmax; memory without the target only adds to the normaliser."""
+  rng = np.random.default_rng(0)
+  logits, keys, targets = _batch(rng, pad=False)
+  with jax.enable_x64(True):
+    ce = np.asarray(loss.trime_nll(logits, keys, targets, memory="none"))
+    local = np.asarray(loss.trime_nll(logits, keys, targets, memory="local", memory_chunk=3))
+  # Token 0 of every segment has no local memory: identical to CE, bit for bit.
+  assert np.array_equal(local[:, 0], ce[:, 0])
+  seen = np.array([[targets[b, t] in targets[b, :t] for t in range(targets.shape[1])]
+                   for b in range(targets.shape[0])])
+  unseen = ~seen
+  unseen[:, 0] = False
+  # Visible memory but no memory with the target: nll strictly above CE.
+  assert unseen.any() and np.all(local[unseen] > ce[unseen])
+  # Some token whose target is in memory must differ from CE.
+  assert seen.any() and not np.allclose(local[seen], ce[seen])
+
+
+@pytest.mark.parametrize("memory,m,drop_local", MODES[1:])
+def test_gradients_match_finite_differences(memory, m, drop_local):
+  """d nll / d keys (as query and as memory) and d nll / d logits against central differences of the
+  float64 reference."""
+  rng = np.random.default_rng(1)
+  logits, keys, targets = _batch(rng, b=6, l=3, d=3, v=4, key_scale=1.5)
+  weights = rng.normal(size=targets.shape)  # a random linear functional of the nll
+
+  def ref_obj(lg, ks):
+    return float((ref.trime_nll(lg, ks, targets, memory, m, drop_local, 0.8) * weights).sum())
+
+  with jax.enable_x64(True):
+    f = lambda lg, ks: (loss.trime_nll(lg, ks, jnp.asarray(targets), memory=memory, consecutive_segments=m,
+                                       drop_local=drop_local, temperature=0.8, memory_chunk=3)
+                        * weights).sum()
+    g_logits, g_keys = jax.grad(f, argnums=(0, 1))(jnp.asarray(logits), jnp.asarray(keys))
+    g_logits, g_keys = np.asarray(g_logits), np.asarray(g_keys)
+
+  eps = 1e-6
+  for x, g, name in [(keys, g_keys, "keys"), (logits, g_logits, "logits")]:
+    fd = np.zeros_like(x)
+    for idx in itertools.product(*map(range, x.shape)):
+      xp, xm = x.copy(), x.copy()
+      xp[idx] += eps
+      xm[idx] -= eps
+      args_p = (logits, xp) if name == "keys" else (xp, keys)
+      args_m = (logits, xm) if name == "keys" else (xm, keys)
+      fd[idx] = (ref_obj(*args_p) - ref_obj(*args_m)) / (2 * eps)
+    np.testing.assert_allclose(g, fd, rtol=1e-6, atol=1e-7, err_msg=name)
+  assert np.abs(g_keys).sum() > 0
+
+
+def test_gradient_into_separate_memory_keys_and_stop_gradient():
+  """With distinct query and memory keys: blockwise d/d memory_keys matches finite differences of the
+  reference; stop_gradient_memory keeps only the query-side gradient."""
+  rng = np.random.default_rng(2)
+  n, mm, d, v = 5, 9, 3, 4
+  logits = rng.normal(size=(n, v))
+  q = rng.normal(size=(n, d))
+  k = rng.normal(size=(mm, d))
+  t = rng.integers(0, v, n)
+  mt = rng.integers(0, v, mm)
+  mt[3] = -1
+  mask = rng.random((n, mm)) < 0.6
+  mask[0] = False  # a query with no memory at all
+  w = rng.normal(size=n)
+
+  def ref_obj(qq, kk):
+    return float((ref.memory_nll(logits, qq, t, kk, mt, mask, 1.3) * w).sum())
+
+  with jax.enable_x64(True):
+    f = lambda qq, kk: (loss.memory_nll(logits, qq, t, kk, mt, mask, temperature=1.3) * w).sum()
+    gq, gk = map(np.asarray, jax.grad(f, argnums=(0, 1))(q, k))
+  eps = 1e-6
+  for x, g, which in [(q, gq, 0), (k, gk, 1)]:
+    fd = np.zeros_like(x)
+    for idx in itertools.product(*map(range, x.shape)):
+      xp, xm = x.copy(), x.copy()
+      xp[idx] += eps
+      xm[idx] -= eps
+      fd[idx] = ((ref_obj(xp, k) - ref_obj(xm, k)) if which == 0 else
+                 (ref_obj(q, xp) - ref_obj(q, xm))) / (2 * eps)
+    np.testing.assert_allclose(g, fd, rtol=1e-6, atol=1e-8)
+  assert np.all(gk[3] == 0)  # a padding memory gets no gradient
+
+  # stop_gradient_memory on the in-batch objective: gradient == query-side part only.
+  logits_b, keys_b, targets_b = _batch(rng, b=3, l=5, d=3, v=4, pad=False)
+  with jax.enable_x64(True):
+    def obj(ks, stop):
+      return loss.trime_nll(logits_b, ks, targets_b, memory="ext", stop_gradient_memory=stop,
+                            memory_chunk=4).sum()
+    g_full = np.asarray(jax.grad(obj)(jnp.asarray(keys_b), False))
+    g_stop = np.asarray(jax.grad(obj)(jnp.asarray(keys_b), True))
+    flat = jnp.asarray(keys_b.reshape(15, 3))
+    mask_b = ref.batch_mask("ext", targets_b)
+    q_only = jax.grad(lambda qq: loss.memory_nll(logits_b.reshape(15, 4), qq, targets_b.reshape(-1), flat,
+                                                 targets_b.reshape(-1), mask_b).sum())(flat)
+  np.testing.assert_allclose(g_stop.reshape(15, 3), np.asarray(q_only), rtol=1e-9, atol=1e-12)
+  assert not np.allclose(g_full, g_stop)
+
+
+def test_memory_nll_matches_reference_with_padding_and_empty_rows():
+  rng = np.random.default_rng(3)
+  n, mm, d, v = 8, 11, 4, 5
+  logits = rng.normal(size=(n, v)) * 2
+  q, k = rng.normal(size=(n, d)) * 2, rng.normal(size=(mm, d)) * 2
+  t, mt = rng.integers(-1, v, n), rng.integers(-1, v, mm)
+  mask = rng.random((n, mm)) < 0.5
+  mask[2] = False
+  for temp in (1.0, 0.5, 3.0):
+    want = ref.memory_nll(logits, q, t, k, mt, mask, temp)
+    with jax.enable_x64(True):
+      got = np.asarray(loss.memory_nll(logits, q, t, k, mt, mask, temperature=temp))
+    np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_memory_log_probs_is_the_distribution(temperature):
+  """Rows sum to 1, equal the float64 reference distribution, and agree with memory_nll at the targets."""
+  rng = np.random.default_rng(4)
+  n, mm, d, v = 9, 13, 4, 7
+  logits = rng.normal(size=(n, v))
+  q, k = rng.normal(size=(n, d)) * 2, rng.normal(size=(mm, d)) * 2
+  t, mt = rng.integers(0, v, n), rng.integers(0, v, mm)
+  mt[0] = -1
+  mask = rng.random((n, mm)) < 0.5
+  mask[1] = False
+  with jax.enable_x64(True):
+    lp = np.asarray(loss.memory_log_probs(logits, q, k, mt, mask, temperature=temperature))
+    nll = np.asarray(loss.memory_nll(logits, q, t, k, mt, mask, temperature=temperature))
+  np.testing.assert_allclose(np.exp(lp).sum(-1), 1.0, rtol=1e-12)
+  for i in range(n):
+    np.testing.assert_allclose(np.exp(lp[i]), ref.distribution(logits[i], q[i], k, mt, mask[i], temperature),
+                               rtol=1e-10, atol=1e-14)
+  np.testing.assert_allclose(-lp[np.arange(n), t], nll, rtol=1e-10, atol=1e-12)
+  # float32 under jit, larger: still consistent.
+  n, mm, v = 64, 300, 50
+  logits = rng.normal(size=(n, v)).astype(np.float32)
+  q, k = (rng.normal(size=(n, d)) * 3).astype(np.float32), (rng.normal(size=(mm, d)) * 3).astype(np.float32)
+  t, mt = rng.integers(0, v, n), rng.integers(0, v, mm)
+  mask = rng.random((n, mm)) < 0.3
+  lp = np.asarray(loss.memory_log_probs(logits, q, k, mt, mask, temperature=temperature))
+  nll = np.asarray(loss.memory_nll(logits, q, t, k, mt, mask, temperature=temperature))
+  np.testing.assert_allclose(np.exp(lp).sum(-1), 1.0, rtol=1e-5)
+  np.testing.assert_allclose(-lp[np.arange(n), t], nll, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("memory,m,drop_local", MODES[1:])
+def test_blockwise_equals_dense_float32(memory, m, drop_local):
+  """The fast path (several chunks, vmapped groups) agrees with the dense path in float32, values and grads."""
+  rng = np.random.default_rng(5)
+  b, l, d, v = 6, 40, 16, 30
+  logits = jnp.asarray(rng.normal(size=(b, l, v)), jnp.float32)
+  keys = jnp.asarray(rng.normal(size=(b, l, d)) * 4, jnp.float32)
+  targets = rng.integers(0, v, size=(b, l))
+  targets[2, 30:] = -1
+  targets = jnp.asarray(targets)
+
+  def f(impl, lg, ks):
+    return loss.trime_nll(lg, ks, targets, memory=memory, consecutive_segments=m, drop_local=drop_local,
+                          implementation=impl, memory_chunk=23).sum()
+
+  vb, gb = jax.jit(jax.value_and_grad(lambda lg, ks: f("blockwise", lg, ks), argnums=(0, 1)))(logits, keys)
+  vd, gd = jax.jit(jax.value_and_grad(lambda lg, ks: f("dense", lg, ks), argnums=(0, 1)))(logits, keys)
+  np.testing.assert_allclose(vb, vd, rtol=1e-5)
+  for x, y in zip(gb, gd):
+    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+
+
+def test_drop_local_can_be_traced_and_large_similarities_are_stable():
+  rng = np.random.default_rng(6)
+  logits, keys, targets = _batch(rng, key_scale=300.0)  # similarities in the thousands
+
+  @jax.jit
+  def f(drop):
+    return loss.trime_nll(logits.astype(np.float32), keys.astype(np.float32), targets, memory="ext",
+                          drop_local=drop, memory_chunk=8)
+
+  a, b = np.asarray(f(jnp.bool_(False))), np.asarray(f(jnp.bool_(True)))
+  assert np.all(np.isfinite(a)) and np.all(np.isfinite(b))
+  np.testing.assert_allclose(a, ref.trime_nll(logits, keys, targets, "ext", 1, False), rtol=1e-4, atol=1e-3)
+  np.testing.assert_allclose(b, ref.trime_nll(logits, keys, targets, "ext", 1, True), rtol=1e-4, atol=1e-3)
+  g = jax.grad(lambda k: loss.trime_nll(logits.astype(np.float32), k, targets, memory="ext",
+                                        memory_chunk=8).sum())(keys.astype(np.float32))
+  assert np.all(np.isfinite(np.asarray(g)))
+
+
+def test_chunked_vocab_stats_match_full_softmax():
+  rng = np.random.default_rng(7)
+  n, d, v = 12, 6, 37
+  h = rng.normal(size=(3, 4, d))
+  w = rng.normal(size=(v, d))
+  bias = rng.normal(size=(v,))
+  t = rng.integers(0, v, size=(3, 4))
+  t[0, 0] = -1
+  wts = rng.normal(size=(3, 4))
+
+  def full(h, w, bias):
+    s = loss.vocab_stats(h @ w.T + bias, t)
+    return ((s.log_normalizer - s.target_logit) * wts).sum()
+
+  def chunked(h, w, bias):
+    s = loss.chunked_vocab_stats(h, w, t, bias_V=bias, chunk=8)  # 37 = 4×8 + 5: a ragged last chunk
+    return ((s.log_normalizer - s.target_logit) * wts).sum()
+
+  with jax.enable_x64(True):
+    h, w, bias = map(jnp.asarray, (h, w, bias))
+    vf, gf = jax.value_and_grad(full, argnums=(0, 1, 2))(h, w, bias)
+    vc, gc = jax.value_and_grad(chunked, argnums=(0, 1, 2))(h, w, bias)
+    np.testing.assert_allclose(vc, vf, rtol=1e-12)
+    for a, b in zip(gc, gf):
+      np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_bad_arguments_raise_clear_errors():
+  x = jnp.zeros((4, 3, 2))
+  t = jnp.zeros((4, 3), jnp.int32)
+  lg = jnp.zeros((4, 3, 5))
+  with pytest.raises(ValueError, match="memory must be one of"):
+    loss.trime_nll(lg, x, t, memory="global")
+  with pytest.raises(ValueError, match="consecutive_segments"):
+    loss.trime_nll(lg, x, t, memory="long", consecutive_segments=3)

@@ -1,0 +1,468 @@
+"""The TRIME objective: one softmax over the vocabulary and an in-batch memory.
+
+    P(w | c) ∝ exp(E_w · f(c)) + Σ_{j visible, x_j = w} exp(g(c) · g(c_j) / √d / τ)
+
+The vocabulary side enters only through two numbers per query (see `vocab_stats`): its log-normaliser
+log Σ_v exp(E_v · f) and the target's logit. The memory side is a set of keys with next-token targets and a
+*visibility rule*: local, long-term and external memory differ only in who may see whom (`TokenMeta` +
+`visible`), never in the loss code.
+
+    nll_i = log(Z_vocab_i + Σ_{j vis} e^{s_ij}) - log(e^{logit_i,y_i} + Σ_{j vis, x_j = y_i} e^{s_ij})
+
+Both log-terms always contain a vocabulary term, so a query with no visible memory falls back to the plain
+softmax exactly (no additive -10000 masks anywhere). Two implementations:
+
+* dense (`memory_nll`, `memory_log_probs`): explicit `[N, M]` masks, for tests and small memories;
+* blockwise (`trime_nll`, default): scans memory chunks with a running log-sum-exp under a custom VJP that
+  recomputes similarities in the backward pass, so no `[N, M]` float array is ever held for the batch.
+  Local memory is block-diagonal (one `[L, L]` block per segment) and long-term memory is block-diagonal per
+  document run; only external memory spans the whole batch.
+
+Shapes in names: N queries, M memories, D key dim, V vocabulary, B segments, L tokens per segment.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+MEMORY_MODES = ("none", "local", "long", "ext")
+
+# Default budget for one similarity block (queries × memory chunk) in the blockwise path: 2^24 float32
+# values = 64 MiB. The chunk length along the memory axis is derived from it and the number of queries.
+DEFAULT_BLOCK_ELEMS = 1 << 24
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Vocabulary side: two numbers per query.
+# ----------------------------------------------------------------------------------------------------------
+class VocabStats(NamedTuple):
+  """What the TRIME objective needs from the output layer, per query."""
+
+  log_normalizer: jax.Array  # [...] log Σ_v exp(logit_v)
+  target_logit: jax.Array  # [...] logit of the target token (0 where the target is padding)
+
+
+def _acc(*xs):
+  """Accumulation dtype: at least float32 (float64 stays float64, bfloat16 is promoted)."""
+  return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
+
+
+def _safe_targets(targets):
+  return jnp.maximum(targets, 0)
+
+
+def vocab_stats(token_logits, targets) -> VocabStats:
+  """From full logits `[..., V]` and integer targets `[...]` (negative = padding)."""
+  logits = token_logits.astype(_acc(token_logits))
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  tgt = jnp.take_along_axis(logits, _safe_targets(targets)[..., None], axis=-1)[..., 0]
+  return VocabStats(lse, tgt)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked_logsumexp(chunk, hidden_NxD, weight_VxD, bias_V):
+  return _chunked_logsumexp_fwd(chunk, hidden_NxD, weight_VxD, bias_V)[0]
+
+
+def _vocab_chunks(chunk, weight_VxD, bias_V):
+  v = weight_VxD.shape[0]
+  n_chunks = -(-v // chunk)
+  pad = n_chunks * chunk - v
+  w = jnp.pad(weight_VxD, ((0, pad), (0, 0))).reshape(n_chunks, chunk, -1)
+  b = jnp.pad(bias_V.astype(_acc(weight_VxD, bias_V)), (0, pad)).reshape(n_chunks, chunk)
+  real = (jnp.arange(n_chunks * chunk) < v).reshape(n_chunks, chunk)
+  return w, b, real
+
+
+def _chunk_logits(hidden_NxD, w_CxD, b_C, real_C):
+  logits = jnp.einsum("nd,cd->nc", hidden_NxD, w_CxD, preferred_element_type=b_C.dtype) + b_C
+  return jnp.where(real_C[None, :], logits, -jnp.inf)
+
+
+def _chunked_logsumexp_fwd(chunk, hidden_NxD, weight_VxD, bias_V):
+  w, b, real = _vocab_chunks(chunk, weight_VxD, bias_V)
+  n = hidden_NxD.shape[0]
+
+  def body(carry, blk):
+    m, s = carry
+    logits = _chunk_logits(hidden_NxD, *blk)
+    new_m = jnp.maximum(m, logits.max(axis=-1))
+    s = s * jnp.exp(m - new_m) + jnp.exp(logits - new_m[:, None]).sum(axis=-1)
+    return (new_m, s), None
+
+  acc = b.dtype
+  init = (jnp.full((n,), -jnp.inf, acc), jnp.zeros((n,), acc))
+  (m, s), _ = jax.lax.scan(body, init, (w, b, real))
+  lse = m + jnp.log(s)
+  return lse, (hidden_NxD, weight_VxD, bias_V, lse)
+
+
+def _chunked_logsumexp_bwd(chunk, res, g_N):
+  hidden_NxD, weight_VxD, bias_V, lse = res
+  w, b, real = _vocab_chunks(chunk, weight_VxD, bias_V)
+
+  def body(dh, blk):
+    logits = _chunk_logits(hidden_NxD, *blk)
+    p = jnp.exp(logits - lse[:, None]) * g_N[:, None]  # d lse / d logits, scaled by the cotangent
+    dh = dh + jnp.einsum("nc,cd->nd", p, blk[0].astype(p.dtype))
+    dw = jnp.einsum("nc,nd->cd", p, hidden_NxD.astype(p.dtype))
+    return dh, (dw, p.sum(axis=0))
+
+  dh, (dw, db) = jax.lax.scan(body, jnp.zeros(hidden_NxD.shape, b.dtype), (w, b, real))
+  v = weight_VxD.shape[0]
+  dw = dw.reshape(-1, weight_VxD.shape[1])[:v].astype(weight_VxD.dtype)
+  db = db.reshape(-1)[:v].astype(bias_V.dtype)
+  return dh.astype(hidden_NxD.dtype), dw, db
+
+
+_chunked_logsumexp.defvjp(_chunked_logsumexp_fwd, _chunked_logsumexp_bwd)
+
+
+def chunked_vocab_stats(hidden, weight_VxD, targets, *, bias_V=None, chunk=8192) -> VocabStats:
+  """`VocabStats` of logits = hidden · weightᵀ + bias without materialising `[N, V]`.
+
+  hidden `[..., D]`, weight `[V, D]` (the output embedding), targets `[...]`. The log-normaliser is a
+  running log-sum-exp over vocabulary chunks; its backward recomputes each chunk's logits, so peak memory is
+  `[N, chunk]`, not `[N, V]`.
+  """
+  lead = hidden.shape[:-1]
+  h = hidden.reshape(-1, hidden.shape[-1])
+  t = targets.reshape(-1)
+  bias = jnp.zeros((weight_VxD.shape[0],), _acc(hidden, weight_VxD)) if bias_V is None else bias_V
+  chunk = int(min(chunk, weight_VxD.shape[0]))
+  lse = _chunked_logsumexp(chunk, h, weight_VxD, bias)
+  safe = _safe_targets(t)
+  acc = _acc(hidden, weight_VxD, bias)
+  tgt = jnp.einsum("nd,nd->n", h, weight_VxD[safe], preferred_element_type=acc) + bias[safe].astype(acc)
+  return VocabStats(lse.reshape(lead), tgt.reshape(lead))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Memory side: who may see whom.
+# ----------------------------------------------------------------------------------------------------------
+class TokenMeta(NamedTuple):
+  """Per-token metadata from which visibility is derived (all int32, same shape)."""
+
+  row: jax.Array  # segment (row) index in the global batch
+  group: jax.Array  # causal group: the segment (local/ext) or the document run (long)
+  order: jax.Array  # order within the group: earlier tokens have smaller values
+  target: jax.Array  # next token; < 0 marks padding (never memory, nll 0)
+
+
+def visible(query: TokenMeta, memory: TokenMeta, causal, cross_rows: bool):
+  """`[N, M]` bool: memory j is visible to query i.
+
+  causal (bool, may be traced): earlier tokens of the same group are visible (local / long-term memory).
+  cross_rows (static): every token of every *other* row is visible (external in-batch memory).
+  Padding memories (target < 0) are never visible.
+  """
+  earlier = (query.group[:, None] == memory.group[None, :]) & (memory.order[None, :] < query.order[:, None])
+  vis = earlier & jnp.asarray(causal, bool)
+  if cross_rows:
+    vis = vis | (query.row[:, None] != memory.row[None, :])
+  return vis & (memory.target[None, :] >= 0)
+
+
+def batch_meta(targets_BxL, memory: str, consecutive_segments: int = 1, row_offset=0) -> TokenMeta:
+  """`TokenMeta` `[B, L]` for a batch whose memory is the batch itself (see `trime_nll`).
+
+  `row_offset` is the global row index of row 0 (for shards of a global batch).
+  """
+  b, l = targets_BxL.shape
+  row = jnp.arange(b, dtype=jnp.int32)[:, None] + row_offset
+  pos = jnp.arange(l, dtype=jnp.int32)[None, :]
+  row = jnp.broadcast_to(row, (b, l))
+  pos = jnp.broadcast_to(pos, (b, l))
+  if memory == "long":
+    if consecutive_segments < 1:
+      raise ValueError(f"consecutive_segments must be >= 1, got {consecutive_segments}")
+    group = row // consecutive_segments
+    order = row * l + pos  # rows of a document run are in document order
+  else:
+    group, order = row, pos
+  return TokenMeta(row, group, order, targets_BxL.astype(jnp.int32))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Dense path (explicit masks).
+# ----------------------------------------------------------------------------------------------------------
+def _masked_logsumexp_with(first_N, scores_NxM, mask_NxM):
+  """log(exp(first) + Σ_j mask·exp(scores)); exact: masked entries contribute nothing, grads stay finite."""
+  masked = jnp.where(mask_NxM, scores_NxM, -jnp.inf)
+  m = jnp.maximum(first_N, masked.max(axis=-1))
+  m = jax.lax.stop_gradient(m)
+  total = jnp.exp(first_N - m) + jnp.exp(masked - m[:, None]).sum(axis=-1)
+  return m + jnp.log(total)
+
+
+def _similarities(keys_NxD, memory_keys_MxD, scale):
+  acc = _acc(keys_NxD, memory_keys_MxD)
+  return jnp.einsum("nd,md->nm", keys_NxD, memory_keys_MxD, preferred_element_type=acc) * scale
+
+
+def _scale(d: int, temperature):
+  return 1.0 / (math.sqrt(d) * temperature)
+
+
+def memory_nll_from_vocab_stats(
+    stats: VocabStats, keys, targets, memory_keys, memory_targets, memory_mask, *, temperature=1.0
+):
+  """`memory_nll` with the vocabulary side given as `VocabStats` `[N]` (dense mask `[N, M]`)."""
+  mask = memory_mask & (memory_targets[None, :] >= 0)
+  sim = _similarities(keys, memory_keys, _scale(keys.shape[-1], temperature))
+  positive = mask & (memory_targets[None, :] == targets[:, None])
+  log_z = _masked_logsumexp_with(stats.log_normalizer, sim, mask)
+  log_p = _masked_logsumexp_with(stats.target_logit, sim, positive)
+  return jnp.where(targets >= 0, log_z - log_p, 0.0)
+
+
+def memory_nll(token_logits, keys, targets, memory_keys, memory_targets, memory_mask, *, temperature=1.0):
+  """Negative log-likelihood `[N]` of `targets` under the memory-augmented softmax (dense mask).
+
+  token_logits `[N, V]`, keys `[N, D]`, targets `[N]` int, memory_keys `[M, D]`, memory_targets `[M]` int,
+  memory_mask `[N, M]` bool (True: memory j is visible to query i). Memories with a negative target are
+  ignored; queries with a negative target get nll 0.
+  """
+  stats = vocab_stats(token_logits, targets)
+  return memory_nll_from_vocab_stats(
+      stats, keys, targets, memory_keys, memory_targets, memory_mask, temperature=temperature
+  )
+
+
+@jax.jit
+def _memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask, scale):
+  n, v = token_logits.shape
+  logits = token_logits.astype(_acc(token_logits, keys))
+  mask = memory_mask & (memory_targets[None, :] >= 0)
+  sim_MxN = jnp.where(mask, _similarities(keys, memory_keys, scale), -jnp.inf).T
+  buckets = jnp.maximum(memory_targets, 0)
+  # Segment-sum scatter of exp(sim) into vocabulary buckets, in log space: a per-bucket max first, so a
+  # bucket's mass survives even when it is far below the row's largest logit.
+  bmax_VxN = jax.ops.segment_max(sim_MxN, buckets, num_segments=v)
+  bmax_VxN = jax.lax.stop_gradient(jnp.where(jnp.isfinite(bmax_VxN), bmax_VxN, 0.0))
+  bsum_VxN = jax.ops.segment_sum(jnp.exp(sim_MxN - bmax_VxN[buckets]), buckets, num_segments=v)
+  log_total_NxV = jnp.logaddexp(logits, (bmax_VxN + jnp.log(bsum_VxN)).T)
+  return log_total_NxV - jax.nn.logsumexp(log_total_NxV, axis=-1, keepdims=True)
+
+
+def memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask, *, temperature=1.0):
+  """The full memory-augmented distribution `[N, V]` (log-probabilities; rows sum to 1).
+
+  exp(sim) of every visible memory is scattered into its target's vocabulary bucket with a jit-compiled
+  segment sum and added to exp(logits) before normalising.
+  """
+  scale = jnp.asarray(_scale(keys.shape[-1], temperature), _acc(keys))
+  return _memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask, scale)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Blockwise path: running log-sum-exp over memory chunks, custom VJP that recomputes similarities.
+# ----------------------------------------------------------------------------------------------------------
+def _chunk_memory(chunk, keys_MxD, meta: TokenMeta):
+  m = keys_MxD.shape[0]
+  n_chunks = -(-m // chunk)
+  pad = n_chunks * chunk - m
+  keys = jnp.pad(keys_MxD, ((0, pad), (0, 0))).reshape(n_chunks, chunk, -1)
+  padded = TokenMeta(*(jnp.pad(x, (0, pad), constant_values=-1).reshape(n_chunks, chunk) for x in meta))
+  return keys, padded
+
+
+def _block_terms(q_NxD, k_CxD, qmeta, kmeta, causal, scale, cross_rows):
+  s = jnp.einsum("nd,cd->nc", q_NxD, k_CxD, preferred_element_type=scale.dtype) * scale
+  vis = visible(qmeta, kmeta, causal, cross_rows)
+  pos = vis & (kmeta.target[None, :] == qmeta.target[:, None])
+  return s, vis, pos
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def memory_log_terms(cross_rows, chunk, q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats: VocabStats):
+  """(log Z, log P) `[N]` for queries against a memory, blockwise.
+
+  log Z = log(exp(log_normalizer) + Σ_{j vis} e^{s_ij}), log P = log(exp(target_logit) + Σ_{j vis, pos} e^{s_ij}),
+  s_ij = q_i · k_j · scale. Differentiable in q, k and `stats`; never holds more than `[N, chunk]` floats.
+  """
+  return _memory_log_terms_fwd(cross_rows, chunk, q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats)[0]
+
+
+def _memory_log_terms_fwd(cross_rows, chunk, q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats):
+  kc, mc = _chunk_memory(chunk, k_MxD, kmeta)
+
+  def body(carry, blk):
+    mz, sz, mp, sp = carry
+    s, vis, pos = _block_terms(q_NxD, blk[0], qmeta, blk[1], causal, scale, cross_rows)
+    sz_masked = jnp.where(vis, s, -jnp.inf)
+    sp_masked = jnp.where(pos, s, -jnp.inf)
+    new_mz = jnp.maximum(mz, sz_masked.max(axis=-1))
+    new_mp = jnp.maximum(mp, sp_masked.max(axis=-1))
+    sz = sz * jnp.exp(mz - new_mz) + jnp.exp(sz_masked - new_mz[:, None]).sum(axis=-1)
+    sp = sp * jnp.exp(mp - new_mp) + jnp.exp(sp_masked - new_mp[:, None]).sum(axis=-1)
+    return (new_mz, sz, new_mp, sp), None
+
+  lse = stats.log_normalizer.astype(scale.dtype)
+  tgt = stats.target_logit.astype(scale.dtype)
+  one = jnp.ones_like(lse)
+  (mz, sz, mp, sp), _ = jax.lax.scan(body, (lse, one, tgt, one), (kc, mc))
+  log_z, log_p = mz + jnp.log(sz), mp + jnp.log(sp)
+  return (log_z, log_p), (q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats, log_z, log_p)
+
+
+def _memory_log_terms_bwd(cross_rows, chunk, res, cotangents):
+  q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats, log_z, log_p = res
+  g_z, g_p = cotangents
+  kc, mc = _chunk_memory(chunk, k_MxD, kmeta)
+  acc = scale.dtype
+  q32 = q_NxD.astype(acc)
+
+  def body(dq, blk):
+    s, vis, pos = _block_terms(q_NxD, blk[0], qmeta, blk[1], causal, scale, cross_rows)
+    # d logZ_i / d s_ij = vis·softmax weight; d logP_i / d s_ij = pos·weight within the positives.
+    g = g_z[:, None] * jnp.exp(jnp.where(vis, s - log_z[:, None], -jnp.inf))
+    g = g + g_p[:, None] * jnp.exp(jnp.where(pos, s - log_p[:, None], -jnp.inf))
+    g = g * scale
+    dq = dq + jnp.einsum("nc,cd->nd", g, blk[0].astype(acc))
+    dk = jnp.einsum("nc,nd->cd", g, q32)
+    return dq, dk
+
+  dq, dk = jax.lax.scan(body, jnp.zeros(q_NxD.shape, acc), (kc, mc))
+  dk = dk.reshape(-1, k_MxD.shape[-1])[: k_MxD.shape[0]]
+  d_stats = VocabStats(
+      (g_z * jnp.exp(stats.log_normalizer - log_z)).astype(stats.log_normalizer.dtype),
+      (g_p * jnp.exp(stats.target_logit - log_p)).astype(stats.target_logit.dtype),
+  )
+  return dq.astype(q_NxD.dtype), dk.astype(k_MxD.dtype), None, None, None, None, d_stats
+
+
+memory_log_terms.defvjp(_memory_log_terms_fwd, _memory_log_terms_bwd)
+
+
+def chunk_len(n_queries: int, n_memory: int, block_elems: int = DEFAULT_BLOCK_ELEMS) -> int:
+  """Memory-chunk length so that one `[n_queries, chunk]` block holds about `block_elems` floats."""
+  c = max(128, block_elems // max(n_queries, 1))
+  return int(min(c, n_memory))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The batch as its own memory.
+# ----------------------------------------------------------------------------------------------------------
+def _check_memory_args(memory, keys, targets, consecutive_segments):
+  if memory not in MEMORY_MODES:
+    raise ValueError(f"memory must be one of {MEMORY_MODES}, got {memory!r}")
+  if memory == "long" and keys.shape[0] % consecutive_segments:
+    raise ValueError(
+        f"memory='long': batch of {keys.shape[0]} rows is not a whole number of document runs of "
+        f"consecutive_segments={consecutive_segments}"
+    )
+  if keys.shape[:2] != targets.shape:
+    raise ValueError(f"keys {keys.shape} and targets {targets.shape} disagree on [B, L]")
+
+
+def _groups(memory: str, b: int, consecutive_segments: int) -> int:
+  """How many independent visibility groups the batch splits into (the structure the fast path exploits)."""
+  return {"local": b, "long": b // consecutive_segments, "ext": 1}[memory]
+
+
+def trime_nll_from_vocab_stats(
+    stats: VocabStats,
+    keys,
+    targets,
+    *,
+    memory: str,
+    consecutive_segments: int = 1,
+    drop_local=False,
+    stop_gradient_memory: bool = False,
+    temperature=1.0,
+    implementation: str = "blockwise",
+    block_elems: int = DEFAULT_BLOCK_ELEMS,
+    memory_chunk: int | None = None,
+):
+  """`trime_nll` with the vocabulary side given as `VocabStats` `[B, L]` (the training path).
+
+  `drop_local` may be a traced bool (the per-batch drop decision needs no recompilation). The blockwise path
+  scans memory chunks of `memory_chunk` tokens (default: derived from `block_elems`).
+  """
+  keys, targets = jnp.asarray(keys), jnp.asarray(targets)
+  stats = VocabStats(*map(jnp.asarray, stats))
+  _check_memory_args(memory, keys, targets, consecutive_segments)
+  valid = targets >= 0
+  if memory == "none":
+    return jnp.where(valid, stats.log_normalizer - stats.target_logit, 0.0)
+
+  b, l, d = keys.shape
+  meta = batch_meta(targets, memory, consecutive_segments)
+  causal = jnp.logical_not(jnp.asarray(drop_local, bool)) if memory == "ext" else jnp.asarray(True)
+  cross_rows = memory == "ext"
+  acc = _acc(keys, stats.log_normalizer)
+  scale = jnp.asarray(_scale(d, 1.0), acc) / jnp.asarray(temperature, acc)
+  mem_keys = jax.lax.stop_gradient(keys) if stop_gradient_memory else keys
+
+  if implementation == "dense":
+    flat = TokenMeta(*(x.reshape(-1) for x in meta))
+    mask = visible(flat, flat, causal, cross_rows)
+    sim = _similarities(keys.reshape(b * l, d), mem_keys.reshape(b * l, d), scale)
+    positive = mask & (flat.target[None, :] == flat.target[:, None])
+    log_z = _masked_logsumexp_with(stats.log_normalizer.reshape(-1), sim, mask)
+    log_p = _masked_logsumexp_with(stats.target_logit.reshape(-1), sim, positive)
+    return jnp.where(valid, (log_z - log_p).reshape(b, l), 0.0)
+  if implementation != "blockwise":
+    raise ValueError(f"implementation must be 'blockwise' or 'dense', got {implementation!r}")
+
+  g = _groups(memory, b, consecutive_segments)
+  n = b * l // g  # tokens per group: queries and memories of one group are the same tokens
+
+  def grouped(x):
+    return x.reshape((g, n) + x.shape[2:])
+
+  gmeta = TokenMeta(*(grouped(x) for x in meta))
+  gstats = VocabStats(grouped(stats.log_normalizer), grouped(stats.target_logit))
+  chunk = memory_chunk or chunk_len(g * n, n, block_elems)
+  terms = jax.vmap(
+      functools.partial(memory_log_terms, cross_rows, chunk), in_axes=(0, 0, 0, 0, None, None, 0)
+  )
+  log_z, log_p = terms(grouped(keys), grouped(mem_keys), gmeta, gmeta, causal, scale, gstats)
+  return jnp.where(valid, (log_z - log_p).reshape(b, l), 0.0)
+
+
+def trime_nll(
+    token_logits,
+    keys,
+    targets,
+    *,
+    memory: str,
+    consecutive_segments: int = 1,
+    drop_local=False,
+    stop_gradient_memory: bool = False,
+    temperature=1.0,
+    implementation: str = "blockwise",
+    block_elems: int = DEFAULT_BLOCK_ELEMS,
+    memory_chunk: int | None = None,
+):
+  """TRIME negative log-likelihood `[B, L]`; the memory is the batch itself.
+
+  token_logits `[B, L, V]`, keys `[B, L, D]`, targets `[B, L]` (negative = padding: never memory, nll 0).
+    memory="none":  plain cross-entropy
+    memory="local": token t of segment b sees tokens j < t of segment b
+    memory="long":  rows come grouped by document, `consecutive_segments` rows per document, in document
+                    order; a token sees every earlier token of its document's rows
+    memory="ext":   a token sees every token of every other row, plus j < t of its own row
+                    (drop_local=True: other rows only)
+  Gradients reach every memory key unless `stop_gradient_memory`. `implementation="dense"` builds the full
+  `[BL, BL]` mask (tests, small batches).
+  """
+  return trime_nll_from_vocab_stats(
+      vocab_stats(token_logits, targets),
+      keys,
+      targets,
+      memory=memory,
+      consecutive_segments=consecutive_segments,
+      drop_local=drop_local,
+      stop_gradient_memory=stop_gradient_memory,
+      temperature=temperature,
+      implementation=implementation,
+      block_elems=block_elems,
+      memory_chunk=memory_chunk,
+  )
