@@ -191,12 +191,16 @@ def batch_meta(targets_BxL, memory: str, consecutive_segments: int = 1, row_offs
 # ----------------------------------------------------------------------------------------------------------
 # Dense path (explicit masks).
 # ----------------------------------------------------------------------------------------------------------
-def _masked_logsumexp_with(first_N, scores_NxM, mask_NxM):
-  """log(exp(first) + Σ_j mask·exp(scores)); exact: masked entries contribute nothing, grads stay finite."""
+def masked_logsumexp_with(first_N, scores_NxM, mask_NxM):
+  """log(exp(first) + Σ_j mask·exp(scores)) over the last axis (any leading shape).
+
+  Exact: masked entries contribute nothing and get zero gradient. `first` may be -inf (then the result is
+  the masked log-sum-exp alone, -inf where nothing is visible).
+  """
   masked = jnp.where(mask_NxM, scores_NxM, -jnp.inf)
   m = jnp.maximum(first_N, masked.max(axis=-1))
-  m = jax.lax.stop_gradient(m)
-  total = jnp.exp(first_N - m) + jnp.exp(masked - m[:, None]).sum(axis=-1)
+  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  total = jnp.exp(first_N - m) + jnp.exp(masked - m[..., None]).sum(axis=-1)
   return m + jnp.log(total)
 
 
@@ -216,8 +220,8 @@ def memory_nll_from_vocab_stats(
   mask = memory_mask & (memory_targets[None, :] >= 0)
   sim = _similarities(keys, memory_keys, _scale(keys.shape[-1], temperature))
   positive = mask & (memory_targets[None, :] == targets[:, None])
-  log_z = _masked_logsumexp_with(stats.log_normalizer, sim, mask)
-  log_p = _masked_logsumexp_with(stats.target_logit, sim, positive)
+  log_z = masked_logsumexp_with(stats.log_normalizer, sim, mask)
+  log_p = masked_logsumexp_with(stats.target_logit, sim, positive)
   return jnp.where(targets >= 0, log_z - log_p, 0.0)
 
 
@@ -405,8 +409,8 @@ def trime_nll_from_vocab_stats(
     mask = visible(flat, flat, causal, cross_rows)
     sim = _similarities(keys.reshape(b * l, d), mem_keys.reshape(b * l, d), scale)
     positive = mask & (flat.target[None, :] == flat.target[:, None])
-    log_z = _masked_logsumexp_with(stats.log_normalizer.reshape(-1), sim, mask)
-    log_p = _masked_logsumexp_with(stats.target_logit.reshape(-1), sim, positive)
+    log_z = masked_logsumexp_with(stats.log_normalizer.reshape(-1), sim, mask)
+    log_p = masked_logsumexp_with(stats.target_logit.reshape(-1), sim, positive)
     return jnp.where(valid, (log_z - log_p).reshape(b, l), 0.0)
   if implementation != "blockwise":
     raise ValueError(f"implementation must be 'blockwise' or 'dense', got {implementation!r}")

@@ -1,0 +1,87 @@
+"""Every field of a trime-jax config, with its default. Other configs start from this and override.
+
+Command-line overrides: `--config=configs/demo.py --config.train.num_steps=100`. The returned ConfigDict is
+locked, so a misspelt field is an error, not a silently ignored setting.
+"""
+
+import ml_collections
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+
+  c.data = d = ml_collections.ConfigDict()
+  d.corpus = "stdlib"  # stdlib | wikitext_mini | wikitext | bytes (see trime_jax/corpora.py)
+  d.path = ""  # corpus file or directory; relative paths are tried from the cwd, then the repo root
+  d.cache_dir = ""  # if set, encoded corpora are cached here and memory-mapped (use for WikiText-103)
+  d.split_fractions = (0.9, 0.05, 0.05)  # train/dev/test shares (by document, or by bytes for `bytes`)
+  d.split_seed = 0  # seed of the document shuffle before splitting (stdlib, wikitext_mini)
+  d.vocab_min_count = 1  # words seen fewer times in train map to <unk> (word corpora)
+  d.max_files = 400  # stdlib: how many source files to sample (fixed sorted sample)
+  d.max_bytes_per_file = 200_000  # stdlib: truncate longer files
+  d.segment_len = 256  # L: target tokens per training segment
+  d.segmentation = "stream"  # stream (cross document boundaries, fairseq) | document (pad document tails)
+
+  c.model = m = ml_collections.ConfigDict()
+  m.vocab_size = 0  # 0: take it from the data; otherwise must equal the data's vocabulary size
+  m.num_layers = 4  # Transformer blocks
+  m.d_model = 128  # hidden size = key dimension D
+  m.num_heads = 4  # attention heads
+  m.d_ff = 512  # feed-forward inner size
+  m.max_len = 512  # longest input the model accepts (training segments and evaluation blocks)
+  m.positions = "sinusoidal"  # sinusoidal | learned
+  m.tie_embeddings = True  # share input and output embeddings
+  m.dropout = 0.1  # residual / embedding dropout
+  m.attention_dropout = 0.0  # dropout on attention probabilities
+  m.activation_dropout = 0.0  # dropout after the FFN activation
+  m.key_type = "last_ffn_input"  # memory keys g(c): last_ffn_input (paper) | final (g = f)
+  m.dtype = "float32"  # compute dtype: float32 | bfloat16 (parameters stay float32)
+
+  c.trime = t = ml_collections.ConfigDict()
+  t.memory = "local"  # training memory: none (vanilla LM) | local | long | ext
+  t.batching = "random"  # random | consecutive (long) | bm25 (ext); non-random read t.batch_plan
+  t.batch_plan = ""  # batch-plan file written by launch/make_batches.py (consecutive / bm25 batching)
+  t.consecutive_segments = 1  # m: consecutive segments per document in a batch (memory=long)
+  t.drop_local_prob = 0.9  # p: chance a batch drops local memory (memory=ext), drawn per batch from the seed
+  t.temperature = 1.0  # temperature on memory logits during training
+  t.stop_gradient_memory = False  # ablation "w/o back-prop to memory": no gradient into memory keys
+  t.ce_warmup_steps = -1  # updates trained with plain CE first; -1: 5% of train.num_steps (the paper)
+  t.memory_chunk = 0  # blockwise loss: memory tokens per chunk; 0 = derived from a 64 MiB block budget
+
+  c.train = r = ml_collections.ConfigDict()
+  r.seed = 0  # parameter init, data order, dropout and drop-local decisions
+  r.batch_size = 16  # B: segments per forward pass (the in-batch memory is B·L tokens)
+  r.grad_accum = 1  # forward passes per update (tokens per update = grad_accum·B·L)
+  r.num_steps = 300  # optimizer updates
+  r.optimizer = "adam"  # adam | nag (SGD with Nesterov momentum)
+  r.learning_rate = 1e-3  # peak learning rate
+  r.adam_b1 = 0.9  # Adam β1
+  r.adam_b2 = 0.98  # Adam β2 (fairseq LM default)
+  r.adam_eps = 1e-8  # Adam ε
+  r.weight_decay = 0.0  # decoupled weight decay (AdamW); 0 = plain Adam
+  r.nag_momentum = 0.99  # momentum for nag
+  r.schedule = "inverse_sqrt"  # inverse_sqrt | cosine | constant, all after a linear warm-up
+  r.warmup_steps = 30  # linear warm-up updates
+  r.warmup_init_lr = 1e-7  # learning rate at step 0 of the warm-up
+  r.min_lr = 1e-5  # cosine: final learning rate
+  r.clip_norm = 0.0  # global gradient-norm clipping; 0 = off
+  r.vocab_chunk = 0  # output softmax in vocabulary chunks of this size (0 = full logits); large vocabularies
+  r.num_devices = 0  # devices on the `data` mesh axis; 0 = all
+  r.log_every = 25  # updates between metric lines (stdout + metrics.jsonl)
+  r.eval_every = 0  # updates between dev evaluations during training; 0 = only at the end
+  r.eval_max_tokens = 20_000  # dev tokens scored by the periodic evaluation (0 = all)
+  r.checkpoint_every = 100  # updates between orbax checkpoints
+  r.keep_checkpoints = 2  # checkpoints kept by the CheckpointManager
+
+  c.eval = e = ml_collections.ConfigDict()
+  e.split = "dev"  # dev | test
+  e.block_len = 256  # L_eval: model input length at evaluation
+  e.context_window = 128  # C: tokens of each block that are context only (scored: L_eval - C)
+  e.batch_size = 8  # blocks per forward pass
+  e.memory = "local"  # none | local (earlier tokens of the block) | cache (continuous-cache baseline)
+  e.temperature = 1.0  # τ on memory logits (memory=local)
+  e.cache_lambda = 0.1  # λ of the continuous cache: (1-λ)·p_LM + λ·p_cache
+  e.cache_theta = 1.0  # θ of the continuous cache: p_cache ∝ Σ exp(θ · g·g_j / √D)
+  e.tune = False  # grid-search τ (local) or λ, θ (cache) on this split and report the best
+  e.max_tokens = 0  # score only the first max_tokens targets (0 = the whole split)
+  return c

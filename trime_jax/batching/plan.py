@@ -1,0 +1,90 @@
+"""Batch-plan files: the offline batchers (consecutive, BM25) write them; training only reads them.
+
+A plan is a directory:
+  plan.json     header: format, kind, corpus fingerprint, segment_len, segmentation, batch_size (rows B),
+                consecutive_segments (m), seed, num_batches, num_segments, plus planner-specific fields
+  batches.npy   int64 [num_batches, B]: segment indices per batch row (-1 = an all-padding row)
+
+Micro-batch i of training reads row block `i mod num_batches`; every pass over the plan after the first
+visits the batches in a seeded permutation (the batches' composition is fixed by the planner). Files are
+written to a temporary directory and renamed, so a plan is complete or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+
+from trime_jax.errors import DataError
+
+FORMAT = "trime-batch-plan/1"
+
+
+class BatchPlan:
+  def __init__(self, header: dict, batches: np.ndarray):
+    self.header = header
+    self.batches = batches
+
+  @property
+  def num_batches(self) -> int:
+    return int(self.batches.shape[0])
+
+  @property
+  def batch_size(self) -> int:
+    return int(self.batches.shape[1])
+
+  def rows(self, micro_index: int) -> np.ndarray:
+    """Segment indices [B] of global micro-batch `micro_index` (deterministic from the header's seed)."""
+    epoch, j = divmod(int(micro_index), self.num_batches)
+    if epoch:
+      j = int(np.random.default_rng([int(self.header.get("seed", 0)), epoch, 11]).permutation(self.num_batches)[j])
+    return np.asarray(self.batches[j])
+
+  def check(self, *, corpus_fingerprint: str, segment_len: int, segmentation: str, batch_size: int,
+            consecutive_segments: int | None = None, kind: str | None = None) -> None:
+    """Clear errors when the plan was made for other data or another batch layout."""
+    h = self.header
+    problems = []
+    if h.get("corpus_fingerprint") != corpus_fingerprint:
+      problems.append(f"corpus fingerprint {h.get('corpus_fingerprint')} != {corpus_fingerprint}")
+    for name, want in [("segment_len", segment_len), ("segmentation", segmentation), ("batch_size", batch_size),
+                       ("consecutive_segments", consecutive_segments), ("kind", kind)]:
+      if want is not None and h.get(name) != want:
+        problems.append(f"{name} {h.get(name)!r} != {want!r}")
+    if problems:
+      raise DataError("batch plan does not match this run: " + "; ".join(problems))
+
+
+def save(directory: str, header: dict, batches: np.ndarray) -> str:
+  batches = np.asarray(batches, np.int64)
+  if batches.ndim != 2 or batches.shape[0] == 0:
+    raise DataError(f"a batch plan needs a non-empty [num_batches, B] array, got shape {batches.shape}")
+  header = {"format": FORMAT, **header, "num_batches": int(batches.shape[0]), "batch_size": int(batches.shape[1])}
+  directory = os.path.abspath(directory)
+  tmp = directory + ".tmp"
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  np.save(os.path.join(tmp, "batches.npy"), batches)
+  with open(os.path.join(tmp, "plan.json"), "w") as f:
+    json.dump(header, f, indent=1)
+  if os.path.exists(directory):
+    shutil.rmtree(directory)
+  os.replace(tmp, directory)
+  return directory
+
+
+def load(directory: str) -> BatchPlan:
+  head = os.path.join(directory, "plan.json")
+  arr = os.path.join(directory, "batches.npy")
+  if not directory or not os.path.isdir(directory):
+    raise DataError(f"batch plan not found: {directory!r} (write one with `python -m launch.make_batches`)")
+  if not (os.path.exists(head) and os.path.exists(arr)):
+    raise DataError(f"incomplete batch plan in {directory}: needs plan.json and batches.npy")
+  with open(head) as f:
+    header = json.load(f)
+  if header.get("format") != FORMAT:
+    raise DataError(f"{head}: unknown batch-plan format {header.get('format')!r}")
+  return BatchPlan(header, np.load(arr, mmap_mode="r"))

@@ -1,0 +1,125 @@
+"""Orbax checkpoints for training (save / restore / resume) and the exported model that evaluation loads.
+
+Export layout (`<workdir>/export/`):
+  params/       orbax StandardCheckpointer tree of the model parameters
+  config.json   the full training config
+  vocab.json    the vocabulary (tokens + fingerprint)
+  meta.json     fingerprints and shapes: what evaluation and datastores check against
+The export is written to a temporary directory and renamed into place, so it is complete or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from trime_jax import data as D
+from trime_jax.errors import CheckpointError
+from trime_jax.model import ModelConfig, TransformerLM, count_params
+
+EXPORT_FILES = ("config.json", "vocab.json", "meta.json", "params")
+
+
+def manager(directory: str, keep: int) -> ocp.CheckpointManager:
+  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+  return ocp.CheckpointManager(os.path.abspath(directory), options=options)
+
+
+def save(mgr: ocp.CheckpointManager, step: int, state) -> None:
+  mgr.save(step, args=ocp.args.StandardSave(state))
+
+
+def restore_latest(mgr: ocp.CheckpointManager, abstract_state):
+  """(step, state) of the newest complete checkpoint, or (None, None) if there is none."""
+  step = mgr.latest_step()
+  if step is None:
+    return None, None
+  try:
+    state = mgr.restore(step, args=ocp.args.StandardRestore(abstract_state))
+  except (ValueError, KeyError, TypeError) as e:
+    raise CheckpointError(
+        f"checkpoint at step {step} in {mgr.directory} does not match this config's model/optimizer "
+        f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); use a fresh workdir") from None
+  return step, state
+
+
+def abstract(tree):
+  return jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, tree)
+
+
+def export(directory: str, params, config: ml_collections.ConfigDict, vocab: D.Vocab, extra=None) -> str:
+  """Write params + config + vocab + meta to `directory` atomically; returns the directory."""
+  directory = os.path.abspath(directory)
+  tmp = directory + ".tmp"
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(os.path.join(tmp, "params"), params)
+  ckptr.wait_until_finished()
+  mcfg = ModelConfig.from_config(config.model, vocab_size=len(vocab))
+  meta = {
+      "vocab_fingerprint": vocab.fingerprint(),
+      "vocab_size": len(vocab),
+      "vocab_kind": vocab.kind,
+      "d_model": mcfg.d_model,
+      "key_type": mcfg.key_type,
+      "num_params": count_params(params),
+      **(extra or {}),
+  }
+  D.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(config.to_json_best_effort()))
+  D.atomic_write_json(os.path.join(tmp, "vocab.json"), vocab.to_json())
+  D.atomic_write_json(os.path.join(tmp, "meta.json"), meta)
+  if os.path.exists(directory):
+    old = directory + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(directory, old)
+    os.replace(tmp, directory)
+    shutil.rmtree(old, ignore_errors=True)
+  else:
+    os.replace(tmp, directory)
+  return directory
+
+
+def fingerprint(directory: str) -> str:
+  """Identifies an exported checkpoint (for datastores / indexes built from it)."""
+  with open(os.path.join(directory, "meta.json")) as f:
+    meta = json.load(f)
+  return f"{meta['vocab_fingerprint']}-{meta['num_params']}-{meta.get('step', 0)}"
+
+
+def load_export(directory: str):
+  """(graphdef, params, config, vocab, meta) from an export directory, validated."""
+  if not os.path.isdir(directory):
+    raise CheckpointError(f"checkpoint directory not found: {directory}")
+  missing = [f for f in EXPORT_FILES if not os.path.exists(os.path.join(directory, f))]
+  if missing:
+    raise CheckpointError(f"incomplete checkpoint export {directory}: missing {', '.join(missing)}")
+  with open(os.path.join(directory, "config.json")) as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  with open(os.path.join(directory, "meta.json")) as f:
+    meta = json.load(f)
+  with open(os.path.join(directory, "vocab.json")) as f:
+    try:
+      vocab = D.Vocab.from_json(json.load(f))
+    except D.DataError as e:
+      raise CheckpointError(f"{directory}/vocab.json: {e}") from None
+  if vocab.fingerprint() != meta["vocab_fingerprint"] or len(vocab) != meta["vocab_size"]:
+    raise CheckpointError(
+        f"vocabulary mismatch in {directory}: vocab.json has {len(vocab)} tokens (fingerprint "
+        f"{vocab.fingerprint()}), the checkpoint was trained with {meta['vocab_size']} "
+        f"(fingerprint {meta['vocab_fingerprint']})")
+  mcfg = ModelConfig.from_config(config.model, vocab_size=len(vocab))
+  target = nnx.eval_shape(lambda: TransformerLM(mcfg, rngs=nnx.Rngs(0)))
+  graphdef, abstract_params = nnx.split(target, nnx.Param)
+  try:
+    params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), abstract_params)
+  except (ValueError, KeyError, TypeError) as e:
+    raise CheckpointError(f"parameters in {directory} do not match its config.json "
+                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+  return graphdef, params, config, vocab, meta

@@ -1,0 +1,337 @@
+"""Corpora, vocabularies and fixed-length segments (host side, NumPy).
+
+A `Corpus` is one flat int32 token stream (memory-mappable) plus document boundaries. Segments are
+`[start, start + length)` ranges of *target* positions in that stream; the input at target position p is the
+token at p - 1 (the first position of the stream is fed `vocab.bos`), exactly like fairseq's
+`TokenBlockDataset` with shifted "past target" sources, so every token is a target exactly once.
+
+Readers:
+  * WikiText-style token files: whitespace tokens, `</s>` at every line end (empty lines included, as fairseq
+    does), articles start at ` = Title = ` lines; vocabulary from the training split.
+  * raw bytes (enwik8 / tinyshakespeare style): vocabulary 256, split by byte fractions.
+  * the demo corpus: source files of the running interpreter's standard library, one document per file.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import sysconfig
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from trime_jax.errors import DataError
+
+EOS = "</s>"
+UNK = "<unk>"
+_TITLE = re.compile(r"^ = [^=].* =\s*$")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Vocabulary
+# ----------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Vocab:
+  """Token strings by id. Byte vocabularies have `kind="bytes"` and 256 entries."""
+
+  tokens: list[str]
+  kind: str = "words"  # "words" | "bytes"
+
+  def __post_init__(self):
+    self.index = {t: i for i, t in enumerate(self.tokens)}
+    if len(self.index) != len(self.tokens):
+      raise DataError("vocabulary has duplicate tokens")
+
+  def __len__(self):
+    return len(self.tokens)
+
+  @property
+  def eos(self) -> int:
+    return self.index.get(EOS, ord("\n") if self.kind == "bytes" else 0)
+
+  @property
+  def unk(self) -> int:
+    return self.index.get(UNK, 0)
+
+  @property
+  def bos(self) -> int:
+    """Input fed before the first token of a stream (fairseq feeds `</s>`)."""
+    return self.eos
+
+  def fingerprint(self) -> str:
+    h = hashlib.sha256(self.kind.encode())
+    for t in self.tokens:
+      h.update(t.encode("utf-8", "surrogatepass") + b"\0")
+    return h.hexdigest()[:16]
+
+  def encode_words(self, words: Iterable[str]) -> list[int]:
+    unk = self.unk
+    return [self.index.get(w, unk) for w in words]
+
+  def to_json(self) -> dict:
+    return {"kind": self.kind, "fingerprint": self.fingerprint(), "tokens": self.tokens}
+
+  @classmethod
+  def from_json(cls, obj: dict) -> "Vocab":
+    v = cls(list(obj["tokens"]), obj.get("kind", "words"))
+    if "fingerprint" in obj and obj["fingerprint"] != v.fingerprint():
+      raise DataError(f"vocabulary file is corrupt: fingerprint {obj['fingerprint']} != {v.fingerprint()}")
+    return v
+
+  @classmethod
+  def bytes(cls) -> "Vocab":
+    return cls([f"<0x{i:02X}>" for i in range(256)], kind="bytes")
+
+  @classmethod
+  def build(cls, docs_words: Iterable[Sequence[str]], min_count: int = 1) -> "Vocab":
+    """`</s>`, `<unk>`, then words by decreasing count (ties alphabetical); rarer than min_count -> `<unk>`."""
+    counts = collections.Counter()
+    for words in docs_words:
+      counts.update(words)
+    counts.pop(EOS, None)
+    counts.pop(UNK, None)
+    kept = sorted((w for w, c in counts.items() if c >= min_count), key=lambda w: (-counts[w], w))
+    return cls([EOS, UNK] + kept)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Corpus
+# ----------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Corpus:
+  """A token stream with document boundaries: document d is tokens[doc_starts[d]:doc_starts[d+1]]."""
+
+  tokens: np.ndarray  # [T] int32 (may be a read-only memmap)
+  doc_starts: np.ndarray  # [n_docs + 1] int64, doc_starts[0] = 0, doc_starts[-1] = T
+  vocab: Vocab
+  name: str = ""
+
+  def __post_init__(self):
+    if len(self.tokens) == 0:
+      raise DataError(f"corpus {self.name or '(unnamed)'} is empty: no tokens")
+
+  @property
+  def num_docs(self) -> int:
+    return len(self.doc_starts) - 1
+
+  def __len__(self):
+    return len(self.tokens)
+
+  def doc_ids(self) -> np.ndarray:
+    """[T] document index of every token."""
+    return np.repeat(np.arange(self.num_docs, dtype=np.int32), np.diff(self.doc_starts))
+
+  def fingerprint(self) -> str:
+    h = hashlib.sha256(self.vocab.fingerprint().encode())
+    h.update(np.asarray(self.doc_starts, np.int64).tobytes())
+    h.update(np.ascontiguousarray(self.tokens).tobytes())
+    return h.hexdigest()[:16]
+
+  @classmethod
+  def from_docs(cls, docs: Sequence[np.ndarray], vocab: Vocab, name: str = "") -> "Corpus":
+    docs = [np.asarray(d, np.int32) for d in docs if len(d)]
+    if not docs:
+      raise DataError(f"corpus {name or '(unnamed)'} is empty: no documents with tokens")
+    starts = np.zeros(len(docs) + 1, np.int64)
+    starts[1:] = np.cumsum([len(d) for d in docs])
+    return cls(np.concatenate(docs), starts, vocab, name)
+
+  def save(self, directory: str) -> None:
+    """Write tokens.npy, doc_starts.npy and vocab.json atomically (memmap-able on load)."""
+    os.makedirs(directory, exist_ok=True)
+    _atomic_npy(os.path.join(directory, "tokens.npy"), np.asarray(self.tokens, np.int32))
+    _atomic_npy(os.path.join(directory, "doc_starts.npy"), np.asarray(self.doc_starts, np.int64))
+    atomic_write_json(os.path.join(directory, "vocab.json"), self.vocab.to_json())
+
+  @classmethod
+  def load(cls, directory: str, name: str = "") -> "Corpus":
+    try:
+      tokens = np.load(os.path.join(directory, "tokens.npy"), mmap_mode="r")
+      starts = np.load(os.path.join(directory, "doc_starts.npy"))
+      with open(os.path.join(directory, "vocab.json")) as f:
+        vocab = Vocab.from_json(json.load(f))
+    except FileNotFoundError as e:
+      raise DataError(f"incomplete corpus cache in {directory}: {e.filename} is missing") from None
+    return cls(tokens, starts, vocab, name)
+
+
+def atomic_write_json(path: str, obj) -> None:
+  tmp = f"{path}.tmp.{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def _atomic_npy(path: str, arr: np.ndarray) -> None:
+  tmp = f"{path}.tmp.{os.getpid()}.npy"
+  np.save(tmp, arr)
+  os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Readers
+# ----------------------------------------------------------------------------------------------------------
+def _require_file(path: str, what: str) -> str:
+  if not path:
+    raise DataError(f"no path given for {what}")
+  if not os.path.exists(path):
+    raise DataError(f"{what} not found: {path}")
+  if os.path.isfile(path) and os.path.getsize(path) == 0:
+    raise DataError(f"{what} is empty: {path}")
+  return path
+
+
+def read_wikitext_articles(path: str) -> list[list[str]]:
+  """Articles of a WikiText token file as word lists, `</s>` appended at every line end.
+
+  A new article starts at each ` = Title = ` line (section headings ` = = ... = = ` do not split); lines
+  before the first title belong to the first article.
+  """
+  _require_file(path, "WikiText token file")
+  articles: list[list[str]] = []
+  current: list[str] = []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      line = line.rstrip("\n")
+      if _TITLE.match(line) and any(w != EOS for w in current):
+        articles.append(current)
+        current = []
+      current.extend(line.split())
+      current.append(EOS)
+  if current:
+    articles.append(current)
+  if not any(len(a) > 1 for a in articles):
+    raise DataError(f"WikiText token file has no text: {path}")
+  return articles
+
+
+def split_articles(n: int, fractions: Sequence[float], seed: int = 0) -> list[np.ndarray]:
+  """Deterministic split of n articles into consecutive groups after a seeded shuffle."""
+  if n < len(fractions):
+    raise DataError(f"cannot split {n} documents into {len(fractions)} non-empty parts")
+  order = np.random.default_rng(seed).permutation(n)
+  cuts = np.round(np.cumsum(fractions)[:-1] / np.sum(fractions) * n).astype(int)
+  cuts = np.clip(cuts, 1, n - 1)
+  return [np.sort(p) for p in np.split(order, cuts)]
+
+
+def stdlib_documents(max_files: int, max_bytes_per_file: int = 1 << 20) -> list[tuple[str, bytes]]:
+  """A fixed sorted sample of the running interpreter's stdlib `.py` sources (tests and site-packages
+  excluded), as (relative path, bytes). Deterministic for a given interpreter."""
+  root = sysconfig.get_paths()["stdlib"]
+  if not os.path.isdir(root):
+    raise DataError(f"standard library sources not found at {root}")
+  paths = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    rel = os.path.relpath(dirpath, root)
+    dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests", "idlelib",
+                                                           "__pycache__", "lib2to3", "turtledemo"))
+    for fn in filenames:
+      if fn.endswith(".py"):
+        paths.append(os.path.normpath(os.path.join(rel, fn)))
+  paths.sort()
+  if not paths:
+    raise DataError(f"no .py files under {root}")
+  step = max(1, len(paths) // max_files)
+  chosen = paths[::step][:max_files]
+  docs = []
+  for rel in chosen:
+    with open(os.path.join(root, rel), "rb") as f:
+      data = f.read(max_bytes_per_file)
+    if data:
+      docs.append((rel, data))
+  return docs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Segments and batches
+# ----------------------------------------------------------------------------------------------------------
+SEGMENTATIONS = ("stream", "document")
+
+
+@dataclasses.dataclass
+class Segments:
+  """Fixed-length training examples: targets corpus.tokens[start : start + length], padded to L."""
+
+  start: np.ndarray  # [S] int64 first target position
+  length: np.ndarray  # [S] int32 number of real targets (<= L)
+  doc: np.ndarray  # [S] int32 document of the first target
+  index_in_doc: np.ndarray  # [S] int32 segment index within its document (document segmentation)
+  seg_len: int
+
+  def __len__(self):
+    return len(self.start)
+
+
+def make_segments(corpus: Corpus, seg_len: int, mode: str = "stream") -> Segments:
+  """Cut the corpus into segments of `seg_len` targets.
+
+  stream:   consecutive chunks of the whole stream, crossing document boundaries (fairseq
+            `--sample-break-mode none`); only the last segment is short.
+  document: chunks within each document, the last chunk of every document padded (target -1), so each
+            segment belongs to one document and `index_in_doc` orders a document's segments.
+  """
+  if seg_len < 1:
+    raise DataError(f"segment length must be positive, got {seg_len}")
+  if mode == "stream":
+    starts = np.arange(0, len(corpus), seg_len, dtype=np.int64)
+    lengths = np.minimum(seg_len, len(corpus) - starts).astype(np.int32)
+    docs = (np.searchsorted(corpus.doc_starts, starts, side="right") - 1).astype(np.int32)
+    first_in_doc = np.searchsorted(starts, corpus.doc_starts[:-1])
+    index = (np.arange(len(starts)) - first_in_doc[docs]).astype(np.int32)
+    return Segments(starts, lengths, docs, index, seg_len)
+  if mode == "document":
+    doc_len = np.diff(corpus.doc_starts)
+    n_seg = -(-doc_len // seg_len)
+    docs = np.repeat(np.arange(corpus.num_docs, dtype=np.int32), n_seg)
+    first = np.repeat(np.cumsum(n_seg) - n_seg, n_seg)
+    index = (np.arange(len(docs)) - first).astype(np.int32)
+    starts = corpus.doc_starts[docs] + index.astype(np.int64) * seg_len
+    ends = corpus.doc_starts[docs + 1]
+    lengths = np.minimum(seg_len, ends - starts).astype(np.int32)
+    return Segments(starts, lengths, docs, index, seg_len)
+  raise DataError(f"segmentation must be one of {SEGMENTATIONS}, got {mode!r}")
+
+
+def gather_segments(corpus: Corpus, segments: Segments, idx: np.ndarray):
+  """(inputs [n, L], targets [n, L]) for segment indices `idx` (-1: an all-padding row)."""
+  idx = np.asarray(idx)
+  l = segments.seg_len
+  offs = np.arange(l)
+  real = idx >= 0
+  safe = np.where(real, idx, 0)
+  pos = segments.start[safe][:, None] + offs[None, :]  # target positions
+  valid = real[:, None] & (offs[None, :] < segments.length[safe][:, None])
+  tokens = corpus.tokens
+  targets = np.where(valid, tokens[np.where(valid, pos, 0)], -1).astype(np.int32)
+  prev = pos - 1
+  inputs = np.where(prev >= 0, tokens[np.clip(prev, 0, None)], corpus.vocab.bos)
+  inputs = np.where(valid, inputs, 0).astype(np.int32)
+  return inputs, targets
+
+
+def random_batch_indices(num_segments: int, batch_size: int, step: int, seed: int) -> np.ndarray:
+  """Segment indices of batch `step` in an endless sequence of seeded epoch permutations.
+
+  Every segment appears once per epoch; batch `step` depends only on (seed, step), so training resumes
+  exactly. Batches straddling an epoch end take the tail of one permutation and the head of the next.
+  """
+  if num_segments < 1:
+    raise DataError("no training segments")
+  first = step * batch_size
+  out = np.empty(batch_size, np.int64)
+  filled = 0
+  while filled < batch_size:
+    epoch, offset = divmod(first + filled, num_segments)
+    perm = np.random.default_rng([seed, epoch]).permutation(num_segments)
+    take = min(batch_size - filled, num_segments - offset)
+    out[filled:filled + take] = perm[offset:offset + take]
+    filled += take
+  return out

@@ -1,0 +1,29 @@
+"""One `data` mesh axis: batches are split over it, parameters are replicated (room for FSDP later)."""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from trime_jax.errors import ConfigError
+
+DATA = "data"
+
+
+def make_mesh(num_devices: int = 0) -> jax.sharding.Mesh:
+  """A 1-D mesh over the first `num_devices` devices (0 = all)."""
+  available = jax.device_count()
+  n = num_devices or available
+  if n > available:
+    raise ConfigError(f"train.num_devices={n} but only {available} devices are visible")
+  # Auto axes: jit propagates the batch sharding (GSPMD); the TRIME loss adds explicit collectives itself.
+  return jax.make_mesh((n,), (DATA,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
+
+
+def replicated(mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh, batch_axis: int = 0) -> NamedSharding:
+  """Shard dimension `batch_axis` over `data` (train batches are [accum, B, L]: batch_axis=1)."""
+  return NamedSharding(mesh, P(*([None] * batch_axis), DATA))

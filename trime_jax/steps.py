@@ -1,0 +1,120 @@
+"""Pure, module-level train and eval steps (jit them with shardings in `train.py` / `evaluate.py`).
+
+The forward pass yields f (final output), g (memory keys) and the vocabulary side as `VocabStats`; the CE
+loss and the TRIME loss share them, so reporting both costs one extra memory pass at most.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from trime_jax import loss as L
+from trime_jax.model import TransformerLM
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+  """Static description of the training objective (hashable: part of the jit cache key)."""
+
+  memory: str = "local"  # none | local | long | ext
+  consecutive_segments: int = 1
+  temperature: float = 1.0
+  stop_gradient_memory: bool = False
+  memory_chunk: int = 0
+  vocab_chunk: int = 0
+
+  @classmethod
+  def from_config(cls, config) -> "LossSpec":
+    return cls(
+        memory=config.trime.memory,
+        consecutive_segments=config.trime.consecutive_segments,
+        temperature=float(config.trime.temperature),
+        stop_gradient_memory=bool(config.trime.stop_gradient_memory),
+        memory_chunk=int(config.trime.memory_chunk),
+        vocab_chunk=int(config.train.vocab_chunk),
+    )
+
+
+def forward(model: TransformerLM, inputs_BxL, targets_BxL, *, vocab_chunk=0, deterministic=True, rngs=None):
+  """(VocabStats [B, L], keys [B, L, D]) without materialising [B, L, V] when vocab_chunk > 0."""
+  f, g = model.features(inputs_BxL, deterministic=deterministic, rngs=rngs)
+  if vocab_chunk:
+    stats = L.chunked_vocab_stats(f, model.output_embedding(), targets_BxL, chunk=vocab_chunk)
+  else:
+    stats = L.vocab_stats(model.logits(f), targets_BxL)
+  return stats, g
+
+
+def nll_sums(model, batch, spec: LossSpec, *, use_trime: bool, report_trime: bool, rngs=None,
+             deterministic=False):
+  """Sums over the batch's valid tokens: (objective, ce, trime, n_tokens)."""
+  inputs, targets = batch["inputs"], batch["targets"]
+  stats, keys = forward(model, inputs, targets, vocab_chunk=spec.vocab_chunk, deterministic=deterministic,
+                        rngs=rngs)
+  valid = targets >= 0
+  ce = jnp.where(valid, stats.log_normalizer - stats.target_logit, 0.0).sum()
+  ntok = valid.sum()
+  if spec.memory == "none" or not (use_trime or report_trime):
+    return ce, ce, ce, ntok
+
+  def trime(k):
+    return L.trime_nll_from_vocab_stats(
+        stats, k, targets, memory=spec.memory, consecutive_segments=spec.consecutive_segments,
+        drop_local=batch["drop_local"], stop_gradient_memory=spec.stop_gradient_memory,
+        temperature=spec.temperature, memory_chunk=spec.memory_chunk or None).sum()
+
+  if use_trime:
+    tr = trime(keys)
+    return tr, ce, tr, ntok
+  tr = jax.lax.stop_gradient(trime(jax.lax.stop_gradient(keys)))  # reported only (CE warm-up)
+  return ce, ce, tr, ntok
+
+
+def train_step(graphdef, tx, spec: LossSpec, use_trime: bool, report_trime: bool, state, batch, dropout_key):
+  """One optimizer update over `grad_accum` micro-batches.
+
+  state: {"step": [], "params": nnx.State, "opt_state": ...}; batch: inputs/targets [A, B, L],
+  drop_local [A]. Gradients are of the summed nll divided by the update's token count (fairseq's
+  per-token loss). A non-finite loss or gradient skips the update (state unchanged; `skipped` = 1).
+  """
+  params = state["params"]
+
+  def micro(carry, xs):
+    grads, sums = carry
+    mb, key = xs
+
+    def objective(p):
+      model = nnx.merge(graphdef, p)
+      obj, ce, tr, n = nll_sums(model, mb, spec, use_trime=use_trime, report_trime=report_trime,
+                                rngs=nnx.Rngs(dropout=key))
+      return obj, (ce, tr, n)
+
+    (obj, (ce, tr, n)), g = jax.value_and_grad(objective, has_aux=True)(params)
+    grads = jax.tree_util.tree_map(jnp.add, grads, g)
+    sums = {"objective": sums["objective"] + obj, "ce": sums["ce"] + ce, "trime": sums["trime"] + tr,
+            "tokens": sums["tokens"] + n}
+    return (grads, sums), None
+
+  accum = batch["inputs"].shape[0]
+  keys = jax.random.split(dropout_key, accum)
+  zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+  zero_sums = {"objective": 0.0, "ce": 0.0, "trime": 0.0, "tokens": jnp.int32(0)}
+  (grads, sums), _ = jax.lax.scan(micro, (zeros, zero_sums), (batch, keys))
+  ntok = jnp.maximum(sums["tokens"], 1).astype(jnp.float32)
+  grads = jax.tree_util.tree_map(lambda g: g / ntok, grads)
+  grad_norm = optax.global_norm(grads)
+  updates, new_opt = tx.update(grads, state["opt_state"], params)
+  new_params = optax.apply_updates(params, updates)
+  loss = sums["objective"] / ntok
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
+  new_state = {"step": state["step"] + 1, "params": keep(new_params, params),
+               "opt_state": keep(new_opt, state["opt_state"])}
+  metrics = {"loss": loss, "ce_nll": sums["ce"] / ntok, "trime_nll": sums["trime"] / ntok,
+             "tokens": sums["tokens"], "grad_norm": grad_norm, "skipped": 1 - ok.astype(jnp.int32)}
+  return new_state, metrics

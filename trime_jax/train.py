@@ -1,0 +1,266 @@
+"""Training: `train_and_evaluate(config, workdir)` (a Colab cell can call it; `launch/train.py` is a thin CLI).
+
+Plain CE for the first `trime.ce_warmup_steps` updates, then the TRIME loss; both are reported every
+`log_every` updates to stdout and `<workdir>/metrics.jsonl`. Data order, dropout and drop-local decisions
+depend only on (seed, step), so a run resumed from an orbax checkpoint continues exactly as if uninterrupted.
+The final parameters are exported (params + config + vocab) to `<workdir>/export` for evaluation.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from trime_jax import checkpoint as ckpt
+from trime_jax import corpora
+from trime_jax import data as D
+from trime_jax import evaluate as E
+from trime_jax import sharding
+from trime_jax import steps
+from trime_jax.batching import plan as batch_plan
+from trime_jax.errors import ConfigError, TrainingError
+from trime_jax.loss import MEMORY_MODES
+from trime_jax.model import ModelConfig, TransformerLM, count_params
+
+OPTIMIZERS = ("adam", "nag")
+SCHEDULES = ("inverse_sqrt", "cosine", "constant")
+BATCHINGS = ("random", "consecutive", "bm25")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Config checks, optimizer, schedule
+# ----------------------------------------------------------------------------------------------------------
+def _choice(value, allowed, name):
+  if value not in allowed:
+    raise ConfigError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def validate_config(config) -> None:
+  """Clear errors for values a locked ConfigDict cannot catch (enums, ranges, consistency)."""
+  t, r, d = config.trime, config.train, config.data
+  _choice(t.memory, MEMORY_MODES, "trime.memory")
+  _choice(t.batching, BATCHINGS, "trime.batching")
+  _choice(r.optimizer, OPTIMIZERS, "train.optimizer")
+  _choice(r.schedule, SCHEDULES, "train.schedule")
+  _choice(d.segmentation, D.SEGMENTATIONS, "data.segmentation")
+  _choice(config.eval.memory, E.EVAL_MEMORIES, "eval.memory")
+  for name, v in [("train.batch_size", r.batch_size), ("train.grad_accum", r.grad_accum),
+                  ("train.num_steps", r.num_steps), ("data.segment_len", d.segment_len),
+                  ("trime.consecutive_segments", t.consecutive_segments)]:
+    if v < 1:
+      raise ConfigError(f"{name} must be >= 1, got {v}")
+  if not 0.0 <= t.drop_local_prob <= 1.0:
+    raise ConfigError(f"trime.drop_local_prob must be in [0, 1], got {t.drop_local_prob}")
+  if t.memory == "long" and r.batch_size % t.consecutive_segments:
+    raise ConfigError(f"train.batch_size={r.batch_size} must be a multiple of "
+                      f"trime.consecutive_segments={t.consecutive_segments} for memory='long'")
+  if d.segment_len > config.model.max_len or config.eval.block_len > config.model.max_len:
+    raise ConfigError(f"model.max_len={config.model.max_len} is shorter than data.segment_len="
+                      f"{d.segment_len} or eval.block_len={config.eval.block_len}")
+  if t.temperature <= 0 or config.eval.temperature <= 0:
+    raise ConfigError("temperatures must be positive")
+
+
+def ce_warmup_steps(config) -> int:
+  w = config.trime.ce_warmup_steps
+  return int(math.ceil(0.05 * config.train.num_steps)) if w < 0 else int(w)
+
+
+def make_schedule(r) -> optax.Schedule:
+  """Linear warm-up from `warmup_init_lr` to `learning_rate`, then inverse-sqrt, cosine or constant."""
+  peak, warm = float(r.learning_rate), int(r.warmup_steps)
+  init = float(r.warmup_init_lr) if warm else peak
+  warmup = optax.linear_schedule(init, peak, max(warm, 1))
+  if r.schedule == "inverse_sqrt":  # fairseq: lr · sqrt(warmup / step) after the warm-up
+    decay = lambda s: peak * jnp.sqrt(max(warm, 1) / jnp.maximum(s + max(warm, 1), 1))
+  elif r.schedule == "cosine":
+    decay = optax.cosine_decay_schedule(peak, max(int(r.num_steps) - warm, 1), alpha=float(r.min_lr) / peak)
+  else:
+    decay = optax.constant_schedule(peak)
+  return optax.join_schedules([warmup, decay], [warm]) if warm else decay
+
+
+def make_optimizer(r) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  schedule = make_schedule(r)
+  if r.optimizer == "adam":
+    opt = optax.adamw(schedule, b1=r.adam_b1, b2=r.adam_b2, eps=r.adam_eps, weight_decay=r.weight_decay)
+  else:  # fairseq `nag`: SGD with Nesterov momentum
+    opt = optax.chain(optax.add_decayed_weights(r.weight_decay) if r.weight_decay else optax.identity(),
+                      optax.sgd(schedule, momentum=r.nag_momentum, nesterov=True))
+  if r.clip_norm > 0:
+    opt = optax.chain(optax.clip_by_global_norm(r.clip_norm), opt)
+  return opt, schedule
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Batches
+# ----------------------------------------------------------------------------------------------------------
+class BatchSource:
+  """Training batch of update `step`: inputs/targets [grad_accum, B, L] + drop_local [grad_accum]."""
+
+  def __init__(self, corpus: D.Corpus, config):
+    self.corpus = corpus
+    self.config = config
+    self.segments = D.make_segments(corpus, config.data.segment_len, config.data.segmentation)
+    self.plan = None
+    t = config.trime
+    if t.batching != "random":
+      self.plan = batch_plan.load(t.batch_plan)
+      self.plan.check(corpus_fingerprint=corpus.fingerprint(), segment_len=config.data.segment_len,
+                      segmentation=config.data.segmentation, batch_size=config.train.batch_size,
+                      consecutive_segments=t.consecutive_segments if t.batching == "consecutive" else None,
+                      kind=t.batching)
+
+  def indices(self, step: int) -> np.ndarray:
+    """Segment indices [grad_accum, B] of update `step` (-1: all-padding row)."""
+    r = self.config.train
+    micro = r.grad_accum
+    if self.plan is not None:
+      return np.stack([self.plan.rows(step * micro + a) for a in range(micro)])
+    flat = D.random_batch_indices(len(self.segments), micro * r.batch_size, step, r.seed)
+    return flat.reshape(micro, r.batch_size)
+
+  def __call__(self, step: int) -> dict:
+    idx = self.indices(step)
+    inputs, targets = D.gather_segments(self.corpus, self.segments, idx.reshape(-1))
+    shape = idx.shape + (self.segments.seg_len,)
+    t = self.config.trime
+    rng = np.random.default_rng([self.config.train.seed, step, 7])
+    drop = rng.random(idx.shape[0]) < t.drop_local_prob if t.memory == "ext" else np.zeros(idx.shape[0], bool)
+    return {"inputs": inputs.reshape(shape), "targets": targets.reshape(shape), "drop_local": drop}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------------------
+def _log(line: str) -> None:
+  print(line, flush=True)
+
+
+def _truncate_metrics(path: str, last_step: int) -> None:
+  """On resume, drop metric lines past the restored checkpoint (they will be produced again)."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    lines = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= last_step]
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(lines)
+  os.replace(tmp, path)
+
+
+def build_model(config, vocab_size: int, seed: int):
+  mcfg = ModelConfig.from_config(config.model, vocab_size=vocab_size)
+  return TransformerLM(mcfg, rngs=nnx.Rngs(params=seed))
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, splits=None) -> dict:
+  """Train (or resume) in `workdir`, evaluate on dev, export. Returns the final metrics."""
+  validate_config(config)
+  os.makedirs(workdir, exist_ok=True)
+  splits = splits or corpora.load_splits(config.data)
+  vocab = splits.vocab
+  if config.model.vocab_size and config.model.vocab_size != len(vocab):
+    raise ConfigError(f"model.vocab_size={config.model.vocab_size} but the data's vocabulary has "
+                      f"{len(vocab)} tokens (set model.vocab_size=0 to take it from the data)")
+  r = config.train
+  mesh = sharding.make_mesh(r.num_devices)
+  if r.batch_size % mesh.size:
+    raise ConfigError(f"train.batch_size={r.batch_size} is not divisible by the {mesh.size} devices")
+
+  model = build_model(config, len(vocab), r.seed)
+  graphdef, params = nnx.split(model, nnx.Param)
+  tx, schedule = make_optimizer(r)
+  state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
+  mgr = ckpt.manager(os.path.join(workdir, "checkpoints"), r.keep_checkpoints)
+  restored_step, restored = ckpt.restore_latest(mgr, ckpt.abstract(state))
+  if restored is not None:
+    state = restored
+    _log(f"resumed from step {restored_step} ({mgr.directory})")
+    _truncate_metrics(os.path.join(workdir, "metrics.jsonl"), restored_step)
+  else:
+    D.atomic_write_json(os.path.join(workdir, "config.json"), json.loads(config.to_json_best_effort()))
+
+  repl, data_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh, batch_axis=1)
+  state = jax.device_put(state, repl)
+  spec = steps.LossSpec.from_config(config)
+  warm = ce_warmup_steps(config)
+  report_trime = spec.memory != "none"
+
+  @functools.lru_cache(maxsize=None)
+  def step_fn(use_trime: bool):
+    fn = functools.partial(steps.train_step, graphdef, tx, spec, use_trime, report_trime)
+    batch_sh = {"inputs": data_sh, "targets": data_sh, "drop_local": repl}
+    return jax.jit(fn, in_shardings=(repl, batch_sh, repl), out_shardings=(repl, repl), donate_argnums=(0,))
+
+  source = BatchSource(splits.train, config)
+  n_params = count_params(params)
+  start = int(state["step"])
+  _log(f"model: {n_params:,} parameters | vocab {len(vocab):,} | train tokens {len(splits.train):,} | "
+       f"{len(source.segments):,} segments of {config.data.segment_len} | memory={spec.memory} | "
+       f"CE warm-up {warm} updates | devices {mesh.size}")
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  base_key = jax.random.PRNGKey(r.seed)
+  t_last, tok_last = time.perf_counter(), 0
+  last = {}
+  with open(metrics_path, "a") as mfile:
+    for step in range(start, r.num_steps):
+      use_trime = spec.memory != "none" and step >= warm
+      batch = jax.device_put(source(step), {"inputs": data_sh, "targets": data_sh, "drop_local": repl})
+      state, m = step_fn(use_trime)(state, batch, jax.random.fold_in(base_key, step))
+      tok_last += int(m["tokens"])
+      done = step + 1
+      if done % r.log_every == 0 or done == r.num_steps:
+        m = jax.device_get(m)
+        now = time.perf_counter()
+        rec = {"step": done, "objective": "trime" if use_trime else "ce", "loss": float(m["loss"]),
+               "ce_nll": float(m["ce_nll"]), "trime_nll": float(m["trime_nll"]),
+               "ppl": math.exp(min(float(m["ce_nll"]), 50.0)), "grad_norm": float(m["grad_norm"]),
+               "lr": float(schedule(step)), "tokens_per_s": tok_last / (now - t_last), "skipped": int(m["skipped"])}
+        t_last, tok_last = now, 0
+        if not math.isfinite(rec["loss"]):
+          mgr.wait_until_finished()
+          raise TrainingError(f"non-finite loss at step {done}; updates with non-finite loss were skipped and "
+                              f"the last checkpoint (step {mgr.latest_step()}) is intact in {mgr.directory}")
+        mfile.write(json.dumps(rec) + "\n")
+        mfile.flush()
+        _log(f"step {done:>6}/{r.num_steps} [{rec['objective']:>5}] loss {rec['loss']:.4f} | ce {rec['ce_nll']:.4f}"
+             f" | trime {rec['trime_nll']:.4f} | lr {rec['lr']:.2e} | |g| {rec['grad_norm']:.3f}"
+             f" | {rec['tokens_per_s']:,.0f} tok/s")
+        last = rec
+      if r.eval_every and done % r.eval_every == 0 and done != r.num_steps:
+        _log_eval(graphdef, state["params"], splits.dev, config, done, metrics_path)
+      if done % r.checkpoint_every == 0 or done == r.num_steps:
+        ckpt.save(mgr, done, state)
+  mgr.wait_until_finished()
+
+  params = jax.device_get(state["params"])
+  final = _log_eval(graphdef, params, splits.dev, config, int(state["step"]), metrics_path)
+  export_dir = ckpt.export(os.path.join(workdir, "export"), params, config, vocab,
+                           extra={"step": int(state["step"]), "train_fingerprint": splits.train.fingerprint()})
+  _log(f"exported {export_dir}")
+  return {"train": last, "dev": final, "export": export_dir, "num_params": n_params}
+
+
+def _log_eval(graphdef, params, corpus, config, step, metrics_path) -> dict:
+  """Dev perplexity during training: vanilla scoring and, for TRIME models, local memory at τ=1."""
+  e = config.eval
+  variants = E.Variants(taus=(1.0,)) if config.trime.memory != "none" else E.Variants()
+  res = E.evaluate(graphdef, params, corpus, block_len=e.block_len, context_window=e.context_window,
+                   batch_size=e.batch_size, variants=variants, vocab_chunk=config.train.vocab_chunk,
+                   max_tokens=config.train.eval_max_tokens)
+  out = {"step": step, "split": "dev", **{f"{x.name}_ppl": x.ppl for x in res}, "tokens": res[0].tokens}
+  with open(metrics_path, "a") as f:
+    f.write(json.dumps(out) + "\n")
+  _log(f"eval step {step}: " + " | ".join(f"{x.name} ppl {x.ppl:.3f}" for x in res) + f" ({res[0].tokens:,} tokens)")
+  return out
