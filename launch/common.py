@@ -1,0 +1,56 @@
+"""Shared CLI plumbing: `--config` files with `--config.a.b=...` overrides, one-line errors."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from trime_jax.errors import TrimeError
+
+
+def _one_line(e: BaseException) -> str:
+  text = str(e)
+  for escaped, plain in (("\\n", " "), ("\\'", "'"), ('\\"', '"')):
+    text = text.replace(escaped, plain)
+  return " ".join(text.split()).strip("'\"")
+
+
+def _parse_flags(argv):
+  """absl flag parsing, but a bad flag or config override (typo in --config.x.y) is one line, not a traceback."""
+  from absl import flags
+
+  try:
+    return flags.FLAGS(argv)
+  except Exception as e:  # noqa: BLE001 - every parse failure is a usage error
+    print(f"error: bad command-line flag: {_one_line(e)}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def run_main(main):
+  """Run an absl `main`; input errors (TrimeError) print one `error: ...` line and exit with status 2."""
+  from absl import app, logging
+
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+
+  def wrapped(argv):
+    try:
+      return main(argv)
+    except TrimeError as e:
+      print(f"error: {e}", file=sys.stderr, flush=True)
+      sys.exit(2)
+    except OSError as e:  # e.g. a --config file that does not exist (config_flags loads it lazily)
+      if "config" not in str(e).lower():
+        raise
+      print(f"error: {_one_line(e)}", file=sys.stderr, flush=True)
+      sys.exit(2)
+    except KeyboardInterrupt:
+      print("interrupted: the last orbax checkpoint is intact; rerun the same command to resume",
+            file=sys.stderr, flush=True)
+      sys.exit(130)
+
+  app.run(wrapped, flags_parser=_parse_flags)
+
+
+def default_workdir(config_path: str) -> str:
+  name = os.path.splitext(os.path.basename(config_path or "run"))[0]
+  return os.path.join("runs", name)

@@ -1,0 +1,36 @@
+"""Write a batch-plan file for consecutive (TrimeLM_long) or BM25 (TrimeLM_ext) batching.
+
+  python -m launch.make_batches --config=configs/wikitext_mini.py --kind=consecutive --out=runs/plans/long
+  python -m launch.make_batches --config=configs/wikitext_mini.py --kind=bm25 --out=runs/plans/bm25
+
+Training reads it with --config.trime.batching=<kind> --config.trime.batch_plan=<out>.
+"""
+
+from absl import flags
+from ml_collections import config_flags
+
+from launch.common import run_main
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
+_KIND = flags.DEFINE_enum("kind", None, ["consecutive", "bm25"], "Batching method.")
+_OUT = flags.DEFINE_string("out", None, "Output plan directory.")
+flags.mark_flags_as_required(["config", "kind", "out"])
+
+
+def main(argv):
+  del argv
+  import importlib
+
+  from trime_jax import corpora
+  from trime_jax.batching import plan as batch_plan
+
+  config = _CONFIG.value
+  splits = corpora.load_splits(config.data)
+  planner = importlib.import_module(f"trime_jax.batching.{_KIND.value}")
+  header, batches = planner.make_plan(splits.train, config, progress=True)
+  out = batch_plan.save(_OUT.value, header, batches)
+  print(f"wrote {out}: {len(batches):,} batches of {batches.shape[1]} segments")
+
+
+if __name__ == "__main__":
+  run_main(main)

@@ -1,0 +1,28 @@
+"""Train a TrimeLM (or a vanilla LM with --config.trime.memory=none).
+
+  python -m launch.train --config=configs/wikitext_mini.py --workdir=runs/mini [--config.train.num_steps=500]
+
+Rerunning the same command resumes from the newest checkpoint in the workdir.
+"""
+
+from absl import flags
+from ml_collections import config_flags
+
+from launch.common import default_workdir, run_main
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics.jsonl, export/).")
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv):
+  del argv
+  from trime_jax.train import train_and_evaluate
+
+  config = _CONFIG.value
+  workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename)
+  train_and_evaluate(config, workdir)
+
+
+if __name__ == "__main__":
+  run_main(main)
