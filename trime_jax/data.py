@@ -312,7 +312,7 @@ def gather_segments(corpus: Corpus, segments: Segments, idx: np.ndarray):
   tokens = corpus.tokens
   targets = np.where(valid, tokens[np.where(valid, pos, 0)], -1).astype(np.int32)
   prev = pos - 1
-  inputs = np.where(prev >= 0, tokens[np.clip(prev, 0, None)], corpus.vocab.bos)
+  inputs = np.where(prev >= 0, tokens[np.clip(prev, 0, len(tokens) - 1)], corpus.vocab.bos)
   inputs = np.where(valid, inputs, 0).astype(np.int32)
   return inputs, targets
 
