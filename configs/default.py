@@ -84,4 +84,5 @@ def get_config():
   e.cache_theta = 1.0  # θ of the continuous cache: p_cache ∝ Σ exp(θ · g·g_j / √D)
   e.tune = False  # grid-search τ (local) or λ, θ (cache) on this split and report the best
   e.max_tokens = 0  # score only the first max_tokens targets (0 = the whole split)
+  c.lock()  # typos in field names are errors, in code as on the command line
   return c
