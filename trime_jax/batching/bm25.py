@@ -1,0 +1,201 @@
+"""BM25 batching for TrimeLM_ext (paper §4.3, Appendix B, Algorithm 1).
+
+Segments that share many words are packed into the same batch, so the in-batch memory at training time
+looks like the kNN neighbours the external datastore returns at test time.
+
+  1. Index every training segment (`make_segments(corpus, data.segment_len, data.segmentation)`) with bm25s,
+     straight from token ids (no string round trip). Each segment is a BM25 "document" of its target tokens.
+  2. Query every segment with its own tokens (batched, numba backend) and keep its top-k neighbours, the
+     segment itself excluded: `neighbours [S, k]` int64 (-1 where fewer than k exist).
+  3. Algorithm 1: start at a random segment; repeatedly move to its best-scoring neighbour not used yet; when
+     all k are used, jump to a random unused segment. The chain visits every segment exactly once.
+  4. Cut the chain into batches of B = train.batch_size rows. The last partial batch is padded with -1 rows
+     (all-padding segments, see `data.gather_segments`), so no segment is ever dropped.
+
+Everything is deterministic from `train.seed`. The original release compared Lucene's string document ids
+with integer ids, so every "neighbour" looked used and its batches were silently random; the plan header here
+records `neighbour_in_batch` (the mean fraction of a segment's top-k that share its batch) next to the same
+number for a seeded random packing, so such a failure is visible at a glance.
+
+Memory: bm25s indexes Python lists of ints, so expect roughly 40 bytes per training token at index time
+(~4 GB for WikiText-103); the score matrix itself is sparse (one float per distinct token per segment).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import bm25s
+import numpy as np
+from tqdm import tqdm
+
+from trime_jax import data as D
+from trime_jax.errors import ConfigError, DataError
+
+DEFAULT_K = 20  # neighbours per segment (the paper's k)
+QUERY_BATCH = 4096  # segments per bm25s.retrieve call (one progress-bar step)
+
+
+def _threads() -> int:
+  try:
+    return max(1, len(os.sched_getaffinity(0)))
+  except AttributeError:  # not Linux
+    return max(1, os.cpu_count() or 1)
+
+
+def segment_token_ids(corpus: D.Corpus, segments: D.Segments) -> list[list[int]]:
+  """Each segment's target tokens as a list of ids, remapped to 0..n_distinct-1.
+
+  The remap makes the ids contiguous (bm25s sizes its score matrix by the distinct ids it sees); BM25 only
+  compares ids, so relabelling changes no score.
+  """
+  tokens = np.asarray(corpus.tokens)
+  present = np.bincount(tokens, minlength=1) > 0
+  dense = (np.cumsum(present) - 1).astype(np.int32)
+  return [dense[tokens[s:s + n]].tolist() for s, n in zip(segments.start.tolist(), segments.length.tolist())]
+
+
+def bm25_index(docs: list[list[int]], *, backend: str = "numba",
+               progress: bool = False) -> tuple[bm25s.BM25, np.ndarray]:
+  """(retriever, lut): a bm25s index (Lucene BM25, k1=1.5, b=0.75) of token-id documents; `lut[id]` is
+  bm25s's internal id for a document token id (queries must be given in internal ids)."""
+  retriever = bm25s.BM25(backend=backend)
+  retriever.index(docs, show_progress=progress)
+  n = 1 + max(max(d) for d in docs)
+  lut = np.array([retriever.vocab_dict.get(i, -1) for i in range(n)], np.int32)
+  if (lut < 0).any():
+    raise ValueError("document token ids must be contiguous from 0 (see segment_token_ids)")
+  return retriever, lut
+
+
+def neighbours(docs: list[list[int]], k: int, *, backend: str = "numba", query_batch: int = QUERY_BATCH,
+               n_threads: int = 0, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+  """Top-k most BM25-similar other documents of every document: (ids [S, k] int64, scores [S, k] float32),
+  best first; -1 / -inf where there are fewer than k other documents. Each document queries with its own
+  tokens (repeated tokens count once per occurrence, as in a Lucene query).
+
+  backend: "numba" (fast, but its first call in a process JIT-compiles for ~10-15 s) or "numpy".
+  n_threads: 0 = every core this process may use.
+  """
+  s = len(docs)
+  k_eff = min(k, s - 1)
+  ids = np.full((s, k), -1, np.int64)
+  scores = np.full((s, k), -np.inf, np.float32)
+  if k_eff <= 0:
+    return ids, scores
+  retriever, lut = bm25_index(docs, backend=backend, progress=progress)
+  # bm25s's numpy backend would pick JAX for its per-query top-k when JAX is importable: keep it on numpy.
+  selection = "numba" if backend == "numba" else "numpy"
+  n_threads = n_threads or _threads()
+  for a in tqdm(range(0, s, query_batch), desc="bm25 retrieve", unit="batch", disable=not progress):
+    b = min(a + query_batch, s)
+    queries = [lut[d].tolist() for d in docs[a:b]]
+    res = retriever.retrieve(queries, k=k_eff + 1, show_progress=False, n_threads=n_threads,
+                             backend_selection=selection)
+    got, sc = np.asarray(res.documents, np.int64), np.asarray(res.scores, np.float32)
+    # Drop the query itself wherever it ranks (another segment may outscore it); else drop the last hit.
+    is_self = got == np.arange(a, b)[:, None]
+    drop = np.where(is_self.any(1), is_self.argmax(1), k_eff)
+    keep = np.arange(k_eff + 1)[None, :] != drop[:, None]
+    ids[a:b, :k_eff] = got[keep].reshape(b - a, k_eff)
+    scores[a:b, :k_eff] = sc[keep].reshape(b - a, k_eff)
+  return ids, scores
+
+
+def pack(neighbours_Sxk: np.ndarray, seed: int) -> np.ndarray:
+  """Algorithm 1: an order [S] over all segments, each exactly once.
+
+  From the current segment, go to its best neighbour not used yet; if there is none, to a random unused
+  segment (the next unused entry of a seeded permutation, i.e. uniform over the unused ones).
+  """
+  s = len(neighbours_Sxk)
+  perm = np.random.default_rng([seed, 23]).permutation(s).tolist()
+  nbrs = np.asarray(neighbours_Sxk)
+  used = bytearray(s)
+  order = []
+  p = 0
+  c = None
+  for _ in range(s):
+    if c is None:
+      while used[perm[p]]:
+        p += 1
+      c = perm[p]
+    used[c] = 1
+    order.append(c)
+    nxt = None
+    for y in nbrs[c].tolist():
+      if y >= 0 and not used[y]:
+        nxt = y
+        break
+    c = nxt
+  return np.asarray(order, np.int64)
+
+
+def to_batches(order: np.ndarray, batch_size: int) -> np.ndarray:
+  """Cut an order into rows of `batch_size` [ceil(S / B), B]; the last row is padded with -1."""
+  nb = -(-len(order) // batch_size)
+  out = np.full(nb * batch_size, -1, np.int64)
+  out[:len(order)] = order
+  return out.reshape(nb, batch_size)
+
+
+def neighbour_in_batch(batches_NxB: np.ndarray, neighbours_Sxk: np.ndarray) -> float:
+  """Mean over segments of the fraction of their (existing) top-k neighbours that sit in the same batch."""
+  s = len(neighbours_Sxk)
+  batch_of = np.full(s, -1, np.int64)
+  rows = np.repeat(np.arange(batches_NxB.shape[0]), batches_NxB.shape[1])
+  flat = batches_NxB.reshape(-1)
+  batch_of[flat[flat >= 0]] = rows[flat >= 0]
+  valid = neighbours_Sxk >= 0
+  same = valid & (batch_of[np.where(valid, neighbours_Sxk, 0)] == batch_of[:, None])
+  return float(np.mean(same.sum(1) / np.maximum(valid.sum(1), 1)))
+
+
+def make_plan(corpus: D.Corpus, config, *, progress: bool = True, k: int | None = None,
+              backend: str = "numba"):
+  """(header, batches [ceil(S / B), B] int64) for `trime.batching="bm25"` (see `batching/plan.py`).
+
+  k defaults to `config.trime.bm25_k` when the config has that field, else 20 (the paper's value).
+  """
+  seg_len, mode = int(config.data.segment_len), config.data.segmentation
+  batch_size, seed = int(config.train.batch_size), int(config.train.seed)
+  k = int(k if k is not None else config.trime.get("bm25_k", DEFAULT_K))
+  if k < 1:
+    raise ConfigError(f"BM25 batching needs k >= 1 neighbours, got {k}")
+  if batch_size < 1:
+    raise ConfigError(f"train.batch_size must be >= 1, got {batch_size}")
+  segments = D.make_segments(corpus, seg_len, mode)
+  if len(segments) == 0:
+    raise DataError("no training segments to batch")
+  t0 = time.perf_counter()
+  docs = segment_token_ids(corpus, segments)
+  nbrs, _ = neighbours(docs, k, backend=backend, progress=progress)
+  t1 = time.perf_counter()
+  order = pack(nbrs, seed)
+  batches = to_batches(order, batch_size)
+  t2 = time.perf_counter()
+  random_batches = to_batches(np.random.default_rng([seed, 29]).permutation(len(segments)), batch_size)
+  header = {
+      "kind": "bm25",
+      "corpus_fingerprint": corpus.fingerprint(),
+      "segment_len": seg_len,
+      "segmentation": mode,
+      "batch_size": batch_size,
+      "consecutive_segments": 1,
+      "seed": seed,
+      "k": k,
+      "num_segments": len(segments),
+      "padding_rows": int((batches < 0).sum()),
+      "last_batch": "padded with -1 rows",
+      "neighbour_in_batch": neighbour_in_batch(batches, nbrs),
+      "neighbour_in_batch_random": neighbour_in_batch(random_batches, nbrs),
+      "timing": {"retrieve_s": round(t1 - t0, 3), "pack_s": round(t2 - t1, 3),
+                 "segments_per_s": round(len(segments) / max(t2 - t0, 1e-9), 1)},
+  }
+  if progress:
+    print(f"bm25: {len(segments):,} segments, {len(batches):,} batches of {batch_size}, "
+          f"{header['timing']['segments_per_s']:,.0f} segments/s; top-{k} neighbours in the same batch: "
+          f"{header['neighbour_in_batch']:.1%} (random batches: {header['neighbour_in_batch_random']:.1%})",
+          flush=True)
+  return header, batches
