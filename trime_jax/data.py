@@ -207,7 +207,7 @@ def read_wikitext_articles(path: str) -> list[list[str]]:
       current.append(EOS)
   if current:
     articles.append(current)
-  if not any(len(a) > 1 for a in articles):
+  if not any(w != EOS for a in articles for w in a):
     raise DataError(f"WikiText token file has no text: {path}")
   return articles
 

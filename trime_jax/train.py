@@ -230,8 +230,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
         t_last, tok_last = now, 0
         if not math.isfinite(rec["loss"]):
           mgr.wait_until_finished()
-          raise TrainingError(f"non-finite loss at step {done}; updates with non-finite loss were skipped and "
-                              f"the last checkpoint (step {mgr.latest_step()}) is intact in {mgr.directory}")
+          kept = mgr.latest_step()
+          where = f"the last checkpoint (step {kept}) is intact in {mgr.directory}" if kept is not None else \
+              "no checkpoint had been written yet"
+          raise TrainingError(f"non-finite loss at step {done} (updates with a non-finite loss or gradient are "
+                              f"skipped, not applied); {where}. Lower train.learning_rate or enable clipping.")
         mfile.write(json.dumps(rec) + "\n")
         mfile.flush()
         _log(f"step {done:>6}/{r.num_steps} [{rec['objective']:>5}] loss {rec['loss']:.4f} | ce {rec['ce_nll']:.4f}"

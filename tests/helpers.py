@@ -1,0 +1,105 @@
+"""Tiny configs and corpora that tests build themselves (no ../shared/data needed)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from configs import default
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+WIKI_SAMPLE = """
+ = Alpha Article =
+
+ The alpha article is about alpha . Alpha is the first letter .
+ Alpha appears again in the alpha article .
+
+ = = Section = =
+
+ More alpha text and some beta .
+ = Beta Article =
+
+ Beta is the second letter . The beta article mentions alpha once .
+
+ = Gamma Article =
+
+ Gamma gamma gamma , said the <unk> .
+"""
+
+
+def write_wikitext_dir(root, articles_per_split=None):
+  """A WikiText-layout directory with wiki.{train,valid,test}.tokens built from WIKI_SAMPLE."""
+  os.makedirs(root, exist_ok=True)
+  for name in ("wiki.train.tokens", "wiki.valid.tokens", "wiki.test.tokens"):
+    with open(os.path.join(root, name), "w") as f:
+      f.write(WIKI_SAMPLE)
+  return root
+
+
+def write_text_file(path, n_bytes=60_000):
+  """Real text (this repository's own Python sources) as a byte corpus."""
+  chunks = []
+  for dirpath, _, files in sorted(os.walk(os.path.join(REPO, "trime_jax"))):
+    for fn in sorted(files):
+      if fn.endswith(".py"):
+        with open(os.path.join(dirpath, fn), "rb") as f:
+          chunks.append(f.read())
+  data = b"".join(chunks)
+  while len(data) < n_bytes:
+    data += data
+  with open(path, "wb") as f:
+    f.write(data[:n_bytes])
+  return path
+
+
+def tiny_config(corpus_path, **overrides):
+  """A byte-level config small enough for a few training steps in seconds."""
+  c = default.get_config()
+  c.data.corpus = "bytes"
+  c.data.path = str(corpus_path)
+  c.data.split_fractions = (0.8, 0.1, 0.1)
+  c.data.segment_len = 32
+  c.model.num_layers = 1
+  c.model.d_model = 32
+  c.model.num_heads = 2
+  c.model.d_ff = 64
+  c.model.max_len = 64
+  c.model.dropout = 0.1
+  c.train.batch_size = 4
+  c.train.num_steps = 6
+  c.train.learning_rate = 3e-3
+  c.train.warmup_steps = 2
+  c.train.log_every = 1
+  c.train.checkpoint_every = 3
+  c.train.eval_max_tokens = 300
+  c.eval.block_len = 64
+  c.eval.context_window = 32
+  c.eval.batch_size = 4
+  c.eval.max_tokens = 300
+  for key, value in overrides.items():
+    node = c
+    *path, leaf = key.split(".")
+    for p in path:
+      node = node[p]
+    node[leaf] = value
+  return c
+
+
+def config_file(tmp_path, corpus_path, **overrides):
+  """A config .py file for the CLIs (launch/*.py) equivalent to tiny_config(corpus_path, **overrides)."""
+  path = os.path.join(str(tmp_path), "tiny_config.py")
+  with open(path, "w") as f:
+    f.write(textwrap.dedent(f"""
+        from tests.helpers import tiny_config
+
+        def get_config():
+          return tiny_config({str(corpus_path)!r}, **{overrides!r})
+        """))
+  return path
+
+
+def run_cli(module, *args, timeout=300):
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True,
+                        text=True, timeout=timeout)

@@ -1,0 +1,113 @@
+"""Corpus readers, vocabularies, segments and batch order."""
+
+import os
+
+import ml_collections
+import numpy as np
+import pytest
+
+from tests.helpers import WIKI_SAMPLE, write_text_file, write_wikitext_dir
+from trime_jax import corpora
+from trime_jax import data as D
+from trime_jax.errors import ConfigError, DataError
+
+
+def _wiki_cfg(path, **kw):
+  c = ml_collections.ConfigDict(dict(corpus="wikitext", path=str(path), cache_dir="", split_fractions=(0.8, 0.1, 0.1),
+                                     split_seed=0, vocab_min_count=1, max_files=10, max_bytes_per_file=10_000))
+  c.update(kw)
+  return c
+
+
+def test_wikitext_reader_articles_eos_and_vocab(tmp_path):
+  path = tmp_path / "wiki.train.tokens"
+  path.write_text(WIKI_SAMPLE)
+  arts = D.read_wikitext_articles(str(path))
+  assert len(arts) == 3  # section headings do not split articles
+  assert arts[0][:5] == ["</s>", "=", "Alpha", "Article", "="]  # the leading empty line is an </s>
+  lines = WIKI_SAMPLE.split("\n")[:-1]  # the file ends with a newline
+  assert sum(a.count("</s>") for a in arts) == len(lines)  # one </s> per line, empty lines included
+  assert sum(len(a) for a in arts) == sum(len(l.split()) + 1 for l in lines)
+  vocab = D.Vocab.build(arts, min_count=2)
+  assert vocab.tokens[:2] == ["</s>", "<unk>"]
+  counts = {w: sum(a.count(w) for a in arts) for w in vocab.tokens[2:]}
+  assert all(c >= 2 for c in counts.values())
+  assert list(counts.values()) == sorted(counts.values(), reverse=True)
+  ids = vocab.encode_words(["second", "Alpha", "zzz-never-seen"])  # "second" occurs once: below min_count
+  assert ids[0] == vocab.unk and ids[1] == vocab.index["Alpha"] and ids[2] == vocab.unk
+
+
+def test_wikitext_splits_and_cache_are_memory_mapped(tmp_path):
+  root = write_wikitext_dir(tmp_path / "wt")
+  cfg = _wiki_cfg(root, cache_dir=str(tmp_path / "cache"))
+  a = corpora.load_splits(cfg)
+  b = corpora.load_splits(cfg)  # from the cache
+  assert isinstance(b.train.tokens, np.memmap)
+  assert a.train.fingerprint() == b.train.fingerprint() and a.vocab.fingerprint() == b.vocab.fingerprint()
+  assert a.train.num_docs == 3 and len(a.dev) == len(a.train)
+  # Encoding with a given vocabulary (e.g. a checkpoint's): unknown words become <unk>.
+  small = D.Vocab(["</s>", "<unk>", "Alpha"])
+  c = corpora.load_splits(_wiki_cfg(root), vocab=small)
+  assert set(np.unique(c.test.tokens)) <= {0, 1, 2}
+
+
+def test_byte_corpus_and_stdlib_demo_corpus(tmp_path):
+  path = write_text_file(tmp_path / "text.bin", 10_000)
+  cfg = _wiki_cfg(path, corpus="bytes", split_fractions=(0.9, 0.05, 0.05))
+  s = corpora.load_splits(cfg)
+  assert len(s.vocab) == 256 and s.vocab.kind == "bytes"
+  assert (len(s.train), len(s.dev), len(s.test)) == (9000, 500, 500)
+  assert bytes(np.asarray(s.train.tokens[:20], np.uint8)) == open(path, "rb").read(20)
+  st = corpora.load_splits(_wiki_cfg("", corpus="stdlib", max_files=30, split_fractions=(0.8, 0.1, 0.1)))
+  st2 = corpora.load_splits(_wiki_cfg("", corpus="stdlib", max_files=30, split_fractions=(0.8, 0.1, 0.1)))
+  assert st.train.num_docs + st.dev.num_docs + st.test.num_docs == 30
+  assert st.test.fingerprint() == st2.test.fingerprint()  # deterministic sample and split
+
+
+@pytest.mark.parametrize("mode", ["stream", "document"])
+def test_segments_cover_every_token_once_and_inputs_are_shifted(mode):
+  vocab = D.Vocab.bytes()
+  docs = [np.arange(1, 11), np.arange(20, 23), np.arange(30, 47)]  # lengths 10, 3, 17
+  corpus = D.Corpus.from_docs(docs, vocab)
+  seg = D.make_segments(corpus, 4, mode)
+  inputs, targets = D.gather_segments(corpus, seg, np.arange(len(seg)))
+  real = targets >= 0
+  assert np.array_equal(np.sort(targets[real]), np.sort(corpus.tokens))  # every token a target exactly once
+  stream = np.asarray(corpus.tokens)
+  flat_pos = seg.start[:, None] + np.arange(4)[None]
+  assert np.all(inputs[real] == np.where(flat_pos[real] > 0, stream[np.maximum(flat_pos[real] - 1, 0)], vocab.bos))
+  if mode == "document":
+    assert np.all(corpus.doc_ids()[seg.start] == seg.doc)
+    # each segment stays inside its document; index_in_doc counts up from 0 within each document
+    assert np.all(seg.start + seg.length <= corpus.doc_starts[seg.doc + 1])
+    assert list(seg.index_in_doc) == [0, 1, 2, 0, 0, 1, 2, 3, 4]
+  else:
+    assert len(seg) == 8 and seg.length[-1] == 2
+  padded_in, padded_t = D.gather_segments(corpus, seg, np.array([-1]))
+  assert np.all(padded_t == -1)
+
+
+def test_random_batches_cover_each_epoch_and_are_deterministic():
+  n, b = 10, 4
+  seen = np.concatenate([D.random_batch_indices(n, b, s, seed=3) for s in range(5)])  # 20 = 2 epochs
+  assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:]) == list(range(10))
+  assert np.array_equal(D.random_batch_indices(n, b, 2, seed=3), seen[8:12])
+  assert not np.array_equal(D.random_batch_indices(n, b, 0, seed=4), seen[:4])
+
+
+def test_bad_data_gives_clear_errors(tmp_path):
+  with pytest.raises(DataError, match="not found"):
+    corpora.load_splits(_wiki_cfg(tmp_path / "missing"))
+  empty = tmp_path / "empty.bin"
+  empty.write_bytes(b"")
+  with pytest.raises(DataError, match="empty"):
+    corpora.load_splits(_wiki_cfg(empty, corpus="bytes"))
+  os.makedirs(tmp_path / "blank")
+  for name in ("wiki.train.tokens", "wiki.valid.tokens", "wiki.test.tokens"):
+    (tmp_path / "blank" / name).write_text("\n\n")
+  with pytest.raises(DataError, match="no text"):
+    corpora.load_splits(_wiki_cfg(tmp_path / "blank"))
+  with pytest.raises(ConfigError, match="data.corpus"):
+    corpora.load_splits(_wiki_cfg(tmp_path, corpus="books"))
+  with pytest.raises(DataError, match="segmentation"):
+    D.make_segments(D.Corpus.from_docs([np.arange(5)], D.Vocab.bytes()), 2, "sentences")

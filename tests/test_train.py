@@ -1,0 +1,83 @@
+"""Training: the loss goes down, CE warm-up then TRIME, exact resume, accumulation, non-finite losses."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from tests.helpers import tiny_config, write_text_file
+from trime_jax import checkpoint as ckpt
+from trime_jax.errors import ConfigError, TrainingError
+from trime_jax.train import train_and_evaluate
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  return write_text_file(tmp_path_factory.mktemp("data") / "text.bin", 60_000)
+
+
+def _metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(l) for l in f if l.strip()]
+
+
+def _train_lines(workdir):
+  return [m for m in _metrics(workdir) if "loss" in m]
+
+
+def test_loss_goes_down_and_ce_warmup_switches_objective(corpus, tmp_path):
+  cfg = tiny_config(corpus, **{"train.num_steps": 40, "trime.ce_warmup_steps": 5, "model.dropout": 0.0})
+  out = train_and_evaluate(cfg, str(tmp_path / "run"))
+  lines = _train_lines(tmp_path / "run")
+  assert [m["objective"] for m in lines[:6]] == ["ce"] * 5 + ["trime"]
+  for m in lines:  # the optimised loss is the one the objective names; both are always reported
+    assert m["loss"] == pytest.approx(m["ce_nll"] if m["objective"] == "ce" else m["trime_nll"], rel=1e-6)
+  first = np.mean([m["trime_nll"] for m in lines[:3]])
+  last = np.mean([m["trime_nll"] for m in lines[-3:]])
+  assert last < first - 0.5, (first, last)
+  assert os.path.isdir(out["export"]) and "local(tau=1)_ppl" in out["dev"]
+
+
+def test_resume_continues_identically(corpus, tmp_path):
+  cfg = tiny_config(corpus, **{"train.num_steps": 6, "trime.ce_warmup_steps": 2})
+  train_and_evaluate(cfg, str(tmp_path / "straight"))
+  half = tiny_config(corpus, **{"train.num_steps": 3, "trime.ce_warmup_steps": 2})
+  train_and_evaluate(half, str(tmp_path / "resumed"))  # "interrupted" after the step-3 checkpoint
+  train_and_evaluate(cfg, str(tmp_path / "resumed"))  # same command again: resumes at step 3
+  a = _train_lines(tmp_path / "straight")
+  b = _train_lines(tmp_path / "resumed")
+  assert [m["step"] for m in b] == list(range(1, 7))  # metrics past the checkpoint were not duplicated
+  assert [m["loss"] for m in a] == [m["loss"] for m in b]
+  pa = ckpt.load_export(str(tmp_path / "straight" / "export"))[1]
+  pb = ckpt.load_export(str(tmp_path / "resumed" / "export"))[1]
+  for x, y in zip(jax.tree_util.tree_leaves(pa), jax.tree_util.tree_leaves(pb)):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_gradient_accumulation_matches_one_big_batch(corpus, tmp_path):
+  common = {"train.num_steps": 2, "trime.memory": "none", "model.dropout": 0.0, "train.learning_rate": 1e-2,
+            "train.warmup_steps": 0, "train.log_every": 1}
+  one = tiny_config(corpus, **common, **{"train.batch_size": 4, "train.grad_accum": 1})
+  two = tiny_config(corpus, **common, **{"train.batch_size": 2, "train.grad_accum": 2})
+  train_and_evaluate(one, str(tmp_path / "one"))
+  train_and_evaluate(two, str(tmp_path / "two"))
+  a, b = _train_lines(tmp_path / "one"), _train_lines(tmp_path / "two")
+  np.testing.assert_allclose([m["loss"] for m in a], [m["loss"] for m in b], rtol=1e-5)
+  np.testing.assert_allclose([m["grad_norm"] for m in a], [m["grad_norm"] for m in b], rtol=1e-4)
+
+
+def test_non_finite_loss_stops_with_a_clear_error(corpus, tmp_path):
+  cfg = tiny_config(corpus, **{"train.num_steps": 6, "train.learning_rate": float("inf"), "train.warmup_steps": 0})
+  with pytest.raises(TrainingError, match="non-finite loss at step"):
+    train_and_evaluate(cfg, str(tmp_path / "nan"))
+
+
+def test_config_errors(corpus, tmp_path):
+  with pytest.raises(ConfigError, match="trime.memory"):
+    train_and_evaluate(tiny_config(corpus, **{"trime.memory": "global"}), str(tmp_path / "x"))
+  with pytest.raises(ConfigError, match="vocab_size"):
+    train_and_evaluate(tiny_config(corpus, **{"model.vocab_size": 1000}), str(tmp_path / "y"))
+  with pytest.raises(ConfigError, match="max_len"):
+    train_and_evaluate(tiny_config(corpus, **{"data.segment_len": 128}), str(tmp_path / "z"))
