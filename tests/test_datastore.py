@@ -1,0 +1,190 @@
+"""Datastore builder / reader and FAISS indexes on a tiny exported model and a synthetic byte corpus."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import default
+from trime_jax import checkpoint as ckpt
+from trime_jax import data as D
+from trime_jax import evaluate as E
+from trime_jax import steps
+from trime_jax.datastore import Datastore, KnnIndex, build, build_datastore, build_index, gpu_available, rescore
+from trime_jax.errors import CheckpointError, ConfigError
+from trime_jax.model import ModelConfig, TransformerLM
+
+BLOCK, CONTEXT, BATCH = 16, 6, 3
+
+
+def _corpus(n_docs=6, seed=0):
+  rng = np.random.default_rng(seed)
+  words = [b"alpha", b"beta", b"gamma", b"delta", b"omega", b"sigma", b"tau", b"phi"]
+  docs = [b" ".join(words[i] for i in rng.integers(0, len(words), 100)) for _ in range(n_docs)]
+  return D.Corpus.from_docs([np.frombuffer(d, np.uint8).astype(np.int32) for d in docs], D.Vocab.bytes(), "tiny")
+
+
+def _export(directory, d_model=16, seed=0):
+  c = default.get_config()
+  c.model.num_layers, c.model.d_model, c.model.num_heads, c.model.d_ff, c.model.max_len = 1, d_model, 2, 32, 32
+  c.eval.block_len, c.eval.context_window, c.eval.batch_size = BLOCK, CONTEXT, BATCH
+  vocab = D.Vocab.bytes()
+  model = TransformerLM(ModelConfig.from_config(c.model, vocab_size=len(vocab)), rngs=nnx.Rngs(params=seed))
+  _, params = nnx.split(model, nnx.Param)
+  return ckpt.export(str(directory), params, c, vocab, extra={"step": 0})
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  root = tmp_path_factory.mktemp("ds")
+  export_dir = _export(root / "export")
+  corpus = _corpus()
+  out = str(root / "store")
+  meta = build_datastore(export_dir, corpus, out, chunk_tokens=100, progress=False)
+  return {"root": root, "export": export_dir, "corpus": corpus, "out": out, "meta": meta, "ds": Datastore(out)}
+
+
+def _expected_keys(export_dir, corpus):
+  """The keys the model computes for every target, with evaluation's windows (steps.forward, float32)."""
+  graphdef, params, _, _, _ = ckpt.load_export(export_dir)
+  wins = E.windows(len(corpus), BLOCK, CONTEXT)
+  inputs, targets, scored = E.window_batch(corpus, wins, BLOCK)
+  keys = jax.jit(lambda p, i, t: steps.forward(nnx.merge(graphdef, p), i, t)[1])(params, inputs, targets)
+  return np.asarray(keys)[scored]
+
+
+def test_contents_equal_model_keys(setup):
+  ds, corpus = setup["ds"], setup["corpus"]
+  assert ds.count == len(corpus) and ds.dimension == 16 and setup["meta"]["complete"]
+  assert ds.keys.dtype == np.float16 and ds.values.dtype == np.int32
+  np.testing.assert_array_equal(ds.values, corpus.tokens)
+  expected = _expected_keys(setup["export"], corpus)
+  assert expected.shape == ds.keys.shape
+  np.testing.assert_allclose(np.asarray(ds.keys, np.float32), expected, rtol=2e-3, atol=2e-3)
+  m = ds.meta
+  assert (m["block_len"], m["context_window"], m["corpus_fingerprint"]) == (BLOCK, CONTEXT, corpus.fingerprint())
+  assert m["checkpoint_fingerprint"] == ckpt.fingerprint(setup["export"])
+
+
+def _same_files(a, b):
+  for name in ("keys.npy", "values.npy"):
+    with open(os.path.join(a, name), "rb") as f, open(os.path.join(b, name), "rb") as g:
+      assert f.read() == g.read(), name
+
+
+def test_interrupted_build_resumes_to_the_same_store(setup, tmp_path):
+  out = str(tmp_path / "resumed")
+  meta = build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, max_chunks=2, progress=False)
+  assert not meta["complete"] and 0 < meta["tokens_done"] < len(setup["corpus"])
+  with pytest.raises(CheckpointError, match="incomplete"):
+    Datastore(out)
+  meta = build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, progress=False)
+  assert meta["complete"]
+  _same_files(out, setup["out"])
+  assert Datastore(out).fingerprint == setup["ds"].fingerprint
+
+
+def test_crash_mid_chunk_resumes_to_the_same_store(setup, tmp_path, monkeypatch):
+  out = str(tmp_path / "crashed")
+  real, calls = build._keys_step, []
+
+  def flaky(*args):
+    calls.append(1)
+    if len(calls) == 9:  # inside the third chunk (4 forward batches per chunk of 100 tokens)
+      raise KeyboardInterrupt
+    return real(*args)
+
+  monkeypatch.setattr(build, "_keys_step", flaky)
+  with pytest.raises(KeyboardInterrupt):
+    build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, progress=False)
+  with open(os.path.join(out, "meta.json")) as f:
+    assert json.load(f)["tokens_done"] == 2 * 4 * BATCH * (BLOCK - CONTEXT)
+  monkeypatch.setattr(build, "_keys_step", real)
+  build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, progress=False)
+  _same_files(out, setup["out"])
+
+
+def test_out_dir_of_another_datastore_is_refused(setup):
+  with pytest.raises(CheckpointError, match="context_window"):
+    build_datastore(setup["export"], setup["corpus"], setup["out"], context_window=4, progress=False)
+  meta = build_datastore(setup["export"], setup["corpus"], setup["out"], progress=False)  # complete: no-op
+  assert meta["complete"]
+
+
+def test_corpus_with_another_vocabulary_is_refused(setup, tmp_path):
+  words = D.Corpus.from_docs([np.arange(5)], D.Vocab(["</s>", "<unk>", "a", "b", "c"]), "words")
+  with pytest.raises(CheckpointError, match="vocabulary"):
+    build_datastore(setup["export"], words, str(tmp_path / "x"), progress=False)
+
+
+def test_checkpoint_mismatch_is_a_clear_error(setup):
+  ds = setup["ds"]
+  ds.check_checkpoint(setup["export"])
+  other = _export(setup["root"] / "export_d32", d_model=32)
+  with pytest.raises(CheckpointError, match="dimension 16"):
+    ds.check_checkpoint(other)
+  with pytest.raises(CheckpointError, match="vocab_fingerprint"):
+    ds.check(vocab_fingerprint="0123")
+
+
+def test_flat_index_is_exact(setup, tmp_path):
+  ds = setup["ds"]
+  index = build_index(ds, str(tmp_path / "flat.faiss"), progress=False)
+  assert index.kind == "flat"
+  rng = np.random.default_rng(0)
+  queries = rng.normal(size=(20, ds.dimension)).astype(np.float32)
+  scores, ids = index.search(queries, 8)
+  brute = queries @ np.asarray(ds.keys, np.float32).T
+  expected = np.argsort(-brute, axis=1, kind="stable")[:, :8]
+  np.testing.assert_allclose(scores, np.take_along_axis(brute, expected, 1), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.take_along_axis(brute, ids, 1), scores, rtol=1e-5, atol=1e-5)
+  exact, ids2 = rescore(ds, queries, ids)
+  np.testing.assert_allclose(exact, scores, rtol=1e-5, atol=1e-5)
+  loaded = KnnIndex.load(str(tmp_path / "flat.faiss"), datastore=ds)
+  np.testing.assert_array_equal(loaded.search(queries, 8)[1], ids)
+
+
+def test_ivfpq_builds_and_searches(setup, tmp_path):
+  ds = setup["ds"]
+  path = str(tmp_path / "ivfpq.faiss")
+  # nlist and pq_m are clamped to the small store (pq_bits=4 keeps PQ training fast on 2 cores).
+  index = build_index(ds, path, kind="ivfpq", nlist=4096, pq_m=64, pq_bits=4, progress=False)
+  info = index.info
+  assert info["index_type"] == "ivfpq" and info["pq_m"] == 16 and 1 <= info["nlist"] <= len(ds) // 39
+  rng = np.random.default_rng(1)
+  rows = rng.choice(len(ds), 50, replace=False)
+  queries = np.asarray(ds.keys[rows], np.float32)
+  index = KnnIndex.load(path, datastore=ds, nprobe=info["nlist"])
+  scores, ids = index.search(queries, 32)
+  assert ids.shape == (50, 32) and (ids >= 0).all() and (ids < len(ds)).all()
+  exact, reranked = rescore(ds, queries, ids)
+  assert (np.diff(exact, axis=1) <= 0).all()
+  brute = queries @ np.asarray(ds.keys, np.float32).T
+  # Approximate, but the true best inner product should be among the 32 candidates for most queries.
+  assert np.mean(np.isclose(exact[:, 0], brute.max(1), rtol=1e-4, atol=1e-4)) >= 0.7
+  assert index.search(queries, 4, nprobe=1)[1].shape == (50, 4)
+
+
+def test_index_mismatches_are_clear_errors(setup, tmp_path):
+  ds = setup["ds"]
+  path = str(tmp_path / "flat.faiss")
+  index = build_index(ds, path, progress=False)
+  with pytest.raises(CheckpointError, match="dimension 16"):
+    index.search(np.zeros((2, 8), np.float32), 3)
+  other_out = str(tmp_path / "other")
+  build_datastore(setup["export"], _corpus(n_docs=2, seed=5), other_out, progress=False)
+  with pytest.raises(CheckpointError, match="not built over datastore"):
+    KnnIndex.load(path, datastore=Datastore(other_out))
+  os.remove(path + ".json")
+  with pytest.raises(CheckpointError, match="incomplete"):
+    KnnIndex.load(path)
+
+
+@pytest.mark.skipif(gpu_available(), reason="a GPU build of faiss is present")
+def test_gpu_export_without_gpu_support_says_so(setup, tmp_path):
+  build_index(setup["ds"], str(tmp_path / "flat.faiss"), progress=False)
+  with pytest.raises(ConfigError, match="GPU"):
+    KnnIndex.load(str(tmp_path / "flat.faiss"), gpu=True)

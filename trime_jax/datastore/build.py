@@ -1,0 +1,267 @@
+"""External-memory datastore: the key g(c) and next token of every token of a corpus, under a trained model.
+
+Layout of a datastore directory:
+  keys.npy     float16 [N, D]  g(c_i): the memory key of target position i (`model.features(...)[1]`)
+  values.npy   int32   [N]     x_i: the target token at position i (= corpus.tokens[i])
+  meta.json    format, count N, dimension D, dtypes, fingerprints (checkpoint, vocabulary, corpus, datastore),
+               block_len / context_window, key_type, tokens_done, complete, build timing
+
+Entry i is target position i of the corpus stream, so N = len(corpus) and `values` equals the corpus tokens.
+Keys are computed with evaluation's windows (`evaluate.windows(N, block_len, context_window)`): every target
+is scored once, with up to `context_window` tokens of context before its chunk, exactly the context it gets
+when the same model evaluates that text. Documents are concatenated, as in evaluation.
+
+Building (`build_datastore`) runs the model window batch by window batch; every chunk of batches is written
+through the memmaps, flushed, and only then is `tokens_done` advanced in meta.json (atomically). An interrupted
+build therefore resumes at the first unsaved chunk when rerun with the same arguments, and a datastore whose
+`complete` flag is false is refused by the reader: it is never silently truncated.
+
+Reading (`Datastore(directory)`): memory-mapped `keys` / `values`, `fingerprint` (what indexes record),
+`check_checkpoint(dir)` / `check(...)` for clear errors when a model, vocabulary or key dimension does not
+match, `gather_keys(ids)` for exact re-scoring. `trime_jax.datastore.index` builds and searches FAISS indexes.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from trime_jax import checkpoint as ckpt
+from trime_jax import data as D
+from trime_jax import evaluate as E
+from trime_jax.errors import CheckpointError, ConfigError
+
+FORMAT = "trime-datastore/1"
+KEY_DTYPE = np.float16
+VALUE_DTYPE = np.int32
+CHUNK_TOKENS = 1 << 16  # scored tokens per persisted chunk (rounded to whole window batches)
+# meta.json fields that identify what a datastore holds: a resumed build must agree on all of them.
+IDENTITY = ("format", "count", "dimension", "key_dtype", "value_dtype", "checkpoint_fingerprint",
+            "vocab_fingerprint", "corpus_fingerprint", "key_type", "block_len", "context_window")
+
+
+def _paths(directory: str):
+  return (os.path.join(directory, "meta.json"), os.path.join(directory, "keys.npy"),
+          os.path.join(directory, "values.npy"))
+
+
+def _read_meta(directory: str) -> dict | None:
+  path = _paths(directory)[0]
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"datastore meta {path} is corrupt ({e})") from None
+
+
+class Datastore:
+  """A complete datastore, memory-mapped read-only.
+
+  keys    np.memmap float16 [count, dimension]   values  np.memmap int32 [count]
+  meta    the meta.json dict                      fingerprint  identifies the contents (indexes record it)
+  """
+
+  def __init__(self, directory: str):
+    self.directory = os.path.abspath(directory)
+    meta = _read_meta(directory)
+    if meta is None:
+      raise CheckpointError(f"no datastore in {directory}: meta.json is missing "
+                            "(build one with `python -m launch.build_datastore`)")
+    if meta.get("format") != FORMAT:
+      raise CheckpointError(f"{directory}: unknown datastore format {meta.get('format')!r}")
+    if not meta.get("complete"):
+      raise CheckpointError(f"datastore {directory} is incomplete ({meta.get('tokens_done', 0):,} of "
+                            f"{meta['count']:,} tokens): rerun the same build command to resume it")
+    _, keys_path, values_path = _paths(directory)
+    try:
+      self.keys = np.load(keys_path, mmap_mode="r")
+      self.values = np.load(values_path, mmap_mode="r")
+    except (FileNotFoundError, ValueError) as e:
+      raise CheckpointError(f"datastore {directory} is damaged: {e}") from None
+    n, d = meta["count"], meta["dimension"]
+    if self.keys.shape != (n, d) or self.keys.dtype != KEY_DTYPE:
+      raise CheckpointError(f"datastore {directory}: keys.npy is {self.keys.dtype}{list(self.keys.shape)}, "
+                            f"meta.json says float16[{n}, {d}]")
+    if self.values.shape != (n,) or self.values.dtype != VALUE_DTYPE:
+      raise CheckpointError(f"datastore {directory}: values.npy is {self.values.dtype}{list(self.values.shape)},"
+                            f" meta.json says int32[{n}]")
+    self.meta = meta
+
+  @property
+  def count(self) -> int:
+    return int(self.meta["count"])
+
+  @property
+  def dimension(self) -> int:
+    return int(self.meta["dimension"])
+
+  @property
+  def fingerprint(self) -> str:
+    return self.meta["fingerprint"]
+
+  def __len__(self):
+    return self.count
+
+  def check(self, *, checkpoint_fingerprint: str | None = None, vocab_fingerprint: str | None = None,
+            dimension: int | None = None, key_type: str | None = None) -> None:
+    """Raise CheckpointError naming every given field that differs from what the datastore was built with."""
+    problems = []
+    for name, want in [("checkpoint_fingerprint", checkpoint_fingerprint), ("vocab_fingerprint", vocab_fingerprint),
+                       ("dimension", dimension), ("key_type", key_type)]:
+      if want is not None and self.meta.get(name) != want:
+        problems.append(f"{name} {self.meta.get(name)!r} (datastore) != {want!r}")
+    if problems:
+      raise CheckpointError(f"datastore {self.directory} does not match: " + "; ".join(problems))
+
+  def check_checkpoint(self, checkpoint_dir: str) -> None:
+    """The datastore must have been built by this exported model (same weights, vocabulary, key space)."""
+    meta = _checkpoint_meta(checkpoint_dir)
+    self.check(checkpoint_fingerprint=ckpt.fingerprint(checkpoint_dir), vocab_fingerprint=meta["vocab_fingerprint"],
+               dimension=int(meta["d_model"]), key_type=meta["key_type"])
+
+  def gather_keys(self, ids) -> np.ndarray:
+    """float32 keys [*ids.shape, D] of entries `ids` (-1 gives zeros); reads rows in sorted order."""
+    ids = np.asarray(ids, np.int64)
+    flat = ids.reshape(-1)
+    valid = flat >= 0
+    uniq, inverse = np.unique(flat[valid], return_inverse=True)
+    out = np.zeros((flat.size, self.dimension), np.float32)
+    out[valid] = np.asarray(self.keys[uniq], np.float32)[inverse]
+    return out.reshape(ids.shape + (self.dimension,))
+
+
+def _checkpoint_meta(checkpoint_dir: str) -> dict:
+  path = os.path.join(checkpoint_dir, "meta.json")
+  if not os.path.exists(path):
+    raise CheckpointError(f"not an exported checkpoint: {path} is missing")
+  with open(path) as f:
+    return json.load(f)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _keys_step(graphdef, params, inputs_BxL):
+  """Memory keys g [B, L, D] as float16 (the dropout-free forward of evaluation)."""
+  model = nnx.merge(graphdef, params)
+  _, g = model.features(inputs_BxL, deterministic=True)
+  return g.astype(jnp.float16)
+
+
+def build_datastore(checkpoint_dir: str, corpus: D.Corpus, out_dir: str, *, block_len: int | None = None,
+                    context_window: int | None = None, batch_size: int | None = None,
+                    chunk_tokens: int = CHUNK_TOKENS, max_chunks: int | None = None,
+                    progress: bool = True) -> dict:
+  """Build (or resume) the datastore of `corpus` under the exported model in `checkpoint_dir`.
+
+  block_len / context_window / batch_size default to the checkpoint config's `eval` values. Progress is saved
+  every `chunk_tokens` scored tokens (rounded up to whole batches of windows). `max_chunks` stops after that
+  many chunks in this call (the datastore stays incomplete; a later call resumes). Returns meta.json's dict;
+  open the result with `Datastore(out_dir)` once `complete` is true.
+  """
+  graphdef, params, config, vocab, cmeta = ckpt.load_export(checkpoint_dir)
+  e = config.eval
+  block_len = int(block_len or e.block_len)
+  context_window = int(e.context_window if context_window is None else context_window)
+  batch_size = int(batch_size or e.batch_size)
+  if block_len > config.model.max_len:
+    raise ConfigError(f"block_len={block_len} exceeds the model's max_len={config.model.max_len}")
+  if corpus.vocab.fingerprint() != vocab.fingerprint():
+    raise CheckpointError(f"corpus {corpus.name or '(unnamed)'} is encoded with vocabulary "
+                          f"{corpus.vocab.fingerprint()}, the checkpoint uses {vocab.fingerprint()}: "
+                          "encode the corpus with the checkpoint's vocabulary")
+  n = len(corpus)
+  dim = int(cmeta["d_model"])
+  wins = E.windows(n, block_len, context_window)  # ConfigError for a bad context window
+  stride = block_len - context_window
+  per_chunk = batch_size * max(1, -(-chunk_tokens // (batch_size * stride)))  # windows per chunk
+
+  identity = {"format": FORMAT, "count": n, "dimension": dim, "key_dtype": "float16", "value_dtype": "int32",
+              "checkpoint_fingerprint": ckpt.fingerprint(checkpoint_dir), "vocab_fingerprint": vocab.fingerprint(),
+              "corpus_fingerprint": corpus.fingerprint(), "key_type": cmeta["key_type"],
+              "block_len": block_len, "context_window": context_window}
+  os.makedirs(out_dir, exist_ok=True)
+  meta_path, keys_path, values_path = _paths(out_dir)
+  meta = _read_meta(out_dir)
+  if meta is not None:
+    diff = [f"{k}: {meta.get(k)!r} there, {identity[k]!r} now" for k in IDENTITY if meta.get(k) != identity[k]]
+    if diff:
+      raise CheckpointError(f"{out_dir} holds a different datastore ({'; '.join(diff)}): choose another "
+                            "output directory or delete it")
+    if meta.get("complete"):
+      if progress:
+        print(f"datastore {out_dir} is already complete ({n:,} tokens)", flush=True)
+      return meta
+  done = int(meta["tokens_done"]) if meta else 0
+  if done == 0:  # fresh: full-size files up front (sparse on disk until written)
+    keys = np.lib.format.open_memmap(keys_path, mode="w+", dtype=KEY_DTYPE, shape=(n, dim))
+    values = np.lib.format.open_memmap(values_path, mode="w+", dtype=VALUE_DTYPE, shape=(n,))
+    fp = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    meta = {**identity, "fingerprint": fp, "corpus_name": corpus.name, "tokens_done": 0, "complete": False,
+            "build_seconds": 0.0}
+    D.atomic_write_json(meta_path, meta)
+  else:
+    try:
+      keys = np.load(keys_path, mmap_mode="r+")
+      values = np.load(values_path, mmap_mode="r+")
+    except (FileNotFoundError, ValueError) as e:
+      raise CheckpointError(f"cannot resume datastore {out_dir} ({e}): delete it and rebuild") from None
+    if keys.shape != (n, dim) or values.shape != (n,):
+      raise CheckpointError(f"cannot resume datastore {out_dir}: files have shapes {keys.shape} / "
+                            f"{values.shape}, expected {(n, dim)} / {(n,)}; delete it and rebuild")
+    if done % stride:
+      raise CheckpointError(f"datastore {out_dir}: tokens_done={done} is not a window boundary; delete it")
+
+  first_win = done // stride
+  todo = range(first_win, len(wins), per_chunk)
+  t0 = time.perf_counter()
+  built, session_s = 0, 0.0
+  bar = tqdm(total=n, initial=done, desc="datastore", unit="tok", unit_scale=True, disable=not progress)
+  for chunk_i, c0 in enumerate(todo):
+    if max_chunks is not None and chunk_i >= max_chunks:
+      break
+    chunk = wins[c0:c0 + per_chunk]
+    a, b = chunk[0].score_start, chunk[-1].end
+    for i in range(0, len(chunk), batch_size):
+      part = chunk[i:i + batch_size]
+      real = len(part)
+      part = part + [part[-1]] * (batch_size - real)  # fixed shapes: repeat, then ignore
+      inputs, _, scored = E.window_batch(corpus, part, block_len)
+      g = np.asarray(_keys_step(graphdef, params, inputs))
+      rows = g[:real][scored[:real]]  # scored positions in order = consecutive target positions
+      lo = part[0].score_start
+      if not np.isfinite(rows).all():
+        raise CheckpointError(f"non-finite float16 keys at tokens {lo}..{lo + len(rows)}: the model's keys "
+                              "overflow float16 or the checkpoint is broken")
+      keys[lo:lo + len(rows)] = rows
+    values[a:b] = np.asarray(corpus.tokens[a:b], VALUE_DTYPE)
+    keys.flush()
+    values.flush()
+    built += b - a
+    dt, t0 = time.perf_counter() - t0, time.perf_counter()
+    session_s += dt
+    meta["tokens_done"] = b
+    meta["build_seconds"] = round(meta["build_seconds"] + dt, 3)
+    D.atomic_write_json(meta_path, meta)  # only after the chunk's data is on disk
+    bar.update(b - a)
+    bar.set_postfix_str(f"{built / max(session_s, 1e-9):,.0f} tok/s", refresh=False)
+  bar.close()
+  del keys, values
+  if meta["tokens_done"] == n:
+    meta["complete"] = True
+    meta["tokens_per_s"] = round(n / max(meta["build_seconds"], 1e-9), 1)
+    D.atomic_write_json(meta_path, meta)
+  if progress:
+    state = "complete" if meta["complete"] else f"incomplete ({meta['tokens_done']:,} of {n:,} tokens)"
+    print(f"datastore {out_dir}: {state}; this call wrote {built:,} tokens in {session_s:.1f} s "
+          f"({built / max(session_s, 1e-9):,.0f} tokens/s)", flush=True)
+  return meta

@@ -1,0 +1,212 @@
+"""FAISS inner-product index over a datastore's keys, with a JSON sidecar and exact re-scoring.
+
+Files: `<path>` (faiss.write_index) and `<path>.json` (format, index_type, metric, dimension, count,
+datastore_fingerprint, the IVF-PQ parameters actually used, timings). The sidecar is written last, so an index
+without one is incomplete and refused.
+
+  build_index(ds, path=None, kind="auto", ...)    exact IndexFlatIP up to `exact_max` keys, else IVF-PQ
+                                                   (kNN-LM: 4096 lists, 64 sub-quantizers × 8 bits) trained on
+                                                   a seeded sample, keys added in chunks
+  KnnIndex.load(path, datastore=ds, nprobe=32, gpu=False)
+  index.search(queries [n, D] float32, k) -> (scores [n, k] float32, ids [n, k] int64), best first;
+                                                   ids index the datastore (-1 / -inf: fewer than k found)
+  rescore(ds, queries, ids) -> (scores, ids)       exact inner products from the stored float16 keys, re-sorted
+  gpu_available()                                  whether this faiss build can move indexes to a GPU
+
+Scores are raw inner products q·k; TRIME's similarity is q·k / √D (the evaluator applies the scale and its
+temperature). IVF-PQ scores are approximate (PQ codes); `rescore` recovers the exact ones for the retrieved ids.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import faiss
+import numpy as np
+from tqdm import tqdm
+
+from trime_jax import data as D
+from trime_jax.datastore.build import Datastore
+from trime_jax.errors import CheckpointError, ConfigError
+
+FORMAT = "trime-faiss-index/1"
+KINDS = ("auto", "flat", "ivfpq")
+EXACT_MAX = 1 << 18  # auto: exact search up to this many keys (IndexFlatIP keeps float32 copies)
+MIN_POINTS_PER_CENTROID = 39  # below this faiss k-means warns that clustering is unreliable
+
+
+def gpu_available() -> bool:
+  """True when this faiss build has GPU support and sees at least one GPU (faiss-cpu: False)."""
+  return (hasattr(faiss, "StandardGpuResources") and hasattr(faiss, "index_cpu_to_gpu")
+          and faiss.get_num_gpus() > 0)
+
+
+def _sidecar(path: str) -> str:
+  return path + ".json"
+
+
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+  return max(m for m in range(1, max(1, min(n, cap)) + 1) if n % m == 0)
+
+
+def _f32(x) -> np.ndarray:
+  return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto", exact_max: int = EXACT_MAX,
+                nlist: int = 4096, pq_m: int = 64, pq_bits: int = 8, train_size: int = 1_000_000,
+                add_chunk: int = 1 << 20, seed: int = 0, progress: bool = True) -> "KnnIndex":
+  """Build, save (`path`, default `<datastore>/index.faiss`) and return an inner-product index over `ds.keys`.
+
+  IVF-PQ parameters are clamped for small stores: nlist ≤ train_points / 39, pq_m the largest divisor of D
+  not above pq_m, pq_bits ≤ log2(train_points / 39); the sidecar records the values used.
+  """
+  if kind not in KINDS:
+    raise ConfigError(f"index kind must be one of {KINDS}, got {kind!r}")
+  path = path or os.path.join(ds.directory, "index.faiss")
+  n, d = ds.count, ds.dimension
+  if kind == "auto":
+    kind = "flat" if n <= exact_max else "ivfpq"
+  info = {"format": FORMAT, "index_type": kind, "metric": "inner_product", "dimension": d, "count": n,
+          "datastore_fingerprint": ds.fingerprint, "datastore": ds.directory}
+  t0 = time.perf_counter()
+  if kind == "flat":
+    index = faiss.IndexFlatIP(d)
+    info["train_seconds"] = 0.0
+  else:
+    n_train = min(n, int(train_size))
+    nlist_used = max(1, min(int(nlist), n_train // MIN_POINTS_PER_CENTROID))
+    m_used = _largest_divisor_at_most(d, int(pq_m))
+    bits_used = max(1, min(int(pq_bits), int(math.log2(max(n_train // MIN_POINTS_PER_CENTROID, 2)))))
+    quantizer = faiss.IndexFlatIP(d)
+    index = faiss.IndexIVFPQ(quantizer, d, nlist_used, m_used, bits_used, faiss.METRIC_INNER_PRODUCT)
+    sample = np.sort(np.random.default_rng(seed).choice(n, size=n_train, replace=False))
+    train = _f32(ds.keys[sample])
+    if progress:
+      print(f"index: training IVF-PQ (nlist={nlist_used}, m={m_used}, bits={bits_used}) on {n_train:,} keys",
+            flush=True)
+    index.train(train)
+    del train
+    info.update(nlist=nlist_used, pq_m=m_used, pq_bits=bits_used, train_size=n_train, seed=seed,
+                train_seconds=round(time.perf_counter() - t0, 3))
+  t1 = time.perf_counter()
+  for a in tqdm(range(0, n, add_chunk), desc="index add", unit="chunk", disable=not progress):
+    index.add(_f32(ds.keys[a:a + add_chunk]))  # ids are sequential: id = datastore row
+  if index.ntotal != n:
+    raise CheckpointError(f"index holds {index.ntotal} keys after adding {n}")
+  info["add_seconds"] = round(time.perf_counter() - t1, 3)
+  info["build_seconds"] = round(time.perf_counter() - t0, 3)
+  if os.path.exists(_sidecar(path)):
+    os.remove(_sidecar(path))  # the old sidecar must not vouch for a half-written index
+  tmp = f"{path}.tmp.{os.getpid()}"
+  faiss.write_index(index, tmp)
+  os.replace(tmp, path)
+  D.atomic_write_json(_sidecar(path), info)
+  if progress:
+    print(f"index: {kind} over {n:,} × {d} keys in {info['build_seconds']:.1f} s -> {path}", flush=True)
+  return KnnIndex(index, info, path)
+
+
+class KnnIndex:
+  """A loaded index: `search(queries, k)`; `nprobe` (IVF lists visited per query) is settable."""
+
+  def __init__(self, index, info: dict, path: str, nprobe: int = 32):
+    self.index = index
+    self.info = info
+    self.path = path
+    self.nprobe = int(nprobe)
+    self.on_gpu = False
+    self._gpu_resources = None  # must outlive the GPU index
+
+  @property
+  def dimension(self) -> int:
+    return int(self.info["dimension"])
+
+  @property
+  def count(self) -> int:
+    return int(self.info["count"])
+
+  @property
+  def kind(self) -> str:
+    return self.info["index_type"]
+
+  @classmethod
+  def load(cls, path: str, datastore: Datastore | None = None, *, nprobe: int = 32, gpu: bool = False,
+           device: int = 0) -> "KnnIndex":
+    """Read an index; with `datastore`, refuse one built over other keys. gpu=True moves it to `device`."""
+    if not os.path.exists(path):
+      raise CheckpointError(f"FAISS index not found: {path} (build one with `python -m launch.build_datastore`)")
+    if not os.path.exists(_sidecar(path)):
+      raise CheckpointError(f"FAISS index {path} is incomplete: its sidecar {_sidecar(path)} is missing; rebuild it")
+    with open(_sidecar(path)) as f:
+      info = json.load(f)
+    if info.get("format") != FORMAT:
+      raise CheckpointError(f"{_sidecar(path)}: unknown index format {info.get('format')!r}")
+    index = faiss.read_index(path)
+    if index.d != info["dimension"] or index.ntotal != info["count"]:
+      raise CheckpointError(f"FAISS index {path} holds {index.ntotal} × {index.d} keys, its sidecar says "
+                            f"{info['count']} × {info['dimension']}; rebuild it")
+    out = cls(index, info, path, nprobe)
+    if datastore is not None:
+      out.check_datastore(datastore)
+    if gpu:
+      out.to_gpu(device)
+    return out
+
+  def check_datastore(self, ds: Datastore) -> None:
+    problems = []
+    if self.info["datastore_fingerprint"] != ds.fingerprint:
+      problems.append(f"datastore fingerprint {self.info['datastore_fingerprint']} (index) != {ds.fingerprint}")
+    if self.dimension != ds.dimension:
+      problems.append(f"dimension {self.dimension} (index) != {ds.dimension}")
+    if self.count != ds.count:
+      problems.append(f"count {self.count} (index) != {ds.count}")
+    if problems:
+      raise CheckpointError(f"FAISS index {self.path} was not built over datastore {ds.directory}: "
+                            + "; ".join(problems))
+
+  def to_gpu(self, device: int = 0) -> "KnnIndex":
+    """Move the index to GPU `device` (float16 PQ lookup tables, as kNN-LM); a clear error without a GPU."""
+    if not gpu_available():
+      reason = ("this faiss build has no GPU support (faiss-cpu); install a GPU build of faiss"
+                if not hasattr(faiss, "StandardGpuResources") else "faiss sees no GPU")
+      raise ConfigError(f"cannot move the FAISS index to a GPU: {reason}. Search it on the CPU instead.")
+    self._gpu_resources = faiss.StandardGpuResources()
+    options = faiss.GpuClonerOptions()
+    options.useFloat16 = True  # IVF-PQ with 64 sub-quantizers needs float16 lookup tables on GPU
+    self.index = faiss.index_cpu_to_gpu(self._gpu_resources, device, self.index, options)
+    self.on_gpu = True
+    return self
+
+  def search(self, queries_NxD, k: int, *, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(scores [n, k] float32, ids [n, k] int64) of the k largest inner products, best first."""
+    q = _f32(queries_NxD)
+    if q.ndim != 2 or q.shape[1] != self.dimension:
+      raise CheckpointError(f"queries of shape {tuple(q.shape)} do not match the index dimension {self.dimension}"
+                            " (was the index built from another model's keys?)")
+    if k < 1:
+      raise ConfigError(f"k must be >= 1, got {k}")
+    params = None
+    if self.kind == "ivfpq":
+      params = faiss.SearchParametersIVF(nprobe=int(nprobe or self.nprobe))
+    scores, ids = self.index.search(q, int(k), params=params)
+    return scores, ids.astype(np.int64, copy=False)
+
+
+def rescore(ds: Datastore, queries_NxD, ids_NxK, *, sort: bool = True) -> tuple[np.ndarray, np.ndarray]:
+  """Exact inner products [n, k] float32 of each query with its retrieved keys (float16 keys read back as
+  float32; -inf where ids is -1), re-sorted best first unless sort=False. Returns (scores, ids)."""
+  q = _f32(queries_NxD)
+  ids = np.asarray(ids_NxK, np.int64)
+  if q.ndim != 2 or q.shape[1] != ds.dimension or ids.shape[0] != q.shape[0]:
+    raise CheckpointError(f"queries {tuple(q.shape)} / ids {tuple(ids.shape)} do not match the datastore "
+                          f"dimension {ds.dimension}")
+  scores = np.einsum("nd,nkd->nk", q, ds.gather_keys(ids))
+  scores = np.where(ids >= 0, scores, -np.inf).astype(np.float32)
+  if sort:
+    order = np.argsort(-scores, axis=1, kind="stable")
+    scores, ids = np.take_along_axis(scores, order, 1), np.take_along_axis(ids, order, 1)
+  return scores, ids
