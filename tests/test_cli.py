@@ -1,0 +1,80 @@
+"""The launch CLIs end to end on a tiny config, and bad input as one clear `error:` line (no traceback)."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from tests.helpers import config_file, run_cli, write_text_file
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("cli")
+  corpus = write_text_file(tmp / "text.bin", 40_000)
+  cfg = config_file(tmp, corpus)
+  work = tmp / "run"
+  r = run_cli("launch.train", f"--config={cfg}", f"--workdir={work}", "--config.train.num_steps=4")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "exported" in r.stdout and os.path.isdir(work / "export")
+  return tmp, corpus, cfg, work
+
+
+def _one_error_line(r):
+  assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+  assert "Traceback" not in r.stderr
+  errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+  assert len(errors) == 1, r.stderr
+  return errors[0]
+
+
+def test_train_then_eval_cli(trained):
+  tmp, _, cfg, work = trained
+  out = tmp / "eval.json"
+  r = run_cli("launch.eval", f"--config={cfg}", f"--checkpoint={work}/export", "--config.eval.memory=cache",
+              "--config.eval.split=test", f"--output={out}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = json.loads(out.read_text())
+  assert [x["variant"] for x in rows][0] == "none" and rows[1]["variant"].startswith("cache(")
+  assert all(x["tokens"] > 0 and x["ppl"] > 1 and "bpc" in x for x in rows)
+  assert "| variant" in r.stdout
+
+
+def test_unknown_config_field(trained):
+  _, _, cfg, work = trained
+  line = _one_error_line(run_cli("launch.train", f"--config={cfg}", f"--workdir={work}x", "--config.train.num_stpes=3"))
+  assert "num_stpes" in line and "num_steps" in line
+
+
+def test_missing_and_empty_data(trained):
+  tmp, _, cfg, _ = trained
+  line = _one_error_line(run_cli("launch.train", f"--config={cfg}", f"--workdir={tmp}/m",
+                                 f"--config.data.path={tmp}/nope.bin"))
+  assert "not found" in line
+  empty = tmp / "empty.bin"
+  empty.write_bytes(b"")
+  line = _one_error_line(run_cli("launch.train", f"--config={cfg}", f"--workdir={tmp}/e", f"--config.data.path={empty}"))
+  assert "empty" in line
+
+
+def test_checkpoint_vocabulary_mismatch(trained):
+  tmp, _, cfg, work = trained
+  broken = tmp / "broken_export"
+  shutil.copytree(work / "export", broken)
+  vocab = json.loads((broken / "vocab.json").read_text())
+  vocab["tokens"] = vocab["tokens"][:-1]  # a vocabulary that is not the one the model was trained with
+  vocab.pop("fingerprint")
+  (broken / "vocab.json").write_text(json.dumps(vocab))
+  line = _one_error_line(run_cli("launch.eval", f"--config={cfg}", f"--checkpoint={broken}"))
+  assert "vocabulary mismatch" in line
+  # A byte-level checkpoint evaluated on a word-level corpus.
+  wiki = tmp / "wiki"
+  from tests.helpers import write_wikitext_dir
+
+  write_wikitext_dir(wiki)
+  line = _one_error_line(run_cli("launch.eval", f"--config={cfg}", f"--checkpoint={work}/export",
+                                 "--config.data.corpus=wikitext", f"--config.data.path={wiki}"))
+  assert "does not match" in line
+  line = _one_error_line(run_cli("launch.eval", f"--config={cfg}", f"--checkpoint={tmp}/no_such_export"))
+  assert "not found" in line
