@@ -31,7 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 from trime_jax import data as D
-from trime_jax.errors import ConfigError, DataError
+from trime_jax.errors import ConfigError
 
 DEFAULT_K = 20  # neighbours per segment (the paper's k)
 QUERY_BATCH = 4096  # segments per bm25s.retrieve call (one progress-bar step)
@@ -44,40 +44,42 @@ def _threads() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def segment_token_ids(corpus: D.Corpus, segments: D.Segments) -> list[list[int]]:
-  """Each segment's target tokens as a list of ids, remapped to 0..n_distinct-1.
-
-  The remap makes the ids contiguous (bm25s sizes its score matrix by the distinct ids it sees); BM25 only
-  compares ids, so relabelling changes no score.
-  """
-  tokens = np.asarray(corpus.tokens)
-  present = np.bincount(tokens, minlength=1) > 0
-  dense = (np.cumsum(present) - 1).astype(np.int32)
-  return [dense[tokens[s:s + n]].tolist() for s, n in zip(segments.start.tolist(), segments.length.tolist())]
+def segment_token_ids(corpus: D.Corpus, segments: D.Segments) -> list[np.ndarray]:
+  """Each segment's target tokens (int32 views of the corpus stream, padding excluded)."""
+  tokens = corpus.tokens
+  return [tokens[s:s + n] for s, n in zip(segments.start.tolist(), segments.length.tolist())]
 
 
-def bm25_index(docs: list[list[int]], *, backend: str = "numba",
+def bm25_index(docs: list[np.ndarray], *, backend: str = "numba",
                progress: bool = False) -> tuple[bm25s.BM25, np.ndarray]:
-  """(retriever, lut): a bm25s index (Lucene BM25, k1=1.5, b=0.75) of token-id documents; `lut[id]` is
-  bm25s's internal id for a document token id (queries must be given in internal ids)."""
+  """(retriever, lut): a bm25s index (Lucene BM25, k1=1.5, b=0.75) of token-id documents.
+
+  bm25s uses the ids it is given as score-matrix columns, so they are first relabelled to 0..n_distinct-1
+  (BM25 only compares ids: no score changes). Queries must be relabelled the same way: `lut[token_ids]`
+  (-1 for an id no document contains).
+  """
+  present = np.bincount(np.concatenate(docs), minlength=1) > 0
+  lut = np.where(present, np.cumsum(present) - 1, -1).astype(np.int32)
   retriever = bm25s.BM25(backend=backend)
-  retriever.index(docs, show_progress=progress)
-  n = 1 + max(max(d) for d in docs)
-  lut = np.array([retriever.vocab_dict.get(i, -1) for i in range(n)], np.int32)
-  if (lut < 0).any():
-    raise ValueError("document token ids must be contiguous from 0 (see segment_token_ids)")
+  retriever.index([lut[d].tolist() for d in docs], show_progress=progress)
+  # bm25s keys document frequencies by its own labels but reads columns by the given ids: they must agree.
+  if any(key != label for key, label in retriever.vocab_dict.items()):
+    raise RuntimeError("bm25s relabelled contiguous token ids; its BM25 scores would be wrong")
   return retriever, lut
 
 
-def neighbours(docs: list[list[int]], k: int, *, backend: str = "numba", query_batch: int = QUERY_BATCH,
-               n_threads: int = 0, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_batch: int = QUERY_BATCH,
+               n_threads: int = 0, progress: bool = False,
+               timing: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
   """Top-k most BM25-similar other documents of every document: (ids [S, k] int64, scores [S, k] float32),
   best first; -1 / -inf where there are fewer than k other documents. Each document queries with its own
   tokens (repeated tokens count once per occurrence, as in a Lucene query).
 
-  backend: "numba" (fast, but its first call in a process JIT-compiles for ~10-15 s) or "numpy".
-  n_threads: 0 = every core this process may use.
+  backend: "numba" (fast, but its first call in a process JIT-compiles for 15-30 s) or "numpy".
+  n_threads: 0 = every core this process may use. timing: filled with index_s, compile_s, retrieve_s.
   """
+  timing = {} if timing is None else timing
+  t0 = time.perf_counter()
   s = len(docs)
   k_eff = min(k, s - 1)
   ids = np.full((s, k), -1, np.int64)
@@ -88,6 +90,10 @@ def neighbours(docs: list[list[int]], k: int, *, backend: str = "numba", query_b
   # bm25s's numpy backend would pick JAX for its per-query top-k when JAX is importable: keep it on numpy.
   selection = "numba" if backend == "numba" else "numpy"
   n_threads = n_threads or _threads()
+  t1 = time.perf_counter()
+  retriever.retrieve([lut[docs[0]].tolist()], k=1, show_progress=False, n_threads=n_threads,
+                     backend_selection=selection)  # compiles the numba kernels (once per process)
+  t2 = time.perf_counter()
   for a in tqdm(range(0, s, query_batch), desc="bm25 retrieve", unit="batch", disable=not progress):
     b = min(a + query_batch, s)
     queries = [lut[d].tolist() for d in docs[a:b]]
@@ -100,6 +106,7 @@ def neighbours(docs: list[list[int]], k: int, *, backend: str = "numba", query_b
     keep = np.arange(k_eff + 1)[None, :] != drop[:, None]
     ids[a:b, :k_eff] = got[keep].reshape(b - a, k_eff)
     scores[a:b, :k_eff] = sc[keep].reshape(b - a, k_eff)
+  timing.update(index_s=round(t1 - t0, 3), compile_s=round(t2 - t1, 3), retrieve_s=round(time.perf_counter() - t2, 3))
   return ids, scores
 
 
@@ -166,15 +173,16 @@ def make_plan(corpus: D.Corpus, config, *, progress: bool = True, k: int | None 
   if batch_size < 1:
     raise ConfigError(f"train.batch_size must be >= 1, got {batch_size}")
   segments = D.make_segments(corpus, seg_len, mode)
-  if len(segments) == 0:
-    raise DataError("no training segments to batch")
-  t0 = time.perf_counter()
   docs = segment_token_ids(corpus, segments)
-  nbrs, _ = neighbours(docs, k, backend=backend, progress=progress)
-  t1 = time.perf_counter()
+  timing = {}
+  nbrs, _ = neighbours(docs, k, backend=backend, progress=progress, timing=timing)
+  t0 = time.perf_counter()
   order = pack(nbrs, seed)
   batches = to_batches(order, batch_size)
-  t2 = time.perf_counter()
+  timing["pack_s"] = round(time.perf_counter() - t0, 3)
+  # Throughput of indexing + retrieval + packing; the one-off numba compile is reported apart.
+  work = timing.get("index_s", 0) + timing.get("retrieve_s", 0) + timing["pack_s"]
+  timing["segments_per_s"] = round(len(segments) / max(work, 1e-9), 1)
   random_batches = to_batches(np.random.default_rng([seed, 29]).permutation(len(segments)), batch_size)
   header = {
       "kind": "bm25",
@@ -190,12 +198,12 @@ def make_plan(corpus: D.Corpus, config, *, progress: bool = True, k: int | None 
       "last_batch": "padded with -1 rows",
       "neighbour_in_batch": neighbour_in_batch(batches, nbrs),
       "neighbour_in_batch_random": neighbour_in_batch(random_batches, nbrs),
-      "timing": {"retrieve_s": round(t1 - t0, 3), "pack_s": round(t2 - t1, 3),
-                 "segments_per_s": round(len(segments) / max(t2 - t0, 1e-9), 1)},
+      "timing": timing,
   }
   if progress:
     print(f"bm25: {len(segments):,} segments, {len(batches):,} batches of {batch_size}, "
-          f"{header['timing']['segments_per_s']:,.0f} segments/s; top-{k} neighbours in the same batch: "
+          f"{timing['segments_per_s']:,.0f} segments/s (+{timing.get('compile_s', 0):.1f} s numba compile); "
+          f"top-{k} neighbours in the same batch: "
           f"{header['neighbour_in_batch']:.1%} (random batches: {header['neighbour_in_batch_random']:.1%})",
           flush=True)
   return header, batches

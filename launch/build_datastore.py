@@ -1,0 +1,58 @@
+"""Build the external-memory datastore (keys g(c) + next tokens) of a corpus split, then its FAISS index.
+
+  python -m launch.build_datastore --config=configs/wikitext_mini.py --checkpoint=runs/mini/export \
+      --out=runs/mini/datastore [--split=train] [--index=auto|flat|ivfpq|none] [--nlist=4096] [--pq_m=64]
+
+The model and vocabulary come from the checkpoint; `--config` supplies the data and the evaluation windows
+(eval.block_len, eval.context_window, eval.batch_size). Rerunning the same command resumes an interrupted
+datastore build; a complete one is reused and only the index is rebuilt.
+"""
+
+import json
+import os
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
+from launch.common import run_main
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
+_OUT = flags.DEFINE_string("out", None, "Datastore directory (keys.npy, values.npy, meta.json, index.faiss).")
+_SPLIT = flags.DEFINE_enum("split", "train", ["train", "dev", "test"], "Corpus split stored in the datastore.")
+_INDEX = flags.DEFINE_enum("index", "auto", ["auto", "flat", "ivfpq", "none"],
+                           "FAISS index: auto = exact IndexFlatIP for small stores, IVF-PQ for large ones.")
+_NLIST = flags.DEFINE_integer("nlist", 4096, "IVF-PQ inverted lists (clamped for small stores).")
+_PQ_M = flags.DEFINE_integer("pq_m", 64, "IVF-PQ sub-quantizers (clamped to a divisor of the key dimension).")
+flags.mark_flags_as_required(["config", "checkpoint", "out"])
+
+
+def main(argv):
+  del argv
+  from trime_jax import data as D
+  from trime_jax.datastore import Datastore, build_datastore, build_index
+  from trime_jax.errors import CheckpointError
+  from trime_jax.runs import load_eval_data
+
+  config, checkpoint, out = _CONFIG.value, _CHECKPOINT.value, _OUT.value
+  vocab_path = os.path.join(checkpoint, "vocab.json")
+  if not os.path.exists(vocab_path):
+    raise CheckpointError(f"not an exported checkpoint: {vocab_path} is missing")
+  with open(vocab_path) as f:
+    vocab = D.Vocab.from_json(json.load(f))
+  corpus = load_eval_data(config, vocab).get(_SPLIT.value)
+  e = config.eval
+  try:
+    build_datastore(checkpoint, corpus, out, block_len=e.block_len, context_window=e.context_window,
+                           batch_size=e.batch_size)
+  except KeyboardInterrupt:
+    print(f"interrupted: the datastore in {out} keeps every finished chunk; rerun the same command to resume",
+          file=sys.stderr, flush=True)
+    sys.exit(130)
+  if _INDEX.value != "none":
+    build_index(Datastore(out), kind=_INDEX.value, nlist=_NLIST.value, pq_m=_PQ_M.value)
+
+
+if __name__ == "__main__":
+  run_main(main)
