@@ -47,6 +47,8 @@ def get_config():
   t.stop_gradient_memory = False  # ablation "w/o back-prop to memory": no gradient into memory keys
   t.ce_warmup_steps = -1  # updates trained with plain CE first; -1: 5% of train.num_steps (the paper)
   t.memory_chunk = 0  # blockwise loss: memory tokens per chunk; 0 = derived from a 64 MiB block budget
+  t.sharded_variant = "gather"  # >1 device, memory=ext: gather (all-gather keys) | ring (ppermute blocks, O(B/n) memory)
+  t.memory_grad = "all"  # >1 device: all (grads reach every device's keys) | local_only (original: own device only)
 
   c.train = r = ml_collections.ConfigDict()
   r.seed = 0  # parameter init, data order, dropout and drop-local decisions

@@ -470,3 +470,23 @@ def trime_nll(
       block_elems=block_elems,
       memory_chunk=memory_chunk,
   )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sharded global batches (implemented in `trime_jax.sharded_loss`; imported lazily to keep this module leaf).
+# ----------------------------------------------------------------------------------------------------------
+def sharded_trime_nll(*args, **kwargs):
+  """`trime_nll` on a global batch sharded over a `data` mesh axis (see `trime_jax.sharded_loss`):
+  `sharded_trime_nll(token_logits, keys, targets, *, mesh, memory, ..., variant="gather" | "ring",
+  memory_grad="all" | "local_only")`."""
+  from trime_jax.sharded_loss import sharded_trime_nll as f
+
+  return f(*args, **kwargs)
+
+
+def sharded_trime_nll_from_vocab_stats(*args, **kwargs):
+  """`trime_nll_from_vocab_stats` on a global batch sharded over a `data` mesh axis (see
+  `trime_jax.sharded_loss.sharded_trime_nll_from_vocab_stats`)."""
+  from trime_jax.sharded_loss import sharded_trime_nll_from_vocab_stats as f
+
+  return f(*args, **kwargs)

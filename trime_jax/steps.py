@@ -14,6 +14,8 @@ import optax
 from flax import nnx
 
 from trime_jax import loss as L
+from trime_jax import sharded_loss as SL
+from trime_jax.errors import ConfigError
 from trime_jax.model import TransformerLM
 
 
@@ -27,6 +29,14 @@ class LossSpec:
   stop_gradient_memory: bool = False
   memory_chunk: int = 0
   vocab_chunk: int = 0
+  sharded_variant: str = "gather"  # on a >1-device mesh: gather | ring (see trime_jax/sharded_loss.py)
+  memory_grad: str = "all"  # on a >1-device mesh: all | local_only
+
+  def __post_init__(self):
+    if self.sharded_variant not in SL.VARIANTS:
+      raise ConfigError(f"trime.sharded_variant must be one of {SL.VARIANTS}, got {self.sharded_variant!r}")
+    if self.memory_grad not in SL.MEMORY_GRADS:
+      raise ConfigError(f"trime.memory_grad must be one of {SL.MEMORY_GRADS}, got {self.memory_grad!r}")
 
   @classmethod
   def from_config(cls, config) -> "LossSpec":
@@ -37,6 +47,8 @@ class LossSpec:
         stop_gradient_memory=bool(config.trime.stop_gradient_memory),
         memory_chunk=int(config.trime.memory_chunk),
         vocab_chunk=int(config.train.vocab_chunk),
+        sharded_variant=config.trime.get("sharded_variant", "gather"),
+        memory_grad=config.trime.get("memory_grad", "all"),
     )
 
 
@@ -51,8 +63,12 @@ def forward(model: TransformerLM, inputs_BxL, targets_BxL, *, vocab_chunk=0, det
 
 
 def nll_sums(model, batch, spec: LossSpec, *, use_trime: bool, report_trime: bool, rngs=None,
-             deterministic=False):
-  """Sums over the batch's valid tokens: (objective, ce, trime, n_tokens)."""
+             deterministic=False, mesh=None):
+  """Sums over the batch's valid tokens: (objective, ce, trime, n_tokens).
+
+  With a `mesh` of more than one device the batch rows are sharded over its `data` axis and the TRIME loss
+  is `sharded_loss.sharded_trime_nll_from_vocab_stats` (every query sees the whole global batch).
+  """
   inputs, targets = batch["inputs"], batch["targets"]
   stats, keys = forward(model, inputs, targets, vocab_chunk=spec.vocab_chunk, deterministic=deterministic,
                         rngs=rngs)
@@ -63,10 +79,13 @@ def nll_sums(model, batch, spec: LossSpec, *, use_trime: bool, report_trime: boo
     return ce, ce, ce, ntok
 
   def trime(k):
-    return L.trime_nll_from_vocab_stats(
-        stats, k, targets, memory=spec.memory, consecutive_segments=spec.consecutive_segments,
-        drop_local=batch["drop_local"], stop_gradient_memory=spec.stop_gradient_memory,
-        temperature=spec.temperature, memory_chunk=spec.memory_chunk or None).sum()
+    kw = dict(memory=spec.memory, consecutive_segments=spec.consecutive_segments,
+              drop_local=batch["drop_local"], stop_gradient_memory=spec.stop_gradient_memory,
+              temperature=spec.temperature, memory_chunk=spec.memory_chunk or None)
+    if mesh is not None and mesh.size > 1:
+      return SL.sharded_trime_nll_from_vocab_stats(stats, k, targets, mesh=mesh, variant=spec.sharded_variant,
+                                                   memory_grad=spec.memory_grad, **kw).sum()
+    return L.trime_nll_from_vocab_stats(stats, k, targets, **kw).sum()
 
   if use_trime:
     tr = trime(keys)
@@ -75,8 +94,9 @@ def nll_sums(model, batch, spec: LossSpec, *, use_trime: bool, report_trime: boo
   return ce, ce, tr, ntok
 
 
-def train_step(graphdef, tx, spec: LossSpec, use_trime: bool, report_trime: bool, state, batch, dropout_key):
-  """One optimizer update over `grad_accum` micro-batches.
+def train_step(graphdef, tx, spec: LossSpec, use_trime: bool, report_trime: bool, state, batch, dropout_key,
+               *, mesh=None):
+  """One optimizer update over `grad_accum` micro-batches (`mesh`: see `nll_sums`).
 
   state: {"step": [], "params": nnx.State, "opt_state": ...}; batch: inputs/targets [A, B, L],
   drop_local [A]. Gradients are of the summed nll divided by the update's token count (fairseq's
@@ -91,7 +111,7 @@ def train_step(graphdef, tx, spec: LossSpec, use_trime: bool, report_trime: bool
     def objective(p):
       model = nnx.merge(graphdef, p)
       obj, ce, tr, n = nll_sums(model, mb, spec, use_trime=use_trime, report_trime=report_trime,
-                                rngs=nnx.Rngs(dropout=key))
+                                rngs=nnx.Rngs(dropout=key), mesh=mesh)
       return obj, (ce, tr, n)
 
     (obj, (ce, tr, n)), g = jax.value_and_grad(objective, has_aux=True)(params)

@@ -24,6 +24,7 @@ from flax import nnx
 from trime_jax import checkpoint as ckpt
 from trime_jax import corpora
 from trime_jax import data as D
+from trime_jax import distributed
 from trime_jax import evaluate as E
 from trime_jax import sharding
 from trime_jax import steps
@@ -130,8 +131,12 @@ class BatchSource:
     flat = D.random_batch_indices(len(self.segments), micro * r.batch_size, step, r.seed)
     return flat.reshape(micro, r.batch_size)
 
-  def __call__(self, step: int) -> dict:
+  def __call__(self, step: int, rows=None) -> dict:
+    """The batch of update `step`; `rows` (global row indices, sorted): only those rows of each micro-batch
+    (a host's slice of the global batch, see `distributed.process_rows`)."""
     idx = self.indices(step)
+    if rows is not None:
+      idx = idx[:, rows]
     inputs, targets = D.gather_segments(self.corpus, self.segments, idx.reshape(-1))
     shape = idx.shape + (self.segments.seg_len,)
     t = self.config.trime
@@ -181,7 +186,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   model = build_model(config, len(vocab), r.seed)
   graphdef, params = nnx.split(model, nnx.Param)
   tx, schedule = make_optimizer(r)
-  state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
+  repl, data_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh, batch_axis=1)
+  # Placed before restoring: the abstract state then carries the mesh shardings, so orbax restores onto
+  # every host's devices (multi-host) instead of one default device.
+  state = jax.device_put({"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}, repl)
   mgr = ckpt.manager(os.path.join(workdir, "checkpoints"), r.keep_checkpoints)
   restored_step, restored = ckpt.restore_latest(mgr, ckpt.abstract(state))
   if restored is not None:
@@ -191,19 +199,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   else:
     D.atomic_write_json(os.path.join(workdir, "config.json"), json.loads(config.to_json_best_effort()))
 
-  repl, data_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh, batch_axis=1)
   state = jax.device_put(state, repl)
   spec = steps.LossSpec.from_config(config)
   warm = ce_warmup_steps(config)
   report_trime = spec.memory != "none"
 
+  batch_sh = {"inputs": data_sh, "targets": data_sh, "drop_local": repl}
+
   @functools.lru_cache(maxsize=None)
   def step_fn(use_trime: bool):
-    fn = functools.partial(steps.train_step, graphdef, tx, spec, use_trime, report_trime)
-    batch_sh = {"inputs": data_sh, "targets": data_sh, "drop_local": repl}
+    # On a >1-device mesh the TRIME loss inside is the sharded one (explicit collectives over `data`).
+    fn = functools.partial(steps.train_step, graphdef, tx, spec, use_trime, report_trime, mesh=mesh)
     return jax.jit(fn, in_shardings=(repl, batch_sh, repl), out_shardings=(repl, repl), donate_argnums=(0,))
 
   source = BatchSource(splits.train, config)
+  # Each process loads only the rows its own devices hold (all of them when there is one process).
+  tokens_shape = (r.grad_accum, r.batch_size, config.data.segment_len)
+  global_shapes = {"inputs": tokens_shape, "targets": tokens_shape, "drop_local": tokens_shape[:1]}
+  rows = distributed.process_rows(data_sh, tokens_shape, axis=1)
   n_params = count_params(params)
   start = int(state["step"])
   _log(f"model: {n_params:,} parameters | vocab {len(vocab):,} | train tokens {len(splits.train):,} | "
@@ -216,7 +229,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   with open(metrics_path, "a") as mfile:
     for step in range(start, r.num_steps):
       use_trime = spec.memory != "none" and step >= warm
-      batch = jax.device_put(source(step), {"inputs": data_sh, "targets": data_sh, "drop_local": repl})
+      local = source(step, rows)
+      batch = {k: distributed.global_array(batch_sh[k], v, global_shapes[k]) for k, v in local.items()}
       state, m = step_fn(use_trime)(state, batch, jax.random.fold_in(base_key, step))
       tok_last += int(m["tokens"])
       done = step + 1

@@ -1,0 +1,74 @@
+"""Multi-process (multi-host) training: `jax.distributed` start-up and per-process slices of global batches.
+
+Every host runs the same program on its own devices; the `data` mesh spans all devices of all hosts. Each
+process loads only the rows of a global batch that its own devices hold (`process_rows`) and assembles the
+global `jax.Array` with `jax.make_array_from_process_local_data`. Orbax checkpoints need no extra code:
+every process calls save/restore and orbax coordinates the hosts (the workdir must be on storage all hosts
+share, e.g. a GCS bucket or NFS).
+
+Launch (see launch/tpu_pod.sh, launch/multi_gpu.sh):
+
+  python -m trime_jax.distributed launch.train --config=configs/wiki103_247m.py --workdir=...
+
+starts `jax.distributed` from the environment (`initialize_from_env`), then runs the module like `python -m`.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+import jax
+import numpy as np
+
+
+def initialize_from_env() -> bool:
+  """Start `jax.distributed` if this process is one of several; returns whether it did.
+
+  JAX_NUM_PROCESSES > 1: explicit, with JAX_COORDINATOR_ADDRESS (host:port of process 0) and JAX_PROCESS_ID
+    (GPU hosts; JAX_LOCAL_DEVICE_IDS, if set, is read by jax itself).
+  TRIME_DISTRIBUTED=auto: jax's own cluster detection (Cloud TPU pod slices, SLURM, Open MPI).
+  Otherwise a single process: nothing to do. Must run before any JAX computation.
+  """
+  n = int(os.environ.get("JAX_NUM_PROCESSES", "1"))
+  if n > 1:
+    missing = [v for v in ("JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_ID") if v not in os.environ]
+    if missing:
+      raise RuntimeError(f"JAX_NUM_PROCESSES={n} but {', '.join(missing)} is not set")
+    jax.distributed.initialize(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=n,
+                               process_id=int(os.environ["JAX_PROCESS_ID"]))
+    return True
+  if os.environ.get("TRIME_DISTRIBUTED") == "auto":
+    jax.distributed.initialize()
+    return True
+  return False
+
+
+def process_rows(sharding: jax.sharding.Sharding, global_shape, axis: int) -> np.ndarray:
+  """Sorted global indices along `axis` of the rows this process's devices hold under `sharding`.
+
+  These are the rows to load on this host, in the order `jax.make_array_from_process_local_data` expects.
+  """
+  rows = set()
+  for index in sharding.addressable_devices_indices_map(tuple(global_shape)).values():
+    rows.update(range(*index[axis].indices(global_shape[axis])))
+  return np.asarray(sorted(rows), np.int64)
+
+
+def global_array(sharding: jax.sharding.Sharding, local, global_shape) -> jax.Array:
+  """The global array whose rows on this process's devices are `local` (see `process_rows`)."""
+  return jax.make_array_from_process_local_data(sharding, np.asarray(local), tuple(global_shape))
+
+
+def main(argv) -> None:
+  """`python -m trime_jax.distributed MODULE [ARGS...]`: initialise from the environment, run MODULE."""
+  if len(argv) < 2:
+    raise SystemExit("usage: python -m trime_jax.distributed MODULE [ARGS...]  (e.g. launch.train --config=...)")
+  initialize_from_env()
+  sys.argv = argv[1:]
+  runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv)

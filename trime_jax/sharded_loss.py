@@ -1,0 +1,349 @@
+"""The TRIME loss on a global batch sharded over the `data` mesh axis.
+
+Every query sees the memories of the whole global batch under exactly the visibility rules of
+`loss.trime_nll` (same `TokenMeta` / `visible`, with global row indices); what differs per memory mode is
+only how much of the batch has to travel:
+
+  local  block-diagonal per segment: every device scores its own rows, no communication at all.
+  long   a document run (m consecutive rows) starts on an earlier device only when B/n is not a multiple of
+         m. Then each device receives the m-1 rows preceding its first row from its predecessors (a halo of
+         ceil((m-1)/(B/n)) neighbour `ppermute` hops) and scores its runs as `[G, m·L]` blocks, like
+         `trime_nll`. Aligned runs need no communication.
+  ext    the whole batch, by one of two variants:
+         gather  all-gather keys and targets, one blockwise pass over the global memory. Its transpose (the
+                 backward pass) is a reduce-scatter of the memory-key gradients. Holds the global
+                 `[B·L, D]` keys on every device.
+         ring    n steps: at step s a device holds the keys of device i-s, folds them into the running
+                 log-sum-exp and passes them on with `ppermute` (sent before the block is used, so the
+                 transfer can overlap the compute). A custom VJP runs the ring again in the backward pass,
+                 the key gradients travelling with their block back to its owner. Never holds more than
+                 two memory blocks plus the block being sent, so peak memory does not grow with n.
+
+Segment metadata (row, run, order) is a function of the global row index, so only keys and targets travel.
+
+memory_grad="all" (default): the gradient reaches every memory key on every device (= `trime_nll`).
+memory_grad="local_only": the original PyTorch code's behaviour, where `all_gather` cut the graph: a key
+receives gradient from queries on its own device only (as a query it still gets its full gradient).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from trime_jax import loss as L
+from trime_jax.loss import TokenMeta, VocabStats
+from trime_jax.sharding import DATA
+
+VARIANTS = ("gather", "ring")
+MEMORY_GRADS = ("all", "local_only")
+
+
+class _Static(NamedTuple):
+  """Everything the per-device function needs that is not an array (hashable, part of the trace)."""
+
+  memory: str
+  consecutive_segments: int
+  variant: str
+  detach_own: bool  # stop_gradient_memory: no memory key gets gradient
+  detach_remote: bool  # other devices' memories get no gradient (local_only, or stop_gradient_memory)
+  block_elems: int
+  memory_chunk: int | None
+  axis: str
+  n: int  # devices on `axis`
+
+
+def sharded_trime_nll_from_vocab_stats(
+    stats: VocabStats,
+    keys,
+    targets,
+    *,
+    mesh,
+    memory: str,
+    consecutive_segments: int = 1,
+    drop_local=False,
+    stop_gradient_memory: bool = False,
+    temperature=1.0,
+    variant: str = "gather",
+    memory_grad: str = "all",
+    block_elems: int = L.DEFAULT_BLOCK_ELEMS,
+    memory_chunk: int | None = None,
+    axis: str = DATA,
+):
+  """`loss.trime_nll_from_vocab_stats` on a global batch sharded over `axis` of `mesh`.
+
+  stats `[B, L]` (VocabStats), keys `[B, L, D]`, targets `[B, L]`: global arrays, rows sharded over `axis`
+  (row i lives on device i // (B/n)). Returns the nll `[B, L]`, sharded the same way. `variant` ("gather" |
+  "ring") only matters for memory="ext"; `memory_grad` ("all" | "local_only") for memories that live on
+  another device (ext, and long runs that span devices).
+  """
+  keys, targets = jnp.asarray(keys), jnp.asarray(targets)
+  stats = VocabStats(*map(jnp.asarray, stats))
+  L._check_memory_args(memory, keys, targets, consecutive_segments)
+  if variant not in VARIANTS:
+    raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+  if memory_grad not in MEMORY_GRADS:
+    raise ValueError(f"memory_grad must be one of {MEMORY_GRADS}, got {memory_grad!r}")
+  n = mesh.shape[axis]
+  if memory == "none" or n == 1:
+    return L.trime_nll_from_vocab_stats(
+        stats, keys, targets, memory=memory, consecutive_segments=consecutive_segments, drop_local=drop_local,
+        stop_gradient_memory=stop_gradient_memory, temperature=temperature, block_elems=block_elems,
+        memory_chunk=memory_chunk)
+  if keys.shape[0] % n:
+    raise ValueError(f"a global batch of {keys.shape[0]} rows does not split over the {n} devices of "
+                     f"mesh axis {axis!r}")
+  static = _Static(memory, consecutive_segments, variant, stop_gradient_memory,
+                   stop_gradient_memory or memory_grad == "local_only", block_elems, memory_chunk, axis, n)
+  rows = P(axis)
+  # check_vma=False: the blockwise kernels of `loss` start their scans from device-invariant zeros, which
+  # the varying-manual-axes type check rejects inside shard_map; every output here is per-device anyway.
+  per_device = jax.shard_map(functools.partial(_device_nll, static), mesh=mesh,
+                             in_specs=(rows, rows, rows, rows, P(), P()), out_specs=rows, check_vma=False)
+  acc = L._acc(keys, stats.log_normalizer)
+  return per_device(stats.log_normalizer, stats.target_logit, keys, targets, jnp.asarray(drop_local, bool),
+                    jnp.asarray(temperature, acc))
+
+
+def sharded_trime_nll(token_logits, keys, targets, *, mesh, memory: str, consecutive_segments: int = 1,
+                      drop_local=False, stop_gradient_memory: bool = False, temperature=1.0,
+                      variant: str = "gather", memory_grad: str = "all", block_elems: int = L.DEFAULT_BLOCK_ELEMS,
+                      memory_chunk: int | None = None, axis: str = DATA):
+  """`loss.trime_nll` on a global batch sharded over `axis` of `mesh`: token_logits `[B, L, V]`, keys
+  `[B, L, D]`, targets `[B, L]`, rows sharded over `axis`. Equals `trime_nll` on the same global batch (with
+  memory_grad="all"); see `sharded_trime_nll_from_vocab_stats` for the options."""
+  return sharded_trime_nll_from_vocab_stats(
+      L.vocab_stats(token_logits, targets), keys, targets, mesh=mesh, memory=memory,
+      consecutive_segments=consecutive_segments, drop_local=drop_local,
+      stop_gradient_memory=stop_gradient_memory, temperature=temperature, variant=variant,
+      memory_grad=memory_grad, block_elems=block_elems, memory_chunk=memory_chunk, axis=axis)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Per device (inside shard_map): b = B/n rows of the global batch, starting at global row r0 = i·b.
+# ----------------------------------------------------------------------------------------------------------
+def _flat(meta: TokenMeta) -> TokenMeta:
+  return TokenMeta(*(x.reshape(-1) for x in meta))
+
+
+def _device_nll(st: _Static, lse_BxL, tgt_BxL, keys_BxLxD, targets_BxL, drop_local, temperature):
+  b, l, d = keys_BxLxD.shape
+  stats = VocabStats(lse_BxL, tgt_BxL)
+  m = st.consecutive_segments
+  if st.memory == "local" or (st.memory == "long" and b % m == 0):  # no memory on another device
+    return L.trime_nll_from_vocab_stats(
+        stats, keys_BxLxD, targets_BxL, memory=st.memory, consecutive_segments=m,
+        stop_gradient_memory=st.detach_own, temperature=temperature, block_elems=st.block_elems,
+        memory_chunk=st.memory_chunk)
+
+  acc = L._acc(keys_BxLxD, lse_BxL)
+  scale = jnp.asarray(L._scale(d, 1.0), acc) / temperature.astype(acc)
+  own = lax.stop_gradient(keys_BxLxD) if st.detach_own else keys_BxLxD
+  remote = lax.stop_gradient(keys_BxLxD) if st.detach_remote else keys_BxLxD
+  if st.memory == "long":
+    nll = _long_spanning(st, stats, keys_BxLxD, own, remote, targets_BxL, scale)
+  else:
+    causal = jnp.logical_not(drop_local)
+    fn = _ext_gather if st.variant == "gather" else _ext_ring
+    nll = fn(st, stats, keys_BxLxD, own, remote, targets_BxL, causal, scale)
+  return jnp.where(targets_BxL >= 0, nll, 0.0)
+
+
+def _shift_right(st: _Static, x):
+  """Device i receives device i-1's `x` (device 0 receives zeros)."""
+  return lax.ppermute(x, st.axis, perm=[(j, j + 1) for j in range(st.n - 1)])
+
+
+def _long_spanning(st: _Static, stats, keys, own, remote, targets, scale):
+  """memory="long" when runs cross device boundaries: a halo of the m-1 preceding rows, then `[G, m·L]`."""
+  b, l, d = keys.shape
+  m, n = st.consecutive_segments, st.n
+  h = m - 1  # a run that contains row r0 starts at r0 - (r0 mod m) >= r0 - h
+  r0 = lax.axis_index(st.axis) * b
+
+  # Halo: global rows [r0 - h, r0). Hop k brings the trailing h rows of everything up to device i-1, so
+  # ceil(h / b) neighbour hops of h rows each reach back far enough.
+  halo_k = jnp.zeros((h, l, d), keys.dtype)
+  halo_t = jnp.full((h, l), -1, targets.dtype)
+  for _ in range(-(-h // b)):
+    halo_k, halo_t = _shift_right(st, (jnp.concatenate([halo_k, remote])[-h:],
+                                       jnp.concatenate([halo_t, targets])[-h:]))
+  halo_rows = r0 - h + jnp.arange(h)
+  halo_t = jnp.where(halo_rows[:, None] >= 0, halo_t, -1)  # before row 0 (zeros from ppermute): no memory
+
+  # G runs touch any device's rows; group g holds global rows (r0 // m + g)·m + [0, m), which is the window
+  # slice starting at h - r0 mod m. Rows past this device's last row are padding (later rows are never
+  # visible to its queries anyway); rows before r0 are memories but not this device's queries.
+  g_runs = max((i * b + b - 1) // m - (i * b) // m + 1 for i in range(n))
+  start = h - r0 % m
+
+  def window(halo, mine, fill):
+    x = jnp.concatenate([halo, mine])
+    x = jnp.pad(x, [(0, g_runs * m - b)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+    return lax.dynamic_slice_in_dim(x, start, g_runs * m, axis=0)
+
+  mem_t = window(halo_t, targets, -1)
+  rows = (r0 // m) * m + jnp.arange(g_runs * m)
+  mine = (rows >= r0) & (rows < r0 + b)
+  kmeta = L.batch_meta(mem_t, "long", m, row_offset=(r0 // m) * m)
+  qmeta = kmeta._replace(target=jnp.where(mine[:, None], mem_t, -1))
+  q = window(jnp.zeros((h, l, d), keys.dtype), keys, 0)
+  k = window(halo_k, own, 0)
+  zeros = jnp.zeros((h, l), stats.log_normalizer.dtype)
+  gstats = VocabStats(window(zeros, stats.log_normalizer, 0), window(zeros, stats.target_logit, 0))
+
+  grouped = lambda x: x.reshape((g_runs, m * l) + x.shape[2:])
+  chunk = st.memory_chunk or L.chunk_len(g_runs * m * l, m * l, st.block_elems)
+  terms = jax.vmap(functools.partial(L.memory_log_terms, False, chunk), in_axes=(0, 0, 0, 0, None, None, 0))
+  log_z, log_p = terms(grouped(q), grouped(k), TokenMeta(*map(grouped, qmeta)), TokenMeta(*map(grouped, kmeta)),
+                       jnp.asarray(True), scale, VocabStats(*map(grouped, gstats)))
+  nll = (log_z - log_p).reshape(g_runs * m, l)
+  return lax.dynamic_slice_in_dim(nll, r0 % m, b, axis=0)
+
+
+def _ext_gather(st: _Static, stats, keys, own, remote, targets, causal, scale):
+  b, l, d = keys.shape
+  r0 = lax.axis_index(st.axis) * b
+  mem = lax.all_gather(remote, st.axis, tiled=True)  # [n·b, L, D]; its transpose reduce-scatters dk
+  if st.detach_remote and not st.detach_own:
+    mem = lax.dynamic_update_slice_in_dim(mem, own, r0, axis=0)  # local_only: own memories stay live
+  mem_t = lax.all_gather(targets, st.axis, tiled=True)
+  qmeta = _flat(L.batch_meta(targets, "ext", row_offset=r0))
+  kmeta = _flat(L.batch_meta(mem_t, "ext"))
+  chunk = st.memory_chunk or L.chunk_len(b * l, st.n * b * l, st.block_elems)
+  log_z, log_p = L.memory_log_terms(True, chunk, keys.reshape(-1, d), mem.reshape(-1, d), qmeta, kmeta,
+                                    causal, scale, VocabStats(*(x.reshape(-1) for x in stats)))
+  return (log_z - log_p).reshape(b, l)
+
+
+def _ext_ring(st: _Static, stats, keys, own, remote, targets, causal, scale):
+  b, l, d = keys.shape
+  key_grads = "none" if st.detach_own else "own" if st.detach_remote else "all"
+  chunk = st.memory_chunk or L.chunk_len(b * l, b * l, st.block_elems)
+  log_z, log_p = _ring_log_terms(st.axis, st.n, chunk, key_grads, keys.reshape(-1, d), own.reshape(-1, d),
+                                 targets, causal, scale, VocabStats(*(x.reshape(-1) for x in stats)))
+  return (log_z - log_p).reshape(b, l)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Ring: running log-sum-exp over the blocks passing by; custom VJP that sends key gradients home.
+# ----------------------------------------------------------------------------------------------------------
+def _ring_pass(axis, n, x):
+  """Device i receives device i-1's `x` (cyclic)."""
+  return lax.ppermute(x, axis, perm=[(j, (j + 1) % n) for j in range(n)])
+
+
+def _ext_meta(targets_BxL, row_offset):
+  return _flat(L.batch_meta(targets_BxL, "ext", row_offset=row_offset))
+
+
+def _fold_block(chunk, q, qmeta, causal, scale, state, k_blk, kmeta):
+  """Add one memory block to the running (max, sum) of log Z and log P, chunk by chunk."""
+  kc, mc = L._chunk_memory(chunk, k_blk, kmeta)
+
+  def body(carry, blk):
+    mz, sz, mp, sp = carry
+    s, vis, pos = L._block_terms(q, blk[0], qmeta, blk[1], causal, scale, True)
+    s_z, s_p = jnp.where(vis, s, -jnp.inf), jnp.where(pos, s, -jnp.inf)
+    new_mz = jnp.maximum(mz, s_z.max(axis=-1))
+    new_mp = jnp.maximum(mp, s_p.max(axis=-1))
+    sz = sz * jnp.exp(mz - new_mz) + jnp.exp(s_z - new_mz[:, None]).sum(axis=-1)
+    sp = sp * jnp.exp(mp - new_mp) + jnp.exp(s_p - new_mp[:, None]).sum(axis=-1)
+    return (new_mz, sz, new_mp, sp), None
+
+  return lax.scan(body, state, (kc, mc))[0]
+
+
+def _block_grads(chunk, q, qmeta, causal, scale, log_z, log_p, g_z, g_p, with_dk, k_blk, kmeta):
+  """(dq `[N, D]`, dk `[M, D]` or None) of one memory block, similarities recomputed chunk by chunk."""
+  kc, mc = L._chunk_memory(chunk, k_blk, kmeta)
+  acc = scale.dtype
+  q32 = q.astype(acc)
+
+  def body(dq, blk):
+    s, vis, pos = L._block_terms(q, blk[0], qmeta, blk[1], causal, scale, True)
+    g = g_z[:, None] * jnp.exp(jnp.where(vis, s - log_z[:, None], -jnp.inf))
+    g = (g + g_p[:, None] * jnp.exp(jnp.where(pos, s - log_p[:, None], -jnp.inf))) * scale
+    dq = dq + jnp.einsum("nc,cd->nd", g, blk[0].astype(acc))
+    return dq, jnp.einsum("nc,nd->cd", g, q32) if with_dk else None
+
+  dq, dk = lax.scan(body, jnp.zeros(q.shape, acc), (kc, mc))
+  return dq, (dk.reshape(-1, k_blk.shape[-1])[: k_blk.shape[0]] if with_dk else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _ring_log_terms(axis, n, chunk, key_grads, q_NxD, k_NxD, targets_BxL, causal, scale, stats):
+  """(log Z, log P) `[N]` of this device's queries against the ext memory of all n devices' blocks.
+
+  key_grads: "all" (every block's keys get gradient from every device), "own" (from this device's
+  queries only) or "none".
+  """
+  return _ring_fwd(axis, n, chunk, key_grads, q_NxD, k_NxD, targets_BxL, causal, scale, stats)[0]
+
+
+def _ring_fwd(axis, n, chunk, key_grads, q, k, targets, causal, scale, stats):
+  i = lax.axis_index(axis)
+  b = targets.shape[0]
+  qmeta = _ext_meta(targets, i * b)
+  fold = functools.partial(_fold_block, chunk, q, qmeta, causal, scale)
+  src = lambda s: ((i - s) % n) * b  # global row offset of the block held at step s
+
+  def step(carry, s):
+    k_blk, t_blk, state = carry
+    k_next, t_next = _ring_pass(axis, n, (k_blk, t_blk))  # in flight while this block is folded in
+    return (k_next, t_next, fold(state, k_blk, _ext_meta(t_blk, src(s)))), None
+
+  lse = stats.log_normalizer.astype(scale.dtype)
+  tgt = stats.target_logit.astype(scale.dtype)
+  one = jnp.ones_like(lse)
+  (k_last, t_last, state), _ = lax.scan(step, (k, targets, (lse, one, tgt, one)), jnp.arange(n - 1))
+  mz, sz, mp, sp = fold(state, k_last, _ext_meta(t_last, src(n - 1)))
+  log_z, log_p = mz + jnp.log(sz), mp + jnp.log(sp)
+  return (log_z, log_p), (q, k, targets, causal, scale, stats, log_z, log_p)
+
+
+def _ring_bwd(axis, n, chunk, key_grads, res, cotangents):
+  q, k, targets, causal, scale, stats, log_z, log_p = res
+  g_z, g_p = cotangents
+  i = lax.axis_index(axis)
+  b = targets.shape[0]
+  qmeta = _ext_meta(targets, i * b)
+  travel = key_grads == "all"
+  grads = functools.partial(_block_grads, chunk, q, qmeta, causal, scale, log_z, log_p, g_z, g_p)
+  src = lambda s: ((i - s) % n) * b
+
+  dq, dk = grads(key_grads != "none", k, qmeta)  # step 0: this device's own block
+  k_blk, t_blk = _ring_pass(axis, n, (k, targets))
+
+  def step(carry, s, last=False):
+    # Holds the block of device i-s and the gradient so far of block i-s+1; device i-1 sends the gradient
+    # so far of block i-s, this device adds its queries' part and sends it on.
+    k_blk, t_blk, dk_acc, dq = carry
+    nxt = (k_blk, t_blk) if last else _ring_pass(axis, n, (k_blk, t_blk))
+    dq_s, dk_s = grads(travel, k_blk, _ext_meta(t_blk, src(s)))
+    if travel:
+      dk_acc = _ring_pass(axis, n, dk_acc) + dk_s
+    return (*nxt, dk_acc, dq + dq_s), None
+
+  carry = (k_blk, t_blk, dk, dq)
+  if n > 1:
+    carry, _ = lax.scan(step, carry, jnp.arange(1, n - 1))
+    carry, _ = step(carry, n - 1, last=True)
+  _, _, dk_acc, dq = carry
+  if travel:
+    dk = _ring_pass(axis, n, dk_acc)  # the gradient of block i+1 goes to device i+1; ours arrives from i-1
+  elif dk is None:
+    dk = jnp.zeros(k.shape, scale.dtype)
+  d_stats = VocabStats(
+      (g_z * jnp.exp(stats.log_normalizer - log_z)).astype(stats.log_normalizer.dtype),
+      (g_p * jnp.exp(stats.target_logit - log_p)).astype(stats.target_logit.dtype),
+  )
+  return dq.astype(q.dtype), dk.astype(k.dtype), None, None, None, d_stats
+
+
+_ring_log_terms.defvjp(_ring_fwd, _ring_bwd)
