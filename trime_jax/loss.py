@@ -213,16 +213,21 @@ def _scale(d: int, temperature):
   return 1.0 / (math.sqrt(d) * temperature)
 
 
-def memory_nll_from_vocab_stats(
-    stats: VocabStats, keys, targets, memory_keys, memory_targets, memory_mask, *, temperature=1.0
-):
-  """`memory_nll` with the vocabulary side given as `VocabStats` `[N]` (dense mask `[N, M]`)."""
+def _dense_nll(stats: VocabStats, keys, targets, memory_keys, memory_targets, memory_mask, scale):
   mask = memory_mask & (memory_targets[None, :] >= 0)
-  sim = _similarities(keys, memory_keys, _scale(keys.shape[-1], temperature))
+  sim = _similarities(keys, memory_keys, scale)
   positive = mask & (memory_targets[None, :] == targets[:, None])
   log_z = masked_logsumexp_with(stats.log_normalizer, sim, mask)
   log_p = masked_logsumexp_with(stats.target_logit, sim, positive)
   return jnp.where(targets >= 0, log_z - log_p, 0.0)
+
+
+def memory_nll_from_vocab_stats(
+    stats: VocabStats, keys, targets, memory_keys, memory_targets, memory_mask, *, temperature=1.0
+):
+  """`memory_nll` with the vocabulary side given as `VocabStats` `[N]` (dense mask `[N, M]`)."""
+  scale = _scale(keys.shape[-1], temperature)
+  return _dense_nll(stats, keys, targets, memory_keys, memory_targets, memory_mask, scale)
 
 
 def memory_nll(token_logits, keys, targets, memory_keys, memory_targets, memory_mask, *, temperature=1.0):
@@ -407,11 +412,10 @@ def trime_nll_from_vocab_stats(
   if implementation == "dense":
     flat = TokenMeta(*(x.reshape(-1) for x in meta))
     mask = visible(flat, flat, causal, cross_rows)
-    sim = _similarities(keys.reshape(b * l, d), mem_keys.reshape(b * l, d), scale)
-    positive = mask & (flat.target[None, :] == flat.target[:, None])
-    log_z = masked_logsumexp_with(stats.log_normalizer.reshape(-1), sim, mask)
-    log_p = masked_logsumexp_with(stats.target_logit.reshape(-1), sim, positive)
-    return jnp.where(valid, (log_z - log_p).reshape(b, l), 0.0)
+    flat_stats = VocabStats(*(x.reshape(-1) for x in stats))
+    nll = _dense_nll(flat_stats, keys.reshape(b * l, d), flat.target, mem_keys.reshape(b * l, d), flat.target,
+                     mask, scale)
+    return nll.reshape(b, l)
   if implementation != "blockwise":
     raise ValueError(f"implementation must be 'blockwise' or 'dense', got {implementation!r}")
 
