@@ -86,5 +86,7 @@ def get_config():
   e.cache_theta = 1.0  # θ of the continuous cache: p_cache ∝ Σ exp(θ · g·g_j / √D)
   e.tune = False  # grid-search τ (local) or λ, θ (cache) on this split and report the best
   e.max_tokens = 0  # score only the first max_tokens targets (0 = the whole split)
+  e.mem_size = 0  # long-term memory: tokens before each window (TRIME and cache); >0: batch_size parallel streams
+  e.reset_at_documents = True  # long-term memory of the query's own document only (False: across documents)
   c.lock()  # typos in field names are errors, in code as on the command line
   return c
