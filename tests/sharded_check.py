@@ -1,0 +1,209 @@
+"""Sharded TRIME loss vs the single-device computation, on 8 virtual CPU devices.
+
+  python tests/sharded_check.py loss|model|train [workdir]
+
+Run in a subprocess by tests/test_sharded.py (the device count must be set before jax initialises, and the
+pytest process already has 1 device). Prints one JSON object of measured differences; the test asserts on
+it. Every sharded computation of a group is compiled as one jitted function to keep the compile time low.
+"""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+                           " --xla_backend_optimization_level=0")  # LLVM -O0: compiles ~2x faster on CPU
+os.environ["JAX_PLATFORMS"] = "cpu"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import json  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from trime_jax import loss as L  # noqa: E402
+from trime_jax.sharding import make_mesh  # noqa: E402
+
+N_DEV = 8
+B, SEG, D = 24, 6, 8  # 3 rows per device: runs of m=2, 4, 8 cross device boundaries, m=3 does not
+# (memory, consecutive_segments): local; long aligned with devices (no communication); long runs spanning
+# 2, 2-3 and 3-4 devices; ext (drop_local is a traced argument: both values use one compilation).
+CASES = [("local", 1), ("long", 3), ("long", 2), ("long", 4), ("long", 8), ("ext", 1)]
+TEMPERATURE = 0.7
+
+
+def _targets(rng, v):
+  t = rng.integers(0, v, size=(B, SEG))
+  t[1, -2:] = -1  # tail padding
+  t[7, :3] = -1  # head padding
+  t[9] = -1  # an all-padding row (the first row of device 3)
+  t[14, 2] = -1  # a hole
+  return t
+
+
+def _max_err(a, b):
+  return max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def _max_abs(a):
+  return max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(a))
+
+
+def local_only_reference(stats, keys, targets, memory, m, drop_local, temperature):
+  """Dense single-device nll `[B, L]` where a memory on another device than the query is stop-gradiented:
+  the query-memory similarity uses the live key on the same device and a detached copy across devices."""
+  b, l, d = keys.shape
+  flat = L.TokenMeta(*(x.reshape(-1) for x in L.batch_meta(targets, memory, m)))
+  causal = jnp.logical_not(drop_local) if memory == "ext" else True
+  mask = L.visible(flat, flat, causal, memory == "ext")
+  device = flat.row // (b // N_DEV)
+  q = keys.reshape(-1, d)
+  scale = 1.0 / (np.sqrt(d) * temperature)
+  sim = jnp.where(device[:, None] == device[None, :], q @ q.T, q @ jax.lax.stop_gradient(q).T) * scale
+  positive = mask & (flat.target[None, :] == flat.target[:, None])
+  log_z = L.masked_logsumexp_with(stats.log_normalizer.reshape(-1), sim, mask)
+  log_p = L.masked_logsumexp_with(stats.target_logit.reshape(-1), sim, positive)
+  return jnp.where(targets >= 0, (log_z - log_p).reshape(b, l), 0.0)
+
+
+def check_loss():
+  """float64: values and d/d(logits, keys) for every mode, both variants, both memory_grad options."""
+  jax.config.update("jax_enable_x64", True)
+  mesh = make_mesh(N_DEV)
+  rng = np.random.default_rng(0)
+  v = 5  # few distinct targets: many positive memories
+  logits = rng.normal(size=(B, SEG, v))
+  keys = rng.normal(size=(B, SEG, D)) * 2
+  targets = _targets(rng, v)
+  weights = rng.normal(size=(B, SEG))  # a random linear functional of the nll
+
+  runs = [(mem, m, var, "all", False) for mem, m in CASES for var in ("gather", "ring")]
+  runs += [(mem, m, var, "local_only", False) for mem, m, var in
+           [("local", 1, "gather"), ("long", 3, "gather"), ("long", 2, "gather"), ("long", 8, "ring"),
+            ("ext", 1, "gather"), ("ext", 1, "ring")]]
+  runs += [("ext", 1, var, "all", True) for var in ("gather", "ring")]  # stop_gradient_memory
+
+  def sharded(lg, ks, drop):
+    out = []
+    for mem, m, var, mg, sg in runs:
+      f = lambda lg, ks: (L.sharded_trime_nll(
+          lg, ks, targets, mesh=mesh, memory=mem, consecutive_segments=m, drop_local=drop,
+          stop_gradient_memory=sg, temperature=TEMPERATURE, variant=var, memory_grad=mg, memory_chunk=5)
+          * weights).sum()
+      out.append(jax.value_and_grad(f, argnums=(0, 1))(lg, ks))
+    return out
+
+  ref_keys = sorted({(mem, m, mg if mem != "local" and (mem, m) != ("long", 3) else "all", sg)
+                     for mem, m, _, mg, sg in runs})
+
+  def reference(lg, ks, drop):
+    out = {}
+    for mem, m, mg, sg in ref_keys:
+      if mg == "all":
+        f = lambda lg, ks: (L.trime_nll(lg, ks, targets, memory=mem, consecutive_segments=m, drop_local=drop,
+                                        stop_gradient_memory=sg, temperature=TEMPERATURE,
+                                        implementation="dense") * weights).sum()
+      else:
+        f = lambda lg, ks: (local_only_reference(L.vocab_stats(lg, targets), ks, targets, mem, m, drop,
+                                                 TEMPERATURE) * weights).sum()
+      out[(mem, m, mg, sg)] = jax.value_and_grad(f, argnums=(0, 1))(lg, ks)
+    return out
+
+  sharded_fn, reference_fn = jax.jit(sharded), jax.jit(reference)
+  results = []
+  for drop in (False, True):
+    got, want = sharded_fn(logits, keys, drop), reference_fn(logits, keys, drop)
+    for (mem, m, var, mg, sg), (val, grads) in zip(runs, got):
+      if mem != "ext" and drop:
+        continue
+      aligned = mem == "local" or (mem, m) == ("long", 3)  # no memory on another device
+      ref_val, ref_grads = want[(mem, m, "all" if aligned else mg, sg)]
+      row = {"memory": mem, "m": m, "drop_local": drop, "variant": var, "memory_grad": mg,
+             "stop_gradient_memory": sg, "aligned": aligned, "value": float(val),
+             "value_err": abs(float(val - ref_val)), "grad_err": _max_err(grads, ref_grads),
+             "grad_scale": _max_abs(ref_grads)}
+      if mg == "local_only":  # how far the key gradient is from the full ("all") one
+        row["keys_grad_diff_vs_all"] = float(jnp.abs(grads[1] - want[(mem, m, "all", sg)][1][1]).max())
+        row["logits_grad_diff_vs_all"] = float(jnp.abs(grads[0] - want[(mem, m, "all", sg)][1][0]).max())
+      results.append(row)
+  return {"cases": results}
+
+
+def check_model():
+  """float32: gradients w.r.t. TransformerLM parameters, the batch sharded over the mesh as in training."""
+  from flax import nnx
+
+  from trime_jax import steps
+  from trime_jax.model import ModelConfig, TransformerLM
+
+  mesh = make_mesh(N_DEV)
+  rng = np.random.default_rng(1)
+  v = 11
+  cfg = ModelConfig(vocab_size=v, num_layers=1, d_model=16, num_heads=2, d_ff=32, max_len=SEG, dropout=0.0)
+  graphdef, params = nnx.split(TransformerLM(cfg, rngs=nnx.Rngs(params=0)), nnx.Param)
+  inputs = rng.integers(0, v, size=(B, SEG)).astype(np.int32)
+  targets = _targets(rng, v).astype(np.int32)
+  cases = [("local", 1), ("long", 2), ("long", 8), ("ext", 1)]
+
+  def objective(p, inputs, targets, drop, nll_fn, **kw):
+    stats, keys = steps.forward(nnx.merge(graphdef, p), inputs, targets)
+    return nll_fn(stats, keys, targets, drop_local=drop, temperature=TEMPERATURE, **kw).sum()
+
+  def sharded(p, inputs, targets, drop):
+    return [jax.value_and_grad(objective)(p, inputs, targets, drop, L.sharded_trime_nll_from_vocab_stats,
+                                          mesh=mesh, memory=mem, consecutive_segments=m, variant=var)
+            for mem, m in cases for var in ("gather", "ring")]
+
+  def single(p, inputs, targets, drop):
+    return [jax.value_and_grad(objective)(p, inputs, targets, drop, L.trime_nll_from_vocab_stats, memory=mem,
+                                          consecutive_segments=m) for mem, m in cases]
+
+  rows_sh, repl = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+  sharded_fn = jax.jit(sharded, in_shardings=(repl, rows_sh, rows_sh, repl))
+  single_fn = jax.jit(single)
+  results = []
+  for drop in (False, True):
+    got = sharded_fn(params, inputs, targets, drop)
+    want = single_fn(params, inputs, targets, drop)
+    for i, (mem, m) in enumerate(cases):
+      if mem != "ext" and drop:
+        continue
+      ref_val, ref_grads = want[i]
+      for j, var in enumerate(("gather", "ring")):
+        val, grads = got[2 * i + j]
+        results.append({"memory": mem, "m": m, "drop_local": drop, "variant": var, "value": float(val),
+                        "value_err": abs(float(val - ref_val)), "grad_err": _max_err(grads, ref_grads),
+                        "grad_scale": _max_abs(ref_grads), "n_leaves": len(jax.tree_util.tree_leaves(grads))})
+  return {"cases": results}
+
+
+def check_train(workdir):
+  """`train_and_evaluate` on 1 and on 8 devices (ext memory, drop-local, 2 micro-batches): metrics.jsonl."""
+  from tests.helpers import tiny_config, write_text_file
+  from trime_jax.train import train_and_evaluate
+
+  corpus = write_text_file(os.path.join(workdir, "text.bin"), 30_000)
+  common = {"trime.memory": "ext", "trime.drop_local_prob": 0.5, "trime.ce_warmup_steps": 0,
+            "train.batch_size": 16, "train.grad_accum": 2, "train.num_steps": 3, "data.segment_len": 16,
+            "model.max_len": 16, "eval.block_len": 16, "eval.context_window": 8, "model.dropout": 0.0,
+            "train.eval_max_tokens": 64, "eval.max_tokens": 64}
+  runs = {"1dev": {"train.num_devices": 1},
+          "8dev_gather": {"train.num_devices": 8, "trime.sharded_variant": "gather"},
+          "8dev_ring": {"train.num_devices": 8, "trime.sharded_variant": "ring"},
+          "8dev_local_only": {"train.num_devices": 8, "trime.memory_grad": "local_only"}}
+  out = {}
+  for name, overrides in runs.items():
+    run_dir = os.path.join(workdir, name)
+    train_and_evaluate(tiny_config(corpus, **common, **overrides), run_dir)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+      lines = [json.loads(line) for line in f if line.strip()]
+    out[name] = [x for x in lines if "loss" in x]  # training lines (not the dev evaluation)
+  return {"runs": out, "devices": jax.device_count()}
+
+
+if __name__ == "__main__":
+  which = sys.argv[1]
+  result = {"loss": check_loss, "model": check_model}[which]() if which != "train" else check_train(sys.argv[2])
+  print("RESULT " + json.dumps(result), flush=True)

@@ -1,0 +1,146 @@
+"""The sharded TRIME loss on 8 virtual CPU devices equals the single-device loss (values, gradients, training).
+
+The 8-device checks run in subprocesses (tests/sharded_check.py): this pytest process has already
+initialised jax with one device. The three groups start together and run concurrently.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from trime_jax import distributed, loss, sharding
+from trime_jax import sharded_loss as SL
+from trime_jax.errors import ConfigError
+from trime_jax.steps import LossSpec
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+  """Start the loss, model and train groups as subprocesses; `checks(name)` waits for one's JSON result."""
+  workdir = str(tmp_path_factory.mktemp("sharded_train"))
+  env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
+  procs = {name: subprocess.Popen([sys.executable, os.path.join(HERE, "sharded_check.py"), name, workdir],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+           for name in ("loss", "model", "train")}
+  results = {}
+
+  def get(name):
+    if name not in results:
+      out, err = procs[name].communicate(timeout=900)
+      lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+      assert procs[name].returncode == 0 and lines, f"sharded_check.py {name} failed:\n{err[-4000:]}"
+      results[name] = json.loads(lines[-1][len("RESULT "):])
+    return results[name]
+
+  yield get
+  for p in procs.values():
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+
+
+def test_every_memory_mode_and_variant_equals_trime_nll(checks):
+  """float64, 8 devices × 3 rows: nll and d/d(logits, keys) equal `trime_nll` on the global batch."""
+  cases = [c for c in checks("loss")["cases"] if c["memory_grad"] == "all"]
+  covered = {(c["memory"], c["m"], c["drop_local"], c["variant"], c["stop_gradient_memory"]) for c in cases}
+  for var in ("gather", "ring"):
+    for mode in [("local", 1, False), ("long", 3, False), ("long", 2, False), ("long", 4, False),
+                 ("long", 8, False), ("ext", 1, False), ("ext", 1, True)]:
+      assert (*mode, var, False) in covered
+    assert ("ext", 1, False, var, True) in covered and ("ext", 1, True, var, True) in covered
+  for c in cases:
+    assert c["value_err"] <= 1e-10 * max(1.0, abs(c["value"])), c
+    assert c["grad_err"] <= 1e-10 * max(1.0, c["grad_scale"]), c
+    assert c["grad_scale"] > 0.1, c  # the gradients compared are not trivially zero
+
+
+def test_local_only_cuts_exactly_the_cross_device_memory_gradients(checks):
+  """memory_grad="local_only" equals a reference that stop-gradients every memory on another device than the
+  query; it changes only key gradients, and only where memories cross devices."""
+  cases = [c for c in checks("loss")["cases"] if c["memory_grad"] == "local_only"]
+  assert {(c["memory"], c["m"], c["variant"]) for c in cases} >= {
+      ("local", 1, "gather"), ("long", 3, "gather"), ("long", 2, "gather"), ("long", 8, "ring"),
+      ("ext", 1, "gather"), ("ext", 1, "ring")}
+  for c in cases:
+    assert c["value_err"] <= 1e-10 * max(1.0, abs(c["value"])), c
+    assert c["grad_err"] <= 1e-10 * max(1.0, c["grad_scale"]), c  # == the stop-gradient reference
+    assert c["logits_grad_diff_vs_all"] <= 1e-10, c  # the vocabulary side is untouched
+    if c["aligned"]:  # local, or runs that never leave a device: nothing to cut
+      assert c["keys_grad_diff_vs_all"] <= 1e-10, c
+    else:
+      assert c["keys_grad_diff_vs_all"] > 0.1, c
+
+
+def test_parameter_gradients_through_the_model_match(checks):
+  """float32 TransformerLM, batch sharded over 8 devices, params replicated: d nll / d params (every leaf)
+  equal the single-device computation for local, long (runs across devices), ext ± drop_local."""
+  cases = checks("model")["cases"]
+  covered = {(c["memory"], c["m"], c["drop_local"], c["variant"]) for c in cases}
+  for var in ("gather", "ring"):
+    for mode in [("local", 1, False), ("long", 2, False), ("long", 8, False), ("ext", 1, False),
+                 ("ext", 1, True)]:
+      assert (*mode, var) in covered
+  for c in cases:
+    assert c["n_leaves"] > 10, c
+    assert c["value_err"] <= 2e-6 * abs(c["value"]), c
+    assert c["grad_err"] <= 1e-5 * c["grad_scale"], c
+
+
+def test_training_on_8_devices_matches_1_device_step_for_step(checks):
+  """`train_and_evaluate` (ext memory, drop-local draws, 2 micro-batches) on 8 devices: the metrics of every
+  step match the 1-device run for gather and ring; local_only (the original's gradients) does not."""
+  result = checks("train")
+  assert result["devices"] == 8
+  runs = result["runs"]
+  base = runs["1dev"]
+  assert [m["step"] for m in base] == [1, 2, 3] and all(m["objective"] == "trime" for m in base)
+  for name in ("8dev_gather", "8dev_ring"):
+    assert [m["step"] for m in runs[name]] == [1, 2, 3]
+    for a, b in zip(base, runs[name]):
+      for key in ("loss", "ce_nll", "trime_nll", "grad_norm"):
+        assert b[key] == pytest.approx(a[key], rel=2e-5), (name, key, a, b)
+  # Same first loss (same parameters), different gradients: proof the sharded loss is what is trained.
+  lo = runs["8dev_local_only"]
+  assert lo[0]["loss"] == pytest.approx(base[0]["loss"], rel=2e-5)
+  assert abs(lo[0]["grad_norm"] - base[0]["grad_norm"]) > 0.05 * base[0]["grad_norm"]
+  assert abs(lo[-1]["loss"] - base[-1]["loss"]) > 1e-5 * base[-1]["loss"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# In this process (one device).
+# ----------------------------------------------------------------------------------------------------------
+def test_one_device_mesh_is_trime_nll_and_bad_options_raise():
+  rng = np.random.default_rng(0)
+  logits, keys = rng.normal(size=(4, 5, 6)), rng.normal(size=(4, 5, 3))
+  targets = rng.integers(-1, 6, size=(4, 5))
+  mesh = sharding.make_mesh(1)
+  for variant in SL.VARIANTS:
+    got = loss.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory="ext", variant=variant)
+    np.testing.assert_array_equal(got, loss.trime_nll(logits, keys, targets, memory="ext"))
+  with pytest.raises(ValueError, match="variant must be one of"):
+    loss.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory="ext", variant="tree")
+  with pytest.raises(ValueError, match="memory_grad must be one of"):
+    loss.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory="ext", memory_grad="some")
+  with pytest.raises(ValueError, match="consecutive_segments"):
+    loss.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory="long", consecutive_segments=3)
+  with pytest.raises(ConfigError, match="sharded_variant"):
+    LossSpec(sharded_variant="tree")
+  with pytest.raises(ConfigError, match="memory_grad"):
+    LossSpec(memory_grad="none")
+
+
+def test_process_rows_and_global_array_on_one_process():
+  """A single process holds every row; the global array equals the host batch."""
+  mesh = sharding.make_mesh(1)
+  sh = sharding.batch_sharding(mesh, batch_axis=1)
+  np.testing.assert_array_equal(distributed.process_rows(sh, (2, 6, 3), axis=1), np.arange(6))
+  x = np.arange(36, dtype=np.int32).reshape(2, 6, 3)
+  arr = distributed.global_array(sh, x, x.shape)
+  assert arr.shape == x.shape and arr.sharding == sh
+  np.testing.assert_array_equal(np.asarray(arr), x)
