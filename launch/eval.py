@@ -1,9 +1,13 @@
 """Evaluate an exported checkpoint: perplexity (and bits per byte for byte-level data).
 
   python -m launch.eval --config=configs/wikitext_mini.py --checkpoint=runs/mini/export \
-      [--config.eval.split=test] [--config.eval.memory=local|none|cache] [--config.eval.tune=True]
+      [--config.eval.split=test] [--config.eval.memory=local|none|cache] [--config.eval.tune=True] \
+      [--config.eval.mem_size=4096 | --mem_sizes=0,1024,2048,4096] [--label=TrimeLM] [--output=rows.json]
 
 The model and vocabulary come from the checkpoint; `--config` supplies the data and the `eval` section.
+`--mem_sizes` sweeps the long-term memory size in one run. `--include` adds the rows of earlier `--output`
+files to the summary table and to the `--plot` (perplexity vs memory size); without `--checkpoint` it only
+summarises and plots them.
 """
 
 import json
@@ -17,20 +21,46 @@ from launch.common import run_main
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
 _OUTPUT = flags.DEFINE_string("output", "", "Optional JSON file for the results.")
-flags.mark_flags_as_required(["config", "checkpoint"])
+_MEM_SIZES = flags.DEFINE_list("mem_sizes", [], "Long-term memory sizes to sweep (overrides eval.mem_size).")
+_LABEL = flags.DEFINE_string("label", "", "Model name in the rows, summary table and plot.")
+_INCLUDE = flags.DEFINE_list("include", [], "Earlier --output JSON files to add to the summary and plot.")
+_PLOT = flags.DEFINE_string("plot", "", "PNG file: perplexity vs long-term memory size (needs matplotlib).")
 
 
 def main(argv):
   del argv
   from trime_jax import evaluate as E
-  from trime_jax.runs import evaluate_checkpoint
+  from trime_jax import runs
+  from trime_jax.errors import ConfigError
 
-  rows = evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value, progress=True)
-  print(E.format_table(rows))
-  if _OUTPUT.value:
-    os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)
-    with open(_OUTPUT.value, "w") as f:
-      json.dump(rows, f, indent=1)
+  rows = []
+  if _CHECKPOINT.value:
+    if _CONFIG.value is None:
+      raise ConfigError("--checkpoint needs --config (the data and eval sections)")
+    try:
+      sizes = [int(m) for m in _MEM_SIZES.value]
+    except ValueError:
+      raise ConfigError(f"--mem_sizes must be integers, got {','.join(_MEM_SIZES.value)}") from None
+    rows = runs.evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value, progress=True, mem_sizes=sizes,
+                                    label=_LABEL.value)
+    print(E.format_table(rows))
+    if _OUTPUT.value:
+      os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)
+      with open(_OUTPUT.value, "w") as f:
+        json.dump(rows, f, indent=1)
+  elif not _INCLUDE.value:
+    raise ConfigError("nothing to do: give --config and --checkpoint, or --include files to summarise")
+  for path in _INCLUDE.value:
+    try:
+      with open(path) as f:
+        rows += json.load(f)
+    except (OSError, ValueError) as e:
+      raise ConfigError(f"--include {path}: {e}") from None
+  if len(_MEM_SIZES.value) > 1 or _INCLUDE.value:
+    print(runs.sweep_table(rows))
+  if _PLOT.value:
+    os.makedirs(os.path.dirname(os.path.abspath(_PLOT.value)), exist_ok=True)
+    print(f"wrote {runs.plot_sweep(rows, _PLOT.value)}")
 
 
 if __name__ == "__main__":

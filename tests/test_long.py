@@ -1,5 +1,6 @@
 """TrimeLM_long: consecutive batch plans and long-term memory at evaluation (tiny corpora, no ../shared)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -13,9 +14,12 @@ from flax import nnx
 
 from configs import default
 from tests import reference as ref
+from trime_jax import checkpoint as ckpt
+from trime_jax import corpora
 from trime_jax import data as D
 from trime_jax import evaluate as E
 from trime_jax import loss
+from trime_jax import runs
 from trime_jax.batching import consecutive
 from trime_jax.batching import plan as batch_plan
 from trime_jax.errors import ConfigError, DataError
@@ -124,12 +128,23 @@ def test_plan_errors_and_batch_source_reads_it(tmp_path):
                                    "trime.consecutive_segments": 2}))
 
 
-def test_make_batches_cli(tmp_path):
+def _wiki_dir(tmp_path):
   data = tmp_path / "wiki"
   data.mkdir()
   text = "".join(f" = Article {i} = \n\n" + " alpha beta gamma delta .\n" * (i + 1) for i in range(6))
   for name in ("wiki.train.tokens", "wiki.valid.tokens", "wiki.test.tokens"):
     (data / name).write_text(text)
+  return data
+
+
+def _cli(*args):
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=120)
+
+
+def test_make_batches_cli(tmp_path):
+  data = _wiki_dir(tmp_path)
   cfg = tmp_path / "cfg.py"
   cfg.write_text(textwrap.dedent(f"""
       from configs import default
@@ -140,10 +155,7 @@ def test_make_batches_cli(tmp_path):
         c.train.batch_size, c.trime.consecutive_segments = 4, 2
         return c
       """))
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-m", "launch.make_batches", f"--config={cfg}", "--kind=consecutive",
-                        f"--out={tmp_path / 'plan'}"], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=120)
+  out = _cli("launch.make_batches", f"--config={cfg}", "--kind=consecutive", f"--out={tmp_path / 'plan'}")
   assert out.returncode == 0, out.stderr
   plan = batch_plan.load(str(tmp_path / "plan"))
   assert plan.header["kind"] == "consecutive" and plan.header["consecutive_segments"] == 2
@@ -261,3 +273,24 @@ def test_stream_schedule_scores_every_window_once(streams, mem_size, reset):
       if reset:
         lo = max(lo, corpus.doc_starts[doc[wins[k].score_start]])
       assert wins[run[0]].score_start <= lo or run[0] == 0
+
+
+def test_memory_size_sweep_table_and_plot(tmp_path):
+  """`evaluate_checkpoint(mem_sizes=...)` rows, the summary table, and `launch.eval --include --plot`."""
+  config = _config(**{"data.corpus": "wikitext", "data.path": str(_wiki_dir(tmp_path)), "eval.block_len": 16,
+                      "eval.context_window": 8, "eval.batch_size": 2, "eval.tune": True})
+  vocab = corpora.load_splits(config.data).vocab
+  model = TransformerLM(ModelConfig.from_config(config.model, vocab_size=len(vocab)), rngs=nnx.Rngs(params=0))
+  export = ckpt.export(str(tmp_path / "export"), nnx.split(model, nnx.Param)[1], config, vocab)
+  rows = runs.evaluate_checkpoint(config, export, mem_sizes=[0, 16], label="tiny")
+  n = 1 + len(E.TAU_GRID)
+  assert [r["mem_size"] for r in rows] == [0] * n + [16] * n
+  assert [r["family"] for r in rows[:n]] == ["none"] + ["trime"] * (n - 1)
+  assert rows[1]["variant"].startswith("local(") and rows[n + 1]["variant"].startswith("local+long(")
+  assert sum("<- best" in r["variant"] for r in rows) == 2 and all(r["model"] == "tiny" for r in rows)
+  table = runs.sweep_table(rows)
+  assert "| tiny | TRIME (local + long-term) |" in table and "| tiny | none |" in table
+  (tmp_path / "rows.json").write_text(json.dumps(rows))
+  out = _cli("launch.eval", f"--include={tmp_path / 'rows.json'}", f"--plot={tmp_path / 'sweep.png'}")
+  assert out.returncode == 0, out.stderr
+  assert "| model |" in out.stdout and (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
