@@ -15,7 +15,7 @@ def get_config():
   c.model.max_len = 256  # = segment_len = eval block_len
   c.model.dropout = 0.0  # too few updates to overfit
   c.train.batch_size = 16  # 16 × 256 = 4,096 in-batch memories
-  c.train.num_steps = 400  # updates per model
+  c.train.num_steps = 300  # updates per model
   c.train.learning_rate = 2e-3  # peak learning rate
   c.train.warmup_steps = 40  # linear warm-up
   c.train.eval_max_tokens = 20_000  # dev tokens in the final training-time evaluation
