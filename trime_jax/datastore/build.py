@@ -131,13 +131,15 @@ class Datastore:
                dimension=int(meta["d_model"]), key_type=meta["key_type"])
 
   def gather_keys(self, ids) -> np.ndarray:
-    """float32 keys [*ids.shape, D] of entries `ids` (-1 gives zeros); reads rows in sorted order."""
+    """float32 keys [*ids.shape, D] of entries `ids` (-1 gives zeros); the memmap is read in ascending order."""
     ids = np.asarray(ids, np.int64)
     flat = ids.reshape(-1)
-    valid = flat >= 0
-    uniq, inverse = np.unique(flat[valid], return_inverse=True)
-    out = np.zeros((flat.size, self.dimension), np.float32)
-    out[valid] = np.asarray(self.keys[uniq], np.float32)[inverse]
+    safe = np.where(flat >= 0, flat, 0)
+    order = np.argsort(safe, kind="stable")
+    out = np.empty((flat.size, self.dimension), KEY_DTYPE)
+    out[order] = self.keys[safe[order]]
+    out = out.astype(np.float32)
+    out[flat < 0] = 0.0
     return out.reshape(ids.shape + (self.dimension,))
 
 

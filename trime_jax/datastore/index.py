@@ -4,7 +4,8 @@ Files: `<path>` (faiss.write_index) and `<path>.json` (format, index_type, metri
 datastore_fingerprint, the IVF-PQ parameters actually used, timings). The sidecar is written last, so an index
 without one is incomplete and refused.
 
-  build_index(ds, path=None, kind="auto", ...)    exact IndexFlatIP up to `exact_max` keys, else IVF-PQ
+  build_index(ds, path=None, kind="auto", ...)    exact IndexFlatIP while N·D ≤ 2^27 (e.g. 1M keys of
+                                                   D=128, 131k of D=1024), else IVF-PQ
                                                    (kNN-LM: 4096 lists, 64 sub-quantizers × 8 bits) trained on
                                                    a seeded sample, keys added in chunks
   KnnIndex.load(path, datastore=ds, nprobe=32, gpu=False)
@@ -34,8 +35,9 @@ from trime_jax.errors import CheckpointError, ConfigError
 
 FORMAT = "trime-faiss-index/1"
 KINDS = ("auto", "flat", "ivfpq")
-EXACT_MAX = 1 << 18  # auto: exact search up to this many keys (IndexFlatIP keeps float32 copies)
+EXACT_MAX_FLOATS = 1 << 27  # auto: exact IndexFlatIP while its float32 copy of the keys (N·D) fits 512 MiB
 MIN_POINTS_PER_CENTROID = 39  # below this faiss k-means warns that clustering is unreliable
+RESCORE_FLOATS = 1 << 22  # float32 keys gathered at a time by `rescore` (16 MiB)
 
 
 def gpu_available() -> bool:
@@ -56,7 +58,8 @@ def _f32(x) -> np.ndarray:
   return np.ascontiguousarray(x, dtype=np.float32)
 
 
-def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto", exact_max: int = EXACT_MAX,
+def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
+                exact_max_floats: int = EXACT_MAX_FLOATS,
                 nlist: int = 4096, pq_m: int = 64, pq_bits: int = 8, train_size: int = 1_000_000,
                 add_chunk: int = 1 << 20, seed: int = 0, progress: bool = True) -> "KnnIndex":
   """Build, save (`path`, default `<datastore>/index.faiss`) and return an inner-product index over `ds.keys`.
@@ -69,7 +72,7 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto", e
   path = path or os.path.join(ds.directory, "index.faiss")
   n, d = ds.count, ds.dimension
   if kind == "auto":
-    kind = "flat" if n <= exact_max else "ivfpq"
+    kind = "flat" if n * d <= exact_max_floats else "ivfpq"
   info = {"format": FORMAT, "index_type": kind, "metric": "inner_product", "dimension": d, "count": n,
           "datastore_fingerprint": ds.fingerprint, "datastore": ds.directory}
   t0 = time.perf_counter()
@@ -201,11 +204,14 @@ def rescore(ds: Datastore, queries_NxD, ids_NxK, *, sort: bool = True) -> tuple[
   float32; -inf where ids is -1), re-sorted best first unless sort=False. Returns (scores, ids)."""
   q = _f32(queries_NxD)
   ids = np.asarray(ids_NxK, np.int64)
-  if q.ndim != 2 or q.shape[1] != ds.dimension or ids.shape[0] != q.shape[0]:
+  if q.ndim != 2 or q.shape[1] != ds.dimension or ids.ndim != 2 or ids.shape[0] != q.shape[0]:
     raise CheckpointError(f"queries {tuple(q.shape)} / ids {tuple(ids.shape)} do not match the datastore "
                           f"dimension {ds.dimension}")
-  scores = np.einsum("nd,nkd->nk", q, ds.gather_keys(ids))
-  scores = np.where(ids >= 0, scores, -np.inf).astype(np.float32)
+  scores = np.empty(ids.shape, np.float32)
+  rows = max(1, RESCORE_FLOATS // max(ids.shape[1] * ds.dimension, 1))  # bounds the gathered [rows, k, D]
+  for a in range(0, len(q), rows):
+    scores[a:a + rows] = np.einsum("nd,nkd->nk", q[a:a + rows], ds.gather_keys(ids[a:a + rows]))
+  scores[ids < 0] = -np.inf
   if sort:
     order = np.argsort(-scores, axis=1, kind="stable")
     scores, ids = np.take_along_axis(scores, order, 1), np.take_along_axis(ids, order, 1)
