@@ -6,6 +6,7 @@ initialised jax with one device. The three groups start together and run concurr
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -20,14 +21,27 @@ from trime_jax.steps import LossSpec
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
-  """Start the loss, model and train groups as subprocesses; `checks(name)` waits for one's JSON result."""
+  """Start the loss, model and train groups and the two processes of the multi-host check as subprocesses;
+  `checks(name)` waits for one's JSON result."""
   workdir = str(tmp_path_factory.mktemp("sharded_train"))
   env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
   procs = {name: subprocess.Popen([sys.executable, os.path.join(HERE, "sharded_check.py"), name, workdir],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
            for name in ("loss", "model", "train")}
+  cluster = dict(env, JAX_NUM_PROCESSES="2", JAX_COORDINATOR_ADDRESS=f"localhost:{_free_port()}")
+  multihost = str(tmp_path_factory.mktemp("multihost"))
+  for i in range(2):
+    procs[f"process{i}"] = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "multiprocess_check.py"), multihost], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env=dict(cluster, JAX_PROCESS_ID=str(i)))
   results = {}
 
   def get(name):
@@ -110,6 +124,22 @@ def test_training_on_8_devices_matches_1_device_step_for_step(checks):
   assert lo[0]["loss"] == pytest.approx(base[0]["loss"], rel=2e-5)
   assert abs(lo[0]["grad_norm"] - base[0]["grad_norm"]) > 0.05 * base[0]["grad_norm"]
   assert abs(lo[-1]["loss"] - base[-1]["loss"]) > 1e-5 * base[-1]["loss"]
+
+
+def test_two_processes_slice_batches_share_the_loss_and_checkpoint(checks):
+  """2 processes × 4 devices (jax.distributed, gloo): each loads only its half of the global batch; the
+  sharded loss and key gradients across processes equal one process's `trime_nll`; orbax saves and restores
+  a replicated state from both."""
+  results = [checks("process0"), checks("process1")]
+  assert [r["rows"] for r in results] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  for r in results:
+    assert r["devices"] == 8 and r["local_devices"] == 4
+    assert r["batch_err"] == 0.0
+    for name in ("ext_ring", "ext_gather", "long4_gather"):
+      c = r[name]
+      assert c["value_err"] <= 2e-6 * abs(c["value"]), (name, c)
+      assert c["grad_err"] <= 1e-5 * c["grad_scale"], (name, c)
+    assert r["restored_step"] == 7 and r["restore_err"] == 0.0 and r["restored_sharding_ok"]
 
 
 # ----------------------------------------------------------------------------------------------------------
