@@ -13,9 +13,10 @@ looks like the kNN neighbours the external datastore returns at test time.
      (all-padding segments, see `data.gather_segments`), so no segment is ever dropped.
 
 Everything is deterministic from `train.seed`. The original release compared Lucene's string document ids
-with integer ids, so every "neighbour" looked used and its batches were silently random; the plan header here
-records `neighbour_in_batch` (the mean fraction of a segment's top-k that share its batch) next to the same
-number for a seeded random packing, so such a failure is visible at a glance.
+with integer ids, so no neighbour ever matched an unused segment and every step fell back to a random one:
+its batches were silently random. The plan header here records `neighbour_in_batch` (the mean fraction of a
+segment's top-k that share its batch) next to the same number for a seeded random packing, so such a failure
+is visible at a glance.
 
 Memory: bm25s indexes Python lists of ints, so expect roughly 40 bytes per training token at index time
 (~4 GB for WikiText-103); the score matrix itself is sparse (one float per distinct token per segment).
@@ -106,7 +107,8 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
     keep = np.arange(k_eff + 1)[None, :] != drop[:, None]
     ids[a:b, :k_eff] = got[keep].reshape(b - a, k_eff)
     scores[a:b, :k_eff] = sc[keep].reshape(b - a, k_eff)
-  timing.update(index_s=round(t1 - t0, 3), compile_s=round(t2 - t1, 3), retrieve_s=round(time.perf_counter() - t2, 3))
+  timing.update(index_s=round(t1 - t0, 3), compile_s=round(t2 - t1, 3),
+                retrieve_s=round(time.perf_counter() - t2, 3))
   return ids, scores
 
 

@@ -255,7 +255,6 @@ def build_datastore(checkpoint_dir: str, corpus: D.Corpus, out_dir: str, *, bloc
     meta["build_seconds"] = round(meta["build_seconds"] + dt, 3)
     D.atomic_write_json(meta_path, meta)  # only after the chunk's data is on disk
     bar.update(b - a)
-    bar.set_postfix_str(f"{built / max(session_s, 1e-9):,.0f} tok/s", refresh=False)
   bar.close()
   del keys, values
   if meta["tokens_done"] == n:
