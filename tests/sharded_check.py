@@ -27,10 +27,11 @@ from trime_jax import loss as L  # noqa: E402
 from trime_jax.sharding import make_mesh  # noqa: E402
 
 N_DEV = 8
-B, SEG, D = 24, 6, 8  # 3 rows per device: runs of m=2, 4, 8 cross device boundaries, m=3 does not
+B, SEG, D = 24, 6, 8  # 3 rows per device: runs of m=2, 4, 8, 24 cross device boundaries, m=3 does not
 # (memory, consecutive_segments): local; long aligned with devices (no communication); long runs spanning
-# 2, 2-3 and 3-4 devices; ext (drop_local is a traced argument: both values use one compilation).
-CASES = [("local", 1), ("long", 3), ("long", 2), ("long", 4), ("long", 8), ("ext", 1)]
+# 2 (whole-run layout), 2-3, 3-4 and all 8 devices (own-queries layout; m=24: one run, the halo reaches past
+# row 0 from the last device); ext (drop_local is a traced argument: both values use one compilation).
+CASES = [("local", 1), ("long", 3), ("long", 2), ("long", 4), ("long", 8), ("long", 24), ("ext", 1)]
 TEMPERATURE = 0.7
 
 
@@ -82,7 +83,7 @@ def check_loss():
   runs = [(mem, m, var, "all", False) for mem, m in CASES for var in ("gather", "ring")]
   runs += [(mem, m, var, "local_only", False) for mem, m, var in
            [("local", 1, "gather"), ("long", 3, "gather"), ("long", 2, "gather"), ("long", 8, "ring"),
-            ("ext", 1, "gather"), ("ext", 1, "ring")]]
+            ("long", 24, "gather"), ("ext", 1, "gather"), ("ext", 1, "ring")]]
   runs += [("ext", 1, var, "all", True) for var in ("gather", "ring")]  # stop_gradient_memory
 
   def sharded(lg, ks, drop):

@@ -65,7 +65,7 @@ def test_every_memory_mode_and_variant_equals_trime_nll(checks):
   covered = {(c["memory"], c["m"], c["drop_local"], c["variant"], c["stop_gradient_memory"]) for c in cases}
   for var in ("gather", "ring"):
     for mode in [("local", 1, False), ("long", 3, False), ("long", 2, False), ("long", 4, False),
-                 ("long", 8, False), ("ext", 1, False), ("ext", 1, True)]:
+                 ("long", 8, False), ("long", 24, False), ("ext", 1, False), ("ext", 1, True)]:
       assert (*mode, var, False) in covered
     assert ("ext", 1, False, var, True) in covered and ("ext", 1, True, var, True) in covered
   for c in cases:
@@ -80,7 +80,7 @@ def test_local_only_cuts_exactly_the_cross_device_memory_gradients(checks):
   cases = [c for c in checks("loss")["cases"] if c["memory_grad"] == "local_only"]
   assert {(c["memory"], c["m"], c["variant"]) for c in cases} >= {
       ("local", 1, "gather"), ("long", 3, "gather"), ("long", 2, "gather"), ("long", 8, "ring"),
-      ("ext", 1, "gather"), ("ext", 1, "ring")}
+      ("long", 24, "gather"), ("ext", 1, "gather"), ("ext", 1, "ring")}
   for c in cases:
     assert c["value_err"] <= 1e-10 * max(1.0, abs(c["value"])), c
     assert c["grad_err"] <= 1e-10 * max(1.0, c["grad_scale"]), c  # == the stop-gradient reference

@@ -6,9 +6,10 @@ only how much of the batch has to travel:
 
   local  block-diagonal per segment: every device scores its own rows, no communication at all.
   long   a document run (m consecutive rows) starts on an earlier device only when B/n is not a multiple of
-         m. Then each device receives the m-1 rows preceding its first row from its predecessors (a halo of
-         ceil((m-1)/(B/n)) neighbour `ppermute` hops) and scores its runs as `[G, m·L]` blocks, like
-         `trime_nll`. Aligned runs need no communication.
+         m. Then each device receives the m-1 rows preceding its first row from its predecessors (a halo:
+         neighbour `ppermute` hops of at most min(m-1, B/n) rows each) and scores its queries against
+         them, as whole runs `[G, m·L]` (like `trime_nll`) or, for runs longer than a device's rows, its own
+         queries against the window. Aligned runs need no communication.
   ext    the whole batch, by one of two variants:
          gather  all-gather keys and targets, one blockwise pass over the global memory. Its transpose (the
                  backward pass) is a reduce-scatter of the memory-key gradients. Holds the global
@@ -159,49 +160,79 @@ def _shift_right(st: _Static, x):
   return lax.ppermute(x, st.axis, perm=[(j, j + 1) for j in range(st.n - 1)])
 
 
+def _halo(st: _Static, keys, targets, h):
+  """Keys and targets of the h global rows preceding this device's first row (padding before row 0).
+
+  h <= b: one hop of this device's trailing h rows. Otherwise whole blocks travel like a partial ring,
+  ceil(h / b) hops (at most n-1), each forwarding the block received in the previous hop.
+  """
+  b = keys.shape[0]
+  if h <= b:
+    halo_k, halo_t = _shift_right(st, (keys[b - h:], targets[b - h:]))
+  else:
+    blocks = [(keys, targets)]
+    for _ in range(min(-(-h // b), st.n - 1)):
+      blocks.insert(0, _shift_right(st, blocks[0]))
+    halo_k = jnp.concatenate([k for k, _ in blocks[:-1]])[-h:]
+    halo_t = jnp.concatenate([t for _, t in blocks[:-1]])[-h:]
+    if halo_k.shape[0] < h:  # fewer predecessors than h rows: the rest lies before row 0
+      halo_k = jnp.pad(halo_k, ((h - halo_k.shape[0], 0), (0, 0), (0, 0)))
+      halo_t = jnp.pad(halo_t, ((h - halo_t.shape[0], 0), (0, 0)), constant_values=-1)
+  rows = lax.axis_index(st.axis) * b - h + jnp.arange(h)
+  return halo_k, jnp.where(rows[:, None] >= 0, halo_t, -1)  # zeros from ppermute before row 0: no memory
+
+
 def _long_spanning(st: _Static, stats, keys, own, remote, targets, scale):
-  """memory="long" when runs cross device boundaries: a halo of the m-1 preceding rows, then `[G, m·L]`."""
+  """memory="long" when runs cross device boundaries: a halo of the m-1 rows before this device's first row
+  (a run containing row r0 starts at r0 - (r0 mod m) >= r0 - (m-1)), then the cheaper of two layouts:
+
+    runs: G whole runs touching this device as `[G, m·L]` blocks (like `trime_nll`), G·(m·L)² similarities;
+    flat: this device's b·L queries against the (m-1+b)·L window, b·(m-1+b)·L² similarities
+          (better when a run is longer than a device's rows: no queries of other devices' rows).
+  """
   b, l, d = keys.shape
   m, n = st.consecutive_segments, st.n
-  h = m - 1  # a run that contains row r0 starts at r0 - (r0 mod m) >= r0 - h
+  h = m - 1
   r0 = lax.axis_index(st.axis) * b
+  halo_k, halo_t = _halo(st, remote, targets, h)
+  win_k = jnp.concatenate([halo_k, own])  # global rows [r0 - h, r0 + b)
+  win_t = jnp.concatenate([halo_t, targets])
+  g_runs = max((i * b + b - 1) // m - (i * b) // m + 1 for i in range(n))  # most runs any device touches
+  terms = functools.partial(L.memory_log_terms, False)
+  flat_stats = VocabStats(*(x.reshape(-1) for x in stats))
 
-  # Halo: global rows [r0 - h, r0). Hop k brings the trailing h rows of everything up to device i-1, so
-  # ceil(h / b) neighbour hops of h rows each reach back far enough.
-  halo_k = jnp.zeros((h, l, d), keys.dtype)
-  halo_t = jnp.full((h, l), -1, targets.dtype)
-  for _ in range(-(-h // b)):
-    halo_k, halo_t = _shift_right(st, (jnp.concatenate([halo_k, remote])[-h:],
-                                       jnp.concatenate([halo_t, targets])[-h:]))
-  halo_rows = r0 - h + jnp.arange(h)
-  halo_t = jnp.where(halo_rows[:, None] >= 0, halo_t, -1)  # before row 0 (zeros from ppermute): no memory
+  if b * (h + b) <= g_runs * m * m:
+    kmeta = _flat(L.batch_meta(win_t, "long", m, row_offset=r0 - h))
+    qmeta = _flat(L.batch_meta(targets, "long", m, row_offset=r0))
+    chunk = st.memory_chunk or L.chunk_len(b * l, (h + b) * l, st.block_elems)
+    log_z, log_p = terms(chunk, keys.reshape(-1, d), win_k.reshape(-1, d), qmeta, kmeta, jnp.asarray(True),
+                         scale, flat_stats)
+    return (log_z - log_p).reshape(b, l)
 
-  # G runs touch any device's rows; group g holds global rows (r0 // m + g)·m + [0, m), which is the window
-  # slice starting at h - r0 mod m. Rows past this device's last row are padding (later rows are never
-  # visible to its queries anyway); rows before r0 are memories but not this device's queries.
-  g_runs = max((i * b + b - 1) // m - (i * b) // m + 1 for i in range(n))
+  # Group g holds global rows (r0 // m + g)·m + [0, m): the window slice starting at h - r0 mod m. Rows past
+  # this device's last row are padding (never visible to its queries); rows before r0 are memories only.
   start = h - r0 % m
 
-  def window(halo, mine, fill):
+  def runs(halo, mine, fill):
     x = jnp.concatenate([halo, mine])
     x = jnp.pad(x, [(0, g_runs * m - b)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
     return lax.dynamic_slice_in_dim(x, start, g_runs * m, axis=0)
 
-  mem_t = window(halo_t, targets, -1)
+  mem_t = runs(halo_t, targets, -1)
   rows = (r0 // m) * m + jnp.arange(g_runs * m)
   mine = (rows >= r0) & (rows < r0 + b)
   kmeta = L.batch_meta(mem_t, "long", m, row_offset=(r0 // m) * m)
   qmeta = kmeta._replace(target=jnp.where(mine[:, None], mem_t, -1))
-  q = window(jnp.zeros((h, l, d), keys.dtype), keys, 0)
-  k = window(halo_k, own, 0)
+  q = runs(jnp.zeros((h, l, d), keys.dtype), keys, 0)
+  k = runs(halo_k, own, 0)
   zeros = jnp.zeros((h, l), stats.log_normalizer.dtype)
-  gstats = VocabStats(window(zeros, stats.log_normalizer, 0), window(zeros, stats.target_logit, 0))
+  gstats = VocabStats(runs(zeros, stats.log_normalizer, 0), runs(zeros, stats.target_logit, 0))
 
   grouped = lambda x: x.reshape((g_runs, m * l) + x.shape[2:])
   chunk = st.memory_chunk or L.chunk_len(g_runs * m * l, m * l, st.block_elems)
-  terms = jax.vmap(functools.partial(L.memory_log_terms, False, chunk), in_axes=(0, 0, 0, 0, None, None, 0))
-  log_z, log_p = terms(grouped(q), grouped(k), TokenMeta(*map(grouped, qmeta)), TokenMeta(*map(grouped, kmeta)),
-                       jnp.asarray(True), scale, VocabStats(*map(grouped, gstats)))
+  log_z, log_p = jax.vmap(functools.partial(terms, chunk), in_axes=(0, 0, 0, 0, None, None, 0))(
+      grouped(q), grouped(k), TokenMeta(*map(grouped, qmeta)), TokenMeta(*map(grouped, kmeta)),
+      jnp.asarray(True), scale, VocabStats(*map(grouped, gstats)))
   nll = (log_z - log_p).reshape(g_runs * m, l)
   return lax.dynamic_slice_in_dim(nll, r0 % m, b, axis=0)
 
