@@ -28,7 +28,8 @@ def _batch(rng, b=6, l=7, d=5, v=6, pad=True, key_scale=3.0):
 
 @pytest.mark.parametrize("memory,m,drop_local", MODES)
 @pytest.mark.parametrize("temperature", [1.0, 0.37, 2.5])
-@pytest.mark.parametrize("implementation,chunk", [("blockwise", 5), ("blockwise", 64), ("dense", None)])
+@pytest.mark.parametrize("implementation,chunk", [("blockwise", 5), ("blockwise", 64), ("dense", None),
+                                                  ("auto", None)])
 def test_trime_nll_matches_reference(memory, m, drop_local, temperature, implementation, chunk):
   rng = np.random.default_rng(hash((memory, m, drop_local, temperature)) % 2**32)
   logits, keys, targets = _batch(rng)
@@ -200,15 +201,19 @@ def test_blockwise_equals_dense_float32(memory, m, drop_local):
   targets[2, 30:] = -1
   targets = jnp.asarray(targets)
 
-  def f(impl, lg, ks):
+  def f(impl, chunk, lg, ks):
     return loss.trime_nll(lg, ks, targets, memory=memory, consecutive_segments=m, drop_local=drop_local,
-                          implementation=impl, memory_chunk=23).sum()
+                          implementation=impl, memory_chunk=chunk).sum()
 
-  vb, gb = jax.jit(jax.value_and_grad(lambda lg, ks: f("blockwise", lg, ks), argnums=(0, 1)))(logits, keys)
-  vd, gd = jax.jit(jax.value_and_grad(lambda lg, ks: f("dense", lg, ks), argnums=(0, 1)))(logits, keys)
-  np.testing.assert_allclose(vb, vd, rtol=1e-5)
-  for x, y in zip(gb, gd):
-    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+  def value_and_grads(impl, chunk):
+    return jax.jit(jax.value_and_grad(lambda lg, ks: f(impl, chunk, lg, ks), argnums=(0, 1)))(logits, keys)
+
+  vd, gd = value_and_grads("dense", None)
+  for impl, chunk in [("blockwise", 23), ("auto", None)]:  # auto: per-group dense blocks, plain autodiff
+    vb, gb = value_and_grads(impl, chunk)
+    np.testing.assert_allclose(vb, vd, rtol=1e-5)
+    for x, y in zip(gb, gd):
+      np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
 
 
 def test_drop_local_can_be_traced_and_large_similarities_are_stable():

@@ -10,13 +10,15 @@ log Σ_v exp(E_v · f) and the target's logit. The memory side is a set of keys 
     nll_i = log(Z_vocab_i + Σ_{j vis} e^{s_ij}) - log(e^{logit_i,y_i} + Σ_{j vis, x_j = y_i} e^{s_ij})
 
 Both log-terms always contain a vocabulary term, so a query with no visible memory falls back to the plain
-softmax exactly (no additive -10000 masks anywhere). Two implementations:
+softmax exactly (no additive -10000 masks anywhere). Implementations:
 
 * dense (`memory_nll`, `memory_log_probs`): explicit `[N, M]` masks, for tests and small memories;
-* blockwise (`trime_nll`, default): scans memory chunks with a running log-sum-exp under a custom VJP that
+* blockwise (`memory_log_terms`): scans memory chunks with a running log-sum-exp under a custom VJP that
   recomputes similarities in the backward pass, so no `[N, M]` float array is ever held for the batch.
-  Local memory is block-diagonal (one `[L, L]` block per segment) and long-term memory is block-diagonal per
-  document run; only external memory spans the whole batch.
+* `trime_nll` exploits structure: local memory is block-diagonal (one `[L, L]` block per segment) and
+  long-term memory is block-diagonal per document run; only external memory spans the whole batch. Its
+  default `implementation="auto"` keeps the per-group blocks for autodiff when they fit a 64 MiB budget
+  (no recomputation) and switches to the blockwise kernel when they do not.
 
 Shapes in names: N queries, M memories, D key dim, V vocabulary, B segments, L tokens per segment.
 """
@@ -31,6 +33,9 @@ import jax
 import jax.numpy as jnp
 
 MEMORY_MODES = ("none", "local", "long", "ext")
+# auto: per-group dense blocks with plain autodiff when they fit `block_elems`, else blockwise;
+# blockwise: always the chunked custom-VJP kernel; dense: one [BL, BL] mask for the whole batch (tests).
+IMPLEMENTATIONS = ("auto", "blockwise", "dense")
 
 # Default budget for one similarity block (queries × memory chunk) in the blockwise path: 2^24 float32
 # values = 64 MiB. The chunk length along the memory axis is derived from it and the number of queries.
@@ -385,7 +390,7 @@ def trime_nll_from_vocab_stats(
     drop_local=False,
     stop_gradient_memory: bool = False,
     temperature=1.0,
-    implementation: str = "blockwise",
+    implementation: str = "auto",
     block_elems: int = DEFAULT_BLOCK_ELEMS,
     memory_chunk: int | None = None,
 ):
@@ -416,8 +421,8 @@ def trime_nll_from_vocab_stats(
     nll = _dense_nll(flat_stats, keys.reshape(b * l, d), flat.target, mem_keys.reshape(b * l, d), flat.target,
                      mask, scale)
     return nll.reshape(b, l)
-  if implementation != "blockwise":
-    raise ValueError(f"implementation must be 'blockwise' or 'dense', got {implementation!r}")
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
 
   g = _groups(memory, b, consecutive_segments)
   n = b * l // g  # tokens per group: queries and memories of one group are the same tokens
@@ -427,6 +432,13 @@ def trime_nll_from_vocab_stats(
 
   gmeta = TokenMeta(*(grouped(x) for x in meta))
   gstats = VocabStats(grouped(stats.log_normalizer), grouped(stats.target_logit))
+  if implementation == "auto" and memory_chunk is None and g * n * n <= block_elems:
+    # The per-group [n, n] blocks fit the budget: plain autodiff keeps them for the backward instead of
+    # recomputing them (cheaper when memory is no concern, e.g. local memory of short segments).
+    mask = jax.vmap(visible, in_axes=(0, 0, None, None))(gmeta, gmeta, causal, cross_rows)
+    nll = jax.vmap(_dense_nll, in_axes=(0, 0, 0, 0, 0, 0, None))(
+        gstats, grouped(keys), gmeta.target, grouped(mem_keys), gmeta.target, mask, scale)
+    return nll.reshape(b, l)
   chunk = memory_chunk or chunk_len(g * n, n, block_elems)
   terms = jax.vmap(
       functools.partial(memory_log_terms, cross_rows, chunk), in_axes=(0, 0, 0, 0, None, None, 0)
@@ -445,7 +457,7 @@ def trime_nll(
     drop_local=False,
     stop_gradient_memory: bool = False,
     temperature=1.0,
-    implementation: str = "blockwise",
+    implementation: str = "auto",
     block_elems: int = DEFAULT_BLOCK_ELEMS,
     memory_chunk: int | None = None,
 ):
@@ -458,8 +470,9 @@ def trime_nll(
                     order; a token sees every earlier token of its document's rows
     memory="ext":   a token sees every token of every other row, plus j < t of its own row
                     (drop_local=True: other rows only)
-  Gradients reach every memory key unless `stop_gradient_memory`. `implementation="dense"` builds the full
-  `[BL, BL]` mask (tests, small batches).
+  Gradients reach every memory key unless `stop_gradient_memory`. `implementation`: "auto" (per-group dense
+  blocks when they fit `block_elems`, else blockwise), "blockwise" (always the chunked custom-VJP kernel),
+  "dense" (one full `[BL, BL]` mask; tests, small batches).
   """
   return trime_nll_from_vocab_stats(
       vocab_stats(token_logits, targets),
