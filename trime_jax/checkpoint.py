@@ -10,12 +10,14 @@ The export is written to a temporary directory and renamed into place, so it is 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 
 import jax
 import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -64,6 +66,7 @@ def export(directory: str, params, config: ml_collections.ConfigDict, vocab: D.V
   ckptr.wait_until_finished()
   mcfg = ModelConfig.from_config(config.model, vocab_size=len(vocab))
   meta = {
+      "params_digest": params_digest(params),
       "vocab_fingerprint": vocab.fingerprint(),
       "vocab_size": len(vocab),
       "vocab_kind": vocab.kind,
@@ -86,11 +89,22 @@ def export(directory: str, params, config: ml_collections.ConfigDict, vocab: D.V
   return directory
 
 
+def params_digest(params) -> str:
+  """SHA-256 (16 hex digits) of every parameter's path, shape, dtype and bytes."""
+  h = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    arr = np.asarray(jax.device_get(leaf))
+    h.update(f"{jax.tree_util.keystr(path)}:{arr.shape}:{arr.dtype}".encode())
+    h.update(np.ascontiguousarray(arr).tobytes())
+  return h.hexdigest()[:16]
+
+
 def fingerprint(directory: str) -> str:
-  """Identifies an exported checkpoint (for datastores / indexes built from it)."""
+  """Identifies an exported checkpoint (datastores and indexes built from it record it): the vocabulary and
+  a digest of the parameters, so two runs of the same size and length never collide."""
   with open(os.path.join(directory, "meta.json")) as f:
     meta = json.load(f)
-  return f"{meta['vocab_fingerprint']}-{meta['num_params']}-{meta.get('step', 0)}"
+  return f"{meta['vocab_fingerprint']}-{meta['params_digest']}"
 
 
 def load_export(directory: str):
