@@ -17,6 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import json  # noqa: E402
+import re  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -129,7 +130,19 @@ def check_loss():
         row["keys_grad_diff_vs_all"] = float(jnp.abs(grads[1] - want[(mem, m, "all", sg)][1][1]).max())
         row["logits_grad_diff_vs_all"] = float(jnp.abs(grads[0] - want[(mem, m, "all", sg)][1][0]).max())
       results.append(row)
-  return {"cases": results}
+  # Which collectives each configuration's forward + backward contains (StableHLO before partitioning: only
+  # the explicit ones of the shard_map body).
+  collectives = {}
+  for mem, m, var, mg in [("local", 1, "gather", "all"), ("long", 3, "ring", "all"), ("long", 2, "gather", "all"),
+                          ("long", 8, "ring", "all"), ("ext", 1, "gather", "all"),
+                          ("ext", 1, "gather", "local_only"), ("ext", 1, "ring", "all"),
+                          ("ext", 1, "ring", "local_only")]:
+    f = lambda lg, ks: L.sharded_trime_nll(lg, ks, targets, mesh=mesh, memory=mem, consecutive_segments=m,
+                                           variant=var, memory_grad=mg).sum()
+    text = jax.jit(jax.grad(f, argnums=(0, 1))).lower(logits, keys).as_text()
+    ops = re.findall(r"stablehlo\.(all_gather|reduce_scatter|collective_permute|all_reduce|all_to_all)", text)
+    collectives[f"{mem}/{m}/{var}/{mg}"] = sorted(set(ops))
+  return {"cases": results, "collectives": collectives}
 
 
 def check_model():

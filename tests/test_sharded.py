@@ -91,6 +91,22 @@ def test_local_only_cuts_exactly_the_cross_device_memory_gradients(checks):
       assert c["keys_grad_diff_vs_all"] > 0.1, c
 
 
+def test_communication_only_where_memories_cross_devices(checks):
+  """Collectives in forward + backward: none for local memory or runs that stay on a device; neighbour
+  ppermutes for runs that span devices and for the ring; all-gather + reduce-scatter for the gather (no
+  reduce-scatter when other devices' memories get no gradient)."""
+  assert checks("loss")["collectives"] == {
+      "local/1/gather/all": [],
+      "long/3/ring/all": [],
+      "long/2/gather/all": ["collective_permute"],
+      "long/8/ring/all": ["collective_permute"],
+      "ext/1/gather/all": ["all_gather", "reduce_scatter"],
+      "ext/1/gather/local_only": ["all_gather"],
+      "ext/1/ring/all": ["collective_permute"],
+      "ext/1/ring/local_only": ["collective_permute"],
+  }
+
+
 def test_parameter_gradients_through_the_model_match(checks):
   """float32 TransformerLM, batch sharded over 8 devices, params replicated: d nll / d params (every leaf)
   equal the single-device computation for local, long (runs across devices), ext ± drop_local."""
