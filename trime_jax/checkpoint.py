@@ -30,7 +30,8 @@ EXPORT_FILES = ("config.json", "vocab.json", "meta.json", "params")
 
 def manager(directory: str, keep: int) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-  return ocp.CheckpointManager(os.path.abspath(directory), options=options)
+  path = directory if "://" in directory else os.path.abspath(directory)  # gs://... passes through to orbax
+  return ocp.CheckpointManager(path, options=options)
 
 
 def save(mgr: ocp.CheckpointManager, step: int, state) -> None:

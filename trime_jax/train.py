@@ -26,6 +26,7 @@ from trime_jax import corpora
 from trime_jax import data as D
 from trime_jax import distributed
 from trime_jax import evaluate as E
+from trime_jax import sharded_loss
 from trime_jax import sharding
 from trime_jax import steps
 from trime_jax.batching import plan as batch_plan
@@ -70,6 +71,8 @@ def validate_config(config) -> None:
                       f"{d.segment_len} or eval.block_len={config.eval.block_len}")
   if t.temperature <= 0 or config.eval.temperature <= 0:
     raise ConfigError("temperatures must be positive")
+  _choice(t.sharded_variant, sharded_loss.VARIANTS, "trime.sharded_variant")
+  _choice(t.memory_grad, sharded_loss.MEMORY_GRADS, "trime.memory_grad")
 
 
 def ce_warmup_steps(config) -> int:
@@ -148,8 +151,27 @@ class BatchSource:
 # ----------------------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------------------
+def _chief() -> bool:
+  """Process 0 writes the workdir's files and logs (every process computes; one writes)."""
+  return jax.process_index() == 0
+
+
 def _log(line: str) -> None:
-  print(line, flush=True)
+  if _chief():
+    print(line, flush=True)
+
+
+def _sync(name: str) -> None:
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
+
+
+def _host_copy(tree):
+  """NumPy copy of replicated arrays on this host (works when they span several processes)."""
+  return jax.tree_util.tree_map(
+      lambda x: np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else np.asarray(x), tree)
 
 
 def _truncate_metrics(path: str, last_step: int) -> None:
@@ -195,8 +217,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   if restored is not None:
     state = restored
     _log(f"resumed from step {restored_step} ({mgr.directory})")
-    _truncate_metrics(os.path.join(workdir, "metrics.jsonl"), restored_step)
-  else:
+    if _chief():
+      _truncate_metrics(os.path.join(workdir, "metrics.jsonl"), restored_step)
+  elif _chief():
     D.atomic_write_json(os.path.join(workdir, "config.json"), json.loads(config.to_json_best_effort()))
 
   state = jax.device_put(state, repl)
@@ -226,7 +249,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   base_key = jax.random.PRNGKey(r.seed)
   t_last, tok_last = time.perf_counter(), 0
   last = {}
-  with open(metrics_path, "a") as mfile:
+  with open(metrics_path if _chief() else os.devnull, "a") as mfile:
     for step in range(start, r.num_steps):
       use_trime = spec.memory != "none" and step >= warm
       local = source(step, rows)
@@ -261,10 +284,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
         ckpt.save(mgr, done, state)
   mgr.wait_until_finished()
 
-  params = jax.device_get(state["params"])
+  params = _host_copy(state["params"])
   final = _log_eval(graphdef, params, splits.dev, config, int(state["step"]), metrics_path)
-  export_dir = ckpt.export(os.path.join(workdir, "export"), params, config, vocab,
-                           extra={"step": int(state["step"]), "train_fingerprint": splits.train.fingerprint()})
+  export_dir = os.path.abspath(os.path.join(workdir, "export"))
+  if _chief():
+    ckpt.export(export_dir, params, config, vocab,
+                extra={"step": int(state["step"]), "train_fingerprint": splits.train.fingerprint()})
+  _sync("export")
   _log(f"exported {export_dir}")
   return {"train": last, "dev": final, "export": export_dir, "num_params": n_params}
 
@@ -277,7 +303,8 @@ def _log_eval(graphdef, params, corpus, config, step, metrics_path) -> dict:
                    batch_size=e.batch_size, variants=variants, vocab_chunk=config.train.vocab_chunk,
                    max_tokens=config.train.eval_max_tokens)
   out = {"step": step, "split": "dev", **{f"{x.name}_ppl": x.ppl for x in res}, "tokens": res[0].tokens}
-  with open(metrics_path, "a") as f:
-    f.write(json.dumps(out) + "\n")
+  if _chief():
+    with open(metrics_path, "a") as f:
+      f.write(json.dumps(out) + "\n")
   _log(f"eval step {step}: " + " | ".join(f"{x.name} ppl {x.ppl:.3f}" for x in res) + f" ({res[0].tokens:,} tokens)")
   return out
