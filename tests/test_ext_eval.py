@@ -1,0 +1,144 @@
+"""External memory at evaluation (TrimeLM_ext, kNN-LM) against brute-force float64 computations over the
+whole datastore (an exact index with K covering it)."""
+
+import math
+
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests import reference as ref
+from trime_jax import checkpoint as ckpt
+from trime_jax import data as D
+from trime_jax import evaluate as E
+from trime_jax import ext_eval as X
+from trime_jax import knn
+from trime_jax.datastore import Datastore, build_datastore, build_index
+from trime_jax.errors import CheckpointError, ConfigError
+from trime_jax.model import ModelConfig, TransformerLM
+from configs import default
+
+BLOCK, CTX, V, DIM = 16, 8, 9, 8
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("ext")
+  rng = np.random.default_rng(0)
+  vocab = D.Vocab([f"w{i}" for i in range(V)])
+  train = D.Corpus.from_docs([rng.integers(0, 5, 40), rng.integers(0, 5, 27)], vocab, "train")
+  dev = D.Corpus.from_docs([rng.integers(0, 5, 23), rng.integers(0, 5, 14)], vocab, "dev")
+  cfg = default.get_config()
+  cfg.model.num_layers, cfg.model.d_model, cfg.model.num_heads, cfg.model.d_ff = 1, DIM, 2, 16
+  cfg.model.max_len, cfg.eval.block_len, cfg.eval.context_window, cfg.eval.batch_size = 32, BLOCK, CTX, 2
+  model = TransformerLM(ModelConfig.from_config(cfg.model, vocab_size=V), rngs=nnx.Rngs(5))
+  graphdef, params = nnx.split(model, nnx.Param)
+  export = ckpt.export(str(tmp / "export"), params, cfg, vocab)
+  build_datastore(export, train, str(tmp / "ds"), progress=False)
+  ds = Datastore(str(tmp / "ds"))
+  build_index(ds, kind="flat", progress=False)
+  return dict(tmp=tmp, vocab=vocab, train=train, dev=dev, graphdef=graphdef, params=params, model=model,
+              export=export, ds=ds, cfg=cfg)
+
+
+def _brute_force(s, tau, tau_prime, lam_i, lam_k, theta):
+  """Per scored token of `dev`: -log P under trime, interp, knnlm, knnlm_cache, trime_local, cache (float64)."""
+  model, dev, ds = s["model"], s["dev"], s["ds"]
+  mem_k = np.asarray(ds.keys, np.float64)  # the float16 keys the index holds
+  mem_t = np.asarray(ds.values)
+  out = {f: [] for f in ("trime", "interp", "knnlm", "knnlm_cache", "trime_local", "cache")}
+  hits = np.zeros(len(knn.RETRIEVAL_KS))
+  for w in E.windows(len(dev), BLOCK, CTX):
+    inputs, targets, scored = E.window_batch(dev, [w], BLOCK)
+    logits, keys = (np.asarray(x, np.float64)[0] for x in model(inputs))
+    for t in np.nonzero(scored[0])[0]:
+      y = targets[0, t]
+      loc_k, loc_t = keys[:t], targets[0, :t]
+      all_k, all_t = np.concatenate([loc_k, mem_k]), np.concatenate([loc_t, mem_t])
+      p_trime = ref.distribution(logits[t], keys[t], all_k, all_t, np.ones(len(all_t), bool), tau)[y]
+      p_local = ref.distribution(logits[t], keys[t], loc_k, loc_t, np.ones(t, bool), tau)[y]
+      p_lm = ref.distribution(logits[t], keys[t], mem_k[:0], mem_t[:0], np.ones(0, bool))[y]
+
+      def p_mem(k, tt, scale):
+        if len(tt) == 0:
+          return None
+        wgt = np.exp(scale * (k @ keys[t]) / math.sqrt(DIM))
+        return wgt[tt == y].sum() / wgt.sum()
+
+      out["trime"].append(-math.log(p_trime))
+      out["trime_local"].append(-math.log(p_local))
+      out["interp"].append(-math.log((1 - lam_i) * p_trime + lam_i * p_mem(all_k, all_t, 1 / tau_prime)))
+      out["knnlm"].append(-math.log((1 - lam_k) * p_lm + lam_k * p_mem(mem_k, mem_t, theta)))
+      out["knnlm_cache"].append(-math.log((1 - lam_k) * p_lm + lam_k * p_mem(all_k, all_t, theta)))
+      pc = p_mem(loc_k, loc_t, theta)
+      out["cache"].append(-math.log(p_lm if pc is None else (1 - lam_k) * p_lm + lam_k * pc))
+      order = np.argsort(-(mem_k @ keys[t]), kind="stable")
+      first = np.nonzero(mem_t[order] == y)[0]
+      hits += [len(first) > 0 and first[0] < k for k in knn.RETRIEVAL_KS]
+  return {f: np.mean(v) for f, v in out.items()}, hits
+
+
+def test_external_memory_equals_brute_force_over_the_whole_datastore(setup):
+  s = setup
+  tau, tau_prime, lam_i, lam_k, theta = 0.8, 2.0, 0.3, 0.25, 1.5
+  ext = knn.ExternalMemory(str(s["tmp"] / "ds"), checkpoint_dir=s["export"], k=10_000)
+  assert ext.k == len(s["train"])  # K covers the datastore
+  v = X.ExtVariants(cache=((lam_k, theta),), trime_local=(tau,), trime=(tau,), interp=((tau, tau_prime, lam_i),),
+                    knnlm=((lam_k, theta),), knnlm_cache=((lam_k, theta),))
+  res = X.evaluate_external(s["graphdef"], s["params"], s["dev"], block_len=BLOCK, context_window=CTX, streams=2,
+                            variants=v, external=ext)
+  want, hits = _brute_force(s, tau, tau_prime, lam_i, lam_k, theta)
+  got = {fam: r.nll for (fam, _), r in zip(res.points, res.results)}
+  assert res.tokens == len(s["dev"])
+  for fam in want:
+    assert got[fam] == pytest.approx(want[fam], rel=2e-5), fam
+  assert got["trime"] != pytest.approx(got["trime_local"], rel=1e-3)  # the datastore matters
+  # Top-k retrieval accuracy from the same search (exact index: ties aside, the brute-force order).
+  np.testing.assert_array_equal(res.retrieval_hits, hits)
+  # The same numbers with one stream, and with exact re-scoring from the stored keys.
+  one = X.evaluate_external(s["graphdef"], s["params"], s["dev"], block_len=BLOCK, context_window=CTX, streams=1,
+                            variants=v, external=knn.ExternalMemory(str(s["tmp"] / "ds"), k=10_000, exact=True))
+  np.testing.assert_allclose([r.nll for r in one.results], [r.nll for r in res.results], rtol=1e-5)
+
+
+def test_grid_tuning_and_frequency_buckets(setup):
+  s = setup
+  ext = knn.ExternalMemory(str(s["tmp"] / "ds"), k=8)
+  grid = X.ExtVariants.grid(external=True)
+  buckets = knn.frequency_buckets(s["train"].tokens, V)
+  res = X.evaluate_external(s["graphdef"], s["params"], s["dev"], block_len=BLOCK, context_window=CTX, streams=2,
+                            variants=grid, external=ext, word_buckets_V=buckets)
+  best = X.best_per_family(res)
+  assert set(best) == set(X.FAMILIES)
+  for fam, (i, _) in best.items():
+    assert res.results[i].nll == min(r.nll for (f, _), r in zip(res.points, res.results) if f == fam)
+  picked = X.chosen(best, 0, True)
+  again = X.evaluate_external(s["graphdef"], s["params"], s["dev"], block_len=BLOCK, context_window=CTX, streams=2,
+                              variants=picked, external=ext, word_buckets_V=buckets)
+  for (fam, _), r in zip(again.points, again.results):
+    assert r.nll == pytest.approx(res.results[best[fam][0]].nll, rel=1e-5)
+  # Bucket counts add up to the scored tokens and per-bucket means recombine into the overall mean.
+  assert again.bucket_tokens.sum() == again.tokens
+  filled = again.bucket_tokens > 0
+  overall = (np.nan_to_num(again.bucket_nll[:, filled]) * again.bucket_tokens[filled]).sum(1) / again.tokens
+  np.testing.assert_allclose(overall, [r.nll for r in again.results], rtol=1e-5)
+
+
+def test_mismatches_are_clear_errors(setup, tmp_path):
+  s = setup
+  with pytest.raises(ConfigError, match="datastore"):
+    X.evaluate_external(s["graphdef"], s["params"], s["dev"], block_len=BLOCK, context_window=CTX, streams=1,
+                        variants=X.ExtVariants(trime=(1.0,)), external=None)
+  other = TransformerLM(ModelConfig(vocab_size=V, num_layers=1, d_model=2 * DIM, num_heads=2, d_ff=16, max_len=32),
+                        rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(other, nnx.Param)
+  ext = knn.ExternalMemory(str(s["tmp"] / "ds"), k=4)
+  with pytest.raises(ConfigError, match="dimension"):
+    X.evaluate_external(graphdef, params, s["dev"], block_len=BLOCK, context_window=CTX, streams=1,
+                        variants=X.ExtVariants(trime=(1.0,)), external=ext)
+  cfg = s["cfg"].copy_and_resolve_references()
+  cfg.model.d_model = 2 * DIM
+  export = ckpt.export(str(tmp_path / "other"), params, cfg, s["vocab"])
+  with pytest.raises(CheckpointError):
+    knn.ExternalMemory(str(s["tmp"] / "ds"), checkpoint_dir=export, k=4)

@@ -1,0 +1,90 @@
+"""External memory at evaluation: top-K retrieval from a FAISS index over a datastore, for each scored token.
+
+One search per scored token (the original searched every position of each block, context included, and
+twice). The retrieved entries are scored by the index's approximate inner product or, with `exact=True`,
+re-scored exactly from the stored float16 keys. Similarities follow the training objective:
+sim = g(c)·k_j / √D (temperatures are applied by the evaluator).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+
+from trime_jax.datastore import Datastore, KnnIndex, rescore
+from trime_jax.errors import CheckpointError, ConfigError
+
+RETRIEVAL_KS = (1, 8, 64, 1024)
+# Frequency buckets of the paper's Table "bucket_ppl": occurrences of the target word in the training split.
+FREQ_BUCKETS = ((10_000, None, ">10k"), (1_000, 10_000, "1k-10k"), (100, 1_000, "100-1k"), (10, 100, "10-100"),
+                (None, 10, "<=10"))
+
+
+@dataclasses.dataclass
+class Retrieved:
+  """Top-K external memories of a set of queries (rows), best first."""
+
+  sim: np.ndarray  # [N, K] float32 g·k / √D
+  targets: np.ndarray  # [N, K] int32 next token of each memory (-1 where fewer than K exist)
+
+
+class ExternalMemory:
+  """A datastore + its FAISS index, checked against the model that queries it."""
+
+  def __init__(self, datastore_dir: str, *, index_path: str = "", checkpoint_dir: str = "", k: int = 1024,
+               nprobe: int = 32, exact: bool = False, gpu: bool = False):
+    self.datastore = Datastore(datastore_dir)
+    if checkpoint_dir:
+      self.datastore.check_checkpoint(checkpoint_dir)
+    path = index_path or f"{datastore_dir.rstrip('/')}/index.faiss"
+    self.index = KnnIndex.load(path, datastore=self.datastore, nprobe=nprobe, gpu=gpu)
+    if k < 1:
+      raise ConfigError(f"eval.knn_k must be >= 1, got {k}")
+    self.k = int(min(k, self.datastore.count))
+    self.exact = exact
+    self.search_seconds = 0.0
+    self.queries = 0
+
+  @property
+  def dimension(self) -> int:
+    return self.datastore.dimension
+
+  def retrieve(self, queries_NxD) -> Retrieved:
+    q = np.ascontiguousarray(np.asarray(queries_NxD, np.float32))
+    if q.ndim != 2 or q.shape[1] != self.dimension:
+      raise CheckpointError(f"queries of dimension {q.shape[-1]} cannot search a datastore of dimension "
+                            f"{self.dimension}")
+    t0 = time.perf_counter()
+    scores, ids = self.index.search(q, self.k)
+    if self.exact:
+      scores, ids = rescore(self.datastore, q, ids)
+    self.search_seconds += time.perf_counter() - t0
+    self.queries += len(q)
+    valid = ids >= 0
+    targets = np.where(valid, np.asarray(self.datastore.values[np.where(valid, ids, 0)]), -1).astype(np.int32)
+    sim = np.where(valid, scores / math.sqrt(self.dimension), 0.0).astype(np.float32)
+    return Retrieved(sim, targets)
+
+
+def retrieval_hits(retrieved_targets_NxK, targets_N, ks=RETRIEVAL_KS) -> np.ndarray:
+  """[len(ks)] number of queries whose target is among the next tokens of their top-k memories."""
+  match = retrieved_targets_NxK == np.asarray(targets_N)[:, None]
+  first = np.where(match.any(1), match.argmax(1), np.iinfo(np.int64).max)
+  return np.array([(first < k).sum() for k in ks], np.int64)
+
+
+def frequency_buckets(train_tokens, vocab_size: int) -> np.ndarray:
+  """[V] bucket index (into FREQ_BUCKETS) of every word, by its count in the training split."""
+  counts = np.bincount(np.asarray(train_tokens), minlength=vocab_size)
+  bucket = np.zeros(vocab_size, np.int32)
+  for i, (lo, hi, _) in enumerate(FREQ_BUCKETS):
+    sel = np.ones(vocab_size, bool)
+    if lo is not None:
+      sel &= counts > lo
+    if hi is not None:
+      sel &= counts <= hi
+    bucket[sel] = i
+  return bucket
