@@ -89,5 +89,12 @@ def get_config():
   e.max_tokens = 0  # score only the first max_tokens targets (0 = the whole split)
   e.mem_size = 0  # long-term memory: tokens before each window (TRIME and cache); >0: batch_size parallel streams
   e.reset_at_documents = True  # long-term memory of the query's own document only (False: across documents)
+  e.datastore = ""  # external memory: datastore directory (launch/build_datastore.py); used by launch/eval_ext.py
+  e.index = ""  # FAISS index file; "" = <datastore>/index.faiss
+  e.knn_k = 1024  # K: memories retrieved per scored token
+  e.nprobe = 32  # IVF lists searched per query (IVF-PQ indexes)
+  e.knn_exact = False  # re-score the retrieved entries exactly from the stored float16 keys
+  e.knn_temperature = 1.0  # τ′ of the memory-only distribution P′ in the interpolation (Appendix A)
+  e.knn_lambda = 0.3  # λ of (1-λ)·P + λ·P′ (TrimeLM_ext) and of kNN-LM's (1-λ)·p_LM + λ·p_kNN
   c.lock()  # typos in field names are errors, in code as on the command line
   return c

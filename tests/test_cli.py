@@ -78,3 +78,25 @@ def test_checkpoint_vocabulary_mismatch(trained):
   assert "does not match" in line
   line = _one_error_line(run_cli("launch.eval", f"--config={cfg}", f"--checkpoint={tmp}/no_such_export"))
   assert "not found" in line
+
+
+def test_datastore_and_external_memory_eval_cli(trained):
+  tmp, _, cfg, work = trained
+  ds = tmp / "ds"
+  r = run_cli("launch.build_datastore", f"--config={cfg}", f"--checkpoint={work}/export", f"--out={ds}",
+              "--index=flat")
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = tmp / "ext.json"
+  r = run_cli("launch.eval_ext", f"--config={cfg}", f"--checkpoint={work}/export", f"--config.eval.datastore={ds}",
+              "--config.eval.knn_k=16", "--config.eval.tune=True", "--config.eval.split=test",
+              "--throughput_tokens=256", f"--output={out}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  res = json.loads(out.read_text())
+  assert {row["family"] for row in res["rows"]} == {"none", "cache", "trime_local", "trime", "interp", "knnlm",
+                                                    "knnlm_cache"}
+  assert all(row["test_ppl"] > 1 and row["dev_ppl"] > 1 for row in res["rows"])
+  acc = res["retrieval_accuracy"]
+  assert 0 <= acc["top1"] <= acc["top8"] <= acc["top64"] <= acc["top1024"] <= 1
+  assert res["throughput"]["ratio"] > 0 and "top-K retrieval accuracy" in r.stdout
+  line = _one_error_line(run_cli("launch.eval_ext", f"--config={cfg}", f"--checkpoint={work}/export"))
+  assert "eval.datastore" in line

@@ -278,3 +278,82 @@ def chosen(best: dict, mem_size: int, reset_at_documents: bool) -> ExtVariants:
   """ExtVariants holding exactly one (the tuned) point per family in `best`."""
   fields = {fam: (p if fam not in ("trime_local", "trime") else p[0],) for fam, (_, p) in best.items() if fam != "none"}
   return ExtVariants(mem_size=mem_size, reset_at_documents=reset_at_documents, **fields)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A whole evaluation of a checkpoint with external memory (what launch/eval_ext.py runs).
+# ----------------------------------------------------------------------------------------------------------
+def configured(e) -> ExtVariants:
+  """One point per family from the `eval` config section (no tuning)."""
+  tau, lam, theta = float(e.temperature), float(e.knn_lambda), float(e.cache_theta)
+  return ExtVariants(cache=((float(e.cache_lambda), theta),), trime_local=(tau,), trime=(tau,),
+                     interp=((tau, float(e.knn_temperature), lam),), knnlm=((lam, theta),),
+                     knnlm_cache=((lam, theta),), mem_size=int(e.mem_size),
+                     reset_at_documents=bool(e.reset_at_documents))
+
+
+def _rows(result: ExtResult, split: str, dev: ExtResult | None = None, dev_index=None) -> list[dict]:
+  rows = []
+  for i, ((fam, _), r) in enumerate(zip(result.points, result.results)):
+    row = {"family": fam, "variant": r.name, f"{split}_ppl": r.ppl, "tokens": r.tokens,
+           "tokens_per_s": r.tokens / max(r.seconds, 1e-9)}
+    if r.bytes_level:
+      row[f"{split}_bpc"] = r.bits_per_token
+    if dev is not None:
+      row["dev_ppl"] = dev.results[dev_index[fam]].ppl
+    rows.append(row)
+  return rows
+
+
+def evaluate_checkpoint_external(config, checkpoint_dir: str, *, progress: bool = False,
+                                 throughput_tokens: int = 0) -> dict:
+  """Evaluate an export with external memory on `config.eval.split`; with `eval.tune`, every family's
+  parameters are grid-searched on dev first. Returns rows, retrieval accuracy, frequency-bucket perplexities
+  and (if `throughput_tokens`) eval throughput with vs without external memory."""
+  import os
+
+  from trime_jax import checkpoint as ckpt
+  from trime_jax.runs import load_eval_data
+
+  checkpoint_dir = os.path.abspath(checkpoint_dir)
+  graphdef, params, train_config, vocab, _ = ckpt.load_export(checkpoint_dir)
+  splits = load_eval_data(config, vocab)
+  e = config.eval
+  if not e.datastore:
+    raise ConfigError("eval.datastore is not set: build one with `python -m launch.build_datastore`")
+  external = knn.ExternalMemory(e.datastore, index_path=e.index, checkpoint_dir=checkpoint_dir, k=e.knn_k,
+                                nprobe=e.nprobe, exact=e.knn_exact)
+  buckets = knn.frequency_buckets(splits.train.tokens, len(vocab)) if vocab.kind == "words" else None
+  kw = dict(block_len=e.block_len, context_window=e.context_window, streams=e.batch_size, external=external,
+            vocab_chunk=train_config.train.vocab_chunk, max_tokens=e.max_tokens, word_buckets_V=buckets,
+            progress=progress)
+  out = {"checkpoint": checkpoint_dir, "datastore": e.datastore, "index": external.index.kind, "k": external.k,
+         "nprobe": e.nprobe, "exact": bool(e.knn_exact), "mem_size": int(e.mem_size), "split": e.split}
+  dev = best = None
+  if e.tune:
+    grid = ExtVariants.grid(external=True, mem_size=int(e.mem_size), reset_at_documents=bool(e.reset_at_documents))
+    dev = evaluate_external(graphdef, params, splits.dev, variants=grid, **kw)
+    best = best_per_family(dev)
+    variants = chosen(best, int(e.mem_size), bool(e.reset_at_documents))
+    out["dev_grid"] = [{"variant": r.name, "dev_ppl": r.ppl} for r in dev.results]
+  else:
+    variants = configured(e)
+  res = evaluate_external(graphdef, params, splits.get(e.split), variants=variants, **kw)
+  out["rows"] = _rows(res, e.split, dev, {f: i for f, (i, _) in best.items()} if best else None)
+  out["retrieval_accuracy"] = res.retrieval_accuracy()
+  out["search_seconds"], out["seconds"] = res.search_seconds, res.seconds
+  if buckets is not None:
+    out["buckets"] = {"names": [b[2] for b in knn.FREQ_BUCKETS], "tokens": res.bucket_tokens.tolist(),
+                      "ppl": {r.name: np.exp(res.bucket_nll[i]).tolist() for i, r in enumerate(res.results)}}
+  if throughput_tokens:
+    tau = (variants.trime or (1.0,))[0]
+    tkw = {**kw, "max_tokens": throughput_tokens, "progress": False}
+    with_ext = evaluate_external(graphdef, params, splits.get(e.split), variants=ExtVariants(
+        trime=(tau,), mem_size=int(e.mem_size), reset_at_documents=bool(e.reset_at_documents)), **tkw)
+    tkw["external"] = None
+    without = evaluate_external(graphdef, params, splits.get(e.split), variants=ExtVariants(
+        trime_local=(tau,), mem_size=int(e.mem_size), reset_at_documents=bool(e.reset_at_documents)), **tkw)
+    a, b = with_ext.tokens / with_ext.seconds, without.tokens / without.seconds
+    out["throughput"] = {"tokens": with_ext.tokens, "with_external_tok_s": a, "without_tok_s": b, "ratio": a / b,
+                         "search_share": with_ext.search_seconds / with_ext.seconds}
+  return out

@@ -1,0 +1,57 @@
+"""Evaluate with external memory: TrimeLM_ext (one softmax over vocabulary + local + long-term + top-K
+retrieved memories, plus the Appendix-A interpolation) and the kNN-LM baselines, from one datastore.
+
+  python -m launch.build_datastore --config=configs/wikitext_mini.py --checkpoint=runs/ext/export --out=runs/ext/ds
+  python -m launch.eval_ext --config=configs/wikitext_mini.py --checkpoint=runs/ext/export \
+      --config.eval.datastore=runs/ext/ds --config.eval.split=test --config.eval.tune=True [--throughput_tokens=8192]
+
+With eval.tune the parameters of every family (τ, τ′, λ, θ) are grid-searched on dev, then applied to
+eval.split. Prints the perplexity table, top-K retrieval accuracy and perplexity per frequency bucket.
+"""
+
+import json
+import os
+
+from absl import flags
+from ml_collections import config_flags
+
+from launch.common import run_main
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
+_OUTPUT = flags.DEFINE_string("output", "", "Optional JSON file for the results.")
+_THROUGHPUT = flags.DEFINE_integer("throughput_tokens", 0, "Also time this many tokens with vs without external "
+                                   "memory (0: skip).")
+flags.mark_flags_as_required(["config", "checkpoint"])
+
+
+def main(argv):
+  del argv
+  from trime_jax import evaluate as E
+  from trime_jax.ext_eval import evaluate_checkpoint_external
+
+  out = evaluate_checkpoint_external(_CONFIG.value, _CHECKPOINT.value, progress=True,
+                                     throughput_tokens=_THROUGHPUT.value)
+  split = out["split"]
+  cols = ("family", "variant", "dev_ppl", f"{split}_ppl", f"{split}_bpc", "tokens", "tokens_per_s")
+  print(E.format_table(out["rows"], columns=cols))
+  print("\ntop-K retrieval accuracy: " + ", ".join(f"{k} {v:.1%}" for k, v in out["retrieval_accuracy"].items()))
+  if "buckets" in out:
+    b = out["buckets"]
+    rows = [{"variant": name, **{f"{n} ({int(t):,})": p for n, t, p in zip(b["names"], b["tokens"], ppl)}}
+            for name, ppl in b["ppl"].items()]
+    print("\nperplexity per frequency bucket (target's count in the training split; tokens in parentheses):")
+    print(E.format_table(rows, columns=["variant"] + [f"{n} ({int(t):,})" for n, t in zip(b["names"], b["tokens"])]))
+  if "throughput" in out:
+    t = out["throughput"]
+    print(f"\nthroughput on {t['tokens']:,} tokens: {t['with_external_tok_s']:,.0f} tok/s with external memory "
+          f"(K={out['k']}, {out['index']}, nprobe={out['nprobe']}) vs {t['without_tok_s']:,.0f} without: "
+          f"ratio {t['ratio']:.3f} (search {t['search_share']:.0%} of the time)")
+  if _OUTPUT.value:
+    os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)
+    with open(_OUTPUT.value, "w") as f:
+      json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+  run_main(main)
