@@ -40,8 +40,9 @@ from trime_jax.errors import ConfigError
 EVAL_MEMORIES = ("none", "local", "cache")
 # Default tuning grids (dev split): τ for TRIME memory; (λ, θ) for the continuous cache.
 TAU_GRID = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
-CACHE_LAMBDA_GRID = (0.02, 0.05, 0.1, 0.2, 0.3, 0.45)
-CACHE_THETA_GRID = (0.1, 0.25, 0.5, 1.0, 2.0)
+# With a long-term store the cache optimum moves to λ ≈ 0.45, θ ≈ 4 (docs/long_memory.md); the grid reaches past it.
+CACHE_LAMBDA_GRID = (0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6)
+CACHE_THETA_GRID = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 
 
 @dataclasses.dataclass(frozen=True)
