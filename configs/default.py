@@ -94,6 +94,7 @@ def get_config():
   e.knn_k = 1024  # K: memories retrieved per scored token
   e.nprobe = 32  # IVF lists searched per query (IVF-PQ indexes)
   e.knn_exact = False  # re-score the retrieved entries exactly from the stored float16 keys
+  e.knn_gpu = False  # move the FAISS index to GPU 0 (needs a GPU build of faiss; faiss-cpu says so clearly)
   e.knn_temperature = 1.0  # τ′ of the memory-only distribution P′ in the interpolation (Appendix A)
   e.knn_lambda = 0.3  # λ of (1-λ)·P + λ·P′ (TrimeLM_ext) and of kNN-LM's (1-λ)·p_LM + λ·p_kNN
   c.lock()  # typos in field names are errors, in code as on the command line

@@ -322,7 +322,7 @@ def evaluate_checkpoint_external(config, checkpoint_dir: str, *, progress: bool 
   if not e.datastore:
     raise ConfigError("eval.datastore is not set: build one with `python -m launch.build_datastore`")
   external = knn.ExternalMemory(e.datastore, index_path=e.index, checkpoint_dir=checkpoint_dir, k=e.knn_k,
-                                nprobe=e.nprobe, exact=e.knn_exact)
+                                nprobe=e.nprobe, exact=e.knn_exact, gpu=e.knn_gpu)
   buckets = knn.frequency_buckets(splits.train.tokens, len(vocab)) if vocab.kind == "words" else None
   kw = dict(block_len=e.block_len, context_window=e.context_window, streams=e.batch_size, external=external,
             vocab_chunk=train_config.train.vocab_chunk, max_tokens=e.max_tokens, word_buckets_V=buckets,
