@@ -1,0 +1,37 @@
+#!/bin/bash
+# Issue 4 evidence on wikitext-mini (docs/external_memory.md): TrimeLM_ext vs kNN-LM and the two ablations,
+# equal training budgets (1000 updates of 8 × 256 tokens), datastore = the training split.
+#
+#   bash experiments/wikitext_mini_ext.sh train            # plan + 4 trainings (one at a time)
+#   bash experiments/wikitext_mini_ext.sh eval NAME        # datastore + index + tuned evaluation of runs/ext/NAME
+#   bash experiments/wikitext_mini_ext.sh throughput       # IVF-PQ index, K=1024, nprobe=32: with vs without
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="nice -n 10 .venv/bin/python -m"
+CFG=configs/wikitext_mini_ext.py
+OUT=runs/ext
+
+case "${1:-}" in
+  train)
+    $PY launch.make_batches --config=$CFG --kind=bm25 --out=runs/plans/wikitext_mini_bm25
+    $PY launch.train --config=$CFG --workdir=$OUT/bm25                                        # TrimeLM_ext
+    $PY launch.train --config=$CFG --workdir=$OUT/random --config.trime.batching=random        # w/o BM25 batching
+    $PY launch.train --config=$CFG --workdir=$OUT/stopgrad --config.trime.stop_gradient_memory=True  # w/o back-prop
+    $PY launch.train --config=configs/wikitext_mini.py --workdir=$OUT/vanilla --config.trime.memory=none  # kNN-LM's LM
+    ;;
+  eval)
+    NAME=$2
+    $PY launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds --index=flat
+    # every family's τ, τ′, λ, θ tuned on dev (grid), then applied to test; both are reported
+    $PY launch.eval_ext --config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.datastore=$OUT/$NAME/ds \
+      --config.eval.tune=True --config.eval.split=test --output=$OUT/$NAME/eval_ext.json > $OUT/$NAME/eval_ext.txt
+    ;;
+  throughput)
+    $PY launch.build_datastore --config=$CFG --checkpoint=$OUT/bm25/export --out=$OUT/bm25/ds_ivfpq --index=ivfpq \
+      --nlist=1024 --pq_m=32
+    $PY launch.eval_ext --config=$CFG --checkpoint=$OUT/bm25/export --config.eval.datastore=$OUT/bm25/ds_ivfpq \
+      --config.eval.split=test --config.eval.max_tokens=16384 --throughput_tokens=16384 \
+      --output=$OUT/bm25/throughput.json > $OUT/bm25/throughput.txt
+    ;;
+  *) echo "usage: $0 train | eval NAME | throughput" >&2; exit 2 ;;
+esac
