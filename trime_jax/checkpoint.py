@@ -110,6 +110,7 @@ def fingerprint(directory: str) -> str:
 
 def load_export(directory: str):
   """(graphdef, params, config, vocab, meta) from an export directory, validated."""
+  directory = os.path.abspath(directory)  # orbax wants absolute paths
   if not os.path.isdir(directory):
     raise CheckpointError(f"checkpoint directory not found: {directory}")
   missing = [f for f in EXPORT_FILES if not os.path.exists(os.path.join(directory, f))]
