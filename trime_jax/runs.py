@@ -97,7 +97,7 @@ def sweep_table(rows: list[dict]) -> str:
 
 def plot_sweep(rows: list[dict], path: str, title: str = "") -> str:
   """PNG of the best perplexity (or bpc) against the long-term memory size, one line per (model, memory
-  family); the vanilla softmax as a dashed level. Needs matplotlib."""
+  family); the plain softmax as a dotted level per model. Needs matplotlib."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -107,16 +107,20 @@ def plot_sweep(rows: list[dict], path: str, title: str = "") -> str:
   metric = "bpc" if any("bpc" in r for r in rows) else "ppl"
   sizes = sorted({m for cells in best.values() for m in cells})
   x = {m: i for i, m in enumerate(sizes)}  # memory sizes roughly double: even spacing reads best
+  models = list(dict.fromkeys(model for model, _ in best))
+  style = {"trime": dict(ls="-", marker="o"), "cache": dict(ls="-.", marker="s")}
   fig, ax = plt.subplots(figsize=(6.4, 4.2))
   for (model, fam), cells in best.items():
-    name = f"{model}: {FAMILY_NAMES.get(fam, fam)}" if model else FAMILY_NAMES.get(fam, fam)
+    color = f"C{models.index(model) % 10}"  # one colour per model, one line style per memory family
+    prefix = f"{model}: " if model else ""
     if fam == "none":
-      ax.axhline(cells[0][metric], ls="--", lw=1, color="gray", label=f"{model}: no memory" if model else name)
+      ax.axhline(cells[0][metric], ls=":", lw=1, color=color, label=f"{prefix}no memory")
       continue
     ms = sorted(cells)
-    ax.plot([x[m] for m in ms], [cells[m][metric] for m in ms], marker="o", label=name)
+    ax.plot([x[m] for m in ms], [cells[m][metric] for m in ms], color=color, label=prefix + FAMILY_NAMES[fam],
+            **style.get(fam, {}))
   ax.set_xticks(range(len(sizes)), [f"{m:,}" for m in sizes])
-  ax.set_xlabel("long-term memory size (tokens before the window)")
+  ax.set_xlabel("long-term memory size (tokens before the window; 0 = local memory only)")
   ax.set_ylabel("perplexity" if metric == "ppl" else "bits per byte")
   ax.set_title(title or f"{rows[0].get('split', '')} {metric} vs long-term memory size")
   ax.grid(alpha=0.3)
