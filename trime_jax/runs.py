@@ -3,7 +3,6 @@ memory size, summarise and plot a sweep."""
 
 from __future__ import annotations
 
-import os
 import re
 
 from trime_jax import checkpoint as ckpt
@@ -30,7 +29,7 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, progress: bool = False, 
   loaded once. With `eval.tune`, the best variant of each memory size is marked. Every row carries `family`
   (none | trime | cache), `mem_size`, `split` and, if given, the model `label`.
   """
-  graphdef, params, train_config, vocab, meta = ckpt.load_export(os.path.abspath(checkpoint_dir))  # orbax: absolute
+  graphdef, params, train_config, vocab, meta = ckpt.load_export(checkpoint_dir)
   splits = load_eval_data(config, vocab)
   e = config.eval
   if e.block_len > train_config.model.max_len:
