@@ -14,7 +14,7 @@ def get_config():
   c.data.path = "data/enwik8/enwik8"  # the unzipped enwik8 file
   c.data.split_fractions = (0.9, 0.05, 0.05)  # 90M / 5M / 5M bytes
   c.data.segment_len = 512  # L (training)
-  c.data.segmentation = "stream"  # one document: the whole split
+  c.data.segmentation = "document"  # one document (the whole split): consecutive runs of the stream
   c.model.vocab_size = 256  # bytes
   c.model.num_layers = 12  # layers
   c.model.d_model = 512  # hidden dimension
