@@ -81,3 +81,16 @@ def test_config_errors(corpus, tmp_path):
     train_and_evaluate(tiny_config(corpus, **{"model.vocab_size": 1000}), str(tmp_path / "y"))
   with pytest.raises(ConfigError, match="max_len"):
     train_and_evaluate(tiny_config(corpus, **{"data.segment_len": 128}), str(tmp_path / "z"))
+
+
+def test_every_shipped_config_is_valid():
+  import glob
+  import importlib
+
+  from trime_jax.train import validate_config
+
+  names = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs",
+                                                                           "*.py")) if not p.endswith("__init__.py"))
+  assert {"default", "demo", "wikitext_mini", "wiki103_247m", "wiki103_150m", "wiki103_7m", "enwik8_38m"} <= set(names)
+  for name in names:
+    validate_config(importlib.import_module(f"configs.{name}").get_config())
