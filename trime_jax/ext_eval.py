@@ -41,10 +41,11 @@ from trime_jax.errors import ConfigError
 
 FAMILIES = ("none", "cache", "trime_local", "trime", "interp", "knnlm", "knnlm_cache")
 EXTERNAL_FAMILIES = ("trime", "interp", "knnlm", "knnlm_cache")
-# Tuning grids (dev split). τ′ and θ act on sim = g·g_j/√D.
-TAU_GRID = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
+# Tuning grids (dev split). τ′ and θ act on sim = g·g_j/√D. With hundreds of retrieved neighbours in the
+# softmax the best τ is larger than with local memory alone, hence the long upper tail.
+TAU_GRID = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0)
 TAU_PRIME_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)
-LAMBDA_GRID = (0.05, 0.1, 0.2, 0.3, 0.45, 0.6)
+LAMBDA_GRID = (0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75)
 THETA_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)
 
 
