@@ -24,8 +24,9 @@ def _corpus(seed=0, docs_per_topic=6, words_per_doc=160):
   return D.Corpus.from_docs(docs, vocab, "topics"), np.asarray(topic_of_doc)
 
 
-def _config(seed=0, segmentation="stream"):
+def _config(seed=0, segmentation="stream", exclude_same_document=True):
   c = default.get_config()
+  c.trime.bm25_exclude_same_document = exclude_same_document
   c.data.segment_len, c.data.segmentation = SEG, segmentation
   c.train.batch_size, c.train.seed = B, seed
   return c
@@ -106,7 +107,7 @@ def _mean_within_batch(scores, batches):
 
 
 def test_batches_are_far_more_similar_than_random(corpus):
-  header, batches = _plan(corpus)
+  header, batches = _plan(corpus, exclude_same_document=False)
   random_batches = bm25.to_batches(np.random.default_rng(5).permutation(header["num_segments"]), B)
   scores = _pairwise_bm25(corpus)
   packed, rand = _mean_within_batch(scores, batches), _mean_within_batch(scores, random_batches)
@@ -131,3 +132,22 @@ def test_numba_backend_plan_round_trips_through_the_plan_file(corpus, tmp_path):
   loaded.check(corpus_fingerprint=corpus.fingerprint(), segment_len=SEG, segmentation="stream", batch_size=B,
                kind="bm25")
   np.testing.assert_array_equal(loaded.rows(0), batches[0])
+
+
+def test_same_document_neighbours_can_be_excluded(corpus):
+  segs = D.make_segments(corpus, SEG)
+  docs = bm25.segment_token_ids(corpus, segs)
+  ids, scores = bm25.neighbours(docs, 5, backend="numpy", groups=segs.doc)
+  assert (ids >= 0).all() and not (segs.doc[ids] == segs.doc[:, None]).any()
+  assert (np.diff(scores, axis=1) <= 0).all()
+  every, _ = bm25.neighbours(docs, 5, backend="numpy")
+  assert (segs.doc[every] == segs.doc[:, None]).any()  # without exclusion, own-document hits happen
+  # Packing: far fewer same-document batch-mates, still topically pure (other documents of the topic).
+  h_ex, b_ex = _plan(corpus)
+  h_all, _ = _plan(corpus, exclude_same_document=False)
+  assert h_ex["exclude_same_document"] and not h_all["exclude_same_document"]
+  assert h_ex["same_document_pairs"] == 0.0 < h_all["same_document_pairs"]  # 36 documents: always possible
+  _, topic_of_doc = _corpus()
+  topic = topic_of_doc[segs.doc]
+  same = [np.mean(topic[r[r >= 0]] == np.bincount(topic[r[r >= 0]]).argmax()) for r in b_ex]
+  assert np.mean(same) > 0.6  # at most 6 documents per topic, so ≤ 6/8 of a batch; random: ~0.35

@@ -36,6 +36,7 @@ from trime_jax.errors import ConfigError
 
 DEFAULT_K = 20  # neighbours per segment (the paper's k)
 QUERY_BATCH = 4096  # segments per bm25s.retrieve call (one progress-bar step)
+MAX_GROUP_EXTRA = 256  # extra hits retrieved to replace excluded same-document neighbours
 
 
 def _threads() -> int:
@@ -70,11 +71,14 @@ def bm25_index(docs: list[np.ndarray], *, backend: str = "numba",
 
 
 def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_batch: int = QUERY_BATCH,
-               n_threads: int = 0, progress: bool = False,
-               timing: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+               n_threads: int = 0, progress: bool = False, timing: dict | None = None,
+               groups: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
   """Top-k most BM25-similar other documents of every document: (ids [S, k] int64, scores [S, k] float32),
   best first; -1 / -inf where there are fewer than k other documents. Each document queries with its own
   tokens (repeated tokens count once per occurrence, as in a Lucene query).
+
+  groups [S] (e.g. the corpus document of each segment): neighbours in the query's own group are excluded
+  too (up to `MAX_GROUP_EXTRA` extra hits are retrieved to make up for them).
 
   backend: "numba" (fast, but its first call in a process JIT-compiles for 15-30 s) or "numpy".
   n_threads: 0 = every core this process may use. timing: filled with index_s, compile_s, retrieve_s.
@@ -83,6 +87,8 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
   t0 = time.perf_counter()
   s = len(docs)
   k_eff = min(k, s - 1)
+  extra = 1 if groups is None else 1 + min(int(np.bincount(groups).max()), MAX_GROUP_EXTRA)
+  k_ret = min(k_eff + extra, s)
   ids = np.full((s, k), -1, np.int64)
   scores = np.full((s, k), -np.inf, np.float32)
   if k_eff <= 0:
@@ -98,47 +104,64 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
   for a in tqdm(range(0, s, query_batch), desc="bm25 retrieve", unit="batch", disable=not progress):
     b = min(a + query_batch, s)
     queries = [lut[d].tolist() for d in docs[a:b]]
-    res = retriever.retrieve(queries, k=k_eff + 1, show_progress=False, n_threads=n_threads,
+    res = retriever.retrieve(queries, k=k_ret, show_progress=False, n_threads=n_threads,
                              backend_selection=selection)
     got, sc = np.asarray(res.documents, np.int64), np.asarray(res.scores, np.float32)
-    # Drop the query itself wherever it ranks (another segment may outscore it); else drop the last hit.
-    is_self = got == np.arange(a, b)[:, None]
-    drop = np.where(is_self.any(1), is_self.argmax(1), k_eff)
-    keep = np.arange(k_eff + 1)[None, :] != drop[:, None]
-    ids[a:b, :k_eff] = got[keep].reshape(b - a, k_eff)
-    scores[a:b, :k_eff] = sc[keep].reshape(b - a, k_eff)
+    # Drop the query itself wherever it ranks (another segment may outscore it), and its group's members;
+    # keep the best k of the rest in order.
+    excluded = got == np.arange(a, b)[:, None]
+    if groups is not None:
+      excluded |= groups[got] == groups[a:b, None]
+    order = np.argsort(excluded, axis=1, kind="stable")[:, :k_eff]
+    gone = np.take_along_axis(excluded, order, axis=1)
+    ids[a:b, :k_eff] = np.where(gone, -1, np.take_along_axis(got, order, axis=1))
+    scores[a:b, :k_eff] = np.where(gone, -np.inf, np.take_along_axis(sc, order, axis=1))
   timing.update(index_s=round(t1 - t0, 3), compile_s=round(t2 - t1, 3),
                 retrieve_s=round(time.perf_counter() - t2, 3))
   return ids, scores
 
 
-def pack(neighbours_Sxk: np.ndarray, seed: int) -> np.ndarray:
+def pack(neighbours_Sxk: np.ndarray, seed: int, *, groups: np.ndarray | None = None,
+         batch_size: int = 0) -> np.ndarray:
   """Algorithm 1: an order [S] over all segments, each exactly once.
 
   From the current segment, go to its best neighbour not used yet; if there is none, to a random unused
   segment (the next unused entry of a seeded permutation, i.e. uniform over the unused ones).
+
+  With `groups` [S] and `batch_size`, a segment is also skipped while its group (document) already has a
+  segment in the batch being filled (positions cut every `batch_size`), so batch-mates come from other
+  documents wherever the corpus allows it.
   """
   s = len(neighbours_Sxk)
-  perm = np.random.default_rng([seed, 23]).permutation(s).tolist()
+  perm = np.random.default_rng([seed, 23]).permutation(s)
   nbrs = np.asarray(neighbours_Sxk)
-  used = bytearray(s)
-  order = []
-  p = 0
+  used = np.zeros(s, bool)
+  in_batch: set = set()
+  order = np.empty(s, np.int64)
+  p = 0  # perm[:p] are all used
   c = None
-  for _ in range(s):
+
+  def free(y):
+    return not used[y] and (groups is None or int(groups[y]) not in in_batch)
+
+  for i in range(s):
+    if groups is not None and batch_size and i % batch_size == 0:
+      in_batch.clear()
     if c is None:
       while used[perm[p]]:
         p += 1
-      c = perm[p]
-    used[c] = 1
-    order.append(c)
-    nxt = None
-    for y in nbrs[c].tolist():
-      if y >= 0 and not used[y]:
-        nxt = y
-        break
-    c = nxt
-  return np.asarray(order, np.int64)
+      # The first unused entry of the permutation whose group is not in the batch yet (else the first unused);
+      # entries skipped over stay available.
+      j = p
+      while j < s and not free(perm[j]):
+        j += 1
+      c = int(perm[j] if j < s else perm[p])
+    used[c] = True
+    order[i] = c
+    if groups is not None:
+      in_batch.add(int(groups[c]))
+    c = next((y for y in nbrs[c].tolist() if y >= 0 and free(y)), None)
+  return order
 
 
 def to_batches(order: np.ndarray, batch_size: int) -> np.ndarray:
@@ -161,6 +184,16 @@ def neighbour_in_batch(batches_NxB: np.ndarray, neighbours_Sxk: np.ndarray) -> f
   return float(np.mean(same.sum(1) / np.maximum(valid.sum(1), 1)))
 
 
+def same_document_pairs(batches_NxB: np.ndarray, doc_S: np.ndarray) -> float:
+  """Fraction of ordered pairs of real rows in a batch that come from the same document."""
+  same = pairs = 0
+  for row in batches_NxB:
+    d = doc_S[row[row >= 0]]
+    same += int((d[:, None] == d[None, :]).sum()) - len(d)
+    pairs += len(d) * (len(d) - 1)
+  return same / max(pairs, 1)
+
+
 def make_plan(corpus: D.Corpus, config, *, progress: bool = True, k: int | None = None,
               backend: str = "numba"):
   """(header, batches [ceil(S / B), B] int64) for `trime.batching="bm25"` (see `batching/plan.py`).
@@ -177,9 +210,13 @@ def make_plan(corpus: D.Corpus, config, *, progress: bool = True, k: int | None 
   segments = D.make_segments(corpus, seg_len, mode)
   docs = segment_token_ids(corpus, segments)
   timing = {}
-  nbrs, _ = neighbours(docs, k, backend=backend, progress=progress, timing=timing)
+  # External memory at test time holds *other* documents; same-document neighbours would make the training
+  # memory a long-term memory instead (on short documents most BM25 neighbours are the same article).
+  exclude_same = bool(config.trime.get("bm25_exclude_same_document", True))
+  nbrs, _ = neighbours(docs, k, backend=backend, progress=progress, timing=timing,
+                       groups=segments.doc if exclude_same else None)
   t0 = time.perf_counter()
-  order = pack(nbrs, seed)
+  order = pack(nbrs, seed, groups=segments.doc if exclude_same else None, batch_size=batch_size)
   batches = to_batches(order, batch_size)
   timing["pack_s"] = round(time.perf_counter() - t0, 3)
   # Throughput of indexing + retrieval + packing; the one-off numba compile is reported apart.
@@ -195,6 +232,9 @@ def make_plan(corpus: D.Corpus, config, *, progress: bool = True, k: int | None 
       "consecutive_segments": 1,
       "seed": seed,
       "k": k,
+      "exclude_same_document": exclude_same,
+      "same_document_pairs": same_document_pairs(batches, segments.doc),
+      "same_document_pairs_random": same_document_pairs(random_batches, segments.doc),
       "num_segments": len(segments),
       "padding_rows": int((batches < 0).sum()),
       "last_batch": "padded with -1 rows",
@@ -206,6 +246,7 @@ def make_plan(corpus: D.Corpus, config, *, progress: bool = True, k: int | None 
     print(f"bm25: {len(segments):,} segments, {len(batches):,} batches of {batch_size}, "
           f"{timing['segments_per_s']:,.0f} segments/s (+{timing.get('compile_s', 0):.1f} s numba compile); "
           f"top-{k} neighbours in the same batch: "
-          f"{header['neighbour_in_batch']:.1%} (random batches: {header['neighbour_in_batch_random']:.1%})",
+          f"{header['neighbour_in_batch']:.1%} (random batches: {header['neighbour_in_batch_random']:.1%}); "
+          f"same-document pairs {header['same_document_pairs']:.1%} (random {header['same_document_pairs_random']:.1%})",
           flush=True)
   return header, batches
