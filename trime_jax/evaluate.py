@@ -286,36 +286,63 @@ def stream_schedule(wins: list[Window], doc_starts, streams: int, mem_size: int,
   return win, score
 
 
+@dataclasses.dataclass
+class StreamPlan:
+  """What a streamed evaluation runs: the windows, which window each stream runs at each step, and the
+  empty long-term store (see `stream_schedule`)."""
+
+  num_targets: int
+  wins: list
+  sched: np.ndarray  # [T, streams] window index, -1 = idle
+  score: np.ndarray  # [T, streams] bool: scored (False: warm-up, insert only)
+  queries: int  # Q = block_len - context_window scored positions per window
+  store: LM.Store
+  doc_starts: np.ndarray
+
+  def batch(self, corpus: D.Corpus, step: int, block_len: int) -> dict:
+    """Host arrays of step `step`: inputs / targets [S, L]; start, offset (score_start - start), end [S];
+    doc_q [S, Q] document of each query; score, insert [S] bool."""
+    idx = self.sched[step]
+    ws = [self.wins[max(i, 0)] for i in idx]
+    inputs, targets, _ = window_batch(corpus, ws, block_len)
+    start = np.array([w.start for w in ws], np.int32)
+    offset = np.array([w.score_start - w.start for w in ws], np.int32)
+    qpos = start[:, None] + offset[:, None] + np.arange(self.queries)[None, :]
+    return {"inputs": inputs, "targets": targets, "start": start, "offset": offset,
+            "end": np.array([w.end for w in ws], np.int32),
+            "doc_q": (np.searchsorted(self.doc_starts, qpos, side="right") - 1).astype(np.int32),
+            "score": self.score[step], "insert": idx >= 0}
+
+
+def stream_plan(graphdef, params, corpus: D.Corpus, *, block_len: int, context_window: int, streams: int,
+                mem_size: int, reset_at_documents: bool, max_tokens: int = 0) -> StreamPlan:
+  n = len(corpus) if not max_tokens else min(max_tokens, len(corpus))
+  wins = windows(n, block_len, context_window)
+  sched, score = stream_schedule(wins, corpus.doc_starts, streams, mem_size, reset_at_documents)
+  q = block_len - context_window
+  cfg = nnx.merge(graphdef, params).cfg
+  store = LM.empty(streams, LM.capacity(mem_size, context_window, q), cfg.d_model, jnp.dtype(cfg.dtype))
+  return StreamPlan(n, wins, sched, score, q, store, np.asarray(corpus.doc_starts, np.int64))
+
+
 def evaluate_streams(graphdef, params, corpus: D.Corpus, *, block_len: int, context_window: int, streams: int,
                      variants: Variants, vocab_chunk: int = 0, max_tokens: int = 0,
                      progress: bool = False) -> list[EvalResult]:
   """`evaluate` with a long-term store: `streams` parallel streams, each a run of consecutive windows with its
   own on-device ring buffer of `long_memory.capacity(mem_size, ...)` slots. Results do not depend on
   `streams` (up to float rounding)."""
-  n = len(corpus) if not max_tokens else min(max_tokens, len(corpus))
-  wins = windows(n, block_len, context_window)
-  sched, score = stream_schedule(wins, corpus.doc_starts, streams, variants.mem_size,
-                                 variants.reset_at_documents)
-  q = block_len - context_window
-  cfg = nnx.merge(graphdef, params).cfg
-  store = LM.empty(streams, LM.capacity(variants.mem_size, context_window, q), cfg.d_model, jnp.dtype(cfg.dtype))
-  doc_starts = np.asarray(corpus.doc_starts, np.int64)
+  plan = stream_plan(graphdef, params, corpus, block_len=block_len, context_window=context_window,
+                     streams=streams, mem_size=variants.mem_size, reset_at_documents=variants.reset_at_documents,
+                     max_tokens=max_tokens)
+  store = plan.store
   totals = np.zeros(len(variants.names()))
   t0 = time.perf_counter()
-  for step in tqdm(range(len(sched)), desc=f"eval mem={variants.mem_size}", disable=not progress, unit="step"):
-    idx = sched[step]
-    ws = [wins[max(i, 0)] for i in idx]
-    inputs, targets, _ = window_batch(corpus, ws, block_len)
-    start = np.array([w.start for w in ws], np.int32)
-    offset = np.array([w.score_start - w.start for w in ws], np.int32)
-    qpos = start[:, None] + offset[:, None] + np.arange(q)[None, :]
-    batch = {"inputs": inputs, "targets": targets, "start": start, "offset": offset,
-             "end": np.array([w.end for w in ws], np.int32),
-             "doc_q": (np.searchsorted(doc_starts, qpos, side="right") - 1).astype(np.int32),
-             "score": score[step], "insert": idx >= 0}
+  for step in tqdm(range(len(plan.sched)), desc=f"eval mem={variants.mem_size}", disable=not progress,
+                   unit="step"):
+    batch = plan.batch(corpus, step, block_len)
     sums, store = long_eval_step(graphdef, params, store, batch, variants=variants, vocab_chunk=vocab_chunk)
     totals += np.asarray(sums, np.float64)
-  return _results(variants, totals, n, time.perf_counter() - t0, corpus)
+  return _results(variants, totals, plan.num_targets, time.perf_counter() - t0, corpus)
 
 
 def variants_from_config(ecfg, mem_size: int | None = None) -> Variants:

@@ -210,14 +210,10 @@ def evaluate_external(graphdef, params, corpus: D.Corpus, *, block_len: int, con
   model_cfg = nnx.merge(graphdef, params).cfg
   if external is not None and external.dimension != model_cfg.d_model:
     raise ConfigError(f"datastore keys have dimension {external.dimension}, the model's keys {model_cfg.d_model}")
-  n = len(corpus) if not max_tokens else min(max_tokens, len(corpus))
-  wins = E.windows(n, block_len, context_window)
-  sched, score = E.stream_schedule(wins, corpus.doc_starts, streams, variants.mem_size,
-                                   variants.reset_at_documents)
-  q = block_len - context_window
-  store = LM.empty(streams, LM.capacity(variants.mem_size, context_window, q), model_cfg.d_model,
-                   jnp.dtype(model_cfg.dtype))
-  doc_starts = np.asarray(corpus.doc_starts, np.int64)
+  plan = E.stream_plan(graphdef, params, corpus, block_len=block_len, context_window=context_window,
+                       streams=streams, mem_size=variants.mem_size,
+                       reset_at_documents=variants.reset_at_documents, max_tokens=max_tokens)
+  n, q, store = plan.num_targets, plan.queries, plan.store
   buckets = np.zeros(model_cfg.vocab_size, np.int32) if word_buckets_V is None else np.asarray(word_buckets_V)
   n_buckets = len(knn.FREQ_BUCKETS)
   points = variants.points()
@@ -227,21 +223,14 @@ def evaluate_external(graphdef, params, corpus: D.Corpus, *, block_len: int, con
   hits = np.zeros(len(knn.RETRIEVAL_KS), np.int64)
   search_s0 = external.search_seconds if external is not None else 0.0
   t0 = time.perf_counter()
-  for step in tqdm(range(len(sched)), desc="eval (external)" if external else "eval", disable=not progress,
+  for step in tqdm(range(len(plan.sched)), desc="eval (external)" if external else "eval", disable=not progress,
                    unit="step"):
-    idx = sched[step]
-    ws = [wins[max(i, 0)] for i in idx]
-    inputs, targets, _ = E.window_batch(corpus, ws, block_len)
-    start = np.array([w.start for w in ws], np.int32)
-    offset = np.array([w.score_start - w.start for w in ws], np.int32)
-    end = np.array([w.end for w in ws], np.int32)
-    qpos_np = start[:, None] + offset[:, None] + np.arange(q)[None, :]
-    batch = {"start": start, "end": end, "score": score[step], "insert": idx >= 0,
-             "doc_q": (np.searchsorted(doc_starts, qpos_np, side="right") - 1).astype(np.int32)}
-    keys, q_keys, q_stats, q_targets, qpos = _forward_queries(graphdef, params, inputs, targets, offset, q=q,
-                                                              vocab_chunk=vocab_chunk)
+    batch = plan.batch(corpus, step, block_len)
+    keys, q_keys, q_stats, q_targets, qpos = _forward_queries(graphdef, params, batch["inputs"], batch["targets"],
+                                                              batch["offset"], q=q, vocab_chunk=vocab_chunk)
     q_targets_np = np.asarray(q_targets)
-    scored = (qpos_np < end[:, None]) & (q_targets_np >= 0) & score[step][:, None]
+    qpos_np = batch["start"][:, None] + np.asarray(qpos)
+    scored = (qpos_np < batch["end"][:, None]) & (q_targets_np >= 0) & batch["score"][:, None]
     ext_sim = ext_targets = None
     if external is not None:
       ext_sim = np.zeros(scored.shape + (external.k,), np.float32)
@@ -251,8 +240,8 @@ def evaluate_external(graphdef, params, corpus: D.Corpus, *, block_len: int, con
         ext_sim[scored], ext_targets[scored] = got.sim, got.targets
         hits += knn.retrieval_hits(got.targets, q_targets_np[scored])
     bucket_q = buckets[np.maximum(q_targets_np, 0)]
-    sums, bsums, bcnt, store = _memory_sums(store, keys, targets, q_keys, q_stats, q_targets, qpos, batch, ext_sim,
-                                            ext_targets, bucket_q, variants=variants, n_buckets=n_buckets)
+    sums, bsums, bcnt, store = _memory_sums(store, keys, batch["targets"], q_keys, q_stats, q_targets, qpos, batch,
+                                            ext_sim, ext_targets, bucket_q, variants=variants, n_buckets=n_buckets)
     totals += np.asarray(sums, np.float64)
     bucket_tot += np.asarray(bsums, np.float64)
     bucket_cnt += np.asarray(bcnt, np.float64)
