@@ -127,7 +127,7 @@ def train_step(graphdef, tx, spec: LossSpec, use_trime: bool, report_trime: bool
   (grads, sums), _ = jax.lax.scan(micro, (zeros, zero_sums), (batch, keys))
   ntok = jnp.maximum(sums["tokens"], 1).astype(jnp.float32)
   grads = jax.tree_util.tree_map(lambda g: g / ntok, grads)
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   updates, new_opt = tx.update(grads, state["opt_state"], params)
   new_params = optax.apply_updates(params, updates)
   loss = sums["objective"] / ntok
