@@ -53,6 +53,15 @@ def write_text_file(path, n_bytes=60_000):
   return path
 
 
+# A 3-update ext-memory run (drop-local draws, 2 micro-batches) that the 1-device, 8-device and 2-process
+# training checks all make, so their metrics can be compared step for step.
+TRAIN_MATCH = {"trime.memory": "ext", "trime.drop_local_prob": 0.5, "trime.ce_warmup_steps": 0,
+               "train.batch_size": 16, "train.grad_accum": 2, "train.num_steps": 3, "data.segment_len": 16,
+               "model.max_len": 16, "eval.block_len": 16, "eval.context_window": 8, "model.dropout": 0.0,
+               "train.eval_max_tokens": 64, "eval.max_tokens": 64}
+TRAIN_MATCH_CORPUS_BYTES = 30_000
+
+
 def tiny_config(corpus_path, **overrides):
   """A byte-level config small enough for a few training steps in seconds."""
   c = default.get_config()

@@ -4,8 +4,9 @@
 
 Joins the cluster with `distributed.initialize_from_env` (gloo collectives on CPU), then on the 8-device
 global mesh: loads only this host's rows of a training batch, computes the sharded TRIME loss and its key
-gradients across the two processes, and saves + restores an orbax checkpoint from both. Prints one JSON
-object of measured differences against the single-process computation.
+gradients across the two processes, saves + restores an orbax checkpoint from both, and finally runs
+`train_and_evaluate` end to end across both processes (2 updates, then resumed to 3). Prints one JSON object of
+measured differences against the single-process computation (and process 0's training metrics).
 """
 
 import os
@@ -93,6 +94,21 @@ def main(workdir):
   out["restored_step"] = step
   out["restore_err"] = _shard_err(restored["w"], np.arange(12, dtype=np.float32).reshape(3, 4))
   out["restored_sharding_ok"] = restored["w"].sharding == state["w"].sharding
+
+  # End to end across both hosts: train 2 updates, resume to 3 (orbax checkpoints written by both), export.
+  # Process 0 writes metrics.jsonl; tests/test_sharded.py compares it with the 1-device run of sharded_check.
+  from tests.helpers import TRAIN_MATCH, TRAIN_MATCH_CORPUS_BYTES
+  from trime_jax.train import train_and_evaluate
+
+  text = write_text_file(os.path.join(workdir, f"train_text{jax.process_index()}.bin"), TRAIN_MATCH_CORPUS_BYTES)
+  run_dir = os.path.join(workdir, "train")
+  for n in (2, 3):
+    train_and_evaluate(tiny_config(text, **{**TRAIN_MATCH, "train.num_devices": 8, "train.num_steps": n,
+                                            "train.checkpoint_every": 1}), run_dir)
+  if jax.process_index() == 0:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+      out["train"] = [m for m in map(json.loads, f) if "loss" in m]
+    out["export_ok"] = os.path.exists(os.path.join(run_dir, "export", "meta.json"))
   print("RESULT " + json.dumps(out), flush=True)
 
 

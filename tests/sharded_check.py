@@ -195,14 +195,11 @@ def check_model():
 
 def check_train(workdir):
   """`train_and_evaluate` on 1 and on 8 devices (ext memory, drop-local, 2 micro-batches): metrics.jsonl."""
-  from tests.helpers import tiny_config, write_text_file
+  from tests.helpers import TRAIN_MATCH, TRAIN_MATCH_CORPUS_BYTES, tiny_config, write_text_file
   from trime_jax.train import train_and_evaluate
 
-  corpus = write_text_file(os.path.join(workdir, "text.bin"), 30_000)
-  common = {"trime.memory": "ext", "trime.drop_local_prob": 0.5, "trime.ce_warmup_steps": 0,
-            "train.batch_size": 16, "train.grad_accum": 2, "train.num_steps": 3, "data.segment_len": 16,
-            "model.max_len": 16, "eval.block_len": 16, "eval.context_window": 8, "model.dropout": 0.0,
-            "train.eval_max_tokens": 64, "eval.max_tokens": 64}
+  corpus = write_text_file(os.path.join(workdir, "text.bin"), TRAIN_MATCH_CORPUS_BYTES)
+  common = TRAIN_MATCH
   runs = {"1dev": {"train.num_devices": 1},
           "8dev_gather": {"train.num_devices": 8, "trime.sharded_variant": "gather"},
           "8dev_ring": {"train.num_devices": 8, "trime.sharded_variant": "ring"},

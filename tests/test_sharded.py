@@ -145,7 +145,7 @@ def test_training_on_8_devices_matches_1_device_step_for_step(checks):
 def test_two_processes_slice_batches_share_the_loss_and_checkpoint(checks):
   """2 processes × 4 devices (jax.distributed, gloo): each loads only its half of the global batch; the
   sharded loss and key gradients across processes equal one process's `trime_nll`; orbax saves and restores
-  a replicated state from both."""
+  a replicated state from both; `train_and_evaluate` across both (with a resume) matches 1 device."""
   results = [checks("process0"), checks("process1")]
   assert [r["rows"] for r in results] == [[0, 1, 2, 3], [4, 5, 6, 7]]
   for r in results:
@@ -156,6 +156,12 @@ def test_two_processes_slice_batches_share_the_loss_and_checkpoint(checks):
       assert c["value_err"] <= 2e-6 * abs(c["value"]), (name, c)
       assert c["grad_err"] <= 1e-5 * c["grad_scale"], (name, c)
     assert r["restored_step"] == 7 and r["restore_err"] == 0.0 and r["restored_sharding_ok"]
+  # train_and_evaluate across both processes (2 updates, resumed to 3) matches the 1-device run step for step.
+  train, base = results[0]["train"], checks("train")["runs"]["1dev"]
+  assert [m["step"] for m in train] == [1, 2, 3] and results[0]["export_ok"]
+  for a, b in zip(base, train):
+    for key in ("loss", "ce_nll", "trime_nll", "grad_norm"):
+      assert b[key] == pytest.approx(a[key], rel=2e-5), (key, a, b)
 
 
 # ----------------------------------------------------------------------------------------------------------

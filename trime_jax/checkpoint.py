@@ -56,37 +56,52 @@ def abstract(tree):
   return jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, tree)
 
 
+def _sync(name: str) -> None:
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
+
+
 def export(directory: str, params, config: ml_collections.ConfigDict, vocab: D.Vocab, extra=None) -> str:
-  """Write params + config + vocab + meta to `directory` atomically; returns the directory."""
+  """Write params + config + vocab + meta to `directory` atomically; returns the directory.
+
+  Multi-host: every process calls this with the same (replicated, host-copied) params; orbax writes them
+  once and synchronises the processes, process 0 writes the JSON files and renames the directory."""
   directory = os.path.abspath(directory)
   tmp = directory + ".tmp"
-  shutil.rmtree(tmp, ignore_errors=True)
-  os.makedirs(tmp)
+  chief = jax.process_index() == 0
+  if chief:
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+  _sync("export:start")
   ckptr = ocp.StandardCheckpointer()
   ckptr.save(os.path.join(tmp, "params"), params)
   ckptr.wait_until_finished()
-  mcfg = ModelConfig.from_config(config.model, vocab_size=len(vocab))
-  meta = {
-      "params_digest": params_digest(params),
-      "vocab_fingerprint": vocab.fingerprint(),
-      "vocab_size": len(vocab),
-      "vocab_kind": vocab.kind,
-      "d_model": mcfg.d_model,
-      "key_type": mcfg.key_type,
-      "num_params": count_params(params),
-      **(extra or {}),
-  }
-  D.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(config.to_json_best_effort()))
-  D.atomic_write_json(os.path.join(tmp, "vocab.json"), vocab.to_json())
-  D.atomic_write_json(os.path.join(tmp, "meta.json"), meta)
-  if os.path.exists(directory):
-    old = directory + ".old"
-    shutil.rmtree(old, ignore_errors=True)
-    os.replace(directory, old)
-    os.replace(tmp, directory)
-    shutil.rmtree(old, ignore_errors=True)
-  else:
-    os.replace(tmp, directory)
+  if chief:
+    mcfg = ModelConfig.from_config(config.model, vocab_size=len(vocab))
+    meta = {
+        "params_digest": params_digest(params),
+        "vocab_fingerprint": vocab.fingerprint(),
+        "vocab_size": len(vocab),
+        "vocab_kind": vocab.kind,
+        "d_model": mcfg.d_model,
+        "key_type": mcfg.key_type,
+        "num_params": count_params(params),
+        **(extra or {}),
+    }
+    D.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(config.to_json_best_effort()))
+    D.atomic_write_json(os.path.join(tmp, "vocab.json"), vocab.to_json())
+    D.atomic_write_json(os.path.join(tmp, "meta.json"), meta)
+    if os.path.exists(directory):
+      old = directory + ".old"
+      shutil.rmtree(old, ignore_errors=True)
+      os.replace(directory, old)
+      os.replace(tmp, directory)
+      shutil.rmtree(old, ignore_errors=True)
+    else:
+      os.replace(tmp, directory)
+  _sync("export:done")
   return directory
 
 

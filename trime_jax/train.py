@@ -163,13 +163,6 @@ def _log(line: str) -> None:
     print(line, flush=True)
 
 
-def _sync(name: str) -> None:
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-
-    multihost_utils.sync_global_devices(name)
-
-
 def _host_copy(tree):
   """NumPy copy of replicated arrays on this host (works when they span several processes)."""
   return jax.tree_util.tree_map(
@@ -289,10 +282,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   params = _host_copy(state["params"])
   final = _log_eval(graphdef, params, splits.dev, config, int(state["step"]), metrics_path)
   export_dir = os.path.abspath(os.path.join(workdir, "export"))
-  if _chief():
-    ckpt.export(export_dir, params, config, vocab,
-                extra={"step": int(state["step"]), "train_fingerprint": splits.train.fingerprint()})
-  _sync("export")
+  ckpt.export(export_dir, params, config, vocab,  # every process: orbax synchronises them
+              extra={"step": int(state["step"]), "train_fingerprint": splits.train.fingerprint()})
   _log(f"exported {export_dir}")
   return {"train": last, "dev": final, "export": export_dir, "num_params": n_params}
 
