@@ -59,8 +59,8 @@ def main():
     if "dense" in t:  # same numbers from both paths
       (vb, _), (vd, _) = blk(*data), den(*data)
       np.testing.assert_allclose(vb, vd, rtol=1e-4)
-    td = f"{t['dense']:.2f}" if "dense" in t else "not run"
-    print(f"| {n:,} | {mb / 2**30:.3f} GiB | {t['blockwise']:.2f} | {md / 2**30:.2f} GiB | {td} | {md / mb:.1f}× |",
+    td = f"{t['dense']:.4f}" if "dense" in t else "not run"
+    print(f"| {n:,} | {mb / 2**30:.3f} GiB | {t['blockwise']:.4f} | {md / 2**30:.2f} GiB | {td} | {md / mb:.1f}× |",
           flush=True)
 
 
