@@ -27,6 +27,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from trime_jax import loss as L
+
 
 class MemoryBlock(NamedTuple):
   """One source of memories for queries `[..., Q]`; all fields `[..., Q, M]`."""
@@ -38,7 +40,8 @@ class MemoryBlock(NamedTuple):
 
 def similarities(q_SxQxD, k_SxMxD):
   d = q_SxQxD.shape[-1]
-  return jnp.einsum("sqd,smd->sqm", q_SxQxD, k_SxMxD, preferred_element_type=jnp.float32) / math.sqrt(d)
+  return jnp.einsum("sqd,smd->sqm", q_SxQxD, k_SxMxD, preferred_element_type=jnp.float32,
+                    precision=L._sim_precision(q_SxQxD, k_SxMxD)) / math.sqrt(d)
 
 
 class Store(NamedTuple):

@@ -57,6 +57,15 @@ def _acc(*xs):
   return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
 
 
+def _sim_precision(*xs):
+  """Matmul precision of memory similarities (and their gradients): full float32 for float32 keys, since
+  the accelerators' default (TF32 on GPUs, one bfloat16 pass on TPUs) rounds similarities that reach the
+  tens by ~1e-3 relative, enough to move the loss; bfloat16 keys need nothing (their products are exact in
+  the float32 accumulator) and keep the fast default."""
+  full = all(jnp.dtype(x.dtype).itemsize >= 4 for x in xs)
+  return jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT
+
+
 def _safe_targets(targets):
   return jnp.maximum(targets, 0)
 
@@ -211,7 +220,8 @@ def masked_logsumexp_with(first_N, scores_NxM, mask_NxM):
 
 def _similarities(keys_NxD, memory_keys_MxD, scale):
   acc = _acc(keys_NxD, memory_keys_MxD)
-  return jnp.einsum("nd,md->nm", keys_NxD, memory_keys_MxD, preferred_element_type=acc) * scale
+  return jnp.einsum("nd,md->nm", keys_NxD, memory_keys_MxD, preferred_element_type=acc,
+                    precision=_sim_precision(keys_NxD, memory_keys_MxD)) * scale
 
 
 def _scale(d: int, temperature):
@@ -287,7 +297,8 @@ def _chunk_memory(chunk, keys_MxD, meta: TokenMeta):
 
 
 def _block_terms(q_NxD, k_CxD, qmeta, kmeta, causal, scale, cross_rows):
-  s = jnp.einsum("nd,cd->nc", q_NxD, k_CxD, preferred_element_type=scale.dtype) * scale
+  s = jnp.einsum("nd,cd->nc", q_NxD, k_CxD, preferred_element_type=scale.dtype,
+                 precision=_sim_precision(q_NxD, k_CxD)) * scale
   vis = visible(qmeta, kmeta, causal, cross_rows)
   pos = vis & (kmeta.target[None, :] == qmeta.target[:, None])
   return s, vis, pos
@@ -331,6 +342,7 @@ def _memory_log_terms_bwd(cross_rows, chunk, res, cotangents):
   kc, mc = _chunk_memory(chunk, k_MxD, kmeta)
   acc = scale.dtype
   q32 = q_NxD.astype(acc)
+  prec = _sim_precision(q_NxD, k_MxD)
 
   def body(dq, blk):
     s, vis, pos = _block_terms(q_NxD, blk[0], qmeta, blk[1], causal, scale, cross_rows)
@@ -338,8 +350,8 @@ def _memory_log_terms_bwd(cross_rows, chunk, res, cotangents):
     g = g_z[:, None] * jnp.exp(jnp.where(vis, s - log_z[:, None], -jnp.inf))
     g = g + g_p[:, None] * jnp.exp(jnp.where(pos, s - log_p[:, None], -jnp.inf))
     g = g * scale
-    dq = dq + jnp.einsum("nc,cd->nd", g, blk[0].astype(acc))
-    dk = jnp.einsum("nc,nd->cd", g, q32)
+    dq = dq + jnp.einsum("nc,cd->nd", g, blk[0].astype(acc), precision=prec)
+    dk = jnp.einsum("nc,nd->cd", g, q32, precision=prec)
     return dq, dk
 
   dq, dk = jax.lax.scan(body, jnp.zeros(q_NxD.shape, acc), (kc, mc))

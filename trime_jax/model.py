@@ -157,8 +157,10 @@ class TransformerLM(nnx.Module):
     ffn_in = x
     for block in self.blocks:
       x, ffn_in = block(x, deterministic=deterministic, rngs=rngs)
-    f = self.final_norm(x)
-    g = ffn_in if cfg.key_type == "last_ffn_input" else f
+    # Both leave in the compute dtype (LayerNorm promotes to float32): under bfloat16 the output projection
+    # and the memory similarities then run as bfloat16 products with float32 accumulation, like attention.
+    f = self.final_norm(x).astype(dtype)
+    g = ffn_in.astype(dtype) if cfg.key_type == "last_ffn_input" else f
     return f, g
 
   def logits(self, f_BxLxD):

@@ -295,13 +295,14 @@ def _block_grads(chunk, q, qmeta, causal, scale, log_z, log_p, g_z, g_p, with_dk
   kc, mc = L._chunk_memory(chunk, k_blk, kmeta)
   acc = scale.dtype
   q32 = q.astype(acc)
+  prec = L._sim_precision(q, k_blk)
 
   def body(dq, blk):
     s, vis, pos = L._block_terms(q, blk[0], qmeta, blk[1], causal, scale, True)
     g = g_z[:, None] * jnp.exp(jnp.where(vis, s - log_z[:, None], -jnp.inf))
     g = (g + g_p[:, None] * jnp.exp(jnp.where(pos, s - log_p[:, None], -jnp.inf))) * scale
-    dq = dq + jnp.einsum("nc,cd->nd", g, blk[0].astype(acc))
-    return dq, jnp.einsum("nc,nd->cd", g, q32) if with_dk else None
+    dq = dq + jnp.einsum("nc,cd->nd", g, blk[0].astype(acc), precision=prec)
+    return dq, jnp.einsum("nc,nd->cd", g, q32, precision=prec) if with_dk else None
 
   dq, dk = lax.scan(body, jnp.zeros(q.shape, acc), (kc, mc))
   return dq, (dk.reshape(-1, k_blk.shape[-1])[: k_blk.shape[0]] if with_dk else None)

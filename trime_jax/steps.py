@@ -56,7 +56,7 @@ def forward(model: TransformerLM, inputs_BxL, targets_BxL, *, vocab_chunk=0, det
   """(VocabStats [B, L], keys [B, L, D]) without materialising [B, L, V] when vocab_chunk > 0."""
   f, g = model.features(inputs_BxL, deterministic=deterministic, rngs=rngs)
   if vocab_chunk:
-    stats = L.chunked_vocab_stats(f, model.output_embedding(), targets_BxL, chunk=vocab_chunk)
+    stats = L.chunked_vocab_stats(f, model.output_embedding().astype(f.dtype), targets_BxL, chunk=vocab_chunk)
   else:
     stats = L.vocab_stats(model.logits(f), targets_BxL)
   return stats, g
