@@ -28,7 +28,7 @@ case "${1:-}" in
     ;;
   throughput)
     $PY launch.build_datastore --config=$CFG --checkpoint=$OUT/bm25/export --out=$OUT/bm25/ds_ivfpq --index=ivfpq \
-      --nlist=1024 --pq_m=32
+      --nlist=1024 --pq_m=16
     $PY launch.eval_ext --config=$CFG --checkpoint=$OUT/bm25/export --config.eval.datastore=$OUT/bm25/ds_ivfpq \
       --config.eval.split=test --config.eval.max_tokens=16384 --throughput_tokens=16384 \
       --output=$OUT/bm25/throughput.json > $OUT/bm25/throughput.txt
