@@ -5,19 +5,26 @@
 #   bash experiments/wikitext_mini_ext.sh train            # plan + 4 trainings (one at a time)
 #   bash experiments/wikitext_mini_ext.sh eval NAME        # datastore + index + tuned evaluation of runs/ext/NAME
 #   bash experiments/wikitext_mini_ext.sh throughput       # IVF-PQ index, K=1024, nprobe=32: with vs without
+#
+# SEED=1 bash experiments/wikitext_mini_ext.sh train|eval NAME   repeats the runs with another seed (model
+# initialisation, drop-local draws, batch order, BM25 packing) under runs/ext_s1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="nice -n 10 .venv/bin/python -m"
 CFG=configs/wikitext_mini_ext.py
-OUT=runs/ext
+SEED=${SEED:-0}
+if [ "$SEED" = 0 ]; then OUT=runs/ext; PLAN=runs/plans/wikitext_mini_bm25
+else OUT=runs/ext_s$SEED; PLAN=runs/plans/wikitext_mini_bm25_s$SEED; fi
+S="--config.train.seed=$SEED --config.trime.batch_plan=$PLAN"
 
 case "${1:-}" in
   train)
-    $PY launch.make_batches --config=$CFG --kind=bm25 --out=runs/plans/wikitext_mini_bm25
-    $PY launch.train --config=$CFG --workdir=$OUT/bm25                                        # TrimeLM_ext
-    $PY launch.train --config=$CFG --workdir=$OUT/random --config.trime.batching=random        # w/o BM25 batching
-    $PY launch.train --config=$CFG --workdir=$OUT/stopgrad --config.trime.stop_gradient_memory=True  # w/o back-prop
-    $PY launch.train --config=configs/wikitext_mini.py --workdir=$OUT/vanilla --config.trime.memory=none  # kNN-LM's LM
+    $PY launch.make_batches --config=$CFG --kind=bm25 --out=$PLAN --config.train.seed=$SEED
+    $PY launch.train --config=$CFG --workdir=$OUT/bm25 $S                                     # TrimeLM_ext
+    $PY launch.train --config=$CFG --workdir=$OUT/random $S --config.trime.batching=random     # w/o BM25 batching
+    $PY launch.train --config=$CFG --workdir=$OUT/stopgrad $S --config.trime.stop_gradient_memory=True  # w/o back-prop
+    $PY launch.train --config=configs/wikitext_mini.py --workdir=$OUT/vanilla --config.train.seed=$SEED \
+      --config.trime.memory=none                                                               # kNN-LM's LM
     ;;
   eval)
     NAME=$2
