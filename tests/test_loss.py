@@ -216,6 +216,28 @@ def test_blockwise_equals_dense_float32(memory, m, drop_local):
       np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("implementation", ["blockwise", "dense"])
+def test_similarities_of_float32_keys_ask_for_full_precision(implementation):
+  """Every similarity matmul (forward, and the blockwise backward's recomputation, dq and dk) of float32 keys
+  is compiled at HIGHEST precision — accelerators would otherwise round them (TF32, one bfloat16 pass; on an
+  H200 that broke test_blockwise_equals_dense_float32) — and bfloat16 keys keep the default."""
+  rng = np.random.default_rng(7)
+  logits = jnp.asarray(rng.normal(size=(4, 16, 9)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 9, size=(4, 16)))
+
+  def hlo(dtype):
+    keys = jnp.asarray(rng.normal(size=(4, 16, 8)), dtype)
+
+    def f(ks):
+      return loss.trime_nll(logits, ks, targets, memory="ext", implementation=implementation,
+                            memory_chunk=16 if implementation == "blockwise" else None).sum()
+    return jax.jit(jax.grad(f)).lower(keys).as_text()
+
+  full = hlo(jnp.float32).count("HIGHEST")
+  assert full >= (4 if implementation == "blockwise" else 3), full  # forward s, backward s, dq, dk
+  assert hlo(jnp.bfloat16).count("HIGHEST") == 0
+
+
 def test_drop_local_can_be_traced_and_large_similarities_are_stable():
   rng = np.random.default_rng(6)
   logits, keys, targets = _batch(rng, key_scale=300.0)  # similarities in the thousands

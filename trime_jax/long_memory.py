@@ -41,7 +41,7 @@ class MemoryBlock(NamedTuple):
 def similarities(q_SxQxD, k_SxMxD):
   d = q_SxQxD.shape[-1]
   return jnp.einsum("sqd,smd->sqm", q_SxQxD, k_SxMxD, preferred_element_type=jnp.float32,
-                    precision=L._sim_precision(q_SxQxD, k_SxMxD)) / math.sqrt(d)
+                    precision=L.similarity_precision(q_SxQxD, k_SxMxD)) / math.sqrt(d)
 
 
 class Store(NamedTuple):

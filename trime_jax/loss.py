@@ -57,7 +57,7 @@ def _acc(*xs):
   return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
 
 
-def _sim_precision(*xs):
+def similarity_precision(*xs):
   """Matmul precision of memory similarities (and their gradients): full float32 for float32 keys, since
   the accelerators' default (TF32 on GPUs, one bfloat16 pass on TPUs) rounds similarities that reach the
   tens by ~1e-3 relative, enough to move the loss; bfloat16 keys need nothing (their products are exact in
@@ -221,7 +221,7 @@ def masked_logsumexp_with(first_N, scores_NxM, mask_NxM):
 def _similarities(keys_NxD, memory_keys_MxD, scale):
   acc = _acc(keys_NxD, memory_keys_MxD)
   return jnp.einsum("nd,md->nm", keys_NxD, memory_keys_MxD, preferred_element_type=acc,
-                    precision=_sim_precision(keys_NxD, memory_keys_MxD)) * scale
+                    precision=similarity_precision(keys_NxD, memory_keys_MxD)) * scale
 
 
 def _scale(d: int, temperature):
@@ -298,7 +298,7 @@ def _chunk_memory(chunk, keys_MxD, meta: TokenMeta):
 
 def _block_terms(q_NxD, k_CxD, qmeta, kmeta, causal, scale, cross_rows):
   s = jnp.einsum("nd,cd->nc", q_NxD, k_CxD, preferred_element_type=scale.dtype,
-                 precision=_sim_precision(q_NxD, k_CxD)) * scale
+                 precision=similarity_precision(q_NxD, k_CxD)) * scale
   vis = visible(qmeta, kmeta, causal, cross_rows)
   pos = vis & (kmeta.target[None, :] == qmeta.target[:, None])
   return s, vis, pos
@@ -342,7 +342,7 @@ def _memory_log_terms_bwd(cross_rows, chunk, res, cotangents):
   kc, mc = _chunk_memory(chunk, k_MxD, kmeta)
   acc = scale.dtype
   q32 = q_NxD.astype(acc)
-  prec = _sim_precision(q_NxD, k_MxD)
+  prec = similarity_precision(q_NxD, k_MxD)
 
   def body(dq, blk):
     s, vis, pos = _block_terms(q_NxD, blk[0], qmeta, blk[1], causal, scale, cross_rows)

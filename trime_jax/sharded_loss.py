@@ -295,7 +295,7 @@ def _block_grads(chunk, q, qmeta, causal, scale, log_z, log_p, g_z, g_p, with_dk
   kc, mc = L._chunk_memory(chunk, k_blk, kmeta)
   acc = scale.dtype
   q32 = q.astype(acc)
-  prec = L._sim_precision(q, k_blk)
+  prec = L.similarity_precision(q, k_blk)
 
   def body(dq, blk):
     s, vis, pos = L._block_terms(q, blk[0], qmeta, blk[1], causal, scale, True)
