@@ -43,7 +43,9 @@ def get_config():
   t.batch_plan = ""  # batch-plan file written by launch/make_batches.py (consecutive / bm25 batching)
   t.bm25_k = 20  # BM25 batching: neighbours retrieved per segment (Algorithm 1's k)
   t.bm25_exclude_same_document = True  # BM25 neighbours come from other documents (like the test datastore)
-  t.consecutive_segments = 1  # m: consecutive segments per document in a batch (memory=long)
+  t.consecutive_segments = 1  # m: consecutive segments per run in a batch (memory=long)
+  t.consecutive_layout = "stream"  # stream (original: runs of the concatenated stream, memory crosses
+  #   documents, read in order) | packed (same unpadded runs, a token's memory is its own document only)
   t.drop_local_prob = 0.9  # p: chance a batch drops local memory (memory=ext), drawn per batch from the seed
   t.temperature = 1.0  # temperature on memory logits during training
   t.stop_gradient_memory = False  # ablation "w/o back-prop to memory": no gradient into memory keys

@@ -37,6 +37,7 @@ from trime_jax.model import ModelConfig, TransformerLM, count_params
 OPTIMIZERS = ("adam", "nag")
 SCHEDULES = ("inverse_sqrt", "cosine", "constant")
 BATCHINGS = ("random", "consecutive", "bm25")
+CONSECUTIVE_LAYOUTS = ("stream", "packed")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -63,8 +64,10 @@ def validate_config(config) -> None:
       raise ConfigError(f"{name} must be >= 1, got {v}")
   if not 0.0 <= t.drop_local_prob <= 1.0:
     raise ConfigError(f"trime.drop_local_prob must be in [0, 1], got {t.drop_local_prob}")
-  if t.batching == "consecutive" and d.segmentation != "document":
-    raise ConfigError("trime.batching='consecutive' needs data.segmentation='document' (runs of one document)")
+  _choice(t.consecutive_layout, CONSECUTIVE_LAYOUTS, "trime.consecutive_layout")
+  if t.batching == "consecutive" and d.segmentation != "stream":
+    raise ConfigError("trime.batching='consecutive' reads runs of the concatenated stream: it needs "
+                      f"data.segmentation='stream', got {d.segmentation!r}")
   if t.memory == "long" and r.batch_size % t.consecutive_segments:
     raise ConfigError(f"train.batch_size={r.batch_size} must be a multiple of "
                       f"trime.consecutive_segments={t.consecutive_segments} for memory='long'")
