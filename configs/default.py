@@ -42,7 +42,7 @@ def get_config():
   t.batching = "random"  # random | consecutive (long) | bm25 (ext); non-random read t.batch_plan
   t.batch_plan = ""  # batch-plan file written by launch/make_batches.py (consecutive / bm25 batching)
   t.bm25_k = 20  # BM25 batching: neighbours retrieved per segment (Algorithm 1's k)
-  t.bm25_exclude_same_document = True  # BM25 neighbours come from other documents (like the test datastore)
+  t.bm25_exclude_same_document = False  # False: Algorithm 1 as published; True: neighbours from other documents
   t.consecutive_segments = 1  # m: consecutive segments per run in a batch (memory=long)
   t.consecutive_layout = "stream"  # stream (original: runs of the concatenated stream, memory crosses
   #   documents, read in order) | packed (same unpadded runs, a token's memory is its own document only)

@@ -24,6 +24,7 @@ def get_config():
   c.trime.memory = "ext"  # TrimeLM_ext: every other segment of the batch is memory
   c.trime.batching = "bm25"  # Algorithm 1 batches (launch/make_batches.py --kind=bm25)
   c.trime.batch_plan = "data/wikitext-103/plans/bm25_3072x8"  # written by launch/make_batches.py
+  c.trime.bm25_exclude_same_document = False  # Algorithm 1 as published: same-article neighbours allowed
   c.trime.drop_local_prob = 0.9  # p
   c.trime.consecutive_segments = 8  # m for the TrimeLM_long variant (memory=long, batching=consecutive)
   c.train.batch_size = 8  # segments per forward: 24,576 in-batch memories

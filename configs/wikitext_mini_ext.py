@@ -12,5 +12,7 @@ def get_config():
   c.trime.memory = "ext"  # in-batch external memory (other segments) + local memory
   c.trime.batching = "bm25"  # Algorithm 1 batches; --config.trime.batching=random for "w/o BM25 batching"
   c.trime.batch_plan = "runs/plans/wikitext_mini_bm25"  # from launch/make_batches.py --kind=bm25
+  # 124 short articles: plain Algorithm 1 packs 65% same-article batch-mates (docs/external_memory.md)
+  c.trime.bm25_exclude_same_document = True  # neighbours from other articles; False = Algorithm 1 as published
   c.trime.drop_local_prob = 0.9  # p: drop the local memory in 90% of batches
   return c

@@ -1,4 +1,9 @@
-"""BM25 batching (Algorithm 1) on a synthetic corpus whose documents each draw from one of a few topics."""
+"""BM25 batching (Algorithm 1) on a synthetic corpus whose documents each draw from one of a few topics, and the
+epoch order in which training reads batch plans."""
+
+import glob
+import importlib
+import os
 
 import numpy as np
 import pytest
@@ -7,6 +12,7 @@ from configs import default
 from trime_jax import data as D
 from trime_jax.batching import bm25
 from trime_jax.batching import plan as batch_plan
+from trime_jax.errors import DataError
 
 SEG, B, TOPICS = 32, 8, 6
 
@@ -24,9 +30,11 @@ def _corpus(seed=0, docs_per_topic=6, words_per_doc=160):
   return D.Corpus.from_docs(docs, vocab, "topics"), np.asarray(topic_of_doc)
 
 
-def _config(seed=0, segmentation="stream", exclude_same_document=True):
+def _config(seed=0, segmentation="stream", exclude_same_document=None):
+  """The default config (Algorithm 1 as published) at test sizes; exclude_same_document overrides the option."""
   c = default.get_config()
-  c.trime.bm25_exclude_same_document = exclude_same_document
+  if exclude_same_document is not None:
+    c.trime.bm25_exclude_same_document = exclude_same_document
   c.data.segment_len, c.data.segmentation = SEG, segmentation
   c.train.batch_size, c.train.seed = B, seed
   return c
@@ -52,10 +60,11 @@ def test_every_segment_exactly_once_in_batches_of_b(corpus, segmentation):
   assert (flat < 0).sum() == header["padding_rows"] == len(flat) - s
 
 
-def test_deterministic_from_seed(corpus):
-  h0, b0 = _plan(corpus, seed=0)
-  h1, b1 = _plan(corpus, seed=0)
-  _, b2 = _plan(corpus, seed=1)
+@pytest.mark.parametrize("exclude_same_document", [False, True])
+def test_deterministic_from_seed(corpus, exclude_same_document):
+  h0, b0 = _plan(corpus, seed=0, exclude_same_document=exclude_same_document)
+  h1, b1 = _plan(corpus, seed=0, exclude_same_document=exclude_same_document)
+  _, b2 = _plan(corpus, seed=1, exclude_same_document=exclude_same_document)
   np.testing.assert_array_equal(b0, b1)
   assert not np.array_equal(b0, b2)
   assert {k: v for k, v in h0.items() if k != "timing"} == {k: v for k, v in h1.items() if k != "timing"}
@@ -107,7 +116,7 @@ def _mean_within_batch(scores, batches):
 
 
 def test_batches_are_far_more_similar_than_random(corpus):
-  header, batches = _plan(corpus, exclude_same_document=False)
+  header, batches = _plan(corpus)
   random_batches = bm25.to_batches(np.random.default_rng(5).permutation(header["num_segments"]), B)
   scores = _pairwise_bm25(corpus)
   packed, rand = _mean_within_batch(scores, batches), _mean_within_batch(scores, random_batches)
@@ -131,7 +140,9 @@ def test_numba_backend_plan_round_trips_through_the_plan_file(corpus, tmp_path):
   loaded = batch_plan.load(batch_plan.save(str(tmp_path / "plan"), header, batches))
   loaded.check(corpus_fingerprint=corpus.fingerprint(), segment_len=SEG, segmentation="stream", batch_size=B,
                kind="bm25")
-  np.testing.assert_array_equal(loaded.rows(0), batches[0])
+  assert header["shuffle"] is True and loaded.header["shuffle"] is True
+  epoch0 = np.stack([loaded.rows(i) for i in range(len(batches))])
+  np.testing.assert_array_equal(epoch0, batches[loaded.epoch_order(0)])
 
 
 def test_same_document_neighbours_can_be_excluded(corpus):
@@ -143,11 +154,179 @@ def test_same_document_neighbours_can_be_excluded(corpus):
   every, _ = bm25.neighbours(docs, 5, backend="numpy")
   assert (segs.doc[every] == segs.doc[:, None]).any()  # without exclusion, own-document hits happen
   # Packing: far fewer same-document batch-mates, still topically pure (other documents of the topic).
-  h_ex, b_ex = _plan(corpus)
-  h_all, _ = _plan(corpus, exclude_same_document=False)
+  h_ex, b_ex = _plan(corpus, exclude_same_document=True)
+  h_all, _ = _plan(corpus)  # the default: Algorithm 1 as published
   assert h_ex["exclude_same_document"] and not h_all["exclude_same_document"]
   assert h_ex["same_document_pairs"] == 0.0 < h_all["same_document_pairs"]  # 36 documents: always possible
   _, topic_of_doc = _corpus()
   topic = topic_of_doc[segs.doc]
   same = [np.mean(topic[r[r >= 0]] == np.bincount(topic[r[r >= 0]]).argmax()) for r in b_ex]
   assert np.mean(same) > 0.6  # at most 6 documents per topic, so ≤ 6/8 of a batch; random: ~0.35
+
+
+# ---- Algorithm 1 as published (issue 9): default configs, a literal reference, score-0 neighbours ----------------
+
+
+def _simseg(scores_SxS, k):
+  """SimSeg(I, c, k) by brute force: the k other segments with the highest positive BM25 score, best first."""
+  out = []
+  for c, row in enumerate(scores_SxS.astype(np.float64)):
+    cand = [j for j in np.argsort(-row, kind="stable").tolist() if j != c and row[j] > 0]
+    out.append(cand[:k])
+  return out
+
+
+def _algorithm_1(simseg, perm, batch_size):
+  """Appendix B, Algorithm 1 line by line; random_sample(S) is the first entry of the seeded permutation in S."""
+  S = set(range(len(simseg)))
+  l, c = [], None
+  while len(S) != 0:
+    if c is None:
+      c = next(x for x in perm.tolist() if x in S)
+    l.append(c)
+    S.remove(c)
+    n = None
+    for c2 in simseg[c]:
+      if c2 in S:
+        n = c2
+        break
+    c = n
+  l = l + [-1] * (-len(l) % batch_size)
+  return np.asarray(l, np.int64).reshape(-1, batch_size)
+
+
+def _dense_scores(corpus, segmentation="stream"):
+  docs = bm25.segment_token_ids(corpus, D.make_segments(corpus, SEG, segmentation))
+  retriever, lut = bm25.bm25_index(docs, backend="numpy")
+  return np.stack([retriever.get_scores(lut[d].tolist()) for d in docs])
+
+
+def _paper_configs():
+  root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+  names = sorted(os.path.basename(f)[:-3] for pat in ("wiki103_*.py", "enwik8_*.py")
+                 for f in glob.glob(os.path.join(root, pat)))
+  return {n: importlib.import_module(f"configs.{n}").get_config() for n in names}
+
+
+def test_default_and_paper_configs_run_algorithm_1_unchanged(corpus):
+  assert default.get_config().trime.bm25_exclude_same_document is False
+  configs = _paper_configs()
+  assert {"wiki103_7m", "wiki103_150m", "wiki103_247m", "enwik8_38m"} <= set(configs)
+  assert configs["wiki103_7m"].trime.batching == "bm25"  # the ablation model (TrimeLM_ext)
+  for name, c in configs.items():  # bm25 or not: `--config.trime.batching=bm25` must give Algorithm 1 too
+    assert c.trime.bm25_exclude_same_document is False, name
+  # The planner with default settings is Algorithm 1 as written: SimSeg by brute force over all BM25 scores.
+  config = _config(seed=4)
+  k = int(config.trime.bm25_k)
+  header, batches = bm25.make_plan(corpus, config, progress=False, backend="numpy")
+  scores = _dense_scores(corpus)
+  simseg = _simseg(scores, k)
+  # Ties would make "best first" ambiguous between bm25s's top-k and the brute force: this corpus has none.
+  for c, row in enumerate(scores):
+    top = np.sort(np.delete(row, c))[::-1][:k + 1]
+    assert len(np.unique(top[top > 0])) == (top > 0).sum()
+  assert all(len(n) == k for n in simseg)  # shared function words: every segment has k positive neighbours
+  want = _algorithm_1(simseg, np.random.default_rng([4, 23]).permutation(len(scores)), B)
+  np.testing.assert_array_equal(batches, want)
+  assert header["exclude_same_document"] is False and header["shuffle"] is True
+  # BM25 brings an article's segments together (why §4.3 sets m = 1).
+  assert header["same_document_pairs"] > 3 * header["same_document_pairs_random"], header
+
+
+def _corpus_with_isolated(isolated=(3, 17, 30)):
+  """The topic corpus with extra one-segment documents whose words occur nowhere else (no shared token)."""
+  base, _ = _corpus()
+  docs = [np.asarray(base.tokens[a:b]) for a, b in zip(base.doc_starts[:-1], base.doc_starts[1:])]
+  extra = len(base.vocab)
+  words = [f"w{i}" for i in range(len(base.vocab) - 2)]
+  for n, at in enumerate(isolated):
+    docs.insert(at, np.arange(extra + 12 * n, extra + 12 * n + 12))
+  vocab = D.Vocab(["</s>", "<unk>"] + words + [f"u{i}" for i in range(12 * len(isolated))])
+  corpus = D.Corpus.from_docs(docs, vocab, "topics+isolated")
+  segs = D.make_segments(corpus, SEG, "document")
+  lone = np.flatnonzero(np.diff(corpus.doc_starts)[segs.doc] == 12)
+  assert len(lone) == len(isolated)
+  return corpus, lone
+
+
+def test_score_zero_hits_are_no_neighbours_and_algorithm_1_jumps():
+  # bm25s fills a top-k with score-0 documents; they must not come back as neighbours.
+  docs = [np.array([0, 1, 2]), np.array([0, 1, 3]), np.array([4, 5, 6]), np.array([0, 2, 2]), np.array([7, 8])]
+  ids, scores = bm25.neighbours(docs, 4, backend="numpy")
+  assert (ids[2] == -1).all() and (ids[4] == -1).all() and np.isinf(scores[2]).all()
+  assert sorted(ids[0][ids[0] >= 0].tolist()) == [1, 3] and (ids[:, 2:] == -1).all()
+  assert not np.isin(ids, [2, 4]).any()
+  # In a plan: isolated segments get no neighbour, and after one the chain takes a random unused segment
+  # (the next unused entry of the seeded permutation), exactly as Algorithm 1 with an empty SimSeg.
+  corpus, lone = _corpus_with_isolated()
+  config = _config(seed=2, segmentation="document")
+  segs = D.make_segments(corpus, SEG, "document")
+  nbrs, _ = bm25.neighbours(bm25.segment_token_ids(corpus, segs), int(config.trime.bm25_k), backend="numpy")
+  assert (nbrs[lone] == -1).all() and not np.isin(nbrs, lone).any()
+  assert ((nbrs >= 0).sum(1) == np.where(np.isin(np.arange(len(segs)), lone), 0, nbrs.shape[1])).all()
+  _, batches = bm25.make_plan(corpus, config, progress=False, backend="numpy")
+  order = batches.reshape(-1)[:len(segs)]
+  perm = np.random.default_rng([2, 23]).permutation(len(segs))
+  jumps_after_lone = 0
+  for i in range(len(order) - 1):
+    if order[i] in lone:
+      used = set(order[:i + 1].tolist())
+      assert order[i + 1] == next(x for x in perm.tolist() if x not in used)
+      jumps_after_lone += 1
+  assert jumps_after_lone >= len(lone) - 1  # (one may be the last segment of the chain)
+  want = _algorithm_1(_simseg(_dense_scores(corpus, "document"), int(config.trime.bm25_k)), perm, B)
+  np.testing.assert_array_equal(batches, want)
+
+
+# ---- epoch order of batch plans ----------------------------------------------------------------------------
+
+
+def _toy_plan(n=12, seed=7, **extra):
+  return batch_plan.BatchPlan({"seed": seed, **extra}, np.arange(n * 2, dtype=np.int64).reshape(n, 2))
+
+
+def _epoch_ids(plan, epoch):
+  n = plan.num_batches
+  return np.array([plan.rows(epoch * n + j)[0] // 2 for j in range(n)])
+
+
+def test_every_epoch_is_shuffled_the_first_included():
+  plan = _toy_plan()
+  n = plan.num_batches
+  first = _epoch_ids(plan, 0)
+  assert not np.array_equal(first, np.arange(n))  # not the planner's (chain) order
+  for e in range(4):  # every batch exactly once per epoch, in the seeded permutation
+    got = _epoch_ids(plan, e)
+    np.testing.assert_array_equal(np.sort(got), np.arange(n))
+    np.testing.assert_array_equal(got, np.random.default_rng([7, e, 11]).permutation(n))
+  assert not np.array_equal(first, _epoch_ids(plan, 1))
+  np.testing.assert_array_equal(first, _epoch_ids(_toy_plan(), 0))  # deterministic
+  np.testing.assert_array_equal(first, _epoch_ids(_toy_plan(shuffle=True), 0))  # absent key = shuffle
+  assert not np.array_equal(first, _epoch_ids(_toy_plan(seed=8), 0))
+  # Reading out of order (resumed training) gives the same rows.
+  np.testing.assert_array_equal(plan.rows(2 * n + 5), _toy_plan().rows(2 * n + 5))
+  np.testing.assert_array_equal(plan.rows(3), plan.batches[first[3]])
+  # "shuffle": false (consecutive stream layout, the original's --keep-order): stored order every epoch.
+  kept = _toy_plan(shuffle=False)
+  for e in range(3):
+    np.testing.assert_array_equal(_epoch_ids(kept, e), np.arange(n))
+
+
+def test_bm25_plan_first_epoch_does_not_follow_the_chain(corpus, tmp_path):
+  header, batches = _plan(corpus)
+  loaded = batch_plan.load(batch_plan.save(str(tmp_path / "plan"), header, batches))
+  n = loaded.num_batches
+  epoch0 = np.stack([loaded.rows(j) for j in range(n)])
+  assert not np.array_equal(epoch0, batches)
+  np.testing.assert_array_equal(np.sort(epoch0, axis=None), np.sort(batches, axis=None))
+  np.testing.assert_array_equal(epoch0, batches[np.random.default_rng([0, 0, 11]).permutation(n)])
+
+
+def test_plan_check_compares_layout(corpus, tmp_path):
+  header, batches = _plan(corpus)
+  plan = batch_plan.load(batch_plan.save(str(tmp_path / "plan"), {**header, "layout": "stream"}, batches))
+  args = dict(corpus_fingerprint=corpus.fingerprint(), segment_len=SEG, segmentation="stream", batch_size=B)
+  plan.check(**args, layout="stream")
+  plan.check(**args)  # not asked: not compared
+  with pytest.raises(DataError, match="layout 'stream' != 'packed'"):
+    plan.check(**args, layout="packed")

@@ -6,15 +6,26 @@ looks like the kNN neighbours the external datastore returns at test time.
   1. Index every training segment (`make_segments(corpus, data.segment_len, data.segmentation)`) with bm25s,
      straight from token ids (no string round trip). Each segment is a BM25 "document" of its target tokens.
   2. Query every segment with its own tokens (batched, numba backend) and keep its top-k neighbours, the
-     segment itself excluded: `neighbours [S, k]` int64 (-1 where fewer than k exist).
-  3. Algorithm 1: start at a random segment; repeatedly move to its best-scoring neighbour not used yet; when
-     all k are used, jump to a random unused segment. The chain visits every segment exactly once.
+     segment itself excluded: `neighbours [S, k]` int64 (-1 where fewer than k exist). Only hits with a
+     positive score count: bm25s fills a top-k with score-0 documents (no shared token), which Lucene never
+     returns, so those are dropped and Algorithm 1 falls back to a random segment instead of following them.
+  3. Algorithm 1 as published: start at a random segment; repeatedly move to its best-scoring neighbour not
+     used yet; when all its neighbours are used, jump to a random unused segment. The chain visits every
+     segment exactly once. Same-document neighbours are allowed (the paper relies on BM25 bringing segments
+     of one article together, which is why TrimeLM_ext uses m = 1).
   4. Cut the chain into batches of B = train.batch_size rows. The last partial batch is padded with -1 rows
-     (all-padding segments, see `data.gather_segments`), so no segment is ever dropped.
+     (all-padding segments, see `data.gather_segments`), so no segment is ever dropped. The plan header says
+     `"shuffle": true`: training visits the batches in a seeded permutation every epoch, the first included
+     (`batching/plan.py`), as the original's iterator did, so consecutive updates do not follow one chain.
+
+Option `trime.bm25_exclude_same_document=True` (default False) departs from the paper: neighbours and
+batch-mates come from other documents only, like the test-time datastore. On wikitext-mini (124 articles)
+plain Algorithm 1 put 65% of batch-mate pairs in the same article, and the exclusion brought that to 0%
+(docs/external_memory.md).
 
 Everything is deterministic from `train.seed`. The original release compared Lucene's string document ids
 with integer ids, so no neighbour ever matched an unused segment and every step fell back to a random one:
-its batches were silently random. The plan header here records `neighbour_in_batch` (the mean fraction of a
+its batches were silently random. The plan header records `neighbour_in_batch` (the mean fraction of a
 segment's top-k that share its batch) next to the same number for a seeded random packing, so such a failure
 is visible at a glance.
 
@@ -74,8 +85,11 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
                n_threads: int = 0, progress: bool = False, timing: dict | None = None,
                groups: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
   """Top-k most BM25-similar other documents of every document: (ids [S, k] int64, scores [S, k] float32),
-  best first; -1 / -inf where there are fewer than k other documents. Each document queries with its own
-  tokens (repeated tokens count once per occurrence, as in a Lucene query).
+  best first; -1 / -inf where fewer than k other documents share a token with it. Each document queries with
+  its own tokens (repeated tokens count once per occurrence, as in a Lucene query).
+
+  A Lucene BM25 term score is positive (idf = log(1 + (N - df + 0.5) / (df + 0.5)) > 0), so a score of 0 means
+  no shared token: bm25s still returns such documents to fill its top-k, Lucene does not; they are dropped.
 
   groups [S] (e.g. the corpus document of each segment): neighbours in the query's own group are excluded
   too (up to `MAX_GROUP_EXTRA` extra hits are retrieved to make up for them).
@@ -107,9 +121,9 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
     res = retriever.retrieve(queries, k=k_ret, show_progress=False, n_threads=n_threads,
                              backend_selection=selection)
     got, sc = np.asarray(res.documents, np.int64), np.asarray(res.scores, np.float32)
-    # Drop the query itself wherever it ranks (another segment may outscore it), and its group's members;
-    # keep the best k of the rest in order.
-    excluded = got == np.arange(a, b)[:, None]
+    # Drop the query itself wherever it ranks (another segment may outscore it), score-0 hits (no shared token)
+    # and its group's members; keep the best k of the rest in order.
+    excluded = (got == np.arange(a, b)[:, None]) | ~(sc > 0)
     if groups is not None:
       excluded |= groups[got] == groups[a:b, None]
     order = np.argsort(excluded, axis=1, kind="stable")[:, :k_eff]
@@ -210,9 +224,9 @@ def make_plan(corpus: D.Corpus, config, *, progress: bool = True, k: int | None 
   segments = D.make_segments(corpus, seg_len, mode)
   docs = segment_token_ids(corpus, segments)
   timing = {}
-  # External memory at test time holds *other* documents; same-document neighbours would make the training
-  # memory a long-term memory instead (on short documents most BM25 neighbours are the same article).
-  exclude_same = bool(config.trime.get("bm25_exclude_same_document", True))
+  # Default: Algorithm 1 as published. Optionally neighbours come from other documents only, like the test
+  # datastore (on short documents most BM25 neighbours are the same article: see the module docstring).
+  exclude_same = bool(config.trime.get("bm25_exclude_same_document", False))
   nbrs, _ = neighbours(docs, k, backend=backend, progress=progress, timing=timing,
                        groups=segments.doc if exclude_same else None)
   t0 = time.perf_counter()
@@ -231,6 +245,7 @@ def make_plan(corpus: D.Corpus, config, *, progress: bool = True, k: int | None 
       "batch_size": batch_size,
       "consecutive_segments": 1,
       "seed": seed,
+      "shuffle": True,  # every epoch (the first included) visits the batches in a seeded permutation
       "k": k,
       "exclude_same_document": exclude_same,
       "same_document_pairs": same_document_pairs(batches, segments.doc),

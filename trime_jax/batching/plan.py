@@ -2,12 +2,19 @@
 
 A plan is a directory:
   plan.json     header: format, kind, corpus fingerprint, segment_len, segmentation, batch_size (rows B),
-                consecutive_segments (m), seed, num_batches, num_segments, plus planner-specific fields
+                consecutive_segments (m), seed, num_batches, num_segments, shuffle, plus planner-specific
+                fields (e.g. layout)
   batches.npy   int64 [num_batches, B]: segment indices per batch row (-1 = an all-padding row)
 
-Micro-batch i of training reads row block `i mod num_batches`; every pass over the plan after the first
-visits the batches in a seeded permutation (the batches' composition is fixed by the planner). Files are
-written to a temporary directory and renamed, so a plan is complete or absent.
+Micro-batch i of training reads batch j of epoch e = i // num_batches. The planner fixes each batch's
+composition; the order in which an epoch visits them is:
+  shuffle true (or absent)  a seeded permutation every epoch, the first included:
+                            `np.random.default_rng([seed, e, 11]).permutation(num_batches)[j]`, like the
+                            original's iterator, which shuffles predefined batches with seed + epoch every
+                            epoch (so consecutive updates never simply continue one BM25 chain);
+  shuffle false             stored order every epoch (the original's --keep-order; the consecutive 'stream'
+                            layout, whose batches continue the token stream).
+Files are written to a temporary directory and renamed, so a plan is complete or absent.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ class BatchPlan:
   def __init__(self, header: dict, batches: np.ndarray):
     self.header = header
     self.batches = batches
+    self._order = None  # (epoch, permutation) of the last epoch read: one permutation per epoch, not per row
 
   @property
   def num_batches(self) -> int:
@@ -36,22 +44,31 @@ class BatchPlan:
   def batch_size(self) -> int:
     return int(self.batches.shape[1])
 
+  def epoch_order(self, epoch: int) -> np.ndarray:
+    """Batch indices [num_batches] in the order epoch `epoch` visits them (see the module docstring)."""
+    epoch = int(epoch)
+    if not self.header.get("shuffle", True):
+      return np.arange(self.num_batches)
+    cached = self._order
+    if cached is None or cached[0] != epoch:
+      perm = np.random.default_rng([int(self.header.get("seed", 0)), epoch, 11]).permutation(self.num_batches)
+      self._order = cached = (epoch, perm)
+    return cached[1]
+
   def rows(self, micro_index: int) -> np.ndarray:
     """Segment indices [B] of global micro-batch `micro_index` (deterministic from the header's seed)."""
     epoch, j = divmod(int(micro_index), self.num_batches)
-    if epoch:
-      j = int(np.random.default_rng([int(self.header.get("seed", 0)), epoch, 11]).permutation(self.num_batches)[j])
-    return np.asarray(self.batches[j])
+    return np.asarray(self.batches[int(self.epoch_order(epoch)[j])])
 
   def check(self, *, corpus_fingerprint: str, segment_len: int, segmentation: str, batch_size: int,
-            consecutive_segments: int | None = None, kind: str | None = None) -> None:
+            consecutive_segments: int | None = None, kind: str | None = None, layout: str | None = None) -> None:
     """Clear errors when the plan was made for other data or another batch layout."""
     h = self.header
     problems = []
     if h.get("corpus_fingerprint") != corpus_fingerprint:
       problems.append(f"corpus fingerprint {h.get('corpus_fingerprint')} != {corpus_fingerprint}")
     for name, want in [("segment_len", segment_len), ("segmentation", segmentation), ("batch_size", batch_size),
-                       ("consecutive_segments", consecutive_segments), ("kind", kind)]:
+                       ("consecutive_segments", consecutive_segments), ("kind", kind), ("layout", layout)]:
       if want is not None and h.get(name) != want:
         problems.append(f"{name} {h.get(name)!r} != {want!r}")
     if problems:
