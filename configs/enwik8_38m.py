@@ -1,8 +1,8 @@
 """enwik8, 38M TrimeLM_long (paper Table "model_config", column 4). Byte-level, vocabulary 256.
 
 Needs enwik8 (not available offline here): the raw 100M-byte file at data/enwik8/enwik8, split
-90M / 5M / 5M as is standard. The stream has no document boundaries, so runs of consecutive segments are
-runs of the stream.
+90M / 5M / 5M as is standard. Consecutive batching: runs of 24 consecutive segments of the byte stream, read
+in order as the original's --keep-order.
 """
 
 from configs import default
@@ -14,7 +14,7 @@ def get_config():
   c.data.path = "data/enwik8/enwik8"  # the unzipped enwik8 file
   c.data.split_fractions = (0.9, 0.05, 0.05)  # 90M / 5M / 5M bytes
   c.data.segment_len = 512  # L (training)
-  c.data.segmentation = "document"  # one document (the whole split): consecutive runs of the stream
+  c.data.segmentation = "stream"  # fairseq --sample-break-mode none (consecutive batching reads the stream)
   c.model.vocab_size = 256  # bytes
   c.model.num_layers = 12  # layers
   c.model.d_model = 512  # hidden dimension
@@ -24,7 +24,8 @@ def get_config():
   c.model.dropout = 0.1  # residual dropout
   c.model.dtype = "bfloat16"  # accelerator compute dtype
   c.trime.memory = "long"  # TrimeLM_long
-  c.trime.batching = "consecutive"  # runs of consecutive segments
+  c.trime.batching = "consecutive"  # runs of m consecutive stream segments
+  c.trime.consecutive_layout = "stream"  # the original's in-order runs
   c.trime.batch_plan = "data/enwik8/plans/consecutive_512x24"  # from launch/make_batches.py
   c.trime.consecutive_segments = 24  # m: 24 × 512 = 12,288 in-batch memories
   c.train.batch_size = 24  # segments per forward

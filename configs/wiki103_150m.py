@@ -1,7 +1,8 @@
 """WikiText-103, 150M TrimeLM_long (paper Table "model_config", column 2; Transformer-XL-base shapes).
 
-Consecutive batching: each forward holds 60 consecutive segments of 150 tokens from one document (9,000
-in-batch memories); write the plan with `python -m launch.make_batches --kind=consecutive`. The paper's
+Consecutive batching: each forward holds a run of 60 consecutive segments of 150 tokens of the training
+stream (9,000 in-batch memories, crossing documents, read in order as the original's --keep-order); write
+the plan with `python -m launch.make_batches --kind=consecutive`. The paper's
 adaptive softmax here has factor 1 (a full-size embedding), so a full tied softmax has the same size.
 """
 
@@ -14,7 +15,7 @@ def get_config():
   c.data.path = "data/wikitext-103"  # directory with the three token files
   c.data.cache_dir = "data/wikitext-103/trime_cache"  # tokenized once, then memory-mapped
   c.data.segment_len = 150  # L (training)
-  c.data.segmentation = "document"  # segments never straddle documents (long-term memory is per document)
+  c.data.segmentation = "stream"  # fairseq --sample-break-mode none (consecutive batching reads the stream)
   c.model.vocab_size = 267_735  # WikiText-103 vocabulary
   c.model.num_layers = 16  # layers
   c.model.d_model = 410  # hidden dimension
@@ -24,10 +25,11 @@ def get_config():
   c.model.dropout = 0.1  # Transformer-XL base
   c.model.dtype = "bfloat16"  # accelerator compute dtype
   c.trime.memory = "long"  # TrimeLM_long
-  c.trime.batching = "consecutive"  # document runs of consecutive segments
+  c.trime.batching = "consecutive"  # runs of m consecutive stream segments
+  c.trime.consecutive_layout = "stream"  # the original's in-order runs (packed: memory within each document)
   c.trime.batch_plan = "data/wikitext-103/plans/consecutive_150x60"  # from launch/make_batches.py
   c.trime.consecutive_segments = 60  # m
-  c.train.batch_size = 60  # segments per forward (one document run): 9,000 in-batch memories
+  c.train.batch_size = 60  # segments per forward (one run): 9,000 in-batch memories
   c.train.grad_accum = 4  # 240 segments = 36,000 tokens per update
   c.train.num_steps = 200_000  # updates
   c.train.optimizer = "adam"  # Adam

@@ -1,9 +1,12 @@
 """Write a batch-plan file for consecutive (TrimeLM_long) or BM25 (TrimeLM_ext) batching.
 
-  python -m launch.make_batches --config=configs/wikitext_mini.py --kind=consecutive --out=runs/plans/long
+  python -m launch.make_batches --config=configs/wikitext_mini_long.py --kind=consecutive \
+      --out=runs/plans/wikitext_mini_long
   python -m launch.make_batches --config=configs/wikitext_mini.py --kind=bm25 --out=runs/plans/bm25
 
-Training reads it with --config.trime.batching=<kind> --config.trime.batch_plan=<out>.
+Training reads it with --config.trime.batching=<kind> --config.trime.batch_plan=<out>. A consecutive plan
+follows `trime.consecutive_layout` (stream | packed) and prints its real-token fraction (real target tokens
+over all row slots).
 """
 
 from absl import flags
@@ -30,6 +33,10 @@ def main(argv):
   header, batches = planner.make_plan(splits.train, config, progress=True)
   out = batch_plan.save(_OUT.value, header, batches)
   print(f"wrote {out}: {len(batches):,} batches of {batches.shape[1]} segments")
+  if "real_token_fraction" in header:
+    print(f"{header['layout']} layout: {header['num_segments']:,} segments in {header['num_runs']:,} runs of "
+          f"{header['consecutive_segments']}, {header['streams']} per micro-batch; "
+          f"real-token fraction {header['real_token_fraction']:.4f}")
 
 
 if __name__ == "__main__":

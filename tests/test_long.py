@@ -1,5 +1,6 @@
 """TrimeLM_long: consecutive batch plans and long-term memory at evaluation (tiny corpora, no ../shared)."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -38,7 +39,7 @@ def _corpus(lens=DOC_LENS, n_words=6, seed=0):
 
 def _config(**kw):
   c = default.get_config()
-  c.data.segment_len, c.data.segmentation = 4, "document"
+  c.data.segment_len, c.data.segmentation = 4, "stream"
   c.train.batch_size, c.trime.consecutive_segments, c.trime.memory = 6, 3, "long"
   c.train.num_steps, c.train.seed = 40, 5
   c.model.num_layers, c.model.d_model, c.model.num_heads, c.model.d_ff, c.model.max_len = 1, 16, 2, 32, 32
@@ -52,70 +53,164 @@ def _config(**kw):
 # ----------------------------------------------------------------------------------------------------------
 # Consecutive batch plans
 # ----------------------------------------------------------------------------------------------------------
-def test_plan_covers_every_segment_once_per_epoch_in_document_runs():
-  corpus, config = _corpus(), _config()
+def _brute_real_fraction(corpus, segments, batches):
+  _, targets = D.gather_segments(corpus, segments, batches.reshape(-1))
+  return float((targets >= 0).mean())
+
+
+@pytest.mark.parametrize("layout", ["stream", "packed"])
+@pytest.mark.parametrize("m,b", [(3, 2), (4, 3), (1, 4), (5, 1)])
+def test_plan_covers_every_segment_once_in_runs_of_consecutive_stream_segments(layout, m, b):
+  corpus = _corpus()  # 179 tokens -> 45 segments of 4, the last one 3 tokens
+  config = _config(**{"trime.consecutive_segments": m, "train.batch_size": b * m, "trime.consecutive_layout": layout})
   header, batches = consecutive.make_plan(corpus, config, progress=False)
-  segs = D.make_segments(corpus, 4, "document")
-  m, per_epoch = 3, header["batches_per_epoch"]
-  assert batches.shape[1] == 6 and header["epochs"] > 1 and len(batches) == header["epochs"] * per_epoch
-  orders = []
-  for e in range(header["epochs"]):
-    epoch = batches[e * per_epoch:(e + 1) * per_epoch]
-    real = epoch[epoch >= 0]
-    assert np.array_equal(np.sort(real), np.arange(len(segs)))  # every segment exactly once
-    runs = epoch.reshape(-1, m)
-    for run in runs:
-      r = run[run >= 0]
-      if not len(r):
-        continue
-      assert np.all(run[:len(r)] == r)  # padding only at the tail of a run
-      assert len(set(segs.doc[r])) == 1  # one document per run ...
-      assert np.array_equal(segs.index_in_doc[r], segs.index_in_doc[r[0]] + np.arange(len(r)))  # ... in order
-      assert segs.index_in_doc[r[0]] % m == 0
-    assert np.all((runs[:-2] >= 0).any(axis=1))  # all-padding runs only fill the epoch's last batch
-    orders.append(tuple(runs[:, 0]))
-  assert len(set(orders)) > 1  # epochs regroup documents
+  segs = D.make_segments(corpus, 4, "stream")
+  n_runs = -(-len(segs) // m)
+  assert batches.shape == (-(-n_runs // b), b * m)
+  real = batches[batches >= 0]
+  assert np.array_equal(np.sort(real), np.arange(len(segs)))  # every segment exactly once per epoch
+  starts = []
+  for run in batches.reshape(-1, m):  # rows [r·m, (r+1)·m) of every batch
+    r = run[run >= 0]
+    if not len(r):
+      continue  # an all-padding run: a stream (or the last batch) has no run left
+    assert r[0] % m == 0 and np.array_equal(run[:len(r)], r[0] + np.arange(len(r)))  # consecutive stream segments
+    assert len(r) == m or r[-1] == len(segs) - 1  # only the stream's last run is short
+    starts.append(r[0])
+  assert len(starts) == n_runs
+  # Only the stream's last run and the -1 runs of an uneven last batch / stream are padding.
+  assert (batches < 0).sum() == batches.size - len(segs)
+  assert (batches < 0).sum() < m + (b - 1) * m
+  assert header["layout"] == layout and header["shuffle"] == (layout == "packed")
+  assert header["segmentation"] == "stream" and header["consecutive_segments"] == m and header["streams"] == b
+  assert header["num_segments"] == len(segs) and header["num_runs"] == n_runs
+  assert header["batches_per_epoch"] == len(batches) and header["kind"] == "consecutive"
+  assert header["real_token_fraction"] == pytest.approx(_brute_real_fraction(corpus, segs, batches), abs=1e-12)
+  if layout == "packed":  # adjacent runs in stream order
+    assert np.array_equal(np.asarray(starts), np.arange(n_runs) * m)
   again = consecutive.make_plan(corpus, config, progress=False)[1]
-  assert np.array_equal(again, batches)  # deterministic from the seed
-  other = consecutive.make_plan(corpus, _config(**{"train.seed": 6}), progress=False)[1]
-  assert not np.array_equal(other, batches)
-  # Short documents and tails are padded, never packed: rows per epoch = m · Σ_d ⌈n_d / m⌉ rounded up to B.
-  n_seg = np.bincount(segs.doc)
-  runs_total = int((-(-n_seg // m)).sum())
-  assert header["num_runs"] == runs_total and per_epoch == -(-runs_total // 2)
-  assert header["padding_rows_per_epoch"] == per_epoch * 6 - len(segs)
+  assert np.array_equal(again, batches)  # deterministic
 
 
-def test_plan_rows_are_the_layout_of_the_long_loss():
-  """In a gathered batch, trime_nll(memory="long", m) lets a token see exactly the earlier tokens of its own
-  document within its run of m segments."""
-  corpus, config = _corpus(), _config()
-  _, batches = consecutive.make_plan(corpus, config, progress=False)
-  segs = D.make_segments(corpus, 4, "document")
+def _original_keep_order_batches(runs, num_shards):
+  """The original's micro-batches with --keep-order: an independent re-statement of fairseq's
+  SequentialShardedIterator (num_comb_shards=1, fill_value=[]) over the unshuffled list of runs; micro-batch
+  i concatenates every shard's i-th item (one shard per GPU)."""
+  n = len(runs)
+  per_shard = n // num_shards + (1 if n % num_shards else 0)
+  shards = []
+  for shard_id in range(num_shards):
+    piece = itertools.islice(runs, shard_id * per_shard, min(n, (shard_id + 1) * per_shard))
+    shards.append([item for _, item in itertools.zip_longest(range(per_shard), piece, fillvalue=[])])
+  return [[item for shard in shards for item in shard[i]] for i in range(per_shard)]
+
+
+@pytest.mark.parametrize("num_runs,b", [(1, 1), (5, 1), (7, 2), (8, 2), (10, 3), (11, 4), (3, 5), (9, 3)])
+def test_stream_layout_is_the_original_keep_order_iterator(num_runs, b):
+  m, seg_len = 2, 2
+  # Corpus length so that the stream has exactly `num_runs` runs; odd run counts end with a short run.
+  n_tokens = (2 * num_runs - (num_runs % 2)) * seg_len - 1
+  corpus = _corpus(lens=[n_tokens // 3, n_tokens - n_tokens // 3])
+  config = _config(**{"data.segment_len": seg_len, "trime.consecutive_segments": m, "train.batch_size": b * m})
+  header, batches = consecutive.make_plan(corpus, config, progress=False)
+  assert header["num_runs"] == num_runs
+  # The original's runs: fairseq batches of m consecutive samples (segments) of the unshuffled stream.
+  segs = list(range(header["num_segments"]))
+  runs = [segs[i:i + m] for i in range(0, len(segs), m)]
+  want = _original_keep_order_batches(runs, b)
+  assert len(batches) == len(want)
+  for got, w in zip(batches, want):
+    got_runs = got.reshape(b, m)
+    assert [int(s) for s in got[got >= 0]] == w  # same segments, same order
+    # Each stream's slot holds one run (or nothing), padded only at its end.
+    for run in got_runs:
+      r = run[run >= 0]
+      assert np.array_equal(run[:len(r)], r)
+
+
+def test_stream_batches_continue_the_streams_across_updates(tmp_path):
+  corpus = _corpus()
+  config = _config(**{"trime.batching": "consecutive", "trime.batch_plan": str(tmp_path / "plan"),
+                      "train.grad_accum": 2})
+  header, batches = consecutive.make_plan(corpus, config, progress=False)
+  batch_plan.save(str(tmp_path / "plan"), header, batches)
+  source = BatchSource(corpus, config)
+  p = len(batches)
+  flat = np.concatenate([source.indices(step) for step in range(p + 1)])  # more than one epoch
+  assert np.array_equal(flat, batches[np.arange(len(flat)) % p])  # stored order, every epoch
+  # Micro-batch i+1 holds the run after micro-batch i's in every stream (within one epoch).
+  for i in range(p - 1):
+    cur, nxt = batches[i].reshape(2, 3), batches[i + 1].reshape(2, 3)
+    for k in range(2):
+      if nxt[k, 0] >= 0:
+        assert nxt[k, 0] == cur[k, 0] + 3
+
+
+@pytest.mark.parametrize("layout", ["stream", "packed"])
+def test_plan_rows_are_the_layout_of_the_long_loss(layout):
+  """In a gathered batch, trime_nll(memory="long", m) lets a token see exactly the earlier tokens of its run of m
+  consecutive stream segments: across documents in the stream layout, within its own document (per-token
+  document ids) in the packed layout."""
+  corpus = _corpus()
+  _, batches = consecutive.make_plan(corpus, _config(**{"trime.consecutive_layout": layout}), progress=False)
+  segs = D.make_segments(corpus, 4, "stream")
   doc_of = corpus.doc_ids()
-  for rows in batches[:6]:
+  for rows in batches:
     _, targets = D.gather_segments(corpus, segs, rows)
-    meta = loss.batch_meta(jnp.asarray(targets), "long", 3)
-    flat = loss.TokenMeta(*(x.reshape(-1) for x in meta))
-    got = np.asarray(loss.visible(flat, flat, True, False))
     valid = targets.reshape(-1) >= 0
     pos = (segs.start[np.maximum(rows, 0)][:, None] + np.arange(4)).reshape(-1)
     pos = np.where(valid, pos, 0)
+    docs = doc_of[pos].reshape(targets.shape) if layout == "packed" else None
+    meta = loss.batch_meta(jnp.asarray(targets), "long", 3, documents_BxL=docs)
+    flat = loss.TokenMeta(*(x.reshape(-1) for x in meta))
+    got = np.asarray(loss.visible(flat, flat, True, False))
     run = np.repeat(np.arange(len(rows)) // 3, 4)
-    want = ((run[:, None] == run[None, :]) & (pos[None, :] < pos[:, None]) & valid[None, :]
-            & (doc_of[pos][:, None] == doc_of[pos][None, :]))
+    want = (run[:, None] == run[None, :]) & (pos[None, :] < pos[:, None]) & valid[None, :]
+    if layout == "packed":
+      want &= doc_of[pos][:, None] == doc_of[pos][None, :]
     assert np.array_equal(got[valid], want[valid])  # (padding queries score nothing)
     assert np.array_equal(targets.reshape(-1)[valid], corpus.tokens[pos[valid]])
+  if layout == "stream":  # the tiny corpus's runs do cross documents
+    runs = batches.reshape(-1, 3)
+    assert any(len(set(segs.doc[r[r >= 0]])) > 1 for r in runs)
+
+
+@pytest.fixture(scope="module")
+def wikitext_mini_train():
+  from configs import wikitext_mini
+  return corpora.load_splits(wikitext_mini.get_config().data).train  # ../shared/data/wikitext-2
+
+
+@pytest.mark.parametrize("layout", ["stream", "packed"])
+@pytest.mark.parametrize("name", ["wiki103_150m", "wikitext_mini_long"])
+def test_real_token_fraction_on_wikitext_mini(wikitext_mini_train, name, layout):
+  """The paper configs' plan shape on wikitext-mini wastes < 1% of the row slots (document-padded runs wasted
+  62% at L = 150, m = 60)."""
+  import importlib
+  from configs import wikitext_mini
+  config = importlib.import_module(f"configs.{name}").get_config()
+  seg_len = config.data.segment_len
+  config.data = wikitext_mini.get_config().data
+  config.data.segment_len, config.data.segmentation = seg_len, "stream"
+  config.trime.consecutive_layout = layout
+  corpus = wikitext_mini_train
+  header, batches = consecutive.make_plan(corpus, config, progress=False)
+  segs = D.make_segments(corpus, seg_len, "stream")
+  assert header["real_token_fraction"] >= 0.99
+  assert header["real_token_fraction"] == pytest.approx(_brute_real_fraction(corpus, segs, batches), abs=1e-12)
+  assert header["real_token_fraction"] == pytest.approx(len(corpus) / (batches.size * seg_len), abs=1e-12)
 
 
 def test_plan_errors_and_batch_source_reads_it(tmp_path):
   corpus = _corpus()
   with pytest.raises(ConfigError, match="segmentation"):
-    consecutive.make_plan(corpus, _config(**{"data.segmentation": "stream"}), progress=False)
+    consecutive.make_plan(corpus, _config(**{"data.segmentation": "document"}), progress=False)
   with pytest.raises(ConfigError, match="multiple"):
     consecutive.make_plan(corpus, _config(**{"train.batch_size": 8}), progress=False)
+  with pytest.raises(ConfigError, match="consecutive_layout"):
+    consecutive.make_plan(corpus, _config(**{"trime.consecutive_layout": "padded"}), progress=False)
   config = _config(**{"trime.batching": "consecutive", "trime.batch_plan": str(tmp_path / "plan"),
-                      "train.grad_accum": 2})
+                      "train.grad_accum": 2, "trime.consecutive_layout": "packed"})
   header, batches = consecutive.make_plan(corpus, config, progress=False)
   batch_plan.save(str(tmp_path / "plan"), header, batches)
   source = BatchSource(corpus, config)
@@ -151,15 +246,19 @@ def test_make_batches_cli(tmp_path):
       def get_config():
         c = default.get_config()
         c.data.corpus, c.data.path = "wikitext", {str(data)!r}
-        c.data.segment_len, c.data.segmentation = 8, "document"
+        c.data.segment_len, c.data.segmentation = 8, "stream"
         c.train.batch_size, c.trime.consecutive_segments = 4, 2
         return c
       """))
   out = _cli("launch.make_batches", f"--config={cfg}", "--kind=consecutive", f"--out={tmp_path / 'plan'}")
   assert out.returncode == 0, out.stderr
   plan = batch_plan.load(str(tmp_path / "plan"))
-  assert plan.header["kind"] == "consecutive" and plan.header["consecutive_segments"] == 2
-  assert "consecutive plan" in out.stderr  # the progress bar
+  h = plan.header
+  assert h["kind"] == "consecutive" and h["consecutive_segments"] == 2 and h["layout"] == "stream"
+  assert h["shuffle"] is False and h["num_batches"] == h["batches_per_epoch"] == len(plan.batches)
+  train = corpora.load_splits(_config(**{"data.corpus": "wikitext", "data.path": str(data)}).data).train
+  assert h["real_token_fraction"] == pytest.approx(len(train) / (plan.batches.size * 8), abs=1e-12)
+  assert f"real-token fraction {h['real_token_fraction']:.4f}" in out.stdout
 
 
 # ----------------------------------------------------------------------------------------------------------

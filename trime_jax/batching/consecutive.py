@@ -1,96 +1,116 @@
-"""Consecutive batching for TrimeLM_long (paper §4.2): b documents × m consecutive segments per batch.
+"""Consecutive batching for TrimeLM_long (paper §4.2): runs of m consecutive segments of the training stream.
 
-Each document (segmentation="document": a segment never crosses a document boundary) is cut into *runs*
-of m consecutive segments, in document order. A batch of B = b·m rows is b runs, each run's rows adjacent
-and in document order — the layout `trime_nll(memory="long", consecutive_segments=m)` expects (rows
-`[r·m, (r+1)·m)` are one group; a token sees every earlier token of its run).
+The training split is read as one stream cut into segments of L targets (`data.segmentation="stream"`,
+fairseq `--sample-break-mode none`: a segment may cross a document boundary; only the stream's last segment
+is short). The segments, in stream order, are cut into *runs* of m consecutive segments; only the stream's
+last run may be short, and only its missing rows are padding (-1). A micro-batch of B = b·m rows holds b runs,
+rows `[r·m, (r+1)·m)` being run r in stream order — the layout `trime_nll(memory="long",
+consecutive_segments=m)` expects (a token sees every earlier token of its run). Nothing else is padded, so
+the real-token fraction is ~1; it is recorded in the header.
 
-Tails and short documents are padded, never packed: a document of n segments gives ⌈n/m⌉ runs and its last
-run is filled up with all-padding rows (-1); the last batch of an epoch is filled up with all-padding runs.
-Padding rows have target -1 everywhere, so they are neither memory nor loss. Packing another document into
-a run's free rows would need per-row group ids in the loss; padding keeps the loss's "one run = one
-document" rule. No token is dropped: every segment appears exactly once per epoch.
+Two layouts (`trime.consecutive_layout`):
 
-Epoch e visits the runs in the order `permutation(seed, e)`, so documents are regrouped into different
-batches each epoch. The plan holds as many epochs as the training run needs (capped at `MAX_EPOCHS`; after
-that, `BatchPlan.rows` re-permutes the batch order on every further pass).
+  stream  the original's iterator (fairseq `--keep-order`: batches never shuffled; SequentialShardedIterator
+          with one shard per GPU). The list of R runs is split into b contiguous pieces of P = ⌈R/b⌉ runs, one
+          per stream; micro-batch i holds run k·P + i of every stream k (a -1 run where piece k has ended).
+          Micro-batches are read in stored order every epoch (header `shuffle: false`), so consecutive
+          micro-batches, within an update (grad_accum, the original's update-freq) and across updates,
+          continue every stream. Memory crosses document boundaries, as in the original.
+  packed  the same runs, b adjacent runs per micro-batch in stream order (the last micro-batch filled with -1
+          runs); the plan reader visits the micro-batches in a seeded permutation every epoch (header
+          `shuffle: true`). A run may hold several documents; training restricts a token's memory to earlier
+          tokens of its own document (per-token document ids, see train.py), not the batch plan.
+
+The plan holds one epoch; every segment appears exactly once in it.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
-from tqdm import tqdm
 
 from trime_jax import data as D
 from trime_jax.errors import ConfigError
 
 KIND = "consecutive"
-MAX_EPOCHS = 16  # regroupings written to the plan; bounds its size for long runs on large corpora
+LAYOUTS = ("stream", "packed")
 
 
-def document_runs(segments: D.Segments, m: int) -> np.ndarray:
-  """[R, m] segment indices: every document's segments in order, m per run, the last run -1 padded."""
-  docs = segments.doc
-  if len(docs) and np.any(np.diff(docs) < 0):
-    raise ConfigError("segments must be in corpus order (data.make_segments)")
-  n_seg = np.bincount(docs, minlength=int(docs.max()) + 1 if len(docs) else 0)
-  n_seg = n_seg[n_seg > 0]
-  n_runs = -(-n_seg // m)
-  # Row k of a document's runs holds its segment k; padded slots (k >= n_seg) stay -1.
-  out = np.full((int(n_runs.sum()) * m,), -1, np.int64)
-  run_start = np.repeat(np.cumsum(n_runs) - n_runs, n_seg)  # first run of each segment's document
-  out[run_start * m + segments.index_in_doc] = np.arange(len(docs))
-  return out.reshape(-1, m)
+def stream_runs(num_segments: int, m: int) -> np.ndarray:
+  """[R, m] segment indices: the stream's segments in order, m per run; the last run's missing rows are -1."""
+  n_runs = -(-num_segments // m)
+  out = np.full(n_runs * m, -1, np.int64)
+  out[:num_segments] = np.arange(num_segments)
+  return out.reshape(n_runs, m)
 
 
-def epoch_batches(runs_Rxm: np.ndarray, docs_per_batch: int, seed: int, epoch: int) -> np.ndarray:
-  """[num_batches, b·m] rows of one epoch: runs in a seeded order, b per batch, -1 runs fill the last."""
+def stream_batches(runs_Rxm: np.ndarray, streams: int) -> np.ndarray:
+  """[P, b·m] micro-batches of the original's in-order sharded iterator: P = ⌈R/b⌉, micro-batch i holds run
+  k·P + i of stream k (an all -1 run once stream k's piece is used up)."""
   r, m = runs_Rxm.shape
-  order = np.random.default_rng([seed, epoch, 23]).permutation(r)
-  n_batches = -(-r // docs_per_batch)
-  padded = np.full((n_batches * docs_per_batch, m), -1, np.int64)
-  padded[:r] = runs_Rxm[order]
-  return padded.reshape(n_batches, docs_per_batch * m)
+  p = -(-r // streams)
+  padded = np.full((streams * p, m), -1, np.int64)
+  padded[:r] = runs_Rxm
+  # padded[k·P + i] -> batch i, slot k
+  return padded.reshape(streams, p, m).transpose(1, 0, 2).reshape(p, streams * m)
 
 
-def make_plan(corpus: D.Corpus, config, *, progress: bool = True, epochs: int | None = None):
-  """(header, batches [num_batches, B]) for `launch/make_batches.py --kind=consecutive`.
+def packed_batches(runs_Rxm: np.ndarray, runs_per_batch: int) -> np.ndarray:
+  """[⌈R/b⌉, b·m] micro-batches of b adjacent runs in stream order; -1 runs fill the last one."""
+  r, m = runs_Rxm.shape
+  n = -(-r // runs_per_batch)
+  padded = np.full((n * runs_per_batch, m), -1, np.int64)
+  padded[:r] = runs_Rxm
+  return padded.reshape(n, runs_per_batch * m)
 
-  `epochs`: regroupings to write; default enough for `train.num_steps · train.grad_accum` micro-batches,
-  capped at `MAX_EPOCHS`.
+
+def real_token_fraction(segments: D.Segments, batches_NxB: np.ndarray) -> float:
+  """Real target tokens / (rows · L) over all rows of the plan (-1 rows and short segments count as padding)."""
+  rows = batches_NxB.reshape(-1)
+  real = int(segments.length[rows[rows >= 0]].sum())
+  return real / (rows.size * segments.seg_len)
+
+
+def make_plan(corpus: D.Corpus, config, *, progress: bool = True):
+  """(header, batches [num_batches, B]) for `launch/make_batches.py --kind=consecutive` (one epoch).
+
+  `progress` is accepted for the planners' common interface; this plan takes no noticeable time.
   """
+  del progress
   t, r, d = config.trime, config.train, config.data
   m, b_rows = int(t.consecutive_segments), int(r.batch_size)
-  if d.segmentation != "document":
-    raise ConfigError(f"consecutive batching needs data.segmentation='document' (a segment must belong to one "
-                      f"document), got {d.segmentation!r}")
-  if m < 1 or b_rows % m:
+  layout = t.get("consecutive_layout", "stream")
+  if d.segmentation != "stream":
+    raise ConfigError(f"consecutive batching reads runs of the concatenated stream: it needs "
+                      f"data.segmentation='stream', got {d.segmentation!r}")
+  if layout not in LAYOUTS:
+    raise ConfigError(f"trime.consecutive_layout must be one of {LAYOUTS}, got {layout!r}")
+  if m < 1 or b_rows < 1 or b_rows % m:
     raise ConfigError(f"train.batch_size={b_rows} must be a positive multiple of trime.consecutive_segments={m}")
-  segments = D.make_segments(corpus, d.segment_len, "document")
-  runs = document_runs(segments, m)
+  segments = D.make_segments(corpus, d.segment_len, "stream")
+  runs = stream_runs(len(segments), m)
   b = b_rows // m
-  per_epoch = -(-len(runs) // b)
-  if epochs is None:
-    epochs = min(MAX_EPOCHS, max(1, math.ceil(r.num_steps * r.grad_accum / per_epoch)))
-  parts = [epoch_batches(runs, b, int(r.seed), e)
-           for e in tqdm(range(epochs), desc="consecutive plan", unit="epoch", disable=not progress)]
-  batches = np.concatenate(parts)
-  pad_rows = int((parts[0] < 0).sum())
+  if layout == "stream":
+    batches = stream_batches(runs, b)
+    description = (f"stream: the {len(runs)} runs of {m} consecutive stream segments split into {b} contiguous "
+                   f"streams; micro-batch i holds run k*{batches.shape[0]}+i of stream k; read in order")
+  else:
+    batches = packed_batches(runs, b)
+    description = (f"packed: {b} adjacent runs of {m} consecutive stream segments per micro-batch; batch order "
+                   f"shuffled every epoch; memory restricted to a token's own document in training")
   header = {
       "kind": KIND,
       "corpus_fingerprint": corpus.fingerprint(),
       "segment_len": int(d.segment_len),
-      "segmentation": "document",
+      "segmentation": "stream",
       "consecutive_segments": m,
-      "docs_per_batch": b,
+      "layout": layout,
       "seed": int(r.seed),
-      "epochs": int(epochs),
-      "batches_per_epoch": int(per_epoch),
+      "shuffle": layout == "packed",
       "num_segments": len(segments),
       "num_runs": len(runs),
-      "padding_rows_per_epoch": pad_rows,
-      "tails": "padded: a document's last run and an epoch's last batch are filled with all-padding rows (-1)",
+      "streams": b,
+      "batches_per_epoch": int(batches.shape[0]),
+      "real_token_fraction": real_token_fraction(segments, batches),
+      "description": description,
   }
   return header, batches
