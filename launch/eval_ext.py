@@ -6,7 +6,9 @@ retrieved memories, plus the Appendix-A interpolation) and the kNN-LM baselines,
       --config.eval.datastore=runs/ext/ds --config.eval.split=test --config.eval.tune=True [--throughput_tokens=8192]
 
 With eval.tune the parameters of every family (τ, τ′, λ, θ) are grid-searched on dev, then applied to
-eval.split. Prints the perplexity table, top-K retrieval accuracy and perplexity per frequency bucket.
+eval.split; the interpolation is tuned and reported for both P′ memories (column interp_memory), otherwise
+P′ covers eval.interp_memory ("external": the original release, default; "all": the paper's text). Prints
+the perplexity table, top-K retrieval accuracy and perplexity per frequency bucket.
 """
 
 import json
@@ -33,8 +35,10 @@ def main(argv):
   out = evaluate_checkpoint_external(_CONFIG.value, _CHECKPOINT.value, progress=True,
                                      throughput_tokens=_THROUGHPUT.value)
   split = out["split"]
-  cols = ("family", "variant", "dev_ppl", f"{split}_ppl", f"{split}_bpc", "tokens", "tokens_per_s")
+  cols = ("family", "interp_memory", "variant", "dev_ppl", f"{split}_ppl", f"{split}_bpc", "tokens", "tokens_per_s")
   print(E.format_table(out["rows"], columns=cols))
+  print("interp_memory: the memories P′ covers (external: top-K retrieved only, the original release; "
+        "all: local + long-term + retrieved, the paper's text)")
   print("\ntop-K retrieval accuracy: " + ", ".join(f"{k} {v:.1%}" for k, v in out["retrieval_accuracy"].items()))
   if "buckets" in out:
     b = out["buckets"]

@@ -43,11 +43,12 @@ def setup(tmp_path_factory):
 
 
 def _brute_force(s, tau, tau_prime, lam_i, lam_k, theta):
-  """Per scored token of `dev`: -log P under trime, interp, knnlm, knnlm_cache, trime_local, cache (float64)."""
+  """Per scored token of `dev`: -log P under trime, interp (P′ over all memories / the datastore only), knnlm,
+  knnlm_cache, trime_local, cache (float64)."""
   model, dev, ds = s["model"], s["dev"], s["ds"]
   mem_k = np.asarray(ds.keys, np.float64)  # the float16 keys the index holds
   mem_t = np.asarray(ds.values)
-  out = {f: [] for f in ("trime", "interp", "knnlm", "knnlm_cache", "trime_local", "cache")}
+  out = {f: [] for f in ("trime", "interp_all", "interp_external", "knnlm", "knnlm_cache", "trime_local", "cache")}
   hits = np.zeros(len(knn.RETRIEVAL_KS))
   for w in E.windows(len(dev), BLOCK, CTX):
     inputs, targets, scored = E.window_batch(dev, [w], BLOCK)
@@ -68,7 +69,8 @@ def _brute_force(s, tau, tau_prime, lam_i, lam_k, theta):
 
       out["trime"].append(-math.log(p_trime))
       out["trime_local"].append(-math.log(p_local))
-      out["interp"].append(-math.log((1 - lam_i) * p_trime + lam_i * p_mem(all_k, all_t, 1 / tau_prime)))
+      out["interp_all"].append(-math.log((1 - lam_i) * p_trime + lam_i * p_mem(all_k, all_t, 1 / tau_prime)))
+      out["interp_external"].append(-math.log((1 - lam_i) * p_trime + lam_i * p_mem(mem_k, mem_t, 1 / tau_prime)))
       out["knnlm"].append(-math.log((1 - lam_k) * p_lm + lam_k * p_mem(mem_k, mem_t, theta)))
       out["knnlm_cache"].append(-math.log((1 - lam_k) * p_lm + lam_k * p_mem(all_k, all_t, theta)))
       pc = p_mem(loc_k, loc_t, theta)
@@ -84,12 +86,13 @@ def test_external_memory_equals_brute_force_over_the_whole_datastore(setup):
   tau, tau_prime, lam_i, lam_k, theta = 0.8, 2.0, 0.3, 0.25, 1.5
   ext = knn.ExternalMemory(str(s["tmp"] / "ds"), checkpoint_dir=s["export"], k=10_000)
   assert ext.k == len(s["train"])  # K covers the datastore
-  v = X.ExtVariants(cache=((lam_k, theta),), trime_local=(tau,), trime=(tau,), interp=((tau, tau_prime, lam_i),),
+  v = X.ExtVariants(cache=((lam_k, theta),), trime_local=(tau,), trime=(tau,),
+                    interp=((tau, tau_prime, lam_i, "all"), (tau, tau_prime, lam_i, "external")),
                     knnlm=((lam_k, theta),), knnlm_cache=((lam_k, theta),))
   res = X.evaluate_external(s["graphdef"], s["params"], s["dev"], block_len=BLOCK, context_window=CTX, streams=2,
                             variants=v, external=ext)
   want, hits = _brute_force(s, tau, tau_prime, lam_i, lam_k, theta)
-  got = {fam: r.nll for (fam, _), r in zip(res.points, res.results)}
+  got = {fam if fam != "interp" else f"interp_{p[3]}": r.nll for (fam, p), r in zip(res.points, res.results)}
   assert res.tokens == len(s["dev"])
   for fam in want:
     assert got[fam] == pytest.approx(want[fam], rel=2e-5), fam
@@ -110,14 +113,17 @@ def test_grid_tuning_and_frequency_buckets(setup):
   res = X.evaluate_external(s["graphdef"], s["params"], s["dev"], block_len=BLOCK, context_window=CTX, streams=2,
                             variants=grid, external=ext, word_buckets_V=buckets)
   best = X.best_per_family(res)
-  assert set(best) == set(X.FAMILIES)
-  for fam, (i, _) in best.items():
-    assert res.results[i].nll == min(r.nll for (f, _), r in zip(res.points, res.results) if f == fam)
+  # Every family is tuned; the interpolation once per P′ memory, from the same pass.
+  assert set(best) == (set(X.FAMILIES) - {"interp"}) | {"interp[external]", "interp[all]"}
+  assert {p[3] for f, p in res.points if f == "interp"} == set(X.INTERP_MEMORIES)
+  for g, (i, _) in best.items():
+    assert res.results[i].nll == min(r.nll for (f, p), r in zip(res.points, res.results) if X.group(f, p) == g)
   picked = X.chosen(best, 0, True)
+  assert sorted(p[3] for p in picked.interp) == sorted(X.INTERP_MEMORIES)
   again = X.evaluate_external(s["graphdef"], s["params"], s["dev"], block_len=BLOCK, context_window=CTX, streams=2,
                               variants=picked, external=ext, word_buckets_V=buckets)
-  for (fam, _), r in zip(again.points, again.results):
-    assert r.nll == pytest.approx(res.results[best[fam][0]].nll, rel=1e-5)
+  for (fam, p), r in zip(again.points, again.results):
+    assert r.nll == pytest.approx(res.results[best[X.group(fam, p)][0]].nll, rel=1e-5)
   # Bucket counts add up to the scored tokens and per-bucket means recombine into the overall mean.
   assert again.bucket_tokens.sum() == again.tokens
   filled = again.bucket_tokens > 0
@@ -142,3 +148,87 @@ def test_mismatches_are_clear_errors(setup, tmp_path):
   export = ckpt.export(str(tmp_path / "other"), params, cfg, s["vocab"])
   with pytest.raises(CheckpointError):
     knn.ExternalMemory(str(s["tmp"] / "ds"), checkpoint_dir=export, k=4)
+
+
+def _brute_force_long(s, k, mem_size, reset_at_documents, tau, tau_prime, lam):
+  """Per scored token of `dev`, from the equations in float64: memory = local (the window's earlier tokens) +
+  long-term (tokens in [window start - mem_size, window start), of the query's document if reset, each with the
+  key of the window that scored it) + external (top-k of the datastore by g·k). Returns mean -log P of
+  trime, knnlm, and the interpolation with P′ over the external top-k only and over all three memories."""
+  model, dev, ds = s["model"], s["dev"], s["ds"]
+  mem_k, mem_t = np.asarray(ds.keys, np.float64), np.asarray(ds.values)
+  doc = lambda pos: np.searchsorted(dev.doc_starts, pos, side="right") - 1
+  stored = {}  # corpus position -> (key, target) of every scored token so far
+  out = {f: [] for f in ("trime", "knnlm", "interp_external", "interp_all")}
+
+  def p_mem(keys, tgts, q, y, scale):  # P′(y) ∝ Σ_{x_j = y} exp(scale · g·g_j / √D)
+    logits = scale * (keys @ q) / math.sqrt(DIM)
+    w = np.exp(logits - logits.max())
+    return w[tgts == y].sum() / w.sum()
+
+  for w in E.windows(len(dev), BLOCK, CTX):
+    inputs, targets, scored = E.window_batch(dev, [w], BLOCK)
+    logits, keys = (np.asarray(x, np.float64)[0] for x in model(inputs))
+    for t in np.nonzero(scored[0])[0]:
+      y, q, pos = targets[0, t], keys[t], w.start + t
+      lt = [p for p in sorted(stored) if w.start - mem_size <= p < w.start
+            and (not reset_at_documents or doc(p) == doc(pos))]
+      long_k = np.array([stored[p][0] for p in lt]).reshape(-1, DIM)
+      long_t = np.array([stored[p][1] for p in lt], np.int64)
+      scores = mem_k @ q
+      order = np.argsort(-scores, kind="stable")
+      assert scores[order[k - 1]] - scores[order[k]] > 1e-4  # a clear top-k: no near-ties at the boundary
+      ext_k, ext_t = mem_k[order[:k]], mem_t[order[:k]]
+      all_k = np.concatenate([keys[:t], long_k, ext_k])
+      all_t = np.concatenate([targets[0, :t], long_t, ext_t])
+      p_trime = ref.distribution(logits[t], q, all_k, all_t, np.ones(len(all_t), bool), tau)[y]
+      p_lm = ref.distribution(logits[t], q, mem_k[:0], mem_t[:0], np.ones(0, bool))[y]
+      out["trime"].append(-math.log(p_trime))
+      out["knnlm"].append(-math.log((1 - lam) * p_lm + lam * p_mem(ext_k, ext_t, q, y, 1 / tau_prime)))
+      for name, (mk, mt) in (("interp_external", (ext_k, ext_t)), ("interp_all", (all_k, all_t))):
+        out[name].append(-math.log((1 - lam) * p_trime + lam * p_mem(mk, mt, q, y, 1 / tau_prime)))
+    for t in np.nonzero(scored[0])[0]:
+      stored[w.start + t] = (keys[t], targets[0, t])
+  assert min(len(v) for v in out.values()) == len(dev)
+  return {f: np.mean(v) for f, v in out.items()}
+
+
+@pytest.mark.parametrize("reset_at_documents", [True, False])
+def test_both_interpolation_memories_with_top_k_and_long_term_memory_equal_brute_force(setup, reset_at_documents):
+  """P′ over the external top-K only (the original release) and over local + long-term + external (the paper's
+  text), with K well below the datastore size and a long-term store, against float64 NumPy."""
+  s = setup
+  k, mem_size, tau, tau_prime, lam = 6, 12, 0.8, 0.5, 0.35
+  ext = knn.ExternalMemory(str(s["tmp"] / "ds"), checkpoint_dir=s["export"], k=k)
+  assert ext.k == k < len(s["train"]) // 5  # top-K of a larger datastore
+  v = X.ExtVariants(trime=(tau,), knnlm=((lam, 1 / tau_prime),),
+                    interp=((tau, tau_prime, lam, "external"), (tau, tau_prime, lam, "all")), mem_size=mem_size,
+                    reset_at_documents=reset_at_documents)
+  assert [n for n in v.names() if n.startswith("interp")] == [
+      "interp(tau=0.8,tau_prime=0.5,lambda=0.35,interp_memory=external)",
+      "interp(tau=0.8,tau_prime=0.5,lambda=0.35,interp_memory=all)"]
+  res = X.evaluate_external(s["graphdef"], s["params"], s["dev"], block_len=BLOCK, context_window=CTX, streams=2,
+                            variants=v, external=ext)
+  got = {fam if fam != "interp" else f"interp_{p[3]}": r.nll for (fam, p), r in zip(res.points, res.results)}
+  want = _brute_force_long(s, k, mem_size, reset_at_documents, tau, tau_prime, lam)
+  for fam in want:
+    assert got[fam] == pytest.approx(want[fam], rel=2e-5), fam
+  # The two P′ memories give different numbers here (the test can tell them apart).
+  assert got["interp_external"] != pytest.approx(got["interp_all"], rel=1e-3)
+  # Without a long-term store the numbers change too (the store is part of the memories checked above).
+  short = X.evaluate_external(s["graphdef"], s["params"], s["dev"], block_len=BLOCK, context_window=CTX, streams=2,
+                              variants=X.ExtVariants(interp=v.interp), external=ext)
+  assert short.results[2].nll != pytest.approx(got["interp_all"], rel=1e-4)
+
+
+def test_interp_memory_config():
+  e = default.get_config().eval
+  assert e.interp_memory == "external"  # the original release's P′ by default
+  assert X.configured(e).interp == ((e.temperature, e.knn_temperature, e.knn_lambda, "external"),)
+  e.interp_memory = "all"
+  assert X.configured(e).interp[0][3] == "all"
+  e.interp_memory = "local"
+  with pytest.raises(ConfigError, match="interp_memory"):
+    X.configured(e)
+  with pytest.raises(ConfigError, match="memory"):
+    X.ExtVariants(interp=((1.0, 1.0, 0.3),))

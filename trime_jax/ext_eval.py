@@ -9,12 +9,15 @@ one pass over the data (a grid over τ, τ′, λ, θ costs one pass, not one pe
   cache         continuous cache: (1-λ)·p_LM + λ·p_mem(θ), memory = local + long-term
   trime_local   TRIME softmax over vocabulary + local + long-term (TrimeLM / TrimeLM_long)
   trime         TRIME softmax over vocabulary + local + long-term + retrieved, at τ (TrimeLM_ext)
-  interp        (1-λ)·P_trime(τ) + λ·P′(τ′), P′(w) ∝ Σ_{memories with x_j = w} exp(sim/τ′) over the same memories
+  interp        (1-λ)·P_trime(τ) + λ·P′(τ′), P′(w) ∝ Σ_{memories with x_j = w} exp(sim/τ′), over the memories
+                of `interp_memory`: "external" = the top-K retrieved only (the original release), "all" = local +
+                long-term + retrieved (the paper's Appendix A text); both from the same search
   knnlm         kNN-LM: (1-λ)·p_LM + λ·p_mem(θ), memory = retrieved only
   knnlm_cache   kNN-LM + continuous cache: (1-λ)·p_LM + λ·p_mem(θ), memory = local + long-term + retrieved
 
 sim = g(c)·g(c_j)/√D throughout; p_mem(θ)(w) ∝ Σ_{x_j = w} exp(θ·sim). Where a query has no memory at all the
-mixtures fall back to the model (P_trime or p_LM).
+mixtures fall back to the model (P_trime or p_LM). The original's --interp-temp has no √D (its P′ is
+softmax(g·k_j / τ′_orig) over the top-K): τ′_orig = √D·τ′ (D = 1,024: its 10.5 is our τ′ = 0.328).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from trime_jax.errors import ConfigError
 
 FAMILIES = ("none", "cache", "trime_local", "trime", "interp", "knnlm", "knnlm_cache")
 EXTERNAL_FAMILIES = ("trime", "interp", "knnlm", "knnlm_cache")
+# Memory of the interpolation's P′: the original release's (top-K retrieved only) | the paper's text (all memories).
+INTERP_MEMORIES = ("external", "all")
 # Tuning grids (dev split). τ′ and θ act on sim = g·g_j/√D. With hundreds of retrieved neighbours in the
 # softmax the best τ is larger than with local memory alone, hence the long upper tail.
 TAU_GRID = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -56,11 +61,17 @@ class ExtVariants:
   cache: tuple = ()  # ((λ, θ), ...)
   trime_local: tuple = ()  # (τ, ...)
   trime: tuple = ()  # (τ, ...)
-  interp: tuple = ()  # ((τ, τ′, λ), ...)
+  interp: tuple = ()  # ((τ, τ′, λ, P′ memory: "external" | "all"), ...)
   knnlm: tuple = ()  # ((λ, θ), ...)
   knnlm_cache: tuple = ()  # ((λ, θ), ...)
   mem_size: int = 0  # long-term memory: tokens before the window (0: none)
   reset_at_documents: bool = True
+
+  def __post_init__(self):
+    for p in self.interp:
+      if len(p) != 4 or p[3] not in INTERP_MEMORIES:
+        raise ConfigError(f"interp points are (tau, tau_prime, lambda, memory) with memory one of "
+                          f"{INTERP_MEMORIES} (eval.interp_memory), got {p}")
 
   def points(self):
     """[(family, params tuple)] in output order; 'none' first."""
@@ -71,9 +82,10 @@ class ExtVariants:
 
   def names(self):
     keys = {"cache": ("lambda", "theta"), "trime_local": ("tau",), "trime": ("tau",),
-            "interp": ("tau", "tau_prime", "lambda"), "knnlm": ("lambda", "theta"),
+            "interp": ("tau", "tau_prime", "lambda", "interp_memory"), "knnlm": ("lambda", "theta"),
             "knnlm_cache": ("lambda", "theta")}
-    return [fam if fam == "none" else f"{fam}(" + ",".join(f"{k}={v:g}" for k, v in zip(keys[fam], p)) + ")"
+    fmt = lambda v: v if isinstance(v, str) else f"{v:g}"
+    return [fam if fam == "none" else f"{fam}(" + ",".join(f"{k}={fmt(v)}" for k, v in zip(keys[fam], p)) + ")"
             for fam, p in self.points()]
 
   @property
@@ -83,7 +95,8 @@ class ExtVariants:
   @classmethod
   def grid(cls, *, external: bool, mem_size: int = 0, reset_at_documents: bool = True) -> "ExtVariants":
     lt = tuple(itertools.product(LAMBDA_GRID, THETA_GRID))
-    ext = dict(trime=TAU_GRID, interp=tuple(itertools.product(TAU_GRID, TAU_PRIME_GRID, LAMBDA_GRID)),
+    interp = tuple(itertools.product(TAU_GRID, TAU_PRIME_GRID, LAMBDA_GRID, INTERP_MEMORIES))  # both P′ memories
+    ext = dict(trime=TAU_GRID, interp=interp,
                knnlm=lt, knnlm_cache=lt) if external else {}
     return cls(cache=lt, trime_local=TAU_GRID, mem_size=mem_size, reset_at_documents=reset_at_documents, **ext)
 
@@ -108,6 +121,7 @@ def family_nlls(stats: L.VocabStats, targets, local_blocks, ext_block, v: ExtVar
   """[n_points, ..., Q] nll of every query under every point of `v` (`ext_block` may be None)."""
   lse = L.masked_logsumexp_with
   all_blocks = local_blocks + ([ext_block] if ext_block is not None else [])
+  blocks_of = {"local": local_blocks, "ext": [ext_block], "all": all_blocks}
   log_pv = stats.target_logit - stats.log_normalizer
 
   def log_p_trime(blocks, tau):
@@ -132,15 +146,16 @@ def family_nlls(stats: L.VocabStats, targets, local_blocks, ext_block, v: ExtVar
     elif fam == "trime":
       lp = cached(("t", True, p[0]), lambda: log_p_trime(all_blocks, p[0]))
     elif fam == "interp":
-      tau, tau_prime, lam = p
+      tau, tau_prime, lam, memory = p
       lt = cached(("t", True, tau), lambda: log_p_trime(all_blocks, tau))
-      lm, has = cached(("m", "all", 1.0 / tau_prime), lambda: _log_p_mem(all_blocks, 1.0 / tau_prime, targets))
+      which = {"external": "ext", "all": "all"}[memory]  # P′ at θ = 1/τ′: shared with knnlm(_cache) at that θ
+      lm, has = cached(("m", which, 1.0 / tau_prime),
+                       lambda: _log_p_mem(blocks_of[which], 1.0 / tau_prime, targets))
       lp = _mix(lt, lm, has, lam)
     else:  # cache | knnlm | knnlm_cache: the model mixed with a memory-only distribution at θ
       lam, theta = p
       which = {"cache": "local", "knnlm": "ext", "knnlm_cache": "all"}[fam]
-      blocks = {"local": local_blocks, "ext": [ext_block], "all": all_blocks}[which]
-      lm, has = cached(("m", which, theta), lambda: _log_p_mem(blocks, theta, targets))
+      lm, has = cached(("m", which, theta), lambda: _log_p_mem(blocks_of[which], theta, targets))
       lp = _mix(log_pv, lm, has, lam)
     out.append(-lp)
   return jnp.where(targets >= 0, jnp.stack(out), 0.0)
@@ -255,18 +270,28 @@ def evaluate_external(graphdef, params, corpus: D.Corpus, *, block_len: int, con
   return ExtResult(results, points, bucket_nll, bucket_cnt, hits, seconds, search)
 
 
+def group(fam: str, params: tuple) -> str:
+  """What tuning picks one point of: the family, or for `interp` the family and its P′ memory."""
+  return f"interp[{params[3]}]" if fam == "interp" else fam
+
+
 def best_per_family(result: ExtResult) -> dict:
-  """{family: (index, params)} of the lowest-nll point of each family."""
+  """{group: (index, params)} of the lowest-nll point of each family (`interp`: of each P′ memory)."""
   best = {}
   for i, ((fam, p), r) in enumerate(zip(result.points, result.results)):
-    if fam not in best or r.nll < result.results[best[fam][0]].nll:
-      best[fam] = (i, p)
+    g = group(fam, p)
+    if g not in best or r.nll < result.results[best[g][0]].nll:
+      best[g] = (i, p)
   return best
 
 
 def chosen(best: dict, mem_size: int, reset_at_documents: bool) -> ExtVariants:
-  """ExtVariants holding exactly one (the tuned) point per family in `best`."""
-  fields = {fam: (p if fam not in ("trime_local", "trime") else p[0],) for fam, (_, p) in best.items() if fam != "none"}
+  """ExtVariants holding exactly one (the tuned) point per group in `best`."""
+  fields = {}
+  for g, (_, p) in best.items():
+    fam = g.split("[")[0]
+    if fam != "none":
+      fields[fam] = fields.get(fam, ()) + ((p if fam not in ("trime_local", "trime") else p[0]),)
   return ExtVariants(mem_size=mem_size, reset_at_documents=reset_at_documents, **fields)
 
 
@@ -277,20 +302,22 @@ def configured(e) -> ExtVariants:
   """One point per family from the `eval` config section (no tuning)."""
   tau, lam, theta = float(e.temperature), float(e.knn_lambda), float(e.cache_theta)
   return ExtVariants(cache=((float(e.cache_lambda), theta),), trime_local=(tau,), trime=(tau,),
-                     interp=((tau, float(e.knn_temperature), lam),), knnlm=((lam, theta),),
+                     interp=((tau, float(e.knn_temperature), lam, str(e.interp_memory)),), knnlm=((lam, theta),),
                      knnlm_cache=((lam, theta),), mem_size=int(e.mem_size),
                      reset_at_documents=bool(e.reset_at_documents))
 
 
 def _rows(result: ExtResult, split: str, dev: ExtResult | None = None, dev_index=None) -> list[dict]:
   rows = []
-  for i, ((fam, _), r) in enumerate(zip(result.points, result.results)):
+  for i, ((fam, p), r) in enumerate(zip(result.points, result.results)):
     row = {"family": fam, "variant": r.name, f"{split}_ppl": r.ppl, "tokens": r.tokens,
            "tokens_per_s": r.tokens / max(r.seconds, 1e-9)}
+    if fam == "interp":
+      row["interp_memory"] = p[3]  # which memories P′ covered: "external" (the original's) or "all"
     if r.bytes_level:
       row[f"{split}_bpc"] = r.bits_per_token
     if dev is not None:
-      row["dev_ppl"] = dev.results[dev_index[fam]].ppl
+      row["dev_ppl"] = dev.results[dev_index[group(fam, p)]].ppl
     rows.append(row)
   return rows
 
@@ -298,7 +325,8 @@ def _rows(result: ExtResult, split: str, dev: ExtResult | None = None, dev_index
 def evaluate_checkpoint_external(config, checkpoint_dir: str, *, progress: bool = False,
                                  throughput_tokens: int = 0) -> dict:
   """Evaluate an export with external memory on `config.eval.split`; with `eval.tune`, every family's
-  parameters are grid-searched on dev first. Returns rows, retrieval accuracy, frequency-bucket perplexities
+  parameters are grid-searched on dev first (the interpolation for both P′ memories, one row each; without
+  tuning, P′ covers `eval.interp_memory`). Returns rows, retrieval accuracy, frequency-bucket perplexities
   and (if `throughput_tokens`) eval throughput with vs without external memory."""
   import os
 
@@ -309,6 +337,8 @@ def evaluate_checkpoint_external(config, checkpoint_dir: str, *, progress: bool 
   graphdef, params, train_config, vocab, _ = ckpt.load_export(checkpoint_dir)
   splits = load_eval_data(config, vocab)
   e = config.eval
+  if e.interp_memory not in INTERP_MEMORIES:
+    raise ConfigError(f"eval.interp_memory must be one of {INTERP_MEMORIES}, got {e.interp_memory!r}")
   if not e.datastore:
     raise ConfigError("eval.datastore is not set: build one with `python -m launch.build_datastore`")
   external = knn.ExternalMemory(e.datastore, index_path=e.index, checkpoint_dir=checkpoint_dir, k=e.knn_k,
