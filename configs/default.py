@@ -90,7 +90,9 @@ def get_config():
   e.cache_theta = 1.0  # θ of the continuous cache: p_cache ∝ Σ exp(θ · g·g_j / √D)
   e.tune = False  # grid-search τ (local) or λ, θ (cache) on this split and report the best
   e.max_tokens = 0  # score only the first max_tokens targets (0 = the whole split)
-  e.mem_size = 0  # long-term memory: tokens before each window (TRIME and cache); >0: batch_size parallel streams
+  e.mem_size = 0  # long-term memory: tokens before each window (TRIME and cache); >0: batch_size parallel streams.
+  #   The original's --mem-size counts its last scored tokens, the window's context included: ours = original
+  #   - context_window (with reset_at_documents=False, the original's store; docs/long_memory.md)
   e.reset_at_documents = True  # long-term memory of the query's own document only (False: across documents)
   e.datastore = ""  # external memory: datastore directory (launch/build_datastore.py); used by launch/eval_ext.py
   e.index = ""  # FAISS index file; "" = <datastore>/index.faiss
@@ -98,7 +100,9 @@ def get_config():
   e.nprobe = 32  # IVF lists searched per query (IVF-PQ indexes)
   e.knn_exact = False  # re-score the retrieved entries exactly from the stored float16 keys
   e.knn_gpu = False  # move the FAISS index to GPU 0 (needs a GPU build of faiss; faiss-cpu says so clearly)
-  e.knn_temperature = 1.0  # τ′ of the memory-only distribution P′ in the interpolation (Appendix A)
+  e.knn_temperature = 1.0  # τ′ of P′ in the interpolation (Appendix A), on g·g_j/√D: original --interp-temp = √D·τ′
+  e.interp_memory = "external"  # P′ over: external (top-K retrieved only, the original release) | all (local +
+  #   long-term + retrieved, the paper's text)
   e.knn_lambda = 0.3  # λ of (1-λ)·P + λ·P′ (TrimeLM_ext) and of kNN-LM's (1-λ)·p_LM + λ·p_kNN
   c.lock()  # typos in field names are errors, in code as on the command line
   return c
