@@ -42,9 +42,15 @@ def memory_nll(logits_NxV, keys_NxD, targets_N, mkeys_MxD, mtargets_M, mask_NxM,
   return out
 
 
-def batch_mask(memory, targets_BxL, consecutive_segments=1, drop_local=False):
-  """[BL, BL] visibility for a batch that is its own memory, by explicit loops over the definitions."""
+def batch_mask(memory, targets_BxL, consecutive_segments=1, drop_local=False, documents_BxL=None):
+  """[BL, BL] visibility for a batch that is its own memory, by explicit loops over the definitions.
+
+  drop_local: a bool for every row or one per row (the query's row decides). documents_BxL: a long-term
+  memory token sees only earlier tokens of its own document within its run.
+  """
   b, l = targets_BxL.shape
+  drop = np.broadcast_to(np.asarray(drop_local, bool), (b,))
+  docs = np.zeros((b, l), int) if documents_BxL is None else np.asarray(documents_BxL)
   mask = np.zeros((b * l, b * l), bool)
   for bi in range(b):
     for t in range(l):
@@ -56,10 +62,10 @@ def batch_mask(memory, targets_BxL, consecutive_segments=1, drop_local=False):
             ok = bi == bj and s < t
           elif memory == "long":
             m = consecutive_segments
-            same_doc = bi // m == bj // m
-            ok = same_doc and (bj < bi or (bj == bi and s < t))
+            same_run = bi // m == bj // m
+            ok = same_run and docs[bi, t] == docs[bj, s] and (bj < bi or (bj == bi and s < t))
           elif memory == "ext":
-            ok = bj != bi or (not drop_local and s < t)
+            ok = bj != bi or (not drop[bi] and s < t)
           elif memory == "none":
             ok = False
           else:
@@ -69,9 +75,9 @@ def batch_mask(memory, targets_BxL, consecutive_segments=1, drop_local=False):
 
 
 def trime_nll(logits_BxLxV, keys_BxLxD, targets_BxL, memory, consecutive_segments=1, drop_local=False,
-              temperature=1.0):
+              temperature=1.0, documents_BxL=None):
   b, l, v = logits_BxLxV.shape
-  mask = batch_mask(memory, targets_BxL, consecutive_segments, drop_local)
+  mask = batch_mask(memory, targets_BxL, consecutive_segments, drop_local, documents_BxL)
   flat_t = targets_BxL.reshape(-1)
   flat_k = keys_BxLxD.reshape(b * l, -1)
   return memory_nll(logits_BxLxV.reshape(b * l, v), flat_k, flat_t, flat_k, flat_t, mask,

@@ -53,12 +53,12 @@ def _max_abs(a):
   return max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(a))
 
 
-def local_only_reference(stats, keys, targets, memory, m, drop_local, temperature):
+def local_only_reference(stats, keys, targets, memory, m, drop_local, temperature, documents=None):
   """Dense single-device nll `[B, L]` where a memory on another device than the query is stop-gradiented:
   the query-memory similarity uses the live key on the same device and a detached copy across devices."""
   b, l, d = keys.shape
-  flat = L.TokenMeta(*(x.reshape(-1) for x in L.batch_meta(targets, memory, m)))
-  causal = jnp.logical_not(drop_local) if memory == "ext" else True
+  flat = L.TokenMeta(*(x.reshape(-1) for x in L.batch_meta(targets, memory, m, documents_BxL=documents)))
+  causal = L.per_query_causal(memory, drop_local, b, l).reshape(-1)
   mask = L.visible(flat, flat, causal, memory == "ext")
   device = flat.row // (b // N_DEV)
   q = keys.reshape(-1, d)
@@ -80,6 +80,13 @@ def check_loss():
   keys = rng.normal(size=(B, SEG, D)) * 2
   targets = _targets(rng, v)
   weights = rng.normal(size=(B, SEG))  # a random linear functional of the nll
+  # The "rows" pass: ext drops local memory per row (mixed within every device), long runs are packed with
+  # document boundaries inside rows, at row starts and at device boundaries (rows 3, 6, 9, 12, ...).
+  drop_rows = rng.random(B) < 0.5
+  starts = np.zeros(B * SEG, int)
+  starts[rng.choice(B * SEG, size=12, replace=False)] = 1
+  starts[[3 * SEG, 12 * SEG, 13 * SEG]] = 1
+  documents = np.cumsum(starts).reshape(B, SEG)
 
   runs = [(mem, m, var, "all", False) for mem, m in CASES for var in ("gather", "ring")]
   runs += [(mem, m, var, "local_only", False) for mem, m, var in
@@ -87,42 +94,53 @@ def check_loss():
             ("long", 24, "gather"), ("ext", 1, "gather"), ("ext", 1, "ring")]]
   runs += [("ext", 1, var, "all", True) for var in ("gather", "ring")]  # stop_gradient_memory
 
-  def sharded(lg, ks, drop):
+  def packed(mem, docs):
+    return docs if mem == "long" else None
+
+  def sharded(lg, ks, drop, docs):
     out = []
     for mem, m, var, mg, sg in runs:
+      if docs is not None and mem == "local":
+        out.append(None)
+        continue
       f = lambda lg, ks: (L.sharded_trime_nll(
           lg, ks, targets, mesh=mesh, memory=mem, consecutive_segments=m, drop_local=drop,
-          stop_gradient_memory=sg, temperature=TEMPERATURE, variant=var, memory_grad=mg, memory_chunk=5)
-          * weights).sum()
+          documents=packed(mem, docs), stop_gradient_memory=sg, temperature=TEMPERATURE, variant=var,
+          memory_grad=mg, memory_chunk=5) * weights).sum()
       out.append(jax.value_and_grad(f, argnums=(0, 1))(lg, ks))
     return out
 
   ref_keys = sorted({(mem, m, mg if mem != "local" and (mem, m) != ("long", 3) else "all", sg)
                      for mem, m, _, mg, sg in runs})
 
-  def reference(lg, ks, drop):
+  def reference(lg, ks, drop, docs):
     out = {}
     for mem, m, mg, sg in ref_keys:
+      if docs is not None and mem == "local":
+        continue
       if mg == "all":
         f = lambda lg, ks: (L.trime_nll(lg, ks, targets, memory=mem, consecutive_segments=m, drop_local=drop,
-                                        stop_gradient_memory=sg, temperature=TEMPERATURE,
-                                        implementation="dense") * weights).sum()
+                                        documents=packed(mem, docs), stop_gradient_memory=sg,
+                                        temperature=TEMPERATURE, implementation="dense") * weights).sum()
       else:
         f = lambda lg, ks: (local_only_reference(L.vocab_stats(lg, targets), ks, targets, mem, m, drop,
-                                                 TEMPERATURE) * weights).sum()
+                                                 TEMPERATURE, packed(mem, docs)) * weights).sum()
       out[(mem, m, mg, sg)] = jax.value_and_grad(f, argnums=(0, 1))(lg, ks)
     return out
 
   sharded_fn, reference_fn = jax.jit(sharded), jax.jit(reference)
   results = []
-  for drop in (False, True):
-    got, want = sharded_fn(logits, keys, drop), reference_fn(logits, keys, drop)
-    for (mem, m, var, mg, sg), (val, grads) in zip(runs, got):
-      if mem != "ext" and drop:
+  for drop, docs in ((False, None), (True, None), (drop_rows, documents)):
+    got, want = sharded_fn(logits, keys, drop, docs), reference_fn(logits, keys, drop, docs)
+    per_row = docs is not None
+    for (mem, m, var, mg, sg), out in zip(runs, got):
+      if out is None or (mem != "ext" and drop is True):
         continue
+      val, grads = out
+      label = ("rows" if mem == "ext" else "documents") if per_row else drop
       aligned = mem == "local" or (mem, m) == ("long", 3)  # no memory on another device
       ref_val, ref_grads = want[(mem, m, "all" if aligned else mg, sg)]
-      row = {"memory": mem, "m": m, "drop_local": drop, "variant": var, "memory_grad": mg,
+      row = {"memory": mem, "m": m, "drop_local": label, "variant": var, "memory_grad": mg,
              "stop_gradient_memory": sg, "aligned": aligned, "value": float(val),
              "value_err": abs(float(val - ref_val)), "grad_err": _max_err(grads, ref_grads),
              "grad_scale": _max_abs(ref_grads)}

@@ -10,8 +10,22 @@ import pytest
 from tests import reference as ref
 from trime_jax import loss
 
-MODES = [("none", 1, False), ("local", 1, False), ("long", 2, False), ("long", 3, False),
-         ("ext", 1, False), ("ext", 1, True)]
+# (memory, m, variant): variant False / True = drop_local for every row; "rows" = drop_local per row (mixed);
+# "docs" = packed long-term runs whose rows hold several documents (per-token document ids).
+MODES = [("none", 1, False), ("local", 1, False), ("long", 2, False), ("long", 3, False), ("long", 3, "docs"),
+         ("ext", 1, False), ("ext", 1, True), ("ext", 1, "rows")]
+
+
+def _opts(variant, b, l):
+  """(drop_local, documents) of a MODES variant for a [b, l] batch (same values for JAX and the reference)."""
+  if variant == "rows":
+    return np.arange(b) % 3 == 1, None  # rows 1 and 4 drop local memory, the others keep it
+  if variant == "docs":
+    # Document boundaries inside rows and at row starts; ids increase along the stream like a packed run.
+    starts = np.zeros(b * l, int)
+    starts[[l // 2, l + 1, 3 * l, 3 * l + l - 2, 5 * l + 2]] = 1
+    return False, np.cumsum(starts).reshape(b, l)
+  return variant, None
 
 
 def _batch(rng, b=6, l=7, d=5, v=6, pad=True, key_scale=3.0):
@@ -33,10 +47,11 @@ def _batch(rng, b=6, l=7, d=5, v=6, pad=True, key_scale=3.0):
 def test_trime_nll_matches_reference(memory, m, drop_local, temperature, implementation, chunk):
   rng = np.random.default_rng(hash((memory, m, drop_local, temperature)) % 2**32)
   logits, keys, targets = _batch(rng)
-  want = ref.trime_nll(logits, keys, targets, memory, m, drop_local, temperature)
+  drop, docs = _opts(drop_local, *targets.shape)
+  want = ref.trime_nll(logits, keys, targets, memory, m, drop, temperature, docs)
   with jax.enable_x64(True):
     got = loss.trime_nll(jnp.asarray(logits), jnp.asarray(keys), jnp.asarray(targets), memory=memory,
-                         consecutive_segments=m, drop_local=drop_local, temperature=temperature,
+                         consecutive_segments=m, drop_local=drop, documents=docs, temperature=temperature,
                          implementation=implementation, memory_chunk=chunk)
     got = np.asarray(got)
   assert got.dtype == np.float64
@@ -70,13 +85,14 @@ def test_gradients_match_finite_differences(memory, m, drop_local):
   rng = np.random.default_rng(1)
   logits, keys, targets = _batch(rng, b=6, l=3, d=3, v=4, key_scale=1.5)
   weights = rng.normal(size=targets.shape)  # a random linear functional of the nll
+  drop, docs = _opts(drop_local, *targets.shape)
 
   def ref_obj(lg, ks):
-    return float((ref.trime_nll(lg, ks, targets, memory, m, drop_local, 0.8) * weights).sum())
+    return float((ref.trime_nll(lg, ks, targets, memory, m, drop, 0.8, docs) * weights).sum())
 
   with jax.enable_x64(True):
     f = lambda lg, ks: (loss.trime_nll(lg, ks, jnp.asarray(targets), memory=memory, consecutive_segments=m,
-                                       drop_local=drop_local, temperature=0.8, memory_chunk=3)
+                                       drop_local=drop, documents=docs, temperature=0.8, memory_chunk=3)
                         * weights).sum()
     g_logits, g_keys = jax.grad(f, argnums=(0, 1))(jnp.asarray(logits), jnp.asarray(keys))
     g_logits, g_keys = np.asarray(g_logits), np.asarray(g_keys)
@@ -200,10 +216,11 @@ def test_blockwise_equals_dense_float32(memory, m, drop_local):
   targets = rng.integers(0, v, size=(b, l))
   targets[2, 30:] = -1
   targets = jnp.asarray(targets)
+  drop, docs = _opts(drop_local, b, l)
 
   def f(impl, chunk, lg, ks):
-    return loss.trime_nll(lg, ks, targets, memory=memory, consecutive_segments=m, drop_local=drop_local,
-                          implementation=impl, memory_chunk=chunk).sum()
+    return loss.trime_nll(lg, ks, targets, memory=memory, consecutive_segments=m, drop_local=drop,
+                          documents=docs, implementation=impl, memory_chunk=chunk).sum()
 
   def value_and_grads(impl, chunk):
     return jax.jit(jax.value_and_grad(lambda lg, ks: f(impl, chunk, lg, ks), argnums=(0, 1)))(logits, keys)
@@ -248,9 +265,13 @@ def test_drop_local_can_be_traced_and_large_similarities_are_stable():
                           drop_local=drop, memory_chunk=8)
 
   a, b = np.asarray(f(jnp.bool_(False))), np.asarray(f(jnp.bool_(True)))
+  rows = np.arange(6) % 2 == 0
+  c = np.asarray(f(jnp.asarray(rows)))  # per-row decisions: the same compilation shape [B] each step
   assert np.all(np.isfinite(a)) and np.all(np.isfinite(b))
   np.testing.assert_allclose(a, ref.trime_nll(logits, keys, targets, "ext", 1, False), rtol=1e-4, atol=1e-3)
   np.testing.assert_allclose(b, ref.trime_nll(logits, keys, targets, "ext", 1, True), rtol=1e-4, atol=1e-3)
+  np.testing.assert_allclose(c, ref.trime_nll(logits, keys, targets, "ext", 1, rows), rtol=1e-4, atol=1e-3)
+  assert np.array_equal(c[rows], b[rows]) and np.array_equal(c[~rows], a[~rows])
   g = jax.grad(lambda k: loss.trime_nll(logits.astype(np.float32), k, targets, memory="ext",
                                         memory_chunk=8).sum())(keys.astype(np.float32))
   assert np.all(np.isfinite(np.asarray(g)))
@@ -291,3 +312,26 @@ def test_bad_arguments_raise_clear_errors():
     loss.trime_nll(lg, x, t, memory="global")
   with pytest.raises(ValueError, match="consecutive_segments"):
     loss.trime_nll(lg, x, t, memory="long", consecutive_segments=3)
+  with pytest.raises(ValueError, match="drop_local must be"):
+    loss.trime_nll(lg, x, t, memory="ext", drop_local=jnp.zeros((3,), bool))
+  with pytest.raises(ValueError, match="documents restrict long-term memory"):
+    loss.trime_nll(lg, x, t, memory="ext", documents=jnp.zeros((4, 3), jnp.int32))
+
+
+def test_packed_documents_cut_memory_exactly_at_boundaries():
+  """A packed run with one document equals the stream run; a document boundary at a row start makes its rows
+  see nothing of the run's earlier rows (the first token of a new document gets the plain softmax)."""
+  rng = np.random.default_rng(11)
+  logits, keys, targets = _batch(rng, b=4, l=5, pad=False)
+  with jax.enable_x64(True):
+    stream = np.asarray(loss.trime_nll(logits, keys, targets, memory="long", consecutive_segments=4))
+    one_doc = np.asarray(loss.trime_nll(logits, keys, targets, memory="long", consecutive_segments=4,
+                                        documents=np.full((4, 5), 7)))
+    docs = np.array([[0] * 5, [0] * 5, [1] * 5, [1] * 5])  # rows 2-3 start a new document
+    packed = np.asarray(loss.trime_nll(logits, keys, targets, memory="long", consecutive_segments=4,
+                                       documents=docs))
+    two_runs = np.asarray(loss.trime_nll(logits, keys, targets, memory="long", consecutive_segments=2))
+    ce = np.asarray(loss.trime_nll(logits, keys, targets, memory="none"))
+  assert np.array_equal(one_doc, stream)
+  np.testing.assert_allclose(packed, two_runs, rtol=1e-12)
+  assert packed[2, 0] == ce[2, 0] and stream[2, 0] != ce[2, 0]

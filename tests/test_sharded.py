@@ -60,7 +60,8 @@ def checks(tmp_path_factory):
 
 
 def test_every_memory_mode_and_variant_equals_trime_nll(checks):
-  """float64, 8 devices × 3 rows: nll and d/d(logits, keys) equal `trime_nll` on the global batch."""
+  """float64, 8 devices × 3 rows: nll and d/d(logits, keys) equal `trime_nll` on the global batch, including
+  drop_local per row and packed long-term runs (per-token document ids, halos across devices)."""
   cases = [c for c in checks("loss")["cases"] if c["memory_grad"] == "all"]
   covered = {(c["memory"], c["m"], c["drop_local"], c["variant"], c["stop_gradient_memory"]) for c in cases}
   for var in ("gather", "ring"):
@@ -68,6 +69,9 @@ def test_every_memory_mode_and_variant_equals_trime_nll(checks):
                  ("long", 8, False), ("long", 24, False), ("ext", 1, False), ("ext", 1, True)]:
       assert (*mode, var, False) in covered
     assert ("ext", 1, False, var, True) in covered and ("ext", 1, True, var, True) in covered
+    assert ("ext", 1, "rows", var, False) in covered  # drop_local per row, mixed on every device
+    for m in (2, 3, 4, 8, 24):  # packed runs with document boundaries, aligned and across devices
+      assert ("long", m, "documents", var, False) in covered
   for c in cases:
     assert c["value_err"] <= 1e-10 * max(1.0, abs(c["value"])), c
     assert c["grad_err"] <= 1e-10 * max(1.0, c["grad_scale"]), c

@@ -317,6 +317,20 @@ def gather_segments(corpus: Corpus, segments: Segments, idx: np.ndarray):
   return inputs, targets
 
 
+def segment_documents(corpus: Corpus, segments: Segments, idx: np.ndarray) -> np.ndarray:
+  """[n, L] int32 document index of every target position of segments `idx` (-1 for padding), for packed
+  runs whose memory must stay within a document."""
+  idx = np.asarray(idx)
+  l = segments.seg_len
+  offs = np.arange(l)
+  real = idx >= 0
+  safe = np.where(real, idx, 0)
+  pos = segments.start[safe][:, None] + offs[None, :]
+  valid = real[:, None] & (offs[None, :] < segments.length[safe][:, None])
+  docs = np.searchsorted(corpus.doc_starts, pos, side="right") - 1
+  return np.where(valid, docs, -1).astype(np.int32)
+
+
 def random_batch_indices(num_segments: int, batch_size: int, step: int, seed: int) -> np.ndarray:
   """Segment indices of batch `step` in an endless sequence of seeded epoch permutations.
 

@@ -163,29 +163,37 @@ class TokenMeta(NamedTuple):
   """Per-token metadata from which visibility is derived (all int32, same shape)."""
 
   row: jax.Array  # segment (row) index in the global batch
-  group: jax.Array  # causal group: the segment (local/ext) or the document run (long)
+  group: jax.Array  # causal group: the segment (local/ext) or the run of consecutive segments (long)
   order: jax.Array  # order within the group: earlier tokens have smaller values
   target: jax.Array  # next token; < 0 marks padding (never memory, nll 0)
+  doc: jax.Array  # document id: causal memory only within the same document (constant unless packed runs)
 
 
 def visible(query: TokenMeta, memory: TokenMeta, causal, cross_rows: bool):
   """`[N, M]` bool: memory j is visible to query i.
 
-  causal (bool, may be traced): earlier tokens of the same group are visible (local / long-term memory).
-  cross_rows (static): every token of every *other* row is visible (external in-batch memory).
-  Padding memories (target < 0) are never visible.
+  causal (bool scalar or `[N]` per query, may be traced): earlier tokens of the same group and document are
+  visible (local / long-term memory); a query whose `causal` is False has no such memory (ext memory's
+  dropped local memory, drawn per segment). cross_rows (static): every token of every *other* row is visible
+  (external in-batch memory). Padding memories (target < 0) are never visible.
   """
-  earlier = (query.group[:, None] == memory.group[None, :]) & (memory.order[None, :] < query.order[:, None])
-  vis = earlier & jnp.asarray(causal, bool)
+  causal = jnp.asarray(causal, bool)
+  causal = causal[:, None] if causal.ndim else causal
+  earlier = ((query.group[:, None] == memory.group[None, :]) & (query.doc[:, None] == memory.doc[None, :])
+             & (memory.order[None, :] < query.order[:, None]))
+  vis = earlier & causal
   if cross_rows:
     vis = vis | (query.row[:, None] != memory.row[None, :])
   return vis & (memory.target[None, :] >= 0)
 
 
-def batch_meta(targets_BxL, memory: str, consecutive_segments: int = 1, row_offset=0) -> TokenMeta:
+def batch_meta(targets_BxL, memory: str, consecutive_segments: int = 1, row_offset=0,
+               documents_BxL=None) -> TokenMeta:
   """`TokenMeta` `[B, L]` for a batch whose memory is the batch itself (see `trime_nll`).
 
-  `row_offset` is the global row index of row 0 (for shards of a global batch).
+  `row_offset` is the global row index of row 0 (for shards of a global batch). `documents_BxL` (optional
+  int ids): a token's causal memory is restricted to tokens with its own id (packed runs of several
+  documents); default: one document.
   """
   b, l = targets_BxL.shape
   row = jnp.arange(b, dtype=jnp.int32)[:, None] + row_offset
@@ -196,10 +204,23 @@ def batch_meta(targets_BxL, memory: str, consecutive_segments: int = 1, row_offs
     if consecutive_segments < 1:
       raise ValueError(f"consecutive_segments must be >= 1, got {consecutive_segments}")
     group = row // consecutive_segments
-    order = row * l + pos  # rows of a document run are in document order
+    order = row * l + pos  # rows of a run are in stream order
   else:
     group, order = row, pos
-  return TokenMeta(row, group, order, targets_BxL.astype(jnp.int32))
+  doc = jnp.zeros((b, l), jnp.int32) if documents_BxL is None else jnp.asarray(documents_BxL, jnp.int32)
+  return TokenMeta(row, group, order, targets_BxL.astype(jnp.int32), doc)
+
+
+def per_query_causal(memory: str, drop_local, b: int, l: int):
+  """`[B, L]` bool: which queries see their causal (local) memory. Only ext memory drops it, per row:
+  `drop_local` is a bool scalar (every row) or `[B]` (one draw per segment, as the original draws once per
+  forward of one segment per GPU)."""
+  if memory != "ext":
+    return jnp.ones((b, l), bool)
+  drop = jnp.asarray(drop_local, bool)
+  if drop.ndim not in (0, 1) or (drop.ndim == 1 and drop.shape[0] != b):
+    raise ValueError(f"drop_local must be a bool or a [B={b}] bool array, got shape {drop.shape}")
+  return jnp.broadcast_to(jnp.logical_not(drop).reshape(-1, 1) if drop.ndim else jnp.logical_not(drop), (b, l))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -400,6 +421,7 @@ def trime_nll_from_vocab_stats(
     memory: str,
     consecutive_segments: int = 1,
     drop_local=False,
+    documents=None,
     stop_gradient_memory: bool = False,
     temperature=1.0,
     implementation: str = "auto",
@@ -408,8 +430,8 @@ def trime_nll_from_vocab_stats(
 ):
   """`trime_nll` with the vocabulary side given as `VocabStats` `[B, L]` (the training path).
 
-  `drop_local` may be a traced bool (the per-batch drop decision needs no recompilation). The blockwise path
-  scans memory chunks of `memory_chunk` tokens (default: derived from `block_elems`).
+  `drop_local` may be traced (the drop decisions need no recompilation). The blockwise path scans memory
+  chunks of `memory_chunk` tokens (default: derived from `block_elems`).
   """
   keys, targets = jnp.asarray(keys), jnp.asarray(targets)
   stats = VocabStats(*map(jnp.asarray, stats))
@@ -419,8 +441,10 @@ def trime_nll_from_vocab_stats(
     return jnp.where(valid, stats.log_normalizer - stats.target_logit, 0.0)
 
   b, l, d = keys.shape
-  meta = batch_meta(targets, memory, consecutive_segments)
-  causal = jnp.logical_not(jnp.asarray(drop_local, bool)) if memory == "ext" else jnp.asarray(True)
+  if documents is not None and memory != "long":
+    raise ValueError(f"documents restrict long-term memory (packed runs); memory={memory!r} takes none")
+  meta = batch_meta(targets, memory, consecutive_segments, documents_BxL=documents)
+  causal = per_query_causal(memory, drop_local, b, l)
   cross_rows = memory == "ext"
   acc = _acc(keys, stats.log_normalizer)
   scale = jnp.asarray(_scale(d, 1.0), acc) / jnp.asarray(temperature, acc)
@@ -428,7 +452,7 @@ def trime_nll_from_vocab_stats(
 
   if implementation == "dense":
     flat = TokenMeta(*(x.reshape(-1) for x in meta))
-    mask = visible(flat, flat, causal, cross_rows)
+    mask = visible(flat, flat, causal.reshape(-1), cross_rows)
     flat_stats = VocabStats(*(x.reshape(-1) for x in stats))
     nll = _dense_nll(flat_stats, keys.reshape(b * l, d), flat.target, mem_keys.reshape(b * l, d), flat.target,
                      mask, scale)
@@ -447,15 +471,15 @@ def trime_nll_from_vocab_stats(
   if implementation == "auto" and memory_chunk is None and g * n * n <= block_elems:
     # The per-group [n, n] blocks fit the budget: plain autodiff keeps them for the backward instead of
     # recomputing them (cheaper when memory is no concern, e.g. local memory of short segments).
-    mask = jax.vmap(visible, in_axes=(0, 0, None, None))(gmeta, gmeta, causal, cross_rows)
+    mask = jax.vmap(visible, in_axes=(0, 0, 0, None))(gmeta, gmeta, grouped(causal), cross_rows)
     nll = jax.vmap(_dense_nll, in_axes=(0, 0, 0, 0, 0, 0, None))(
         gstats, grouped(keys), gmeta.target, grouped(mem_keys), gmeta.target, mask, scale)
     return nll.reshape(b, l)
   chunk = memory_chunk or chunk_len(g * n, n, block_elems)
   terms = jax.vmap(
-      functools.partial(memory_log_terms, cross_rows, chunk), in_axes=(0, 0, 0, 0, None, None, 0)
+      functools.partial(memory_log_terms, cross_rows, chunk), in_axes=(0, 0, 0, 0, 0, None, 0)
   )
-  log_z, log_p = terms(grouped(keys), grouped(mem_keys), gmeta, gmeta, causal, scale, gstats)
+  log_z, log_p = terms(grouped(keys), grouped(mem_keys), gmeta, gmeta, grouped(causal), scale, gstats)
   return jnp.where(valid, (log_z - log_p).reshape(b, l), 0.0)
 
 
@@ -467,6 +491,7 @@ def trime_nll(
     memory: str,
     consecutive_segments: int = 1,
     drop_local=False,
+    documents=None,
     stop_gradient_memory: bool = False,
     temperature=1.0,
     implementation: str = "auto",
@@ -478,10 +503,10 @@ def trime_nll(
   token_logits `[B, L, V]`, keys `[B, L, D]`, targets `[B, L]` (negative = padding: never memory, nll 0).
     memory="none":  plain cross-entropy
     memory="local": token t of segment b sees tokens j < t of segment b
-    memory="long":  rows come grouped by document, `consecutive_segments` rows per document, in document
-                    order; a token sees every earlier token of its document's rows
-    memory="ext":   a token sees every token of every other row, plus j < t of its own row
-                    (drop_local=True: other rows only)
+    memory="long":  rows come in runs of `consecutive_segments` consecutive segments of the stream; a token
+                    sees every earlier token of its run (`documents` [B, L]: only those of its own document)
+    memory="ext":   a token sees every token of every other row, plus j < t of its own row unless its row
+                    drops local memory (`drop_local`: a bool for every row, or [B] per row)
   Gradients reach every memory key unless `stop_gradient_memory`. `implementation`: "auto" (per-group dense
   blocks when they fit `block_elems`, else blockwise), "blockwise" (always the chunked custom-VJP kernel),
   "dense" (one full `[BL, BL]` mask; tests, small batches).
@@ -493,6 +518,7 @@ def trime_nll(
       memory=memory,
       consecutive_segments=consecutive_segments,
       drop_local=drop_local,
+      documents=documents,
       stop_gradient_memory=stop_gradient_memory,
       temperature=temperature,
       implementation=implementation,

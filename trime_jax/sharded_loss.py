@@ -20,7 +20,9 @@ only how much of the batch has to travel:
                  the key gradients travelling with their block back to its owner. Never holds more than
                  two memory blocks plus the block being sent, so peak memory does not grow with n.
 
-Segment metadata (row, run, order) is a function of the global row index, so only keys and targets travel.
+Segment metadata (row, run, order) is a function of the global row index, so only keys and targets travel
+(and, for packed long-term runs, the per-token document ids of the halo). `drop_local` is per row and
+sharded with the rows: it decides what a *query* sees, so it never travels.
 
 memory_grad="all" (default): the gradient reaches every memory key on every device (= `trime_nll`).
 memory_grad="local_only": the original PyTorch code's behaviour, where `all_gather` cut the graph: a key
@@ -68,6 +70,7 @@ def sharded_trime_nll_from_vocab_stats(
     memory: str,
     consecutive_segments: int = 1,
     drop_local=False,
+    documents=None,
     stop_gradient_memory: bool = False,
     temperature=1.0,
     variant: str = "gather",
@@ -79,7 +82,8 @@ def sharded_trime_nll_from_vocab_stats(
   """`loss.trime_nll_from_vocab_stats` on a global batch sharded over `axis` of `mesh`.
 
   stats `[B, L]` (VocabStats), keys `[B, L, D]`, targets `[B, L]`: global arrays, rows sharded over `axis`
-  (row i lives on device i // (B/n)). Returns the nll `[B, L]`, sharded the same way. `variant` ("gather" |
+  (row i lives on device i // (B/n)); `drop_local` a bool or `[B]` (per row), `documents` `[B, L]` (packed
+  long-term runs) sharded like the rows. Returns the nll `[B, L]`, sharded the same way. `variant` ("gather" |
   "ring") only matters for memory="ext"; `memory_grad` ("all" | "local_only") for memories that live on
   another device (ext, and long runs that span devices).
   """
@@ -94,25 +98,30 @@ def sharded_trime_nll_from_vocab_stats(
   if memory == "none" or n == 1:
     return L.trime_nll_from_vocab_stats(
         stats, keys, targets, memory=memory, consecutive_segments=consecutive_segments, drop_local=drop_local,
-        stop_gradient_memory=stop_gradient_memory, temperature=temperature, block_elems=block_elems,
+        documents=documents, stop_gradient_memory=stop_gradient_memory, temperature=temperature, block_elems=block_elems,
         memory_chunk=memory_chunk)
   if keys.shape[0] % n:
     raise ValueError(f"a global batch of {keys.shape[0]} rows does not split over the {n} devices of "
                      f"mesh axis {axis!r}")
   static = _Static(memory, consecutive_segments, variant, stop_gradient_memory,
                    stop_gradient_memory or memory_grad == "local_only", block_elems, memory_chunk, axis, n)
+  if documents is not None and memory != "long":
+    raise ValueError(f"documents restrict long-term memory (packed runs); memory={memory!r} takes none")
+  b, l = targets.shape
+  causal = L.per_query_causal(memory, drop_local, b, l)  # [B, L], sharded with the rows
+  docs = jnp.zeros((b, l), jnp.int32) if documents is None else jnp.asarray(documents, jnp.int32)
   rows = P(axis)
   # check_vma=False: the blockwise kernels of `loss` start their scans from device-invariant zeros, which
   # the varying-manual-axes type check rejects inside shard_map; every output here is per-device anyway.
   per_device = jax.shard_map(functools.partial(_device_nll, static), mesh=mesh,
-                             in_specs=(rows, rows, rows, rows, P(), P()), out_specs=rows, check_vma=False)
+                             in_specs=(rows, rows, rows, rows, rows, rows, P()), out_specs=rows, check_vma=False)
   acc = L._acc(keys, stats.log_normalizer)
-  return per_device(stats.log_normalizer, stats.target_logit, keys, targets, jnp.asarray(drop_local, bool),
+  return per_device(stats.log_normalizer, stats.target_logit, keys, targets, causal, docs,
                     jnp.asarray(temperature, acc))
 
 
 def sharded_trime_nll(token_logits, keys, targets, *, mesh, memory: str, consecutive_segments: int = 1,
-                      drop_local=False, stop_gradient_memory: bool = False, temperature=1.0,
+                      drop_local=False, documents=None, stop_gradient_memory: bool = False, temperature=1.0,
                       variant: str = "gather", memory_grad: str = "all", block_elems: int = L.DEFAULT_BLOCK_ELEMS,
                       memory_chunk: int | None = None, axis: str = DATA):
   """`loss.trime_nll` on a global batch sharded over `axis` of `mesh`: token_logits `[B, L, V]`, keys
@@ -120,7 +129,7 @@ def sharded_trime_nll(token_logits, keys, targets, *, mesh, memory: str, consecu
   memory_grad="all"); see `sharded_trime_nll_from_vocab_stats` for the options."""
   return sharded_trime_nll_from_vocab_stats(
       L.vocab_stats(token_logits, targets), keys, targets, mesh=mesh, memory=memory,
-      consecutive_segments=consecutive_segments, drop_local=drop_local,
+      consecutive_segments=consecutive_segments, drop_local=drop_local, documents=documents,
       stop_gradient_memory=stop_gradient_memory, temperature=temperature, variant=variant,
       memory_grad=memory_grad, block_elems=block_elems, memory_chunk=memory_chunk, axis=axis)
 
@@ -132,14 +141,14 @@ def _flat(meta: TokenMeta) -> TokenMeta:
   return TokenMeta(*(x.reshape(-1) for x in meta))
 
 
-def _device_nll(st: _Static, lse_BxL, tgt_BxL, keys_BxLxD, targets_BxL, drop_local, temperature):
+def _device_nll(st: _Static, lse_BxL, tgt_BxL, keys_BxLxD, targets_BxL, causal_BxL, docs_BxL, temperature):
   b, l, d = keys_BxLxD.shape
   stats = VocabStats(lse_BxL, tgt_BxL)
   m = st.consecutive_segments
   if st.memory == "local" or (st.memory == "long" and b % m == 0):  # no memory on another device
     return L.trime_nll_from_vocab_stats(
         stats, keys_BxLxD, targets_BxL, memory=st.memory, consecutive_segments=m,
-        stop_gradient_memory=st.detach_own, temperature=temperature, block_elems=st.block_elems,
+        documents=docs_BxL if st.memory == "long" else None, stop_gradient_memory=st.detach_own, temperature=temperature, block_elems=st.block_elems,
         memory_chunk=st.memory_chunk)
 
   acc = L._acc(keys_BxLxD, lse_BxL)
@@ -147,11 +156,10 @@ def _device_nll(st: _Static, lse_BxL, tgt_BxL, keys_BxLxD, targets_BxL, drop_loc
   own = lax.stop_gradient(keys_BxLxD) if st.detach_own else keys_BxLxD
   remote = lax.stop_gradient(keys_BxLxD) if st.detach_remote else keys_BxLxD
   if st.memory == "long":
-    nll = _long_spanning(st, stats, keys_BxLxD, own, remote, targets_BxL, scale)
+    nll = _long_spanning(st, stats, keys_BxLxD, own, remote, targets_BxL, docs_BxL, scale)
   else:
-    causal = jnp.logical_not(drop_local)
     fn = _ext_gather if st.variant == "gather" else _ext_ring
-    nll = fn(st, stats, keys_BxLxD, own, remote, targets_BxL, causal, scale)
+    nll = fn(st, stats, keys_BxLxD, own, remote, targets_BxL, causal_BxL.reshape(-1), scale)
   return jnp.where(targets_BxL >= 0, nll, 0.0)
 
 
@@ -160,29 +168,31 @@ def _shift_right(st: _Static, x):
   return lax.ppermute(x, st.axis, perm=[(j, j + 1) for j in range(st.n - 1)])
 
 
-def _halo(st: _Static, keys, targets, h):
-  """Keys and targets of the h global rows preceding this device's first row (padding before row 0).
+def _halo(st: _Static, keys, targets, docs, h):
+  """Keys, targets and document ids of the h global rows preceding this device's first row (padding before
+  row 0).
 
   h <= b: one hop of this device's trailing h rows. Otherwise whole blocks travel like a partial ring,
   ceil(h / b) hops (at most n-1), each forwarding the block received in the previous hop.
   """
   b = keys.shape[0]
   if h <= b:
-    halo_k, halo_t = _shift_right(st, (keys[b - h:], targets[b - h:]))
+    halo_k, halo_t, halo_d = _shift_right(st, (keys[b - h:], targets[b - h:], docs[b - h:]))
   else:
-    blocks = [(keys, targets)]
+    blocks = [(keys, targets, docs)]
     for _ in range(min(-(-h // b), st.n - 1)):
       blocks.insert(0, _shift_right(st, blocks[0]))
-    halo_k = jnp.concatenate([k for k, _ in blocks[:-1]])[-h:]
-    halo_t = jnp.concatenate([t for _, t in blocks[:-1]])[-h:]
+    halo_k, halo_t, halo_d = (jnp.concatenate([blk[i] for blk in blocks[:-1]])[-h:] for i in range(3))
     if halo_k.shape[0] < h:  # fewer predecessors than h rows: the rest lies before row 0
       halo_k = jnp.pad(halo_k, ((h - halo_k.shape[0], 0), (0, 0), (0, 0)))
       halo_t = jnp.pad(halo_t, ((h - halo_t.shape[0], 0), (0, 0)), constant_values=-1)
+      halo_d = jnp.pad(halo_d, ((h - halo_d.shape[0], 0), (0, 0)))
   rows = lax.axis_index(st.axis) * b - h + jnp.arange(h)
-  return halo_k, jnp.where(rows[:, None] >= 0, halo_t, -1)  # zeros from ppermute before row 0: no memory
+  # zeros from ppermute before row 0: no memory
+  return halo_k, jnp.where(rows[:, None] >= 0, halo_t, -1), halo_d
 
 
-def _long_spanning(st: _Static, stats, keys, own, remote, targets, scale):
+def _long_spanning(st: _Static, stats, keys, own, remote, targets, docs, scale):
   """memory="long" when runs cross device boundaries: a halo of the m-1 rows before this device's first row
   (a run containing row r0 starts at r0 - (r0 mod m) >= r0 - (m-1)), then the cheaper of two layouts:
 
@@ -194,16 +204,17 @@ def _long_spanning(st: _Static, stats, keys, own, remote, targets, scale):
   m, n = st.consecutive_segments, st.n
   h = m - 1
   r0 = lax.axis_index(st.axis) * b
-  halo_k, halo_t = _halo(st, remote, targets, h)
+  halo_k, halo_t, halo_d = _halo(st, remote, targets, docs, h)
   win_k = jnp.concatenate([halo_k, own])  # global rows [r0 - h, r0 + b)
   win_t = jnp.concatenate([halo_t, targets])
+  win_d = jnp.concatenate([halo_d, docs])
   g_runs = max((i * b + b - 1) // m - (i * b) // m + 1 for i in range(n))  # most runs any device touches
   terms = functools.partial(L.memory_log_terms, False)
   flat_stats = VocabStats(*(x.reshape(-1) for x in stats))
 
   if b * (h + b) <= g_runs * m * m:
-    kmeta = _flat(L.batch_meta(win_t, "long", m, row_offset=r0 - h))
-    qmeta = _flat(L.batch_meta(targets, "long", m, row_offset=r0))
+    kmeta = _flat(L.batch_meta(win_t, "long", m, row_offset=r0 - h, documents_BxL=win_d))
+    qmeta = _flat(L.batch_meta(targets, "long", m, row_offset=r0, documents_BxL=docs))
     chunk = st.memory_chunk or L.chunk_len(b * l, (h + b) * l, st.block_elems)
     log_z, log_p = terms(chunk, keys.reshape(-1, d), win_k.reshape(-1, d), qmeta, kmeta, jnp.asarray(True),
                          scale, flat_stats)
@@ -221,7 +232,7 @@ def _long_spanning(st: _Static, stats, keys, own, remote, targets, scale):
   mem_t = runs(halo_t, targets, -1)
   rows = (r0 // m) * m + jnp.arange(g_runs * m)
   mine = (rows >= r0) & (rows < r0 + b)
-  kmeta = L.batch_meta(mem_t, "long", m, row_offset=(r0 // m) * m)
+  kmeta = L.batch_meta(mem_t, "long", m, row_offset=(r0 // m) * m, documents_BxL=runs(halo_d, docs, 0))
   qmeta = kmeta._replace(target=jnp.where(mine[:, None], mem_t, -1))
   q = runs(jnp.zeros((h, l, d), keys.dtype), keys, 0)
   k = runs(halo_k, own, 0)

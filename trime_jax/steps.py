@@ -80,7 +80,7 @@ def nll_sums(model, batch, spec: LossSpec, *, use_trime: bool, report_trime: boo
 
   def trime(k):
     kw = dict(memory=spec.memory, consecutive_segments=spec.consecutive_segments,
-              drop_local=batch["drop_local"], stop_gradient_memory=spec.stop_gradient_memory,
+              drop_local=batch["drop_local"], documents=batch.get("documents"), stop_gradient_memory=spec.stop_gradient_memory,
               temperature=spec.temperature, memory_chunk=spec.memory_chunk or None)
     if mesh is not None and mesh.size > 1:
       return SL.sharded_trime_nll_from_vocab_stats(stats, k, targets, mesh=mesh, variant=spec.sharded_variant,
@@ -99,7 +99,7 @@ def train_step(graphdef, tx, spec: LossSpec, use_trime: bool, report_trime: bool
   """One optimizer update over `grad_accum` micro-batches (`mesh`: see `nll_sums`).
 
   state: {"step": [], "params": nnx.State, "opt_state": ...}; batch: inputs/targets [A, B, L],
-  drop_local [A]. Gradients are of the summed nll divided by the update's token count (fairseq's
+  drop_local [A, B] (per segment), documents [A, B, L] (packed long-term runs only). Gradients are of the summed nll divided by the update's token count (fairseq's
   per-token loss). A non-finite loss or gradient skips the update (state unchanged; `skipped` = 1).
   """
   params = state["params"]

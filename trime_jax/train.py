@@ -115,7 +115,8 @@ def make_optimizer(r) -> tuple[optax.GradientTransformation, optax.Schedule]:
 # Batches
 # ----------------------------------------------------------------------------------------------------------
 class BatchSource:
-  """Training batch of update `step`: inputs/targets [grad_accum, B, L] + drop_local [grad_accum]."""
+  """Training batch of update `step`: inputs/targets [grad_accum, B, L], drop_local [grad_accum, B] (one draw
+  per segment, memory=ext), and documents [grad_accum, B, L] for packed long-term runs."""
 
   def __init__(self, corpus: D.Corpus, config):
     self.corpus = corpus
@@ -125,10 +126,13 @@ class BatchSource:
     t = config.trime
     if t.batching != "random":
       self.plan = batch_plan.load(t.batch_plan)
+      consecutive = t.batching == "consecutive"
       self.plan.check(corpus_fingerprint=corpus.fingerprint(), segment_len=config.data.segment_len,
                       segmentation=config.data.segmentation, batch_size=config.train.batch_size,
-                      consecutive_segments=t.consecutive_segments if t.batching == "consecutive" else None,
-                      kind=t.batching)
+                      consecutive_segments=t.consecutive_segments if consecutive else None,
+                      kind=t.batching, layout=t.consecutive_layout if consecutive else None)
+    # Packed runs hold several documents; their tokens carry document ids so memory stays in the document.
+    self.with_documents = t.memory == "long" and t.consecutive_layout == "packed"
 
   def indices(self, step: int) -> np.ndarray:
     """Segment indices [grad_accum, B] of update `step` (-1: all-padding row)."""
@@ -143,14 +147,19 @@ class BatchSource:
     """The batch of update `step`; `rows` (global row indices, sorted): only those rows of each micro-batch
     (a host's slice of the global batch, see `distributed.process_rows`)."""
     idx = self.indices(step)
+    t = self.config.trime
+    # One drop-local draw per segment (the original draws once per forward of one segment per GPU), drawn for
+    # the whole global batch so every host agrees, then sliced like the rows.
+    rng = np.random.default_rng([self.config.train.seed, step, 7])
+    drop = rng.random(idx.shape) < t.drop_local_prob if t.memory == "ext" else np.zeros(idx.shape, bool)
     if rows is not None:
-      idx = idx[:, rows]
+      idx, drop = idx[:, rows], drop[:, rows]
     inputs, targets = D.gather_segments(self.corpus, self.segments, idx.reshape(-1))
     shape = idx.shape + (self.segments.seg_len,)
-    t = self.config.trime
-    rng = np.random.default_rng([self.config.train.seed, step, 7])
-    drop = rng.random(idx.shape[0]) < t.drop_local_prob if t.memory == "ext" else np.zeros(idx.shape[0], bool)
-    return {"inputs": inputs.reshape(shape), "targets": targets.reshape(shape), "drop_local": drop}
+    batch = {"inputs": inputs.reshape(shape), "targets": targets.reshape(shape), "drop_local": drop}
+    if self.with_documents:
+      batch["documents"] = D.segment_documents(self.corpus, self.segments, idx.reshape(-1)).reshape(shape)
+    return batch
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -225,18 +234,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   warm = ce_warmup_steps(config)
   report_trime = spec.memory != "none"
 
-  batch_sh = {"inputs": data_sh, "targets": data_sh, "drop_local": repl}
+  batch_sh = {"inputs": data_sh, "targets": data_sh, "drop_local": data_sh, "documents": data_sh}
 
   @functools.lru_cache(maxsize=None)
   def step_fn(use_trime: bool):
     # On a >1-device mesh the TRIME loss inside is the sharded one (explicit collectives over `data`).
     fn = functools.partial(steps.train_step, graphdef, tx, spec, use_trime, report_trime, mesh=mesh)
-    return jax.jit(fn, in_shardings=(repl, batch_sh, repl), out_shardings=(repl, repl), donate_argnums=(0,))
+    in_batch = {k: batch_sh[k] for k in batch_keys}
+    return jax.jit(fn, in_shardings=(repl, in_batch, repl), out_shardings=(repl, repl), donate_argnums=(0,))
 
   source = BatchSource(splits.train, config)
   # Each process loads only the rows its own devices hold (all of them when there is one process).
   tokens_shape = (r.grad_accum, r.batch_size, config.data.segment_len)
-  global_shapes = {"inputs": tokens_shape, "targets": tokens_shape, "drop_local": tokens_shape[:1]}
+  global_shapes = {"inputs": tokens_shape, "targets": tokens_shape, "drop_local": tokens_shape[:2],
+                   "documents": tokens_shape}
+  batch_keys = ("inputs", "targets", "drop_local") + (("documents",) if source.with_documents else ())
   rows = distributed.process_rows(data_sh, tokens_shape, axis=1)
   n_params = count_params(params)
   start = int(state["step"])
