@@ -5,9 +5,10 @@
       [--config.eval.mem_size=4096 | --mem_sizes=0,1024,2048,4096] [--label=TrimeLM] [--output=rows.json]
 
 The model and vocabulary come from the checkpoint; `--config` supplies the data and the `eval` section.
-`--mem_sizes` sweeps the long-term memory size in one run. `--include` adds the rows of earlier `--output`
-files to the summary table and to the `--plot` (perplexity vs memory size); without `--checkpoint` it only
-summarises and plots them.
+`--mem_sizes` sweeps the long-term memory size in one run (tokens before the window, as eval.mem_size: the
+original's --mem-size = this + context_window, docs/long_memory.md). `--include` adds the rows of earlier
+`--output` files to the summary table and to the `--plot` (perplexity vs memory size); without `--checkpoint`
+it only summarises and plots them.
 """
 
 import json
@@ -21,7 +22,8 @@ from launch.common import run_main
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
 _OUTPUT = flags.DEFINE_string("output", "", "Optional JSON file for the results.")
-_MEM_SIZES = flags.DEFINE_list("mem_sizes", [], "Long-term memory sizes to sweep (overrides eval.mem_size).")
+_MEM_SIZES = flags.DEFINE_list("mem_sizes", [], "Long-term memory sizes to sweep (overrides eval.mem_size): "
+                                "tokens before the window (the original's --mem-size = this + context_window).")
 _LABEL = flags.DEFINE_string("label", "", "Model name in the rows, summary table and plot.")
 _INCLUDE = flags.DEFINE_list("include", [], "Earlier --output JSON files to add to the summary and plot.")
 _PLOT = flags.DEFINE_string("plot", "", "PNG file: perplexity vs long-term memory size (needs matplotlib).")
@@ -58,9 +60,14 @@ def main(argv):
       raise ConfigError(f"--include {path}: {e}") from None
   if len(_MEM_SIZES.value) > 1 or _INCLUDE.value:
     print(runs.sweep_table(rows))
+    print(f"memory sizes (columns) = {E.MEM_SIZE_AXIS_LABEL}")
   if _PLOT.value:
     os.makedirs(os.path.dirname(os.path.abspath(_PLOT.value)), exist_ok=True)
-    print(f"wrote {runs.plot_sweep(rows, _PLOT.value)}")
+    metric = "bpc" if any("bpc" in r for r in rows) else "ppl"
+    # The title states the x-axis convention: our mem_size, not the original's --mem-size.
+    title = (f"{rows[0].get('split', '') if rows else ''} {metric} vs long-term memory size\n"
+             "(original's --mem-size = x + context window)")
+    print(f"wrote {runs.plot_sweep(rows, _PLOT.value, title=title)}")
 
 
 if __name__ == "__main__":

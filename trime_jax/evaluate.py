@@ -13,6 +13,10 @@ over τ, λ and θ costs one pass over the data):
 With `Variants.mem_size > 0` both TRIME and the cache also see a long-term store (`long_memory.py`): the
 `mem_size` tokens before the window (of the same document unless `reset_at_documents=False`), each with the
 key computed when it was scored. The windows stay the same, so mem_size=0 is exactly the local evaluation.
+The original's --mem-size counts something else: its store keeps the last M *scored* tokens, so the window's
+context tokens are in it (and again in the local memory). Both cover the same tokens when our mem_size =
+original M - context_window (M >= context_window, `reset_at_documents=False`: the original's store never
+resets); the original counts the context tokens twice, we count every token once (docs/long_memory.md).
 Long-term evaluation runs `batch_size` streams in parallel: the windows are split into contiguous runs, one
 per stream, and each stream first re-runs (without scoring) the windows whose tokens its store needs.
 """
@@ -38,6 +42,9 @@ from trime_jax import steps
 from trime_jax.errors import ConfigError
 
 EVAL_MEMORIES = ("none", "local", "cache")
+# x-axis of memory-size sweeps: our mem_size convention, and how to read it as the original's --mem-size.
+MEM_SIZE_AXIS_LABEL = ("long-term memory: tokens before the window (0 = local only; "
+                       "original --mem-size = this + context window)")
 # Default tuning grids (dev split): τ for TRIME memory; (λ, θ) for the continuous cache.
 TAU_GRID = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
 # With a long-term store the cache optimum moves to λ ≈ 0.45, θ ≈ 4 (docs/long_memory.md); the grid reaches past it.
@@ -85,7 +92,8 @@ def window_batch(corpus: D.Corpus, wins: list[Window], block_len: int):
 @dataclasses.dataclass(frozen=True)
 class Variants:
   """What one pass computes: τ values for TRIME memory, (λ, θ) pairs for the cache, and the long-term store
-  both see (`mem_size` tokens before the window; 0 = local memory only)."""
+  both see (`mem_size` tokens before the window; 0 = local memory only; the original's --mem-size
+  = mem_size + context_window, see the module docstring)."""
 
   taus: tuple = ()
   cache: tuple = ()  # ((lambda, theta), ...)
