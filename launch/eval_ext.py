@@ -35,7 +35,8 @@ def main(argv):
   out = evaluate_checkpoint_external(_CONFIG.value, _CHECKPOINT.value, progress=True,
                                      throughput_tokens=_THROUGHPUT.value)
   split = out["split"]
-  cols = ("family", "interp_memory", "variant", "dev_ppl", f"{split}_ppl", f"{split}_bpc", "tokens", "tokens_per_s")
+  cols = dict.fromkeys(("family", "interp_memory", "variant", "dev_ppl", f"{split}_ppl", f"{split}_bpc", "tokens",
+                        "tokens_per_s"))  # one dev_ppl column when split=dev
   print(E.format_table(out["rows"], columns=cols))
   print("interp_memory: the memories P′ covers (external: top-K retrieved only, the original release; "
         "all: local + long-term + retrieved, the paper's text)")
