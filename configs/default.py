@@ -30,7 +30,9 @@ def get_config():
   m.d_ff = 512  # feed-forward inner size
   m.max_len = 512  # longest input the model accepts (training segments and evaluation blocks)
   m.positions = "sinusoidal"  # sinusoidal | learned
+  m.position_offset = 0  # position index of a segment's first token (fairseq, paper configs: padding_idx + 1 = 2)
   m.tie_embeddings = True  # share input and output embeddings
+  m.final_norm = True  # LayerNorm before the output layer (paper 247M: False, fairseq --no-decoder-final-norm)
   m.dropout = 0.1  # residual / embedding dropout
   m.attention_dropout = 0.0  # dropout on attention probabilities
   m.activation_dropout = 0.0  # dropout after the FFN activation

@@ -4,6 +4,8 @@ Needs WikiText-103 (not available offline here): put wiki.{train,valid,test}.tok
 The paper's 247M count uses adaptive input/softmax (cutoffs 20k/60k, factor 4); this implementation's
 output layer is a full tied softmax computed in vocabulary chunks, which has 475.7M parameters (the
 embedding alone is 267,735 × 1,024 = 274M). See README "Parameter counts".
+Every training field follows train_scripts/wiki103-247M-trime.sh of the original release (the _long and
+_ext scripts differ only in criterion and batching); docs/paper_configs.md lists each field's source.
 """
 
 from configs import default
@@ -16,28 +18,40 @@ def get_config():
   c.data.cache_dir = "data/wikitext-103/trime_cache"  # tokenized once, then memory-mapped
   c.data.segment_len = 3072  # L (training)
   c.data.segmentation = "stream"  # fairseq --sample-break-mode none
+  # Model: --arch transformer_lm_wiki103 (fairseq transformer_lm.py: transformer_lm_baevski_wiki103 over
+  # transformer_lm_big over base_lm_architecture); field-by-field sources: docs/paper_configs.md.
   c.model.vocab_size = 267_735  # WikiText-103 vocabulary (checked against the data)
-  c.model.num_layers = 16  # layers
-  c.model.d_model = 1024  # hidden dimension
-  c.model.num_heads = 8  # heads (Baevski & Auli)
-  c.model.d_ff = 4096  # FFN inner dimension
-  c.model.max_len = 3072  # training segments and evaluation blocks
-  c.model.dropout = 0.3  # Baevski & Auli
-  c.model.attention_dropout = 0.1  # Baevski & Auli
-  c.model.activation_dropout = 0.1  # Baevski & Auli
-  c.model.dtype = "bfloat16"  # accelerator compute dtype
+  c.model.num_layers = 16  # arch decoder_layers 16
+  c.model.d_model = 1024  # arch (transformer_lm_big) decoder_embed_dim 1024
+  c.model.num_heads = 8  # arch decoder_attention_heads 8
+  c.model.d_ff = 4096  # arch (transformer_lm_big) decoder_ffn_embed_dim 4096
+  c.model.max_len = 3072  # --tokens-per-sample 3072 (max_target_positions)
+  c.model.positions = "sinusoidal"  # arch decoder_learned_pos False
+  c.model.position_offset = 2  # fairseq positions start at padding_idx + 1 = 2
+  c.model.tie_embeddings = True  # arch tie_adaptive_weights True (input and output embeddings shared)
+  c.model.final_norm = False  # arch no_decoder_final_norm True: no LayerNorm before the output layer
+  c.model.dropout = 0.3  # arch dropout 0.3
+  c.model.attention_dropout = 0.1  # arch attention_dropout 0.1
+  c.model.activation_dropout = 0.1  # arch activation_dropout 0.1
+  c.model.key_type = "last_ffn_input"  # --knn-keytype last_ffn_input
+  c.model.dtype = "bfloat16"  # --fp16 (bfloat16 here)
   c.trime.memory = "local"  # TrimeLM; long: see wiki103_150m; ext: memory=ext + batching=bm25
-  c.trime.ce_warmup_steps = -1  # 5% of updates
-  c.train.batch_size = 8  # segments per forward: 8 × 3072 = 24,576 in-batch memories
-  c.train.grad_accum = 3  # 24 segments = 73,728 tokens per update
-  c.train.num_steps = 286_000  # updates
-  c.train.optimizer = "nag"  # fairseq nag
-  c.train.learning_rate = 1.0  # peak
-  c.train.nag_momentum = 0.99  # fairseq nag momentum
-  c.train.clip_norm = 0.1  # gradient clipping
-  c.train.schedule = "cosine"  # cosine with linear warm-up
-  c.train.warmup_steps = 16_000  # linear warm-up
-  c.train.min_lr = 1e-4  # cosine floor
+  c.trime.ce_warmup_steps = 12_609  # --ce-warmup-epoch 9: 9 × 1,401 updates (33,603 segments / 24 per update)
+  c.train.seed = 1  # --seed 1
+  c.train.batch_size = 8  # paper table: 8 segments per forward (24,576 in-batch memories); the script on
+  #   the README's 4 GPUs: --max-tokens 3072 = 1 segment per GPU, 4 per forward, --update-freq 6
+  c.train.grad_accum = 3  # paper table: 3 (24 segments = 73,728 tokens per update, as 4 GPUs × --update-freq 6)
+  c.train.num_steps = 286_000  # --max-update 286000
+  c.train.optimizer = "nag"  # --optimizer nag
+  c.train.learning_rate = 1.0  # --max-lr 1.0 (cosine peak)
+  c.train.nag_momentum = 0.99  # nag --momentum default 0.99
+  c.train.weight_decay = 0.0  # nag --weight-decay default 0
+  c.train.clip_norm = 0.1  # --clip-norm 0.1
+  c.train.schedule = "cosine"  # --lr-scheduler cosine (one period: 16k + 270k = --max-update, so --t-mult 2
+  #   and --lr-shrink 0.75 never act)
+  c.train.warmup_steps = 16_000  # --warmup-updates 16000
+  c.train.warmup_init_lr = 1e-7  # --warmup-init-lr 1e-07
+  c.train.min_lr = 1e-4  # --lr 0.0001 (fairseq cosine's floor; --min-lr 1e-09 only stops training)
   c.train.vocab_chunk = 16_384  # never materialise [24,576 × 267,735] logits
   c.train.log_every = 100  # metric lines
   c.train.checkpoint_every = 2000  # orbax checkpoints

@@ -4,9 +4,15 @@ The call returns token logits `[B, L, V]` and memory keys `[B, L, D]`. The keys 
 normalised input of the last layer's feed-forward block (the paper's "last_ffn_input"); `key_type="final"`
 selects f(c), the final output that multiplies the output embedding.
 
-    x = √D · E[tokens] + positions                                 (fairseq scales the embeddings)
+    x = √D · E[tokens] + P[offset + i]                             (fairseq scales the embeddings)
     for each layer:  x = x + Drop(Attn(LN(x)));  h = LN(x);  x = x + Drop(FFN(h))   (h of the last layer = g)
-    f = LN_final(x);  logits = f · Wᵀ   (W = E when embeddings are tied)
+    f = LN_final(x) (or f = x with final_norm=False);  logits = f · Wᵀ   (W = E when embeddings are tied)
+
+fairseq's `transformer_lm` is always pre-LN and always scales embeddings by √D; what its architectures vary
+and this model mirrors: the final LayerNorm (`--no-decoder-final-norm`, set by `transformer_lm_wiki103`), the
+three dropouts, sinusoidal vs learned positions, and where positions start (fairseq numbers a sequence's
+tokens from padding_idx + 1 = 2: `position_offset=2`). Paper configs and their original flags:
+docs/paper_configs.md.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ class ModelConfig:
   d_ff: int = 512
   max_len: int = 512
   positions: str = "sinusoidal"
+  position_offset: int = 0  # position of the first token (fairseq: padding_idx + 1 = 2)
   tie_embeddings: bool = True
+  final_norm: bool = True  # LayerNorm on the last block's output (fairseq: not --no-decoder-final-norm)
   dropout: float = 0.1
   attention_dropout: float = 0.0
   activation_dropout: float = 0.0
@@ -49,6 +57,8 @@ class ModelConfig:
       raise ValueError(f"model.d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
     if self.vocab_size < 1:
       raise ValueError(f"model.vocab_size must be positive, got {self.vocab_size}")
+    if self.position_offset < 0:
+      raise ValueError(f"model.position_offset must be >= 0, got {self.position_offset}")
 
   @classmethod
   def from_config(cls, model_cfg, vocab_size: int | None = None) -> "ModelConfig":
@@ -129,11 +139,13 @@ class TransformerLM(nnx.Module):
     self.cfg = cfg
     d = cfg.d_model
     self.embed = nnx.Embed(cfg.vocab_size, d, embedding_init=nnx.initializers.normal(d**-0.5), rngs=rngs)
-    if cfg.positions == "learned":
-      self.pos_embed = nnx.Embed(cfg.max_len, d, embedding_init=nnx.initializers.normal(d**-0.5), rngs=rngs)
+    if cfg.positions == "learned":  # rows below the offset are never read (fairseq's padding rows)
+      self.pos_embed = nnx.Embed(cfg.max_len + cfg.position_offset, d,
+                                 embedding_init=nnx.initializers.normal(d**-0.5), rngs=rngs)
     self.embed_dropout = nnx.Dropout(cfg.dropout)
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-    self.final_norm = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+    # No final LayerNorm at all (no parameters) when off, like fairseq's `layer_norm = None`.
+    self.final_norm = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs) if cfg.final_norm else None
     if not cfg.tie_embeddings:
       self.output = nnx.Param(nnx.initializers.normal(d**-0.5)(rngs.params(), (cfg.vocab_size, d)))
 
@@ -149,17 +161,18 @@ class TransformerLM(nnx.Module):
       raise ValueError(f"sequence length {l} exceeds model.max_len={cfg.max_len}")
     dtype = jnp.dtype(cfg.dtype)
     x = self.embed(tokens_BxL) * math.sqrt(cfg.d_model)
+    offset = cfg.position_offset
     if cfg.positions == "learned":
-      x = x + self.pos_embed(jnp.arange(l))[None]
+      x = x + self.pos_embed(jnp.arange(l) + offset)[None]
     else:
-      x = x + sinusoidal_positions(l, cfg.d_model)[None]
+      x = x + sinusoidal_positions(l + offset, cfg.d_model)[None, offset:]
     x = self.embed_dropout(x.astype(dtype), deterministic=deterministic, rngs=rngs)
     ffn_in = x
     for block in self.blocks:
       x, ffn_in = block(x, deterministic=deterministic, rngs=rngs)
     # Both leave in the compute dtype (LayerNorm promotes to float32): under bfloat16 the output projection
     # and the memory similarities then run as bfloat16 products with float32 accumulation, like attention.
-    f = self.final_norm(x).astype(dtype)
+    f = (self.final_norm(x) if self.final_norm is not None else x).astype(dtype)
     g = ffn_in.astype(dtype) if cfg.key_type == "last_ffn_input" else f
     return f, g
 
