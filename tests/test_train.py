@@ -4,6 +4,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -94,3 +95,20 @@ def test_every_shipped_config_is_valid():
   assert {"default", "demo", "wikitext_mini", "wiki103_247m", "wiki103_150m", "wiki103_7m", "enwik8_38m"} <= set(names)
   for name in names:
     validate_config(importlib.import_module(f"configs.{name}").get_config())
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "nag"])
+def test_weight_decay_is_decoupled_like_fairseq(optimizer):
+  """fairseq's Adam and NAG both decay weights outside the adaptive / momentum update: with a zero gradient
+  one step multiplies the parameters by exactly 1 - lr·wd (an L2 term inside NAG's momentum would give
+  1 - lr·(1 + momentum)·wd)."""
+  from configs import default
+  from trime_jax.train import make_optimizer
+
+  r = default.get_config().train
+  r.unlock()
+  r.optimizer, r.weight_decay, r.learning_rate, r.warmup_steps, r.schedule = optimizer, 0.01, 0.5, 0, "constant"
+  tx, _ = make_optimizer(r)
+  params = {"w": jnp.asarray([1.0, -2.0, 3.0])}
+  updates, _ = tx.update(jax.tree_util.tree_map(jnp.zeros_like, params), tx.init(params), params)
+  np.testing.assert_allclose(params["w"] + updates["w"], params["w"] * (1 - 0.5 * 0.01), rtol=1e-6)

@@ -103,9 +103,10 @@ def make_optimizer(r) -> tuple[optax.GradientTransformation, optax.Schedule]:
   schedule = make_schedule(r)
   if r.optimizer == "adam":
     opt = optax.adamw(schedule, b1=r.adam_b1, b2=r.adam_b2, eps=r.adam_eps, weight_decay=r.weight_decay)
-  else:  # fairseq `nag`: SGD with Nesterov momentum
-    opt = optax.chain(optax.add_decayed_weights(r.weight_decay) if r.weight_decay else optax.identity(),
-                      optax.sgd(schedule, momentum=r.nag_momentum, nesterov=True))
+  else:  # fairseq `nag`: SGD with Nesterov momentum; its weight decay is decoupled (p *= 1 - lr·wd), outside
+    # the momentum, like Adam's
+    opt = optax.chain(optax.trace(decay=r.nag_momentum, nesterov=True), optax.add_decayed_weights(r.weight_decay),
+                      optax.scale_by_learning_rate(schedule))
   if r.clip_norm > 0:
     opt = optax.chain(optax.clip_by_global_norm(r.clip_norm), opt)
   return opt, schedule
