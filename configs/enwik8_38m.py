@@ -39,6 +39,7 @@ def get_config():
   c.trime.batch_plan = "data/enwik8/plans/consecutive_512x24"  # from launch/make_batches.py
   c.trime.consecutive_segments = 24  # m: 24 × 512 = 12,288 in-batch memories
   c.trime.ce_warmup_steps = 5_496  # --ce-warmup-epoch 3: 3 × 1,832 updates (175,782 segments / 96 per update)
+  c.trime.memory_grad = "local_only"  # >1 device: the original's all_gather cuts gradients into other GPUs' keys
   c.train.seed = 1  # --seed 1
   c.train.batch_size = 24  # --max-tokens 12288 / --tokens-per-sample 512 per GPU (one run)
   c.train.grad_accum = 4  # 4 GPUs (README) × --update-freq 1: 96 segments = 49,152 tokens per update
@@ -59,4 +60,7 @@ def get_config():
   c.eval.block_len = 512  # model input at evaluation
   c.eval.context_window = 432  # scored bytes per block: 80 (the paper's evaluation segment length)
   c.eval.batch_size = 16  # blocks per forward
+  c.eval.temperature = 1.10  # --softmax-temp (TrimeLM_long; TrimeLM: 1.05)
+  c.eval.mem_size = 24_144  # --mem-size 24576 minus the 432 context bytes (ours counts bytes before the window)
+  c.eval.reset_at_documents = False  # one stream
   return c

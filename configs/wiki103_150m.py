@@ -40,6 +40,7 @@ def get_config():
   c.trime.batch_plan = "data/wikitext-103/plans/consecutive_150x60"  # from launch/make_batches.py
   c.trime.consecutive_segments = 60  # m
   c.trime.ce_warmup_steps = 8_604  # --ce-warmup-epoch 3: 3 × 2,868 updates (688,181 segments / 240 per update)
+  c.trime.memory_grad = "local_only"  # >1 device: the original's all_gather cuts gradients into other GPUs' keys
   c.train.seed = 1  # --seed 1
   c.train.batch_size = 60  # --max-tokens 9000 / --tokens-per-sample 150 per GPU (one run, 9,000 memories)
   c.train.grad_accum = 4  # paper table: 240 segments = 36,000 tokens per update (2 GPUs × --update-freq 2;
@@ -62,4 +63,7 @@ def get_config():
   c.eval.block_len = 150  # model input at evaluation
   c.eval.context_window = 86  # scored tokens per block: 64 (the paper's evaluation segment length)
   c.eval.batch_size = 16  # blocks per forward
+  c.eval.temperature = 1.07  # --softmax-temp (TrimeLM_long; TrimeLM: 1.03)
+  c.eval.mem_size = 14_914  # --mem-size 15000 minus the 86 context tokens (ours counts tokens before the window)
+  c.eval.reset_at_documents = False  # the original's store never resets at documents
   return c

@@ -37,6 +37,7 @@ def get_config():
   c.model.dtype = "bfloat16"  # --fp16 (bfloat16 here)
   c.trime.memory = "local"  # TrimeLM; long: see wiki103_150m; ext: memory=ext + batching=bm25
   c.trime.ce_warmup_steps = 12_609  # --ce-warmup-epoch 9: 9 × 1,401 updates (33,603 segments / 24 per update)
+  c.trime.memory_grad = "local_only"  # >1 device: the original's all_gather cuts gradients into other GPUs' keys
   c.train.seed = 1  # --seed 1
   c.train.batch_size = 8  # paper table: 8 segments per forward (24,576 in-batch memories); the script on
   #   the README's 4 GPUs: --max-tokens 3072 = 1 segment per GPU, 4 per forward, --update-freq 6
@@ -59,4 +60,15 @@ def get_config():
   c.eval.block_len = 3072  # fairseq --tokens-per-sample
   c.eval.context_window = 2560  # scored tokens per block: 512 (the paper's evaluation segment length)
   c.eval.batch_size = 1  # blocks per forward
+  # Evaluation as released (run_pretrained_models.md). TrimeLM: --use-local --softmax-temp 1.17. TrimeLM_long:
+  # --softmax-temp 1.22 --mem-size 12288 -> eval.temperature=1.22, eval.mem_size=9728 (ours excludes the
+  # 2,560 context tokens), reset_at_documents=False. TrimeLM_ext: --softmax-temp 1.25, the same store, K=1024,
+  # --probe 32, --interp-temp 10.5 --lmbda 0.3 -> eval.knn_temperature=10.5/√1024=0.328, eval.knn_lambda=0.3.
+  c.eval.temperature = 1.17  # --softmax-temp (TrimeLM)
+  c.eval.reset_at_documents = False  # the original's store never resets at documents
+  c.eval.knn_k = 1024  # --k
+  c.eval.nprobe = 32  # --probe
+  c.eval.interp_memory = "external"  # --use-interp: P′ over the retrieved top-K only
+  c.eval.knn_temperature = 10.5 / 32  # --interp-temp 10.5 in our units (τ′_original = √D · τ′, D = 1024)
+  c.eval.knn_lambda = 0.3  # --lmbda
   return c

@@ -41,6 +41,7 @@ def get_config():
   c.trime.drop_local_prob = 0.9  # p
   c.trime.consecutive_segments = 8  # m for the TrimeLM_long variant (memory=long, batching=consecutive)
   c.trime.ce_warmup_steps = -1  # no script: the paper's "first 5% updates" (10,000)
+  c.trime.memory_grad = "local_only"  # >1 device: the original's all_gather cuts gradients into other GPUs' keys
   c.train.seed = 1  # --seed 1 (every original script)
   c.train.batch_size = 8  # paper table: 8 segments per forward, 24,576 in-batch memories
   c.train.grad_accum = 1  # paper table: gradient accumulation 1 (24,576 tokens per update)

@@ -212,6 +212,7 @@ _FAIRSEQ_BASE = {
     "model.attention_dropout": 0.1,  # arch attention_dropout 0.1
     "model.activation_dropout": 0.1,  # arch activation_dropout 0.1
     "model.dropout": 0.3,  # arch dropout 0.3
+    "trime.memory_grad": "local_only",  # my_gather: all_gather returns no gradient to other GPUs' keys
     "train.seed": 1,  # --seed 1
     "train.warmup_init_lr": 1e-7,  # --warmup-init-lr 1e-07 (enwik8: no warm-up, value unused)
 }
@@ -231,6 +232,9 @@ ORIGINAL = {
         "train.learning_rate": 1.0,  # --max-lr 1.0
         "train.clip_norm": 0.1, "train.schedule": "cosine", "train.warmup_steps": 16_000,
         "train.min_lr": 1e-4,  # --lr 0.0001: fairseq cosine's floor
+        # run_pretrained_models.md: --softmax-temp 1.17; ext: --k 1024 --probe 32 --interp-temp 10.5 --lmbda 0.3
+        "eval.temperature": 1.17, "eval.knn_k": 1024, "eval.nprobe": 32, "eval.interp_memory": "external",
+        "eval.knn_temperature": 10.5 / 32, "eval.knn_lambda": 0.3, "eval.reset_at_documents": False,
     },
     # train_scripts/wiki103-150M-trime_long.sh, --arch transformer_lm_wiki103_150M
     "wiki103_150m": {
@@ -242,6 +246,8 @@ ORIGINAL = {
         "train.grad_accum": 4,  # paper table: 36,000 tokens per update
         "train.num_steps": 200_000, "train.learning_rate": 5e-4, "train.schedule": "inverse_sqrt",
         "train.warmup_steps": 8000,
+        # run_pretrained_models.md, TrimeLM_long: --softmax-temp 1.07 --mem-size 15000 (= ours + 86 context)
+        "eval.temperature": 1.07, "eval.mem_size": 15000 - 86, "eval.reset_at_documents": False,
     },
     # no script: paper appendix table + transformer_lm_wiki103_small_sm; optimizer details as the 150M script
     "wiki103_7m": {
@@ -262,6 +268,8 @@ ORIGINAL = {
         "train.grad_accum": 4,  # 4 GPUs × --update-freq 1
         "train.num_steps": 400_000, "train.learning_rate": 2.5e-4,  # --max-lr 0.00025
         "train.schedule": "cosine", "train.warmup_steps": 0, "train.min_lr": 0.0,  # --lr 0.0
+        # run_pretrained_models.md, TrimeLM_long: --softmax-temp 1.10 --mem-size 24576 (= ours + 432 context)
+        "eval.temperature": 1.10, "eval.mem_size": 24576 - 432, "eval.reset_at_documents": False,
     },
 }
 
