@@ -169,22 +169,33 @@ class TokenMeta(NamedTuple):
   doc: jax.Array  # document id: causal memory only within the same document (constant unless packed runs)
 
 
-def visible(query: TokenMeta, memory: TokenMeta, causal, cross_rows: bool):
-  """`[N, M]` bool: memory j is visible to query i.
+def visible(query: TokenMeta, memory: TokenMeta, causal, cross_rows: bool, span=None):
+  """`[..., N, M]` bool: memory j is visible to query i (queries `[..., N]`, memories `[..., M]`).
 
-  causal (bool scalar or `[N]` per query, may be traced): earlier tokens of the same group and document are
-  visible (local / long-term memory); a query whose `causal` is False has no such memory (ext memory's
-  dropped local memory, drawn per segment). cross_rows (static): every token of every *other* row is visible
-  (external in-batch memory). Padding memories (target < 0) are never visible.
+  causal (bool scalar or `[..., N]` per query, may be traced): earlier tokens of the same group and document
+  are visible (local / long-term memory); a query whose `causal` is False has no such memory (ext memory's
+  dropped local memory, drawn per segment). span (optional, test-time long-term store): only earlier tokens
+  at most `span` before the query's order. cross_rows (static): every token of every *other* row is visible
+  (external in-batch memory; at test time, retrieved entries carry row -1). Padding memories (target < 0)
+  are never visible.
   """
   causal = jnp.asarray(causal, bool)
-  causal = causal[:, None] if causal.ndim else causal
-  earlier = ((query.group[:, None] == memory.group[None, :]) & (query.doc[:, None] == memory.doc[None, :])
-             & (memory.order[None, :] < query.order[:, None]))
+  causal = causal[..., None] if causal.ndim else causal
+  q = lambda x: x[..., :, None]
+  m = lambda x: x[..., None, :]
+  same_group = (q(query.group) == m(memory.group)) & (q(query.doc) == m(memory.doc))
+  earlier = same_group & (m(memory.order) < q(query.order))
+  if span is not None:
+    earlier = earlier & (m(memory.order) >= q(query.order) - span)
   vis = earlier & causal
   if cross_rows:
-    vis = vis | (query.row[:, None] != memory.row[None, :])
-  return vis & (memory.target[None, :] >= 0)
+    vis = vis | (q(query.row) != m(memory.row))
+  return vis & (m(memory.target) >= 0)
+
+
+def positive(query: TokenMeta, memory: TokenMeta, vis):
+  """`[..., N, M]` bool: visible memories whose next token is the query's target (the numerator's terms)."""
+  return vis & (memory.target[..., None, :] == query.target[..., :, None])
 
 
 def batch_meta(targets_BxL, memory: str, consecutive_segments: int = 1, row_offset=0,
@@ -321,8 +332,7 @@ def _block_terms(q_NxD, k_CxD, qmeta, kmeta, causal, scale, cross_rows):
   s = jnp.einsum("nd,cd->nc", q_NxD, k_CxD, preferred_element_type=scale.dtype,
                  precision=similarity_precision(q_NxD, k_CxD)) * scale
   vis = visible(qmeta, kmeta, causal, cross_rows)
-  pos = vis & (kmeta.target[None, :] == qmeta.target[:, None])
-  return s, vis, pos
+  return s, vis, positive(qmeta, kmeta, vis)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -25,7 +25,7 @@ from trime_jax import checkpoint as ckpt
 from trime_jax import corpora
 from trime_jax import data as D
 from trime_jax import distributed
-from trime_jax import evaluate as E
+from trime_jax import evaluate
 from trime_jax import sharded_loss
 from trime_jax import sharding
 from trime_jax import steps
@@ -56,7 +56,7 @@ def validate_config(config) -> None:
   _choice(r.optimizer, OPTIMIZERS, "train.optimizer")
   _choice(r.schedule, SCHEDULES, "train.schedule")
   _choice(d.segmentation, D.SEGMENTATIONS, "data.segmentation")
-  _choice(config.eval.memory, E.EVAL_MEMORIES, "eval.memory")
+  _choice(config.eval.memory, tuple(evaluate.EVAL_MEMORIES), "eval.memory")
   for name, v in [("train.batch_size", r.batch_size), ("train.grad_accum", r.grad_accum),
                   ("train.num_steps", r.num_steps), ("data.segment_len", d.segment_len),
                   ("trime.consecutive_segments", t.consecutive_segments)]:
@@ -306,10 +306,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
 def _log_eval(graphdef, params, corpus, config, step, metrics_path) -> dict:
   """Dev perplexity during training: vanilla scoring and, for TRIME models, local memory at τ=1."""
   e = config.eval
-  variants = E.Variants(taus=(1.0,)) if config.trime.memory != "none" else E.Variants()
-  res = E.evaluate(graphdef, params, corpus, block_len=e.block_len, context_window=e.context_window,
-                   batch_size=e.batch_size, variants=variants, vocab_chunk=config.train.vocab_chunk,
-                   max_tokens=config.train.eval_max_tokens)
+  points = (evaluate.NONE,) + ((evaluate.Point("trime_local", tau=1.0),) if config.trime.memory != "none" else ())
+  res = evaluate.evaluate(graphdef, params, corpus, points, block_len=e.block_len, context_window=e.context_window,
+                          streams=e.batch_size, vocab_chunk=config.train.vocab_chunk,
+                          max_tokens=config.train.eval_max_tokens).scores
   out = {"step": step, "split": "dev", **{f"{x.name}_ppl": x.ppl for x in res}, "tokens": res[0].tokens}
   if _chief():
     with open(metrics_path, "a") as f:

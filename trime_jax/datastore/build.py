@@ -7,7 +7,7 @@ Layout of a datastore directory:
                block_len / context_window, key_type, tokens_done, complete, build timing
 
 Entry i is target position i of the corpus stream, so N = len(corpus) and `values` equals the corpus tokens.
-Keys are computed with evaluation's windows (`evaluate.windows(N, block_len, context_window)`): every target
+Keys are computed with evaluation's windows (`data.windows(N, block_len, context_window)`): every target
 is scored once, with up to `context_window` tokens of context before its chunk, exactly the context it gets
 when the same model evaluates that text. Documents are concatenated, as in evaluation.
 
@@ -37,7 +37,6 @@ from tqdm import tqdm
 
 from trime_jax import checkpoint as ckpt
 from trime_jax import data as D
-from trime_jax import evaluate as E
 from trime_jax.errors import CheckpointError, ConfigError
 
 FORMAT = "trime-datastore/1"
@@ -126,7 +125,7 @@ class Datastore:
 
   def check_checkpoint(self, checkpoint_dir: str) -> None:
     """The datastore must have been built by this exported model (same weights, vocabulary, key space)."""
-    meta = _checkpoint_meta(checkpoint_dir)
+    meta = ckpt.read_export_meta(checkpoint_dir)
     self.check(checkpoint_fingerprint=ckpt.fingerprint(checkpoint_dir), vocab_fingerprint=meta["vocab_fingerprint"],
                dimension=int(meta["d_model"]), key_type=meta["key_type"])
 
@@ -141,14 +140,6 @@ class Datastore:
     out = out.astype(np.float32)
     out[flat < 0] = 0.0
     return out.reshape(ids.shape + (self.dimension,))
-
-
-def _checkpoint_meta(checkpoint_dir: str) -> dict:
-  path = os.path.join(checkpoint_dir, "meta.json")
-  if not os.path.exists(path):
-    raise CheckpointError(f"not an exported checkpoint: {path} is missing")
-  with open(path) as f:
-    return json.load(f)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -183,7 +174,7 @@ def build_datastore(checkpoint_dir: str, corpus: D.Corpus, out_dir: str, *, bloc
                           "encode the corpus with the checkpoint's vocabulary")
   n = len(corpus)
   dim = int(cmeta["d_model"])
-  wins = E.windows(n, block_len, context_window)  # ConfigError for a bad context window
+  wins = D.windows(n, block_len, context_window)  # ConfigError for a bad context window
   stride = block_len - context_window
   per_chunk = batch_size * max(1, -(-chunk_tokens // (batch_size * stride)))  # windows per chunk
 
@@ -237,7 +228,7 @@ def build_datastore(checkpoint_dir: str, corpus: D.Corpus, out_dir: str, *, bloc
       part = chunk[i:i + batch_size]
       real = len(part)
       part = part + [part[-1]] * (batch_size - real)  # fixed shapes: repeat, then ignore
-      inputs, _, scored = E.window_batch(corpus, part, block_len)
+      inputs, _, scored = D.window_batch(corpus, part, block_len)
       g = np.asarray(_keys_step(graphdef, params, inputs))
       rows = g[:real][scored[:real]]  # scored positions in order = consecutive target positions
       lo = part[0].score_start
