@@ -5,11 +5,11 @@
       [--config.eval.mem_size=4096 | --mem_sizes=0,1024,2048,4096] [--label=TrimeLM] [--output=rows.json]
 
 The model and vocabulary come from the checkpoint; `--config` supplies the data and the `eval` section.
-With eval.tune the parameters are grid-searched on dev (split=dev: every grid point is a row, the best
-marked; otherwise the best point is applied to eval.split). `--mem_sizes` sweeps the long-term memory size in one run (tokens before the window, as eval.mem_size: the
-original's --mem-size = this + context_window, docs/long_memory.md). `--include` adds the rows of earlier
-`--output` files to the summary table and to the `--plot` (perplexity vs memory size); without `--checkpoint`
-it only summarises and plots them.
+With eval.tune the parameters are grid-searched on dev (split=dev: every grid point is a row, the best one
+marked; otherwise the best point is applied to eval.split). `--mem_sizes` sweeps the long-term memory size in
+one run (tokens before the window, as eval.mem_size: the original's --mem-size = this + context_window,
+docs/long_memory.md). `--include` adds the rows of earlier `--output` files to the summary table and to the
+`--plot` (perplexity vs memory size); without `--checkpoint` it only summarises and plots them.
 """
 
 import json

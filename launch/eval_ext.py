@@ -47,7 +47,8 @@ def main(argv):
     rows = [{"variant": name, **{f"{n} ({int(t):,})": p for n, t, p in zip(b["names"], b["tokens"], ppl)}}
             for name, ppl in b["ppl"].items()]
     print("\nperplexity per frequency bucket (target's count in the training split; tokens in parentheses):")
-    print(evaluate.format_table(rows, columns=["variant"] + [f"{n} ({int(t):,})" for n, t in zip(b["names"], b["tokens"])]))
+    columns = ["variant"] + [f"{n} ({int(t):,})" for n, t in zip(b["names"], b["tokens"])]
+    print(evaluate.format_table(rows, columns=columns))
   if "throughput" in out:
     t = out["throughput"]
     print(f"\nthroughput on {t['tokens']:,} tokens: {t['with_external_tok_s']:,.0f} tok/s with external memory "

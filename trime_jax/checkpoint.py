@@ -21,7 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from trime_jax import data as D
+from trime_jax import data
 from trime_jax.errors import CheckpointError
 from trime_jax.model import ModelConfig, TransformerLM, count_params
 
@@ -63,7 +63,7 @@ def _sync(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-def export(directory: str, params, config: ml_collections.ConfigDict, vocab: D.Vocab, extra=None) -> str:
+def export(directory: str, params, config: ml_collections.ConfigDict, vocab: data.Vocab, extra=None) -> str:
   """Write params + config + vocab + meta to `directory` atomically; returns the directory.
 
   Multi-host: every process calls this with the same (replicated, host-copied) params; orbax writes them
@@ -90,9 +90,9 @@ def export(directory: str, params, config: ml_collections.ConfigDict, vocab: D.V
         "num_params": count_params(params),
         **(extra or {}),
     }
-    D.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(config.to_json_best_effort()))
-    D.atomic_write_json(os.path.join(tmp, "vocab.json"), vocab.to_json())
-    D.atomic_write_json(os.path.join(tmp, "meta.json"), meta)
+    data.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(config.to_json_best_effort()))
+    data.atomic_write_json(os.path.join(tmp, "vocab.json"), vocab.to_json())
+    data.atomic_write_json(os.path.join(tmp, "meta.json"), meta)
     if os.path.exists(directory):
       old = directory + ".old"
       shutil.rmtree(old, ignore_errors=True)
@@ -131,7 +131,7 @@ def read_export_meta(directory: str) -> dict:
     return json.load(f)
 
 
-def read_export_vocab(directory: str) -> D.Vocab:
+def read_export_vocab(directory: str) -> data.Vocab:
   """vocab.json of an export, checked against its meta.json (without loading the parameters)."""
   meta = read_export_meta(directory)
   path = os.path.join(directory, "vocab.json")
@@ -139,8 +139,8 @@ def read_export_vocab(directory: str) -> D.Vocab:
     raise CheckpointError(f"not an exported checkpoint: {path} is missing")
   with open(path) as f:
     try:
-      vocab = D.Vocab.from_json(json.load(f))
-    except D.DataError as e:
+      vocab = data.Vocab.from_json(json.load(f))
+    except data.DataError as e:
       raise CheckpointError(f"{path}: {e}") from None
   if vocab.fingerprint() != meta["vocab_fingerprint"] or len(vocab) != meta["vocab_size"]:
     raise CheckpointError(

@@ -88,7 +88,8 @@ LAMBDA_GRID = (0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75)
 THETA_GRID = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 GRIDS = {"tau": TAU_GRID, "tau_prime": TAU_PRIME_GRID, "lam": LAMBDA_GRID, "theta": THETA_GRID,
          "interp_memory": INTERP_MEMORIES}
-DISPLAY_NAMES = {"tau": "tau", "tau_prime": "tau_prime", "lam": "lambda", "theta": "theta", "interp_memory": "interp_memory"}
+DISPLAY_NAMES = {"tau": "tau", "tau_prime": "tau_prime", "lam": "lambda", "theta": "theta",
+                 "interp_memory": "interp_memory"}
 
 
 # ----------------------------------------------------------------------------------------------------------
