@@ -584,7 +584,8 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external: bool = False, 
         result = dev
       else:
         dev_best = best
-        out["dev_grid"] = [{"variant": s.name, "mem_size": mem_size, "dev_ppl": s.ppl} for s in dev.scores]
+        out.setdefault("dev_grid", []).extend({"variant": s.name, "mem_size": mem_size, "dev_ppl": s.ppl}
+                                              for s in dev.scores)
         result = run(splits.get(e.split), (NONE,) + tuple(b.point for g, b in best.items() if g != "none"),
                      memory=memory)
         best = {s.point.group: s for s in result.scores}
