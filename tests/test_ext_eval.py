@@ -147,6 +147,10 @@ def test_mismatches_are_clear_errors(setup, tmp_path):
                         rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(other, nnx.Param)
   ext = knn.ExternalMemory(str(s["tmp"] / "ds"), k=4)
+  # Every path checks the block length against the model (launch.eval_ext did not before issue 10).
+  with pytest.raises(CheckpointError, match="block_len=64 exceeds the model's max_len=32"):
+    evaluate.evaluate(s["graphdef"], s["params"], s["dev"], trime, block_len=64, context_window=CTX, streams=1,
+                      external=knn.ExternalMemory(str(s["tmp"] / "ds"), k=4))
   with pytest.raises(ConfigError, match="dimension"):
     evaluate.evaluate(graphdef, params, s["dev"], trime, block_len=BLOCK, context_window=CTX, streams=1,
                       external=ext)

@@ -553,9 +553,6 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external: bool = False, 
   families = families_of(e, external)
   if e.interp_memory not in INTERP_MEMORIES:
     raise ConfigError(f"eval.interp_memory must be one of {INTERP_MEMORIES}, got {e.interp_memory!r}")
-  if e.block_len > train_config.model.max_len:
-    raise CheckpointError(f"eval.block_len={e.block_len} exceeds the checkpoint's model.max_len="
-                          f"{train_config.model.max_len}")
   knn_memory = buckets = None
   if external:
     if not e.datastore:
