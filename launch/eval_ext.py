@@ -31,7 +31,7 @@ def main(argv):
   del argv
   from trime_jax import evaluate
 
-  out = evaluate.evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value, external=True, progress=True,
+  out = evaluate.evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value, external_memory=True, progress=True,
                                      throughput_tokens=_THROUGHPUT.value)
   split = out["split"]
   cols = dict.fromkeys(("family", "interp_memory", "variant", "dev_ppl", f"{split}_ppl", f"{split}_bpc", "tokens",

@@ -20,7 +20,6 @@ from trime_jax.model import ModelConfig, TransformerLM
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "eval_pins.json")
 V, DIM, BLOCK, CTX = 9, 8, 16, 8
-PARAM_ORDER = {f: names for f, names in evaluate.FAMILY_PARAMS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +42,7 @@ def tiny(tmp_path_factory):
 
 
 def _point(row) -> evaluate.Point:
-  return evaluate.Point(row["family"], **dict(zip(PARAM_ORDER[row["family"]], row["params"])))
+  return evaluate.Point(row["family"], **dict(zip(evaluate.FAMILY_PARAMS[row["family"]], row["params"])))
 
 
 def _recorded(path):
@@ -59,7 +58,7 @@ def test_local_and_long_term_memory_numbers_are_unchanged(tiny):
   for (mem_size, reset), rows in _recorded("evaluate").items():
     points = [_point(r) for r in rows]
     res = evaluate.evaluate(tiny["graphdef"], tiny["params"], tiny["dev"], points, block_len=BLOCK,
-                            context_window=CTX, streams=2, memory=evaluate.TestMemory(mem_size, reset))
+                            context_window=CTX, streams=2, long_term=evaluate.StoreSpec(mem_size, reset))
     got = np.array([s.nll for s in res.scores])
     want = np.array([r["nll"] for r in rows])
     # Before, the forward pass and the scoring were one jitted function here; now they are the driver's two
@@ -73,7 +72,7 @@ def test_external_memory_numbers_are_unchanged(tiny):
     rows = [r for r in rows if "family" in r]
     external = knn.ExternalMemory(tiny["ds"], checkpoint_dir=tiny["export"], k=6)
     res = evaluate.evaluate(tiny["graphdef"], tiny["params"], tiny["dev"], [_point(r) for r in rows],
-                            block_len=BLOCK, context_window=CTX, streams=2, memory=evaluate.TestMemory(mem_size),
+                            block_len=BLOCK, context_window=CTX, streams=2, long_term=evaluate.StoreSpec(mem_size),
                             external=external)
     assert {r["family"] for r in rows} == set(evaluate.FAMILIES)
     np.testing.assert_array_equal([s.nll for s in res.scores], [r["nll"] for r in rows])

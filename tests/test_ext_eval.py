@@ -217,9 +217,9 @@ def test_both_interpolation_memories_with_top_k_and_long_term_memory_equal_brute
   v = [evaluate.NONE, P("trime", tau=tau), P("knnlm", lam=lam, theta=1 / tau_prime)] + interp
   assert [p.name for p in interp] == ["interp(tau=0.8,tau_prime=0.5,lambda=0.35,interp_memory=external)",
                                       "interp(tau=0.8,tau_prime=0.5,lambda=0.35,interp_memory=all)"]
-  memory = evaluate.TestMemory(mem_size, reset_at_documents)
+  long_term = evaluate.StoreSpec(mem_size, reset_at_documents)
   res = evaluate.evaluate(s["graphdef"], s["params"], s["dev"], v, block_len=BLOCK, context_window=CTX, streams=2,
-                          memory=memory, external=ext)
+                          long_term=long_term, external=ext)
   got = {_key(r.point): r.nll for r in res.scores}
   want = _brute_force_long(s, k, mem_size, reset_at_documents, tau, tau_prime, lam)
   for fam in want:
@@ -259,4 +259,4 @@ def test_points_are_checked():
   with pytest.raises(ConfigError, match="> 0"):
     evaluate.Point("trime", tau=0.0)
   with pytest.raises(ConfigError, match="mem_size"):
-    evaluate.TestMemory(-1)
+    evaluate.StoreSpec(-1)

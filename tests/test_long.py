@@ -295,7 +295,7 @@ class Tiny:
     if (mem_size, reset, streams) not in self.cache:
       res = evaluate.evaluate(self.graphdef, self.params, self.corpus, POINTS, block_len=BLOCK,
                               context_window=CONTEXT, streams=streams,
-                              memory=evaluate.TestMemory(mem_size, reset)).scores
+                              long_term=evaluate.StoreSpec(mem_size, reset)).scores
       assert all(r.tokens == len(self.corpus) for r in res)
       self.cache[mem_size, reset, streams] = np.array([r.nll for r in res])
     return self.cache[mem_size, reset, streams]

@@ -167,7 +167,7 @@ def configured_points(e, families) -> tuple[Point, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class TestMemory:
+class StoreSpec:
   """The long-term store every point sees (static: part of the jit cache key). mem_size = tokens before the
   window (0: local memory only; the original's --mem-size = mem_size + context_window)."""
 
@@ -215,14 +215,14 @@ def local_block(queries_SxQxD, targets_SxQ, qpos_SxQ, keys_SxLxD, targets_SxL) -
 
 
 def long_term_block(store: long_memory.Store, queries_SxQxD, targets_SxQ, doc_SxQ, window_start_S,
-                    memory: TestMemory) -> MemoryBlock:
+                    long_term: StoreSpec) -> MemoryBlock:
   """The store's tokens in [start - mem_size, start): for the store, a query stands at its window's start
   (tokens from there on are the window's own, seen as local memory)."""
-  doc_q, doc_m = (doc_SxQ, store.doc) if memory.reset_at_documents else (0, 0)
+  doc_q, doc_m = (doc_SxQ, store.doc) if long_term.reset_at_documents else (0, 0)
   query = _meta(targets_SxQ, order=window_start_S[:, None], doc=doc_q)
   mem = _meta(store.targets, order=store.pos, doc=doc_m)
   return _block(similarities(queries_SxQxD, store.keys), query, mem, causal=True, cross_rows=False,
-                span=memory.mem_size)
+                span=long_term.mem_size)
 
 
 def external_block(sim_SxQxK, retrieved_targets_SxQxK, targets_SxQ) -> MemoryBlock:
@@ -310,16 +310,16 @@ def forward_queries(graphdef, params, inputs_SxL, targets_SxL, offset_S, *, quer
   return keys, q_keys, q_stats, take(targets_SxL), qpos
 
 
-@functools.partial(jax.jit, static_argnames=("points", "memory", "n_buckets"), donate_argnames=("store",))
+@functools.partial(jax.jit, static_argnames=("points", "long_term", "n_buckets"), donate_argnames=("store",))
 def score_step(store: long_memory.Store, keys, targets, q_keys, q_stats, q_targets, qpos, batch, ext_sim,
-               ext_targets, bucket_q, *, points: tuple, memory: TestMemory, n_buckets: int):
+               ext_targets, bucket_q, *, points: tuple, long_term: StoreSpec, n_buckets: int):
   """(nll sums [P], per-bucket nll sums [P, n_buckets], per-bucket token counts [n_buckets], the store with
   this step's queries inserted)."""
   pos = batch["start"][:, None] + qpos  # global target positions
   real = (pos < batch["end"][:, None]) & (q_targets >= 0)
   local = [local_block(q_keys, q_targets, qpos, keys, targets)]
-  if memory.mem_size:
-    local.append(long_term_block(store, q_keys, q_targets, batch["doc_q"], batch["start"], memory))
+  if long_term.mem_size:
+    local.append(long_term_block(store, q_keys, q_targets, batch["doc_q"], batch["start"], long_term))
   ext = external_block(ext_sim, ext_targets, q_targets) if ext_sim is not None else None
   nll = point_nlls(q_stats, q_targets, local, ext, points)  # [P, S, Q]
   scored = real & batch["score"][:, None]
@@ -357,13 +357,14 @@ class StreamPlan:
             "score": self.score[step], "insert": idx >= 0}
 
 
-def stream_plan(corpus: data.Corpus, *, block_len: int, context_window: int, streams: int, memory: TestMemory,
-                d_model: int, dtype, max_tokens: int = 0) -> StreamPlan:
+def stream_plan(corpus: data.Corpus, *, block_len: int, context_window: int, streams: int,
+                long_term: StoreSpec, d_model: int, dtype, max_tokens: int = 0) -> StreamPlan:
   n = len(corpus) if not max_tokens else min(max_tokens, len(corpus))
   wins = data.windows(n, block_len, context_window)
-  schedule, score = data.stream_schedule(wins, corpus.doc_starts, streams, memory.mem_size, memory.reset_at_documents)
+  schedule, score = data.stream_schedule(wins, corpus.doc_starts, streams, long_term.mem_size,
+                                         long_term.reset_at_documents)
   q = block_len - context_window
-  store = long_memory.empty(streams, long_memory.capacity(memory.mem_size, context_window, q), d_model, dtype)
+  store = long_memory.empty(streams, long_memory.capacity(long_term.mem_size, context_window, q), d_model, dtype)
   return StreamPlan(n, wins, schedule, score, q, store, np.asarray(corpus.doc_starts, np.int64))
 
 
@@ -416,10 +417,10 @@ class EvalResult:
 
 
 def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, context_window: int, streams: int,
-             memory: TestMemory = TestMemory(), external: knn.ExternalMemory | None = None, vocab_chunk: int = 0,
+             long_term: StoreSpec = StoreSpec(), external: knn.ExternalMemory | None = None, vocab_chunk: int = 0,
              max_tokens: int = 0, word_buckets_V=None, progress: bool = False) -> EvalResult:
   """Score `corpus` under every point in one pass: `streams` parallel streams, each with a long-term store of
-  `memory.mem_size` tokens, plus one top-K search per scored token when `external` is given. Results do not
+  `long_term.mem_size` tokens, plus one top-K search per scored token when `external` is given. Results do not
   depend on `streams` (up to float rounding)."""
   points = tuple(points)
   if not points:
@@ -434,8 +435,9 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
     raise CheckpointError(f"eval.block_len={block_len} exceeds the model's max_len={model_cfg.max_len}")
   if external is not None and external.dimension != model_cfg.d_model:
     raise ConfigError(f"datastore keys have dimension {external.dimension}, the model's keys {model_cfg.d_model}")
-  plan = stream_plan(corpus, block_len=block_len, context_window=context_window, streams=streams, memory=memory,
-                     d_model=model_cfg.d_model, dtype=jnp.dtype(model_cfg.dtype), max_tokens=max_tokens)
+  plan = stream_plan(corpus, block_len=block_len, context_window=context_window, streams=streams,
+                     long_term=long_term, d_model=model_cfg.d_model, dtype=jnp.dtype(model_cfg.dtype),
+                     max_tokens=max_tokens)
   n, store = plan.num_targets, plan.store
   buckets = np.zeros(model_cfg.vocab_size, np.int32) if word_buckets_V is None else np.asarray(word_buckets_V)
   n_buckets = len(knn.FREQ_BUCKETS)
@@ -445,7 +447,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   hits = np.zeros(len(knn.RETRIEVAL_KS), np.int64)
   search_s0 = external.search_seconds if external is not None else 0.0
   t0 = time.perf_counter()
-  desc = "eval" + (" (external)" if external else "") + (f" mem={memory.mem_size}" if memory.mem_size else "")
+  desc = "eval" + (" (external)" if external else "") + (f" mem={long_term.mem_size}" if long_term.mem_size else "")
   for step in tqdm(range(len(plan.schedule)), desc=desc, disable=not progress, unit="step"):
     batch = plan.batch(corpus, step, block_len)
     keys, q_keys, q_stats, q_targets, qpos = forward_queries(graphdef, params, batch["inputs"], batch["targets"],
@@ -465,7 +467,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
     bucket_q = buckets[np.maximum(q_targets_np, 0)]
     sums, bucket_sums, bucket_count, store = score_step(
         store, keys, batch["targets"], q_keys, q_stats, q_targets, qpos, batch, ext_sim, ext_targets, bucket_q,
-        points=points, memory=memory, n_buckets=n_buckets)
+        points=points, long_term=long_term, n_buckets=n_buckets)
     totals += np.asarray(sums, np.float64)
     bucket_totals += np.asarray(bucket_sums, np.float64)
     bucket_counts += np.asarray(bucket_count, np.float64)
@@ -504,9 +506,9 @@ def load_eval_data(config, vocab):
   return splits
 
 
-def families_of(e, external: bool) -> tuple:
+def families_of(e, external_memory: bool) -> tuple:
   """Families an evaluation scores: every family with external memory; else `none` and eval.memory's."""
-  if external:
+  if external_memory:
     return FAMILIES
   if e.memory not in EVAL_MEMORIES:
     raise ConfigError(f"eval.memory must be one of {tuple(EVAL_MEMORIES)}, got {e.memory!r}")
@@ -535,10 +537,11 @@ def _rows(result: EvalResult, *, split: str, mem_size: int, best: dict | None, d
   return rows
 
 
-def evaluate_checkpoint(config, checkpoint_dir: str, *, external: bool = False, mem_sizes=None, label: str = "",
-                        progress: bool = False, throughput_tokens: int = 0) -> dict:
+def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = False, mem_sizes=None,
+                        label: str = "", progress: bool = False, throughput_tokens: int = 0) -> dict:
   """Evaluate an export on `config.eval.split`, for each long-term memory size of `mem_sizes` (default:
-  eval.mem_size). Families: `families_of(config.eval, external)`; `external` needs eval.datastore.
+  eval.mem_size). Families: `families_of(config.eval, external_memory)`; external memory needs
+  eval.datastore.
 
   With eval.tune every family's parameters are grid-searched on dev (the interpolation for both P′ memories):
   when the split is dev the grid's rows are the result (the best of each group marked), otherwise the best
@@ -550,11 +553,11 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external: bool = False, 
   graphdef, params, train_config, vocab, _ = ckpt.load_export(checkpoint_dir)
   splits = load_eval_data(config, vocab)
   e = config.eval
-  families = families_of(e, external)
+  families = families_of(e, external_memory)
   if e.interp_memory not in INTERP_MEMORIES:
     raise ConfigError(f"eval.interp_memory must be one of {INTERP_MEMORIES}, got {e.interp_memory!r}")
   knn_memory = buckets = None
-  if external:
+  if external_memory:
     if not e.datastore:
       raise ConfigError("eval.datastore is not set: build one with `python -m launch.build_datastore`")
     knn_memory = knn.ExternalMemory(e.datastore, index_path=e.index, checkpoint_dir=checkpoint_dir, k=e.knn_k,
@@ -568,14 +571,14 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external: bool = False, 
                           streams=e.batch_size, external=knn_memory, vocab_chunk=train_config.train.vocab_chunk,
                           max_tokens=e.max_tokens, word_buckets_V=buckets, progress=progress)
   out = {"checkpoint": checkpoint_dir, "split": e.split, "rows": []}
-  if external:
+  if external_memory:
     out.update(datastore=e.datastore, index=knn_memory.index.kind, k=knn_memory.k, nprobe=e.nprobe,
                exact=bool(e.knn_exact), mem_size=sizes[0])
   for mem_size in sizes:
-    memory = TestMemory(mem_size, bool(e.reset_at_documents))
+    long_term = StoreSpec(mem_size, bool(e.reset_at_documents))
     best = dev_best = None
     if e.tune:
-      dev = run(splits.dev, points, memory=memory)
+      dev = run(splits.dev, points, long_term=long_term)
       best = tune(dev)
       if e.split == "dev":
         result = dev
@@ -584,12 +587,12 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external: bool = False, 
         out.setdefault("dev_grid", []).extend({"variant": s.name, "mem_size": mem_size, "dev_ppl": s.ppl}
                                               for s in dev.scores)
         result = run(splits.get(e.split), (NONE,) + tuple(b.point for g, b in best.items() if g != "none"),
-                     memory=memory)
+                     long_term=long_term)
         best = {s.point.group: s for s in result.scores}
     else:
-      result = run(splits.get(e.split), points, memory=memory)
+      result = run(splits.get(e.split), points, long_term=long_term)
     out["rows"] += _rows(result, split=e.split, mem_size=mem_size, best=best, dev_best=dev_best, label=label)
-  if external:  # of the last memory size
+  if external_memory:  # of the last memory size
     out["retrieval_accuracy"] = result.retrieval_accuracy()
     out["search_seconds"], out["seconds"] = result.search_seconds, result.seconds
     if buckets is not None:
@@ -600,7 +603,7 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external: bool = False, 
       timed = []
       for ext, pt in ((knn_memory, Point("trime", tau=tau)), (None, Point("trime_local", tau=tau))):
         corpus = splits.get(e.split)
-        timing = functools.partial(run, corpus, (pt,), memory=memory, external=ext, word_buckets_V=None,
+        timing = functools.partial(run, corpus, (pt,), long_term=long_term, external=ext, word_buckets_V=None,
                                    progress=False)
         timing(max_tokens=min(throughput_tokens, 1024))  # untimed: neither side's timing includes compilation
         timed.append(timing(max_tokens=throughput_tokens))
