@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import memory_bytes, time_interleaved
-from trime_jax import loss as L
+from trime_jax import loss
 
 SEG_LEN = 512
 DIM = 128
@@ -26,7 +26,7 @@ def make(n_tokens, seed=0):
   b = n_tokens // SEG_LEN
   keys = jnp.asarray(rng.normal(size=(b, SEG_LEN, DIM)), jnp.float32)
   targets = jnp.asarray(rng.integers(0, 2000, (b, SEG_LEN)), jnp.int32)
-  stats = L.VocabStats(jnp.asarray(rng.normal(size=(b, SEG_LEN)) + 8, jnp.float32),
+  stats = loss.VocabStats(jnp.asarray(rng.normal(size=(b, SEG_LEN)) + 8, jnp.float32),
                        jnp.asarray(rng.normal(size=(b, SEG_LEN)), jnp.float32))
   return stats, keys, targets
 
@@ -34,7 +34,7 @@ def make(n_tokens, seed=0):
 def fwd_bwd(implementation):
   def f(stats, keys, targets):
     def total(s, k):
-      return L.trime_nll_from_vocab_stats(s, k, targets, memory="ext", implementation=implementation).sum()
+      return loss.trime_nll_from_vocab_stats(s, k, targets, memory="ext", implementation=implementation).sum()
     return jax.value_and_grad(total, argnums=(0, 1))(stats, keys)
   return jax.jit(f)
 

@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from trime_jax import sharded_loss as SL  # noqa: E402
+from trime_jax import sharded_loss  # noqa: E402
 from trime_jax.loss import VocabStats  # noqa: E402
 from trime_jax.sharding import make_mesh  # noqa: E402
 
@@ -36,7 +36,7 @@ MIB = 1 << 20
 
 def step_fn(mesh, variant, memory_chunk):
   def objective(keys, lse, tgt, targets):
-    nll = SL.sharded_trime_nll_from_vocab_stats(VocabStats(lse, tgt), keys, targets, mesh=mesh, memory="ext",
+    nll = sharded_loss.sharded_trime_nll_from_vocab_stats(VocabStats(lse, tgt), keys, targets, mesh=mesh, memory="ext",
                                                 variant=variant, memory_chunk=memory_chunk)
     return nll.sum()
 
@@ -81,7 +81,7 @@ def main():
         "| args+outputs / device (MiB) | total / device (MiB) |")
   print("|---:|---:|---|---:|---:|---:|---:|")
   for size in map(int, a.sizes.split(",")):
-    for variant in SL.VARIANTS:
+    for variant in sharded_loss.VARIANTS:
       r = measure(mesh, size, a.dim, a.seg, variant, a.memory_chunk, a.repeats)
       rows = size // a.seg
       t = "n/a" if r["time"] is None else f"{r['time']:.2f}"

@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 
 from bench.common import time_interleaved
-from trime_jax import steps
+from trime_jax import loss, steps
 from trime_jax.model import ModelConfig, TransformerLM
 
 SETTINGS = {  # name -> [(label, model kwargs, B, L, memory, consecutive segments, vocab chunk)]
@@ -52,7 +52,7 @@ def bench(model_kw, b, l, repeats, memory="local", m=1, vocab_chunk=0):
   key = jax.random.PRNGKey(0)
   fns = {}
   for name, use_trime in [("ce", False), ("trime", True)]:
-    spec = steps.LossSpec(memory=memory, consecutive_segments=m, vocab_chunk=vocab_chunk)
+    spec = steps.LossSpec(loss.ObjectiveSpec(memory, consecutive_segments=m), vocab_chunk=vocab_chunk)
     step = jax.jit(functools.partial(steps.train_step, graphdef, tx, spec, use_trime, False))
     fns[name] = functools.partial(step, state, batch, key)  # same state every call: pure timing
   return time_interleaved(fns, repeats=repeats)

@@ -8,8 +8,6 @@ The model and vocabulary come from the checkpoint; `--config` supplies the data 
 datastore build; a complete one is reused and only the index is rebuilt.
 """
 
-import json
-import os
 import sys
 
 from absl import flags
@@ -30,22 +28,16 @@ flags.mark_flags_as_required(["config", "checkpoint", "out"])
 
 def main(argv):
   del argv
-  from trime_jax import data as D
+  from trime_jax import checkpoint as ckpt
+  from trime_jax import evaluate
   from trime_jax.datastore import Datastore, build_datastore, build_index
-  from trime_jax.errors import CheckpointError
-  from trime_jax.runs import load_eval_data
 
   config, checkpoint, out = _CONFIG.value, _CHECKPOINT.value, _OUT.value
-  vocab_path = os.path.join(checkpoint, "vocab.json")
-  if not os.path.exists(vocab_path):
-    raise CheckpointError(f"not an exported checkpoint: {vocab_path} is missing")
-  with open(vocab_path) as f:
-    vocab = D.Vocab.from_json(json.load(f))
-  corpus = load_eval_data(config, vocab).get(_SPLIT.value)
+  corpus = evaluate.load_eval_data(config, ckpt.read_export_vocab(checkpoint)).get(_SPLIT.value)
   e = config.eval
   try:
     build_datastore(checkpoint, corpus, out, block_len=e.block_len, context_window=e.context_window,
-                           batch_size=e.batch_size)
+                    batch_size=e.batch_size)
   except KeyboardInterrupt:
     print(f"interrupted: the datastore in {out} keeps every finished chunk; rerun the same command to resume",
           file=sys.stderr, flush=True)

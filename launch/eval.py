@@ -5,10 +5,11 @@
       [--config.eval.mem_size=4096 | --mem_sizes=0,1024,2048,4096] [--label=TrimeLM] [--output=rows.json]
 
 The model and vocabulary come from the checkpoint; `--config` supplies the data and the `eval` section.
-`--mem_sizes` sweeps the long-term memory size in one run (tokens before the window, as eval.mem_size: the
-original's --mem-size = this + context_window, docs/long_memory.md). `--include` adds the rows of earlier
-`--output` files to the summary table and to the `--plot` (perplexity vs memory size); without `--checkpoint`
-it only summarises and plots them.
+With eval.tune the parameters are grid-searched on dev (split=dev: every grid point is a row, the best one
+marked; otherwise the best point is applied to eval.split). `--mem_sizes` sweeps the long-term memory size in
+one run (tokens before the window, as eval.mem_size: the original's --mem-size = this + context_window,
+docs/long_memory.md). `--include` adds the rows of earlier `--output` files to the summary table and to the
+`--plot` (perplexity vs memory size); without `--checkpoint` it only summarises and plots them.
 """
 
 import json
@@ -31,8 +32,7 @@ _PLOT = flags.DEFINE_string("plot", "", "PNG file: perplexity vs long-term memor
 
 def main(argv):
   del argv
-  from trime_jax import evaluate as E
-  from trime_jax import runs
+  from trime_jax import evaluate, sweep
   from trime_jax.errors import ConfigError
 
   rows = []
@@ -43,9 +43,9 @@ def main(argv):
       sizes = [int(m) for m in _MEM_SIZES.value]
     except ValueError:
       raise ConfigError(f"--mem_sizes must be integers, got {','.join(_MEM_SIZES.value)}") from None
-    rows = runs.evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value, progress=True, mem_sizes=sizes,
-                                    label=_LABEL.value)
-    print(E.format_table(rows))
+    rows = evaluate.evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value, progress=True, mem_sizes=sizes,
+                                        label=_LABEL.value)["rows"]
+    print(evaluate.format_table(rows))
     if _OUTPUT.value:
       os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)
       with open(_OUTPUT.value, "w") as f:
@@ -59,15 +59,15 @@ def main(argv):
     except (OSError, ValueError) as e:
       raise ConfigError(f"--include {path}: {e}") from None
   if len(_MEM_SIZES.value) > 1 or _INCLUDE.value:
-    print(runs.sweep_table(rows))
-    print(f"memory sizes (columns) = {E.MEM_SIZE_AXIS_LABEL}")
+    print(sweep.sweep_table(rows))
+    print(f"memory sizes (columns) = {evaluate.MEM_SIZE_AXIS_LABEL}")
   if _PLOT.value:
     os.makedirs(os.path.dirname(os.path.abspath(_PLOT.value)), exist_ok=True)
     metric = "bpc" if any("bpc" in r for r in rows) else "ppl"
     # The title states the x-axis convention: our mem_size, not the original's --mem-size.
     title = (f"{rows[0].get('split', '') if rows else ''} {metric} vs long-term memory size\n"
              "(original's --mem-size = x + context window)")
-    print(f"wrote {runs.plot_sweep(rows, _PLOT.value, title=title)}")
+    print(f"wrote {sweep.plot_sweep(rows, _PLOT.value, title=title)}")
 
 
 if __name__ == "__main__":

@@ -29,15 +29,16 @@ flags.mark_flags_as_required(["config", "checkpoint"])
 
 def main(argv):
   del argv
-  from trime_jax import evaluate as E
-  from trime_jax.ext_eval import evaluate_checkpoint_external
+  from trime_jax import evaluate
 
-  out = evaluate_checkpoint_external(_CONFIG.value, _CHECKPOINT.value, progress=True,
+  out = evaluate.evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value, external_memory=True, progress=True,
                                      throughput_tokens=_THROUGHPUT.value)
   split = out["split"]
   cols = dict.fromkeys(("family", "interp_memory", "variant", "dev_ppl", f"{split}_ppl", f"{split}_bpc", "tokens",
                         "tokens_per_s"))  # one dev_ppl column when split=dev
-  print(E.format_table(out["rows"], columns=cols))
+  tuned = any(r.get("best") for r in out["rows"])  # a grid on dev: show the best point of each group
+  shown = [r for r in out["rows"] if not tuned or r.get("best") or r["family"] == "none"]
+  print(evaluate.format_table(shown, columns=cols))
   print("interp_memory: the memories P′ covers (external: top-K retrieved only, the original release; "
         "all: local + long-term + retrieved, the paper's text)")
   print("\ntop-K retrieval accuracy: " + ", ".join(f"{k} {v:.1%}" for k, v in out["retrieval_accuracy"].items()))
@@ -46,7 +47,8 @@ def main(argv):
     rows = [{"variant": name, **{f"{n} ({int(t):,})": p for n, t, p in zip(b["names"], b["tokens"], ppl)}}
             for name, ppl in b["ppl"].items()]
     print("\nperplexity per frequency bucket (target's count in the training split; tokens in parentheses):")
-    print(E.format_table(rows, columns=["variant"] + [f"{n} ({int(t):,})" for n, t in zip(b["names"], b["tokens"])]))
+    columns = ["variant"] + [f"{n} ({int(t):,})" for n, t in zip(b["names"], b["tokens"])]
+    print(evaluate.format_table(rows, columns=columns))
   if "throughput" in out:
     t = out["throughput"]
     print(f"\nthroughput on {t['tokens']:,} tokens: {t['with_external_tok_s']:,.0f} tok/s with external memory "

@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 from trime_jax import checkpoint as ckpt  # noqa: E402
 from trime_jax import corpora, sharding  # noqa: E402
 from trime_jax import loss as L  # noqa: E402
+from trime_jax import sharded_loss  # noqa: E402
 from trime_jax.train import BatchSource  # noqa: E402
 
 
@@ -72,8 +73,8 @@ def main(workdir):
   for name, variant, kw in [("ext_ring", "ring", dict(memory="ext")), ("ext_gather", "gather", dict(memory="ext")),
                             ("long4_gather", "gather", dict(memory="long", consecutive_segments=4))]:
     def sharded(k, lse, tgt, t):
-      return L.sharded_trime_nll_from_vocab_stats(L.VocabStats(lse, tgt), k, t, mesh=mesh, variant=variant,
-                                                  **kw).sum()
+      return sharded_loss.sharded_trime_nll_from_vocab_stats(L.VocabStats(lse, tgt), k, t, mesh=mesh, variant=variant,
+                                                             **kw).sum()
 
     def single(k):
       return L.trime_nll_from_vocab_stats(stats, k, targets, **kw).sum()

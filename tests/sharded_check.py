@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from trime_jax import loss as L  # noqa: E402
+from trime_jax import sharded_loss  # noqa: E402
 from trime_jax.sharding import make_mesh  # noqa: E402
 
 N_DEV = 8
@@ -103,7 +104,7 @@ def check_loss():
       if docs is not None and mem == "local":
         out.append(None)
         continue
-      f = lambda lg, ks: (L.sharded_trime_nll(
+      f = lambda lg, ks: (sharded_loss.sharded_trime_nll(
           lg, ks, targets, mesh=mesh, memory=mem, consecutive_segments=m, drop_local=drop,
           documents=packed(mem, docs), stop_gradient_memory=sg, temperature=TEMPERATURE, variant=var,
           memory_grad=mg, memory_chunk=5) * weights).sum()
@@ -155,7 +156,7 @@ def check_loss():
                           ("long", 8, "ring", "all"), ("ext", 1, "gather", "all"),
                           ("ext", 1, "gather", "local_only"), ("ext", 1, "ring", "all"),
                           ("ext", 1, "ring", "local_only")]:
-    f = lambda lg, ks: L.sharded_trime_nll(lg, ks, targets, mesh=mesh, memory=mem, consecutive_segments=m,
+    f = lambda lg, ks: sharded_loss.sharded_trime_nll(lg, ks, targets, mesh=mesh, memory=mem, consecutive_segments=m,
                                            variant=var, memory_grad=mg).sum()
     text = jax.jit(jax.grad(f, argnums=(0, 1))).lower(logits, keys).as_text()
     ops = re.findall(r"stablehlo\.(all_gather|reduce_scatter|collective_permute|all_reduce|all_to_all)", text)
@@ -184,7 +185,7 @@ def check_model():
     return nll_fn(stats, keys, targets, drop_local=drop, temperature=TEMPERATURE, **kw).sum()
 
   def sharded(p, inputs, targets, drop):
-    return [jax.value_and_grad(objective)(p, inputs, targets, drop, L.sharded_trime_nll_from_vocab_stats,
+    return [jax.value_and_grad(objective)(p, inputs, targets, drop, sharded_loss.sharded_trime_nll_from_vocab_stats,
                                           mesh=mesh, memory=mem, consecutive_segments=m, variant=var)
             for mem, m in cases for var in ("gather", "ring")]
 

@@ -11,7 +11,6 @@ from flax import nnx
 from configs import default
 from trime_jax import checkpoint as ckpt
 from trime_jax import data as D
-from trime_jax import evaluate as E
 from trime_jax import steps
 from trime_jax.datastore import Datastore, KnnIndex, build, build_datastore, build_index, gpu_available, rescore
 from trime_jax.errors import CheckpointError, ConfigError
@@ -50,8 +49,8 @@ def setup(tmp_path_factory):
 def _expected_keys(export_dir, corpus):
   """The keys the model computes for every target, with evaluation's windows (steps.forward, float32)."""
   graphdef, params, _, _, _ = ckpt.load_export(export_dir)
-  wins = E.windows(len(corpus), BLOCK, CONTEXT)
-  inputs, targets, scored = E.window_batch(corpus, wins, BLOCK)
+  wins = D.windows(len(corpus), BLOCK, CONTEXT)
+  inputs, targets, scored = D.window_batch(corpus, wins, BLOCK)
   keys = jax.jit(lambda p, i, t: steps.forward(nnx.merge(graphdef, p), i, t)[1])(params, inputs, targets)
   return np.asarray(keys)[scored]
 

@@ -9,13 +9,13 @@ from flax import nnx
 
 from tests import reference as ref
 from trime_jax import data as D
-from trime_jax import evaluate as E
+from trime_jax import evaluate
 from trime_jax.model import ModelConfig, TransformerLM
 
 
 @pytest.mark.parametrize("n,block,ctx", [(100, 16, 8), (17, 16, 0), (5, 16, 15), (64, 16, 15)])
 def test_windows_score_every_target_once_with_bounded_context(n, block, ctx):
-  wins = E.windows(n, block, ctx)
+  wins = D.windows(n, block, ctx)
   scored = np.concatenate([np.arange(w.score_start, w.end) for w in wins])
   assert np.array_equal(scored, np.arange(n))
   for w in wins:
@@ -35,8 +35,9 @@ def test_single_window_variants_match_direct_float64_computation():
   corpus = D.Corpus.from_docs([rng.integers(0, 4, 30)], vocab)  # few distinct tokens: memory matters
   (graphdef, params), model = _tiny_model()
   taus, cache = (0.7, 1.0), ((0.2, 0.5), (0.05, 2.0))
-  res = E.evaluate(graphdef, params, corpus, block_len=32, context_window=0, batch_size=2,
-                   variants=E.Variants(taus=taus, cache=cache))
+  points = [evaluate.NONE] + [evaluate.Point("trime_local", tau=t) for t in taus] + [
+      evaluate.Point("cache", lam=lam, theta=theta) for lam, theta in cache]
+  res = evaluate.evaluate(graphdef, params, corpus, points, block_len=32, context_window=0, streams=2).scores
   assert [r.tokens for r in res] == [30] * 5
 
   tokens = np.asarray(corpus.tokens)
@@ -68,9 +69,9 @@ def test_context_window_gives_context_and_batching_does_not_matter():
   vocab = D.Vocab([f"w{i}" for i in range(12)])
   corpus = D.Corpus.from_docs([rng.integers(0, 12, 50), rng.integers(0, 12, 21)], vocab)
   (graphdef, params), _ = _tiny_model()
-  v = E.Variants(taus=(1.0,))
-  a = E.evaluate(graphdef, params, corpus, block_len=16, context_window=8, batch_size=1, variants=v)
-  b = E.evaluate(graphdef, params, corpus, block_len=16, context_window=8, batch_size=3, variants=v)
+  v = [evaluate.NONE, evaluate.Point("trime_local", tau=1.0)]
+  a = evaluate.evaluate(graphdef, params, corpus, v, block_len=16, context_window=8, streams=1).scores
+  b = evaluate.evaluate(graphdef, params, corpus, v, block_len=16, context_window=8, streams=3).scores
   assert a[0].tokens == 71 and [x.nll for x in a] == pytest.approx([x.nll for x in b], rel=1e-6)
-  no_ctx = E.evaluate(graphdef, params, corpus, block_len=8, context_window=0, batch_size=2, variants=v)
+  no_ctx = evaluate.evaluate(graphdef, params, corpus, v, block_len=8, context_window=0, streams=2).scores
   assert no_ctx[0].tokens == 71 and no_ctx[0].nll != pytest.approx(a[0].nll, rel=1e-6)

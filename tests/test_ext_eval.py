@@ -11,8 +11,7 @@ from flax import nnx
 from tests import reference as ref
 from trime_jax import checkpoint as ckpt
 from trime_jax import data as D
-from trime_jax import evaluate as E
-from trime_jax import ext_eval as X
+from trime_jax import evaluate
 from trime_jax import knn
 from trime_jax.datastore import Datastore, build_datastore, build_index
 from trime_jax.errors import CheckpointError, ConfigError
@@ -50,8 +49,8 @@ def _brute_force(s, tau, tau_prime, lam_i, lam_k, theta):
   mem_t = np.asarray(ds.values)
   out = {f: [] for f in ("trime", "interp_all", "interp_external", "knnlm", "knnlm_cache", "trime_local", "cache")}
   hits = np.zeros(len(knn.RETRIEVAL_KS))
-  for w in E.windows(len(dev), BLOCK, CTX):
-    inputs, targets, scored = E.window_batch(dev, [w], BLOCK)
+  for w in D.windows(len(dev), BLOCK, CTX):
+    inputs, targets, scored = D.window_batch(dev, [w], BLOCK)
     logits, keys = (np.asarray(x, np.float64)[0] for x in model(inputs))
     for t in np.nonzero(scored[0])[0]:
       y = targets[0, t]
@@ -81,18 +80,24 @@ def _brute_force(s, tau, tau_prime, lam_i, lam_k, theta):
   return {f: np.mean(v) for f, v in out.items()}, hits
 
 
+def _key(point):
+  return f"interp_{point.interp_memory}" if point.family == "interp" else point.family
+
+
 def test_external_memory_equals_brute_force_over_the_whole_datastore(setup):
   s = setup
   tau, tau_prime, lam_i, lam_k, theta = 0.8, 2.0, 0.3, 0.25, 1.5
   ext = knn.ExternalMemory(str(s["tmp"] / "ds"), checkpoint_dir=s["export"], k=10_000)
   assert ext.k == len(s["train"])  # K covers the datastore
-  v = X.ExtVariants(cache=((lam_k, theta),), trime_local=(tau,), trime=(tau,),
-                    interp=((tau, tau_prime, lam_i, "all"), (tau, tau_prime, lam_i, "external")),
-                    knnlm=((lam_k, theta),), knnlm_cache=((lam_k, theta),))
-  res = X.evaluate_external(s["graphdef"], s["params"], s["dev"], block_len=BLOCK, context_window=CTX, streams=2,
-                            variants=v, external=ext)
+  P = evaluate.Point
+  v = [evaluate.NONE, P("cache", lam=lam_k, theta=theta), P("trime_local", tau=tau), P("trime", tau=tau),
+       P("interp", tau=tau, tau_prime=tau_prime, lam=lam_i, interp_memory="all"),
+       P("interp", tau=tau, tau_prime=tau_prime, lam=lam_i, interp_memory="external"),
+       P("knnlm", lam=lam_k, theta=theta), P("knnlm_cache", lam=lam_k, theta=theta)]
+  res = evaluate.evaluate(s["graphdef"], s["params"], s["dev"], v, block_len=BLOCK, context_window=CTX, streams=2,
+                          external=ext)
   want, hits = _brute_force(s, tau, tau_prime, lam_i, lam_k, theta)
-  got = {fam if fam != "interp" else f"interp_{p[3]}": r.nll for (fam, p), r in zip(res.points, res.results)}
+  got = {_key(r.point): r.nll for r in res.scores}
   assert res.tokens == len(s["dev"])
   for fam in want:
     assert got[fam] == pytest.approx(want[fam], rel=2e-5), fam
@@ -100,49 +105,55 @@ def test_external_memory_equals_brute_force_over_the_whole_datastore(setup):
   # Top-k retrieval accuracy from the same search (exact index: ties aside, the brute-force order).
   np.testing.assert_array_equal(res.retrieval_hits, hits)
   # The same numbers with one stream, and with exact re-scoring from the stored keys.
-  one = X.evaluate_external(s["graphdef"], s["params"], s["dev"], block_len=BLOCK, context_window=CTX, streams=1,
-                            variants=v, external=knn.ExternalMemory(str(s["tmp"] / "ds"), k=10_000, exact=True))
-  np.testing.assert_allclose([r.nll for r in one.results], [r.nll for r in res.results], rtol=1e-5)
+  one = evaluate.evaluate(s["graphdef"], s["params"], s["dev"], v, block_len=BLOCK, context_window=CTX, streams=1,
+                          external=knn.ExternalMemory(str(s["tmp"] / "ds"), k=10_000, exact=True))
+  np.testing.assert_allclose([r.nll for r in one.scores], [r.nll for r in res.scores], rtol=1e-5)
 
 
 def test_grid_tuning_and_frequency_buckets(setup):
   s = setup
   ext = knn.ExternalMemory(str(s["tmp"] / "ds"), k=8)
-  grid = X.ExtVariants.grid(external=True)
+  grid = evaluate.grid(evaluate.FAMILIES)
   buckets = knn.frequency_buckets(s["train"].tokens, V)
-  res = X.evaluate_external(s["graphdef"], s["params"], s["dev"], block_len=BLOCK, context_window=CTX, streams=2,
-                            variants=grid, external=ext, word_buckets_V=buckets)
-  best = X.best_per_family(res)
+  run = lambda points: evaluate.evaluate(s["graphdef"], s["params"], s["dev"], points, block_len=BLOCK,
+                                         context_window=CTX, streams=2, external=ext, word_buckets_V=buckets)
+  res = run(grid)
+  best = evaluate.tune(res)
   # Every family is tuned; the interpolation once per P′ memory, from the same pass.
-  assert set(best) == (set(X.FAMILIES) - {"interp"}) | {"interp[external]", "interp[all]"}
-  assert {p[3] for f, p in res.points if f == "interp"} == set(X.INTERP_MEMORIES)
-  for g, (i, _) in best.items():
-    assert res.results[i].nll == min(r.nll for (f, p), r in zip(res.points, res.results) if X.group(f, p) == g)
-  picked = X.chosen(best, 0, True)
-  assert sorted(p[3] for p in picked.interp) == sorted(X.INTERP_MEMORIES)
-  again = X.evaluate_external(s["graphdef"], s["params"], s["dev"], block_len=BLOCK, context_window=CTX, streams=2,
-                              variants=picked, external=ext, word_buckets_V=buckets)
-  for (fam, p), r in zip(again.points, again.results):
-    assert r.nll == pytest.approx(res.results[best[X.group(fam, p)][0]].nll, rel=1e-5)
+  assert set(best) == (set(evaluate.FAMILIES) - {"interp"}) | {"interp[external]", "interp[all]"}
+  assert {p.interp_memory for p in grid if p.family == "interp"} == set(evaluate.INTERP_MEMORIES)
+  for g, b in best.items():
+    assert isinstance(b.point, evaluate.Point) and b.point.group == g
+    assert b.nll == min(r.nll for r in res.scores if r.point.group == g)
+  picked = [b.point for b in best.values()]
+  assert sorted(p.interp_memory for p in picked if p.family == "interp") == sorted(evaluate.INTERP_MEMORIES)
+  again = run(picked)
+  for r in again.scores:
+    assert r.nll == pytest.approx(best[r.point.group].nll, rel=1e-5)
   # Bucket counts add up to the scored tokens and per-bucket means recombine into the overall mean.
   assert again.bucket_tokens.sum() == again.tokens
   filled = again.bucket_tokens > 0
   overall = (np.nan_to_num(again.bucket_nll[:, filled]) * again.bucket_tokens[filled]).sum(1) / again.tokens
-  np.testing.assert_allclose(overall, [r.nll for r in again.results], rtol=1e-5)
+  np.testing.assert_allclose(overall, [r.nll for r in again.scores], rtol=1e-5)
 
 
 def test_mismatches_are_clear_errors(setup, tmp_path):
   s = setup
+  trime = [evaluate.Point("trime", tau=1.0)]
   with pytest.raises(ConfigError, match="datastore"):
-    X.evaluate_external(s["graphdef"], s["params"], s["dev"], block_len=BLOCK, context_window=CTX, streams=1,
-                        variants=X.ExtVariants(trime=(1.0,)), external=None)
+    evaluate.evaluate(s["graphdef"], s["params"], s["dev"], trime, block_len=BLOCK, context_window=CTX, streams=1,
+                      external=None)
   other = TransformerLM(ModelConfig(vocab_size=V, num_layers=1, d_model=2 * DIM, num_heads=2, d_ff=16, max_len=32),
                         rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(other, nnx.Param)
   ext = knn.ExternalMemory(str(s["tmp"] / "ds"), k=4)
+  # Every path checks the block length against the model (launch.eval_ext did not before issue 10).
+  with pytest.raises(CheckpointError, match="block_len=64 exceeds the model's max_len=32"):
+    evaluate.evaluate(s["graphdef"], s["params"], s["dev"], trime, block_len=64, context_window=CTX, streams=1,
+                      external=knn.ExternalMemory(str(s["tmp"] / "ds"), k=4))
   with pytest.raises(ConfigError, match="dimension"):
-    X.evaluate_external(graphdef, params, s["dev"], block_len=BLOCK, context_window=CTX, streams=1,
-                        variants=X.ExtVariants(trime=(1.0,)), external=ext)
+    evaluate.evaluate(graphdef, params, s["dev"], trime, block_len=BLOCK, context_window=CTX, streams=1,
+                      external=ext)
   cfg = s["cfg"].copy_and_resolve_references()
   cfg.model.d_model = 2 * DIM
   export = ckpt.export(str(tmp_path / "other"), params, cfg, s["vocab"])
@@ -166,8 +177,8 @@ def _brute_force_long(s, k, mem_size, reset_at_documents, tau, tau_prime, lam):
     w = np.exp(logits - logits.max())
     return w[tgts == y].sum() / w.sum()
 
-  for w in E.windows(len(dev), BLOCK, CTX):
-    inputs, targets, scored = E.window_batch(dev, [w], BLOCK)
+  for w in D.windows(len(dev), BLOCK, CTX):
+    inputs, targets, scored = D.window_batch(dev, [w], BLOCK)
     logits, keys = (np.asarray(x, np.float64)[0] for x in model(inputs))
     for t in np.nonzero(scored[0])[0]:
       y, q, pos = targets[0, t], keys[t], w.start + t
@@ -201,34 +212,51 @@ def test_both_interpolation_memories_with_top_k_and_long_term_memory_equal_brute
   k, mem_size, tau, tau_prime, lam = 6, 12, 0.8, 0.5, 0.35
   ext = knn.ExternalMemory(str(s["tmp"] / "ds"), checkpoint_dir=s["export"], k=k)
   assert ext.k == k < len(s["train"]) // 5  # top-K of a larger datastore
-  v = X.ExtVariants(trime=(tau,), knnlm=((lam, 1 / tau_prime),),
-                    interp=((tau, tau_prime, lam, "external"), (tau, tau_prime, lam, "all")), mem_size=mem_size,
-                    reset_at_documents=reset_at_documents)
-  assert [n for n in v.names() if n.startswith("interp")] == [
-      "interp(tau=0.8,tau_prime=0.5,lambda=0.35,interp_memory=external)",
-      "interp(tau=0.8,tau_prime=0.5,lambda=0.35,interp_memory=all)"]
-  res = X.evaluate_external(s["graphdef"], s["params"], s["dev"], block_len=BLOCK, context_window=CTX, streams=2,
-                            variants=v, external=ext)
-  got = {fam if fam != "interp" else f"interp_{p[3]}": r.nll for (fam, p), r in zip(res.points, res.results)}
+  P = evaluate.Point
+  interp = [P("interp", tau=tau, tau_prime=tau_prime, lam=lam, interp_memory=m) for m in ("external", "all")]
+  v = [evaluate.NONE, P("trime", tau=tau), P("knnlm", lam=lam, theta=1 / tau_prime)] + interp
+  assert [p.name for p in interp] == ["interp(tau=0.8,tau_prime=0.5,lambda=0.35,interp_memory=external)",
+                                      "interp(tau=0.8,tau_prime=0.5,lambda=0.35,interp_memory=all)"]
+  long_term = evaluate.StoreSpec(mem_size, reset_at_documents)
+  res = evaluate.evaluate(s["graphdef"], s["params"], s["dev"], v, block_len=BLOCK, context_window=CTX, streams=2,
+                          long_term=long_term, external=ext)
+  got = {_key(r.point): r.nll for r in res.scores}
   want = _brute_force_long(s, k, mem_size, reset_at_documents, tau, tau_prime, lam)
   for fam in want:
     assert got[fam] == pytest.approx(want[fam], rel=2e-5), fam
   # The two P′ memories give different numbers here (the test can tell them apart).
   assert got["interp_external"] != pytest.approx(got["interp_all"], rel=1e-3)
   # Without a long-term store the numbers change too (the store is part of the memories checked above).
-  short = X.evaluate_external(s["graphdef"], s["params"], s["dev"], block_len=BLOCK, context_window=CTX, streams=2,
-                              variants=X.ExtVariants(interp=v.interp), external=ext)
-  assert short.results[2].nll != pytest.approx(got["interp_all"], rel=1e-4)
+  short = evaluate.evaluate(s["graphdef"], s["params"], s["dev"], interp, block_len=BLOCK, context_window=CTX,
+                            streams=2, external=ext)
+  assert short.scores[1].nll != pytest.approx(got["interp_all"], rel=1e-4)
 
 
 def test_interp_memory_config():
   e = default.get_config().eval
   assert e.interp_memory == "external"  # the original release's P′ by default
-  assert X.configured(e).interp == ((e.temperature, e.knn_temperature, e.knn_lambda, "external"),)
+  interp = lambda: evaluate.configured_points(e, ("interp",))[0]
+  assert interp() == evaluate.Point("interp", tau=e.temperature, tau_prime=e.knn_temperature, lam=e.knn_lambda,
+                                    interp_memory="external")
   e.interp_memory = "all"
-  assert X.configured(e).interp[0][3] == "all"
+  assert interp().interp_memory == "all"
   e.interp_memory = "local"
   with pytest.raises(ConfigError, match="interp_memory"):
-    X.configured(e)
-  with pytest.raises(ConfigError, match="memory"):
-    X.ExtVariants(interp=((1.0, 1.0, 0.3),))
+    interp()
+  with pytest.raises(ConfigError, match="interp_memory"):
+    evaluate.Point("interp", tau=1.0, tau_prime=1.0, lam=0.3)
+
+
+def test_points_are_checked():
+  with pytest.raises(ConfigError, match="unknown evaluation family"):
+    evaluate.Point("knn")
+  with pytest.raises(ConfigError, match="theta"):
+    evaluate.Point("cache", lam=0.1)  # θ missing
+  with pytest.raises(ConfigError, match="tau"):
+    evaluate.Point("knnlm", lam=0.1, theta=1.0, tau=1.0)  # a parameter the family does not have
+  with pytest.raises(ConfigError, match="λ"):
+    evaluate.Point("cache", lam=1.0, theta=1.0)
+  with pytest.raises(ConfigError, match="> 0"):
+    evaluate.Point("trime", tau=0.0)
+  with pytest.raises(ConfigError, match="mem_size"):
+    evaluate.StoreSpec(-1)

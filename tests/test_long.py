@@ -18,9 +18,9 @@ from tests import reference as ref
 from trime_jax import checkpoint as ckpt
 from trime_jax import corpora
 from trime_jax import data as D
-from trime_jax import evaluate as E
+from trime_jax import evaluate
 from trime_jax import loss
-from trime_jax import runs
+from trime_jax import sweep
 from trime_jax.batching import consecutive
 from trime_jax.batching import plan as batch_plan
 from trime_jax.errors import ConfigError, DataError
@@ -267,6 +267,8 @@ def test_make_batches_cli(tmp_path):
 BLOCK, CONTEXT = 16, 8
 TAUS = (0.4, 1.0)
 CACHE = ((0.2, 0.5), (0.3, 2.0))
+POINTS = ((evaluate.NONE,) + tuple(evaluate.Point("trime_local", tau=t) for t in TAUS)
+          + tuple(evaluate.Point("cache", lam=lam, theta=theta) for lam, theta in CACHE))
 
 
 class Tiny:
@@ -277,11 +279,11 @@ class Tiny:
     cfg = ModelConfig.from_config(_config().model, vocab_size=len(self.corpus.vocab))
     self.model = TransformerLM(cfg, rngs=nnx.Rngs(params=3))
     self.graphdef, self.params = nnx.split(self.model, nnx.Param)
-    self.wins = E.windows(len(self.corpus), BLOCK, CONTEXT)
+    self.wins = D.windows(len(self.corpus), BLOCK, CONTEXT)
     self.outs, self.key_of = [], {}  # per window: float64 (logits, keys, targets); key of each scored token
     forward = jax.jit(lambda params, x: nnx.merge(self.graphdef, params)(x))
     for w in self.wins:
-      inputs, targets, _ = E.window_batch(self.corpus, [w], BLOCK)
+      inputs, targets, _ = D.window_batch(self.corpus, [w], BLOCK)
       logits, keys = forward(self.params, inputs)
       self.outs.append((np.float64(logits[0]), np.float64(keys[0]), targets[0]))
       for p in range(w.score_start, w.end):
@@ -289,11 +291,11 @@ class Tiny:
     self.cache = {}
 
   def run(self, mem_size, reset=True, streams=3):
-    """Mean nll per variant from `evaluate_streams`."""
+    """Mean nll per point from `evaluate.evaluate`."""
     if (mem_size, reset, streams) not in self.cache:
-      variants = E.Variants(taus=TAUS, cache=CACHE, mem_size=mem_size, reset_at_documents=reset)
-      res = E.evaluate_streams(self.graphdef, self.params, self.corpus, block_len=BLOCK, context_window=CONTEXT,
-                               streams=streams, variants=variants)
+      res = evaluate.evaluate(self.graphdef, self.params, self.corpus, POINTS, block_len=BLOCK,
+                              context_window=CONTEXT, streams=streams,
+                              long_term=evaluate.StoreSpec(mem_size, reset)).scores
       assert all(r.tokens == len(self.corpus) for r in res)
       self.cache[mem_size, reset, streams] = np.array([r.nll for r in res])
     return self.cache[mem_size, reset, streams]
@@ -347,18 +349,16 @@ def test_memory_sizes_and_document_resets_change_the_numbers(tiny):
 def test_streams_do_not_change_the_numbers(tiny):
   for s in (1, 4):
     np.testing.assert_allclose(tiny.run(25, streams=s), tiny.run(25), rtol=1e-5)
-  # mem_size=0 through the streamed path is the plain local evaluation (as `evaluate` computes it).
-  plain = E.evaluate(tiny.graphdef, tiny.params, tiny.corpus, block_len=BLOCK, context_window=CONTEXT,
-                     batch_size=3, variants=E.Variants(taus=TAUS, cache=CACHE))
-  np.testing.assert_allclose(tiny.run(0), [r.nll for r in plain], rtol=1e-5)
-  assert [r.name for r in plain][1] == "local(tau=0.4)"
+  # mem_size=0 is the plain local evaluation: every window scored on its own, against float64.
+  np.testing.assert_allclose(tiny.run(0), tiny.brute_force(0, True), rtol=2e-5)
+  assert POINTS[1].name == "trime_local(tau=0.4)"
 
 
 @pytest.mark.parametrize("streams,mem_size,reset", [(1, 25, True), (3, 25, True), (4, 40, False), (9, 6, True)])
 def test_stream_schedule_scores_every_window_once(streams, mem_size, reset):
   corpus = _corpus()
-  wins = E.windows(len(corpus), BLOCK, CONTEXT)
-  win, score = E.stream_schedule(wins, corpus.doc_starts, streams, mem_size, reset)
+  wins = D.windows(len(corpus), BLOCK, CONTEXT)
+  win, score = D.stream_schedule(wins, corpus.doc_starts, streams, mem_size, reset)
   assert win.shape[1] == streams
   assert np.array_equal(np.sort(win[score]), np.arange(len(wins)))
   doc = corpus.doc_ids()
@@ -381,14 +381,18 @@ def test_memory_size_sweep_table_and_plot(tmp_path):
   vocab = corpora.load_splits(config.data).vocab
   model = TransformerLM(ModelConfig.from_config(config.model, vocab_size=len(vocab)), rngs=nnx.Rngs(params=0))
   export = ckpt.export(str(tmp_path / "export"), nnx.split(model, nnx.Param)[1], config, vocab)
-  rows = runs.evaluate_checkpoint(config, export, mem_sizes=[0, 16], label="tiny")
-  n = 1 + len(E.TAU_GRID)
+  rows = evaluate.evaluate_checkpoint(config, export, mem_sizes=[0, 16], label="tiny")["rows"]
+  n = 1 + len(evaluate.TAU_GRID)
   assert [r["mem_size"] for r in rows] == [0] * n + [16] * n
-  assert [r["family"] for r in rows[:n]] == ["none"] + ["trime"] * (n - 1)
-  assert rows[1]["variant"].startswith("local(") and rows[n + 1]["variant"].startswith("local+long(")
+  assert [r["family"] for r in rows[:n]] == ["none"] + ["trime_local"] * (n - 1)
+  assert rows[1]["variant"].startswith("trime_local(") and rows[n + 1]["params"] == {"tau": evaluate.TAU_GRID[0]}
+  assert rows[1]["nll"] != pytest.approx(rows[n + 1]["nll"], rel=1e-4)  # the store changes the numbers
   assert sum("<- best" in r["variant"] for r in rows) == 2 and all(r["model"] == "tiny" for r in rows)
-  table = runs.sweep_table(rows)
+  best = [r for r in rows if r.get("best")]
+  assert [r["nll"] for r in best] == [min(r["nll"] for r in rows[1:n]), min(r["nll"] for r in rows[n + 1:])]
+  table = sweep.sweep_table(rows)
   assert "| tiny | TRIME (local + long-term) |" in table and "| tiny | none |" in table
+  assert f"(tau={best[1]['params']['tau']:g})" in table  # the tuned parameter, from the rows' typed params
   (tmp_path / "rows.json").write_text(json.dumps(rows))
   out = _cli("launch.eval", f"--include={tmp_path / 'rows.json'}", f"--plot={tmp_path / 'sweep.png'}")
   assert out.returncode == 0, out.stderr

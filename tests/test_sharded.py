@@ -177,18 +177,18 @@ def test_one_device_mesh_is_trime_nll_and_bad_options_raise():
   targets = rng.integers(-1, 6, size=(4, 5))
   mesh = sharding.make_mesh(1)
   for variant in SL.VARIANTS:
-    got = loss.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory="ext", variant=variant)
+    got = SL.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory="ext", variant=variant)
     np.testing.assert_array_equal(got, loss.trime_nll(logits, keys, targets, memory="ext"))
   with pytest.raises(ValueError, match="variant must be one of"):
-    loss.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory="ext", variant="tree")
+    SL.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory="ext", variant="tree")
   with pytest.raises(ValueError, match="memory_grad must be one of"):
-    loss.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory="ext", memory_grad="some")
+    SL.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory="ext", memory_grad="some")
   with pytest.raises(ValueError, match="consecutive_segments"):
-    loss.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory="long", consecutive_segments=3)
+    SL.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory="long", consecutive_segments=3)
   with pytest.raises(ConfigError, match="sharded_variant"):
-    LossSpec(sharded_variant="tree")
+    LossSpec(loss.ObjectiveSpec("ext"), sharded_variant="tree")
   with pytest.raises(ConfigError, match="memory_grad"):
-    LossSpec(memory_grad="none")
+    LossSpec(loss.ObjectiveSpec("ext"), memory_grad="none")
 
 
 def test_process_rows_and_global_array_on_one_process():

@@ -38,7 +38,7 @@ def test_loss_goes_down_and_ce_warmup_switches_objective(corpus, tmp_path):
   first = np.mean([m["trime_nll"] for m in lines[:3]])
   last = np.mean([m["trime_nll"] for m in lines[-3:]])
   assert last < first - 0.5, (first, last)
-  assert os.path.isdir(out["export"]) and "local(tau=1)_ppl" in out["dev"]
+  assert os.path.isdir(out["export"]) and "trime_local(tau=1)_ppl" in out["dev"]
 
 
 def test_resume_continues_identically(corpus, tmp_path):

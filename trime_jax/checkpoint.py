@@ -21,7 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from trime_jax import data as D
+from trime_jax import data
 from trime_jax.errors import CheckpointError
 from trime_jax.model import ModelConfig, TransformerLM, count_params
 
@@ -63,7 +63,7 @@ def _sync(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-def export(directory: str, params, config: ml_collections.ConfigDict, vocab: D.Vocab, extra=None) -> str:
+def export(directory: str, params, config: ml_collections.ConfigDict, vocab: data.Vocab, extra=None) -> str:
   """Write params + config + vocab + meta to `directory` atomically; returns the directory.
 
   Multi-host: every process calls this with the same (replicated, host-copied) params; orbax writes them
@@ -90,9 +90,9 @@ def export(directory: str, params, config: ml_collections.ConfigDict, vocab: D.V
         "num_params": count_params(params),
         **(extra or {}),
     }
-    D.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(config.to_json_best_effort()))
-    D.atomic_write_json(os.path.join(tmp, "vocab.json"), vocab.to_json())
-    D.atomic_write_json(os.path.join(tmp, "meta.json"), meta)
+    data.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(config.to_json_best_effort()))
+    data.atomic_write_json(os.path.join(tmp, "vocab.json"), vocab.to_json())
+    data.atomic_write_json(os.path.join(tmp, "meta.json"), meta)
     if os.path.exists(directory):
       old = directory + ".old"
       shutil.rmtree(old, ignore_errors=True)
@@ -118,9 +118,36 @@ def params_digest(params) -> str:
 def fingerprint(directory: str) -> str:
   """Identifies an exported checkpoint (datastores and indexes built from it record it): the vocabulary and
   a digest of the parameters, so two runs of the same size and length never collide."""
-  with open(os.path.join(directory, "meta.json")) as f:
-    meta = json.load(f)
+  meta = read_export_meta(directory)
   return f"{meta['vocab_fingerprint']}-{meta['params_digest']}"
+
+
+def read_export_meta(directory: str) -> dict:
+  """meta.json of an export (fingerprints, vocabulary size and kind, key dimension and type)."""
+  path = os.path.join(directory, "meta.json")
+  if not os.path.exists(path):
+    raise CheckpointError(f"not an exported checkpoint: {path} is missing")
+  with open(path) as f:
+    return json.load(f)
+
+
+def read_export_vocab(directory: str) -> data.Vocab:
+  """vocab.json of an export, checked against its meta.json (without loading the parameters)."""
+  meta = read_export_meta(directory)
+  path = os.path.join(directory, "vocab.json")
+  if not os.path.exists(path):
+    raise CheckpointError(f"not an exported checkpoint: {path} is missing")
+  with open(path) as f:
+    try:
+      vocab = data.Vocab.from_json(json.load(f))
+    except data.DataError as e:
+      raise CheckpointError(f"{path}: {e}") from None
+  if vocab.fingerprint() != meta["vocab_fingerprint"] or len(vocab) != meta["vocab_size"]:
+    raise CheckpointError(
+        f"vocabulary mismatch in {directory}: vocab.json has {len(vocab)} tokens (fingerprint "
+        f"{vocab.fingerprint()}), the checkpoint was trained with {meta['vocab_size']} "
+        f"(fingerprint {meta['vocab_fingerprint']})")
+  return vocab
 
 
 def load_export(directory: str):
@@ -133,18 +160,8 @@ def load_export(directory: str):
     raise CheckpointError(f"incomplete checkpoint export {directory}: missing {', '.join(missing)}")
   with open(os.path.join(directory, "config.json")) as f:
     config = ml_collections.ConfigDict(json.load(f))
-  with open(os.path.join(directory, "meta.json")) as f:
-    meta = json.load(f)
-  with open(os.path.join(directory, "vocab.json")) as f:
-    try:
-      vocab = D.Vocab.from_json(json.load(f))
-    except D.DataError as e:
-      raise CheckpointError(f"{directory}/vocab.json: {e}") from None
-  if vocab.fingerprint() != meta["vocab_fingerprint"] or len(vocab) != meta["vocab_size"]:
-    raise CheckpointError(
-        f"vocabulary mismatch in {directory}: vocab.json has {len(vocab)} tokens (fingerprint "
-        f"{vocab.fingerprint()}), the checkpoint was trained with {meta['vocab_size']} "
-        f"(fingerprint {meta['vocab_fingerprint']})")
+  meta = read_export_meta(directory)
+  vocab = read_export_vocab(directory)
   mcfg = ModelConfig.from_config(config.model, vocab_size=len(vocab))
   target = nnx.eval_shape(lambda: TransformerLM(mcfg, rngs=nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(target, nnx.Param)

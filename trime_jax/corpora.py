@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from trime_jax import data as D
+from trime_jax import data
 from trime_jax.errors import ConfigError, DataError
 
 CORPORA = ("wikitext", "wikitext_mini", "bytes", "stdlib")
@@ -28,15 +28,15 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @dataclasses.dataclass
 class Splits:
-  train: D.Corpus
-  dev: D.Corpus
-  test: D.Corpus
+  train: data.Corpus
+  dev: data.Corpus
+  test: data.Corpus
 
   @property
-  def vocab(self) -> D.Vocab:
+  def vocab(self) -> data.Vocab:
     return self.train.vocab
 
-  def get(self, split: str) -> D.Corpus:
+  def get(self, split: str) -> data.Corpus:
     if split not in SPLITS:
       raise ConfigError(f"unknown split {split!r}; choose one of {SPLITS}")
     return getattr(self, split)
@@ -51,11 +51,11 @@ def resolve_path(path: str) -> str:
 
 
 def _encode_word_docs(docs_words, vocab, name):
-  return D.Corpus.from_docs([np.asarray(vocab.encode_words(w), np.int32) for w in docs_words], vocab, name)
+  return data.Corpus.from_docs([np.asarray(vocab.encode_words(w), np.int32) for w in docs_words], vocab, name)
 
 
 def _byte_docs(chunks, name):
-  return D.Corpus.from_docs([np.frombuffer(c, np.uint8).astype(np.int32) for c in chunks], D.Vocab.bytes(),
+  return data.Corpus.from_docs([np.frombuffer(c, np.uint8).astype(np.int32) for c in chunks], data.Vocab.bytes(),
                             name)
 
 
@@ -64,8 +64,8 @@ def _wikitext(cfg, vocab):
   if not os.path.isdir(root):
     raise DataError(f"WikiText directory not found: {cfg.path}")
   files = {"train": "wiki.train.tokens", "dev": "wiki.valid.tokens", "test": "wiki.test.tokens"}
-  articles = {s: D.read_wikitext_articles(os.path.join(root, f)) for s, f in files.items()}
-  vocab = vocab or D.Vocab.build(articles["train"], cfg.vocab_min_count)
+  articles = {s: data.read_wikitext_articles(os.path.join(root, f)) for s, f in files.items()}
+  vocab = vocab or data.Vocab.build(articles["train"], cfg.vocab_min_count)
   return {s: _encode_word_docs(a, vocab, f"{cfg.corpus}:{s}") for s, a in articles.items()}
 
 
@@ -75,15 +75,15 @@ def _wikitext_mini(cfg, vocab):
     raise DataError(f"WikiText-2 directory not found: {cfg.path} (expected ../shared/data/wikitext-2)")
   articles = []
   for fn in ("wiki.valid.tokens", "wiki.test.tokens"):
-    articles += D.read_wikitext_articles(os.path.join(root, fn))
-  parts = D.split_articles(len(articles), cfg.split_fractions, cfg.split_seed)
+    articles += data.read_wikitext_articles(os.path.join(root, fn))
+  parts = data.split_articles(len(articles), cfg.split_fractions, cfg.split_seed)
   by_split = {s: [articles[i] for i in p] for s, p in zip(SPLITS, parts)}
-  vocab = vocab or D.Vocab.build(by_split["train"], cfg.vocab_min_count)
+  vocab = vocab or data.Vocab.build(by_split["train"], cfg.vocab_min_count)
   return {s: _encode_word_docs(a, vocab, f"{cfg.corpus}:{s}") for s, a in by_split.items()}
 
 
 def _bytes(cfg, vocab):
-  path = D._require_file(resolve_path(cfg.path), "byte corpus")
+  path = data._require_file(resolve_path(cfg.path), "byte corpus")
   with open(path, "rb") as f:
     raw = f.read()
   fr = np.asarray(cfg.split_fractions, float)
@@ -93,8 +93,8 @@ def _bytes(cfg, vocab):
 
 
 def _stdlib(cfg, vocab):
-  docs = D.stdlib_documents(cfg.max_files, cfg.max_bytes_per_file)
-  parts = D.split_articles(len(docs), cfg.split_fractions, cfg.split_seed)
+  docs = data.stdlib_documents(cfg.max_files, cfg.max_bytes_per_file)
+  parts = data.split_articles(len(docs), cfg.split_fractions, cfg.split_seed)
   return {s: _byte_docs([docs[i][1] for i in p], f"{cfg.corpus}:{s}") for s, p in zip(SPLITS, parts)}
 
 
@@ -114,7 +114,7 @@ def _cache_key(cfg, vocab) -> str:
   return h.hexdigest()[:16]
 
 
-def load_splits(cfg, vocab: D.Vocab | None = None) -> Splits:
+def load_splits(cfg, vocab: data.Vocab | None = None) -> Splits:
   """Read `config.data` into train/dev/test corpora (encoded with `vocab` if given).
 
   With `cfg.cache_dir` set, the encoded corpora are written there once (atomically) and memory-mapped on
@@ -126,7 +126,7 @@ def load_splits(cfg, vocab: D.Vocab | None = None) -> Splits:
     raise ConfigError(f"data.path is required for corpus {cfg.corpus!r}")
   cache = os.path.join(resolve_path(cfg.cache_dir), _cache_key(cfg, vocab)) if cfg.cache_dir else ""
   if cache and os.path.exists(os.path.join(cache, "COMPLETE")):
-    out = {s: D.Corpus.load(os.path.join(cache, s), f"{cfg.corpus}:{s}") for s in SPLITS}
+    out = {s: data.Corpus.load(os.path.join(cache, s), f"{cfg.corpus}:{s}") for s in SPLITS}
   else:
     out = _READERS[cfg.corpus](cfg, vocab)
     if cache:

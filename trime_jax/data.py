@@ -10,6 +10,9 @@ Readers:
     does), articles start at ` = Title = ` lines; vocabulary from the training split.
   * raw bytes (enwik8 / tinyshakespeare style): vocabulary 256, split by byte fractions.
   * the demo corpus: source files of the running interpreter's standard library, one document per file.
+
+Evaluation windows (fairseq `eval_lm --context-window`) live here too, beside segments: the evaluator and the
+datastore builder both read a split through them (`windows`, `window_batch`, `stream_schedule`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from trime_jax.errors import DataError
+from trime_jax.errors import ConfigError, DataError
 
 EOS = "</s>"
 UNK = "<unk>"
@@ -349,3 +352,81 @@ def random_batch_indices(num_segments: int, batch_size: int, step: int, seed: in
     out[filled:filled + take] = perm[offset:offset + take]
     filled += take
   return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Evaluation windows: every target scored once, each chunk fed with up to `context_window` tokens before it.
+# ----------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Window:
+  start: int  # first target position fed to the model
+  score_start: int  # first scored target position
+  end: int  # one past the last target position (scored and fed)
+
+
+def windows(num_targets: int, block_len: int, context_window: int) -> list[Window]:
+  """Chunks of S = block_len - context_window scored targets, each fed with up to `context_window` earlier
+  targets as context only (fairseq `--context-window`)."""
+  if not 0 <= context_window < block_len:
+    raise ConfigError(f"eval.context_window={context_window} must be in [0, block_len={block_len})")
+  stride = block_len - context_window
+  out = []
+  for s in range(0, num_targets, stride):
+    e = min(s + stride, num_targets)
+    out.append(Window(max(0, s - context_window), s, e))
+  return out
+
+
+def window_batch(corpus: Corpus, wins: list[Window], block_len: int):
+  """inputs / targets [b, L] (-1 padded) and the scored mask [b, L]."""
+  b = len(wins)
+  inputs = np.zeros((b, block_len), np.int32)
+  targets = np.full((b, block_len), -1, np.int32)
+  scored = np.zeros((b, block_len), bool)
+  toks = corpus.tokens
+  for i, w in enumerate(wins):
+    n = w.end - w.start
+    targets[i, :n] = toks[w.start:w.end]
+    if w.start == 0:
+      inputs[i, 0] = corpus.vocab.bos
+      inputs[i, 1:n] = toks[0:n - 1]
+    else:
+      inputs[i, :n] = toks[w.start - 1:w.end - 1]
+    scored[i, w.score_start - w.start:n] = True
+  return inputs, targets, scored
+
+
+def stream_schedule(wins: list[Window], doc_starts, streams: int, mem_size: int, reset_at_documents: bool):
+  """Which window each stream runs at each step: (window [T, streams] int64, -1 = idle; score [T, streams]).
+
+  The windows are cut into `streams` contiguous runs of about equal length; a run starting at window k is
+  preceded by warm-up windows (run, inserted into the long-term store, not scored): those whose scored tokens
+  lie in [lo, score_start_k), lo = start_k - mem_size (raised to the start of score_start_k's document with
+  `reset_at_documents`); every later window of the run needs nothing older. Each cut is placed, within a
+  quarter run of its even position, where the warm-up is shortest (e.g. at a document start).
+  """
+  n_w = len(wins)
+  start = np.array([w.start for w in wins], np.int64)
+  score_start = np.array([w.score_start for w in wins], np.int64)
+  end = np.array([w.end for w in wins], np.int64)
+  lo = start - mem_size
+  if reset_at_documents:
+    doc_starts = np.asarray(doc_starts, np.int64)
+    lo = np.maximum(lo, doc_starts[np.searchsorted(doc_starts, score_start, side="right") - 1])
+  first = np.searchsorted(end, lo, side="right") if mem_size else np.arange(n_w)
+  warm = np.arange(n_w) - np.minimum(first, np.arange(n_w))
+  s = max(1, min(streams, n_w))
+  radius = max(1, n_w // (4 * s))
+  cuts = [0]
+  for i in range(1, s):
+    target = round(i * n_w / s)
+    cand = np.arange(max(cuts[-1] + 1, target - radius), min(n_w - (s - i), target + radius) + 1)
+    cuts.append(int(cand[np.lexsort((np.abs(cand - target), warm[cand]))[0]]))
+  cuts.append(n_w)
+  runs = [(np.arange(a - warm[a], b), np.arange(a - warm[a], b) >= a) for a, b in zip(cuts[:-1], cuts[1:])]
+  t = max(len(w) for w, _ in runs)
+  win = np.full((t, streams), -1, np.int64)
+  score = np.zeros((t, streams), bool)
+  for j, (w, sc) in enumerate(runs):
+    win[:len(w), j], score[:len(w), j] = w, sc
+  return win, score

@@ -1,24 +1,43 @@
-"""Perplexity the fairseq way, with TRIME local and long-term memory and the continuous-cache baseline.
+"""Test time: every memory through one scorer, one driver and one tuner.
 
-The split is one token stream (documents concatenated, as fairseq's `eval_lm`). It is scored in chunks of
-S = block_len - context_window targets; each chunk is fed with up to `context_window` preceding tokens that
-are context only (fairseq `--context-window`). Every target is scored exactly once.
+The split is one token stream (documents concatenated, as fairseq's `eval_lm`), cut into windows
+(`data.windows`): chunks of S = block_len - context_window scored targets, each fed with up to
+`context_window` earlier tokens as context only. Every target is scored exactly once.
 
-Memory at evaluation, for a scored token at window position t (all variants from ONE forward pass, so a grid
-over τ, λ and θ costs one pass over the data):
-  none   plain softmax (vanilla LM)
-  local  TRIME with memory = every earlier token of the window (context included), temperature τ
-  cache  continuous cache (Grave et al. 2017): (1-λ)·p_LM + λ·p_cache,
-         p_cache(w) ∝ Σ_{j<t, x_j = w} exp(θ · g_t·g_j / √D), the same earlier tokens, the model's own keys
-With `Variants.mem_size > 0` both TRIME and the cache also see a long-term store (`long_memory.py`): the
-`mem_size` tokens before the window (of the same document unless `reset_at_documents=False`), each with the
-key computed when it was scored. The windows stay the same, so mem_size=0 is exactly the local evaluation.
-The original's --mem-size counts something else: its store keeps the last M *scored* tokens, so the window's
-context tokens are in it (and again in the local memory). Both cover the same tokens when our mem_size =
-original M - context_window (M >= context_window, `reset_at_documents=False`: the original's store never
-resets); the original counts the context tokens twice, we count every token once (docs/long_memory.md).
-Long-term evaluation runs `batch_size` streams in parallel: the windows are split into contiguous runs, one
-per stream, and each stream first re-runs (without scoring) the windows whose tokens its store needs.
+A scored token's test memory is data layout, as in training: three sources of (key, next token) pairs, each
+with `loss.TokenMeta` for its queries and memories, and `loss.visible` deciding who sees whom:
+  local       the window's earlier tokens (context included): causal within the window
+  long-term   the `mem_size` tokens before the window (`long_memory.Store`, of the query's document unless
+              `reset_at_documents=False`), each keyed in the window that scored it: causal before the window's
+              start, within `span = mem_size`
+  external    the top-K entries retrieved from a datastore (`knn.ExternalMemory`, one search per scored
+              token): rows of their own (row -1), visible like training's other rows
+The sources are disjoint (no token counts twice), so a family's memory is a union of blocks, and every family
+comes out of one pass (a grid over τ, τ′, λ, θ costs one pass, not one per point):
+
+  none          the model's softmax alone
+  cache         continuous cache (Grave et al. 2017): (1-λ)·p_LM + λ·p_mem(θ), memory = local + long-term
+  trime_local   TRIME softmax over vocabulary + local + long-term, at τ (TrimeLM / TrimeLM_long)
+  trime         TRIME softmax over vocabulary + local + long-term + retrieved, at τ (TrimeLM_ext)
+  interp        (1-λ)·P_trime(τ) + λ·P′(τ′), P′(w) ∝ Σ_{memories with x_j = w} exp(sim/τ′), over the memories
+                of `interp_memory`: "external" = the top-K retrieved only (the original release), "all" = local +
+                long-term + retrieved (the paper's Appendix A text)
+  knnlm         kNN-LM: (1-λ)·p_LM + λ·p_mem(θ), memory = retrieved only
+  knnlm_cache   kNN-LM + continuous cache: (1-λ)·p_LM + λ·p_mem(θ), memory = local + long-term + retrieved
+
+sim = g(c)·g(c_j)/√D throughout; p_mem(θ)(w) ∝ Σ_{x_j = w} exp(θ·sim). Where a query has no memory at all the
+mixtures fall back to the model (P_trime or p_LM). The original's --interp-temp has no √D (its P′ is
+softmax(g·k_j / τ′_orig) over the top-K): τ′_orig = √D·τ′ (D = 1,024: its 10.5 is our τ′ = 0.328).
+
+mem_size vs the original's --mem-size: its store keeps the last M *scored* tokens, so the window's context
+tokens are in it (and again in the local memory). Both cover the same tokens when our mem_size = original
+M - context_window (M >= context_window, `reset_at_documents=False`: the original's store never resets); the
+original counts the context tokens twice, we count every token once (docs/long_memory.md).
+
+The driver runs `streams` parallel streams over a stream plan (`data.stream_schedule`): the windows split into
+contiguous runs, one per stream, each with its own long-term store; a stream first re-runs (without scoring)
+the windows whose tokens its store needs. One step = the forward pass (jitted), the search (host), the
+scoring of every point (jitted). No memory, local, long-term and external memory all take this path.
 """
 
 from __future__ import annotations
@@ -27,7 +46,9 @@ import dataclasses
 import functools
 import itertools
 import math
+import os
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,177 +56,332 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from trime_jax import data as D
-from trime_jax import long_memory as LM
-from trime_jax import loss as L
+from trime_jax import checkpoint as ckpt
+from trime_jax import corpora
+from trime_jax import data
+from trime_jax import knn
+from trime_jax import long_memory
+from trime_jax import loss
 from trime_jax import steps
-from trime_jax.errors import ConfigError
+from trime_jax.errors import CheckpointError, ConfigError
 
-EVAL_MEMORIES = ("none", "local", "cache")
+FAMILIES = ("none", "cache", "trime_local", "trime", "interp", "knnlm", "knnlm_cache")
+EXTERNAL_FAMILIES = ("trime", "interp", "knnlm", "knnlm_cache")
+# The parameters of each family, in display order (Point fields).
+FAMILY_PARAMS = {"none": (), "cache": ("lam", "theta"), "trime_local": ("tau",), "trime": ("tau",),
+                 "interp": ("tau", "tau_prime", "lam", "interp_memory"), "knnlm": ("lam", "theta"),
+                 "knnlm_cache": ("lam", "theta")}
+# Memory of the interpolation's P′: the original release's (top-K retrieved only) | the paper's text (all memories).
+INTERP_MEMORIES = ("external", "all")
+# launch.eval's eval.memory: which family (besides `none`) it scores.
+EVAL_MEMORIES = {"none": None, "local": "trime_local", "cache": "cache"}
 # x-axis of memory-size sweeps: our mem_size convention, and how to read it as the original's --mem-size.
 MEM_SIZE_AXIS_LABEL = ("long-term memory: tokens before the window (0 = local only; "
                        "original --mem-size = this + context window)")
-# Default tuning grids (dev split): τ for TRIME memory; (λ, θ) for the continuous cache.
-TAU_GRID = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
-# With a long-term store the cache optimum moves to λ ≈ 0.45, θ ≈ 4 (docs/long_memory.md); the grid reaches past it.
-CACHE_LAMBDA_GRID = (0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6)
-CACHE_THETA_GRID = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+
+# Tuning grids (dev split), one per parameter. τ′ and θ act on sim = g·g_j/√D. With hundreds of retrieved
+# neighbours in the softmax the best τ is larger than with local memory alone, hence the long upper tail; with a
+# long-term store the cache optimum moves to λ ≈ 0.45, θ ≈ 4 (docs/long_memory.md), the grids reach past it.
+TAU_GRID = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0)
+TAU_PRIME_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)
+LAMBDA_GRID = (0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75)
+THETA_GRID = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+GRIDS = {"tau": TAU_GRID, "tau_prime": TAU_PRIME_GRID, "lam": LAMBDA_GRID, "theta": THETA_GRID,
+         "interp_memory": INTERP_MEMORIES}
+DISPLAY_NAMES = {"tau": "tau", "tau_prime": "tau_prime", "lam": "lambda", "theta": "theta",
+                 "interp_memory": "interp_memory"}
 
 
+# ----------------------------------------------------------------------------------------------------------
+# What one pass scores: points of the families.
+# ----------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class Window:
-  start: int  # first target position fed to the model
-  score_start: int  # first scored target position
-  end: int  # one past the last target position (scored and fed)
+class Point:
+  """One family at one setting of its parameters (the others stay None)."""
+
+  family: str
+  tau: float | None = None  # TRIME temperature (trime_local, trime, interp)
+  tau_prime: float | None = None  # P′ temperature (interp): P′ = p_mem at θ = 1/τ′
+  lam: float | None = None  # mixture weight λ (cache, interp, knnlm, knnlm_cache)
+  theta: float | None = None  # p_mem(θ) ∝ Σ exp(θ·sim) (cache, knnlm, knnlm_cache)
+  interp_memory: str | None = None  # memories of P′ (interp): "external" | "all"
+
+  def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise ConfigError(f"unknown evaluation family {self.family!r}: one of {FAMILIES}")
+    needed = FAMILY_PARAMS[self.family]
+    for name in ("tau", "tau_prime", "lam", "theta", "interp_memory"):
+      value = getattr(self, name)
+      if (value is None) == (name in needed):
+        raise ConfigError(f"{self.family} points take {needed or 'no parameters'}; {name}={value!r}")
+    if self.interp_memory is not None and self.interp_memory not in INTERP_MEMORIES:
+      raise ConfigError(f"interp_memory (eval.interp_memory) must be one of {INTERP_MEMORIES}, "
+                        f"got {self.interp_memory!r}")
+    if self.lam is not None and not 0.0 < self.lam < 1.0:
+      raise ConfigError(f"λ of {self.family} must be in (0, 1), got {self.lam}")
+    for name in ("tau", "tau_prime", "theta"):
+      if getattr(self, name) is not None and not getattr(self, name) > 0:
+        raise ConfigError(f"{name} of {self.family} must be > 0, got {getattr(self, name)}")
+
+  @property
+  def params(self) -> dict:
+    """{parameter: value} of this family's parameters, in display order."""
+    return {name: getattr(self, name) for name in FAMILY_PARAMS[self.family]}
+
+  @property
+  def group(self) -> str:
+    """What tuning picks one point of: the family, or for `interp` the family and its P′ memory."""
+    return f"interp[{self.interp_memory}]" if self.family == "interp" else self.family
+
+  @property
+  def name(self) -> str:
+    if self.family == "none":
+      return "none"
+    fmt = lambda v: v if isinstance(v, str) else f"{v:g}"
+    return f"{self.family}(" + ",".join(f"{DISPLAY_NAMES[k]}={fmt(v)}" for k, v in self.params.items()) + ")"
+
+  @property
+  def needs_external(self) -> bool:
+    return self.family in EXTERNAL_FAMILIES
 
 
-def windows(num_targets: int, block_len: int, context_window: int) -> list[Window]:
-  if not 0 <= context_window < block_len:
-    raise ConfigError(f"eval.context_window={context_window} must be in [0, block_len={block_len})")
-  stride = block_len - context_window
+NONE = Point("none")
+
+
+def grid(families) -> tuple[Point, ...]:
+  """Every point of each family over the tuning grids (`interp`: both P′ memories)."""
   out = []
-  for s in range(0, num_targets, stride):
-    e = min(s + stride, num_targets)
-    out.append(Window(max(0, s - context_window), s, e))
-  return out
+  for family in families:
+    names = FAMILY_PARAMS[family]
+    out += [Point(family, **dict(zip(names, values))) for values in itertools.product(*(GRIDS[n] for n in names))]
+  return tuple(out)
 
 
-def window_batch(corpus: D.Corpus, wins: list[Window], block_len: int):
-  """inputs / targets [b, L] (-1 padded) and the scored mask [b, L]."""
-  b = len(wins)
-  inputs = np.zeros((b, block_len), np.int32)
-  targets = np.full((b, block_len), -1, np.int32)
-  scored = np.zeros((b, block_len), bool)
-  toks = corpus.tokens
-  for i, w in enumerate(wins):
-    n = w.end - w.start
-    targets[i, :n] = toks[w.start:w.end]
-    if w.start == 0:
-      inputs[i, 0] = corpus.vocab.bos
-      inputs[i, 1:n] = toks[0:n - 1]
-    else:
-      inputs[i, :n] = toks[w.start - 1:w.end - 1]
-    scored[i, w.score_start - w.start:n] = True
-  return inputs, targets, scored
+def configured_points(e, families) -> tuple[Point, ...]:
+  """One point per family from the `eval` config section (no tuning)."""
+  tau, lam, theta = float(e.temperature), float(e.knn_lambda), float(e.cache_theta)
+  settings = {"none": {}, "cache": dict(lam=float(e.cache_lambda), theta=theta), "trime_local": dict(tau=tau),
+              "trime": dict(tau=tau), "knnlm": dict(lam=lam, theta=theta), "knnlm_cache": dict(lam=lam, theta=theta),
+              "interp": dict(tau=tau, tau_prime=float(e.knn_temperature), lam=lam, interp_memory=str(e.interp_memory))}
+  return tuple(Point(f, **settings[f]) for f in families)
 
 
 @dataclasses.dataclass(frozen=True)
-class Variants:
-  """What one pass computes: τ values for TRIME memory, (λ, θ) pairs for the cache, and the long-term store
-  both see (`mem_size` tokens before the window; 0 = local memory only; the original's --mem-size
-  = mem_size + context_window, see the module docstring)."""
+class StoreSpec:
+  """The long-term store every point sees (static: part of the jit cache key). mem_size = tokens before the
+  window (0: local memory only; the original's --mem-size = mem_size + context_window)."""
 
-  taus: tuple = ()
-  cache: tuple = ()  # ((lambda, theta), ...)
   mem_size: int = 0
   reset_at_documents: bool = True  # the store holds only the query's own document
 
-  def names(self):
-    long = f",mem={self.mem_size}" if self.mem_size else ""
-    trime = "local+long" if self.mem_size else "local"
-    return (["none"] + [f"{trime}(tau={t:g}{long})" for t in self.taus]
-            + [f"cache(lambda={l:g},theta={th:g}{long})" for l, th in self.cache])
-
-  def families(self):
-    """Per name: none | trime | cache (what a tuning pass minimises over)."""
-    return ["none"] + ["trime"] * len(self.taus) + ["cache"] * len(self.cache)
+  def __post_init__(self):
+    if self.mem_size < 0:
+      raise ConfigError(f"eval.mem_size must be >= 0, got {self.mem_size}")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The one softmax over the vocabulary and every memory block.
+# Memory blocks: each source lays out TokenMeta for its queries and memories; `loss.visible` decides.
 # ----------------------------------------------------------------------------------------------------------
-def variant_nlls(stats: L.VocabStats, targets, blocks: list[LM.MemoryBlock], variants: Variants):
-  """[n_variants, ..., Q] nll of every query under every variant; the test memory is the (disjoint) union
-  of `blocks`. TRIME: one softmax over the vocabulary and all memories at temperature τ. Cache: the LM
-  mixed with p_cache over the same memories at θ (the LM alone where no memory is visible)."""
-  lse = L.masked_logsumexp_with
-  out = [stats.log_normalizer - stats.target_logit]
-  for tau in variants.taus:
-    log_z, log_p = stats.log_normalizer, stats.target_logit
+class MemoryBlock(NamedTuple):
+  """One source of memories for queries `[S, Q]`; all fields `[S, Q, M]`."""
+
+  sim: jax.Array  # g(c)·g(c_j) / √D, before the temperature (TRIME) or θ (cache)
+  visible: jax.Array  # bool: memory j is in query i's test memory
+  positive: jax.Array  # bool: visible and memory j's target equals query i's target
+
+
+def similarities(queries_SxQxD, keys_SxMxD):
+  d = queries_SxQxD.shape[-1]
+  return jnp.einsum("sqd,smd->sqm", queries_SxQxD, keys_SxMxD, preferred_element_type=jnp.float32,
+                    precision=loss.similarity_precision(queries_SxQxD, keys_SxMxD)) / math.sqrt(d)
+
+
+def _meta(target, *, row=0, group=0, order=0, doc=0) -> loss.TokenMeta:
+  full = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.int32), target.shape)
+  return loss.TokenMeta(full(row), full(group), full(order), full(target), full(doc))
+
+
+def _block(sim, query: loss.TokenMeta, memory: loss.TokenMeta, **rule) -> MemoryBlock:
+  vis = loss.visible(query, memory, **rule)
+  return MemoryBlock(sim, vis, loss.positive(query, memory, vis))
+
+
+def local_block(queries_SxQxD, targets_SxQ, qpos_SxQ, keys_SxLxD, targets_SxL) -> MemoryBlock:
+  """The window's tokens before each query (`qpos`: the query's position in the window); documents do not
+  matter inside a window (as in fairseq's scoring of a block)."""
+  window_pos = jnp.broadcast_to(jnp.arange(targets_SxL.shape[-1], dtype=jnp.int32), targets_SxL.shape)
+  return _block(similarities(queries_SxQxD, keys_SxLxD), _meta(targets_SxQ, order=qpos_SxQ),
+                _meta(targets_SxL, order=window_pos), causal=True, cross_rows=False)
+
+
+def long_term_block(store: long_memory.Store, queries_SxQxD, targets_SxQ, doc_SxQ, window_start_S,
+                    long_term: StoreSpec) -> MemoryBlock:
+  """The store's tokens in [start - mem_size, start): for the store, a query stands at its window's start
+  (tokens from there on are the window's own, seen as local memory)."""
+  doc_q, doc_m = (doc_SxQ, store.doc) if long_term.reset_at_documents else (0, 0)
+  query = _meta(targets_SxQ, order=window_start_S[:, None], doc=doc_q)
+  mem = _meta(store.targets, order=store.pos, doc=doc_m)
+  return _block(similarities(queries_SxQxD, store.keys), query, mem, causal=True, cross_rows=False,
+                span=long_term.mem_size)
+
+
+def external_block(sim_SxQxK, retrieved_targets_SxQxK, targets_SxQ) -> MemoryBlock:
+  """The retrieved entries: rows of their own (row -1), visible to every query unless padding (target -1)."""
+  query = _meta(targets_SxQ[..., None], row=0)  # [S, Q, 1]: each query against its own K entries
+  mem = _meta(retrieved_targets_SxQxK, row=-1, group=-1)
+  blk = _block(sim_SxQxK, query, mem, causal=False, cross_rows=True)
+  return MemoryBlock(sim_SxQxK, blk.visible[..., 0, :], blk.positive[..., 0, :])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The one scorer: every point from the vocabulary statistics and the memory blocks.
+# ----------------------------------------------------------------------------------------------------------
+def _log_p_mem(blocks, scale, targets):
+  """(log p_mem(target), has_memory): p_mem(w) ∝ Σ_{visible, x_j = w} exp(scale·sim) over `blocks`."""
+  lse = loss.masked_logsumexp_with
+  log_all = log_pos = jnp.full(targets.shape, -jnp.inf)
+  for blk in blocks:
+    log_all = lse(log_all, scale * blk.sim, blk.visible)
+    log_pos = lse(log_pos, scale * blk.sim, blk.positive)
+  has = functools.reduce(jnp.logical_or, [blk.visible.any(-1) for blk in blocks])
+  return jnp.where(has, log_pos - jnp.where(has, log_all, 0.0), -jnp.inf), has
+
+
+def _mix(log_p_model, log_p_mem, has_mem, lam):
+  mixed = jnp.logaddexp(math.log1p(-lam) + log_p_model, math.log(lam) + log_p_mem)
+  return jnp.where(has_mem, mixed, log_p_model)
+
+
+def point_nlls(stats: loss.VocabStats, targets, local_blocks, ext_block, points):
+  """[P, ..., Q] nll of every query under every point. `local_blocks`: local (+ long-term) memory;
+  `ext_block`: the retrieved entries, or None. Shared terms (a TRIME softmax at τ, a p_mem at θ) are computed
+  once per pass."""
+  lse = loss.masked_logsumexp_with
+  all_blocks = local_blocks + ([ext_block] if ext_block is not None else [])
+  blocks_of = {"local": local_blocks, "external": [ext_block], "all": all_blocks}
+  log_p_vocab = stats.target_logit - stats.log_normalizer
+
+  def log_p_trime(blocks, tau):
+    z, p = stats.log_normalizer, stats.target_logit
     for blk in blocks:
-      log_z = lse(log_z, blk.sim / tau, blk.visible)
-      log_p = lse(log_p, blk.sim / tau, blk.positive)
-    out.append(log_z - log_p)
-  if variants.cache:
-    has_mem = functools.reduce(jnp.logical_or, [blk.visible.any(-1) for blk in blocks])
-    log_pv = stats.target_logit - stats.log_normalizer
-    log_pc = {}
-    for theta in dict.fromkeys(th for _, th in variants.cache):  # p_cache depends on θ only
-      log_all = log_pos = jnp.full(targets.shape, -jnp.inf)
-      for blk in blocks:
-        log_all = lse(log_all, theta * blk.sim, blk.visible)
-        log_pos = lse(log_pos, theta * blk.sim, blk.positive)
-      log_pc[theta] = jnp.where(has_mem, log_pos - jnp.where(has_mem, log_all, 0.0), -jnp.inf)
-    for lam, theta in variants.cache:
-      mixed = jnp.logaddexp(math.log1p(-lam) + log_pv, math.log(lam) + log_pc[theta])
-      out.append(-jnp.where(has_mem, mixed, log_pv))
+      z, p = lse(z, blk.sim / tau, blk.visible), lse(p, blk.sim / tau, blk.positive)
+    return p - z
+
+  memo = {}
+
+  def once(key, fn):
+    if key not in memo:
+      memo[key] = fn()
+    return memo[key]
+
+  out = []
+  for pt in points:
+    if pt.family == "none":
+      lp = log_p_vocab
+    elif pt.family in ("trime_local", "trime"):
+      which = "local" if pt.family == "trime_local" else "all"
+      lp = once(("trime", which, pt.tau), lambda: log_p_trime(blocks_of[which], pt.tau))
+    elif pt.family == "interp":  # P′ at θ = 1/τ′: shared with knnlm(_cache) at that θ
+      lt = once(("trime", "all", pt.tau), lambda: log_p_trime(all_blocks, pt.tau))
+      lm, has = once(("mem", pt.interp_memory, 1.0 / pt.tau_prime),
+                     lambda: _log_p_mem(blocks_of[pt.interp_memory], 1.0 / pt.tau_prime, targets))
+      lp = _mix(lt, lm, has, pt.lam)
+    else:  # cache | knnlm | knnlm_cache: the model mixed with a memory-only distribution at θ
+      which = {"cache": "local", "knnlm": "external", "knnlm_cache": "all"}[pt.family]
+      lm, has = once(("mem", which, pt.theta), lambda: _log_p_mem(blocks_of[which], pt.theta, targets))
+      lp = _mix(log_p_vocab, lm, has, pt.lam)
+    out.append(-lp)
   return jnp.where(targets >= 0, jnp.stack(out), 0.0)
 
 
-def local_block(keys_SxQxD, targets_SxQ, qpos_SxQ, keys_SxLxD, targets_SxL) -> LM.MemoryBlock:
-  """Local memory: the window's tokens before each query (`qpos`: the query's position in the window)."""
-  l = targets_SxL.shape[-1]
-  vis = (jnp.arange(l)[None, None, :] < qpos_SxQ[:, :, None]) & (targets_SxL[:, None, :] >= 0)
-  positive = vis & (targets_SxL[:, None, :] == targets_SxQ[:, :, None])
-  return LM.MemoryBlock(LM.similarities(keys_SxQxD, keys_SxLxD), vis, positive)
-
-
-def _window_nlls(stats: L.VocabStats, keys, targets, variants: Variants):
-  """[n_variants, b, L] nll of every target under every variant (local memory: dense [L, L] per window)."""
-  if not variants.taus and not variants.cache:
-    return variant_nlls(stats, targets, [], variants)
-  b, l = targets.shape
-  qpos = jnp.broadcast_to(jnp.arange(l)[None, :], (b, l))
-  return variant_nlls(stats, targets, [local_block(keys, targets, qpos, keys, targets)], variants)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "variants", "vocab_chunk"))
-def eval_step(graphdef, params, inputs, targets, scored, *, variants: Variants, vocab_chunk: int = 0):
-  """Sums of nll over the scored targets, one per variant [n_variants] (local memory only)."""
+# ----------------------------------------------------------------------------------------------------------
+# The one step, in two jitted halves around the host-side search.
+# ----------------------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("graphdef", "queries", "vocab_chunk"))
+def forward_queries(graphdef, params, inputs_SxL, targets_SxL, offset_S, *, queries: int, vocab_chunk: int):
+  """(keys [S, L, D], query keys [S, Q, D], query VocabStats [S, Q], query targets [S, Q], query window
+  positions [S, Q]): the Q positions from `offset` (the window's first scored position) on."""
   model = nnx.merge(graphdef, params)
-  stats, keys = steps.forward(model, inputs, targets, vocab_chunk=vocab_chunk)
-  nll = _window_nlls(stats, keys, targets, variants)
-  return jnp.where(scored[None], nll, 0.0).sum(axis=(1, 2))
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "variants", "vocab_chunk"), donate_argnames=("store",))
-def long_eval_step(graphdef, params, store: LM.Store, batch, *, variants: Variants, vocab_chunk: int = 0):
-  """One window per stream: (nll sums over scored queries [n_variants], the store with them inserted).
-
-  batch: inputs / targets [S, L]; start, offset (score_start - start), end [S] int32; doc_q [S, Q] document
-  of each query; score, insert [S] bool (warm-up windows insert without scoring; idle rows do neither).
-  Queries are the Q = L - context_window window positions from `offset` on.
-  """
-  model = nnx.merge(graphdef, params)
-  targets = batch["targets"]
-  stats, keys = steps.forward(model, batch["inputs"], targets, vocab_chunk=vocab_chunk)
-  q = batch["doc_q"].shape[1]
-  qpos = batch["offset"][:, None] + jnp.arange(q, dtype=jnp.int32)[None, :]  # [S, Q] window positions
+  stats, keys = steps.forward(model, inputs_SxL, targets_SxL, vocab_chunk=vocab_chunk)
+  qpos = offset_S[:, None] + jnp.arange(queries, dtype=jnp.int32)[None, :]
   take = lambda x: jnp.take_along_axis(x, qpos, axis=1)
-  q_stats = L.VocabStats(take(stats.log_normalizer), take(stats.target_logit))
-  q_targets, q_keys = take(targets), jnp.take_along_axis(keys, qpos[:, :, None], axis=1)
+  q_stats = loss.VocabStats(take(stats.log_normalizer), take(stats.target_logit))
+  q_keys = jnp.take_along_axis(keys, qpos[:, :, None], axis=1)
+  return keys, q_keys, q_stats, take(targets_SxL), qpos
+
+
+@functools.partial(jax.jit, static_argnames=("points", "long_term", "n_buckets"), donate_argnames=("store",))
+def score_step(store: long_memory.Store, keys, targets, q_keys, q_stats, q_targets, qpos, batch, ext_sim,
+               ext_targets, bucket_q, *, points: tuple, long_term: StoreSpec, n_buckets: int):
+  """(nll sums [P], per-bucket nll sums [P, n_buckets], per-bucket token counts [n_buckets], the store with
+  this step's queries inserted)."""
   pos = batch["start"][:, None] + qpos  # global target positions
   real = (pos < batch["end"][:, None]) & (q_targets >= 0)
-  blocks = [local_block(q_keys, q_targets, qpos, keys, targets)]
-  if variants.mem_size:
-    blocks.append(LM.block(store, q_keys, q_targets, batch["doc_q"], batch["start"], mem_size=variants.mem_size,
-                           reset_at_documents=variants.reset_at_documents))
-  nll = variant_nlls(q_stats, q_targets, blocks, variants)
-  sums = jnp.where((real & batch["score"][:, None])[None], nll, 0.0).sum(axis=(1, 2))
-  store = LM.insert(store, q_keys, q_targets, pos, batch["doc_q"], real & batch["insert"][:, None])
-  return sums, store
+  local = [local_block(q_keys, q_targets, qpos, keys, targets)]
+  if long_term.mem_size:
+    local.append(long_term_block(store, q_keys, q_targets, batch["doc_q"], batch["start"], long_term))
+  ext = external_block(ext_sim, ext_targets, q_targets) if ext_sim is not None else None
+  nll = point_nlls(q_stats, q_targets, local, ext, points)  # [P, S, Q]
+  scored = real & batch["score"][:, None]
+  nll = jnp.where(scored[None], nll, 0.0)
+  onehot = jax.nn.one_hot(bucket_q, n_buckets, dtype=nll.dtype) * scored[..., None]
+  store = long_memory.insert(store, q_keys, q_targets, pos, batch["doc_q"], real & batch["insert"][:, None])
+  return nll.sum(axis=(1, 2)), jnp.einsum("psq,sqb->pb", nll, onehot), onehot.sum(axis=(0, 1)), store
+
+
+@dataclasses.dataclass
+class StreamPlan:
+  """What the driver runs: the windows, which window each stream runs at each step (`data.stream_schedule`),
+  and the empty long-term store."""
+
+  num_targets: int
+  wins: list
+  schedule: np.ndarray  # [T, streams] window index, -1 = idle
+  score: np.ndarray  # [T, streams] bool: scored (False: warm-up, insert only)
+  queries: int  # Q = block_len - context_window scored positions per window
+  store: long_memory.Store
+  doc_starts: np.ndarray
+
+  def batch(self, corpus: data.Corpus, step: int, block_len: int) -> dict:
+    """Host arrays of step `step`: inputs / targets [S, L]; start, offset (score_start - start), end [S];
+    doc_q [S, Q] document of each query; score, insert [S] bool."""
+    idx = self.schedule[step]
+    ws = [self.wins[max(i, 0)] for i in idx]
+    inputs, targets, _ = data.window_batch(corpus, ws, block_len)
+    start = np.array([w.start for w in ws], np.int32)
+    offset = np.array([w.score_start - w.start for w in ws], np.int32)
+    qpos = start[:, None] + offset[:, None] + np.arange(self.queries)[None, :]
+    return {"inputs": inputs, "targets": targets, "start": start, "offset": offset,
+            "end": np.array([w.end for w in ws], np.int32),
+            "doc_q": (np.searchsorted(self.doc_starts, qpos, side="right") - 1).astype(np.int32),
+            "score": self.score[step], "insert": idx >= 0}
+
+
+def stream_plan(corpus: data.Corpus, *, block_len: int, context_window: int, streams: int,
+                long_term: StoreSpec, d_model: int, dtype, max_tokens: int = 0) -> StreamPlan:
+  n = len(corpus) if not max_tokens else min(max_tokens, len(corpus))
+  wins = data.windows(n, block_len, context_window)
+  schedule, score = data.stream_schedule(wins, corpus.doc_starts, streams, long_term.mem_size,
+                                         long_term.reset_at_documents)
+  q = block_len - context_window
+  store = long_memory.empty(streams, long_memory.capacity(long_term.mem_size, context_window, q), d_model, dtype)
+  return StreamPlan(n, wins, schedule, score, q, store, np.asarray(corpus.doc_starts, np.int64))
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Drivers
+# The one driver.
 # ----------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
-class EvalResult:
-  name: str
+class Score:
+  point: Point
   nll: float  # mean nats per scored token
   tokens: int
   seconds: float
   bytes_level: bool
+
+  @property
+  def name(self) -> str:
+    return self.point.name
 
   @property
   def ppl(self) -> float:
@@ -223,161 +399,229 @@ class EvalResult:
     return d
 
 
-def _results(variants, totals, scored_tokens, seconds, corpus) -> list[EvalResult]:
-  is_bytes = corpus.vocab.kind == "bytes"
-  return [EvalResult(name, float(tot / max(scored_tokens, 1)), scored_tokens, seconds, is_bytes)
-          for name, tot in zip(variants.names(), totals)]
-
-
-def evaluate(graphdef, params, corpus: D.Corpus, *, block_len: int, context_window: int, batch_size: int,
-             variants: Variants = Variants(), vocab_chunk: int = 0, max_tokens: int = 0,
-             progress: bool = False) -> list[EvalResult]:
-  """Score `corpus` (one stream) under every variant in one pass; returns one `EvalResult` per variant.
-
-  With `variants.mem_size > 0` this is `evaluate_streams` (long-term store, `batch_size` parallel streams).
-  """
-  if variants.mem_size:
-    return evaluate_streams(graphdef, params, corpus, block_len=block_len, context_window=context_window,
-                            streams=batch_size, variants=variants, vocab_chunk=vocab_chunk,
-                            max_tokens=max_tokens, progress=progress)
-  n = len(corpus) if not max_tokens else min(max_tokens, len(corpus))
-  wins = windows(n, block_len, context_window)
-  totals = np.zeros(len(variants.names()))
-  scored_tokens = 0
-  t0 = time.perf_counter()
-  batches = range(0, len(wins), batch_size)
-  for i in tqdm(batches, desc="eval", disable=not progress, unit="batch"):
-    chunk = wins[i:i + batch_size]
-    chunk = chunk + [chunk[-1]] * (batch_size - len(chunk))  # fixed shapes: repeat, then mask out
-    inputs, targets, scored = window_batch(corpus, chunk, block_len)
-    real = len(wins[i:i + batch_size])
-    scored[real:] = False
-    totals += np.asarray(eval_step(graphdef, params, inputs, targets, scored, variants=variants,
-                                   vocab_chunk=vocab_chunk), np.float64)
-    scored_tokens += int(scored.sum())
-  return _results(variants, totals, scored_tokens, time.perf_counter() - t0, corpus)
-
-
-def stream_schedule(wins: list[Window], doc_starts, streams: int, mem_size: int, reset_at_documents: bool):
-  """Which window each stream runs at each step: (window [T, streams] int64, -1 = idle; score [T, streams]).
-
-  The windows are cut into `streams` contiguous runs of about equal length; a run starting at window k is
-  preceded by warm-up windows (run, inserted into the store, not scored): those whose scored tokens lie in
-  [lo, score_start_k), lo = start_k - mem_size (raised to the start of score_start_k's document with
-  `reset_at_documents`); every later window of the run needs nothing older. Each cut is placed, within a
-  quarter run of its even position, where the warm-up is shortest (e.g. at a document start).
-  """
-  n_w = len(wins)
-  start = np.array([w.start for w in wins], np.int64)
-  score_start = np.array([w.score_start for w in wins], np.int64)
-  end = np.array([w.end for w in wins], np.int64)
-  lo = start - mem_size
-  if reset_at_documents:
-    doc_starts = np.asarray(doc_starts, np.int64)
-    lo = np.maximum(lo, doc_starts[np.searchsorted(doc_starts, score_start, side="right") - 1])
-  first = np.searchsorted(end, lo, side="right") if mem_size else np.arange(n_w)
-  warm = np.arange(n_w) - np.minimum(first, np.arange(n_w))
-  s = max(1, min(streams, n_w))
-  radius = max(1, n_w // (4 * s))
-  cuts = [0]
-  for i in range(1, s):
-    target = round(i * n_w / s)
-    cand = np.arange(max(cuts[-1] + 1, target - radius), min(n_w - (s - i), target + radius) + 1)
-    cuts.append(int(cand[np.lexsort((np.abs(cand - target), warm[cand]))[0]]))
-  cuts.append(n_w)
-  runs = [(np.arange(a - warm[a], b), np.arange(a - warm[a], b) >= a) for a, b in zip(cuts[:-1], cuts[1:])]
-  t = max(len(w) for w, _ in runs)
-  win = np.full((t, streams), -1, np.int64)
-  score = np.zeros((t, streams), bool)
-  for j, (w, sc) in enumerate(runs):
-    win[:len(w), j], score[:len(w), j] = w, sc
-  return win, score
-
-
 @dataclasses.dataclass
-class StreamPlan:
-  """What a streamed evaluation runs: the windows, which window each stream runs at each step, and the
-  empty long-term store (see `stream_schedule`)."""
+class EvalResult:
+  scores: list  # [Score] per point, in the order given
+  bucket_nll: np.ndarray  # [P, n_buckets] mean nll per frequency bucket (nan where a bucket is empty)
+  bucket_tokens: np.ndarray  # [n_buckets]
+  retrieval_hits: np.ndarray  # [len(knn.RETRIEVAL_KS)] scored tokens whose target is in the top-k next tokens
+  seconds: float
+  search_seconds: float
 
-  num_targets: int
-  wins: list
-  sched: np.ndarray  # [T, streams] window index, -1 = idle
-  score: np.ndarray  # [T, streams] bool: scored (False: warm-up, insert only)
-  queries: int  # Q = block_len - context_window scored positions per window
-  store: LM.Store
-  doc_starts: np.ndarray
+  @property
+  def tokens(self) -> int:
+    return self.scores[0].tokens
 
-  def batch(self, corpus: D.Corpus, step: int, block_len: int) -> dict:
-    """Host arrays of step `step`: inputs / targets [S, L]; start, offset (score_start - start), end [S];
-    doc_q [S, Q] document of each query; score, insert [S] bool."""
-    idx = self.sched[step]
-    ws = [self.wins[max(i, 0)] for i in idx]
-    inputs, targets, _ = window_batch(corpus, ws, block_len)
-    start = np.array([w.start for w in ws], np.int32)
-    offset = np.array([w.score_start - w.start for w in ws], np.int32)
-    qpos = start[:, None] + offset[:, None] + np.arange(self.queries)[None, :]
-    return {"inputs": inputs, "targets": targets, "start": start, "offset": offset,
-            "end": np.array([w.end for w in ws], np.int32),
-            "doc_q": (np.searchsorted(self.doc_starts, qpos, side="right") - 1).astype(np.int32),
-            "score": self.score[step], "insert": idx >= 0}
+  def retrieval_accuracy(self) -> dict:
+    return {f"top{k}": float(h) / max(self.tokens, 1) for k, h in zip(knn.RETRIEVAL_KS, self.retrieval_hits)}
 
 
-def stream_plan(graphdef, params, corpus: D.Corpus, *, block_len: int, context_window: int, streams: int,
-                mem_size: int, reset_at_documents: bool, max_tokens: int = 0) -> StreamPlan:
-  n = len(corpus) if not max_tokens else min(max_tokens, len(corpus))
-  wins = windows(n, block_len, context_window)
-  sched, score = stream_schedule(wins, corpus.doc_starts, streams, mem_size, reset_at_documents)
-  q = block_len - context_window
-  cfg = nnx.merge(graphdef, params).cfg
-  store = LM.empty(streams, LM.capacity(mem_size, context_window, q), cfg.d_model, jnp.dtype(cfg.dtype))
-  return StreamPlan(n, wins, sched, score, q, store, np.asarray(corpus.doc_starts, np.int64))
-
-
-def evaluate_streams(graphdef, params, corpus: D.Corpus, *, block_len: int, context_window: int, streams: int,
-                     variants: Variants, vocab_chunk: int = 0, max_tokens: int = 0,
-                     progress: bool = False) -> list[EvalResult]:
-  """`evaluate` with a long-term store: `streams` parallel streams, each a run of consecutive windows with its
-  own on-device ring buffer of `long_memory.capacity(mem_size, ...)` slots. Results do not depend on
-  `streams` (up to float rounding)."""
-  plan = stream_plan(graphdef, params, corpus, block_len=block_len, context_window=context_window,
-                     streams=streams, mem_size=variants.mem_size, reset_at_documents=variants.reset_at_documents,
+def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, context_window: int, streams: int,
+             long_term: StoreSpec = StoreSpec(), external: knn.ExternalMemory | None = None, vocab_chunk: int = 0,
+             max_tokens: int = 0, word_buckets_V=None, progress: bool = False) -> EvalResult:
+  """Score `corpus` under every point in one pass: `streams` parallel streams, each with a long-term store of
+  `long_term.mem_size` tokens, plus one top-K search per scored token when `external` is given. Results do not
+  depend on `streams` (up to float rounding)."""
+  points = tuple(points)
+  if not points:
+    raise ConfigError("nothing to evaluate: no points")
+  if any(p.needs_external for p in points) and external is None:
+    raise ConfigError("external-memory families (trime, interp, knnlm, knnlm_cache) need a datastore + index "
+                      "(eval.datastore)")
+  if streams < 1:
+    raise ConfigError(f"eval.batch_size (streams) must be >= 1, got {streams}")
+  model_cfg = nnx.merge(graphdef, params).cfg
+  if block_len > model_cfg.max_len:
+    raise CheckpointError(f"eval.block_len={block_len} exceeds the model's max_len={model_cfg.max_len}")
+  if external is not None and external.dimension != model_cfg.d_model:
+    raise ConfigError(f"datastore keys have dimension {external.dimension}, the model's keys {model_cfg.d_model}")
+  plan = stream_plan(corpus, block_len=block_len, context_window=context_window, streams=streams,
+                     long_term=long_term, d_model=model_cfg.d_model, dtype=jnp.dtype(model_cfg.dtype),
                      max_tokens=max_tokens)
-  store = plan.store
-  totals = np.zeros(len(variants.names()))
+  n, store = plan.num_targets, plan.store
+  buckets = np.zeros(model_cfg.vocab_size, np.int32) if word_buckets_V is None else np.asarray(word_buckets_V)
+  n_buckets = len(knn.FREQ_BUCKETS)
+  totals = np.zeros(len(points))
+  bucket_totals = np.zeros((len(points), n_buckets))
+  bucket_counts = np.zeros(n_buckets)
+  hits = np.zeros(len(knn.RETRIEVAL_KS), np.int64)
+  search_s0 = external.search_seconds if external is not None else 0.0
   t0 = time.perf_counter()
-  for step in tqdm(range(len(plan.sched)), desc=f"eval mem={variants.mem_size}", disable=not progress,
-                   unit="step"):
+  desc = "eval" + (" (external)" if external else "") + (f" mem={long_term.mem_size}" if long_term.mem_size else "")
+  for step in tqdm(range(len(plan.schedule)), desc=desc, disable=not progress, unit="step"):
     batch = plan.batch(corpus, step, block_len)
-    sums, store = long_eval_step(graphdef, params, store, batch, variants=variants, vocab_chunk=vocab_chunk)
+    keys, q_keys, q_stats, q_targets, qpos = forward_queries(graphdef, params, batch["inputs"], batch["targets"],
+                                                             batch["offset"], queries=plan.queries,
+                                                             vocab_chunk=vocab_chunk)
+    q_targets_np = np.asarray(q_targets)
+    ext_sim = ext_targets = None
+    if external is not None:
+      qpos_np = batch["start"][:, None] + np.asarray(qpos)
+      scored = (qpos_np < batch["end"][:, None]) & (q_targets_np >= 0) & batch["score"][:, None]
+      ext_sim = np.zeros(scored.shape + (external.k,), np.float32)
+      ext_targets = np.full(scored.shape + (external.k,), -1, np.int32)
+      if scored.any():  # one search per scored token; warm-up windows only fill the store
+        got = external.retrieve(np.asarray(q_keys)[scored])
+        ext_sim[scored], ext_targets[scored] = got.sim, got.targets
+        hits += knn.retrieval_hits(got.targets, q_targets_np[scored])
+    bucket_q = buckets[np.maximum(q_targets_np, 0)]
+    sums, bucket_sums, bucket_count, store = score_step(
+        store, keys, batch["targets"], q_keys, q_stats, q_targets, qpos, batch, ext_sim, ext_targets, bucket_q,
+        points=points, long_term=long_term, n_buckets=n_buckets)
     totals += np.asarray(sums, np.float64)
-  return _results(variants, totals, plan.num_targets, time.perf_counter() - t0, corpus)
+    bucket_totals += np.asarray(bucket_sums, np.float64)
+    bucket_counts += np.asarray(bucket_count, np.float64)
+  seconds = time.perf_counter() - t0
+  is_bytes = corpus.vocab.kind == "bytes"
+  scores = [Score(p, float(t / max(n, 1)), n, seconds, is_bytes) for p, t in zip(points, totals)]
+  with np.errstate(invalid="ignore", divide="ignore"):
+    bucket_nll = np.where(bucket_counts > 0, bucket_totals / bucket_counts, np.nan)
+  search = (external.search_seconds - search_s0) if external is not None else 0.0
+  return EvalResult(scores, bucket_nll, bucket_counts, hits, seconds, search)
 
 
-def variants_from_config(ecfg, mem_size: int | None = None) -> Variants:
-  """`Variants` of the `eval` config section (`mem_size` overrides `eval.mem_size`, e.g. in a sweep)."""
-  if ecfg.memory not in EVAL_MEMORIES:
-    raise ConfigError(f"eval.memory must be one of {EVAL_MEMORIES}, got {ecfg.memory!r}")
-  mem = int(ecfg.mem_size if mem_size is None else mem_size)
-  if mem < 0:
-    raise ConfigError(f"eval.mem_size must be >= 0, got {mem}")
-  long = dict(mem_size=mem, reset_at_documents=bool(ecfg.reset_at_documents))
-  if ecfg.memory == "local":
-    return Variants(taus=TAU_GRID if ecfg.tune else (float(ecfg.temperature),), **long)
-  if ecfg.memory == "cache":
-    if ecfg.tune:
-      return Variants(cache=tuple(itertools.product(CACHE_LAMBDA_GRID, CACHE_THETA_GRID)), **long)
-    if not 0.0 < ecfg.cache_lambda < 1.0:
-      raise ConfigError(f"eval.cache_lambda must be in (0, 1), got {ecfg.cache_lambda}")
-    return Variants(cache=((float(ecfg.cache_lambda), float(ecfg.cache_theta)),), **long)
-  return Variants()
+# ----------------------------------------------------------------------------------------------------------
+# The one tuner.
+# ----------------------------------------------------------------------------------------------------------
+def tune(result: EvalResult) -> dict:
+  """{group: Score} of the lowest-nll point of each group (family; `interp`: each P′ memory); the first of
+  equal ones."""
+  best = {}
+  for s in result.scores:
+    if s.point.group not in best or s.nll < best[s.point.group].nll:
+      best[s.point.group] = s
+  return best
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A whole evaluation of an exported checkpoint (launch.eval, launch.eval_ext and launch.demo wrap this).
+# ----------------------------------------------------------------------------------------------------------
+def load_eval_data(config, vocab):
+  """The config's corpora encoded with the checkpoint's vocabulary (kinds must agree)."""
+  splits = corpora.load_splits(config.data, vocab=vocab if vocab.kind == "words" else None)
+  if splits.vocab.kind != vocab.kind or len(splits.vocab) != len(vocab):
+    raise CheckpointError(
+        f"checkpoint vocabulary ({vocab.kind}, {len(vocab)} tokens) does not match data.corpus="
+        f"{config.data.corpus!r} ({splits.vocab.kind}, {len(splits.vocab)} tokens)")
+  return splits
+
+
+def families_of(e, external_memory: bool) -> tuple:
+  """Families an evaluation scores: every family with external memory; else `none` and eval.memory's."""
+  if external_memory:
+    return FAMILIES
+  if e.memory not in EVAL_MEMORIES:
+    raise ConfigError(f"eval.memory must be one of {tuple(EVAL_MEMORIES)}, got {e.memory!r}")
+  return ("none",) + ((EVAL_MEMORIES[e.memory],) if EVAL_MEMORIES[e.memory] else ())
+
+
+def _rows(result: EvalResult, *, split: str, mem_size: int, best: dict | None, dev_best: dict | None,
+          label: str) -> list[dict]:
+  rows = []
+  for s in result.scores:
+    row = {**s.as_dict(), "family": s.point.family, "params": s.point.params, "mem_size": mem_size, "split": split,
+           f"{split}_ppl": s.ppl}
+    if s.point.family == "interp":
+      row["interp_memory"] = s.point.interp_memory  # "external" (the original's P′) or "all" (the paper's text)
+    if s.bytes_level:
+      row[f"{split}_bpc"] = s.bits_per_token
+    if dev_best is not None:
+      row["dev_ppl"] = dev_best[s.point.group].ppl
+    if best is not None and s.point.family != "none" and best[s.point.group] is s:
+      row["best"] = True
+      if len(result.scores) > len(best):  # a grid: mark its best points
+        row["variant"] += "  <- best"
+    if label:
+      row["model"] = label
+    rows.append(row)
+  return rows
+
+
+def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = False, mem_sizes=None,
+                        label: str = "", progress: bool = False, throughput_tokens: int = 0) -> dict:
+  """Evaluate an export on `config.eval.split`, for each long-term memory size of `mem_sizes` (default:
+  eval.mem_size). Families: `families_of(config.eval, external_memory)`; external memory needs
+  eval.datastore.
+
+  With eval.tune every family's parameters are grid-searched on dev (the interpolation for both P′ memories):
+  when the split is dev the grid's rows are the result (the best of each group marked), otherwise the best
+  points are applied to the split (rows carry dev_ppl). Returns {"rows": [...], ...}: rows with family, params,
+  variant, nll, ppl, <split>_ppl, tokens, mem_size, split (+ model, dev_ppl, best); with external memory also
+  retrieval accuracy, frequency-bucket perplexities and (if `throughput_tokens`) throughput with vs without
+  external memory."""
+  checkpoint_dir = os.path.abspath(checkpoint_dir)
+  graphdef, params, train_config, vocab, _ = ckpt.load_export(checkpoint_dir)
+  splits = load_eval_data(config, vocab)
+  e = config.eval
+  families = families_of(e, external_memory)
+  if e.interp_memory not in INTERP_MEMORIES:
+    raise ConfigError(f"eval.interp_memory must be one of {INTERP_MEMORIES}, got {e.interp_memory!r}")
+  knn_memory = buckets = None
+  if external_memory:
+    if not e.datastore:
+      raise ConfigError("eval.datastore is not set: build one with `python -m launch.build_datastore`")
+    knn_memory = knn.ExternalMemory(e.datastore, index_path=e.index, checkpoint_dir=checkpoint_dir, k=e.knn_k,
+                                    nprobe=e.nprobe, exact=e.knn_exact, gpu=e.knn_gpu)
+    buckets = knn.frequency_buckets(splits.train.tokens, len(vocab)) if vocab.kind == "words" else None
+  points = grid(families) if e.tune else configured_points(e, families)
+  sizes = [int(m) for m in mem_sizes] if mem_sizes else [int(e.mem_size)]
+  if families == ("none",):
+    sizes = [0]  # nothing reads the store
+  run = functools.partial(evaluate, graphdef, params, block_len=e.block_len, context_window=e.context_window,
+                          streams=e.batch_size, external=knn_memory, vocab_chunk=train_config.train.vocab_chunk,
+                          max_tokens=e.max_tokens, word_buckets_V=buckets, progress=progress)
+  out = {"checkpoint": checkpoint_dir, "split": e.split, "rows": []}
+  if external_memory:
+    out.update(datastore=e.datastore, index=knn_memory.index.kind, k=knn_memory.k, nprobe=e.nprobe,
+               exact=bool(e.knn_exact), mem_size=sizes[0])
+  for mem_size in sizes:
+    long_term = StoreSpec(mem_size, bool(e.reset_at_documents))
+    best = dev_best = None
+    if e.tune:
+      dev = run(splits.dev, points, long_term=long_term)
+      best = tune(dev)
+      if e.split == "dev":
+        result = dev
+      else:
+        dev_best = best
+        out.setdefault("dev_grid", []).extend({"variant": s.name, "mem_size": mem_size, "dev_ppl": s.ppl}
+                                              for s in dev.scores)
+        result = run(splits.get(e.split), (NONE,) + tuple(b.point for g, b in best.items() if g != "none"),
+                     long_term=long_term)
+        best = {s.point.group: s for s in result.scores}
+    else:
+      result = run(splits.get(e.split), points, long_term=long_term)
+    out["rows"] += _rows(result, split=e.split, mem_size=mem_size, best=best, dev_best=dev_best, label=label)
+  if external_memory:  # of the last memory size
+    out["retrieval_accuracy"] = result.retrieval_accuracy()
+    out["search_seconds"], out["seconds"] = result.search_seconds, result.seconds
+    if buckets is not None:
+      out["buckets"] = {"names": [b[2] for b in knn.FREQ_BUCKETS], "tokens": result.bucket_tokens.tolist(),
+                        "ppl": {s.name: np.exp(result.bucket_nll[i]).tolist() for i, s in enumerate(result.scores)}}
+    if throughput_tokens:
+      tau = next((s.point.tau for s in result.scores if s.point.family == "trime"), 1.0)
+      timed = []
+      for ext, pt in ((knn_memory, Point("trime", tau=tau)), (None, Point("trime_local", tau=tau))):
+        corpus = splits.get(e.split)
+        timing = functools.partial(run, corpus, (pt,), long_term=long_term, external=ext, word_buckets_V=None,
+                                   progress=False)
+        timing(max_tokens=min(throughput_tokens, 1024))  # untimed: neither side's timing includes compilation
+        timed.append(timing(max_tokens=throughput_tokens))
+      with_ext, without = timed
+      a, b = with_ext.tokens / with_ext.seconds, without.tokens / without.seconds
+      out["throughput"] = {"tokens": with_ext.tokens, "with_external_tok_s": a, "without_tok_s": b, "ratio": a / b,
+                           "search_share": with_ext.search_seconds / with_ext.seconds}
+  return out
 
 
 def format_table(rows: list[dict], columns=("variant", "ppl", "bpc", "nll", "tokens", "tokens_per_s")) -> str:
   cols = [c for c in columns if any(c in r for r in rows)]
+
   def fmt(v):
     if isinstance(v, float):
       return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}" if abs(v) < 10 else f"{v:.2f}"
     return f"{v:,}" if isinstance(v, int) else str(v)
+
   cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
   widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
   lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths)) + " |",

@@ -14,17 +14,24 @@ softmax exactly (no additive -10000 masks anywhere). Implementations:
 
 * dense (`memory_nll`, `memory_log_probs`): explicit `[N, M]` masks, for tests and small memories;
 * blockwise (`memory_log_terms`): scans memory chunks with a running log-sum-exp under a custom VJP that
-  recomputes similarities in the backward pass, so no `[N, M]` float array is ever held for the batch.
+  recomputes similarities in the backward pass, so no `[N, M]` float array is ever held for the batch. Its
+  kernels (`fold_memory`, `memory_grads`) are public: `sharded_loss`'s ring folds each passing block with them.
 * `trime_nll` exploits structure: local memory is block-diagonal (one `[L, L]` block per segment) and
   long-term memory is block-diagonal per document run; only external memory spans the whole batch. Its
   default `implementation="auto"` keeps the per-group blocks for autodiff when they fit a 64 MiB budget
   (no recomputation) and switches to the blockwise kernel when they do not.
+
+The objective's options (memory kind, run length, temperature, stop-gradient, implementation, chunking) are one
+frozen `ObjectiveSpec`, built from the config once (`ObjectiveSpec.from_config`) and handed to the loss. At test
+time the same `TokenMeta` + `visible` decide what a query sees (`evaluate.py`: the window, the long-term store
+via `span`, retrieved entries as rows of their own).
 
 Shapes in names: N queries, M memories, D key dim, V vocabulary, B segments, L tokens per segment.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -52,7 +59,7 @@ class VocabStats(NamedTuple):
   target_logit: jax.Array  # [...] logit of the target token (0 where the target is padding)
 
 
-def _acc(*xs):
+def accumulation_dtype(*xs):
   """Accumulation dtype: at least float32 (float64 stays float64, bfloat16 is promoted)."""
   return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
 
@@ -72,7 +79,7 @@ def _safe_targets(targets):
 
 def vocab_stats(token_logits, targets) -> VocabStats:
   """From full logits `[..., V]` and integer targets `[...]` (negative = padding)."""
-  logits = token_logits.astype(_acc(token_logits))
+  logits = token_logits.astype(accumulation_dtype(token_logits))
   lse = jax.nn.logsumexp(logits, axis=-1)
   tgt = jnp.take_along_axis(logits, _safe_targets(targets)[..., None], axis=-1)[..., 0]
   return VocabStats(lse, tgt)
@@ -88,7 +95,7 @@ def _vocab_chunks(chunk, weight_VxD, bias_V):
   n_chunks = -(-v // chunk)
   pad = n_chunks * chunk - v
   w = jnp.pad(weight_VxD, ((0, pad), (0, 0))).reshape(n_chunks, chunk, -1)
-  b = jnp.pad(bias_V.astype(_acc(weight_VxD, bias_V)), (0, pad)).reshape(n_chunks, chunk)
+  b = jnp.pad(bias_V.astype(accumulation_dtype(weight_VxD, bias_V)), (0, pad)).reshape(n_chunks, chunk)
   real = (jnp.arange(n_chunks * chunk) < v).reshape(n_chunks, chunk)
   return w, b, real
 
@@ -147,11 +154,11 @@ def chunked_vocab_stats(hidden, weight_VxD, targets, *, bias_V=None, chunk=8192)
   lead = hidden.shape[:-1]
   h = hidden.reshape(-1, hidden.shape[-1])
   t = targets.reshape(-1)
-  bias = jnp.zeros((weight_VxD.shape[0],), _acc(hidden, weight_VxD)) if bias_V is None else bias_V
+  bias = jnp.zeros((weight_VxD.shape[0],), accumulation_dtype(hidden, weight_VxD)) if bias_V is None else bias_V
   chunk = int(min(chunk, weight_VxD.shape[0]))
   lse = _chunked_logsumexp(chunk, h, weight_VxD, bias)
   safe = _safe_targets(t)
-  acc = _acc(hidden, weight_VxD, bias)
+  acc = accumulation_dtype(hidden, weight_VxD, bias)
   tgt = jnp.einsum("nd,nd->n", h, weight_VxD[safe], preferred_element_type=acc) + bias[safe].astype(acc)
   return VocabStats(lse.reshape(lead), tgt.reshape(lead))
 
@@ -169,22 +176,33 @@ class TokenMeta(NamedTuple):
   doc: jax.Array  # document id: causal memory only within the same document (constant unless packed runs)
 
 
-def visible(query: TokenMeta, memory: TokenMeta, causal, cross_rows: bool):
-  """`[N, M]` bool: memory j is visible to query i.
+def visible(query: TokenMeta, memory: TokenMeta, causal, cross_rows: bool, span=None):
+  """`[..., N, M]` bool: memory j is visible to query i (queries `[..., N]`, memories `[..., M]`).
 
-  causal (bool scalar or `[N]` per query, may be traced): earlier tokens of the same group and document are
-  visible (local / long-term memory); a query whose `causal` is False has no such memory (ext memory's
-  dropped local memory, drawn per segment). cross_rows (static): every token of every *other* row is visible
-  (external in-batch memory). Padding memories (target < 0) are never visible.
+  causal (bool scalar or `[..., N]` per query, may be traced): earlier tokens of the same group and document
+  are visible (local / long-term memory); a query whose `causal` is False has no such memory (ext memory's
+  dropped local memory, drawn per segment). span (optional, test-time long-term store): only earlier tokens
+  at most `span` before the query's order. cross_rows (static): every token of every *other* row is visible
+  (external in-batch memory; at test time, retrieved entries carry row -1). Padding memories (target < 0)
+  are never visible.
   """
   causal = jnp.asarray(causal, bool)
-  causal = causal[:, None] if causal.ndim else causal
-  earlier = ((query.group[:, None] == memory.group[None, :]) & (query.doc[:, None] == memory.doc[None, :])
-             & (memory.order[None, :] < query.order[:, None]))
+  causal = causal[..., None] if causal.ndim else causal
+  q = lambda x: x[..., :, None]
+  m = lambda x: x[..., None, :]
+  same_group = (q(query.group) == m(memory.group)) & (q(query.doc) == m(memory.doc))
+  earlier = same_group & (m(memory.order) < q(query.order))
+  if span is not None:
+    earlier = earlier & (m(memory.order) >= q(query.order) - span)
   vis = earlier & causal
   if cross_rows:
-    vis = vis | (query.row[:, None] != memory.row[None, :])
-  return vis & (memory.target[None, :] >= 0)
+    vis = vis | (q(query.row) != m(memory.row))
+  return vis & (m(memory.target) >= 0)
+
+
+def positive(query: TokenMeta, memory: TokenMeta, vis):
+  """`[..., N, M]` bool: visible memories whose next token is the query's target (the numerator's terms)."""
+  return vis & (memory.target[..., None, :] == query.target[..., :, None])
 
 
 def batch_meta(targets_BxL, memory: str, consecutive_segments: int = 1, row_offset=0,
@@ -240,13 +258,18 @@ def masked_logsumexp_with(first_N, scores_NxM, mask_NxM):
 
 
 def _similarities(keys_NxD, memory_keys_MxD, scale):
-  acc = _acc(keys_NxD, memory_keys_MxD)
+  acc = accumulation_dtype(keys_NxD, memory_keys_MxD)
   return jnp.einsum("nd,md->nm", keys_NxD, memory_keys_MxD, preferred_element_type=acc,
                     precision=similarity_precision(keys_NxD, memory_keys_MxD)) * scale
 
 
 def _scale(d: int, temperature):
   return 1.0 / (math.sqrt(d) * temperature)
+
+
+def similarity_scale(d: int, temperature, dtype):
+  """1 / (√d · τ) in `dtype` (τ may be traced): the factor on q·k of the blockwise paths."""
+  return jnp.asarray(_scale(d, 1.0), dtype) / jnp.asarray(temperature, dtype)
 
 
 def _dense_nll(stats: VocabStats, keys, targets, memory_keys, memory_targets, memory_mask, scale):
@@ -282,7 +305,7 @@ def memory_nll(token_logits, keys, targets, memory_keys, memory_targets, memory_
 @jax.jit
 def _memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask, scale):
   n, v = token_logits.shape
-  logits = token_logits.astype(_acc(token_logits, keys))
+  logits = token_logits.astype(accumulation_dtype(token_logits, keys))
   mask = memory_mask & (memory_targets[None, :] >= 0)
   sim_MxN = jnp.where(mask, _similarities(keys, memory_keys, scale), -jnp.inf).T
   buckets = jnp.maximum(memory_targets, 0)
@@ -301,14 +324,16 @@ def memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mas
   exp(sim) of every visible memory is scattered into its target's vocabulary bucket with a jit-compiled
   segment sum and added to exp(logits) before normalising.
   """
-  scale = jnp.asarray(_scale(keys.shape[-1], temperature), _acc(keys))
+  scale = jnp.asarray(_scale(keys.shape[-1], temperature), accumulation_dtype(keys))
   return _memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask, scale)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Blockwise path: running log-sum-exp over memory chunks, custom VJP that recomputes similarities.
+# Blockwise path: running log-sum-exp over memory chunks, custom VJP that recomputes similarities. The kernels
+# (`fold_memory`, `memory_grads`) are public: the ring of `sharded_loss` folds each passing block with them.
 # ----------------------------------------------------------------------------------------------------------
-def _chunk_memory(chunk, keys_MxD, meta: TokenMeta):
+def chunk_memory(chunk, keys_MxD, meta: TokenMeta):
+  """Keys `[n_chunks, chunk, D]` and metadata `[n_chunks, chunk]` (padding: target -1, never visible)."""
   m = keys_MxD.shape[0]
   n_chunks = -(-m // chunk)
   pad = n_chunks * chunk - m
@@ -317,12 +342,72 @@ def _chunk_memory(chunk, keys_MxD, meta: TokenMeta):
   return keys, padded
 
 
-def _block_terms(q_NxD, k_CxD, qmeta, kmeta, causal, scale, cross_rows):
+def block_terms(q_NxD, k_CxD, qmeta, kmeta, causal, scale, cross_rows):
+  """(similarities `[N, C]` at `scale`, visible, positive) of queries against one memory chunk."""
   s = jnp.einsum("nd,cd->nc", q_NxD, k_CxD, preferred_element_type=scale.dtype,
                  precision=similarity_precision(q_NxD, k_CxD)) * scale
   vis = visible(qmeta, kmeta, causal, cross_rows)
-  pos = vis & (kmeta.target[None, :] == qmeta.target[:, None])
-  return s, vis, pos
+  return s, vis, positive(qmeta, kmeta, vis)
+
+
+def start_log_terms(stats: VocabStats, dtype):
+  """Running (max, sum) of log Z and log P before any memory: the vocabulary terms alone."""
+  lse, tgt = stats.log_normalizer.astype(dtype), stats.target_logit.astype(dtype)
+  one = jnp.ones_like(lse)
+  return lse, one, tgt, one
+
+
+def finish_log_terms(state):
+  """(log Z, log P) `[N]` from the running (max, sum) pairs."""
+  mz, sz, mp, sp = state
+  return mz + jnp.log(sz), mp + jnp.log(sp)
+
+
+def fold_memory(chunk, q_NxD, qmeta, causal, scale, cross_rows, state, k_MxD, kmeta):
+  """Add a memory `[M, D]` to the running (max, sum) of log Z and log P, chunk by chunk."""
+  kc, mc = chunk_memory(chunk, k_MxD, kmeta)
+
+  def body(carry, blk):
+    mz, sz, mp, sp = carry
+    s, vis, pos = block_terms(q_NxD, blk[0], qmeta, blk[1], causal, scale, cross_rows)
+    sz_masked = jnp.where(vis, s, -jnp.inf)
+    sp_masked = jnp.where(pos, s, -jnp.inf)
+    new_mz = jnp.maximum(mz, sz_masked.max(axis=-1))
+    new_mp = jnp.maximum(mp, sp_masked.max(axis=-1))
+    sz = sz * jnp.exp(mz - new_mz) + jnp.exp(sz_masked - new_mz[:, None]).sum(axis=-1)
+    sp = sp * jnp.exp(mp - new_mp) + jnp.exp(sp_masked - new_mp[:, None]).sum(axis=-1)
+    return (new_mz, sz, new_mp, sp), None
+
+  return jax.lax.scan(body, state, (kc, mc))[0]
+
+
+def memory_grads(chunk, q_NxD, qmeta, causal, scale, cross_rows, log_z, log_p, g_z, g_p, with_dk, k_MxD, kmeta):
+  """(dq `[N, D]`, dk `[M, D]` or None) of a memory's part of (log Z, log P) under cotangents (g_z, g_p),
+  similarities recomputed chunk by chunk."""
+  kc, mc = chunk_memory(chunk, k_MxD, kmeta)
+  acc = scale.dtype
+  q32 = q_NxD.astype(acc)
+  prec = similarity_precision(q_NxD, k_MxD)
+
+  def body(dq, blk):
+    s, vis, pos = block_terms(q_NxD, blk[0], qmeta, blk[1], causal, scale, cross_rows)
+    # d logZ_i / d s_ij = vis·softmax weight; d logP_i / d s_ij = pos·weight within the positives.
+    g = g_z[:, None] * jnp.exp(jnp.where(vis, s - log_z[:, None], -jnp.inf))
+    g = g + g_p[:, None] * jnp.exp(jnp.where(pos, s - log_p[:, None], -jnp.inf))
+    g = g * scale
+    dq = dq + jnp.einsum("nc,cd->nd", g, blk[0].astype(acc), precision=prec)
+    return dq, jnp.einsum("nc,nd->cd", g, q32, precision=prec) if with_dk else None
+
+  dq, dk = jax.lax.scan(body, jnp.zeros(q_NxD.shape, acc), (kc, mc))
+  return dq, (dk.reshape(-1, k_MxD.shape[-1])[: k_MxD.shape[0]] if with_dk else None)
+
+
+def vocab_stats_grads(stats: VocabStats, log_z, log_p, g_z, g_p) -> VocabStats:
+  """Cotangents of the vocabulary terms: each is one term of log Z (log P)."""
+  return VocabStats(
+      (g_z * jnp.exp(stats.log_normalizer - log_z)).astype(stats.log_normalizer.dtype),
+      (g_p * jnp.exp(stats.target_logit - log_p)).astype(stats.target_logit.dtype),
+  )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -336,51 +421,17 @@ def memory_log_terms(cross_rows, chunk, q_NxD, k_MxD, qmeta, kmeta, causal, scal
 
 
 def _memory_log_terms_fwd(cross_rows, chunk, q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats):
-  kc, mc = _chunk_memory(chunk, k_MxD, kmeta)
-
-  def body(carry, blk):
-    mz, sz, mp, sp = carry
-    s, vis, pos = _block_terms(q_NxD, blk[0], qmeta, blk[1], causal, scale, cross_rows)
-    sz_masked = jnp.where(vis, s, -jnp.inf)
-    sp_masked = jnp.where(pos, s, -jnp.inf)
-    new_mz = jnp.maximum(mz, sz_masked.max(axis=-1))
-    new_mp = jnp.maximum(mp, sp_masked.max(axis=-1))
-    sz = sz * jnp.exp(mz - new_mz) + jnp.exp(sz_masked - new_mz[:, None]).sum(axis=-1)
-    sp = sp * jnp.exp(mp - new_mp) + jnp.exp(sp_masked - new_mp[:, None]).sum(axis=-1)
-    return (new_mz, sz, new_mp, sp), None
-
-  lse = stats.log_normalizer.astype(scale.dtype)
-  tgt = stats.target_logit.astype(scale.dtype)
-  one = jnp.ones_like(lse)
-  (mz, sz, mp, sp), _ = jax.lax.scan(body, (lse, one, tgt, one), (kc, mc))
-  log_z, log_p = mz + jnp.log(sz), mp + jnp.log(sp)
+  state = fold_memory(chunk, q_NxD, qmeta, causal, scale, cross_rows, start_log_terms(stats, scale.dtype), k_MxD,
+                      kmeta)
+  log_z, log_p = finish_log_terms(state)
   return (log_z, log_p), (q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats, log_z, log_p)
 
 
 def _memory_log_terms_bwd(cross_rows, chunk, res, cotangents):
   q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats, log_z, log_p = res
   g_z, g_p = cotangents
-  kc, mc = _chunk_memory(chunk, k_MxD, kmeta)
-  acc = scale.dtype
-  q32 = q_NxD.astype(acc)
-  prec = similarity_precision(q_NxD, k_MxD)
-
-  def body(dq, blk):
-    s, vis, pos = _block_terms(q_NxD, blk[0], qmeta, blk[1], causal, scale, cross_rows)
-    # d logZ_i / d s_ij = vis·softmax weight; d logP_i / d s_ij = pos·weight within the positives.
-    g = g_z[:, None] * jnp.exp(jnp.where(vis, s - log_z[:, None], -jnp.inf))
-    g = g + g_p[:, None] * jnp.exp(jnp.where(pos, s - log_p[:, None], -jnp.inf))
-    g = g * scale
-    dq = dq + jnp.einsum("nc,cd->nd", g, blk[0].astype(acc), precision=prec)
-    dk = jnp.einsum("nc,nd->cd", g, q32, precision=prec)
-    return dq, dk
-
-  dq, dk = jax.lax.scan(body, jnp.zeros(q_NxD.shape, acc), (kc, mc))
-  dk = dk.reshape(-1, k_MxD.shape[-1])[: k_MxD.shape[0]]
-  d_stats = VocabStats(
-      (g_z * jnp.exp(stats.log_normalizer - log_z)).astype(stats.log_normalizer.dtype),
-      (g_p * jnp.exp(stats.target_logit - log_p)).astype(stats.target_logit.dtype),
-  )
+  dq, dk = memory_grads(chunk, q_NxD, qmeta, causal, scale, cross_rows, log_z, log_p, g_z, g_p, True, k_MxD, kmeta)
+  d_stats = vocab_stats_grads(stats, log_z, log_p, g_z, g_p)
   return dq.astype(q_NxD.dtype), dk.astype(k_MxD.dtype), None, None, None, None, d_stats
 
 
@@ -396,13 +447,49 @@ def chunk_len(n_queries: int, n_memory: int, block_elems: int = DEFAULT_BLOCK_EL
 # ----------------------------------------------------------------------------------------------------------
 # The batch as its own memory.
 # ----------------------------------------------------------------------------------------------------------
-def _check_memory_args(memory, keys, targets, consecutive_segments):
-  if memory not in MEMORY_MODES:
-    raise ValueError(f"memory must be one of {MEMORY_MODES}, got {memory!r}")
-  if memory == "long" and keys.shape[0] % consecutive_segments:
+@dataclasses.dataclass(frozen=True)
+class ObjectiveSpec:
+  """The objective's options, stated once (hashable: part of a jit cache key). `trime_nll`,
+  `trime_nll_from_vocab_stats` and `sharded_loss` take one, or its fields as keywords."""
+
+  memory: str  # none | local | long | ext (see `trime_nll`)
+  consecutive_segments: int = 1  # memory="long": rows per document run
+  temperature: float = 1.0  # τ on memory logits (may be a traced scalar where the spec is not static)
+  stop_gradient_memory: bool = False  # no gradient into memory keys
+  implementation: str = "auto"  # auto | blockwise | dense (see IMPLEMENTATIONS)
+  block_elems: int = DEFAULT_BLOCK_ELEMS  # budget of one similarity block (blockwise path)
+  memory_chunk: int | None = None  # memory chunk length of the blockwise path (None: from block_elems)
+
+  def __post_init__(self):
+    if self.memory not in MEMORY_MODES:
+      raise ValueError(f"memory must be one of {MEMORY_MODES}, got {self.memory!r}")
+    if self.implementation not in IMPLEMENTATIONS:
+      raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}")
+    if self.memory == "long" and self.consecutive_segments < 1:
+      raise ValueError(f"consecutive_segments must be >= 1, got {self.consecutive_segments}")
+
+  @classmethod
+  def from_config(cls, config) -> "ObjectiveSpec":
+    """From the `trime` section (memory_chunk 0 = derived from the block budget)."""
+    t = config.trime
+    return cls(memory=t.memory, consecutive_segments=int(t.consecutive_segments), temperature=float(t.temperature),
+               stop_gradient_memory=bool(t.stop_gradient_memory), memory_chunk=int(t.memory_chunk) or None)
+
+
+def objective_spec(spec: ObjectiveSpec | None, options: dict) -> ObjectiveSpec:
+  """`spec`, or one made of keyword `options` (ObjectiveSpec fields); not both."""
+  if spec is None:
+    return ObjectiveSpec(**options)
+  if options:
+    raise ValueError(f"give an ObjectiveSpec or its fields as keywords, not both (got {sorted(options)})")
+  return spec
+
+
+def check_batch_memory(spec: ObjectiveSpec, keys, targets):
+  if spec.memory == "long" and keys.shape[0] % spec.consecutive_segments:
     raise ValueError(
         f"memory='long': batch of {keys.shape[0]} rows is not a whole number of document runs of "
-        f"consecutive_segments={consecutive_segments}"
+        f"consecutive_segments={spec.consecutive_segments}"
     )
   if keys.shape[:2] != targets.shape:
     raise ValueError(f"keys {keys.shape} and targets {targets.shape} disagree on [B, L]")
@@ -413,29 +500,18 @@ def _groups(memory: str, b: int, consecutive_segments: int) -> int:
   return {"local": b, "long": b // consecutive_segments, "ext": 1}[memory]
 
 
-def trime_nll_from_vocab_stats(
-    stats: VocabStats,
-    keys,
-    targets,
-    *,
-    memory: str,
-    consecutive_segments: int = 1,
-    drop_local=False,
-    documents=None,
-    stop_gradient_memory: bool = False,
-    temperature=1.0,
-    implementation: str = "auto",
-    block_elems: int = DEFAULT_BLOCK_ELEMS,
-    memory_chunk: int | None = None,
-):
+def trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: ObjectiveSpec | None = None, *,
+                               drop_local=False, documents=None, **options):
   """`trime_nll` with the vocabulary side given as `VocabStats` `[B, L]` (the training path).
 
   `drop_local` may be traced (the drop decisions need no recompilation). The blockwise path scans memory
-  chunks of `memory_chunk` tokens (default: derived from `block_elems`).
+  chunks of `spec.memory_chunk` tokens (default: derived from `spec.block_elems`).
   """
+  spec = objective_spec(spec, options)
   keys, targets = jnp.asarray(keys), jnp.asarray(targets)
   stats = VocabStats(*map(jnp.asarray, stats))
-  _check_memory_args(memory, keys, targets, consecutive_segments)
+  check_batch_memory(spec, keys, targets)
+  memory, consecutive_segments = spec.memory, spec.consecutive_segments
   valid = targets >= 0
   if memory == "none":
     return jnp.where(valid, stats.log_normalizer - stats.target_logit, 0.0)
@@ -446,19 +522,17 @@ def trime_nll_from_vocab_stats(
   meta = batch_meta(targets, memory, consecutive_segments, documents_BxL=documents)
   causal = per_query_causal(memory, drop_local, b, l)
   cross_rows = memory == "ext"
-  acc = _acc(keys, stats.log_normalizer)
-  scale = jnp.asarray(_scale(d, 1.0), acc) / jnp.asarray(temperature, acc)
-  mem_keys = jax.lax.stop_gradient(keys) if stop_gradient_memory else keys
+  acc = accumulation_dtype(keys, stats.log_normalizer)
+  scale = similarity_scale(d, spec.temperature, acc)
+  mem_keys = jax.lax.stop_gradient(keys) if spec.stop_gradient_memory else keys
 
-  if implementation == "dense":
+  if spec.implementation == "dense":
     flat = TokenMeta(*(x.reshape(-1) for x in meta))
     mask = visible(flat, flat, causal.reshape(-1), cross_rows)
     flat_stats = VocabStats(*(x.reshape(-1) for x in stats))
     nll = _dense_nll(flat_stats, keys.reshape(b * l, d), flat.target, mem_keys.reshape(b * l, d), flat.target,
                      mask, scale)
     return nll.reshape(b, l)
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
 
   g = _groups(memory, b, consecutive_segments)
   n = b * l // g  # tokens per group: queries and memories of one group are the same tokens
@@ -468,14 +542,14 @@ def trime_nll_from_vocab_stats(
 
   gmeta = TokenMeta(*(grouped(x) for x in meta))
   gstats = VocabStats(grouped(stats.log_normalizer), grouped(stats.target_logit))
-  if implementation == "auto" and memory_chunk is None and g * n * n <= block_elems:
+  if spec.implementation == "auto" and spec.memory_chunk is None and g * n * n <= spec.block_elems:
     # The per-group [n, n] blocks fit the budget: plain autodiff keeps them for the backward instead of
     # recomputing them (cheaper when memory is no concern, e.g. local memory of short segments).
     mask = jax.vmap(visible, in_axes=(0, 0, 0, None))(gmeta, gmeta, grouped(causal), cross_rows)
     nll = jax.vmap(_dense_nll, in_axes=(0, 0, 0, 0, 0, 0, None))(
         gstats, grouped(keys), gmeta.target, grouped(mem_keys), gmeta.target, mask, scale)
     return nll.reshape(b, l)
-  chunk = memory_chunk or chunk_len(g * n, n, block_elems)
+  chunk = spec.memory_chunk or chunk_len(g * n, n, spec.block_elems)
   terms = jax.vmap(
       functools.partial(memory_log_terms, cross_rows, chunk), in_axes=(0, 0, 0, 0, 0, None, 0)
   )
@@ -483,24 +557,12 @@ def trime_nll_from_vocab_stats(
   return jnp.where(valid, (log_z - log_p).reshape(b, l), 0.0)
 
 
-def trime_nll(
-    token_logits,
-    keys,
-    targets,
-    *,
-    memory: str,
-    consecutive_segments: int = 1,
-    drop_local=False,
-    documents=None,
-    stop_gradient_memory: bool = False,
-    temperature=1.0,
-    implementation: str = "auto",
-    block_elems: int = DEFAULT_BLOCK_ELEMS,
-    memory_chunk: int | None = None,
-):
+def trime_nll(token_logits, keys, targets, spec: ObjectiveSpec | None = None, *, drop_local=False, documents=None,
+              **options):
   """TRIME negative log-likelihood `[B, L]`; the memory is the batch itself.
 
   token_logits `[B, L, V]`, keys `[B, L, D]`, targets `[B, L]` (negative = padding: never memory, nll 0).
+  `spec` (or its fields as keywords: `trime_nll(..., memory="local", temperature=0.5)`):
     memory="none":  plain cross-entropy
     memory="local": token t of segment b sees tokens j < t of segment b
     memory="long":  rows come in runs of `consecutive_segments` consecutive segments of the stream; a token
@@ -511,37 +573,5 @@ def trime_nll(
   blocks when they fit `block_elems`, else blockwise), "blockwise" (always the chunked custom-VJP kernel),
   "dense" (one full `[BL, BL]` mask; tests, small batches).
   """
-  return trime_nll_from_vocab_stats(
-      vocab_stats(token_logits, targets),
-      keys,
-      targets,
-      memory=memory,
-      consecutive_segments=consecutive_segments,
-      drop_local=drop_local,
-      documents=documents,
-      stop_gradient_memory=stop_gradient_memory,
-      temperature=temperature,
-      implementation=implementation,
-      block_elems=block_elems,
-      memory_chunk=memory_chunk,
-  )
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Sharded global batches (implemented in `trime_jax.sharded_loss`; imported lazily to keep this module leaf).
-# ----------------------------------------------------------------------------------------------------------
-def sharded_trime_nll(*args, **kwargs):
-  """`trime_nll` on a global batch sharded over a `data` mesh axis (see `trime_jax.sharded_loss`):
-  `sharded_trime_nll(token_logits, keys, targets, *, mesh, memory, ..., variant="gather" | "ring",
-  memory_grad="all" | "local_only")`."""
-  from trime_jax.sharded_loss import sharded_trime_nll as f
-
-  return f(*args, **kwargs)
-
-
-def sharded_trime_nll_from_vocab_stats(*args, **kwargs):
-  """`trime_nll_from_vocab_stats` on a global batch sharded over a `data` mesh axis (see
-  `trime_jax.sharded_loss.sharded_trime_nll_from_vocab_stats`)."""
-  from trime_jax.sharded_loss import sharded_trime_nll_from_vocab_stats as f
-
-  return f(*args, **kwargs)
+  return trime_nll_from_vocab_stats(vocab_stats(token_logits, targets), keys, targets,
+                                    objective_spec(spec, options), drop_local=drop_local, documents=documents)

@@ -31,6 +31,7 @@ receives gradient from queries on its own device only (as a query it still gets 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -39,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from trime_jax import loss as L
+from trime_jax import loss
 from trime_jax.loss import TokenMeta, VocabStats
 from trime_jax.sharding import DATA
 
@@ -50,88 +51,66 @@ MEMORY_GRADS = ("all", "local_only")
 class _Static(NamedTuple):
   """Everything the per-device function needs that is not an array (hashable, part of the trace)."""
 
-  memory: str
-  consecutive_segments: int
+  spec: loss.ObjectiveSpec  # its temperature travels as an array argument (it may be traced)
   variant: str
   detach_own: bool  # stop_gradient_memory: no memory key gets gradient
   detach_remote: bool  # other devices' memories get no gradient (local_only, or stop_gradient_memory)
-  block_elems: int
-  memory_chunk: int | None
   axis: str
   n: int  # devices on `axis`
 
 
-def sharded_trime_nll_from_vocab_stats(
-    stats: VocabStats,
-    keys,
-    targets,
-    *,
-    mesh,
-    memory: str,
-    consecutive_segments: int = 1,
-    drop_local=False,
-    documents=None,
-    stop_gradient_memory: bool = False,
-    temperature=1.0,
-    variant: str = "gather",
-    memory_grad: str = "all",
-    block_elems: int = L.DEFAULT_BLOCK_ELEMS,
-    memory_chunk: int | None = None,
-    axis: str = DATA,
-):
+def sharded_trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: loss.ObjectiveSpec | None = None, *,
+                                       mesh, drop_local=False, documents=None, variant: str = "gather",
+                                       memory_grad: str = "all", axis: str = DATA, **options):
   """`loss.trime_nll_from_vocab_stats` on a global batch sharded over `axis` of `mesh`.
 
   stats `[B, L]` (VocabStats), keys `[B, L, D]`, targets `[B, L]`: global arrays, rows sharded over `axis`
-  (row i lives on device i // (B/n)); `drop_local` a bool or `[B]` (per row), `documents` `[B, L]` (packed
-  long-term runs) sharded like the rows. Returns the nll `[B, L]`, sharded the same way. `variant` ("gather" |
-  "ring") only matters for memory="ext"; `memory_grad` ("all" | "local_only") for memories that live on
-  another device (ext, and long runs that span devices).
+  (row i lives on device i // (B/n)); `spec` (or its fields as keywords) as for `loss.trime_nll`; `drop_local` a
+  bool or `[B]` (per row), `documents` `[B, L]` (packed long-term runs) sharded like the rows. Returns the nll
+  `[B, L]`, sharded the same way. `variant` ("gather" | "ring") only matters for memory="ext"; `memory_grad`
+  ("all" | "local_only") for memories that live on another device (ext, and long runs that span devices).
   """
+  spec = loss.objective_spec(spec, options)
   keys, targets = jnp.asarray(keys), jnp.asarray(targets)
   stats = VocabStats(*map(jnp.asarray, stats))
-  L._check_memory_args(memory, keys, targets, consecutive_segments)
+  loss.check_batch_memory(spec, keys, targets)
   if variant not in VARIANTS:
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
   if memory_grad not in MEMORY_GRADS:
     raise ValueError(f"memory_grad must be one of {MEMORY_GRADS}, got {memory_grad!r}")
   n = mesh.shape[axis]
-  if memory == "none" or n == 1:
-    return L.trime_nll_from_vocab_stats(
-        stats, keys, targets, memory=memory, consecutive_segments=consecutive_segments, drop_local=drop_local,
-        documents=documents, stop_gradient_memory=stop_gradient_memory, temperature=temperature, block_elems=block_elems,
-        memory_chunk=memory_chunk)
+  if spec.memory == "none" or n == 1:
+    return loss.trime_nll_from_vocab_stats(stats, keys, targets, spec, drop_local=drop_local, documents=documents)
   if keys.shape[0] % n:
     raise ValueError(f"a global batch of {keys.shape[0]} rows does not split over the {n} devices of "
                      f"mesh axis {axis!r}")
-  static = _Static(memory, consecutive_segments, variant, stop_gradient_memory,
-                   stop_gradient_memory or memory_grad == "local_only", block_elems, memory_chunk, axis, n)
+  memory = spec.memory
+  # The temperature travels as an array (it may be traced); the static part must stay hashable.
+  static = _Static(dataclasses.replace(spec, temperature=1.0), variant, spec.stop_gradient_memory, spec.stop_gradient_memory or memory_grad == "local_only",
+                   axis, n)
   if documents is not None and memory != "long":
     raise ValueError(f"documents restrict long-term memory (packed runs); memory={memory!r} takes none")
   b, l = targets.shape
-  causal = L.per_query_causal(memory, drop_local, b, l)  # [B, L], sharded with the rows
+  causal = loss.per_query_causal(memory, drop_local, b, l)  # [B, L], sharded with the rows
   docs = jnp.zeros((b, l), jnp.int32) if documents is None else jnp.asarray(documents, jnp.int32)
   rows = P(axis)
   # check_vma=False: the blockwise kernels of `loss` start their scans from device-invariant zeros, which
   # the varying-manual-axes type check rejects inside shard_map; every output here is per-device anyway.
   per_device = jax.shard_map(functools.partial(_device_nll, static), mesh=mesh,
                              in_specs=(rows, rows, rows, rows, rows, rows, P()), out_specs=rows, check_vma=False)
-  acc = L._acc(keys, stats.log_normalizer)
+  acc = loss.accumulation_dtype(keys, stats.log_normalizer)
   return per_device(stats.log_normalizer, stats.target_logit, keys, targets, causal, docs,
-                    jnp.asarray(temperature, acc))
+                    jnp.asarray(spec.temperature, acc))
 
 
-def sharded_trime_nll(token_logits, keys, targets, *, mesh, memory: str, consecutive_segments: int = 1,
-                      drop_local=False, documents=None, stop_gradient_memory: bool = False, temperature=1.0,
-                      variant: str = "gather", memory_grad: str = "all", block_elems: int = L.DEFAULT_BLOCK_ELEMS,
-                      memory_chunk: int | None = None, axis: str = DATA):
+def sharded_trime_nll(token_logits, keys, targets, spec: loss.ObjectiveSpec | None = None, *, mesh, drop_local=False,
+                      documents=None, variant: str = "gather", memory_grad: str = "all", axis: str = DATA, **options):
   """`loss.trime_nll` on a global batch sharded over `axis` of `mesh`: token_logits `[B, L, V]`, keys
   `[B, L, D]`, targets `[B, L]`, rows sharded over `axis`. Equals `trime_nll` on the same global batch (with
   memory_grad="all"); see `sharded_trime_nll_from_vocab_stats` for the options."""
   return sharded_trime_nll_from_vocab_stats(
-      L.vocab_stats(token_logits, targets), keys, targets, mesh=mesh, memory=memory,
-      consecutive_segments=consecutive_segments, drop_local=drop_local, documents=documents,
-      stop_gradient_memory=stop_gradient_memory, temperature=temperature, variant=variant,
-      memory_grad=memory_grad, block_elems=block_elems, memory_chunk=memory_chunk, axis=axis)
+      loss.vocab_stats(token_logits, targets), keys, targets, loss.objective_spec(spec, options), mesh=mesh,
+      drop_local=drop_local, documents=documents, variant=variant, memory_grad=memory_grad, axis=axis)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -144,18 +123,17 @@ def _flat(meta: TokenMeta) -> TokenMeta:
 def _device_nll(st: _Static, lse_BxL, tgt_BxL, keys_BxLxD, targets_BxL, causal_BxL, docs_BxL, temperature):
   b, l, d = keys_BxLxD.shape
   stats = VocabStats(lse_BxL, tgt_BxL)
-  m = st.consecutive_segments
-  if st.memory == "local" or (st.memory == "long" and b % m == 0):  # no memory on another device
-    return L.trime_nll_from_vocab_stats(
-        stats, keys_BxLxD, targets_BxL, memory=st.memory, consecutive_segments=m,
-        documents=docs_BxL if st.memory == "long" else None, stop_gradient_memory=st.detach_own, temperature=temperature, block_elems=st.block_elems,
-        memory_chunk=st.memory_chunk)
+  memory, m = st.spec.memory, st.spec.consecutive_segments
+  if memory == "local" or (memory == "long" and b % m == 0):  # no memory on another device
+    spec = dataclasses.replace(st.spec, stop_gradient_memory=st.detach_own, temperature=temperature)
+    return loss.trime_nll_from_vocab_stats(stats, keys_BxLxD, targets_BxL, spec,
+                                        documents=docs_BxL if memory == "long" else None)
 
-  acc = L._acc(keys_BxLxD, lse_BxL)
-  scale = jnp.asarray(L._scale(d, 1.0), acc) / temperature.astype(acc)
+  acc = loss.accumulation_dtype(keys_BxLxD, lse_BxL)
+  scale = loss.similarity_scale(d, temperature, acc)
   own = lax.stop_gradient(keys_BxLxD) if st.detach_own else keys_BxLxD
   remote = lax.stop_gradient(keys_BxLxD) if st.detach_remote else keys_BxLxD
-  if st.memory == "long":
+  if memory == "long":
     nll = _long_spanning(st, stats, keys_BxLxD, own, remote, targets_BxL, docs_BxL, scale)
   else:
     fn = _ext_gather if st.variant == "gather" else _ext_ring
@@ -201,7 +179,7 @@ def _long_spanning(st: _Static, stats, keys, own, remote, targets, docs, scale):
           (better when a run is longer than a device's rows: no queries of other devices' rows).
   """
   b, l, d = keys.shape
-  m, n = st.consecutive_segments, st.n
+  m, n = st.spec.consecutive_segments, st.n
   h = m - 1
   r0 = lax.axis_index(st.axis) * b
   halo_k, halo_t, halo_d = _halo(st, remote, targets, docs, h)
@@ -209,13 +187,13 @@ def _long_spanning(st: _Static, stats, keys, own, remote, targets, docs, scale):
   win_t = jnp.concatenate([halo_t, targets])
   win_d = jnp.concatenate([halo_d, docs])
   g_runs = max((i * b + b - 1) // m - (i * b) // m + 1 for i in range(n))  # most runs any device touches
-  terms = functools.partial(L.memory_log_terms, False)
+  terms = functools.partial(loss.memory_log_terms, False)
   flat_stats = VocabStats(*(x.reshape(-1) for x in stats))
 
   if b * (h + b) <= g_runs * m * m:
-    kmeta = _flat(L.batch_meta(win_t, "long", m, row_offset=r0 - h, documents_BxL=win_d))
-    qmeta = _flat(L.batch_meta(targets, "long", m, row_offset=r0, documents_BxL=docs))
-    chunk = st.memory_chunk or L.chunk_len(b * l, (h + b) * l, st.block_elems)
+    kmeta = _flat(loss.batch_meta(win_t, "long", m, row_offset=r0 - h, documents_BxL=win_d))
+    qmeta = _flat(loss.batch_meta(targets, "long", m, row_offset=r0, documents_BxL=docs))
+    chunk = st.spec.memory_chunk or loss.chunk_len(b * l, (h + b) * l, st.spec.block_elems)
     log_z, log_p = terms(chunk, keys.reshape(-1, d), win_k.reshape(-1, d), qmeta, kmeta, jnp.asarray(True),
                          scale, flat_stats)
     return (log_z - log_p).reshape(b, l)
@@ -232,7 +210,7 @@ def _long_spanning(st: _Static, stats, keys, own, remote, targets, docs, scale):
   mem_t = runs(halo_t, targets, -1)
   rows = (r0 // m) * m + jnp.arange(g_runs * m)
   mine = (rows >= r0) & (rows < r0 + b)
-  kmeta = L.batch_meta(mem_t, "long", m, row_offset=(r0 // m) * m, documents_BxL=runs(halo_d, docs, 0))
+  kmeta = loss.batch_meta(mem_t, "long", m, row_offset=(r0 // m) * m, documents_BxL=runs(halo_d, docs, 0))
   qmeta = kmeta._replace(target=jnp.where(mine[:, None], mem_t, -1))
   q = runs(jnp.zeros((h, l, d), keys.dtype), keys, 0)
   k = runs(halo_k, own, 0)
@@ -240,7 +218,7 @@ def _long_spanning(st: _Static, stats, keys, own, remote, targets, docs, scale):
   gstats = VocabStats(runs(zeros, stats.log_normalizer, 0), runs(zeros, stats.target_logit, 0))
 
   grouped = lambda x: x.reshape((g_runs, m * l) + x.shape[2:])
-  chunk = st.memory_chunk or L.chunk_len(g_runs * m * l, m * l, st.block_elems)
+  chunk = st.spec.memory_chunk or loss.chunk_len(g_runs * m * l, m * l, st.spec.block_elems)
   log_z, log_p = jax.vmap(functools.partial(terms, chunk), in_axes=(0, 0, 0, 0, None, None, 0))(
       grouped(q), grouped(k), TokenMeta(*map(grouped, qmeta)), TokenMeta(*map(grouped, kmeta)),
       jnp.asarray(True), scale, VocabStats(*map(grouped, gstats)))
@@ -255,10 +233,10 @@ def _ext_gather(st: _Static, stats, keys, own, remote, targets, causal, scale):
   if st.detach_remote and not st.detach_own:
     mem = lax.dynamic_update_slice_in_dim(mem, own, r0, axis=0)  # local_only: own memories stay live
   mem_t = lax.all_gather(targets, st.axis, tiled=True)
-  qmeta = _flat(L.batch_meta(targets, "ext", row_offset=r0))
-  kmeta = _flat(L.batch_meta(mem_t, "ext"))
-  chunk = st.memory_chunk or L.chunk_len(b * l, st.n * b * l, st.block_elems)
-  log_z, log_p = L.memory_log_terms(True, chunk, keys.reshape(-1, d), mem.reshape(-1, d), qmeta, kmeta,
+  qmeta = _flat(loss.batch_meta(targets, "ext", row_offset=r0))
+  kmeta = _flat(loss.batch_meta(mem_t, "ext"))
+  chunk = st.spec.memory_chunk or loss.chunk_len(b * l, st.n * b * l, st.spec.block_elems)
+  log_z, log_p = loss.memory_log_terms(True, chunk, keys.reshape(-1, d), mem.reshape(-1, d), qmeta, kmeta,
                                     causal, scale, VocabStats(*(x.reshape(-1) for x in stats)))
   return (log_z - log_p).reshape(b, l)
 
@@ -266,7 +244,7 @@ def _ext_gather(st: _Static, stats, keys, own, remote, targets, causal, scale):
 def _ext_ring(st: _Static, stats, keys, own, remote, targets, causal, scale):
   b, l, d = keys.shape
   key_grads = "none" if st.detach_own else "own" if st.detach_remote else "all"
-  chunk = st.memory_chunk or L.chunk_len(b * l, b * l, st.block_elems)
+  chunk = st.spec.memory_chunk or loss.chunk_len(b * l, b * l, st.spec.block_elems)
   log_z, log_p = _ring_log_terms(st.axis, st.n, chunk, key_grads, keys.reshape(-1, d), own.reshape(-1, d),
                                  targets, causal, scale, VocabStats(*(x.reshape(-1) for x in stats)))
   return (log_z - log_p).reshape(b, l)
@@ -281,42 +259,7 @@ def _ring_pass(axis, n, x):
 
 
 def _ext_meta(targets_BxL, row_offset):
-  return _flat(L.batch_meta(targets_BxL, "ext", row_offset=row_offset))
-
-
-def _fold_block(chunk, q, qmeta, causal, scale, state, k_blk, kmeta):
-  """Add one memory block to the running (max, sum) of log Z and log P, chunk by chunk."""
-  kc, mc = L._chunk_memory(chunk, k_blk, kmeta)
-
-  def body(carry, blk):
-    mz, sz, mp, sp = carry
-    s, vis, pos = L._block_terms(q, blk[0], qmeta, blk[1], causal, scale, True)
-    s_z, s_p = jnp.where(vis, s, -jnp.inf), jnp.where(pos, s, -jnp.inf)
-    new_mz = jnp.maximum(mz, s_z.max(axis=-1))
-    new_mp = jnp.maximum(mp, s_p.max(axis=-1))
-    sz = sz * jnp.exp(mz - new_mz) + jnp.exp(s_z - new_mz[:, None]).sum(axis=-1)
-    sp = sp * jnp.exp(mp - new_mp) + jnp.exp(s_p - new_mp[:, None]).sum(axis=-1)
-    return (new_mz, sz, new_mp, sp), None
-
-  return lax.scan(body, state, (kc, mc))[0]
-
-
-def _block_grads(chunk, q, qmeta, causal, scale, log_z, log_p, g_z, g_p, with_dk, k_blk, kmeta):
-  """(dq `[N, D]`, dk `[M, D]` or None) of one memory block, similarities recomputed chunk by chunk."""
-  kc, mc = L._chunk_memory(chunk, k_blk, kmeta)
-  acc = scale.dtype
-  q32 = q.astype(acc)
-  prec = L.similarity_precision(q, k_blk)
-
-  def body(dq, blk):
-    s, vis, pos = L._block_terms(q, blk[0], qmeta, blk[1], causal, scale, True)
-    g = g_z[:, None] * jnp.exp(jnp.where(vis, s - log_z[:, None], -jnp.inf))
-    g = (g + g_p[:, None] * jnp.exp(jnp.where(pos, s - log_p[:, None], -jnp.inf))) * scale
-    dq = dq + jnp.einsum("nc,cd->nd", g, blk[0].astype(acc), precision=prec)
-    return dq, jnp.einsum("nc,nd->cd", g, q32, precision=prec) if with_dk else None
-
-  dq, dk = lax.scan(body, jnp.zeros(q.shape, acc), (kc, mc))
-  return dq, (dk.reshape(-1, k_blk.shape[-1])[: k_blk.shape[0]] if with_dk else None)
+  return _flat(loss.batch_meta(targets_BxL, "ext", row_offset=row_offset))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -333,7 +276,7 @@ def _ring_fwd(axis, n, chunk, key_grads, q, k, targets, causal, scale, stats):
   i = lax.axis_index(axis)
   b = targets.shape[0]
   qmeta = _ext_meta(targets, i * b)
-  fold = functools.partial(_fold_block, chunk, q, qmeta, causal, scale)
+  fold = functools.partial(loss.fold_memory, chunk, q, qmeta, causal, scale, True)
   src = lambda s: ((i - s) % n) * b  # global row offset of the block held at step s
 
   def step(carry, s):
@@ -341,12 +284,9 @@ def _ring_fwd(axis, n, chunk, key_grads, q, k, targets, causal, scale, stats):
     k_next, t_next = _ring_pass(axis, n, (k_blk, t_blk))  # in flight while this block is folded in
     return (k_next, t_next, fold(state, k_blk, _ext_meta(t_blk, src(s)))), None
 
-  lse = stats.log_normalizer.astype(scale.dtype)
-  tgt = stats.target_logit.astype(scale.dtype)
-  one = jnp.ones_like(lse)
-  (k_last, t_last, state), _ = lax.scan(step, (k, targets, (lse, one, tgt, one)), jnp.arange(n - 1))
-  mz, sz, mp, sp = fold(state, k_last, _ext_meta(t_last, src(n - 1)))
-  log_z, log_p = mz + jnp.log(sz), mp + jnp.log(sp)
+  start = loss.start_log_terms(stats, scale.dtype)
+  (k_last, t_last, state), _ = lax.scan(step, (k, targets, start), jnp.arange(n - 1))
+  log_z, log_p = loss.finish_log_terms(fold(state, k_last, _ext_meta(t_last, src(n - 1))))
   return (log_z, log_p), (q, k, targets, causal, scale, stats, log_z, log_p)
 
 
@@ -357,7 +297,7 @@ def _ring_bwd(axis, n, chunk, key_grads, res, cotangents):
   b = targets.shape[0]
   qmeta = _ext_meta(targets, i * b)
   travel = key_grads == "all"
-  grads = functools.partial(_block_grads, chunk, q, qmeta, causal, scale, log_z, log_p, g_z, g_p)
+  grads = functools.partial(loss.memory_grads, chunk, q, qmeta, causal, scale, True, log_z, log_p, g_z, g_p)
   src = lambda s: ((i - s) % n) * b
 
   dq, dk = grads(key_grads != "none", k, qmeta)  # step 0: this device's own block
@@ -382,10 +322,7 @@ def _ring_bwd(axis, n, chunk, key_grads, res, cotangents):
     dk = _ring_pass(axis, n, dk_acc)  # the gradient of block i+1 goes to device i+1; ours arrives from i-1
   elif dk is None:
     dk = jnp.zeros(k.shape, scale.dtype)
-  d_stats = VocabStats(
-      (g_z * jnp.exp(stats.log_normalizer - log_z)).astype(stats.log_normalizer.dtype),
-      (g_p * jnp.exp(stats.target_logit - log_p)).astype(stats.target_logit.dtype),
-  )
+  d_stats = loss.vocab_stats_grads(stats, log_z, log_p, g_z, g_p)
   return dq.astype(q.dtype), dk.astype(k.dtype), None, None, None, d_stats
 
 

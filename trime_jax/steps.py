@@ -1,4 +1,5 @@
-"""Pure, module-level train and eval steps (jit them with shardings in `train.py` / `evaluate.py`).
+"""Pure, module-level training step and forward pass (`train.py` jits the step with shardings; `evaluate.py`
+jits the forward pass of evaluation).
 
 The forward pass yields f (final output), g (memory keys) and the vocabulary side as `VocabStats`; the CE
 loss and the TRIME loss share them, so reporting both costs one extra memory pass at most.
@@ -13,52 +14,42 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from trime_jax import loss as L
-from trime_jax import sharded_loss as SL
+from trime_jax import loss
+from trime_jax import sharded_loss
 from trime_jax.errors import ConfigError
 from trime_jax.model import TransformerLM
 
 
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
-  """Static description of the training objective (hashable: part of the jit cache key)."""
+  """Static description of the training loss (hashable: part of the jit cache key): the objective, how the
+  vocabulary side is computed and, on a >1-device mesh, how the in-batch memory travels."""
 
-  memory: str = "local"  # none | local | long | ext
-  consecutive_segments: int = 1
-  temperature: float = 1.0
-  stop_gradient_memory: bool = False
-  memory_chunk: int = 0
-  vocab_chunk: int = 0
-  sharded_variant: str = "gather"  # on a >1-device mesh: gather | ring (see trime_jax/sharded_loss.py)
-  memory_grad: str = "all"  # on a >1-device mesh: all | local_only
+  objective: loss.ObjectiveSpec = loss.ObjectiveSpec("local")
+  vocab_chunk: int = 0  # output softmax in vocabulary chunks of this size (0 = full logits)
+  sharded_variant: str = "gather"  # gather | ring (see trime_jax/sharded_loss.py)
+  memory_grad: str = "all"  # all | local_only
 
   def __post_init__(self):
-    if self.sharded_variant not in SL.VARIANTS:
-      raise ConfigError(f"trime.sharded_variant must be one of {SL.VARIANTS}, got {self.sharded_variant!r}")
-    if self.memory_grad not in SL.MEMORY_GRADS:
-      raise ConfigError(f"trime.memory_grad must be one of {SL.MEMORY_GRADS}, got {self.memory_grad!r}")
+    if self.sharded_variant not in sharded_loss.VARIANTS:
+      raise ConfigError(f"trime.sharded_variant must be one of {sharded_loss.VARIANTS}, got {self.sharded_variant!r}")
+    if self.memory_grad not in sharded_loss.MEMORY_GRADS:
+      raise ConfigError(f"trime.memory_grad must be one of {sharded_loss.MEMORY_GRADS}, got {self.memory_grad!r}")
 
   @classmethod
   def from_config(cls, config) -> "LossSpec":
-    return cls(
-        memory=config.trime.memory,
-        consecutive_segments=config.trime.consecutive_segments,
-        temperature=float(config.trime.temperature),
-        stop_gradient_memory=bool(config.trime.stop_gradient_memory),
-        memory_chunk=int(config.trime.memory_chunk),
-        vocab_chunk=int(config.train.vocab_chunk),
-        sharded_variant=config.trime.get("sharded_variant", "gather"),
-        memory_grad=config.trime.get("memory_grad", "all"),
-    )
+    return cls(objective=loss.ObjectiveSpec.from_config(config), vocab_chunk=int(config.train.vocab_chunk),
+               sharded_variant=config.trime.get("sharded_variant", "gather"),
+               memory_grad=config.trime.get("memory_grad", "all"))
 
 
 def forward(model: TransformerLM, inputs_BxL, targets_BxL, *, vocab_chunk=0, deterministic=True, rngs=None):
   """(VocabStats [B, L], keys [B, L, D]) without materialising [B, L, V] when vocab_chunk > 0."""
   f, g = model.features(inputs_BxL, deterministic=deterministic, rngs=rngs)
   if vocab_chunk:
-    stats = L.chunked_vocab_stats(f, model.output_embedding().astype(f.dtype), targets_BxL, chunk=vocab_chunk)
+    stats = loss.chunked_vocab_stats(f, model.output_embedding().astype(f.dtype), targets_BxL, chunk=vocab_chunk)
   else:
-    stats = L.vocab_stats(model.logits(f), targets_BxL)
+    stats = loss.vocab_stats(model.logits(f), targets_BxL)
   return stats, g
 
 
@@ -75,17 +66,16 @@ def nll_sums(model, batch, spec: LossSpec, *, use_trime: bool, report_trime: boo
   valid = targets >= 0
   ce = jnp.where(valid, stats.log_normalizer - stats.target_logit, 0.0).sum()
   ntok = valid.sum()
-  if spec.memory == "none" or not (use_trime or report_trime):
+  if spec.objective.memory == "none" or not (use_trime or report_trime):
     return ce, ce, ce, ntok
 
   def trime(k):
-    kw = dict(memory=spec.memory, consecutive_segments=spec.consecutive_segments,
-              drop_local=batch["drop_local"], documents=batch.get("documents"), stop_gradient_memory=spec.stop_gradient_memory,
-              temperature=spec.temperature, memory_chunk=spec.memory_chunk or None)
+    rows = dict(drop_local=batch["drop_local"], documents=batch.get("documents"))
     if mesh is not None and mesh.size > 1:
-      return SL.sharded_trime_nll_from_vocab_stats(stats, k, targets, mesh=mesh, variant=spec.sharded_variant,
-                                                   memory_grad=spec.memory_grad, **kw).sum()
-    return L.trime_nll_from_vocab_stats(stats, k, targets, **kw).sum()
+      return sharded_loss.sharded_trime_nll_from_vocab_stats(stats, k, targets, spec.objective, mesh=mesh,
+                                                             variant=spec.sharded_variant,
+                                                             memory_grad=spec.memory_grad, **rows).sum()
+    return loss.trime_nll_from_vocab_stats(stats, k, targets, spec.objective, **rows).sum()
 
   if use_trime:
     tr = trime(keys)
@@ -99,7 +89,8 @@ def train_step(graphdef, tx, spec: LossSpec, use_trime: bool, report_trime: bool
   """One optimizer update over `grad_accum` micro-batches (`mesh`: see `nll_sums`).
 
   state: {"step": [], "params": nnx.State, "opt_state": ...}; batch: inputs/targets [A, B, L],
-  drop_local [A, B] (per segment), documents [A, B, L] (packed long-term runs only). Gradients are of the summed nll divided by the update's token count (fairseq's
+  drop_local [A, B] (per segment), documents [A, B, L] (packed long-term runs only). Gradients are of the
+  summed nll divided by the update's token count (fairseq's
   per-token loss). A non-finite loss or gradient skips the update (state unchanged; `skipped` = 1).
   """
   params = state["params"]
@@ -130,11 +121,11 @@ def train_step(graphdef, tx, spec: LossSpec, use_trime: bool, report_trime: bool
   grad_norm = optax.tree.norm(grads)
   updates, new_opt = tx.update(grads, state["opt_state"], params)
   new_params = optax.apply_updates(params, updates)
-  loss = sums["objective"] / ntok
-  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  mean_loss = sums["objective"] / ntok
+  ok = jnp.isfinite(mean_loss) & jnp.isfinite(grad_norm)
   keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
   new_state = {"step": state["step"] + 1, "params": keep(new_params, params),
                "opt_state": keep(new_opt, state["opt_state"])}
-  metrics = {"loss": loss, "ce_nll": sums["ce"] / ntok, "trime_nll": sums["trime"] / ntok,
+  metrics = {"loss": mean_loss, "ce_nll": sums["ce"] / ntok, "trime_nll": sums["trime"] / ntok,
              "tokens": sums["tokens"], "grad_norm": grad_norm, "skipped": 1 - ok.astype(jnp.int32)}
   return new_state, metrics

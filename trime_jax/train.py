@@ -23,9 +23,9 @@ from flax import nnx
 
 from trime_jax import checkpoint as ckpt
 from trime_jax import corpora
-from trime_jax import data as D
+from trime_jax import data
 from trime_jax import distributed
-from trime_jax import evaluate as E
+from trime_jax import evaluate
 from trime_jax import sharded_loss
 from trime_jax import sharding
 from trime_jax import steps
@@ -50,15 +50,15 @@ def _choice(value, allowed, name):
 
 def validate_config(config) -> None:
   """Clear errors for values a locked ConfigDict cannot catch (enums, ranges, consistency)."""
-  t, r, d = config.trime, config.train, config.data
+  t, train_cfg, d = config.trime, config.train, config.data
   _choice(t.memory, MEMORY_MODES, "trime.memory")
   _choice(t.batching, BATCHINGS, "trime.batching")
-  _choice(r.optimizer, OPTIMIZERS, "train.optimizer")
-  _choice(r.schedule, SCHEDULES, "train.schedule")
-  _choice(d.segmentation, D.SEGMENTATIONS, "data.segmentation")
-  _choice(config.eval.memory, E.EVAL_MEMORIES, "eval.memory")
-  for name, v in [("train.batch_size", r.batch_size), ("train.grad_accum", r.grad_accum),
-                  ("train.num_steps", r.num_steps), ("data.segment_len", d.segment_len),
+  _choice(train_cfg.optimizer, OPTIMIZERS, "train.optimizer")
+  _choice(train_cfg.schedule, SCHEDULES, "train.schedule")
+  _choice(d.segmentation, data.SEGMENTATIONS, "data.segmentation")
+  _choice(config.eval.memory, tuple(evaluate.EVAL_MEMORIES), "eval.memory")
+  for name, v in [("train.batch_size", train_cfg.batch_size), ("train.grad_accum", train_cfg.grad_accum),
+                  ("train.num_steps", train_cfg.num_steps), ("data.segment_len", d.segment_len),
                   ("trime.consecutive_segments", t.consecutive_segments)]:
     if v < 1:
       raise ConfigError(f"{name} must be >= 1, got {v}")
@@ -68,8 +68,8 @@ def validate_config(config) -> None:
   if t.batching == "consecutive" and d.segmentation != "stream":
     raise ConfigError("trime.batching='consecutive' reads runs of the concatenated stream: it needs "
                       f"data.segmentation='stream', got {d.segmentation!r}")
-  if t.memory == "long" and r.batch_size % t.consecutive_segments:
-    raise ConfigError(f"train.batch_size={r.batch_size} must be a multiple of "
+  if t.memory == "long" and train_cfg.batch_size % t.consecutive_segments:
+    raise ConfigError(f"train.batch_size={train_cfg.batch_size} must be a multiple of "
                       f"trime.consecutive_segments={t.consecutive_segments} for memory='long'")
   if d.segment_len > config.model.max_len or config.eval.block_len > config.model.max_len:
     raise ConfigError(f"model.max_len={config.model.max_len} is shorter than data.segment_len="
@@ -85,30 +85,32 @@ def ce_warmup_steps(config) -> int:
   return int(math.ceil(0.05 * config.train.num_steps)) if w < 0 else int(w)
 
 
-def make_schedule(r) -> optax.Schedule:
+def make_schedule(train_cfg) -> optax.Schedule:
   """Linear warm-up from `warmup_init_lr` to `learning_rate`, then inverse-sqrt, cosine or constant."""
-  peak, warm = float(r.learning_rate), int(r.warmup_steps)
-  init = float(r.warmup_init_lr) if warm else peak
+  peak, warm = float(train_cfg.learning_rate), int(train_cfg.warmup_steps)
+  init = float(train_cfg.warmup_init_lr) if warm else peak
   warmup = optax.linear_schedule(init, peak, max(warm, 1))
-  if r.schedule == "inverse_sqrt":  # fairseq: lr · sqrt(warmup / step) after the warm-up
+  if train_cfg.schedule == "inverse_sqrt":  # fairseq: lr · sqrt(warmup / step) after the warm-up
     decay = lambda s: peak * jnp.sqrt(max(warm, 1) / jnp.maximum(s + max(warm, 1), 1))
-  elif r.schedule == "cosine":
-    decay = optax.cosine_decay_schedule(peak, max(int(r.num_steps) - warm, 1), alpha=float(r.min_lr) / peak)
+  elif train_cfg.schedule == "cosine":
+    decay = optax.cosine_decay_schedule(peak, max(int(train_cfg.num_steps) - warm, 1),
+                                        alpha=float(train_cfg.min_lr) / peak)
   else:
     decay = optax.constant_schedule(peak)
   return optax.join_schedules([warmup, decay], [warm]) if warm else decay
 
 
-def make_optimizer(r) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  schedule = make_schedule(r)
-  if r.optimizer == "adam":
-    opt = optax.adamw(schedule, b1=r.adam_b1, b2=r.adam_b2, eps=r.adam_eps, weight_decay=r.weight_decay)
+def make_optimizer(train_cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  schedule = make_schedule(train_cfg)
+  if train_cfg.optimizer == "adam":
+    opt = optax.adamw(schedule, b1=train_cfg.adam_b1, b2=train_cfg.adam_b2, eps=train_cfg.adam_eps,
+                      weight_decay=train_cfg.weight_decay)
   else:  # fairseq `nag`: SGD with Nesterov momentum; its weight decay is decoupled (p *= 1 - lr·wd), outside
     # the momentum, like Adam's
-    opt = optax.chain(optax.trace(decay=r.nag_momentum, nesterov=True), optax.add_decayed_weights(r.weight_decay),
-                      optax.scale_by_learning_rate(schedule))
-  if r.clip_norm > 0:
-    opt = optax.chain(optax.clip_by_global_norm(r.clip_norm), opt)
+    opt = optax.chain(optax.trace(decay=train_cfg.nag_momentum, nesterov=True),
+                      optax.add_decayed_weights(train_cfg.weight_decay), optax.scale_by_learning_rate(schedule))
+  if train_cfg.clip_norm > 0:
+    opt = optax.chain(optax.clip_by_global_norm(train_cfg.clip_norm), opt)
   return opt, schedule
 
 
@@ -119,10 +121,10 @@ class BatchSource:
   """Training batch of update `step`: inputs/targets [grad_accum, B, L], drop_local [grad_accum, B] (one draw
   per segment, memory=ext), and documents [grad_accum, B, L] for packed long-term runs."""
 
-  def __init__(self, corpus: D.Corpus, config):
+  def __init__(self, corpus: data.Corpus, config):
     self.corpus = corpus
     self.config = config
-    self.segments = D.make_segments(corpus, config.data.segment_len, config.data.segmentation)
+    self.segments = data.make_segments(corpus, config.data.segment_len, config.data.segmentation)
     self.plan = None
     t = config.trime
     if t.batching != "random":
@@ -137,12 +139,12 @@ class BatchSource:
 
   def indices(self, step: int) -> np.ndarray:
     """Segment indices [grad_accum, B] of update `step` (-1: all-padding row)."""
-    r = self.config.train
-    micro = r.grad_accum
+    train_cfg = self.config.train
+    micro = train_cfg.grad_accum
     if self.plan is not None:
       return np.stack([self.plan.rows(step * micro + a) for a in range(micro)])
-    flat = D.random_batch_indices(len(self.segments), micro * r.batch_size, step, r.seed)
-    return flat.reshape(micro, r.batch_size)
+    flat = data.random_batch_indices(len(self.segments), micro * train_cfg.batch_size, step, train_cfg.seed)
+    return flat.reshape(micro, train_cfg.batch_size)
 
   def __call__(self, step: int, rows=None) -> dict:
     """The batch of update `step`; `rows` (global row indices, sorted): only those rows of each micro-batch
@@ -155,11 +157,11 @@ class BatchSource:
     drop = rng.random(idx.shape) < t.drop_local_prob if t.memory == "ext" else np.zeros(idx.shape, bool)
     if rows is not None:
       idx, drop = idx[:, rows], drop[:, rows]
-    inputs, targets = D.gather_segments(self.corpus, self.segments, idx.reshape(-1))
+    inputs, targets = data.gather_segments(self.corpus, self.segments, idx.reshape(-1))
     shape = idx.shape + (self.segments.seg_len,)
     batch = {"inputs": inputs.reshape(shape), "targets": targets.reshape(shape), "drop_local": drop}
     if self.with_documents:
-      batch["documents"] = D.segment_documents(self.corpus, self.segments, idx.reshape(-1)).reshape(shape)
+      batch["documents"] = data.segment_documents(self.corpus, self.segments, idx.reshape(-1)).reshape(shape)
     return batch
 
 
@@ -208,19 +210,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   if config.model.vocab_size and config.model.vocab_size != len(vocab):
     raise ConfigError(f"model.vocab_size={config.model.vocab_size} but the data's vocabulary has "
                       f"{len(vocab)} tokens (set model.vocab_size=0 to take it from the data)")
-  r = config.train
-  mesh = sharding.make_mesh(r.num_devices)
-  if r.batch_size % mesh.size:
-    raise ConfigError(f"train.batch_size={r.batch_size} is not divisible by the {mesh.size} devices")
+  train_cfg = config.train
+  mesh = sharding.make_mesh(train_cfg.num_devices)
+  if train_cfg.batch_size % mesh.size:
+    raise ConfigError(f"train.batch_size={train_cfg.batch_size} is not divisible by the {mesh.size} devices")
 
-  model = build_model(config, len(vocab), r.seed)
+  model = build_model(config, len(vocab), train_cfg.seed)
   graphdef, params = nnx.split(model, nnx.Param)
-  tx, schedule = make_optimizer(r)
+  tx, schedule = make_optimizer(train_cfg)
   repl, data_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh, batch_axis=1)
   # Placed before restoring: the abstract state then carries the mesh shardings, so orbax restores onto
   # every host's devices (multi-host) instead of one default device.
   state = jax.device_put({"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}, repl)
-  mgr = ckpt.manager(os.path.join(workdir, "checkpoints"), r.keep_checkpoints)
+  mgr = ckpt.manager(os.path.join(workdir, "checkpoints"), train_cfg.keep_checkpoints)
   restored_step, restored = ckpt.restore_latest(mgr, ckpt.abstract(state))
   if restored is not None:
     state = restored
@@ -228,12 +230,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
     if _chief():
       _truncate_metrics(os.path.join(workdir, "metrics.jsonl"), restored_step)
   elif _chief():
-    D.atomic_write_json(os.path.join(workdir, "config.json"), json.loads(config.to_json_best_effort()))
+    data.atomic_write_json(os.path.join(workdir, "config.json"), json.loads(config.to_json_best_effort()))
 
   state = jax.device_put(state, repl)
   spec = steps.LossSpec.from_config(config)
   warm = ce_warmup_steps(config)
-  report_trime = spec.memory != "none"
+  report_trime = spec.objective.memory != "none"
 
   batch_sh = {"inputs": data_sh, "targets": data_sh, "drop_local": data_sh, "documents": data_sh}
 
@@ -246,7 +248,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
 
   source = BatchSource(splits.train, config)
   # Each process loads only the rows its own devices hold (all of them when there is one process).
-  tokens_shape = (r.grad_accum, r.batch_size, config.data.segment_len)
+  tokens_shape = (train_cfg.grad_accum, train_cfg.batch_size, config.data.segment_len)
   global_shapes = {"inputs": tokens_shape, "targets": tokens_shape, "drop_local": tokens_shape[:2],
                    "documents": tokens_shape}
   batch_keys = ("inputs", "targets", "drop_local") + (("documents",) if source.with_documents else ())
@@ -254,21 +256,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   n_params = count_params(params)
   start = int(state["step"])
   _log(f"model: {n_params:,} parameters | vocab {len(vocab):,} | train tokens {len(splits.train):,} | "
-       f"{len(source.segments):,} segments of {config.data.segment_len} | memory={spec.memory} | "
+       f"{len(source.segments):,} segments of {config.data.segment_len} | memory={spec.objective.memory} | "
        f"CE warm-up {warm} updates | devices {mesh.size}")
   metrics_path = os.path.join(workdir, "metrics.jsonl")
-  base_key = jax.random.PRNGKey(r.seed)
+  base_key = jax.random.PRNGKey(train_cfg.seed)
   t_last, tok_last = time.perf_counter(), 0
   last = {}
   with open(metrics_path if _chief() else os.devnull, "a") as mfile:
-    for step in range(start, r.num_steps):
-      use_trime = spec.memory != "none" and step >= warm
+    for step in range(start, train_cfg.num_steps):
+      use_trime = spec.objective.memory != "none" and step >= warm
       local = source(step, rows)
       batch = {k: distributed.global_array(batch_sh[k], v, global_shapes[k]) for k, v in local.items()}
       state, m = step_fn(use_trime)(state, batch, jax.random.fold_in(base_key, step))
       tok_last += int(m["tokens"])
       done = step + 1
-      if done % r.log_every == 0 or done == r.num_steps:
+      if done % train_cfg.log_every == 0 or done == train_cfg.num_steps:
         m = jax.device_get(m)
         now = time.perf_counter()
         rec = {"step": done, "objective": "trime" if use_trime else "ce", "loss": float(m["loss"]),
@@ -285,13 +287,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
                               f"skipped, not applied); {where}. Lower train.learning_rate or enable clipping.")
         mfile.write(json.dumps(rec) + "\n")
         mfile.flush()
-        _log(f"step {done:>6}/{r.num_steps} [{rec['objective']:>5}] loss {rec['loss']:.4f} | ce {rec['ce_nll']:.4f}"
-             f" | trime {rec['trime_nll']:.4f} | lr {rec['lr']:.2e} | |g| {rec['grad_norm']:.3f}"
+        _log(f"step {done:>6}/{train_cfg.num_steps} [{rec['objective']:>5}] loss {rec['loss']:.4f}"
+             f" | ce {rec['ce_nll']:.4f} | trime {rec['trime_nll']:.4f} | lr {rec['lr']:.2e} | |g| {rec['grad_norm']:.3f}"
              f" | {rec['tokens_per_s']:,.0f} tok/s")
         last = rec
-      if r.eval_every and done % r.eval_every == 0 and done != r.num_steps:
+      if train_cfg.eval_every and done % train_cfg.eval_every == 0 and done != train_cfg.num_steps:
         _log_eval(graphdef, state["params"], splits.dev, config, done, metrics_path)
-      if done % r.checkpoint_every == 0 or done == r.num_steps:
+      if done % train_cfg.checkpoint_every == 0 or done == train_cfg.num_steps:
         ckpt.save(mgr, done, state)
   mgr.wait_until_finished()
 
@@ -307,10 +309,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
 def _log_eval(graphdef, params, corpus, config, step, metrics_path) -> dict:
   """Dev perplexity during training: vanilla scoring and, for TRIME models, local memory at τ=1."""
   e = config.eval
-  variants = E.Variants(taus=(1.0,)) if config.trime.memory != "none" else E.Variants()
-  res = E.evaluate(graphdef, params, corpus, block_len=e.block_len, context_window=e.context_window,
-                   batch_size=e.batch_size, variants=variants, vocab_chunk=config.train.vocab_chunk,
-                   max_tokens=config.train.eval_max_tokens)
+  points = (evaluate.NONE,) + ((evaluate.Point("trime_local", tau=1.0),) if config.trime.memory != "none" else ())
+  res = evaluate.evaluate(graphdef, params, corpus, points, block_len=e.block_len, context_window=e.context_window,
+                          streams=e.batch_size, vocab_chunk=config.train.vocab_chunk,
+                          max_tokens=config.train.eval_max_tokens).scores
   out = {"step": step, "split": "dev", **{f"{x.name}_ppl": x.ppl for x in res}, "tokens": res[0].tokens}
   if _chief():
     with open(metrics_path, "a") as f:

@@ -42,7 +42,7 @@ import bm25s
 import numpy as np
 from tqdm import tqdm
 
-from trime_jax import data as D
+from trime_jax import data
 from trime_jax.errors import ConfigError
 
 DEFAULT_K = 20  # neighbours per segment (the paper's k)
@@ -57,7 +57,7 @@ def _threads() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def segment_token_ids(corpus: D.Corpus, segments: D.Segments) -> list[np.ndarray]:
+def segment_token_ids(corpus: data.Corpus, segments: data.Segments) -> list[np.ndarray]:
   """Each segment's target tokens (int32 views of the corpus stream, padding excluded)."""
   tokens = corpus.tokens
   return [tokens[s:s + n] for s, n in zip(segments.start.tolist(), segments.length.tolist())]
@@ -208,7 +208,7 @@ def same_document_pairs(batches_NxB: np.ndarray, doc_S: np.ndarray) -> float:
   return same / max(pairs, 1)
 
 
-def make_plan(corpus: D.Corpus, config, *, progress: bool = True, k: int | None = None,
+def make_plan(corpus: data.Corpus, config, *, progress: bool = True, k: int | None = None,
               backend: str = "numba"):
   """(header, batches [ceil(S / B), B] int64) for `trime.batching="bm25"` (see `batching/plan.py`).
 
@@ -221,7 +221,7 @@ def make_plan(corpus: D.Corpus, config, *, progress: bool = True, k: int | None 
     raise ConfigError(f"BM25 batching needs k >= 1 neighbours, got {k}")
   if batch_size < 1:
     raise ConfigError(f"train.batch_size must be >= 1, got {batch_size}")
-  segments = D.make_segments(corpus, seg_len, mode)
+  segments = data.make_segments(corpus, seg_len, mode)
   docs = segment_token_ids(corpus, segments)
   timing = {}
   # Default: Algorithm 1 as published. Optionally neighbours come from other documents only, like the test

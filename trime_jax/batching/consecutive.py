@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trime_jax import data as D
+from trime_jax import data
 from trime_jax.errors import ConfigError
 
 KIND = "consecutive"
@@ -63,14 +63,14 @@ def packed_batches(runs_Rxm: np.ndarray, runs_per_batch: int) -> np.ndarray:
   return padded.reshape(n, runs_per_batch * m)
 
 
-def real_token_fraction(segments: D.Segments, batches_NxB: np.ndarray) -> float:
+def real_token_fraction(segments: data.Segments, batches_NxB: np.ndarray) -> float:
   """Real target tokens / (rows · L) over all rows of the plan (-1 rows and short segments count as padding)."""
   rows = batches_NxB.reshape(-1)
   real = int(segments.length[rows[rows >= 0]].sum())
   return real / (rows.size * segments.seg_len)
 
 
-def make_plan(corpus: D.Corpus, config, *, progress: bool = True):
+def make_plan(corpus: data.Corpus, config, *, progress: bool = True):
   """(header, batches [num_batches, B]) for `launch/make_batches.py --kind=consecutive` (one epoch).
 
   `progress` is accepted for the planners' common interface; this plan takes no noticeable time.
@@ -86,7 +86,7 @@ def make_plan(corpus: D.Corpus, config, *, progress: bool = True):
     raise ConfigError(f"trime.consecutive_layout must be one of {LAYOUTS}, got {layout!r}")
   if m < 1 or b_rows < 1 or b_rows % m:
     raise ConfigError(f"train.batch_size={b_rows} must be a positive multiple of trime.consecutive_segments={m}")
-  segments = D.make_segments(corpus, d.segment_len, "stream")
+  segments = data.make_segments(corpus, d.segment_len, "stream")
   runs = stream_runs(len(segments), m)
   b = b_rows // m
   if layout == "stream":

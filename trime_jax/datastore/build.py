@@ -7,7 +7,7 @@ Layout of a datastore directory:
                block_len / context_window, key_type, tokens_done, complete, build timing
 
 Entry i is target position i of the corpus stream, so N = len(corpus) and `values` equals the corpus tokens.
-Keys are computed with evaluation's windows (`evaluate.windows(N, block_len, context_window)`): every target
+Keys are computed with evaluation's windows (`data.windows(N, block_len, context_window)`): every target
 is scored once, with up to `context_window` tokens of context before its chunk, exactly the context it gets
 when the same model evaluates that text. Documents are concatenated, as in evaluation.
 
@@ -36,8 +36,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from trime_jax import checkpoint as ckpt
-from trime_jax import data as D
-from trime_jax import evaluate as E
+from trime_jax import data
 from trime_jax.errors import CheckpointError, ConfigError
 
 FORMAT = "trime-datastore/1"
@@ -126,7 +125,7 @@ class Datastore:
 
   def check_checkpoint(self, checkpoint_dir: str) -> None:
     """The datastore must have been built by this exported model (same weights, vocabulary, key space)."""
-    meta = _checkpoint_meta(checkpoint_dir)
+    meta = ckpt.read_export_meta(checkpoint_dir)
     self.check(checkpoint_fingerprint=ckpt.fingerprint(checkpoint_dir), vocab_fingerprint=meta["vocab_fingerprint"],
                dimension=int(meta["d_model"]), key_type=meta["key_type"])
 
@@ -143,14 +142,6 @@ class Datastore:
     return out.reshape(ids.shape + (self.dimension,))
 
 
-def _checkpoint_meta(checkpoint_dir: str) -> dict:
-  path = os.path.join(checkpoint_dir, "meta.json")
-  if not os.path.exists(path):
-    raise CheckpointError(f"not an exported checkpoint: {path} is missing")
-  with open(path) as f:
-    return json.load(f)
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _keys_step(graphdef, params, inputs_BxL):
   """Memory keys g [B, L, D] as float16 (the dropout-free forward of evaluation)."""
@@ -159,7 +150,7 @@ def _keys_step(graphdef, params, inputs_BxL):
   return g.astype(jnp.float16)
 
 
-def build_datastore(checkpoint_dir: str, corpus: D.Corpus, out_dir: str, *, block_len: int | None = None,
+def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, block_len: int | None = None,
                     context_window: int | None = None, batch_size: int | None = None,
                     chunk_tokens: int = CHUNK_TOKENS, max_chunks: int | None = None,
                     progress: bool = True) -> dict:
@@ -183,7 +174,7 @@ def build_datastore(checkpoint_dir: str, corpus: D.Corpus, out_dir: str, *, bloc
                           "encode the corpus with the checkpoint's vocabulary")
   n = len(corpus)
   dim = int(cmeta["d_model"])
-  wins = E.windows(n, block_len, context_window)  # ConfigError for a bad context window
+  wins = data.windows(n, block_len, context_window)  # ConfigError for a bad context window
   stride = block_len - context_window
   per_chunk = batch_size * max(1, -(-chunk_tokens // (batch_size * stride)))  # windows per chunk
 
@@ -210,7 +201,7 @@ def build_datastore(checkpoint_dir: str, corpus: D.Corpus, out_dir: str, *, bloc
     fp = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     meta = {**identity, "fingerprint": fp, "corpus_name": corpus.name, "tokens_done": 0, "complete": False,
             "build_seconds": 0.0}
-    D.atomic_write_json(meta_path, meta)
+    data.atomic_write_json(meta_path, meta)
   else:
     try:
       keys = np.load(keys_path, mmap_mode="r+")
@@ -237,7 +228,7 @@ def build_datastore(checkpoint_dir: str, corpus: D.Corpus, out_dir: str, *, bloc
       part = chunk[i:i + batch_size]
       real = len(part)
       part = part + [part[-1]] * (batch_size - real)  # fixed shapes: repeat, then ignore
-      inputs, _, scored = E.window_batch(corpus, part, block_len)
+      inputs, _, scored = data.window_batch(corpus, part, block_len)
       g = np.asarray(_keys_step(graphdef, params, inputs))
       rows = g[:real][scored[:real]]  # scored positions in order = consecutive target positions
       lo = part[0].score_start
@@ -253,14 +244,14 @@ def build_datastore(checkpoint_dir: str, corpus: D.Corpus, out_dir: str, *, bloc
     session_s += dt
     meta["tokens_done"] = b
     meta["build_seconds"] = round(meta["build_seconds"] + dt, 3)
-    D.atomic_write_json(meta_path, meta)  # only after the chunk's data is on disk
+    data.atomic_write_json(meta_path, meta)  # only after the chunk's data is on disk
     bar.update(b - a)
   bar.close()
   del keys, values
   if meta["tokens_done"] == n:
     meta["complete"] = True
     meta["tokens_per_s"] = round(n / max(meta["build_seconds"], 1e-9), 1)
-    D.atomic_write_json(meta_path, meta)
+    data.atomic_write_json(meta_path, meta)
   if progress:
     state = "complete" if meta["complete"] else f"incomplete ({meta['tokens_done']:,} of {n:,} tokens)"
     print(f"datastore {out_dir}: {state}; this call wrote {built:,} tokens in {session_s:.1f} s "

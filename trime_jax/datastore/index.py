@@ -29,7 +29,7 @@ import faiss
 import numpy as np
 from tqdm import tqdm
 
-from trime_jax import data as D
+from trime_jax import data
 from trime_jax.datastore.build import Datastore
 from trime_jax.errors import CheckpointError, ConfigError
 
@@ -107,7 +107,7 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
   tmp = f"{path}.tmp.{os.getpid()}"
   faiss.write_index(index, tmp)
   os.replace(tmp, path)
-  D.atomic_write_json(_sidecar(path), info)
+  data.atomic_write_json(_sidecar(path), info)
   if progress:
     print(f"index: {kind} over {n:,} × {d} keys in {info['build_seconds']:.1f} s -> {path}", flush=True)
   return KnnIndex(index, info, path)
