@@ -376,3 +376,42 @@ def test_full_softmax_vocab_stats_unchanged():
                                np.take_along_axis(logits, np.asarray(t)[..., None], -1)[..., 0], rtol=1e-5,
                                atol=1e-6)
   assert math.isfinite(float(s.log_normalizer.sum()))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# launch.train --dry_run: parameter count and per-device memory plan, nothing trained
+# ----------------------------------------------------------------------------------------------------------
+_ADAPTIVE_OVERRIDES = {"model.vocab_size": 256, "model.adaptive_input": True, "model.adaptive_softmax": True,
+                       "model.adaptive_cutoffs": (40, 120), "model.adaptive_softmax_dropout": 0.2,
+                       "model.tie_adaptive_proj": True}
+
+
+def test_memory_plan_function(tmp_path):
+  from tests.helpers import tiny_config, write_text_file
+  from trime_jax.train import format_memory_plan, memory_plan
+
+  corpus = tmp_path / "corpus.txt"
+  write_text_file(corpus)
+  plans = {b: memory_plan(tiny_config(corpus, **_ADAPTIVE_OVERRIDES, **{"train.batch_size": b})) for b in (2, 8)}
+  plan = plans[2]
+  cfg = tiny_config(corpus, **_ADAPTIVE_OVERRIDES)
+  n = M.abstract_param_count(M.ModelConfig.from_config(cfg.model))
+  assert plan["num_params"] == n and plan["param_bytes"] == 4 * n
+  assert 2 * plan["param_bytes"] <= plan["opt_state_bytes"] < 2 * plan["param_bytes"] + 1024  # Adam mu, nu
+  assert plan["temp_bytes"] > 0 and plans[8]["temp_bytes"] > plan["temp_bytes"]  # activations grow with B
+  assert plan["peak_bytes"] >= plan["param_bytes"] + plan["opt_state_bytes"]
+  text = format_memory_plan(plan)
+  assert f"{n:,} parameters" in text and "optimizer state" in text
+
+
+def test_dry_run_cli_prints_the_plan_and_trains_nothing(tmp_path):
+  from tests.helpers import config_file, run_cli, write_text_file
+
+  corpus = tmp_path / "corpus.txt"
+  write_text_file(corpus)
+  path = config_file(tmp_path, corpus, **_ADAPTIVE_OVERRIDES)
+  workdir = tmp_path / "run"
+  out = run_cli("launch.train", f"--config={path}", f"--workdir={workdir}", "--dry_run")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "parameters (vocab 256)" in out.stdout and "per-device memory plan" in out.stdout
+  assert "peak" in out.stdout and not workdir.exists()
