@@ -245,16 +245,16 @@ def memory_plan(config, vocab_size: int = 0) -> dict:
 
 
 def format_memory_plan(plan: dict) -> str:
-  gib = lambda b: f"{b / 2**30:8.3f} GiB"
+  row = lambda label, b: f"  {label:<62}{b / 2**30:9.3f} GiB"
   lines = [f"model: {plan['num_params']:,} parameters (vocab {plan['vocab_size']:,})",
            f"per-device memory plan: {plan['devices']} device(s), {plan['rows_per_device']} segments × "
            f"{plan['segment_len']} tokens per forward, {plan['grad_accum']} forwards per update "
            f"(one TRIME train step compiled for {plan['backend']})",
-           f"  parameters (float32)          {gib(plan['param_bytes'])}",
-           f"  optimizer state               {gib(plan['opt_state_bytes'])}"]
+           row("parameters (float32)", plan["param_bytes"]),
+           row("optimizer state", plan["opt_state_bytes"])]
   if "temp_bytes" in plan:
-    lines += [f"  step temporaries (activations, gradients, logits chunks; XLA plan) {gib(plan['temp_bytes'])}",
-              f"  peak: arguments + outputs - donated + temporaries {gib(plan['peak_bytes'])}"]
+    lines += [row("step temporaries (activations, gradients, logits; XLA plan)", plan["temp_bytes"]),
+              row("peak: arguments + outputs - donated + temporaries", plan["peak_bytes"])]
   else:
     lines.append(f"  step temporaries: the {plan['backend']} backend reports no compiled memory plan")
   return "\n".join(lines)
