@@ -415,3 +415,26 @@ def test_dry_run_cli_prints_the_plan_and_trains_nothing(tmp_path):
   assert out.returncode == 0, out.stderr[-2000:]
   assert "parameters (vocab 256)" in out.stdout and "per-device memory plan" in out.stdout
   assert "peak" in out.stdout and not workdir.exists()
+
+
+def test_train_export_and_reload_an_adaptive_model(tmp_path):
+  """A few training steps (CE warm-up, then TRIME) with dropout in the adaptive softmax, then the export
+  loads back (config.json turns the cutoffs into a list) and scores the same as the trained parameters."""
+  from tests.helpers import tiny_config, write_text_file
+  from trime_jax import checkpoint as ckpt
+  from trime_jax.train import train_and_evaluate
+
+  corpus = tmp_path / "corpus.txt"
+  write_text_file(corpus)
+  cfg = tiny_config(corpus, **_ADAPTIVE_OVERRIDES, **{"train.num_steps": 4, "trime.ce_warmup_steps": 2,
+                                                      "train.vocab_chunk": 50})
+  out = train_and_evaluate(cfg, str(tmp_path / "run"))
+  assert math.isfinite(out["train"]["loss"]) and out["num_params"] == M.abstract_param_count(
+      M.ModelConfig.from_config(cfg.model))
+  graphdef, params, config, _, _ = ckpt.load_export(out["export"])
+  model = nnx.merge(graphdef, params)
+  assert model.cfg.adaptive_cutoffs == (40, 120) and model.cfg.tie_adaptive_proj
+  tokens = jnp.asarray(np.random.default_rng(8).integers(0, 256, (2, 17)))
+  stats, _ = steps.forward(model, tokens[:, :-1], tokens[:, 1:], vocab_chunk=50)
+  dense = L.vocab_stats(model(tokens[:, :-1])[0], tokens[:, 1:])
+  np.testing.assert_allclose(np.asarray(stats.target_logit), np.asarray(dense.target_logit), rtol=1e-5, atol=2e-5)
