@@ -31,13 +31,20 @@ def get_config():
   m.max_len = 512  # longest input the model accepts (training segments and evaluation blocks)
   m.positions = "sinusoidal"  # sinusoidal | learned
   m.position_offset = 0  # position index of a segment's first token (fairseq, paper configs: padding_idx + 1 = 2)
-  m.tie_embeddings = True  # share input and output embeddings
+  m.tie_embeddings = True  # share input and output embeddings (adaptive: --tie-adaptive-weights)
   m.final_norm = True  # LayerNorm before the output layer (paper 247M: False, fairseq --no-decoder-final-norm)
   m.dropout = 0.1  # residual / embedding dropout
   m.attention_dropout = 0.0  # dropout on attention probabilities
   m.activation_dropout = 0.0  # dropout after the FFN activation
   m.key_type = "last_ffn_input"  # memory keys g(c): last_ffn_input (paper) | final (g = f)
   m.dtype = "float32"  # compute dtype: float32 | bfloat16 (parameters stay float32)
+  m.adaptive_input = False  # banded input embedding, band i of dim D / factor^i (fairseq --adaptive-input)
+  m.adaptive_softmax = False  # adaptive softmax: shortlist head + tail clusters (fairseq --adaptive-softmax-cutoff)
+  m.adaptive_cutoffs = ()  # band starts for both, e.g. (20_000, 60_000); the vocabulary size closes the last band
+  m.adaptive_input_factor = 4.0  # --adaptive-input-factor
+  m.adaptive_softmax_factor = 4.0  # --adaptive-softmax-factor (tied: must equal the input's)
+  m.tie_adaptive_proj = False  # tail projections shared with the adaptive input's (--tie-adaptive-proj)
+  m.adaptive_softmax_dropout = 0.0  # --adaptive-softmax-dropout: on the softmax input and inside each tail
 
   c.trime = t = ml_collections.ConfigDict()
   t.memory = "local"  # training memory: none (vanilla LM) | local | long | ext

@@ -27,6 +27,11 @@ def get_config():
   c.model.positions = "sinusoidal"  # arch decoder_learned_pos False
   c.model.position_offset = 2  # fairseq positions start at padding_idx + 1 = 2
   c.model.tie_embeddings = True  # --tie-adaptive-weights
+  c.model.adaptive_input = True  # --adaptive-input: one band, so E · P (a [D, D] projection after the lookup)
+  c.model.adaptive_softmax = True  # --adaptive-softmax-cutoff 208: one band, the head is the full tied softmax
+  c.model.adaptive_cutoffs = ()  # cutoff 208 = the original's whole dictionary: no tail clusters
+  c.model.adaptive_input_factor = 1.0  # --adaptive-input-factor 1
+  c.model.adaptive_softmax_factor = 1.0  # --adaptive-softmax-factor 1
   c.model.final_norm = True  # arch no_decoder_final_norm False
   c.model.dropout = 0.3  # arch dropout 0.3
   c.model.attention_dropout = 0.1  # arch attention_dropout 0.1

@@ -2,8 +2,9 @@
 
 Consecutive batching: each forward holds a run of 60 consecutive segments of 150 tokens of the training
 stream (9,000 in-batch memories, crossing documents, read in order as the original's --keep-order); write
-the plan with `python -m launch.make_batches --kind=consecutive`. The paper's
-adaptive softmax here has factor 1 (a full-size embedding), so a full tied softmax has the same size.
+the plan with `python -m launch.make_batches --kind=consecutive`. The model has
+the script's tied adaptive input and softmax with factor 1 (every band D = 410 wide, untied projections):
+149,016,530 parameters (paper: 150M); docs/paper_models.md.
 Every training field follows train_scripts/wiki103-150M-trime_long.sh of the original release (the
 TrimeLM script differs only in criterion and order); docs/paper_configs.md lists each field's source.
 """
@@ -28,6 +29,13 @@ def get_config():
   c.model.positions = "sinusoidal"  # arch decoder_learned_pos False
   c.model.position_offset = 2  # fairseq positions start at padding_idx + 1 = 2
   c.model.tie_embeddings = True  # --tie-adaptive-weights
+  c.model.adaptive_input = True  # --adaptive-input
+  c.model.adaptive_softmax = True  # --adaptive-softmax-cutoff 20000,60000
+  c.model.adaptive_cutoffs = (20_000, 60_000)  # --adaptive-input-cutoff = --adaptive-softmax-cutoff 20000,60000
+  c.model.adaptive_input_factor = 1.0  # --adaptive-input-factor 1
+  c.model.adaptive_softmax_factor = 1.0  # --adaptive-softmax-factor 1
+  c.model.tie_adaptive_proj = False  # not set by the script or arch (base default False)
+  c.model.adaptive_softmax_dropout = 0.0  # not set (base default 0)
   c.model.final_norm = True  # arch no_decoder_final_norm False
   c.model.dropout = 0.3  # arch dropout 0.3
   c.model.attention_dropout = 0.1  # arch attention_dropout 0.1

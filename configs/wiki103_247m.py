@@ -1,9 +1,8 @@
 """WikiText-103, 247M TrimeLM (paper Table "model_config", column 1; Baevski & Auli 2019 architecture).
 
 Needs WikiText-103 (not available offline here): put wiki.{train,valid,test}.tokens in data/wikitext-103.
-The paper's 247M count uses adaptive input/softmax (cutoffs 20k/60k, factor 4); this implementation's
-output layer is a full tied softmax computed in vocabulary chunks, which has 475.7M parameters (the
-embedding alone is 267,735 × 1,024 = 274M). See README "Parameter counts".
+The model is the paper's: tied adaptive input and adaptive softmax (cutoffs 20k/60k, factor 4, tied
+projections), 246,932,928 parameters (paper: 247M); docs/paper_models.md.
 Every training field follows train_scripts/wiki103-247M-trime.sh of the original release (the _long and
 _ext scripts differ only in criterion and batching); docs/paper_configs.md lists each field's source.
 """
@@ -28,7 +27,14 @@ def get_config():
   c.model.max_len = 3072  # --tokens-per-sample 3072 (max_target_positions)
   c.model.positions = "sinusoidal"  # arch decoder_learned_pos False
   c.model.position_offset = 2  # fairseq positions start at padding_idx + 1 = 2
-  c.model.tie_embeddings = True  # arch tie_adaptive_weights True (input and output embeddings shared)
+  c.model.tie_embeddings = True  # arch tie_adaptive_weights True (adaptive input and softmax share E_i)
+  c.model.adaptive_input = True  # arch adaptive_input True
+  c.model.adaptive_softmax = True  # arch adaptive_softmax_cutoff '20000,60000'
+  c.model.adaptive_cutoffs = (20_000, 60_000)  # arch adaptive_input_cutoff = adaptive_softmax_cutoff 20000,60000
+  c.model.adaptive_input_factor = 4.0  # arch adaptive_input_factor default 4
+  c.model.adaptive_softmax_factor = 4.0  # arch adaptive_softmax_factor default 4
+  c.model.tie_adaptive_proj = True  # arch tie_adaptive_proj True
+  c.model.adaptive_softmax_dropout = 0.2  # arch adaptive_softmax_dropout 0.2
   c.model.final_norm = False  # arch no_decoder_final_norm True: no LayerNorm before the output layer
   c.model.dropout = 0.3  # arch dropout 0.3
   c.model.attention_dropout = 0.1  # arch attention_dropout 0.1
@@ -53,7 +59,7 @@ def get_config():
   c.train.warmup_steps = 16_000  # --warmup-updates 16000
   c.train.warmup_init_lr = 1e-7  # --warmup-init-lr 1e-07
   c.train.min_lr = 1e-4  # --lr 0.0001 (fairseq cosine's floor; --min-lr 1e-09 only stops training)
-  c.train.vocab_chunk = 16_384  # never materialise [24,576 × 267,735] logits
+  c.train.vocab_chunk = 16_384  # head and tails in chunks of at most this (the 207,735-word tail in 13)
   c.train.log_every = 100  # metric lines
   c.train.checkpoint_every = 2000  # orbax checkpoints
   c.train.eval_max_tokens = 100_000  # periodic dev evaluation subset

@@ -2,7 +2,9 @@
 
   python -m launch.train --config=configs/wikitext_mini.py --workdir=runs/mini [--config.train.num_steps=500]
 
-Rerunning the same command resumes from the newest checkpoint in the workdir.
+Rerunning the same command resumes from the newest checkpoint in the workdir. `--dry_run` prints the
+parameter count and the per-device memory plan (parameters, optimizer state, XLA's compiled plan of one train
+step at the configured batch) and exits without training.
 """
 
 from absl import flags
@@ -12,14 +14,18 @@ from launch.common import default_workdir, run_main
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics.jsonl, export/).")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print parameters and the per-device memory plan; do not train.")
 flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
   del argv
-  from trime_jax.train import train_and_evaluate
+  from trime_jax.train import format_memory_plan, memory_plan, train_and_evaluate
 
   config = _CONFIG.value
+  if _DRY_RUN.value:
+    print(format_memory_plan(memory_plan(config)), flush=True)
+    return
   workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename)
   train_and_evaluate(config, workdir)
 

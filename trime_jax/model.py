@@ -13,6 +13,22 @@ and this model mirrors: the final LayerNorm (`--no-decoder-final-norm`, set by `
 three dropouts, sinusoidal vs learned positions, and where positions start (fairseq numbers a sequence's
 tokens from padding_idx + 1 = 2: `position_offset=2`). Paper configs and their original flags:
 docs/paper_configs.md.
+
+Adaptive input and adaptive softmax (Baevski & Auli 2019; Grave et al. 2017), as fairseq's adaptive_input.py
+and adaptive_softmax.py define them (docs/paper_models.md). The vocabulary is cut into bands
+[0, c_1), [c_1, c_2), ..., [c_k, V); band i has dimension D / factor^i.
+
+    adaptive input:   E[w] = E_i[w - c_i] · P_i          (E_i [V_i, D/factor^i], P_i [D/factor^i, D], every band)
+    adaptive softmax: head logits h = f · [E_0; C]ᵀ over the c_1 shortlist words and k cluster tokens (C [k, D]);
+                      tail i: t_i = (f · Q_i) · E_iᵀ (Q_i [D, D/factor^i]; with tie_adaptive_proj Q_i = P_iᵀ)
+                      log p(w in band 0) = log_softmax(h)_w;  log p(w in band i) = log_softmax(h)_{c_1+i-1}
+                      + log_softmax(t_i)_{w - c_i}
+
+With `tie_embeddings` the adaptive softmax reuses the adaptive input's E_i (fairseq --tie-adaptive-weights).
+The TRIME objective takes the vocabulary side the way the original criterion (trime_loss.py) does: the
+log-normaliser is the head's log-sum-exp and the target's term is log p(target) + that normaliser, so
+`vocab_stats` returns those two numbers, and `logits` returns the *effective* logits log p(w) + lse(h)
+whose softmax is the adaptive distribution.
 """
 
 from __future__ import annotations
@@ -23,6 +39,8 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from trime_jax import loss
 
 KEY_TYPES = ("last_ffn_input", "final")
 POSITION_TYPES = ("sinusoidal", "learned")
@@ -47,8 +65,17 @@ class ModelConfig:
   activation_dropout: float = 0.0
   key_type: str = "last_ffn_input"
   dtype: str = "float32"  # compute dtype (bfloat16 on TPU); parameters stay float32
+  adaptive_input: bool = False  # banded input embedding (fairseq --adaptive-input)
+  adaptive_softmax: bool = False  # head + tail-cluster output layer (fairseq --adaptive-softmax-cutoff)
+  adaptive_cutoffs: tuple = ()  # band starts c_1 < c_2 < ... < V for both (V is appended, as fairseq does)
+  adaptive_input_factor: float = 4.0  # band i of the input has D / factor^i dimensions
+  adaptive_softmax_factor: float = 4.0  # tail i of the softmax has D / factor^i dimensions
+  tie_adaptive_proj: bool = False  # tail projections Q_i = P_iᵀ of the adaptive input (needs tie_embeddings)
+  adaptive_softmax_dropout: float = 0.0  # dropout on the softmax input and inside each tail (fairseq's p)
 
   def __post_init__(self):
+    # JSON round trips (exported config.json) turn tuples into lists; the config must stay hashable.
+    object.__setattr__(self, "adaptive_cutoffs", tuple(int(c) for c in self.adaptive_cutoffs))
     if self.key_type not in KEY_TYPES:
       raise ValueError(f"model.key_type must be one of {KEY_TYPES}, got {self.key_type!r}")
     if self.positions not in POSITION_TYPES:
@@ -59,6 +86,25 @@ class ModelConfig:
       raise ValueError(f"model.vocab_size must be positive, got {self.vocab_size}")
     if self.position_offset < 0:
       raise ValueError(f"model.position_offset must be >= 0, got {self.position_offset}")
+    cuts = (0,) + self.adaptive_cutoffs + (self.vocab_size,)
+    if any(a >= b for a, b in zip(cuts, cuts[1:])):
+      raise ValueError(f"model.adaptive_cutoffs={self.adaptive_cutoffs} must increase strictly inside "
+                       f"(0, vocab_size={self.vocab_size})")
+    if self.tie_embeddings and self.adaptive_input != self.adaptive_softmax:
+      raise ValueError("model.tie_embeddings ties the input and output layers: with adaptive_input or "
+                       "adaptive_softmax it needs both (fairseq --tie-adaptive-weights asserts the same)")
+    if self.tie_embeddings and self.adaptive_softmax and self.adaptive_input_factor != self.adaptive_softmax_factor:
+      raise ValueError("tied adaptive input and softmax need adaptive_input_factor == adaptive_softmax_factor")
+    if self.tie_adaptive_proj and not (self.tie_embeddings and self.adaptive_softmax):
+      raise ValueError("model.tie_adaptive_proj needs a tied adaptive softmax (tie_embeddings, adaptive_softmax, "
+                       "adaptive_input)")
+    if not 0.0 <= self.adaptive_softmax_dropout < 1.0:
+      raise ValueError(f"model.adaptive_softmax_dropout must be in [0, 1), got {self.adaptive_softmax_dropout}")
+
+  @property
+  def band_edges(self) -> tuple:
+    """(0, c_1, ..., c_k, V): band i holds words [edges[i], edges[i + 1])."""
+    return (0,) + self.adaptive_cutoffs + (self.vocab_size,)
 
   @classmethod
   def from_config(cls, model_cfg, vocab_size: int | None = None) -> "ModelConfig":
@@ -132,13 +178,74 @@ class Block(nnx.Module):
     return x, ffn_in
 
 
+def band_dim(d_model: int, factor: float, band: int) -> int:
+  """fairseq's int(D // factor^band)."""
+  return int(d_model // (factor ** band))
+
+
+class AdaptiveInput(nnx.Module):
+  """Banded embedding: E[w] = E_i[w - c_i] · P_i for w in band i (fairseq AdaptiveInput, every band projected)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, edges = cfg.d_model, cfg.band_edges
+    self.edges = edges
+    self.dtype = jnp.dtype(cfg.dtype)
+    dims = [band_dim(d, cfg.adaptive_input_factor, i) for i in range(len(edges) - 1)]
+    # fairseq: embeddings N(0, dim^-1/2), projections Xavier-uniform (no bias).
+    self.embeddings = nnx.List([
+        nnx.Embed(edges[i + 1] - edges[i], dim, embedding_init=nnx.initializers.normal(dim**-0.5), rngs=rngs)
+        for i, dim in enumerate(dims)])
+    self.projections = nnx.List([nnx.Linear(dim, d, use_bias=False, kernel_init=_xavier(), dtype=self.dtype,
+                                            rngs=rngs) for dim in dims])
+
+  def __call__(self, tokens_BxL):
+    # Every band embeds every token (indices clipped into the band) and a select keeps the right one: static
+    # shapes, and the cost of the small bands' lookups and projections is a fraction of one layer.
+    out = None
+    for i, (emb, proj) in enumerate(zip(self.embeddings, self.projections)):
+      lo, hi = self.edges[i], self.edges[i + 1]
+      x = proj(emb(jnp.clip(tokens_BxL - lo, 0, hi - lo - 1)))
+      out = x if out is None else jnp.where(((tokens_BxL >= lo) & (tokens_BxL < hi))[..., None], x, out)
+    return out
+
+
+class AdaptiveSoftmax(nnx.Module):
+  """The adaptive softmax's own parameters (fairseq AdaptiveSoftmax); tied ones are passed in by the LM.
+
+  Untied: head [c_1 + k, D], tail projections Q_i [D, dim_i], tail outputs [V_i, dim_i]. Tied
+  (tie_embeddings): only the cluster rows C [k, D] of the head, and Q_i unless tie_adaptive_proj.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, edges = cfg.d_model, cfg.band_edges
+    k = len(edges) - 2
+    tied = cfg.tie_embeddings
+    xavier = _xavier()
+    dims = [band_dim(d, cfg.adaptive_softmax_factor, i + 1) for i in range(k)]
+    # fairseq initialises every untied output weight Xavier-uniform; shapes [out, in] like torch's Linear.
+    if tied:
+      self.cluster = nnx.Param(xavier(rngs.params(), (k, d))) if k else None  # TiedHeadModule.class_proj
+      self.head = None
+    else:
+      self.cluster = None
+      self.head = nnx.Param(xavier(rngs.params(), (edges[1] + k, d)))
+    self.tail_proj = None if cfg.tie_adaptive_proj else nnx.List(
+        [nnx.Param(xavier(rngs.params(), (dim, d)).T) for dim in dims])  # [D, dim_i], Linear(D, dim_i)ᵀ
+    self.tail_out = None if tied else nnx.List(
+        [nnx.Param(xavier(rngs.params(), (edges[i + 2] - edges[i + 1], dim))) for i, dim in enumerate(dims)])
+    self.dropout = nnx.Dropout(cfg.adaptive_softmax_dropout)
+
+
 class TransformerLM(nnx.Module):
   """Decoder-only LM: `model(tokens) -> (logits [B, L, V], keys [B, L, D])`."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     d = cfg.d_model
-    self.embed = nnx.Embed(cfg.vocab_size, d, embedding_init=nnx.initializers.normal(d**-0.5), rngs=rngs)
+    if cfg.adaptive_input:
+      self.adaptive_embed = AdaptiveInput(cfg, rngs=rngs)
+    else:
+      self.embed = nnx.Embed(cfg.vocab_size, d, embedding_init=nnx.initializers.normal(d**-0.5), rngs=rngs)
     if cfg.positions == "learned":  # rows below the offset are never read (fairseq's padding rows)
       self.pos_embed = nnx.Embed(cfg.max_len + cfg.position_offset, d,
                                  embedding_init=nnx.initializers.normal(d**-0.5), rngs=rngs)
@@ -146,11 +253,15 @@ class TransformerLM(nnx.Module):
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     # No final LayerNorm at all (no parameters) when off, like fairseq's `layer_norm = None`.
     self.final_norm = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs) if cfg.final_norm else None
-    if not cfg.tie_embeddings:
+    if cfg.adaptive_softmax:
+      self.adaptive_softmax = AdaptiveSoftmax(cfg, rngs=rngs)
+    elif not cfg.tie_embeddings:
       self.output = nnx.Param(nnx.initializers.normal(d**-0.5)(rngs.params(), (cfg.vocab_size, d)))
 
   def output_embedding(self):
-    """The `[V, D]` output matrix W of logits = f · Wᵀ (the input embedding when tied)."""
+    """The `[V, D]` output matrix W of logits = f · Wᵀ (the input embedding when tied); full softmax only."""
+    if self.cfg.adaptive_softmax:
+      raise ValueError("an adaptive softmax has no [V, D] output matrix: use model.logits or model.vocab_stats")
     return self.embed.embedding[...] if self.cfg.tie_embeddings else self.output[...]
 
   def features(self, tokens_BxL, *, deterministic: bool = True, rngs=None):
@@ -160,7 +271,8 @@ class TransformerLM(nnx.Module):
     if l > cfg.max_len:
       raise ValueError(f"sequence length {l} exceeds model.max_len={cfg.max_len}")
     dtype = jnp.dtype(cfg.dtype)
-    x = self.embed(tokens_BxL) * math.sqrt(cfg.d_model)
+    embed = self.adaptive_embed if cfg.adaptive_input else self.embed
+    x = embed(tokens_BxL) * math.sqrt(cfg.d_model)  # fairseq scales adaptive inputs by √D too
     offset = cfg.position_offset
     if cfg.positions == "learned":
       x = x + self.pos_embed(jnp.arange(l) + offset)[None]
@@ -176,9 +288,85 @@ class TransformerLM(nnx.Module):
     g = ffn_in.astype(dtype) if cfg.key_type == "last_ffn_input" else f
     return f, g
 
+  # -------------------------------------------------------------------------------------------------------
+  # Adaptive softmax pieces (weights cast to the compute dtype of f, products accumulated in float32)
+  # -------------------------------------------------------------------------------------------------------
+  def _head_weight(self, dtype):
+    """[c_1 + k, D]: shortlist rows, then one row per tail cluster."""
+    sm = self.adaptive_softmax
+    if sm.head is not None:
+      return sm.head[...].astype(dtype)
+    rows = [self.adaptive_embed.embeddings[0].embedding[...]]
+    if sm.cluster is not None:
+      rows.append(sm.cluster[...])
+    return jnp.concatenate(rows, axis=0).astype(dtype)
+
+  def _tail(self, i, dtype):
+    """(Q_i [D, dim], E_i [V_i, dim]) of tail cluster i (band i + 1)."""
+    sm, ai = self.adaptive_softmax, getattr(self, "adaptive_embed", None)
+    proj = ai.projections[i + 1].kernel[...].T if sm.tail_proj is None else sm.tail_proj[i][...]
+    out = ai.embeddings[i + 1].embedding[...] if sm.tail_out is None else sm.tail_out[i][...]
+    return proj.astype(dtype), out.astype(dtype)
+
+  def _tail_hidden(self, f_NxD, i, drop):
+    proj, out = self._tail(i, f_NxD.dtype)
+    h = jnp.einsum("nd,de->ne", f_NxD, proj, preferred_element_type=jnp.float32).astype(f_NxD.dtype)
+    return self.adaptive_softmax.dropout(h, **drop), out
+
+  def _band(self, targets):
+    """Band index of each target (0: shortlist, i: tail cluster i - 1); padding (< 0) counts as band 0."""
+    return sum((targets >= c).astype(jnp.int32) for c in self.cfg.adaptive_cutoffs)
+
   def logits(self, f_BxLxD):
-    w = self.output_embedding().astype(f_BxLxD.dtype)
-    return jnp.einsum("bld,vd->blv", f_BxLxD, w, preferred_element_type=jnp.float32)
+    """Effective logits [B, L, V]: f · Wᵀ (full softmax); adaptive: log p(w) + lse(head), so softmax(logits)
+    is the adaptive distribution and logsumexp(logits) = lse(head), the original criterion's norm_t."""
+    if not self.cfg.adaptive_softmax:
+      w = self.output_embedding().astype(f_BxLxD.dtype)
+      return jnp.einsum("bld,vd->blv", f_BxLxD, w, preferred_element_type=jnp.float32)
+    lead, dtype = f_BxLxD.shape[:-1], f_BxLxD.dtype
+    f = f_BxLxD.reshape(-1, f_BxLxD.shape[-1])
+    head = jnp.einsum("nd,vd->nv", f, self._head_weight(dtype), preferred_element_type=jnp.float32)
+    c1 = self.cfg.band_edges[1]
+    parts = [head[:, :c1]]
+    for i in range(len(self.cfg.adaptive_cutoffs)):
+      h, out = self._tail_hidden(f, i, dict(deterministic=True))
+      tail = jnp.einsum("ne,ve->nv", h, out, preferred_element_type=jnp.float32)
+      parts.append(jax.nn.log_softmax(tail, axis=-1) + head[:, c1 + i, None])
+    return jnp.concatenate(parts, axis=-1).reshape(lead + (self.cfg.vocab_size,))
+
+  def vocab_stats(self, f_BxLxD, targets_BxL, *, vocab_chunk=0, deterministic=True, rngs=None) -> loss.VocabStats:
+    """The vocabulary side of the TRIME loss without [B, L, V] when vocab_chunk > 0 (adaptive: never).
+
+    Full softmax: log Σ_v exp(f·W_v) and f·W_target. Adaptive softmax, as the original criterion: the head's
+    log-sum-exp (norm_t) and log p(target) + norm_t, where a tail target adds its cluster's log-softmax
+    (computed for every row: static shapes; tails are D/factor^i wide, so that costs little).
+    """
+    if not self.cfg.adaptive_softmax:
+      if vocab_chunk:
+        w = self.output_embedding().astype(f_BxLxD.dtype)
+        return loss.chunked_vocab_stats(f_BxLxD, w, targets_BxL, chunk=vocab_chunk)
+      return loss.vocab_stats(self.logits(f_BxLxD), targets_BxL)
+
+    def stats(hidden, weight, t):
+      if vocab_chunk:  # equal chunks of at most vocab_chunk: a 20,002-row head is not padded to 32,768
+        v = weight.shape[0]
+        return loss.chunked_vocab_stats(hidden, weight, t, chunk=-(-v // -(-v // vocab_chunk)))
+      return loss.vocab_stats(jnp.einsum("nd,vd->nv", hidden, weight, preferred_element_type=jnp.float32), t)
+
+    cfg, lead = self.cfg, targets_BxL.shape
+    drop = dict(deterministic=deterministic, rngs=rngs)
+    f = self.adaptive_softmax.dropout(f_BxLxD.reshape(-1, f_BxLxD.shape[-1]), **drop)  # fairseq: on the input
+    t = targets_BxL.reshape(-1)
+    band, c1 = self._band(t), cfg.band_edges[1]
+    head_t = jnp.where(band == 0, t, c1 + band - 1)  # fairseq adapt_target: tail words -> their cluster token
+    head = stats(f, self._head_weight(f.dtype), head_t)
+    target = head.target_logit
+    for i in range(len(cfg.adaptive_cutoffs)):
+      lo, hi = cfg.band_edges[i + 1], cfg.band_edges[i + 2]
+      h, out = self._tail_hidden(f, i, drop)
+      tail = stats(h, out, jnp.clip(t - lo, 0, hi - lo - 1))
+      target = target + jnp.where(band == i + 1, tail.target_logit - tail.log_normalizer, 0.0)
+    return loss.VocabStats(head.log_normalizer.reshape(lead), target.reshape(lead))
 
   def __call__(self, tokens_BxL, *, deterministic: bool = True, rngs=None):
     f, g = self.features(tokens_BxL, deterministic=deterministic, rngs=rngs)

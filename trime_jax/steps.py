@@ -46,10 +46,7 @@ class LossSpec:
 def forward(model: TransformerLM, inputs_BxL, targets_BxL, *, vocab_chunk=0, deterministic=True, rngs=None):
   """(VocabStats [B, L], keys [B, L, D]) without materialising [B, L, V] when vocab_chunk > 0."""
   f, g = model.features(inputs_BxL, deterministic=deterministic, rngs=rngs)
-  if vocab_chunk:
-    stats = loss.chunked_vocab_stats(f, model.output_embedding().astype(f.dtype), targets_BxL, chunk=vocab_chunk)
-  else:
-    stats = loss.vocab_stats(model.logits(f), targets_BxL)
+  stats = model.vocab_stats(f, targets_BxL, vocab_chunk=vocab_chunk, deterministic=deterministic, rngs=rngs)
   return stats, g
 
 

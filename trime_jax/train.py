@@ -201,6 +201,67 @@ def build_model(config, vocab_size: int, seed: int):
   return TransformerLM(mcfg, rngs=nnx.Rngs(params=seed))
 
 
+def _tree_bytes(tree) -> int:
+  return int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree)))
+
+
+def memory_plan(config, vocab_size: int = 0) -> dict:
+  """Parameter count and per-device memory of training `config`, from shapes only (nothing is allocated;
+  the corpus is read only when neither `vocab_size` nor model.vocab_size gives the vocabulary).
+
+  Parameters and optimizer state are exact byte counts. The step's temporaries (activations kept for the
+  backward pass, gradients, logits chunks) are XLA's compiled plan for one TRIME train step on the default
+  backend at the per-device batch (train.batch_size / devices rows); data parallelism replicates parameters
+  and optimizer state. On a >1-device mesh the sharded loss also gathers other devices' keys (not included).
+  """
+  validate_config(config)
+  r = config.train
+  vocab_size = vocab_size or config.model.vocab_size or len(corpora.load_splits(config.data).vocab)
+  mcfg = ModelConfig.from_config(config.model, vocab_size=vocab_size)
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: TransformerLM(mcfg, rngs=nnx.Rngs(params=0))), nnx.Param)
+  tx, _ = make_optimizer(r)
+  opt_state = jax.eval_shape(tx.init, params)
+  devices = r.num_devices or jax.device_count()
+  if r.batch_size % devices:
+    raise ConfigError(f"train.batch_size={r.batch_size} is not divisible by the {devices} devices")
+  rows = r.batch_size // devices
+  tokens = jax.ShapeDtypeStruct((r.grad_accum, rows, config.data.segment_len), jnp.int32)
+  batch = {"inputs": tokens, "targets": tokens, "drop_local": jax.ShapeDtypeStruct(tokens.shape[:2], jnp.bool_)}
+  if config.trime.memory == "long" and config.trime.consecutive_layout == "packed":
+    batch["documents"] = tokens
+  state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params, "opt_state": opt_state}
+  spec = steps.LossSpec.from_config(config)
+  use_trime = spec.memory != "none"
+  fn = functools.partial(steps.train_step, graphdef, tx, spec, use_trime, use_trime)
+  compiled = jax.jit(fn, donate_argnums=(0,)).lower(state, batch, jax.random.PRNGKey(0)).compile()
+  m = compiled.memory_analysis()
+  plan = {"num_params": count_params(params), "vocab_size": vocab_size, "devices": devices,
+          "rows_per_device": rows, "segment_len": config.data.segment_len, "grad_accum": r.grad_accum,
+          "backend": jax.default_backend(), "param_bytes": _tree_bytes(params),
+          "opt_state_bytes": _tree_bytes(opt_state)}
+  if m is not None:  # some backends report no plan
+    plan.update(temp_bytes=int(m.temp_size_in_bytes), argument_bytes=int(m.argument_size_in_bytes),
+                output_bytes=int(m.output_size_in_bytes), alias_bytes=int(m.alias_size_in_bytes))
+    plan["peak_bytes"] = plan["argument_bytes"] + plan["output_bytes"] - plan["alias_bytes"] + plan["temp_bytes"]
+  return plan
+
+
+def format_memory_plan(plan: dict) -> str:
+  row = lambda label, b: f"  {label:<62}{b / 2**30:9.3f} GiB"
+  lines = [f"model: {plan['num_params']:,} parameters (vocab {plan['vocab_size']:,})",
+           f"per-device memory plan: {plan['devices']} device(s), {plan['rows_per_device']} segments × "
+           f"{plan['segment_len']} tokens per forward, {plan['grad_accum']} forwards per update "
+           f"(one TRIME train step compiled for {plan['backend']})",
+           row("parameters (float32)", plan["param_bytes"]),
+           row("optimizer state", plan["opt_state_bytes"])]
+  if "temp_bytes" in plan:
+    lines += [row("step temporaries (activations, gradients, logits; XLA plan)", plan["temp_bytes"]),
+              row("peak: arguments + outputs - donated + temporaries", plan["peak_bytes"])]
+  else:
+    lines.append(f"  step temporaries: the {plan['backend']} backend reports no compiled memory plan")
+  return "\n".join(lines)
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, splits=None) -> dict:
   """Train (or resume) in `workdir`, evaluate on dev, export. Returns the final metrics."""
   validate_config(config)
