@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 
 from bench.common import time_interleaved
-from trime_jax import steps
+from trime_jax import loss, steps
 from trime_jax.model import ModelConfig, TransformerLM, count_params
 
 SHAPE = dict(vocab_size=267_735, d_model=1024, num_heads=8, d_ff=4096, positions="sinusoidal", position_offset=2,
@@ -40,7 +40,7 @@ def _step(kw, vocab_chunk, layers, b, l):
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, b, l + 1))
   batch = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "drop_local": np.zeros((1, b), bool)}
   state, batch = jax.device_put((state, batch))
-  spec = steps.LossSpec(memory="local", vocab_chunk=vocab_chunk)
+  spec = steps.LossSpec(loss.ObjectiveSpec("local"), vocab_chunk=vocab_chunk)
   step = jax.jit(functools.partial(steps.train_step, graphdef, tx, spec, True, True))
   key = jax.random.PRNGKey(0)
   mem = step.lower(state, batch, key).compile().memory_analysis()

@@ -239,7 +239,7 @@ def test_trime_loss_with_adaptive_model_matches_reference(variant, memory):
   tokens = rng.integers(0, V, (4, 13))
   batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:]),
            "drop_local": jnp.asarray([False, True, False, False])}
-  spec = steps.LossSpec(memory=memory)
+  spec = steps.LossSpec(objective=L.ObjectiveSpec(memory))
   obj, ce, tr, n = steps.nll_sums(model, batch, spec, use_trime=True, report_trime=True, deterministic=True)
   f, g = model.features(batch["inputs"])
   p = _as(np, fairseq_params(model))
@@ -318,7 +318,7 @@ def test_bfloat16_compute_still_works():
   batch = {"inputs": inputs, "targets": targets, "drop_local": jnp.zeros(2, bool)}
 
   def obj(p):
-    return steps.nll_sums(nnx.merge(graphdef, p), batch, steps.LossSpec(memory="local", vocab_chunk=8),
+    return steps.nll_sums(nnx.merge(graphdef, p), batch, steps.LossSpec(L.ObjectiveSpec("local"), vocab_chunk=8),
                           use_trime=True, report_trime=True, deterministic=True)[0]
 
   grads = jax.grad(obj)(params)

@@ -215,28 +215,28 @@ def memory_plan(config, vocab_size: int = 0) -> dict:
   and optimizer state. On a >1-device mesh the sharded loss also gathers other devices' keys (not included).
   """
   validate_config(config)
-  r = config.train
+  train_cfg = config.train
   vocab_size = vocab_size or config.model.vocab_size or len(corpora.load_splits(config.data).vocab)
   mcfg = ModelConfig.from_config(config.model, vocab_size=vocab_size)
   graphdef, params = nnx.split(nnx.eval_shape(lambda: TransformerLM(mcfg, rngs=nnx.Rngs(params=0))), nnx.Param)
-  tx, _ = make_optimizer(r)
+  tx, _ = make_optimizer(train_cfg)
   opt_state = jax.eval_shape(tx.init, params)
-  devices = r.num_devices or jax.device_count()
-  if r.batch_size % devices:
-    raise ConfigError(f"train.batch_size={r.batch_size} is not divisible by the {devices} devices")
-  rows = r.batch_size // devices
-  tokens = jax.ShapeDtypeStruct((r.grad_accum, rows, config.data.segment_len), jnp.int32)
+  devices = train_cfg.num_devices or jax.device_count()
+  if train_cfg.batch_size % devices:
+    raise ConfigError(f"train.batch_size={train_cfg.batch_size} is not divisible by the {devices} devices")
+  rows = train_cfg.batch_size // devices
+  tokens = jax.ShapeDtypeStruct((train_cfg.grad_accum, rows, config.data.segment_len), jnp.int32)
   batch = {"inputs": tokens, "targets": tokens, "drop_local": jax.ShapeDtypeStruct(tokens.shape[:2], jnp.bool_)}
   if config.trime.memory == "long" and config.trime.consecutive_layout == "packed":
     batch["documents"] = tokens
   state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params, "opt_state": opt_state}
   spec = steps.LossSpec.from_config(config)
-  use_trime = spec.memory != "none"
+  use_trime = spec.objective.memory != "none"
   fn = functools.partial(steps.train_step, graphdef, tx, spec, use_trime, use_trime)
   compiled = jax.jit(fn, donate_argnums=(0,)).lower(state, batch, jax.random.PRNGKey(0)).compile()
   m = compiled.memory_analysis()
   plan = {"num_params": count_params(params), "vocab_size": vocab_size, "devices": devices,
-          "rows_per_device": rows, "segment_len": config.data.segment_len, "grad_accum": r.grad_accum,
+          "rows_per_device": rows, "segment_len": config.data.segment_len, "grad_accum": train_cfg.grad_accum,
           "backend": jax.default_backend(), "param_bytes": _tree_bytes(params),
           "opt_state_bytes": _tree_bytes(opt_state)}
   if m is not None:  # some backends report no plan
