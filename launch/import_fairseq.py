@@ -1,0 +1,46 @@
+"""Import a fairseq `transformer_lm` checkpoint of the original TRIME release as a trime-jax export.
+
+  python -m launch.import_fairseq --checkpoint=pretrained_models/wiki103-247M-trime/checkpoint_best.pt \
+      --dict=data-bin/wikitext-103/dict.txt --out=runs/wiki103-247M-trime/export
+
+The export is what `launch.eval`, `launch.eval_ext` and `launch.build_datastore` read; its vocabulary is
+fairseq's (`<s>`, `<pad>`, `</s>`, `<unk>`, then dict.txt), so `--config=configs/wiki103_247m.py` evaluates it on
+the WikiText-103 token files with fairseq's token ids. Needs PyTorch to read the file: pip install -e ".[fairseq]".
+docs/paper_models.md, "Importing the original checkpoints".
+"""
+
+from absl import flags
+
+from launch.common import run_main
+
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "fairseq checkpoint (.pt) of a transformer_lm.")
+_DICT = flags.DEFINE_string("dict", None, "fairseq dict.txt the checkpoint was trained with.")
+_OUT = flags.DEFINE_string("out", None, "Export directory to write.")
+_KEY_TYPE = flags.DEFINE_enum("key_type", "last_ffn_input", ["last_ffn_input", "final"],
+                              "Memory keys: last_ffn_input (--knn-keytype last_ffn_input, every released model's "
+                              "evaluation) or final (model_output).")
+_TRUST = flags.DEFINE_bool("trust_pickle", False, "Unpickle the whole file (arbitrary Python objects). Only for "
+                           "checkpoints you trust; by default only tensors, containers and argparse.Namespace load.")
+
+
+def main(argv):
+  del argv
+  from trime_jax import fairseq_import
+  from trime_jax.errors import ConfigError
+  from trime_jax.model import count_params
+
+  for name, flag in (("checkpoint", _CHECKPOINT), ("dict", _DICT), ("out", _OUT)):
+    if not flag.value:
+      raise ConfigError(f"--{name} is required")
+  out, imp = fairseq_import.import_to_export(_CHECKPOINT.value, _DICT.value, _OUT.value, key_type=_KEY_TYPE.value,
+                                             trust_pickle=_TRUST.value)
+  c = imp.cfg
+  print(f"imported {imp.flags.get('arch') or imp.flags.get('_name')}: {count_params(imp.params):,} parameters, "
+        f"{c.num_layers} layers, d_model={c.d_model}, vocab={len(imp.vocab):,}, positions={c.positions}, "
+        f"final_norm={c.final_norm}, adaptive_input={c.adaptive_input}, adaptive_softmax={c.adaptive_softmax} "
+        f"cutoffs={c.adaptive_cutoffs}")
+  print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+  run_main(main)
