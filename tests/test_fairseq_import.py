@@ -165,6 +165,11 @@ def _layer_norm(x, g, b, eps=1e-5):
   return (x - mu) / np.sqrt(var + eps) * g + b
 
 
+def _logsumexp(x):
+  m = x.max(-1)
+  return m + np.log(np.exp(x - m[..., None]).sum(-1))
+
+
 def _log_softmax(x):
   m = x.max(-1, keepdims=True)
   return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
@@ -182,8 +187,9 @@ def sinusoidal_table(n, dim, padding_idx=1):
   return emb
 
 
-def fairseq_forward(sd, spec, tokens_BxT, pad=1):
-  """(log-probs [B, T, V], last_ffn_input [B, T, D], output logits [B, T, V] (full softmax; else None))."""
+def fairseq_forward(sd, spec, tokens_BxT, pad=1, with_norm=False):
+  """(log-probs [B, T, V], last_ffn_input [B, T, D], output logits [B, T, V] (full softmax; else None)), and with
+  `with_norm` the scorer's norm_t [B, T]: logsumexp of the output logits (adaptive: of the head's)."""
   sd = {k: np.asarray(v, np.float64) for k, v in sd.items()}
   heads = SIZE["decoder_attention_heads"]
   b, t = tokens_BxT.shape
@@ -237,7 +243,8 @@ def fairseq_forward(sd, spec, tokens_BxT, pad=1):
   if not spec["softmax"]:
     w = sd["decoder.embed_tokens.weight"] if spec["tied"] else sd["decoder.embed_out"]
     logits = f @ w.T
-    return _log_softmax(logits).reshape(b, t, V), key, logits.reshape(b, t, V)
+    out = _log_softmax(logits).reshape(b, t, V), key, logits.reshape(b, t, V)
+    return out + (_logsumexp(logits).reshape(b, t),) if with_norm else out
   # AdaptiveSoftmax.get_log_prob, reading the modules' own (possibly tied) weights
   sm = "decoder.adaptive_softmax."
   k = len(spec["cutoffs"])
@@ -253,7 +260,8 @@ def fairseq_forward(sd, spec, tokens_BxT, pad=1):
     hid = f @ proj if (spec["tied"] and spec["tie_proj"]) else f @ proj.T  # TiedLinear(transpose=True) vs Linear
     tail = hid @ sd[sm + f"tail.{i}.2.weight"].T
     out[:, edges[i + 1]:edges[i + 2]] = _log_softmax(tail) + head_lp[:, edges[1] + i, None]
-  return out.reshape(b, t, V), key, None
+  res = out.reshape(b, t, V), key, None
+  return res + (_logsumexp(head).reshape(b, t),) if with_norm else res
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -375,12 +383,15 @@ def test_vocabulary_reproduces_fairseq_ids(tmp_path):
 # ----------------------------------------------------------------------------------------------------------
 # eval_lm's context-window perplexity
 # ----------------------------------------------------------------------------------------------------------
-def fairseq_eval_lm_nll(sd, spec, stream, tokens_per_sample, context_window, pad=1, eos=2):
+def fairseq_eval_lm_nll(sd, spec, stream, tokens_per_sample, context_window, pad=1, eos=2, local_tau=None):
   """Mean nll of eval_lm --context-window C --tokens-per-sample T --sample-break-mode none, batch size 1.
 
   eval_lm cuts blocks of T - C targets (TokenBlockDataset, source = the past target: </s> then the stream
   shifted), and LMContextWindowDataset prepends the last C non-pad source tokens of the previous sample and pads
-  the tail; only the block's own targets are scored."""
+  the tail; only the block's own targets are scored. With `local_tau` the score is eval_lm-trime.py --use-local
+  --softmax-temp τ (SequenceScorer.trime_generate, mode gn): every earlier position j of the same input is a
+  memory, labelled with its target (context positions: the next source token), logit g_i·g_j/√D/τ, and
+  log p = logsumexp(target logit, memories labelled y) - logsumexp(norm_t, all memories)."""
   s = tokens_per_sample - context_window
   source = np.concatenate([[eos], stream[:-1]])
   prev = np.zeros(0, np.int64)
@@ -391,9 +402,21 @@ def fairseq_eval_lm_nll(sd, spec, stream, tokens_per_sample, context_window, pad
     if extra > 0:
       prev = prev[extra:]
     toks = np.concatenate([prev, src, np.full(context_window - len(prev) + s - len(src), pad)])
-    lp, _, _ = fairseq_forward(sd, spec, toks[None].astype(np.int64))
+    lp, key, _, norm_t = fairseq_forward(sd, spec, toks[None].astype(np.int64), with_norm=True)
+    lp, key, norm_t = lp[0], key[0], norm_t[0]
     pos = len(prev) + np.arange(len(tgt))
-    total -= lp[0, pos, tgt].sum()
+    if local_tau is None:
+      total -= lp[pos, tgt].sum()
+    else:
+      target = np.full(len(toks), pad)
+      target[pos] = tgt
+      labels = np.where(target == pad, np.roll(toks, -1), target)  # rep_labels: virtual labels at pads
+      sims = key @ key.T / math.sqrt(key.shape[-1]) / local_tau
+      for i, y in zip(pos, tgt):
+        j = np.arange(i)  # local_mask: strictly earlier positions
+        num = np.concatenate([[lp[i, y] + norm_t[i]], sims[i, j[labels[j] == y]]])
+        den = np.concatenate([[norm_t[i]], sims[i, j]])
+        total -= _logsumexp(num) - _logsumexp(den)
     count += len(tgt)
     prev = toks[toks != pad][-context_window:]
   return total / count
@@ -401,18 +424,22 @@ def fairseq_eval_lm_nll(sd, spec, stream, tokens_per_sample, context_window, pad
 
 @pytest.mark.parametrize("name", ["wiki103", "plain_shared"])
 def test_eval_of_import_equals_fairseq_eval_lm(torch, tmp_path, name):
-  """launch.eval's evaluation (memory=none) of the export = eval_lm's context-window perplexity."""
+  """launch.eval's evaluation of the export = eval_lm's context-window perplexity (memory=none) and
+  eval_lm-trime.py --use-local --softmax-temp τ (memory=local at τ, row trime_local)."""
   arch, storage, fused, flags, spec = VARIANTS[name]
   export, _ = FI.import_to_export(write_checkpoint(torch, tmp_path / "c.pt", name),
                                   write_dict(tmp_path / "dict.txt"), str(tmp_path / "export"))
   root = helpers.write_wikitext_dir(tmp_path / "wiki")
-  t, c = SIZE["tokens_per_sample"], 16
-  out = E.evaluate_checkpoint(wiki_config(root, block_len=t, context_window=c, memory="none", batch_size=2), export)
-  (row,) = out["rows"]
+  t, c, tau = SIZE["tokens_per_sample"], 16, 1.3
+  cfg = wiki_config(root, block_len=t, context_window=c, memory="local", temperature=tau, batch_size=2)
+  rows = {r["family"]: r for r in E.evaluate_checkpoint(cfg, export)["rows"]}
   stream = fairseq_encode_file(os.path.join(root, "wiki.valid.tokens"), WORDS)
-  ref = fairseq_eval_lm_nll(fairseq_state(spec, fused=fused), spec, stream, t, c)
-  assert row["tokens"] == len(stream)
-  assert abs(row["nll"] - ref) < 1e-5 * ref, (row["nll"], ref)
+  sd = fairseq_state(spec, fused=fused)
+  for family, ref in (("none", fairseq_eval_lm_nll(sd, spec, stream, t, c)),
+                      ("trime_local", fairseq_eval_lm_nll(sd, spec, stream, t, c, local_tau=tau))):
+    assert rows[family]["tokens"] == len(stream)
+    assert abs(rows[family]["nll"] - ref) < 1e-5 * ref, (family, rows[family]["nll"], ref)
+  assert abs(rows["trime_local"]["nll"] - rows["none"]["nll"]) > 1e-3  # the local memory changes the score
 
 
 # ----------------------------------------------------------------------------------------------------------
