@@ -19,6 +19,8 @@ _OUT = flags.DEFINE_string("out", None, "Export directory to write.")
 _KEY_TYPE = flags.DEFINE_enum("key_type", "last_ffn_input", ["last_ffn_input", "final"],
                               "Memory keys: last_ffn_input (--knn-keytype last_ffn_input, every released model's "
                               "evaluation) or final (model_output).")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                           "Compute dtype of the exported model (model.dtype); float32 reproduces fairseq's numbers.")
 _TRUST = flags.DEFINE_bool("trust_pickle", False, "Unpickle the whole file (arbitrary Python objects). Only for "
                            "checkpoints you trust; by default only tensors, containers and argparse.Namespace load.")
 
@@ -33,7 +35,7 @@ def main(argv):
     if not flag.value:
       raise ConfigError(f"--{name} is required")
   out, imp = fairseq_import.import_to_export(_CHECKPOINT.value, _DICT.value, _OUT.value, key_type=_KEY_TYPE.value,
-                                             trust_pickle=_TRUST.value)
+                                             dtype=_DTYPE.value, trust_pickle=_TRUST.value)
   c = imp.cfg
   print(f"imported {imp.flags.get('arch') or imp.flags.get('_name')}: {count_params(imp.params):,} parameters, "
         f"{c.num_layers} layers, d_model={c.d_model}, vocab={len(imp.vocab):,}, positions={c.positions}, "

@@ -50,6 +50,12 @@ VARIANTS = {
                               decoder_learned_pos=True),
                          dict(adaptive=True, softmax=True, tied=True, tie_proj=False, learned=True, final_norm=True,
                               cutoffs=(8, 20), factor=2)),
+    # untied adaptive input and softmax with different factors (fairseq allows it when nothing is tied)
+    "adaptive_untied": ("transformer_lm", "args", False,
+                        dict(adaptive_input=True, adaptive_input_cutoff="8,14", adaptive_softmax_cutoff="8,14",
+                             adaptive_input_factor=2, adaptive_softmax_factor=4),
+                        dict(adaptive=True, softmax=True, tied=False, tie_proj=False, learned=False, final_norm=True,
+                             cutoffs=(8, 14), factor=2, sm_factor=4)),
     "softmax_only": ("transformer_lm", "args", False, dict(adaptive_softmax_cutoff="10", adaptive_softmax_factor=2),
                      dict(adaptive=False, softmax=True, tied=False, tie_proj=False, learned=False, final_norm=True,
                           cutoffs=(10,), factor=2)),
@@ -125,7 +131,7 @@ def fairseq_state(spec, seed=0, fused=False):
     else:
       sd[sm + "head.weight"] = w(edges[1] + k, d, s=0.4)
     for i in range(k):
-      dim = int(d // spec["factor"] ** (i + 1))
+      dim = int(d // spec.get("sm_factor", spec["factor"]) ** (i + 1))
       if spec["tied"] and spec["tie_proj"]:  # TiedLinear(P_{i+1} [D, dim], transpose=True)
         sd[sm + f"tail.{i}.0.weight"] = sd[f"decoder.embed_tokens.embeddings.{i + 1}.1.weight"]
       else:  # Linear(D, dim)
@@ -486,6 +492,21 @@ def test_missing_and_unexplained_tensors(torch, tmp_path):
   path = write_checkpoint(torch, tmp_path / "b.pt", "softmax_only", sd=sd)
   with pytest.raises(FI.ImportError_, match=r"do not explain.*decoder\.layernorm_embedding\.weight"):
     FI.import_checkpoint(path, d)
+
+
+class NotATensor:
+  """A Python object in a checkpoint (as fairseq's meters or OmegaConf configs are)."""
+
+
+def test_other_python_objects_need_trust_pickle(torch, tmp_path):
+  path = write_checkpoint(torch, tmp_path / "c.pt", "plain_shared")
+  state = torch.load(path, weights_only=False)
+  state["extra_state"]["meter"] = NotATensor()
+  torch.save(state, path)
+  d = write_dict(tmp_path / "dict.txt")
+  with pytest.raises(FI.ImportError_, match="cannot read .*--trust_pickle"):
+    FI.import_checkpoint(path, d)
+  assert FI.import_checkpoint(path, d, trust_pickle=True).cfg.tie_embeddings
 
 
 def test_not_a_checkpoint(torch, tmp_path):

@@ -444,9 +444,8 @@ def params_tree(cfg: ModelConfig, flat: dict):
   return tree
 
 
-def _vocab_rows(cfg_flags: dict, params: dict) -> int | None:
-  """The vocabulary size the state dict was trained with."""
-  sd = params
+def _vocab_rows(sd: dict) -> int | None:
+  """The vocabulary size the state dict was trained with (rows of the input embedding or output layer)."""
   if PREFIX + "embed_tokens.weight" in sd:
     return sd[PREFIX + "embed_tokens.weight"].shape[0]
   bands = [k for k in sd if k.startswith(PREFIX + "embed_tokens.embeddings.") and k.endswith(".0.weight")]
@@ -471,7 +470,7 @@ def import_checkpoint(checkpoint: str, dict_path: str, *, key_type: str = "last_
   vocab = read_dictionary(dict_path)
   raw_flags, params = load_checkpoint(checkpoint, trust_pickle=trust_pickle)
   flags = complete_flags(raw_flags)
-  rows = _vocab_rows(flags, params)
+  rows = _vocab_rows(params)
   if rows is not None and rows != len(vocab):
     raise ImportError_(f"dictionary size mismatch: {dict_path} gives {len(vocab)} symbols (4 special + "
                        f"{len(vocab) - 4} lines), the checkpoint's embeddings have {rows} rows")
@@ -480,28 +479,30 @@ def import_checkpoint(checkpoint: str, dict_path: str, *, key_type: str = "last_
   return Imported(cfg, params_tree(cfg, flat), vocab, flags)
 
 
-def export_config(cfg: ModelConfig, flags: dict):
-  """A full trime-jax config (configs/default.py) with the imported model and fairseq's evaluation shape."""
+def export_config(cfg: ModelConfig, flags: dict, *, dtype: str = "float32"):
+  """A full trime-jax config (configs/default.py) around the imported model: launch.eval reads the model and
+  train.vocab_chunk from it, and the data and eval sections from its own --config."""
   from configs import default
 
   c = default.get_config()
   for f in dataclasses.fields(cfg):
-    value = getattr(cfg, f.name)
-    setattr(c.model, f.name, value)
+    setattr(c.model, f.name, getattr(cfg, f.name))
+  c.model.dtype = dtype  # compute dtype only: parameters stay float32 (float32 reproduces fairseq's numbers)
   c.data.corpus = "wikitext"
   c.data.segment_len = min(cfg.max_len, int(flags.get("tokens_per_sample") or cfg.max_len))
   c.eval.block_len = c.data.segment_len
   c.eval.context_window = 0
+  c.train.vocab_chunk = 16_384 if cfg.vocab_size > 32_768 else 0  # as configs/wiki103_247m.py: no [N, V] logits
   return c
 
 
 def import_to_export(checkpoint: str, dict_path: str, out: str, *, key_type: str = "last_ffn_input",
-                     trust_pickle: bool = False) -> tuple[str, Imported]:
+                     dtype: str = "float32", trust_pickle: bool = False) -> tuple[str, Imported]:
   """Write the trime-jax export of a fairseq checkpoint to `out`; returns (directory, what was imported)."""
   from trime_jax import checkpoint as ckpt
 
   imp = import_checkpoint(checkpoint, dict_path, key_type=key_type, trust_pickle=trust_pickle)
-  config = export_config(imp.cfg, imp.flags)
+  config = export_config(imp.cfg, imp.flags, dtype=dtype)
   extra = {"step": 0, "imported_from": os.path.abspath(checkpoint), "fairseq_arch": imp.flags.get("arch") or
            imp.flags.get("_name"), "fairseq_dict": os.path.abspath(dict_path)}
   return ckpt.export(out, imp.params, config, imp.vocab, extra=extra), imp
