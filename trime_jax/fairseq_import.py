@@ -8,7 +8,7 @@ What the import reads (docs/paper_models.md, "Importing the original checkpoints
   * the model's flags: `args` (an argparse.Namespace, the release's fairseq) or `cfg["model"]` (newer fairseq),
     completed with the defaults of the named architecture as the release's `transformer_lm.py` registers them
     (the arch function, then `transformer_lm_big`, then `base_lm_architecture`);
-  * the state dict (`state["model"]`), under fairseq's names (`STATE_DICT_NAMES` below);
+  * the state dict (`state["model"]`), under fairseq's names (`state_dict_names` maps each of our parameters);
   * dict.txt: fairseq's `Dictionary` numbers `<s>`, `<pad>`, `</s>`, `<unk>` 0..3, then the file's words in
     order. The exported vocabulary is exactly that list, so the WikiText reader (`</s>` at every line end,
     `<unk>` for words not in it) produces fairseq's ids.
@@ -77,7 +77,8 @@ _MAPPED = {
     "decoder_input_dim", "decoder_output_dim", "decoder_ffn_embed_dim", "decoder_layers", "decoder_attention_heads",
     "decoder_normalize_before", "no_decoder_final_norm", "decoder_final_norm", "decoder_learned_pos",
     "adaptive_softmax_cutoff", "adaptive_softmax_dropout", "adaptive_softmax_factor", "adaptive_input",
-    "adaptive_input_factor", "adaptive_input_cutoff", "tie_adaptive_weights", "tie_adaptive_proj", "no_tie_adaptive_proj",
+    "adaptive_input_factor", "adaptive_input_cutoff", "tie_adaptive_weights", "tie_adaptive_proj",
+    "no_tie_adaptive_proj",
     "share_decoder_input_output_embed", "max_target_positions", "tokens_per_sample", "activation_fn",
     "no_token_positional_embeddings", "character_embeddings", "no_scale_embedding", "layernorm_embedding",
     "add_bos_token", "decoder_layerdrop", "decoder_layers_to_keep", "cross_self_attention", "layer_wise_attention",
