@@ -459,11 +459,19 @@ def test_missing_torch_is_one_clear_error(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("flag,value", [("activation_fn", "gelu"), ("decoder_foo_bar", 3), ("no_scale_embedding", True),
                                         ("arch", "transformer_lm_gpt"), ("layernorm_embedding", True),
-                                        ("decoder_output_dim", 8)])
+                                        ("decoder_output_dim", 8), ("scale_fc", True), ("add_bos_token", True)])
 def test_unknown_or_unsupported_flag_names_the_flag(torch, tmp_path, flag, value):
   path = write_checkpoint(torch, tmp_path / "c.pt", "plain_shared", extra_flags={flag: value})
   with pytest.raises(FI.ImportError_, match=flag):
     FI.import_checkpoint(path, write_dict(tmp_path / "dict.txt"))
+
+
+def test_unknown_flags_that_are_off_are_harmless(torch, tmp_path):
+  """An unknown architecture flag left off (None / False / 0), and newer fairseq's memory switches, import."""
+  path = write_checkpoint(torch, tmp_path / "c.pt", "plain_shared",
+                          extra_flags={"decoder_foo_bar": 0, "adaptive_zzz": None, "checkpoint_activations": True,
+                                       "quant_noise_pq": 0.0, "scale_fc": False, "decoder_layerdrop": 0.2})
+  assert FI.import_checkpoint(path, write_dict(tmp_path / "dict.txt")).cfg.tie_embeddings
 
 
 def test_dictionary_size_mismatch(torch, tmp_path):

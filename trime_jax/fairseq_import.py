@@ -70,8 +70,8 @@ ARCHS = {  # name -> [own defaults, parent chain]
                                         no_decoder_final_norm=True), _BIG],
 }
 
-# Flags the import maps (or checks for fairseq's neutral value). Any other flag under an architecture prefix is
-# refused by name: it might change the model.
+# Flags the import maps (or checks for fairseq's neutral value). Any other flag under an architecture prefix that
+# is set (not None / False / 0 / "") is refused by name: it might change the model.
 _MAPPED = {
     "arch", "_name", "dropout", "attention_dropout", "activation_dropout", "relu_dropout", "decoder_embed_dim",
     "decoder_input_dim", "decoder_output_dim", "decoder_ffn_embed_dim", "decoder_layers", "decoder_attention_heads",
@@ -84,12 +84,18 @@ _MAPPED = {
     "add_bos_token", "decoder_layerdrop", "decoder_layers_to_keep", "cross_self_attention", "layer_wise_attention",
     "knn_keytype", "knn_type", "learn_mem_weight", "character_filters", "character_embedding_dim",
     "char_embedder_highway_layers", "output_dictionary_size",
+    # newer fairseq's TransformerLanguageModelConfig: memory/speed switches, or features checked in _NEUTRAL
+    "checkpoint_activations", "offload_activations", "min_params_to_wrap", "tpu", "quant_noise_pq",
+    "quant_noise_pq_block_size", "quant_noise_scalar", "base_layers", "base_sublayers", "base_shuffle", "scale_fc",
+    "scale_attn", "scale_heads", "scale_resids", "decoder_xformers_att_config",
 }
 # fairseq's value of each flag for which trime-jax has no alternative (None or False/0 = off).
 _NEUTRAL = {"activation_fn": "relu", "no_token_positional_embeddings": False, "character_embeddings": False,
             "no_scale_embedding": False, "layernorm_embedding": False, "add_bos_token": False,
             "decoder_layers_to_keep": None, "cross_self_attention": False, "layer_wise_attention": False,
-            "output_dictionary_size": -1}
+            "output_dictionary_size": -1, "quant_noise_pq": 0, "quant_noise_scalar": 0, "base_layers": 0,
+            "scale_fc": False, "scale_attn": False, "scale_heads": False, "scale_resids": False,
+            "decoder_xformers_att_config": None}
 _ARCH_PREFIXES = ("decoder_", "encoder_", "adaptive_", "tie_", "share_", "no_decoder", "no_scale", "no_token",
                   "layernorm", "character", "char_", "cross_self", "layer_wise", "quant_noise", "activation_fn",
                   "checkpoint_activations", "offload_activations", "base_layers", "alibi", "rel_pos")
@@ -227,12 +233,12 @@ def complete_flags(flags: dict) -> dict:
 def model_config(flags: dict, params: dict, vocab_size: int, *, key_type: str = "last_ffn_input") -> ModelConfig:
   """The ModelConfig of a completed flag set; refuses, by name, every flag trime-jax cannot reproduce."""
   for k in sorted(flags):
-    if k not in _MAPPED and k.startswith(_ARCH_PREFIXES):
+    if k not in _MAPPED and k.startswith(_ARCH_PREFIXES) and flags[k] not in (None, False, 0, ""):
       raise ImportError_(f"unsupported architecture flag {k}={flags[k]!r}: the import does not know what it "
                          "changes, so it would not reproduce the model")
   for k, neutral in _NEUTRAL.items():
     v = flags.get(k)
-    if v is not None and v != neutral and not (neutral is False and not v):
+    if not (v is None or v == neutral or (not v and not neutral)):
       raise ImportError_(f"unsupported architecture flag {k}={v!r}: trime-jax implements only {k}={neutral!r}")
   if flags.get("knn_keytype") == "separated_head":
     raise ImportError_("unsupported architecture flag knn_keytype='separated_head' (an extra key head)")
