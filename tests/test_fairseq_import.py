@@ -10,6 +10,7 @@ spec a test wrote by hand, never the importer's interpretation of the flags.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -56,6 +57,12 @@ VARIANTS = {
                              adaptive_input_factor=2, adaptive_softmax_factor=4),
                         dict(adaptive=True, softmax=True, tied=False, tie_proj=False, learned=False, final_norm=True,
                              cutoffs=(8, 14), factor=2, sm_factor=4)),
+    # enwik8's one band: cutoff = V, so the tied head is the whole softmax and class_proj is Linear(D, 0)
+    "one_band": ("transformer_lm_enwik8", "args", False,
+                 dict(adaptive_input=True, tie_adaptive_weights=True, adaptive_input_cutoff=str(V),
+                      adaptive_softmax_cutoff=str(V), adaptive_input_factor=1, adaptive_softmax_factor=1),
+                 dict(adaptive=True, softmax=True, tied=True, tie_proj=False, learned=False, final_norm=True,
+                      cutoffs=(), factor=1)),
     "softmax_only": ("transformer_lm", "args", False, dict(adaptive_softmax_cutoff="10", adaptive_softmax_factor=2),
                      dict(adaptive=False, softmax=True, tied=False, tie_proj=False, learned=False, final_norm=True,
                           cutoffs=(10,), factor=2)),
@@ -324,6 +331,31 @@ def test_import_equals_fairseq_forward(torch, tmp_path, name):
   assert max(e for e in errs if e is not None) < 1e-5, errs
 
 
+@pytest.mark.parametrize("config_name,flags", [
+    ("wiki103_247m", dict(arch="transformer_lm_wiki103", tokens_per_sample=3072)),
+    ("wiki103_150m", dict(arch="transformer_lm_wiki103_150M", tokens_per_sample=150, adaptive_input=True,
+                          tie_adaptive_weights=True, adaptive_input_cutoff="20000,60000",
+                          adaptive_softmax_cutoff="20000,60000", adaptive_softmax_factor=1, adaptive_input_factor=1)),
+    ("enwik8_38m", dict(arch="transformer_lm_enwik8", tokens_per_sample=512, adaptive_input=True,
+                        tie_adaptive_weights=True, adaptive_input_cutoff="208", adaptive_softmax_cutoff="208",
+                        adaptive_softmax_factor=1, adaptive_input_factor=1)),
+])
+def test_release_architectures_read_as_the_paper_configs(config_name, flags):
+  """The import's reading of a training script's flags (arch defaults included) is the model that the paper
+  configs (configs/*.py, written from the same scripts independently) define; dtype aside (the configs
+  train in bfloat16), and enwik8's vocabulary (fairseq's 208-symbol dict vs our 256 bytes)."""
+  import importlib
+
+  from trime_jax.model import ModelConfig
+
+  config = importlib.import_module(f"configs.{config_name}").get_config()
+  v = 208 if config_name == "enwik8_38m" else config.model.vocab_size
+  got = FI.model_config(FI.complete_flags({**flags, "knn_keytype": "last_ffn_input"}),
+                        {"decoder.version": np.array([3.0])}, v)
+  want = ModelConfig.from_config(config.model, vocab_size=v)
+  assert dataclasses.replace(got, dtype=want.dtype) == want
+
+
 def test_sinusoidal_positions_are_fairseqs():
   """model.sinusoidal_positions is fairseq's get_embedding (rows from padding_idx + 1 on are all a model
   reads; fairseq's padding row 1 is zero, ours is never looked up)."""
@@ -333,6 +365,22 @@ def test_sinusoidal_positions_are_fairseqs():
     ours = np.asarray(sinusoidal_positions(600, dim), np.float64)
     ref = sinusoidal_table(600, dim)
     np.testing.assert_allclose(ours[2:], ref[2:], atol=1e-4)  # float32 angles up to 600
+
+
+def test_older_fairseq_names(torch, tmp_path):
+  """Older checkpoints' layer_norms.0 / .2 and fused in_proj tensors import as fairseq's upgrade renames them;
+  a decoder without `version` >= 3 has no final LayerNorm in fairseq, so one stored anyway is refused."""
+  spec = VARIANTS["plain_shared"][4]
+  sd = fairseq_state(spec, fused=True)
+  old = {k.replace("self_attn_layer_norm", "layer_norms.0").replace("final_layer_norm", "layer_norms.2"): v
+         for k, v in sd.items()}
+  d = write_dict(tmp_path / "dict.txt")
+  imp = FI.import_checkpoint(write_checkpoint(torch, tmp_path / "a.pt", "plain_shared", sd=old), d)
+  errs = compare(imported_model(imp), sd, spec, sample_tokens())
+  assert max(e for e in errs if e is not None) < 1e-5, errs
+  path = write_checkpoint(torch, tmp_path / "b.pt", "plain_shared", sd=sd, drop=("decoder.version",))
+  with pytest.raises(FI.ImportError_, match=r"do not explain.*decoder\.layer_norm\.(weight|bias)"):
+    FI.import_checkpoint(path, d)
 
 
 @pytest.mark.parametrize("mistake", ["qkv_order", "position_offset", "no_transpose"])

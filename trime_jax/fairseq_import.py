@@ -409,6 +409,9 @@ def convert(params: dict, cfg: ModelConfig) -> dict:
   if missing:
     raise ImportError_(f"state dict is missing {len(missing)} tensor(s) this architecture needs: "
                        f"{', '.join(missing[:6])}")
+  empty = "adaptive_softmax.head.class_proj.weight"  # one band (enwik8: cutoff = V): a Linear(D, 0)
+  if cfg.adaptive_softmax and not cfg.adaptive_cutoffs and empty in sd and np.size(sd[empty]) == 0:
+    used.add(empty)
   for copy, owner in _tied_copies(cfg).items():
     if copy in sd:
       if owner in sd and (sd[copy].shape != sd[owner].shape or not np.array_equal(sd[copy], sd[owner])):
