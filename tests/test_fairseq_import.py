@@ -496,6 +496,40 @@ def test_eval_of_import_equals_fairseq_eval_lm(torch, tmp_path, name):
   assert abs(rows["trime_local"]["nll"] - rows["none"]["nll"]) > 1e-3  # the local memory changes the score
 
 
+def fairseq_dstore_keys(sd, spec, stream, tokens_per_sample, context_window, pad=1, eos=2):
+  """eval_lm --save-knnlm-dstore's keys: last_ffn_input at each block's scored positions (same windows)."""
+  s = tokens_per_sample - context_window
+  source = np.concatenate([[eos], stream[:-1]])
+  prev, keys = np.zeros(0, np.int64), []
+  for start in range(0, len(stream), s):
+    src = source[start:start + s]
+    prev = prev[max(0, len(prev) + len(src) - tokens_per_sample):]
+    toks = np.concatenate([prev, src, np.full(context_window - len(prev) + s - len(src), pad)])
+    _, key, _ = fairseq_forward(sd, spec, toks[None].astype(np.int64))
+    keys.append(key[0, len(prev):len(prev) + len(src)])
+    prev = toks[toks != pad][-context_window:]
+  return np.concatenate(keys)
+
+
+def test_datastore_of_import_has_fairseqs_keys(torch, tmp_path):
+  """launch.build_datastore's datastore of the export: fairseq's keys (float16) and next tokens."""
+  from trime_jax.datastore import Datastore, build_datastore
+
+  arch, storage, fused, flags, spec = VARIANTS["wiki103"]
+  export, imp = FI.import_to_export(write_checkpoint(torch, tmp_path / "c.pt", "wiki103"),
+                                    write_dict(tmp_path / "dict.txt"), str(tmp_path / "export"))
+  root = helpers.write_wikitext_dir(tmp_path / "wiki")
+  corpus = E.load_eval_data(wiki_config(root), ckpt.read_export_vocab(export)).train
+  t, c = SIZE["tokens_per_sample"], 16
+  build_datastore(export, corpus, str(tmp_path / "ds"), block_len=t, context_window=c, batch_size=2,
+                  progress=False)
+  ds = Datastore(str(tmp_path / "ds"))
+  stream = fairseq_encode_file(os.path.join(root, "wiki.train.tokens"), WORDS)
+  np.testing.assert_array_equal(np.asarray(ds.values).ravel(), stream)
+  ref = fairseq_dstore_keys(fairseq_state(spec, fused=fused), spec, stream, t, c)
+  np.testing.assert_allclose(np.asarray(ds.keys, np.float64), ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+
+
 # ----------------------------------------------------------------------------------------------------------
 # One clear error per bad input
 # ----------------------------------------------------------------------------------------------------------
