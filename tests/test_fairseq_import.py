@@ -548,6 +548,16 @@ def test_unknown_or_unsupported_flag_names_the_flag(torch, tmp_path, flag, value
     FI.import_checkpoint(path, write_dict(tmp_path / "dict.txt"))
 
 
+def test_cutoffs(torch, tmp_path):
+  """Cutoffs that end at V are fairseq's own; input and softmax cut differently is refused by name."""
+  d = write_dict(tmp_path / "dict.txt")
+  path = write_checkpoint(torch, tmp_path / "a.pt", "wiki103", extra_flags={"adaptive_input_cutoff": f"8,14,24,{V}"})
+  assert FI.import_checkpoint(path, d).cfg.adaptive_cutoffs == (8, 14, 24)
+  path = write_checkpoint(torch, tmp_path / "b.pt", "wiki103", extra_flags={"adaptive_softmax_cutoff": "8,20"})
+  with pytest.raises(FI.ImportError_, match=r"adaptive_input_cutoff=\(8, 14, 24\) != adaptive_softmax_cutoff"):
+    FI.import_checkpoint(path, d)
+
+
 def test_unknown_flags_that_are_off_are_harmless(torch, tmp_path):
   """An unknown architecture flag left off (None / False / 0), and newer fairseq's memory switches, import."""
   path = write_checkpoint(torch, tmp_path / "c.pt", "plain_shared",

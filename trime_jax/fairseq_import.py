@@ -247,8 +247,10 @@ def model_config(flags: dict, params: dict, vocab_size: int, *, key_type: str = 
     if int(flags[k]) != d:
       raise ImportError_(f"unsupported architecture flag {k}={flags[k]} != decoder_embed_dim={d} "
                          "(project_in_dim / project_out_dim)")
-  in_cut = _cutoffs(flags.get("adaptive_input_cutoff"), "adaptive_input_cutoff")
-  sm_cut = _cutoffs(flags.get("adaptive_softmax_cutoff"), "adaptive_softmax_cutoff")
+  # fairseq appends V to a module's cutoffs unless the last one already is V
+  in_cut, sm_cut = [None if c is None else tuple(x for x in c if x != vocab_size) for c in (
+      _cutoffs(flags.get("adaptive_input_cutoff"), "adaptive_input_cutoff"),
+      _cutoffs(flags.get("adaptive_softmax_cutoff"), "adaptive_softmax_cutoff"))]
   adaptive_input, adaptive_softmax = bool(flags["adaptive_input"]), sm_cut is not None
   if adaptive_input and in_cut is None:
     raise ImportError_("architecture flag adaptive_input=True needs adaptive_input_cutoff")
@@ -256,7 +258,6 @@ def model_config(flags: dict, params: dict, vocab_size: int, *, key_type: str = 
     raise ImportError_(f"unsupported architecture flags adaptive_input_cutoff={in_cut} != adaptive_softmax_cutoff="
                        f"{sm_cut}: trime-jax cuts both at the same places")
   cuts = in_cut if adaptive_input else (sm_cut or ())
-  cuts = tuple(c for c in cuts if c != vocab_size)  # fairseq appends V unless the last cutoff already is V
   tie_adaptive = bool(flags["tie_adaptive_weights"])
   if tie_adaptive and not adaptive_input:
     raise ImportError_("architecture flag tie_adaptive_weights=True needs adaptive_input=True (fairseq asserts it)")
