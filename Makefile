@@ -13,8 +13,7 @@ $(VENV)/bin/python:
 # torch (the [fairseq] extra) is for tests/test_fairseq_import.py only: it reads the fairseq checkpoints those
 # tests write. Pinned to one exact version: an unpinned `torch` (or a range) resolves to the newest multi-GB
 # CUDA build, while unpickling a checkpoint needs only the CPU wheel. Where pip's configured wheel directory has
-# no CPU wheel of 2.13.0, add PyTorch's CPU index:
-#   make test TORCH_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
+# no CPU wheel of 2.13.0, point pip at PyTorch's CPU wheel index: make test TORCH_PIP_ARGS="--extra-index-url URL"
 TORCH_PIP_ARGS ?=
 $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install -q -e ".[test]"
