@@ -9,10 +9,14 @@ from trime_jax.errors import TrimeError
 
 
 def _one_line(e: BaseException) -> str:
-  text = str(e)
+  """The innermost message of `e` on one line: absl wraps a config typo's KeyError in an AttributeError, whose
+  str() quotes it twice (a stray quote in the hint otherwise)."""
+  while e.args and isinstance(e.args[0], BaseException):
+    e = e.args[0]
+  text = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e)
   for escaped, plain in (("\\n", " "), ("\\'", "'"), ('\\"', '"')):
     text = text.replace(escaped, plain)
-  return " ".join(text.split()).strip("'\"")
+  return " ".join(text.split())
 
 
 def _parse_flags(argv):

@@ -45,6 +45,7 @@ def test_unknown_config_field(trained):
   _, _, cfg, work = trained
   line = _one_error_line(run_cli("launch.train", f"--config={cfg}", f"--workdir={work}x", "--config.train.num_stpes=3"))
   assert "num_stpes" in line and "num_steps" in line
+  assert "'num_stpes' Did you mean" in line  # the field quoted once, no stray quote
 
 
 def test_missing_and_empty_data(trained):

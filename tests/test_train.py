@@ -112,3 +112,31 @@ def test_weight_decay_is_decoupled_like_fairseq(optimizer):
   params = {"w": jnp.asarray([1.0, -2.0, 3.0])}
   updates, _ = tx.update(jax.tree_util.tree_map(jnp.zeros_like, params), tx.init(params), params)
   np.testing.assert_allclose(params["w"] + updates["w"], params["w"] * (1 - 0.5 * 0.01), rtol=1e-6)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("train.log_every", 0, "train.log_every must be >= 1"),
+    ("train.checkpoint_every", 0, "train.checkpoint_every must be >= 1"),
+    ("train.keep_checkpoints", 0, "train.keep_checkpoints must be >= 1"),
+    ("train.learning_rate", -1.0, "train.learning_rate must be > 0"),
+    ("train.weight_decay", -0.1, "train.weight_decay must be >= 0"),
+    ("model.dropout", 1.5, r"model.dropout must be in \[0, 1\)"),
+    ("model.attention_dropout", -0.1, r"model.attention_dropout must be in \[0, 1\)"),
+    ("model.num_heads", 3, "not divisible by model.num_heads=3"),
+    ("eval.batch_size", -1, "eval.batch_size must be >= 1"),
+    ("eval.batch_size", 0, "eval.batch_size must be >= 1"),
+    ("eval.max_tokens", -5, "eval.max_tokens must be >= 0"),
+    ("eval.context_window", 256, "eval.context_window=256 must be shorter than eval.block_len=256"),
+])
+def test_out_of_range_fields_are_refused_before_compiling(field, value, message):
+  """Each bad value is one ConfigError naming the field, raised by validate_config (before any compilation);
+  the shipped configs stay valid (test_every_shipped_config_is_valid)."""
+  from configs import default
+  from trime_jax.train import validate_config
+
+  cfg = default.get_config()
+  section, name = field.split(".")
+  with cfg.unlocked():
+    cfg[section][name] = value
+  with pytest.raises(ConfigError, match=message):
+    validate_config(cfg)

@@ -78,6 +78,37 @@ def validate_config(config) -> None:
     raise ConfigError("temperatures must be positive")
   _choice(t.sharded_variant, sharded_loss.VARIANTS, "trime.sharded_variant")
   _choice(t.memory_grad, sharded_loss.MEMORY_GRADS, "trime.memory_grad")
+  _check_ranges(config)
+
+
+def _check_ranges(config) -> None:
+  """Numeric fields whose bad values would otherwise fail after compilation or silently train nonsense."""
+  m, train_cfg, e = config.model, config.train, config.eval
+  at_least = [("train.log_every", train_cfg.log_every, 1), ("train.checkpoint_every", train_cfg.checkpoint_every, 1),
+              ("train.keep_checkpoints", train_cfg.keep_checkpoints, 1), ("train.warmup_steps", train_cfg.warmup_steps, 0),
+              ("train.eval_every", train_cfg.eval_every, 0), ("train.eval_max_tokens", train_cfg.eval_max_tokens, 0),
+              ("train.vocab_chunk", train_cfg.vocab_chunk, 0), ("train.num_devices", train_cfg.num_devices, 0),
+              ("model.num_layers", m.num_layers, 1), ("model.num_heads", m.num_heads, 1),
+              ("eval.batch_size", e.batch_size, 1), ("eval.max_tokens", e.max_tokens, 0),
+              ("eval.context_window", e.context_window, 0), ("eval.mem_size", e.mem_size, 0)]
+  for name, value, low in at_least:
+    if value < low:
+      raise ConfigError(f"{name} must be >= {low}, got {value}")
+  for name, value in [("train.learning_rate", train_cfg.learning_rate), ("train.adam_eps", train_cfg.adam_eps)]:
+    if not value > 0:
+      raise ConfigError(f"{name} must be > 0, got {value}")
+  for name, value in [("train.weight_decay", train_cfg.weight_decay), ("train.clip_norm", train_cfg.clip_norm),
+                      ("train.warmup_init_lr", train_cfg.warmup_init_lr), ("train.min_lr", train_cfg.min_lr)]:
+    if value < 0:
+      raise ConfigError(f"{name} must be >= 0, got {value}")
+  for name in ("dropout", "attention_dropout", "activation_dropout"):
+    if not 0.0 <= m[name] < 1.0:
+      raise ConfigError(f"model.{name} must be in [0, 1), got {m[name]}")
+  if m.d_model % m.num_heads:
+    raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}")
+  if e.context_window >= e.block_len:
+    raise ConfigError(f"eval.context_window={e.context_window} must be shorter than eval.block_len={e.block_len} "
+                      "(the rest of each block is scored)")
 
 
 def ce_warmup_steps(config) -> int:
