@@ -160,7 +160,7 @@ def test_plan_rows_are_the_layout_of_the_long_loss(layout):
     valid = targets.reshape(-1) >= 0
     pos = (segs.start[np.maximum(rows, 0)][:, None] + np.arange(4)).reshape(-1)
     pos = np.where(valid, pos, 0)
-    docs = doc_of[pos].reshape(targets.shape) if layout == "packed" else None
+    docs = D.segment_documents(corpus, segs, rows) if layout == "packed" else None  # what BatchSource feeds
     meta = loss.batch_meta(jnp.asarray(targets), "long", 3, documents_BxL=docs)
     flat = loss.TokenMeta(*(x.reshape(-1) for x in meta))
     got = np.asarray(loss.visible(flat, flat, True, False))

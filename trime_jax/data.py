@@ -303,15 +303,21 @@ def make_segments(corpus: Corpus, seg_len: int, mode: str = "stream") -> Segment
   raise DataError(f"segmentation must be one of {SEGMENTATIONS}, got {mode!r}")
 
 
-def gather_segments(corpus: Corpus, segments: Segments, idx: np.ndarray):
-  """(inputs [n, L], targets [n, L]) for segment indices `idx` (-1: an all-padding row)."""
+def _target_positions(segments: Segments, idx: np.ndarray):
+  """(positions [n, L], valid [n, L]): the corpus position of every target slot of segments `idx`, and which
+  slots hold a real target (-1 rows and the short tail of the stream's last segment do not)."""
   idx = np.asarray(idx)
-  l = segments.seg_len
-  offs = np.arange(l)
+  offs = np.arange(segments.seg_len)
   real = idx >= 0
   safe = np.where(real, idx, 0)
-  pos = segments.start[safe][:, None] + offs[None, :]  # target positions
+  pos = segments.start[safe][:, None] + offs[None, :]
   valid = real[:, None] & (offs[None, :] < segments.length[safe][:, None])
+  return pos, valid
+
+
+def gather_segments(corpus: Corpus, segments: Segments, idx: np.ndarray):
+  """(inputs [n, L], targets [n, L]) for segment indices `idx` (-1: an all-padding row)."""
+  pos, valid = _target_positions(segments, idx)
   tokens = corpus.tokens
   targets = np.where(valid, tokens[np.where(valid, pos, 0)], -1).astype(np.int32)
   prev = pos - 1
@@ -323,13 +329,7 @@ def gather_segments(corpus: Corpus, segments: Segments, idx: np.ndarray):
 def segment_documents(corpus: Corpus, segments: Segments, idx: np.ndarray) -> np.ndarray:
   """[n, L] int32 document index of every target position of segments `idx` (-1 for padding), for packed
   runs whose memory must stay within a document."""
-  idx = np.asarray(idx)
-  l = segments.seg_len
-  offs = np.arange(l)
-  real = idx >= 0
-  safe = np.where(real, idx, 0)
-  pos = segments.start[safe][:, None] + offs[None, :]
-  valid = real[:, None] & (offs[None, :] < segments.length[safe][:, None])
+  pos, valid = _target_positions(segments, idx)
   docs = np.searchsorted(corpus.doc_starts, pos, side="right") - 1
   return np.where(valid, docs, -1).astype(np.int32)
 
