@@ -92,6 +92,8 @@ def get_config():
   e.split = "dev"  # dev | test
   e.block_len = 256  # L_eval: model input length at evaluation
   e.context_window = 128  # C: tokens of each block that are context only (scored: L_eval - C)
+  e.sample_break_mode = "none"  # fairseq --sample-break-mode of the scored blocks: none (L_eval - C tokens each)
+  #   | complete (whole lines, at most L_eval - C tokens unless one line is longer; context fills up to L_eval)
   e.batch_size = 8  # blocks per forward pass
   e.memory = "local"  # none | local (earlier tokens of the block) | cache (continuous-cache baseline)
   e.temperature = 1.0  # τ on memory logits (memory=local)

@@ -65,6 +65,7 @@ def get_config():
   c.train.eval_max_tokens = 100_000  # periodic dev evaluation subset
   c.eval.block_len = 3072  # fairseq --tokens-per-sample
   c.eval.context_window = 2560  # scored tokens per block: 512 (the paper's evaluation segment length)
+  c.eval.sample_break_mode = "complete"  # --sample-break-mode complete (every released 247M evaluation)
   c.eval.batch_size = 1  # blocks per forward
   # Evaluation as released (run_pretrained_models.md). TrimeLM: --use-local --softmax-temp 1.17. TrimeLM_long:
   # --softmax-temp 1.22 --mem-size 12288 -> eval.temperature=1.22, eval.mem_size=9728 (ours excludes the

@@ -71,5 +71,6 @@ def get_config():
   c.train.eval_max_tokens = 100_000  # periodic dev evaluation subset
   c.eval.block_len = 3072  # model input at evaluation
   c.eval.context_window = 2560  # scored tokens per block: 512
+  c.eval.sample_break_mode = "complete"  # as the released 247M evaluation (no 7M command was released)
   c.eval.batch_size = 1  # blocks per forward
   return c

@@ -23,6 +23,78 @@ def test_windows_score_every_target_once_with_bounded_context(n, block, ctx):
     assert w.score_start - w.start == min(ctx, w.score_start)  # as much context as is available
 
 
+def _fairseq_complete_samples(tokens, eos, block_len, context_window):
+  """fairseq eval_lm with --sample-break-mode complete --context-window C, re-stated in NumPy: sentences are
+  the lines (each ends with its `</s>`); TokenBlockDataset(block_size = block_len - C, 'complete') packs whole
+  lines greedily, the source is the stream shifted right by one (`</s>` first); LMContextWindowDataset's
+  collater prepends its `prev_tokens`, trimmed so prev + sample <= block_len, keeping the last C fed tokens.
+  Returns [(fed input tokens, scored targets)] per sample, in order."""
+  tokens = np.asarray(tokens, np.int64)
+  ends = list(np.flatnonzero(tokens == eos) + 1)
+  if not ends or ends[-1] != len(tokens):
+    ends.append(len(tokens))
+  sizes = np.diff([0] + ends)
+  block_size = block_len - context_window
+  slices, tok_idx, curr, i = [], 0, 0, 0
+  while i < len(sizes):  # token_block_utils_fast.pyx, break_mode == 'complete'
+    if curr + sizes[i] <= block_size or curr == 0:
+      curr += sizes[i]
+      i += 1
+    else:
+      slices.append((tok_idx, tok_idx + curr))
+      tok_idx, curr = tok_idx + curr, 0
+  if curr > 0:
+    slices.append((tok_idx, tok_idx + curr))
+  source = np.concatenate([[eos], tokens[:-1]])
+  prev, out = np.empty(0, np.int64), []
+  for s, e in slices:  # lm_context_window_dataset.py collater, one sample per batch (--max-sentences 1)
+    extra = len(prev) + (e - s) - (block_size + context_window)
+    if extra > 0:
+      prev = prev[extra:]
+    fed = np.concatenate([prev, source[s:e]])
+    out.append((fed, tokens[s:e]))
+    prev = fed[-context_window:] if context_window else np.empty(0, np.int64)
+  return out
+
+
+@pytest.mark.parametrize("block,ctx,seed", [(16, 8, 0), (16, 12, 1), (12, 0, 2), (20, 10, 3)])
+def test_complete_windows_are_fairseq_eval_lm_samples(block, ctx, seed):
+  """Every window fed and scored exactly as fairseq's complete-mode sample with its context window, including
+  lines longer than S = block - ctx (a block of their own, with less context)."""
+  rng = np.random.default_rng(seed)
+  vocab = D.Vocab(["</s>", "<unk>"] + [f"w{i}" for i in range(6)])
+  lens = rng.integers(1, block + 1, size=40)  # up to a whole block; many longer than S
+  lines = [np.append(rng.integers(2, 8, n - 1), vocab.eos) for n in lens]
+  docs = [np.concatenate(lines[:15]), np.concatenate(lines[15:])[:-1]]  # the last line has no </s>
+  corpus = D.Corpus.from_docs(docs, vocab, "lines")
+  n = len(corpus)
+  wins = D.eval_windows(corpus, n, block, ctx, "complete")
+  want = _fairseq_complete_samples(corpus.tokens, vocab.eos, block, ctx)
+  assert len(wins) == len(want)
+  assert any(w.end - w.score_start > block - ctx for w in wins) == (ctx > 0)  # long lines, where S < block
+  for w, (fed, scored) in zip(wins, want):
+    inputs, targets, mask = D.window_batch(corpus, [w], block)
+    m = w.end - w.start
+    assert np.array_equal(inputs[0, :m], fed) and np.array_equal(targets[0, mask[0]], scored)
+    assert not mask[0, m:].any() and (targets[0, m:] == -1).all()
+  scored = np.concatenate([np.arange(w.score_start, w.end) for w in wins])
+  assert np.array_equal(scored, np.arange(n))
+  # none mode is unchanged by the dispatcher
+  assert D.eval_windows(corpus, n, block, ctx, "none") == D.windows(n, block, ctx)
+
+
+def test_complete_windows_refuse_what_fairseq_would_feed_differently():
+  vocab = D.Vocab(["</s>", "<unk>", "a"])
+  long_line = D.Corpus.from_docs([np.array([2] * 20 + [0])], vocab, "long")
+  with pytest.raises(D.ConfigError, match="line 0 has 21 tokens, more than eval.block_len=16"):
+    D.eval_windows(long_line, len(long_line), 16, 8, "complete")
+  no_lines = D.Corpus.from_docs([np.array([2] * 20)], vocab, "bytes")
+  with pytest.raises(D.ConfigError, match="needs `</s>` line ends"):
+    D.eval_windows(no_lines, len(no_lines), 16, 8, "complete")
+  with pytest.raises(D.ConfigError, match="sample_break_mode='eos'"):
+    D.eval_windows(no_lines, len(no_lines), 16, 8, "eos")
+
+
 def _tiny_model(vocab_size=12, d=8):
   cfg = ModelConfig(vocab_size=vocab_size, num_layers=1, d_model=d, num_heads=2, d_ff=16, max_len=64, dropout=0.0)
   model = TransformerLM(cfg, rngs=nnx.Rngs(3))

@@ -11,6 +11,7 @@ spec a test wrote by hand, never the importer's interpretation of the flags.
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -437,12 +438,30 @@ def test_vocabulary_reproduces_fairseq_ids(tmp_path):
 # ----------------------------------------------------------------------------------------------------------
 # eval_lm's context-window perplexity
 # ----------------------------------------------------------------------------------------------------------
-def fairseq_eval_lm_nll(sd, spec, stream, tokens_per_sample, context_window, pad=1, eos=2, local_tau=None):
-  """Mean nll of eval_lm --context-window C --tokens-per-sample T --sample-break-mode none, batch size 1.
+def fairseq_blocks(stream, block_size, break_mode, eos=2):
+  """TokenBlockDataset's (start, end) slices: none = fixed blocks; complete = whole lines (each ending with
+  </s>) packed greedily up to block_size, a longer line alone (token_block_utils_fast.pyx)."""
+  if break_mode == "none":
+    return [(a, min(a + block_size, len(stream))) for a in range(0, len(stream), block_size)]
+  ends = list(np.flatnonzero(np.asarray(stream) == eos) + 1)
+  if not ends or ends[-1] != len(stream):
+    ends.append(len(stream))
+  out, a, cur = [], 0, 0
+  for size in np.diff([0] + ends):
+    if cur and cur + size > block_size:
+      out.append((a, a + cur))
+      a, cur = a + cur, 0
+    cur += size
+  return out + ([(a, a + cur)] if cur else [])
 
-  eval_lm cuts blocks of T - C targets (TokenBlockDataset, source = the past target: </s> then the stream
-  shifted), and LMContextWindowDataset prepends the last C non-pad source tokens of the previous sample and pads
-  the tail; only the block's own targets are scored. With `local_tau` the score is eval_lm-trime.py --use-local
+
+def fairseq_eval_lm_nll(sd, spec, stream, tokens_per_sample, context_window, pad=1, eos=2, local_tau=None,
+                        break_mode="none"):
+  """Mean nll of eval_lm --context-window C --tokens-per-sample T --sample-break-mode none|complete, batch 1.
+
+  eval_lm cuts blocks of at most T - C targets (`fairseq_blocks`; source = the past target: </s> then the
+  stream shifted), and LMContextWindowDataset prepends the previous samples' last non-pad source tokens, at
+  most C and at most T - (block length), and pads the tail; only the block's own targets are scored. With `local_tau` the score is eval_lm-trime.py --use-local
   --softmax-temp τ (SequenceScorer.trime_generate, mode gn): every earlier position j of the same input is a
   memory, labelled with its target (context positions: the next source token), logit g_i·g_j/√D/τ, and
   log p = logsumexp(target logit, memories labelled y) - logsumexp(norm_t, all memories)."""
@@ -450,12 +469,12 @@ def fairseq_eval_lm_nll(sd, spec, stream, tokens_per_sample, context_window, pad
   source = np.concatenate([[eos], stream[:-1]])
   prev = np.zeros(0, np.int64)
   total, count = 0.0, 0
-  for start in range(0, len(stream), s):
-    src, tgt = source[start:start + s], stream[start:start + s]
+  for start, end in fairseq_blocks(stream, s, break_mode, eos):
+    src, tgt = source[start:end], stream[start:end]
     extra = len(prev) + len(src) - tokens_per_sample
     if extra > 0:
       prev = prev[extra:]
-    toks = np.concatenate([prev, src, np.full(context_window - len(prev) + s - len(src), pad)])
+    toks = np.concatenate([prev, src, np.full(tokens_per_sample - len(prev) - len(src), pad)])  # tail pads
     lp, key, _, norm_t = fairseq_forward(sd, spec, toks[None].astype(np.int64), with_norm=True)
     lp, key, norm_t = lp[0], key[0], norm_t[0]
     pos = len(prev) + np.arange(len(tgt))
@@ -476,24 +495,30 @@ def fairseq_eval_lm_nll(sd, spec, stream, tokens_per_sample, context_window, pad
   return total / count
 
 
-@pytest.mark.parametrize("name", ["wiki103", "plain_shared"])
-def test_eval_of_import_equals_fairseq_eval_lm(torch, tmp_path, name):
+@pytest.mark.parametrize("name,break_mode", [("wiki103", "none"), ("plain_shared", "none"),
+                                             ("wiki103", "complete")])
+def test_eval_of_import_equals_fairseq_eval_lm(torch, tmp_path, name, break_mode):
   """launch.eval's evaluation of the export = eval_lm's context-window perplexity (memory=none) and
-  eval_lm-trime.py --use-local --softmax-temp τ (memory=local at τ, row trime_local)."""
+  eval_lm-trime.py --use-local --softmax-temp τ (memory=local at τ, row trime_local), with fairseq's
+  --sample-break-mode none, and complete (the released 247M evaluation: lines of 9 and 14 tokens exceed
+  T - C = 8, so blocks of one long line get less context)."""
   arch, storage, fused, flags, spec = VARIANTS[name]
   export, _ = FI.import_to_export(write_checkpoint(torch, tmp_path / "c.pt", name),
                                   write_dict(tmp_path / "dict.txt"), str(tmp_path / "export"))
   root = helpers.write_wikitext_dir(tmp_path / "wiki")
   t, c, tau = SIZE["tokens_per_sample"], 16, 1.3
-  cfg = wiki_config(root, block_len=t, context_window=c, memory="local", temperature=tau, batch_size=2)
+  cfg = wiki_config(root, block_len=t, context_window=c, memory="local", temperature=tau, batch_size=2,
+                    sample_break_mode=break_mode)
   rows = {r["family"]: r for r in E.evaluate_checkpoint(cfg, export)["rows"]}
   stream = fairseq_encode_file(os.path.join(root, "wiki.valid.tokens"), WORDS)
   sd = fairseq_state(spec, fused=fused)
-  for family, ref in (("none", fairseq_eval_lm_nll(sd, spec, stream, t, c)),
-                      ("trime_local", fairseq_eval_lm_nll(sd, spec, stream, t, c, local_tau=tau))):
+  run = functools.partial(fairseq_eval_lm_nll, sd, spec, stream, t, c, break_mode=break_mode)
+  for family, ref in (("none", run()), ("trime_local", run(local_tau=tau))):
     assert rows[family]["tokens"] == len(stream)
     assert abs(rows[family]["nll"] - ref) < 1e-5 * ref, (family, rows[family]["nll"], ref)
   assert abs(rows["trime_local"]["nll"] - rows["none"]["nll"]) > 1e-3  # the local memory changes the score
+  if break_mode == "complete":  # and the windows differ from none mode's
+    assert abs(run(local_tau=tau) - run(local_tau=tau, break_mode="none")) > 1e-4
 
 
 def fairseq_dstore_keys(sd, spec, stream, tokens_per_sample, context_window, pad=1, eos=2):

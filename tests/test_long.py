@@ -271,15 +271,32 @@ POINTS = ((evaluate.NONE,) + tuple(evaluate.Point("trime_local", tau=t) for t in
           + tuple(evaluate.Point("cache", lam=lam, theta=theta) for lam, theta in CACHE))
 
 
-class Tiny:
-  """A tiny random model on `_corpus()`; evaluations are memoised (each new shape is a jit compilation)."""
+def _lines_corpus(seed=4):
+  """`_corpus()` cut into lines (`</s>` = id 0) of 1-12 tokens: complete-mode blocks, some longer than S = 8."""
+  rng = np.random.default_rng(seed)
+  base = _corpus()
+  docs = []
+  for d in range(base.num_docs):
+    toks = np.array(base.tokens[base.doc_starts[d]:base.doc_starts[d + 1]])
+    cut = 0
+    while cut < len(toks):
+      cut += int(rng.integers(1, 13))
+      toks[min(cut, len(toks)) - 1] = base.vocab.eos  # every document ends a line
+    docs.append(toks)
+  return D.Corpus.from_docs(docs, base.vocab, "tiny-lines")
 
-  def __init__(self):
-    self.corpus = _corpus()
+
+class Tiny:
+  """A tiny random model on `_corpus()` (complete mode: `_lines_corpus()`); evaluations are memoised (each new
+  shape is a jit compilation)."""
+
+  def __init__(self, break_mode="none"):
+    self.break_mode = break_mode
+    self.corpus = _corpus() if break_mode == "none" else _lines_corpus()
     cfg = ModelConfig.from_config(_config().model, vocab_size=len(self.corpus.vocab))
     self.model = TransformerLM(cfg, rngs=nnx.Rngs(params=3))
     self.graphdef, self.params = nnx.split(self.model, nnx.Param)
-    self.wins = D.windows(len(self.corpus), BLOCK, CONTEXT)
+    self.wins = D.eval_windows(self.corpus, len(self.corpus), BLOCK, CONTEXT, break_mode)
     self.outs, self.key_of = [], {}  # per window: float64 (logits, keys, targets); key of each scored token
     forward = jax.jit(lambda params, x: nnx.merge(self.graphdef, params)(x))
     for w in self.wins:
@@ -295,21 +312,24 @@ class Tiny:
     if (mem_size, reset, streams) not in self.cache:
       res = evaluate.evaluate(self.graphdef, self.params, self.corpus, POINTS, block_len=BLOCK,
                               context_window=CONTEXT, streams=streams,
-                              long_term=evaluate.StoreSpec(mem_size, reset)).scores
+                              long_term=evaluate.StoreSpec(mem_size, reset), break_mode=self.break_mode).scores
       assert all(r.tokens == len(self.corpus) for r in res)
       self.cache[mem_size, reset, streams] = np.array([r.nll for r in res])
     return self.cache[mem_size, reset, streams]
 
   def brute_force(self, mem_size, reset):
-    """Mean nll per variant in float64: each scored token sees the earlier tokens of its window and the
-    `mem_size` tokens before the window (of its own document if `reset`), keyed from their scoring window."""
+    """Mean nll per variant in float64: each scored token sees the earlier tokens of its window and the tokens
+    from `mem_size` + CONTEXT before the window's first scored token up to the window's start (of its own
+    document if `reset`), keyed from their scoring window: the original's store of its last mem_size + CONTEXT
+    scored tokens, without counting the window's own tokens twice."""
     corpus, doc = self.corpus, self.corpus.doc_ids()
     d = self.outs[0][1].shape[-1]
     totals = np.zeros(1 + len(TAUS) + len(CACHE))
     for w, (logits, keys, targets) in zip(self.wins, self.outs):
       for p in range(w.score_start, w.end):
         i, y = p - w.start, int(corpus.tokens[p])
-        store = [q for q in range(max(0, w.start - mem_size), w.start) if not reset or doc[q] == doc[p]]
+        lo = max(0, w.score_start - CONTEXT - mem_size) if mem_size else w.start  # 0: local memory only
+        store = [q for q in range(lo, w.start) if not reset or doc[q] == doc[p]]
         mk = np.array([keys[j] for j in range(i)] + [self.key_of[q] for q in store]).reshape(-1, d)
         mt = np.array([targets[j] for j in range(i)] + [corpus.tokens[q] for q in store], np.int64)
         lp = logits[i] - ref.logsumexp(logits[i])
@@ -339,6 +359,22 @@ def test_long_memory_equals_brute_force(tiny, mem_size, reset):
   np.testing.assert_allclose(tiny.run(mem_size, reset), tiny.brute_force(mem_size, reset), rtol=2e-5)
 
 
+@pytest.fixture(scope="module")
+def tiny_complete():
+  return Tiny("complete")
+
+
+@pytest.mark.parametrize("mem_size,reset,streams", [(0, True, 3), (6, True, 3), (25, False, 3), (25, False, 1)])
+def test_complete_mode_long_memory_equals_brute_force(tiny_complete, mem_size, reset, streams):
+  """fairseq's --sample-break-mode complete windows (the released 247M evaluation): blocks of whole lines with
+  varying context, some longer than S (the input grows to fit them), the store reaching mem_size + context
+  before each block's first scored token."""
+  t = tiny_complete
+  assert any(w.end - w.score_start > BLOCK - CONTEXT for w in t.wins)
+  assert any(0 < w.score_start - w.start < CONTEXT for w in t.wins if w.start > 0)  # trimmed contexts
+  np.testing.assert_allclose(t.run(mem_size, reset, streams), t.brute_force(mem_size, reset), rtol=2e-5)
+
+
 def test_memory_sizes_and_document_resets_change_the_numbers(tiny):
   local, small, full, across = tiny.run(0), tiny.run(6), tiny.run(10_000), tiny.run(10_000, reset=False)
   for a, b in [(local, small), (small, full), (full, across)]:
@@ -358,7 +394,7 @@ def test_streams_do_not_change_the_numbers(tiny):
 def test_stream_schedule_scores_every_window_once(streams, mem_size, reset):
   corpus = _corpus()
   wins = D.windows(len(corpus), BLOCK, CONTEXT)
-  win, score = D.stream_schedule(wins, corpus.doc_starts, streams, mem_size, reset)
+  win, score = D.stream_schedule(wins, corpus.doc_starts, streams, mem_size, reset, context_window=CONTEXT)
   assert win.shape[1] == streams
   assert np.array_equal(np.sort(win[score]), np.arange(len(wins)))
   doc = corpus.doc_ids()

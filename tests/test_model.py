@@ -256,6 +256,7 @@ ORIGINAL = {
         # run_pretrained_models.md: --softmax-temp 1.17; ext: --k 1024 --probe 32 --interp-temp 10.5 --lmbda 0.3
         "eval.temperature": 1.17, "eval.knn_k": 1024, "eval.nprobe": 32, "eval.interp_memory": "external",
         "eval.knn_temperature": 10.5 / 32, "eval.knn_lambda": 0.3, "eval.reset_at_documents": False,
+        "eval.block_len": 3072, "eval.context_window": 2560, "eval.sample_break_mode": "complete",
     },
     # train_scripts/wiki103-150M-trime_long.sh, --arch transformer_lm_wiki103_150M
     "wiki103_150m": {
@@ -271,6 +272,7 @@ ORIGINAL = {
         "train.warmup_steps": 8000,
         # run_pretrained_models.md, TrimeLM_long: --softmax-temp 1.07 --mem-size 15000 (= ours + 86 context)
         "eval.temperature": 1.07, "eval.mem_size": 15000 - 86, "eval.reset_at_documents": False,
+        "eval.block_len": 150, "eval.context_window": 86, "eval.sample_break_mode": "none",
     },
     # no script: paper appendix table + transformer_lm_wiki103_small_sm; optimizer details as the 150M script
     "wiki103_7m": {
@@ -298,6 +300,7 @@ ORIGINAL = {
         "train.schedule": "cosine", "train.warmup_steps": 0, "train.min_lr": 0.0,  # --lr 0.0
         # run_pretrained_models.md, TrimeLM_long: --softmax-temp 1.10 --mem-size 24576 (= ours + 432 context)
         "eval.temperature": 1.10, "eval.mem_size": 24576 - 432, "eval.reset_at_documents": False,
+        "eval.block_len": 512, "eval.context_window": 432, "eval.sample_break_mode": "none",
     },
 }
 

@@ -377,6 +377,58 @@ def windows(num_targets: int, block_len: int, context_window: int) -> list[Windo
   return out
 
 
+BREAK_MODES = ("none", "complete")
+
+
+def line_lengths(tokens: np.ndarray, eos: int) -> np.ndarray:
+  """Lengths of the lines of a token stream: each line ends with (and includes) an `eos`; a last line without
+  one is a line too (fairseq's sentence sizes, `</s>` appended to every line)."""
+  ends = np.flatnonzero(np.asarray(tokens) == eos) + 1
+  if not len(ends) or ends[-1] != len(tokens):
+    ends = np.append(ends, len(tokens))
+  return np.diff(ends, prepend=0)
+
+
+def complete_windows(sizes, block_len: int, context_window: int) -> list[Window]:
+  """fairseq `--sample-break-mode complete` with `--context-window` (eval_lm): blocks of whole lines, each at
+  most S = block_len - context_window tokens (a longer line is a block of its own), packed greedily in order
+  (`TokenBlockDataset`); each block is fed after as many earlier tokens as fit in block_len, at most
+  context_window (`LMContextWindowDataset`: its previous tokens, trimmed so the sample stays within
+  block_len). A line longer than block_len cannot be fed whole: an error, never a silent split."""
+  if not 0 <= context_window < block_len:
+    raise ConfigError(f"eval.context_window={context_window} must be in [0, block_len={block_len})")
+  sizes = np.asarray(sizes, np.int64)
+  if len(sizes) and sizes.max() > block_len:
+    line = int(np.argmax(sizes))
+    raise ConfigError(f"eval.sample_break_mode=complete: line {line} has {int(sizes[line])} tokens, more than "
+                      f"eval.block_len={block_len}; use sample_break_mode=none or a longer block")
+  stride = block_len - context_window
+  out, start, size = [], 0, 0
+  for n in sizes.tolist():
+    if size and size + n > stride:
+      out.append((start, start + size))
+      start, size = start + size, 0
+    size += n
+  if size:
+    out.append((start, start + size))
+  return [Window(s - min(context_window, s, block_len - (e - s)), s, e) for s, e in out]
+
+
+def eval_windows(corpus: Corpus, num_targets: int, block_len: int, context_window: int,
+                 break_mode: str = "none") -> list[Window]:
+  """The evaluation windows of the first `num_targets` targets of `corpus` in fairseq's `--sample-break-mode`
+  (none: fixed chunks, `windows`; complete: whole lines, `complete_windows`)."""
+  if break_mode == "none":
+    return windows(num_targets, block_len, context_window)
+  if break_mode != "complete":
+    raise ConfigError(f"eval.sample_break_mode={break_mode!r}: choose one of {BREAK_MODES}")
+  tokens = np.asarray(corpus.tokens[:num_targets])
+  if not (tokens == corpus.vocab.eos).any():
+    raise ConfigError(f"eval.sample_break_mode=complete needs `</s>` line ends; corpus {corpus.name or ''} has "
+                      f"none in its first {num_targets} tokens (use sample_break_mode=none)")
+  return complete_windows(line_lengths(tokens, corpus.vocab.eos), block_len, context_window)
+
+
 def window_batch(corpus: Corpus, wins: list[Window], block_len: int):
   """inputs / targets [b, L] (-1 padded) and the scored mask [b, L]."""
   b = len(wins)
@@ -396,20 +448,22 @@ def window_batch(corpus: Corpus, wins: list[Window], block_len: int):
   return inputs, targets, scored
 
 
-def stream_schedule(wins: list[Window], doc_starts, streams: int, mem_size: int, reset_at_documents: bool):
+def stream_schedule(wins: list[Window], doc_starts, streams: int, mem_size: int, reset_at_documents: bool, *,
+                    context_window: int):
   """Which window each stream runs at each step: (window [T, streams] int64, -1 = idle; score [T, streams]).
 
   The windows are cut into `streams` contiguous runs of about equal length; a run starting at window k is
   preceded by warm-up windows (run, inserted into the long-term store, not scored): those whose scored tokens
-  lie in [lo, score_start_k), lo = start_k - mem_size (raised to the start of score_start_k's document with
-  `reset_at_documents`); every later window of the run needs nothing older. Each cut is placed, within a
+  lie in [lo, score_start_k), lo = score_start_k - context_window - mem_size (the store's reach, see
+  `evaluate.long_term_block`; raised to the start of score_start_k's document with `reset_at_documents`);
+  every later window of the run needs nothing older. Each cut is placed, within a
   quarter run of its even position, where the warm-up is shortest (e.g. at a document start).
   """
   n_w = len(wins)
   start = np.array([w.start for w in wins], np.int64)
   score_start = np.array([w.score_start for w in wins], np.int64)
   end = np.array([w.end for w in wins], np.int64)
-  lo = start - mem_size
+  lo = score_start - context_window - mem_size
   if reset_at_documents:
     doc_starts = np.asarray(doc_starts, np.int64)
     lo = np.maximum(lo, doc_starts[np.searchsorted(doc_starts, score_start, side="right") - 1])

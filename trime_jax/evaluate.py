@@ -214,15 +214,18 @@ def local_block(queries_SxQxD, targets_SxQ, qpos_SxQ, keys_SxLxD, targets_SxL) -
                 _meta(targets_SxL, order=window_pos), causal=True, cross_rows=False)
 
 
-def long_term_block(store: long_memory.Store, queries_SxQxD, targets_SxQ, doc_SxQ, window_start_S,
+def long_term_block(store: long_memory.Store, queries_SxQxD, targets_SxQ, doc_SxQ, window_start_S, span_S,
                     long_term: StoreSpec) -> MemoryBlock:
-  """The store's tokens in [start - mem_size, start): for the store, a query stands at its window's start
-  (tokens from there on are the window's own, seen as local memory)."""
+  """The store's tokens in [start - span, start): for the store, a query stands at its window's start (tokens
+  from there on are the window's own, seen as local memory). span = mem_size + context_window - the window's
+  context length: the store reaches mem_size + context_window tokens before the window's first scored token,
+  as the original's store of its last M = mem_size + context_window scored tokens (span = mem_size whenever
+  the window has its full context, i.e. always in sample_break_mode none after the first windows)."""
   doc_q, doc_m = (doc_SxQ, store.doc) if long_term.reset_at_documents else (0, 0)
   query = _meta(targets_SxQ, order=window_start_S[:, None], doc=doc_q)
   mem = _meta(store.targets, order=store.pos, doc=doc_m)
   return _block(similarities(queries_SxQxD, store.keys), query, mem, causal=True, cross_rows=False,
-                span=long_term.mem_size)
+                span=jnp.broadcast_to(span_S[:, None], targets_SxQ.shape))
 
 
 def external_block(sim_SxQxK, retrieved_targets_SxQxK, targets_SxQ) -> MemoryBlock:
@@ -298,12 +301,12 @@ def point_nlls(stats: loss.VocabStats, targets, local_blocks, ext_block, points)
 # The one step, in two jitted halves around the host-side search.
 # ----------------------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("graphdef", "queries", "vocab_chunk"))
-def forward_queries(graphdef, params, inputs_SxL, targets_SxL, offset_S, *, queries: int, vocab_chunk: int):
+def forward_queries(graphdef, params, inputs_SxL, targets_SxL, qstart_S, *, queries: int, vocab_chunk: int):
   """(keys [S, L, D], query keys [S, Q, D], query VocabStats [S, Q], query targets [S, Q], query window
-  positions [S, Q]): the Q positions from `offset` (the window's first scored position) on."""
+  positions [S, Q]): the Q positions from `qstart` on (they include every scored position of the window)."""
   model = nnx.merge(graphdef, params)
   stats, keys = steps.forward(model, inputs_SxL, targets_SxL, vocab_chunk=vocab_chunk)
-  qpos = offset_S[:, None] + jnp.arange(queries, dtype=jnp.int32)[None, :]
+  qpos = qstart_S[:, None] + jnp.arange(queries, dtype=jnp.int32)[None, :]
   take = lambda x: jnp.take_along_axis(x, qpos, axis=1)
   q_stats = loss.VocabStats(take(stats.log_normalizer), take(stats.target_logit))
   q_keys = jnp.take_along_axis(keys, qpos[:, :, None], axis=1)
@@ -316,10 +319,11 @@ def score_step(store: long_memory.Store, keys, targets, q_keys, q_stats, q_targe
   """(nll sums [P], per-bucket nll sums [P, n_buckets], per-bucket token counts [n_buckets], the store with
   this step's queries inserted)."""
   pos = batch["start"][:, None] + qpos  # global target positions
-  real = (pos < batch["end"][:, None]) & (q_targets >= 0)
+  real = (pos >= (batch["start"] + batch["offset"])[:, None]) & (pos < batch["end"][:, None]) & (q_targets >= 0)
   local = [local_block(q_keys, q_targets, qpos, keys, targets)]
   if long_term.mem_size:
-    local.append(long_term_block(store, q_keys, q_targets, batch["doc_q"], batch["start"], long_term))
+    local.append(long_term_block(store, q_keys, q_targets, batch["doc_q"], batch["start"], batch["span"],
+                                 long_term))
   ext = external_block(ext_sim, ext_targets, q_targets) if ext_sim is not None else None
   nll = point_nlls(q_stats, q_targets, local, ext, points)  # [P, S, Q]
   scored = real & batch["score"][:, None]
@@ -338,34 +342,43 @@ class StreamPlan:
   wins: list
   schedule: np.ndarray  # [T, streams] window index, -1 = idle
   score: np.ndarray  # [T, streams] bool: scored (False: warm-up, insert only)
-  queries: int  # Q = block_len - context_window scored positions per window
+  queries: int  # Q: scored positions per window (block_len - context_window; complete mode: its longest block)
   store: long_memory.Store
   doc_starts: np.ndarray
+  block_len: int  # L: model input length
+  reach: int  # mem_size + context_window: the store's tokens before a window's first scored token
 
-  def batch(self, corpus: data.Corpus, step: int, block_len: int) -> dict:
-    """Host arrays of step `step`: inputs / targets [S, L]; start, offset (score_start - start), end [S];
-    doc_q [S, Q] document of each query; score, insert [S] bool."""
+  def batch(self, corpus: data.Corpus, step: int) -> dict:
+    """Host arrays of step `step`: inputs / targets [S, L]; start, offset (score_start - start), qstart (the
+    first of the Q query positions: the offset, or earlier where Q positions from it would pass L; those
+    before the offset are not scored), end, span (the store's reach before `start`) [S]; doc_q [S, Q]
+    document of each query; score, insert [S] bool."""
     idx = self.schedule[step]
     ws = [self.wins[max(i, 0)] for i in idx]
-    inputs, targets, _ = data.window_batch(corpus, ws, block_len)
+    inputs, targets, _ = data.window_batch(corpus, ws, self.block_len)
     start = np.array([w.start for w in ws], np.int32)
     offset = np.array([w.score_start - w.start for w in ws], np.int32)
-    qpos = start[:, None] + offset[:, None] + np.arange(self.queries)[None, :]
-    return {"inputs": inputs, "targets": targets, "start": start, "offset": offset,
-            "end": np.array([w.end for w in ws], np.int32),
+    qstart = np.minimum(offset, self.block_len - self.queries)
+    qpos = start[:, None] + qstart[:, None] + np.arange(self.queries)[None, :]
+    return {"inputs": inputs, "targets": targets, "start": start, "offset": offset, "qstart": qstart,
+            "end": np.array([w.end for w in ws], np.int32), "span": self.reach - offset,
             "doc_q": (np.searchsorted(self.doc_starts, qpos, side="right") - 1).astype(np.int32),
             "score": self.score[step], "insert": idx >= 0}
 
 
 def stream_plan(corpus: data.Corpus, *, block_len: int, context_window: int, streams: int,
-                long_term: StoreSpec, d_model: int, dtype, max_tokens: int = 0) -> StreamPlan:
+                long_term: StoreSpec, d_model: int, dtype, max_tokens: int = 0,
+                break_mode: str = "none") -> StreamPlan:
   n = len(corpus) if not max_tokens else min(max_tokens, len(corpus))
-  wins = data.windows(n, block_len, context_window)
+  wins = data.eval_windows(corpus, n, block_len, context_window, break_mode)
   schedule, score = data.stream_schedule(wins, corpus.doc_starts, streams, long_term.mem_size,
-                                         long_term.reset_at_documents)
+                                         long_term.reset_at_documents, context_window=context_window)
   q = block_len - context_window
+  if break_mode == "complete":  # blocks of whole lines: up to block_len scored tokens (a long line)
+    q = max(w.end - w.score_start for w in wins)
   store = long_memory.empty(streams, long_memory.capacity(long_term.mem_size, context_window, q), d_model, dtype)
-  return StreamPlan(n, wins, schedule, score, q, store, np.asarray(corpus.doc_starts, np.int64))
+  return StreamPlan(n, wins, schedule, score, q, store, np.asarray(corpus.doc_starts, np.int64), block_len,
+                    long_term.mem_size + context_window)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -418,10 +431,12 @@ class EvalResult:
 
 def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, context_window: int, streams: int,
              long_term: StoreSpec = StoreSpec(), external: knn.ExternalMemory | None = None, vocab_chunk: int = 0,
-             max_tokens: int = 0, word_buckets_V=None, progress: bool = False) -> EvalResult:
+             max_tokens: int = 0, word_buckets_V=None, progress: bool = False,
+             break_mode: str = "none") -> EvalResult:
   """Score `corpus` under every point in one pass: `streams` parallel streams, each with a long-term store of
   `long_term.mem_size` tokens, plus one top-K search per scored token when `external` is given. Results do not
-  depend on `streams` (up to float rounding)."""
+  depend on `streams` (up to float rounding). `break_mode`: fairseq's --sample-break-mode of the windows
+  (`data.eval_windows`)."""
   points = tuple(points)
   if not points:
     raise ConfigError("nothing to evaluate: no points")
@@ -437,7 +452,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
     raise ConfigError(f"datastore keys have dimension {external.dimension}, the model's keys {model_cfg.d_model}")
   plan = stream_plan(corpus, block_len=block_len, context_window=context_window, streams=streams,
                      long_term=long_term, d_model=model_cfg.d_model, dtype=jnp.dtype(model_cfg.dtype),
-                     max_tokens=max_tokens)
+                     max_tokens=max_tokens, break_mode=break_mode)
   n, store = plan.num_targets, plan.store
   buckets = np.zeros(model_cfg.vocab_size, np.int32) if word_buckets_V is None else np.asarray(word_buckets_V)
   n_buckets = len(knn.FREQ_BUCKETS)
@@ -449,15 +464,16 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   t0 = time.perf_counter()
   desc = "eval" + (" (external)" if external else "") + (f" mem={long_term.mem_size}" if long_term.mem_size else "")
   for step in tqdm(range(len(plan.schedule)), desc=desc, disable=not progress, unit="step"):
-    batch = plan.batch(corpus, step, block_len)
+    batch = plan.batch(corpus, step)
     keys, q_keys, q_stats, q_targets, qpos = forward_queries(graphdef, params, batch["inputs"], batch["targets"],
-                                                             batch["offset"], queries=plan.queries,
+                                                             batch["qstart"], queries=plan.queries,
                                                              vocab_chunk=vocab_chunk)
     q_targets_np = np.asarray(q_targets)
     ext_sim = ext_targets = None
     if external is not None:
       qpos_np = batch["start"][:, None] + np.asarray(qpos)
-      scored = (qpos_np < batch["end"][:, None]) & (q_targets_np >= 0) & batch["score"][:, None]
+      scored = ((qpos_np >= (batch["start"] + batch["offset"])[:, None]) & (qpos_np < batch["end"][:, None])
+                & (q_targets_np >= 0) & batch["score"][:, None])
       ext_sim = np.zeros(scored.shape + (external.k,), np.float32)
       ext_targets = np.full(scored.shape + (external.k,), -1, np.int32)
       if scored.any():  # one search per scored token; warm-up windows only fill the store
@@ -569,7 +585,8 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
     sizes = [0]  # nothing reads the store
   run = functools.partial(evaluate, graphdef, params, block_len=e.block_len, context_window=e.context_window,
                           streams=e.batch_size, external=knn_memory, vocab_chunk=train_config.train.vocab_chunk,
-                          max_tokens=e.max_tokens, word_buckets_V=buckets, progress=progress)
+                          max_tokens=e.max_tokens, word_buckets_V=buckets, progress=progress,
+                          break_mode=e.get("sample_break_mode", "none"))
   out = {"checkpoint": checkpoint_dir, "split": e.split, "rows": []}
   if external_memory:
     out.update(datastore=e.datastore, index=knn_memory.index.kind, k=knn_memory.k, nprobe=e.nprobe,

@@ -2,10 +2,11 @@
 keys, next tokens, positions and documents (shapes: S streams, M slots, Q queries per window, D key dim).
 
   * every scored token is inserted exactly once, with the key computed in the window that scored it;
-  * who sees what is `evaluate.long_term_block`'s TokenMeta + `loss.visible`: a query in a window starting at
-    target position `start` sees the store tokens q with start - mem_size <= q < start (tokens at >= start
-    are the window's own, seen as local memory: no token counts twice), and with `reset_at_documents` only
-    those of its own document.
+  * who sees what is `evaluate.long_term_block`'s TokenMeta + `loss.visible`: a query in a window fed from
+    target position `start`, scored from `score_start`, sees the store tokens q with
+    score_start - context_window - mem_size <= q < start (= start - mem_size when the window has its full
+    context; tokens at >= start are the window's own, seen as local memory: no token counts twice), and with
+    `reset_at_documents` only those of its own document.
 The document rule is visibility rather than a clear of the buffer: a window can straddle a document boundary,
 and its queries before the boundary still need the store.
 """

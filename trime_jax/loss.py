@@ -181,10 +181,10 @@ def visible(query: TokenMeta, memory: TokenMeta, causal, cross_rows: bool, span=
 
   causal (bool scalar or `[..., N]` per query, may be traced): earlier tokens of the same group and document
   are visible (local / long-term memory); a query whose `causal` is False has no such memory (ext memory's
-  dropped local memory, drawn per segment). span (optional, test-time long-term store): only earlier tokens
-  at most `span` before the query's order. cross_rows (static): every token of every *other* row is visible
-  (external in-batch memory; at test time, retrieved entries carry row -1). Padding memories (target < 0)
-  are never visible.
+  dropped local memory, drawn per segment). span (optional, test-time long-term store; scalar or `[..., N]`
+  per query): only earlier tokens at most `span` before the query's order. cross_rows (static): every token
+  of every *other* row is visible (external in-batch memory; at test time, retrieved entries carry row -1).
+  Padding memories (target < 0) are never visible.
   """
   causal = jnp.asarray(causal, bool)
   causal = causal[..., None] if causal.ndim else causal
@@ -193,7 +193,8 @@ def visible(query: TokenMeta, memory: TokenMeta, causal, cross_rows: bool, span=
   same_group = (q(query.group) == m(memory.group)) & (q(query.doc) == m(memory.doc))
   earlier = same_group & (m(memory.order) < q(query.order))
   if span is not None:
-    earlier = earlier & (m(memory.order) >= q(query.order) - span)
+    span = jnp.asarray(span)
+    earlier = earlier & (m(memory.order) >= q(query.order) - (q(span) if span.ndim else span))
   vis = earlier & causal
   if cross_rows:
     vis = vis | (q(query.row) != m(memory.row))
