@@ -17,6 +17,8 @@ def get_config():
   d.split_fractions = (0.9, 0.05, 0.05)  # train/dev/test shares (by document, or by bytes for `bytes`)
   d.split_seed = 0  # seed of the document shuffle before splitting (stdlib, wikitext_mini)
   d.vocab_min_count = 1  # words seen fewer times in train map to <unk> (word corpora)
+  d.only_packages = ()  # wikitext with a docs.tsv (docs-wt): keep only these source packages' documents
+  d.exclude_packages = ()  # ... and drop these (a held-out domain); vocabulary from the kept training documents
   d.max_files = 400  # stdlib: how many source files to sample (fixed sorted sample)
   d.max_bytes_per_file = 200_000  # stdlib: truncate longer files
   d.segment_len = 256  # L: target tokens per training segment

@@ -65,8 +65,47 @@ def _wikitext(cfg, vocab):
     raise DataError(f"WikiText directory not found: {cfg.path}")
   files = {"train": "wiki.train.tokens", "dev": "wiki.valid.tokens", "test": "wiki.test.tokens"}
   articles = {s: data.read_wikitext_articles(os.path.join(root, f)) for s, f in files.items()}
+  if cfg.get("only_packages") or cfg.get("exclude_packages"):
+    articles = select_packages(articles, os.path.join(root, "docs.tsv"), tuple(cfg.get("only_packages", ())),
+                               tuple(cfg.get("exclude_packages", ())))
   vocab = vocab or data.Vocab.build(articles["train"], cfg.vocab_min_count)
   return {s: _encode_word_docs(a, vocab, f"{cfg.corpus}:{s}") for s, a in articles.items()}
+
+
+TSV_SPLITS = {"train": "train", "dev": "valid", "test": "test"}
+
+
+def select_packages(articles: dict, tsv_path: str, only: tuple = (), exclude: tuple = ()) -> dict:
+  """The documents of each split whose source package (docs.tsv: split, doc_index, package, title — the
+  docs-wt layout) is in `only` (if given) and not in `exclude`. The vocabulary is built afterwards, from the
+  kept training documents only (a held-out domain's words are not in it)."""
+  if not os.path.isfile(tsv_path):
+    raise DataError(f"data.only_packages / exclude_packages need a docs.tsv beside the token files: {tsv_path} "
+                    f"not found")
+  import csv
+
+  with open(tsv_path, newline="", encoding="utf-8") as f:
+    rows = list(csv.DictReader(f, delimiter="\t"))
+  if not rows or not {"split", "doc_index", "package"} <= set(rows[0]):
+    raise DataError(f"{tsv_path}: expected a header with split, doc_index, package columns")
+  known = sorted({r["package"] for r in rows})
+  for name, pkgs in (("only_packages", only), ("exclude_packages", exclude)):
+    unknown = sorted(set(pkgs) - set(known))
+    if unknown:
+      raise ConfigError(f"data.{name}: unknown package(s) {unknown}; {tsv_path} lists {len(known)}: "
+                        f"{', '.join(known[:6])}, ...")
+  out = {}
+  for split, docs in articles.items():
+    pkg = {int(r["doc_index"]): r["package"] for r in rows if r["split"] == TSV_SPLITS[split]}
+    if sorted(pkg) != list(range(len(docs))):
+      raise DataError(f"{tsv_path} lists {len(pkg)} {TSV_SPLITS[split]} documents, the token file has "
+                      f"{len(docs)}: the table is not this corpus's")
+    keep = [i for i in range(len(docs)) if (not only or pkg[i] in only) and pkg[i] not in exclude]
+    if not keep:
+      raise DataError(f"no {split} documents left after data.only_packages={list(only)} / "
+                      f"exclude_packages={list(exclude)}")
+    out[split] = [docs[i] for i in keep]
+  return out
 
 
 def _wikitext_mini(cfg, vocab):

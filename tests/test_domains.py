@@ -1,0 +1,106 @@
+"""Document selection by source package (docs-wt's docs.tsv): a held-out domain for the large-corpus and
+domain-adaptation experiments (configs/docs_wt*.py)."""
+
+import json
+import os
+
+import pytest
+
+from configs import default
+from trime_jax import corpora
+from trime_jax import data as D
+from trime_jax.errors import ConfigError, DataError
+
+DOCS_WT = os.path.join(os.path.dirname(corpora.REPO_ROOT), "shared", "data", "docs-wt")
+
+# split -> [(package, title, body words)]
+TINY = {
+    "train": [("kern", "Locks", "spinlock mutex kernel"), ("py", "Lists", "list append python"),
+              ("kern", "Irq", "interrupt kernel handler"), ("py", "Dicts", "dict python keys")],
+    "valid": [("py", "Sets", "set python add"), ("kern", "Mm", "page kernel fault")],
+    "test": [("kern", "Sched", "runqueue kernel task"), ("py", "Str", "string python join")],
+}
+
+
+def _write_tiny(root, tsv_rows=None):
+  os.makedirs(root, exist_ok=True)
+  rows = ["split\tdoc_index\tpackage\ttitle"]
+  for split, docs in TINY.items():
+    with open(os.path.join(root, f"wiki.{split}.tokens"), "w") as f:
+      for i, (pkg, title, body) in enumerate(docs):
+        f.write(f" = {title} = \n\n {body} \n\n")
+        rows.append(f"{split}\t{i}\t{pkg}\t{title}")
+  with open(os.path.join(root, "docs.tsv"), "w") as f:
+    f.write("\n".join(tsv_rows if tsv_rows is not None else rows) + "\n")
+  return root
+
+
+def _cfg(root, **kw):
+  c = default.get_config().data
+  c.corpus, c.path = "wikitext", str(root)
+  for k, v in kw.items():
+    setattr(c, k, v)
+  return c
+
+
+def _words(corpus):
+  return {corpus.vocab.tokens[t] for t in corpus.tokens}
+
+
+def test_exclude_and_only_select_documents_and_the_vocabulary_is_the_kept_training_documents(tmp_path):
+  root = _write_tiny(tmp_path / "wt")
+  full = corpora.load_splits(_cfg(root))
+  held_out = corpora.load_splits(_cfg(root, exclude_packages=("kern",)))
+  domain = corpora.load_splits(_cfg(root, only_packages=("kern",)), vocab=held_out.vocab)
+  assert (full.train.num_docs, held_out.train.num_docs, domain.train.num_docs) == (4, 2, 2)
+  assert (held_out.dev.num_docs, held_out.test.num_docs, domain.dev.num_docs, domain.test.num_docs) == (1, 1, 1, 1)
+  assert "kernel" in full.vocab.tokens and "kernel" not in held_out.vocab.tokens  # train documents only
+  assert {"python", "append", "dict"} <= _words(held_out.train) and not {"kernel", "mutex"} & _words(held_out.train)
+  assert "kernel" not in _words(domain.test) and "<unk>" in _words(domain.test)  # new-domain words: <unk>
+  assert {"runqueue", "task"} & set(full.test.vocab.tokens) == set()  # test words never enter a vocabulary
+  assert domain.vocab.fingerprint() == held_out.vocab.fingerprint()
+
+
+def test_bad_package_selections_are_one_clear_error(tmp_path):
+  root = _write_tiny(tmp_path / "wt")
+  with pytest.raises(ConfigError, match=r"data.exclude_packages: unknown package\(s\) \['kenrel'\]"):
+    corpora.load_splits(_cfg(root, exclude_packages=("kenrel",)))
+  with pytest.raises(DataError, match="no train documents left"):
+    corpora.load_splits(_cfg(root, exclude_packages=("kern", "py")))
+  os.remove(os.path.join(root, "docs.tsv"))
+  with pytest.raises(DataError, match="need a docs.tsv beside the token files"):
+    corpora.load_splits(_cfg(root, only_packages=("kern",)))
+  rows = ["split\tdoc_index\tpackage\ttitle", "train\t0\tkern\tLocks"]  # another corpus's table
+  root2 = _write_tiny(tmp_path / "wt2", tsv_rows=rows)
+  with pytest.raises(DataError, match="lists 1 train documents, the token file has 4"):
+    corpora.load_splits(_cfg(root2, only_packages=("kern",)))
+
+
+def test_docs_wt_held_out_kernel_documentation_matches_the_corpus_statistics():
+  """The real table: dev/test documents per package after holding out linux-doc-6.1 equal stats.json's."""
+  with open(os.path.join(DOCS_WT, "stats.json")) as f:
+    stats = json.load(f)
+  articles = {s: D.read_wikitext_articles(os.path.join(DOCS_WT, f"wiki.{t}.tokens"))
+              for s, t in (("dev", "valid"), ("test", "test"))}
+  tsv = os.path.join(DOCS_WT, "docs.tsv")
+  kept = corpora.select_packages(articles, tsv, exclude=("linux-doc-6.1",))
+  kernel = corpora.select_packages(articles, tsv, only=("linux-doc-6.1",))
+  for split, name in (("dev", "valid"), ("test", "test")):
+    per_pkg = stats[name]["per_package_docs"]
+    assert len(kernel[split]) == per_pkg["linux-doc-6.1"] > 0
+    assert len(kept[split]) == sum(per_pkg.values()) - per_pkg["linux-doc-6.1"]
+
+
+def test_docs_wt_configs_validate_and_hold_out_the_same_domain():
+  from configs import docs_wt, docs_wt_ext, docs_wt_kernel, docs_wt_long
+  from trime_jax import train
+
+  cfgs = {m.__name__: m.get_config() for m in (docs_wt, docs_wt_long, docs_wt_ext, docs_wt_kernel)}
+  for c in cfgs.values():
+    train.validate_config(c)
+  held_out = cfgs["configs.docs_wt_kernel"].data.only_packages
+  assert held_out == ("linux-doc-6.1",) and cfgs["configs.docs_wt_kernel"].data.exclude_packages == ()
+  for name in ("configs.docs_wt", "configs.docs_wt_long", "configs.docs_wt_ext"):
+    assert cfgs[name].data.exclude_packages == held_out and cfgs[name].data.only_packages == ()
+    assert cfgs[name].train.num_steps * cfgs[name].train.batch_size * cfgs[name].data.segment_len == 16_384_000
+  assert (cfgs["configs.docs_wt_long"].trime.memory, cfgs["configs.docs_wt_ext"].trime.memory) == ("long", "ext")
