@@ -20,7 +20,7 @@ def _one_line(e: BaseException) -> str:
 
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds configs/ and launch/
-EXPORT_CONFIG = os.path.join(PACKAGE_ROOT, "configs", "export.py")  # get_config(<export dir>)
+EXPORT_CONFIG = os.path.join(PACKAGE_ROOT, "launch", "export_config.py")  # get_config(<export dir>)
 
 
 def resolve_config_path(value: str) -> str:
@@ -38,8 +38,9 @@ def resolve_config_path(value: str) -> str:
 
 def _config_argv(argv: list[str]) -> list[str]:
   """argv with `--config` paths resolved (`resolve_config_path`, the flag's default too); a program given
-  `--checkpoint=<export dir>` and no `--config` reads the export's stored config (configs/export.py), so evaluation
-  takes its data and eval settings from the export unless `--config` (or `--config.x.y=...`) overrides them."""
+  `--checkpoint=<export dir>` and no `--config` reads the export's stored config (launch/export_config.py), so
+  evaluation takes its data and eval settings from the export unless `--config` (or `--config.x.y=...`) overrides
+  them."""
   from absl import flags
 
   if "config" not in flags.FLAGS:

@@ -212,7 +212,8 @@ def _wikitext_sources(dl_manager, zip_dir: str, url: str) -> dict:
       if found:
         return found
     if f"{zip_dir}-v1.zip" not in files:
-      raise DataError(f"manual dir {root} has neither {zip_dir}-v1.zip nor wiki.*.tokens files (in it or in {zip_dir}/)")
+      raise DataError(f"manual dir {root} has neither {zip_dir}-v1.zip nor wiki.*.tokens files "
+                      f"(in it or in {zip_dir}/)")
     archive = str(files[f"{zip_dir}-v1.zip"])
   else:
     archive = _download(dl_manager, url)

@@ -1,7 +1,8 @@
-"""The config stored in an export (`<workdir>/export/config.json`), over configs/default.py.
+"""The config stored in an export (`<workdir>/export/config.json`), over configs/default.py (a config file for
+`--config`; it lives here, not in configs/, because it needs an argument).
 
   python -m launch.eval --checkpoint=runs/mini/export                       # uses this config implicitly
-  python -m launch.eval --config=configs/export.py:runs/mini/export --config.eval.split=test
+  python -m launch.eval --config=launch/export_config.py:runs/mini/export --config.eval.split=test
 
 Fields the export does not have (added after it was written) keep their defaults; fields this version does not
 know are left out.
