@@ -48,6 +48,10 @@ def generate() -> None:
   _run("generate")
 
 
+def prepare_data() -> None:
+  _run("prepare_data")
+
+
 def demo() -> None:
   _run("demo")
 

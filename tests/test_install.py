@@ -13,7 +13,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("trime-train", "trime-eval", "trime-eval-ext", "trime-make-batches", "trime-build-datastore",
-           "trime-generate")
+           "trime-generate", "trime-prepare-data")
 TINY = ["--config.train.num_steps=2", "--config.train.warmup_steps=1", "--config.train.batch_size=2",
         "--config.data.max_files=20", "--config.data.segment_len=32", "--config.model.max_len=32",
         "--config.model.num_layers=1", "--config.model.d_model=32", "--config.model.d_ff=64",
