@@ -108,11 +108,12 @@ def _tfds(cfg, vocab):
 
   name = cfg.corpus.split(":", 1)[1]
   manual = resolve_path(cfg.path) if cfg.path else ""
-  docs = {s: tfds_builders.documents(name, tfds_builders.SPLIT_NAMES[s], _tfds_data_dir(cfg), manual) for s in SPLITS}
+  docs = lambda s: tfds_builders.iter_documents(name, tfds_builders.SPLIT_NAMES[s], _tfds_data_dir(cfg), manual)
   if name == "enwik8":
-    return {s: _byte_docs(d, f"{cfg.corpus}:{s}") for s, d in docs.items()}
-  vocab = vocab or data.Vocab.build(docs["train"], cfg.vocab_min_count)
-  return {s: _encode_word_docs(d, vocab, f"{cfg.corpus}:{s}") for s, d in docs.items()}
+    return {s: _byte_docs(list(docs(s)), f"{cfg.corpus}:{s}") for s in SPLITS}
+  # Two passes over train (count, then encode): articles are read one at a time, never all as word lists.
+  vocab = vocab or data.Vocab.build(docs("train"), cfg.vocab_min_count)
+  return {s: _encode_word_docs(docs(s), vocab, f"{cfg.corpus}:{s}") for s in SPLITS}
 
 
 def _reader(corpus: str):

@@ -17,6 +17,7 @@ splits into the same `Corpus`es as the plain readers (articles split at ` = Titl
   from trime_jax import tfds_builders
   tfds_builders.prepare("wikitext2", data_dir="~/tensorflow_datasets", manual_dir="")   # download + build once
   docs = tfds_builders.documents("wikitext2", "validation")                              # [[word, ..., </s>], ...]
+  tfds_builders.iter_documents("wikitext103", "train")                                   # one article at a time
 """
 
 from __future__ import annotations
@@ -263,19 +264,34 @@ def prepare(name: str, data_dir: str = "", manual_dir: str = "", **kwargs):
   return b
 
 
-def documents(name: str, split: str, data_dir: str = "", manual_dir: str = "", **kwargs) -> list:
-  """A split's documents in corpus order: word lists (`</s>` at line ends) for WikiText, or for enwik8 one
-  `bytes` object (the split's bytes)."""
+def iter_documents(name: str, split: str, data_dir: str = "", manual_dir: str = "", **kwargs):
+  """A split's documents in corpus order, one at a time (WikiText-103's word lists never all at once): word
+  lists (`</s>` at line ends) for WikiText, or for enwik8 one `bytes` object (the split's bytes)."""
   b = prepare(name, data_dir, manual_dir, **kwargs)
   if split not in b.info.splits:
     raise DataError(f"TFDS dataset {name} in {b.data_dir} has no {split!r} split (its source had no file for it; "
                     f"splits: {', '.join(sorted(b.info.splits))}); delete that directory and rebuild from the full "
                     "release")
   source = b.as_data_source(split=split)
-  records = sorted((source[i] for i in range(len(source))), key=lambda r: int(r["index"]))
+
+  def records():
+    for i in range(len(source)):  # written unshuffled, in generation order; the stored index proves it
+      r = source[i]
+      if int(r["index"]) != i:
+        raise DataError(f"TFDS dataset {name} in {b.data_dir}: record {i} of {split} holds document "
+                        f"{int(r['index'])}; rebuild it (delete that directory)")
+      yield r
+
   if name == "enwik8":
-    return [b"".join(np.asarray(r["bytes"], np.uint8).tobytes() for r in records)]
-  return [article_words(_text(r["text"])) for r in records]
+    yield b"".join(np.asarray(r["bytes"], np.uint8).tobytes() for r in records())
+    return
+  for r in records():
+    yield article_words(_text(r["text"]))
+
+
+def documents(name: str, split: str, data_dir: str = "", manual_dir: str = "", **kwargs) -> list:
+  """`iter_documents` as a list."""
+  return list(iter_documents(name, split, data_dir, manual_dir, **kwargs))
 
 
 def _text(value) -> str:
