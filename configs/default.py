@@ -11,8 +11,10 @@ def get_config():
   c = ml_collections.ConfigDict()
 
   c.data = d = ml_collections.ConfigDict()
-  d.corpus = "stdlib"  # stdlib | wikitext_mini | wikitext | bytes (see trime_jax/corpora.py)
-  d.path = ""  # corpus file or directory; relative paths are tried from the cwd, then the repo root
+  d.corpus = "stdlib"  # stdlib | wikitext_mini | wikitext | bytes | tfds:wikitext103|wikitext2|enwik8 (corpora.py)
+  d.path = ""  # corpus file or directory (tfds:*: optional manual dir of released files); relative paths are tried
+  #   from the cwd, then the repo root
+  d.tfds_data_dir = ""  # tfds:* corpora: where TFDS writes its build ("" = $TFDS_DATA_DIR or ~/tensorflow_datasets)
   d.cache_dir = ""  # if set, encoded corpora are cached here and memory-mapped (use for WikiText-103)
   d.split_fractions = (0.9, 0.05, 0.05)  # train/dev/test shares (by document, or by bytes for `bytes`)
   d.split_seed = 0  # seed of the document shuffle before splitting (stdlib, wikitext_mini)

@@ -19,11 +19,61 @@ def _one_line(e: BaseException) -> str:
   return " ".join(text.split())
 
 
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds configs/ and launch/
+EXPORT_CONFIG = os.path.join(PACKAGE_ROOT, "launch", "export_config.py")  # get_config(<export dir>)
+
+
+def resolve_config_path(value: str) -> str:
+  """A `--config` value as given when it exists from the working directory; otherwise found in the installed
+  package (`configs/demo.py`, or the bare name `demo`), so the commands run from any directory."""
+  path, sep, arg = value.partition(":")
+  if not path or os.path.exists(path):
+    return value
+  name = path if path.endswith(".py") else f"{path}.py"
+  for candidate in (os.path.join(PACKAGE_ROOT, path), os.path.join(PACKAGE_ROOT, "configs", name)):
+    if os.path.isfile(candidate):
+      return candidate + sep + arg
+  return value
+
+
+def _config_argv(argv: list[str]) -> list[str]:
+  """argv with `--config` paths resolved (`resolve_config_path`, the flag's default too); a program given
+  `--checkpoint=<export dir>` and no `--config` reads the export's stored config (launch/export_config.py), so
+  evaluation takes its data and eval settings from the export unless `--config` (or `--config.x.y=...`) overrides
+  them."""
+  from absl import flags
+
+  if "config" not in flags.FLAGS:
+    return argv
+  out, config_at, checkpoint = list(argv), -1, None
+  for i, arg in enumerate(out[1:], 1):
+    if arg == "--":
+      break
+    name, eq, value = arg.lstrip("-").partition("=")
+    if name in ("config", "checkpoint") and not eq and i + 1 < len(out):
+      value = out[i + 1]
+    if name == "config":
+      config_at = i if eq else i + 1
+      out[config_at] = (arg[:arg.index("=") + 1] if eq else "") + resolve_config_path(value)
+    elif name == "checkpoint":
+      checkpoint = value
+  if config_at < 0:
+    default = (flags.FLAGS["config"].default_as_str or "").strip("'")
+    default = "" if default == "None" else default
+    if checkpoint and os.path.isfile(os.path.join(checkpoint, "config.json")):
+      out.insert(1, f"--config={EXPORT_CONFIG}:{os.path.abspath(checkpoint)}")
+    elif default and resolve_config_path(default) != default:
+      out.insert(1, f"--config={resolve_config_path(default)}")
+  return out
+
+
 def _parse_flags(argv):
   """absl flag parsing, but a bad flag or config override (typo in --config.x.y) is one line, not a traceback."""
   from absl import flags
 
   try:
+    argv = _config_argv(argv)
+    sys.argv[:] = argv  # ml_collections reads the --config.x.y overrides from sys.argv
     return flags.FLAGS(argv)
   except Exception as e:  # noqa: BLE001 - every parse failure is a usage error
     print(f"error: bad command-line flag: {_one_line(e)}", file=sys.stderr, flush=True)

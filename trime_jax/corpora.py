@@ -4,6 +4,9 @@
   wikitext_mini  the 124 articles of ../shared/data/wikitext-2 (valid + test files), split by article
   bytes          one raw file (enwik8, tinyshakespeare), split by byte fractions, vocabulary 256
   stdlib         the demo corpus: the running interpreter's stdlib sources, one document per file, bytes
+  tfds:NAME      a tensorflow-datasets build (trime_jax/tfds_builders: wikitext103, wikitext2, enwik8), downloaded
+                 when online or built from the released files in `data.path` (a manual dir); same Corpus as the
+                 wikitext / bytes readers of the same files
 
 The vocabulary of word corpora is built from the training split (or given, e.g. a checkpoint's), so dev and
 test words unseen in training become `<unk>`.
@@ -110,15 +113,58 @@ def select_packages(articles: dict, tsv_path: str, only: tuple = (), exclude: tu
 
 def _wikitext_mini(cfg, vocab):
   root = resolve_path(cfg.path)
-  if not os.path.isdir(root):
-    raise DataError(f"WikiText-2 directory not found: {cfg.path} (expected ../shared/data/wikitext-2)")
-  articles = []
-  for fn in ("wiki.valid.tokens", "wiki.test.tokens"):
-    articles += data.read_wikitext_articles(os.path.join(root, fn))
+  if os.path.isdir(root):
+    articles = []
+    for fn in ("wiki.valid.tokens", "wiki.test.tokens"):
+      articles += data.read_wikitext_articles(os.path.join(root, fn))
+  else:  # a fresh clone without ../shared: the same articles from TFDS's WikiText-2 (downloaded once)
+    articles = _wikitext2_from_tfds(cfg)
   parts = data.split_articles(len(articles), cfg.split_fractions, cfg.split_seed)
   by_split = {s: [articles[i] for i in p] for s, p in zip(SPLITS, parts)}
   vocab = vocab or data.Vocab.build(by_split["train"], cfg.vocab_min_count)
   return {s: _encode_word_docs(a, vocab, f"{cfg.corpus}:{s}") for s, a in by_split.items()}
+
+
+def _wikitext2_from_tfds(cfg):
+  missing = f"WikiText-2 directory not found: {cfg.path} (expected ../shared/data/wikitext-2)"
+  try:
+    from trime_jax import tfds_builders
+    tfds_builders._tfds()
+  except DataError:  # tensorflow-datasets not installed
+    raise DataError(f"{missing}; or pip install 'trime-jax[tfds]' to download it") from None
+  try:
+    return [a for s in ("validation", "test") for a in tfds_builders.documents("wikitext2", s, _tfds_data_dir(cfg))]
+  except DataError as e:
+    raise DataError(f"{missing}, and TFDS could not provide it: {e}") from None
+
+
+def _tfds_data_dir(cfg) -> str:
+  return resolve_path(cfg.get("tfds_data_dir", "") or "")  # configs exported before the field existed lack it
+
+
+def _tfds(cfg, vocab):
+  from trime_jax import tfds_builders
+
+  name = cfg.corpus.split(":", 1)[1]
+  manual = resolve_path(cfg.path) if cfg.path else ""
+  docs = lambda s: tfds_builders.iter_documents(name, tfds_builders.SPLIT_NAMES[s], _tfds_data_dir(cfg), manual)
+  if name == "enwik8":
+    return {s: _byte_docs(list(docs(s)), f"{cfg.corpus}:{s}") for s in SPLITS}
+  # Two passes over train (count, then encode): articles are read one at a time, never all as word lists.
+  vocab = vocab or data.Vocab.build(docs("train"), cfg.vocab_min_count)
+  return {s: _encode_word_docs(docs(s), vocab, f"{cfg.corpus}:{s}") for s in SPLITS}
+
+
+def _reader(corpus: str):
+  """The reader of `data.corpus`: a plain reader, or `tfds:NAME` for a tensorflow-datasets build."""
+  from trime_jax import tfds_builders
+
+  if corpus.startswith("tfds:") and corpus[5:] in tfds_builders.NAMES:
+    return _tfds
+  if corpus not in _READERS:
+    names = CORPORA + tuple(f"tfds:{n}" for n in tfds_builders.NAMES)
+    raise ConfigError(f"data.corpus must be one of {names}, got {corpus!r}")
+  return _READERS[corpus]
 
 
 def _bytes(cfg, vocab):
@@ -159,15 +205,14 @@ def load_splits(cfg, vocab: data.Vocab | None = None) -> Splits:
   With `cfg.cache_dir` set, the encoded corpora are written there once (atomically) and memory-mapped on
   later runs, so a 103M-token corpus is tokenized once and never loaded whole.
   """
-  if cfg.corpus not in _READERS:
-    raise ConfigError(f"data.corpus must be one of {CORPORA}, got {cfg.corpus!r}")
-  if cfg.corpus != "stdlib" and not cfg.path:
+  reader = _reader(cfg.corpus)
+  if reader is not _tfds and cfg.corpus != "stdlib" and not cfg.path:  # a tfds: corpus downloads without a path
     raise ConfigError(f"data.path is required for corpus {cfg.corpus!r}")
   cache = os.path.join(resolve_path(cfg.cache_dir), _cache_key(cfg, vocab)) if cfg.cache_dir else ""
   if cache and os.path.exists(os.path.join(cache, "COMPLETE")):
     out = {s: data.Corpus.load(os.path.join(cache, s), f"{cfg.corpus}:{s}") for s in SPLITS}
   else:
-    out = _READERS[cfg.corpus](cfg, vocab)
+    out = reader(cfg, vocab)
     if cache:
       for s, c in out.items():
         c.save(os.path.join(cache, s))

@@ -1,0 +1,60 @@
+"""Console scripts (pyproject [project.scripts]): `trime-train` is `python -m launch.train`, and so on.
+
+Each imports its launch module (which defines the module's flags) and runs its `main` through `run_main`, so the
+installed commands behave exactly like `python -m launch.X`, from any directory: `--config=configs/demo.py` (or
+`--config=demo`) is found in the installed package when the working directory has no such file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+
+def _run(module: str) -> None:
+  try:
+    mod = importlib.import_module(f"launch.{module}")
+  except ModuleNotFoundError as e:
+    if e.name != f"launch.{module}":
+      raise
+    print(f"error: launch.{module} is not part of this installation of trime-jax", file=sys.stderr, flush=True)
+    sys.exit(2)
+  from launch.common import run_main
+
+  run_main(mod.main)
+
+
+def train() -> None:
+  _run("train")
+
+
+def eval() -> None:  # noqa: A001 - the command is trime-eval
+  _run("eval")
+
+
+def eval_ext() -> None:
+  _run("eval_ext")
+
+
+def make_batches() -> None:
+  _run("make_batches")
+
+
+def build_datastore() -> None:
+  _run("build_datastore")
+
+
+def generate() -> None:
+  _run("generate")
+
+
+def prepare_data() -> None:
+  _run("prepare_data")
+
+
+def demo() -> None:
+  _run("demo")
+
+
+def import_fairseq() -> None:
+  _run("import_fairseq")

@@ -1,0 +1,42 @@
+"""Build a paper corpus once as tensorflow-datasets array_record files (no TensorFlow): downloaded from its public
+source, or read from a manual dir holding the released files when offline.
+
+  python -m launch.prepare_data --corpus=wikitext103                        # or trime-prepare-data ...
+  python -m launch.prepare_data --corpus=enwik8 --manual_dir=~/dl/enwik8    # offline: enwik8.zip (or enwik8) there
+  python -m launch.prepare_data --corpus=wikitext2 --data_dir=/big/disk/tfds
+
+Then train on it with --config.data.corpus=tfds:<corpus> --config.data.path= (plus
+--config.data.tfds_data_dir=<data_dir> if given): corpora.py reads the build with `tfds.data_source`.
+"""
+
+from absl import flags
+
+from launch.common import run_main
+
+_CORPUS = flags.DEFINE_string("corpus", None, "wikitext103 | wikitext2 | enwik8 (a `tfds:` prefix is accepted).")
+_MANUAL_DIR = flags.DEFINE_string("manual_dir", "", "Directory with the released files (offline); empty: download.")
+_DATA_DIR = flags.DEFINE_string("data_dir", "", "TFDS data dir (default $TFDS_DATA_DIR or ~/tensorflow_datasets).")
+flags.mark_flags_as_required(["corpus"])
+
+
+def main(argv):
+  del argv
+  import os
+
+  from trime_jax import tfds_builders
+  from trime_jax.errors import ConfigError
+
+  name = _CORPUS.value.removeprefix("tfds:")
+  if name not in tfds_builders.NAMES:
+    raise ConfigError(f"--corpus must be one of {tfds_builders.NAMES}, got {_CORPUS.value!r}")
+  manual = os.path.expanduser(_MANUAL_DIR.value) if _MANUAL_DIR.value else ""
+  b = tfds_builders.prepare(name, _DATA_DIR.value, manual)
+  unit = "chunks of 1 MiB" if name == "enwik8" else "articles"
+  for split, info in sorted(b.info.splits.items()):
+    print(f"{name} {split}: {info.num_examples:,} {unit}")
+  print(f"built in {b.data_dir}; train with --config.data.corpus=tfds:{name} --config.data.path="
+        + (f" --config.data.tfds_data_dir={_DATA_DIR.value}" if _DATA_DIR.value else ""))
+
+
+if __name__ == "__main__":
+  run_main(main)

@@ -1,0 +1,156 @@
+"""TFDS builders (trime_jax/tfds_builders): built from manual dirs, read as array_record without TensorFlow, and
+equal to the plain readers (tokens, document boundaries, vocabulary) through `corpora.load_splits`."""
+
+import functools
+import http.server
+import os
+import sys
+import threading
+import zipfile
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tensorflow_datasets")
+
+from configs import default  # noqa: E402
+from trime_jax import corpora, tfds_builders  # noqa: E402
+from trime_jax import data as D  # noqa: E402
+from trime_jax.errors import ConfigError, DataError  # noqa: E402
+
+WT2 = os.path.join(corpora.REPO_ROOT, "..", "shared", "data", "wikitext-2")  # valid + test files only
+needs_wt2 = pytest.mark.skipif(not os.path.isdir(WT2), reason="../shared/data/wikitext-2 not present")
+
+
+def _data_cfg(**kw):
+  c = default.get_config().data
+  c.update(kw)
+  return c
+
+
+def _same_splits(a: corpora.Splits, b: corpora.Splits):
+  assert a.vocab.tokens == b.vocab.tokens and a.vocab.kind == b.vocab.kind
+  for s in corpora.SPLITS:
+    x, y = a.get(s), b.get(s)
+    np.testing.assert_array_equal(np.asarray(x.tokens), np.asarray(y.tokens))
+    np.testing.assert_array_equal(x.doc_starts, y.doc_starts)
+
+
+@needs_wt2
+def test_wikitext2_from_shared_manual_dir_equals_plain_reader(tmp_path):
+  """The shared dir has valid + test only: those splits are built (and equal the plain reader's articles); the
+  absent train split is a clear error, not an empty split."""
+  data_dir = str(tmp_path / "tfds")
+  b = tfds_builders.prepare("wikitext2", data_dir, WT2)
+  assert set(b.info.splits) == {"validation", "test"}
+  for split, fn in (("validation", "wiki.valid.tokens"), ("test", "wiki.test.tokens")):
+    docs = tfds_builders.documents("wikitext2", split, data_dir)
+    plain = D.read_wikitext_articles(os.path.join(WT2, fn))
+    assert len(docs) == len(plain) > 50 and docs == plain  # tokens and article boundaries
+    assert D.Vocab.build(docs, 2).tokens == D.Vocab.build(plain, 2).tokens
+  titles = [b.as_data_source("validation")[i]["title"] for i in range(2)]
+  assert [t.decode() if isinstance(t, bytes) else t for t in titles] == ["Homarus gammarus", "Frank <unk>"]
+  with pytest.raises(DataError, match="no 'train' split"):
+    tfds_builders.documents("wikitext2", "train", data_dir)
+  with pytest.raises(DataError, match="no 'train' split"):
+    corpora.load_splits(_data_cfg(corpus="tfds:wikitext2", path=WT2, tfds_data_dir=data_dir))
+  # wikitext_mini without ../shared (a fresh clone) takes the same 124 articles from the TFDS build.
+  _same_splits(corpora.load_splits(_data_cfg(corpus="wikitext_mini", path=str(tmp_path / "absent"),
+                                             tfds_data_dir=data_dir)),
+               corpora.load_splits(_data_cfg(corpus="wikitext_mini", path=WT2)))
+  assert not any(m == "tensorflow" or m.startswith("tensorflow.") for m in sys.modules)  # built and read without TF
+
+
+@needs_wt2
+def test_tfds_wikitext_corpus_equals_wikitext_reader(tmp_path, monkeypatch):
+  """`data.corpus="tfds:wikitext2"` gives the `wikitext` reader's corpora (vocabulary from train, <unk> below
+  min_count), from the token files or from the released zip in the manual dir, or downloaded."""
+  manual = tmp_path / "manual"
+  manual.mkdir()
+  for dst, src in (("train", "valid"), ("valid", "test"), ("test", "valid")):
+    os.symlink(os.path.join(WT2, f"wiki.{src}.tokens"), manual / f"wiki.{dst}.tokens")
+  plain = corpora.load_splits(_data_cfg(corpus="wikitext", path=str(manual), vocab_min_count=2))
+  via_tfds = corpora.load_splits(_data_cfg(corpus="tfds:wikitext2", path=str(manual), vocab_min_count=2,
+                                           tfds_data_dir=str(tmp_path / "tfds")))
+  _same_splits(via_tfds, plain)
+  assert via_tfds.train.num_docs == 60 and via_tfds.vocab.unk in np.asarray(via_tfds.train.tokens)
+  zipped = tmp_path / "zipped"
+  zipped.mkdir()
+  with zipfile.ZipFile(zipped / "wikitext-2-v1.zip", "w") as z:
+    for s in ("train", "valid", "test"):
+      z.write(manual / f"wiki.{s}.tokens", f"wikitext-2/wiki.{s}.tokens")
+  _same_splits(corpora.load_splits(_data_cfg(corpus="tfds:wikitext2", path=str(zipped), vocab_min_count=2,
+                                             tfds_data_dir=str(tmp_path / "tfds_zip"))), plain)
+  # Online: no manual dir, the zip downloaded over HTTP (from a local server: tests never use the network).
+  handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(zipped))
+  handler.log_message = lambda *a: None
+  with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(tfds_builders._builders()["wikitext2"], "URL",
+                        f"http://127.0.0.1:{server.server_address[1]}/wikitext-2-v1.zip")
+    downloaded = corpora.load_splits(_data_cfg(corpus="tfds:wikitext2", vocab_min_count=2,
+                                               tfds_data_dir=str(tmp_path / "tfds_dl")))
+    server.shutdown()
+  _same_splits(downloaded, plain)
+  assert not any(m == "tensorflow" or m.startswith("tensorflow.") for m in sys.modules)
+
+
+def test_enwik8_standard_split_in_chunks(tmp_path, monkeypatch):
+  """enwik8: train = all but the last 2 holdouts (5M each in the real file, 100k here), read back in order across
+  1 MiB chunks; equal to the `bytes` reader with the matching fractions; from the file or from enwik8.zip."""
+  monkeypatch.setattr(tfds_builders._builders()["enwik8"], "HOLDOUT", 100_000)
+  raw = np.random.default_rng(0).integers(0, 256, 1_300_000, dtype=np.uint8).tobytes()  # not valid UTF-8
+  manual = tmp_path / "manual"
+  manual.mkdir()
+  (manual / "enwik8").write_bytes(raw)
+  splits = corpora.load_splits(_data_cfg(corpus="tfds:enwik8", path=str(manual), tfds_data_dir=str(tmp_path / "t")))
+  assert [len(splits.get(s)) for s in corpora.SPLITS] == [1_100_000, 100_000, 100_000]
+  assert b"".join(np.asarray(splits.get(s).tokens, np.uint8).tobytes() for s in corpora.SPLITS) == raw
+  plain = corpora.load_splits(_data_cfg(corpus="bytes", path=str(manual / "enwik8"), split_fractions=(11, 1, 1)))
+  _same_splits(splits, plain)
+  assert splits.vocab.kind == "bytes" and len(splits.vocab) == 256
+  zipped = tmp_path / "zipped"
+  zipped.mkdir()
+  with zipfile.ZipFile(zipped / "enwik8.zip", "w") as z:
+    z.writestr("enwik8", raw)
+  _same_splits(corpora.load_splits(_data_cfg(corpus="tfds:enwik8", path=str(zipped),
+                                             tfds_data_dir=str(tmp_path / "tz"))), plain)
+  assert tfds_builders.ENWIK8_HOLDOUT == 5_000_000  # the real split: 90M / 5M / 5M of 10^8 bytes
+
+
+def test_tfds_errors_are_one_line(tmp_path, monkeypatch):
+  with pytest.raises(ConfigError, match="tfds:wikitext103"):
+    corpora.load_splits(_data_cfg(corpus="tfds:wikitext3"))
+  with pytest.raises(DataError, match="manual dir for wikitext2 not found"):
+    corpora.load_splits(_data_cfg(corpus="tfds:wikitext2", path=str(tmp_path / "nope"),
+                                  tfds_data_dir=str(tmp_path / "t")))
+  empty = tmp_path / "empty_manual"
+  (empty / "other").mkdir(parents=True)
+  with pytest.raises(DataError, match="neither wikitext-2-v1.zip nor wiki"):
+    corpora.load_splits(_data_cfg(corpus="tfds:wikitext2", path=str(empty), tfds_data_dir=str(tmp_path / "t")))
+
+  def offline(dl_manager, url):
+    raise DataError(f"could not download {url} (offline)")
+
+  monkeypatch.setattr(tfds_builders, "_download", offline)  # no network in tests, whatever the machine has
+  with pytest.raises(DataError, match=r"not found: .*absent.*could not download https://wikitext"):
+    corpora.load_splits(_data_cfg(corpus="wikitext_mini", path=str(tmp_path / "absent"),
+                                  tfds_data_dir=str(tmp_path / "t2")))
+
+
+@needs_wt2
+def test_prepare_data_cli(tmp_path):
+  """`python -m launch.prepare_data` builds from a manual dir and names the splits; a bad dir is one error line."""
+  import subprocess
+
+  env = {**os.environ, "PYTHONPATH": corpora.REPO_ROOT}
+  r = subprocess.run([sys.executable, "-m", "launch.prepare_data", "--corpus=tfds:wikitext2", f"--manual_dir={WT2}",
+                      f"--data_dir={tmp_path}"], capture_output=True, text=True, env=env, cwd=corpora.REPO_ROOT,
+                     timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "wikitext2 test: 62 articles" in r.stdout and "wikitext2 validation: 60 articles" in r.stdout
+  assert "--config.data.corpus=tfds:wikitext2" in r.stdout
+  r = subprocess.run([sys.executable, "-m", "launch.prepare_data", "--corpus=enwik8", f"--manual_dir={tmp_path}/no",
+                      f"--data_dir={tmp_path}"], capture_output=True, text=True, env=env, cwd=corpora.REPO_ROOT,
+                     timeout=300)
+  assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: manual dir for enwik8 not found")
