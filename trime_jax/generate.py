@@ -150,7 +150,12 @@ def row_keys(seed: int, rows, step: int):
 # ----------------------------------------------------------------------------------------------------------
 # Jitted halves of a step (the external search runs on the host between them)
 # ----------------------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _all_keys(seed, rows: int, steps: int):
+  """[steps, rows] keys: `row_keys` of every step."""
+  return jax.vmap(lambda s: row_keys(seed, jnp.arange(rows), s))(jnp.arange(steps))
+
+
 def _forward(graphdef, params, tokens_BxT, cache, pos_BxT, last_B):
   """(f, g [B, D] at each row's `last` position, g [B, T, D], cache)."""
   model = nnx.merge(graphdef, params)
@@ -159,8 +164,6 @@ def _forward(graphdef, params, tokens_BxT, cache, pos_BxT, last_B):
   return take(f), take(g), g, cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "memory", "sampling", "trace"),
-                   donate_argnames=("local_keys", "local_targets"))
 def _next_token(graphdef, params, f_BxD, g_BxD, local_keys, local_targets, store_keys, store_targets, ext_keys,
                 ext_targets, keys_B, slot_B, active_B, *, memory: MemorySpec, sampling: Sampling, trace: bool):
   """(tokens [B], log P [B, V], local memory with (g, token) inserted at `slot` of active rows, and for a trace
@@ -205,6 +208,19 @@ def _next_token(graphdef, params, f_BxD, g_BxD, local_keys, local_targets, store
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _window_keys(graphdef, params, inputs_BxL):
   return nnx.merge(graphdef, params).features(inputs_BxL, deterministic=True)[1].astype(jnp.float32)
+
+
+def _search(external: knn.ExternalMemory, queries_BxD) -> np.ndarray:
+  """[B, K] datastore ids of each query's top-K. One thread: a few queries per step gain nothing from
+  OpenMP, and its start-up costs 4x on a busy 2-core machine (38 vs 9 ms for K=1024 over 50k keys)."""
+  import faiss
+
+  threads = faiss.omp_get_max_threads()
+  faiss.omp_set_num_threads(1)
+  try:
+    return external.index.search(queries_BxD, external.k)[1]
+  finally:
+    faiss.omp_set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -280,6 +296,11 @@ class Generator:
     self.default_tau = float(self.config.eval.temperature)  # the export's evaluation τ
     self.eos = self.vocab.index.get(data.EOS)  # bytes: none (generation stops at the budget)
     self.log = log
+    # The step functions, jitted with the graph bound (hashing a static graphdef costs ~1 ms per call).
+    self._forward = jax.jit(functools.partial(_forward, self.graphdef), donate_argnames=("cache",))
+    self._next_token = jax.jit(functools.partial(_next_token, self.graphdef),
+                               static_argnames=("memory", "sampling", "trace"),
+                               donate_argnames=("local_keys", "local_targets"))
 
   # -- text <-> tokens --------------------------------------------------------------------------------------
   def tokenize(self, text: str, what: str = "prompt") -> list[int]:
@@ -419,6 +440,7 @@ class Generator:
     cache = None
     need_prefill = True
     last_f = last_g = None
+    step_keys = _all_keys(sampling.seed, b, max_new)  # one dispatch, not one per step
     for step in range(max_new):
       if need_prefill:  # the prompts, or windows that slid: every row re-encoded from its window start
         width = max(len(s) - st for s, st in zip(seqs, starts))
@@ -429,7 +451,7 @@ class Generator:
         cache = nnx.merge(self.graphdef, self.params).init_cache(b, cache_len)
         pos = np.broadcast_to(np.arange(width, dtype=np.int32), (b, width))
         last = np.array([len(s) - st - 1 for s, st in zip(seqs, starts)], np.int32)
-        last_f, last_g, g_all, cache = _forward(self.graphdef, self.params, jnp.asarray(inputs), cache,
+        last_f, last_g, g_all, cache = self._forward(self.params, jnp.asarray(inputs), cache,
                                                 jnp.asarray(pos), jnp.asarray(last))
         if step == 0:  # the prompt's keys: from this pass, or from evaluation's windows for long prompts
           g_all = np.asarray(g_all)
@@ -439,13 +461,13 @@ class Generator:
           local_keys, local_targets = jnp.asarray(local_keys), jnp.asarray(local_targets)
         need_prefill = False
       if external is not None:
-        got_scores, ext_ids = external.index.search(np.asarray(last_g, np.float32), external.k)
+        ext_ids = _search(external, np.asarray(last_g, np.float32))
         ext_keys = jnp.asarray(external.datastore.gather_keys(ext_ids))
         ext_targets = jnp.asarray(np.where(ext_ids >= 0, np.asarray(external.datastore.values[np.maximum(ext_ids, 0)]),
                                            -1).astype(np.int32))
-      keys = row_keys(sampling.seed, np.arange(b), step)
-      tokens, log_p, local_keys, local_targets, extra = _next_token(
-          self.graphdef, self.params, last_f, last_g, local_keys, local_targets, store_keys, store_targets,
+      keys = step_keys[step]
+      tokens, log_p, local_keys, local_targets, extra = self._next_token(
+          self.params, last_f, last_g, local_keys, local_targets, store_keys, store_targets,
           ext_keys, ext_targets, keys, jnp.asarray(n_mem, jnp.int32), jnp.asarray(active), memory=memory,
           sampling=sampling, trace=trace)
       tokens = np.asarray(tokens)
@@ -473,7 +495,7 @@ class Generator:
         continue
       pos = np.array([[len(s) - st - 1] for s, st in zip(seqs, starts)], np.int32)
       toks = np.array([[s[-1]] for s in seqs], np.int32)
-      last_f, last_g, _, cache = _forward(self.graphdef, self.params, jnp.asarray(toks), cache, jnp.asarray(pos),
+      last_f, last_g, _, cache = self._forward(self.params, jnp.asarray(toks), cache, jnp.asarray(pos),
                                           jnp.zeros((b,), jnp.int32))
     if store is not None and remember:
       lk, lt = np.asarray(local_keys), np.asarray(local_targets)
