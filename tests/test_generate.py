@@ -97,8 +97,8 @@ def test_cached_decoding_equals_the_full_forward(variant):
     np.testing.assert_allclose(jnp.stack(got_g[r])[None], keys, atol=1e-5)
 
 
-def test_training_forward_is_unchanged_by_the_cache_code():
-  """`__call__` is still `features` + `logits`: decode is additive (a cache of the full length reproduces it)."""
+def test_one_prefill_of_a_whole_row_equals_features():
+  """decode is additive: one prefill of a whole row over a full-length cache reproduces `features`."""
   cfg = M.ModelConfig(vocab_size=30, num_layers=1, d_model=16, num_heads=2, d_ff=32, max_len=8, dropout=0.0)
   model = M.TransformerLM(cfg, rngs=nnx.Rngs(3))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 30, (1, 8)))
@@ -175,21 +175,24 @@ def np_step(logits_V, q_D, keys_MxD, targets_M, tau, ext_M=None, lam=0.0, tau_pr
 
 @pytest.mark.parametrize("lam", [0.0, 0.3])
 def test_next_token_distribution_matches_float64_numpy(lam):
+  """Rows see different subsets of one memory (as rows see their own local and retrieved blocks)."""
   rng = np.random.default_rng(5)
   b, v, m, d = 3, 12, 20, 8
   logits = rng.normal(size=(b, v)).astype(np.float32)
   q = rng.normal(size=(b, d)).astype(np.float32) * 2
-  keys = rng.normal(size=(b, m, d)).astype(np.float32) * 2
-  targets = rng.integers(0, v, (b, m)).astype(np.int32)
-  targets[:, -4:] = -1  # empty slots
-  targets[2, 12:] = -1  # row 2: no retrieved entries, the mixture falls back to P_trime
-  ext = np.broadcast_to(np.arange(m) >= 12, (b, m))
+  keys = rng.normal(size=(m, d)).astype(np.float32) * 2
+  targets = rng.integers(0, v, m).astype(np.int32)
+  targets[8:10] = -1  # empty slots
+  mask = rng.random((b, m)) < 0.7
+  mask[2, 12:] = False  # row 2 sees no retrieved entry: the mixture falls back to P_trime
+  prime = np.arange(m) >= 12
   got = G.next_token_log_probs(jnp.asarray(logits), jnp.asarray(q), jnp.asarray(keys), jnp.asarray(targets),
-                               tau=0.7, ext_BxM=jnp.asarray(ext), interp_lambda=lam, interp_tau=0.4)
+                               jnp.asarray(mask), tau=0.7, prime_M=jnp.asarray(prime), interp_lambda=lam,
+                               interp_tau=0.4)
   for r in range(b):
+    seen = np.where(mask[r], targets, -1)
     np.testing.assert_allclose(np.exp(np.asarray(got[r], np.float64)),
-                               np_step(logits[r], q[r], keys[r], targets[r], 0.7, ext[r], lam, 0.4),
-                               rtol=2e-5, atol=1e-7)
+                               np_step(logits[r], q[r], keys, seen, 0.7, prime, lam, 0.4), rtol=2e-5, atol=1e-7)
 
 
 def test_a_generated_step_equals_the_numpy_restatement(byte_gen):

@@ -94,27 +94,19 @@ class MemorySpec:
 # ----------------------------------------------------------------------------------------------------------
 # The next-token distribution and sampling (pure functions; tests compare them with NumPy references)
 # ----------------------------------------------------------------------------------------------------------
-def next_token_log_probs(logits_BxV, q_BxD, mem_keys_BxMxD, mem_targets_BxM, *, tau: float, ext_BxM=None,
-                         interp_lambda: float = 0.0, interp_tau: float = 1.0):
-  """log P [B, V] of the next token: `loss.memory_log_probs` per row (memories with target < 0 are empty
-  slots). With interp_lambda > 0: (1-λ)·P_trime + λ·P′, P′ over the memories where `ext_BxM` is True (rows
-  without any keep P_trime)."""
-  valid_BxM = mem_targets_BxM >= 0
-
-  def row(logits_V, q_D, keys_MxD, targets_M, mask_M, temperature):
-    return loss.memory_log_probs(logits_V[None], q_D[None], keys_MxD, targets_M, mask_M[None],
-                                 temperature=temperature)[0]
-
-  log_p = jax.vmap(functools.partial(row, temperature=tau))(logits_BxV, q_BxD, mem_keys_BxMxD, mem_targets_BxM,
-                                                            valid_BxM)
+def next_token_log_probs(logits_BxV, q_BxD, mem_keys_MxD, mem_targets_M, mem_mask_BxM, *, tau: float,
+                         prime_M=None, interp_lambda: float = 0.0, interp_tau: float = 1.0):
+  """log P [B, V] of the next token: one `loss.memory_log_probs` call, every row's query against the memories
+  its mask shows (memories with target < 0 are empty slots). With interp_lambda > 0: (1-λ)·P_trime + λ·P′, P′
+  over the visible memories where `prime_M` is True (rows that see none keep P_trime)."""
+  log_p = loss.memory_log_probs(logits_BxV, q_BxD, mem_keys_MxD, mem_targets_M, mem_mask_BxM, temperature=tau)
   if not interp_lambda:
     return log_p
-  prime_mask = valid_BxM & ext_BxM
+  prime_BxM = mem_mask_BxM & prime_M[None, :] & (mem_targets_M[None, :] >= 0)
   no_vocab = jnp.full_like(logits_BxV, -jnp.inf)  # P′ is memories only
-  log_prime = jax.vmap(functools.partial(row, temperature=interp_tau))(no_vocab, q_BxD, mem_keys_BxMxD,
-                                                                       mem_targets_BxM, prime_mask)
+  log_prime = loss.memory_log_probs(no_vocab, q_BxD, mem_keys_MxD, mem_targets_M, prime_BxM, temperature=interp_tau)
   mixed = jnp.logaddexp(math.log1p(-interp_lambda) + log_p, math.log(interp_lambda) + log_prime)
-  return jnp.where(prime_mask.any(-1, keepdims=True), mixed, log_p)
+  return jnp.where(prime_BxM.any(-1, keepdims=True), mixed, log_p)
 
 
 def filter_log_probs(log_p_BxV, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
@@ -172,36 +164,42 @@ def _next_token(graphdef, params, f_BxD, g_BxD, local_keys, local_targets, store
   logits = model.logits(f_BxD[:, None])[:, 0].astype(jnp.float32)
   b, d = g_BxD.shape
   q = g_BxD.astype(jnp.float32)
+  # One flat memory for the engine: every row's local and retrieved blocks (visible to their own row only) and
+  # the store (visible to all rows); blocks in the trace's slot order (local, store, retrieved).
+  own = lambda per_row: jnp.repeat(jnp.eye(b, dtype=bool), per_row, axis=1)  # [B, B·per_row]
+  blocks = [(local_keys.reshape(-1, d), local_targets.reshape(-1), own(local_targets.shape[1]), False)]
+  if store_keys is not None:
+    blocks.append((store_keys, store_targets, jnp.ones((b, store_targets.shape[0]), bool), False))
+  if ext_keys is not None:
+    blocks.append((ext_keys.reshape(-1, d), ext_targets.reshape(-1), own(ext_targets.shape[1]), True))
   if memory.kind == "none":
-    log_p, mem_keys, mem_targets = jax.nn.log_softmax(logits, axis=-1), None, None
+    log_p = jax.nn.log_softmax(logits, axis=-1)
   else:
-    parts = [(local_keys, local_targets)]
-    if store_keys is not None:
-      parts.append((jnp.broadcast_to(store_keys, (b,) + store_keys.shape), jnp.broadcast_to(store_targets,
-                                                                                           (b,) + store_targets.shape)))
-    n_inside = sum(k.shape[1] for k, _ in parts)
-    if ext_keys is not None:
-      parts.append((ext_keys, ext_targets))
-    mem_keys = jnp.concatenate([k.astype(jnp.float32) for k, _ in parts], axis=1)
-    mem_targets = jnp.concatenate([t for _, t in parts], axis=1)
-    ext = jnp.arange(mem_targets.shape[1]) >= n_inside
-    if memory.interp_memory == "all":
-      ext = jnp.ones_like(ext)
-    log_p = next_token_log_probs(logits, q, mem_keys, mem_targets, tau=memory.tau,
-                                 ext_BxM=jnp.broadcast_to(ext, mem_targets.shape),
+    keys = jnp.concatenate([k.astype(jnp.float32) for k, _, _, _ in blocks])
+    targets = jnp.concatenate([t for _, t, _, _ in blocks])
+    mask = jnp.concatenate([m for _, _, m, _ in blocks], axis=1)
+    prime = jnp.concatenate([jnp.full(t.shape, is_ext or memory.interp_memory == "all") for _, t, _, is_ext in blocks])
+    log_p = next_token_log_probs(logits, q, keys, targets, mask, tau=memory.tau, prime_M=prime,
                                  interp_lambda=memory.interp_lambda, interp_tau=memory.interp_tau)
   tokens = sample(log_p, keys_B, sampling)
+  extra = None
+  if trace:
+    sims = None
+    if memory.kind != "none":  # row views [B, M_r] of this step's memories: local slots, store, retrieved
+      hi = jax.lax.Precision.HIGHEST
+      views = [(jnp.einsum("bd,bmd->bm", q, local_keys, precision=hi), local_targets)]
+      if store_keys is not None:
+        views.append((jnp.einsum("bd,md->bm", q, store_keys.astype(jnp.float32), precision=hi),
+                      jnp.broadcast_to(store_targets, (b,) + store_targets.shape)))
+      if ext_keys is not None:
+        views.append((jnp.einsum("bd,bmd->bm", q, ext_keys.astype(jnp.float32), precision=hi), ext_targets))
+      sims = jnp.concatenate([v for v, _ in views], axis=1) / math.sqrt(d)
+      sims = jnp.where(jnp.concatenate([t for _, t in views], axis=1) >= 0, sims, -jnp.inf)
+    extra = (logits, sims)
   rows = jnp.arange(b)
   slot = jnp.where(active_B, slot_B, local_targets.shape[1])  # out of range: dropped
   local_keys = local_keys.at[rows, slot].set(g_BxD.astype(local_keys.dtype), mode="drop")
   local_targets = local_targets.at[rows, slot].set(tokens, mode="drop")
-  extra = None
-  if trace:
-    sims = None
-    if mem_keys is not None:
-      sims = jnp.einsum("bd,bmd->bm", q, mem_keys, precision=jax.lax.Precision.HIGHEST) / math.sqrt(d)
-      sims = jnp.where(mem_targets >= 0, sims, -jnp.inf)
-    extra = (logits, sims)
   return tokens, log_p, local_keys, local_targets, extra
 
 
@@ -451,8 +449,8 @@ class Generator:
         cache = nnx.merge(self.graphdef, self.params).init_cache(b, cache_len)
         pos = np.broadcast_to(np.arange(width, dtype=np.int32), (b, width))
         last = np.array([len(s) - st - 1 for s, st in zip(seqs, starts)], np.int32)
-        last_f, last_g, g_all, cache = self._forward(self.params, jnp.asarray(inputs), cache,
-                                                jnp.asarray(pos), jnp.asarray(last))
+        last_f, last_g, g_all, cache = self._forward(self.params, jnp.asarray(inputs), cache, jnp.asarray(pos),
+                                                     jnp.asarray(last))
         if step == 0:  # the prompt's keys: from this pass, or from evaluation's windows for long prompts
           g_all = np.asarray(g_all)
           for r, s in enumerate(seqs):
@@ -463,8 +461,8 @@ class Generator:
       if external is not None:
         ext_ids = _search(external, np.asarray(last_g, np.float32))
         ext_keys = jnp.asarray(external.datastore.gather_keys(ext_ids))
-        ext_targets = jnp.asarray(np.where(ext_ids >= 0, np.asarray(external.datastore.values[np.maximum(ext_ids, 0)]),
-                                           -1).astype(np.int32))
+        values = np.asarray(external.datastore.values[np.maximum(ext_ids, 0)])
+        ext_targets = jnp.asarray(np.where(ext_ids >= 0, values, -1).astype(np.int32))
       keys = step_keys[step]
       tokens, log_p, local_keys, local_targets, extra = self._next_token(
           self.params, last_f, last_g, local_keys, local_targets, store_keys, store_targets,
@@ -484,7 +482,7 @@ class Generator:
         break
       # Advance: feed every row's newest token (finished rows repeat theirs, ignored); slide full windows.
       for r, s in enumerate(seqs):
-        if active[r] and len(s) - starts[r] > min(max_len, cache_len):
+        if active[r] and len(s) - starts[r] > cache_len:  # cache_len < max_len only if no row ever gets there
           starts[r] = len(s) - keep
           need_prefill = True
       if need_prefill:
@@ -496,7 +494,7 @@ class Generator:
       pos = np.array([[len(s) - st - 1] for s, st in zip(seqs, starts)], np.int32)
       toks = np.array([[s[-1]] for s in seqs], np.int32)
       last_f, last_g, _, cache = self._forward(self.params, jnp.asarray(toks), cache, jnp.asarray(pos),
-                                          jnp.zeros((b,), jnp.int32))
+                                               jnp.zeros((b,), jnp.int32))
     if store is not None and remember:
       lk, lt = np.asarray(local_keys), np.asarray(local_targets)
       for r in range(b):
