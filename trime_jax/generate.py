@@ -73,7 +73,7 @@ class Sampling:
 @dataclasses.dataclass(frozen=True)
 class MemorySpec:
   kind: str = "local"  # none | local | long | external
-  tau: float = 1.0  # TRIME temperature τ on memory similarities
+  tau: float | None = None  # TRIME temperature τ on memory similarities (None: the export's eval.temperature)
   interp_lambda: float = 0.0  # external: Appendix A's λ (0 = no interpolation)
   interp_tau: float = 1.0  # τ′ of P′
   interp_memory: str = "external"  # memories of P′: "external" (retrieved only) | "all"
@@ -81,7 +81,7 @@ class MemorySpec:
   def __post_init__(self):
     if self.kind not in MEMORIES:
       raise ConfigError(f"memory must be one of {MEMORIES}, got {self.kind!r}")
-    if not self.tau > 0 or not self.interp_tau > 0:
+    if (self.tau is not None and not self.tau > 0) or not self.interp_tau > 0:
       raise ConfigError(f"tau and interp_tau must be > 0, got {self.tau}, {self.interp_tau}")
     if not 0 <= self.interp_lambda < 1:
       raise ConfigError(f"interp_lambda must be in [0, 1), got {self.interp_lambda}")
@@ -383,10 +383,13 @@ class Generator:
                external: knn.ExternalMemory | None = None, trace: bool = False, remember: bool = True,
                stop_at_eos: bool = True) -> list[Generation]:
     """Continue each prompt (a string, or a list of token ids) by up to `max_new_tokens` tokens, stopping a
-    row at `</s>` (word vocabularies, `stop_at_eos`). memory: a MemorySpec (default: local at the export's
-    τ). `store` (memory long or external) is read, and extended with every row's prompt and output unless
-    remember=False; `external` (memory external) is searched once per generated token."""
-    memory = memory or MemorySpec("local", tau=self.default_tau)
+    row at `</s>` (word vocabularies, `stop_at_eos`). memory: a MemorySpec (default: local; τ: the export's
+    eval.temperature unless given). `store` (memory long or external) is read, and extended with every row's
+    prompt and output unless remember=False; `external` (memory external) is searched once per generated
+    token."""
+    memory = memory or MemorySpec("local")
+    if memory.tau is None:
+      memory = dataclasses.replace(memory, tau=self.default_tau)
     if isinstance(prompts, (str, np.ndarray)) or (prompts and isinstance(prompts[0], int)):
       prompts = [prompts]
     if not prompts:
