@@ -2,6 +2,7 @@
 
 Trains both models with the same budget (configs/demo.py), tunes the evaluation temperature τ (TrimeLM) and
 the continuous cache's λ, θ (vanilla) on held-out dev files, and prints one table of test bits per byte.
+Then TrimeLM writes: it continues a passage of a held-out file without and with local memory (same seed).
 
   python -m launch.demo --workdir=runs/demo [--config.train.num_steps=200]
 """
@@ -54,9 +55,9 @@ def run_demo(config, workdir: str) -> list[dict]:
   return rows
 
 
-def show_generation(export: str, tau: float, test, prompt_bytes: int = 240, new_tokens: int = 160):
+def show_generation(export: str, tau: float, test, prompt_bytes: int = 128, new_tokens: int = 120):
   """TrimeLM continues a passage of a held-out file (lines from its second kilobyte on), without and with
-  local memory, same seed."""
+  local memory, same seed; prompt + output fit the demo model's 256-token context (no sliding window)."""
   from trime_jax import generate
 
   gen = generate.Generator(export)
