@@ -278,10 +278,17 @@ def test_long_term_store_is_read_and_carried_across_calls(byte_gen):
   assert n == len(store) == 81
   np.testing.assert_allclose(store.keys[:20], byte_gen.keys_of(list(b"The password is swordfish. " * 3))[:20])
   spec = G.MemorySpec("long", tau=0.3)
+  stored_keys, stored_tokens = store.keys.copy(), store.tokens.copy()
   out = byte_gen.generate(["The password is s"], max_new_tokens=4, sampling=G.Sampling(0), memory=spec,
                           store=store, trace=True)[0]
   assert len(store) == n + len("The password is s") + 4  # this call's prompt and output were appended
   assert any(m.source == "long" for s in out.trace for m in s.top)
+  # The first step in float64: the prompt's own keys and the store's, one softmax with the vocabulary.
+  seq = [byte_gen.vocab.bos] + list(b"The password is s")
+  logits, keys = _uncached(_model(byte_gen), seq)
+  p = np_step(logits[-1], keys[-1], np.concatenate([keys[:-1], stored_keys]),
+              np.concatenate([seq[1:], stored_tokens]), 0.3)
+  np.testing.assert_allclose(out.trace[0].prob, p[out.tokens[0]], rtol=1e-4)
   before = len(store)
   byte_gen.generate(["x"], max_new_tokens=2, memory=spec, store=store, remember=False)
   assert len(store) == before

@@ -48,6 +48,7 @@ from trime_jax.errors import CheckpointError, ConfigError
 
 MEMORIES = ("none", "local", "long", "external")
 INTERP_MEMORIES = ("external", "all")  # P′ over the retrieved entries only (the original release) or all
+STORE_BLOCK = 1024  # the long-term store is padded to a multiple of this many slots
 TRACE_CONTEXT = 6  # words (or 3x as many bytes) of context shown per memory in a retrieval trace
 
 
@@ -430,8 +431,10 @@ class Generator:
     cache_len = min(max_len, -(-(max(len(s) - st for s, st in zip(seqs, starts)) + max_new) // 16) * 16)
     n_mem = np.array([len(s) - 1 for s in seqs])
     store_keys = store_targets = None
-    if store is not None and len(store):
-      store_keys, store_targets = jnp.asarray(store.keys), jnp.asarray(store.tokens)
+    if store is not None and len(store):  # padded (target -1) to whole blocks: a growing store recompiles rarely
+      slots = -(-len(store) // STORE_BLOCK) * STORE_BLOCK
+      store_keys = jnp.asarray(np.pad(store.keys, ((0, slots - len(store)), (0, 0))))
+      store_targets = jnp.asarray(np.pad(store.tokens, (0, slots - len(store)), constant_values=-1))
     ext_keys = ext_targets = None
     ext_ids = None
     active = np.ones(b, bool)
@@ -513,7 +516,7 @@ class Generator:
     from the logits and similarities the step used."""
     logits, sims = (None if x is None else np.asarray(x, np.float64) for x in extra)
     log_p = np.asarray(log_p, np.float64)
-    n_store = len(store) if store is not None and len(store) else 0
+    n_store = -(-len(store) // STORE_BLOCK) * STORE_BLOCK if store is not None else 0  # store slots
     for r in np.flatnonzero(active):
       w = int(tokens[r])
       p = float(np.exp(log_p[r, w]))
@@ -543,7 +546,7 @@ class Generator:
     local[:len(seqs[r]) - 1] = seqs[r][1:]  # the sampled token is not in seqs yet
     parts = [local]
     if n_store:
-      parts.append(store.tokens.astype(np.int64))
+      parts.append(np.pad(store.tokens.astype(np.int64), (0, n_store - len(store)), constant_values=-1))
     if ext_ids is not None:
       values = external.datastore.values
       parts.append(np.where(ext_ids[r] >= 0, np.asarray(values[np.maximum(ext_ids[r], 0)]), -1))
