@@ -309,6 +309,15 @@ def test_external_datastore_generation_and_mismatch(tmp_path, byte_gen):
                           trace=True)[0]
   assert any(m.source == "external" for s in out.trace for m in s.top)
   assert all(0 < s.prob <= 1 and 0 <= s.memory_share <= 1 for s in out.trace)
+  # The first step in float64: brute-force top-8 of the datastore's keys, plus the prompt's own keys.
+  seq = [byte_gen.vocab.bos] + list(b"def add(a")
+  logits, keys = _uncached(_model(byte_gen), seq)
+  ds = Datastore(ds_dir)
+  ds_keys = np.asarray(ds.keys, np.float64)
+  top = np.argsort(-(ds_keys @ keys[-1]), kind="stable")[:8]
+  p = np_step(logits[-1], keys[-1], np.concatenate([keys[:-1], ds_keys[top]]),
+              np.concatenate([seq[1:], np.asarray(ds.values)[top]]), 0.5)
+  np.testing.assert_allclose(out.trace[0].prob, p[out.tokens[0]], rtol=1e-4)
   mixed = byte_gen.generate(["def add(a"], max_new_tokens=5, sampling=G.Sampling(0), external=ext, trace=True,
                             memory=G.MemorySpec("external", tau=0.5, interp_lambda=0.5, interp_tau=0.2))[0]
   assert [s.prob for s in mixed.trace] != [s.prob for s in out.trace]
