@@ -22,7 +22,8 @@ from launch.common import run_main
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
 _PROMPT = flags.DEFINE_multi_string("prompt", [], "A prompt (repeat for a batch); \\n is a newline.")
-_PROMPT_FILE = flags.DEFINE_multi_string("prompt_file", [], "A file whose whole text is one prompt (repeatable).")
+_PROMPT_FILE = flags.DEFINE_multi_string("prompt_file", [], "A file whose whole text (final newlines dropped) is "
+                                         "one prompt (repeatable).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Token budget per prompt (word models also stop at </s>).")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 = greedy.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most probable tokens (0: all).")
@@ -52,7 +53,7 @@ def main(argv):
   for path in _PROMPT_FILE.value:
     try:
       with open(path, encoding="utf-8") as f:
-        prompts.append(f.read())
+        prompts.append(f.read().rstrip("\n"))  # a file's final newline would end the line (</s>) to continue
     except (OSError, UnicodeDecodeError) as e:
       raise ConfigError(f"--prompt_file {path}: {e}") from None
   if not prompts:

@@ -372,8 +372,14 @@ class Generator:
                gpu: bool = False) -> knn.ExternalMemory:
     """A datastore + index of this model (built by `launch.build_datastore`; another model's or vocabulary's
     is refused)."""
-    ext = knn.ExternalMemory(datastore_dir, index_path=index_path, checkpoint_dir=self.checkpoint_dir, k=k,
-                             nprobe=nprobe, gpu=gpu)
+    try:
+      ext = knn.ExternalMemory(datastore_dir, index_path=index_path, checkpoint_dir=self.checkpoint_dir, k=k,
+                               nprobe=nprobe, gpu=gpu)
+    except CheckpointError as e:
+      if "does not match" not in str(e):
+        raise
+      raise CheckpointError(f"the datastore was built by another model or vocabulary than {self.checkpoint_dir} "
+                            f"(build one with launch.build_datastore --checkpoint=that export): {e}") from None
     if ext.dimension != self.cfg.d_model:
       raise CheckpointError(f"datastore keys have dimension {ext.dimension}, the model's keys {self.cfg.d_model}")
     return ext
