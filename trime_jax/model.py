@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -154,6 +155,21 @@ class CausalSelfAttention(nnx.Module):
       y = jnp.einsum("bhlm,bmhd->blhd", probs, v)
     return self.out(y.reshape(b, l, d))
 
+  def decode(self, x_BxTxD, k_cache_BxCxHxDh, v_cache_BxCxHxDh, pos_BxT):
+    """Attention of T new tokens at cache positions `pos` (per row) over the cache, after writing their
+    keys and values into it: (y [B, T, D], k_cache, v_cache). A query at position p sees positions <= p;
+    positions past a row's last write are never read. Deterministic (generation has no dropout)."""
+    b, t, d = x_BxTxD.shape
+    h = self.num_heads
+    qkv = self.qkv(x_BxTxD).reshape(b, t, 3, h, d // h)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    rows = jnp.arange(b)[:, None]
+    k_cache = k_cache_BxCxHxDh.at[rows, pos_BxT].set(k.astype(k_cache_BxCxHxDh.dtype), mode="drop")
+    v_cache = v_cache_BxCxHxDh.at[rows, pos_BxT].set(v.astype(v_cache_BxCxHxDh.dtype), mode="drop")
+    seen_BxTxC = jnp.arange(k_cache.shape[1])[None, None, :] <= pos_BxT[:, :, None]
+    y = jax.nn.dot_product_attention(q, k_cache, v_cache, mask=seen_BxTxC[:, None])
+    return self.out(y.reshape(b, t, d)), k_cache, v_cache
+
 
 class Block(nnx.Module):
   """Pre-LN Transformer block; returns the block output and the normalised FFN input (a key candidate)."""
@@ -176,6 +192,14 @@ class Block(nnx.Module):
     h = self.act_dropout(jax.nn.relu(self.fc1(ffn_in)), **drop)
     x = x + self.dropout(self.fc2(h), **drop)
     return x, ffn_in
+
+  def decode(self, x, k_cache, v_cache, pos_BxT):
+    """`__call__` without dropout for tokens at cache positions `pos` (see `CausalSelfAttention.decode`)."""
+    a, k_cache, v_cache = self.attn.decode(self.attn_norm(x), k_cache, v_cache, pos_BxT)
+    x = x + a
+    ffn_in = self.ffn_norm(x)
+    x = x + self.fc2(jax.nn.relu(self.fc1(ffn_in)))
+    return x, ffn_in, k_cache, v_cache
 
 
 def band_dim(d_model: int, factor: float, band: int) -> int:
@@ -236,6 +260,13 @@ class AdaptiveSoftmax(nnx.Module):
     self.dropout = nnx.Dropout(cfg.adaptive_softmax_dropout)
 
 
+class KVCache(NamedTuple):
+  """Attention keys and values of every cached position, one `[B, C, H, D/H]` array per layer (C <= max_len)."""
+
+  k: tuple
+  v: tuple
+
+
 class TransformerLM(nnx.Module):
   """Decoder-only LM: `model(tokens) -> (logits [B, L, V], keys [B, L, D])`."""
 
@@ -287,6 +318,43 @@ class TransformerLM(nnx.Module):
     f = (self.final_norm(x) if self.final_norm is not None else x).astype(dtype)
     g = ffn_in.astype(dtype) if cfg.key_type == "last_ffn_input" else f
     return f, g
+
+  # -------------------------------------------------------------------------------------------------------
+  # Incremental decoding (generation): the same network over a key/value cache, one token per step.
+  # -------------------------------------------------------------------------------------------------------
+  def init_cache(self, batch: int, length: int | None = None) -> KVCache:
+    """An empty cache of `length` (default max_len) positions per row."""
+    cfg = self.cfg
+    length = cfg.max_len if length is None else length
+    if not 0 < length <= cfg.max_len:
+      raise ValueError(f"cache length {length} must be in (0, model.max_len={cfg.max_len}]")
+    shape = (batch, length, cfg.num_heads, cfg.d_model // cfg.num_heads)
+    zeros = lambda: tuple(jnp.zeros(shape, jnp.dtype(cfg.dtype)) for _ in range(cfg.num_layers))
+    return KVCache(zeros(), zeros())
+
+  def decode(self, tokens_BxT, cache: KVCache, pos_BxT):
+    """(f [B, T, D], g [B, T, D], cache) of tokens at cache positions `pos_BxT` (position i of a row is its
+    i-th token, as in `features`; rows may stand at different positions). Writes the tokens into the cache;
+    a prompt is one call with pos = arange(T) (right-padded rows: padding is written but never seen), then
+    one token per call. Equals `features` of the whole sequence up to float rounding (tested)."""
+    cfg = self.cfg
+    dtype = jnp.dtype(cfg.dtype)
+    embed = self.adaptive_embed if cfg.adaptive_input else self.embed
+    x = embed(tokens_BxT) * math.sqrt(cfg.d_model)
+    p = pos_BxT + cfg.position_offset
+    if cfg.positions == "learned":
+      x = x + self.pos_embed(p)
+    else:  # the same table rows `features` slices
+      x = x + sinusoidal_positions(cfg.max_len + cfg.position_offset, cfg.d_model)[p]
+    x = x.astype(dtype)
+    ffn_in, ks, vs = x, [], []
+    for block, k_cache, v_cache in zip(self.blocks, cache.k, cache.v):
+      x, ffn_in, k_cache, v_cache = block.decode(x, k_cache, v_cache, pos_BxT)
+      ks.append(k_cache)
+      vs.append(v_cache)
+    f = (self.final_norm(x) if self.final_norm is not None else x).astype(dtype)
+    g = ffn_in.astype(dtype) if cfg.key_type == "last_ffn_input" else f
+    return f, g, KVCache(tuple(ks), tuple(vs))
 
   # -------------------------------------------------------------------------------------------------------
   # Adaptive softmax pieces (weights cast to the compute dtype of f, products accumulated in float32)

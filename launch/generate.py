@@ -1,0 +1,106 @@
+"""Generate text from an exported checkpoint with TRIME's memory-augmented next-token distribution.
+
+  python -m launch.generate --checkpoint=runs/demo/local/export --prompt="def main(argv):\\n" \
+      [--prompt=... | --prompt_file=FILE ...] [--max_new_tokens=64] [--temperature=0.8 --top_k=0 --top_p=0.95
+      --seed=0 | --temperature=0 (greedy)] [--memory=none|local|long|external] [--tau=1.0] [--trace]
+
+  --memory=none      the model's softmax alone
+  --memory=local     + the keys of the prompt and of everything generated so far (default)
+  --memory=long      + a long-term store: --memory_file=FILE (its keys are computed first)
+  --memory=external  + top-K entries of a datastore (--datastore=DIR from launch.build_datastore, --index,
+                     --knn_k); --memory_file adds a store too; --interp_lambda / --interp_tau mix in Appendix A's P′
+
+τ defaults to the export's eval.temperature; pass the τ that launch.eval / launch.eval_ext tuned. `\\n` in
+--prompt is a newline. Several --prompt / --prompt_file are generated as one batch. --trace prints, for each
+generated token, its probability, the share of it that came from memory and the three memories that gave most
+(source, share, a few tokens of their context, [their next token]).
+"""
+
+from absl import flags
+
+from launch.common import run_main
+
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
+_PROMPT = flags.DEFINE_multi_string("prompt", [], "A prompt (repeat for a batch); \\n is a newline.")
+_PROMPT_FILE = flags.DEFINE_multi_string("prompt_file", [], "A file whose whole text (final newlines dropped) is "
+                                         "one prompt (repeatable).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Token budget per prompt (word models also stop at </s>).")
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 = greedy.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most probable tokens (0: all).")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the most probable tokens with this much mass.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_MEMORY = flags.DEFINE_enum("memory", "local", ["none", "local", "long", "external"], "Memories of the distribution.")
+_TAU = flags.DEFINE_float("tau", None, "TRIME temperature τ on memory similarities (default: eval.temperature).")
+_MEMORY_FILE = flags.DEFINE_string("memory_file", "", "Text file read into the long-term store first.")
+_DATASTORE = flags.DEFINE_string("datastore", "", "Datastore directory (memory=external).")
+_INDEX = flags.DEFINE_string("index", "", "FAISS index (default <datastore>/index.faiss).")
+_KNN_K = flags.DEFINE_integer("knn_k", 1024, "Retrieved entries per generated token.")
+_NPROBE = flags.DEFINE_integer("nprobe", 32, "IVF lists searched (IVF-PQ indexes).")
+_INTERP_LAMBDA = flags.DEFINE_float("interp_lambda", 0.0, "Appendix A: (1-λ)·P_trime + λ·P′ (0: off).")
+_INTERP_TAU = flags.DEFINE_float("interp_tau", 1.0, "τ′ of P′ (on g·k/√D).")
+_INTERP_MEMORY = flags.DEFINE_enum("interp_memory", "external", ["external", "all"], "Memories of P′.")
+_TRACE = flags.DEFINE_bool("trace", False, "Print a retrieval trace per generated token.")
+_STOP_AT_EOS = flags.DEFINE_bool("stop_at_eos", True, "Stop a prompt at </s> (word vocabularies).")
+flags.mark_flags_as_required(["checkpoint"])
+
+
+def main(argv):
+  del argv
+  from trime_jax import generate as G
+  from trime_jax.errors import ConfigError
+
+  prompts = [p.replace("\\n", "\n") for p in _PROMPT.value]
+  for path in _PROMPT_FILE.value:
+    try:
+      with open(path, encoding="utf-8") as f:
+        prompts.append(f.read().rstrip("\n"))  # a file's final newline would end the line (</s>) to continue
+    except (OSError, UnicodeDecodeError) as e:
+      raise ConfigError(f"--prompt_file {path}: {e}") from None
+  if not prompts:
+    raise ConfigError("nothing to continue: give --prompt or --prompt_file")
+  memory = _MEMORY.value
+  if _MEMORY_FILE.value and memory not in ("long", "external"):
+    raise ConfigError(f"--memory_file fills the long-term store: use --memory=long (or external), not {memory}")
+  if memory == "long" and not _MEMORY_FILE.value:
+    raise ConfigError("--memory=long needs --memory_file (the text the store holds)")
+  if _DATASTORE.value and memory != "external":
+    raise ConfigError(f"--datastore is read with --memory=external, not {memory}")
+  if memory == "external" and not _DATASTORE.value:
+    raise ConfigError("--memory=external needs --datastore (build one with `python -m launch.build_datastore`)")
+
+  gen = G.Generator(_CHECKPOINT.value)
+  tau = gen.default_tau if _TAU.value is None else _TAU.value
+  spec = G.MemorySpec(memory, tau=tau, interp_lambda=_INTERP_LAMBDA.value, interp_tau=_INTERP_TAU.value,
+                      interp_memory=_INTERP_MEMORY.value)
+  sampling = G.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _SEED.value)
+  store = external = None
+  if _MEMORY_FILE.value:
+    try:
+      with open(_MEMORY_FILE.value, encoding="utf-8") as f:
+        text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+      raise ConfigError(f"--memory_file {_MEMORY_FILE.value}: {e}") from None
+    store = gen.new_store()
+    n = gen.read(store, text)
+    print(f"long-term memory: {n:,} tokens of {_MEMORY_FILE.value}", flush=True)
+  if memory == "external":
+    external = gen.external(_DATASTORE.value, index_path=_INDEX.value, k=_KNN_K.value, nprobe=_NPROBE.value)
+    print(f"external memory: top-{external.k} of {external.datastore.count:,} entries ({external.index.kind})",
+          flush=True)
+  print(f"memory={memory} tau={tau:g} temperature={sampling.temperature:g} top_k={sampling.top_k} "
+        f"top_p={sampling.top_p:g} seed={sampling.seed}", flush=True)
+  outs = gen.generate(prompts, max_new_tokens=_MAX_NEW.value, sampling=sampling, memory=spec, store=store,
+                      external=external, trace=_TRACE.value, stop_at_eos=_STOP_AT_EOS.value)
+  for i, out in enumerate(outs):
+    print(f"\n=== prompt {i + 1} ({len(out.tokens)} tokens, stopped at {out.stopped}) ===")
+    sep = " " if gen.vocab.kind == "words" and out.text and not out.prompt.endswith("\n") else ""
+    print(out.prompt + sep + "\u2502" + out.text)  # │ marks where the continuation starts
+    if _TRACE.value:
+      print(f"--- retrieval trace (τ={tau:g}): token, P(token), share from memory <- top memories "
+            "(source share ...context[next token]) ---")
+      for step in out.trace:
+        print(step.format())
+
+
+if __name__ == "__main__":
+  run_main(main)
