@@ -30,11 +30,17 @@ def _parse_flags(argv):
     sys.exit(2)
 
 
+def _quiet_orbax(record) -> bool:
+  """orbax logs some 40 INFO lines per checkpoint save; keep its warnings and errors, and everyone's INFO."""
+  return record.levelno >= 30 or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
 def run_main(main):
   """Run an absl `main`; input errors (TrimeError) print one `error: ...` line and exit with status 2."""
   from absl import app, logging
 
-  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  logging.set_verbosity(logging.INFO)  # train.py lowers it on processes other than 0
+  logging.get_absl_handler().python_handler.addFilter(_quiet_orbax)
 
   def wrapped(argv):
     try:
