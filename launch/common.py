@@ -30,9 +30,10 @@ def _parse_flags(argv):
     sys.exit(2)
 
 
-def _quiet_orbax(record) -> bool:
-  """orbax logs some 40 INFO lines per checkpoint save; keep its warnings and errors, and everyone's INFO."""
-  return record.levelno >= 30 or f"{os.sep}orbax{os.sep}" not in record.pathname
+def quiet_libraries(record) -> bool:
+  """Log filter: orbax logs some 40 INFO lines per checkpoint save and faiss 8 about CPU features it lacks at
+  import; keep their warnings and errors, and every other INFO line (ours)."""
+  return record.levelno >= 30 or not any(f"{os.sep}{lib}{os.sep}" in record.pathname for lib in ("orbax", "faiss"))
 
 
 def run_main(main):
@@ -40,7 +41,7 @@ def run_main(main):
   from absl import app, logging
 
   logging.set_verbosity(logging.INFO)  # train.py lowers it on processes other than 0
-  logging.get_absl_handler().python_handler.addFilter(_quiet_orbax)
+  logging.get_absl_handler().python_handler.addFilter(quiet_libraries)
 
   def wrapped(argv):
     try:

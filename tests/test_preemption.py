@@ -1,6 +1,7 @@
 """Preemption-safe training: SIGTERM mid-run checkpoints the current update and exits 143; the same command
 resumes bit-identically to an uninterrupted run. The best-by-dev-perplexity export holds the best step."""
 
+import glob
 import json
 import os
 import re
@@ -15,13 +16,14 @@ import orbax.checkpoint as ocp
 import pytest
 
 from tests.helpers import REPO, config_file, tiny_config, write_text_file
+from tests.test_observability import read_events, scalars
 from trime_jax import checkpoint as ckpt
 from trime_jax.train import PREEMPTED_EXIT_CODE, train_and_evaluate
 
 # Long enough (a few ms an update) that SIGTERM lands mid-run; checkpoints only at the end, so the one the
 # preempted run leaves is the SIGTERM one. eval_every: dev lines and the best export must survive too.
-RUN = {"train.num_steps": 300, "trime.ce_warmup_steps": 2, "train.checkpoint_every": 10_000,
-       "train.eval_every": 100, "train.eval_max_tokens": 64, "eval.max_tokens": 64}
+RUN = {"train.num_steps": 120, "trime.ce_warmup_steps": 2, "train.checkpoint_every": 10_000,
+       "train.eval_every": 50, "train.eval_max_tokens": 64, "eval.max_tokens": 64}
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +84,12 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_bit_identically(corpus
   resumed = _train_cli(cfg, work, tmp_path)  # the same command
   assert resumed.wait(timeout=300) == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
   assert f"resumed from step {stopped}" in (tmp_path / "stdout.txt").read_text()
+  # TensorBoard: the resumed run's event file starts with a restart marker; together the files hold every
+  # update once.
+  first, second = sorted(glob.glob(str(work / "tb" / "events.out.tfevents.*")))
+  assert [e.step for e in read_events(second) if e.HasField("session_log")] == [stopped + 1]
+  loss = [(m["step"], np.float32(m["loss"])) for m in _metrics(work) if "loss" in m]
+  assert scalars(work / "tb")["train/loss"] == loss
 
   straight = tmp_path / "straight"
   train_and_evaluate(tiny_config(corpus, **RUN), str(straight))
@@ -116,7 +124,7 @@ def test_best_export_holds_the_update_with_the_lowest_dev_perplexity(corpus, tmp
 
 
 def test_keep_best_and_tensorboard_off_write_neither(corpus, tmp_path):
-  train_and_evaluate(tiny_config(corpus, **{"train.num_steps": 2, "train.keep_best": False,
+  train_and_evaluate(tiny_config(corpus, **{"train.num_steps": 1, "train.keep_best": False,
                                             "train.tensorboard": False}), str(tmp_path / "run"))
   assert os.path.isdir(tmp_path / "run" / "export")
   assert not os.path.exists(tmp_path / "run" / "best") and not os.path.exists(tmp_path / "run" / "tb")
