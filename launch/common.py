@@ -33,7 +33,8 @@ def _parse_flags(argv):
 def quiet_libraries(record) -> bool:
   """Log filter: orbax logs some 40 INFO lines per checkpoint save and faiss 8 about CPU features it lacks at
   import; keep their warnings and errors, and every other INFO line (ours)."""
-  return record.levelno >= 30 or not any(f"{os.sep}{lib}{os.sep}" in record.pathname for lib in ("orbax", "faiss"))
+  noisy = any(f"{os.sep}{lib}{os.sep}" in record.pathname for lib in ("orbax", "faiss"))
+  return record.levelno >= 30 or not noisy  # 30: WARNING
 
 
 def run_main(main):

@@ -256,7 +256,7 @@ class _Progress:
   def __init__(self, total: int, start: int, mode: str):
     self.total, self.bar, self.t0, self.n0 = total, None, None, start
     interactive = sys.stderr.isatty() or "ipykernel" in sys.modules
-    if _chief() and (mode == "bar" or mode == "auto" and interactive):
+    if _chief() and (mode == "bar" or (mode == "auto" and interactive)):
       from tqdm.auto import tqdm
 
       self.bar = tqdm(total=total, initial=start, unit="update", dynamic_ncols=True, smoothing=0.05)
