@@ -20,10 +20,12 @@ from tests.test_observability import read_events, scalars
 from trime_jax import checkpoint as ckpt
 from trime_jax.train import PREEMPTED_EXIT_CODE, train_and_evaluate
 
-# Long enough (a few ms an update) that SIGTERM lands mid-run; checkpoints only at the end, so the one the
-# preempted run leaves is the SIGTERM one. eval_every: dev lines and the best export must survive too.
-RUN = {"train.num_steps": 120, "trime.ce_warmup_steps": 2, "train.checkpoint_every": 10_000,
+# Long enough (a few ms an update) that SIGTERM, sent once update 52 is logged, lands mid-run; checkpoints
+# only at the end, so the one the preempted run leaves is the SIGTERM one. The dev evaluation at update 50
+# (before the signal) writes the first best export, which the resumed run must carry on from.
+RUN = {"train.num_steps": 200, "trime.ce_warmup_steps": 2, "train.checkpoint_every": 10_000,
        "train.eval_every": 50, "train.eval_max_tokens": 64, "eval.max_tokens": 64}
+SIGNAL_AFTER = 52
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +68,14 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_bit_identically(corpus
   cfg = config_file(tmp_path, corpus, **RUN)
   work = tmp_path / "preempted"
   proc = _train_cli(cfg, work, tmp_path)
-  _wait_for_step(work, proc, 5)  # past the CE -> TRIME switch: the resumed run compiles the TRIME step itself
+  _wait_for_step(work, proc, SIGNAL_AFTER)  # past the CE -> TRIME switch and the first dev evaluation
   proc.send_signal(signal.SIGTERM)
   assert proc.wait(timeout=240) == PREEMPTED_EXIT_CODE == 143
   stdout, stderr = (tmp_path / "stdout.txt").read_text(), (tmp_path / "stderr.txt").read_text()
   assert "Traceback" not in stderr
   stopped = int(re.search(r"preempted: checkpoint of update (\d+) saved", stderr).group(1))
-  assert 5 <= stopped < RUN["train.num_steps"]
+  assert SIGNAL_AFTER <= stopped < RUN["train.num_steps"]
+  assert ckpt.read_export_meta(str(work / "best"))["step"] == 50
   assert ckpt.manager(str(work / "checkpoints"), 2).all_steps() == [stopped]  # saved at the current update
   assert [m["step"] for m in _metrics(work) if "loss" in m][-1] == stopped
   # Observability of a CLI run, checked here to spare a subprocess: our absl INFO lines on, orbax's per-save
@@ -100,6 +103,8 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_bit_identically(corpus
     np.testing.assert_array_equal(x, y)
   for x, y in zip(_leaves(straight / "best"), _leaves(work / "best"), strict=True):
     np.testing.assert_array_equal(x, y)
+  best_a, best_b = (ckpt.read_export_meta(str(w / "best")) for w in (straight, work))
+  assert (best_a["step"], best_a["dev_ppl"]) == (best_b["step"], best_b["dev_ppl"])
 
 
 def test_best_export_holds_the_update_with_the_lowest_dev_perplexity(corpus, tmp_path):
