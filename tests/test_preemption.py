@@ -58,8 +58,11 @@ def _wait_for_step(work, proc, step, timeout=240):
   path = os.path.join(work, "metrics.jsonl")
   deadline = time.time() + timeout
   while time.time() < deadline and proc.poll() is None:
-    if os.path.exists(path) and any(m.get("step", 0) >= step for m in _metrics(work) if "loss" in m):
-      return
+    if os.path.exists(path):
+      with open(path) as f:
+        done = [json.loads(l) for l in f.read().split("\n")[:-1]]  # complete lines only: it is being written
+      if any(m.get("step", 0) >= step for m in done if "loss" in m):
+        return
     time.sleep(0.02)
   raise AssertionError(f"training never reached step {step} (exit {proc.poll()})")
 
@@ -89,7 +92,7 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_bit_identically(corpus
   assert f"resumed from step {stopped}" in (tmp_path / "stdout.txt").read_text()
   # TensorBoard: the resumed run's event file starts with a restart marker; together the files hold every
   # update once.
-  first, second = sorted(glob.glob(str(work / "tb" / "events.out.tfevents.*")))
+  _, second = sorted(glob.glob(str(work / "tb" / "events.out.tfevents.*")))  # one file per run
   assert [e.step for e in read_events(second) if e.HasField("session_log")] == [stopped + 1]
   loss = [(m["step"], np.float32(m["loss"])) for m in _metrics(work) if "loss" in m]
   assert scalars(work / "tb")["train/loss"] == loss
