@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -164,12 +165,22 @@ def test_progress_bar_only_where_someone_watches(capsys):
     assert "updates/s | ETA 0:00:" in p.eta(5)
     p.close()
   assert capsys.readouterr().err == ""
-  p = _Progress(10, 2, "bar")
-  p.update(3)
-  p.update(4, loss="1.2345")
-  p.close()
+  from absl import logging as absl_logging
+
+  handler = absl_logging.get_absl_handler().python_handler
+  saved, handler.stream = handler.stream, sys.stderr  # as on a terminal: absl logs to stderr
+  try:
+    p = _Progress(10, 2, "bar")
+    p.update(3)
+    handler.stream.write("I1126 a log line\n")  # printed above the bar (tqdm clears and redraws it)
+    p.update(4, loss="1.2345")
+    p.close()
+    assert handler.stream is sys.stderr  # restored
+  finally:
+    handler.stream = saved
   err = capsys.readouterr().err
   assert "4/10" in err and "loss=1.2345" in err and "update/s" in err
+  assert "\nI1126 a log line\n" in err.replace("\r", "\n")
 
 
 def test_log_filter_quietens_orbax_and_faiss_info_only():

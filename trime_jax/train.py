@@ -249,17 +249,38 @@ def _hms(seconds: float) -> str:
   return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+class _AboveBar:
+  """A stream whose lines tqdm prints above its bar (tqdm's recipe for redirected writes)."""
+
+  def __init__(self, stream):
+    self.stream = stream
+
+  def write(self, text: str) -> None:
+    if text.rstrip():
+      from tqdm import tqdm
+
+      tqdm.write(text.rstrip("\n"), file=self.stream)
+
+  def flush(self) -> None:
+    self.stream.flush()
+
+
 class _Progress:
   """Rate and ETA on process 0: a tqdm bar where someone watches (a terminal or a notebook; `train.progress`
-  'auto'), otherwise no bar (no carriage-return spam in log files) and the ETA goes into the log lines."""
+  'auto'), otherwise no bar (no carriage-return spam in log files) and the ETA goes into the log lines.
+  While the bar is drawn, absl's log lines on stderr are printed above it instead of through it."""
 
   def __init__(self, total: int, start: int, mode: str):
     self.total, self.bar, self.t0, self.n0 = total, None, None, start
+    self._log_handler = None
     interactive = sys.stderr.isatty() or "ipykernel" in sys.modules
     if _chief() and (mode == "bar" or (mode == "auto" and interactive)):
       from tqdm.auto import tqdm
 
       self.bar = tqdm(total=total, initial=start, unit="update", dynamic_ncols=True, smoothing=0.05)
+      handler = getattr(logging.get_absl_handler(), "python_handler", None)
+      if handler is not None and handler.stream is sys.stderr:
+        self._log_handler, handler.stream = handler, _AboveBar(sys.stderr)
 
   def update(self, done: int, **postfix) -> None:
     if self.t0 is None:  # the clock starts after the first update, which compiles
@@ -278,6 +299,8 @@ class _Progress:
   def close(self) -> None:
     if self.bar is not None:
       self.bar.close()
+    if self._log_handler is not None:
+      self._log_handler.stream, self._log_handler = self._log_handler.stream.stream, None
 
 
 class Preempted(Exception):
