@@ -91,6 +91,11 @@ def get_config():
   r.eval_max_tokens = 20_000  # dev tokens scored by the periodic evaluation (0 = all)
   r.checkpoint_every = 100  # updates between orbax checkpoints
   r.keep_checkpoints = 2  # checkpoints kept by the CheckpointManager
+  r.keep_best = True  # also export the parameters with the lowest dev perplexity to <workdir>/best (ranked by
+  #   trime_local ppl for TRIME models, none_ppl for vanilla; evaluated every eval_every updates and at the end)
+  r.tensorboard = True  # TensorBoard event files (losses, lr, grad norm, tokens/s, dev ppl) in <workdir>/tb
+  r.progress = "auto"  # auto (tqdm bar on a terminal or in a notebook, else ETA in the log lines) | bar | log
+  r.profile_steps = ""  # "FIRST,LAST" (or "STEP"): jax.profiler trace of those updates to <workdir>/profile
 
   c.eval = e = ml_collections.ConfigDict()
   e.split = "dev"  # dev | test

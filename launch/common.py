@@ -80,11 +80,19 @@ def _parse_flags(argv):
     sys.exit(2)
 
 
+def quiet_libraries(record) -> bool:
+  """Log filter: orbax logs some 40 INFO lines per checkpoint save and faiss 8 about CPU features it lacks at
+  import; keep their warnings and errors, and every other INFO line (ours)."""
+  noisy = any(f"{os.sep}{lib}{os.sep}" in record.pathname for lib in ("orbax", "faiss"))
+  return record.levelno >= 30 or not noisy  # 30: WARNING
+
+
 def run_main(main):
   """Run an absl `main`; input errors (TrimeError) print one `error: ...` line and exit with status 2."""
   from absl import app, logging
 
-  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  logging.set_verbosity(logging.INFO)  # train.py lowers it on processes other than 0
+  logging.get_absl_handler().python_handler.addFilter(quiet_libraries)
 
   def wrapped(argv):
     try:

@@ -2,10 +2,16 @@
 
   python -m launch.train --config=configs/wikitext_mini.py --workdir=runs/mini [--config.train.num_steps=500]
 
-Rerunning the same command resumes from the newest checkpoint in the workdir. `--dry_run` prints the
-parameter count and the per-device memory plan (parameters, optimizer state, XLA's compiled plan of one train
-step at the configured batch) and exits without training.
+Rerunning the same command resumes from the newest checkpoint in the workdir. On SIGTERM (a preempted VM or
+job; on multi-host / TPU runs JAX's preemption notice) the run finishes the update it is in, checkpoints it,
+and exits with status 143 (128 + SIGTERM, so schedulers see a terminated, not a finished, job); the same
+command then resumes exactly where it stopped. Exit status 0: trained, evaluated and exported.
+
+`--dry_run` prints the parameter count and the per-device memory plan (parameters, optimizer state, XLA's
+compiled plan of one train step at the configured batch) and exits without training.
 """
+
+import sys
 
 from absl import flags
 from ml_collections import config_flags
@@ -20,14 +26,18 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv):
   del argv
-  from trime_jax.train import format_memory_plan, memory_plan, train_and_evaluate
+  from trime_jax.train import PREEMPTED_EXIT_CODE, Preempted, format_memory_plan, memory_plan, train_and_evaluate
 
   config = _CONFIG.value
   if _DRY_RUN.value:
     print(format_memory_plan(memory_plan(config)), flush=True)
     return
   workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename)
-  train_and_evaluate(config, workdir)
+  try:
+    train_and_evaluate(config, workdir)
+  except Preempted as e:
+    print(e, file=sys.stderr, flush=True)
+    sys.exit(PREEMPTED_EXIT_CODE)
 
 
 if __name__ == "__main__":

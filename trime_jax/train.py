@@ -1,9 +1,12 @@
 """Training: `train_and_evaluate(config, workdir)` (a Colab cell can call it; `launch/train.py` is a thin CLI).
 
 Plain CE for the first `trime.ce_warmup_steps` updates, then the TRIME loss; both are reported every
-`log_every` updates to stdout and `<workdir>/metrics.jsonl`. Data order, dropout and drop-local decisions
+`log_every` updates to stdout, `<workdir>/metrics.jsonl` and TensorBoard event files in `<workdir>/tb`
+(process 0; a tqdm bar with rate and ETA on a terminal). Data order, dropout and drop-local decisions
 depend only on (seed, step), so a run resumed from an orbax checkpoint continues exactly as if uninterrupted.
-The final parameters are exported (params + config + vocab) to `<workdir>/export` for evaluation.
+On SIGTERM (or JAX's preemption notice on multi-host / TPU runs) the run checkpoints the update it is at and
+raises `Preempted`; rerunning resumes there. The final parameters are exported (params + config + vocab) to
+`<workdir>/export` for evaluation; with `train.keep_best` the lowest-dev-perplexity ones go to `<workdir>/best`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import functools
 import json
 import math
 import os
+import signal
+import sys
+import threading
 import time
 
 import jax
@@ -19,6 +25,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from absl import logging
 from flax import nnx
 
 from trime_jax import checkpoint as ckpt
@@ -26,6 +33,7 @@ from trime_jax import corpora
 from trime_jax import data
 from trime_jax import distributed
 from trime_jax import evaluate
+from trime_jax import event_writer
 from trime_jax import sharded_loss
 from trime_jax import sharding
 from trime_jax import steps
@@ -38,6 +46,9 @@ OPTIMIZERS = ("adam", "nag")
 SCHEDULES = ("inverse_sqrt", "cosine", "constant")
 BATCHINGS = ("random", "consecutive", "bm25")
 CONSECUTIVE_LAYOUTS = ("stream", "packed")
+PROGRESS = ("auto", "bar", "log")
+TB_TRAIN_SCALARS = ("loss", "ce_nll", "trime_nll", "ppl", "lr", "grad_norm", "tokens_per_s")
+PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: what a shell reports for a run the signal ended (launch/train.py)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -79,7 +90,28 @@ def validate_config(config) -> None:
     raise ConfigError("temperatures must be positive")
   _choice(t.sharded_variant, sharded_loss.VARIANTS, "trime.sharded_variant")
   _choice(t.memory_grad, sharded_loss.MEMORY_GRADS, "trime.memory_grad")
+  _choice(train_cfg.progress, PROGRESS, "train.progress")
+  profile_steps(train_cfg)
   _check_ranges(config)
+
+
+def profile_steps(train_cfg) -> tuple[int, int] | None:
+  """`train.profile_steps` as (first, last) updates to trace, 1-based and inclusive like the log lines'
+  numbers ("10,12": updates 10, 11 and 12; "10": update 10 only), or None when it is empty."""
+  text = str(train_cfg.profile_steps).strip()
+  if not text:
+    return None
+  try:
+    parts = [int(x) for x in text.split(",")]
+  except ValueError:
+    parts = []
+  if len(parts) not in (1, 2):
+    raise ConfigError(f"train.profile_steps must be 'FIRST,LAST' or 'STEP' (update numbers), got {text!r}")
+  first, last = parts[0], parts[-1]
+  if not 1 <= first <= last <= train_cfg.num_steps:
+    raise ConfigError(f"train.profile_steps={text!r} must satisfy 1 <= first <= last <= train.num_steps="
+                      f"{train_cfg.num_steps}")
+  return first, last
 
 
 def _check_ranges(config) -> None:
@@ -207,7 +239,145 @@ def _chief() -> bool:
 
 def _log(line: str) -> None:
   if _chief():
-    print(line, flush=True)
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stdout)  # above a progress bar, if one is drawn
+    sys.stdout.flush()
+
+
+def _hms(seconds: float) -> str:
+  seconds = int(round(seconds))
+  return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class _AboveBar:
+  """A stream whose lines tqdm prints above its bar (tqdm's recipe for redirected writes)."""
+
+  def __init__(self, stream):
+    self.stream = stream
+
+  def write(self, text: str) -> None:
+    if text.rstrip():
+      from tqdm import tqdm
+
+      tqdm.write(text.rstrip("\n"), file=self.stream)
+
+  def flush(self) -> None:
+    self.stream.flush()
+
+
+class _Progress:
+  """Rate and ETA on process 0: a tqdm bar where someone watches (a terminal or a notebook; `train.progress`
+  'auto'), otherwise no bar (no carriage-return spam in log files) and the ETA goes into the log lines.
+  While the bar is drawn, absl's log lines on stderr are printed above it instead of through it."""
+
+  def __init__(self, total: int, start: int, mode: str):
+    self.total, self.bar, self.t0, self.n0 = total, None, None, start
+    self._log_handler = None
+    interactive = sys.stderr.isatty() or "ipykernel" in sys.modules
+    if _chief() and (mode == "bar" or (mode == "auto" and interactive)):
+      from tqdm.auto import tqdm
+
+      self.bar = tqdm(total=total, initial=start, unit="update", dynamic_ncols=True, smoothing=0.05)
+      handler = getattr(logging.get_absl_handler(), "python_handler", None)
+      if handler is not None and handler.stream is sys.stderr:
+        self._log_handler, handler.stream = handler, _AboveBar(sys.stderr)
+
+  def update(self, done: int, **postfix) -> None:
+    if self.t0 is None:  # the clock starts after the first update, which compiles
+      self.t0, self.n0 = time.perf_counter(), done
+    if self.bar is not None:
+      self.bar.update(done - self.bar.n)
+      if postfix:
+        self.bar.set_postfix(postfix, refresh=False)
+
+  def eta(self, done: int) -> str:
+    if self.t0 is None or done <= self.n0:
+      return "ETA ?"
+    rate = (done - self.n0) / max(time.perf_counter() - self.t0, 1e-9)
+    return f"{rate:.2f} updates/s | ETA {_hms((self.total - done) / rate)}"
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+    if self._log_handler is not None:
+      self._log_handler.stream, self._log_handler = self._log_handler.stream.stream, None
+
+
+class Preempted(Exception):
+  """Training stopped on a preemption signal after checkpointing update `step`; the same command resumes.
+  launch/train.py exits with PREEMPTED_EXIT_CODE."""
+
+  def __init__(self, step: int, directory):
+    super().__init__(f"preempted: checkpoint of update {step} saved in {directory}; rerun the same command to "
+                     "resume")
+    self.step = step
+
+
+def _jax_owns_sigterm() -> bool:
+  """With `jax.distributed` running, JAX's preemption sync manager handles SIGTERM itself and agrees on a
+  step all hosts save at (orbax `reached_preemption`); a Python handler would replace its C++ one."""
+  try:
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client is not None
+  except (ImportError, AttributeError):
+    return jax.process_count() > 1
+
+
+class _PreemptionWatch:
+  """SIGTERM sets a flag that the loop reads between updates (an update is never cut in half); the previous
+  handler is restored on exit. Multi-host: orbax's `reached_preemption(step)` (all hosts agree on the step)."""
+
+  def __init__(self, mgr):
+    self.mgr, self.requested, self._previous = mgr, False, None
+
+  def _handler(self, signum, frame):
+    del signum, frame
+    self.requested = True
+
+  def __enter__(self):
+    if not _jax_owns_sigterm() and threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._handler)
+    return self
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+  def reached(self, step: int) -> bool:
+    return self.requested or self.mgr.reached_preemption(step)
+
+
+def best_metric(config) -> str:
+  """The dev perplexity `train.keep_best` ranks by: with local memory for TRIME models (how they are used),
+  without memory for vanilla LMs."""
+  return "trime_local(tau=1)_ppl" if config.trime.memory != "none" else "none_ppl"
+
+
+class _BestKeeper:
+  """Exports the parameters with the lowest dev perplexity so far to `directory` (same layout as
+  `<workdir>/export`, meta.json adds step, best_metric and dev_ppl). The best so far is read back from
+  meta.json, so a resumed run keeps comparing against it; runs are deterministic, so a best written past
+  the resumed checkpoint is the state the resumed run reaches again."""
+
+  def __init__(self, directory: str, enabled: bool, metric: str, config, vocab, extra: dict):
+    self.directory, self.enabled, self.metric = directory, enabled, metric
+    self.config, self.vocab, self.extra = config, vocab, extra
+    self.ppl = math.inf
+    meta = os.path.join(directory, "meta.json")
+    if enabled and os.path.exists(meta):
+      with open(meta) as f:
+        self.ppl = float(json.load(f).get("dev_ppl", math.inf))
+
+  def update(self, step: int, params, dev: dict) -> None:
+    ppl = dev.get(self.metric, math.nan)
+    if not (self.enabled and ppl < self.ppl):  # NaN never wins
+      return
+    ckpt.export(self.directory, _host_copy(params), self.config, self.vocab,
+                extra={**self.extra, "step": step, "best_metric": self.metric, "dev_ppl": ppl})
+    self.ppl = ppl
+    logging.info("best dev %s %.4f at update %d: exported to %s", self.metric, ppl, step, self.directory)
 
 
 def _host_copy(tree):
@@ -295,9 +465,13 @@ def format_memory_plan(plan: dict) -> str:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, splits=None) -> dict:
-  """Train (or resume) in `workdir`, evaluate on dev, export. Returns the final metrics."""
+  """Train (or resume) in `workdir`, evaluate on dev, export. Returns the final metrics.
+
+  Raises `Preempted` after checkpointing, when SIGTERM (or a multi-host preemption notice) arrives."""
   validate_config(config)
   os.makedirs(workdir, exist_ok=True)
+  if not _chief():
+    logging.set_verbosity(logging.WARNING)  # INFO lines from process 0 only
   splits = splits or corpora.load_splits(config.data)
   vocab = splits.vocab
   if config.model.vocab_size and config.model.vocab_size != len(vocab):
@@ -317,7 +491,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   state = jax.device_put({"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}, repl)
   mgr = ckpt.manager(os.path.join(workdir, "checkpoints"), train_cfg.keep_checkpoints)
   restored_step, restored = ckpt.restore_latest(mgr, ckpt.abstract(state))
+  tb = event_writer.EventWriter(os.path.join(workdir, "tb"), enabled=_chief() and train_cfg.tensorboard)
   if restored is not None:
+    tb.restart(restored_step + 1)  # TensorBoard drops the interrupted run's events past the checkpoint
     state = restored
     _log(f"resumed from step {restored_step} ({mgr.directory})")
     if _chief():
@@ -355,39 +531,75 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   base_key = jax.random.PRNGKey(train_cfg.seed)
   t_last, tok_last = time.perf_counter(), 0
   last = {}
-  with open(metrics_path if _chief() else os.devnull, "a") as mfile:
-    for step in range(start, train_cfg.num_steps):
-      use_trime = spec.objective.memory != "none" and step >= warm
-      local = source(step, rows)
-      batch = {k: distributed.global_array(batch_sh[k], v, global_shapes[k]) for k, v in local.items()}
-      state, m = step_fn(use_trime)(state, batch, jax.random.fold_in(base_key, step))
-      tok_last += int(m["tokens"])
-      done = step + 1
-      if done % train_cfg.log_every == 0 or done == train_cfg.num_steps:
-        m = jax.device_get(m)
-        now = time.perf_counter()
-        rec = {"step": done, "objective": "trime" if use_trime else "ce", "loss": float(m["loss"]),
-               "ce_nll": float(m["ce_nll"]), "trime_nll": float(m["trime_nll"]),
-               "ppl": math.exp(min(float(m["ce_nll"]), 50.0)), "grad_norm": float(m["grad_norm"]),
-               "lr": float(schedule(step)), "tokens_per_s": tok_last / (now - t_last), "skipped": int(m["skipped"])}
-        t_last, tok_last = now, 0
-        if not math.isfinite(rec["loss"]):
+  best = _BestKeeper(os.path.abspath(os.path.join(workdir, "best")), train_cfg.keep_best, best_metric(config),
+                     config, vocab, {"train_fingerprint": splits.train.fingerprint()})
+  trace = profile_steps(train_cfg)
+  tracing = False
+  progress = _Progress(train_cfg.num_steps, start, train_cfg.progress)
+  try:
+    with open(metrics_path if _chief() else os.devnull, "a") as mfile, _PreemptionWatch(mgr) as preemption:
+      for step in range(start, train_cfg.num_steps):
+        done = step + 1
+        if trace and done == trace[0]:
+          jax.profiler.start_trace(os.path.join(workdir, "profile"))
+          tracing = True
+        use_trime = spec.objective.memory != "none" and step >= warm
+        local = source(step, rows)
+        batch = {k: distributed.global_array(batch_sh[k], v, global_shapes[k]) for k, v in local.items()}
+        state, m = step_fn(use_trime)(state, batch, jax.random.fold_in(base_key, step))
+        tok_last += int(m["tokens"])
+        if tracing and done == trace[1]:
+          jax.block_until_ready(state)
+          jax.profiler.stop_trace()
+          tracing = False
+          logging.info("profile of updates %d-%d written to %s", *trace, os.path.join(workdir, "profile"))
+        progress.update(done)
+        if done % train_cfg.log_every == 0 or done == train_cfg.num_steps:
+          m = jax.device_get(m)
+          now = time.perf_counter()
+          rec = {"step": done, "objective": "trime" if use_trime else "ce", "loss": float(m["loss"]),
+                 "ce_nll": float(m["ce_nll"]), "trime_nll": float(m["trime_nll"]),
+                 "ppl": math.exp(min(float(m["ce_nll"]), 50.0)), "grad_norm": float(m["grad_norm"]),
+                 "lr": float(schedule(step)), "tokens_per_s": tok_last / (now - t_last),
+                 "skipped": int(m["skipped"])}
+          t_last, tok_last = now, 0
+          if not math.isfinite(rec["loss"]):
+            mgr.wait_until_finished()
+            kept = mgr.latest_step()
+            where = f"the last checkpoint (step {kept}) is intact in {mgr.directory}" if kept is not None else \
+                "no checkpoint had been written yet"
+            raise TrainingError(f"non-finite loss at step {done} (updates with a non-finite loss or gradient "
+                                f"are skipped, not applied); {where}. Lower train.learning_rate or enable "
+                                "clipping.")
+          mfile.write(json.dumps(rec) + "\n")
+          mfile.flush()
+          _log(f"step {done:>6}/{train_cfg.num_steps} [{rec['objective']:>5}] loss {rec['loss']:.4f}"
+               f" | ce {rec['ce_nll']:.4f} | trime {rec['trime_nll']:.4f} | lr {rec['lr']:.2e}"
+               f" | |g| {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {progress.eta(done)}")
+          tb.scalars(done, {f"train/{k}": rec[k] for k in TB_TRAIN_SCALARS})
+          progress.update(done, loss=f"{rec['loss']:.4f}")
+          last = rec
+        if train_cfg.eval_every and done % train_cfg.eval_every == 0 and done != train_cfg.num_steps:
+          dev = _log_eval(graphdef, state["params"], splits.dev, config, done, metrics_path)
+          tb.scalars(done, {f"dev/{k}": v for k, v in dev.items() if k.endswith("_ppl")})
+          best.update(done, state["params"], dev)
+        saved = done % train_cfg.checkpoint_every == 0 or done == train_cfg.num_steps
+        if saved:
+          ckpt.save(mgr, done, state)
+          logging.info("checkpoint of update %d: saving to %s", done, mgr.directory)
+        if preemption.reached(done) and done < train_cfg.num_steps:
+          if not saved:
+            ckpt.save(mgr, done, state)
           mgr.wait_until_finished()
-          kept = mgr.latest_step()
-          where = f"the last checkpoint (step {kept}) is intact in {mgr.directory}" if kept is not None else \
-              "no checkpoint had been written yet"
-          raise TrainingError(f"non-finite loss at step {done} (updates with a non-finite loss or gradient are "
-                              f"skipped, not applied); {where}. Lower train.learning_rate or enable clipping.")
-        mfile.write(json.dumps(rec) + "\n")
-        mfile.flush()
-        _log(f"step {done:>6}/{train_cfg.num_steps} [{rec['objective']:>5}] loss {rec['loss']:.4f}"
-             f" | ce {rec['ce_nll']:.4f} | trime {rec['trime_nll']:.4f} | lr {rec['lr']:.2e} | |g| {rec['grad_norm']:.3f}"
-             f" | {rec['tokens_per_s']:,.0f} tok/s")
-        last = rec
-      if train_cfg.eval_every and done % train_cfg.eval_every == 0 and done != train_cfg.num_steps:
-        _log_eval(graphdef, state["params"], splits.dev, config, done, metrics_path)
-      if done % train_cfg.checkpoint_every == 0 or done == train_cfg.num_steps:
-        ckpt.save(mgr, done, state)
+          logging.info("preemption signal: checkpoint of update %d saved, stopping", done)
+          raise Preempted(done, mgr.directory)
+  except BaseException:
+    tb.close()
+    raise
+  finally:
+    progress.close()
+    if tracing:
+      jax.profiler.stop_trace()
   mgr.wait_until_finished()
 
   params = _host_copy(state["params"])
@@ -396,6 +608,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   ckpt.export(export_dir, params, config, vocab,  # every process: orbax synchronises them
               extra={"step": int(state["step"]), "train_fingerprint": splits.train.fingerprint()})
   _log(f"exported {export_dir}")
+  best.update(int(state["step"]), params, final)
+  tb.scalars(int(state["step"]), {f"dev/{k}": v for k, v in final.items() if k.endswith("_ppl")})
+  tb.close()
   return {"train": last, "dev": final, "export": export_dir, "num_params": n_params}
 
 

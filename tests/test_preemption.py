@@ -1,0 +1,138 @@
+"""Preemption-safe training: SIGTERM mid-run checkpoints the current update and exits 143; the same command
+resumes bit-identically to an uninterrupted run. The best-by-dev-perplexity export holds the best step."""
+
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from tests.helpers import REPO, config_file, tiny_config, write_text_file
+from tests.test_observability import read_events, scalars
+from trime_jax import checkpoint as ckpt
+from trime_jax.train import PREEMPTED_EXIT_CODE, train_and_evaluate
+
+# Long enough (a few ms an update) that SIGTERM, sent once update 52 is logged, lands mid-run; checkpoints
+# only at the end, so the one the preempted run leaves is the SIGTERM one. The dev evaluation at update 50
+# (before the signal) writes the first best export, which the resumed run must carry on from.
+RUN = {"train.num_steps": 200, "trime.ce_warmup_steps": 2, "train.checkpoint_every": 10_000,
+       "train.eval_every": 50, "train.eval_max_tokens": 64, "eval.max_tokens": 64}
+SIGNAL_AFTER = 52
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  return write_text_file(tmp_path_factory.mktemp("data") / "text.bin", 40_000)
+
+
+def _metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(l) for l in f if l.strip()]
+
+
+def _without_timing(lines):
+  return [{k: v for k, v in m.items() if k != "tokens_per_s"} for m in lines]
+
+
+def _leaves(export_dir):
+  return jax.tree_util.tree_leaves(ckpt.load_export(str(export_dir))[1])
+
+
+def _train_cli(cfg, work, out_dir):
+  """`python -m launch.train` in the background; stdout/stderr to files (a full pipe would block it)."""
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  out, err = open(out_dir / "stdout.txt", "w"), open(out_dir / "stderr.txt", "w")
+  return subprocess.Popen([sys.executable, "-m", "launch.train", f"--config={cfg}", f"--workdir={work}"], cwd=REPO,
+                          env=env, stdout=out, stderr=err)
+
+
+def _wait_for_step(work, proc, step, timeout=240):
+  path = os.path.join(work, "metrics.jsonl")
+  deadline = time.time() + timeout
+  while time.time() < deadline and proc.poll() is None:
+    if os.path.exists(path):
+      with open(path) as f:
+        done = [json.loads(l) for l in f.read().split("\n")[:-1]]  # complete lines only: it is being written
+      if any(m.get("step", 0) >= step for m in done if "loss" in m):
+        return
+    time.sleep(0.02)
+  raise AssertionError(f"training never reached step {step} (exit {proc.poll()})")
+
+
+def test_sigterm_checkpoints_and_the_same_command_resumes_bit_identically(corpus, tmp_path):
+  cfg = config_file(tmp_path, corpus, **RUN)
+  work = tmp_path / "preempted"
+  proc = _train_cli(cfg, work, tmp_path)
+  _wait_for_step(work, proc, SIGNAL_AFTER)  # past the CE -> TRIME switch and the first dev evaluation
+  proc.send_signal(signal.SIGTERM)
+  assert proc.wait(timeout=240) == PREEMPTED_EXIT_CODE == 143
+  stdout, stderr = (tmp_path / "stdout.txt").read_text(), (tmp_path / "stderr.txt").read_text()
+  assert "Traceback" not in stderr
+  stopped = int(re.search(r"preempted: checkpoint of update (\d+) saved", stderr).group(1))
+  assert SIGNAL_AFTER <= stopped < RUN["train.num_steps"]
+  assert ckpt.read_export_meta(str(work / "best"))["step"] == 50
+  assert ckpt.manager(str(work / "checkpoints"), 2).all_steps() == [stopped]  # saved at the current update
+  assert [m["step"] for m in _metrics(work) if "loss" in m][-1] == stopped
+  # Observability of a CLI run, checked here to spare a subprocess: our absl INFO lines on, orbax's per-save
+  # INFO lines off; no progress bar in a log file, the rate and ETA in the log lines instead.
+  assert f"preemption signal: checkpoint of update {stopped} saved" in stderr
+  assert "Saving checkpoint at step" not in stderr and "Finished saving checkpoint" not in stderr
+  assert "\r" not in stdout and re.search(r"updates/s \| ETA \d+:\d\d:\d\d", stdout)
+
+  resumed = _train_cli(cfg, work, tmp_path)  # the same command
+  assert resumed.wait(timeout=300) == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
+  assert f"resumed from step {stopped}" in (tmp_path / "stdout.txt").read_text()
+  # TensorBoard: the resumed run's event file starts with a restart marker; together the files hold every
+  # update once.
+  _, second = sorted(glob.glob(str(work / "tb" / "events.out.tfevents.*")))  # one file per run
+  assert [e.step for e in read_events(second) if e.HasField("session_log")] == [stopped + 1]
+  loss = [(m["step"], np.float32(m["loss"])) for m in _metrics(work) if "loss" in m]
+  assert scalars(work / "tb")["train/loss"] == loss
+
+  straight = tmp_path / "straight"
+  train_and_evaluate(tiny_config(corpus, **RUN), str(straight))
+  a, b = _metrics(straight), _metrics(work)
+  assert [m["step"] for m in b if "loss" in m] == list(range(1, RUN["train.num_steps"] + 1))
+  assert _without_timing(a) == _without_timing(b)  # every loss, grad norm, lr and dev perplexity, exactly
+  for x, y in zip(_leaves(straight / "export"), _leaves(work / "export"), strict=True):
+    np.testing.assert_array_equal(x, y)
+  for x, y in zip(_leaves(straight / "best"), _leaves(work / "best"), strict=True):
+    np.testing.assert_array_equal(x, y)
+  best_a, best_b = (ckpt.read_export_meta(str(w / "best")) for w in (straight, work))
+  assert (best_a["step"], best_a["dev_ppl"]) == (best_b["step"], best_b["dev_ppl"])
+
+
+def test_best_export_holds_the_update_with_the_lowest_dev_perplexity(corpus, tmp_path):
+  # A learning rate high enough that dev perplexity goes up and down: the best is not the last update.
+  cfg = tiny_config(corpus, **{"train.num_steps": 8, "train.eval_every": 2, "train.checkpoint_every": 2,
+                               "train.keep_checkpoints": 10, "trime.ce_warmup_steps": 0, "train.learning_rate": 0.1,
+                               "train.warmup_steps": 0, "train.schedule": "constant", "model.dropout": 0.0})
+  work = tmp_path / "run"
+  train_and_evaluate(cfg, str(work))
+  dev = {m["step"]: m["trime_local(tau=1)_ppl"] for m in _metrics(work) if m.get("split") == "dev"}
+  assert sorted(dev) == [2, 4, 6, 8]
+  best_step = min(dev, key=dev.get)
+  meta = ckpt.read_export_meta(str(work / "best"))
+  assert meta["step"] == best_step and meta["dev_ppl"] == dev[best_step]
+  assert meta["best_metric"] == "trime_local(tau=1)_ppl"
+  # Its parameters are those of the orbax checkpoint of that update, and evaluation can load it.
+  saved = ocp.CheckpointManager(os.path.abspath(work / "checkpoints")).restore(best_step)
+  for x, y in zip(_leaves(work / "best"), jax.tree_util.tree_leaves(saved["params"]), strict=True):
+    np.testing.assert_array_equal(x, y)
+  assert best_step != 8 and dev[8] > dev[best_step]  # the export is the last update, the best one is not
+  assert ckpt.read_export_meta(str(work / "export"))["step"] == 8
+
+
+def test_keep_best_and_tensorboard_off_write_neither(corpus, tmp_path):
+  train_and_evaluate(tiny_config(corpus, **{"train.num_steps": 1, "train.keep_best": False,
+                                            "train.tensorboard": False}), str(tmp_path / "run"))
+  assert os.path.isdir(tmp_path / "run" / "export")
+  assert not os.path.exists(tmp_path / "run" / "best") and not os.path.exists(tmp_path / "run" / "tb")
