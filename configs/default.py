@@ -87,6 +87,8 @@ def get_config():
   r.eval_max_tokens = 20_000  # dev tokens scored by the periodic evaluation (0 = all)
   r.checkpoint_every = 100  # updates between orbax checkpoints
   r.keep_checkpoints = 2  # checkpoints kept by the CheckpointManager
+  r.allow_config_change = False  # resume a workdir whose config.json differs in fields that change training
+  #   (model, data, seed, memory, ...): False refuses, naming them; True continues (recorded in config_changes.jsonl)
 
   c.eval = e = ml_collections.ConfigDict()
   e.split = "dev"  # dev | test

@@ -30,11 +30,30 @@ def _parse_flags(argv):
     sys.exit(2)
 
 
+def _quiet_closed_loop(default_hook):
+  """An exception hook that drops "Event loop is closed" from orbax's asyncio loops: after a failed read
+  (a damaged checkpoint, reported and handled), TensorStore completes the remaining reads on its own threads
+  and calls back into the loop orbax already closed. Every other exception goes to `default_hook`."""
+
+  def hook(*args):
+    exc = args[0].exc_value if len(args) == 1 else args[1]
+    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+      return None
+    return default_hook(*args)
+
+  return hook
+
+
 def run_main(main):
   """Run an absl `main`; input errors (TrimeError) print one `error: ...` line and exit with status 2."""
+  import threading
+
   from absl import app, logging
 
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  sys.excepthook = _quiet_closed_loop(sys.excepthook)
+  sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
+  threading.excepthook = _quiet_closed_loop(threading.excepthook)
 
   def wrapped(argv):
     try:

@@ -297,6 +297,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   """Train (or resume) in `workdir`, evaluate on dev, export. Returns the final metrics."""
   validate_config(config)
   os.makedirs(workdir, exist_ok=True)
+  ckpt.check_resume_config(workdir, config)  # before any work: refuses another run's workdir, naming fields
   splits = splits or corpora.load_splits(config.data)
   vocab = splits.vocab
   if config.model.vocab_size and config.model.vocab_size != len(vocab):
@@ -315,14 +316,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   # every host's devices (multi-host) instead of one default device.
   state = jax.device_put({"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}, repl)
   mgr = ckpt.manager(os.path.join(workdir, "checkpoints"), train_cfg.keep_checkpoints)
-  restored_step, restored = ckpt.restore_latest(mgr, ckpt.abstract(state))
+  restored_step, restored = ckpt.restore_latest(mgr, ckpt.abstract(state), log=_log)
   if restored is not None:
     state = restored
     _log(f"resumed from step {restored_step} ({mgr.directory})")
     if _chief():
       _truncate_metrics(os.path.join(workdir, "metrics.jsonl"), restored_step)
-  elif _chief():
-    data.atomic_write_json(os.path.join(workdir, "config.json"), json.loads(config.to_json_best_effort()))
 
   state = jax.device_put(state, repl)
   spec = steps.LossSpec.from_config(config)
@@ -390,12 +389,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   mgr.wait_until_finished()
 
   params = _host_copy(state["params"])
-  final = _log_eval(graphdef, params, splits.dev, config, int(state["step"]), metrics_path)
+  # A rerun of a finished training reuses its final dev line instead of appending a duplicate.
+  final = (start == train_cfg.num_steps and _logged_eval(metrics_path, start)) or \
+      _log_eval(graphdef, params, splits.dev, config, int(state["step"]), metrics_path)
   export_dir = os.path.abspath(os.path.join(workdir, "export"))
   ckpt.export(export_dir, params, config, vocab,  # every process: orbax synchronises them
               extra={"step": int(state["step"]), "train_fingerprint": splits.train.fingerprint()})
   _log(f"exported {export_dir}")
   return {"train": last, "dev": final, "export": export_dir, "num_params": n_params}
+
+
+def _logged_eval(metrics_path: str, step: int) -> dict | None:
+  """The dev-evaluation line of `step` in metrics.jsonl, if there is one."""
+  if not os.path.exists(metrics_path):
+    return None
+  with open(metrics_path) as f:
+    rows = [json.loads(ln) for ln in f if ln.strip()]
+  return next((r for r in reversed(rows) if r.get("split") == "dev" and r.get("step") == step), None)
 
 
 def _log_eval(graphdef, params, corpus, config, step, metrics_path) -> dict:
