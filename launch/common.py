@@ -56,6 +56,14 @@ def run_main(main):
   threading.excepthook = _quiet_closed_loop(threading.excepthook)
 
   def wrapped(argv):
+    from absl import flags
+
+    if "config" in flags.FLAGS and getattr(flags.FLAGS["config"], "config_filename", None):
+      path = flags.FLAGS["config"].config_filename.split(":")[0]  # config_flags accepts file.py:arg
+      if not os.path.isfile(path):
+        print(f"error: --config file not found: {path} (working directory {os.getcwd()})", file=sys.stderr,
+              flush=True)
+        sys.exit(2)
     try:
       return main(argv)
     except TrimeError as e:
@@ -72,6 +80,16 @@ def run_main(main):
       sys.exit(130)
 
   app.run(wrapped, flags_parser=_parse_flags)
+
+
+def validated(config):
+  """`config` after train.validate_config (enums and ranges, eval's included): the evaluation CLIs check a config
+  up front like training does, before loading a checkpoint or compiling anything."""
+  from trime_jax.train import validate_config
+
+  if config is not None:
+    validate_config(config)
+  return config
 
 
 def default_workdir(config_path: str) -> str:
