@@ -58,6 +58,13 @@ def run_main(main):
   def wrapped(argv):
     from absl import flags
 
+    if int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1:
+      # When a peer dies JAX aborts the survivors with one clear line ("... another task died"); absl's
+      # faulthandler would bury it under every thread's Python stack.
+      import faulthandler
+
+      faulthandler.disable()
+
     if "config" in flags.FLAGS and getattr(flags.FLAGS["config"], "config_filename", None):
       path = flags.FLAGS["config"].config_filename.split(":")[0]  # config_flags accepts file.py:arg
       if not os.path.isfile(path):
