@@ -262,6 +262,14 @@ def e_eval_batch_size(b):
   return _eval(b, b["work"] / "export", "--config.eval.batch_size=0"), ["eval.batch_size"]
 
 
+def e_eval_knn_lambda(b):
+  return _eval(b, b["work"] / "export", "--config.eval.knn_lambda=1.5"), ["eval.knn_lambda"]
+
+
+def e_eval_split(b):
+  return _eval(b, b["work"] / "export", "--config.eval.split=valid"), ["eval.split", "'valid'"]
+
+
 def e_log_every(b):
   return _train(b, b["tmp"] / "cases" / "log0", "--config.train.log_every=0"), ["train.log_every"]
 
@@ -343,7 +351,7 @@ def e_index_flipped(b):
 
 ERROR_CASES = [e_params_flipped, e_arch_edited, _truncated("vocab.json"), _truncated("config.json"),
                _truncated("meta.json"), e_params_metadata_deleted, e_params_data_deleted, e_eval_max_tokens,
-               e_eval_batch_size, e_log_every, e_num_heads, e_config_missing, e_data_dir_missing, e_non_utf8_corpus,
+               e_eval_batch_size, e_eval_knn_lambda, e_eval_split, e_log_every, e_num_heads, e_config_missing, e_data_dir_missing, e_non_utf8_corpus,
                e_word_export_byte_config, e_workdir_other_seed, e_workdir_other_memory, e_batches_truncated,
                e_batch_plan_missing, e_datastore_keys_flipped, e_datastore_meta_truncated, e_datastore_meta_edited,
                e_index_flipped]

@@ -73,6 +73,9 @@ def restore_latest(mgr: ocp.CheckpointManager, abstract_state, log=print):
 
 def _move_aside(directory: str, step: int) -> str:
   """Move a damaged step directory out of the manager's directory (orbax would otherwise list it)."""
+  if "://" in directory:  # remote storage (gs://...): no atomic rename; the user decides
+    raise DamagedCheckpointError(f"checkpoint {directory}/{step} is damaged; delete that step directory to resume "
+                                 "from the previous one")
   dest_root = directory.rstrip("/") + "_damaged"
   dest = os.path.join(dest_root, str(step))
   if jax.process_index() == 0:

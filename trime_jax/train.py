@@ -90,7 +90,8 @@ def _check_ranges(config) -> None:
               ("train.vocab_chunk", train_cfg.vocab_chunk, 0), ("train.num_devices", train_cfg.num_devices, 0),
               ("model.num_layers", m.num_layers, 1), ("model.num_heads", m.num_heads, 1),
               ("eval.batch_size", e.batch_size, 1), ("eval.max_tokens", e.max_tokens, 0),
-              ("eval.context_window", e.context_window, 0), ("eval.mem_size", e.mem_size, 0)]
+              ("eval.context_window", e.context_window, 0), ("eval.mem_size", e.mem_size, 0),
+              ("eval.block_len", e.block_len, 1), ("eval.knn_k", e.knn_k, 1), ("eval.nprobe", e.nprobe, 1)]
   for name, value, low in at_least:
     if value < low:
       raise ConfigError(f"{name} must be >= {low}, got {value}")
@@ -101,6 +102,13 @@ def _check_ranges(config) -> None:
                       ("train.warmup_init_lr", train_cfg.warmup_init_lr), ("train.min_lr", train_cfg.min_lr)]:
     if value < 0:
       raise ConfigError(f"{name} must be >= 0, got {value}")
+  for name in ("knn_lambda", "cache_lambda"):  # interpolation weights
+    if not 0.0 <= e[name] <= 1.0:
+      raise ConfigError(f"eval.{name} must be in [0, 1], got {e[name]}")
+  if not e.knn_temperature > 0:
+    raise ConfigError(f"eval.knn_temperature must be > 0, got {e.knn_temperature}")
+  _choice(e.split, corpora.SPLITS, "eval.split")
+  _choice(e.interp_memory, tuple(evaluate.INTERP_MEMORIES), "eval.interp_memory")
   for name in ("dropout", "attention_dropout", "activation_dropout"):
     if not 0.0 <= m[name] < 1.0:
       raise ConfigError(f"model.{name} must be in [0, 1), got {m[name]}")
