@@ -97,8 +97,9 @@ def _leaf_specs(tree) -> list:
 
 
 def _restore_checked(path: str, abstract_tree, what: str, restore):
-  """`restore()` after checking the files at `path`: DamagedCheckpointError for missing or unreadable files,
-  CheckpointError when the stored shapes do not match `abstract_tree` (another model or optimizer)."""
+  """`restore()` after checking the files at `path`: DamagedCheckpointError for missing or unreadable files;
+  a failed restore is CheckpointError when the stored shapes differ from `abstract_tree`'s (another model or
+  optimizer), else damaged data files."""
   if "://" not in path:
     missing = [f for f in _REQUIRED if not os.path.exists(os.path.join(path, f))]
     if missing:
@@ -118,13 +119,14 @@ def _restore_checked(path: str, abstract_tree, what: str, restore):
   if stored is None:
     raise DamagedCheckpointError(f"{what} is damaged: its metadata ({path}/_METADATA) cannot be read")
   have, want = _leaf_specs(stored), _leaf_specs(abstract_tree)
-  if have != want:
-    diff = next((f"{a[1]}{list(a[0])} stored vs {b[1]}{list(b[0])} expected" for a, b in zip(have, want) if a != b),
-                f"{len(have)} arrays stored vs {len(want)} expected")
-    raise CheckpointError(f"{what} does not match this config's model/optimizer ({diff}); use a fresh workdir")
   try:
     return restore()
-  except Exception as e:  # noqa: BLE001 - shapes matched, so a failing read is damaged data files
+  except Exception as e:  # noqa: BLE001 - classified below: another model, or damaged data files
+    if have != want:
+      diff = next((f"{a[1]}{list(a[0])} stored vs {b[1]}{list(b[0])} expected" for a, b in zip(have, want) if a != b),
+                  f"{len(have)} arrays stored vs {len(want)} expected")
+      raise CheckpointError(f"{what} does not match this config's model/optimizer ({diff}); use a fresh "
+                            "workdir") from None
     raise DamagedCheckpointError(f"{what} is damaged: a data file cannot be read ({_first_line(e)})") from None
 
 
