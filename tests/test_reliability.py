@@ -431,18 +431,30 @@ def r_datastore_disk_full():
     # 1: no space for the files (posix_fallocate fails); 2: space runs out writing progress after the first chunk;
     # 3: space freed, the same command completes.
     fallocate = _NO_SPACE + "os.posix_fallocate = _full\n"
-    meta_write = _NO_SPACE + ("from trime_jax import data\n_w = data.atomic_write_json\n"
-                              "def _meta(path, obj):\n  if obj.get('tokens_done'):\n    _full()\n  _w(path, obj)\n"
+    # 2 uses chunks of 1,024 tokens (of 4,000) so the first chunk is saved before the disk fills.
+    meta_write = _NO_SPACE + ("from trime_jax import data\nfrom trime_jax.datastore import build\n"
+                              "build.build_datastore.__kwdefaults__['chunk_tokens'] = 1024\n"
+                              "_w = data.atomic_write_json\n"
+                              "def _meta(path, obj):\n  if obj.get('tokens_done', 0) > 1024:\n    _full()\n"
+                              "  _w(path, obj)\n"
                               "data.atomic_write_json = _meta\n")
-    return [{"module": "launch.build_datastore", "args": args, "setup": fallocate},
+    # 0: a kernel-enforced file size limit (RLIMIT_FSIZE, like a small filesystem; SIGXFSZ ignored -> EFBIG).
+    rlimit = ("import resource, signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n")
+    return [{"module": "launch.build_datastore", "args": args, "setup": rlimit},
+            {"module": "launch.build_datastore", "args": args, "setup": fallocate},
             {"module": "launch.build_datastore", "args": args, "setup": meta_write},
             {"module": "launch.build_datastore", "args": args}], out
 
   def check(rs, out, b):
-    for r in rs[:2]:
+    line = one_error_line(rs[0])
+    assert "file size limit reached" in line and str(out) in line and "rerun the same command" in line, line
+    for r, saved in zip(rs[1:3], ("0 of 4,000", "1,024 of 4,000")):
       line = one_error_line(r)
       assert "no space left" in line and str(out) in line and "rerun the same command" in line, line
-    assert rs[2]["rc"] == 0, rs[2]["err"][-3000:]
+      assert f"{saved} tokens are saved" in line, line
+    assert "this call wrote 2,976 tokens" in rs[3]["out"], rs[3]["out"]  # resumed after the saved chunk
+    assert rs[3]["rc"] == 0, rs[3]["err"][-3000:]
     for name in ("keys.npy", "values.npy", "index.faiss"):
       assert (out / name).read_bytes() == (b["ds"] / name).read_bytes(), name
 

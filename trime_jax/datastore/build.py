@@ -91,7 +91,8 @@ def _no_space_is_an_error(out_dir: str, count: int, dimension: int):
       raise
     meta = _read_meta(out_dir) or {}
     raise CheckpointError(
-        f"no space left for datastore {out_dir} ({os.strerror(e.errno)}{': ' + str(e.filename) if e.filename else ''}); "
+        f"{'file size limit reached' if e.errno == errno.EFBIG else 'no space left'} for datastore {out_dir} "
+        f"({os.strerror(e.errno)}{': ' + str(e.filename) if e.filename else ''}); "
         f"{meta.get('tokens_done', 0):,} of {count:,} tokens are saved: free space (the files need "
         f"{count * (dimension * 2 + 4) / 2**20:,.1f} MiB) and rerun the same command to resume") from None
 
