@@ -161,6 +161,22 @@ def check_resume_config(workdir: str, config: ml_collections.ConfigDict) -> None
   or drops a field) is not a difference. Nothing to resume (no checkpoint yet): config.json is just written."""
   path = os.path.join(workdir, "config.json")
   new = json.loads(config.to_json_best_effort())
+  # Multi-process: process 0 decides (hosts may differ in host-local fields such as data.path) and tells the
+  # others, so that every process stops or none does.
+  problem = _resume_problem(workdir, path, config, new) if jax.process_index() == 0 else None
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    if int(multihost_utils.broadcast_one_to_all(np.int32(problem is not None))) and problem is None:
+      problem = f"process 0 refused to resume workdir {workdir} (see its error line)"
+  if problem:
+    raise CheckpointError(problem)
+  if jax.process_index() == 0:
+    data.atomic_write_json(path, new)
+
+
+def _resume_problem(workdir: str, path: str, config, new: dict) -> str | None:
+  """check_resume_config's comparison on process 0: the error message, or None (changes recorded)."""
   ckpts = os.path.join(workdir, "checkpoints")
   resuming = os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts))
   if resuming and os.path.exists(path):
@@ -171,11 +187,10 @@ def check_resume_config(workdir: str, config: ml_collections.ConfigDict) -> None
     if blocking and not config.train.get("allow_config_change", False):
       shown = "; ".join(f"{k}: {diff[k][0]!r} there, {diff[k][1]!r} now" for k in blocking[:8])
       more = f" (+{len(blocking) - 8} more)" if len(blocking) > 8 else ""
-      raise CheckpointError(
-          f"workdir {workdir} holds a run with other settings ({shown}{more}): use another --workdir, or pass "
-          "--config.train.allow_config_change=True to resume it with these settings (recorded in "
-          "config_changes.jsonl)")
-    if diff and jax.process_index() == 0:
+      return (f"workdir {workdir} holds a run with other settings ({shown}{more}): use another --workdir, or pass "
+              "--config.train.allow_config_change=True to resume it with these settings (recorded in "
+              "config_changes.jsonl)")
+    if diff:
       import time
 
       with open(os.path.join(workdir, "config_changes.jsonl"), "a") as f:
@@ -183,8 +198,7 @@ def check_resume_config(workdir: str, config: ml_collections.ConfigDict) -> None
                             "allowed": bool(blocking)}) + "\n")
       print(f"config changes recorded in {os.path.join(workdir, 'config_changes.jsonl')}: "
             + ", ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in diff.items()), flush=True)
-  if jax.process_index() == 0:
-    data.atomic_write_json(path, new)
+  return None
 
 
 def abstract(tree):
