@@ -54,7 +54,7 @@ def _not_found(cfg, what: str, needs: str) -> DataError:
   """Where a relative data.path was looked for, and how to point it elsewhere."""
   places = [os.path.abspath(cfg.path)] + ([os.path.join(REPO_ROOT, cfg.path)] if not os.path.isabs(cfg.path) else [])
   return DataError(f"{what} not found: data.path={cfg.path!r} (looked in {' and '.join(dict.fromkeys(places))}); "
-                   f"{needs}, or set --config.data.path=/path/to/it (see /work/shared/data/README or the README)")
+                   f"{needs}, or set --config.data.path=/path/to/it (the README says where each corpus comes from)")
 
 
 def _read_articles(path: str):
