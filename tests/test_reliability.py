@@ -525,5 +525,46 @@ def test_base_build_states_index_choice(base):
   assert "searches of K=1024" in base["build_out"] and "exact ~" in base["build_out"]
 
 
+def test_multiprocess_peer_killed(tmp_path):
+  """Two CPU processes train together; process 1 is killed: process 0 stops within the heartbeat timeout,
+  saying another task died (JAX's coordination service), instead of hanging in a collective."""
+  import signal
+  import socket
+
+  from tests.helpers import config_file, write_text_file
+
+  corpus = write_text_file(tmp_path / "text.bin", 40_000)
+  cfg = config_file(tmp_path, corpus, **{"train.num_steps": 10_000, "train.log_every": 2,
+                                         "train.checkpoint_every": 1_000, "train.batch_size": 8})
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", JAX_NUM_PROCESSES="2",
+             JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2", TRIME_HEARTBEAT_TIMEOUT_S="10")
+  work = tmp_path / "run"
+  procs = [subprocess.Popen([sys.executable, "-m", "trime_jax.distributed", "launch.train", f"--config={cfg}",
+                             f"--workdir={work}"], cwd=REPO, env=dict(env, JAX_PROCESS_ID=str(i)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  try:
+    deadline = time.time() + 400
+    while not (work / "metrics.jsonl").exists() or not (work / "metrics.jsonl").read_text().strip():
+      assert time.time() < deadline and all(p.poll() is None for p in procs), "training did not start"
+      time.sleep(0.5)
+    procs[1].send_signal(signal.SIGKILL)
+    t0 = time.time()
+    _, err = procs[0].communicate(timeout=120)
+    waited = time.time() - t0
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  print(f"\nprocess 0 stopped {waited:.1f} s after process 1 was killed (heartbeat timeout 10 s)")
+  assert procs[0].returncode != 0
+  assert "another task died" in err, err[-3000:]
+  assert waited < 60, waited
+
+
 if __name__ == "__main__":
   _driver(sys.argv[1], sys.argv[2])

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 
 import jax
 import ml_collections
@@ -191,8 +192,6 @@ def _resume_problem(workdir: str, path: str, config, new: dict) -> str | None:
               "--config.train.allow_config_change=True to resume it with these settings (recorded in "
               "config_changes.jsonl)")
     if diff:
-      import time
-
       with open(os.path.join(workdir, "config_changes.jsonl"), "a") as f:
         f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changes": diff,
                             "allowed": bool(blocking)}) + "\n")
