@@ -96,6 +96,8 @@ def get_config():
   r.tensorboard = True  # TensorBoard event files (losses, lr, grad norm, tokens/s, dev ppl) in <workdir>/tb
   r.progress = "auto"  # auto (tqdm bar on a terminal or in a notebook, else ETA in the log lines) | bar | log
   r.profile_steps = ""  # "FIRST,LAST" (or "STEP"): jax.profiler trace of those updates to <workdir>/profile
+  r.allow_config_change = False  # resume a workdir whose config.json differs in fields that change training
+  #   (model, data, seed, memory, ...): False refuses, naming them; True continues (recorded in config_changes.jsonl)
 
   c.eval = e = ml_collections.ConfigDict()
   e.split = "dev"  # dev | test

@@ -13,14 +13,15 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from launch.common import run_main
+from launch.common import run_main, validated
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
 _OUT = flags.DEFINE_string("out", None, "Datastore directory (keys.npy, values.npy, meta.json, index.faiss).")
 _SPLIT = flags.DEFINE_enum("split", "train", ["train", "dev", "test"], "Corpus split stored in the datastore.")
 _INDEX = flags.DEFINE_enum("index", "auto", ["auto", "flat", "ivfpq", "none"],
-                           "FAISS index: auto = exact IndexFlatIP for small stores, IVF-PQ for large ones.")
+                           "FAISS index: auto = the cheaper of exact IndexFlatIP and IVF-PQ for the searches "
+                           "launch.eval_ext runs (dev + test tokens, eval.knn_k, eval.nprobe); it says which and why.")
 _NLIST = flags.DEFINE_integer("nlist", 4096, "IVF-PQ inverted lists (clamped for small stores).")
 _PQ_M = flags.DEFINE_integer("pq_m", 64, "IVF-PQ sub-quantizers (clamped to a divisor of the key dimension).")
 flags.mark_flags_as_required(["config", "checkpoint", "out"])
@@ -32,8 +33,9 @@ def main(argv):
   from trime_jax import evaluate
   from trime_jax.datastore import Datastore, build_datastore, build_index
 
-  config, checkpoint, out = _CONFIG.value, _CHECKPOINT.value, _OUT.value
-  corpus = evaluate.load_eval_data(config, ckpt.read_export_vocab(checkpoint)).get(_SPLIT.value)
+  config, checkpoint, out = validated(_CONFIG.value), _CHECKPOINT.value, _OUT.value
+  splits = evaluate.load_eval_data(config, ckpt.read_export_vocab(checkpoint))
+  corpus = splits.get(_SPLIT.value)
   e = config.eval
   try:
     build_datastore(checkpoint, corpus, out, block_len=e.block_len, context_window=e.context_window,
@@ -43,7 +45,11 @@ def main(argv):
           file=sys.stderr, flush=True)
     sys.exit(130)
   if _INDEX.value != "none":
-    build_index(Datastore(out), kind=_INDEX.value, nlist=_NLIST.value, pq_m=_PQ_M.value)
+    # The searches launch.eval_ext will run: one per scored token of dev (tuning) and test.
+    cap = e.max_tokens or None
+    queries = sum(min(len(splits.get(s)), cap or len(splits.get(s))) for s in ("dev", "test"))
+    build_index(Datastore(out), kind=_INDEX.value, nlist=_NLIST.value, pq_m=_PQ_M.value, queries=queries,
+                k=e.knn_k, nprobe=e.nprobe)
 
 
 if __name__ == "__main__":

@@ -87,14 +87,48 @@ def quiet_libraries(record) -> bool:
   return record.levelno >= 30 or not noisy  # 30: WARNING
 
 
+def _quiet_closed_loop(default_hook):
+  """An exception hook that drops "Event loop is closed" from orbax's asyncio loops: after a failed read
+  (a damaged checkpoint, reported and handled), TensorStore completes the remaining reads on its own threads
+  and calls back into the loop orbax already closed. Every other exception goes to `default_hook`."""
+
+  def hook(*args):
+    exc = args[0].exc_value if len(args) == 1 else args[1]
+    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+      return None
+    return default_hook(*args)
+
+  return hook
+
+
 def run_main(main):
   """Run an absl `main`; input errors (TrimeError) print one `error: ...` line and exit with status 2."""
+  import threading
+
   from absl import app, logging
 
   logging.set_verbosity(logging.INFO)  # train.py lowers it on processes other than 0
   logging.get_absl_handler().python_handler.addFilter(quiet_libraries)
+  sys.excepthook = _quiet_closed_loop(sys.excepthook)
+  sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
+  threading.excepthook = _quiet_closed_loop(threading.excepthook)
 
   def wrapped(argv):
+    from absl import flags
+
+    if int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1:
+      # When a peer dies JAX aborts the survivors with one clear line ("... another task died"); absl's
+      # faulthandler would bury it under every thread's Python stack.
+      import faulthandler
+
+      faulthandler.disable()
+
+    if "config" in flags.FLAGS and getattr(flags.FLAGS["config"], "config_filename", None):
+      path = flags.FLAGS["config"].config_filename.split(":")[0]  # config_flags accepts file.py:arg
+      if not os.path.isfile(path):
+        print(f"error: --config file not found: {path} (working directory {os.getcwd()})", file=sys.stderr,
+              flush=True)
+        sys.exit(2)
     try:
       return main(argv)
     except TrimeError as e:
@@ -111,6 +145,16 @@ def run_main(main):
       sys.exit(130)
 
   app.run(wrapped, flags_parser=_parse_flags)
+
+
+def validated(config):
+  """`config` after train.validate_config (enums and ranges, eval's included): the evaluation CLIs check a config
+  up front like training does, before loading a checkpoint or compiling anything."""
+  from trime_jax.train import validate_config
+
+  if config is not None:
+    validate_config(config)
+  return config
 
 
 def default_workdir(config_path: str) -> str:

@@ -18,7 +18,7 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
-from launch.common import run_main
+from launch.common import run_main, validated
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
@@ -39,6 +39,7 @@ def main(argv):
   if _CHECKPOINT.value:
     if _CONFIG.value is None:
       raise ConfigError("--checkpoint needs --config (the data and eval sections)")
+    validated(_CONFIG.value)
     try:
       sizes = [int(m) for m in _MEM_SIZES.value]
     except ValueError:

@@ -17,7 +17,7 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
-from launch.common import run_main
+from launch.common import run_main, validated
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
@@ -31,7 +31,7 @@ def main(argv):
   del argv
   from trime_jax import evaluate
 
-  out = evaluate.evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value, external_memory=True, progress=True,
+  out = evaluate.evaluate_checkpoint(validated(_CONFIG.value), _CHECKPOINT.value, external_memory=True, progress=True,
                                      throughput_tokens=_THROUGHPUT.value)
   split = out["split"]
   cols = dict.fromkeys(("family", "interp_memory", "variant", "dev_ppl", f"{split}_ppl", f"{split}_bpc", "tokens",

@@ -12,7 +12,7 @@ over all row slots).
 from absl import flags
 from ml_collections import config_flags
 
-from launch.common import run_main
+from launch.common import run_main, validated
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
 _KIND = flags.DEFINE_enum("kind", None, ["consecutive", "bm25"], "Batching method.")
@@ -27,7 +27,7 @@ def main(argv):
   from trime_jax import corpora
   from trime_jax.batching import plan as batch_plan
 
-  config = _CONFIG.value
+  config = validated(_CONFIG.value)
   splits = corpora.load_splits(config.data)
   planner = importlib.import_module(f"trime_jax.batching.{_KIND.value}")
   header, batches = planner.make_plan(splits.train, config, progress=True)

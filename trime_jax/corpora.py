@@ -53,6 +53,28 @@ def resolve_path(path: str) -> str:
   return alt if os.path.exists(alt) else path
 
 
+def _not_found(cfg, what: str, needs: str) -> DataError:
+  """Where a relative data.path was looked for, and how to point it elsewhere."""
+  places = [os.path.abspath(cfg.path)] + ([os.path.join(REPO_ROOT, cfg.path)] if not os.path.isabs(cfg.path) else [])
+  return DataError(f"{what} not found: data.path={cfg.path!r} (looked in {' and '.join(dict.fromkeys(places))}); "
+                   f"{needs}, or set --config.data.path=/path/to/it (the README says where each corpus comes from)")
+
+
+def _read_articles(path: str):
+  """data.read_wikitext_articles, with the file and line of non-UTF-8 bytes in the error."""
+  try:
+    return data.read_wikitext_articles(path)
+  except UnicodeDecodeError as e:
+    with open(path, "rb") as f:
+      for lineno, line in enumerate(f, 1):
+        try:
+          line.decode("utf-8")
+        except UnicodeDecodeError as bad:
+          raise DataError(f"{path}, line {lineno}: not UTF-8 text (byte {line[bad.start]:#04x} at column "
+                          f"{bad.start + 1}); word corpora must be UTF-8") from None
+    raise DataError(f"{path}: not UTF-8 text ({e})") from None
+
+
 def _encode_word_docs(docs_words, vocab, name):
   return data.Corpus.from_docs([np.asarray(vocab.encode_words(w), np.int32) for w in docs_words], vocab, name)
 
@@ -65,9 +87,9 @@ def _byte_docs(chunks, name):
 def _wikitext(cfg, vocab):
   root = resolve_path(cfg.path)
   if not os.path.isdir(root):
-    raise DataError(f"WikiText directory not found: {cfg.path}")
+    raise _not_found(cfg, "WikiText directory", "it needs wiki.train.tokens, wiki.valid.tokens and wiki.test.tokens")
   files = {"train": "wiki.train.tokens", "dev": "wiki.valid.tokens", "test": "wiki.test.tokens"}
-  articles = {s: data.read_wikitext_articles(os.path.join(root, f)) for s, f in files.items()}
+  articles = {s: _read_articles(os.path.join(root, f)) for s, f in files.items()}
   if cfg.get("only_packages") or cfg.get("exclude_packages"):
     articles = select_packages(articles, os.path.join(root, "docs.tsv"), tuple(cfg.get("only_packages", ())),
                                tuple(cfg.get("exclude_packages", ())))
@@ -116,7 +138,7 @@ def _wikitext_mini(cfg, vocab):
   if os.path.isdir(root):
     articles = []
     for fn in ("wiki.valid.tokens", "wiki.test.tokens"):
-      articles += data.read_wikitext_articles(os.path.join(root, fn))
+      articles += _read_articles(os.path.join(root, fn))
   else:  # a fresh clone without ../shared: the same articles from TFDS's WikiText-2 (downloaded once)
     articles = _wikitext2_from_tfds(cfg)
   parts = data.split_articles(len(articles), cfg.split_fractions, cfg.split_seed)
@@ -126,7 +148,9 @@ def _wikitext_mini(cfg, vocab):
 
 
 def _wikitext2_from_tfds(cfg):
-  missing = f"WikiText-2 directory not found: {cfg.path} (expected ../shared/data/wikitext-2)"
+  missing = str(_not_found(cfg, "WikiText-2 directory (wikitext_mini)",
+                            "it needs wiki.valid.tokens and wiki.test.tokens (../shared/data/wikitext-2 in the "
+                            "layout the README describes)"))
   try:
     from trime_jax import tfds_builders
     tfds_builders._tfds()
@@ -168,6 +192,8 @@ def _reader(corpus: str):
 
 
 def _bytes(cfg, vocab):
+  if not os.path.exists(resolve_path(cfg.path)):
+    raise _not_found(cfg, "byte corpus", "it is one raw file (enwik8, tinyshakespeare, ...)")
   path = data._require_file(resolve_path(cfg.path), "byte corpus")
   with open(path, "rb") as f:
     raw = f.read()
@@ -217,6 +243,13 @@ def load_splits(cfg, vocab: data.Vocab | None = None) -> Splits:
       for s, c in out.items():
         c.save(os.path.join(cache, s))
       open(os.path.join(cache, "COMPLETE"), "w").close()  # marks a finished cache; partial ones are redone
-  if vocab is not None and out["train"].vocab.fingerprint() != vocab.fingerprint():
-    raise DataError("cached corpus vocabulary differs from the requested vocabulary")
+  got = out["train"].vocab
+  if vocab is not None and got.fingerprint() != vocab.fingerprint():
+    if got.kind != vocab.kind:
+      raise DataError(f"data.corpus={cfg.corpus!r} is {got.kind}-level ({len(got)} tokens) but the given vocabulary "
+                      f"(the checkpoint's) is {vocab.kind}-level ({len(vocab)} tokens): use the data config the "
+                      "model was trained with")
+    where = f"the cached corpus in {cache}" if cache else f"data.corpus={cfg.corpus!r}"
+    raise DataError(f"{where} is encoded with vocabulary {got.fingerprint()}, not the given {vocab.fingerprint()}"
+                    + ("; delete the cache directory" if cache else ""))
   return Splits(**out)

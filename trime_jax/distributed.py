@@ -36,8 +36,11 @@ def initialize_from_env() -> bool:
     missing = [v for v in ("JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_ID") if v not in os.environ]
     if missing:
       raise RuntimeError(f"JAX_NUM_PROCESSES={n} but {', '.join(missing)} is not set")
+    # A dead peer is detected when its heartbeats stop for this long; the survivors then abort with JAX's
+    # "another task died" message (jax's default, 100 s, leaves them blocked in a collective that long).
     jax.distributed.initialize(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=n,
-                               process_id=int(os.environ["JAX_PROCESS_ID"]))
+                               process_id=int(os.environ["JAX_PROCESS_ID"]),
+                               heartbeat_timeout_seconds=int(os.environ.get("TRIME_HEARTBEAT_TIMEOUT_S", "30")))
     return True
   if os.environ.get("TRIME_DISTRIBUTED") == "auto":
     jax.distributed.initialize()

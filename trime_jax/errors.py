@@ -19,3 +19,7 @@ class CheckpointError(TrimeError):
 
 class TrainingError(TrimeError):
   """Training cannot continue (e.g. a non-finite loss)."""
+
+
+class DamagedCheckpointError(CheckpointError):
+  """A checkpoint, export, datastore or index whose files are missing, truncated or changed after writing."""

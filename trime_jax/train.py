@@ -123,7 +123,8 @@ def _check_ranges(config) -> None:
               ("train.vocab_chunk", train_cfg.vocab_chunk, 0), ("train.num_devices", train_cfg.num_devices, 0),
               ("model.num_layers", m.num_layers, 1), ("model.num_heads", m.num_heads, 1),
               ("eval.batch_size", e.batch_size, 1), ("eval.max_tokens", e.max_tokens, 0),
-              ("eval.context_window", e.context_window, 0), ("eval.mem_size", e.mem_size, 0)]
+              ("eval.context_window", e.context_window, 0), ("eval.mem_size", e.mem_size, 0),
+              ("eval.block_len", e.block_len, 1), ("eval.knn_k", e.knn_k, 1), ("eval.nprobe", e.nprobe, 1)]
   for name, value, low in at_least:
     if value < low:
       raise ConfigError(f"{name} must be >= {low}, got {value}")
@@ -134,6 +135,13 @@ def _check_ranges(config) -> None:
                       ("train.warmup_init_lr", train_cfg.warmup_init_lr), ("train.min_lr", train_cfg.min_lr)]:
     if value < 0:
       raise ConfigError(f"{name} must be >= 0, got {value}")
+  for name in ("knn_lambda", "cache_lambda"):  # interpolation weights
+    if not 0.0 <= e[name] <= 1.0:
+      raise ConfigError(f"eval.{name} must be in [0, 1], got {e[name]}")
+  if not e.knn_temperature > 0:
+    raise ConfigError(f"eval.knn_temperature must be > 0, got {e.knn_temperature}")
+  _choice(e.split, corpora.SPLITS, "eval.split")
+  _choice(e.interp_memory, tuple(evaluate.INTERP_MEMORIES), "eval.interp_memory")
   for name in ("dropout", "attention_dropout", "activation_dropout"):
     if not 0.0 <= m[name] < 1.0:
       raise ConfigError(f"model.{name} must be in [0, 1), got {m[name]}")
@@ -472,6 +480,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   os.makedirs(workdir, exist_ok=True)
   if not _chief():
     logging.set_verbosity(logging.WARNING)  # INFO lines from process 0 only
+  ckpt.check_resume_config(workdir, config)  # before any work: refuses another run's workdir, naming fields
   splits = splits or corpora.load_splits(config.data)
   vocab = splits.vocab
   if config.model.vocab_size and config.model.vocab_size != len(vocab):
@@ -490,7 +499,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   # every host's devices (multi-host) instead of one default device.
   state = jax.device_put({"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}, repl)
   mgr = ckpt.manager(os.path.join(workdir, "checkpoints"), train_cfg.keep_checkpoints)
-  restored_step, restored = ckpt.restore_latest(mgr, ckpt.abstract(state))
+  restored_step, restored = ckpt.restore_latest(mgr, ckpt.abstract(state), log=_log)
   tb = event_writer.EventWriter(os.path.join(workdir, "tb"), enabled=_chief() and train_cfg.tensorboard)
   if restored is not None:
     tb.restart(restored_step + 1)  # TensorBoard drops the interrupted run's events past the checkpoint
@@ -498,8 +507,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
     _log(f"resumed from step {restored_step} ({mgr.directory})")
     if _chief():
       _truncate_metrics(os.path.join(workdir, "metrics.jsonl"), restored_step)
-  elif _chief():
-    data.atomic_write_json(os.path.join(workdir, "config.json"), json.loads(config.to_json_best_effort()))
 
   state = jax.device_put(state, repl)
   spec = steps.LossSpec.from_config(config)
@@ -603,7 +610,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   mgr.wait_until_finished()
 
   params = _host_copy(state["params"])
-  final = _log_eval(graphdef, params, splits.dev, config, int(state["step"]), metrics_path)
+  # A rerun of a finished training reuses its final dev line instead of appending a duplicate.
+  final = (start == train_cfg.num_steps and _logged_eval(metrics_path, start)) or \
+      _log_eval(graphdef, params, splits.dev, config, int(state["step"]), metrics_path)
   export_dir = os.path.abspath(os.path.join(workdir, "export"))
   ckpt.export(export_dir, params, config, vocab,  # every process: orbax synchronises them
               extra={"step": int(state["step"]), "train_fingerprint": splits.train.fingerprint()})
@@ -612,6 +621,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   tb.scalars(int(state["step"]), {f"dev/{k}": v for k, v in final.items() if k.endswith("_ppl")})
   tb.close()
   return {"train": last, "dev": final, "export": export_dir, "num_params": n_params}
+
+
+def _logged_eval(metrics_path: str, step: int) -> dict | None:
+  """The dev-evaluation line of `step` in metrics.jsonl, if there is one."""
+  if not os.path.exists(metrics_path):
+    return None
+  with open(metrics_path) as f:
+    rows = [json.loads(ln) for ln in f if ln.strip()]
+  return next((r for r in reversed(rows) if r.get("split") == "dev" and r.get("step") == step), None)
 
 
 def _log_eval(graphdef, params, corpus, config, step, metrics_path) -> dict:

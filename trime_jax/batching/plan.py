@@ -94,14 +94,29 @@ def save(directory: str, header: dict, batches: np.ndarray) -> str:
 
 
 def load(directory: str) -> BatchPlan:
+  """Read a plan; a relative path is tried from the working directory, then the repo root (like data.path)."""
+  from trime_jax.corpora import resolve_path
+
+  given, directory = directory, resolve_path(directory)
   head = os.path.join(directory, "plan.json")
   arr = os.path.join(directory, "batches.npy")
   if not directory or not os.path.isdir(directory):
-    raise DataError(f"batch plan not found: {directory!r} (write one with `python -m launch.make_batches`)")
+    raise DataError(f"batch plan not found: {given!r} (looked in {os.path.abspath(given or '.')} and the repo root;"
+                    " write one with `python -m launch.make_batches` or set --config.trime.batch_plan)")
   if not (os.path.exists(head) and os.path.exists(arr)):
     raise DataError(f"incomplete batch plan in {directory}: needs plan.json and batches.npy")
-  with open(head) as f:
-    header = json.load(f)
+  try:
+    with open(head) as f:
+      header = json.load(f)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise DataError(f"batch plan header {head} is corrupt or truncated ({e}); rewrite the plan") from None
   if header.get("format") != FORMAT:
     raise DataError(f"{head}: unknown batch-plan format {header.get('format')!r}")
-  return BatchPlan(header, np.load(arr, mmap_mode="r"))
+  try:
+    batches = np.load(arr, mmap_mode="r")
+  except (ValueError, OSError, EOFError) as e:
+    raise DataError(f"batch plan {arr} is corrupt or truncated ({e}); rewrite the plan") from None
+  want = (header.get("num_batches"), header.get("batch_size"))
+  if batches.ndim != 2 or tuple(batches.shape) != want:
+    raise DataError(f"batch plan {arr} holds shape {tuple(batches.shape)}, plan.json says {want}; rewrite the plan")
+  return BatchPlan(header, batches)

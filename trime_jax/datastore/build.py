@@ -16,6 +16,10 @@ through the memmaps, flushed, and only then is `tokens_done` advanced in meta.js
 build therefore resumes at the first unsaved chunk when rerun with the same arguments, and a datastore whose
 `complete` flag is false is refused by the reader: it is never silently truncated.
 
+Verified on every load: meta.json parses and its `fingerprint` is the hash of its identity fields; keys.npy and
+values.npy match the digests recorded when the build completed (`file_digests`: the whole file up to
+FULL_DIGEST_BYTES, else its size and 1024 evenly spaced 4 KiB blocks); shapes and dtypes match meta.json.
+
 Reading (`Datastore(directory)`): memory-mapped `keys` / `values`, `fingerprint` (what indexes record),
 `check_checkpoint(dir)` / `check(...)` for clear errors when a model, vocabulary or key dimension does not
 match, `gather_keys(ids)` for exact re-scoring. `trime_jax.datastore.index` builds and searches FAISS indexes.
@@ -23,6 +27,8 @@ match, `gather_keys(ids)` for exact re-scoring. `trime_jax.datastore.index` buil
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -37,15 +43,62 @@ from tqdm import tqdm
 
 from trime_jax import checkpoint as ckpt
 from trime_jax import data
-from trime_jax.errors import CheckpointError, ConfigError
+from trime_jax.errors import CheckpointError, ConfigError, DamagedCheckpointError
 
 FORMAT = "trime-datastore/1"
 KEY_DTYPE = np.float16
 VALUE_DTYPE = np.int32
+FULL_DIGEST_BYTES = 1 << 30  # files up to 1 GiB are hashed whole on every load; larger ones by sampled blocks
 CHUNK_TOKENS = 1 << 16  # scored tokens per persisted chunk (rounded to whole window batches)
 # meta.json fields that identify what a datastore holds: a resumed build must agree on all of them.
 IDENTITY = ("format", "count", "dimension", "key_dtype", "value_dtype", "checkpoint_fingerprint",
             "vocab_fingerprint", "corpus_fingerprint", "key_type", "block_len", "context_window")
+
+
+def file_digest(path: str, full_bytes: int = FULL_DIGEST_BYTES, blocks: int = 1024, block: int = 4096) -> str:
+  """SHA-256 (16 hex digits) of a file: its whole contents up to `full_bytes`, else its size and `blocks`
+  evenly spaced blocks of `block` bytes (first and last included): O(1) for a 100 GB datastore, and still
+  catches truncation and damage in the sampled blocks."""
+  size = os.path.getsize(path)
+  h = hashlib.sha256(f"{size}:".encode())
+  with open(path, "rb") as f:
+    if size <= full_bytes:
+      for chunk in iter(lambda: f.read(1 << 22), b""):
+        h.update(chunk)
+    else:
+      for off in np.linspace(0, size - block, blocks).astype(np.int64):
+        f.seek(int(off))
+        h.update(f.read(block))
+  return h.hexdigest()[:16]
+
+
+NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def _reserve(path: str) -> None:
+  """Allocate a file's blocks (posix_fallocate), so running out of space is an OSError here, not a SIGBUS later."""
+  if hasattr(os, "posix_fallocate"):
+    with open(path, "r+b") as f:
+      os.posix_fallocate(f.fileno(), 0, os.path.getsize(path))
+
+
+@contextlib.contextmanager
+def _no_space_is_an_error(out_dir: str, count: int, dimension: int):
+  try:
+    yield
+  except OSError as e:
+    if e.errno not in NO_SPACE:
+      raise
+    meta = _read_meta(out_dir) or {}
+    raise CheckpointError(
+        f"{'file size limit reached' if e.errno == errno.EFBIG else 'no space left'} for datastore {out_dir} "
+        f"({os.strerror(e.errno)}{': ' + str(e.filename) if e.filename else ''}); "
+        f"{meta.get('tokens_done', 0):,} of {count:,} tokens are saved: free space (the files need "
+        f"{count * (dimension * 2 + 4) / 2**20:,.1f} MiB) and rerun the same command to resume") from None
+
+
+def _identity_fingerprint(identity: dict) -> str:
+  return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _paths(directory: str):
@@ -60,8 +113,8 @@ def _read_meta(directory: str) -> dict | None:
   try:
     with open(path) as f:
       return json.load(f)
-  except json.JSONDecodeError as e:
-    raise CheckpointError(f"datastore meta {path} is corrupt ({e})") from None
+  except (ValueError, UnicodeDecodeError) as e:
+    raise DamagedCheckpointError(f"datastore meta {path} is corrupt or truncated ({e})") from None
 
 
 class Datastore:
@@ -82,12 +135,29 @@ class Datastore:
     if not meta.get("complete"):
       raise CheckpointError(f"datastore {directory} is incomplete ({meta.get('tokens_done', 0):,} of "
                             f"{meta['count']:,} tokens): rerun the same build command to resume it")
+    missing = [k for k in IDENTITY + ("fingerprint",) if k not in meta]
+    if missing:
+      raise DamagedCheckpointError(f"datastore meta {_paths(directory)[0]} lacks {', '.join(missing)}")
+    if _identity_fingerprint({k: meta[k] for k in IDENTITY}) != meta["fingerprint"]:
+      raise DamagedCheckpointError(f"datastore meta {_paths(directory)[0]} was edited: its fingerprint "
+                                   f"{meta['fingerprint']} does not match its fields; rebuild the datastore")
     _, keys_path, values_path = _paths(directory)
+    for path in (keys_path, values_path):
+      want = meta.get("file_digests", {}).get(os.path.basename(path))
+      if want is None:  # datastores built before file digests: shapes are still checked below
+        continue
+      if not os.path.exists(path):
+        raise DamagedCheckpointError(f"datastore {directory} is damaged: {path} is missing; rebuild it")
+      got = file_digest(path)
+      if got != want:
+        raise DamagedCheckpointError(f"datastore {directory} is damaged: {path} has digest {got}, meta.json "
+                                     f"recorded {want} when the build completed; rebuild it (delete the directory "
+                                     "and rerun launch.build_datastore)")
     try:
       self.keys = np.load(keys_path, mmap_mode="r")
       self.values = np.load(values_path, mmap_mode="r")
-    except (FileNotFoundError, ValueError) as e:
-      raise CheckpointError(f"datastore {directory} is damaged: {e}") from None
+    except (OSError, ValueError, EOFError) as e:
+      raise DamagedCheckpointError(f"datastore {directory} is damaged: {e}") from None
     n, d = meta["count"], meta["dimension"]
     if self.keys.shape != (n, d) or self.keys.dtype != KEY_DTYPE:
       raise CheckpointError(f"datastore {directory}: keys.npy is {self.keys.dtype}{list(self.keys.shape)}, "
@@ -194,64 +264,70 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
       if progress:
         print(f"datastore {out_dir} is already complete ({n:,} tokens)", flush=True)
       return meta
-  done = int(meta["tokens_done"]) if meta else 0
-  if done == 0:  # fresh: full-size files up front (sparse on disk until written)
-    keys = np.lib.format.open_memmap(keys_path, mode="w+", dtype=KEY_DTYPE, shape=(n, dim))
-    values = np.lib.format.open_memmap(values_path, mode="w+", dtype=VALUE_DTYPE, shape=(n,))
-    fp = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    meta = {**identity, "fingerprint": fp, "corpus_name": corpus.name, "tokens_done": 0, "complete": False,
-            "build_seconds": 0.0}
-    data.atomic_write_json(meta_path, meta)
-  else:
-    try:
-      keys = np.load(keys_path, mmap_mode="r+")
-      values = np.load(values_path, mmap_mode="r+")
-    except (FileNotFoundError, ValueError) as e:
-      raise CheckpointError(f"cannot resume datastore {out_dir} ({e}): delete it and rebuild") from None
-    if keys.shape != (n, dim) or values.shape != (n,):
-      raise CheckpointError(f"cannot resume datastore {out_dir}: files have shapes {keys.shape} / "
-                            f"{values.shape}, expected {(n, dim)} / {(n,)}; delete it and rebuild")
-    if done % stride:
-      raise CheckpointError(f"datastore {out_dir}: tokens_done={done} is not a window boundary; delete it")
+  with _no_space_is_an_error(out_dir, n, dim):  # a full disk: one line, and the finished chunks stay resumable
+    done = int(meta["tokens_done"]) if meta else 0
+    if done == 0:  # fresh: full-size files up front, their blocks reserved
+      keys = np.lib.format.open_memmap(keys_path, mode="w+", dtype=KEY_DTYPE, shape=(n, dim))
+      values = np.lib.format.open_memmap(values_path, mode="w+", dtype=VALUE_DTYPE, shape=(n,))
+      for path in (keys_path, values_path):  # reserve the blocks now: a memmap write to a full disk is a SIGBUS
+        _reserve(path)
+      fp = _identity_fingerprint(identity)
+      meta = {**identity, "fingerprint": fp, "corpus_name": corpus.name, "tokens_done": 0, "complete": False,
+              "build_seconds": 0.0}
+      data.atomic_write_json(meta_path, meta)
+    else:
+      try:
+        keys = np.load(keys_path, mmap_mode="r+")
+        values = np.load(values_path, mmap_mode="r+")
+      except (OSError, ValueError, EOFError) as e:
+        raise CheckpointError(f"cannot resume datastore {out_dir} ({e}): delete it and rebuild") from None
+      if keys.shape != (n, dim) or values.shape != (n,):
+        raise CheckpointError(f"cannot resume datastore {out_dir}: files have shapes {keys.shape} / "
+                              f"{values.shape}, expected {(n, dim)} / {(n,)}; delete it and rebuild")
+      if done % stride:
+        raise CheckpointError(f"datastore {out_dir}: tokens_done={done} is not a window boundary; delete it")
 
-  first_win = done // stride
-  todo = range(first_win, len(wins), per_chunk)
-  t0 = time.perf_counter()
-  built, session_s = 0, 0.0
-  bar = tqdm(total=n, initial=done, desc="datastore", unit="tok", unit_scale=True, disable=not progress)
-  for chunk_i, c0 in enumerate(todo):
-    if max_chunks is not None and chunk_i >= max_chunks:
-      break
-    chunk = wins[c0:c0 + per_chunk]
-    a, b = chunk[0].score_start, chunk[-1].end
-    for i in range(0, len(chunk), batch_size):
-      part = chunk[i:i + batch_size]
-      real = len(part)
-      part = part + [part[-1]] * (batch_size - real)  # fixed shapes: repeat, then ignore
-      inputs, _, scored = data.window_batch(corpus, part, block_len)
-      g = np.asarray(_keys_step(graphdef, params, inputs))
-      rows = g[:real][scored[:real]]  # scored positions in order = consecutive target positions
-      lo = part[0].score_start
-      if not np.isfinite(rows).all():
-        raise CheckpointError(f"non-finite float16 keys at tokens {lo}..{lo + len(rows)}: the model's keys "
-                              "overflow float16 or the checkpoint is broken")
-      keys[lo:lo + len(rows)] = rows
-    values[a:b] = np.asarray(corpus.tokens[a:b], VALUE_DTYPE)
-    keys.flush()
-    values.flush()
-    built += b - a
-    dt, t0 = time.perf_counter() - t0, time.perf_counter()
-    session_s += dt
-    meta["tokens_done"] = b
-    meta["build_seconds"] = round(meta["build_seconds"] + dt, 3)
-    data.atomic_write_json(meta_path, meta)  # only after the chunk's data is on disk
-    bar.update(b - a)
-  bar.close()
-  del keys, values
-  if meta["tokens_done"] == n:
-    meta["complete"] = True
-    meta["tokens_per_s"] = round(n / max(meta["build_seconds"], 1e-9), 1)
-    data.atomic_write_json(meta_path, meta)
+    first_win = done // stride
+    todo = range(first_win, len(wins), per_chunk)
+    t0 = time.perf_counter()
+    built, session_s = 0, 0.0
+    bar = tqdm(total=n, initial=done, desc="datastore", unit="tok", unit_scale=True, disable=not progress)
+    try:  # the bar ends its line before any error message
+      for chunk_i, c0 in enumerate(todo):
+        if max_chunks is not None and chunk_i >= max_chunks:
+          break
+        chunk = wins[c0:c0 + per_chunk]
+        a, b = chunk[0].score_start, chunk[-1].end
+        for i in range(0, len(chunk), batch_size):
+          part = chunk[i:i + batch_size]
+          real = len(part)
+          part = part + [part[-1]] * (batch_size - real)  # fixed shapes: repeat, then ignore
+          inputs, _, scored = data.window_batch(corpus, part, block_len)
+          g = np.asarray(_keys_step(graphdef, params, inputs))
+          rows = g[:real][scored[:real]]  # scored positions in order = consecutive target positions
+          lo = part[0].score_start
+          if not np.isfinite(rows).all():
+            raise CheckpointError(f"non-finite float16 keys at tokens {lo}..{lo + len(rows)}: the model's keys "
+                                  "overflow float16 or the checkpoint is broken")
+          keys[lo:lo + len(rows)] = rows
+        values[a:b] = np.asarray(corpus.tokens[a:b], VALUE_DTYPE)
+        keys.flush()
+        values.flush()
+        built += b - a
+        dt, t0 = time.perf_counter() - t0, time.perf_counter()
+        session_s += dt
+        meta["tokens_done"] = b
+        meta["build_seconds"] = round(meta["build_seconds"] + dt, 3)
+        data.atomic_write_json(meta_path, meta)  # only after the chunk's data is on disk
+        bar.update(b - a)
+    finally:
+      bar.close()
+    del keys, values
+    if meta["tokens_done"] == n:
+      meta["file_digests"] = {os.path.basename(p): file_digest(p) for p in (keys_path, values_path)}
+      meta["complete"] = True
+      meta["tokens_per_s"] = round(n / max(meta["build_seconds"], 1e-9), 1)
+      data.atomic_write_json(meta_path, meta)
   if progress:
     state = "complete" if meta["complete"] else f"incomplete ({meta['tokens_done']:,} of {n:,} tokens)"
     print(f"datastore {out_dir}: {state}; this call wrote {built:,} tokens in {session_s:.1f} s "

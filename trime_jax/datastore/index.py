@@ -4,15 +4,19 @@ Files: `<path>` (faiss.write_index) and `<path>.json` (format, index_type, metri
 datastore_fingerprint, the IVF-PQ parameters actually used, timings). The sidecar is written last, so an index
 without one is incomplete and refused.
 
-  build_index(ds, path=None, kind="auto", ...)    exact IndexFlatIP while N·D ≤ 2^27 (e.g. 1M keys of
-                                                   D=128, 131k of D=1024), else IVF-PQ
-                                                   (kNN-LM: 4096 lists, 64 sub-quantizers × 8 bits) trained on
-                                                   a seeded sample, keys added in chunks
+  build_index(ds, path=None, kind="auto", queries=Q, k=K, nprobe=P, ...)
+                                                   auto: the cheaper of exact IndexFlatIP and IVF-PQ
+                                                   (kNN-LM: 4096 lists, 64 sub-quantizers × 8 bits, trained on
+                                                   a seeded sample) for Q searches of K neighbours, stated when
+                                                   chosen (`index_choice`); without Q: exact while N·D ≤ 2^27
   KnnIndex.load(path, datastore=ds, nprobe=32, gpu=False)
   index.search(queries [n, D] float32, k) -> (scores [n, k] float32, ids [n, k] int64), best first;
                                                    ids index the datastore (-1 / -inf: fewer than k found)
   rescore(ds, queries, ids) -> (scores, ids)       exact inner products from the stored float16 keys, re-sorted
   gpu_available()                                  whether this faiss build can move indexes to a GPU
+
+Verified on load: the sidecar parses, the index file matches the digest the sidecar recorded (`file_digest`,
+the datastore's), and its dimension and count match the sidecar and the datastore.
 
 Scores are raw inner products q·k; TRIME's similarity is q·k / √D (the evaluator applies the scale and its
 temperature). IVF-PQ scores are approximate (PQ codes); `rescore` recovers the exact ones for the retrieved ids.
@@ -30,14 +34,48 @@ import numpy as np
 from tqdm import tqdm
 
 from trime_jax import data
-from trime_jax.datastore.build import Datastore
-from trime_jax.errors import CheckpointError, ConfigError
+from trime_jax.datastore.build import Datastore, file_digest
+from trime_jax.errors import CheckpointError, ConfigError, DamagedCheckpointError
 
 FORMAT = "trime-faiss-index/1"
 KINDS = ("auto", "flat", "ivfpq")
 EXACT_MAX_FLOATS = 1 << 27  # auto: exact IndexFlatIP while its float32 copy of the keys (N·D) fits 512 MiB
 MIN_POINTS_PER_CENTROID = 39  # below this faiss k-means warns that clustering is unreliable
 RESCORE_FLOATS = 1 << 22  # float32 keys gathered at a time by `rescore` (16 MiB)
+# Cost model of `index_choice`, measured with faiss-cpu on the 2-core CI machine under load (375k × 128 random
+# keys): an exact search scans 1.6e9 multiply-adds/s (K=16 and K=1024 alike), k-means training 5.3e9/s (GEMM).
+FLAT_MACS_PER_S = 1.6e9
+KMEANS_MACS_PER_S = 5.3e9
+KMEANS_ITERS = 25  # faiss Clustering's default niter
+
+
+def index_choice(n: int, d: int, queries: int, k: int, *, nprobe: int = 32, nlist: int = 4096, pq_m: int = 64,
+                 train_size: int = 1_000_000, exact_max_floats: int = EXACT_MAX_FLOATS) -> tuple[str, str]:
+  """("flat" | "ivfpq", why): the index whose build + `queries` searches of K neighbours costs less.
+
+  flat:  queries · N · D multiply-adds (every query scans every key).
+  ivfpq: k-means (KMEANS_ITERS · train · nlist · D, at GEMM speed) + queries · (nlist · D + nprobe · N/nlist · m).
+  Exact wins ties, and whenever IVF-PQ's nprobe lists hold fewer than 2K candidates (it could not return K good
+  neighbours) or the store is too small to train; it loses when its float32 keys exceed `exact_max_floats`."""
+  n_train = min(n, int(train_size))
+  nlist_used = max(1, min(int(nlist), n_train // MIN_POINTS_PER_CENTROID))
+  m_used = _largest_divisor_at_most(d, int(pq_m))
+  flat_s = queries * n * d / FLAT_MACS_PER_S
+  ivf_s = (KMEANS_ITERS * n_train * nlist_used * d / KMEANS_MACS_PER_S
+           + queries * (nlist_used * d + nprobe * n / nlist_used * m_used) / FLAT_MACS_PER_S)
+  costs = (f"{queries:,} searches of K={k} over {n:,} × {d} keys: exact ~{_dur(flat_s)}, IVF-PQ (nlist={nlist_used},"
+           f" nprobe={nprobe}, incl. training) ~{_dur(ivf_s)} at the 2-core rates in trime_jax/datastore/index.py")
+  if n * d > exact_max_floats:
+    return "ivfpq", f"IVF-PQ: an exact index's float32 keys ({n * d * 4 / 2**30:.1f} GiB) exceed the limit; {costs}"
+  if n_train < 2 * MIN_POINTS_PER_CENTROID or nprobe * n / nlist_used < 2 * k:
+    return "flat", f"exact: too few keys for IVF-PQ to return K={k} good neighbours; {costs}"
+  if flat_s <= ivf_s:
+    return "flat", f"exact: the cheaper one; {costs}"
+  return "ivfpq", f"IVF-PQ: the cheaper one (approximate scores; --index=flat forces exact); {costs}"
+
+
+def _dur(seconds: float) -> str:
+  return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def gpu_available() -> bool:
@@ -59,7 +97,8 @@ def _f32(x) -> np.ndarray:
 
 
 def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
-                exact_max_floats: int = EXACT_MAX_FLOATS,
+                exact_max_floats: int = EXACT_MAX_FLOATS, queries: int | None = None, k: int = 1024,
+                nprobe: int = 32,
                 nlist: int = 4096, pq_m: int = 64, pq_bits: int = 8, train_size: int = 1_000_000,
                 add_chunk: int = 1 << 20, seed: int = 0, progress: bool = True) -> "KnnIndex":
   """Build, save (`path`, default `<datastore>/index.faiss`) and return an inner-product index over `ds.keys`.
@@ -71,8 +110,13 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
     raise ConfigError(f"index kind must be one of {KINDS}, got {kind!r}")
   path = path or os.path.join(ds.directory, "index.faiss")
   n, d = ds.count, ds.dimension
-  if kind == "auto":
+  if kind == "auto" and queries is None:  # no search cost to weigh: exact while the keys fit
     kind = "flat" if n * d <= exact_max_floats else "ivfpq"
+  elif kind == "auto":
+    kind, why = index_choice(n, d, int(queries), int(k), nprobe=nprobe, nlist=nlist, pq_m=pq_m,
+                             train_size=train_size, exact_max_floats=exact_max_floats)
+    if progress:
+      print(f"index: auto chose {why}", flush=True)
   info = {"format": FORMAT, "index_type": kind, "metric": "inner_product", "dimension": d, "count": n,
           "datastore_fingerprint": ds.fingerprint, "datastore": ds.directory}
   t0 = time.perf_counter()
@@ -107,6 +151,7 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
   tmp = f"{path}.tmp.{os.getpid()}"
   faiss.write_index(index, tmp)
   os.replace(tmp, path)
+  info["file_digest"] = file_digest(path)
   data.atomic_write_json(_sidecar(path), info)
   if progress:
     print(f"index: {kind} over {n:,} × {d} keys in {info['build_seconds']:.1f} s -> {path}", flush=True)
@@ -144,11 +189,22 @@ class KnnIndex:
       raise CheckpointError(f"FAISS index not found: {path} (build one with `python -m launch.build_datastore`)")
     if not os.path.exists(_sidecar(path)):
       raise CheckpointError(f"FAISS index {path} is incomplete: its sidecar {_sidecar(path)} is missing; rebuild it")
-    with open(_sidecar(path)) as f:
-      info = json.load(f)
+    try:
+      with open(_sidecar(path)) as f:
+        info = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+      raise DamagedCheckpointError(f"FAISS index sidecar {_sidecar(path)} is corrupt or truncated ({e}); rebuild "
+                                   "the index") from None
     if info.get("format") != FORMAT:
       raise CheckpointError(f"{_sidecar(path)}: unknown index format {info.get('format')!r}")
-    index = faiss.read_index(path)
+    if "file_digest" in info and file_digest(path) != info["file_digest"]:
+      raise DamagedCheckpointError(f"FAISS index {path} is damaged: its digest {file_digest(path)} != "
+                                   f"{info['file_digest']} recorded in {_sidecar(path)}; rebuild it")
+    try:
+      index = faiss.read_index(path)
+    except RuntimeError as e:
+      raise DamagedCheckpointError(f"FAISS index {path} cannot be read ({str(e).splitlines()[0][:200]}); "
+                                   "rebuild it") from None
     if index.d != info["dimension"] or index.ntotal != info["count"]:
       raise CheckpointError(f"FAISS index {path} holds {index.ntotal} × {index.d} keys, its sidecar says "
                             f"{info['count']} × {info['dimension']}; rebuild it")
