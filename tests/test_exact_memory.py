@@ -122,3 +122,26 @@ def test_sharded_distribution_equals_float64_reference_on_8_devices(eight_device
       assert c[name] <= 1e-12, (m, name, c)
     for name in ("log_terms_chunk0", "log_terms_chunk3"):  # values up to ~|4 · sim| of several hundred
       assert c[name] <= 1e-11, (m, name, c)
+
+
+def test_evaluate_checkpoint_with_datastore_on_device(setup, monkeypatch):  # noqa: F811
+  """The config switch: eval.datastore_on_device=True gives the FAISS flat (K = datastore) numbers, without
+  retrieval accuracy; the FAISS path stays the default."""
+  import types
+
+  s = setup
+  splits = types.SimpleNamespace(train=s["train"], dev=s["dev"], get=lambda split: s["dev"])
+  monkeypatch.setattr(evaluate, "load_eval_data", lambda config, vocab: splits)
+  cfg = s["cfg"]
+  assert cfg.eval.datastore_on_device is False  # the default
+  cfg.eval.datastore, cfg.eval.knn_k, cfg.eval.knn_gpu = str(s["tmp"] / "ds"), 10_000, False
+  faiss_out = evaluate.evaluate_checkpoint(cfg, s["export"], external_memory=True)
+  cfg.eval.datastore_on_device = True
+  exact_out = evaluate.evaluate_checkpoint(cfg, s["export"], external_memory=True)
+  cfg.eval.datastore_on_device = False
+  assert (faiss_out["index"], exact_out["index"]) == ("flat", "on_device_exact")
+  assert exact_out["k"] == faiss_out["k"] == len(s["train"]) and exact_out["exact"]
+  assert exact_out["retrieval_accuracy"] == {} and faiss_out["retrieval_accuracy"]["top1024"] > 0
+  assert [r["variant"] for r in exact_out["rows"]] == [r["variant"] for r in faiss_out["rows"]]
+  np.testing.assert_allclose([r["nll"] for r in exact_out["rows"]], [r["nll"] for r in faiss_out["rows"]],
+                             rtol=1e-5)
