@@ -69,6 +69,15 @@ def test_on_device_exact_equals_faiss_flat_with_k_the_datastore_and_brute_force(
     assert got[fam] == pytest.approx(want[fam], rel=2e-5), fam
   # Streams do not matter.
   np.testing.assert_allclose([r.nll for r in run(store, 1).scores], [r.nll for r in exact.scores], rtol=1e-5)
+  # With a long-term store (streams re-run warm-up windows to fill it): the same numbers as FAISS.
+  long_run = lambda ext: evaluate.evaluate(s["graphdef"], s["params"], s["dev"], points, block_len=BLOCK,
+                                           context_window=CTX, streams=2, external=ext,
+                                           long_term=evaluate.StoreSpec(12, reset_at_documents=False))
+  calls = store.queries
+  got, want = long_run(store), long_run(knn.ExternalMemory(str(s["tmp"] / "ds"), k=10_000))
+  assert store.queries > calls
+  np.testing.assert_allclose([r.nll for r in got.scores], [r.nll for r in want.scores], rtol=1e-5)
+  assert got.scores[3].nll != pytest.approx(exact.scores[3].nll, rel=1e-4)  # the store changed trime's nll
 
 
 def test_exact_external_log_probs_is_the_trime_distribution(setup):  # noqa: F811
