@@ -122,6 +122,8 @@ def get_config():
   e.nprobe = 32  # IVF lists searched per query (IVF-PQ indexes)
   e.knn_exact = False  # re-score the retrieved entries exactly from the stored float16 keys
   e.knn_gpu = False  # move the FAISS index to GPU 0 (needs a GPU build of faiss; faiss-cpu says so clearly)
+  e.datastore_on_device = False  # exact external memory: every datastore key on the devices (sharded over all of
+  #   them), no FAISS top-K; needs the keys to fit in the devices' combined memory (docs/sharded_memory.md)
   e.knn_temperature = 1.0  # τ′ of P′ in the interpolation (Appendix A), on g·g_j/√D: original --interp-temp = √D·τ′
   e.interp_memory = "external"  # P′ over: external (top-K retrieved only, the original release) | all (local +
   #   long-term + retrieved, the paper's text)

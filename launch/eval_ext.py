@@ -41,7 +41,8 @@ def main(argv):
   print(evaluate.format_table(shown, columns=cols))
   print("interp_memory: the memories P′ covers (external: top-K retrieved only, the original release; "
         "all: local + long-term + retrieved, the paper's text)")
-  print("\ntop-K retrieval accuracy: " + ", ".join(f"{k} {v:.1%}" for k, v in out["retrieval_accuracy"].items()))
+  if out["retrieval_accuracy"]:  # empty with eval.datastore_on_device (no top-K ranking)
+    print("\ntop-K retrieval accuracy: " + ", ".join(f"{k} {v:.1%}" for k, v in out["retrieval_accuracy"].items()))
   if "buckets" in out:
     b = out["buckets"]
     rows = [{"variant": name, **{f"{n} ({int(t):,})": p for n, t, p in zip(b["names"], b["tokens"], ppl)}}

@@ -59,6 +59,7 @@ from tqdm import tqdm
 from trime_jax import checkpoint as ckpt
 from trime_jax import corpora
 from trime_jax import data
+from trime_jax import exact_memory
 from trime_jax import knn
 from trime_jax import long_memory
 from trime_jax import loss
@@ -250,6 +251,20 @@ def _log_p_mem(blocks, scale, targets):
   return jnp.where(has, log_pos - jnp.where(has, log_all, 0.0), -jnp.inf), has
 
 
+def exact_scales(points) -> tuple:
+  """The scales c at which `point_nlls` reads the external memory (c·sim: 1/τ, 1/τ′, θ): what the exact
+  on-device memory sums over (`exact_memory.external_log_terms`)."""
+  out = set()
+  for pt in points:
+    if pt.family in ("trime", "interp"):
+      out.add(1.0 / pt.tau)
+    if pt.family == "interp":
+      out.add(1.0 / pt.tau_prime)
+    if pt.family in ("knnlm", "knnlm_cache"):
+      out.add(pt.theta)
+  return tuple(sorted(out))
+
+
 def _mix(log_p_model, log_p_mem, has_mem, lam):
   mixed = jnp.logaddexp(math.log1p(-lam) + log_p_model, math.log(lam) + log_p_mem)
   return jnp.where(has_mem, mixed, log_p_model)
@@ -257,11 +272,15 @@ def _mix(log_p_model, log_p_mem, has_mem, lam):
 
 def point_nlls(stats: loss.VocabStats, targets, local_blocks, ext_block, points):
   """[P, ..., Q] nll of every query under every point. `local_blocks`: local (+ long-term) memory;
-  `ext_block`: the retrieved entries, or None. Shared terms (a TRIME softmax at τ, a p_mem at θ) are computed
+  `ext_block`: the retrieved entries, or None, or (exact on-device memory, `exact_memory.summary_blocks`) one
+  block per scale at which the points read it. Shared terms (a TRIME softmax at τ, a p_mem at θ) are computed
   once per pass."""
   lse = loss.masked_logsumexp_with
-  all_blocks = local_blocks + ([ext_block] if ext_block is not None else [])
-  blocks_of = {"local": local_blocks, "external": [ext_block], "all": all_blocks}
+
+  def blocks_of(which, scale):
+    ext = [] if ext_block is None else [MemoryBlock(*ext_block[scale]) if isinstance(ext_block, dict) else ext_block]
+    return {"local": local_blocks, "external": ext, "all": local_blocks + ext}[which]
+
   log_p_vocab = stats.target_logit - stats.log_normalizer
 
   def log_p_trime(blocks, tau):
@@ -283,15 +302,15 @@ def point_nlls(stats: loss.VocabStats, targets, local_blocks, ext_block, points)
       lp = log_p_vocab
     elif pt.family in ("trime_local", "trime"):
       which = "local" if pt.family == "trime_local" else "all"
-      lp = once(("trime", which, pt.tau), lambda: log_p_trime(blocks_of[which], pt.tau))
+      lp = once(("trime", which, pt.tau), lambda: log_p_trime(blocks_of(which, 1.0 / pt.tau), pt.tau))
     elif pt.family == "interp":  # P′ at θ = 1/τ′: shared with knnlm(_cache) at that θ
-      lt = once(("trime", "all", pt.tau), lambda: log_p_trime(all_blocks, pt.tau))
+      lt = once(("trime", "all", pt.tau), lambda: log_p_trime(blocks_of("all", 1.0 / pt.tau), pt.tau))
       lm, has = once(("mem", pt.interp_memory, 1.0 / pt.tau_prime),
-                     lambda: _log_p_mem(blocks_of[pt.interp_memory], 1.0 / pt.tau_prime, targets))
+                     lambda: _log_p_mem(blocks_of(pt.interp_memory, 1.0 / pt.tau_prime), 1.0 / pt.tau_prime, targets))
       lp = _mix(lt, lm, has, pt.lam)
     else:  # cache | knnlm | knnlm_cache: the model mixed with a memory-only distribution at θ
       which = {"cache": "local", "knnlm": "external", "knnlm_cache": "all"}[pt.family]
-      lm, has = once(("mem", which, pt.theta), lambda: _log_p_mem(blocks_of[which], pt.theta, targets))
+      lm, has = once(("mem", which, pt.theta), lambda: _log_p_mem(blocks_of(which, pt.theta), pt.theta, targets))
       lp = _mix(log_p_vocab, lm, has, pt.lam)
     out.append(-lp)
   return jnp.where(targets >= 0, jnp.stack(out), 0.0)
@@ -315,9 +334,10 @@ def forward_queries(graphdef, params, inputs_SxL, targets_SxL, qstart_S, *, quer
 
 @functools.partial(jax.jit, static_argnames=("points", "long_term", "n_buckets"), donate_argnames=("store",))
 def score_step(store: long_memory.Store, keys, targets, q_keys, q_stats, q_targets, qpos, batch, ext_sim,
-               ext_targets, bucket_q, *, points: tuple, long_term: StoreSpec, n_buckets: int):
+               ext_targets, bucket_q, ext_exact=None, *, points: tuple, long_term: StoreSpec, n_buckets: int):
   """(nll sums [P], per-bucket nll sums [P, n_buckets], per-bucket token counts [n_buckets], the store with
-  this step's queries inserted)."""
+  this step's queries inserted). External memory: top-K retrieved (`ext_sim`, `ext_targets` [S, Q, K]) or the
+  exact on-device sums (`ext_exact`: (lse_neg, lse_pos) [C, S, Q] at `exact_scales(points)`)."""
   pos = batch["start"][:, None] + qpos  # global target positions
   real = (pos >= (batch["start"] + batch["offset"])[:, None]) & (pos < batch["end"][:, None]) & (q_targets >= 0)
   local = [local_block(q_keys, q_targets, qpos, keys, targets)]
@@ -325,6 +345,8 @@ def score_step(store: long_memory.Store, keys, targets, q_keys, q_stats, q_targe
     local.append(long_term_block(store, q_keys, q_targets, batch["doc_q"], batch["start"], batch["span"],
                                  long_term))
   ext = external_block(ext_sim, ext_targets, q_targets) if ext_sim is not None else None
+  if ext_exact is not None:
+    ext = exact_memory.summary_blocks(*ext_exact, exact_scales(points))
   nll = point_nlls(q_stats, q_targets, local, ext, points)  # [P, S, Q]
   scored = real & batch["score"][:, None]
   nll = jnp.where(scored[None], nll, 0.0)
@@ -417,7 +439,8 @@ class EvalResult:
   scores: list  # [Score] per point, in the order given
   bucket_nll: np.ndarray  # [P, n_buckets] mean nll per frequency bucket (nan where a bucket is empty)
   bucket_tokens: np.ndarray  # [n_buckets]
-  retrieval_hits: np.ndarray  # [len(knn.RETRIEVAL_KS)] scored tokens whose target is in the top-k next tokens
+  retrieval_hits: np.ndarray | None  # [len(knn.RETRIEVAL_KS)] scored tokens whose target is in the top-k next
+  #   tokens (None: exact on-device memory, no ranking)
   seconds: float
   search_seconds: float
 
@@ -426,17 +449,21 @@ class EvalResult:
     return self.scores[0].tokens
 
   def retrieval_accuracy(self) -> dict:
+    if self.retrieval_hits is None:
+      return {}
     return {f"top{k}": float(h) / max(self.tokens, 1) for k, h in zip(knn.RETRIEVAL_KS, self.retrieval_hits)}
 
 
 def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, context_window: int, streams: int,
-             long_term: StoreSpec = StoreSpec(), external: knn.ExternalMemory | None = None, vocab_chunk: int = 0,
+             long_term: StoreSpec = StoreSpec(),
+             external: knn.ExternalMemory | exact_memory.DeviceDatastore | None = None, vocab_chunk: int = 0,
              max_tokens: int = 0, word_buckets_V=None, progress: bool = False,
              break_mode: str = "none") -> EvalResult:
   """Score `corpus` under every point in one pass: `streams` parallel streams, each with a long-term store of
-  `long_term.mem_size` tokens, plus one top-K search per scored token when `external` is given. Results do not
-  depend on `streams` (up to float rounding). `break_mode`: fairseq's --sample-break-mode of the windows
-  (`data.eval_windows`)."""
+  `long_term.mem_size` tokens, plus one top-K search per scored token when `external` is given (a
+  `knn.ExternalMemory`), or every datastore entry (an `exact_memory.DeviceDatastore`: exact sums on device,
+  no retrieval accuracy). Results do not depend on `streams` (up to float rounding). `break_mode`: fairseq's
+  --sample-break-mode of the windows (`data.eval_windows`)."""
   points = tuple(points)
   if not points:
     raise ConfigError("nothing to evaluate: no points")
@@ -461,6 +488,8 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   bucket_counts = np.zeros(n_buckets)
   hits = np.zeros(len(knn.RETRIEVAL_KS), np.int64)
   search_s0 = external.search_seconds if external is not None else 0.0
+  on_device = isinstance(external, exact_memory.DeviceDatastore)
+  scales = exact_scales(points)
   t0 = time.perf_counter()
   desc = "eval" + (" (external)" if external else "") + (f" mem={long_term.mem_size}" if long_term.mem_size else "")
   for step in tqdm(range(len(plan.schedule)), desc=desc, disable=not progress, unit="step"):
@@ -469,8 +498,10 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
                                                              batch["qstart"], queries=plan.queries,
                                                              vocab_chunk=vocab_chunk)
     q_targets_np = np.asarray(q_targets)
-    ext_sim = ext_targets = None
-    if external is not None:
+    ext_sim = ext_targets = ext_exact = None
+    if on_device:  # every datastore entry, on the devices (retrieval accuracy does not apply)
+      ext_exact = external.log_terms(q_keys, q_targets, scales)
+    elif external is not None:
       qpos_np = batch["start"][:, None] + np.asarray(qpos)
       scored = ((qpos_np >= (batch["start"] + batch["offset"])[:, None]) & (qpos_np < batch["end"][:, None])
                 & (q_targets_np >= 0) & batch["score"][:, None])
@@ -483,7 +514,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
     bucket_q = buckets[np.maximum(q_targets_np, 0)]
     sums, bucket_sums, bucket_count, store = score_step(
         store, keys, batch["targets"], q_keys, q_stats, q_targets, qpos, batch, ext_sim, ext_targets, bucket_q,
-        points=points, long_term=long_term, n_buckets=n_buckets)
+        ext_exact, points=points, long_term=long_term, n_buckets=n_buckets)
     totals += np.asarray(sums, np.float64)
     bucket_totals += np.asarray(bucket_sums, np.float64)
     bucket_counts += np.asarray(bucket_count, np.float64)
@@ -493,7 +524,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   with np.errstate(invalid="ignore", divide="ignore"):
     bucket_nll = np.where(bucket_counts > 0, bucket_totals / bucket_counts, np.nan)
   search = (external.search_seconds - search_s0) if external is not None else 0.0
-  return EvalResult(scores, bucket_nll, bucket_counts, hits, seconds, search)
+  return EvalResult(scores, bucket_nll, bucket_counts, None if on_device else hits, seconds, search)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -553,6 +584,19 @@ def _rows(result: EvalResult, *, split: str, mem_size: int, best: dict | None, d
   return rows
 
 
+def on_device_datastore(e, checkpoint_dir: str) -> exact_memory.DeviceDatastore:
+  """eval.datastore on all devices (eval.datastore_on_device=True), checked against the model; the FAISS index
+  is not read."""
+  if not isinstance(e.datastore_on_device, bool):
+    raise ConfigError(f"eval.datastore_on_device must be True or False, got {e.datastore_on_device!r}")
+  if e.knn_gpu:
+    raise ConfigError("eval.datastore_on_device=True scores every key on the devices without FAISS: "
+                      "eval.knn_gpu=True does not apply (set one of them)")
+  ds = exact_memory.Datastore(e.datastore)
+  ds.check_checkpoint(checkpoint_dir)
+  return exact_memory.load_datastore(ds)
+
+
 def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = False, mem_sizes=None,
                         label: str = "", progress: bool = False, throughput_tokens: int = 0) -> dict:
   """Evaluate an export on `config.eval.split`, for each long-term memory size of `mem_sizes` (default:
@@ -576,8 +620,11 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
   if external_memory:
     if not e.datastore:
       raise ConfigError("eval.datastore is not set: build one with `python -m launch.build_datastore`")
-    knn_memory = knn.ExternalMemory(e.datastore, index_path=e.index, checkpoint_dir=checkpoint_dir, k=e.knn_k,
-                                    nprobe=e.nprobe, exact=e.knn_exact, gpu=e.knn_gpu)
+    if e.datastore_on_device:
+      knn_memory = on_device_datastore(e, checkpoint_dir)
+    else:
+      knn_memory = knn.ExternalMemory(e.datastore, index_path=e.index, checkpoint_dir=checkpoint_dir, k=e.knn_k,
+                                      nprobe=e.nprobe, exact=e.knn_exact, gpu=e.knn_gpu)
     buckets = knn.frequency_buckets(splits.train.tokens, len(vocab)) if vocab.kind == "words" else None
   points = grid(families) if e.tune else configured_points(e, families)
   sizes = [int(m) for m in mem_sizes] if mem_sizes else [int(e.mem_size)]
@@ -589,8 +636,9 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
                           break_mode=e.get("sample_break_mode", "none"))
   out = {"checkpoint": checkpoint_dir, "split": e.split, "rows": []}
   if external_memory:
-    out.update(datastore=e.datastore, index=knn_memory.index.kind, k=knn_memory.k, nprobe=e.nprobe,
-               exact=bool(e.knn_exact), mem_size=sizes[0])
+    on_device = isinstance(knn_memory, exact_memory.DeviceDatastore)
+    out.update(datastore=e.datastore, index="on_device_exact" if on_device else knn_memory.index.kind,
+               k=knn_memory.k, nprobe=e.nprobe, exact=bool(e.knn_exact or on_device), mem_size=sizes[0])
   for mem_size in sizes:
     long_term = StoreSpec(mem_size, bool(e.reset_at_documents))
     best = dev_best = None

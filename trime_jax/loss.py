@@ -13,6 +13,7 @@ Both log-terms always contain a vocabulary term, so a query with no visible memo
 softmax exactly (no additive -10000 masks anywhere). Implementations:
 
 * dense (`memory_nll`, `memory_log_probs`): explicit `[N, M]` masks, for tests and small memories;
+  `sharded_memory_log_probs` is the same distribution with the memory sharded over devices (`sharded_loss`);
 * blockwise (`memory_log_terms`): scans memory chunks with a running log-sum-exp under a custom VJP that
   recomputes similarities in the backward pass, so no `[N, M]` float array is ever held for the batch. Its
   kernels (`fold_memory`, `memory_grads`) are public: `sharded_loss`'s ring folds each passing block with them.
@@ -327,6 +328,16 @@ def memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mas
   """
   scale = jnp.asarray(_scale(keys.shape[-1], temperature), accumulation_dtype(keys))
   return _memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask, scale)
+
+
+def sharded_memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask=None, *, mesh,
+                             temperature=1.0, **options):
+  """`memory_log_probs` with the memory sharded over the `data` axis of `mesh` (memory_mask may be None: all
+  visible). Implemented in `sharded_loss.sharded_memory_log_probs` (see there for `axis`, `memory_chunk`)."""
+  from trime_jax import sharded_loss  # imported here: sharded_loss imports this module
+
+  return sharded_loss.sharded_memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask,
+                                               mesh=mesh, temperature=temperature, **options)
 
 
 # ----------------------------------------------------------------------------------------------------------

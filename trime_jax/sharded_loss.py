@@ -327,3 +327,105 @@ def _ring_bwd(axis, n, chunk, key_grads, res, cotangents):
 
 
 _ring_log_terms.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The full memory-augmented distribution with the memory sharded over devices (generation, exact external
+# memory): a per-device segment sum into vocabulary buckets, combined with a max / sum collective.
+# ----------------------------------------------------------------------------------------------------------
+def fold_memory_chunks(fold, state, m: int, chunk: int):
+  """`fold(state, start, size)` over memory rows [0, m) in chunks of `chunk` rows (static sizes; a shorter
+  last chunk). The chunks are dynamic slices of the caller's arrays: the memory shard is never copied."""
+  chunk = max(1, min(chunk, m))
+  full = m // chunk
+  if full:
+    state = lax.fori_loop(0, full, lambda i, s: fold(s, i * chunk, chunk), state)
+  if m % chunk:
+    state = fold(state, full * chunk, m % chunk)
+  return state
+
+
+def pad_memory(n: int, memory_keys, memory_targets, memory_mask=None):
+  """Pad the memory axis to a multiple of n devices: zero keys, target -1 (never visible), mask False."""
+  pad = -memory_keys.shape[0] % n
+  if not pad:
+    return memory_keys, memory_targets, memory_mask
+  memory_keys = jnp.pad(memory_keys, ((0, pad), (0, 0)))
+  memory_targets = jnp.pad(memory_targets, (0, pad), constant_values=-1)
+  if memory_mask is not None:
+    memory_mask = jnp.pad(memory_mask, ((0, 0), (0, pad)))
+  return memory_keys, memory_targets, memory_mask
+
+
+def sharded_memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask=None, *, mesh,
+                             temperature=1.0, axis: str = DATA, memory_chunk: int = 0):
+  """`loss.memory_log_probs` with the memory sharded over `axis` of `mesh`: log-probabilities `[N, V]`.
+
+  token_logits `[N, V]`, keys `[N, D]` (replicated: every device scores every query), memory_keys `[M, D]`,
+  memory_targets `[M]` int (negative: ignored), memory_mask `[N, M]` bool or None (every memory visible).
+  M need not be a multiple of the device count (the memory is padded with invisible entries; a memory already
+  sharded as `P(axis)` with M a multiple of n is used in place). Each device scans its shard in chunks of
+  `memory_chunk` rows (0: about `loss.DEFAULT_BLOCK_ELEMS` similarities per chunk), keeping per vocabulary
+  bucket a running max and a segment sum of exp(similarity - max); the devices' buckets are then combined
+  with one `pmax` and one `psum` of `[V, N]`, so no bucket's mass underflows however far it lies below the
+  others, and a device with no visible memory contributes exactly nothing. Returns a replicated array.
+  """
+  token_logits, keys = jnp.asarray(token_logits), jnp.asarray(keys)
+  memory_keys, memory_targets = jnp.asarray(memory_keys), jnp.asarray(memory_targets, jnp.int32)
+  n_q, v = token_logits.shape
+  m, d = memory_keys.shape
+  if keys.shape != (n_q, d) or memory_targets.shape != (m,):
+    raise ValueError(f"shapes do not fit: token_logits {token_logits.shape}, keys {keys.shape}, memory_keys "
+                     f"{memory_keys.shape}, memory_targets {memory_targets.shape}")
+  if memory_mask is not None:
+    memory_mask = jnp.asarray(memory_mask, bool)
+    if memory_mask.shape != (n_q, m):
+      raise ValueError(f"memory_mask must be [N={n_q}, M={m}], got {memory_mask.shape}")
+  n = mesh.shape[axis]
+  memory_keys, memory_targets, memory_mask = pad_memory(n, memory_keys, memory_targets, memory_mask)
+  acc = loss.accumulation_dtype(token_logits, keys)
+  scale = loss.similarity_scale(d, temperature, acc)
+  chunk = memory_chunk or loss.chunk_len(n_q, memory_keys.shape[0] // n)
+  return _sharded_log_probs(mesh, axis, chunk, token_logits.astype(acc), keys, memory_keys, memory_targets,
+                            memory_mask, scale)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _sharded_log_probs(mesh, axis, chunk, logits_NxV, q_NxD, mk_MxD, mt_M, mask_NxM, scale):
+  spec_mask = () if mask_NxM is None else (P(None, axis),)
+  args = () if mask_NxM is None else (mask_NxM,)
+  body = functools.partial(_device_log_probs, axis, chunk, mask_NxM is not None)
+  per_device = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axis), P(axis), P()) + spec_mask,
+                             out_specs=P(), check_vma=False)
+  return per_device(logits_NxV, q_NxD, mk_MxD, mt_M, scale, *args)
+
+
+def _device_log_probs(axis, chunk, has_mask, logits_NxV, q_NxD, mk_mxD, mt_m, scale, mask_Nxm=None):
+  n_q, v = logits_NxV.shape
+  acc = logits_NxV.dtype
+
+  def fold(state, start, size):
+    bmax_VxN, bsum_VxN = state
+    t = lax.dynamic_slice_in_dim(mt_m, start, size)
+    vis_cxN = jnp.broadcast_to((t >= 0)[:, None], (size, n_q))
+    if has_mask:
+      vis_cxN = vis_cxN & lax.dynamic_slice_in_dim(mask_Nxm, start, size, axis=1).T
+    k = lax.dynamic_slice_in_dim(mk_mxD, start, size)
+    sim_cxN = jnp.where(vis_cxN, loss._similarities(q_NxD, k, scale).T.astype(acc), -jnp.inf)
+    b = jnp.maximum(t, 0)
+    # Per-bucket running max (as `loss.memory_log_probs`): a bucket far below the row's best keeps its mass.
+    new_VxN = lax.stop_gradient(jnp.maximum(bmax_VxN, jax.ops.segment_max(sim_cxN, b, num_segments=v)))
+    ref_VxN = jnp.where(jnp.isfinite(new_VxN), new_VxN, 0.0)
+    bsum_VxN = (bsum_VxN * jnp.exp(bmax_VxN - ref_VxN)
+                + jax.ops.segment_sum(jnp.exp(sim_cxN - ref_VxN[b]), b, num_segments=v))
+    return new_VxN, bsum_VxN
+
+  start = (jnp.full((v, n_q), -jnp.inf, acc), jnp.zeros((v, n_q), acc))
+  bmax_VxN, bsum_VxN = fold_memory_chunks(fold, start, mt_m.shape[0], chunk)
+  # Combine the devices: the global per-bucket max, then every device's sum rescaled to it (exact; a device
+  # whose bucket is empty has max -inf and adds 0).
+  gmax_VxN = lax.pmax(lax.stop_gradient(bmax_VxN), axis)
+  ref_VxN = jnp.where(jnp.isfinite(gmax_VxN), gmax_VxN, 0.0)
+  total_VxN = lax.psum(bsum_VxN * jnp.exp(bmax_VxN - ref_VxN), axis)
+  log_total_NxV = jnp.logaddexp(logits_NxV, (ref_VxN + jnp.log(total_VxN)).T)
+  return log_total_NxV - jax.nn.logsumexp(log_total_NxV, axis=-1, keepdims=True)

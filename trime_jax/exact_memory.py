@@ -1,0 +1,237 @@
+"""Exact external memory on device: every datastore key, sharded over the `data` mesh axis, instead of FAISS top-K.
+
+When the datastore's keys fit in the devices' combined memory (`eval.datastore_on_device=True`), a query is
+scored against all of them: nothing is approximated (no IVF lists, no product quantisation) and nothing is
+truncated (no K). Two entry points share one layout (`DeviceDatastore`, keys `[M, D]` in the datastore's dtype
+sharded as `P("data")`, padded to a multiple of the device count with invisible entries):
+
+  external_log_terms       for evaluation: per query and per scale c, log Σ exp(c·sim) over the memories whose
+                           next token is the query's target and over all the others (`[C, N]` each). Every
+                           family of `evaluate` needs only these (TRIME at c = 1/τ, p_mem at θ, P′ at 1/τ′), so
+                           the memory never leaves the devices and a query costs `[C, N]` numbers of traffic.
+  exact_external_log_probs for generation: the full TRIME distribution `[N, V]` over the vocabulary plus all
+                           datastore memories (`sharded_loss.sharded_memory_log_probs`, no mask).
+
+sim = g(c)·k_j / √D, as `knn.ExternalMemory` returns it. Each device scans its shard in chunks with a running
+max; the devices combine with one `pmax` and one `psum` (the max first, so no device's sums underflow).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from trime_jax import loss, sharding
+from trime_jax.datastore import Datastore
+from trime_jax.errors import CheckpointError, ConfigError
+from trime_jax.sharded_loss import fold_memory_chunks, sharded_memory_log_probs
+
+# Share of a device's memory the datastore may take (the rest: the model, activations, similarity blocks).
+MAX_MEMORY_SHARE = 0.8
+
+
+def device_bytes(count: int, dimension: int, devices: int, key_bytes: int = 2) -> int:
+  """Bytes one device holds for a datastore of `count` keys of `dimension` (keys + int32 targets), padded."""
+  per = -(-count // devices)
+  return per * (dimension * key_bytes + 4)
+
+
+def device_memory_limit(device) -> int | None:
+  """Bytes the device can allocate, or None where the backend does not say (CPU)."""
+  try:
+    stats = device.memory_stats()
+  except Exception:  # noqa: BLE001 - backends without memory stats
+    return None
+  return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+@dataclasses.dataclass
+class DeviceDatastore:
+  """A datastore's keys and next tokens on the devices of `mesh`, rows sharded over `axis`."""
+
+  keys: jax.Array  # [M_pad, D] datastore dtype (float16), P(axis)
+  targets: jax.Array  # [M_pad] int32, -1 for the padding rows past `count`
+  count: int
+  mesh: jax.sharding.Mesh
+  axis: str = sharding.DATA
+  search_seconds: float = 0.0  # time spent in `log_terms` (the counterpart of FAISS search time)
+  queries: int = 0
+
+  @property
+  def dimension(self) -> int:
+    return int(self.keys.shape[1])
+
+  @property
+  def k(self) -> int:  # every query sees every entry
+    return self.count
+
+  @property
+  def devices(self) -> int:
+    return int(self.mesh.shape[self.axis])
+
+  def log_terms(self, queries_NxD, targets_N, scales) -> tuple[np.ndarray, np.ndarray]:
+    """Host arrays (lse_neg, lse_pos) `[C, N]`: see `external_log_terms`."""
+    t0 = time.perf_counter()
+    out = jax.device_get(external_log_terms(queries_NxD, targets_N, self, scales))
+    self.search_seconds += time.perf_counter() - t0
+    self.queries += int(np.prod(np.shape(targets_N)))
+    return out
+
+
+def load_datastore(ds: Datastore | str, mesh=None, *, axis: str = sharding.DATA, dtype=None) -> DeviceDatastore:
+  """Put a datastore on the devices of `mesh` (default: all devices), each device reading only its own rows
+  from the memory-mapped file. Raises ConfigError when the keys would not fit (devices that report their
+  memory: GPUs, TPUs)."""
+  ds = Datastore(ds) if isinstance(ds, str) else ds
+  mesh = mesh if mesh is not None else sharding.make_mesh(0)
+  n = int(mesh.shape[axis])
+  dtype = np.dtype(dtype or ds.keys.dtype)
+  need = device_bytes(ds.count, ds.dimension, n, dtype.itemsize)
+  limit = device_memory_limit(mesh.devices.flat[0])
+  if limit is not None and need > MAX_MEMORY_SHARE * limit:
+    raise ConfigError(
+        f"eval.datastore_on_device: the datastore ({ds.count:,} keys x {ds.dimension} {dtype.name}) needs "
+        f"{need / 2**30:.2f} GiB per device on {n} devices, more than {MAX_MEMORY_SHARE:.0%} of a device's "
+        f"{limit / 2**30:.2f} GiB: use more devices or FAISS top-K (eval.datastore_on_device=False)")
+  per = -(-ds.count // n)
+  rows = per * n
+
+  def read(arr, fill, index):
+    sl = index[0]
+    lo, hi = sl.start or 0, rows if sl.stop is None else sl.stop
+    got = np.asarray(arr[min(lo, ds.count):min(hi, ds.count)])
+    pad = [(0, hi - lo - len(got))] + [(0, 0)] * (got.ndim - 1)
+    return np.pad(got, pad, constant_values=fill)[(slice(None),) + tuple(index[1:])]
+
+  keys = jax.make_array_from_callback((rows, ds.dimension), NamedSharding(mesh, P(axis, None)),
+                                      lambda idx: read(ds.keys, 0, idx).astype(dtype))
+  targets = jax.make_array_from_callback((rows,), NamedSharding(mesh, P(axis)),
+                                         lambda idx: read(ds.values, -1, idx).astype(np.int32))
+  return DeviceDatastore(keys, targets, ds.count, mesh, axis)
+
+
+def from_arrays(keys_MxD, targets_M, mesh, *, axis: str = sharding.DATA) -> DeviceDatastore:
+  """A DeviceDatastore from in-memory arrays (tests, a long-term store built on the fly)."""
+  keys, targets = np.asarray(keys_MxD), np.asarray(targets_M, np.int32)
+  n = int(mesh.shape[axis])
+  pad = -len(targets) % n
+  keys = np.pad(keys, ((0, pad), (0, 0)))
+  targets = np.pad(targets, (0, pad), constant_values=-1)
+  return DeviceDatastore(jax.device_put(keys, NamedSharding(mesh, P(axis, None))),
+                         jax.device_put(targets, NamedSharding(mesh, P(axis))), int(len(targets_M)), mesh, axis)
+
+
+def replicated(store: DeviceDatastore, x) -> jax.Array:
+  """`x` on every device of the store's mesh (query-side arrays usually come from a jit on one device)."""
+  return jax.device_put(x, NamedSharding(store.mesh, P()))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Evaluation: log-sum-exp terms at several scales.
+# ----------------------------------------------------------------------------------------------------------
+def external_log_terms(queries_NxD, targets_N, store: DeviceDatastore, scales, *, memory_chunk: int = 0):
+  """(lse_neg, lse_pos) `[C, N]` (float32; float64 for float64 inputs) for scales c (a tuple of positive floats):
+
+    lse_pos[c, i] = log Σ_{j: x_j = y_i} exp(c·sim_ij),   lse_neg[c, i] = log Σ_{j: x_j != y_i} exp(c·sim_ij)
+
+  over every datastore entry j (-inf where a sum is empty), sim = q·k_j / √D. Any leading shape of queries /
+  targets is allowed (`[..., D]` / `[...]`; the outputs are `[C, ...]`). The two sums are kept apart (rather
+  than all and positive) so that neither is a difference of nearly equal numbers."""
+  q = replicated(store, queries_NxD)
+  lead = q.shape[:-1]
+  q = q.reshape(-1, q.shape[-1])
+  t = replicated(store, jnp.asarray(targets_N, jnp.int32)).reshape(-1)
+  if q.shape[-1] != store.dimension:
+    raise CheckpointError(f"queries of dimension {q.shape[-1]} cannot score a datastore of dimension "
+                          f"{store.dimension}")
+  scales = tuple(float(c) for c in scales)
+  per = store.keys.shape[0] // store.devices
+  # One chunk holds [C + 1, N, chunk] floats (similarities and their exps at every scale).
+  chunk = memory_chunk or loss.chunk_len(q.shape[0] * (len(scales) + 1), per)
+  neg, pos = _log_terms(store.mesh, store.axis, chunk, scales, q, t, store.keys, store.targets)
+  return neg.reshape((len(scales),) + lead), pos.reshape((len(scales),) + lead)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _log_terms(mesh, axis, chunk, scales, q_NxD, t_N, mk_MxD, mt_M):
+  body = functools.partial(_device_log_terms, axis, chunk, scales)
+  return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axis), P(axis)), out_specs=(P(), P()),
+                       check_vma=False)(q_NxD, t_N, mk_MxD, mt_M)
+
+
+def _device_log_terms(axis, chunk, scales, q_NxD, t_N, mk_mxD, mt_m):
+  n = q_NxD.shape[0]
+  acc = loss.accumulation_dtype(q_NxD, mk_mxD)  # float32 (float64 for float64 keys and queries)
+  c_C = jnp.asarray(scales, acc)
+  inv_sqrt_d = 1.0 / math.sqrt(q_NxD.shape[-1])
+
+  def fold(state, start, size):
+    k = lax.dynamic_slice_in_dim(mk_mxD, start, size)
+    mt = lax.dynamic_slice_in_dim(mt_m, start, size)
+    sim_Nxc = jnp.einsum("nd,cd->nc", q_NxD, k, preferred_element_type=acc,
+                         precision=loss.similarity_precision(q_NxD, k)) * inv_sqrt_d
+    vis = (mt >= 0)[None, :]
+    is_pos = mt[None, :] == t_N[:, None]
+    out = []
+    for (mx_N, s_CxN), sel in zip(state, (vis & ~is_pos, vis & is_pos)):
+      masked = jnp.where(sel, sim_Nxc, -jnp.inf)
+      new_N = jnp.maximum(mx_N, masked.max(-1))
+      ref_N = jnp.where(jnp.isfinite(new_N), new_N, 0.0)  # c > 0: max_j c·sim_j = c·max_j sim_j
+      s_CxN = (s_CxN * jnp.exp(c_C[:, None] * (mx_N - ref_N)[None])
+               + jnp.exp(c_C[:, None, None] * (masked - ref_N[:, None])[None]).sum(-1))
+      out.append((new_N, s_CxN))
+    return tuple(out)
+
+  empty = (jnp.full((n,), -jnp.inf, acc), jnp.zeros((len(scales), n), acc))
+  state = fold_memory_chunks(fold, (empty, empty), mt_m.shape[0], chunk)
+  result = []
+  for mx_N, s_CxN in state:  # combine the devices: global max, then the rescaled sums
+    g_N = lax.pmax(mx_N, axis)
+    ref_N = jnp.where(jnp.isfinite(g_N), g_N, 0.0)
+    total = lax.psum(s_CxN * jnp.exp(c_C[:, None] * (mx_N - ref_N)[None]), axis)
+    result.append(c_C[:, None] * ref_N[None] + jnp.log(total))
+  return tuple(result)
+
+
+def summary_blocks(lse_neg_CxSxQ, lse_pos_CxSxQ, scales) -> dict:
+  """{scale c: a two-entry pseudo `evaluate.MemoryBlock`-like (sim, visible, positive) `[S, Q, 2]`} whose
+  masked log-sum-exp at scale c (c·sim) gives back lse_neg / lse_pos exactly: entry 0 holds the non-target
+  memories' sum, entry 1 the target's (positive). Lets `evaluate.point_nlls` score the exact memory with the
+  code that scores retrieved top-K entries."""
+  out = {}
+  for i, c in enumerate(scales):
+    neg, pos = lse_neg_CxSxQ[i], lse_pos_CxSxQ[i]
+    has_neg, has_pos = jnp.isfinite(neg), jnp.isfinite(pos)
+    sim = jnp.stack([jnp.where(has_neg, neg, 0.0), jnp.where(has_pos, pos, 0.0)], -1) / c
+    visible = jnp.stack([has_neg, has_pos], -1)
+    positive = jnp.stack([jnp.zeros_like(has_pos), has_pos], -1)
+    out[c] = (sim, visible, positive)
+  return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Generation: the full distribution.
+# ----------------------------------------------------------------------------------------------------------
+def exact_external_log_probs(token_logits_NxV, queries_NxD, store: DeviceDatastore, *, temperature: float = 1.0,
+                             memory_chunk: int = 0):
+  """The TRIME next-token distribution `[N, V]` (log-probabilities) over the vocabulary and every entry of the
+  on-device datastore `store`, at temperature τ:
+
+    P(w | c) ∝ exp(logit_w) + Σ_{j: x_j = w} exp(g(c)·k_j / √D / τ)
+
+  For generation (one query per prompt and step): token_logits `[N, V]` the model's logits, queries `[N, D]`
+  its keys g(c). Replicated output. `sharded_loss.sharded_memory_log_probs` with every entry visible."""
+  queries_NxD, token_logits_NxV = replicated(store, queries_NxD), replicated(store, token_logits_NxV)
+  if queries_NxD.shape[-1] != store.dimension:
+    raise CheckpointError(f"queries of dimension {queries_NxD.shape[-1]} cannot score a datastore of dimension "
+                          f"{store.dimension}")
+  return sharded_memory_log_probs(token_logits_NxV, queries_NxD, store.keys, store.targets, None, mesh=store.mesh,
+                                  temperature=temperature, axis=store.axis, memory_chunk=memory_chunk)
