@@ -90,12 +90,16 @@ def quiet_libraries(record) -> bool:
 def _quiet_closed_loop(default_hook):
   """An exception hook that drops "Event loop is closed" from orbax's asyncio loops: after a failed read
   (a damaged checkpoint, reported and handled), TensorStore completes the remaining reads on its own threads
-  and calls back into the loop orbax already closed. Every other exception goes to `default_hook`."""
+  and calls back into the loop orbax already closed, and orbax's unawaited read coroutines are finalised with
+  the read's exception. Every other exception goes to `default_hook`."""
 
   def hook(*args):
     exc = args[0].exc_value if len(args) == 1 else args[1]
     if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
       return None
+    code = getattr(getattr(args[0], "object", None), "cr_code", None) if len(args) == 1 else None
+    if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
+      return None  # the same failed read, finalised later as one of orbax's abandoned read coroutines
     return default_hook(*args)
 
   return hook
