@@ -127,8 +127,12 @@ def run_main(main):
 
       faulthandler.disable()
 
-    if "config" in flags.FLAGS and getattr(flags.FLAGS["config"], "config_filename", None):
-      path = flags.FLAGS["config"].config_filename.split(":")[0]  # config_flags accepts file.py:arg
+    try:  # config_flags raises UnparsedFlagError for a --config that was not given
+      given = "config" in flags.FLAGS and flags.FLAGS["config"].config_filename
+    except Exception:  # noqa: BLE001
+      given = None
+    if given:
+      path = given.split(":")[0]  # config_flags accepts file.py:arg
       if not os.path.isfile(path):
         print(f"error: --config file not found: {path} (working directory {os.getcwd()})", file=sys.stderr,
               flush=True)

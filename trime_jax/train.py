@@ -274,6 +274,13 @@ class _AboveBar:
     self.stream.flush()
 
 
+def _in_notebook() -> bool:
+  """A Jupyter/Colab kernel runs this process (not merely: ipykernel was imported, e.g. by nbclient)."""
+  ipython = sys.modules.get("IPython")
+  shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+  return shell is not None and type(shell).__name__ in ("ZMQInteractiveShell", "Shell")  # Shell: Colab's
+
+
 class _Progress:
   """Rate and ETA on process 0: a tqdm bar where someone watches (a terminal or a notebook; `train.progress`
   'auto'), otherwise no bar (no carriage-return spam in log files) and the ETA goes into the log lines.
@@ -282,7 +289,7 @@ class _Progress:
   def __init__(self, total: int, start: int, mode: str):
     self.total, self.bar, self.t0, self.n0 = total, None, None, start
     self._log_handler = None
-    interactive = sys.stderr.isatty() or "ipykernel" in sys.modules
+    interactive = sys.stderr.isatty() or _in_notebook()
     if _chief() and (mode == "bar" or (mode == "auto" and interactive)):
       from tqdm.auto import tqdm
 
