@@ -8,7 +8,8 @@
   --memory=local     + the keys of the prompt and of everything generated so far (default)
   --memory=long      + a long-term store: --memory_file=FILE (its keys are computed first)
   --memory=external  + top-K entries of a datastore (--datastore=DIR from launch.build_datastore, --index,
-                     --knn_k); --memory_file adds a store too; --interp_lambda / --interp_tau mix in Appendix A's P′
+                     --knn_k); --memory_file adds a store too; --interp_lambda / --interp_tau mix in Appendix A's P′;
+                     --datastore_on_device: every entry, exactly, with the keys on the devices (no index)
 
 τ defaults to the export's eval.temperature; pass the τ that launch.eval / launch.eval_ext tuned. `\\n` in
 --prompt is a newline. Several --prompt / --prompt_file are generated as one batch. --trace prints, for each
@@ -39,6 +40,8 @@ _NPROBE = flags.DEFINE_integer("nprobe", 32, "IVF lists searched (IVF-PQ indexes
 _INTERP_LAMBDA = flags.DEFINE_float("interp_lambda", 0.0, "Appendix A: (1-λ)·P_trime + λ·P′ (0: off).")
 _INTERP_TAU = flags.DEFINE_float("interp_tau", 1.0, "τ′ of P′ (on g·k/√D).")
 _INTERP_MEMORY = flags.DEFINE_enum("interp_memory", "external", ["external", "all"], "Memories of P′.")
+_ON_DEVICE = flags.DEFINE_bool("datastore_on_device", False, "memory=external: the datastore's keys on the devices, "
+                               "every entry scored exactly (no FAISS index, no K; no trace or interpolation).")
 _TRACE = flags.DEFINE_bool("trace", False, "Print a retrieval trace per generated token.")
 _STOP_AT_EOS = flags.DEFINE_bool("stop_at_eos", True, "Stop a prompt at </s> (word vocabularies).")
 flags.mark_flags_as_required(["checkpoint"])
@@ -83,7 +86,10 @@ def main(argv):
     store = gen.new_store()
     n = gen.read(store, text)
     print(f"long-term memory: {n:,} tokens of {_MEMORY_FILE.value}", flush=True)
-  if memory == "external":
+  if memory == "external" and _ON_DEVICE.value:
+    external = gen.on_device(_DATASTORE.value)
+    print(f"external memory: all {external.count:,} entries, exact, on {external.devices} device(s)", flush=True)
+  elif memory == "external":
     external = gen.external(_DATASTORE.value, index_path=_INDEX.value, k=_KNN_K.value, nprobe=_NPROBE.value)
     print(f"external memory: top-{external.k} of {external.datastore.count:,} entries ({external.index.kind})",
           flush=True)

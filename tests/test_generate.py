@@ -326,6 +326,41 @@ def test_external_datastore_generation_and_mismatch(tmp_path, byte_gen):
     other.external(ds_dir, k=8)
 
 
+def test_on_device_datastore_generation_is_every_entry_exactly(tmp_path, byte_gen):
+  """memory=external with the datastore on the devices = FAISS flat with K = every entry (greedy tokens), and
+  its first step's distribution = float64 NumPy over the prompt's keys and every datastore entry."""
+  from trime_jax import exact_memory
+  from trime_jax.datastore import Datastore, build_datastore, build_index
+
+  text = b"def add(a, b):\n    return a + b\n\n" * 8
+  corpus = data.Corpus(np.frombuffer(text, np.uint8).astype(np.int32), np.array([0, len(text)]), byte_gen.vocab)
+  ds_dir = str(tmp_path / "ds")
+  build_datastore(byte_gen.checkpoint_dir, corpus, ds_dir, block_len=32, context_window=16, batch_size=4,
+                  progress=False)
+  build_index(Datastore(ds_dir), kind="flat", progress=False)
+  ds = Datastore(ds_dir)
+  device = byte_gen.on_device(ds_dir)
+  spec = G.MemorySpec("external", tau=0.5)
+  every = byte_gen.generate(["def add(a"], max_new_tokens=5, sampling=G.Sampling(0), memory=spec,
+                            external=byte_gen.external(ds_dir, k=ds.count))[0]
+  exact = byte_gen.generate(["def add(a"], max_new_tokens=5, sampling=G.Sampling(0), memory=spec, external=device)[0]
+  assert exact.tokens == every.tokens
+  seq = [byte_gen.vocab.bos] + list(b"def add(a")
+  logits, keys = _uncached(_model(byte_gen), seq)
+  q = jnp.asarray(keys[-1:], jnp.float32)
+  base = G._log_weights(jnp.asarray(logits[-1:], jnp.float32), q, jnp.asarray(keys[:-1], jnp.float32),
+                        jnp.asarray(seq[1:], jnp.int32), jnp.ones((1, len(seq) - 1), bool), tau=0.5)
+  got = np.exp(np.asarray(exact_memory.exact_external_log_probs(base, q, device, temperature=0.5), np.float64))[0]
+  want = np_step(logits[-1], keys[-1], np.concatenate([keys[:-1], np.asarray(ds.keys, np.float64)]),
+                 np.concatenate([seq[1:], np.asarray(ds.values)]), 0.5)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+  with pytest.raises(ConfigError, match="need a FAISS index"):
+    byte_gen.generate(["a"], memory=spec, external=device, trace=True)
+  other = G.Generator(_export(tmp_path / "other", data.Vocab.bytes(), seed=7))
+  with pytest.raises(CheckpointError, match="built by another model or vocabulary"):
+    other.on_device(ds_dir)
+
+
 def test_bad_input_is_a_clear_error(byte_gen):
   with pytest.raises(ConfigError, match="prompt is empty"):
     byte_gen.generate([""])

@@ -13,7 +13,9 @@ computed by `loss.memory_log_probs` (the dense segment-sum) for one query per ro
   external   local (+ the long-term store if given) + the top-K entries a FAISS index retrieves from a
              `launch.build_datastore` datastore, one search per generated token; their similarities are exact
              (re-scored from the stored keys). Optionally Appendix A's interpolation
-             (1 - λ)·P_trime(τ) + λ·P′(τ′), P′(w) ∝ Σ_{retrieved, x_j = w} exp(sim / τ′)
+             (1 - λ)·P_trime(τ) + λ·P′(τ′), P′(w) ∝ Σ_{retrieved, x_j = w} exp(sim / τ′).
+             Or every entry of the datastore, exactly, when it is on the devices (`Generator.on_device`,
+             `exact_memory.exact_external_log_probs`: no search, no K; no interpolation or trace of its entries)
 
 The model runs over a key/value cache (`TransformerLM.decode`): one prefill of the prompts (right-padded,
 rows of different lengths), then one token per step. Sequences start with `vocab.bos`, as every evaluated
@@ -42,6 +44,7 @@ from flax import nnx
 
 from trime_jax import checkpoint as ckpt
 from trime_jax import data
+from trime_jax import exact_memory
 from trime_jax import knn
 from trime_jax import loss
 from trime_jax.errors import CheckpointError, ConfigError
@@ -202,6 +205,40 @@ def _next_token(graphdef, params, f_BxD, g_BxD, local_keys, local_targets, store
   local_keys = local_keys.at[rows, slot].set(g_BxD.astype(local_keys.dtype), mode="drop")
   local_targets = local_targets.at[rows, slot].set(tokens, mode="drop")
   return tokens, log_p, local_keys, local_targets, extra
+
+
+@functools.partial(jax.jit, static_argnames=("tau",))
+def _log_weights(logits_BxV, q_BxD, mem_keys_MxD, mem_targets_M, mem_mask_BxM, *, tau: float):
+  """log(exp(logit_w) + Σ_{visible j, x_j = w} exp(g·k_j/√D/τ)) [B, V]: the unnormalised TRIME weights of the
+  given memories, to which `exact_memory.exact_external_log_probs` adds every on-device datastore entry."""
+  log_p = loss.memory_log_probs(logits_BxV, q_BxD, mem_keys_MxD, mem_targets_M, mem_mask_BxM, temperature=tau)
+  sims = jnp.einsum("bd,md->bm", q_BxD, mem_keys_MxD, precision=jax.lax.Precision.HIGHEST)
+  sims = sims / (math.sqrt(q_BxD.shape[-1]) * tau)
+  sims = jnp.where(mem_mask_BxM & (mem_targets_M[None, :] >= 0), sims, -jnp.inf)
+  log_z = jnp.logaddexp(jax.nn.logsumexp(logits_BxV, axis=-1), jax.nn.logsumexp(sims, axis=-1))
+  return log_p + log_z[:, None]
+
+
+def _exact_next_token(graphdef, params, f_BxD, g_BxD, local_keys, local_targets, store_keys, store_targets,
+                      device_store, keys_B, slot_B, active_B, *, memory: MemorySpec, sampling: Sampling):
+  """`_next_token` with every entry of an on-device datastore as external memory (exact sums, no top-K)."""
+  logits = nnx.merge(graphdef, params).logits(f_BxD[:, None])[:, 0].astype(jnp.float32)
+  b, d = g_BxD.shape
+  q = g_BxD.astype(jnp.float32)
+  own = jnp.repeat(jnp.eye(b, dtype=bool), local_targets.shape[1], axis=1)
+  keys, targets, mask = local_keys.reshape(-1, d), local_targets.reshape(-1), own
+  if store_keys is not None:
+    keys = jnp.concatenate([keys, store_keys.astype(jnp.float32)])
+    targets = jnp.concatenate([targets, store_targets])
+    mask = jnp.concatenate([mask, jnp.ones((b, store_targets.shape[0]), bool)], axis=1)
+  base = _log_weights(logits, q, keys.astype(jnp.float32), targets, mask, tau=memory.tau)
+  log_p = exact_memory.exact_external_log_probs(base, q, device_store, temperature=memory.tau)
+  tokens = sample(jnp.asarray(log_p), keys_B, sampling)
+  rows = jnp.arange(b)
+  slot = jnp.where(active_B, slot_B, local_targets.shape[1])  # out of range: dropped
+  local_keys = local_keys.at[rows, slot].set(g_BxD.astype(local_keys.dtype), mode="drop")
+  local_targets = local_targets.at[rows, slot].set(tokens, mode="drop")
+  return tokens, log_p, local_keys, local_targets, None
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -384,10 +421,24 @@ class Generator:
       raise CheckpointError(f"datastore keys have dimension {ext.dimension}, the model's keys {self.cfg.d_model}")
     return ext
 
+  def on_device(self, datastore_dir: str, mesh=None) -> exact_memory.DeviceDatastore:
+    """A datastore of this model with its keys on the devices (sharded over all of them, or `mesh`'s `data`
+    axis): memory=external then sums over every entry exactly instead of a FAISS top-K."""
+    ds = exact_memory.Datastore(datastore_dir)
+    try:
+      ds.check_checkpoint(self.checkpoint_dir)
+    except CheckpointError as e:
+      raise CheckpointError(f"the datastore was built by another model or vocabulary than {self.checkpoint_dir} "
+                            f"(build one with launch.build_datastore --checkpoint=that export): {e}") from None
+    if ds.dimension != self.cfg.d_model:
+      raise CheckpointError(f"datastore keys have dimension {ds.dimension}, the model's keys {self.cfg.d_model}")
+    return exact_memory.load_datastore(ds, mesh)
+
   # -- generation --------------------------------------------------------------------------------------------
   def generate(self, prompts, *, max_new_tokens: int = 64, sampling: Sampling = Sampling(),
                memory: MemorySpec | None = None, store: LongTermMemory | None = None,
-               external: knn.ExternalMemory | None = None, trace: bool = False, remember: bool = True,
+               external: knn.ExternalMemory | exact_memory.DeviceDatastore | None = None, trace: bool = False,
+               remember: bool = True,
                stop_at_eos: bool = True) -> list[Generation]:
     """Continue each prompt (a string, or a list of token ids) by up to `max_new_tokens` tokens, stopping a
     row at `</s>` (word vocabularies, `stop_at_eos`). memory: a MemorySpec (default: local; τ: the export's
@@ -409,6 +460,10 @@ class Generator:
       raise ConfigError("memory=external needs a datastore (--datastore, built by launch.build_datastore)")
     if memory.kind in ("none", "local"):
       store = None
+    if memory.kind == "external" and isinstance(external, exact_memory.DeviceDatastore) and (
+        memory.interp_lambda or trace):
+      raise ConfigError("the on-device datastore gives exact sums over every entry, not retrieved entries: the "
+                        "interpolation and the retrieval trace need a FAISS index (Generator.external)")
     ids = [self.tokenize(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
     for p, row in zip(prompts, ids):
       if not row:
@@ -470,16 +525,21 @@ class Generator:
             local_targets[r, :len(s) - 1] = s[1:]
           local_keys, local_targets = jnp.asarray(local_keys), jnp.asarray(local_targets)
         need_prefill = False
-      if external is not None:
+      if isinstance(external, exact_memory.DeviceDatastore):
+        tokens, log_p, local_keys, local_targets, extra = _exact_next_token(
+            self.graphdef, self.params, last_f, last_g, local_keys, local_targets, store_keys, store_targets,
+            external, step_keys[step], jnp.asarray(n_mem, jnp.int32), jnp.asarray(active), memory=memory,
+            sampling=sampling)
+      elif external is not None:
         ext_ids = _search(external, np.asarray(last_g, np.float32))
         ext_keys = jnp.asarray(external.datastore.gather_keys(ext_ids))
         values = np.asarray(external.datastore.values[np.maximum(ext_ids, 0)])
         ext_targets = jnp.asarray(np.where(ext_ids >= 0, values, -1).astype(np.int32))
-      keys = step_keys[step]
-      tokens, log_p, local_keys, local_targets, extra = self._next_token(
-          self.params, last_f, last_g, local_keys, local_targets, store_keys, store_targets,
-          ext_keys, ext_targets, keys, jnp.asarray(n_mem, jnp.int32), jnp.asarray(active), memory=memory,
-          sampling=sampling, trace=trace)
+      if not isinstance(external, exact_memory.DeviceDatastore):
+        tokens, log_p, local_keys, local_targets, extra = self._next_token(
+            self.params, last_f, last_g, local_keys, local_targets, store_keys, store_targets,
+            ext_keys, ext_targets, step_keys[step], jnp.asarray(n_mem, jnp.int32), jnp.asarray(active),
+            memory=memory, sampling=sampling, trace=trace)
       tokens = np.asarray(tokens)
       if trace:
         self._trace_step(traces, tokens, active, log_p, extra, memory, seqs, store, external, ext_ids, cap)
