@@ -13,6 +13,7 @@ from flax import nnx
 from tests.helpers import run_cli, tiny_config
 from trime_jax import checkpoint as ckpt
 from trime_jax import data
+from trime_jax.datastore import Datastore
 from trime_jax import generate as G
 from trime_jax import model as M
 from trime_jax.errors import CheckpointError, ConfigError
@@ -294,15 +295,20 @@ def test_long_term_store_is_read_and_carried_across_calls(byte_gen):
   assert len(store) == before
 
 
-def test_external_datastore_generation_and_mismatch(tmp_path, byte_gen):
-  from trime_jax.datastore import Datastore, build_datastore, build_index
+def _byte_datastore(directory, gen, repeats):
+  """A datastore (+ flat index) of `gen`'s model over a repeated line of code."""
+  from trime_jax.datastore import build_datastore, build_index
 
-  text = b"def add(a, b):\n    return a + b\n\n" * 20
-  corpus = data.Corpus(np.frombuffer(text, np.uint8).astype(np.int32), np.array([0, len(text)]), byte_gen.vocab)
-  ds_dir = str(tmp_path / "ds")
-  build_datastore(byte_gen.checkpoint_dir, corpus, ds_dir, block_len=32, context_window=16, batch_size=4,
+  text = b"def add(a, b):\n    return a + b\n\n" * repeats
+  corpus = data.Corpus(np.frombuffer(text, np.uint8).astype(np.int32), np.array([0, len(text)]), gen.vocab)
+  build_datastore(gen.checkpoint_dir, corpus, str(directory), block_len=32, context_window=16, batch_size=4,
                   progress=False)
-  build_index(Datastore(ds_dir), kind="flat", progress=False)
+  build_index(Datastore(str(directory)), kind="flat", progress=False)
+  return str(directory)
+
+
+def test_external_datastore_generation_and_mismatch(tmp_path, byte_gen):
+  ds_dir = _byte_datastore(tmp_path / "ds", byte_gen, 20)
   ext = byte_gen.external(ds_dir, k=8)
   spec = G.MemorySpec("external", tau=0.5)
   out = byte_gen.generate(["def add(a"], max_new_tokens=5, sampling=G.Sampling(0), memory=spec, external=ext,
@@ -330,14 +336,8 @@ def test_on_device_datastore_generation_is_every_entry_exactly(tmp_path, byte_ge
   """memory=external with the datastore on the devices = FAISS flat with K = every entry (greedy tokens), and
   its first step's distribution = float64 NumPy over the prompt's keys and every datastore entry."""
   from trime_jax import exact_memory
-  from trime_jax.datastore import Datastore, build_datastore, build_index
 
-  text = b"def add(a, b):\n    return a + b\n\n" * 8
-  corpus = data.Corpus(np.frombuffer(text, np.uint8).astype(np.int32), np.array([0, len(text)]), byte_gen.vocab)
-  ds_dir = str(tmp_path / "ds")
-  build_datastore(byte_gen.checkpoint_dir, corpus, ds_dir, block_len=32, context_window=16, batch_size=4,
-                  progress=False)
-  build_index(Datastore(ds_dir), kind="flat", progress=False)
+  ds_dir = _byte_datastore(tmp_path / "ds", byte_gen, 8)
   ds = Datastore(ds_dir)
   device = byte_gen.on_device(ds_dir)
   spec = G.MemorySpec("external", tau=0.5)

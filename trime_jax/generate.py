@@ -200,11 +200,16 @@ def _next_token(graphdef, params, f_BxD, g_BxD, local_keys, local_targets, store
       sims = jnp.concatenate([v for v, _ in views], axis=1) / math.sqrt(d)
       sims = jnp.where(jnp.concatenate([t for _, t in views], axis=1) >= 0, sims, -jnp.inf)
     extra = (logits, sims)
-  rows = jnp.arange(b)
+  local_keys, local_targets = _remember(local_keys, local_targets, g_BxD, tokens, slot_B, active_B)
+  return tokens, log_p, local_keys, local_targets, extra
+
+
+def _remember(local_keys, local_targets, g_BxD, tokens_B, slot_B, active_B):
+  """Local memory with each active row's (key, chosen token) at its slot."""
+  rows = jnp.arange(g_BxD.shape[0])
   slot = jnp.where(active_B, slot_B, local_targets.shape[1])  # out of range: dropped
   local_keys = local_keys.at[rows, slot].set(g_BxD.astype(local_keys.dtype), mode="drop")
-  local_targets = local_targets.at[rows, slot].set(tokens, mode="drop")
-  return tokens, log_p, local_keys, local_targets, extra
+  return local_keys, local_targets.at[rows, slot].set(tokens_B, mode="drop")
 
 
 @functools.partial(jax.jit, static_argnames=("tau",))
@@ -234,10 +239,7 @@ def _exact_next_token(graphdef, params, f_BxD, g_BxD, local_keys, local_targets,
   base = _log_weights(logits, q, keys.astype(jnp.float32), targets, mask, tau=memory.tau)
   log_p = exact_memory.exact_external_log_probs(base, q, device_store, temperature=memory.tau)
   tokens = sample(jnp.asarray(log_p), keys_B, sampling)
-  rows = jnp.arange(b)
-  slot = jnp.where(active_B, slot_B, local_targets.shape[1])  # out of range: dropped
-  local_keys = local_keys.at[rows, slot].set(g_BxD.astype(local_keys.dtype), mode="drop")
-  local_targets = local_targets.at[rows, slot].set(tokens, mode="drop")
+  local_keys, local_targets = _remember(local_keys, local_targets, g_BxD, tokens, slot_B, active_B)
   return tokens, log_p, local_keys, local_targets, None
 
 
