@@ -14,6 +14,7 @@ docs/long_memory.md). `--include` adds the rows of earlier `--output` files to t
 
 import json
 import os
+import sys
 
 from absl import flags
 from ml_collections import config_flags
@@ -44,8 +45,8 @@ def main(argv):
       sizes = [int(m) for m in _MEM_SIZES.value]
     except ValueError:
       raise ConfigError(f"--mem_sizes must be integers, got {','.join(_MEM_SIZES.value)}") from None
-    rows = evaluate.evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value, progress=True, mem_sizes=sizes,
-                                        label=_LABEL.value)["rows"]
+    rows = evaluate.evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value, mem_sizes=sizes, label=_LABEL.value,
+                                        progress=sys.stderr.isatty())["rows"]  # no bar in log files
     print(evaluate.format_table(rows))
     if _OUTPUT.value:
       os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)

@@ -13,6 +13,7 @@ the perplexity table, top-K retrieval accuracy and perplexity per frequency buck
 
 import json
 import os
+import sys
 
 from absl import flags
 from ml_collections import config_flags
@@ -31,7 +32,8 @@ def main(argv):
   del argv
   from trime_jax import evaluate
 
-  out = evaluate.evaluate_checkpoint(validated(_CONFIG.value), _CHECKPOINT.value, external_memory=True, progress=True,
+  out = evaluate.evaluate_checkpoint(validated(_CONFIG.value), _CHECKPOINT.value, external_memory=True,
+                                     progress=sys.stderr.isatty(),  # no bar in log files
                                      throughput_tokens=_THROUGHPUT.value)
   split = out["split"]
   cols = dict.fromkeys(("family", "interp_memory", "variant", "dev_ppl", f"{split}_ppl", f"{split}_bpc", "tokens",
