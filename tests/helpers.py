@@ -1,5 +1,6 @@
 """Tiny configs and corpora that tests build themselves (no ../shared/data needed)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -112,3 +113,9 @@ def run_cli(module, *args, timeout=300):
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True,
                         text=True, timeout=timeout)
+
+
+def read_metrics(workdir) -> list:
+  """The lines of `<workdir>/metrics.jsonl` as dicts."""
+  with open(os.path.join(str(workdir), "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]

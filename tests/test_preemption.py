@@ -15,7 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tests.helpers import REPO, config_file, tiny_config, write_text_file
+from tests.helpers import REPO, config_file, read_metrics, tiny_config, write_text_file
 from tests.test_observability import read_events, scalars
 from trime_jax import checkpoint as ckpt
 from trime_jax.train import PREEMPTED_EXIT_CODE, train_and_evaluate
@@ -31,11 +31,6 @@ SIGNAL_AFTER = 52
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
   return write_text_file(tmp_path_factory.mktemp("data") / "text.bin", 40_000)
-
-
-def _metrics(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(l) for l in f if l.strip()]
 
 
 def _without_timing(lines):
@@ -80,7 +75,7 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_bit_identically(corpus
   assert SIGNAL_AFTER <= stopped < RUN["train.num_steps"]
   assert ckpt.read_export_meta(str(work / "best"))["step"] == 50
   assert ckpt.manager(str(work / "checkpoints"), 2).all_steps() == [stopped]  # saved at the current update
-  assert [m["step"] for m in _metrics(work) if "loss" in m][-1] == stopped
+  assert [m["step"] for m in read_metrics(work) if "loss" in m][-1] == stopped
   # Observability of a CLI run, checked here to spare a subprocess: our absl INFO lines on, orbax's per-save
   # INFO lines off; no progress bar in a log file, the rate and ETA in the log lines instead.
   assert f"preemption signal: checkpoint of update {stopped} saved" in stderr
@@ -94,12 +89,12 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_bit_identically(corpus
   # update once.
   _, second = sorted(glob.glob(str(work / "tb" / "events.out.tfevents.*")))  # one file per run
   assert [e.step for e in read_events(second) if e.HasField("session_log")] == [stopped + 1]
-  loss = [(m["step"], np.float32(m["loss"])) for m in _metrics(work) if "loss" in m]
+  loss = [(m["step"], np.float32(m["loss"])) for m in read_metrics(work) if "loss" in m]
   assert scalars(work / "tb")["train/loss"] == loss
 
   straight = tmp_path / "straight"
   train_and_evaluate(tiny_config(corpus, **RUN), str(straight))
-  a, b = _metrics(straight), _metrics(work)
+  a, b = read_metrics(straight), read_metrics(work)
   assert [m["step"] for m in b if "loss" in m] == list(range(1, RUN["train.num_steps"] + 1))
   assert _without_timing(a) == _without_timing(b)  # every loss, grad norm, lr and dev perplexity, exactly
   for x, y in zip(_leaves(straight / "export"), _leaves(work / "export"), strict=True):
@@ -117,7 +112,7 @@ def test_best_export_holds_the_update_with_the_lowest_dev_perplexity(corpus, tmp
                                "train.warmup_steps": 0, "train.schedule": "constant", "model.dropout": 0.0})
   work = tmp_path / "run"
   train_and_evaluate(cfg, str(work))
-  dev = {m["step"]: m["trime_local(tau=1)_ppl"] for m in _metrics(work) if m.get("split") == "dev"}
+  dev = {m["step"]: m["trime_local(tau=1)_ppl"] for m in read_metrics(work) if m.get("split") == "dev"}
   assert sorted(dev) == [2, 4, 6, 8]
   best_step = min(dev, key=dev.get)
   meta = ckpt.read_export_meta(str(work / "best"))

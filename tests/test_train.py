@@ -1,6 +1,5 @@
 """Training: the loss goes down, CE warm-up then TRIME, exact resume, accumulation, non-finite losses."""
 
-import json
 import os
 
 import jax
@@ -8,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import tiny_config, write_text_file
+from tests.helpers import read_metrics, tiny_config, write_text_file
 from trime_jax import checkpoint as ckpt
 from trime_jax.errors import ConfigError, TrainingError
 from trime_jax.train import train_and_evaluate
@@ -19,13 +18,8 @@ def corpus(tmp_path_factory):
   return write_text_file(tmp_path_factory.mktemp("data") / "text.bin", 60_000)
 
 
-def _metrics(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(l) for l in f if l.strip()]
-
-
 def _train_lines(workdir):
-  return [m for m in _metrics(workdir) if "loss" in m]
+  return [m for m in read_metrics(workdir) if "loss" in m]
 
 
 def test_loss_goes_down_and_ce_warmup_switches_objective(corpus, tmp_path):
@@ -127,6 +121,12 @@ def test_weight_decay_is_decoupled_like_fairseq(optimizer):
     ("eval.batch_size", 0, "eval.batch_size must be >= 1"),
     ("eval.max_tokens", -5, "eval.max_tokens must be >= 0"),
     ("eval.context_window", 256, "eval.context_window=256 must be shorter than eval.block_len=256"),
+    ("train.progress", "fancy", "train.progress must be one of"),
+    ("train.profile_steps", "5,3", "1 <= first <= last"),
+    ("train.profile_steps", "0", "1 <= first <= last"),
+    ("train.profile_steps", "2,400", "train.num_steps=300"),
+    ("train.profile_steps", "a,b", "'FIRST,LAST' or 'STEP'"),
+    ("train.profile_steps", "1,2,3", "'FIRST,LAST' or 'STEP'"),
 ])
 def test_out_of_range_fields_are_refused_before_compiling(field, value, message):
   """Each bad value is one ConfigError naming the field, raised by validate_config (before any compilation);

@@ -460,7 +460,6 @@ def stream_schedule(wins: list[Window], doc_starts, streams: int, mem_size: int,
   quarter run of its even position, where the warm-up is shortest (e.g. at a document start).
   """
   n_w = len(wins)
-  start = np.array([w.start for w in wins], np.int64)
   score_start = np.array([w.score_start for w in wins], np.int64)
   end = np.array([w.end for w in wins], np.int64)
   lo = score_start - context_window - mem_size

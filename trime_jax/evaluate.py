@@ -339,7 +339,7 @@ def score_step(store: long_memory.Store, keys, targets, q_keys, q_stats, q_targe
   this step's queries inserted). External memory: top-K retrieved (`ext_sim`, `ext_targets` [S, Q, K]) or the
   exact on-device sums (`ext_exact`: (lse_neg, lse_pos) [C, S, Q] at `exact_scales(points)`)."""
   pos = batch["start"][:, None] + qpos  # global target positions
-  real = (pos >= (batch["start"] + batch["offset"])[:, None]) & (pos < batch["end"][:, None]) & (q_targets >= 0)
+  real = batch["own"] & (q_targets >= 0)
   local = [local_block(q_keys, q_targets, qpos, keys, targets)]
   if long_term.mem_size:
     local.append(long_term_block(store, q_keys, q_targets, batch["doc_q"], batch["start"], batch["span"],
@@ -373,8 +373,9 @@ class StreamPlan:
   def batch(self, corpus: data.Corpus, step: int) -> dict:
     """Host arrays of step `step`: inputs / targets [S, L]; start, offset (score_start - start), qstart (the
     first of the Q query positions: the offset, or earlier where Q positions from it would pass L; those
-    before the offset are not scored), end, span (the store's reach before `start`) [S]; doc_q [S, Q]
-    document of each query; score, insert [S] bool."""
+    before the offset are not scored), span (the store's reach before `start`) [S]; doc_q [S, Q]
+    document of each query; own [S, Q] bool: the query is one of its window's scored targets; score, insert
+    [S] bool."""
     idx = self.schedule[step]
     ws = [self.wins[max(i, 0)] for i in idx]
     inputs, targets, _ = data.window_batch(corpus, ws, self.block_len)
@@ -382,8 +383,10 @@ class StreamPlan:
     offset = np.array([w.score_start - w.start for w in ws], np.int32)
     qstart = np.minimum(offset, self.block_len - self.queries)
     qpos = start[:, None] + qstart[:, None] + np.arange(self.queries)[None, :]
+    ends = np.array([w.end for w in ws], np.int32)
     return {"inputs": inputs, "targets": targets, "start": start, "offset": offset, "qstart": qstart,
-            "end": np.array([w.end for w in ws], np.int32), "span": self.reach - offset,
+            "span": self.reach - offset,
+            "own": (qpos >= (start + offset)[:, None]) & (qpos < ends[:, None]),
             "doc_q": (np.searchsorted(self.doc_starts, qpos, side="right") - 1).astype(np.int32),
             "score": self.score[step], "insert": idx >= 0}
 
@@ -502,9 +505,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
     if on_device:  # every datastore entry, on the devices (retrieval accuracy does not apply)
       ext_exact = external.log_terms(q_keys, q_targets, scales)
     elif external is not None:
-      qpos_np = batch["start"][:, None] + np.asarray(qpos)
-      scored = ((qpos_np >= (batch["start"] + batch["offset"])[:, None]) & (qpos_np < batch["end"][:, None])
-                & (q_targets_np >= 0) & batch["score"][:, None])
+      scored = batch["own"] & (q_targets_np >= 0) & batch["score"][:, None]
       ext_sim = np.zeros(scored.shape + (external.k,), np.float32)
       ext_targets = np.full(scored.shape + (external.k,), -1, np.int32)
       if scored.any():  # one search per scored token; warm-up windows only fill the store
