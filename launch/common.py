@@ -82,9 +82,24 @@ def _parse_flags(argv):
 
 def quiet_libraries(record) -> bool:
   """Log filter: orbax logs some 40 INFO lines per checkpoint save and faiss 8 about CPU features it lacks at
-  import; keep their warnings and errors, and every other INFO line (ours)."""
+  import; keep their warnings and errors, and every other INFO line (ours). An exception raised in orbax's
+  code is handed to its caller, which reports it (a damaged checkpoint: one line); the copies that orbax's
+  worker threads and asyncio ("Task exception was never retrieved", for the sibling reads) log with a
+  traceback are dropped."""
+  if _raised_in_orbax(record):
+    return False
   noisy = any(f"{os.sep}{lib}{os.sep}" in record.pathname for lib in ("orbax", "faiss"))
   return record.levelno >= 30 or not noisy  # 30: WARNING
+
+
+def _raised_in_orbax(record) -> bool:
+  exc = record.exc_info[1] if record.exc_info else None
+  tb = exc.__traceback__ if exc is not None else None
+  while tb is not None:
+    if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+      return True
+    tb = tb.tb_next
+  return False
 
 
 def _quiet_closed_loop(default_hook):

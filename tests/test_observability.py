@@ -173,3 +173,16 @@ def test_log_filter_quietens_orbax_and_faiss_info_only():
   assert not quiet_libraries(record(os.path.join(site, "faiss", "loader.py"), logging.INFO))
   assert quiet_libraries(record(os.path.join(site, "orbax", "checkpoint", "checkpoint_manager.py"), logging.WARNING))
   assert quiet_libraries(record(os.path.join(os.sep, "repo", "trime_jax", "train.py"), logging.INFO))
+  # orbax's worker threads log a failure with its traceback and hand it to the caller, who reports it once
+  def raised_in(filename):
+    code = compile("raise RuntimeError('Encountered error while reading array index')", filename, "exec")
+    try:
+      exec(code, {})
+    except RuntimeError:
+      return sys.exc_info()
+
+  logged = record(os.path.join(site, "asyncio", "base_events.py"), logging.ERROR)  # Task exception never retrieved
+  logged.exc_info = raised_in(os.path.join(site, "orbax", "checkpoint", "_src", "serialization", "serialization.py"))
+  assert not quiet_libraries(logged)
+  logged.exc_info = raised_in(os.path.join(os.sep, "repo", "trime_jax", "train.py"))
+  assert quiet_libraries(logged)  # any other exception is kept

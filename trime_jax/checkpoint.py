@@ -16,7 +16,6 @@ checkpoint is moved aside to `<workdir>/checkpoints_damaged/` and training resum
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -98,20 +97,6 @@ def _leaf_specs(tree) -> list:
   return sorted((tuple(int(d) for d in x.shape), str(np.dtype(x.dtype))) for x in leaves if hasattr(x, "shape"))
 
 
-@contextlib.contextmanager
-def _orbax_silenced():
-  """Drop orbax's own log records (any level) while the caller handles orbax's failures itself."""
-  import logging
-
-  drop = lambda record: f"{os.sep}orbax{os.sep}" not in record.pathname
-  logger = logging.getLogger("absl")
-  logger.addFilter(drop)
-  try:
-    yield
-  finally:
-    logger.removeFilter(drop)
-
-
 def _restore_checked(path: str, abstract_tree, what: str, restore):
   """`restore()` after checking the files at `path`: DamagedCheckpointError for missing or unreadable files;
   a failed restore is CheckpointError when the stored shapes differ from `abstract_tree`'s (another model or
@@ -136,8 +121,7 @@ def _restore_checked(path: str, abstract_tree, what: str, restore):
     raise DamagedCheckpointError(f"{what} is damaged: its metadata ({path}/_METADATA) cannot be read")
   have, want = _leaf_specs(stored), _leaf_specs(abstract_tree)
   try:
-    with _orbax_silenced():  # a failed read is reported below, once; orbax would log it with a traceback
-      return restore()
+    return restore()
   except Exception as e:  # noqa: BLE001 - classified below: another model, or damaged data files
     if have != want:
       diff = next((f"{a[1]}{list(a[0])} stored vs {b[1]}{list(b[0])} expected" for a, b in zip(have, want) if a != b),
