@@ -1,6 +1,6 @@
 #!/bin/bash
 # Issue 17: the paper's tables at one-fifth of WikiText-103 (docs-wt, 19M tokens; linux-doc-6.1 held out).
-# Every model: configs/docs_wt*.py, the same budget (4,000 updates × 8 × 512 tokens = 16.4M tokens), seed 0.
+# Every model: configs/docs_wt*.py, the same budget (1,200 updates × 8 × 512 tokens = 4.9M tokens), seed 0.
 #
 #   bash experiments/docs_wt.sh plans            # consecutive (TrimeLM_long) and BM25 (TrimeLM_ext) batch plans
 #   bash experiments/docs_wt.sh train NAME       # NAME: vanilla | local | long | ext | ext_random | ext_stopgrad
@@ -43,10 +43,10 @@ case "${1:-}" in
     ;;
   train)
     NAME=$2; CFG=$(config_of "$NAME")
-    # A chunk ends with SIGINT after $CHUNK s: the last orbax checkpoint is intact and the rerun resumes.
-    rc=0; timeout --signal=INT "$CHUNK" $PY launch.train --config=$CFG --workdir=$OUT/$NAME $S \
+    # A chunk ends with SIGTERM after $CHUNK s: training checkpoints at once and the rerun resumes.
+    rc=0; timeout --signal=TERM "$CHUNK" $PY launch.train --config=$CFG --workdir=$OUT/$NAME $S \
       $(overrides_of "$NAME") || rc=$?
-    if [ "$rc" = 124 ] || [ "$rc" = 130 ]; then echo "chunk over: rerun 'bash $0 train $NAME' to continue"; exit 0; fi
+    if [ "$rc" = 124 ] || [ "$rc" = 143 ]; then echo "chunk over: rerun 'bash $0 train $NAME' to continue"; exit 0; fi
     exit $rc
     ;;
   datastore)
