@@ -28,6 +28,7 @@ def get_config():
 
   c.model = m = ml_collections.ConfigDict()
   m.vocab_size = 0  # 0: take it from the data; otherwise must equal the data's vocabulary size
+  m.backbone = "transformer"  # transformer | srupp (SRU++, trime_jax/srupp.py: carries state across segments)
   m.num_layers = 4  # Transformer blocks
   m.d_model = 128  # hidden size = key dimension D
   m.num_heads = 4  # attention heads
@@ -49,6 +50,13 @@ def get_config():
   m.adaptive_softmax_factor = 4.0  # --adaptive-softmax-factor (tied: must equal the input's)
   m.tie_adaptive_proj = False  # tail projections shared with the adaptive input's (--tie-adaptive-proj)
   m.adaptive_softmax_dropout = 0.0  # --adaptive-softmax-dropout: on the softmax input and inside each tail
+  # SRU++ only (backbone=srupp; num_layers, d_model, dropout, attention_dropout, dtype are shared; keys are
+  # always the final projection's input, key_type="final"):
+  m.srupp_attn_dim = 0  # d': attention size (0 = d_model / 4, the paper's ratio)
+  m.srupp_num_heads = 1  # attention heads (SRU++ uses one)
+  m.srupp_attention_every = 1  # k: attention in layers k, 2k, ... (the others: projected linear)
+  m.srupp_highway_bias = -2.0  # initial reset-gate bias b_r
+  m.srupp_layer_norm = False  # pre-LN of each layer's input (reference SRUpp default: off)
 
   c.trime = t = ml_collections.ConfigDict()
   t.memory = "local"  # training memory: none (vanilla LM) | local | long | ext

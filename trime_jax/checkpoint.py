@@ -32,7 +32,7 @@ from flax import nnx
 
 from trime_jax import data
 from trime_jax.errors import CheckpointError, DamagedCheckpointError
-from trime_jax.model import ModelConfig, TransformerLM, count_params
+from trime_jax.model import build_model, count_params, model_config
 
 EXPORT_FILES = ("config.json", "vocab.json", "meta.json", "params")
 
@@ -228,7 +228,7 @@ def export(directory: str, params, config: ml_collections.ConfigDict, vocab: dat
   ckptr.save(os.path.join(tmp, "params"), params)
   ckptr.wait_until_finished()
   if chief:
-    mcfg = ModelConfig.from_config(config.model, vocab_size=len(vocab))
+    mcfg = model_config(config.model, vocab_size=len(vocab))
     meta = {
         "params_digest": params_digest(params),
         "arch_digest": arch_digest(mcfg),
@@ -265,7 +265,7 @@ def params_digest(params) -> str:
   return h.hexdigest()[:16]
 
 
-def arch_digest(mcfg: ModelConfig) -> str:
+def arch_digest(mcfg) -> str:
   """SHA-256 (16 hex digits) of the architecture: every ModelConfig field but the dropouts (which do not change
   what a trained model computes at evaluation). Shape-compatible edits (num_heads 4 -> 8) change it."""
   fields = {k: v for k, v in dataclasses.asdict(mcfg).items() if "dropout" not in k}
@@ -335,14 +335,14 @@ def load_export(directory: str):
   meta = read_export_meta(directory)
   vocab = read_export_vocab(directory)
   try:
-    mcfg = ModelConfig.from_config(config.model, vocab_size=len(vocab))
+    mcfg = model_config(config.model, vocab_size=len(vocab))
   except (AttributeError, KeyError, TypeError, ValueError) as e:
     raise DamagedCheckpointError(f"export config {config_path} has no valid model section ({_first_line(e)})") from None
   if "arch_digest" in meta and arch_digest(mcfg) != meta["arch_digest"]:
     raise DamagedCheckpointError(
         f"{config_path} describes another architecture than the one exported (arch digest {arch_digest(mcfg)} != "
         f"meta.json's {meta['arch_digest']}): was config.json's model section edited? Restore it")
-  target = nnx.eval_shape(lambda: TransformerLM(mcfg, rngs=nnx.Rngs(0)))
+  target = nnx.eval_shape(lambda: build_model(mcfg, rngs=nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(target, nnx.Param)
   params_dir = os.path.join(directory, "params")
   params = _restore_checked(params_dir, abstract_params, f"exported parameters {params_dir}",

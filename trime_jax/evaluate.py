@@ -320,16 +320,23 @@ def point_nlls(stats: loss.VocabStats, targets, local_blocks, ext_block, points)
 # The one step, in two jitted halves around the host-side search.
 # ----------------------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("graphdef", "queries", "vocab_chunk"))
-def forward_queries(graphdef, params, inputs_SxL, targets_SxL, qstart_S, *, queries: int, vocab_chunk: int):
+def forward_queries(graphdef, params, inputs_SxL, targets_SxL, qstart_S, carry=None, reset_S=None, *, queries: int,
+                    vocab_chunk: int):
   """(keys [S, L, D], query keys [S, Q, D], query VocabStats [S, Q], query targets [S, Q], query window
-  positions [S, Q]): the Q positions from `qstart` on (they include every scored position of the window)."""
+  positions [S, Q][, new carry]): the Q positions from `qstart` on (they include every scored position of the
+  window). A stateful model continues every stream from `carry` (reset where `reset_S`) and returns it too."""
   model = nnx.merge(graphdef, params)
-  stats, keys = steps.forward(model, inputs_SxL, targets_SxL, vocab_chunk=vocab_chunk)
+  if carry is not None:
+    carry = model.reset_carry(carry, reset_S)
+    stats, keys, carry = steps.forward_carry(model, inputs_SxL, targets_SxL, carry, vocab_chunk=vocab_chunk)
+  else:
+    stats, keys = steps.forward(model, inputs_SxL, targets_SxL, vocab_chunk=vocab_chunk)
   qpos = qstart_S[:, None] + jnp.arange(queries, dtype=jnp.int32)[None, :]
   take = lambda x: jnp.take_along_axis(x, qpos, axis=1)
   q_stats = loss.VocabStats(take(stats.log_normalizer), take(stats.target_logit))
   q_keys = jnp.take_along_axis(keys, qpos[:, :, None], axis=1)
-  return keys, q_keys, q_stats, take(targets_SxL), qpos
+  out = (keys, q_keys, q_stats, take(targets_SxL), qpos)
+  return out if carry is None else out + (carry,)
 
 
 @functools.partial(jax.jit, static_argnames=("points", "long_term", "n_buckets"), donate_argnames=("store",))
@@ -373,7 +380,8 @@ class StreamPlan:
   def batch(self, corpus: data.Corpus, step: int) -> dict:
     """Host arrays of step `step`: inputs / targets [S, L]; start, offset (score_start - start), qstart (the
     first of the Q query positions: the offset, or earlier where Q positions from it would pass L; those
-    before the offset are not scored), span (the store's reach before `start`) [S]; doc_q [S, Q]
+    before the offset are not scored), span (the store's reach before `start`), reset (a stateful model's
+    stream does not continue its previous step's window) [S]; doc_q [S, Q]
     document of each query; own [S, Q] bool: the query is one of its window's scored targets; score, insert
     [S] bool."""
     idx = self.schedule[step]
@@ -384,7 +392,10 @@ class StreamPlan:
     qstart = np.minimum(offset, self.block_len - self.queries)
     qpos = start[:, None] + qstart[:, None] + np.arange(self.queries)[None, :]
     ends = np.array([w.end for w in ws], np.int32)
-    return {"inputs": inputs, "targets": targets, "start": start, "offset": offset, "qstart": qstart,
+    # A stateful model's stream continues only from the window right before (the stream's previous step).
+    prev = self.schedule[step - 1] if step else np.full_like(idx, -1)
+    reset = (prev < 0) | (idx != prev + 1)
+    return {"inputs": inputs, "targets": targets, "start": start, "offset": offset, "qstart": qstart, "reset": reset,
             "span": self.reach - offset,
             "own": (qpos >= (start + offset)[:, None]) & (qpos < ends[:, None]),
             "doc_q": (np.searchsorted(self.doc_starts, qpos, side="right") - 1).astype(np.int32),
@@ -475,7 +486,11 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
                       "(eval.datastore)")
   if streams < 1:
     raise ConfigError(f"eval.batch_size (streams) must be >= 1, got {streams}")
-  model_cfg = nnx.merge(graphdef, params).cfg
+  model = nnx.merge(graphdef, params)
+  model_cfg, stateful = model.cfg, bool(getattr(model, "stateful", False))
+  if stateful and context_window:
+    raise ConfigError(f"a stateful model ({model_cfg.backbone}) carries its state from window to window: "
+                      f"eval.context_window must be 0, got {context_window}")
   if block_len > model_cfg.max_len:
     raise CheckpointError(f"eval.block_len={block_len} exceeds the model's max_len={model_cfg.max_len}")
   if external is not None and external.dimension != model_cfg.d_model:
@@ -484,6 +499,8 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
                      long_term=long_term, d_model=model_cfg.d_model, dtype=jnp.dtype(model_cfg.dtype),
                      max_tokens=max_tokens, break_mode=break_mode)
   n, store = plan.num_targets, plan.store
+  carry = model.init_carry(len(plan.schedule[0]), block_len) if stateful else None
+  del model
   buckets = np.zeros(model_cfg.vocab_size, np.int32) if word_buckets_V is None else np.asarray(word_buckets_V)
   n_buckets = len(knn.FREQ_BUCKETS)
   totals = np.zeros(len(points))
@@ -497,9 +514,10 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   desc = "eval" + (" (external)" if external else "") + (f" mem={long_term.mem_size}" if long_term.mem_size else "")
   for step in tqdm(range(len(plan.schedule)), desc=desc, disable=not progress, unit="step"):
     batch = plan.batch(corpus, step)
-    keys, q_keys, q_stats, q_targets, qpos = forward_queries(graphdef, params, batch["inputs"], batch["targets"],
-                                                             batch["qstart"], queries=plan.queries,
-                                                             vocab_chunk=vocab_chunk)
+    out = forward_queries(graphdef, params, batch["inputs"], batch["targets"], batch["qstart"], carry,
+                          batch["reset"] if stateful else None, queries=plan.queries, vocab_chunk=vocab_chunk)
+    keys, q_keys, q_stats, q_targets, qpos = out[:5]
+    carry = out[5] if stateful else None
     q_targets_np = np.asarray(q_targets)
     ext_sim = ext_targets = ext_exact = None
     if on_device:  # every datastore entry, on the devices (retrieval accuracy does not apply)

@@ -330,7 +330,11 @@ class Generator:
   def __init__(self, checkpoint_dir: str, *, log: Callable[[str], None] = _stderr):
     self.checkpoint_dir = checkpoint_dir
     self.graphdef, self.params, self.config, self.vocab, self.meta = ckpt.load_export(checkpoint_dir)
-    self.cfg = nnx.merge(self.graphdef, self.params).cfg
+    model = nnx.merge(self.graphdef, self.params)
+    if getattr(model, "stateful", False):  # the key/value-cache decoder is the Transformer's
+      raise ConfigError(f"generation supports the transformer backbone; {checkpoint_dir} is a "
+                        f"{model.cfg.backbone} model")
+    self.cfg = model.cfg
     self.default_tau = float(self.config.eval.temperature)  # the export's evaluation τ
     self.eos = self.vocab.index.get(data.EOS)  # bytes: none (generation stops at the budget)
     self.log = log

@@ -270,6 +270,8 @@ class KVCache(NamedTuple):
 class TransformerLM(nnx.Module):
   """Decoder-only LM: `model(tokens) -> (logits [B, L, V], keys [B, L, D])`."""
 
+  stateful = False  # no state across segments (see `build_model`, trime_jax/srupp.py)
+
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     d = cfg.d_model
@@ -445,7 +447,45 @@ def count_params(tree) -> int:
   return int(sum(x.size for x in jax.tree_util.tree_leaves(tree)))
 
 
-def abstract_param_count(cfg: ModelConfig) -> int:
-  """Parameter count from shapes only (`nnx.eval_shape`: nothing is allocated)."""
-  abstract = nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(0)))
+def abstract_param_count(cfg) -> int:
+  """Parameter count from shapes only (`nnx.eval_shape`: nothing is allocated); any backbone's config."""
+  abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
   return count_params(nnx.state(abstract, nnx.Param))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The backbone interface. Training, evaluation and the datastore ask a model only for
+#   features(tokens) -> (f [B, L, D], g [B, L, D])       f: input of the output layer, g: TRIME memory keys
+#   logits(f), vocab_stats(f, targets, ...), output_embedding() (full softmax), cfg (.d_model, .max_len, .dtype,
+#   .vocab_size, .key_type) and `stateful`.
+# A stateful backbone (SRU++) also has init_carry(batch, mem_len), reset_carry(carry, reset_B) and
+#   features_carry(tokens, carry) -> (f, g, new_carry): the state one segment hands to the next of its stream.
+# ----------------------------------------------------------------------------------------------------------
+BACKBONES = ("transformer", "srupp")
+
+
+def model_config(model_cfg, vocab_size: int | None = None):
+  """The backbone's config dataclass from a `config.model` section (model.backbone picks the backbone)."""
+  backbone = dict(model_cfg).get("backbone", "transformer")
+  if backbone == "transformer":
+    return ModelConfig.from_config(model_cfg, vocab_size=vocab_size)
+  if backbone == "srupp":
+    from trime_jax.srupp import SRUppConfig
+
+    return SRUppConfig.from_config(model_cfg, vocab_size=vocab_size)
+  raise ValueError(f"model.backbone must be one of {BACKBONES}, got {backbone!r}")
+
+
+def build_model(cfg, vocab_size: int | None = None, rngs: nnx.Rngs | None = None):
+  """The model of `cfg`: a backbone config dataclass (ModelConfig, SRUppConfig) or a `config.model` section
+  (then `vocab_size` gives the vocabulary, unless the section sets it)."""
+  if not dataclasses.is_dataclass(cfg):
+    cfg = model_config(cfg, vocab_size=vocab_size)
+  rngs = rngs if rngs is not None else nnx.Rngs(0)
+  if isinstance(cfg, ModelConfig):
+    return TransformerLM(cfg, rngs=rngs)
+  from trime_jax.srupp import SRUppConfig, SRUppLM
+
+  if isinstance(cfg, SRUppConfig):
+    return SRUppLM(cfg, rngs=rngs)
+  raise TypeError(f"no backbone for {type(cfg).__name__}")

@@ -40,7 +40,8 @@ from trime_jax import steps
 from trime_jax.batching import plan as batch_plan
 from trime_jax.errors import ConfigError, TrainingError
 from trime_jax.loss import MEMORY_MODES
-from trime_jax.model import ModelConfig, TransformerLM, count_params
+from trime_jax import model as model_lib
+from trime_jax.model import count_params
 
 OPTIMIZERS = ("adam", "nag")
 SCHEDULES = ("inverse_sqrt", "cosine", "constant")
@@ -91,8 +92,35 @@ def validate_config(config) -> None:
   _choice(t.sharded_variant, sharded_loss.VARIANTS, "trime.sharded_variant")
   _choice(t.memory_grad, sharded_loss.MEMORY_GRADS, "trime.memory_grad")
   _choice(train_cfg.progress, PROGRESS, "train.progress")
+  _check_backbone(config)
   profile_steps(train_cfg)
   _check_ranges(config)
+
+
+def _check_backbone(config) -> None:
+  """A stateful backbone (SRU++) reads each batch row as one stream: its long memory is the previous segment of
+  the same row (trime.memory="long" needs the consecutive 'stream' plan, one segment per run), and evaluation
+  threads its state through contiguous windows (no overlapping context)."""
+  m, t = config.model, config.trime
+  backbone = m.get("backbone", "transformer")
+  _choice(backbone, model_lib.BACKBONES, "model.backbone")
+  if backbone != "srupp":
+    return
+  if t.memory == "long" and (t.batching != "consecutive" or t.consecutive_layout != "stream"
+                             or t.consecutive_segments != 1):
+    raise ConfigError("model.backbone='srupp' with trime.memory='long' takes the previous segment of each stream "
+                      "as long memory: it needs trime.batching='consecutive', trime.consecutive_layout='stream' "
+                      f"and trime.consecutive_segments=1 (got {t.batching!r}, {t.consecutive_layout!r}, "
+                      f"{t.consecutive_segments})")
+  if config.eval.context_window != 0:
+    raise ConfigError("model.backbone='srupp' carries its state from window to window: eval.context_window must "
+                      f"be 0 (got {config.eval.context_window})")
+  if m.get("key_type", "final") != "final":
+    raise ConfigError("model.backbone='srupp' keys are the final projection's input: set model.key_type='final'")
+  try:
+    model_lib.model_config(m, vocab_size=1)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
 
 
 def profile_steps(train_cfg) -> tuple[int, int] | None:
@@ -198,6 +226,7 @@ class BatchSource:
     self.config = config
     self.segments = data.make_segments(corpus, config.data.segment_len, config.data.segmentation)
     self.plan = None
+    self._rows = None  # the host's rows of the last batch read (resets compare against the same rows)
     t = config.trime
     if t.batching != "random":
       self.plan = batch_plan.load(t.batch_plan)
@@ -208,6 +237,8 @@ class BatchSource:
                       kind=t.batching, layout=t.consecutive_layout if consecutive else None)
     # Packed runs hold several documents; their tokens carry document ids so memory stays in the document.
     self.with_documents = t.memory == "long" and t.consecutive_layout == "packed"
+    # A stateful backbone learns where a row does not continue the previous micro-batch's row.
+    self.with_reset = config.model.get("backbone", "transformer") == "srupp"
 
   def indices(self, step: int) -> np.ndarray:
     """Segment indices [grad_accum, B] of update `step` (-1: all-padding row)."""
@@ -222,6 +253,7 @@ class BatchSource:
     """The batch of update `step`; `rows` (global row indices, sorted): only those rows of each micro-batch
     (a host's slice of the global batch, see `distributed.process_rows`)."""
     idx = self.indices(step)
+    self._rows = rows
     t = self.config.trime
     # One drop-local draw per segment (the original draws once per forward of one segment per GPU), drawn for
     # the whole global batch so every host agrees, then sliced like the rows.
@@ -234,7 +266,21 @@ class BatchSource:
     batch = {"inputs": inputs.reshape(shape), "targets": targets.reshape(shape), "drop_local": drop}
     if self.with_documents:
       batch["documents"] = data.segment_documents(self.corpus, self.segments, idx.reshape(-1)).reshape(shape)
+    if self.with_reset:
+      batch["reset"] = self.resets(step, idx)
     return batch
+
+  def resets(self, step: int, idx) -> np.ndarray:
+    """[grad_accum, B] bool: row b of micro-batch a does not hold the segment after row b of the micro-batch
+    before it (a stream starts over; every row with random batching). `idx` may be a host's rows only."""
+    micro = self.config.train.grad_accum
+    if self.plan is None or step * micro == 0:
+      prev0 = np.full(idx.shape[1:], -2)
+    else:
+      prev0 = self.plan.rows(step * micro - 1)
+      prev0 = prev0[self._rows] if self._rows is not None else prev0
+    prev = np.concatenate([prev0[None], idx[:-1]], axis=0)
+    return (self.plan is None) | (idx < 0) | (prev < 0) | (idx != prev + 1)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -414,8 +460,12 @@ def _truncate_metrics(path: str, last_step: int) -> None:
 
 
 def build_model(config, vocab_size: int, seed: int):
-  mcfg = ModelConfig.from_config(config.model, vocab_size=vocab_size)
-  return TransformerLM(mcfg, rngs=nnx.Rngs(params=seed))
+  """The model of config.model (model.backbone picks it: `model.build_model`)."""
+  return model_lib.build_model(config.model, vocab_size, nnx.Rngs(params=seed))
+
+
+def graphdef_stateful(graphdef, params) -> bool:
+  return bool(getattr(nnx.merge(graphdef, params), "stateful", False))
 
 
 def _tree_bytes(tree) -> int:
@@ -434,8 +484,9 @@ def memory_plan(config, vocab_size: int = 0) -> dict:
   validate_config(config)
   train_cfg = config.train
   vocab_size = vocab_size or config.model.vocab_size or len(corpora.load_splits(config.data).vocab)
-  mcfg = ModelConfig.from_config(config.model, vocab_size=vocab_size)
-  graphdef, params = nnx.split(nnx.eval_shape(lambda: TransformerLM(mcfg, rngs=nnx.Rngs(params=0))), nnx.Param)
+  mcfg = model_lib.model_config(config.model, vocab_size=vocab_size)
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: model_lib.build_model(mcfg, rngs=nnx.Rngs(params=0))),
+                               nnx.Param)
   tx, _ = make_optimizer(train_cfg)
   opt_state = jax.eval_shape(tx.init, params)
   devices = train_cfg.num_devices or jax.device_count()
@@ -447,6 +498,10 @@ def memory_plan(config, vocab_size: int = 0) -> dict:
   if config.trime.memory == "long" and config.trime.consecutive_layout == "packed":
     batch["documents"] = tokens
   state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params, "opt_state": opt_state}
+  if graphdef_stateful(graphdef, params):
+    batch["reset"] = batch["drop_local"]
+    state["carry"] = jax.eval_shape(lambda: steps.init_train_carry(nnx.merge(graphdef, params), rows,
+                                                                   config.data.segment_len))
   spec = steps.LossSpec.from_config(config)
   use_trime = spec.objective.memory != "none"
   fn = functools.partial(steps.train_step, graphdef, tx, spec, use_trime, use_trime)
@@ -504,7 +559,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   repl, data_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh, batch_axis=1)
   # Placed before restoring: the abstract state then carries the mesh shardings, so orbax restores onto
   # every host's devices (multi-host) instead of one default device.
-  state = jax.device_put({"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}, repl)
+  state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
+  if model.stateful:  # per-row state across segments: saved with the checkpoints, so a resume continues it
+    state["carry"] = steps.init_train_carry(model, train_cfg.batch_size, config.data.segment_len)
+  state = jax.device_put(state, repl)
   mgr = ckpt.manager(os.path.join(workdir, "checkpoints"), train_cfg.keep_checkpoints)
   restored_step, restored = ckpt.restore_latest(mgr, ckpt.abstract(state), log=_log)
   tb = event_writer.EventWriter(os.path.join(workdir, "tb"), enabled=_chief() and train_cfg.tensorboard)
@@ -520,7 +578,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   warm = ce_warmup_steps(config)
   report_trime = spec.objective.memory != "none"
 
-  batch_sh = {"inputs": data_sh, "targets": data_sh, "drop_local": data_sh, "documents": data_sh}
+  batch_sh = {"inputs": data_sh, "targets": data_sh, "drop_local": data_sh, "documents": data_sh, "reset": data_sh}
 
   @functools.lru_cache(maxsize=None)
   def step_fn(use_trime: bool):
@@ -533,8 +591,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   # Each process loads only the rows its own devices hold (all of them when there is one process).
   tokens_shape = (train_cfg.grad_accum, train_cfg.batch_size, config.data.segment_len)
   global_shapes = {"inputs": tokens_shape, "targets": tokens_shape, "drop_local": tokens_shape[:2],
-                   "documents": tokens_shape}
-  batch_keys = ("inputs", "targets", "drop_local") + (("documents",) if source.with_documents else ())
+                   "documents": tokens_shape, "reset": tokens_shape[:2]}
+  batch_keys = ("inputs", "targets", "drop_local") + (("documents",) if source.with_documents else ()) + \
+      (("reset",) if source.with_reset else ())
   rows = distributed.process_rows(data_sh, tokens_shape, axis=1)
   n_params = count_params(params)
   start = int(state["step"])

@@ -232,6 +232,9 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
   open the result with `Datastore(out_dir)` once `complete` is true.
   """
   graphdef, params, config, vocab, cmeta = ckpt.load_export(checkpoint_dir)
+  if config.model.get("backbone", "transformer") != "transformer":  # keys here come from independent windows
+    raise ConfigError(f"datastores are built with the transformer backbone; {checkpoint_dir} is a "
+                      f"{config.model.backbone} model, whose keys depend on the state carried along the stream")
   e = config.eval
   block_len = int(block_len or e.block_len)
   context_window = int(e.context_window if context_window is None else context_window)

@@ -1,0 +1,252 @@
+"""SRU++ backbone (trime_jax/srupp.py) and its TrimeLM_long: float64 NumPy references, state carried across
+segments, the backbone switch through training and evaluation."""
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import bytes_srupp, enwik8_srupp
+from tests.helpers import tiny_config, write_text_file
+from trime_jax import loss as L
+from trime_jax import model as M
+from trime_jax import steps
+from trime_jax.batching import consecutive
+from trime_jax.batching import plan as batch_plan
+from trime_jax.errors import ConfigError
+from trime_jax.srupp import SRUppConfig, SRUppLM, sru_recurrence
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The recurrence
+# ----------------------------------------------------------------------------------------------------------
+def np_sru(u, x, wc, b, c0, mask=None):
+  """Step-by-step float64 SRU (the reference's elementwise_recurrence_naive, k = 3, no rescale)."""
+  sig = lambda z: 1.0 / (1.0 + np.exp(-z))
+  bsz, length, d = x.shape
+  m = np.ones((bsz, d)) if mask is None else mask
+  c, hs = c0.copy(), []
+  for t in range(length):
+    f = sig(u[:, t, :, 1] + wc[0] * c + b[0])
+    r = sig(u[:, t, :, 2] + wc[1] * c + b[1])
+    c = f * c + (1 - f) * u[:, t, :, 0]
+    hs.append(r * (m * c) + (1 - r) * x[:, t])
+  return np.stack(hs, 1), c
+
+
+def test_scan_recurrence_equals_step_by_step_numpy_values_and_gradients():
+  """Values: jax.lax.scan in float64 == the NumPy loop. Gradients: jax.grad (float64) == central finite
+  differences of the NumPy loop, for every input (u, x, v_f/v_r, biases, c0)."""
+  rng = np.random.default_rng(0)
+  bsz, length, d = 2, 7, 3
+  args = [rng.normal(size=(bsz, length, d, 3)), rng.normal(size=(bsz, length, d)), rng.uniform(-1, 1, (2, d)),
+          rng.normal(size=(2, d)), rng.normal(size=(bsz, d))]
+  mask = rng.integers(0, 2, (bsz, d)) * 2.0  # a dropout mask (keep prob 1/2)
+  w_h, w_c = rng.normal(size=(bsz, length, d)), rng.normal(size=(bsz, d))
+  objective_np = lambda *a: float((np_sru(*a, mask)[0] * w_h).sum() + (np_sru(*a, mask)[1] * w_c).sum())
+  with jax.enable_x64(True):
+    h, c = sru_recurrence(*map(jnp.asarray, args), jnp.asarray(mask))
+    assert h.dtype == jnp.float64
+    want_h, want_c = np_sru(*args, mask)
+    np.testing.assert_allclose(np.asarray(h), want_h, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(c), want_c, rtol=1e-12, atol=1e-12)
+
+    def objective(*a):
+      h, c = sru_recurrence(*a, jnp.asarray(mask))
+      return (h * w_h).sum() + (c * w_c).sum()
+
+    grads = jax.grad(objective, argnums=tuple(range(5)))(*map(jnp.asarray, args))
+  eps = 1e-6
+  for i, (a, g) in enumerate(zip(args, grads)):
+    fd = np.zeros_like(a)
+    for idx in np.ndindex(a.shape):
+      plus, minus = [x.copy() for x in args], [x.copy() for x in args]
+      plus[i][idx] += eps
+      minus[i][idx] -= eps
+      fd[idx] = (objective_np(*plus) - objective_np(*minus)) / (2 * eps)
+    np.testing.assert_allclose(np.asarray(g), fd, rtol=1e-6, atol=1e-7, err_msg=f"input {i}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# State across segments
+# ----------------------------------------------------------------------------------------------------------
+def _model(**kw):
+  cfg = SRUppConfig(**{**dict(vocab_size=13, num_layers=3, d_model=16, attn_dim=8, num_heads=2, attention_every=2,
+                              dropout=0.0), **kw})
+  model = SRUppLM(cfg, rngs=nnx.Rngs(1))
+  for layer in model.layers:  # α starts at 0 (attention off); switch it on so the test sees the memory
+    if layer.attention:
+      layer.transform.alpha[...] = jnp.full((1,), 0.8)
+  return model
+
+
+@pytest.mark.parametrize("layer_norm", [False, True])
+def test_carrying_state_across_two_segments_equals_one_pass(layer_norm):
+  model = _model(layer_norm=layer_norm)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 13, (3, 12)))
+  f, g = model.features(tokens)
+  c = model.init_carry(3, 6)
+  f1, g1, c = model.features_carry(tokens[:, :6], c)
+  f2, g2, c = model.features_carry(tokens[:, 6:], c)
+  np.testing.assert_allclose(np.concatenate([f1, f2], 1), f, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.concatenate([g1, g2], 1), g, rtol=1e-5, atol=1e-5)
+  # The memory matters (without it the second half differs), and a reset row starts over.
+  _, g2_fresh = model.features(tokens[:, 6:])
+  assert np.abs(np.asarray(g2_fresh - g2)).max() > 1e-3
+  reset = jnp.asarray([True, False, False])
+  _, g2_reset, _ = model.features_carry(tokens[:, 6:], model.reset_carry(model.features_carry(
+      tokens[:, :6], model.init_carry(3, 6))[2], reset))
+  np.testing.assert_allclose(g2_reset[0], g2_fresh[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(g2_reset[1:], g2[1:], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# TrimeLM_long for SRU++: current segment (causal) + the previous segment's stale keys
+# ----------------------------------------------------------------------------------------------------------
+def np_prev_nll(lz, tp, k, t, pk, pt, tau):
+  """float64 reference: memory of token i of row b = tokens j < i of row b and every token of its previous
+  segment (padding targets < 0 are never memory; padded queries score 0)."""
+  b, l, d = k.shape
+  out = np.zeros((b, l))
+  lse = lambda v: np.log(np.exp(np.asarray(v) - max(v)).sum()) + max(v)
+  for r in range(b):
+    for i in range(l):
+      if t[r, i] < 0:
+        continue
+      z, p = [lz[r, i]], [tp[r, i]]
+      mems = [(pk[r, j], pt[r, j]) for j in range(pk.shape[1])] + [(k[r, j], t[r, j]) for j in range(i)]
+      for key, tgt in mems:
+        if tgt < 0:
+          continue
+        s = k[r, i] @ key / math.sqrt(d) / tau
+        z.append(s)
+        if tgt == t[r, i]:
+          p.append(s)
+      out[r, i] = lse(z) - lse(p)
+  return out
+
+
+def test_srupp_long_loss_equals_float64_reference_with_stop_gradient_on_stale_keys():
+  rng = np.random.default_rng(3)
+  b, l, m, d, tau = 2, 5, 4, 4, 0.7
+  lz, tp = rng.normal(size=(b, l)) + 2.0, rng.normal(size=(b, l))
+  k, pk = rng.normal(size=(b, l, d)), rng.normal(size=(b, m, d))
+  t, pt = rng.integers(0, 3, (b, l)), rng.integers(0, 3, (b, m))
+  t[1, 4], pt[0, 1], pt[1, :] = -1, -1, -1  # padding, and a row with no previous segment (a reset)
+  spec = L.ObjectiveSpec("long", temperature=tau)
+  w = rng.normal(size=(b, l))
+  with jax.enable_x64(True):
+    def f(keys, prev):
+      stats = L.VocabStats(jnp.asarray(lz), jnp.asarray(tp))
+      return steps.previous_segment_nll(stats, keys, jnp.asarray(t), prev, jnp.asarray(pt), spec)
+
+    got = f(jnp.asarray(k), jnp.asarray(pk))
+    np.testing.assert_allclose(np.asarray(got), np_prev_nll(lz, tp, k, t, pk, pt, tau), rtol=1e-12, atol=1e-12)
+    gk, gpk = jax.grad(lambda a, c: (f(a, c) * w).sum(), argnums=(0, 1))(jnp.asarray(k), jnp.asarray(pk))
+  assert np.all(np.asarray(gpk) == 0.0)  # stale keys: no gradient
+  eps, fd = 1e-6, np.zeros_like(k)
+  for idx in np.ndindex(k.shape):
+    kp, km = k.copy(), k.copy()
+    kp[idx] += eps
+    km[idx] -= eps
+    fd[idx] = ((np_prev_nll(lz, tp, kp, t, pk, pt, tau) - np_prev_nll(lz, tp, km, t, pk, pt, tau)) * w).sum() / (2 * eps)
+  np.testing.assert_allclose(np.asarray(gk), fd, rtol=1e-6, atol=1e-8)
+
+
+def test_train_step_carries_previous_segment_keys_and_targets():
+  """Through nll_sums_carry: the carried keys are this segment's g, the carried targets its targets, and the
+  loss with them equals previous_segment_nll fed with the previous forward's keys."""
+  model = _model()
+  rng = np.random.default_rng(4)
+  tok = jnp.asarray(rng.integers(0, 13, (2, 13)))
+  spec = steps.LossSpec(L.ObjectiveSpec("long"))
+  carry = steps.init_train_carry(model, 2, 6)
+  batches = [{"inputs": tok[:, s:s + 6], "targets": tok[:, s + 1:s + 7], "drop_local": jnp.zeros(2, bool)}
+             for s in (0, 6)]
+  sums1, carry1 = steps.nll_sums_carry(model, batches[0], carry, spec, use_trime=True, report_trime=True,
+                                       deterministic=True)
+  _, g1, _ = model.features_carry(batches[0]["inputs"], carry["model"])
+  np.testing.assert_allclose(carry1["keys"], g1, rtol=1e-6)
+  assert np.array_equal(carry1["targets"], batches[0]["targets"])
+  sums2, _ = steps.nll_sums_carry(model, batches[1], carry1, spec, use_trime=True, report_trime=True,
+                                  deterministic=True)
+  stats, g2, _ = steps.forward_carry(model, batches[1]["inputs"], batches[1]["targets"], carry1["model"])
+  want = steps.previous_segment_nll(stats, g2, batches[1]["targets"], g1, batches[0]["targets"], spec.objective)
+  np.testing.assert_allclose(float(sums2[0]), float(want.sum()), rtol=1e-5)
+  # Without the previous segment (a reset row) the loss is the local one.
+  reset = steps.reset_train_carry(carry1, jnp.asarray([True, True]))
+  sums_local, _ = steps.nll_sums_carry(model, batches[1], reset, spec, use_trime=True, report_trime=True,
+                                       deterministic=True)
+  assert float(sums_local[0]) != pytest.approx(float(sums2[0]))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configs
+# ----------------------------------------------------------------------------------------------------------
+def test_enwik8_srupp_config_is_about_42m_parameters():
+  """Counted from shapes (nnx.eval_shape): nothing is allocated. Tolerance 5% (see configs/enwik8_srupp.py)."""
+  for arg in ("512", "2048"):
+    c = enwik8_srupp.get_config(arg)
+    assert c.data.segment_len == int(arg) and c.train.batch_size == 16 and c.train.num_steps == 400_000
+    assert c.eval.mem_size == (6_144 if arg == "512" else 12_228)
+    n = M.abstract_param_count(M.model_config(c.model))
+    assert abs(n - 42e6) / 42e6 < 0.05, n
+  tiny_s, tiny_t = (M.abstract_param_count(M.model_config(bytes_srupp.get_config(b).model))
+                    for b in ("srupp", "transformer"))
+  assert abs(tiny_s - tiny_t) / tiny_t < 0.1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The backbone switch: train a few steps on stream batches and evaluate, with the state carried along
+# ----------------------------------------------------------------------------------------------------------
+def test_backbone_switch_trains_and_evaluates_srupp_long(tmp_path):
+  from trime_jax import evaluate, train
+
+  corpus_path = write_text_file(str(tmp_path / "text.txt"), 12_000)
+  plan_dir = str(tmp_path / "plan")
+  config = tiny_config(corpus_path, **{
+      "model.backbone": "srupp", "model.key_type": "final", "model.srupp_attn_dim": 8,
+      "model.srupp_attention_every": 1, "model.num_layers": 2, "model.d_model": 16, "train.num_steps": 3,
+      "train.grad_accum": 2, "trime.memory": "long", "trime.batching": "consecutive",
+      "trime.consecutive_layout": "stream", "trime.batch_plan": plan_dir, "trime.ce_warmup_steps": 1,
+      "eval.context_window": 0, "eval.block_len": 32, "eval.mem_size": 64, "eval.max_tokens": 200,
+      "train.eval_max_tokens": 128, "train.checkpoint_every": 10})
+  from trime_jax import corpora
+
+  splits = corpora.load_splits(config.data)
+  header, batches = consecutive.make_plan(splits.train, config, progress=False)
+  batch_plan.save(plan_dir, header, batches)
+  # Rows continue their streams: after the first micro-batch a row restarts only where its stream ended.
+  source = train.BatchSource(splits.train, config)
+  idx = np.concatenate([source.indices(s) for s in range(2)])
+  resets = np.concatenate([source(s)["reset"] for s in range(2)])
+  assert resets[0].all() and np.array_equal(resets[1:], (idx[1:] != idx[:-1] + 1) | (idx[1:] < 0))
+  assert not resets[1:].all()
+  out = train.train_and_evaluate(config, str(tmp_path / "work"), splits=splits)
+  assert out["num_params"] == M.abstract_param_count(M.model_config(config.model, vocab_size=256))
+  assert math.isfinite(out["train"]["loss"]) and out["dev"]["trime_local(tau=1)_ppl"] < 256
+  res = evaluate.evaluate_checkpoint(config, out["export"])
+  rows = {r["family"]: r for r in res["rows"]}
+  assert set(rows) == {"none", "trime_local"} and rows["none"]["tokens"] == 200
+  assert all(math.isfinite(r["nll"]) for r in rows.values())
+  # The evaluator threads the carry along a stream: one stream of 6 windows scores differently from 6
+  # streams of one window each (every window from an empty state).
+  export = out["export"]
+  from trime_jax import checkpoint as ckpt
+
+  graphdef, params, _, _, _ = ckpt.load_export(export)
+  run = lambda s: evaluate.evaluate(graphdef, params, splits.dev, (evaluate.NONE,), block_len=32, context_window=0,
+                                    streams=s, max_tokens=192).scores[0].nll
+  one = run(1)
+  assert one != pytest.approx(evaluate.evaluate(
+      graphdef, params, splits.dev, (evaluate.NONE,), block_len=32, context_window=0, streams=6,
+      max_tokens=192).scores[0].nll, abs=1e-9)  # 6 streams of one window each: no carried state
+  with pytest.raises(ConfigError, match="context_window"):
+    train.validate_config(tiny_config(corpus_path, **{"model.backbone": "srupp", "model.key_type": "final"}))
+  with pytest.raises(ConfigError, match="consecutive"):
+    train.validate_config(tiny_config(corpus_path, **{"model.backbone": "srupp", "model.key_type": "final",
+                                                      "eval.context_window": 0, "trime.memory": "long"}))
