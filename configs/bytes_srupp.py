@@ -2,7 +2,8 @@
 
 ~430k parameters: d = 256, d' = 64, 5 layers, attention every 2nd layer; the Transformer of the same size is
 `configs/bytes_srupp.py:transformer` (2 layers, D = 128, FFN 512). Both read the stream in order (consecutive
-'stream' plan, one segment per run), so the Transformer's long memory is its local memory there; vanilla:
+'stream' plans): SRU++ one segment per row (its long memory: the row's previous segment, carried), the
+Transformer runs of 4 consecutive segments (its long memory: the earlier segments of the run). Vanilla:
 --config.trime.memory=none.
 """
 
@@ -52,4 +53,5 @@ def get_config(backbone: str = "srupp"):
     c.model.num_heads = 4
     c.model.d_ff = 512
     c.eval.context_window = 64
+    c.trime.consecutive_segments = 4  # TrimeLM_long: runs of 4 consecutive segments (4 streams of runs)
   return c

@@ -75,7 +75,7 @@ def test_scan_recurrence_equals_step_by_step_numpy_values_and_gradients():
 # State across segments
 # ----------------------------------------------------------------------------------------------------------
 def _model(**kw):
-  cfg = SRUppConfig(**{**dict(vocab_size=13, num_layers=3, d_model=16, attn_dim=8, num_heads=2, attention_every=2,
+  cfg = SRUppConfig(**{**dict(vocab_size=13, num_layers=2, d_model=16, attn_dim=8, num_heads=2, attention_every=2,
                               dropout=0.0), **kw})
   model = SRUppLM(cfg, rngs=nnx.Rngs(1))
   for layer in model.layers:  # α starts at 0 (attention off); switch it on so the test sees the memory
@@ -210,11 +210,11 @@ def test_backbone_switch_trains_and_evaluates_srupp_long(tmp_path):
   plan_dir = str(tmp_path / "plan")
   config = tiny_config(corpus_path, **{
       "model.backbone": "srupp", "model.key_type": "final", "model.srupp_attn_dim": 8,
-      "model.srupp_attention_every": 1, "model.num_layers": 2, "model.d_model": 16, "train.num_steps": 3,
+      "model.srupp_attention_every": 1, "model.d_model": 16, "train.num_steps": 3,
       "train.grad_accum": 2, "trime.memory": "long", "trime.batching": "consecutive",
-      "trime.consecutive_layout": "stream", "trime.batch_plan": plan_dir, "trime.ce_warmup_steps": 1,
+      "trime.consecutive_layout": "stream", "trime.batch_plan": plan_dir, "trime.ce_warmup_steps": 0,
       "eval.context_window": 0, "eval.block_len": 32, "eval.mem_size": 64, "eval.max_tokens": 200,
-      "train.eval_max_tokens": 128, "train.checkpoint_every": 10})
+      "train.eval_max_tokens": 128, "train.checkpoint_every": 10, "model.num_layers": 1})
   from trime_jax import corpora
 
   splits = corpora.load_splits(config.data)
@@ -233,18 +233,18 @@ def test_backbone_switch_trains_and_evaluates_srupp_long(tmp_path):
   rows = {r["family"]: r for r in res["rows"]}
   assert set(rows) == {"none", "trime_local"} and rows["none"]["tokens"] == 200
   assert all(math.isfinite(r["nll"]) for r in rows.values())
-  # The evaluator threads the carry along a stream: one stream of 6 windows scores differently from 6
-  # streams of one window each (every window from an empty state).
-  export = out["export"]
+  # The evaluator threads the carry along a stream: 6 windows of 32 in one stream score exactly what one pass
+  # over the 192 tokens at once scores.
   from trime_jax import checkpoint as ckpt
+  from trime_jax import data as D
 
-  graphdef, params, _, _, _ = ckpt.load_export(export)
-  run = lambda s: evaluate.evaluate(graphdef, params, splits.dev, (evaluate.NONE,), block_len=32, context_window=0,
-                                    streams=s, max_tokens=192).scores[0].nll
-  one = run(1)
-  assert one != pytest.approx(evaluate.evaluate(
-      graphdef, params, splits.dev, (evaluate.NONE,), block_len=32, context_window=0, streams=6,
-      max_tokens=192).scores[0].nll, abs=1e-9)  # 6 streams of one window each: no carried state
+  graphdef, params, _, _, _ = ckpt.load_export(out["export"])
+  windowed = evaluate.evaluate(graphdef, params, splits.dev, (evaluate.NONE,), block_len=32, context_window=0,
+                               streams=1, max_tokens=192).scores[0]
+  inputs, targets, _ = D.window_batch(splits.dev, D.eval_windows(splits.dev, 192, 192, 0, "none"), 192)
+  stats, _ = steps.forward(nnx.merge(graphdef, params), jnp.asarray(inputs), jnp.asarray(targets))
+  one_pass = float(jnp.where(targets >= 0, stats.log_normalizer - stats.target_logit, 0).sum()) / 192
+  assert windowed.tokens == 192 and windowed.nll == pytest.approx(one_pass, rel=1e-5)
   with pytest.raises(ConfigError, match="context_window"):
     train.validate_config(tiny_config(corpus_path, **{"model.backbone": "srupp", "model.key_type": "final"}))
   with pytest.raises(ConfigError, match="consecutive"):
