@@ -1,7 +1,7 @@
 #!/bin/bash
 # SRU++ vs Transformer with TrimeLM_long on a byte-level corpus (Tiny Shakespeare, ../shared/data), equal
-# budgets: 300 updates of 16 × 128 bytes each (614k training bytes), same optimizer settings
-# (configs/bytes_srupp.py). Test bits per byte of the first 32,768 test bytes, with local memory only
+# budgets: 200 updates of 16 × 128 bytes each (410k training bytes), same optimizer settings
+# (configs/bytes_srupp.py; STEPS=... to change the budget). Test bits per byte of the first 32,768 test bytes, with local memory only
 # (mem 0) and with a 1,536-byte long-term store (12 segments, the paper's 6,144 / 512 ratio).
 #
 #   bash experiments/srupp_bytes.sh          # all three models: plans, training, evaluation -> runs/srupp_bytes
@@ -13,23 +13,25 @@ PY="nice -n 10 $PYTHON -m"
 OUT=runs/srupp_bytes
 mkdir -p $OUT
 MEM=--mem_sizes=0,1536
+STEPS=${STEPS:-200}
 S=configs/bytes_srupp.py
 T=configs/bytes_srupp.py:transformer
+TRAIN="--config.train.num_steps=$STEPS"
 EVAL="--config.eval.split=test"
 
 # 1. SRU++ vanilla (CE only; its state still runs along the stream)
 $PY launch.make_batches --config=$S --kind=consecutive --out=$OUT/plan_srupp --config.trime.batch_plan=$OUT/plan_srupp
-$PY launch.train --config=$S --workdir=$OUT/srupp_vanilla --config.trime.memory=none \
+$PY launch.train --config=$S --workdir=$OUT/srupp_vanilla --config.trime.memory=none $TRAIN \
   --config.trime.batch_plan=$OUT/plan_srupp
 $PY launch.eval --config=$S --checkpoint=$OUT/srupp_vanilla/export --config.eval.memory=none $EVAL \
   --label="SRU++ vanilla" --output=$OUT/srupp_vanilla.json
 # 2. SRU++ + TrimeLM_long (current + previous segment in training; local + long-term memory at test)
-$PY launch.train --config=$S --workdir=$OUT/srupp_long --config.trime.batch_plan=$OUT/plan_srupp
+$PY launch.train --config=$S --workdir=$OUT/srupp_long --config.trime.batch_plan=$OUT/plan_srupp $TRAIN
 $PY launch.eval --config=$S --checkpoint=$OUT/srupp_long/export $EVAL $MEM \
   --label="SRU++ TrimeLM_long" --output=$OUT/srupp_long.json
 # 3. Transformer TrimeLM_long of similar size (runs of 4 consecutive segments)
 $PY launch.make_batches --config=$T --kind=consecutive --out=$OUT/plan_transformer \
   --config.trime.batch_plan=$OUT/plan_transformer
-$PY launch.train --config=$T --workdir=$OUT/transformer_long --config.trime.batch_plan=$OUT/plan_transformer
+$PY launch.train --config=$T --workdir=$OUT/transformer_long --config.trime.batch_plan=$OUT/plan_transformer $TRAIN
 $PY launch.eval --config=$T --checkpoint=$OUT/transformer_long/export $EVAL $MEM \
   --label="Transformer TrimeLM_long" --output=$OUT/transformer_long.json
