@@ -35,3 +35,11 @@ $PY launch.make_batches --config=$T --kind=consecutive --out=$OUT/plan_transform
 $PY launch.train --config=$T --workdir=$OUT/transformer_long --config.trime.batch_plan=$OUT/plan_transformer $TRAIN
 $PY launch.eval --config=$T --checkpoint=$OUT/transformer_long/export $EVAL $MEM \
   --label="Transformer TrimeLM_long" --output=$OUT/transformer_long.json
+# 4. The two TrimeLM_long models with τ tuned on dev (one pass over the τ grid), applied to test
+if [ "${TUNE:-1}" = 1 ]; then
+  $PY launch.eval --config=$S --checkpoint=$OUT/srupp_long/export $EVAL --mem_sizes=1536 --config.eval.tune=True \
+    --config.eval.max_tokens=16384 --label="SRU++ TrimeLM_long (tuned)" --output=$OUT/srupp_long_tuned.json
+  $PY launch.eval --config=$T --checkpoint=$OUT/transformer_long/export $EVAL --mem_sizes=1536 \
+    --config.eval.tune=True --config.eval.max_tokens=16384 --label="Transformer TrimeLM_long (tuned)" \
+    --output=$OUT/transformer_long_tuned.json
+fi
