@@ -43,3 +43,10 @@ if [ "${TUNE:-1}" = 1 ]; then
     --config.eval.tune=True --config.eval.max_tokens=16384 --label="Transformer TrimeLM_long (tuned)" \
     --output=$OUT/transformer_long_tuned.json
 fi
+# 5. SRU++ TrimeLM_long with plain CE for the first half of the budget (the Transformer recipe's CE warm-up)
+if [ "${WARMUP:-1}" = 1 ]; then
+  $PY launch.train --config=$S --workdir=$OUT/srupp_long_ce_warmup --config.trime.batch_plan=$OUT/plan_srupp $TRAIN \
+    --config.trime.ce_warmup_steps=$((STEPS / 2))
+  $PY launch.eval --config=$S --checkpoint=$OUT/srupp_long_ce_warmup/export $EVAL $MEM \
+    --label="SRU++ TrimeLM_long (CE warm-up)" --output=$OUT/srupp_long_ce_warmup.json
+fi
