@@ -4,7 +4,8 @@
 # (configs/bytes_srupp.py; STEPS=... to change the budget). Test bits per byte of the first 32,768 test bytes, with local memory only
 # (mem 0) and with a 1,536-byte long-term store (12 segments, the paper's 6,144 / 512 ratio).
 #
-#   bash experiments/srupp_bytes.sh          # all three models: plans, training, evaluation -> runs/srupp_bytes
+#   bash experiments/srupp_bytes.sh          # all models: plans, training, evaluation -> runs/srupp_bytes
+#   TUNE=0 WARMUP=0 bash experiments/srupp_bytes.sh   # without the τ-tuned evaluations / the CE warm-up variant
 #   PYTHON=/path/to/python bash experiments/srupp_bytes.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
