@@ -1,6 +1,6 @@
 """Tiny byte-level SRU++ (TrimeLM_long) for CPU evidence on Tiny Shakespeare (experiments/srupp_bytes.sh).
 
-~430k parameters: d = 256, d' = 64, 5 layers, attention every 2nd layer; the Transformer of the same size is
+~430k parameters (437,666): d = 232, d' = 64, 5 layers, attention every 2nd layer; the Transformer of the same size is
 `configs/bytes_srupp.py:transformer` (2 layers, D = 128, FFN 512). Both read the stream in order (consecutive
 'stream' plans): SRU++ one segment per row (its long memory: the row's previous segment, carried), the
 Transformer runs of 4 consecutive segments (its long memory: the earlier segments of the run). Vanilla:
@@ -41,7 +41,7 @@ def get_config(backbone: str = "srupp"):
   if backbone == "srupp":
     c.model.backbone = "srupp"
     c.model.num_layers = 5
-    c.model.d_model = 256
+    c.model.d_model = 232
     c.model.srupp_attn_dim = 64
     c.model.srupp_attention_every = 2
     c.model.key_type = "final"

@@ -57,6 +57,7 @@ def get_config():
   m.srupp_attention_every = 1  # k: attention in layers k, 2k, ... (the others: projected linear)
   m.srupp_highway_bias = -2.0  # initial reset-gate bias b_r
   m.srupp_layer_norm = False  # pre-LN of each layer's input (reference SRUpp default: off)
+  m.srupp_normalize_memory = False  # with srupp_layer_norm: LN on the previous segment's inputs too (ours; reference: off)
 
   c.trime = t = ml_collections.ConfigDict()
   t.memory = "local"  # training memory: none (vanilla LM) | local | long | ext
@@ -80,7 +81,7 @@ def get_config():
   r.batch_size = 16  # B: segments per forward pass (the in-batch memory is B·L tokens)
   r.grad_accum = 1  # forward passes per update (tokens per update = grad_accum·B·L)
   r.num_steps = 300  # optimizer updates
-  r.optimizer = "adam"  # adam | nag (SGD with Nesterov momentum)
+  r.optimizer = "adam"  # adam | nag (SGD with Nesterov momentum) | radam (SRU++)
   r.learning_rate = 1e-3  # peak learning rate
   r.adam_b1 = 0.9  # Adam β1
   r.adam_b2 = 0.98  # Adam β2 (fairseq LM default)

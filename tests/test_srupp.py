@@ -86,7 +86,9 @@ def _model(**kw):
 
 @pytest.mark.parametrize("layer_norm", [False, True])
 def test_carrying_state_across_two_segments_equals_one_pass(layer_norm):
-  model = _model(layer_norm=layer_norm)
+  # With the per-layer LN the equality needs the memory normalised like the current input (normalize_memory);
+  # the reference's un-normalised memory makes the second segment differ from one pass (checked below).
+  model = _model(layer_norm=layer_norm, normalize_memory=layer_norm)
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 13, (3, 12)))
   f, g = model.features(tokens)
   c = model.init_carry(3, 6)
@@ -250,3 +252,18 @@ def test_backbone_switch_trains_and_evaluates_srupp_long(tmp_path):
   with pytest.raises(ConfigError, match="consecutive"):
     train.validate_config(tiny_config(corpus_path, **{"model.backbone": "srupp", "model.key_type": "final",
                                                       "eval.context_window": 0, "trime.memory": "long"}))
+
+
+def test_reference_layer_norm_attends_to_unnormalised_memory():
+  """layer_norm without normalize_memory (the reference SRUpp): the first segment is as one pass, the second
+  attends to the previous inputs before the LN, so it differs from one pass (and from normalize_memory=True)."""
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 13, (3, 12)))
+  ref, ours = _model(layer_norm=True), _model(layer_norm=True, normalize_memory=True)
+  f, _ = ref.features(tokens)
+  f1, _, c = ref.features_carry(tokens[:, :6], ref.init_carry(3, 6))
+  f2, _, _ = ref.features_carry(tokens[:, 6:], c)
+  np.testing.assert_allclose(f1, f[:, :6], rtol=1e-5, atol=1e-5)
+  assert np.abs(np.asarray(f2 - f[:, 6:])).max() > 1e-3
+  _, _, c_ours = ours.features_carry(tokens[:, :6], ours.init_carry(3, 6))
+  f2_ours, _, _ = ours.features_carry(tokens[:, 6:], c_ours)
+  np.testing.assert_allclose(f2_ours, f[:, 6:], rtol=1e-5, atol=1e-5)

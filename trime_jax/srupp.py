@@ -23,12 +23,12 @@ Attention is in layer i (0-based) when (i + 1) % attention_every == 0, the refer
 b_r = highway_bias (-2.0, SRUpp's default); α = 0. The reference's SRUpp defaults are kept: `layer_norm=False`
 (no per-layer pre-LN), `attn_layer_norm=True` (the post-LN inside the attention / projection above),
 `rescale=False` (the highway term is x itself), one head. `layer_norm=True` adds a pre-LN of each layer's
-input (the reference then feeds the *un-normalised* previous-segment inputs to attention; here the memory goes
-through the same LN as the current input).
+input; the previous-segment inputs reach attention un-normalised, as in the reference (`normalize_memory=True`
+passes them through the same LN: ours, off by default).
 
-The LM around it (the reference enwik8 script's model): embedding E (variance 1/d, like its init_weights'
-U(±√(3/d))) -> dropout -> SRU++ layers -> output h. Logits = Drop(h) · Eᵀ + b (tied; output bias as its
-nn.Linear). Gradients do not flow into the carry (truncated back-propagation through time, like the
+The LM around it (the reference enwik8 script's model, asappresearch/sru experiments/srupp_experiments/
+train_enwik8.py): embedding E ~ U(±√(3/d)) -> dropout -> SRU++ layers -> output h. Logits = Drop(h) · Wᵀ + b
+with W an output layer of its own (the script's nn.Linear, not tied to E). Gradients do not flow into the carry (truncated back-propagation through time, like the
 reference's detached hidden state and memory).
 
 TRIME key g: the last layer's output h, i.e. the input of the final projection without the output dropout
@@ -66,6 +66,8 @@ class SRUppConfig:
   highway_bias: float = -2.0  # initial b_r
   weight_c_init: float = 1.0  # v_f, v_r ~ U(-w, w)
   layer_norm: bool = False  # pre-LN of each layer's input (reference default: off)
+  normalize_memory: bool = False  # with layer_norm: the previous segment's inputs go through the LN too (ours;
+  # the reference attends to them un-normalised)
   attn_layer_norm: bool = True  # post-LN inside attention / projection (reference default: on)
   dropout: float = 0.1
   attention_dropout: float = 0.0
@@ -92,6 +94,7 @@ class SRUppConfig:
               d_model=m["d_model"], attn_dim=m.get("srupp_attn_dim") or max(m["d_model"] // 4, 1),
               num_heads=m.get("srupp_num_heads", 1), attention_every=m.get("srupp_attention_every", 1),
               highway_bias=m.get("srupp_highway_bias", -2.0), layer_norm=m.get("srupp_layer_norm", False),
+              normalize_memory=m.get("srupp_normalize_memory", False),
               dropout=m.get("dropout", 0.1), attention_dropout=m.get("attention_dropout", 0.0),
               dtype=m.get("dtype", "float32"), key_type=m.get("key_type", "final"))
     if m.get("max_len"):
@@ -196,11 +199,12 @@ class SRUppLayer(nnx.Module):
                                                  cfg.weight_c_init))  # [v_f; v_r]
     self.bias = nnx.Param(jnp.stack([jnp.zeros((d,)), jnp.full((d,), cfg.highway_bias)]).astype(jnp.float32))
     self.norm = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs) if cfg.layer_norm else None
+    self.normalize_memory = cfg.normalize_memory
     self.rate = 0.0 if last else cfg.dropout  # the reference: no dropout on the last layer's c
 
   def __call__(self, x_BxLxD, c0_BxD, memory=None, valid=None, *, deterministic, rngs):
     xin = x_BxLxD if self.norm is None else self.norm(x_BxLxD).astype(x_BxLxD.dtype)
-    if memory is not None and self.norm is not None:
+    if memory is not None and self.norm is not None and self.normalize_memory:
       memory = self.norm(memory).astype(memory.dtype)
     u = self.transform(xin, memory, valid, deterministic=deterministic, rngs=rngs)
     b, l, _ = x_BxLxD.shape
@@ -221,7 +225,12 @@ class SRUppLM(nnx.Module):
   def __init__(self, cfg: SRUppConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     d = cfg.d_model
-    self.embed = nnx.Embed(cfg.vocab_size, d, embedding_init=nnx.initializers.normal(d**-0.5), rngs=rngs)
+    # The reference enwik8 script's init_weights (its --layer_norm version): matrices U(±√(3/d)), biases 0;
+    # its output layer is an nn.Linear of its own (not tied to the embedding).
+    bound = math.sqrt(3.0 / d)
+    uniform = lambda key, shape, dtype=jnp.float32: jax.random.uniform(key, shape, dtype, -bound, bound)
+    self.embed = nnx.Embed(cfg.vocab_size, d, embedding_init=uniform, rngs=rngs)
+    self.out_weight = nnx.Param(uniform(rngs.params(), (cfg.vocab_size, d)))
     self.out_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.float32))
     self.drop = nnx.Dropout(cfg.dropout)
     self.layers = nnx.List([SRUppLayer(cfg, cfg.has_attention(i), i + 1 == cfg.num_layers, rngs=rngs)
@@ -270,7 +279,7 @@ class SRUppLM(nnx.Module):
 
   # ------------------------------------------------------------------------------------------------------
   def output_embedding(self):
-    return self.embed.embedding[...]
+    return self.out_weight[...]
 
   def logits(self, f_BxLxD):
     w = self.output_embedding().astype(f_BxLxD.dtype)

@@ -43,7 +43,7 @@ from trime_jax.loss import MEMORY_MODES
 from trime_jax import model as model_lib
 from trime_jax.model import count_params
 
-OPTIMIZERS = ("adam", "nag")
+OPTIMIZERS = ("adam", "nag", "radam")
 SCHEDULES = ("inverse_sqrt", "cosine", "constant")
 BATCHINGS = ("random", "consecutive", "bm25")
 CONSECUTIVE_LAYOUTS = ("stream", "packed")
@@ -205,6 +205,9 @@ def make_optimizer(train_cfg) -> tuple[optax.GradientTransformation, optax.Sched
   if train_cfg.optimizer == "adam":
     opt = optax.adamw(schedule, b1=train_cfg.adam_b1, b2=train_cfg.adam_b2, eps=train_cfg.adam_eps,
                       weight_decay=train_cfg.weight_decay)
+  elif train_cfg.optimizer == "radam":  # SRU++'s enwik8 script: RAdam, its weight decay decoupled (p -= lr·wd·p)
+    opt = optax.chain(optax.scale_by_radam(b1=train_cfg.adam_b1, b2=train_cfg.adam_b2, eps=train_cfg.adam_eps),
+                      optax.add_decayed_weights(train_cfg.weight_decay), optax.scale_by_learning_rate(schedule))
   else:  # fairseq `nag`: SGD with Nesterov momentum; its weight decay is decoupled (p *= 1 - lr·wd), outside
     # the momentum, like Adam's
     opt = optax.chain(optax.trace(decay=train_cfg.nag_momentum, nesterov=True),
