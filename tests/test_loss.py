@@ -335,3 +335,47 @@ def test_packed_documents_cut_memory_exactly_at_boundaries():
   assert np.array_equal(one_doc, stream)
   np.testing.assert_allclose(packed, two_runs, rtol=1e-12)
   assert packed[2, 0] == ce[2, 0] and stream[2, 0] != ce[2, 0]
+
+
+def _topk_reference(logits, keys, targets, k, temperature):
+  """float64 NumPy statement of the original TrimeMT criterion with --topk-mem k (trime_mt_loss.py): memory =
+  every token of every other row (no padding); per query, the k most similar of them enter one softmax with
+  the vocabulary; the target's probability sums the vocabulary term and the selected memories of that label."""
+  b, l, v = logits.shape
+  q, t = keys.reshape(b * l, -1), targets.reshape(-1)
+  row = np.repeat(np.arange(b), l)
+  sim = q @ q.T / np.sqrt(q.shape[1]) / temperature
+  out = np.zeros(b * l)
+  for i in range(b * l):
+    if t[i] < 0:
+      continue
+    cand = [j for j in range(b * l) if row[j] != row[i] and t[j] >= 0]
+    top = sorted(cand, key=lambda j: -sim[i, j])[:k]
+    lg = logits.reshape(b * l, v)[i]
+    terms = np.concatenate([lg, sim[i, top]])
+    z = np.log(np.exp(terms - terms.max()).sum()) + terms.max()
+    num = [lg[t[i]]] + [sim[i, j] for j in top if t[j] == t[i]]
+    p = np.log(np.exp(np.array(num) - max(num)).sum()) + max(num)
+    out[i] = z - p
+  return out.reshape(b, l)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8, 1000])
+def test_memory_topk_matches_the_original_mt_criterion(k):
+  logits, keys, targets = _batch(np.random.default_rng(7))
+  with jax.enable_x64(True):
+    got = loss.trime_nll(jnp.asarray(logits), jnp.asarray(keys), jnp.asarray(targets), memory="ext",
+                         drop_local=True, temperature=2.0, memory_topk=k)
+    np.testing.assert_allclose(np.asarray(got), _topk_reference(logits, keys, targets, k, 2.0), rtol=1e-10, atol=1e-10)
+    if k == 1000:  # k above the memory size: the plain objective
+      full = loss.trime_nll(jnp.asarray(logits), jnp.asarray(keys), jnp.asarray(targets), memory="ext",
+                            drop_local=True, temperature=2.0, implementation="dense")
+      np.testing.assert_allclose(np.asarray(got), np.asarray(full), rtol=1e-12)
+    if k == 1:  # gradients reach only the memories some query selected (and the queries themselves)
+      grad = jax.grad(lambda kk: loss.trime_nll(jnp.asarray(logits), kk, jnp.asarray(targets), memory="ext",
+                                                drop_local=True, memory_topk=1, stop_gradient_memory=True).sum())(
+          jnp.asarray(keys))
+      valid = targets >= 0
+      assert np.all(np.asarray(grad)[~valid] == 0)
+  with pytest.raises(ValueError, match="memory_topk"):
+    loss.ObjectiveSpec("ext", memory_topk=-1)

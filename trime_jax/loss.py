@@ -283,6 +283,20 @@ def _dense_nll(stats: VocabStats, keys, targets, memory_keys, memory_targets, me
   return jnp.where(targets >= 0, log_z - log_p, 0.0)
 
 
+def _topk_dense_nll(stats: VocabStats, keys, targets, memory_keys, memory_targets, memory_mask, scale, k: int):
+  """`_dense_nll` where each query's softmax keeps only its k most similar visible memories (numerator and
+  normaliser alike): the original TrimeMT criterion's `--topk-mem` (trime_mt_loss.py, top-k before the label
+  match). Gradients reach the selected memories only."""
+  mask = memory_mask & (memory_targets[None, :] >= 0)
+  sim = jnp.where(mask, _similarities(keys, memory_keys, scale), -jnp.inf)
+  top_sim, idx = jax.lax.top_k(sim, min(k, sim.shape[-1]))
+  top_mask = jnp.isfinite(top_sim)  # fewer than k visible: the rest stay out
+  positive = top_mask & (memory_targets[idx] == targets[:, None])
+  log_z = masked_logsumexp_with(stats.log_normalizer, top_sim, top_mask)
+  log_p = masked_logsumexp_with(stats.target_logit, top_sim, positive)
+  return jnp.where(targets >= 0, log_z - log_p, 0.0)
+
+
 def memory_nll_from_vocab_stats(
     stats: VocabStats, keys, targets, memory_keys, memory_targets, memory_mask, *, temperature=1.0
 ):
@@ -471,6 +485,8 @@ class ObjectiveSpec:
   implementation: str = "auto"  # auto | blockwise | dense (see IMPLEMENTATIONS)
   block_elems: int = DEFAULT_BLOCK_ELEMS  # budget of one similarity block (blockwise path)
   memory_chunk: int | None = None  # memory chunk length of the blockwise path (None: from block_elems)
+  memory_topk: int = 0  # > 0: only the k most similar visible memories per query (the original MT's --topk-mem;
+  # one dense [N, N] block, so for batches of sentence pairs)
 
   def __post_init__(self):
     if self.memory not in MEMORY_MODES:
@@ -479,13 +495,16 @@ class ObjectiveSpec:
       raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}")
     if self.memory == "long" and self.consecutive_segments < 1:
       raise ValueError(f"consecutive_segments must be >= 1, got {self.consecutive_segments}")
+    if self.memory_topk < 0:
+      raise ValueError(f"memory_topk must be >= 0, got {self.memory_topk}")
 
   @classmethod
   def from_config(cls, config) -> "ObjectiveSpec":
     """From the `trime` section (memory_chunk 0 = derived from the block budget)."""
     t = config.trime
     return cls(memory=t.memory, consecutive_segments=int(t.consecutive_segments), temperature=float(t.temperature),
-               stop_gradient_memory=bool(t.stop_gradient_memory), memory_chunk=int(t.memory_chunk) or None)
+               stop_gradient_memory=bool(t.stop_gradient_memory), memory_chunk=int(t.memory_chunk) or None,
+               memory_topk=int(t.get("memory_topk", 0)))
 
 
 def objective_spec(spec: ObjectiveSpec | None, options: dict) -> ObjectiveSpec:
@@ -538,12 +557,12 @@ def trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: Objective
   scale = similarity_scale(d, spec.temperature, acc)
   mem_keys = jax.lax.stop_gradient(keys) if spec.stop_gradient_memory else keys
 
-  if spec.implementation == "dense":
+  if spec.implementation == "dense" or spec.memory_topk:
     flat = TokenMeta(*(x.reshape(-1) for x in meta))
     mask = visible(flat, flat, causal.reshape(-1), cross_rows)
     flat_stats = VocabStats(*(x.reshape(-1) for x in stats))
-    nll = _dense_nll(flat_stats, keys.reshape(b * l, d), flat.target, mem_keys.reshape(b * l, d), flat.target,
-                     mask, scale)
+    args = (flat_stats, keys.reshape(b * l, d), flat.target, mem_keys.reshape(b * l, d), flat.target, mask, scale)
+    nll = _topk_dense_nll(*args, spec.memory_topk) if spec.memory_topk else _dense_nll(*args)
     return nll.reshape(b, l)
 
   g = _groups(memory, b, consecutive_segments)

@@ -81,6 +81,9 @@ def sharded_trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: l
   n = mesh.shape[axis]
   if spec.memory == "none" or n == 1:
     return loss.trime_nll_from_vocab_stats(stats, keys, targets, spec, drop_local=drop_local, documents=documents)
+  if spec.memory_topk:
+    raise ValueError("memory_topk (the original MT's --topk-mem) is single-device only: the top k of the global "
+                     "batch is not a per-shard reduction")
   if keys.shape[0] % n:
     raise ValueError(f"a global batch of {keys.shape[0]} rows does not split over the {n} devices of "
                      f"mesh axis {axis!r}")
