@@ -1,0 +1,81 @@
+"""Decoding for translation: beam search vs exhaustive search, the kNN-MT and TrimeMT_ext distributions vs
+float64 NumPy, BLEU, and an end-to-end tiny run (datastore, translate with every mode)."""
+
+import itertools
+import math
+import zlib
+
+import numpy as np
+import pytest
+
+from trime_jax.mt import decode
+
+PAD, EOS, V = 0, 1, 5  # toy vocabulary: pad, eos and three words
+
+
+def toy_log_probs(sentence: int, prefix: tuple) -> np.ndarray:
+  """A deterministic next-token law of (sentence, prefix): a fixed random softmax per context."""
+  rng = np.random.default_rng(zlib.crc32(repr((sentence, prefix)).encode()))
+  x = rng.normal(0, 2.0, V)
+  return x - np.logaddexp.reduce(x)
+
+
+def toy_callback(beam: int, calls=None):
+  def next_log_probs(prev_NxT, step):
+    assert prev_NxT.shape[1] >= step + 1 and (prev_NxT[:, 0] == EOS).all()
+    if calls is not None:
+      calls.append(step)
+    return np.stack([toy_log_probs(r // beam, tuple(int(t) for t in row[1:step + 1]))
+                     for r, row in enumerate(prev_NxT)]).astype(np.float32)
+  return next_log_probs
+
+
+def exhaustive(sentence: int, max_len: int, lenpen: float):
+  """(tokens, score) of the best sequence of 1..max_len words + eos (pad never, eos only at the end)."""
+  best = (None, -np.inf)
+  words = [w for w in range(V) if w not in (PAD, EOS)]
+  for n in range(1, max_len + 1):
+    for seq in itertools.product(words, repeat=n):
+      lp = sum(float(np.float32(toy_log_probs(sentence, seq[:i])[seq[i]])) for i in range(n))
+      lp += float(np.float32(toy_log_probs(sentence, seq)[EOS]))
+      score = lp / (n + 1) ** lenpen
+      if score > best[1]:
+        best = (list(seq), score)
+  return best
+
+
+@pytest.mark.parametrize("lenpen", [0.0, 1.0, 2.0])
+def test_beam_search_equals_exhaustive_search(lenpen):
+  # 3 words, up to 3 of them: 39 sequences, 27 prefixes of length 3: a beam of 64 keeps every prefix and
+  # finishes every sequence, so beam search must return the exhaustive optimum (scores, lengths, eos forcing).
+  src_lens = [3, 2, 4, 1]
+  opts = decode.SearchOptions(beam=64, lenpen=lenpen, max_len_a=0.0, max_len_b=3)
+  hyps = decode.beam_search(toy_callback(64), src_lens, opts, pad_id=PAD, eos_id=EOS, vocab_size=V)
+  for s, h in enumerate(hyps):
+    tokens, score = exhaustive(s, 3, lenpen)
+    assert h.tokens == tokens
+    assert h.score == pytest.approx(score, abs=1e-9)
+
+
+def test_max_len_a_b_per_sentence():
+  opts = decode.SearchOptions(beam=64, lenpen=1.0, max_len_a=1.0, max_len_b=1)
+  src_lens = [1, 2]  # max_len 2 and 3
+  hyps = decode.beam_search(toy_callback(64), src_lens, opts, pad_id=PAD, eos_id=EOS, vocab_size=V)
+  for s, (h, n) in enumerate(zip(hyps, [2, 3])):
+    assert h.tokens == exhaustive(s, n, 1.0)[0] and len(h.tokens) <= n
+
+
+def test_greedy_equals_beam_one_and_small_beam_prunes():
+  src_lens = list(range(1, 9))
+  opts = decode.SearchOptions(beam=1, max_len_b=4)
+  g = decode.greedy(toy_callback(1), src_lens, opts, pad_id=PAD, eos_id=EOS, vocab_size=V)
+  b1 = decode.beam_search(toy_callback(1), src_lens, opts, pad_id=PAD, eos_id=EOS, vocab_size=V)
+  assert [h.tokens for h in g] == [h.tokens for h in b1]
+  np.testing.assert_allclose([h.score for h in g], [h.score for h in b1], atol=1e-9)
+  assert all(h.tokens and PAD not in h.tokens and EOS not in h.tokens for h in g)  # min_len 1, no pad
+  # beam 4 never beats the exhaustive optimum, and finds a better hypothesis than greedy for some sentence
+  b4 = decode.beam_search(toy_callback(4), src_lens, decode.SearchOptions(beam=4, max_len_b=4), pad_id=PAD,
+                          eos_id=EOS, vocab_size=V)
+  best = [exhaustive(s, 4, 1.0)[1] for s in range(len(src_lens))]
+  assert all(h4.score <= sb + 1e-9 for h4, sb in zip(b4, best))
+  assert any(h4.score > h1.score + 1e-6 for h4, h1 in zip(b4, g))
