@@ -79,3 +79,69 @@ def test_greedy_equals_beam_one_and_small_beam_prunes():
   best = [exhaustive(s, 4, 1.0)[1] for s in range(len(src_lens))]
   assert all(h4.score <= sb + 1e-9 for h4, sb in zip(b4, best))
   assert any(h4.score > h1.score + 1e-6 for h4, h1 in zip(b4, g))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Distributions vs float64 NumPy over a small datastore
+# ----------------------------------------------------------------------------------------------------------
+def _small_case(seed=0, n=3, k=6, d=8, v=7, store=20):
+  rng = np.random.default_rng(seed)
+  store_keys = rng.normal(0, 1.0, (store, d))
+  store_values = rng.integers(0, v, store)
+  q = rng.normal(0, 1.0, (n, d))
+  logits = rng.normal(0, 2.0, (n, v))
+  ids = np.stack([rng.choice(store, k, replace=False) for _ in range(n)])
+  ids[0, -2:] = -1  # row 0 found only k - 2 entries
+  ids[2, :] = -1  # row 2 found none
+  keys = np.where(ids[..., None] >= 0, store_keys[np.maximum(ids, 0)], 0.0)
+  targets = np.where(ids >= 0, store_values[np.maximum(ids, 0)], -1)
+  return logits, q, keys, targets, ids
+
+
+def _np_log_softmax(x):
+  return x - np.logaddexp.reduce(x, axis=-1, keepdims=True)
+
+
+def _np_mem(scores_K, targets_K, v):
+  """log p(w) ∝ Σ_{x_j = w} exp(score_j) over the valid entries (float64; -inf rows if none)."""
+  out = np.full(v, -np.inf)
+  for s, t in zip(scores_K, targets_K):
+    if t >= 0:
+      out[t] = np.logaddexp(out[t], s)
+  return out - np.logaddexp.reduce(out)
+
+
+@pytest.mark.parametrize("lam,temp", [(0.3, 2.0), (0.8, 10.0)])
+def test_knn_mt_distribution_matches_float64(lam, temp):
+  logits, q, keys, targets, _ = _small_case()
+  got = np.asarray(decode.knn_mt_log_probs(logits, q, keys, targets, temperature=temp, lam=lam), np.float64)
+  for r in range(len(q)):
+    p_model = np.exp(_np_log_softmax(logits[r]))
+    if (targets[r] >= 0).any():
+      dist = ((q[r][None] - keys[r]) ** 2).sum(-1)
+      p = (1 - lam) * p_model + lam * np.exp(_np_mem(-dist / temp, targets[r], logits.shape[1]))
+    else:
+      p = p_model  # no neighbours: the model alone
+    np.testing.assert_allclose(np.exp(got[r]), p, rtol=2e-5, atol=1e-7)
+    assert np.exp(got[r]).sum() == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("tau,lam,tau_prime", [(1.0, 0.0, 1.0), (0.5, 0.25, 2.0)])
+def test_trime_mt_distribution_matches_float64(tau, lam, tau_prime):
+  logits, q, keys, targets, _ = _small_case(seed=1)
+  d, v = q.shape[1], logits.shape[1]
+  got = np.asarray(decode.trime_log_probs(logits, q, keys, targets, tau=tau, interp_lambda=lam,
+                                          interp_tau=tau_prime), np.float64)
+  for r in range(len(q)):
+    sim = (keys[r] @ q[r]) / math.sqrt(d)
+    weights = np.exp(logits[r]).copy()
+    for s, t in zip(sim, targets[r]):
+      if t >= 0:
+        weights[t] += np.exp(s / tau)
+    p = weights / weights.sum()
+    if lam and (targets[r] >= 0).any():
+      p = (1 - lam) * p + lam * np.exp(_np_mem(sim / tau_prime, targets[r], v))
+    np.testing.assert_allclose(np.exp(got[r]), p, rtol=2e-5, atol=1e-7)
+  # the memories matter where there are some, and row 2 (none retrieved) is the model alone
+  assert np.abs(got[0] - _np_log_softmax(logits[0])).max() > 1e-2
+  np.testing.assert_allclose(got[2], _np_log_softmax(logits[2]), atol=1e-5)

@@ -24,10 +24,18 @@ beam = 1 special case, written as an argmax loop (the tests check it equals `bea
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from trime_jax import evaluate
+from trime_jax import generate
+from trime_jax import loss
+from trime_jax.datastore import Datastore, KnnIndex
 from trime_jax.errors import ConfigError
 
 NextLogProbs = Callable[[np.ndarray, int], np.ndarray]
@@ -165,3 +173,88 @@ def greedy(next_log_probs: NextLogProbs, src_lens, options: SearchOptions = Sear
 def search(next_log_probs: NextLogProbs, src_lens, options: SearchOptions, **kw) -> list[Hypothesis]:
   """`greedy` when options.beam == 1, else `beam_search`."""
   return (greedy if options.beam == 1 else beam_search)(next_log_probs, src_lens, options, **kw)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Next-token distributions over retrieved datastore entries (one row = one query; K entries per row)
+# ----------------------------------------------------------------------------------------------------------
+# Both reuse the LM's memory softmax (`loss.memory_log_probs`, via `generate.next_token_log_probs`) and its
+# mixture (`evaluate._mix`), vmapped over rows: each row sees only its own K retrieved entries.
+MODES = ("model", "knn_mt", "trime")
+
+
+def _per_row(fn, logits_NxV, q_NxD, keys_NxKxD, targets_NxK):
+  """fn(logits [1, V], q [1, D], keys [K, D], targets [K], mask [1, K]) -> [1, V], over the N rows."""
+  one = lambda lg, q, k, t: fn(lg[None], q[None], k, t, jnp.ones((1, t.shape[0]), bool))[0]
+  return jax.vmap(one)(logits_NxV, q_NxD, keys_NxKxD, targets_NxK)
+
+
+@functools.partial(jax.jit, static_argnames=("tau", "interp_lambda", "interp_tau"))
+def trime_log_probs(logits_NxV, q_NxD, keys_NxKxD, targets_NxK, *, tau: float, interp_lambda: float = 0.0,
+                    interp_tau: float = 1.0):
+  """TrimeMT_ext: log P [N, V], P(w) ∝ exp(logit_w) + Σ_{retrieved j, x_j = w} exp(q·k_j / √D / τ); with
+  interp_lambda > 0 Appendix A's (1 - λ)·P(τ) + λ·P′(τ′), P′(w) ∝ Σ_{retrieved, x_j = w} exp(q·k_j / √D / τ′).
+  Entries with target < 0 (fewer than K found) are empty."""
+  fn = lambda lg, q, k, t, m: generate.next_token_log_probs(
+      lg, q, k, t, m, tau=tau, prime_M=jnp.ones(t.shape, bool), interp_lambda=interp_lambda, interp_tau=interp_tau)
+  return _per_row(fn, logits_NxV.astype(jnp.float32), q_NxD.astype(jnp.float32), keys_NxKxD.astype(jnp.float32),
+                  targets_NxK)
+
+
+def l2_as_inner_product(q_NxD, keys_NxKxD):
+  """(q′ [N, D+1], k′ [N, K, D+1]) with q′·k′ = q·k - |k|²/2 = (|q|² - |q - k|²) / 2: a softmax over 2·q′·k′/T
+  is the softmax over -|q - k|²/T (|q|² is constant per row), which `loss.memory_log_probs` computes as its
+  q′·k′ / (√(D+1)·τ) with τ = T / (2·√(D+1))."""
+  q = jnp.concatenate([q_NxD, jnp.ones(q_NxD.shape[:-1] + (1,), q_NxD.dtype)], -1)
+  k = jnp.concatenate([keys_NxKxD, -0.5 * jnp.sum(keys_NxKxD ** 2, -1, keepdims=True)], -1)
+  return q, k
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "lam"))
+def knn_mt_log_probs(logits_NxV, q_NxD, keys_NxKxD, targets_NxK, *, temperature: float, lam: float):
+  """kNN-MT (Khandelwal et al. 2021): log[(1 - λ)·p_model + λ·p_kNN], p_kNN(w) ∝ Σ_{retrieved j, x_j = w}
+  exp(-|q - k_j|² / T) over the K retrieved entries; rows with no entry keep p_model."""
+  logits = logits_NxV.astype(jnp.float32)
+  q, k = l2_as_inner_product(q_NxD.astype(jnp.float32), keys_NxKxD.astype(jnp.float32))
+  tau = temperature / (2 * math.sqrt(q.shape[-1]))
+  no_vocab = jnp.full_like(logits, -jnp.inf)  # p_kNN is memories only
+  fn = lambda lg, qq, kk, t, m: loss.memory_log_probs(lg, qq, kk, t, m, temperature=tau)
+  log_knn = _per_row(fn, no_vocab, q, k, targets_NxK)
+  has = (targets_NxK >= 0).any(-1, keepdims=True)
+  return evaluate._mix(jax.nn.log_softmax(logits, -1), log_knn, has, lam)
+
+
+@dataclasses.dataclass
+class Neighbours:
+  """The top-K entries of N queries, best first."""
+
+  ids: np.ndarray  # [N, K] int64 datastore rows (-1: fewer found)
+  keys: np.ndarray  # [N, K, D] float32 (zeros where ids < 0)
+  targets: np.ndarray  # [N, K] int32 next tokens (-1 where ids < 0)
+  score: np.ndarray  # [N, K] float32: q·k (metric "ip") or -|q - k|² (metric "l2"); -inf where ids < 0
+
+
+def retrieve(ds: Datastore, index: KnnIndex, q_NxD, k: int, *, metric: str, candidates: int = 0) -> Neighbours:
+  """Top-k entries by exact inner product (TRIME's similarity) or exact squared L2 distance (kNN-MT's).
+
+  The index is an inner-product index (`datastore.index`): "ip" takes its top-k and re-scores them exactly;
+  "l2" takes its top-`candidates` (default 16·k) by inner product and keeps the k nearest in L2 among them —
+  the exact L2 neighbours whenever they are among those candidates (always when candidates >= the datastore
+  size, or for an exact index when |k_j|² is constant)."""
+  if metric not in ("ip", "l2"):
+    raise ConfigError(f"metric must be ip or l2, got {metric!r}")
+  q = np.ascontiguousarray(np.asarray(q_NxD, np.float32))
+  k = int(min(k, ds.count))
+  c = k if metric == "ip" else int(min(max(candidates or 16 * k, k), ds.count))
+  _, ids = index.search(q, c)
+  keys = ds.gather_keys(ids)
+  if metric == "ip":
+    score = np.einsum("nd,nkd->nk", q, keys)
+  else:
+    score = -np.sum((q[:, None, :] - keys) ** 2, -1)
+  score[ids < 0] = -np.inf
+  order = np.argsort(-score, axis=1, kind="stable")[:, :k]
+  ids, score = np.take_along_axis(ids, order, 1), np.take_along_axis(score, order, 1)
+  keys = np.take_along_axis(keys, order[..., None], 1)
+  targets = np.where(ids >= 0, np.asarray(ds.values[np.maximum(ids, 0)]), -1).astype(np.int32)
+  return Neighbours(ids, keys, targets, score.astype(np.float32))
