@@ -26,17 +26,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from trime_jax import evaluate
 from trime_jax import generate
 from trime_jax import loss
 from trime_jax.datastore import Datastore, KnnIndex
-from trime_jax.errors import ConfigError
+from trime_jax.errors import CheckpointError, ConfigError
 
 NextLogProbs = Callable[[np.ndarray, int], np.ndarray]
 
@@ -229,32 +231,241 @@ class Neighbours:
   """The top-K entries of N queries, best first."""
 
   ids: np.ndarray  # [N, K] int64 datastore rows (-1: fewer found)
-  keys: np.ndarray  # [N, K, D] float32 (zeros where ids < 0)
   targets: np.ndarray  # [N, K] int32 next tokens (-1 where ids < 0)
   score: np.ndarray  # [N, K] float32: q·k (metric "ip") or -|q - k|² (metric "l2"); -inf where ids < 0
+  keys: np.ndarray | None = None  # [N, K, D] float32 (zeros where ids < 0), when asked for
 
 
-def retrieve(ds: Datastore, index: KnnIndex, q_NxD, k: int, *, metric: str, candidates: int = 0) -> Neighbours:
+GATHER_FLOATS = 1 << 24  # float32 keys gathered at a time by `retrieve` (64 MiB)
+
+
+def retrieve(ds: Datastore, index: KnnIndex, q_NxD, k: int, *, metric: str, candidates: int = 0,
+             with_keys: bool = True) -> Neighbours:
   """Top-k entries by exact inner product (TRIME's similarity) or exact squared L2 distance (kNN-MT's).
 
-  The index is an inner-product index (`datastore.index`): "ip" takes its top-k and re-scores them exactly;
-  "l2" takes its top-`candidates` (default 16·k) by inner product and keeps the k nearest in L2 among them —
-  the exact L2 neighbours whenever they are among those candidates (always when candidates >= the datastore
-  size, or for an exact index when |k_j|² is constant)."""
+  The index is an inner-product index (`datastore.index`): "ip" takes its top-k and re-scores them exactly
+  from the stored keys; "l2" takes its top-`candidates` (default 16·k) by inner product and keeps the k
+  nearest in L2 among them — the exact L2 neighbours whenever they are among those candidates (always when
+  candidates >= the datastore size)."""
   if metric not in ("ip", "l2"):
     raise ConfigError(f"metric must be ip or l2, got {metric!r}")
   q = np.ascontiguousarray(np.asarray(q_NxD, np.float32))
   k = int(min(k, ds.count))
   c = k if metric == "ip" else int(min(max(candidates or 16 * k, k), ds.count))
-  _, ids = index.search(q, c)
-  keys = ds.gather_keys(ids)
-  if metric == "ip":
-    score = np.einsum("nd,nkd->nk", q, keys)
-  else:
-    score = -np.sum((q[:, None, :] - keys) ** 2, -1)
-  score[ids < 0] = -np.inf
-  order = np.argsort(-score, axis=1, kind="stable")[:, :k]
-  ids, score = np.take_along_axis(ids, order, 1), np.take_along_axis(score, order, 1)
-  keys = np.take_along_axis(keys, order[..., None], 1)
-  targets = np.where(ids >= 0, np.asarray(ds.values[np.maximum(ids, 0)]), -1).astype(np.int32)
-  return Neighbours(ids, keys, targets, score.astype(np.float32))
+  _, ids_all = index.search(q, c)
+  n = len(q)
+  out_ids, out_score = np.empty((n, k), np.int64), np.empty((n, k), np.float32)
+  out_keys = np.empty((n, k, ds.dimension), np.float32) if with_keys else None
+  rows = max(1, GATHER_FLOATS // (c * ds.dimension))
+  for a in range(0, n, rows):
+    ids = ids_all[a:a + rows]
+    keys = ds.gather_keys(ids)
+    qa = q[a:a + rows]
+    if metric == "ip":
+      score = np.einsum("nd,nkd->nk", qa, keys)
+    else:
+      score = -np.sum((qa[:, None, :] - keys) ** 2, -1)
+    score[ids < 0] = -np.inf
+    order = np.argsort(-score, axis=1, kind="stable")[:, :k]
+    out_ids[a:a + rows] = np.take_along_axis(ids, order, 1)
+    out_score[a:a + rows] = np.take_along_axis(score, order, 1)
+    if with_keys:
+      out_keys[a:a + rows] = np.take_along_axis(keys, order[..., None], 1)
+  targets = np.where(out_ids >= 0, np.asarray(ds.values[np.maximum(out_ids, 0)]), -1).astype(np.int32)
+  return Neighbours(out_ids, targets, out_score, out_keys)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Translation with a model export (+ a datastore)
+# ----------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Distribution:
+  """The next-token law: model | knn_mt (k, temperature T, lam λ) | trime (k, tau τ, + Appendix A's
+  interp_lambda λ and interp_tau τ′; interp_lambda 0 = none)."""
+
+  mode: str = "model"
+  k: int = 64
+  temperature: float = 10.0
+  lam: float = 0.5
+  tau: float = 1.0
+  interp_lambda: float = 0.0
+  interp_tau: float = 1.0
+  candidates: int = 0  # knn_mt: inner-product candidates re-ranked by L2 (0: 16·k)
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
+    if self.k < 1:
+      raise ConfigError(f"k must be >= 1, got {self.k}")
+    if not (self.temperature > 0 and self.tau > 0 and self.interp_tau > 0):
+      raise ConfigError("temperature, tau and interp_tau must be > 0")
+    if not 0 <= self.lam <= 1 or not 0 <= self.interp_lambda < 1:
+      raise ConfigError(f"lambda must be in [0, 1] and interp_lambda in [0, 1), got {self.lam}, "
+                        f"{self.interp_lambda}")
+
+  @property
+  def metric(self) -> str:
+    return "l2" if self.mode == "knn_mt" else "ip"
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _encode(graphdef, params, src_BxS):
+  return nnx.merge(graphdef, params).encode(src_BxS, deterministic=True)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _step(graphdef, params, enc_NxSxD, src_NxS, prev_NxT, step):
+  """(logits [N, V] float32, g [N, D] float32) of the token at position `step` (the decoder re-runs over the
+  whole prefix: no cache; sentences are short)."""
+  model = nnx.merge(graphdef, params)
+  f, g = model.decode(enc_NxSxD, src_NxS, prev_NxT, deterministic=True)
+  take = lambda x: jax.lax.dynamic_index_in_dim(x, step, axis=1, keepdims=False)
+  return model.logits(take(f)).astype(jnp.float32), take(g).astype(jnp.float32)
+
+
+class Translator:
+  """Beam search / greedy over an MT export's decoder, with the next-token law of `dist`."""
+
+  def __init__(self, graphdef, params, cfg, *, dist: Distribution = Distribution(), datastore=None, index=None,
+               options: SearchOptions = SearchOptions(), eos_id: int = 3):
+    if dist.mode != "model" and (datastore is None or index is None):
+      raise ConfigError(f"mode {dist.mode} needs a datastore (--datastore, built by launch.build_datastore)")
+    if datastore is not None and datastore.dimension != cfg.d_model:
+      raise CheckpointError(f"datastore keys have dimension {datastore.dimension}, the model's {cfg.d_model}")
+    self.graphdef, self.params, self.cfg = graphdef, params, cfg
+    self.dist, self.ds, self.index = dist, datastore, index
+    self.options = dataclasses.replace(options, max_positions=min(options.max_positions, cfg.max_len))
+    self.eos_id = eos_id
+    self.search_seconds = 0.0
+
+  def _callback(self, enc, src):
+    beam = self.options.beam
+    enc_N, src_N = jnp.repeat(enc, beam, axis=0), jnp.repeat(src, beam, axis=0)
+    d = self.dist
+
+    def next_log_probs(prev_NxT, step):
+      width = min(prev_NxT.shape[1], -(-(step + 1) // 16) * 16)  # a few compiled widths
+      logits, g = _step(self.graphdef, self.params, enc_N, src_N, jnp.asarray(prev_NxT[:, :width], jnp.int32),
+                        step)
+      if d.mode == "model":
+        return np.asarray(jax.nn.log_softmax(logits, -1))
+      t0 = time.perf_counter()
+      nb = retrieve(self.ds, self.index, np.asarray(g), d.k, metric=d.metric, candidates=d.candidates)
+      self.search_seconds += time.perf_counter() - t0
+      if d.mode == "knn_mt":
+        return np.asarray(knn_mt_log_probs(logits, g, nb.keys, nb.targets, temperature=d.temperature, lam=d.lam))
+      return np.asarray(trime_log_probs(logits, g, nb.keys, nb.targets, tau=d.tau, interp_lambda=d.interp_lambda,
+                                        interp_tau=d.interp_tau))
+
+    return next_log_probs
+
+  def translate(self, src_list, *, batch_sentences: int = 32, progress=None) -> list[Hypothesis]:
+    """The best hypothesis of each source sentence (ids without eos), in input order; batches of sentences
+    of similar source lengths."""
+    order = sorted(range(len(src_list)), key=lambda i: (len(src_list[i]), i))
+    out = [None] * len(src_list)
+    for a in range(0, len(order), batch_sentences):
+      idx = order[a:a + batch_sentences]
+      rows = batch_sentences if len(order) > batch_sentences else len(idx)  # fixed shapes across batches
+      s_len = -(-(max(len(src_list[i]) for i in idx) + 1) // 8) * 8
+      src = np.zeros((rows, s_len), np.int32)
+      for r, i in enumerate(idx):
+        src[r, :len(src_list[i])] = src_list[i]
+        src[r, len(src_list[i])] = self.eos_id
+      src_lens = [len(src_list[i]) + 1 for i in idx] + [1] * (rows - len(idx))  # fairseq's src_len counts eos
+      enc = _encode(self.graphdef, self.params, jnp.asarray(src))
+      hyps = search(self._callback(enc, jnp.asarray(src)), src_lens, self.options, pad_id=self.cfg.pad_id,
+                    eos_id=self.eos_id, vocab_size=self.cfg.vocab_size)
+      for r, i in enumerate(idx):
+        out[i] = hyps[r]
+      if progress:
+        progress(len(idx))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tuning on teacher-forced valid targets: one retrieval of the top max(K) per target token, every K ≤ it
+# and every (τ, λ, T) read from that one pass (`evaluate.point_nlls`, the LM evaluator's scorer)
+# ----------------------------------------------------------------------------------------------------------
+KS = (1, 2, 4, 8, 16, 32, 64)
+KNN_T_GRID = (1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0)  # kNN-MT temperatures T of exp(-|q - k|² / T)
+
+
+@dataclasses.dataclass
+class TunePass:
+  """What one teacher-forced pass over the valid targets keeps (M target tokens)."""
+
+  stats: loss.VocabStats  # [M]
+  targets: np.ndarray  # [M]
+  ip: Neighbours  # top-max(K) by inner product (no keys)
+  l2: Neighbours  # top-max(K) by L2 (no keys)
+  dimension: int
+
+
+def tune_pass(graphdef, params, pairs, ds, index, *, k_max: int = 64, batch_tokens: int = 4096,
+              candidates: int = 0, modes=("knn_mt", "trime")) -> TunePass:
+  from trime_jax.mt import datastore as mt_datastore
+
+  stats, targets, ip, l2 = [], [], [], []
+  for _, batch in mt_datastore.pair_batches(pairs.src, pairs.tgt, batch_tokens=batch_tokens):
+    logits, g = mt_datastore.forced_forward(graphdef, params, jnp.asarray(batch["src"]), jnp.asarray(batch["prev"]))
+    t = batch["targets"]
+    sel = t >= 0
+    logits, g, t = np.asarray(logits)[sel], np.asarray(g)[sel], t[sel]
+    st = loss.vocab_stats(jnp.asarray(logits), jnp.asarray(t))
+    stats.append((np.asarray(st.log_normalizer), np.asarray(st.target_logit)))
+    targets.append(t)
+    none = Neighbours(np.zeros((len(t), 0), np.int64), np.zeros((len(t), 0), np.int32), np.zeros((len(t), 0), np.float32))
+    ip.append(retrieve(ds, index, g, k_max, metric="ip", with_keys=False) if "trime" in modes else none)
+    l2.append(retrieve(ds, index, g, k_max, metric="l2", candidates=candidates, with_keys=False)
+              if "knn_mt" in modes else none)
+  cat = lambda xs, f: np.concatenate([getattr(x, f) for x in xs])
+  nb = lambda xs: Neighbours(cat(xs, "ids"), cat(xs, "targets"), cat(xs, "score"))
+  return TunePass(loss.VocabStats(jnp.asarray(np.concatenate([s[0] for s in stats])),
+                                  jnp.asarray(np.concatenate([s[1] for s in stats]))),
+                  np.concatenate(targets), nb(ip), nb(l2), ds.dimension)
+
+
+def _setting(point: evaluate.Point, k: int) -> Distribution:
+  if point.family == "none":
+    return Distribution("model")
+  if point.family == "knnlm":
+    return Distribution("knn_mt", k=k, temperature=1.0 / point.theta, lam=point.lam)
+  if point.family == "trime":
+    return Distribution("trime", k=k, tau=point.tau)
+  return Distribution("trime", k=k, tau=point.tau, interp_lambda=point.lam, interp_tau=point.tau_prime)
+
+
+def _nlls(tp: TunePass, points, k: int, metric: str):
+  """[P] mean nll per target token of each point, with the top-k retrieved entries."""
+  nb = tp.ip if metric == "ip" else tp.l2
+  sim = nb.score[:, :k] / (math.sqrt(tp.dimension) if metric == "ip" else 1.0)  # TRIME: q·k/√D; kNN: -|q-k|²
+  sim = np.where(np.isfinite(sim), sim, 0.0)
+  tgt = jnp.asarray(tp.targets)[None]
+  blk = evaluate.external_block(jnp.asarray(sim)[None], jnp.asarray(nb.targets[:, :k])[None], tgt)
+  stats = loss.VocabStats(tp.stats.log_normalizer[None], tp.stats.target_logit[None])
+  return np.asarray(evaluate.point_nlls(stats, tgt, [], blk, points)).reshape(len(points), -1).mean(-1)
+
+
+def tune(tp: TunePass, *, modes=("knn_mt", "trime"), ks=KS) -> list[dict]:
+  """Rows {mode, k, params, nll} for every K and grid point (kNN-MT: T × λ; TRIME: τ, then Appendix A's
+  λ × τ′ at each K's best τ), plus the model alone; sorted by nll within each mode."""
+  rows = [{"mode": "model", "k": 0, "setting": Distribution("model"),
+           "nll": float(_nlls(tp, [evaluate.NONE], 1, "ip")[0])}]
+  for k in ks:
+    if k > tp.ip.score.shape[1] and k > tp.l2.score.shape[1]:
+      continue
+    if "knn_mt" in modes:
+      pts = [evaluate.Point("knnlm", lam=lam, theta=1.0 / t) for t in KNN_T_GRID for lam in evaluate.LAMBDA_GRID]
+      rows += [{"mode": "knn_mt", "k": k, "setting": _setting(p, k), "nll": float(v)}
+               for p, v in zip(pts, _nlls(tp, pts, k, "l2"))]
+    if "trime" in modes:
+      pts = [evaluate.Point("trime", tau=t) for t in evaluate.TAU_GRID]
+      nll = _nlls(tp, pts, k, "ip")
+      rows += [{"mode": "trime", "k": k, "setting": _setting(p, k), "nll": float(v)} for p, v in zip(pts, nll)]
+      tau = pts[int(np.argmin(nll))].tau
+      pts = [evaluate.Point("interp", tau=tau, tau_prime=tp_, lam=lam, interp_memory="external")
+             for tp_ in evaluate.TAU_PRIME_GRID for lam in evaluate.LAMBDA_GRID]
+      rows += [{"mode": "trime_interp", "k": k, "setting": _setting(p, k), "nll": float(v)}
+               for p, v in zip(pts, _nlls(tp, pts, k, "ip"))]
+  return sorted(rows, key=lambda r: (r["mode"], r["nll"]))
