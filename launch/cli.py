@@ -58,3 +58,7 @@ def demo() -> None:
 
 def import_fairseq() -> None:
   _run("import_fairseq")
+
+
+def translate() -> None:
+  _run("translate")

@@ -145,3 +145,96 @@ def test_trime_mt_distribution_matches_float64(tau, lam, tau_prime):
   # the memories matter where there are some, and row 2 (none retrieved) is the model alone
   assert np.abs(got[0] - _np_log_softmax(logits[0])).max() > 1e-2
   np.testing.assert_allclose(got[2], _np_log_softmax(logits[2]), atol=1e-5)
+
+
+def test_bleu_copy_is_100_and_a_known_case():
+  from trime_jax.mt import bleu
+
+  refs = ["Cannot open file %s", "the cat is on the mat", "hello there world"]
+  assert bleu.corpus_bleu(refs, refs)["bleu"] == pytest.approx(100.0)
+  # 1-4-gram precisions 7/8, 3/6, 1/4, and 0/3 smoothed ('exp': 1/(2·3)); brevity penalty exp(1 - 9/8)
+  got = bleu.corpus_bleu(["the cat sat on the mat", "hello world"], ["the cat is on the mat", "hello there world"])
+  want = 100 * math.exp(1 - 9 / 8) * (7 / 8 * 3 / 6 * 1 / 4 * 1 / 6) ** 0.25
+  assert got["bleu"] == pytest.approx(want, rel=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# End to end: a tiny export, its datastore and index, translation with every mode
+# ----------------------------------------------------------------------------------------------------------
+WORDS = ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  import ml_collections
+  from flax import nnx
+
+  from trime_jax.datastore import build_index
+  from trime_jax.mt import data as mt_data
+  from trime_jax.mt import datastore as mt_datastore
+  from trime_jax.mt import model as mt_model
+
+  root = tmp_path_factory.mktemp("mt")
+  vocab = mt_data.SubwordVocab(tokens=list(mt_data.SPECIALS) + WORDS)
+  rng = np.random.default_rng(0)
+  lines = [" ".join(rng.choice(WORDS, rng.integers(2, 6))) for _ in range(24)]
+  pairs = lambda lo, hi, split: mt_data.ParallelData(
+      [vocab.encode(l) for l in lines[lo:hi]], [vocab.encode(" ".join(reversed(l.split()))) for l in lines[lo:hi]],
+      lines[lo:hi], [" ".join(reversed(l.split())) for l in lines[lo:hi]], vocab, split)
+  config = ml_collections.ConfigDict({"task": "mt", "model": {
+      "d_model": 16, "num_heads": 2, "d_ff": 32, "encoder_layers": 1, "decoder_layers": 2, "dropout": 0.0,
+      "max_len": 64, "share_all_embeddings": True, "decoder_normalize_before": True}})
+
+  def export(seed, name):
+    model = mt_model.build_mt_model(config, vocab.size, seed)
+    return mt_model.export_mt(str(root / name), nnx.split(model, nnx.Param)[1], config, vocab)
+
+  ckpt_dir, other = export(0, "export"), export(1, "other")
+  train = pairs(0, 20, "train")
+  meta = mt_datastore.build_mt_datastore(ckpt_dir, train, str(root / "ds"), batch_tokens=64, progress=False)
+  from trime_jax.datastore import Datastore
+
+  build_index(Datastore(str(root / "ds")), kind="flat", progress=False)
+  return dict(root=root, vocab=vocab, config=config, ckpt=ckpt_dir, other=other, train=train,
+              test=pairs(20, 24, "test"), meta=meta, ds_dir=str(root / "ds"))
+
+
+def test_mt_datastore_holds_teacher_forced_keys_and_refuses_another_model(tiny):
+  from trime_jax.errors import CheckpointError
+  from trime_jax.mt import data as mt_data
+  from trime_jax.mt import datastore as mt_datastore
+  from trime_jax.mt import model as mt_model
+
+  ds, index = mt_datastore.open_mt_datastore(tiny["ds_dir"], tiny["ckpt"])
+  train = tiny["train"]
+  want_values = np.concatenate([np.append(y, mt_data.EOS) for y in train.tgt])
+  np.testing.assert_array_equal(np.asarray(ds.values), want_values)
+  assert ds.count == tiny["meta"]["count"] == sum(len(y) + 1 for y in train.tgt)
+  # keys: the decoder's g over [eos] + y with its source, pair by pair (one pair per forward: no batching effects)
+  graphdef, params, _, _ = mt_model.load_mt_export(tiny["ckpt"])
+  lo = 0
+  for x, y in zip(train.src, train.tgt):
+    b = mt_data.collate([x], [y], len(x) + 1, len(y) + 1)
+    _, g = mt_datastore.forced_forward(graphdef, params, b["src"], b["prev"])
+    np.testing.assert_allclose(np.asarray(ds.keys[lo:lo + len(y) + 1], np.float32), np.asarray(g)[0], rtol=2e-3,
+                               atol=2e-3)
+    lo += len(y) + 1
+  with pytest.raises(CheckpointError, match="another model"):
+    mt_datastore.open_mt_datastore(tiny["ds_dir"], tiny["other"])
+  with pytest.raises(CheckpointError, match="different datastore"):  # same directory, another checkpoint
+    mt_datastore.build_mt_datastore(tiny["other"], train, tiny["ds_dir"], progress=False)
+
+
+def test_retrieve_matches_brute_force(tiny):
+  from trime_jax.mt import datastore as mt_datastore
+
+  ds, index = mt_datastore.open_mt_datastore(tiny["ds_dir"], tiny["ckpt"])
+  keys = np.asarray(ds.keys, np.float64)
+  q = np.random.default_rng(3).normal(0, 1, (5, ds.dimension)).astype(np.float32)
+  for metric in ("ip", "l2"):
+    nb = decode.retrieve(ds, index, q, 7, metric=metric, candidates=ds.count)
+    full = q.astype(np.float64) @ keys.T if metric == "ip" else -((q[:, None].astype(np.float64) - keys) ** 2).sum(-1)
+    want = -np.sort(-full, axis=1)[:, :7]
+    np.testing.assert_allclose(nb.score, want, rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(nb.targets, np.asarray(ds.values)[nb.ids])
+    np.testing.assert_allclose(nb.keys, keys[nb.ids], atol=1e-6)

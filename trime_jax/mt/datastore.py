@@ -168,3 +168,43 @@ def open_mt_datastore(datastore_dir: str, checkpoint_dir: str, *, index_path: st
   index = KnnIndex.load(index_path or os.path.join(datastore_dir, "index.faiss"), datastore=ds, nprobe=nprobe,
                         gpu=gpu)
   return ds, index
+
+
+# ----------------------------------------------------------------------------------------------------------
+# launch.build_datastore for translation
+# ----------------------------------------------------------------------------------------------------------
+def is_mt(config, checkpoint_dir: str) -> bool:
+  """A translation build: the config says task="mt", or the checkpoint is an MT export."""
+  if config is not None and config.get("task") == "mt":
+    return True
+  path = os.path.join(checkpoint_dir or "", "meta.json")
+  if os.path.isfile(path):
+    return ckpt.read_json(path, "export meta").get("model_family") == "mt"
+  return False
+
+
+def mt_config(config, checkpoint_dir: str):
+  """The config to read data from: `config` when it is an MT config, else the export's stored config.json
+  (launch.common's implicit export config is the LM schema and would drop the MT fields)."""
+  import ml_collections
+
+  if config is not None and config.get("task") == "mt":
+    return config
+  return ml_collections.ConfigDict(ckpt.read_json(os.path.join(checkpoint_dir, "config.json"), "export config"))
+
+
+def build_main(config, checkpoint_dir: str, out_dir: str, *, split: str = "train", index_kind: str = "auto",
+               nlist: int = 4096, pq_m: int = 64, k: int = 64, nprobe: int = 32, beam: int = 4) -> None:
+  """`launch.build_datastore` for an MT config / export: the datastore of `split`'s target tokens, then its
+  index (auto: the cheaper of exact and IVF-PQ for the searches decoding valid + test with `beam` runs)."""
+  from trime_jax.datastore import Datastore, build_index
+
+  config = mt_config(config, checkpoint_dir)
+  vocab = mt_model.load_mt_export(checkpoint_dir)[3]
+  split = {"dev": "valid"}.get(split, split)
+  pairs = mt_data.load_parallel(config, split, vocab)
+  build_mt_datastore(checkpoint_dir, pairs, out_dir)
+  if index_kind != "none":
+    # One search per beam row and output token while decoding valid and test (≈ their target tokens).
+    queries = beam * sum(int(mt_data.load_parallel(config, s, vocab).lengths()[1].sum()) for s in ("valid", "test"))
+    build_index(Datastore(out_dir), kind=index_kind, nlist=nlist, pq_m=pq_m, queries=queries, k=k, nprobe=nprobe)
