@@ -134,13 +134,7 @@ def main(argv):
   dist = decode.Distribution(_MODE.value, k=_K.value, temperature=_TEMPERATURE.value, lam=getattr(flags.FLAGS, "lambda"),
                              tau=_TAU.value, interp_lambda=_INTERP_LAMBDA.value, interp_tau=_INTERP_TAU.value)
   if _SETTINGS.value:
-    with open(_SETTINGS.value) as f:
-      chosen = json.load(f)["chosen"]
-    key = _MODE.value if _MODE.value != "trime" or "trime_interp" not in chosen or \
-        chosen["trime"]["bleu"] >= chosen["trime_interp"]["bleu"] else "trime_interp"
-    if key not in chosen:
-      raise ConfigError(f"{_SETTINGS.value} has no tuned setting for {_MODE.value}")
-    dist = decode.Distribution(**chosen[key]["setting"])
+    dist = decode.Distribution.from_tuned(_SETTINGS.value, _MODE.value)
   pairs = _data(_CONFIG.value, checkpoint, _SPLIT.value, vocab, _MAX_SENTENCES.value)
   res = translate_split(make(dist), pairs, vocab, out, f"{_SPLIT.value}.{_MODE.value}",
                         {"setting": dataclasses.asdict(dist)})

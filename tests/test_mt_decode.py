@@ -181,7 +181,13 @@ def tiny(tmp_path_factory):
   pairs = lambda lo, hi, split: mt_data.ParallelData(
       [vocab.encode(l) for l in lines[lo:hi]], [vocab.encode(" ".join(reversed(l.split()))) for l in lines[lo:hi]],
       lines[lo:hi], [" ".join(reversed(l.split())) for l in lines[lo:hi]], vocab, split)
-  config = ml_collections.ConfigDict({"task": "mt", "model": {
+  data_dir = root / "data"
+  data_dir.mkdir()
+  for split, (lo, hi) in {"train": (0, 20), "valid": (16, 20), "test": (20, 24)}.items():
+    (data_dir / f"{split}.de").write_text("".join(l + "\n" for l in lines[lo:hi]))
+    (data_dir / f"{split}.en").write_text("".join(" ".join(reversed(l.split())) + "\n" for l in lines[lo:hi]))
+  config = ml_collections.ConfigDict({"task": "mt", "data": {
+      "format": "fairseq", "path": str(data_dir), "src_lang": "de", "tgt_lang": "en", "max_len": 0}, "model": {
       "d_model": 16, "num_heads": 2, "d_ff": 32, "encoder_layers": 1, "decoder_layers": 2, "dropout": 0.0,
       "max_len": 64, "share_all_embeddings": True, "decoder_normalize_before": True}})
 
@@ -211,14 +217,13 @@ def test_mt_datastore_holds_teacher_forced_keys_and_refuses_another_model(tiny):
   np.testing.assert_array_equal(np.asarray(ds.values), want_values)
   assert ds.count == tiny["meta"]["count"] == sum(len(y) + 1 for y in train.tgt)
   # keys: the decoder's g over [eos] + y with its source, pair by pair (one pair per forward: no batching effects)
+  # keys: the decoder's g over [eos] + y with its source, in pair order (one batch of other shapes than the
+  # builder's length-sorted batches: padding must not matter)
   graphdef, params, _, _ = mt_model.load_mt_export(tiny["ckpt"])
-  lo = 0
-  for x, y in zip(train.src, train.tgt):
-    b = mt_data.collate([x], [y], len(x) + 1, len(y) + 1)
-    _, g = mt_datastore.forced_forward(graphdef, params, b["src"], b["prev"])
-    np.testing.assert_allclose(np.asarray(ds.keys[lo:lo + len(y) + 1], np.float32), np.asarray(g)[0], rtol=2e-3,
-                               atol=2e-3)
-    lo += len(y) + 1
+  b = mt_data.collate(train.src, train.tgt, 12, 12)
+  _, g = mt_datastore.forced_forward(graphdef, params, b["src"], b["prev"])
+  want_keys = np.asarray(g)[b["targets"] >= 0]  # row-major: pair by pair, position by position
+  np.testing.assert_allclose(np.asarray(ds.keys, np.float32), want_keys, rtol=2e-3, atol=2e-3)
   with pytest.raises(CheckpointError, match="another model"):
     mt_datastore.open_mt_datastore(tiny["ds_dir"], tiny["other"])
   with pytest.raises(CheckpointError, match="different datastore"):  # same directory, another checkpoint
@@ -238,3 +243,61 @@ def test_retrieve_matches_brute_force(tiny):
     np.testing.assert_allclose(nb.score, want, rtol=1e-5, atol=1e-4)
     np.testing.assert_array_equal(nb.targets, np.asarray(ds.values)[nb.ids])
     np.testing.assert_allclose(nb.keys, keys[nb.ids], atol=1e-6)
+
+
+def test_translate_every_mode_and_knn_mt_recalls_training_targets(tiny):
+  from trime_jax.mt import bleu
+  from trime_jax.mt import datastore as mt_datastore
+  from trime_jax.mt import model as mt_model
+
+  graphdef, params, config, vocab = mt_model.load_mt_export(tiny["ckpt"])
+  cfg = mt_model.MTConfig.from_config(config.model, vocab_size=vocab.size)
+  ds, index = mt_datastore.open_mt_datastore(tiny["ds_dir"], tiny["ckpt"])
+  train, test = tiny["train"], tiny["test"]
+  opts = decode.SearchOptions(beam=4, max_len_a=1.0, max_len_b=5)
+  results = {}
+  for dist in [decode.Distribution("model"), decode.Distribution("knn_mt", k=4, temperature=1.0, lam=0.3),
+               decode.Distribution("trime", k=4, tau=1.0, interp_lambda=0.3, interp_tau=0.5)]:
+    tr = decode.Translator(graphdef, params, cfg, dist=dist, datastore=ds, index=index, options=opts,
+                           eos_id=vocab.eos_id)
+    hyps = tr.translate(test.src, batch_sentences=4)  # the same shapes in every call: one compilation
+    assert all(0 < len(h.tokens) <= len(x) + 1 + 5 for h, x in zip(hyps, test.src))
+    assert (tr.search_seconds > 0) == (dist.mode != "model")
+    results[dist.mode] = bleu.corpus_bleu([vocab.decode(h.tokens) for h in hyps], test.tgt_text)["bleu"]
+  assert all(0 <= b <= 100 + 1e-9 for b in results.values())
+  # The training sources' decoder states are the datastore's keys: a kNN-MT dominated by p_kNN at a low
+  # temperature translates them exactly as their training targets (the datastore is a translation memory).
+  tr = decode.Translator(graphdef, params, cfg, dist=decode.Distribution("knn_mt", k=4, temperature=0.01, lam=0.99),
+                         datastore=ds, index=index, options=opts, eos_id=vocab.eos_id)
+  hyps = tr.translate(train.src[:4], batch_sentences=4)
+  assert [h.tokens for h in hyps] == [list(y) for y in train.tgt[:4]]
+  out = [vocab.decode(h.tokens) for h in hyps]
+  assert bleu.corpus_bleu(out, train.tgt_text[:4])["bleu"] == pytest.approx(100.0)
+
+
+def test_cli_build_datastore_and_translate_tune(tiny):
+  import json
+  import os
+  import subprocess
+  import sys
+
+  root, repo = tiny["root"], os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  ds2, out = root / "ds_cli", root / "out"
+  py = sys.executable
+  script = (f"{py} -m launch.build_datastore --checkpoint={tiny['ckpt']} --out={ds2} --index=flat && "
+            f"{py} -m launch.translate --checkpoint={tiny['ckpt']} --datastore={ds2} --tune --tune_beam=1 "
+            f"--beam=2 --max_len_b=8 --out={out}")
+  env = {**os.environ, "PYTHONPATH": repo, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  meta = json.loads((ds2 / "meta.json").read_text())
+  assert meta["complete"] and meta["count"] == tiny["meta"]["count"] and meta["task"] == "mt"
+  tuned = json.loads((out / "tuned.json").read_text())
+  assert set(tuned["chosen"]) == {"model", "knn_mt", "trime", "trime_interp"}
+  assert {r["k"] for r in tuned["nll_grid"] if r["mode"] == "knn_mt"} == set(decode.KS)
+  res = json.loads((out / "valid.tune.knn_mt.1.json").read_text())
+  assert res["sentences"] == 4 and res["setting"] == tuned["chosen"]["knn_mt"]["setting"] and 0 <= res["bleu"] <= 100 + 1e-9
+  assert len((out / "valid.tune.knn_mt.1.hyp").read_text().splitlines()) == 4
+  assert decode.Distribution.from_tuned(str(out / "tuned.json"), "knn_mt") == decode.Distribution(
+      **tuned["chosen"]["knn_mt"]["setting"])
+  assert decode.Distribution.from_tuned(str(out / "tuned.json"), "trime").mode == "trime"

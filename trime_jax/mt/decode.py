@@ -307,6 +307,23 @@ class Distribution:
   def metric(self) -> str:
     return "l2" if self.mode == "knn_mt" else "ip"
 
+  @classmethod
+  def from_tuned(cls, path: str, mode: str) -> "Distribution":
+    """The setting `launch.translate --tune` chose for `mode` (tuned.json); for trime, the better on valid
+    BLEU of TRIME alone and TRIME + Appendix A's interpolation."""
+    import json
+
+    try:
+      with open(path) as f:
+        chosen = json.load(f)["chosen"]
+    except (OSError, ValueError, KeyError) as e:
+      raise ConfigError(f"cannot read tuned settings {path}: {e}") from None
+    options = [m for m in ((mode, "trime_interp") if mode == "trime" else (mode,)) if m in chosen]
+    if not options:
+      raise ConfigError(f"{path} has no tuned setting for mode {mode}")
+    best = max(options, key=lambda m: chosen[m]["bleu"])  # ties: TRIME alone (listed first)
+    return cls(**chosen[best]["setting"])
+
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _encode(graphdef, params, src_BxS):
