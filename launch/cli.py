@@ -58,3 +58,7 @@ def demo() -> None:
 
 def import_fairseq() -> None:
   _run("import_fairseq")
+
+
+def train_mt() -> None:
+  _run("train_mt")
