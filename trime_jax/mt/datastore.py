@@ -173,9 +173,17 @@ def open_mt_datastore(datastore_dir: str, checkpoint_dir: str, *, index_path: st
 # ----------------------------------------------------------------------------------------------------------
 # launch.build_datastore for translation
 # ----------------------------------------------------------------------------------------------------------
+def _is_mt_config(config) -> bool:
+  """task="mt", or a data section with languages (configs/ui_de_en.py, configs/iwslt_de_en.py)."""
+  if config is None:
+    return False
+  data = config.get("data")
+  return config.get("task") == "mt" or (data is not None and data.get("src_lang") is not None)
+
+
 def is_mt(config, checkpoint_dir: str) -> bool:
-  """A translation build: the config says task="mt", or the checkpoint is an MT export."""
-  if config is not None and config.get("task") == "mt":
+  """A translation build: an MT config, or the checkpoint is an MT export."""
+  if _is_mt_config(config):
     return True
   path = os.path.join(checkpoint_dir or "", "meta.json")
   if os.path.isfile(path):
@@ -188,7 +196,7 @@ def mt_config(config, checkpoint_dir: str):
   (launch.common's implicit export config is the LM schema and would drop the MT fields)."""
   import ml_collections
 
-  if config is not None and config.get("task") == "mt":
+  if _is_mt_config(config):
     return config
   return ml_collections.ConfigDict(ckpt.read_json(os.path.join(checkpoint_dir, "config.json"), "export config"))
 
