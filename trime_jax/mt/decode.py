@@ -386,6 +386,7 @@ class Translator:
       rows = batch_sentences if len(order) > batch_sentences else len(idx)  # fixed shapes across batches
       s_len = -(-(max(len(src_list[i]) for i in idx) + 1) // 8) * 8
       src = np.zeros((rows, s_len), np.int32)
+      src[:, 0] = self.eos_id  # filler rows: a source of eos alone (an all-padding row has nothing to attend to)
       for r, i in enumerate(idx):
         src[r, :len(src_list[i])] = src_list[i]
         src[r, len(src_list[i])] = self.eos_id
