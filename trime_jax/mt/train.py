@@ -29,6 +29,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 from flax import nnx
@@ -144,6 +145,16 @@ def train_step(graphdef, tx, spec, use_trime, vocab_chunk, label_smoothing, mesh
   return ({"step": state["step"] + 1, "params": keep(new_params, params), "opt_state": keep(new_opt, state["opt_state"])},
           {"loss": obj, "ce_nll": ce / nf, "trime_nll": tr / nf, "tokens": n, "grad_norm": grad_norm,
            "skipped": 1 - ok.astype(jnp.int32)})
+
+
+@functools.lru_cache(maxsize=16)
+def _step_fn(graphdef, train_json: str, spec, use_trime: bool, mesh):
+  """The jitted update, cached across runs in one process (a resumed run in a notebook or a test does not
+  recompile): keyed by the model graph, the train section (optimizer, schedule, smoothing) and the objective."""
+  r = ml_collections.ConfigDict(json.loads(train_json))
+  tx, _ = lm_train.make_optimizer(r)
+  fn = functools.partial(train_step, graphdef, tx, spec, use_trime, int(r.vocab_chunk), float(r.label_smoothing), mesh)
+  return jax.jit(fn, donate_argnums=(0,))
 
 
 def eval_sums(graphdef, spec, vocab_chunk, params, batch):
@@ -283,11 +294,9 @@ def train_and_evaluate(config, workdir: str, *, log=print) -> dict:
     log(f"bm25 plan: top-k neighbours in the same batch {plan.header['neighbour_in_batch']:.1%} "
         f"(random batches {plan.header['neighbour_in_batch_random']:.1%})")
 
-  @functools.lru_cache(maxsize=None)
-  def step_fn(use_trime: bool):
-    fn = functools.partial(train_step, graphdef, tx, spec, use_trime, int(r.vocab_chunk), float(r.label_smoothing),
-                           mesh if mesh.size > 1 else None)
-    return jax.jit(fn, donate_argnums=(0,))
+  train_json = json.dumps(json.loads(r.to_json_best_effort()), sort_keys=True)
+  sharded_mesh = mesh if mesh.size > 1 else None
+  step_fn = lambda use_trime: _step_fn(graphdef, train_json, spec, use_trime, sharded_mesh)
 
   base_key = jax.random.PRNGKey(int(r.seed))
   start = int(state["step"])
