@@ -196,9 +196,12 @@ def mt_config(config, checkpoint_dir: str):
   (launch.common's implicit export config is the LM schema and would drop the MT fields)."""
   import ml_collections
 
-  if _is_mt_config(config):
-    return config
-  return ml_collections.ConfigDict(ckpt.read_json(os.path.join(checkpoint_dir, "config.json"), "export config"))
+  from trime_jax.mt.train import resolve_data_path
+
+  if not _is_mt_config(config):
+    config = ml_collections.ConfigDict(ckpt.read_json(os.path.join(checkpoint_dir, "config.json"), "export config"))
+  resolve_data_path(config)  # a relative data.path: from the working directory, else the repository root
+  return config
 
 
 def build_main(config, checkpoint_dir: str, out_dir: str, *, split: str = "train", index_kind: str = "auto",
