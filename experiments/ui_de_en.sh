@@ -9,7 +9,10 @@
 #                                                 #   same command to continue (it resumes from the last checkpoint)
 #
 # SEED=1 repeats under runs/ui_de_en_s1. Commit commands and results, never checkpoints.
-# (Decoding, datastore, kNN-MT and BLEU subcommands are appended below by the decoding half.)
+#   bash experiments/ui_de_en.sh datastore NAME   # datastore of the training targets under $OUT/NAME/export + IVF-PQ
+#   bash experiments/ui_de_en.sh tune NAME        # K, τ, λ, T, τ′ on valid (teacher-forced NLL, then beam search of
+#                                                 #   the best; TUNE_SENTENCES valid pairs, default 1000)
+#   bash experiments/ui_de_en.sh test NAME        # test BLEU (beam 4) + sentences/s: model, kNN-MT, TrimeMT_ext
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYBIN=${PYBIN:-.venv/bin/python}
@@ -46,6 +49,29 @@ print(f'sentencepiece: {v.size} pieces, fingerprint {v.fingerprint()}, {time.per
     if [ "$rc" = 124 ] || [ "$rc" = 143 ]; then echo "chunk over: rerun 'bash $0 train $NAME' to continue"; exit 0; fi
     exit $rc
     ;;
+  datastore)
+    NAME=$2
+    # IVF-PQ: an exact index over ~1M keys would scan them all for every beam row and step
+    $PY launch.build_datastore --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds --index=ivfpq --nlist=512 --pq_m=32
+    ;;
+  tune)
+    NAME=$2
+    $PY launch.translate --checkpoint=$OUT/$NAME/export --datastore=$OUT/$NAME/ds --tune \
+      --max_sentences=${TUNE_SENTENCES:-1000} --out=$OUT/$NAME/translate
+    ;;
+  test)
+    NAME=$2; T=$OUT/$NAME/translate
+    $PY launch.translate --checkpoint=$OUT/$NAME/export --mode=model --split=test --out=$T
+    for MODE in knn_mt trime; do
+      $PY launch.translate --checkpoint=$OUT/$NAME/export --datastore=$OUT/$NAME/ds --settings=$T/tuned.json \
+        --mode=$MODE --split=test --out=$T
+    done
+    $PYBIN -c "
+import json
+for m in ('model', 'knn_mt', 'trime'):
+  r = json.load(open('$T/test.' + m + '.json'))
+  print(f\"$NAME {m:7s} BLEU {r['bleu']:6.2f}  {r['sentences_per_s']:7.2f} sentences/s  {r['setting']}\")"
+    ;;
   *)
-    sed -n 2,12p "$0"; exit 2 ;;
+    sed -n 2,15p "$0"; exit 2 ;;
 esac

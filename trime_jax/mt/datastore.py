@@ -36,33 +36,27 @@ from trime_jax.errors import CheckpointError
 from trime_jax.mt import data as mt_data
 from trime_jax.mt import model as mt_model
 
-ROUND = 8  # batch shapes are rounded up to multiples of this (few compilations)
+def length_bucket(n: int) -> int:
+  """The padded length of a sequence of n tokens: 8, 12, 16, 24, 32, 48, 64, ... (≤ 1.5× padding, few shapes)."""
+  b = 8
+  while b < n:
+    b = b * 3 // 2 if (b & (b - 1)) == 0 else b * 4 // 3
+  return b
 
 
-def pair_batches(src_list, tgt_list, *, batch_tokens: int, max_rows: int = 512):
-  """[(pair indices, collated batch)] over pairs sorted by target then source length: each batch's padded
-  target (and source) tokens stay near `batch_tokens`."""
-  order = sorted(range(len(src_list)), key=lambda i: (len(tgt_list[i]), len(src_list[i]), i))
-  out, cur = [], []
-
-  def flush():
-    if cur:
-      s_len = -(-max(len(src_list[i]) + 1 for i in cur) // ROUND) * ROUND
-      t_len = -(-max(len(tgt_list[i]) + 1 for i in cur) // ROUND) * ROUND
-      rows = -(-len(cur) // ROUND) * ROUND
-      out.append((list(cur), mt_data.collate([src_list[i] for i in cur], [tgt_list[i] for i in cur], s_len,
-                                             t_len, rows=rows)))
-      cur.clear()
-
-  width = 0  # the batch's padded length so far
-  for i in order:
-    w = max(len(tgt_list[i]), len(src_list[i])) + 1
-    if cur and ((len(cur) + 1) * max(width, w) > batch_tokens or len(cur) >= max_rows):
-      flush()
-      width = 0
-    cur.append(i)
-    width = max(width, w)
-  flush()
+def pair_batches(src_list, tgt_list, *, batch_tokens: int):
+  """[(pair indices, collated batch)]: pairs sorted by length, both sides padded to one length bucket L, and
+  batch_tokens // L rows per batch (filler rows are empty): one shape per bucket, so one compilation each."""
+  width = [max(len(x), len(y)) + 1 for x, y in zip(src_list, tgt_list)]
+  order = sorted(range(len(src_list)), key=lambda i: (width[i], i))
+  out, a = [], 0
+  while a < len(order):
+    length = length_bucket(width[order[a]])
+    rows = max(1, batch_tokens // length)
+    idx = [i for i in order[a:a + rows] if length_bucket(width[i]) == length]
+    a += len(idx)
+    out.append((idx, mt_data.collate([src_list[i] for i in idx], [tgt_list[i] for i in idx], length, length,
+                                     rows=rows)))
   return out
 
 
