@@ -252,7 +252,14 @@ def retrieve(ds: Datastore, index: KnnIndex, q_NxD, k: int, *, metric: str, cand
   q = np.ascontiguousarray(np.asarray(q_NxD, np.float32))
   k = int(min(k, ds.count))
   c = k if metric == "ip" else int(min(max(candidates or 16 * k, k), ds.count))
-  _, ids_all = index.search(q, c)
+  import faiss
+
+  threads = faiss.omp_get_max_threads()
+  faiss.omp_set_num_threads(1)  # as generate._search: a few hundred queries gain nothing from OpenMP's start-up
+  try:
+    _, ids_all = index.search(q, c)
+  finally:
+    faiss.omp_set_num_threads(threads)
   n = len(q)
   out_ids, out_score = np.empty((n, k), np.int64), np.empty((n, k), np.float32)
   out_keys = np.empty((n, k, ds.dimension), np.float32) if with_keys else None
@@ -379,12 +386,14 @@ class Translator:
   def translate(self, src_list, *, batch_sentences: int = 32, progress=None) -> list[Hypothesis]:
     """The best hypothesis of each source sentence (ids without eos), in input order; batches of sentences
     of similar source lengths."""
+    from trime_jax.mt.datastore import length_bucket
+
     order = sorted(range(len(src_list)), key=lambda i: (len(src_list[i]), i))
     out = [None] * len(src_list)
     for a in range(0, len(order), batch_sentences):
       idx = order[a:a + batch_sentences]
       rows = batch_sentences if len(order) > batch_sentences else len(idx)  # fixed shapes across batches
-      s_len = -(-(max(len(src_list[i]) for i in idx) + 1) // 8) * 8
+      s_len = length_bucket(max(len(src_list[i]) for i in idx) + 1)  # few shapes: few compilations
       src = np.zeros((rows, s_len), np.int32)
       src[:, 0] = self.eos_id  # filler rows: a source of eos alone (an all-padding row has nothing to attend to)
       for r, i in enumerate(idx):
