@@ -50,6 +50,7 @@ def get_config():
   t.memory = "none"  # none (vanilla, CE) | ext (TrimeMT_ext: every target token of the other pairs in the batch)
   t.batching = "length"  # length (fairseq) | bm25 (Algorithm 1 over target sentences) | random
   t.bm25_k = 20  # neighbours per target sentence (Algorithm 1's k)
+  t.bm25_backend = "numba"  # bm25s backend: numba (fast; ~20 s JIT compile once) | numpy (no compile, slower)
   t.temperature = 1.0  # τ on memory logits g·g_j/√D (original MT run: --temp 10)
   t.stop_gradient_memory = False
   t.ce_warmup_steps = 0  # plain-CE updates before the TRIME loss (original: --ce-warmup-epoch 5)

@@ -23,7 +23,7 @@ def tiny_config(path, **trime):
   c = ui_de_en.get_config()
   c.data.update(path=str(path), vocab_size=200, cache_dir="", max_len=32, max_tokens=96)
   c.model.update(d_model=16, num_heads=2, d_ff=32, encoder_layers=1, decoder_layers=1, dropout=0.1)
-  c.trime.update(memory="ext", batching="bm25", bm25_k=3, ce_warmup_steps=1, **trime)
+  c.trime.update(memory="ext", batching="bm25", bm25_k=3, bm25_backend="numpy", ce_warmup_steps=1, **trime)
   c.train.update(num_steps=6, warmup_steps=2, log_every=1, eval_every=4, checkpoint_every=2, eval_max_pairs=0)
   return c
 
