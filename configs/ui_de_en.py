@@ -61,7 +61,9 @@ def get_config():
 
   c.train = r = ml_collections.ConfigDict()
   r.seed = 0
-  r.num_steps = 1200
+  r.num_steps = 1200  # updates (an upper bound when target_token_budget is set)
+  r.target_token_budget = 0  # > 0: stop at the first update after which this many target tokens were trained on
+  #   (equal budgets across objectives whose batches pad differently); 0 = train.num_steps updates
   r.optimizer = "adam"
   r.learning_rate = 5e-4
   r.adam_b1 = 0.9

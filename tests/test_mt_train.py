@@ -94,3 +94,17 @@ def test_config_errors(tmp_path):
   c.train.label_smoothing = 0.1  # with memory=ext
   with pytest.raises(ConfigError, match="CE baseline"):
     mt_train.train_and_evaluate(c, str(tmp_path / "w"))
+
+
+def test_target_token_budget_sets_the_run_length():
+  from tests.test_mt_model import synthetic_pairs
+
+  pairs = synthetic_pairs(120)
+  plan = batching.make_plan(pairs, order="random", max_tokens=128, seed=2)
+  tokens_of = mt_train.plan_target_tokens(pairs, plan)
+  assert tokens_of.sum() == sum(len(t) + 1 for t in pairs.tgt)
+  assert mt_train.total_updates(plan, tokens_of, 50, 0) == 50
+  n = mt_train.total_updates(plan, tokens_of, 10_000, 1000)
+  seen = np.cumsum([tokens_of[plan.batch_at(s)] for s in range(n)])
+  assert seen[-1] >= 1000 > seen[-2]
+  assert mt_train.total_updates(plan, tokens_of, 3, 10**9) == 3  # num_steps stays the cap
