@@ -22,7 +22,7 @@ def get_config():
   d.tgt_lang = "en"
   d.vocab_size = 8000  # joint sentencepiece vocabulary (format=text)
   d.spm_model_type = "unigram"  # sentencepiece model type: unigram | bpe
-  d.cache_dir = "runs/cache/ui_de_en"  # the trained sentencepiece model is cached here (runs/ is git-ignored) (keyed by text digest + options)
+  d.cache_dir = "runs/cache/ui_de_en"  # sentencepiece model cache, keyed by text digest + options (git-ignored)
   d.max_len = 128  # training pairs longer than this (model tokens, ids + eos) are dropped; valid/test truncated
   d.max_tokens = 4096  # padded tokens per batch: rows · L <= max_tokens (fairseq --max-tokens)
   d.max_sentences = 0  # cap on rows per batch (fairseq --batch-size); 0 = none

@@ -142,7 +142,9 @@ def train_step(graphdef, tx, spec, use_trime, vocab_chunk, label_smoothing, mesh
   ok = jnp.isfinite(obj) & jnp.isfinite(grad_norm)  # a non-finite update is skipped, not applied
   keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
   nf = jnp.maximum(n, 1).astype(jnp.float32)
-  return ({"step": state["step"] + 1, "params": keep(new_params, params), "opt_state": keep(new_opt, state["opt_state"])},
+  new_state = {"step": state["step"] + 1, "params": keep(new_params, params),
+               "opt_state": keep(new_opt, state["opt_state"])}
+  return (new_state,
           {"loss": obj, "ce_nll": ce / nf, "trime_nll": tr / nf, "tokens": n, "grad_norm": grad_norm,
            "skipped": 1 - ok.astype(jnp.int32)})
 
