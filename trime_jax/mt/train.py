@@ -361,7 +361,7 @@ def train_and_evaluate(config, workdir: str, *, log=print) -> dict:
         last = {"step": done, "loss": loss_v, "ce_nll": float(m["ce_nll"]), "trime_nll": float(m["trime_nll"]),
                 "grad_norm": float(m["grad_norm"]), "lr": float(schedule(step)), "objective": "trime" if use_trime
                 else "ce", "tokens_per_s": round(tok_last / step_s, 1) if step_s else None, "timed_updates": n_last,
-                "compile_s": round(compile_s, 1), "target_tokens_seen": seen}
+                "compile_s": round(compile_s, 1), "target_tokens_seen": seen, "skipped": int(m["skipped"])}
         mfile.write(json.dumps(last) + "\n")
         mfile.flush()
         log(f"update {done}: loss {loss_v:.4f} ce {last['ce_nll']:.4f} trime {last['trime_nll']:.4f} "
