@@ -22,7 +22,7 @@ def get_config():
   d.tgt_lang = "en"
   d.vocab_size = 8000  # joint sentencepiece vocabulary (format=text)
   d.spm_model_type = "unigram"  # sentencepiece model type: unigram | bpe
-  d.cache_dir = "runs/cache/ui_de_en"  # the trained sentencepiece model is cached here (runs/ is git-ignored) (keyed by text digest + options)
+  d.cache_dir = "runs/cache/ui_de_en"  # sentencepiece model cache, keyed by text digest + options (git-ignored)
   d.max_len = 128  # training pairs longer than this (model tokens, ids + eos) are dropped; valid/test truncated
   d.max_tokens = 4096  # padded tokens per batch: rows · L <= max_tokens (fairseq --max-tokens)
   d.max_sentences = 0  # cap on rows per batch (fairseq --batch-size); 0 = none
@@ -50,6 +50,7 @@ def get_config():
   t.memory = "none"  # none (vanilla, CE) | ext (TrimeMT_ext: every target token of the other pairs in the batch)
   t.batching = "length"  # length (fairseq) | bm25 (Algorithm 1 over target sentences) | random
   t.bm25_k = 20  # neighbours per target sentence (Algorithm 1's k)
+  t.bm25_backend = "numba"  # bm25s backend: numba (fast; ~20 s JIT compile once) | numpy (no compile, slower)
   t.temperature = 1.0  # τ on memory logits g·g_j/√D (original MT run: --temp 10)
   t.stop_gradient_memory = False
   t.ce_warmup_steps = 0  # plain-CE updates before the TRIME loss (original: --ce-warmup-epoch 5)
@@ -60,7 +61,9 @@ def get_config():
 
   c.train = r = ml_collections.ConfigDict()
   r.seed = 0
-  r.num_steps = 1200
+  r.num_steps = 1200  # updates (an upper bound when target_token_budget is set)
+  r.target_token_budget = 0  # > 0: stop at the first update after which this many target tokens were trained on
+  #   (equal budgets across objectives whose batches pad differently); 0 = train.num_steps updates
   r.optimizer = "adam"
   r.learning_rate = 5e-4
   r.adam_b1 = 0.9

@@ -23,7 +23,7 @@ def tiny_config(path, **trime):
   c = ui_de_en.get_config()
   c.data.update(path=str(path), vocab_size=200, cache_dir="", max_len=32, max_tokens=96)
   c.model.update(d_model=16, num_heads=2, d_ff=32, encoder_layers=1, decoder_layers=1, dropout=0.1)
-  c.trime.update(memory="ext", batching="bm25", bm25_k=3, ce_warmup_steps=1, **trime)
+  c.trime.update(memory="ext", batching="bm25", bm25_k=3, bm25_backend="numpy", ce_warmup_steps=1, **trime)
   c.train.update(num_steps=6, warmup_steps=2, log_every=1, eval_every=4, checkpoint_every=2, eval_max_pairs=0)
   return c
 
@@ -94,3 +94,17 @@ def test_config_errors(tmp_path):
   c.train.label_smoothing = 0.1  # with memory=ext
   with pytest.raises(ConfigError, match="CE baseline"):
     mt_train.train_and_evaluate(c, str(tmp_path / "w"))
+
+
+def test_target_token_budget_sets_the_run_length():
+  from tests.test_mt_model import synthetic_pairs
+
+  pairs = synthetic_pairs(120)
+  plan = batching.make_plan(pairs, order="random", max_tokens=128, seed=2)
+  tokens_of = mt_train.plan_target_tokens(pairs, plan)
+  assert tokens_of.sum() == sum(len(t) + 1 for t in pairs.tgt)
+  assert mt_train.total_updates(plan, tokens_of, 50, 0) == 50
+  n = mt_train.total_updates(plan, tokens_of, 10_000, 1000)
+  seen = np.cumsum([tokens_of[plan.batch_at(s)] for s in range(n)])
+  assert seen[-1] >= 1000 > seen[-2]
+  assert mt_train.total_updates(plan, tokens_of, 3, 10**9) == 3  # num_steps stays the cap

@@ -150,7 +150,8 @@ def make_plan(pairs: mt_data.ParallelData, *, order: str, max_tokens: int, seed:
   else:
     seq = rng.permutation(len(pairs))
   offsets, lengths, rows = cut(seq, n_tok, max_tokens, max_sentences)
-  header.update(num_batches=len(lengths), shapes=[list(x) for x in sorted({(int(r), int(l)) for r, l in zip(rows, lengths)})],
+  shapes = sorted({(int(r), int(l)) for r, l in zip(rows, lengths)})
+  header.update(num_batches=len(lengths), shapes=[list(x) for x in shapes],
                 padded_tokens=int((rows * lengths).sum()), real_tokens=int(n_tok.sum()))
   plan = Plan(np.asarray(seq, np.int64), offsets, lengths, rows, header)
   if order == "bm25":

@@ -70,6 +70,12 @@ class SubwordVocab:
       return np.asarray(self.sp.encode(text), np.int32)
     return np.asarray([self.index.get(t, UNK) for t in text.split()], np.int32)
 
+  def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+    """`encode` of many sentences (sentencepiece encodes the list in one call)."""
+    if self.kind == "spm":
+      return [np.asarray(x, np.int32) for x in self.sp.encode(list(texts))]
+    return [self.encode(t) for t in texts]
+
   def decode(self, ids) -> str:
     """Detokenised text of ids, stopping at the first eos and dropping pad/bos."""
     out = []
@@ -226,8 +232,7 @@ def load_parallel(config, split: str, vocab: SubwordVocab | None = None) -> Para
   src_text, tgt_text = read_aligned(*_paths(config, split))
   max_len = int(config.data.get("max_len", 0) or 0)
   src, tgt, keep = [], [], []
-  for i, (s, t) in enumerate(zip(src_text, tgt_text)):
-    x, y = vocab.encode(s), vocab.encode(t)
+  for i, (x, y) in enumerate(zip(vocab.encode_batch(src_text), vocab.encode_batch(tgt_text))):
     if split == "train" and (not len(x) or not len(y) or (max_len and max(len(x), len(y)) + 1 > max_len)):
       continue
     if max_len:

@@ -340,7 +340,8 @@ def load_mt_export(directory: str):
     raise CheckpointError(f"{directory} is not an MT export (meta.json model_family={meta.get('model_family')!r})")
   vocab = SubwordVocab.load(directory)
   if vocab.fingerprint() != meta["vocab_fingerprint"] or vocab.size != meta["vocab_size"]:
-    raise DamagedCheckpointError(f"the vocabulary file in {directory} does not match meta.json's vocabulary fingerprint")
+    raise DamagedCheckpointError(f"the vocabulary file in {directory} does not match meta.json's vocabulary "
+                                 "fingerprint")
   mcfg = MTConfig.from_config(config.model, vocab_size=vocab.size)
   target = nnx.eval_shape(lambda: TransformerMT(mcfg, rngs=nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(target, nnx.Param)

@@ -142,7 +142,9 @@ def train_step(graphdef, tx, spec, use_trime, vocab_chunk, label_smoothing, mesh
   ok = jnp.isfinite(obj) & jnp.isfinite(grad_norm)  # a non-finite update is skipped, not applied
   keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
   nf = jnp.maximum(n, 1).astype(jnp.float32)
-  return ({"step": state["step"] + 1, "params": keep(new_params, params), "opt_state": keep(new_opt, state["opt_state"])},
+  new_state = {"step": state["step"] + 1, "params": keep(new_params, params),
+               "opt_state": keep(new_opt, state["opt_state"])}
+  return (new_state,
           {"loss": obj, "ce_nll": ce / nf, "trime_nll": tr / nf, "tokens": n, "grad_norm": grad_norm,
            "skipped": 1 - ok.astype(jnp.int32)})
 
@@ -230,6 +232,26 @@ def _truncate_metrics(path: str, last_step: int) -> None:
   os.replace(tmp, path)
 
 
+def plan_target_tokens(pairs, plan: batching.Plan) -> np.ndarray:
+  """[num_batches] target tokens (ids + eos) of each plan batch."""
+  per_pair = np.asarray([len(t) + 1 for t in pairs.tgt], np.int64)
+  return np.add.reduceat(per_pair[plan.indices], plan.offsets[:-1])
+
+
+def total_updates(plan: batching.Plan, tokens_of: np.ndarray, num_steps: int, budget: int) -> int:
+  """The run's length: num_steps, or fewer when `train.target_token_budget` (> 0) is reached first — the first
+  update after which the target tokens trained on reach the budget (deterministic: the plan fixes every batch).
+  Equal target-token budgets compare objectives whose batches pad differently (BM25 batches mix lengths)."""
+  if budget <= 0:
+    return num_steps
+  seen = 0
+  for s in range(num_steps):
+    seen += int(tokens_of[plan.batch_at(s)])
+    if seen >= budget:
+      return s + 1
+  return num_steps
+
+
 def load_plan(workdir: str, pairs, config) -> batching.Plan:
   """The run's batch plan: read from <workdir>/plan.npz when it matches the config, else made and saved."""
   t, d = config.trime, config.data
@@ -244,7 +266,8 @@ def load_plan(workdir: str, pairs, config) -> batching.Plan:
       return plan
   t0 = time.perf_counter()
   plan = batching.make_plan(pairs, order=t.batching, max_tokens=int(d.max_tokens), seed=int(config.train.seed),
-                            max_sentences=int(d.max_sentences), bm25_k=int(t.bm25_k))
+                            max_sentences=int(d.max_sentences), bm25_k=int(t.bm25_k),
+                            bm25_backend=t.get("bm25_backend", "numba"))
   plan.header["plan_s"] = round(time.perf_counter() - t0, 2)
   plan.save(path)
   return plan
@@ -300,8 +323,14 @@ def train_and_evaluate(config, workdir: str, *, log=print) -> dict:
 
   base_key = jax.random.PRNGKey(int(r.seed))
   start = int(state["step"])
-  stop = int(r.num_steps) if not r.stop_after else min(int(r.num_steps), start + int(r.stop_after))
-  last, t_last, tok_last, n_last = {}, time.perf_counter(), 0, 0
+  tokens_of = plan_target_tokens(train_pairs, plan)
+  total = total_updates(plan, tokens_of, int(r.num_steps), int(r.get("target_token_budget", 0)))
+  seen = sum(int(tokens_of[plan.batch_at(s)]) for s in range(start))  # target tokens trained on so far
+  stop = total if not r.stop_after else min(total, start + int(r.stop_after))
+  last, tok_last, n_last = {}, 0, 0
+  # Throughput excludes updates that compiled a new (objective, shape) program: timed per update (the CPU and
+  # accelerator backends both run asynchronously, so each update is waited for; it costs no throughput).
+  compiled, step_s, compile_s = set(), 0.0, 0.0
   stopped_early = False
   with open(metrics_path, "a") as mfile, _SigtermFlag() as sigterm:
     for step in range(start, stop):
@@ -310,37 +339,47 @@ def train_and_evaluate(config, workdir: str, *, log=print) -> dict:
       if mesh.size > 1 and b["src"].shape[0] % mesh.size:  # rows must split over the devices
         pad = mesh.size - b["src"].shape[0] % mesh.size
         b = {k: np.pad(v, ((0, pad), (0, 0)), constant_values=(-1 if k == "targets" else 0)) for k, v in b.items()}
+      t0 = time.perf_counter()
       state, m = step_fn(use_trime)(state, b, jax.random.fold_in(base_key, step))
+      jax.block_until_ready(m["loss"])
+      dt = time.perf_counter() - t0
       done = step + 1
-      tok_last += int((b["targets"] >= 0).sum())
-      n_last += 1
+      seen += int(tokens_of[plan.batch_at(step)])
+      key = (use_trime, b["src"].shape)
+      if key in compiled:
+        step_s += dt
+        tok_last += int((b["targets"] >= 0).sum())
+        n_last += 1
+      else:
+        compiled.add(key)
+        compile_s += dt
       if done % int(r.log_every) == 0 or done == stop:
         m = jax.device_get(m)
         loss_v = float(m["loss"])
         if not math.isfinite(loss_v):
           raise TrainingError(f"non-finite loss at update {done}")
-        dt = time.perf_counter() - t_last
         last = {"step": done, "loss": loss_v, "ce_nll": float(m["ce_nll"]), "trime_nll": float(m["trime_nll"]),
                 "grad_norm": float(m["grad_norm"]), "lr": float(schedule(step)), "objective": "trime" if use_trime
-                else "ce", "tokens_per_s": round(tok_last / max(dt, 1e-9), 1), "updates": n_last}
+                else "ce", "tokens_per_s": round(tok_last / step_s, 1) if step_s else None, "timed_updates": n_last,
+                "compile_s": round(compile_s, 1), "target_tokens_seen": seen, "skipped": int(m["skipped"])}
         mfile.write(json.dumps(last) + "\n")
         mfile.flush()
         log(f"update {done}: loss {loss_v:.4f} ce {last['ce_nll']:.4f} trime {last['trime_nll']:.4f} "
-            f"lr {last['lr']:.2e} {last['tokens_per_s']:.0f} tok/s")
-        t_last, tok_last, n_last = time.perf_counter(), 0, 0
-      if r.eval_every and done % int(r.eval_every) == 0 and done < int(r.num_steps):
+            f"lr {last['lr']:.2e} {last['tokens_per_s'] or 0:.0f} target tok/s (+{compile_s:.0f} s compiling)")
+        tok_last, n_last, step_s = 0, 0, 0.0
+      if r.eval_every and done % int(r.eval_every) == 0 and done < total:
         ev = evaluate(graphdef, state["params"], valid_pairs, config, eval_spec, max_pairs=int(r.eval_max_pairs))
         mfile.write(json.dumps({"step": done, "split": "valid", **ev}) + "\n")
         mfile.flush()
         log(f"valid at {done}: {ev}")
       if done % int(r.checkpoint_every) == 0 or done == stop or sigterm.requested:
         ckpt.save(mgr, done, state)
-      if sigterm.requested and done < int(r.num_steps):
+      if sigterm.requested and done < total:
         mgr.wait_until_finished()
         raise lm_train.Preempted(done, mgr.directory)
     mgr.wait_until_finished()
     end = int(state["step"])
-    if end < int(r.num_steps):
+    if end < total:
       stopped_early = True
       log(f"stopped after update {end} (train.stop_after={r.stop_after}); rerun to continue")
       return {"train": last, "step": end}
