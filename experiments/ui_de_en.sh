@@ -77,5 +77,5 @@ for m in ('model', 'knn_mt', 'trime'):
   print(f\"$NAME {m:7s} BLEU {r['bleu']:6.2f}  {r['sentences_per_s']:7.2f} sentences/s  {r['setting']}\")"
     ;;
   *)
-    sed -n 2,15p "$0"; exit 2 ;;
+    sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
 esac
