@@ -11,7 +11,7 @@
 #                                                 #   same command to continue (it resumes from the last checkpoint)
 #
 # SEED=1 repeats under runs/ui_de_en_s1. Commit commands and results, never checkpoints.
-#   bash experiments/ui_de_en.sh datastore NAME   # datastore of the training targets under $OUT/NAME/export + IVF-PQ
+#   bash experiments/ui_de_en.sh datastore NAME   # datastore of the training targets of $OUT/NAME/export + IVF-PQ
 #   bash experiments/ui_de_en.sh tune NAME        # K, τ, λ, T, τ′ on valid (teacher-forced NLL, then beam search of
 #                                                 #   the best; TUNE_SENTENCES valid pairs, default 1000)
 #   bash experiments/ui_de_en.sh test NAME        # test BLEU (beam 4) + sentences/s: model, kNN-MT, TrimeMT_ext
@@ -67,8 +67,8 @@ print(f'sentencepiece: {v.size} pieces, fingerprint {v.fingerprint()}, {time.per
     NAME=$2; T=$OUT/$NAME/translate
     $PY launch.translate --checkpoint=$OUT/$NAME/export --mode=model --split=test --out=$T
     for MODE in knn_mt trime; do
-      $PY launch.translate --checkpoint=$OUT/$NAME/export --datastore=$OUT/$NAME/ds --settings=$T/tuned.json --nprobe=8 \
-        --mode=$MODE --split=test --out=$T
+      $PY launch.translate --checkpoint=$OUT/$NAME/export --datastore=$OUT/$NAME/ds --settings=$T/tuned.json \
+        --nprobe=8 --mode=$MODE --split=test --out=$T
     done
     $PYBIN -c "
 import json

@@ -131,7 +131,7 @@ def main(argv):
                                        "setting": dataclasses.asdict(r["setting"])} for r in rows]})
     print(f"tune: best settings -> {os.path.join(out, 'tuned.json')}", flush=True)
     return
-  dist = decode.Distribution(_MODE.value, k=_K.value, temperature=_TEMPERATURE.value, lam=getattr(flags.FLAGS, "lambda"),
+  dist = decode.Distribution(_MODE.value, k=_K.value, temperature=_TEMPERATURE.value, lam=_LAMBDA.value,
                              tau=_TAU.value, interp_lambda=_INTERP_LAMBDA.value, interp_tau=_INTERP_TAU.value)
   if _SETTINGS.value:
     dist = decode.Distribution.from_tuned(_SETTINGS.value, _MODE.value)

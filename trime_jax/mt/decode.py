@@ -431,6 +431,8 @@ class TunePass:
 
 def tune_pass(graphdef, params, pairs, ds, index, *, k_max: int = 64, batch_tokens: int = 4096,
               candidates: int = 0, modes=("knn_mt", "trime")) -> TunePass:
+  """The teacher-forced pass over `pairs` (the valid split): every target token's vocabulary statistics and its
+  top-`k_max` entries by inner product (TRIME) and by L2 (kNN-MT), retrieved once."""
   from trime_jax.mt import datastore as mt_datastore
 
   stats, targets, ip, l2 = [], [], [], []
@@ -442,7 +444,8 @@ def tune_pass(graphdef, params, pairs, ds, index, *, k_max: int = 64, batch_toke
     st = loss.vocab_stats(jnp.asarray(logits), jnp.asarray(t))
     stats.append((np.asarray(st.log_normalizer), np.asarray(st.target_logit)))
     targets.append(t)
-    none = Neighbours(np.zeros((len(t), 0), np.int64), np.zeros((len(t), 0), np.int32), np.zeros((len(t), 0), np.float32))
+    empty = lambda dtype: np.zeros((len(t), 0), dtype)
+    none = Neighbours(empty(np.int64), empty(np.int32), empty(np.float32))
     ip.append(retrieve(ds, index, g, k_max, metric="ip", with_keys=False) if "trime" in modes else none)
     l2.append(retrieve(ds, index, g, k_max, metric="l2", candidates=candidates, with_keys=False)
               if "knn_mt" in modes else none)
