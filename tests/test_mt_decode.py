@@ -21,10 +21,11 @@ def toy_log_probs(sentence: int, prefix: tuple) -> np.ndarray:
 
 
 def toy_callback(beam: int, calls=None):
-  def next_log_probs(prev_NxT, step):
-    assert prev_NxT.shape[1] >= step + 1 and (prev_NxT[:, 0] == EOS).all()
+  def next_log_probs(prev_NxT, step, live_N):
+    assert prev_NxT.shape[1] >= step + 1 and (prev_NxT[:, 0] == EOS).all() and live_N.shape == (len(prev_NxT),)
+    assert live_N.any()  # called only while some sentence is unfinished
     if calls is not None:
-      calls.append(step)
+      calls.append(live_N.copy())
     return np.stack([toy_log_probs(r // beam, tuple(int(t) for t in row[1:step + 1]))
                      for r, row in enumerate(prev_NxT)]).astype(np.float32)
   return next_log_probs
@@ -74,8 +75,12 @@ def test_greedy_equals_beam_one_and_small_beam_prunes():
   np.testing.assert_allclose([h.score for h in g], [h.score for h in b1], atol=1e-9)
   assert all(h.tokens and PAD not in h.tokens and EOS not in h.tokens for h in g)  # min_len 1, no pad
   # beam 4 never beats the exhaustive optimum, and finds a better hypothesis than greedy for some sentence
-  b4 = decode.beam_search(toy_callback(4), src_lens, decode.SearchOptions(beam=4, max_len_b=4), pad_id=PAD,
+  calls = []
+  b4 = decode.beam_search(toy_callback(4, calls), src_lens, decode.SearchOptions(beam=4, max_len_b=4), pad_id=PAD,
                           eos_id=EOS, vocab_size=V)
+  # rows stop being live once their sentence is finished (sentences finish at different steps), never revive
+  live = np.stack(calls).reshape(len(calls), len(src_lens), 4).any(-1)
+  assert live[0].all() and not live[-1].all() and (live[1:] <= live[:-1]).all()
   best = [exhaustive(s, 4, 1.0)[1] for s in range(len(src_lens))]
   assert all(h4.score <= sb + 1e-9 for h4, sb in zip(b4, best))
   assert any(h4.score > h1.score + 1e-6 for h4, h1 in zip(b4, g))

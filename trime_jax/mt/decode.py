@@ -1,11 +1,13 @@
 """Greedy and beam search for the encoder–decoder (fairseq's SequenceGenerator semantics), over a callback.
 
-    next_log_probs(prev_NxT, step) -> log P [N, V] of the token at position `step`
+    next_log_probs(prev_NxT, step, live_N) -> log P [N, V] of the token at position `step`
 
 `prev_NxT` holds the decoder inputs of every row, [eos] + the hypothesis so far, at least step + 1 columns
 (columns after `step` are padding and must not matter: the decoder is causal). Row r belongs to sentence
 r // beam (greedy: beam = 1), rows of a sentence stay together for the whole search, and rows of finished
-sentences are still passed (fixed shapes, one compilation); their outputs are ignored.
+sentences are still passed (fixed shapes, one compilation); their outputs are ignored. `live_N` (bool) marks
+the rows whose output matters (beams of unfinished sentences with a finite score): a callback may skip work
+(a datastore search) for the others.
 
 Beam search as fairseq's (`fairseq/sequence_generator.py`, beam search without constraints):
   * step 0 expands only the first beam; pad is never produced; eos is banned before `min_len` (1) tokens;
@@ -40,7 +42,7 @@ from trime_jax import loss
 from trime_jax.datastore import Datastore, KnnIndex
 from trime_jax.errors import CheckpointError, ConfigError
 
-NextLogProbs = Callable[[np.ndarray, int], np.ndarray]
+NextLogProbs = Callable[[np.ndarray, int, np.ndarray], np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +105,8 @@ def beam_search(next_log_probs: NextLogProbs, src_lens, options: SearchOptions =
   done = np.zeros(b, bool)
   v = vocab_size
   for step in range(t_max):
-    lp = _prepare(next_log_probs(tokens[:, :t_max], step), step, max_len_N, pad_id=pad_id, eos_id=eos_id,
+    live_N = np.repeat(~done, k) & np.isfinite(scores_N)
+    lp = _prepare(next_log_probs(tokens[:, :t_max], step, live_N), step, max_len_N, pad_id=pad_id, eos_id=eos_id,
                   min_len=options.min_len)
     if lp.shape != (b * k, v):
       raise ValueError(f"next_log_probs returned shape {lp.shape}, expected {(b * k, v)}")
@@ -156,8 +159,8 @@ def greedy(next_log_probs: NextLogProbs, src_lens, options: SearchOptions = Sear
   length = np.zeros(b, np.int64)  # tokens produced, eos included
   active = np.ones(b, bool)
   for step in range(t_max):
-    lp = _prepare(next_log_probs(tokens[:, :t_max], step), step, max_len_B, pad_id=pad_id, eos_id=eos_id,
-                  min_len=options.min_len)
+    lp = _prepare(next_log_probs(tokens[:, :t_max], step, active.copy()), step, max_len_B, pad_id=pad_id,
+                  eos_id=eos_id, min_len=options.min_len)
     if lp.shape != (b, vocab_size):
       raise ValueError(f"next_log_probs returned shape {lp.shape}, expected {(b, vocab_size)}")
     best = np.argmax(lp, axis=1)
@@ -367,14 +370,22 @@ class Translator:
     enc_N, src_N = jnp.repeat(enc, beam, axis=0), jnp.repeat(src, beam, axis=0)
     d = self.dist
 
-    def next_log_probs(prev_NxT, step):
+    def next_log_probs(prev_NxT, step, live_N):
       width = min(prev_NxT.shape[1], -(-(step + 1) // 16) * 16)  # a few compiled widths
       logits, g = _step(self.graphdef, self.params, enc_N, src_N, jnp.asarray(prev_NxT[:, :width], jnp.int32),
                         step)
       if d.mode == "model":
         return np.asarray(jax.nn.log_softmax(logits, -1))
       t0 = time.perf_counter()
-      nb = retrieve(self.ds, self.index, np.asarray(g), d.k, metric=d.metric, candidates=d.candidates)
+      live = np.flatnonzero(live_N)  # no search for finished sentences' rows: they get no entries (model alone)
+      g_np = np.asarray(g)
+      k = int(min(d.k, self.ds.count))
+      nb = Neighbours(np.full((len(g_np), k), -1, np.int64), np.full((len(g_np), k), -1, np.int32),
+                      np.full((len(g_np), k), -np.inf, np.float32), np.zeros((len(g_np), k, g_np.shape[1]), np.float32))
+      if len(live):
+        found = retrieve(self.ds, self.index, g_np[live], k, metric=d.metric, candidates=d.candidates)
+        for name in ("ids", "targets", "score", "keys"):
+          getattr(nb, name)[live] = getattr(found, name)
       self.search_seconds += time.perf_counter() - t0
       if d.mode == "knn_mt":
         return np.asarray(knn_mt_log_probs(logits, g, nb.keys, nb.targets, temperature=d.temperature, lam=d.lam))
