@@ -6,6 +6,9 @@
 The model and vocabulary come from the checkpoint; `--config` supplies the data and the evaluation windows
 (eval.block_len, eval.context_window, eval.batch_size). Rerunning the same command resumes an interrupted
 datastore build; a complete one is reused and only the index is rebuilt.
+
+Translation (a config with task="mt", or an MT export): the teacher-forced decoder keys of every target token of
+the training pairs (trime_jax/mt/datastore.py), same files and index; --split=train|dev|test (dev = valid).
 """
 
 import sys
@@ -32,7 +35,12 @@ def main(argv):
   from trime_jax import checkpoint as ckpt
   from trime_jax import evaluate
   from trime_jax.datastore import Datastore, build_datastore, build_index
+  from trime_jax.mt import datastore as mt_datastore
 
+  if mt_datastore.is_mt(_CONFIG.value, _CHECKPOINT.value):  # translation: its own data and keys
+    mt_datastore.build_main(_CONFIG.value, _CHECKPOINT.value, _OUT.value, split=_SPLIT.value,
+                            index_kind=_INDEX.value, nlist=_NLIST.value, pq_m=_PQ_M.value)
+    return
   config, checkpoint, out = validated(_CONFIG.value), _CHECKPOINT.value, _OUT.value
   splits = evaluate.load_eval_data(config, ckpt.read_export_vocab(checkpoint))
   corpus = splits.get(_SPLIT.value)

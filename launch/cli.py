@@ -58,3 +58,11 @@ def demo() -> None:
 
 def import_fairseq() -> None:
   _run("import_fairseq")
+
+
+def train_mt() -> None:
+  _run("train_mt")
+
+
+def translate() -> None:
+  _run("translate")

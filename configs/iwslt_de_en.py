@@ -1,0 +1,37 @@
+"""The paper's MT setting (§5): IWSLT'14 De→En, fairseq `transformer_iwslt_de_en`, as the original TrimeMT run.
+
+Data: fairseq's examples/translation/prepare-iwslt14.sh output (`iwslt14.tokenized.de-en/{train,valid,test}.{de,en}`,
+tokenised, BPE'd with `@@ `): data.format=fairseq, the vocabulary is those BPE tokens (joint here; fairseq's
+preprocess built one dictionary per side — shared embeddings need one).
+
+The original command (princeton-nlp/TRIME machine_translation/README.md):
+  train.py data-bin/iwslt14.tokenized.de-en --arch transformer_iwslt_de_en --share-decoder-input-output-embed
+    --decoder-normalize-before --optimizer adam --adam-betas "(0.9, 0.98)" --clip-norm 0.0 --lr 5e-4
+    --lr-scheduler inverse_sqrt --warmup-updates 4000 --ce-warmup-epoch 5 --dropout 0.3 --weight-decay 0.0001
+    --criterion trime_mt_loss --label-smoothing 0.0 --max-tokens 4096 --predefined-batches bm25_batches.json
+    --max-epoch 50 --dist-func ip --temp 10.0 --topk-mem 8          (4 GPUs: 4 × 4096 tokens per update)
+Vanilla baseline: --criterion label_smoothed_cross_entropy --label-smoothing 0.1 (fairseq's IWSLT recipe).
+Differences here: the loss uses every visible in-batch token (no --topk-mem 8 truncation: loss.py has no
+top-k); --ce-warmup-epoch 5 becomes trime.ce_warmup_steps (≈ 5 epochs of ~1,100 updates at 4 × 4096 tokens);
+the original's key (knn_embed) is the decoder output: model.key_type="final" below. 50 epochs ≈ 56k updates.
+"""
+
+from configs import ui_de_en
+
+
+def get_config():
+  c = ui_de_en.get_config()
+  c.unlock()
+  c.data.format = "fairseq"
+  c.data.path = "iwslt14.tokenized.de-en"
+  c.data.cache_dir = ""
+  c.data.max_len = 1024  # fairseq max_source/target_positions
+  c.data.max_tokens = 4096 * 4  # 4 GPUs × --max-tokens 4096 per update
+  c.model.update(d_model=512, num_heads=4, d_ff=1024, encoder_layers=6, decoder_layers=6, dropout=0.3,
+                 share_all_embeddings=False, share_decoder_embeddings=True, encoder_normalize_before=False,
+                 decoder_normalize_before=True, key_type="final")
+  c.trime.update(memory="ext", batching="bm25", temperature=10.0, ce_warmup_steps=5500)
+  c.train.update(num_steps=56_000, learning_rate=5e-4, warmup_steps=4000, weight_decay=1e-4, adam_b2=0.98,
+                 label_smoothing=0.0, eval_every=1000, checkpoint_every=1000, eval_max_pairs=0)
+  c.lock()
+  return c

@@ -1,0 +1,90 @@
+"""A CPU-sized TrimeMT / vanilla Transformer for ui-de-en (German→English UI strings, ../shared/data/ui-de-en).
+
+  python -m launch.train_mt --config=configs/ui_de_en.py --workdir=runs/ui_vanilla                 # vanilla
+  python -m launch.train_mt --config=configs/ui_de_en.py --config.trime.memory=ext \
+      --config.trime.batching=bm25 --workdir=runs/ui_trime_bm25                                    # TrimeMT_ext
+  ... --config.trime.memory=ext --config.trime.batching=random                                     # random batches
+
+3+3 layers, d 256, FFN 1024, 4 heads, an 8k joint sentencepiece vocabulary trained on train.de + train.en.
+Every MT config field is listed here (the MT config is its own schema, not configs/default.py's).
+"""
+
+import ml_collections
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+
+  c.data = d = ml_collections.ConfigDict()
+  d.format = "text"  # text (aligned raw files + project sentencepiece) | fairseq (prepare-iwslt14.sh output, BPE)
+  d.path = "../shared/data/ui-de-en"  # relative paths: from the working directory, else the repository root
+  d.src_lang = "de"
+  d.tgt_lang = "en"
+  d.vocab_size = 8000  # joint sentencepiece vocabulary (format=text)
+  d.spm_model_type = "unigram"  # sentencepiece model type: unigram | bpe
+  d.cache_dir = "runs/cache/ui_de_en"  # sentencepiece model cache, keyed by text digest + options (git-ignored)
+  d.max_len = 128  # training pairs longer than this (model tokens, ids + eos) are dropped; valid/test truncated
+  d.max_tokens = 4096  # padded tokens per batch: rows · L <= max_tokens (fairseq --max-tokens)
+  d.max_sentences = 0  # cap on rows per batch (fairseq --batch-size); 0 = none
+
+  c.model = m = ml_collections.ConfigDict()
+  m.d_model = 256
+  m.num_heads = 4
+  m.d_ff = 1024
+  m.encoder_layers = 3
+  m.decoder_layers = 3
+  m.dropout = 0.3
+  m.attention_dropout = 0.0
+  m.activation_dropout = 0.0
+  m.max_len = 1024  # positions table; batches are bucketed to <= data.max_len's bucket
+  m.pad_id = 0
+  m.share_decoder_embeddings = True  # fairseq --share-decoder-input-output-embed
+  m.share_all_embeddings = True  # joint vocabulary: one embedding for source, target and output
+  m.encoder_normalize_before = False
+  m.decoder_normalize_before = True  # the original TrimeMT run: --decoder-normalize-before
+  m.position_offset = 2
+  m.key_type = "last_ffn_input"  # g: last_ffn_input (the contract, as the LM) | final (original MT code's knn_embed)
+  m.dtype = "float32"
+
+  c.trime = t = ml_collections.ConfigDict()
+  t.memory = "none"  # none (vanilla, CE) | ext (TrimeMT_ext: every target token of the other pairs in the batch)
+  t.batching = "length"  # length (fairseq) | bm25 (Algorithm 1 over target sentences) | random
+  t.bm25_k = 20  # neighbours per target sentence (Algorithm 1's k)
+  t.bm25_backend = "numba"  # bm25s backend: numba (fast; ~20 s JIT compile once) | numpy (no compile, slower)
+  t.temperature = 1.0  # τ on memory logits g·g_j/√D (original MT run: --temp 10)
+  t.stop_gradient_memory = False
+  t.ce_warmup_steps = 0  # plain-CE updates before the TRIME loss (original: --ce-warmup-epoch 5)
+  t.memory_chunk = 0  # blockwise loss chunk (0: derived from the 64 MiB block budget)
+  t.consecutive_segments = 1  # unused for MT (ObjectiveSpec field)
+  t.sharded_variant = "gather"  # >1 device: gather | ring (trime_jax/sharded_loss.py)
+  t.memory_grad = "all"
+
+  c.train = r = ml_collections.ConfigDict()
+  r.seed = 0
+  r.num_steps = 1200  # updates (an upper bound when target_token_budget is set)
+  r.target_token_budget = 0  # > 0: stop at the first update after which this many target tokens were trained on
+  #   (equal budgets across objectives whose batches pad differently); 0 = train.num_steps updates
+  r.optimizer = "adam"
+  r.learning_rate = 5e-4
+  r.adam_b1 = 0.9
+  r.adam_b2 = 0.98
+  r.adam_eps = 1e-8
+  r.weight_decay = 1e-4
+  r.nag_momentum = 0.99
+  r.schedule = "inverse_sqrt"
+  r.warmup_steps = 400
+  r.warmup_init_lr = 1e-7
+  r.min_lr = 1e-5
+  r.clip_norm = 0.0
+  r.label_smoothing = 0.0  # CE baseline only (memory=none): fairseq label_smoothed_cross_entropy's ε
+  r.vocab_chunk = 0  # output softmax in vocabulary chunks (0 = full logits; label smoothing needs 0)
+  r.num_devices = 0  # devices on the data mesh axis; 0 = all
+  r.log_every = 25
+  r.eval_every = 200  # dev loss every N updates (and at the end); 0 = only at the end
+  r.eval_max_pairs = 1000  # dev pairs scored by evaluations (0 = all)
+  r.checkpoint_every = 100
+  r.keep_checkpoints = 2
+  r.stop_after = 0  # stop (checkpointed, resumable) after this many updates in this invocation; 0 = no limit
+
+  c.lock()
+  return c

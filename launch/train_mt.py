@@ -1,0 +1,39 @@
+"""Train a translation model: vanilla Transformer (trime.memory=none) or TrimeMT_ext (trime.memory=ext).
+
+  python -m launch.train_mt --config=configs/ui_de_en.py --workdir=runs/ui_vanilla
+  python -m launch.train_mt --config=configs/ui_de_en.py --config.trime.memory=ext --config.trime.batching=bm25 \
+      --workdir=runs/ui_trime_bm25
+
+Rerunning the same command resumes from the newest checkpoint in the workdir (`--config.train.stop_after=N`
+trains at most N updates per invocation). SIGTERM checkpoints the current update and exits with status 143.
+Exit status 0: trained, evaluated on valid and exported to <workdir>/export (trime_jax.mt.model.load_mt_export).
+"""
+
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
+from launch.common import default_workdir, run_main
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/ui_de_en.py, configs/iwslt_de_en.py).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics.jsonl, export/).")
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv):
+  del argv
+  from trime_jax.mt.train import train_and_evaluate
+  from trime_jax.train import PREEMPTED_EXIT_CODE, Preempted
+
+  workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename)
+  try:
+    train_and_evaluate(_CONFIG.value, workdir, log=lambda s: print(s, flush=True))
+  except Preempted as e:
+    print(e, file=sys.stderr, flush=True)
+    sys.exit(PREEMPTED_EXIT_CODE)
+
+
+if __name__ == "__main__":
+  run_main(main)

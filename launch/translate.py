@@ -1,0 +1,145 @@
+"""Translate a split of an MT export's data with beam search (or greedy), and score it with sacrebleu.
+
+  python -m launch.translate --checkpoint=runs/ui_vanilla/export --split=test --out=runs/ui_vanilla/translate
+  python -m launch.translate --checkpoint=... --mode=knn_mt --datastore=runs/ui_vanilla/datastore \
+      --k=16 --lambda=0.3 --temperature=10 --split=test --out=...
+  python -m launch.translate --checkpoint=... --mode=trime --datastore=... --k=64 --tau=1 \
+      [--interp_lambda=0.2 --interp_tau=1] --split=test --out=...
+  python -m launch.translate --checkpoint=... --datastore=... --tune --out=...      # tune on valid
+  python -m launch.translate --checkpoint=... --datastore=... --settings=<out>/tuned.json --mode=trime ...
+
+Writes <out>/<split>.<mode>.hyp (one detokenised hypothesis per line) and <out>/<split>.<mode>.json (BLEU,
+sacrebleu signature, sentences/s, retrieval seconds, the settings). --tune: one teacher-forced pass over the valid
+targets retrieves the top-64 entries of every target token once (by inner product for TRIME, by L2 for kNN-MT);
+every K in {1,...,64} and every (τ, λ, T, τ′) of the grids is scored from it as valid token NLL; then beam search
+on valid runs only the --tune_beam best settings per mode, and the best valid BLEU is written to <out>/tuned.json.
+The data comes from the export's stored config (--config=an MT config, task='mt', overrides it).
+"""
+
+import dataclasses
+import json
+import os
+import time
+
+from absl import flags
+from ml_collections import config_flags
+
+from launch.common import run_main
+
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "MT export directory (<workdir>/export).")
+_CONFIG = config_flags.DEFINE_config_file("config", None, "An MT config (task='mt') for the data; default: the "
+                                          "export's stored config.", lock_config=True)
+_SPLIT = flags.DEFINE_enum("split", "test", ["train", "valid", "test"], "Split to translate.")
+_OUT = flags.DEFINE_string("out", None, "Output directory.")
+_MODE = flags.DEFINE_enum("mode", "model", ["model", "knn_mt", "trime"], "Next-token distribution.")
+_BEAM = flags.DEFINE_integer("beam", 4, "Beam size (1 = greedy).")
+_LENPEN = flags.DEFINE_float("lenpen", 1.0, "Length penalty: score / len^lenpen.")
+_MAX_LEN_A = flags.DEFINE_float("max_len_a", 1.2, "Max output length = a * source length + b (fairseq: 0).")
+_MAX_LEN_B = flags.DEFINE_integer("max_len_b", 10, "Max output length = a * source length + b (fairseq: 200).")
+_DATASTORE = flags.DEFINE_string("datastore", "", "Datastore directory (launch.build_datastore).")
+_INDEX = flags.DEFINE_string("index", "", "FAISS index (default <datastore>/index.faiss).")
+_NPROBE = flags.DEFINE_integer("nprobe", 32, "IVF lists searched per query.")
+_K = flags.DEFINE_integer("k", 64, "Retrieved entries per query.")
+_LAMBDA = flags.DEFINE_float("lambda", 0.5, "kNN-MT: weight of p_kNN.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 10.0, "kNN-MT: T of exp(-|q - k|^2 / T).")
+_TAU = flags.DEFINE_float("tau", 1.0, "TrimeMT_ext: τ on g·k/√D.")
+_INTERP_LAMBDA = flags.DEFINE_float("interp_lambda", 0.0, "TrimeMT_ext: Appendix A's λ (0 = none).")
+_INTERP_TAU = flags.DEFINE_float("interp_tau", 1.0, "TrimeMT_ext: Appendix A's τ′.")
+_SETTINGS = flags.DEFINE_string("settings", "", "tuned.json of --tune: its setting for --mode replaces the flags.")
+_BATCH = flags.DEFINE_integer("batch_sentences", 32, "Sentences decoded together.")
+_MAX_SENTENCES = flags.DEFINE_integer("max_sentences", 0, "Translate only the first N sentences (0 = all).")
+_TUNE = flags.DEFINE_bool("tune", False, "Tune K, τ, λ, T, τ′ on valid (see the module doc).")
+_TUNE_BEAM = flags.DEFINE_integer("tune_beam", 2, "--tune: settings per mode decoded with beam search on valid.")
+flags.mark_flags_as_required(["checkpoint", "out"])
+
+
+def _data(config, checkpoint, split, vocab, limit):
+  from trime_jax.mt import data as mt_data
+  from trime_jax.mt import datastore as mt_datastore
+
+  pairs = mt_data.load_parallel(mt_datastore.mt_config(config, checkpoint), split, vocab)
+  if limit:
+    pairs = dataclasses.replace(pairs, src=pairs.src[:limit], tgt=pairs.tgt[:limit], src_text=pairs.src_text[:limit],
+                                tgt_text=pairs.tgt_text[:limit])
+  return pairs
+
+
+def translate_split(translator, pairs, vocab, out_dir, name, extra):
+  """Decode `pairs`, write <name>.hyp and <name>.json; returns the JSON dict."""
+  from trime_jax import data as lm_data
+  from trime_jax.mt import bleu
+
+  t0 = time.perf_counter()
+  hyps = translator.translate(pairs.src, batch_sentences=_BATCH.value)
+  seconds = time.perf_counter() - t0
+  text = [vocab.decode(h.tokens) for h in hyps]
+  result = {**bleu.corpus_bleu(text, pairs.tgt_text), "split": pairs.split, "sentences": len(text),
+            "seconds": round(seconds, 3), "sentences_per_s": round(len(text) / max(seconds, 1e-9), 3),
+            "retrieval_seconds": round(translator.search_seconds, 3), "beam": translator.options.beam,
+            "lenpen": translator.options.lenpen, **extra}
+  os.makedirs(out_dir, exist_ok=True)
+  tmp = os.path.join(out_dir, f".{name}.hyp.tmp")
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.write("".join(t.replace("\n", " ") + "\n" for t in text))
+  os.replace(tmp, os.path.join(out_dir, f"{name}.hyp"))
+  lm_data.atomic_write_json(os.path.join(out_dir, f"{name}.json"), result)
+  return result
+
+
+def main(argv):
+  del argv
+  from trime_jax.errors import ConfigError
+  from trime_jax.mt import datastore as mt_datastore
+  from trime_jax.mt import decode
+  from trime_jax.mt import model as mt_model
+
+  checkpoint, out = _CHECKPOINT.value, _OUT.value
+  graphdef, params, config, vocab = mt_model.load_mt_export(checkpoint)
+  cfg = mt_model.MTConfig.from_config(config.model, vocab_size=vocab.size)
+  options = decode.SearchOptions(beam=_BEAM.value, lenpen=_LENPEN.value, max_len_a=_MAX_LEN_A.value,
+                                 max_len_b=_MAX_LEN_B.value)
+  ds = index = None
+  if _DATASTORE.value:
+    ds, index = mt_datastore.open_mt_datastore(_DATASTORE.value, checkpoint, index_path=_INDEX.value,
+                                               nprobe=_NPROBE.value)
+  make = lambda dist, opts=options: decode.Translator(graphdef, params, cfg, dist=dist, datastore=ds, index=index,
+                                                     options=opts, eos_id=vocab.eos_id)
+  if _TUNE.value:
+    if ds is None:
+      raise ConfigError("--tune needs --datastore")
+    pairs = _data(_CONFIG.value, checkpoint, "valid", vocab, _MAX_SENTENCES.value)
+    t0 = time.perf_counter()
+    tp = decode.tune_pass(graphdef, params, pairs, ds, index, k_max=max(decode.KS))
+    rows = decode.tune(tp)
+    print(f"tune: one teacher-forced pass over {len(tp.targets):,} valid target tokens + {len(rows)} settings in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    tuned, table = {}, []
+    for mode in ("model", "knn_mt", "trime", "trime_interp"):
+      best = [r for r in rows if r["mode"] == mode][:_TUNE_BEAM.value]
+      for r in best:
+        name = f"valid.tune.{mode}.{len(table)}"
+        res = translate_split(make(r["setting"]), pairs, vocab, out, name, {"setting": dataclasses.asdict(r["setting"]),
+                                                                             "valid_nll": r["nll"]})
+        table.append(res)
+        print(f"tune: {mode:12s} {r['setting']}  valid nll {r['nll']:.4f}  valid BLEU {res['bleu']:.2f}", flush=True)
+        if mode not in tuned or res["bleu"] > tuned[mode]["bleu"]:
+          tuned[mode] = {"setting": dataclasses.asdict(r["setting"]), "bleu": res["bleu"], "valid_nll": r["nll"]}
+    from trime_jax import data as lm_data
+
+    lm_data.atomic_write_json(os.path.join(out, "tuned.json"), {
+        "chosen": tuned, "nll_grid": [{**{k: v for k, v in r.items() if k != "setting"},
+                                       "setting": dataclasses.asdict(r["setting"])} for r in rows]})
+    print(f"tune: best settings -> {os.path.join(out, 'tuned.json')}", flush=True)
+    return
+  dist = decode.Distribution(_MODE.value, k=_K.value, temperature=_TEMPERATURE.value, lam=_LAMBDA.value,
+                             tau=_TAU.value, interp_lambda=_INTERP_LAMBDA.value, interp_tau=_INTERP_TAU.value)
+  if _SETTINGS.value:
+    dist = decode.Distribution.from_tuned(_SETTINGS.value, _MODE.value)
+  pairs = _data(_CONFIG.value, checkpoint, _SPLIT.value, vocab, _MAX_SENTENCES.value)
+  res = translate_split(make(dist), pairs, vocab, out, f"{_SPLIT.value}.{_MODE.value}",
+                        {"setting": dataclasses.asdict(dist)})
+  print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+  run_main(main)

@@ -1,0 +1,309 @@
+"""Decoding for translation: beam search vs exhaustive search, the kNN-MT and TrimeMT_ext distributions vs
+float64 NumPy, BLEU, and an end-to-end tiny run (datastore, translate with every mode)."""
+
+import itertools
+import math
+import zlib
+
+import numpy as np
+import pytest
+
+from trime_jax.mt import decode
+
+PAD, EOS, V = 0, 1, 5  # toy vocabulary: pad, eos and three words
+
+
+def toy_log_probs(sentence: int, prefix: tuple) -> np.ndarray:
+  """A deterministic next-token law of (sentence, prefix): a fixed random softmax per context."""
+  rng = np.random.default_rng(zlib.crc32(repr((sentence, prefix)).encode()))
+  x = rng.normal(0, 2.0, V)
+  return x - np.logaddexp.reduce(x)
+
+
+def toy_callback(beam: int, calls=None):
+  def next_log_probs(prev_NxT, step, live_N):
+    assert prev_NxT.shape[1] >= step + 1 and (prev_NxT[:, 0] == EOS).all() and live_N.shape == (len(prev_NxT),)
+    assert live_N.any()  # called only while some sentence is unfinished
+    if calls is not None:
+      calls.append(live_N.copy())
+    return np.stack([toy_log_probs(r // beam, tuple(int(t) for t in row[1:step + 1]))
+                     for r, row in enumerate(prev_NxT)]).astype(np.float32)
+  return next_log_probs
+
+
+def exhaustive(sentence: int, max_len: int, lenpen: float):
+  """(tokens, score) of the best sequence of 1..max_len words + eos (pad never, eos only at the end)."""
+  best = (None, -np.inf)
+  words = [w for w in range(V) if w not in (PAD, EOS)]
+  for n in range(1, max_len + 1):
+    for seq in itertools.product(words, repeat=n):
+      lp = sum(float(np.float32(toy_log_probs(sentence, seq[:i])[seq[i]])) for i in range(n))
+      lp += float(np.float32(toy_log_probs(sentence, seq)[EOS]))
+      score = lp / (n + 1) ** lenpen
+      if score > best[1]:
+        best = (list(seq), score)
+  return best
+
+
+@pytest.mark.parametrize("lenpen", [0.0, 1.0, 2.0])
+def test_beam_search_equals_exhaustive_search(lenpen):
+  # 3 words, up to 3 of them: 39 sequences, 27 prefixes of length 3: a beam of 64 keeps every prefix and
+  # finishes every sequence, so beam search must return the exhaustive optimum (scores, lengths, eos forcing).
+  src_lens = [3, 2, 4, 1]
+  opts = decode.SearchOptions(beam=64, lenpen=lenpen, max_len_a=0.0, max_len_b=3)
+  hyps = decode.beam_search(toy_callback(64), src_lens, opts, pad_id=PAD, eos_id=EOS, vocab_size=V)
+  for s, h in enumerate(hyps):
+    tokens, score = exhaustive(s, 3, lenpen)
+    assert h.tokens == tokens
+    assert h.score == pytest.approx(score, abs=1e-9)
+
+
+def test_max_len_a_b_per_sentence():
+  opts = decode.SearchOptions(beam=64, lenpen=1.0, max_len_a=1.0, max_len_b=1)
+  src_lens = [1, 2]  # max_len 2 and 3
+  hyps = decode.beam_search(toy_callback(64), src_lens, opts, pad_id=PAD, eos_id=EOS, vocab_size=V)
+  for s, (h, n) in enumerate(zip(hyps, [2, 3])):
+    assert h.tokens == exhaustive(s, n, 1.0)[0] and len(h.tokens) <= n
+
+
+def test_greedy_equals_beam_one_and_small_beam_prunes():
+  src_lens = list(range(1, 9))
+  opts = decode.SearchOptions(beam=1, max_len_b=4)
+  g = decode.greedy(toy_callback(1), src_lens, opts, pad_id=PAD, eos_id=EOS, vocab_size=V)
+  b1 = decode.beam_search(toy_callback(1), src_lens, opts, pad_id=PAD, eos_id=EOS, vocab_size=V)
+  assert [h.tokens for h in g] == [h.tokens for h in b1]
+  np.testing.assert_allclose([h.score for h in g], [h.score for h in b1], atol=1e-9)
+  assert all(h.tokens and PAD not in h.tokens and EOS not in h.tokens for h in g)  # min_len 1, no pad
+  # beam 4 never beats the exhaustive optimum, and finds a better hypothesis than greedy for some sentence
+  calls = []
+  b4 = decode.beam_search(toy_callback(4, calls), src_lens, decode.SearchOptions(beam=4, max_len_b=4), pad_id=PAD,
+                          eos_id=EOS, vocab_size=V)
+  # rows stop being live once their sentence is finished (sentences finish at different steps), never revive
+  live = np.stack(calls).reshape(len(calls), len(src_lens), 4).any(-1)
+  assert live[0].all() and not live[-1].all() and (live[1:] <= live[:-1]).all()
+  best = [exhaustive(s, 4, 1.0)[1] for s in range(len(src_lens))]
+  assert all(h4.score <= sb + 1e-9 for h4, sb in zip(b4, best))
+  assert any(h4.score > h1.score + 1e-6 for h4, h1 in zip(b4, g))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Distributions vs float64 NumPy over a small datastore
+# ----------------------------------------------------------------------------------------------------------
+def _small_case(seed=0, n=3, k=6, d=8, v=7, store=20):
+  rng = np.random.default_rng(seed)
+  store_keys = rng.normal(0, 1.0, (store, d))
+  store_values = rng.integers(0, v, store)
+  q = rng.normal(0, 1.0, (n, d))
+  logits = rng.normal(0, 2.0, (n, v))
+  ids = np.stack([rng.choice(store, k, replace=False) for _ in range(n)])
+  ids[0, -2:] = -1  # row 0 found only k - 2 entries
+  ids[2, :] = -1  # row 2 found none
+  keys = np.where(ids[..., None] >= 0, store_keys[np.maximum(ids, 0)], 0.0)
+  targets = np.where(ids >= 0, store_values[np.maximum(ids, 0)], -1)
+  return logits, q, keys, targets, ids
+
+
+def _np_log_softmax(x):
+  return x - np.logaddexp.reduce(x, axis=-1, keepdims=True)
+
+
+def _np_mem(scores_K, targets_K, v):
+  """log p(w) ∝ Σ_{x_j = w} exp(score_j) over the valid entries (float64; -inf rows if none)."""
+  out = np.full(v, -np.inf)
+  for s, t in zip(scores_K, targets_K):
+    if t >= 0:
+      out[t] = np.logaddexp(out[t], s)
+  return out - np.logaddexp.reduce(out)
+
+
+@pytest.mark.parametrize("lam,temp", [(0.3, 2.0), (0.8, 10.0)])
+def test_knn_mt_distribution_matches_float64(lam, temp):
+  logits, q, keys, targets, _ = _small_case()
+  got = np.asarray(decode.knn_mt_log_probs(logits, q, keys, targets, temperature=temp, lam=lam), np.float64)
+  for r in range(len(q)):
+    p_model = np.exp(_np_log_softmax(logits[r]))
+    if (targets[r] >= 0).any():
+      dist = ((q[r][None] - keys[r]) ** 2).sum(-1)
+      p = (1 - lam) * p_model + lam * np.exp(_np_mem(-dist / temp, targets[r], logits.shape[1]))
+    else:
+      p = p_model  # no neighbours: the model alone
+    np.testing.assert_allclose(np.exp(got[r]), p, rtol=2e-5, atol=1e-7)
+    assert np.exp(got[r]).sum() == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("tau,lam,tau_prime", [(1.0, 0.0, 1.0), (0.5, 0.25, 2.0)])
+def test_trime_mt_distribution_matches_float64(tau, lam, tau_prime):
+  logits, q, keys, targets, _ = _small_case(seed=1)
+  d, v = q.shape[1], logits.shape[1]
+  got = np.asarray(decode.trime_log_probs(logits, q, keys, targets, tau=tau, interp_lambda=lam,
+                                          interp_tau=tau_prime), np.float64)
+  for r in range(len(q)):
+    sim = (keys[r] @ q[r]) / math.sqrt(d)
+    weights = np.exp(logits[r]).copy()
+    for s, t in zip(sim, targets[r]):
+      if t >= 0:
+        weights[t] += np.exp(s / tau)
+    p = weights / weights.sum()
+    if lam and (targets[r] >= 0).any():
+      p = (1 - lam) * p + lam * np.exp(_np_mem(sim / tau_prime, targets[r], v))
+    np.testing.assert_allclose(np.exp(got[r]), p, rtol=2e-5, atol=1e-7)
+  # the memories matter where there are some, and row 2 (none retrieved) is the model alone
+  assert np.abs(got[0] - _np_log_softmax(logits[0])).max() > 1e-2
+  np.testing.assert_allclose(got[2], _np_log_softmax(logits[2]), atol=1e-5)
+
+
+def test_bleu_copy_is_100_and_a_known_case():
+  from trime_jax.mt import bleu
+
+  refs = ["Cannot open file %s", "the cat is on the mat", "hello there world"]
+  assert bleu.corpus_bleu(refs, refs)["bleu"] == pytest.approx(100.0)
+  # 1-4-gram precisions 7/8, 3/6, 1/4, and 0/3 smoothed ('exp': 1/(2·3)); brevity penalty exp(1 - 9/8)
+  got = bleu.corpus_bleu(["the cat sat on the mat", "hello world"], ["the cat is on the mat", "hello there world"])
+  want = 100 * math.exp(1 - 9 / 8) * (7 / 8 * 3 / 6 * 1 / 4 * 1 / 6) ** 0.25
+  assert got["bleu"] == pytest.approx(want, rel=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# End to end: a tiny export, its datastore and index, translation with every mode
+# ----------------------------------------------------------------------------------------------------------
+WORDS = ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  import ml_collections
+  from flax import nnx
+
+  from trime_jax.datastore import build_index
+  from trime_jax.mt import data as mt_data
+  from trime_jax.mt import datastore as mt_datastore
+  from trime_jax.mt import model as mt_model
+
+  root = tmp_path_factory.mktemp("mt")
+  vocab = mt_data.SubwordVocab(tokens=list(mt_data.SPECIALS) + WORDS)
+  rng = np.random.default_rng(0)
+  lines = [" ".join(rng.choice(WORDS, rng.integers(2, 6))) for _ in range(24)]
+  pairs = lambda lo, hi, split: mt_data.ParallelData(
+      [vocab.encode(l) for l in lines[lo:hi]], [vocab.encode(" ".join(reversed(l.split()))) for l in lines[lo:hi]],
+      lines[lo:hi], [" ".join(reversed(l.split())) for l in lines[lo:hi]], vocab, split)
+  data_dir = root / "data"
+  data_dir.mkdir()
+  for split, (lo, hi) in {"train": (0, 20), "valid": (16, 20), "test": (20, 24)}.items():
+    (data_dir / f"{split}.de").write_text("".join(l + "\n" for l in lines[lo:hi]))
+    (data_dir / f"{split}.en").write_text("".join(" ".join(reversed(l.split())) + "\n" for l in lines[lo:hi]))
+  config = ml_collections.ConfigDict({"task": "mt", "data": {
+      "format": "fairseq", "path": str(data_dir), "src_lang": "de", "tgt_lang": "en", "max_len": 0}, "model": {
+      "d_model": 16, "num_heads": 2, "d_ff": 32, "encoder_layers": 1, "decoder_layers": 2, "dropout": 0.0,
+      "max_len": 64, "share_all_embeddings": True, "decoder_normalize_before": True}})
+
+  def export(seed, name):
+    model = mt_model.build_mt_model(config, vocab.size, seed)
+    return mt_model.export_mt(str(root / name), nnx.split(model, nnx.Param)[1], config, vocab)
+
+  ckpt_dir, other = export(0, "export"), export(1, "other")
+  train = pairs(0, 20, "train")
+  meta = mt_datastore.build_mt_datastore(ckpt_dir, train, str(root / "ds"), batch_tokens=64, progress=False)
+  from trime_jax.datastore import Datastore
+
+  build_index(Datastore(str(root / "ds")), kind="flat", progress=False)
+  return dict(root=root, vocab=vocab, config=config, ckpt=ckpt_dir, other=other, train=train,
+              test=pairs(20, 24, "test"), meta=meta, ds_dir=str(root / "ds"))
+
+
+def test_mt_datastore_holds_teacher_forced_keys_and_refuses_another_model(tiny):
+  from trime_jax.errors import CheckpointError
+  from trime_jax.mt import data as mt_data
+  from trime_jax.mt import datastore as mt_datastore
+  from trime_jax.mt import model as mt_model
+
+  ds, index = mt_datastore.open_mt_datastore(tiny["ds_dir"], tiny["ckpt"])
+  train = tiny["train"]
+  want_values = np.concatenate([np.append(y, mt_data.EOS) for y in train.tgt])
+  np.testing.assert_array_equal(np.asarray(ds.values), want_values)
+  assert ds.count == tiny["meta"]["count"] == sum(len(y) + 1 for y in train.tgt)
+  # keys: the decoder's g over [eos] + y with its source, pair by pair (one pair per forward: no batching effects)
+  # keys: the decoder's g over [eos] + y with its source, in pair order (one batch of other shapes than the
+  # builder's length-sorted batches: padding must not matter)
+  graphdef, params, _, _ = mt_model.load_mt_export(tiny["ckpt"])
+  b = mt_data.collate(train.src, train.tgt, 12, 12)
+  _, g = mt_datastore.forced_forward(graphdef, params, b["src"], b["prev"])
+  want_keys = np.asarray(g)[b["targets"] >= 0]  # row-major: pair by pair, position by position
+  np.testing.assert_allclose(np.asarray(ds.keys, np.float32), want_keys, rtol=2e-3, atol=2e-3)
+  with pytest.raises(CheckpointError, match="another model"):
+    mt_datastore.open_mt_datastore(tiny["ds_dir"], tiny["other"])
+  with pytest.raises(CheckpointError, match="different datastore"):  # same directory, another checkpoint
+    mt_datastore.build_mt_datastore(tiny["other"], train, tiny["ds_dir"], progress=False)
+
+
+def test_retrieve_matches_brute_force(tiny):
+  from trime_jax.mt import datastore as mt_datastore
+
+  ds, index = mt_datastore.open_mt_datastore(tiny["ds_dir"], tiny["ckpt"])
+  keys = np.asarray(ds.keys, np.float64)
+  q = np.random.default_rng(3).normal(0, 1, (5, ds.dimension)).astype(np.float32)
+  for metric in ("ip", "l2"):
+    nb = decode.retrieve(ds, index, q, 7, metric=metric, candidates=ds.count)
+    full = q.astype(np.float64) @ keys.T if metric == "ip" else -((q[:, None].astype(np.float64) - keys) ** 2).sum(-1)
+    want = -np.sort(-full, axis=1)[:, :7]
+    np.testing.assert_allclose(nb.score, want, rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(nb.targets, np.asarray(ds.values)[nb.ids])
+    np.testing.assert_allclose(nb.keys, keys[nb.ids], atol=1e-6)
+
+
+def test_translate_every_mode_and_knn_mt_recalls_training_targets(tiny):
+  from trime_jax.mt import bleu
+  from trime_jax.mt import datastore as mt_datastore
+  from trime_jax.mt import model as mt_model
+
+  graphdef, params, config, vocab = mt_model.load_mt_export(tiny["ckpt"])
+  cfg = mt_model.MTConfig.from_config(config.model, vocab_size=vocab.size)
+  ds, index = mt_datastore.open_mt_datastore(tiny["ds_dir"], tiny["ckpt"])
+  train, test = tiny["train"], tiny["test"]
+  opts = decode.SearchOptions(beam=4, max_len_a=1.0, max_len_b=5)
+  results = {}
+  for dist in [decode.Distribution("model"), decode.Distribution("knn_mt", k=4, temperature=1.0, lam=0.3),
+               decode.Distribution("trime", k=4, tau=1.0, interp_lambda=0.3, interp_tau=0.5)]:
+    tr = decode.Translator(graphdef, params, cfg, dist=dist, datastore=ds, index=index, options=opts,
+                           eos_id=vocab.eos_id)
+    hyps = tr.translate(test.src, batch_sentences=4)  # the same shapes in every call: one compilation
+    assert all(0 < len(h.tokens) <= len(x) + 1 + 5 for h, x in zip(hyps, test.src))
+    assert (tr.search_seconds > 0) == (dist.mode != "model")
+    results[dist.mode] = bleu.corpus_bleu([vocab.decode(h.tokens) for h in hyps], test.tgt_text)["bleu"]
+  assert all(0 <= b <= 100 + 1e-9 for b in results.values())
+  # The training sources' decoder states are the datastore's keys: a kNN-MT dominated by p_kNN at a low
+  # temperature translates them exactly as their training targets (the datastore is a translation memory).
+  tr = decode.Translator(graphdef, params, cfg, dist=decode.Distribution("knn_mt", k=4, temperature=0.01, lam=0.99),
+                         datastore=ds, index=index, options=opts, eos_id=vocab.eos_id)
+  hyps = tr.translate(train.src[:4], batch_sentences=4)
+  assert [h.tokens for h in hyps] == [list(y) for y in train.tgt[:4]]
+  out = [vocab.decode(h.tokens) for h in hyps]
+  assert bleu.corpus_bleu(out, train.tgt_text[:4])["bleu"] == pytest.approx(100.0)
+
+
+def test_cli_build_datastore_and_translate_tune(tiny):
+  import json
+  import os
+  import subprocess
+  import sys
+
+  root, repo = tiny["root"], os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  ds2, out = root / "ds_cli", root / "out"
+  py = sys.executable
+  script = (f"{py} -m launch.build_datastore --checkpoint={tiny['ckpt']} --out={ds2} --index=flat && "
+            f"{py} -m launch.translate --checkpoint={tiny['ckpt']} --datastore={ds2} --tune --tune_beam=1 "
+            f"--beam=2 --max_len_b=8 --out={out}")
+  env = {**os.environ, "PYTHONPATH": repo, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  meta = json.loads((ds2 / "meta.json").read_text())
+  assert meta["complete"] and meta["count"] == tiny["meta"]["count"] and meta["task"] == "mt"
+  tuned = json.loads((out / "tuned.json").read_text())
+  assert set(tuned["chosen"]) == {"model", "knn_mt", "trime", "trime_interp"}
+  assert {r["k"] for r in tuned["nll_grid"] if r["mode"] == "knn_mt"} == set(decode.KS)
+  res = json.loads((out / "valid.tune.knn_mt.1.json").read_text())
+  assert res["sentences"] == 4 and res["setting"] == tuned["chosen"]["knn_mt"]["setting"]
+  assert 0 <= res["bleu"] <= 100 + 1e-9
+  assert len((out / "valid.tune.knn_mt.1.hyp").read_text().splitlines()) == 4
+  assert decode.Distribution.from_tuned(str(out / "tuned.json"), "knn_mt") == decode.Distribution(
+      **tuned["chosen"]["knn_mt"]["setting"])
+  assert decode.Distribution.from_tuned(str(out / "tuned.json"), "trime").mode == "trime"

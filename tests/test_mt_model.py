@@ -1,0 +1,290 @@
+"""Translation model, data readers, batching and the TrimeMT_ext loss (trime_jax/mt)."""
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from trime_jax.errors import ConfigError, DataError
+from trime_jax.mt import batching
+from trime_jax.mt import data as mt_data
+from trime_jax.mt import model as mt_model
+from trime_jax.mt import train as mt_train
+
+V = 40
+
+
+def tiny(**kw):
+  cfg = dict(vocab_size=V, d_model=16, num_heads=2, d_ff=32, encoder_layers=1, decoder_layers=2, dropout=0.0,
+             max_len=64)
+  cfg.update(kw)
+  return mt_model.TransformerMT(mt_model.MTConfig(**cfg), rngs=nnx.Rngs(0))
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(graphdef):
+  def run(params, s, p):
+    m = nnx.merge(graphdef, params)
+    f, g = m.decode(m.encode(s), s, p)
+    return f, g, m.logits(f)
+
+  return jax.jit(run)
+
+
+def fwd(model, s, p):
+  """(f, g, logits) of a jitted forward pass (eager dispatch compiles every op: far slower)."""
+  graphdef, params = nnx.split(model)
+  return _jitted(graphdef)(params, jnp.asarray(s), jnp.asarray(p))
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_nll(graphdef, spec, kw):
+  return jax.jit(lambda params, batch: mt_train.mt_nll(nnx.merge(graphdef, params), batch, spec, **dict(kw)))
+
+
+def nll(model, batch, spec, **kw):
+  graphdef, params = nnx.split(model)
+  return _jitted_nll(graphdef, spec, tuple(sorted(kw.items())))(params, batch)
+
+
+def pairs_batch(seed=0, b=3, s=7, t=6):
+  """src/prev/targets of b pairs of random lengths (ids 4..V-1), right-padded like mt_data.collate."""
+  rng = np.random.default_rng(seed)
+  src = [rng.integers(4, V, rng.integers(1, s)) for _ in range(b)]
+  tgt = [rng.integers(4, V, rng.integers(1, t)) for _ in range(b)]
+  return mt_data.collate(src, tgt, s, t), src, tgt
+
+
+def test_decoder_is_causal_and_padding_is_masked():
+  model = tiny(encoder_normalize_before=False, decoder_normalize_before=True)  # both sublayer kinds
+  batch, src, tgt = pairs_batch()
+  s, p = jnp.asarray(batch["src"]), jnp.asarray(batch["prev"])
+  f0, g0, _ = fwd(model, s, p)
+  # A later target token changes no earlier output (f and g).
+  t = 3
+  p2 = p.at[:, t].set(jnp.where(p[:, t] > 0, (p[:, t] + 1 - 4) % (V - 4) + 4, 0))
+  f1, g1, _ = fwd(model, s, p2)
+  np.testing.assert_allclose(f1[:, :t], f0[:, :t], atol=1e-5)
+  np.testing.assert_allclose(g1[:, :t], g0[:, :t], atol=1e-5)
+  assert not np.allclose(f1[:, t:], f0[:, t:], atol=1e-4), "the changed token must matter from its position on"
+  # More padding on either side (source and prev) changes no valid output; a valid source token does.
+  valid = np.asarray(batch["targets"] >= 0)
+  s4 = jnp.pad(s, ((0, 0), (0, 3)))
+  p4 = jnp.pad(p, ((0, 0), (0, 2)))
+  f4, g4, _ = fwd(model, s4, p4)
+  np.testing.assert_allclose(np.asarray(f4[:, :p.shape[1]])[valid], np.asarray(f0)[valid], atol=1e-5)
+  np.testing.assert_allclose(np.asarray(g4[:, :p.shape[1]])[valid], np.asarray(g0)[valid], atol=1e-5)
+  f5, _, _ = fwd(model, s.at[0, 0].set((s[0, 0] - 3) % (V - 4) + 4), p)
+  assert not np.allclose(f5[0], f0[0], atol=1e-4)
+
+
+def test_shared_embeddings_and_vocab_stats():
+  model = tiny(share_all_embeddings=True)
+  assert model.src_embed is None
+  batch, _, _ = pairs_batch(1)
+  s, p, t = (jnp.asarray(batch[k]) for k in ("src", "prev", "targets"))
+  f, g, logits = fwd(model, s, p)
+  w = model.tgt_embed.embedding[...]
+  np.testing.assert_allclose(logits, jnp.einsum("btd,vd->btv", f, w), rtol=1e-5, atol=1e-5)
+  full = model.vocab_stats(f, t)
+  chunked = model.vocab_stats(f, t, vocab_chunk=16)
+  np.testing.assert_allclose(chunked.log_normalizer, full.log_normalizer, rtol=1e-5)
+  ok = np.asarray(t >= 0)
+  np.testing.assert_allclose(np.asarray(chunked.target_logit)[ok], np.asarray(full.target_logit)[ok], rtol=1e-5)
+  m_final = tiny(key_type="final")
+  f2, g2, _ = fwd(m_final, s, p)
+  np.testing.assert_array_equal(f2, g2)
+  assert not np.allclose(f, g)  # last_ffn_input is not the output
+
+
+def reference_mt_nll(logits, keys, targets):
+  """Float64 NumPy TrimeMT_ext nll per token from the equations: P(w) ∝ exp(logit_w) + Σ_{j in other rows,
+  target_j = w} exp(g·g_j/√d); padding (target -1) is never scored and never memory."""
+  logits, keys = np.asarray(logits, np.float64), np.asarray(keys, np.float64)
+  b, t, v = logits.shape
+  d = keys.shape[-1]
+  out = np.zeros((b, t))
+  for i in range(b):
+    for a in range(t):
+      y = targets[i, a]
+      if y < 0:
+        continue
+      mass = np.exp(logits[i, a])
+      for j in range(b):
+        if j == i:
+          continue  # no local memory: the pair's own target tokens are never memory
+        for c in range(t):
+          if targets[j, c] >= 0:
+            mass[targets[j, c]] += np.exp(keys[i, a] @ keys[j, c] / np.sqrt(d))
+      out[i, a] = -np.log(mass[y] / mass.sum())
+  return out
+
+
+def test_mt_ext_loss_matches_float64_reference():
+  model = tiny(vocab_size=12)
+  rng = np.random.default_rng(3)
+  src = [rng.integers(4, 12, n) for n in (3, 5, 2, 4)]
+  tgt = [rng.integers(4, 8, n) for n in (4, 1, 3, 5)]  # few target ids: many positives across rows
+  batch = mt_data.collate(src, tgt, 6, 6, rows=5)  # + one all-padding row
+  spec = mt_train.objective_spec(ml_collections.ConfigDict({"trime": {
+      "memory": "ext", "temperature": 1.0, "stop_gradient_memory": False, "memory_chunk": 0}}))
+  jb = {k: jnp.asarray(v) for k, v in batch.items()}
+  _, ce, tr, n = nll(model, jb, spec, use_trime=True)
+  f, g, logits = fwd(model, jb["src"], jb["prev"])
+  ref = reference_mt_nll(logits, g, batch["targets"])
+  assert int(n) == sum(len(y) + 1 for y in tgt)
+  np.testing.assert_allclose(float(tr), ref.sum(), rtol=1e-5)
+  # The memory matters (it is not the plain CE), and a padding row's keys never change it.
+  assert abs(float(tr) - float(ce)) > 1e-3
+  jb2 = dict(jb, src=jb["src"].at[4].set(jnp.asarray([9, 9, 3, 0, 0, 0])))  # padding row, targets all -1
+  np.testing.assert_allclose(float(nll(model, jb2, spec, use_trime=True)[2]), float(tr), rtol=1e-6)
+
+
+def test_label_smoothing_matches_fairseq_formula():
+  model = tiny()
+  batch, _, _ = pairs_batch(2)
+  jb = {k: jnp.asarray(v) for k, v in batch.items()}
+  spec = mt_train.objective_spec(ml_collections.ConfigDict({"trime": {
+      "memory": "none", "temperature": 1.0, "stop_gradient_memory": False, "memory_chunk": 0}}))
+  obj, ce, _, n = nll(model, jb, spec, use_trime=False, label_smoothing=0.1)
+  _, _, logits = fwd(model, jb["src"], jb["prev"])
+  lp = jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1)
+  t = batch["targets"]
+  ok = t >= 0
+  tok_nll = -np.take_along_axis(np.asarray(lp), np.maximum(t, 0)[..., None], -1)[..., 0]
+  smooth = -np.asarray(lp).sum(-1)
+  eps_i = 0.1 / (V - 1)
+  ref = ((1 - 0.1 - eps_i) * tok_nll + eps_i * smooth)[ok].sum()
+  np.testing.assert_allclose(float(obj), ref, rtol=1e-5)
+  np.testing.assert_allclose(float(ce), tok_nll[ok].sum(), rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data readers
+# ---------------------------------------------------------------------------------------------------------
+DE = ["Datei öffnen", "Datei speichern", "Fenster schließen", "Neue Datei", "Datei löschen?", "Hilfe anzeigen"]
+EN = ["Open file", "Save file", "Close window", "New file", "Delete file?", "Show help"]
+
+
+def write_pairs(root, de, en, splits=("train", "valid", "test")):
+  os.makedirs(root, exist_ok=True)
+  for s in splits:
+    for lang, lines in (("de", de), ("en", en)):
+      with open(os.path.join(root, f"{s}.{lang}"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def mt_config(path, fmt="text", **data):
+  d = {"format": fmt, "path": str(path), "src_lang": "de", "tgt_lang": "en", "vocab_size": 40,
+       "spm_model_type": "unigram", "cache_dir": "", "max_len": 64, "max_tokens": 64, "max_sentences": 0}
+  d.update(data)
+  return ml_collections.ConfigDict({"data": d})
+
+
+def test_text_reader_sentencepiece_is_reproducible_and_cached(tmp_path):
+  write_pairs(tmp_path / "d", DE * 5, EN * 5)
+  cfg = mt_config(tmp_path / "d", cache_dir=str(tmp_path / "cache"))
+  v1 = mt_data.load_vocab(cfg)
+  assert len(os.listdir(tmp_path / "cache")) == 1
+  v2 = mt_data.load_vocab(mt_config(tmp_path / "d"))  # trained again, not from the cache
+  assert v1.fingerprint() == v2.fingerprint()
+  assert (v1.pad_id, v1.unk_id, v1.bos_id, v1.eos_id) == (0, 1, 2, 3)
+  data = mt_data.load_parallel(cfg, "valid", v1)
+  assert len(data) == 30 and data.tgt_text[1] == "Save file"
+  assert v1.decode(list(data.tgt[1]) + [3, 7, 7]) == "Save file"  # stops at eos
+  assert v1.decode([0] + list(data.src[0]) + [0]) == "Datei öffnen"
+
+
+def test_fairseq_bpe_reader(tmp_path):
+  de = ["die dat@@ ei öff@@ nen", "die dat@@ ei spei@@ chern"]
+  en = ["open the fi@@ le", "save the fi@@ le ."]
+  write_pairs(tmp_path / "f", de, en)
+  cfg = mt_config(tmp_path / "f", fmt="fairseq")
+  vocab = mt_data.load_vocab(cfg)
+  assert vocab.kind == "bpe" and vocab.tokens[:4] == list(mt_data.SPECIALS)
+  assert vocab.tokens[4] in ("die", "dat@@", "ei", "the", "fi@@", "le")  # the most frequent (count 2) first
+  data = mt_data.load_parallel(cfg, "test", vocab)
+  assert vocab.decode(data.tgt[1]) == "save the file ."
+  assert vocab.decode(data.src[0]) == "die datei öffnen"
+  assert list(vocab.encode("unseen@@ word")) == [1, 1]
+  d = tmp_path / "v"
+  d.mkdir()
+  vocab.save(str(d))
+  assert mt_data.SubwordVocab.load(str(d)).fingerprint() == vocab.fingerprint()
+
+
+def test_reader_errors(tmp_path):
+  write_pairs(tmp_path / "ok", DE, EN)
+  with pytest.raises(DataError, match="not found"):
+    mt_data.load_parallel(mt_config(tmp_path / "missing"), "train")
+  write_pairs(tmp_path / "mis", DE, EN[:-1])
+  with pytest.raises(DataError, match="misaligned.*6 lines.*5"):
+    mt_data.load_parallel(mt_config(tmp_path / "mis", fmt="fairseq"), "train")
+  write_pairs(tmp_path / "empty", DE, EN)
+  open(tmp_path / "empty" / "valid.en", "w").close()
+  vocab = mt_data.load_vocab(mt_config(tmp_path / "empty", fmt="fairseq"))
+  with pytest.raises(DataError, match="empty"):
+    mt_data.load_parallel(mt_config(tmp_path / "empty", fmt="fairseq"), "valid", vocab)
+  with open(tmp_path / "ok" / "test.de", "wb") as f:
+    f.write(b"\xff\xfe broken\n" * 6)
+  with pytest.raises(DataError, match="not UTF-8"):
+    mt_data.load_parallel(mt_config(tmp_path / "ok", fmt="fairseq"), "test")
+  with pytest.raises(ConfigError, match="data.format"):
+    mt_data.load_vocab(mt_config(tmp_path / "ok", fmt="moses"))
+  with pytest.raises(ConfigError, match="split"):
+    mt_data.load_parallel(mt_config(tmp_path / "ok", fmt="fairseq"), "dev")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Batching
+# ---------------------------------------------------------------------------------------------------------
+def synthetic_pairs(n=300, seed=0, topics=12):
+  """Pairs whose target sentences come in topics (shared words), lengths 1..30."""
+  rng = np.random.default_rng(seed)
+  words = [rng.integers(4 + 40 * k, 4 + 40 * (k + 1), 8) for k in range(topics)]
+  src, tgt = [], []
+  for _ in range(n):
+    k = rng.integers(topics)
+    tgt.append(np.concatenate([rng.choice(words[k], rng.integers(1, 20)), rng.integers(4, 500, rng.integers(0, 10))]))
+    src.append(rng.integers(4, 500, rng.integers(1, 31)))
+  vocab = mt_data.SubwordVocab(tokens=list(mt_data.SPECIALS) + [f"w{i}" for i in range(500)])
+  return mt_data.ParallelData(src, [t.astype(np.int32) for t in tgt], [""] * n, [""] * n, vocab)
+
+
+@pytest.mark.parametrize("order", ["length", "random", "bm25"])
+def test_token_batches_respect_budget_and_cover_every_pair_once(order):
+  pairs = synthetic_pairs()
+  plan = batching.make_plan(pairs, order=order, max_tokens=256, seed=0, bm25_k=5)
+  assert np.array_equal(np.sort(plan.indices), np.arange(len(pairs)))
+  assert np.all(plan.rows * plan.lengths <= 256)
+  assert len({(int(r), int(l)) for r, l in zip(plan.rows, plan.lengths)}) <= len(batching.BUCKETS)
+  for i in range(plan.num_batches):
+    b = batching.collate_batch(pairs, plan, i)
+    assert b["src"].shape == (plan.rows[i], plan.lengths[i]) and b["src"].size <= 256
+    assert (b["targets"] >= 0).sum() == sum(len(pairs.tgt[j]) + 1 for j in plan.batch(i))
+  # One epoch of updates visits every batch once; the next epoch in another order.
+  e0 = [plan.batch_at(s) for s in range(plan.num_batches)]
+  e1 = [plan.batch_at(s) for s in range(plan.num_batches, 2 * plan.num_batches)]
+  assert sorted(e0) == sorted(e1) == list(range(plan.num_batches)) and e0 != e1
+  if order == "length":  # few padded tokens: every batch holds one length bucket
+    assert plan.header["padded_tokens"] < 2.5 * plan.header["real_tokens"]
+
+
+def test_bm25_batches_gather_neighbours():
+  pairs = synthetic_pairs(seed=1)
+  plan = batching.make_plan(pairs, order="bm25", max_tokens=256, seed=0, bm25_k=5)
+  h = plan.header
+  assert h["neighbour_in_batch"] > 3 * h["neighbour_in_batch_random"], h
+
+
+def test_plan_round_trip(tmp_path):
+  plan = batching.make_plan(synthetic_pairs(50), order="random", max_tokens=128, seed=4)
+  plan.save(str(tmp_path / "p.npz"))
+  back = batching.Plan.load(str(tmp_path / "p.npz"))
+  assert back.header == plan.header and np.array_equal(back.indices, plan.indices)
+  assert [back.batch_at(s) for s in range(20)] == [plan.batch_at(s) for s in range(20)]

@@ -1,0 +1,110 @@
+"""End to end: TrimeMT_ext training in resumable chunks -> export -> load_mt_export; the CLI's one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from configs import ui_de_en
+from tests.test_mt_model import write_pairs
+from trime_jax.errors import ConfigError
+from trime_jax.mt import batching
+from trime_jax.mt import data as mt_data
+from trime_jax.mt import model as mt_model
+from trime_jax.mt import train as mt_train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config(path, **trime):
+  c = ui_de_en.get_config()
+  c.data.update(path=str(path), vocab_size=200, cache_dir="", max_len=32, max_tokens=96)
+  c.model.update(d_model=16, num_heads=2, d_ff=32, encoder_layers=1, decoder_layers=1, dropout=0.1)
+  c.trime.update(memory="ext", batching="bm25", bm25_k=3, bm25_backend="numpy", ce_warmup_steps=1, **trime)
+  c.train.update(num_steps=6, warmup_steps=2, log_every=1, eval_every=4, checkpoint_every=2, eval_max_pairs=0)
+  return c
+
+
+# Short words: every pair fits the 8-token bucket, so training compiles one batch shape.
+WDE = ["ja", "nein", "Datei", "Hilfe", "neu", "alt", "Ende", "Menü"]
+WEN = ["yes", "no", "file", "help", "new", "old", "end", "menu"]
+
+
+def test_train_resume_export_round_trip(tmp_path):
+  write_pairs(tmp_path / "d", WDE * 3, WEN * 3)
+  work = str(tmp_path / "run")
+  c = tiny_config(tmp_path / "d")
+  c.train.stop_after = 3
+  first = mt_train.train_and_evaluate(c, work, log=lambda s: None)
+  assert first["step"] == 3 and not os.path.exists(os.path.join(work, "export"))
+  plan = batching.Plan.load(os.path.join(work, "plan.npz"))
+  assert plan.header["shapes"] == [[12, 8]] and plan.header["order"] == "bm25"  # rows·L <= max_tokens=96
+  out = mt_train.train_and_evaluate(tiny_config(tmp_path / "d"), work, log=lambda s: None)  # resumes at 3
+  assert out["step"] == 6
+  lines = [json.loads(l) for l in open(os.path.join(work, "metrics.jsonl"))]
+  train_steps = [l["step"] for l in lines if "split" not in l]
+  assert train_steps == [1, 2, 3, 4, 5, 6]
+  assert [l["objective"] for l in lines if "split" not in l] == ["ce", "trime", "trime", "trime", "trime", "trime"]
+  dev = [l for l in lines if l.get("split") == "valid"]
+  assert [l["step"] for l in dev] == [4, 6] and all(np.isfinite(l["trime_ppl"]) for l in dev)
+
+  graphdef, params, config, vocab = mt_model.load_mt_export(out["export"])
+  assert config.trime.memory == "ext" and vocab.kind == "spm"
+  assert vocab.fingerprint() == mt_data.load_vocab(tiny_config(tmp_path / "d")).fingerprint()
+  assert mt_model.count_params(params) == out["num_params"]
+  pairs = mt_data.load_parallel(config, "valid", vocab)
+  # The exported parameters score valid exactly as the run's final evaluation did.
+  ev = mt_train.evaluate(graphdef, params, pairs, config, mt_train.objective_spec(config))
+  assert ev == out["valid"] and np.isfinite(ev["trime_nll"]) and ev["pairs"] == len(pairs)
+  # A changed export is refused.
+  meta_path = os.path.join(out["export"], "meta.json")
+  meta = json.load(open(meta_path))
+  meta["params_digest"] = "0" * 16
+  json.dump(meta, open(meta_path, "w"))
+  try:
+    mt_model.load_mt_export(out["export"])
+    raise AssertionError("a damaged export must be refused")
+  except mt_model.DamagedCheckpointError as e:
+    assert "digest" in str(e)
+
+
+def test_cli_error_is_one_line(tmp_path):
+  """launch/train_mt with missing data: one `error:` line, exit status 2, no traceback."""
+  r = subprocess.run([sys.executable, "-m", "launch.train_mt", "--config=configs/ui_de_en.py",
+                      f"--workdir={tmp_path / 'w'}", "--config.data.path=/nonexistent/mt"], cwd=REPO,
+                     capture_output=True, text=True, timeout=120,
+                     env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 2, r.stderr[-2000:]
+  errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+  assert errors == ["error: parallel data file not found: /nonexistent/mt/train.de"], r.stderr[-2000:]
+  assert "Traceback" not in r.stderr
+
+
+def test_config_errors(tmp_path):
+  for field, value, match in (("memory", "long", "trime.memory must be one of"),
+                              ("batching", "consecutive", "trime.batching must be one of")):
+    c = tiny_config(tmp_path)
+    c.trime[field] = value
+    with pytest.raises(ConfigError, match=match):
+      mt_train.train_and_evaluate(c, str(tmp_path / "w"))
+  c = tiny_config(tmp_path)
+  c.train.label_smoothing = 0.1  # with memory=ext
+  with pytest.raises(ConfigError, match="CE baseline"):
+    mt_train.train_and_evaluate(c, str(tmp_path / "w"))
+
+
+def test_target_token_budget_sets_the_run_length():
+  from tests.test_mt_model import synthetic_pairs
+
+  pairs = synthetic_pairs(120)
+  plan = batching.make_plan(pairs, order="random", max_tokens=128, seed=2)
+  tokens_of = mt_train.plan_target_tokens(pairs, plan)
+  assert tokens_of.sum() == sum(len(t) + 1 for t in pairs.tgt)
+  assert mt_train.total_updates(plan, tokens_of, 50, 0) == 50
+  n = mt_train.total_updates(plan, tokens_of, 10_000, 1000)
+  seen = np.cumsum([tokens_of[plan.batch_at(s)] for s in range(n)])
+  assert seen[-1] >= 1000 > seen[-2]
+  assert mt_train.total_updates(plan, tokens_of, 3, 10**9) == 3  # num_steps stays the cap

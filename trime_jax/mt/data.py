@@ -1,0 +1,274 @@
+"""Parallel text for translation: a joint subword vocabulary and sentence pairs.
+
+Two input formats give the same `ParallelData`:
+
+* `data.format="text"`: plain aligned files `{split}.{src}` / `{split}.{tgt}` (raw, untokenised UTF-8, line i
+  of one translates line i of the other), e.g. ../shared/data/ui-de-en. The project trains a joint
+  sentencepiece model on the training source + target text (reproducibly: fixed options, one thread, no
+  sampling) and caches it under `data.cache_dir` keyed by the text's digest and the options.
+* `data.format="fairseq"`: the output of fairseq's `prepare-iwslt14.sh` (`train/valid/test.{de,en}`, Moses-
+  tokenised and BPE'd with `@@ ` continuations). The vocabulary is the BPE tokens themselves (joint, built
+  from train, most frequent first); detokenisation removes `@@ ` (the Moses detokeniser is not applied: BLEU on
+  this format compares tokenised text, as fairseq's --remove-bpe without --tokenizer moses does).
+
+Ids: pad 0, unk 1, bos 2, eos 3 in both. fairseq's conventions for a pair (x, y):
+    source  = x + [eos]            (`source_tokens`)
+    prev    = [eos] + y            (decoder input)
+    targets = y + [eos]            (padding targets are -1: never scored, never memory)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import io
+import json
+import os
+
+import numpy as np
+
+from trime_jax.errors import ConfigError, DataError
+
+PAD, UNK, BOS, EOS = 0, 1, 2, 3
+SPECIALS = ("<pad>", "<unk>", "<s>", "</s>")
+SPLITS = ("train", "valid", "test")
+FORMATS = ("text", "fairseq")
+
+
+class SubwordVocab:
+  """A joint subword vocabulary: a sentencepiece model (`kind="spm"`) or a fixed BPE token list (`kind="bpe"`)."""
+
+  FILES = {"spm": "spm.model", "bpe": "bpe_vocab.json"}
+  pad_id, unk_id, bos_id, eos_id = PAD, UNK, BOS, EOS
+
+  def __init__(self, *, spm_proto: bytes | None = None, tokens: list[str] | None = None):
+    if (spm_proto is None) == (tokens is None):
+      raise ValueError("SubwordVocab needs exactly one of spm_proto, tokens")
+    if spm_proto is not None:
+      import sentencepiece as spm
+
+      self.kind, self.proto = "spm", bytes(spm_proto)
+      self.sp = spm.SentencePieceProcessor(model_proto=self.proto)
+      ids = (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id())
+      if ids != (PAD, UNK, BOS, EOS):
+        raise DataError(f"sentencepiece model has special ids (pad, unk, bos, eos) = {ids}, expected (0, 1, 2, 3)")
+      self.size = int(self.sp.get_piece_size())
+    else:
+      if tuple(tokens[:4]) != SPECIALS:
+        raise DataError(f"BPE vocabulary must start with {SPECIALS}")
+      self.kind, self.tokens = "bpe", list(tokens)
+      self.index = {t: i for i, t in enumerate(self.tokens)}
+      self.size = len(self.tokens)
+
+  def __len__(self) -> int:
+    return self.size
+
+  def encode(self, text: str) -> np.ndarray:
+    """Token ids of one sentence (no eos)."""
+    if self.kind == "spm":
+      return np.asarray(self.sp.encode(text), np.int32)
+    return np.asarray([self.index.get(t, UNK) for t in text.split()], np.int32)
+
+  def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+    """`encode` of many sentences (sentencepiece encodes the list in one call)."""
+    if self.kind == "spm":
+      return [np.asarray(x, np.int32) for x in self.sp.encode(list(texts))]
+    return [self.encode(t) for t in texts]
+
+  def decode(self, ids) -> str:
+    """Detokenised text of ids, stopping at the first eos and dropping pad/bos."""
+    out = []
+    for i in np.asarray(ids).reshape(-1).tolist():
+      if i == EOS:
+        break
+      if i not in (PAD, BOS):
+        out.append(int(i))
+    if self.kind == "spm":
+      return self.sp.decode(out)
+    text = " ".join(self.tokens[i] for i in out)
+    return (text + " ").replace("@@ ", "").rstrip()
+
+  def piece(self, i: int) -> str:
+    return self.sp.id_to_piece(int(i)) if self.kind == "spm" else self.tokens[int(i)]
+
+  def fingerprint(self) -> str:
+    blob = self.proto if self.kind == "spm" else json.dumps(self.tokens).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+  def save(self, directory: str) -> str:
+    """Write the vocabulary file into `directory` (atomically); returns its path."""
+    path = os.path.join(directory, self.FILES[self.kind])
+    blob = self.proto if self.kind == "spm" else json.dumps({"tokens": self.tokens}).encode()
+    _atomic_bytes(path, blob)
+    return path
+
+  @classmethod
+  def load(cls, directory: str) -> "SubwordVocab":
+    """The vocabulary file saved in `directory` by `save`."""
+    spm_path, bpe_path = (os.path.join(directory, f) for f in (cls.FILES["spm"], cls.FILES["bpe"]))
+    try:
+      if os.path.exists(spm_path):
+        with open(spm_path, "rb") as f:
+          return cls(spm_proto=f.read())
+      if os.path.exists(bpe_path):
+        with open(bpe_path, encoding="utf-8") as f:
+          return cls(tokens=json.load(f)["tokens"])
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+      raise DataError(f"damaged vocabulary file in {directory}: {str(e).splitlines()[0]}") from None
+    raise DataError(f"no vocabulary in {directory} (expected {' or '.join(cls.FILES.values())})")
+
+
+def _atomic_bytes(path: str, blob: bytes) -> None:
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "wb") as f:
+    f.write(blob)
+  os.replace(tmp, path)
+
+
+def train_sentencepiece(lines, vocab_size: int, model_type: str = "unigram") -> SubwordVocab:
+  """A joint sentencepiece model on `lines` (reproducible: one thread, every sentence, no shuffling)."""
+  import sentencepiece as spm
+
+  model = io.BytesIO()
+  try:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=int(vocab_size), model_type=model_type,
+        character_coverage=1.0, pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS, num_threads=1,
+        input_sentence_size=0, shuffle_input_sentence=False, hard_vocab_limit=False, minloglevel=2)
+  except RuntimeError as e:
+    raise DataError(f"sentencepiece training failed: {str(e).splitlines()[0]}") from None
+  return SubwordVocab(spm_proto=model.getvalue())
+
+
+@dataclasses.dataclass
+class ParallelData:
+  """Sentence pairs as token ids (no eos), with their raw text (targets: the BLEU references)."""
+
+  src: list  # list[np.ndarray int32]
+  tgt: list
+  src_text: list
+  tgt_text: list
+  vocab: SubwordVocab
+  split: str = ""
+
+  def __len__(self) -> int:
+    return len(self.src)
+
+  def lengths(self) -> tuple[np.ndarray, np.ndarray]:
+    """(source, target) lengths in model tokens: ids + eos."""
+    return (np.asarray([len(s) + 1 for s in self.src], np.int64), np.asarray([len(t) + 1 for t in self.tgt], np.int64))
+
+
+def _paths(config, split: str) -> tuple[str, str]:
+  d = config.data
+  return (os.path.join(d.path, f"{split}.{d.src_lang}"), os.path.join(d.path, f"{split}.{d.tgt_lang}"))
+
+
+def read_aligned(src_path: str, tgt_path: str) -> tuple[list[str], list[str]]:
+  """Lines of two aligned files; one DataError for a missing, empty, undecodable or misaligned pair."""
+  out = []
+  for p in (src_path, tgt_path):
+    if not os.path.isfile(p):
+      raise DataError(f"parallel data file not found: {p}")
+    try:
+      with open(p, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    except UnicodeDecodeError as e:
+      raise DataError(f"{p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if lines and lines[-1] == "":
+      lines.pop()
+    if not lines:
+      raise DataError(f"parallel data file is empty: {p}")
+    out.append([l.rstrip("\r") for l in lines])
+  if len(out[0]) != len(out[1]):
+    raise DataError(f"misaligned parallel data: {src_path} has {len(out[0])} lines, {tgt_path} has {len(out[1])}")
+  return out[0], out[1]
+
+
+def _text_digest(paths) -> str:
+  h = hashlib.sha256()
+  for p in paths:
+    with open(p, "rb") as f:
+      h.update(hashlib.sha256(f.read()).digest())
+  return h.hexdigest()[:16]
+
+
+def load_vocab(config) -> SubwordVocab:
+  """The joint vocabulary of `config.data` (trained on / built from the training split; cached)."""
+  d = config.data
+  fmt = d.get("format", "text")
+  if fmt not in FORMATS:
+    raise ConfigError(f"data.format must be one of {FORMATS}, got {fmt!r}")
+  src_path, tgt_path = _paths(config, "train")
+  src, tgt = read_aligned(src_path, tgt_path)
+  if fmt == "fairseq":
+    counts = collections.Counter(t for line in src + tgt for t in line.split())
+    for s in SPECIALS:
+      counts.pop(s, None)
+    # Most frequent first, ties by token: deterministic for a given training text.
+    return SubwordVocab(tokens=list(SPECIALS) + [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))])
+  model_type = d.get("spm_model_type", "unigram")
+  key = f"{_text_digest([src_path, tgt_path])}-{d.vocab_size}-{model_type}"
+  cache = os.path.join(d.cache_dir, f"spm-{key}") if d.get("cache_dir") else None
+  if cache and os.path.exists(os.path.join(cache, SubwordVocab.FILES["spm"])):
+    return SubwordVocab.load(cache)
+  vocab = train_sentencepiece(src + tgt, d.vocab_size, model_type)
+  if cache:
+    os.makedirs(cache, exist_ok=True)
+    vocab.save(cache)
+  return vocab
+
+
+def load_parallel(config, split: str, vocab: SubwordVocab | None = None) -> ParallelData:
+  """Sentence pairs of `split` (train | valid | test), encoded with the joint vocabulary.
+
+  Training pairs with an empty side or longer than data.max_len model tokens (ids + eos) are dropped, as
+  fairseq filters its training set by max positions; valid/test keep every pair (their references stay whole)
+  and are truncated to data.max_len tokens."""
+  if split not in SPLITS:
+    raise ConfigError(f"split must be one of {SPLITS}, got {split!r}")
+  vocab = vocab or load_vocab(config)
+  src_text, tgt_text = read_aligned(*_paths(config, split))
+  max_len = int(config.data.get("max_len", 0) or 0)
+  src, tgt, keep = [], [], []
+  for i, (x, y) in enumerate(zip(vocab.encode_batch(src_text), vocab.encode_batch(tgt_text))):
+    if split == "train" and (not len(x) or not len(y) or (max_len and max(len(x), len(y)) + 1 > max_len)):
+      continue
+    if max_len:
+      x, y = x[:max_len - 1], y[:max_len - 1]
+    src.append(x)
+    tgt.append(y)
+    keep.append(i)
+  if not src:
+    raise DataError(f"no usable sentence pairs in {split} of {config.data.path} (all empty or longer than "
+                    f"data.max_len={max_len})")
+  return ParallelData(src, tgt, [src_text[i] for i in keep], [tgt_text[i] for i in keep], vocab, split)
+
+
+def source_tokens(ids) -> np.ndarray:
+  """The encoder input of one sentence: ids + [eos] (fairseq appends eos to the source)."""
+  return np.concatenate([np.asarray(ids, np.int32), np.asarray([EOS], np.int32)])
+
+
+def collate(src_list, tgt_list, src_len: int, tgt_len: int, rows: int | None = None) -> dict:
+  """Right-padded batch arrays of pairs (ids without eos):
+
+    src [R, S] = x + [eos], pad 0;  prev [R, T] = [eos] + y, pad 0;  targets [R, T] = y + [eos], pad -1.
+  `rows` (>= len) pads the batch with empty rows (all padding: no loss, never memory). Sequences longer than
+  the shapes are an error (the batcher picks shapes that fit)."""
+  n = len(src_list)
+  rows = n if rows is None else rows
+  src = np.zeros((rows, src_len), np.int32)
+  prev = np.zeros((rows, tgt_len), np.int32)
+  targets = np.full((rows, tgt_len), -1, np.int32)
+  for r, (x, y) in enumerate(zip(src_list, tgt_list)):
+    if len(x) + 1 > src_len or len(y) + 1 > tgt_len:
+      raise ValueError(f"pair of lengths ({len(x)}, {len(y)}) does not fit shapes ({src_len}, {tgt_len})")
+    src[r, :len(x)] = x
+    src[r, len(x)] = EOS
+    prev[r, 0] = EOS
+    prev[r, 1:len(y) + 1] = y
+    targets[r, :len(y)] = y
+    targets[r, len(y)] = EOS
+  return {"src": src, "prev": prev, "targets": targets}

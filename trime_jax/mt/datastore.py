@@ -1,0 +1,215 @@
+"""The translation datastore: the teacher-forced decoder key g(x, y<t) of every training target token, with
+that token y_t as its value (Khandelwal et al. 2021's ((x, y<t), y_t) pairs; TRIME §5's external memory).
+
+Same files and guarantees as the LM's datastore (`trime_jax.datastore.build`): keys.npy float16 [N, D],
+values.npy int32 [N], meta.json with the identity fields (format, count, dimension, dtypes, checkpoint /
+vocabulary / corpus fingerprints, key_type; block_len = context_window = 0: sentence-level), file digests,
+`complete`. So `Datastore`, `KnnIndex`, `build_index`, `rescore` and `Datastore.check_checkpoint` work on it
+unchanged, and a datastore built by another checkpoint or vocabulary is refused.
+
+Entries are in pair order: pair i contributes len(y_i) + 1 entries (targets y_i + [eos], fairseq's targets),
+keyed by the decoder over prev = [eos] + y_i with its source. Padding targets (-1) never become entries.
+A build is not resumable (the whole training set takes minutes): an incomplete directory is rebuilt.
+
+Reused from build.py by import (private helpers): _paths, _read_meta, _identity_fingerprint, _reserve,
+_no_space_is_an_error, file_digest. The refactor that would make this cleaner: a public `DatastoreWriter(out_dir,
+identity, count, dimension)` with `write(lo, keys, values)` / `complete()` in build.py, used by both builders.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from trime_jax import checkpoint as ckpt
+from trime_jax import data as lm_data
+from trime_jax.datastore import build as ds_build
+from trime_jax.errors import CheckpointError
+from trime_jax.mt import data as mt_data
+from trime_jax.mt import model as mt_model
+
+def length_bucket(n: int) -> int:
+  """The padded length of a sequence of n tokens: 8, 12, 16, 24, 32, 48, 64, ... (≤ 1.5× padding, few shapes)."""
+  b = 8
+  while b < n:
+    b = b * 3 // 2 if (b & (b - 1)) == 0 else b * 4 // 3
+  return b
+
+
+def pair_batches(src_list, tgt_list, *, batch_tokens: int):
+  """[(pair indices, collated batch)]: pairs sorted by length, both sides padded to one length bucket L, and
+  batch_tokens // L rows per batch (filler rows are empty): one shape per bucket, so one compilation each."""
+  width = [max(len(x), len(y)) + 1 for x, y in zip(src_list, tgt_list)]
+  order = sorted(range(len(src_list)), key=lambda i: (width[i], i))
+  out, a = [], 0
+  while a < len(order):
+    length = length_bucket(width[order[a]])
+    rows = max(1, batch_tokens // length)
+    idx = [i for i in order[a:a + rows] if length_bucket(width[i]) == length]
+    a += len(idx)
+    out.append((idx, mt_data.collate([src_list[i] for i in idx], [tgt_list[i] for i in idx], length, length,
+                                     rows=rows)))
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def forced_forward(graphdef, params, src_BxS, prev_BxT):
+  """Teacher-forced (logits [B, T, V] float32, g [B, T, D] float32) of a batch (dropout off)."""
+  model = nnx.merge(graphdef, params)
+  enc = model.encode(src_BxS, deterministic=True)
+  f, g = model.decode(enc, src_BxS, prev_BxT, deterministic=True)
+  return model.logits(f).astype(jnp.float32), g.astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _forced_keys(graphdef, params, src_BxS, prev_BxT):
+  model = nnx.merge(graphdef, params)
+  enc = model.encode(src_BxS, deterministic=True)
+  return model.decode(enc, src_BxS, prev_BxT, deterministic=True)[1].astype(jnp.float16)
+
+
+def corpus_fingerprint(src_list, tgt_list) -> str:
+  h = hashlib.sha256(f"mt-pairs:{len(src_list)}".encode())
+  for x, y in zip(src_list, tgt_list):
+    h.update(np.asarray(x, np.int32).tobytes() + b"|" + np.asarray(y, np.int32).tobytes() + b"\n")
+  return h.hexdigest()[:16]
+
+
+def build_mt_datastore(checkpoint_dir: str, pairs: mt_data.ParallelData, out_dir: str, *,
+                       batch_tokens: int = 8192, progress: bool = True) -> dict:
+  """Build the datastore of `pairs` (the training split) under the MT export `checkpoint_dir` into `out_dir`;
+  returns meta.json's dict. A complete datastore with the same identity is reused; a different one is refused."""
+  graphdef, params, config, vocab = mt_model.load_mt_export(checkpoint_dir)
+  if pairs.vocab.fingerprint() != vocab.fingerprint():
+    raise CheckpointError(f"the {pairs.split or 'given'} pairs are encoded with vocabulary "
+                          f"{pairs.vocab.fingerprint()}, the checkpoint uses {vocab.fingerprint()}: encode them "
+                          "with the checkpoint's vocabulary")
+  cmeta = ckpt.read_export_meta(checkpoint_dir)
+  counts = np.asarray([len(y) + 1 for y in pairs.tgt], np.int64)
+  offsets = np.concatenate([[0], np.cumsum(counts)])
+  n, dim = int(offsets[-1]), int(cmeta["d_model"])
+  identity = {"format": ds_build.FORMAT, "count": n, "dimension": dim, "key_dtype": "float16",
+              "value_dtype": "int32", "checkpoint_fingerprint": ckpt.fingerprint(checkpoint_dir),
+              "vocab_fingerprint": vocab.fingerprint(), "corpus_fingerprint": corpus_fingerprint(pairs.src, pairs.tgt),
+              "key_type": cmeta["key_type"], "block_len": 0, "context_window": 0}
+  os.makedirs(out_dir, exist_ok=True)
+  meta_path, keys_path, values_path = ds_build._paths(out_dir)
+  meta = ds_build._read_meta(out_dir)
+  if meta is not None:
+    diff = [f"{k}: {meta.get(k)!r} there, {identity[k]!r} now" for k in ds_build.IDENTITY
+            if meta.get(k) != identity[k]]
+    if diff:
+      raise CheckpointError(f"{out_dir} holds a different datastore ({'; '.join(diff)}): choose another "
+                            "output directory or delete it")
+    if meta.get("complete"):
+      if progress:
+        print(f"datastore {out_dir} is already complete ({n:,} target tokens)", flush=True)
+      return meta
+  t0 = time.perf_counter()
+  with ds_build._no_space_is_an_error(out_dir, n, dim):
+    keys = np.lib.format.open_memmap(keys_path, mode="w+", dtype=ds_build.KEY_DTYPE, shape=(n, dim))
+    values = np.lib.format.open_memmap(values_path, mode="w+", dtype=ds_build.VALUE_DTYPE, shape=(n,))
+    for path in (keys_path, values_path):
+      ds_build._reserve(path)
+    meta = {**identity, "fingerprint": ds_build._identity_fingerprint(identity), "corpus_name": pairs.split,
+            "task": "mt", "pairs": len(pairs), "tokens_done": 0, "complete": False, "build_seconds": 0.0}
+    lm_data.atomic_write_json(meta_path, meta)
+    batches = pair_batches(pairs.src, pairs.tgt, batch_tokens=batch_tokens)
+    for idx, batch in tqdm(batches, desc="mt datastore", unit="batch", disable=not progress):
+      g = np.asarray(_forced_keys(graphdef, params, jnp.asarray(batch["src"]), jnp.asarray(batch["prev"])))
+      if not np.isfinite(g[:len(idx)]).all():
+        raise CheckpointError("non-finite float16 keys: the model's keys overflow float16 or the checkpoint is "
+                              "broken")
+      for r, i in enumerate(idx):
+        lo, c = offsets[i], counts[i]
+        keys[lo:lo + c] = g[r, :c]
+        values[lo:lo + c] = batch["targets"][r, :c]
+    keys.flush()
+    values.flush()
+    del keys, values
+    meta["tokens_done"] = n
+    meta["build_seconds"] = round(time.perf_counter() - t0, 3)
+    meta["tokens_per_s"] = round(n / max(meta["build_seconds"], 1e-9), 1)
+    meta["file_digests"] = {os.path.basename(p): ds_build.file_digest(p) for p in (keys_path, values_path)}
+    meta["complete"] = True
+    lm_data.atomic_write_json(meta_path, meta)
+  if progress:
+    print(f"datastore {out_dir}: {n:,} target tokens of {len(pairs):,} pairs in {meta['build_seconds']:.1f} s",
+          flush=True)
+  return meta
+
+
+def open_mt_datastore(datastore_dir: str, checkpoint_dir: str, *, index_path: str = "", nprobe: int = 32,
+                      gpu: bool = False):
+  """(Datastore, KnnIndex) of an MT datastore, refused unless built by `checkpoint_dir` (same parameters,
+  vocabulary, key type and dimension) and indexed over these keys."""
+  from trime_jax.datastore import Datastore, KnnIndex
+
+  ds = Datastore(datastore_dir)
+  try:
+    ds.check_checkpoint(checkpoint_dir)
+  except CheckpointError as e:
+    raise CheckpointError(f"the datastore was built by another model or vocabulary than {checkpoint_dir} "
+                          f"(build one with launch.build_datastore --checkpoint=that export): {e}") from None
+  index = KnnIndex.load(index_path or os.path.join(datastore_dir, "index.faiss"), datastore=ds, nprobe=nprobe,
+                        gpu=gpu)
+  return ds, index
+
+
+# ----------------------------------------------------------------------------------------------------------
+# launch.build_datastore for translation
+# ----------------------------------------------------------------------------------------------------------
+def _is_mt_config(config) -> bool:
+  """task="mt", or a data section with languages (configs/ui_de_en.py, configs/iwslt_de_en.py)."""
+  if config is None:
+    return False
+  data = config.get("data")
+  return config.get("task") == "mt" or (data is not None and data.get("src_lang") is not None)
+
+
+def is_mt(config, checkpoint_dir: str) -> bool:
+  """A translation build: an MT config, or the checkpoint is an MT export."""
+  if _is_mt_config(config):
+    return True
+  path = os.path.join(checkpoint_dir or "", "meta.json")
+  if os.path.isfile(path):
+    return ckpt.read_json(path, "export meta").get("model_family") == "mt"
+  return False
+
+
+def mt_config(config, checkpoint_dir: str):
+  """The config to read data from: `config` when it is an MT config, else the export's stored config.json
+  (launch.common's implicit export config is the LM schema and would drop the MT fields)."""
+  import ml_collections
+
+  from trime_jax.mt.train import resolve_data_path
+
+  if not _is_mt_config(config):
+    config = ml_collections.ConfigDict(ckpt.read_json(os.path.join(checkpoint_dir, "config.json"), "export config"))
+  resolve_data_path(config)  # a relative data.path: from the working directory, else the repository root
+  return config
+
+
+def build_main(config, checkpoint_dir: str, out_dir: str, *, split: str = "train", index_kind: str = "auto",
+               nlist: int = 4096, pq_m: int = 64, k: int = 64, nprobe: int = 32, beam: int = 4) -> None:
+  """`launch.build_datastore` for an MT config / export: the datastore of `split`'s target tokens, then its
+  index (auto: the cheaper of exact and IVF-PQ for the searches decoding valid + test with `beam` runs)."""
+  from trime_jax.datastore import Datastore, build_index
+
+  config = mt_config(config, checkpoint_dir)
+  vocab = mt_model.load_mt_export(checkpoint_dir)[3]
+  split = {"dev": "valid"}.get(split, split)
+  pairs = mt_data.load_parallel(config, split, vocab)
+  build_mt_datastore(checkpoint_dir, pairs, out_dir)
+  if index_kind != "none":
+    # One search per beam row and output token while decoding valid and test (≈ their target tokens).
+    queries = beam * sum(int(mt_data.load_parallel(config, s, vocab).lengths()[1].sum()) for s in ("valid", "test"))
+    build_index(Datastore(out_dir), kind=index_kind, nlist=nlist, pq_m=pq_m, queries=queries, k=k, nprobe=nprobe)

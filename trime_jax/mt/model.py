@@ -1,0 +1,366 @@
+"""An encoder–decoder Transformer for translation in Flax NNX (fairseq's `transformer`, `transformer_iwslt_de_en`).
+
+    encoder: x = √D · E_src[src] + P[2 + i];  6 layers of self-attention (source padding keys masked) + FFN
+    decoder: y = √D · E_tgt[prev] + P[2 + t];  6 layers of causal self-attention, cross-attention over the
+             encoder output (source padding keys masked), FFN
+    f = decoder output (after the final LayerNorm of a pre-norm decoder);  logits = f · E_tgtᵀ (shared)
+    g = the input of the last decoder layer's FFN (`key_type="last_ffn_input"`, as `TransformerLM`'s g), or f
+        (`key_type="final"`: the original TrimeMT code's `knn_embed`, the decoder output)
+
+fairseq conventions kept: sinusoidal positions numbered from padding_idx + 1 = 2 (`position_offset`), embeddings
+N(0, D^-1/2) scaled by √D, Xavier-uniform linear layers, no final LayerNorm on a post-norm side (fairseq adds it
+only with `--encoder/decoder-normalize-before`). `transformer_iwslt_de_en` is post-norm on both sides by default;
+the original TrimeMT run adds `--decoder-normalize-before` (configs/iwslt_de_en.py). Padding (`pad_id`) is
+masked as attention keys everywhere; outputs at padded positions are computed but meaningless (targets there are
+-1, so they are never scored and never memory).
+
+Shapes in names: B batch, S source length, T target length, D model dim, V vocabulary, H heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from trime_jax import loss
+from trime_jax.errors import CheckpointError, DamagedCheckpointError
+from trime_jax.model import sinusoidal_positions
+
+KEY_TYPES = ("last_ffn_input", "final")
+EXPORT_FILES = ("config.json", "meta.json", "params")  # + the vocabulary file (SubwordVocab.FILES)
+
+
+@dataclasses.dataclass(frozen=True)
+class MTConfig:
+  """Shapes and regularisation of `TransformerMT` (mirrors `config.model`)."""
+
+  vocab_size: int
+  d_model: int = 512
+  num_heads: int = 4
+  d_ff: int = 1024
+  encoder_layers: int = 6
+  decoder_layers: int = 6
+  dropout: float = 0.3
+  max_len: int = 1024
+  pad_id: int = 0
+  share_decoder_embeddings: bool = True  # fairseq --share-decoder-input-output-embed
+  share_all_embeddings: bool = False  # fairseq --share-all-embeddings (one joint vocabulary for both sides)
+  attention_dropout: float = 0.0
+  activation_dropout: float = 0.0
+  encoder_normalize_before: bool = False  # pre-norm encoder (+ final LayerNorm)
+  decoder_normalize_before: bool = False  # pre-norm decoder (+ final LayerNorm); the original TrimeMT: True
+  position_offset: int = 2  # fairseq numbers tokens from padding_idx + 1 = 2
+  key_type: str = "last_ffn_input"
+  dtype: str = "float32"  # compute dtype; parameters stay float32
+
+  def __post_init__(self):
+    if self.key_type not in KEY_TYPES:
+      raise ValueError(f"model.key_type must be one of {KEY_TYPES}, got {self.key_type!r}")
+    if self.d_model % self.num_heads:
+      raise ValueError(f"model.d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+    if self.vocab_size < 4:
+      raise ValueError(f"model.vocab_size must be at least 4 (pad, unk, bos, eos), got {self.vocab_size}")
+    if self.encoder_layers < 1 or self.decoder_layers < 1:
+      raise ValueError("model.encoder_layers and model.decoder_layers must be >= 1")
+    if not 0 <= self.pad_id < self.vocab_size:
+      raise ValueError(f"model.pad_id={self.pad_id} outside the vocabulary")
+
+  @classmethod
+  def from_config(cls, model_cfg, vocab_size: int | None = None) -> "MTConfig":
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: v for k, v in dict(model_cfg).items() if k in fields}
+    if vocab_size is not None:
+      kwargs["vocab_size"] = vocab_size
+    return cls(**kwargs)
+
+
+def _xavier():
+  return nnx.initializers.xavier_uniform()
+
+
+def _embedding(cfg: MTConfig, rngs):
+  """fairseq Embedding: N(0, D^-1/2) with the padding row zeroed."""
+  d = cfg.d_model
+  e = nnx.Embed(cfg.vocab_size, d, embedding_init=nnx.initializers.normal(d**-0.5), rngs=rngs)
+  e.embedding[...] = e.embedding[...].at[cfg.pad_id].set(0.0)
+  return e
+
+
+class Attention(nnx.Module):
+  """Multi-head attention of queries `x` over keys/values `kv` under a boolean mask `[B, T, S]`."""
+
+  def __init__(self, cfg: MTConfig, *, rngs: nnx.Rngs):
+    d = cfg.d_model
+    self.num_heads = cfg.num_heads
+    dtype = jnp.dtype(cfg.dtype)
+    self.q = nnx.Linear(d, d, kernel_init=_xavier(), dtype=dtype, rngs=rngs)
+    self.kv = nnx.Linear(d, 2 * d, kernel_init=_xavier(), dtype=dtype, rngs=rngs)
+    self.out = nnx.Linear(d, d, kernel_init=_xavier(), dtype=dtype, rngs=rngs)
+    self.attn_dropout = nnx.Dropout(cfg.attention_dropout)
+
+  def __call__(self, x_BxTxD, kv_BxSxD, mask_BxTxS, *, deterministic: bool, rngs):
+    b, t, d = x_BxTxD.shape
+    s, h = kv_BxSxD.shape[1], self.num_heads
+    q = self.q(x_BxTxD).reshape(b, t, h, d // h)
+    kv = self.kv(kv_BxSxD).reshape(b, s, 2, h, d // h)
+    k, v = kv[:, :, 0], kv[:, :, 1]
+    if deterministic or self.attn_dropout.rate == 0.0:
+      # A query whose keys are all masked (a batch-padding row) gets a uniform average, not NaN.
+      y = jax.nn.dot_product_attention(q, k, v, mask=mask_BxTxS[:, None])
+    else:  # attention-probability dropout needs the explicit weights
+      logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) / math.sqrt(d // h)
+      logits = jnp.where(mask_BxTxS[:, None], logits, jnp.finfo(jnp.float32).min)
+      probs = self.attn_dropout(jax.nn.softmax(logits, axis=-1).astype(v.dtype), deterministic=False, rngs=rngs)
+      y = jnp.einsum("bhts,bshd->bthd", probs, v)
+    return self.out(y.reshape(b, t, d))
+
+
+class FeedForward(nnx.Module):
+  def __init__(self, cfg: MTConfig, *, rngs: nnx.Rngs):
+    dtype = jnp.dtype(cfg.dtype)
+    self.fc1 = nnx.Linear(cfg.d_model, cfg.d_ff, kernel_init=_xavier(), dtype=dtype, rngs=rngs)
+    self.fc2 = nnx.Linear(cfg.d_ff, cfg.d_model, kernel_init=_xavier(), dtype=dtype, rngs=rngs)
+    self.act_dropout = nnx.Dropout(cfg.activation_dropout)
+
+  def __call__(self, x, *, deterministic: bool, rngs):
+    return self.fc2(self.act_dropout(jax.nn.relu(self.fc1(x)), deterministic=deterministic, rngs=rngs))
+
+
+def _sublayer(x, fn, norm, dropout, pre_norm: bool, drop):
+  """fairseq's residual sublayer: pre-norm x + Drop(fn(LN(x))); post-norm LN(x + Drop(fn(x)))."""
+  if pre_norm:
+    return x + dropout(fn(norm(x)), **drop)
+  return norm(x + dropout(fn(x), **drop))
+
+
+class EncoderLayer(nnx.Module):
+  def __init__(self, cfg: MTConfig, *, rngs: nnx.Rngs):
+    d = cfg.d_model
+    self.pre_norm = cfg.encoder_normalize_before
+    self.self_attn = Attention(cfg, rngs=rngs)
+    self.self_attn_norm = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+    self.ffn = FeedForward(cfg, rngs=rngs)
+    self.ffn_norm = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+    self.dropout = nnx.Dropout(cfg.dropout)
+
+  def __call__(self, x, mask_BxSxS, *, deterministic: bool, rngs):
+    drop = dict(deterministic=deterministic, rngs=rngs)
+    attn = lambda h: self.self_attn(h, h, mask_BxSxS, **drop)
+    x = _sublayer(x, attn, self.self_attn_norm, self.dropout, self.pre_norm, drop)
+    return _sublayer(x, lambda h: self.ffn(h, **drop), self.ffn_norm, self.dropout, self.pre_norm, drop)
+
+
+class DecoderLayer(nnx.Module):
+  """Returns (output, FFN input): the FFN input of the last layer is the TRIME key g."""
+
+  def __init__(self, cfg: MTConfig, *, rngs: nnx.Rngs):
+    d = cfg.d_model
+    self.pre_norm = cfg.decoder_normalize_before
+    self.self_attn = Attention(cfg, rngs=rngs)
+    self.self_attn_norm = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+    self.cross_attn = Attention(cfg, rngs=rngs)
+    self.cross_attn_norm = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+    self.ffn = FeedForward(cfg, rngs=rngs)
+    self.ffn_norm = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+    self.dropout = nnx.Dropout(cfg.dropout)
+
+  def __call__(self, y, enc_BxSxD, self_mask_BxTxT, cross_mask_BxTxS, *, deterministic: bool, rngs):
+    drop = dict(deterministic=deterministic, rngs=rngs)
+    pre = self.pre_norm
+    y = _sublayer(y, lambda h: self.self_attn(h, h, self_mask_BxTxT, **drop), self.self_attn_norm, self.dropout,
+                  pre, drop)
+    y = _sublayer(y, lambda h: self.cross_attn(h, enc_BxSxD, cross_mask_BxTxS, **drop), self.cross_attn_norm,
+                  self.dropout, pre, drop)
+    ffn_in = self.ffn_norm(y) if pre else y  # what fc1 reads (post-norm: the cross-attention LayerNorm's output)
+    out = y + self.dropout(self.ffn(ffn_in, **drop), **drop)
+    return (out if pre else self.ffn_norm(out)), ffn_in
+
+
+class TransformerMT(nnx.Module):
+  """`encode(src) -> enc`; `decode(enc, src, prev) -> (f, g)`; `logits(f)`; `vocab_stats(f, targets)`."""
+
+  def __init__(self, cfg: MTConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d = cfg.d_model
+    self.tgt_embed = _embedding(cfg, rngs)
+    self.src_embed = None if cfg.share_all_embeddings else _embedding(cfg, rngs)
+    self.embed_dropout = nnx.Dropout(cfg.dropout)
+    self.encoder = nnx.List([EncoderLayer(cfg, rngs=rngs) for _ in range(cfg.encoder_layers)])
+    self.decoder = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.decoder_layers)])
+    ln = lambda on: nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs) if on else None
+    self.encoder_norm = ln(cfg.encoder_normalize_before)
+    self.decoder_norm = ln(cfg.decoder_normalize_before)
+    if not cfg.share_decoder_embeddings and not cfg.share_all_embeddings:
+      self.output = nnx.Param(nnx.initializers.normal(d**-0.5)(rngs.params(), (cfg.vocab_size, d)))
+
+  def output_embedding(self):
+    """The `[V, D]` output matrix (the decoder input embedding when shared)."""
+    cfg = self.cfg
+    if cfg.share_decoder_embeddings or cfg.share_all_embeddings:
+      return self.tgt_embed.embedding[...]
+    return self.output[...]
+
+  def _embed(self, embed, tokens_BxL, deterministic, rngs):
+    cfg = self.cfg
+    l = tokens_BxL.shape[1]
+    if l > cfg.max_len:
+      raise ValueError(f"sequence length {l} exceeds model.max_len={cfg.max_len}")
+    off = cfg.position_offset
+    x = embed(tokens_BxL) * math.sqrt(cfg.d_model) + sinusoidal_positions(l + off, cfg.d_model)[None, off:]
+    return self.embed_dropout(x.astype(jnp.dtype(cfg.dtype)), deterministic=deterministic, rngs=rngs)
+
+  def encode(self, src_BxS, *, deterministic: bool = True, rngs=None):
+    """Encoder output `[B, S, D]`; source padding (pad_id) is never attended to."""
+    cfg = self.cfg
+    keys_BxS = src_BxS != cfg.pad_id
+    mask = jnp.broadcast_to(keys_BxS[:, None, :], src_BxS.shape + src_BxS.shape[1:])
+    embed = self.tgt_embed if self.src_embed is None else self.src_embed
+    x = self._embed(embed, src_BxS, deterministic, rngs)
+    for layer in self.encoder:
+      x = layer(x, mask, deterministic=deterministic, rngs=rngs)
+    x = self.encoder_norm(x) if self.encoder_norm is not None else x
+    return x.astype(jnp.dtype(cfg.dtype))
+
+  def decode(self, enc_BxSxD, src_BxS, prev_BxT, *, deterministic: bool = True, rngs=None):
+    """(f `[B, T, D]`, g `[B, T, D]`) over the previous-output tokens `prev` ([eos] + y, right-padded).
+
+    Causal: position t sees prev[:t + 1] only; padded prev positions are masked as keys, padded source
+    positions as cross-attention keys."""
+    cfg = self.cfg
+    b, t = prev_BxT.shape
+    causal = jnp.tril(jnp.ones((t, t), bool))[None] & (prev_BxT != cfg.pad_id)[:, None, :]
+    # A padded query row would see nothing (its own key is padding): let it see itself so nothing is NaN.
+    self_mask = causal | jnp.eye(t, dtype=bool)[None]
+    cross_mask = jnp.broadcast_to((src_BxS != cfg.pad_id)[:, None, :], (b, t, src_BxS.shape[1]))
+    y = self._embed(self.tgt_embed, prev_BxT, deterministic, rngs)
+    ffn_in = y
+    for layer in self.decoder:
+      y, ffn_in = layer(y, enc_BxSxD, self_mask, cross_mask, deterministic=deterministic, rngs=rngs)
+    dtype = jnp.dtype(cfg.dtype)
+    f = (self.decoder_norm(y) if self.decoder_norm is not None else y).astype(dtype)
+    g = ffn_in.astype(dtype) if cfg.key_type == "last_ffn_input" else f
+    return f, g
+
+  def logits(self, f_xD):
+    """Vocabulary logits `[..., V]` = f · Wᵀ (float32 accumulation)."""
+    w = self.output_embedding().astype(f_xD.dtype)
+    return jnp.einsum("...d,vd->...v", f_xD, w, preferred_element_type=jnp.float32)
+
+  def vocab_stats(self, f, targets, *, vocab_chunk=0, deterministic=True, rngs=None) -> loss.VocabStats:
+    """log Σ_v exp(f·W_v) and f·W_target (chunked over the vocabulary when vocab_chunk > 0)."""
+    del deterministic, rngs  # no dropout on the output layer
+    if vocab_chunk:
+      return loss.chunked_vocab_stats(f, self.output_embedding().astype(f.dtype), targets, chunk=vocab_chunk)
+    return loss.vocab_stats(self.logits(f), targets)
+
+  def __call__(self, src_BxS, prev_BxT, *, deterministic: bool = True, rngs=None):
+    """(logits `[B, T, V]`, g `[B, T, D]`)."""
+    enc = self.encode(src_BxS, deterministic=deterministic, rngs=rngs)
+    f, g = self.decode(enc, src_BxS, prev_BxT, deterministic=deterministic, rngs=rngs)
+    return self.logits(f), g
+
+
+def count_params(tree) -> int:
+  return int(sum(x.size for x in jax.tree_util.tree_leaves(tree)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Export: <dir>/{params/, config.json, meta.json, spm.model}, written to <dir>.tmp and renamed into place.
+# ----------------------------------------------------------------------------------------------------------
+def params_digest(params) -> str:
+  from trime_jax import checkpoint  # imported late: checkpoint pulls in orbax
+
+  return checkpoint.params_digest(params)
+
+
+def export_mt(directory: str, params, config, vocab, extra=None) -> str:
+  """Write params + config + the subword model + meta to `directory` atomically; returns the directory."""
+  import shutil
+
+  import orbax.checkpoint as ocp
+
+  from trime_jax import data as lm_data
+
+  directory = os.path.abspath(directory)
+  tmp = directory + ".tmp"
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(os.path.join(tmp, "params"), params)
+  ckptr.wait_until_finished()
+  mcfg = MTConfig.from_config(config.model, vocab_size=vocab.size)
+  meta = {"params_digest": params_digest(params), "vocab_fingerprint": vocab.fingerprint(),
+          "vocab_size": vocab.size, "vocab_kind": vocab.kind, "d_model": mcfg.d_model, "key_type": mcfg.key_type,
+          "num_params": count_params(params), "model_family": "mt", **(extra or {})}
+  vocab.save(tmp)
+  lm_data.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(config.to_json_best_effort()))
+  lm_data.atomic_write_json(os.path.join(tmp, "meta.json"), meta)
+  if os.path.exists(directory):
+    old = directory + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(directory, old)
+    os.replace(tmp, directory)
+    shutil.rmtree(old, ignore_errors=True)
+  else:
+    os.replace(tmp, directory)
+  return directory
+
+
+def load_mt_export(directory: str):
+  """(graphdef, params, config, vocab) of an MT export, validated (files present, vocabulary fingerprint and
+  parameter digest as recorded in meta.json)."""
+  import ml_collections
+  import orbax.checkpoint as ocp
+
+  from trime_jax.mt.data import SubwordVocab
+
+  directory = os.path.abspath(directory)
+  if not os.path.isdir(directory):
+    raise CheckpointError(f"MT export directory not found: {directory}")
+  missing = [f for f in EXPORT_FILES if not os.path.exists(os.path.join(directory, f))]
+  if missing:
+    raise CheckpointError(f"incomplete MT export {directory}: missing {', '.join(missing)}")
+
+  def read(name):
+    try:
+      with open(os.path.join(directory, name), encoding="utf-8") as fh:
+        return json.load(fh)
+    except (ValueError, UnicodeDecodeError) as e:
+      raise DamagedCheckpointError(f"{os.path.join(directory, name)} is corrupt or truncated ({e})") from None
+
+  config, meta = ml_collections.ConfigDict(read("config.json")), read("meta.json")
+  if meta.get("model_family") != "mt":
+    raise CheckpointError(f"{directory} is not an MT export (meta.json model_family={meta.get('model_family')!r})")
+  vocab = SubwordVocab.load(directory)
+  if vocab.fingerprint() != meta["vocab_fingerprint"] or vocab.size != meta["vocab_size"]:
+    raise DamagedCheckpointError(f"the vocabulary file in {directory} does not match meta.json's vocabulary "
+                                 "fingerprint")
+  mcfg = MTConfig.from_config(config.model, vocab_size=vocab.size)
+  target = nnx.eval_shape(lambda: TransformerMT(mcfg, rngs=nnx.Rngs(0)))
+  graphdef, abstract_params = nnx.split(target, nnx.Param)
+  abstract_params = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, abstract_params)
+  params_dir = os.path.join(directory, "params")
+  try:
+    params = ocp.StandardCheckpointer().restore(params_dir, abstract_params)
+  except Exception as e:  # orbax raises many types for missing / mismatched files
+    raise DamagedCheckpointError(f"MT export parameters {params_dir} cannot be restored: "
+                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+  if params_digest(params) != meta["params_digest"]:
+    raise DamagedCheckpointError(f"MT export parameters {params_dir} changed after export (digest mismatch)")
+  return graphdef, params, config, vocab
+
+
+def build_mt_model(config, vocab_size: int, seed: int) -> TransformerMT:
+  return TransformerMT(MTConfig.from_config(config.model, vocab_size=vocab_size), rngs=nnx.Rngs(params=seed,
+                                                                                                 dropout=seed + 1))
+
+
+def as_numpy(tree):
+  return jax.tree_util.tree_map(np.asarray, tree)

@@ -1,0 +1,395 @@
+"""Training loop for translation: vanilla CE (optionally label-smoothed) or TrimeMT_ext.
+
+TrimeMT_ext (paper §5): the TRIME loss with external in-batch memory over target tokens and no local memory —
+`loss.trime_nll_from_vocab_stats(memory="ext", drop_local=True)` for every row, so a target token sees every
+target token of every *other* sentence pair in the batch (a pair's own tokens never: sentence-level MT has no
+local or long-term memory). Padding targets are -1: never scored, never memory. On a >1-device mesh the same
+loss is `sharded_loss.sharded_trime_nll_from_vocab_stats` (rows sharded over `data`). The first
+`trime.ce_warmup_steps` updates train plain CE.
+
+Reused from the LM by import: `train.make_optimizer` (Adam + inverse-sqrt warm-up), `checkpoint.manager / save /
+restore_latest / abstract`, `train.Preempted`, `sharding.make_mesh`. Resumable: rerunning the same command
+continues from the newest checkpoint; the batch of update s is a function of s (`batching.Plan.batch_at`).
+SIGTERM finishes the current update, checkpoints it and raises `Preempted`.
+
+Writes `<workdir>/`: config.json, plan.npz (the batch plan), checkpoints/, metrics.jsonl (train lines and
+`{"split": "valid", ...}` dev lines: CE nll/ppl, and TRIME nll/ppl with in-batch memory for memory=ext), and
+`export/` (params + config + the subword model, atomic; `model.load_mt_export`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import signal
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from trime_jax import checkpoint as ckpt
+from trime_jax import loss
+from trime_jax import sharded_loss
+from trime_jax import sharding
+from trime_jax import train as lm_train
+from trime_jax.errors import ConfigError, TrainingError
+from trime_jax.mt import batching
+from trime_jax.mt import data as mt_data
+from trime_jax.mt import model as mt_model
+
+MEMORIES = ("none", "ext")
+
+
+def validate_config(config) -> None:
+  t, r = config.trime, config.train
+  if t.memory not in MEMORIES:
+    raise ConfigError(f"trime.memory must be one of {MEMORIES} for translation, got {t.memory!r}")
+  if t.batching not in batching.ORDERS:
+    raise ConfigError(f"trime.batching must be one of {batching.ORDERS}, got {t.batching!r}")
+  if r.label_smoothing and t.memory != "none":
+    raise ConfigError("train.label_smoothing is an option of the CE baseline (trime.memory=none) only")
+  if not 0.0 <= r.label_smoothing < 1.0:
+    raise ConfigError(f"train.label_smoothing must be in [0, 1), got {r.label_smoothing}")
+  if r.label_smoothing and r.vocab_chunk:
+    raise ConfigError("train.label_smoothing needs the full logits: set train.vocab_chunk=0")
+  if int(config.data.max_tokens) < 8:
+    raise ConfigError(f"data.max_tokens must be >= 8, got {config.data.max_tokens}")
+  if t.temperature <= 0:
+    raise ConfigError(f"trime.temperature must be positive, got {t.temperature}")
+
+
+def resolve_data_path(config) -> None:
+  """A relative data.path is tried from the working directory, then the repository root."""
+  p = config.data.path
+  if p and not os.path.isabs(p) and not os.path.exists(p):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    alt = os.path.join(root, p)
+    if os.path.exists(alt):
+      config.data.path = alt
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loss
+# ----------------------------------------------------------------------------------------------------------
+def objective_spec(config) -> loss.ObjectiveSpec:
+  t = config.trime
+  return loss.ObjectiveSpec(memory=t.memory, temperature=float(t.temperature),
+                            stop_gradient_memory=bool(t.stop_gradient_memory), memory_chunk=int(t.memory_chunk) or None)
+
+
+def mt_nll(model, batch, spec: loss.ObjectiveSpec, *, use_trime: bool, vocab_chunk=0, label_smoothing=0.0,
+           deterministic=True, rngs=None, mesh=None):
+  """Sums over the batch's valid target tokens: (objective, ce, trime, n_tokens).
+
+  batch: src [B, S], prev [B, T], targets [B, T] (-1 = padding). The TRIME term is computed (and reported)
+  whenever spec.memory == "ext"; it is the objective only when `use_trime`."""
+  src, prev, targets = batch["src"], batch["prev"], batch["targets"]
+  drop = dict(deterministic=deterministic, rngs=rngs)
+  enc = model.encode(src, **drop)
+  f, g = model.decode(enc, src, prev, **drop)
+  valid = targets >= 0
+  ntok = valid.sum()
+  if label_smoothing:  # fairseq label_smoothed_nll_loss: (1 - ε - ε_i)·nll + ε_i·Σ_v -log p_v, ε_i = ε/(V-1)
+    logits = model.logits(f)
+    stats = loss.vocab_stats(logits, targets)
+    v = logits.shape[-1]
+    nll = stats.log_normalizer - stats.target_logit
+    smooth = v * stats.log_normalizer - logits.sum(-1)
+    eps_i = label_smoothing / (v - 1)
+    obj = jnp.where(valid, (1.0 - label_smoothing - eps_i) * nll + eps_i * smooth, 0.0).sum()
+  else:
+    stats = model.vocab_stats(f, targets, vocab_chunk=vocab_chunk, **drop)
+    obj = None
+  ce = jnp.where(valid, stats.log_normalizer - stats.target_logit, 0.0).sum()
+  obj = ce if obj is None else obj
+  if spec.memory == "none":
+    return obj, ce, ce, ntok
+
+  def trime(keys):
+    if mesh is not None and mesh.size > 1:
+      return sharded_loss.sharded_trime_nll_from_vocab_stats(stats, keys, targets, spec, mesh=mesh,
+                                                             drop_local=True).sum()
+    return loss.trime_nll_from_vocab_stats(stats, keys, targets, spec, drop_local=True).sum()
+
+  if use_trime:
+    tr = trime(g)
+    return tr, ce, tr, ntok
+  return obj, ce, jax.lax.stop_gradient(trime(jax.lax.stop_gradient(g))), ntok
+
+
+def train_step(graphdef, tx, spec, use_trime, vocab_chunk, label_smoothing, mesh, state, batch, dropout_key):
+  """One update on one batch; gradients of the summed objective over its target-token count (fairseq)."""
+  params = state["params"]
+
+  def objective(p):
+    model = nnx.merge(graphdef, p)
+    obj, ce, tr, n = mt_nll(model, batch, spec, use_trime=use_trime, vocab_chunk=vocab_chunk,
+                            label_smoothing=label_smoothing, deterministic=False,
+                            rngs=nnx.Rngs(dropout=dropout_key), mesh=mesh)
+    return obj / jnp.maximum(n, 1), (ce, tr, n)
+
+  (obj, (ce, tr, n)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+  grad_norm = optax.tree.norm(grads)
+  updates, new_opt = tx.update(grads, state["opt_state"], params)
+  new_params = optax.apply_updates(params, updates)
+  ok = jnp.isfinite(obj) & jnp.isfinite(grad_norm)  # a non-finite update is skipped, not applied
+  keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
+  nf = jnp.maximum(n, 1).astype(jnp.float32)
+  new_state = {"step": state["step"] + 1, "params": keep(new_params, params),
+               "opt_state": keep(new_opt, state["opt_state"])}
+  return (new_state,
+          {"loss": obj, "ce_nll": ce / nf, "trime_nll": tr / nf, "tokens": n, "grad_norm": grad_norm,
+           "skipped": 1 - ok.astype(jnp.int32)})
+
+
+@functools.lru_cache(maxsize=16)
+def _step_fn(graphdef, train_json: str, spec, use_trime: bool, mesh):
+  """The jitted update, cached across runs in one process (a resumed run in a notebook or a test does not
+  recompile): keyed by the model graph, the train section (optimizer, schedule, smoothing) and the objective."""
+  r = ml_collections.ConfigDict(json.loads(train_json))
+  tx, _ = lm_train.make_optimizer(r)
+  fn = functools.partial(train_step, graphdef, tx, spec, use_trime, int(r.vocab_chunk), float(r.label_smoothing), mesh)
+  return jax.jit(fn, donate_argnums=(0,))
+
+
+def eval_sums(graphdef, spec, vocab_chunk, params, batch):
+  model = nnx.merge(graphdef, params)
+  _, ce, tr, n = mt_nll(model, batch, spec, use_trime=spec.memory != "none", vocab_chunk=vocab_chunk)
+  return ce, tr, n
+
+
+def evaluate(graphdef, params, pairs, config, spec, *, max_pairs=0) -> dict:
+  """Dev CE nll/ppl (model alone) and, for memory=ext, TRIME nll/ppl with in-batch memory (length batches)."""
+  if max_pairs and len(pairs) > max_pairs:
+    pairs = mt_data.ParallelData(pairs.src[:max_pairs], pairs.tgt[:max_pairs], pairs.src_text[:max_pairs],
+                                 pairs.tgt_text[:max_pairs], pairs.vocab, pairs.split)
+  plan = batching.make_plan(pairs, order="length", max_tokens=int(config.data.max_tokens), seed=0,
+                            max_sentences=int(config.data.max_sentences))
+  fn = _eval_fn(graphdef, spec, int(config.train.vocab_chunk))
+  ce = tr = 0.0
+  n = 0
+  for i in range(plan.num_batches):
+    b = batching.collate_batch(pairs, plan, i)
+    c, t, k = fn(params, b)
+    ce, tr, n = ce + float(c), tr + float(t), n + int(k)
+  out = {"ce_nll": ce / max(n, 1), "ce_ppl": math.exp(min(ce / max(n, 1), 50)), "tokens": n, "pairs": len(pairs)}
+  if spec.memory != "none":
+    out.update(trime_nll=tr / max(n, 1), trime_ppl=math.exp(min(tr / max(n, 1), 50)))
+  return out
+
+
+@functools.lru_cache(maxsize=8)
+def _eval_fn(graphdef, spec, vocab_chunk):
+  return jax.jit(functools.partial(eval_sums, graphdef, spec, vocab_chunk))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------------------
+class _SigtermFlag:
+  """SIGTERM sets a flag the loop reads between updates; the previous handler comes back on exit."""
+
+  def __init__(self):
+    self.requested, self._previous = False, None
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._handler)
+    return self
+
+  def _handler(self, signum, frame):
+    del signum, frame
+    self.requested = True
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+def _write_json(path, obj):
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1, sort_keys=True)
+  os.replace(tmp, path)
+
+
+def _truncate_metrics(path: str, last_step: int) -> None:
+  """Drop metric lines past the restored checkpoint (the interrupted run logged updates that are redone)."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    keep = [l for l in f if l.strip() and json.loads(l).get("step", 0) <= last_step]
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(keep)
+  os.replace(tmp, path)
+
+
+def plan_target_tokens(pairs, plan: batching.Plan) -> np.ndarray:
+  """[num_batches] target tokens (ids + eos) of each plan batch."""
+  per_pair = np.asarray([len(t) + 1 for t in pairs.tgt], np.int64)
+  return np.add.reduceat(per_pair[plan.indices], plan.offsets[:-1])
+
+
+def total_updates(plan: batching.Plan, tokens_of: np.ndarray, num_steps: int, budget: int) -> int:
+  """The run's length: num_steps, or fewer when `train.target_token_budget` (> 0) is reached first — the first
+  update after which the target tokens trained on reach the budget (deterministic: the plan fixes every batch).
+  Equal target-token budgets compare objectives whose batches pad differently (BM25 batches mix lengths)."""
+  if budget <= 0:
+    return num_steps
+  seen = 0
+  for s in range(num_steps):
+    seen += int(tokens_of[plan.batch_at(s)])
+    if seen >= budget:
+      return s + 1
+  return num_steps
+
+
+def load_plan(workdir: str, pairs, config) -> batching.Plan:
+  """The run's batch plan: read from <workdir>/plan.npz when it matches the config, else made and saved."""
+  t, d = config.trime, config.data
+  want = {"order": t.batching, "seed": int(config.train.seed), "max_tokens": int(d.max_tokens),
+          "max_sentences": int(d.max_sentences), "num_pairs": len(pairs)}
+  if t.batching == "bm25":
+    want["k"] = int(t.bm25_k)
+  path = os.path.join(workdir, "plan.npz")
+  if os.path.exists(path):
+    plan = batching.Plan.load(path)
+    if all(plan.header.get(k) == v for k, v in want.items()):
+      return plan
+  t0 = time.perf_counter()
+  plan = batching.make_plan(pairs, order=t.batching, max_tokens=int(d.max_tokens), seed=int(config.train.seed),
+                            max_sentences=int(d.max_sentences), bm25_k=int(t.bm25_k),
+                            bm25_backend=t.get("bm25_backend", "numba"))
+  plan.header["plan_s"] = round(time.perf_counter() - t0, 2)
+  plan.save(path)
+  return plan
+
+
+def train_and_evaluate(config, workdir: str, *, log=print) -> dict:
+  """Train (or resume) in `workdir`, evaluate on valid, export. Returns the final metrics."""
+  validate_config(config)
+  resolve_data_path(config)
+  os.makedirs(workdir, exist_ok=True)
+  cfg_path = os.path.join(workdir, "config.json")
+  if os.path.exists(cfg_path):
+    old = json.load(open(cfg_path))
+    new = json.loads(config.to_json_best_effort())
+    fixed = ("model", "data")
+    diff = [k for k in fixed if old.get(k) != new.get(k)] + [
+        f"trime.{k}" for k in ("memory", "batching") if old["trime"].get(k) != new["trime"].get(k)]
+    if diff:
+      raise ConfigError(f"{workdir} holds a run with another config ({', '.join(diff)} differ): use a new workdir")
+  _write_json(cfg_path, json.loads(config.to_json_best_effort()))
+
+  vocab = mt_data.load_vocab(config)
+  train_pairs = mt_data.load_parallel(config, "train", vocab)
+  valid_pairs = mt_data.load_parallel(config, "valid", vocab)
+  plan = load_plan(workdir, train_pairs, config)
+  r = config.train
+  mesh = sharding.make_mesh(r.num_devices)
+  model = mt_model.build_mt_model(config, vocab.size, int(r.seed))
+  graphdef, params = nnx.split(model, nnx.Param)
+  tx, schedule = lm_train.make_optimizer(r)
+  state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
+  mgr = ckpt.manager(os.path.join(workdir, "checkpoints"), int(r.keep_checkpoints))
+  restored_step, restored = ckpt.restore_latest(mgr, ckpt.abstract(state), log=log)
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  if restored is not None:
+    state = restored
+    _truncate_metrics(metrics_path, restored_step)
+    log(f"resumed from update {restored_step}")
+  spec = objective_spec(config)
+  warm = int(config.trime.ce_warmup_steps)
+  eval_spec = spec
+  n_params = mt_model.count_params(params)
+  log(f"mt model: {n_params:,} parameters | vocab {vocab.size:,} ({vocab.kind}) | train pairs {len(train_pairs):,} | "
+      f"{plan.num_batches:,} batches/epoch ({config.trime.batching}, shapes {plan.header['shapes']}) | "
+      f"memory={spec.memory} | CE warm-up {warm} | devices {mesh.size}")
+  if "neighbour_in_batch" in plan.header:
+    log(f"bm25 plan: top-k neighbours in the same batch {plan.header['neighbour_in_batch']:.1%} "
+        f"(random batches {plan.header['neighbour_in_batch_random']:.1%})")
+
+  train_json = json.dumps(json.loads(r.to_json_best_effort()), sort_keys=True)
+  sharded_mesh = mesh if mesh.size > 1 else None
+  step_fn = lambda use_trime: _step_fn(graphdef, train_json, spec, use_trime, sharded_mesh)
+
+  base_key = jax.random.PRNGKey(int(r.seed))
+  start = int(state["step"])
+  tokens_of = plan_target_tokens(train_pairs, plan)
+  total = total_updates(plan, tokens_of, int(r.num_steps), int(r.get("target_token_budget", 0)))
+  seen = sum(int(tokens_of[plan.batch_at(s)]) for s in range(start))  # target tokens trained on so far
+  stop = total if not r.stop_after else min(total, start + int(r.stop_after))
+  last, tok_last, n_last = {}, 0, 0
+  # Throughput excludes updates that compiled a new (objective, shape) program: timed per update (the CPU and
+  # accelerator backends both run asynchronously, so each update is waited for; it costs no throughput).
+  compiled, step_s, compile_s = set(), 0.0, 0.0
+  stopped_early = False
+  with open(metrics_path, "a") as mfile, _SigtermFlag() as sigterm:
+    for step in range(start, stop):
+      use_trime = spec.memory != "none" and step >= warm
+      b = batching.collate_batch(train_pairs, plan, plan.batch_at(step))
+      if mesh.size > 1 and b["src"].shape[0] % mesh.size:  # rows must split over the devices
+        pad = mesh.size - b["src"].shape[0] % mesh.size
+        b = {k: np.pad(v, ((0, pad), (0, 0)), constant_values=(-1 if k == "targets" else 0)) for k, v in b.items()}
+      t0 = time.perf_counter()
+      state, m = step_fn(use_trime)(state, b, jax.random.fold_in(base_key, step))
+      jax.block_until_ready(m["loss"])
+      dt = time.perf_counter() - t0
+      done = step + 1
+      seen += int(tokens_of[plan.batch_at(step)])
+      key = (use_trime, b["src"].shape)
+      if key in compiled:
+        step_s += dt
+        tok_last += int((b["targets"] >= 0).sum())
+        n_last += 1
+      else:
+        compiled.add(key)
+        compile_s += dt
+      if done % int(r.log_every) == 0 or done == stop:
+        m = jax.device_get(m)
+        loss_v = float(m["loss"])
+        if not math.isfinite(loss_v):
+          raise TrainingError(f"non-finite loss at update {done}")
+        last = {"step": done, "loss": loss_v, "ce_nll": float(m["ce_nll"]), "trime_nll": float(m["trime_nll"]),
+                "grad_norm": float(m["grad_norm"]), "lr": float(schedule(step)), "objective": "trime" if use_trime
+                else "ce", "tokens_per_s": round(tok_last / step_s, 1) if step_s else None, "timed_updates": n_last,
+                "compile_s": round(compile_s, 1), "target_tokens_seen": seen, "skipped": int(m["skipped"])}
+        mfile.write(json.dumps(last) + "\n")
+        mfile.flush()
+        log(f"update {done}: loss {loss_v:.4f} ce {last['ce_nll']:.4f} trime {last['trime_nll']:.4f} "
+            f"lr {last['lr']:.2e} {last['tokens_per_s'] or 0:.0f} target tok/s (+{compile_s:.0f} s compiling)")
+        tok_last, n_last, step_s = 0, 0, 0.0
+      if r.eval_every and done % int(r.eval_every) == 0 and done < total:
+        ev = evaluate(graphdef, state["params"], valid_pairs, config, eval_spec, max_pairs=int(r.eval_max_pairs))
+        mfile.write(json.dumps({"step": done, "split": "valid", **ev}) + "\n")
+        mfile.flush()
+        log(f"valid at {done}: {ev}")
+      if done % int(r.checkpoint_every) == 0 or done == stop or sigterm.requested:
+        ckpt.save(mgr, done, state)
+      if sigterm.requested and done < total:
+        mgr.wait_until_finished()
+        raise lm_train.Preempted(done, mgr.directory)
+    mgr.wait_until_finished()
+    end = int(state["step"])
+    if end < total:
+      stopped_early = True
+      log(f"stopped after update {end} (train.stop_after={r.stop_after}); rerun to continue")
+      return {"train": last, "step": end}
+    ev = evaluate(graphdef, state["params"], valid_pairs, config, eval_spec, max_pairs=int(r.eval_max_pairs))
+    if not any(json.loads(l).get("split") == "valid" and json.loads(l)["step"] == end
+               for l in open(metrics_path) if l.strip()):
+      mfile.write(json.dumps({"step": end, "split": "valid", **ev}) + "\n")
+  del stopped_early
+  export_dir = mt_model.export_mt(os.path.join(workdir, "export"), jax.device_get(state["params"]), config, vocab,
+                                  extra={"step": end, "valid": ev, "plan": {k: plan.header[k] for k in
+                                                                            ("order", "num_batches")}})
+  log(f"valid: {ev}\nexported {export_dir}")
+  return {"train": last, "valid": ev, "export": export_dir, "num_params": n_params, "step": end}
