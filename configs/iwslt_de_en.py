@@ -11,8 +11,7 @@ The original command (princeton-nlp/TRIME machine_translation/README.md):
     --criterion trime_mt_loss --label-smoothing 0.0 --max-tokens 4096 --predefined-batches bm25_batches.json
     --max-epoch 50 --dist-func ip --temp 10.0 --topk-mem 8          (4 GPUs: 4 × 4096 tokens per update)
 Vanilla baseline: --criterion label_smoothed_cross_entropy --label-smoothing 0.1 (fairseq's IWSLT recipe).
-Differences here: the loss uses every visible in-batch token (no --topk-mem 8 truncation: loss.py has no
-top-k); --ce-warmup-epoch 5 becomes trime.ce_warmup_steps (≈ 5 epochs of ~1,100 updates at 4 × 4096 tokens);
+Differences here: --ce-warmup-epoch 5 becomes trime.ce_warmup_steps (≈ 5 epochs of ~1,100 updates at 4 × 4096 tokens);
 the original's key (knn_embed) is the decoder output: model.key_type="final" below. 50 epochs ≈ 56k updates.
 """
 
@@ -30,7 +29,7 @@ def get_config():
   c.model.update(d_model=512, num_heads=4, d_ff=1024, encoder_layers=6, decoder_layers=6, dropout=0.3,
                  share_all_embeddings=False, share_decoder_embeddings=True, encoder_normalize_before=False,
                  decoder_normalize_before=True, key_type="final")
-  c.trime.update(memory="ext", batching="bm25", temperature=10.0, ce_warmup_steps=5500)
+  c.trime.update(memory="ext", batching="bm25", temperature=10.0, memory_topk=8, ce_warmup_steps=5500)
   c.train.update(num_steps=56_000, learning_rate=5e-4, warmup_steps=4000, weight_decay=1e-4, adam_b2=0.98,
                  label_smoothing=0.0, eval_every=1000, checkpoint_every=1000, eval_max_pairs=0)
   c.lock()

@@ -63,6 +63,8 @@ def validate_config(config) -> None:
     raise ConfigError(f"data.max_tokens must be >= 8, got {config.data.max_tokens}")
   if t.temperature <= 0:
     raise ConfigError(f"trime.temperature must be positive, got {t.temperature}")
+  if t.memory_topk < 0:
+    raise ConfigError(f"trime.memory_topk must be >= 0, got {t.memory_topk}")
 
 
 def resolve_data_path(config) -> None:
@@ -81,7 +83,8 @@ def resolve_data_path(config) -> None:
 def objective_spec(config) -> loss.ObjectiveSpec:
   t = config.trime
   return loss.ObjectiveSpec(memory=t.memory, temperature=float(t.temperature),
-                            stop_gradient_memory=bool(t.stop_gradient_memory), memory_chunk=int(t.memory_chunk) or None)
+                            stop_gradient_memory=bool(t.stop_gradient_memory), memory_chunk=int(t.memory_chunk) or None,
+                            memory_topk=int(t.get("memory_topk", 0)))
 
 
 def mt_nll(model, batch, spec: loss.ObjectiveSpec, *, use_trime: bool, vocab_chunk=0, label_smoothing=0.0,
