@@ -27,7 +27,7 @@ def _bytes(backbone):
 
 
 SETTINGS = {  # name -> (srupp config, transformer config, B, L)
-    "cpu": [("bytes_srupp (d=256, d'=64, 5L) vs 2L D=128 Transformer", _bytes("srupp"), _bytes("transformer"), 16,
+    "cpu": [("bytes_srupp (d=232, d'=64, 5L) vs 2L D=128 Transformer", _bytes("srupp"), _bytes("transformer"), 16,
              128)],
     "enwik8": [("enwik8_srupp (43.0M) vs enwik8_38m Transformer (12L D=512)", enwik8_srupp.get_config(),
                 enwik8_38m.get_config(), 16, 512)],
