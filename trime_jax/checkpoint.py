@@ -212,6 +212,18 @@ def _sync(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
+def replace_directory(tmp: str, directory: str) -> None:
+  """Move the finished `tmp` to `directory`, replacing an older one: a reader sees the old or the new one."""
+  if os.path.exists(directory):
+    old = directory + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(directory, old)
+    os.replace(tmp, directory)
+    shutil.rmtree(old, ignore_errors=True)
+  else:
+    os.replace(tmp, directory)
+
+
 def export(directory: str, params, config: ml_collections.ConfigDict, vocab: data.Vocab, extra=None) -> str:
   """Write params + config + vocab + meta to `directory` atomically; returns the directory.
 
@@ -243,14 +255,7 @@ def export(directory: str, params, config: ml_collections.ConfigDict, vocab: dat
     data.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(config.to_json_best_effort()))
     data.atomic_write_json(os.path.join(tmp, "vocab.json"), vocab.to_json())
     data.atomic_write_json(os.path.join(tmp, "meta.json"), meta)
-    if os.path.exists(directory):
-      old = directory + ".old"
-      shutil.rmtree(old, ignore_errors=True)
-      os.replace(directory, old)
-      os.replace(tmp, directory)
-      shutil.rmtree(old, ignore_errors=True)
-    else:
-      os.replace(tmp, directory)
+    replace_directory(tmp, directory)
   _sync("export:done")
   return directory
 

@@ -450,7 +450,7 @@ def _host_copy(tree):
       lambda x: np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else np.asarray(x), tree)
 
 
-def _truncate_metrics(path: str, last_step: int) -> None:
+def truncate_metrics(path: str, last_step: int) -> None:
   """On resume, drop metric lines past the restored checkpoint (they will be produced again)."""
   if not os.path.exists(path):
     return
@@ -574,7 +574,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
     state = restored
     _log(f"resumed from step {restored_step} ({mgr.directory})")
     if _chief():
-      _truncate_metrics(os.path.join(workdir, "metrics.jsonl"), restored_step)
+      truncate_metrics(os.path.join(workdir, "metrics.jsonl"), restored_step)
 
   state = jax.device_put(state, repl)
   spec = steps.LossSpec.from_config(config)

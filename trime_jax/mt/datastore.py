@@ -167,7 +167,7 @@ def open_mt_datastore(datastore_dir: str, checkpoint_dir: str, *, index_path: st
 # ----------------------------------------------------------------------------------------------------------
 # launch.build_datastore for translation
 # ----------------------------------------------------------------------------------------------------------
-def _is_mt_config(config) -> bool:
+def is_mt_config(config) -> bool:
   """task="mt", or a data section with languages (configs/ui_de_en.py, configs/iwslt_de_en.py)."""
   if config is None:
     return False
@@ -177,7 +177,7 @@ def _is_mt_config(config) -> bool:
 
 def is_mt(config, checkpoint_dir: str) -> bool:
   """A translation build: an MT config, or the checkpoint is an MT export."""
-  if _is_mt_config(config):
+  if is_mt_config(config):
     return True
   path = os.path.join(checkpoint_dir or "", "meta.json")
   if os.path.isfile(path):
@@ -192,7 +192,7 @@ def mt_config(config, checkpoint_dir: str):
 
   from trime_jax.mt.train import resolve_data_path
 
-  if not _is_mt_config(config):
+  if not is_mt_config(config):
     config = ml_collections.ConfigDict(ckpt.read_json(os.path.join(checkpoint_dir, "config.json"), "export config"))
   resolve_data_path(config)  # a relative data.path: from the working directory, else the repository root
   return config

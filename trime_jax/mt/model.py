@@ -286,6 +286,7 @@ def export_mt(directory: str, params, config, vocab, extra=None) -> str:
 
   import orbax.checkpoint as ocp
 
+  from trime_jax import checkpoint
   from trime_jax import data as lm_data
 
   directory = os.path.abspath(directory)
@@ -302,14 +303,7 @@ def export_mt(directory: str, params, config, vocab, extra=None) -> str:
   vocab.save(tmp)
   lm_data.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(config.to_json_best_effort()))
   lm_data.atomic_write_json(os.path.join(tmp, "meta.json"), meta)
-  if os.path.exists(directory):
-    old = directory + ".old"
-    shutil.rmtree(old, ignore_errors=True)
-    os.replace(directory, old)
-    os.replace(tmp, directory)
-    shutil.rmtree(old, ignore_errors=True)
-  else:
-    os.replace(tmp, directory)
+  checkpoint.replace_directory(tmp, directory)
   return directory
 
 

@@ -223,18 +223,6 @@ def _write_json(path, obj):
   os.replace(tmp, path)
 
 
-def _truncate_metrics(path: str, last_step: int) -> None:
-  """Drop metric lines past the restored checkpoint (the interrupted run logged updates that are redone)."""
-  if not os.path.exists(path):
-    return
-  with open(path) as f:
-    keep = [l for l in f if l.strip() and json.loads(l).get("step", 0) <= last_step]
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    f.writelines(keep)
-  os.replace(tmp, path)
-
-
 def plan_target_tokens(pairs, plan: batching.Plan) -> np.ndarray:
   """[num_batches] target tokens (ids + eos) of each plan batch."""
   per_pair = np.asarray([len(t) + 1 for t in pairs.tgt], np.int64)
@@ -307,7 +295,7 @@ def train_and_evaluate(config, workdir: str, *, log=print) -> dict:
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   if restored is not None:
     state = restored
-    _truncate_metrics(metrics_path, restored_step)
+    lm_train.truncate_metrics(metrics_path, restored_step)
     log(f"resumed from update {restored_step}")
   spec = objective_spec(config)
   warm = int(config.trime.ce_warmup_steps)
