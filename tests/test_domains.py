@@ -102,5 +102,5 @@ def test_docs_wt_configs_validate_and_hold_out_the_same_domain():
   assert held_out == ("linux-doc-6.1",) and cfgs["configs.docs_wt_kernel"].data.exclude_packages == ()
   for name in ("configs.docs_wt", "configs.docs_wt_long", "configs.docs_wt_ext"):
     assert cfgs[name].data.exclude_packages == held_out and cfgs[name].data.only_packages == ()
-    assert cfgs[name].train.num_steps * cfgs[name].train.batch_size * cfgs[name].data.segment_len == 16_384_000
+    assert cfgs[name].train.num_steps * cfgs[name].train.batch_size * cfgs[name].data.segment_len == 4_915_200
   assert (cfgs["configs.docs_wt_long"].trime.memory, cfgs["configs.docs_wt_ext"].trime.memory) == ("long", "ext")
