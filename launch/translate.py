@@ -110,7 +110,8 @@ def main(argv):
     pairs = _data(_CONFIG.value, checkpoint, "valid", vocab, _MAX_SENTENCES.value)
     t0 = time.perf_counter()
     tp = decode.tune_pass(graphdef, params, pairs, ds, index, k_max=max(decode.KS))
-    rows = decode.tune(tp)
+    trime_cfg = config.get("trime")
+    rows = decode.tune(tp, train_tau=float(trime_cfg.get("temperature", 1.0)) if trime_cfg else 1.0)
     print(f"tune: one teacher-forced pass over {len(tp.targets):,} valid target tokens + {len(rows)} settings in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     tuned, table = {}, []
