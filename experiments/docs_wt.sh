@@ -8,6 +8,7 @@
 #                                                #   same command to continue (it resumes from the last checkpoint)
 #   bash experiments/docs_wt.sh datastore NAME   # keys of every training token (~16M), IVF-PQ index
 #   bash experiments/docs_wt.sh eval NAME        # test perplexities, every memory, tuned on dev
+#   bash experiments/docs_wt.sh sizes NAME       # datastore-size sweep: first 1M / 4M entries vs all (~16M)
 #   bash experiments/docs_wt.sh domain NAME      # linux-doc-6.1 test: kernel datastore vs training datastore
 #
 # SEED=1 repeats under runs/docs_wt_s1. Commit commands and results, never checkpoints.
@@ -61,6 +62,15 @@ case "${1:-}" in
     $PY launch.eval_ext --config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.datastore=$OUT/$NAME/ds \
       --config.eval.tune=True --config.eval.split=test --output=$OUT/$NAME/eval_ext.json
     ;;
+  sizes)  # table 4: datastore-size sweep (the first 1M / 4M entries of NAME's full datastore; no keys recomputed)
+    NAME=$2; CFG=$(config_of "$NAME")
+    for N in 1000000 4000000; do
+      $PY launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds_$N \
+        --subset_of=$OUT/$NAME/ds --entries=$N --index=ivfpq --nlist=$((N / 1000)) --pq_m=16
+      $PY launch.eval_ext --config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.datastore=$OUT/$NAME/ds_$N \
+        --config.eval.tune=True --config.eval.split=test --output=$OUT/$NAME/eval_ext_$N.json
+    done
+    ;;
   domain)
     NAME=$2
     $PY launch.build_datastore --config=configs/docs_wt_kernel.py --checkpoint=$OUT/$NAME/export \
@@ -71,5 +81,5 @@ case "${1:-}" in
         --output=$OUT/$NAME/domain_$DS.json
     done
     ;;
-  *) echo "usage: $0 plans | train NAME | datastore NAME | eval NAME | domain NAME" >&2; exit 2 ;;
+  *) echo "usage: $0 plans | train NAME | datastore NAME | eval NAME | sizes NAME | domain NAME" >&2; exit 2 ;;
 esac

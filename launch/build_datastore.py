@@ -26,6 +26,9 @@ _INDEX = flags.DEFINE_enum("index", "auto", ["auto", "flat", "ivfpq", "none"],
                            "FAISS index: auto = the cheaper of exact IndexFlatIP and IVF-PQ for the searches "
                            "launch.eval_ext runs (dev + test tokens, eval.knn_k, eval.nprobe); it says which and why.")
 _NLIST = flags.DEFINE_integer("nlist", 4096, "IVF-PQ inverted lists (clamped for small stores).")
+_SUBSET_OF = flags.DEFINE_string("subset_of", "", "A complete datastore: --out gets its first --entries entries "
+                                 "(no keys recomputed; datastore-size sweeps), then its own index.")
+_ENTRIES = flags.DEFINE_integer("entries", 0, "With --subset_of: how many entries (the first ones, stream order).")
 _PQ_M = flags.DEFINE_integer("pq_m", 64, "IVF-PQ sub-quantizers (clamped to a divisor of the key dimension).")
 flags.mark_flags_as_required(["config", "checkpoint", "out"])
 
@@ -34,7 +37,7 @@ def main(argv):
   del argv
   from trime_jax import checkpoint as ckpt
   from trime_jax import evaluate
-  from trime_jax.datastore import Datastore, build_datastore, build_index
+  from trime_jax.datastore import Datastore, build_datastore, build_index, subset_datastore
   from trime_jax.mt import datastore as mt_datastore
 
   if mt_datastore.is_mt(_CONFIG.value, _CHECKPOINT.value):  # translation: its own data and keys
@@ -46,8 +49,12 @@ def main(argv):
   corpus = splits.get(_SPLIT.value)
   e = config.eval
   try:
-    build_datastore(checkpoint, corpus, out, block_len=e.block_len, context_window=e.context_window,
-                    batch_size=e.batch_size)
+    if _SUBSET_OF.value:
+      Datastore(_SUBSET_OF.value).check_checkpoint(checkpoint)
+      subset_datastore(_SUBSET_OF.value, out, _ENTRIES.value)
+    else:
+      build_datastore(checkpoint, corpus, out, block_len=e.block_len, context_window=e.context_window,
+                      batch_size=e.batch_size)
   except KeyboardInterrupt:
     print(f"interrupted: the datastore in {out} keeps every finished chunk; rerun the same command to resume",
           file=sys.stderr, flush=True)

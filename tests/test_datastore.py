@@ -187,3 +187,21 @@ def test_gpu_export_without_gpu_support_says_so(setup, tmp_path):
   build_index(setup["ds"], str(tmp_path / "flat.faiss"), progress=False)
   with pytest.raises(ConfigError, match="GPU"):
     KnnIndex.load(str(tmp_path / "flat.faiss"), gpu=True)
+
+
+def test_subset_is_the_prefix_and_a_datastore_of_its_own(setup, tmp_path):
+  from trime_jax.datastore import subset_datastore
+
+  src, n = setup["ds"], setup["ds"].count // 3
+  out = str(tmp_path / "sub")
+  meta = subset_datastore(setup["out"], out, n)
+  sub = Datastore(out)  # complete, digests and fingerprint valid
+  np.testing.assert_array_equal(sub.keys, src.keys[:n])
+  np.testing.assert_array_equal(sub.values, src.values[:n])
+  assert sub.count == n and meta["subset_of"] == src.fingerprint and sub.fingerprint != src.fingerprint
+  sub.check_checkpoint(setup["export"])  # still the same model's keys
+  assert subset_datastore(setup["out"], out, n)["fingerprint"] == meta["fingerprint"]  # rerun: no-op
+  with pytest.raises(CheckpointError, match="different datastore"):
+    subset_datastore(setup["out"], out, n - 1)
+  with pytest.raises(ConfigError, match="holds"):
+    subset_datastore(setup["out"], str(tmp_path / "big"), src.count + 1)

@@ -336,3 +336,35 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
     print(f"datastore {out_dir}: {state}; this call wrote {built:,} tokens in {session_s:.1f} s "
           f"({built / max(session_s, 1e-9):,.0f} tokens/s)", flush=True)
   return meta
+
+
+def subset_datastore(source_dir: str, out_dir: str, count: int) -> dict:
+  """A datastore of the first `count` entries of the complete datastore in `source_dir` (the first `count`
+  training tokens, whole stream order), written without recomputing keys: the size sweep of the paper's
+  analysis. Its identity is the source's with `count` replaced (so an index records which size it was built
+  for) and meta `subset_of` = the source's fingerprint. Rerunning on a finished subset is a no-op."""
+  src = Datastore(source_dir)
+  if not 0 < count <= src.count:
+    raise ConfigError(f"a subset of {count:,} entries: the datastore {source_dir} holds {src.count:,}")
+  identity = {**{k: src.meta[k] for k in IDENTITY}, "count": int(count)}
+  fp = _identity_fingerprint(identity)
+  meta = _read_meta(out_dir)
+  if meta is not None:
+    if meta.get("fingerprint") == fp and meta.get("subset_of") == src.fingerprint and meta.get("complete"):
+      return meta
+    raise CheckpointError(f"{out_dir} holds a different datastore: choose another output directory or delete it")
+  os.makedirs(out_dir, exist_ok=True)
+  meta_path, keys_path, values_path = _paths(out_dir)
+  t0 = time.perf_counter()
+  for path, arr in ((keys_path, src.keys), (values_path, src.values)):
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=arr.dtype, shape=(count,) + arr.shape[1:])
+    for a in range(0, count, CHUNK_TOKENS):
+      out[a:a + CHUNK_TOKENS] = arr[a:min(a + CHUNK_TOKENS, count)]
+    out.flush()
+    del out
+  meta = {**identity, "fingerprint": fp, "subset_of": src.fingerprint, "corpus_name": src.meta.get("corpus_name"),
+          "tokens_done": int(count), "complete": True, "build_seconds": round(time.perf_counter() - t0, 3),
+          "file_digests": {os.path.basename(p): file_digest(p) for p in (keys_path, values_path)}}
+  data.atomic_write_json(meta_path, meta)  # last: a subset without meta.json is not a datastore
+  return meta
+
