@@ -230,7 +230,35 @@ def check_train(workdir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
       lines = [json.loads(line) for line in f if line.strip()]
     out[name] = [x for x in lines if "loss" in x]  # training lines (not the dev evaluation)
-  return {"runs": out, "devices": jax.device_count()}
+  return {"runs": out, "devices": jax.device_count(), "srupp": check_srupp_train(workdir, corpus)}
+
+
+def check_srupp_train(workdir, corpus):
+  """SRU++ TrimeLM_long (stream batches, carried state and previous-segment keys) on 1 and on 8 devices:
+  training losses per update."""
+  from tests.helpers import tiny_config
+  from trime_jax import corpora
+  from trime_jax.batching import consecutive
+  from trime_jax.batching import plan as batch_plan
+  from trime_jax.train import train_and_evaluate
+
+  plan_dir = os.path.join(workdir, "srupp_plan")
+  common = {"model.backbone": "srupp", "model.key_type": "final", "model.srupp_attn_dim": 8, "model.dropout": 0.0,
+            "model.d_model": 16, "model.num_layers": 1, "train.num_steps": 3, "train.batch_size": 8,
+            "train.grad_accum": 2, "trime.memory": "long", "trime.batching": "consecutive",
+            "trime.consecutive_layout": "stream", "trime.batch_plan": plan_dir, "trime.ce_warmup_steps": 0,
+            "eval.context_window": 0, "eval.block_len": 32, "eval.max_tokens": 64, "train.eval_max_tokens": 64,
+            "train.log_every": 1}
+  config = tiny_config(corpus, **common)
+  header, batches = consecutive.make_plan(corpora.load_splits(config.data).train, config, progress=False)
+  batch_plan.save(plan_dir, header, batches)
+  losses = {}
+  for n in (1, 8):
+    run_dir = os.path.join(workdir, f"srupp_{n}dev")
+    train_and_evaluate(tiny_config(corpus, **common, **{"train.num_devices": n}), run_dir)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+      losses[n] = [json.loads(line)["loss"] for line in f if '"loss"' in line]
+  return losses
 
 
 if __name__ == "__main__":

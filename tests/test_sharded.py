@@ -200,3 +200,11 @@ def test_process_rows_and_global_array_on_one_process():
   arr = distributed.global_array(sh, x, x.shape)
   assert arr.shape == x.shape and arr.sharding == sh
   np.testing.assert_array_equal(np.asarray(arr), x)
+
+
+def test_srupp_long_training_on_8_devices_matches_1_device(checks):
+  """SRU++ with TrimeLM_long: rows (streams) sharded over 8 devices, each carrying its state and previous
+  segment's keys; the per-update losses equal the 1-device run's."""
+  losses = checks("train")["srupp"]
+  assert len(losses["1"]) == 3
+  np.testing.assert_allclose(losses["8"], losses["1"], rtol=1e-5)
