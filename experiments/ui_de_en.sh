@@ -67,14 +67,20 @@ print(f'sentencepiece: {v.size} pieces, fingerprint {v.fingerprint()}, {time.per
     ;;
   test)
     NAME=$2; T=$OUT/$NAME/translate
-    $PY launch.translate --checkpoint=$OUT/$NAME/export --mode=model --split=test --out=$T
-    for MODE in knn_mt trime; do
-      $PY launch.translate --checkpoint=$OUT/$NAME/export --datastore=$OUT/$NAME/ds --settings=$T/tuned.json \
-        --nprobe=8 --mode=$MODE --split=test --out=$T
+    for MODE in ${MODES:-model knn_mt trime}; do  # e.g. MODES="model knn_mt" for the vanilla model
+      if [ "$MODE" = model ]; then
+        $PY launch.translate --checkpoint=$OUT/$NAME/export --mode=model --split=test --out=$T
+      else
+        $PY launch.translate --checkpoint=$OUT/$NAME/export --datastore=$OUT/$NAME/ds --settings=$T/tuned.json \
+          --nprobe=8 --mode=$MODE --split=test --out=$T
+      fi
     done
     $PYBIN -c "
 import json
+import os
 for m in ('model', 'knn_mt', 'trime'):
+  if not os.path.exists('$T/test.' + m + '.json'):
+    continue
   r = json.load(open('$T/test.' + m + '.json'))
   print(f\"$NAME {m:7s} BLEU {r['bleu']:6.2f}  {r['sentences_per_s']:7.2f} sentences/s  {r['setting']}\")"
     ;;
