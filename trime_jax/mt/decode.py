@@ -491,8 +491,8 @@ def _nlls(tp: TunePass, points, k: int, metric: str):
 def tune(tp: TunePass, *, modes=("knn_mt", "trime"), ks=KS, train_tau: float = 1.0) -> list[dict]:
   """Rows {mode, k, params, nll} for every K and grid point (kNN-MT: T × λ; TRIME: τ, then Appendix A's
   λ × τ′ at each K's best τ), plus the model alone; sorted by nll within each mode. The τ grid is the LM
-  evaluator's scaled by the training temperature `train_tau` (the original MT model trains at τ = 10 and is
-  evaluated at 15)."""
+  evaluator's together with it scaled by the training temperature `train_tau` (the original MT model trains at
+  τ = 10)."""
   rows = [{"mode": "model", "k": 0, "setting": Distribution("model"),
            "nll": float(_nlls(tp, [evaluate.NONE], 1, "ip")[0])}]
   for k in ks:
@@ -503,7 +503,8 @@ def tune(tp: TunePass, *, modes=("knn_mt", "trime"), ks=KS, train_tau: float = 1
       rows += [{"mode": "knn_mt", "k": k, "setting": _setting(p, k), "nll": float(v)}
                for p, v in zip(pts, _nlls(tp, pts, k, "l2"))]
     if "trime" in modes:
-      pts = [evaluate.Point("trime", tau=t * train_tau) for t in evaluate.TAU_GRID]
+      taus = sorted(set(evaluate.TAU_GRID) | {t * train_tau for t in evaluate.TAU_GRID})
+      pts = [evaluate.Point("trime", tau=t) for t in taus]
       nll = _nlls(tp, pts, k, "ip")
       rows += [{"mode": "trime", "k": k, "setting": _setting(p, k), "nll": float(v)} for p, v in zip(pts, nll)]
       tau = pts[int(np.argmin(nll))].tau
