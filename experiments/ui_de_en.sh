@@ -17,6 +17,7 @@
 #   bash experiments/ui_de_en.sh tune NAME        # K, τ, λ, T, τ′ on valid (teacher-forced NLL, then beam search of
 #                                                 #   the best; TUNE_SENTENCES valid pairs, default 1000)
 #   bash experiments/ui_de_en.sh test NAME        # test BLEU (beam 4) + sentences/s: model, kNN-MT, TrimeMT_ext
+#   bash experiments/ui_de_en.sh all              # all of the above for the three models, resumable
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYBIN=${PYBIN:-.venv/bin/python}
@@ -83,6 +84,19 @@ for m in ('model', 'knn_mt', 'trime'):
     continue
   r = json.load(open('$T/test.' + m + '.json'))
   print(f\"$NAME {m:7s} BLEU {r['bleu']:6.2f}  {r['sentences_per_s']:7.2f} sentences/s  {r['setting']}\")"
+    ;;
+  all)  # everything, in order; rerun after an interruption (finished steps are skipped or resume)
+    bash "$0" spm
+    for NAME in trime_bm25 vanilla trime_random; do
+      until [ -d $OUT/$NAME/export ]; do bash "$0" train $NAME; done
+    done
+    for NAME in vanilla trime_bm25 trime_random; do
+      [ -f $OUT/$NAME/ds/index.faiss ] || bash "$0" datastore $NAME
+      [ -f $OUT/$NAME/translate/tuned.json ] || bash "$0" tune $NAME
+    done
+    MODES="model knn_mt" bash "$0" test vanilla
+    MODES="model trime" bash "$0" test trime_bm25
+    MODES="trime" bash "$0" test trime_random
     ;;
   *)
     sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
