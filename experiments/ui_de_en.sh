@@ -1,10 +1,10 @@
 #!/bin/bash
 # Issue 15: TrimeMT_ext on ui-de-en (German→English UI strings, ../shared/data/ui-de-en), CPU-sized model
 # (configs/ui_de_en.py: 3+3 layers, d 256, FFN 1024, 4 heads, 8k joint sentencepiece vocabulary).
-# Every model: the same budget of target tokens trained on (BUDGET, default 1,000,000 ≈ 0.6 epoch, what 2 CPU
+# Every model: the same budget of target tokens trained on (BUDGET, default 2,000,000 ≈ 1.5 epochs, what 2 CPU
 # cores allow for three models: vanilla's length-sorted batches hold ~3,300 target tokens per 4,096-token update,
 # BM25/random batches ~1,100 since they mix lengths, so those run ~3x the updates), seed 0. The TrimeMT runs
-# start with plain-CE updates for a tenth of the budget (CE_WARMUP, default 90 updates; the original: 5 of 50
+# start with plain-CE updates for a tenth of the budget (CE_WARMUP, default 180 updates; the original: 5 of 50
 # epochs).
 #
 #   bash experiments/ui_de_en.sh spm              # the joint sentencepiece model (cached under runs/cache/ui_de_en)
@@ -31,8 +31,8 @@ CFG=configs/ui_de_en.py
 overrides_of() {
   case "$1" in
     vanilla) echo "--config.trime.memory=none --config.trime.batching=length" ;;
-    trime_bm25) echo "--config.trime.memory=ext --config.trime.batching=bm25 --config.trime.ce_warmup_steps=${CE_WARMUP:-90}" ;;
-    trime_random) echo "--config.trime.memory=ext --config.trime.batching=random --config.trime.ce_warmup_steps=${CE_WARMUP:-90}" ;;
+    trime_bm25) echo "--config.trime.memory=ext --config.trime.batching=bm25 --config.trime.ce_warmup_steps=${CE_WARMUP:-180}" ;;
+    trime_random) echo "--config.trime.memory=ext --config.trime.batching=random --config.trime.ce_warmup_steps=${CE_WARMUP:-180}" ;;
     *) echo "NAME: vanilla | trime_bm25 | trime_random" >&2; exit 2 ;;
   esac
 }
@@ -51,7 +51,7 @@ print(f'sentencepiece: {v.size} pieces, fingerprint {v.fingerprint()}, {time.per
     NAME=$2; OV=$(overrides_of "$NAME")
     # A chunk ends with SIGTERM after $CHUNK s: training checkpoints at once and the rerun resumes.
     rc=0; timeout --signal=TERM "$CHUNK" $PY launch.train_mt --config=$CFG --workdir=$OUT/$NAME $S $OV \
-      --config.train.target_token_budget=${BUDGET:-1000000} --config.train.num_steps=100000 "${@:3}" || rc=$?
+      --config.train.target_token_budget=${BUDGET:-2000000} --config.train.num_steps=100000 "${@:3}" || rc=$?
     if [ "$rc" = 124 ] || [ "$rc" = 143 ]; then echo "chunk over: rerun 'bash $0 train $NAME' to continue"; exit 0; fi
     exit $rc
     ;;

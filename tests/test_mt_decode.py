@@ -21,9 +21,19 @@ def toy_log_probs(sentence: int, prefix: tuple) -> np.ndarray:
 
 
 def toy_callback(beam: int, calls=None):
-  def next_log_probs(prev_NxT, step, live_N):
+  last = {}
+
+  def next_log_probs(prev_NxT, step, live_N, parents_N):
     assert prev_NxT.shape[1] >= step + 1 and (prev_NxT[:, 0] == EOS).all() and live_N.shape == (len(prev_NxT),)
     assert live_N.any()  # called only while some sentence is unfinished
+    # parents: each row extends its parent's prefix of the previous call, within its own sentence
+    rows = np.arange(len(prev_NxT))
+    assert (parents_N // beam == rows // beam).all()
+    if step == 0:
+      np.testing.assert_array_equal(parents_N, rows)
+    else:
+      np.testing.assert_array_equal(prev_NxT[:, :step], last["prev"][parents_N, :step])
+    last["prev"] = prev_NxT.copy()
     if calls is not None:
       calls.append(live_N.copy())
     return np.stack([toy_log_probs(r // beam, tuple(int(t) for t in row[1:step + 1]))
@@ -208,6 +218,40 @@ def tiny(tmp_path_factory):
   build_index(Datastore(str(root / "ds")), kind="flat", progress=False)
   return dict(root=root, vocab=vocab, config=config, ckpt=ckpt_dir, other=other, train=train,
               test=pairs(20, 24, "test"), meta=meta, ds_dir=str(root / "ds"))
+
+
+def test_cached_decoding_equals_full_prefix_decoding(tiny):
+  """decode_step over a key/value cache, with rows reordered to random parents at each step (as beam search
+  does), gives the f and g of `decode` over each row's whole prefix."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from trime_jax.mt import model as mt_model
+
+  graphdef, params, config, vocab = mt_model.load_mt_export(tiny["ckpt"])
+  model = nnx.merge(graphdef, params)
+  rng = np.random.default_rng(5)
+  beam, b, steps = 3, 2, 7
+  src = np.zeros((b * beam, 6), np.int32)
+  for s in range(b):  # sources of different lengths (padding in the cross-attention mask)
+    n = 3 + 2 * s
+    src[s * beam:(s + 1) * beam, :n] = rng.integers(4, vocab.size, n)
+    src[s * beam:(s + 1) * beam, n] = vocab.eos_id
+  src = jnp.asarray(src)
+  enc = model.encode(src)
+  cache = model.init_decode_cache(enc, 16)
+  prefix = np.full((b * beam, 1), vocab.eos_id, np.int32)
+  for step in range(steps):
+    parents = np.arange(b * beam) if step == 0 else (
+        np.repeat(np.arange(b) * beam, beam) + rng.integers(0, beam, b * beam))
+    prefix = prefix[parents]
+    cache = {"self": [(jnp.take(k, parents, 0), jnp.take(v, parents, 0)) for k, v in cache["self"]],
+             "cross": cache["cross"]}
+    f, g, cache = model.decode_step(cache, src, jnp.asarray(prefix[:, step]), jnp.asarray(step))
+    f_full, g_full = model.decode(enc, src, jnp.asarray(prefix))
+    np.testing.assert_allclose(np.asarray(f), np.asarray(f_full[:, step]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(g_full[:, step]), rtol=1e-4, atol=1e-5)
+    prefix = np.concatenate([prefix, rng.integers(4, vocab.size, (b * beam, 1)).astype(np.int32)], 1)
 
 
 def test_mt_datastore_holds_teacher_forced_keys_and_refuses_another_model(tiny):

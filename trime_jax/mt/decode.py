@@ -1,13 +1,15 @@
 """Greedy and beam search for the encoder–decoder (fairseq's SequenceGenerator semantics), over a callback.
 
-    next_log_probs(prev_NxT, step, live_N) -> log P [N, V] of the token at position `step`
+    next_log_probs(prev_NxT, step, live_N, parents_N) -> log P [N, V] of the token at position `step`
 
 `prev_NxT` holds the decoder inputs of every row, [eos] + the hypothesis so far, at least step + 1 columns
 (columns after `step` are padding and must not matter: the decoder is causal). Row r belongs to sentence
 r // beam (greedy: beam = 1), rows of a sentence stay together for the whole search, and rows of finished
 sentences are still passed (fixed shapes, one compilation); their outputs are ignored. `live_N` (bool) marks
 the rows whose output matters (beams of unfinished sentences with a finite score): a callback may skip work
-(a datastore search) for the others.
+(a datastore search) for the others. `parents_N`: the row of the previous call whose prefix row r extends
+(prev[r, :step] == previous prev[parents[r], :step]; the identity at step 0 and for greedy), so that a callback
+can reorder cached decoder states as fairseq's `reorder_incremental_state`.
 
 Beam search as fairseq's (`fairseq/sequence_generator.py`, beam search without constraints):
   * step 0 expands only the first beam; pad is never produced; eos is banned before `min_len` (1) tokens;
@@ -104,10 +106,11 @@ def beam_search(next_log_probs: NextLogProbs, src_lens, options: SearchOptions =
   finished = [[] for _ in range(b)]
   done = np.zeros(b, bool)
   v = vocab_size
+  parents = np.arange(b * k)
   for step in range(t_max):
     live_N = np.repeat(~done, k) & np.isfinite(scores_N)
-    lp = _prepare(next_log_probs(tokens[:, :t_max], step, live_N), step, max_len_N, pad_id=pad_id, eos_id=eos_id,
-                  min_len=options.min_len)
+    lp = _prepare(next_log_probs(tokens[:, :t_max], step, live_N, parents), step, max_len_N, pad_id=pad_id,
+                  eos_id=eos_id, min_len=options.min_len)
     if lp.shape != (b * k, v):
       raise ValueError(f"next_log_probs returned shape {lp.shape}, expected {(b * k, v)}")
     cand = (scores_N[:, None] + lp).reshape(b, k, v)
@@ -121,8 +124,9 @@ def beam_search(next_log_probs: NextLogProbs, src_lens, options: SearchOptions =
     cand_scores = np.take_along_axis(cand, idx, 1)
     cand_beam, cand_tok = idx // v, idx % v
     is_eos = (cand_tok == eos_id) & np.isfinite(cand_scores)
-    new_tokens = np.empty_like(tokens)
+    new_tokens = tokens.copy()  # rows not refilled below (finished sentences) keep their prefix
     new_scores = np.full(b * k, -np.inf)
+    parents = np.arange(b * k)
     for s in np.flatnonzero(~done):
       for j in np.flatnonzero(is_eos[s, :k]):  # eos among the first k candidates: a finished hypothesis
         if len(finished[s]) < k:
@@ -139,10 +143,9 @@ def beam_search(next_log_probs: NextLogProbs, src_lens, options: SearchOptions =
         new_tokens[dst_row] = tokens[src_row]
         new_tokens[dst_row, step + 1] = cand_tok[s, j]
         new_scores[dst_row] = cand_scores[s, j]
+        parents[dst_row] = src_row
     if done.all():
       break
-    for s in np.flatnonzero(done):  # finished sentences keep their (ignored) rows
-      new_tokens[s * k:(s + 1) * k] = tokens[s * k:(s + 1) * k]
     tokens, scores_N = new_tokens, new_scores
   return [max(f, key=lambda h: h.score) for f in finished]
 
@@ -159,8 +162,8 @@ def greedy(next_log_probs: NextLogProbs, src_lens, options: SearchOptions = Sear
   length = np.zeros(b, np.int64)  # tokens produced, eos included
   active = np.ones(b, bool)
   for step in range(t_max):
-    lp = _prepare(next_log_probs(tokens[:, :t_max], step, active.copy()), step, max_len_B, pad_id=pad_id,
-                  eos_id=eos_id, min_len=options.min_len)
+    lp = _prepare(next_log_probs(tokens[:, :t_max], step, active.copy(), np.arange(b)), step, max_len_B,
+                  pad_id=pad_id, eos_id=eos_id, min_len=options.min_len)
     if lp.shape != (b, vocab_size):
       raise ValueError(f"next_log_probs returned shape {lp.shape}, expected {(b, vocab_size)}")
     best = np.argmax(lp, axis=1)
@@ -340,14 +343,21 @@ def _encode(graphdef, params, src_BxS):
   return nnx.merge(graphdef, params).encode(src_BxS, deterministic=True)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _step(graphdef, params, enc_NxSxD, src_NxS, prev_NxT, step):
-  """(logits [N, V] float32, g [N, D] float32) of the token at position `step` (the decoder re-runs over the
-  whole prefix: no cache; sentences are short)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_steps"))
+def _init_cache(graphdef, params, enc_NxSxD, max_steps: int):
+  return nnx.merge(graphdef, params).init_decode_cache(enc_NxSxD, max_steps)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def _cached_step(graphdef, params, cache, src_NxS, token_N, step, parents_N):
+  """(logits [N, V] float32, g [N, D] float32, cache) of position `step`: the self-attention caches are first
+  reordered to the rows' parents (beams of a sentence only ever take their parents among the sentence's rows,
+  so the cross-attention cache needs no reordering)."""
   model = nnx.merge(graphdef, params)
-  f, g = model.decode(enc_NxSxD, src_NxS, prev_NxT, deterministic=True)
-  take = lambda x: jax.lax.dynamic_index_in_dim(x, step, axis=1, keepdims=False)
-  return model.logits(take(f)).astype(jnp.float32), take(g).astype(jnp.float32)
+  reorder = lambda x: jnp.take(x, parents_N, axis=0)
+  cache = {"self": [(reorder(k), reorder(v)) for k, v in cache["self"]], "cross": cache["cross"]}
+  f, g, cache = model.decode_step(cache, src_NxS, token_N, step)
+  return model.logits(f).astype(jnp.float32), g.astype(jnp.float32), cache
 
 
 class Translator:
@@ -370,10 +380,14 @@ class Translator:
     enc_N, src_N = jnp.repeat(enc, beam, axis=0), jnp.repeat(src, beam, axis=0)
     d = self.dist
 
-    def next_log_probs(prev_NxT, step, live_N):
-      width = min(prev_NxT.shape[1], -(-(step + 1) // 16) * 16)  # a few compiled widths
-      logits, g = _step(self.graphdef, self.params, enc_N, src_N, jnp.asarray(prev_NxT[:, :width], jnp.int32),
-                        step)
+    state = {}
+
+    def next_log_probs(prev_NxT, step, live_N, parents_N):
+      if step == 0:  # cache widths rounded up to 16: a few compilations
+        state["cache"] = _init_cache(self.graphdef, self.params, enc_N, -(-prev_NxT.shape[1] // 16) * 16)
+      logits, g, state["cache"] = _cached_step(
+          self.graphdef, self.params, state["cache"], src_N, jnp.asarray(prev_NxT[:, step], jnp.int32),
+          jnp.asarray(step, jnp.int32), jnp.asarray(parents_N, jnp.int32))
       if d.mode == "model":
         return np.asarray(jax.nn.log_softmax(logits, -1))
       t0 = time.perf_counter()

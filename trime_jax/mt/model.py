@@ -105,12 +105,21 @@ class Attention(nnx.Module):
     self.out = nnx.Linear(d, d, kernel_init=_xavier(), dtype=dtype, rngs=rngs)
     self.attn_dropout = nnx.Dropout(cfg.attention_dropout)
 
+  def project_kv(self, kv_BxSxD):
+    """(k, v) `[B, S, H, D/H]` of the keys/values side (cached by incremental decoding)."""
+    b, s, d = kv_BxSxD.shape
+    kv = self.kv(kv_BxSxD).reshape(b, s, 2, self.num_heads, d // self.num_heads)
+    return kv[:, :, 0], kv[:, :, 1]
+
   def __call__(self, x_BxTxD, kv_BxSxD, mask_BxTxS, *, deterministic: bool, rngs):
+    k, v = self.project_kv(kv_BxSxD)
+    return self.attend(x_BxTxD, k, v, mask_BxTxS, deterministic=deterministic, rngs=rngs)
+
+  def attend(self, x_BxTxD, k_BxSxHxK, v_BxSxHxK, mask_BxTxS, *, deterministic: bool = True, rngs=None):
     b, t, d = x_BxTxD.shape
-    s, h = kv_BxSxD.shape[1], self.num_heads
+    h = self.num_heads
     q = self.q(x_BxTxD).reshape(b, t, h, d // h)
-    kv = self.kv(kv_BxSxD).reshape(b, s, 2, h, d // h)
-    k, v = kv[:, :, 0], kv[:, :, 1]
+    k, v = k_BxSxHxK, v_BxSxHxK
     if deterministic or self.attn_dropout.rate == 0.0:
       # A query whose keys are all masked (a batch-padding row) gets a uniform average, not NaN.
       y = jax.nn.dot_product_attention(q, k, v, mask=mask_BxTxS[:, None])
@@ -173,11 +182,33 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, y, enc_BxSxD, self_mask_BxTxT, cross_mask_BxTxS, *, deterministic: bool, rngs):
     drop = dict(deterministic=deterministic, rngs=rngs)
+    return self._forward(y, lambda h: self.self_attn(h, h, self_mask_BxTxT, **drop),
+                         lambda h: self.cross_attn(h, enc_BxSxD, cross_mask_BxTxS, **drop), drop)
+
+  def step(self, y_Nx1xD, self_kv, cross_kv, step, cross_mask_Nx1xS):
+    """One decoding position, deterministic: (output, FFN input, self_kv with this position's key/value
+    written at `step`). self_kv: (k, v) `[N, T, H, D/H]` of positions < step (later ones are ignored);
+    cross_kv: `cross_attn.project_kv(enc)`."""
+    cache = {}
+
+    def self_attn(h):
+      k1, v1 = self.self_attn.project_kv(h)
+      at = (0, step, 0, 0)
+      k = jax.lax.dynamic_update_slice(self_kv[0], k1.astype(self_kv[0].dtype), at)
+      v = jax.lax.dynamic_update_slice(self_kv[1], v1.astype(self_kv[1].dtype), at)
+      cache["kv"] = (k, v)
+      n, t = k.shape[:2]
+      mask = jnp.broadcast_to((jnp.arange(t) <= step)[None, None, :], (n, 1, t))
+      return self.self_attn.attend(h, k, v, mask)
+
+    cross_attn = lambda h: self.cross_attn.attend(h, cross_kv[0], cross_kv[1], cross_mask_Nx1xS)
+    out, ffn_in = self._forward(y_Nx1xD, self_attn, cross_attn, dict(deterministic=True, rngs=None))
+    return out, ffn_in, cache["kv"]
+
+  def _forward(self, y, self_attn, cross_attn, drop):
     pre = self.pre_norm
-    y = _sublayer(y, lambda h: self.self_attn(h, h, self_mask_BxTxT, **drop), self.self_attn_norm, self.dropout,
-                  pre, drop)
-    y = _sublayer(y, lambda h: self.cross_attn(h, enc_BxSxD, cross_mask_BxTxS, **drop), self.cross_attn_norm,
-                  self.dropout, pre, drop)
+    y = _sublayer(y, self_attn, self.self_attn_norm, self.dropout, pre, drop)
+    y = _sublayer(y, cross_attn, self.cross_attn_norm, self.dropout, pre, drop)
     ffn_in = self.ffn_norm(y) if pre else y  # what fc1 reads (post-norm: the cross-attention LayerNorm's output)
     out = y + self.dropout(self.ffn(ffn_in, **drop), **drop)
     return (out if pre else self.ffn_norm(out)), ffn_in
@@ -243,10 +274,40 @@ class TransformerMT(nnx.Module):
     ffn_in = y
     for layer in self.decoder:
       y, ffn_in = layer(y, enc_BxSxD, self_mask, cross_mask, deterministic=deterministic, rngs=rngs)
-    dtype = jnp.dtype(cfg.dtype)
+    return self._outputs(y, ffn_in)
+
+  def _outputs(self, y, ffn_in):
+    dtype = jnp.dtype(self.cfg.dtype)
     f = (self.decoder_norm(y) if self.decoder_norm is not None else y).astype(dtype)
-    g = ffn_in.astype(dtype) if cfg.key_type == "last_ffn_input" else f
+    g = ffn_in.astype(dtype) if self.cfg.key_type == "last_ffn_input" else f
     return f, g
+
+  # Incremental decoding (fairseq's incremental_state): each decoder layer caches its self-attention keys /
+  # values of the positions decoded so far and its cross-attention keys / values of the encoder output; a step
+  # runs the decoder over one position. Same values as `decode` over the whole prefix (tested).
+  def init_decode_cache(self, enc_NxSxD, max_steps: int):
+    """{"self": per layer (k, v) zeros `[N, max_steps, H, D/H]`, "cross": per layer (k, v) of the encoder
+    output}."""
+    n, h = enc_NxSxD.shape[0], self.cfg.num_heads
+    zeros = jnp.zeros((n, max_steps, h, self.cfg.d_model // h), enc_NxSxD.dtype)
+    return {"self": [(zeros, zeros) for _ in self.decoder],
+            "cross": [layer.cross_attn.project_kv(enc_NxSxD) for layer in self.decoder]}
+
+  def decode_step(self, cache, src_NxS, token_N, step):
+    """(f `[N, D]`, g `[N, D]`, cache) of position `step` whose input token is `token_N` (deterministic);
+    the cache holds positions < step. Positions are never padding during a search."""
+    cfg = self.cfg
+    off = cfg.position_offset
+    t_max = cache["self"][0][0].shape[1]
+    pos = jax.lax.dynamic_slice_in_dim(sinusoidal_positions(t_max + off, cfg.d_model), step + off, 1)
+    y = (self.tgt_embed(token_N[:, None]) * math.sqrt(cfg.d_model) + pos[None]).astype(jnp.dtype(cfg.dtype))
+    cross_mask = (src_NxS != cfg.pad_id)[:, None, :]
+    ffn_in, new_self = y, []
+    for layer, self_kv, cross_kv in zip(self.decoder, cache["self"], cache["cross"]):
+      y, ffn_in, kv = layer.step(y, self_kv, cross_kv, step, cross_mask)
+      new_self.append(kv)
+    f, g = self._outputs(y, ffn_in)
+    return f[:, 0], g[:, 0], {"self": new_self, "cross": cache["cross"]}
 
   def logits(self, f_xD):
     """Vocabulary logits `[..., V]` = f · Wᵀ (float32 accumulation)."""
