@@ -279,6 +279,26 @@ def test_mt_datastore_holds_teacher_forced_keys_and_refuses_another_model(tiny):
     mt_datastore.build_mt_datastore(tiny["other"], train, tiny["ds_dir"], progress=False)
 
 
+def test_mt_datastore_build_resumes_after_an_interruption(tiny, tmp_path, monkeypatch):
+  from trime_jax.datastore import Datastore
+  from trime_jax.mt import datastore as mt_datastore
+
+  monkeypatch.setattr(mt_datastore, "CHUNK_BATCHES", 1)
+  out = str(tmp_path / "ds")
+  meta = mt_datastore.build_mt_datastore(tiny["ckpt"], tiny["train"], out, batch_tokens=32, max_chunks=2,
+                                         progress=False)
+  assert not meta["complete"] and meta["batches_done"] == 2 and 0 < meta["tokens_done"] < tiny["meta"]["count"]
+  with pytest.raises(Exception, match="not complete|incomplete"):
+    Datastore(out)  # an interrupted build is never read as a datastore
+  # the rerun keeps the stored batch plan (batch_tokens=32), whatever it is asked now
+  meta = mt_datastore.build_mt_datastore(tiny["ckpt"], tiny["train"], out, batch_tokens=64, progress=False)
+  assert meta["complete"] and meta["tokens_done"] == meta["count"] == tiny["meta"]["count"]
+  whole = Datastore(tiny["ds_dir"])
+  resumed = Datastore(out)
+  np.testing.assert_array_equal(np.asarray(resumed.values), np.asarray(whole.values))
+  np.testing.assert_allclose(np.asarray(resumed.keys, np.float32), np.asarray(whole.keys, np.float32), atol=2e-3)
+
+
 def test_retrieve_matches_brute_force(tiny):
   from trime_jax.mt import datastore as mt_datastore
 

@@ -117,6 +117,81 @@ def _read_meta(directory: str) -> dict | None:
     raise DamagedCheckpointError(f"datastore meta {path} is corrupt or truncated ({e})") from None
 
 
+class DatastoreWriter:
+  """The files of a datastore being built, shared by every builder (LM windows here, translation targets in
+  `trime_jax.mt.datastore`).
+
+  `DatastoreWriter(out_dir, identity)` refuses a directory holding a different datastore (any IDENTITY field
+  differs); `.complete` says a finished one is there, `.meta` is its meta.json (None when fresh). `open(**fields)`
+  creates full-size key / value files with their blocks reserved (or reopens an incomplete build's) and returns
+  the (keys, values) memmaps; `commit(seconds, **progress)` flushes them and only then records the progress in
+  meta.json (atomically); `finish()` records the file digests and `complete`. Use inside `no_space_is_an_error`
+  so that a full disk is one clear error with the saved progress kept."""
+
+  def __init__(self, out_dir: str, identity: dict):
+    missing = [k for k in IDENTITY if k not in identity]
+    if missing:
+      raise ValueError(f"datastore identity lacks {missing}")
+    self.out_dir, self.identity = out_dir, {k: identity[k] for k in IDENTITY}
+    self.meta_path, self.keys_path, self.values_path = _paths(out_dir)
+    self.meta = _read_meta(out_dir)
+    if self.meta is not None:
+      diff = [f"{k}: {self.meta.get(k)!r} there, {v!r} now" for k, v in self.identity.items() if self.meta.get(k) != v]
+      if diff:
+        raise CheckpointError(f"{out_dir} holds a different datastore ({'; '.join(diff)}): choose another "
+                              "output directory or delete it")
+    self.keys = self.values = None
+
+  @property
+  def complete(self) -> bool:
+    return bool(self.meta and self.meta.get("complete"))
+
+  def no_space_is_an_error(self):
+    return _no_space_is_an_error(self.out_dir, self.identity["count"], self.identity["dimension"])
+
+  def open(self, **fields):
+    """(keys [N, D], values [N]) memmaps; a fresh build's meta.json gets `fields` and tokens_done = 0."""
+    n, dim = self.identity["count"], self.identity["dimension"]
+    os.makedirs(self.out_dir, exist_ok=True)
+    if self.meta is None or not self.meta.get("tokens_done"):  # fresh: full-size files, their blocks reserved
+      self.keys = np.lib.format.open_memmap(self.keys_path, mode="w+", dtype=KEY_DTYPE, shape=(n, dim))
+      self.values = np.lib.format.open_memmap(self.values_path, mode="w+", dtype=VALUE_DTYPE, shape=(n,))
+      for path in (self.keys_path, self.values_path):  # a memmap write to a full disk would be a SIGBUS
+        _reserve(path)
+      self.meta = {**self.identity, "fingerprint": _identity_fingerprint(self.identity), **fields,
+                   "tokens_done": 0, "complete": False, "build_seconds": 0.0}
+      data.atomic_write_json(self.meta_path, self.meta)
+    else:
+      try:
+        self.keys = np.load(self.keys_path, mmap_mode="r+")
+        self.values = np.load(self.values_path, mmap_mode="r+")
+      except (OSError, ValueError, EOFError) as e:
+        raise CheckpointError(f"cannot resume datastore {self.out_dir} ({e}): delete it and rebuild") from None
+      if self.keys.shape != (n, dim) or self.values.shape != (n,):
+        raise CheckpointError(f"cannot resume datastore {self.out_dir}: files have shapes {self.keys.shape} / "
+                              f"{self.values.shape}, expected {(n, dim)} / {(n,)}; delete it and rebuild")
+    return self.keys, self.values
+
+  def commit(self, seconds: float, **progress) -> None:
+    """Flush the data written so far, then record `progress` (e.g. tokens_done) and the build time."""
+    self.keys.flush()
+    self.values.flush()
+    self.meta.update(progress)
+    self.meta["build_seconds"] = round(self.meta["build_seconds"] + seconds, 3)
+    data.atomic_write_json(self.meta_path, self.meta)
+
+  def finish(self) -> dict:
+    """Close the files, record their digests and mark the datastore complete; returns meta.json's dict."""
+    self.keys = self.values = None
+    n = self.identity["count"]
+    self.meta["tokens_done"] = n
+    self.meta["file_digests"] = {os.path.basename(p): file_digest(p) for p in (self.keys_path, self.values_path)}
+    self.meta["complete"] = True
+    self.meta["tokens_per_s"] = round(n / max(self.meta["build_seconds"], 1e-9), 1)
+    data.atomic_write_json(self.meta_path, self.meta)
+    return self.meta
+
+
 class Datastore:
   """A complete datastore, memory-mapped read-only.
 
@@ -255,40 +330,17 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
               "checkpoint_fingerprint": ckpt.fingerprint(checkpoint_dir), "vocab_fingerprint": vocab.fingerprint(),
               "corpus_fingerprint": corpus.fingerprint(), "key_type": cmeta["key_type"],
               "block_len": block_len, "context_window": context_window}
-  os.makedirs(out_dir, exist_ok=True)
-  meta_path, keys_path, values_path = _paths(out_dir)
-  meta = _read_meta(out_dir)
-  if meta is not None:
-    diff = [f"{k}: {meta.get(k)!r} there, {identity[k]!r} now" for k in IDENTITY if meta.get(k) != identity[k]]
-    if diff:
-      raise CheckpointError(f"{out_dir} holds a different datastore ({'; '.join(diff)}): choose another "
-                            "output directory or delete it")
-    if meta.get("complete"):
-      if progress:
-        print(f"datastore {out_dir} is already complete ({n:,} tokens)", flush=True)
-      return meta
-  with _no_space_is_an_error(out_dir, n, dim):  # a full disk: one line, and the finished chunks stay resumable
-    done = int(meta["tokens_done"]) if meta else 0
-    if done == 0:  # fresh: full-size files up front, their blocks reserved
-      keys = np.lib.format.open_memmap(keys_path, mode="w+", dtype=KEY_DTYPE, shape=(n, dim))
-      values = np.lib.format.open_memmap(values_path, mode="w+", dtype=VALUE_DTYPE, shape=(n,))
-      for path in (keys_path, values_path):  # reserve the blocks now: a memmap write to a full disk is a SIGBUS
-        _reserve(path)
-      fp = _identity_fingerprint(identity)
-      meta = {**identity, "fingerprint": fp, "corpus_name": corpus.name, "tokens_done": 0, "complete": False,
-              "build_seconds": 0.0}
-      data.atomic_write_json(meta_path, meta)
-    else:
-      try:
-        keys = np.load(keys_path, mmap_mode="r+")
-        values = np.load(values_path, mmap_mode="r+")
-      except (OSError, ValueError, EOFError) as e:
-        raise CheckpointError(f"cannot resume datastore {out_dir} ({e}): delete it and rebuild") from None
-      if keys.shape != (n, dim) or values.shape != (n,):
-        raise CheckpointError(f"cannot resume datastore {out_dir}: files have shapes {keys.shape} / "
-                              f"{values.shape}, expected {(n, dim)} / {(n,)}; delete it and rebuild")
-      if done % stride:
-        raise CheckpointError(f"datastore {out_dir}: tokens_done={done} is not a window boundary; delete it")
+  writer = DatastoreWriter(out_dir, identity)
+  if writer.complete:
+    if progress:
+      print(f"datastore {out_dir} is already complete ({n:,} tokens)", flush=True)
+    return writer.meta
+  with writer.no_space_is_an_error():  # a full disk: one line, and the finished chunks stay resumable
+    keys, values = writer.open(corpus_name=corpus.name)
+    meta = writer.meta
+    done = int(meta["tokens_done"])
+    if done % stride:
+      raise CheckpointError(f"datastore {out_dir}: tokens_done={done} is not a window boundary; delete it")
 
     first_win = done // stride
     todo = range(first_win, len(wins), per_chunk)
@@ -314,23 +366,16 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
                                   "overflow float16 or the checkpoint is broken")
           keys[lo:lo + len(rows)] = rows
         values[a:b] = np.asarray(corpus.tokens[a:b], VALUE_DTYPE)
-        keys.flush()
-        values.flush()
         built += b - a
         dt, t0 = time.perf_counter() - t0, time.perf_counter()
         session_s += dt
-        meta["tokens_done"] = b
-        meta["build_seconds"] = round(meta["build_seconds"] + dt, 3)
-        data.atomic_write_json(meta_path, meta)  # only after the chunk's data is on disk
+        writer.commit(dt, tokens_done=b)  # only after the chunk's data is on disk
         bar.update(b - a)
     finally:
       bar.close()
     del keys, values
     if meta["tokens_done"] == n:
-      meta["file_digests"] = {os.path.basename(p): file_digest(p) for p in (keys_path, values_path)}
-      meta["complete"] = True
-      meta["tokens_per_s"] = round(n / max(meta["build_seconds"], 1e-9), 1)
-      data.atomic_write_json(meta_path, meta)
+      meta = writer.finish()
   if progress:
     state = "complete" if meta["complete"] else f"incomplete ({meta['tokens_done']:,} of {n:,} tokens)"
     print(f"datastore {out_dir}: {state}; this call wrote {built:,} tokens in {session_s:.1f} s "

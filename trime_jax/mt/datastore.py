@@ -9,11 +9,9 @@ unchanged, and a datastore built by another checkpoint or vocabulary is refused.
 
 Entries are in pair order: pair i contributes len(y_i) + 1 entries (targets y_i + [eos], fairseq's targets),
 keyed by the decoder over prev = [eos] + y_i with its source. Padding targets (-1) never become entries.
-A build is not resumable (the whole training set takes minutes): an incomplete directory is rebuilt.
-
-Reused from build.py by import (private helpers): _paths, _read_meta, _identity_fingerprint, _reserve,
-_no_space_is_an_error, file_digest. The refactor that would make this cleaner: a public `DatastoreWriter(out_dir,
-identity, count, dimension)` with `write(lo, keys, values)` / `complete()` in build.py, used by both builders.
+The files are written by the LM builder's `DatastoreWriter` (identity check, reserved blocks, atomic progress,
+digests). Batches are length-sorted, so progress is recorded as `batches_done` of a plan fixed by the pairs and
+`batch_tokens` (kept in meta.json): an interrupted build resumes at its first unsaved chunk of batches.
 """
 
 from __future__ import annotations
@@ -30,11 +28,13 @@ from flax import nnx
 from tqdm import tqdm
 
 from trime_jax import checkpoint as ckpt
-from trime_jax import data as lm_data
 from trime_jax.datastore import build as ds_build
 from trime_jax.errors import CheckpointError
 from trime_jax.mt import data as mt_data
 from trime_jax.mt import model as mt_model
+
+CHUNK_BATCHES = 64  # batches per persisted chunk of an MT datastore build
+
 
 def length_bucket(n: int) -> int:
   """The padded length of a sequence of n tokens: 8, 12, 16, 24, 32, 48, 64, ... (≤ 1.5× padding, few shapes)."""
@@ -84,9 +84,10 @@ def corpus_fingerprint(src_list, tgt_list) -> str:
 
 
 def build_mt_datastore(checkpoint_dir: str, pairs: mt_data.ParallelData, out_dir: str, *,
-                       batch_tokens: int = 8192, progress: bool = True) -> dict:
-  """Build the datastore of `pairs` (the training split) under the MT export `checkpoint_dir` into `out_dir`;
-  returns meta.json's dict. A complete datastore with the same identity is reused; a different one is refused."""
+                       batch_tokens: int = 8192, max_chunks: int | None = None, progress: bool = True) -> dict:
+  """Build (or resume) the datastore of `pairs` (the training split) under the MT export `checkpoint_dir` into
+  `out_dir`; returns meta.json's dict. A complete datastore with the same identity is reused; a different one is
+  refused. `max_chunks`: stop after that many chunks of CHUNK_BATCHES batches (incomplete; a rerun resumes)."""
   graphdef, params, config, vocab = mt_model.load_mt_export(checkpoint_dir)
   if pairs.vocab.fingerprint() != vocab.fingerprint():
     raise CheckpointError(f"the {pairs.split or 'given'} pairs are encoded with vocabulary "
@@ -100,50 +101,47 @@ def build_mt_datastore(checkpoint_dir: str, pairs: mt_data.ParallelData, out_dir
               "value_dtype": "int32", "checkpoint_fingerprint": ckpt.fingerprint(checkpoint_dir),
               "vocab_fingerprint": vocab.fingerprint(), "corpus_fingerprint": corpus_fingerprint(pairs.src, pairs.tgt),
               "key_type": cmeta["key_type"], "block_len": 0, "context_window": 0}
-  os.makedirs(out_dir, exist_ok=True)
-  meta_path, keys_path, values_path = ds_build._paths(out_dir)
-  meta = ds_build._read_meta(out_dir)
-  if meta is not None:
-    diff = [f"{k}: {meta.get(k)!r} there, {identity[k]!r} now" for k in ds_build.IDENTITY
-            if meta.get(k) != identity[k]]
-    if diff:
-      raise CheckpointError(f"{out_dir} holds a different datastore ({'; '.join(diff)}): choose another "
-                            "output directory or delete it")
-    if meta.get("complete"):
-      if progress:
-        print(f"datastore {out_dir} is already complete ({n:,} target tokens)", flush=True)
-      return meta
-  t0 = time.perf_counter()
-  with ds_build._no_space_is_an_error(out_dir, n, dim):
-    keys = np.lib.format.open_memmap(keys_path, mode="w+", dtype=ds_build.KEY_DTYPE, shape=(n, dim))
-    values = np.lib.format.open_memmap(values_path, mode="w+", dtype=ds_build.VALUE_DTYPE, shape=(n,))
-    for path in (keys_path, values_path):
-      ds_build._reserve(path)
-    meta = {**identity, "fingerprint": ds_build._identity_fingerprint(identity), "corpus_name": pairs.split,
-            "task": "mt", "pairs": len(pairs), "tokens_done": 0, "complete": False, "build_seconds": 0.0}
-    lm_data.atomic_write_json(meta_path, meta)
-    batches = pair_batches(pairs.src, pairs.tgt, batch_tokens=batch_tokens)
-    for idx, batch in tqdm(batches, desc="mt datastore", unit="batch", disable=not progress):
-      g = np.asarray(_forced_keys(graphdef, params, jnp.asarray(batch["src"]), jnp.asarray(batch["prev"])))
-      if not np.isfinite(g[:len(idx)]).all():
-        raise CheckpointError("non-finite float16 keys: the model's keys overflow float16 or the checkpoint is "
-                              "broken")
-      for r, i in enumerate(idx):
-        lo, c = offsets[i], counts[i]
-        keys[lo:lo + c] = g[r, :c]
-        values[lo:lo + c] = batch["targets"][r, :c]
-    keys.flush()
-    values.flush()
+  writer = ds_build.DatastoreWriter(out_dir, identity)
+  if writer.complete:
+    if progress:
+      print(f"datastore {out_dir} is already complete ({n:,} target tokens)", flush=True)
+    return writer.meta
+  with writer.no_space_is_an_error():
+    keys, values = writer.open(corpus_name=pairs.split, task="mt", pairs=len(pairs), batch_tokens=batch_tokens,
+                               batches_done=0)
+    meta = writer.meta
+    batches = pair_batches(pairs.src, pairs.tgt, batch_tokens=int(meta["batch_tokens"]))  # the resumed plan
+    first, written = int(meta["batches_done"]), 0
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(batches), initial=first, desc="mt datastore", unit="batch", disable=not progress)
+    try:
+      for b_i in range(first, len(batches)):
+        if max_chunks is not None and b_i >= first + max_chunks * CHUNK_BATCHES:
+          break
+        idx, batch = batches[b_i]
+        g = np.asarray(_forced_keys(graphdef, params, jnp.asarray(batch["src"]), jnp.asarray(batch["prev"])))
+        if not np.isfinite(g[:len(idx)]).all():
+          raise CheckpointError("non-finite float16 keys: the model's keys overflow float16 or the checkpoint is "
+                                "broken")
+        for r, i in enumerate(idx):
+          lo, c = offsets[i], counts[i]
+          keys[lo:lo + c] = g[r, :c]
+          values[lo:lo + c] = batch["targets"][r, :c]
+        written += int(counts[idx].sum())
+        if (b_i + 1) % CHUNK_BATCHES == 0 or b_i + 1 == len(batches):
+          dt, t0 = time.perf_counter() - t0, time.perf_counter()
+          writer.commit(dt, batches_done=b_i + 1, tokens_done=int(meta["tokens_done"]) + written)
+          written = 0
+        bar.update(1)
+    finally:
+      bar.close()
     del keys, values
-    meta["tokens_done"] = n
-    meta["build_seconds"] = round(time.perf_counter() - t0, 3)
-    meta["tokens_per_s"] = round(n / max(meta["build_seconds"], 1e-9), 1)
-    meta["file_digests"] = {os.path.basename(p): ds_build.file_digest(p) for p in (keys_path, values_path)}
-    meta["complete"] = True
-    lm_data.atomic_write_json(meta_path, meta)
+    if meta["batches_done"] == len(batches):
+      meta = writer.finish()
   if progress:
-    print(f"datastore {out_dir}: {n:,} target tokens of {len(pairs):,} pairs in {meta['build_seconds']:.1f} s",
-          flush=True)
+    state = "complete" if meta["complete"] else f"incomplete ({meta['batches_done']} of {len(batches)} batches)"
+    print(f"datastore {out_dir}: {state}; {n:,} target tokens of {len(pairs):,} pairs, "
+          f"{meta['build_seconds']:.1f} s", flush=True)
   return meta
 
 
