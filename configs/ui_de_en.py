@@ -59,8 +59,9 @@ def get_config():
   #   experiments/ui_de_en.sh sets a tenth of each run)
   t.memory_chunk = 0  # blockwise loss chunk (0: derived from the 64 MiB block budget)
   t.consecutive_segments = 1  # unused for MT (ObjectiveSpec field)
-  t.sharded_variant = "gather"  # >1 device: gather | ring (trime_jax/sharded_loss.py)
-  t.memory_grad = "all"
+  t.sharded_variant = "gather"  # >1 device: gather | ring (trime_jax/sharded_loss.py; memory_topk needs gather)
+  t.memory_grad = "all"  # >1 device: all (every memory key gets its gradient) | local_only (the original's
+  #   all_gather: keys get gradient from queries on their own device only)
 
   c.train = r = ml_collections.ConfigDict()
   r.seed = 0

@@ -17,6 +17,8 @@
 #   bash experiments/ui_de_en.sh tune NAME        # K, τ, λ, T, τ′ on valid (teacher-forced NLL, then beam search of
 #                                                 #   the best; TUNE_SENTENCES valid pairs, default 1000)
 #   bash experiments/ui_de_en.sh test NAME        # test BLEU (beam 4) + sentences/s: model, kNN-MT, TrimeMT_ext
+#                                                 #   (+ interpolation), each with its valid-tuned setting
+#   bash experiments/ui_de_en.sh table            # the markdown table of the test results
 #   bash experiments/ui_de_en.sh all              # all of the above for the three models, resumable
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -68,7 +70,7 @@ print(f'sentencepiece: {v.size} pieces, fingerprint {v.fingerprint()}, {time.per
     ;;
   test)
     NAME=$2; T=$OUT/$NAME/translate
-    for MODE in ${MODES:-model knn_mt trime}; do  # e.g. MODES="model knn_mt" for the vanilla model
+    for MODE in ${MODES:-model knn_mt trime trime_interp}; do  # e.g. MODES="model knn_mt" for vanilla
       if [ "$MODE" = model ]; then
         $PY launch.translate --checkpoint=$OUT/$NAME/export --mode=model --split=test --out=$T
       else
@@ -79,11 +81,35 @@ print(f'sentencepiece: {v.size} pieces, fingerprint {v.fingerprint()}, {time.per
     $PYBIN -c "
 import json
 import os
-for m in ('model', 'knn_mt', 'trime'):
+for m in ('model', 'knn_mt', 'trime', 'trime_interp'):
   if not os.path.exists('$T/test.' + m + '.json'):
     continue
   r = json.load(open('$T/test.' + m + '.json'))
   print(f\"$NAME {m:7s} BLEU {r['bleu']:6.2f}  {r['sentences_per_s']:7.2f} sentences/s  {r['setting']}\")"
+    ;;
+  table)  # the issue-15 table (markdown) from the test decodes' JSON files
+    $PYBIN - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+rows = [("vanilla", "model", "Transformer (vanilla)"), ("vanilla", "knn_mt", "vanilla + kNN-MT"),
+        ("trime_bm25", "model", "TrimeMT_ext (BM25 batches), model alone"),
+        ("trime_bm25", "trime", "TrimeMT_ext (BM25 batches) + datastore"),
+        ("trime_bm25", "trime_interp", "TrimeMT_ext (BM25 batches) + datastore + interpolation"),
+        ("trime_random", "trime", "TrimeMT_ext (random batches) + datastore"),
+        ("trime_random", "trime_interp", "TrimeMT_ext (random batches) + datastore + interpolation")]
+print("| model | test BLEU | sentences/s | setting (tuned on valid) |\n|---|---:|---:|---|")
+for name, mode, label in rows:
+  path = os.path.join(out, name, "translate", f"test.{mode}.json")
+  if not os.path.exists(path):
+    print(f"| {label} | (not run) | | |")
+    continue
+  r = json.load(open(path))
+  s = r["setting"]
+  how = {"model": "beam 4", "knn_mt": f"K {s['k']}, T {s['temperature']:g}, λ {s['lam']:g}",
+         "trime": f"K {s['k']}, τ {s['tau']:g}" + (f", λ {s['interp_lambda']:g}, τ′ {s['interp_tau']:g}"
+                                                   if s["interp_lambda"] else "")}[s["mode"]]
+  print(f"| {label} | {r['bleu']:.2f} | {r['sentences_per_s']:.1f} | {how} |")
+PY
     ;;
   all)  # everything, in order; rerun after an interruption (finished steps are skipped or resume)
     bash "$0" spm
@@ -95,8 +121,9 @@ for m in ('model', 'knn_mt', 'trime'):
       [ -f $OUT/$NAME/translate/tuned.json ] || bash "$0" tune $NAME
     done
     MODES="model knn_mt" bash "$0" test vanilla
-    MODES="model trime" bash "$0" test trime_bm25
-    MODES="trime" bash "$0" test trime_random
+    MODES="model trime trime_interp" bash "$0" test trime_bm25
+    MODES="trime trime_interp" bash "$0" test trime_random
+    bash "$0" table
     ;;
   *)
     sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;

@@ -31,7 +31,11 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "An MT config (task='m
                                           "export's stored config.", lock_config=True)
 _SPLIT = flags.DEFINE_enum("split", "test", ["train", "valid", "test"], "Split to translate.")
 _OUT = flags.DEFINE_string("out", None, "Output directory.")
-_MODE = flags.DEFINE_enum("mode", "model", ["model", "knn_mt", "trime"], "Next-token distribution.")
+_MODE = flags.DEFINE_enum("mode", "model", ["model", "knn_mt", "trime", "trime_interp", "trime_best"],
+                          "Next-token distribution: model | knn_mt | trime (TRIME over vocabulary + retrieved "
+                          "entries; --interp_lambda > 0 adds Appendix A's interpolation). With --settings, "
+                          "trime_interp takes the tuned interpolated setting and trime_best the better of the two "
+                          "on valid BLEU.")
 _BEAM = flags.DEFINE_integer("beam", 4, "Beam size (1 = greedy).")
 _LENPEN = flags.DEFINE_float("lenpen", 0.6, "Length penalty: score / len^lenpen (0.6: the original TrimeMT / kNN-MT evaluations; fairseq default 1.0).")
 _MAX_LEN_A = flags.DEFINE_float("max_len_a", 1.2, "Max output length = a * source length + b (1.2 and 10: the original evaluations; fairseq default 0, 200).")
@@ -132,7 +136,11 @@ def main(argv):
                                        "setting": dataclasses.asdict(r["setting"])} for r in rows]})
     print(f"tune: best settings -> {os.path.join(out, 'tuned.json')}", flush=True)
     return
-  dist = decode.Distribution(_MODE.value, k=_K.value, temperature=_TEMPERATURE.value, lam=_LAMBDA.value,
+  if _MODE.value in ("trime_interp", "trime_best") and not _SETTINGS.value:
+    raise ConfigError(f"--mode={_MODE.value} selects a tuned setting: give --settings=<tune out>/tuned.json "
+                      "(or --mode=trime with --interp_lambda / --interp_tau)")
+  family = "trime" if _MODE.value.startswith("trime") else _MODE.value
+  dist = decode.Distribution(family, k=_K.value, temperature=_TEMPERATURE.value, lam=_LAMBDA.value,
                              tau=_TAU.value, interp_lambda=_INTERP_LAMBDA.value, interp_tau=_INTERP_TAU.value)
   if _SETTINGS.value:
     dist = decode.Distribution.from_tuned(_SETTINGS.value, _MODE.value)

@@ -149,6 +149,26 @@ def check_loss():
         row["keys_grad_diff_vs_all"] = float(jnp.abs(grads[1] - want[(mem, m, "all", sg)][1][1]).max())
         row["logits_grad_diff_vs_all"] = float(jnp.abs(grads[0] - want[(mem, m, "all", sg)][1][0]).max())
       results.append(row)
+  # memory_topk (the original MT criterion's --topk-mem), gather variant: the top k of the global batch.
+  topk = []
+  for drop in (False, True, drop_rows):
+    for mg in ("all", "local_only"):
+      f = lambda lg, ks, drop=drop, mg=mg: (sharded_loss.sharded_trime_nll(
+          lg, ks, targets, mesh=mesh, memory="ext", drop_local=drop, temperature=TEMPERATURE, memory_topk=3,
+          memory_grad=mg) * weights).sum()
+      val, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(logits, keys)
+      if mg == "all":
+        r = lambda lg, ks, drop=drop: (L.trime_nll(lg, ks, targets, memory="ext", drop_local=drop,
+                                                   temperature=TEMPERATURE, memory_topk=3) * weights).sum()
+        ref_val, ref_grads = jax.jit(jax.value_and_grad(r, argnums=(0, 1)))(logits, keys)
+      topk.append({"drop_local": "rows" if drop is drop_rows else drop, "memory_grad": mg, "value": float(val),
+                   "value_err": abs(float(val - ref_val)), "logits_grad_err": _max_err(grads[0], ref_grads[0]),
+                   "keys_grad_err": _max_err(grads[1], ref_grads[1]), "grad_scale": _max_abs(ref_grads)})
+  try:
+    sharded_loss.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory="ext", memory_topk=3, variant="ring")
+    ring_topk_error = ""
+  except ValueError as e:
+    ring_topk_error = str(e)
   # Which collectives each configuration's forward + backward contains (StableHLO before partitioning: only
   # the explicit ones of the shard_map body).
   collectives = {}
@@ -161,7 +181,7 @@ def check_loss():
     text = jax.jit(jax.grad(f, argnums=(0, 1))).lower(logits, keys).as_text()
     ops = re.findall(r"stablehlo\.(all_gather|reduce_scatter|collective_permute|all_reduce|all_to_all)", text)
     collectives[f"{mem}/{m}/{var}/{mg}"] = sorted(set(ops))
-  return {"cases": results, "collectives": collectives}
+  return {"cases": results, "collectives": collectives, "topk": topk, "ring_topk_error": ring_topk_error}
 
 
 def check_model():
@@ -230,7 +250,31 @@ def check_train(workdir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
       lines = [json.loads(line) for line in f if line.strip()]
     out[name] = [x for x in lines if "loss" in x]  # training lines (not the dev evaluation)
-  return {"runs": out, "devices": jax.device_count(), "srupp": check_srupp_train(workdir, corpus)}
+  return {"runs": out, "devices": jax.device_count(), "srupp": check_srupp_train(workdir, corpus),
+          "mt": check_mt_train(workdir)}
+
+
+def check_mt_train(workdir):
+  """TrimeMT_ext (BM25 batches, --topk-mem 8 as configs/ui_de_en.py) on 1 and on 8 devices: training losses
+  per update (rows padded to a multiple of 8 on the 8-device mesh: padding rows are never scored or memory)."""
+  from tests.test_mt_model import write_pairs
+  from tests.test_mt_train import WDE, WEN, tiny_config
+  from trime_jax.mt import train as mt_train
+
+  data_dir = os.path.join(workdir, "mt_data")
+  write_pairs(data_dir, WDE * 3, WEN * 3)
+  losses = {}
+  for n in (1, 8):
+    c = tiny_config(data_dir)
+    c.model.dropout = 0.0
+    c.train.update(num_steps=4, num_devices=n, eval_every=0)
+    assert c.trime.memory_topk == 8
+    run_dir = os.path.join(workdir, f"mt_{n}dev")
+    mt_train.train_and_evaluate(c, run_dir, log=lambda s: None)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+      losses[n] = [(json.loads(line)["objective"], json.loads(line)["loss"]) for line in f
+                   if '"loss"' in line and '"split"' not in line]
+  return losses
 
 
 def check_srupp_train(workdir, corpus):

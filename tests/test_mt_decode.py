@@ -370,4 +370,9 @@ def test_cli_build_datastore_and_translate_tune(tiny):
   assert len((out / "valid.tune.knn_mt.1.hyp").read_text().splitlines()) == 4
   assert decode.Distribution.from_tuned(str(out / "tuned.json"), "knn_mt") == decode.Distribution(
       **tuned["chosen"]["knn_mt"]["setting"])
-  assert decode.Distribution.from_tuned(str(out / "tuned.json"), "trime").mode == "trime"
+  plain = decode.Distribution.from_tuned(str(out / "tuned.json"), "trime")
+  interp = decode.Distribution.from_tuned(str(out / "tuned.json"), "trime_interp")
+  assert plain.mode == interp.mode == "trime" and plain.interp_lambda == 0 < interp.interp_lambda
+  best = max(("trime", "trime_interp"), key=lambda m: tuned["chosen"][m]["bleu"])
+  assert decode.Distribution.from_tuned(str(out / "tuned.json"), "trime_best") == {
+      "trime": plain, "trime_interp": interp}[best]

@@ -85,7 +85,10 @@ def test_cli_error_is_one_line(tmp_path):
 
 def test_config_errors(tmp_path):
   for field, value, match in (("memory", "long", "trime.memory must be one of"),
-                              ("batching", "consecutive", "trime.batching must be one of")):
+                              ("batching", "consecutive", "trime.batching must be one of"),
+                              ("sharded_variant", "tree", "trime.sharded_variant must be one of"),
+                              ("sharded_variant", "ring", "memory_topk needs trime.sharded_variant='gather'"),
+                              ("memory_grad", "some", "trime.memory_grad must be one of")):
     c = tiny_config(tmp_path)
     c.trime[field] = value
     with pytest.raises(ConfigError, match=match):

@@ -78,6 +78,23 @@ def test_every_memory_mode_and_variant_equals_trime_nll(checks):
     assert c["grad_scale"] > 0.1, c  # the gradients compared are not trivially zero
 
 
+def test_memory_topk_on_8_devices_equals_trime_nll(checks):
+  """memory_topk (the original MT's --topk-mem) with the gather variant: each query's k most similar memories of
+  the global batch, values and gradients as `trime_nll` with memory_topk; local_only changes key gradients only."""
+  cases = checks("loss")["topk"]
+  assert {(str(c["drop_local"]), c["memory_grad"]) for c in cases} == {
+      (d, g) for d in ("False", "True", "rows") for g in ("all", "local_only")}
+  for c in cases:
+    assert c["value_err"] <= 1e-10 * max(1.0, abs(c["value"])), c
+    assert c["logits_grad_err"] <= 1e-10 * max(1.0, c["grad_scale"]), c
+    if c["memory_grad"] == "all":
+      assert c["keys_grad_err"] <= 1e-10 * max(1.0, c["grad_scale"]), c
+    else:
+      assert c["keys_grad_err"] > 1e-3, c  # memories on other devices get no gradient
+  assert min(c["grad_scale"] for c in cases) > 0.1
+  assert "variant='gather'" in checks("loss")["ring_topk_error"]  # the ring cannot take a global top k
+
+
 def test_local_only_cuts_exactly_the_cross_device_memory_gradients(checks):
   """memory_grad="local_only" equals a reference that stop-gradients every memory on another device than the
   query; it changes only key gradients, and only where memories cross devices."""
@@ -185,6 +202,9 @@ def test_one_device_mesh_is_trime_nll_and_bad_options_raise():
     SL.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory="ext", memory_grad="some")
   with pytest.raises(ValueError, match="consecutive_segments"):
     SL.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory="long", consecutive_segments=3)
+  np.testing.assert_array_equal(  # memory_topk on one device: the dense top-k loss
+      SL.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory="ext", memory_topk=2),
+      loss.trime_nll(logits, keys, targets, memory="ext", memory_topk=2))
   with pytest.raises(ConfigError, match="sharded_variant"):
     LossSpec(loss.ObjectiveSpec("ext"), sharded_variant="tree")
   with pytest.raises(ConfigError, match="memory_grad"):
@@ -208,3 +228,12 @@ def test_srupp_long_training_on_8_devices_matches_1_device(checks):
   losses = checks("train")["srupp"]
   assert len(losses["1"]) == 3
   np.testing.assert_allclose(losses["8"], losses["1"], rtol=1e-5)
+
+
+def test_mt_training_on_8_devices_matches_1_device(checks):
+  """TrimeMT_ext (external in-batch memory over target tokens, top-8 memories) with rows sharded over 8
+  devices: the per-update losses (plain-CE warm-up, then TRIME) equal the 1-device run's."""
+  losses = checks("train")["mt"]
+  assert [o for o, _ in losses["1"]] == ["ce", "trime", "trime", "trime"]
+  assert [o for o, _ in losses["8"]] == [o for o, _ in losses["1"]]
+  np.testing.assert_allclose([v for _, v in losses["8"]], [v for _, v in losses["1"]], rtol=1e-5)

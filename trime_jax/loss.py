@@ -283,7 +283,7 @@ def _dense_nll(stats: VocabStats, keys, targets, memory_keys, memory_targets, me
   return jnp.where(targets >= 0, log_z - log_p, 0.0)
 
 
-def _topk_dense_nll(stats: VocabStats, keys, targets, memory_keys, memory_targets, memory_mask, scale, k: int):
+def topk_dense_nll(stats: VocabStats, keys, targets, memory_keys, memory_targets, memory_mask, scale, k: int):
   """`_dense_nll` where each query's softmax keeps only its k most similar visible memories (numerator and
   normaliser alike): the original TrimeMT criterion's `--topk-mem` (trime_mt_loss.py, top-k before the label
   match). Gradients reach the selected memories only."""
@@ -562,7 +562,7 @@ def trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: Objective
     mask = visible(flat, flat, causal.reshape(-1), cross_rows)
     flat_stats = VocabStats(*(x.reshape(-1) for x in stats))
     args = (flat_stats, keys.reshape(b * l, d), flat.target, mem_keys.reshape(b * l, d), flat.target, mask, scale)
-    nll = _topk_dense_nll(*args, spec.memory_topk) if spec.memory_topk else _dense_nll(*args)
+    nll = topk_dense_nll(*args, spec.memory_topk) if spec.memory_topk else _dense_nll(*args)
     return nll.reshape(b, l)
 
   g = _groups(memory, b, consecutive_segments)

@@ -13,7 +13,8 @@ only how much of the batch has to travel:
   ext    the whole batch, by one of two variants:
          gather  all-gather keys and targets, one blockwise pass over the global memory. Its transpose (the
                  backward pass) is a reduce-scatter of the memory-key gradients. Holds the global
-                 `[B·L, D]` keys on every device.
+                 `[B·L, D]` keys on every device. With memory_topk (the original MT's --topk-mem) each
+                 query keeps its k most similar memories of the global batch (dense per device).
          ring    n steps: at step s a device holds the keys of device i-s, folds them into the running
                  log-sum-exp and passes them on with `ppermute` (sent before the block is used, so the
                  transfer can overlap the compute). A custom VJP runs the ring again in the backward pass,
@@ -81,9 +82,9 @@ def sharded_trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: l
   n = mesh.shape[axis]
   if spec.memory == "none" or n == 1:
     return loss.trime_nll_from_vocab_stats(stats, keys, targets, spec, drop_local=drop_local, documents=documents)
-  if spec.memory_topk:
-    raise ValueError("memory_topk (the original MT's --topk-mem) is single-device only: the top k of the global "
-                     "batch is not a per-shard reduction")
+  if spec.memory_topk and variant != "gather":
+    raise ValueError("memory_topk (the original MT's --topk-mem) needs variant='gather': a query's top k is "
+                     "taken over the whole gathered memory, not folded block by block")
   if keys.shape[0] % n:
     raise ValueError(f"a global batch of {keys.shape[0]} rows does not split over the {n} devices of "
                      f"mesh axis {axis!r}")
@@ -238,9 +239,15 @@ def _ext_gather(st: _Static, stats, keys, own, remote, targets, causal, scale):
   mem_t = lax.all_gather(targets, st.axis, tiled=True)
   qmeta = _flat(loss.batch_meta(targets, "ext", row_offset=r0))
   kmeta = _flat(loss.batch_meta(mem_t, "ext"))
+  flat_stats = VocabStats(*(x.reshape(-1) for x in stats))
+  if st.spec.memory_topk:  # each query's k most similar visible memories of the global batch (dense [b·L, n·b·L])
+    mask = loss.visible(qmeta, kmeta, causal, True)
+    nll = loss.topk_dense_nll(flat_stats, keys.reshape(-1, d), qmeta.target, mem.reshape(-1, d), kmeta.target, mask,
+                              scale, st.spec.memory_topk)
+    return nll.reshape(b, l)
   chunk = st.spec.memory_chunk or loss.chunk_len(b * l, st.n * b * l, st.spec.block_elems)
   log_z, log_p = loss.memory_log_terms(True, chunk, keys.reshape(-1, d), mem.reshape(-1, d), qmeta, kmeta,
-                                    causal, scale, VocabStats(*(x.reshape(-1) for x in stats)))
+                                    causal, scale, flat_stats)
   return (log_z - log_p).reshape(b, l)
 
 

@@ -322,8 +322,9 @@ class Distribution:
 
   @classmethod
   def from_tuned(cls, path: str, mode: str) -> "Distribution":
-    """The setting `launch.translate --tune` chose for `mode` (tuned.json); for trime, the better on valid
-    BLEU of TRIME alone and TRIME + Appendix A's interpolation."""
+    """The setting `launch.translate --tune` chose for `mode` (tuned.json): model | knn_mt | trime (TRIME with
+    the datastore, no interpolation) | trime_interp (+ Appendix A's interpolation) | trime_best (the better of
+    the two on valid BLEU)."""
     import json
 
     try:
@@ -331,7 +332,7 @@ class Distribution:
         chosen = json.load(f)["chosen"]
     except (OSError, ValueError, KeyError) as e:
       raise ConfigError(f"cannot read tuned settings {path}: {e}") from None
-    options = [m for m in ((mode, "trime_interp") if mode == "trime" else (mode,)) if m in chosen]
+    options = [m for m in (("trime", "trime_interp") if mode == "trime_best" else (mode,)) if m in chosen]
     if not options:
       raise ConfigError(f"{path} has no tuned setting for mode {mode}")
     best = max(options, key=lambda m: chosen[m]["bleu"])  # ties: TRIME alone (listed first)

@@ -65,6 +65,13 @@ def validate_config(config) -> None:
     raise ConfigError(f"trime.temperature must be positive, got {t.temperature}")
   if t.memory_topk < 0:
     raise ConfigError(f"trime.memory_topk must be >= 0, got {t.memory_topk}")
+  if t.sharded_variant not in sharded_loss.VARIANTS:
+    raise ConfigError(f"trime.sharded_variant must be one of {sharded_loss.VARIANTS}, got {t.sharded_variant!r}")
+  if t.memory_grad not in sharded_loss.MEMORY_GRADS:
+    raise ConfigError(f"trime.memory_grad must be one of {sharded_loss.MEMORY_GRADS}, got {t.memory_grad!r}")
+  if t.memory_topk and t.sharded_variant != "gather":
+    raise ConfigError("trime.memory_topk needs trime.sharded_variant='gather' (a query's top k over the whole "
+                      "gathered batch)")
 
 
 def resolve_data_path(config) -> None:
@@ -88,7 +95,7 @@ def objective_spec(config) -> loss.ObjectiveSpec:
 
 
 def mt_nll(model, batch, spec: loss.ObjectiveSpec, *, use_trime: bool, vocab_chunk=0, label_smoothing=0.0,
-           deterministic=True, rngs=None, mesh=None):
+           deterministic=True, rngs=None, mesh=None, variant="gather", memory_grad="all"):
   """Sums over the batch's valid target tokens: (objective, ce, trime, n_tokens).
 
   batch: src [B, S], prev [B, T], targets [B, T] (-1 = padding). The TRIME term is computed (and reported)
@@ -117,8 +124,8 @@ def mt_nll(model, batch, spec: loss.ObjectiveSpec, *, use_trime: bool, vocab_chu
 
   def trime(keys):
     if mesh is not None and mesh.size > 1:
-      return sharded_loss.sharded_trime_nll_from_vocab_stats(stats, keys, targets, spec, mesh=mesh,
-                                                             drop_local=True).sum()
+      return sharded_loss.sharded_trime_nll_from_vocab_stats(stats, keys, targets, spec, mesh=mesh, drop_local=True,
+                                                             variant=variant, memory_grad=memory_grad).sum()
     return loss.trime_nll_from_vocab_stats(stats, keys, targets, spec, drop_local=True).sum()
 
   if use_trime:
@@ -127,15 +134,18 @@ def mt_nll(model, batch, spec: loss.ObjectiveSpec, *, use_trime: bool, vocab_chu
   return obj, ce, jax.lax.stop_gradient(trime(jax.lax.stop_gradient(g))), ntok
 
 
-def train_step(graphdef, tx, spec, use_trime, vocab_chunk, label_smoothing, mesh, state, batch, dropout_key):
-  """One update on one batch; gradients of the summed objective over its target-token count (fairseq)."""
+def train_step(graphdef, tx, spec, use_trime, vocab_chunk, label_smoothing, sharded, state, batch, dropout_key):
+  """One update on one batch; gradients of the summed objective over its target-token count (fairseq).
+  sharded: None (one device) or (mesh, variant, memory_grad) of the sharded loss."""
+  mesh, variant, memory_grad = sharded or (None, "gather", "all")
   params = state["params"]
 
   def objective(p):
     model = nnx.merge(graphdef, p)
     obj, ce, tr, n = mt_nll(model, batch, spec, use_trime=use_trime, vocab_chunk=vocab_chunk,
                             label_smoothing=label_smoothing, deterministic=False,
-                            rngs=nnx.Rngs(dropout=dropout_key), mesh=mesh)
+                            rngs=nnx.Rngs(dropout=dropout_key), mesh=mesh, variant=variant,
+                            memory_grad=memory_grad)
     return obj / jnp.maximum(n, 1), (ce, tr, n)
 
   (obj, (ce, tr, n)), grads = jax.value_and_grad(objective, has_aux=True)(params)
@@ -153,12 +163,13 @@ def train_step(graphdef, tx, spec, use_trime, vocab_chunk, label_smoothing, mesh
 
 
 @functools.lru_cache(maxsize=16)
-def _step_fn(graphdef, train_json: str, spec, use_trime: bool, mesh):
+def _step_fn(graphdef, train_json: str, spec, use_trime: bool, sharded):
   """The jitted update, cached across runs in one process (a resumed run in a notebook or a test does not
   recompile): keyed by the model graph, the train section (optimizer, schedule, smoothing) and the objective."""
   r = ml_collections.ConfigDict(json.loads(train_json))
   tx, _ = lm_train.make_optimizer(r)
-  fn = functools.partial(train_step, graphdef, tx, spec, use_trime, int(r.vocab_chunk), float(r.label_smoothing), mesh)
+  fn = functools.partial(train_step, graphdef, tx, spec, use_trime, int(r.vocab_chunk), float(r.label_smoothing),
+                         sharded)
   return jax.jit(fn, donate_argnums=(0,))
 
 
@@ -309,8 +320,9 @@ def train_and_evaluate(config, workdir: str, *, log=print) -> dict:
         f"(random batches {plan.header['neighbour_in_batch_random']:.1%})")
 
   train_json = json.dumps(json.loads(r.to_json_best_effort()), sort_keys=True)
-  sharded_mesh = mesh if mesh.size > 1 else None
-  step_fn = lambda use_trime: _step_fn(graphdef, train_json, spec, use_trime, sharded_mesh)
+  t = config.trime
+  sharded = (mesh, str(t.sharded_variant), str(t.memory_grad)) if mesh.size > 1 else None
+  step_fn = lambda use_trime: _step_fn(graphdef, train_json, spec, use_trime, sharded)
 
   base_key = jax.random.PRNGKey(int(r.seed))
   start = int(state["step"])
