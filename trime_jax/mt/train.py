@@ -334,7 +334,6 @@ def train_and_evaluate(config, workdir: str, *, log=print) -> dict:
   # Throughput excludes updates that compiled a new (objective, shape) program: timed per update (the CPU and
   # accelerator backends both run asynchronously, so each update is waited for; it costs no throughput).
   compiled, step_s, compile_s = set(), 0.0, 0.0
-  stopped_early = False
   with open(metrics_path, "a") as mfile, _SigtermFlag() as sigterm:
     for step in range(start, stop):
       use_trime = spec.memory != "none" and step >= warm
@@ -383,14 +382,12 @@ def train_and_evaluate(config, workdir: str, *, log=print) -> dict:
     mgr.wait_until_finished()
     end = int(state["step"])
     if end < total:
-      stopped_early = True
       log(f"stopped after update {end} (train.stop_after={r.stop_after}); rerun to continue")
       return {"train": last, "step": end}
     ev = evaluate(graphdef, state["params"], valid_pairs, config, eval_spec, max_pairs=int(r.eval_max_pairs))
     if not any(json.loads(l).get("split") == "valid" and json.loads(l)["step"] == end
                for l in open(metrics_path) if l.strip()):
       mfile.write(json.dumps({"step": end, "split": "valid", **ev}) + "\n")
-  del stopped_early
   export_dir = mt_model.export_mt(os.path.join(workdir, "export"), jax.device_get(state["params"]), config, vocab,
                                   extra={"step": end, "valid": ev, "plan": {k: plan.header[k] for k in
                                                                             ("order", "num_batches")}})
