@@ -3,6 +3,7 @@ overhead"; goal ≤ 1.05).
 
   python -m bench.train_step_overhead [--repeats=10]              # CPU-sized settings
   python -m bench.train_step_overhead --settings=paper --repeats=5  # the paper's WT103 shapes (accelerator)
+  python -m bench.train_step_overhead --settings=docs_wt --repeats=6  # issue 17's docs-wt models, per objective
 """
 
 import argparse
@@ -23,6 +24,16 @@ SETTINGS = {  # name -> [(label, model kwargs, B, L, memory, consecutive segment
                                                                num_heads=4, d_ff=512), 8, 256, "local", 1, 0),
         ("longer segments (4L, D=256, V=9.5k), local", dict(vocab_size=9526, num_layers=4, d_model=256,
                                                            num_heads=4, d_ff=1024), 4, 1024, "local", 1, 0),
+    ],
+    # Issue 17's docs-wt models (configs/docs_wt*.py: the paper's 7M shape, adaptive input / softmax over the
+    # 82,548-word vocabulary, 8 × 512 tokens per update), one row per training objective of its tables.
+    "docs_wt": [
+        (f"docs-wt 7M shape, {label}", dict(vocab_size=82_548, num_layers=8, d_model=128, num_heads=4, d_ff=512,
+                                            adaptive_input=True, adaptive_softmax=True,
+                                            adaptive_cutoffs=(20_000, 60_000), tie_embeddings=True,
+                                            tie_adaptive_proj=False), 8, 512, memory, m, 0)
+        for label, memory, m in (("TrimeLM (local)", "local", 1), ("TrimeLM_long (4 consecutive)", "long", 4),
+                                 ("TrimeLM_ext (4,096 in-batch memories)", "ext", 1))
     ],
     # The paper's WikiText-103 shapes (configs/wiki103_*.py, full tied softmax over 267,735 words computed in
     # chunks, bfloat16 compute); batches cut to one accelerator's memory where the paper spreads them.

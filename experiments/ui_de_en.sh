@@ -65,8 +65,10 @@ print(f'sentencepiece: {v.size} pieces, fingerprint {v.fingerprint()}, {time.per
     ;;
   tune)
     NAME=$2
+    # the vanilla model is tuned for kNN-MT, the TrimeMT models for TRIME's softmax (+ interpolation)
+    TM=$([ "$NAME" = vanilla ] && echo knn_mt || echo trime)
     $PY launch.translate --checkpoint=$OUT/$NAME/export --datastore=$OUT/$NAME/ds --tune --nprobe=8 \
-      --max_sentences=${TUNE_SENTENCES:-1000} --out=$OUT/$NAME/translate
+      --tune_modes=${TUNE_MODES:-$TM} --max_sentences=${TUNE_SENTENCES:-1000} --out=$OUT/$NAME/translate
     ;;
   test)
     NAME=$2; T=$OUT/$NAME/translate

@@ -54,6 +54,9 @@ _BATCH = flags.DEFINE_integer("batch_sentences", 32, "Sentences decoded together
 _MAX_SENTENCES = flags.DEFINE_integer("max_sentences", 0, "Translate only the first N sentences (0 = all).")
 _TUNE = flags.DEFINE_bool("tune", False, "Tune K, τ, λ, T, τ′ on valid (see the module doc).")
 _TUNE_BEAM = flags.DEFINE_integer("tune_beam", 2, "--tune: settings per mode decoded with beam search on valid.")
+_TUNE_MODES = flags.DEFINE_list("tune_modes", ["knn_mt", "trime"], "--tune: the datastore distributions to tune "
+                                "(knn_mt, trime; trime includes Appendix A's interpolation); the model alone is "
+                                "always decoded.")
 flags.mark_flags_as_required(["checkpoint", "out"])
 
 
@@ -113,9 +116,12 @@ def main(argv):
       raise ConfigError("--tune needs --datastore")
     pairs = _data(_CONFIG.value, checkpoint, "valid", vocab, _MAX_SENTENCES.value)
     t0 = time.perf_counter()
-    tp = decode.tune_pass(graphdef, params, pairs, ds, index, k_max=max(decode.KS))
+    modes = tuple(_TUNE_MODES.value)
+    if not modes or set(modes) - {"knn_mt", "trime"}:
+      raise ConfigError(f"--tune_modes must be a non-empty subset of knn_mt,trime, got {','.join(modes)}")
+    tp = decode.tune_pass(graphdef, params, pairs, ds, index, k_max=max(decode.KS), modes=modes)
     trime_cfg = config.get("trime")
-    rows = decode.tune(tp, train_tau=float(trime_cfg.get("temperature", 1.0)) if trime_cfg else 1.0)
+    rows = decode.tune(tp, modes=modes, train_tau=float(trime_cfg.get("temperature", 1.0)) if trime_cfg else 1.0)
     print(f"tune: one teacher-forced pass over {len(tp.targets):,} valid target tokens + {len(rows)} settings in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     tuned, table = {}, []

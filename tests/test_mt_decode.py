@@ -370,6 +370,14 @@ def test_cli_build_datastore_and_translate_tune(tiny):
   assert len((out / "valid.tune.knn_mt.1.hyp").read_text().splitlines()) == 4
   assert decode.Distribution.from_tuned(str(out / "tuned.json"), "knn_mt") == decode.Distribution(
       **tuned["chosen"]["knn_mt"]["setting"])
+  # --tune_modes restricts tuning (and its valid decodes) to one family; the model alone is always there
+  proc = subprocess.run([py, "-m", "launch.translate", f"--checkpoint={tiny['ckpt']}", f"--datastore={ds2}",
+                         "--tune", "--tune_modes=knn_mt", "--tune_beam=1", "--beam=2", "--max_len_b=8",
+                         f"--out={root / 'out_knn'}"], capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  only = json.loads((root / "out_knn" / "tuned.json").read_text())
+  assert set(only["chosen"]) == {"model", "knn_mt"}
+  assert only["chosen"]["model"]["valid_nll"] == pytest.approx(tuned["chosen"]["model"]["valid_nll"], rel=1e-6)
   plain = decode.Distribution.from_tuned(str(out / "tuned.json"), "trime")
   interp = decode.Distribution.from_tuned(str(out / "tuned.json"), "trime_interp")
   assert plain.mode == interp.mode == "trime" and plain.interp_lambda == 0 < interp.interp_lambda

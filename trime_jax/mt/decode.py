@@ -508,8 +508,9 @@ def tune(tp: TunePass, *, modes=("knn_mt", "trime"), ks=KS, train_tau: float = 1
   λ × τ′ at each K's best τ), plus the model alone; sorted by nll within each mode. The τ grid is the LM
   evaluator's together with it scaled by the training temperature `train_tau` (the original MT model trains at
   τ = 10)."""
+  metric = "ip" if tp.ip.score.shape[1] else "l2"  # the model alone ignores the entries of either
   rows = [{"mode": "model", "k": 0, "setting": Distribution("model"),
-           "nll": float(_nlls(tp, [evaluate.NONE], 1, "ip")[0])}]
+           "nll": float(_nlls(tp, [evaluate.NONE], 1, metric)[0])}]
   for k in ks:
     if k > tp.ip.score.shape[1] and k > tp.l2.score.shape[1]:
       continue
