@@ -121,6 +121,8 @@ def get_config():
   e.cache_theta = 1.0  # θ of the continuous cache: p_cache ∝ Σ exp(θ · g·g_j / √D)
   e.tune = False  # grid-search τ (local) or λ, θ (cache) on this split and report the best
   e.max_tokens = 0  # score only the first max_tokens targets (0 = the whole split)
+  e.tune_max_tokens = 0  # eval.tune on the first N dev targets only (0 = as eval.max_tokens): tuning a few
+  #   parameters needs less text than reporting, and with a 16M-key datastore every dev token costs a search
   e.mem_size = 0  # long-term memory: tokens before each window (TRIME and cache); >0: batch_size parallel streams.
   #   The original's --mem-size counts its last scored tokens, the window's context included: ours = original
   #   - context_window (with reset_at_documents=False, the original's store; docs/long_memory.md)

@@ -433,3 +433,7 @@ def test_memory_size_sweep_table_and_plot(tmp_path):
   out = _cli("launch.eval", f"--include={tmp_path / 'rows.json'}", f"--plot={tmp_path / 'sweep.png'}")
   assert out.returncode == 0, out.stderr
   assert "| model |" in out.stdout and (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+  # eval.tune_max_tokens: the grid is searched on the first dev targets only, the split is scored in full
+  config.eval.update(split="test", tune_max_tokens=24)
+  out = evaluate.evaluate_checkpoint(config, export, mem_sizes=[16])
+  assert out["dev_tokens"] == 24 and out["rows"][0]["tokens"] > 24

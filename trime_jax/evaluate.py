@@ -661,8 +661,9 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
   for mem_size in sizes:
     long_term = StoreSpec(mem_size, bool(e.reset_at_documents))
     best = dev_best = None
-    if e.tune:
-      dev = run(splits.dev, points, long_term=long_term)
+    if e.tune:  # on the first eval.tune_max_tokens dev targets (0: eval.max_tokens)
+      dev = run(splits.dev, points, long_term=long_term, max_tokens=int(e.get("tune_max_tokens", 0)) or e.max_tokens)
+      out["dev_tokens"] = dev.tokens
       best = tune(dev)
       if e.split == "dev":
         result = dev
