@@ -26,6 +26,9 @@ def get_config():
   d.max_len = 128  # training pairs longer than this (model tokens, ids + eos) are dropped; valid/test truncated
   d.max_tokens = 4096  # padded tokens per batch: rows · L <= max_tokens (fairseq --max-tokens)
   d.max_sentences = 0  # cap on rows per batch (fairseq --batch-size); 0 = none
+  d.pack_len = 0  # > 0: a batch's pairs packed into rows of this many tokens (attention and positions per pair,
+  #   the loss's rows = pairs): the same sets of pairs and the same objective with little padding (ours; the
+  #   original pads every pair to the batch's longest). BM25 / random batches mix lengths: ~3x fewer tokens
 
   c.model = m = ml_collections.ConfigDict()
   m.d_model = 256

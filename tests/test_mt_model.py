@@ -288,3 +288,45 @@ def test_plan_round_trip(tmp_path):
   back = batching.Plan.load(str(tmp_path / "p.npz"))
   assert back.header == plan.header and np.array_equal(back.indices, plan.indices)
   assert [back.batch_at(s) for s in range(20)] == [plan.batch_at(s) for s in range(20)]
+
+
+def test_packed_rows_compute_what_padded_rows_do():
+  """data.pack_len: pairs packed several to a row (attention within a pair, positions restarting) give every
+  target token the f and g of the padded layout, and the TrimeMT_ext loss (top-k included) and its gradients
+  of the padded batch."""
+  model = tiny(decoder_normalize_before=True, key_type="final")
+  rng = np.random.default_rng(7)
+  src = [rng.integers(4, V, n) for n in (3, 9, 2, 5, 1, 7, 4, 2)]
+  tgt = [rng.integers(4, 12, n) for n in (4, 2, 6, 1, 3, 8, 2, 5)]  # few ids: positives across pairs
+  padded = mt_data.collate(src, tgt, 10, 10)
+  packed = mt_data.pack(src, tgt, 16, rows_multiple=4)
+  assert packed["src"].shape == (4, 16) and (packed["tgt_seg"] > 0).any(1).sum() < len(src)  # really packed
+  # every pair's target tokens, in pair order, from both layouts
+  pos_padded = [(i, t) for i in range(len(tgt)) for t in range(len(tgt[i]) + 1)]
+  seg, tp = packed["tgt_seg"], packed["tgt_pos"]
+  pos_packed = [tuple(np.argwhere((seg == i + 1) & (tp == t))[0]) for i, t in pos_padded]
+  graphdef, params = nnx.split(model)
+
+  def forward(p, b):
+    m = nnx.merge(graphdef, p)
+    enc = m.encode(b["src"], segments_BxS=b.get("src_seg"), positions_BxS=b.get("src_pos"))
+    return m.decode(enc, b["src"], b["prev"], src_segments_BxS=b.get("src_seg"), segments_BxT=b.get("tgt_seg"),
+                    positions_BxT=b.get("tgt_pos"))
+
+  f1, g1 = jax.jit(forward)(params, {k: jnp.asarray(v) for k, v in padded.items()})
+  f2, g2 = jax.jit(forward)(params, {k: jnp.asarray(v) for k, v in packed.items()})
+  take = lambda x, where: np.stack([np.asarray(x)[r, c] for r, c in where])
+  np.testing.assert_allclose(take(f2, pos_packed), take(f1, pos_padded), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(take(g2, pos_packed), take(g1, pos_padded), rtol=1e-5, atol=1e-5)
+  for topk in (0, 3):
+    spec = mt_train.objective_spec(ml_collections.ConfigDict({"trime": {
+        "memory": "ext", "temperature": 10.0, "stop_gradient_memory": False, "memory_chunk": 0,
+        "memory_topk": topk}}))
+    obj = lambda p, b: mt_train.mt_nll(nnx.merge(graphdef, p), b, spec, use_trime=True)[0]
+    (v1, d1), (v2, d2) = (jax.jit(jax.value_and_grad(obj))(params, {k: jnp.asarray(v) for k, v in b.items()})
+                          for b in (padded, packed))
+    np.testing.assert_allclose(float(v2), float(v1), rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(d1), jax.tree_util.tree_leaves(d2)):
+      np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-4, atol=1e-6)
+  with pytest.raises(ValueError, match="does not fit"):
+    mt_data.pack(src, tgt, 8)

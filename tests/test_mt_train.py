@@ -111,3 +111,24 @@ def test_target_token_budget_sets_the_run_length():
   seen = np.cumsum([tokens_of[plan.batch_at(s)] for s in range(n)])
   assert seen[-1] >= 1000 > seen[-2]
   assert mt_train.total_updates(plan, tokens_of, 3, 10**9) == 3  # num_steps stays the cap
+
+
+def test_packed_training_equals_padded_training(tmp_path):
+  """data.pack_len: the same plan batches, packed, train to the same losses update for update (dropout off)."""
+  write_pairs(tmp_path / "d", WDE * 3, WEN * 3)
+  losses = {}
+  for pack_len in (0, 32):
+    c = tiny_config(tmp_path / "d")
+    c.model.dropout = 0.0
+    c.data.pack_len = pack_len
+    c.train.update(num_steps=4, eval_every=0)
+    work = str(tmp_path / f"run{pack_len}")
+    mt_train.train_and_evaluate(c, work, log=lambda s: None)
+    losses[pack_len] = [json.loads(l)["loss"] for l in open(os.path.join(work, "metrics.jsonl"))
+                        if '"split"' not in l]
+  assert len(losses[0]) == 4
+  np.testing.assert_allclose(losses[32], losses[0], rtol=1e-5)
+  c = tiny_config(tmp_path / "d")
+  c.data.pack_len = 16  # below data.max_len=32
+  with pytest.raises(ConfigError, match="pack_len"):
+    mt_train.train_and_evaluate(c, str(tmp_path / "w"))

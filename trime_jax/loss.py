@@ -208,17 +208,23 @@ def positive(query: TokenMeta, memory: TokenMeta, vis):
 
 
 def batch_meta(targets_BxL, memory: str, consecutive_segments: int = 1, row_offset=0,
-               documents_BxL=None) -> TokenMeta:
+               documents_BxL=None, rows_BxL=None) -> TokenMeta:
   """`TokenMeta` `[B, L]` for a batch whose memory is the batch itself (see `trime_nll`).
 
   `row_offset` is the global row index of row 0 (for shards of a global batch). `documents_BxL` (optional
   int ids): a token's causal memory is restricted to tokens with its own id (packed runs of several
-  documents); default: one document.
+  documents); default: one document. `rows_BxL` (optional int ids, memory local / ext): the segment each token
+  belongs to, replacing the layout's row index — several segments packed in one row (`mt.data.pack`), each
+  contiguous and in order: "another row" of ext memory is another segment, local memory stays in its own.
   """
   b, l = targets_BxL.shape
   row = jnp.arange(b, dtype=jnp.int32)[:, None] + row_offset
   pos = jnp.arange(l, dtype=jnp.int32)[None, :]
   row = jnp.broadcast_to(row, (b, l))
+  if rows_BxL is not None:
+    if memory == "long":
+      raise ValueError("rows_BxL (packed segments) applies to local / ext memory, not to long-term runs")
+    row = jnp.asarray(rows_BxL, jnp.int32)
   pos = jnp.broadcast_to(pos, (b, l))
   if memory == "long":
     if consecutive_segments < 1:
@@ -532,11 +538,12 @@ def _groups(memory: str, b: int, consecutive_segments: int) -> int:
 
 
 def trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: ObjectiveSpec | None = None, *,
-                               drop_local=False, documents=None, **options):
+                               drop_local=False, documents=None, rows=None, **options):
   """`trime_nll` with the vocabulary side given as `VocabStats` `[B, L]` (the training path).
 
   `drop_local` may be traced (the drop decisions need no recompilation). The blockwise path scans memory
-  chunks of `spec.memory_chunk` tokens (default: derived from `spec.block_elems`).
+  chunks of `spec.memory_chunk` tokens (default: derived from `spec.block_elems`). `rows` `[B, L]`: packed
+  segments' ids (`batch_meta`'s rows_BxL); drop_local must then be a scalar (it is drawn per layout row).
   """
   spec = objective_spec(spec, options)
   keys, targets = jnp.asarray(keys), jnp.asarray(targets)
@@ -550,7 +557,9 @@ def trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: Objective
   b, l, d = keys.shape
   if documents is not None and memory != "long":
     raise ValueError(f"documents restrict long-term memory (packed runs); memory={memory!r} takes none")
-  meta = batch_meta(targets, memory, consecutive_segments, documents_BxL=documents)
+  if rows is not None and jnp.ndim(drop_local):
+    raise ValueError("packed rows take a scalar drop_local (per-row draws would split packed segments alike)")
+  meta = batch_meta(targets, memory, consecutive_segments, documents_BxL=documents, rows_BxL=rows)
   causal = per_query_causal(memory, drop_local, b, l)
   cross_rows = memory == "ext"
   acc = accumulation_dtype(keys, stats.log_normalizer)

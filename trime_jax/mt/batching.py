@@ -165,8 +165,11 @@ def make_plan(pairs: mt_data.ParallelData, *, order: str, max_tokens: int, seed:
   return plan
 
 
-def collate_batch(pairs: mt_data.ParallelData, plan: Plan, i: int) -> dict:
-  """Arrays of plan batch i: src/prev [rows, L] (pad 0), targets [rows, L] (pad -1)."""
+def collate_batch(pairs: mt_data.ParallelData, plan: Plan, i: int, pack_len: int = 0) -> dict:
+  """Arrays of plan batch i: src/prev [rows, L] (pad 0), targets [rows, L] (pad -1); with pack_len > 0 the
+  same pairs packed into rows of pack_len tokens (`mt_data.pack`: + segments and positions)."""
   idx = plan.batch(i).tolist()
+  if pack_len:
+    return mt_data.pack([pairs.src[j] for j in idx], [pairs.tgt[j] for j in idx], pack_len)
   l, r = int(plan.lengths[i]), int(plan.rows[i])
   return mt_data.collate([pairs.src[j] for j in idx], [pairs.tgt[j] for j in idx], l, l, rows=r)

@@ -272,3 +272,47 @@ def collate(src_list, tgt_list, src_len: int, tgt_len: int, rows: int | None = N
     targets[r, :len(y)] = y
     targets[r, len(y)] = EOS
   return {"src": src, "prev": prev, "targets": targets}
+
+
+def pack(src_list, tgt_list, row_len: int, rows_multiple: int = 8) -> dict:
+  """The pairs packed several to a row (first-fit, longest first): the arrays of `collate` at [R, row_len] plus
+
+    src_seg / tgt_seg [R, row_len]: the pair's number (1, 2, ...; 0 = padding) at each source / target position
+    src_pos / tgt_pos [R, row_len]: the position within the pair's own sequence (0, 1, ...)
+
+  A pair's source and target share one row (cross-attention stays in the row); R is rounded up to a multiple
+  of `rows_multiple` (few shapes, few compilations). The model masks attention to the own pair and restarts
+  positions (`TransformerMT` segments); the loss treats pair numbers as rows (`loss.batch_meta(rows_BxL=)`), so a
+  packed batch computes what `collate` of the same pairs does, without most of its padding."""
+  need = [max(len(x), len(y)) + 1 for x, y in zip(src_list, tgt_list)]
+  if need and max(need) > row_len:
+    raise ValueError(f"a pair of {max(need)} tokens does not fit packed rows of {row_len}")
+  fill_src, fill_tgt, where = [], [], {}
+  for i in sorted(range(len(need)), key=lambda i: (-need[i], i)):
+    ls, lt = len(src_list[i]) + 1, len(tgt_list[i]) + 1
+    for r in range(len(fill_src)):
+      if fill_src[r] + ls <= row_len and fill_tgt[r] + lt <= row_len:
+        break
+    else:
+      r = len(fill_src)
+      fill_src.append(0)
+      fill_tgt.append(0)
+    where[i] = (r, fill_src[r], fill_tgt[r])
+    fill_src[r] += ls
+    fill_tgt[r] += lt
+  rows = max(rows_multiple, -(-len(fill_src) // rows_multiple) * rows_multiple)
+  z = lambda fill=0: np.full((rows, row_len), fill, np.int32)
+  out = {"src": z(), "prev": z(), "targets": z(-1), "src_seg": z(), "tgt_seg": z(), "src_pos": z(), "tgt_pos": z()}
+  for i, (r, a, b) in where.items():
+    x, y = src_list[i], tgt_list[i]
+    out["src"][r, a:a + len(x)] = x
+    out["src"][r, a + len(x)] = EOS
+    out["prev"][r, b] = EOS
+    out["prev"][r, b + 1:b + len(y) + 1] = y
+    out["targets"][r, b:b + len(y)] = y
+    out["targets"][r, b + len(y)] = EOS
+    out["src_seg"][r, a:a + len(x) + 1] = i + 1
+    out["tgt_seg"][r, b:b + len(y) + 1] = i + 1
+    out["src_pos"][r, a:a + len(x) + 1] = np.arange(len(x) + 1)
+    out["tgt_pos"][r, b:b + len(y) + 1] = np.arange(len(y) + 1)
+  return out

@@ -238,39 +238,50 @@ class TransformerMT(nnx.Module):
       return self.tgt_embed.embedding[...]
     return self.output[...]
 
-  def _embed(self, embed, tokens_BxL, deterministic, rngs):
+  def _embed(self, embed, tokens_BxL, deterministic, rngs, positions_BxL=None):
     cfg = self.cfg
     l = tokens_BxL.shape[1]
     if l > cfg.max_len:
       raise ValueError(f"sequence length {l} exceeds model.max_len={cfg.max_len}")
     off = cfg.position_offset
-    x = embed(tokens_BxL) * math.sqrt(cfg.d_model) + sinusoidal_positions(l + off, cfg.d_model)[None, off:]
+    table = sinusoidal_positions(l + off, cfg.d_model)
+    pos = table[None, off:] if positions_BxL is None else table[positions_BxL + off]
+    x = embed(tokens_BxL) * math.sqrt(cfg.d_model) + pos
     return self.embed_dropout(x.astype(jnp.dtype(cfg.dtype)), deterministic=deterministic, rngs=rngs)
 
-  def encode(self, src_BxS, *, deterministic: bool = True, rngs=None):
-    """Encoder output `[B, S, D]`; source padding (pad_id) is never attended to."""
+  def encode(self, src_BxS, *, deterministic: bool = True, rngs=None, segments_BxS=None, positions_BxS=None):
+    """Encoder output `[B, S, D]`; source padding (pad_id) is never attended to. Packed rows
+    (`mt.data.pack`): `segments` (pair numbers, 0 = padding) keep attention within a pair, `positions` restart
+    at each pair."""
     cfg = self.cfg
     keys_BxS = src_BxS != cfg.pad_id
     mask = jnp.broadcast_to(keys_BxS[:, None, :], src_BxS.shape + src_BxS.shape[1:])
+    if segments_BxS is not None:
+      mask = mask & (segments_BxS[:, :, None] == segments_BxS[:, None, :])
     embed = self.tgt_embed if self.src_embed is None else self.src_embed
-    x = self._embed(embed, src_BxS, deterministic, rngs)
+    x = self._embed(embed, src_BxS, deterministic, rngs, positions_BxS)
     for layer in self.encoder:
       x = layer(x, mask, deterministic=deterministic, rngs=rngs)
     x = self.encoder_norm(x) if self.encoder_norm is not None else x
     return x.astype(jnp.dtype(cfg.dtype))
 
-  def decode(self, enc_BxSxD, src_BxS, prev_BxT, *, deterministic: bool = True, rngs=None):
+  def decode(self, enc_BxSxD, src_BxS, prev_BxT, *, deterministic: bool = True, rngs=None, src_segments_BxS=None,
+             segments_BxT=None, positions_BxT=None):
     """(f `[B, T, D]`, g `[B, T, D]`) over the previous-output tokens `prev` ([eos] + y, right-padded).
 
     Causal: position t sees prev[:t + 1] only; padded prev positions are masked as keys, padded source
-    positions as cross-attention keys."""
+    positions as cross-attention keys. Packed rows: target `segments` see only their own pair's earlier target
+    positions and its source positions (`src_segments`); `positions` restart at each pair."""
     cfg = self.cfg
     b, t = prev_BxT.shape
     causal = jnp.tril(jnp.ones((t, t), bool))[None] & (prev_BxT != cfg.pad_id)[:, None, :]
+    cross_mask = jnp.broadcast_to((src_BxS != cfg.pad_id)[:, None, :], (b, t, src_BxS.shape[1]))
+    if segments_BxT is not None:
+      causal = causal & (segments_BxT[:, :, None] == segments_BxT[:, None, :])
+      cross_mask = cross_mask & (segments_BxT[:, :, None] == src_segments_BxS[:, None, :])
     # A padded query row would see nothing (its own key is padding): let it see itself so nothing is NaN.
     self_mask = causal | jnp.eye(t, dtype=bool)[None]
-    cross_mask = jnp.broadcast_to((src_BxS != cfg.pad_id)[:, None, :], (b, t, src_BxS.shape[1]))
-    y = self._embed(self.tgt_embed, prev_BxT, deterministic, rngs)
+    y = self._embed(self.tgt_embed, prev_BxT, deterministic, rngs, positions_BxT)
     ffn_in = y
     for layer in self.decoder:
       y, ffn_in = layer(y, enc_BxSxD, self_mask, cross_mask, deterministic=deterministic, rngs=rngs)

@@ -69,6 +69,9 @@ def validate_config(config) -> None:
     raise ConfigError(f"trime.sharded_variant must be one of {sharded_loss.VARIANTS}, got {t.sharded_variant!r}")
   if t.memory_grad not in sharded_loss.MEMORY_GRADS:
     raise ConfigError(f"trime.memory_grad must be one of {sharded_loss.MEMORY_GRADS}, got {t.memory_grad!r}")
+  pack_len = int(config.data.get("pack_len", 0))
+  if pack_len and pack_len < int(config.data.max_len):
+    raise ConfigError(f"data.pack_len={pack_len} must be 0 (no packing) or >= data.max_len={config.data.max_len}")
   if t.memory_topk and t.sharded_variant != "gather":
     raise ConfigError("trime.memory_topk needs trime.sharded_variant='gather' (a query's top k over the whole "
                       "gathered batch)")
@@ -102,8 +105,10 @@ def mt_nll(model, batch, spec: loss.ObjectiveSpec, *, use_trime: bool, vocab_chu
   whenever spec.memory == "ext"; it is the objective only when `use_trime`."""
   src, prev, targets = batch["src"], batch["prev"], batch["targets"]
   drop = dict(deterministic=deterministic, rngs=rngs)
-  enc = model.encode(src, **drop)
-  f, g = model.decode(enc, src, prev, **drop)
+  packed = batch.get("tgt_seg")  # packed rows (data.pack_len): pair numbers per target position
+  enc = model.encode(src, **drop, segments_BxS=batch.get("src_seg"), positions_BxS=batch.get("src_pos"))
+  f, g = model.decode(enc, src, prev, **drop, src_segments_BxS=batch.get("src_seg"), segments_BxT=packed,
+                      positions_BxT=batch.get("tgt_pos"))
   valid = targets >= 0
   ntok = valid.sum()
   if label_smoothing:  # fairseq label_smoothed_nll_loss: (1 - ε - ε_i)·nll + ε_i·Σ_v -log p_v, ε_i = ε/(V-1)
@@ -126,7 +131,7 @@ def mt_nll(model, batch, spec: loss.ObjectiveSpec, *, use_trime: bool, vocab_chu
     if mesh is not None and mesh.size > 1:
       return sharded_loss.sharded_trime_nll_from_vocab_stats(stats, keys, targets, spec, mesh=mesh, drop_local=True,
                                                              variant=variant, memory_grad=memory_grad).sum()
-    return loss.trime_nll_from_vocab_stats(stats, keys, targets, spec, drop_local=True).sum()
+    return loss.trime_nll_from_vocab_stats(stats, keys, targets, spec, drop_local=True, rows=packed).sum()
 
   if use_trime:
     tr = trime(g)
@@ -297,6 +302,9 @@ def train_and_evaluate(config, workdir: str, *, log=print) -> dict:
   plan = load_plan(workdir, train_pairs, config)
   r = config.train
   mesh = sharding.make_mesh(r.num_devices)
+  pack_len = int(config.data.get("pack_len", 0))
+  if pack_len and mesh.size > 1:
+    raise ConfigError("data.pack_len (packed rows) is single-device for now: the sharded loss takes layout rows")
   model = mt_model.build_mt_model(config, vocab.size, int(r.seed))
   graphdef, params = nnx.split(model, nnx.Param)
   tx, schedule = lm_train.make_optimizer(r)
@@ -337,7 +345,7 @@ def train_and_evaluate(config, workdir: str, *, log=print) -> dict:
   with open(metrics_path, "a") as mfile, _SigtermFlag() as sigterm:
     for step in range(start, stop):
       use_trime = spec.memory != "none" and step >= warm
-      b = batching.collate_batch(train_pairs, plan, plan.batch_at(step))
+      b = batching.collate_batch(train_pairs, plan, plan.batch_at(step), pack_len=pack_len)
       if mesh.size > 1 and b["src"].shape[0] % mesh.size:  # rows must split over the devices
         pad = mesh.size - b["src"].shape[0] % mesh.size
         b = {k: np.pad(v, ((0, pad), (0, 0)), constant_values=(-1 if k == "targets" else 0)) for k, v in b.items()}
