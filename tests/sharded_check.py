@@ -264,10 +264,12 @@ def check_mt_train(workdir):
   data_dir = os.path.join(workdir, "mt_data")
   write_pairs(data_dir, WDE * 3, WEN * 3)
   losses = {}
-  for n in (1, 8):
+  for n in (1, 8, "8packed"):
     c = tiny_config(data_dir)
     c.model.dropout = 0.0
-    c.train.update(num_steps=4, num_devices=n, eval_every=0)
+    c.train.update(num_steps=4, num_devices=8 if n == "8packed" else n, eval_every=0)
+    if n == "8packed":  # packed rows (data.pack_len): pair ids gathered with the keys
+      c.data.pack_len = 32
     assert c.trime.memory_topk == 8
     run_dir = os.path.join(workdir, f"mt_{n}dev")
     mt_train.train_and_evaluate(c, run_dir, log=lambda s: None)

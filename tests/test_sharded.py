@@ -232,8 +232,10 @@ def test_srupp_long_training_on_8_devices_matches_1_device(checks):
 
 def test_mt_training_on_8_devices_matches_1_device(checks):
   """TrimeMT_ext (external in-batch memory over target tokens, top-8 memories) with rows sharded over 8
-  devices: the per-update losses (plain-CE warm-up, then TRIME) equal the 1-device run's."""
+  devices, padded and packed: the per-update losses (plain-CE warm-up, then TRIME) equal the 1-device run's."""
   losses = checks("train")["mt"]
   assert [o for o, _ in losses["1"]] == ["ce", "trime", "trime", "trime"]
   assert [o for o, _ in losses["8"]] == [o for o, _ in losses["1"]]
   np.testing.assert_allclose([v for _, v in losses["8"]], [v for _, v in losses["1"]], rtol=1e-5)
+  # packed rows on 8 devices (pair ids gathered with the keys) = padded rows on 1 device
+  np.testing.assert_allclose([v for _, v in losses["8packed"]], [v for _, v in losses["1"]], rtol=1e-5)

@@ -58,16 +58,19 @@ class _Static(NamedTuple):
   detach_remote: bool  # other devices' memories get no gradient (local_only, or stop_gradient_memory)
   axis: str
   n: int  # devices on `axis`
+  packed: bool = False  # per-token row ids (packed segments, `loss.batch_meta(rows_BxL=)`) travel with the rows
 
 
 def sharded_trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: loss.ObjectiveSpec | None = None, *,
-                                       mesh, drop_local=False, documents=None, variant: str = "gather",
-                                       memory_grad: str = "all", axis: str = DATA, **options):
+                                       mesh, drop_local=False, documents=None, rows=None,
+                                       variant: str = "gather", memory_grad: str = "all", axis: str = DATA,
+                                       **options):
   """`loss.trime_nll_from_vocab_stats` on a global batch sharded over `axis` of `mesh`.
 
   stats `[B, L]` (VocabStats), keys `[B, L, D]`, targets `[B, L]`: global arrays, rows sharded over `axis`
   (row i lives on device i // (B/n)); `spec` (or its fields as keywords) as for `loss.trime_nll`; `drop_local` a
-  bool or `[B]` (per row), `documents` `[B, L]` (packed long-term runs) sharded like the rows. Returns the nll
+  bool or `[B]` (per row), `documents` `[B, L]` (packed long-term runs) and `rows` `[B, L]` (packed segments'
+  ids, unique in the global batch: local memory, or ext with the gather variant) sharded like the rows. Returns the nll
   `[B, L]`, sharded the same way. `variant` ("gather" | "ring") only matters for memory="ext"; `memory_grad`
   ("all" | "local_only") for memories that live on another device (ext, and long runs that span devices).
   """
@@ -81,7 +84,12 @@ def sharded_trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: l
     raise ValueError(f"memory_grad must be one of {MEMORY_GRADS}, got {memory_grad!r}")
   n = mesh.shape[axis]
   if spec.memory == "none" or n == 1:
-    return loss.trime_nll_from_vocab_stats(stats, keys, targets, spec, drop_local=drop_local, documents=documents)
+    return loss.trime_nll_from_vocab_stats(stats, keys, targets, spec, drop_local=drop_local, documents=documents,
+                                           rows=rows)
+  if rows is not None and (spec.memory == "long" or (spec.memory == "ext" and variant != "gather")):
+    raise ValueError("packed rows (rows=) take local memory, or ext memory with variant='gather'")
+  if rows is not None and jnp.ndim(drop_local):
+    raise ValueError("packed rows take a scalar drop_local (per-row draws would split packed segments alike)")
   if spec.memory_topk and variant != "gather":
     raise ValueError("memory_topk (the original MT's --topk-mem) needs variant='gather': a query's top k is "
                      "taken over the whole gathered memory, not folded block by block")
@@ -91,12 +99,14 @@ def sharded_trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: l
   memory = spec.memory
   # The temperature travels as an array (it may be traced); the static part must stay hashable.
   static = _Static(dataclasses.replace(spec, temperature=1.0), variant, spec.stop_gradient_memory, spec.stop_gradient_memory or memory_grad == "local_only",
-                   axis, n)
+                   axis, n, rows is not None)
   if documents is not None and memory != "long":
     raise ValueError(f"documents restrict long-term memory (packed runs); memory={memory!r} takes none")
   b, l = targets.shape
   causal = loss.per_query_causal(memory, drop_local, b, l)  # [B, L], sharded with the rows
   docs = jnp.zeros((b, l), jnp.int32) if documents is None else jnp.asarray(documents, jnp.int32)
+  if rows is not None:  # the docs slot is free for local / ext memory: it carries the packed segments' ids
+    docs = jnp.asarray(rows, jnp.int32)
   rows = P(axis)
   # check_vma=False: the blockwise kernels of `loss` start their scans from device-invariant zeros, which
   # the varying-manual-axes type check rejects inside shard_map; every output here is per-device anyway.
@@ -131,7 +141,8 @@ def _device_nll(st: _Static, lse_BxL, tgt_BxL, keys_BxLxD, targets_BxL, causal_B
   if memory == "local" or (memory == "long" and b % m == 0):  # no memory on another device
     spec = dataclasses.replace(st.spec, stop_gradient_memory=st.detach_own, temperature=temperature)
     return loss.trime_nll_from_vocab_stats(stats, keys_BxLxD, targets_BxL, spec,
-                                        documents=docs_BxL if memory == "long" else None)
+                                        documents=docs_BxL if memory == "long" else None,
+                                        rows=docs_BxL if st.packed else None)
 
   acc = loss.accumulation_dtype(keys_BxLxD, lse_BxL)
   scale = loss.similarity_scale(d, temperature, acc)
@@ -140,8 +151,11 @@ def _device_nll(st: _Static, lse_BxL, tgt_BxL, keys_BxLxD, targets_BxL, causal_B
   if memory == "long":
     nll = _long_spanning(st, stats, keys_BxLxD, own, remote, targets_BxL, docs_BxL, scale)
   else:
-    fn = _ext_gather if st.variant == "gather" else _ext_ring
-    nll = fn(st, stats, keys_BxLxD, own, remote, targets_BxL, causal_BxL.reshape(-1), scale)
+    if st.variant == "gather":
+      nll = _ext_gather(st, stats, keys_BxLxD, own, remote, targets_BxL, causal_BxL.reshape(-1), scale,
+                        docs_BxL if st.packed else None)
+    else:
+      nll = _ext_ring(st, stats, keys_BxLxD, own, remote, targets_BxL, causal_BxL.reshape(-1), scale)
   return jnp.where(targets_BxL >= 0, nll, 0.0)
 
 
@@ -230,15 +244,16 @@ def _long_spanning(st: _Static, stats, keys, own, remote, targets, docs, scale):
   return lax.dynamic_slice_in_dim(nll, r0 % m, b, axis=0)
 
 
-def _ext_gather(st: _Static, stats, keys, own, remote, targets, causal, scale):
+def _ext_gather(st: _Static, stats, keys, own, remote, targets, causal, scale, rows=None):
   b, l, d = keys.shape
   r0 = lax.axis_index(st.axis) * b
   mem = lax.all_gather(remote, st.axis, tiled=True)  # [n·b, L, D]; its transpose reduce-scatters dk
   if st.detach_remote and not st.detach_own:
     mem = lax.dynamic_update_slice_in_dim(mem, own, r0, axis=0)  # local_only: own memories stay live
   mem_t = lax.all_gather(targets, st.axis, tiled=True)
-  qmeta = _flat(loss.batch_meta(targets, "ext", row_offset=r0))
-  kmeta = _flat(loss.batch_meta(mem_t, "ext"))
+  mem_rows = None if rows is None else lax.all_gather(rows, st.axis, tiled=True)  # packed segments' ids
+  qmeta = _flat(loss.batch_meta(targets, "ext", row_offset=r0, rows_BxL=rows))
+  kmeta = _flat(loss.batch_meta(mem_t, "ext", rows_BxL=mem_rows))
   flat_stats = VocabStats(*(x.reshape(-1) for x in stats))
   if st.spec.memory_topk:  # each query's k most similar visible memories of the global batch (dense [b·L, n·b·L])
     mask = loss.visible(qmeta, kmeta, causal, True)

@@ -72,6 +72,9 @@ def validate_config(config) -> None:
   pack_len = int(config.data.get("pack_len", 0))
   if pack_len and pack_len < int(config.data.max_len):
     raise ConfigError(f"data.pack_len={pack_len} must be 0 (no packing) or >= data.max_len={config.data.max_len}")
+  if pack_len and t.sharded_variant != "gather":
+    raise ConfigError("data.pack_len (packed rows) needs trime.sharded_variant='gather' (the sharded loss "
+                      "gathers the pair ids with the keys)")
   if t.memory_topk and t.sharded_variant != "gather":
     raise ConfigError("trime.memory_topk needs trime.sharded_variant='gather' (a query's top k over the whole "
                       "gathered batch)")
@@ -130,7 +133,8 @@ def mt_nll(model, batch, spec: loss.ObjectiveSpec, *, use_trime: bool, vocab_chu
   def trime(keys):
     if mesh is not None and mesh.size > 1:
       return sharded_loss.sharded_trime_nll_from_vocab_stats(stats, keys, targets, spec, mesh=mesh, drop_local=True,
-                                                             variant=variant, memory_grad=memory_grad).sum()
+                                                             rows=packed, variant=variant,
+                                                             memory_grad=memory_grad).sum()
     return loss.trime_nll_from_vocab_stats(stats, keys, targets, spec, drop_local=True, rows=packed).sum()
 
   if use_trime:
@@ -303,8 +307,6 @@ def train_and_evaluate(config, workdir: str, *, log=print) -> dict:
   r = config.train
   mesh = sharding.make_mesh(r.num_devices)
   pack_len = int(config.data.get("pack_len", 0))
-  if pack_len and mesh.size > 1:
-    raise ConfigError("data.pack_len (packed rows) is single-device for now: the sharded loss takes layout rows")
   model = mt_model.build_mt_model(config, vocab.size, int(r.seed))
   graphdef, params = nnx.split(model, nnx.Param)
   tx, schedule = lm_train.make_optimizer(r)
