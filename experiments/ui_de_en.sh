@@ -8,7 +8,8 @@
 # epochs).
 #
 #   bash experiments/ui_de_en.sh spm              # the joint sentencepiece model (cached under runs/cache/ui_de_en)
-#   bash experiments/ui_de_en.sh train NAME       # NAME: vanilla | trime_bm25 | trime_random
+#   bash experiments/ui_de_en.sh train NAME       # NAME: vanilla | trime_bm25 | trime_random (| ce_random | ce_bm25:
+#                                                 #   CE on the TrimeMT runs' batches, the controls)
 #                                                 #   one chunk of at most CHUNK seconds (default 1800); rerun the
 #                                                 #   same command to continue (it resumes from the last checkpoint)
 #
@@ -37,7 +38,11 @@ overrides_of() {
     # batches and objective, tested equal to the padded layout; ~2.8x faster on this CPU, bench/mt_packing.py)
     trime_bm25) echo "--config.trime.memory=ext --config.trime.batching=bm25 --config.trime.ce_warmup_steps=${CE_WARMUP:-180} --config.data.pack_len=${PACK_LEN:-128}" ;;
     trime_random) echo "--config.trime.memory=ext --config.trime.batching=random --config.trime.ce_warmup_steps=${CE_WARMUP:-180} --config.data.pack_len=${PACK_LEN:-128}" ;;
-    *) echo "NAME: vanilla | trime_bm25 | trime_random" >&2; exit 2 ;;
+    # CE controls on the TrimeMT runs' batches (same plans, same number of updates at the same budget): whether
+    # TRIME training helps, apart from the ~3x more updates mixed-length batches take at equal target tokens
+    ce_random) echo "--config.trime.memory=none --config.trime.batching=random --config.data.pack_len=${PACK_LEN:-128}" ;;
+    ce_bm25) echo "--config.trime.memory=none --config.trime.batching=bm25 --config.data.pack_len=${PACK_LEN:-128}" ;;
+    *) echo "NAME: vanilla | trime_bm25 | trime_random | ce_random | ce_bm25" >&2; exit 2 ;;
   esac
 }
 
