@@ -265,7 +265,6 @@ def test_mt_datastore_holds_teacher_forced_keys_and_refuses_another_model(tiny):
   want_values = np.concatenate([np.append(y, mt_data.EOS) for y in train.tgt])
   np.testing.assert_array_equal(np.asarray(ds.values), want_values)
   assert ds.count == tiny["meta"]["count"] == sum(len(y) + 1 for y in train.tgt)
-  # keys: the decoder's g over [eos] + y with its source, pair by pair (one pair per forward: no batching effects)
   # keys: the decoder's g over [eos] + y with its source, in pair order (one batch of other shapes than the
   # builder's length-sorted batches: padding must not matter)
   graphdef, params, _, _ = mt_model.load_mt_export(tiny["ckpt"])

@@ -104,16 +104,17 @@ def sharded_trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: l
     raise ValueError(f"documents restrict long-term memory (packed runs); memory={memory!r} takes none")
   b, l = targets.shape
   causal = loss.per_query_causal(memory, drop_local, b, l)  # [B, L], sharded with the rows
-  docs = jnp.zeros((b, l), jnp.int32) if documents is None else jnp.asarray(documents, jnp.int32)
-  if rows is not None:  # the docs slot is free for local / ext memory: it carries the packed segments' ids
-    docs = jnp.asarray(rows, jnp.int32)
+  # One per-token group-id input travels with the rows: document ids (long memory's packed runs) or packed
+  # segments' ids (local / ext memory); the two never meet (checked above).
+  groups = rows if rows is not None else documents
+  groups = jnp.zeros((b, l), jnp.int32) if groups is None else jnp.asarray(groups, jnp.int32)
   rows = P(axis)
   # check_vma=False: the blockwise kernels of `loss` start their scans from device-invariant zeros, which
   # the varying-manual-axes type check rejects inside shard_map; every output here is per-device anyway.
   per_device = jax.shard_map(functools.partial(_device_nll, static), mesh=mesh,
                              in_specs=(rows, rows, rows, rows, rows, rows, P()), out_specs=rows, check_vma=False)
   acc = loss.accumulation_dtype(keys, stats.log_normalizer)
-  return per_device(stats.log_normalizer, stats.target_logit, keys, targets, causal, docs,
+  return per_device(stats.log_normalizer, stats.target_logit, keys, targets, causal, groups,
                     jnp.asarray(spec.temperature, acc))
 
 
@@ -134,15 +135,16 @@ def _flat(meta: TokenMeta) -> TokenMeta:
   return TokenMeta(*(x.reshape(-1) for x in meta))
 
 
-def _device_nll(st: _Static, lse_BxL, tgt_BxL, keys_BxLxD, targets_BxL, causal_BxL, docs_BxL, temperature):
+def _device_nll(st: _Static, lse_BxL, tgt_BxL, keys_BxLxD, targets_BxL, causal_BxL, groups_BxL, temperature):
   b, l, d = keys_BxLxD.shape
   stats = VocabStats(lse_BxL, tgt_BxL)
   memory, m = st.spec.memory, st.spec.consecutive_segments
+  docs_BxL = groups_BxL if memory == "long" else None  # document ids (all zeros: one stream)
+  rows_BxL = groups_BxL if st.packed else None  # packed segments' ids
   if memory == "local" or (memory == "long" and b % m == 0):  # no memory on another device
     spec = dataclasses.replace(st.spec, stop_gradient_memory=st.detach_own, temperature=temperature)
     return loss.trime_nll_from_vocab_stats(stats, keys_BxLxD, targets_BxL, spec,
-                                        documents=docs_BxL if memory == "long" else None,
-                                        rows=docs_BxL if st.packed else None)
+                                        documents=docs_BxL, rows=rows_BxL)
 
   acc = loss.accumulation_dtype(keys_BxLxD, lse_BxL)
   scale = loss.similarity_scale(d, temperature, acc)
@@ -153,7 +155,7 @@ def _device_nll(st: _Static, lse_BxL, tgt_BxL, keys_BxLxD, targets_BxL, causal_B
   else:
     if st.variant == "gather":
       nll = _ext_gather(st, stats, keys_BxLxD, own, remote, targets_BxL, causal_BxL.reshape(-1), scale,
-                        docs_BxL if st.packed else None)
+                        rows_BxL)
     else:
       nll = _ext_ring(st, stats, keys_BxLxD, own, remote, targets_BxL, causal_BxL.reshape(-1), scale)
   return jnp.where(targets_BxL >= 0, nll, 0.0)

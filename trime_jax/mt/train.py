@@ -47,6 +47,11 @@ from trime_jax.mt import model as mt_model
 MEMORIES = ("none", "ext")
 
 
+def pack_len_of(config) -> int:
+  """data.pack_len (0: one pair per row, padded; else pairs packed into rows of that many tokens)."""
+  return int(config.data.get("pack_len", 0))
+
+
 def validate_config(config) -> None:
   t, r = config.trime, config.train
   if t.memory not in MEMORIES:
@@ -69,7 +74,7 @@ def validate_config(config) -> None:
     raise ConfigError(f"trime.sharded_variant must be one of {sharded_loss.VARIANTS}, got {t.sharded_variant!r}")
   if t.memory_grad not in sharded_loss.MEMORY_GRADS:
     raise ConfigError(f"trime.memory_grad must be one of {sharded_loss.MEMORY_GRADS}, got {t.memory_grad!r}")
-  pack_len = int(config.data.get("pack_len", 0))
+  pack_len = pack_len_of(config)
   if pack_len and pack_len < int(config.data.max_len):
     raise ConfigError(f"data.pack_len={pack_len} must be 0 (no packing) or >= data.max_len={config.data.max_len}")
   if pack_len and t.sharded_variant != "gather":
@@ -306,7 +311,7 @@ def train_and_evaluate(config, workdir: str, *, log=print) -> dict:
   plan = load_plan(workdir, train_pairs, config)
   r = config.train
   mesh = sharding.make_mesh(r.num_devices)
-  pack_len = int(config.data.get("pack_len", 0))
+  pack_len = pack_len_of(config)
   model = mt_model.build_mt_model(config, vocab.size, int(r.seed))
   graphdef, params = nnx.split(model, nnx.Param)
   tx, schedule = lm_train.make_optimizer(r)
