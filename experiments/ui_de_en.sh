@@ -20,7 +20,9 @@
 #   bash experiments/ui_de_en.sh test NAME        # test BLEU (beam 4) + sentences/s: model, kNN-MT, TrimeMT_ext
 #                                                 #   (+ interpolation), each with its valid-tuned setting
 #   bash experiments/ui_de_en.sh table            # the markdown table of the test results
-#   bash experiments/ui_de_en.sh all              # all of the above for the three models, resumable
+#   bash experiments/ui_de_en.sh all              # all of the above for the five models, resumable
+#   bash experiments/ui_de_en.sh throughput NAME  # sentences/s with / without the datastore (bench.mt_decode;
+#                                                 #   run it on an idle machine)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYBIN=${PYBIN:-.venv/bin/python}
@@ -104,8 +106,18 @@ rows = [("vanilla", "model", "Transformer (vanilla)"), ("vanilla", "knn_mt", "va
         ("trime_bm25", "model", "TrimeMT_ext (BM25 batches), model alone"),
         ("trime_bm25", "trime", "TrimeMT_ext (BM25 batches) + datastore"),
         ("trime_bm25", "trime_interp", "TrimeMT_ext (BM25 batches) + datastore + interpolation"),
+        ("trime_random", "model", "TrimeMT_ext (random batches), model alone"),
         ("trime_random", "trime", "TrimeMT_ext (random batches) + datastore"),
-        ("trime_random", "trime_interp", "TrimeMT_ext (random batches) + datastore + interpolation")]
+        ("trime_random", "trime_interp", "TrimeMT_ext (random batches) + datastore + interpolation"),
+        # the CE controls: plain CE on the TrimeMT runs' batches (same plans, same updates)
+        ("ce_bm25", "model", "CE on the BM25 batches (control)"),
+        ("ce_bm25", "knn_mt", "CE on the BM25 batches + kNN-MT"),
+        ("ce_bm25", "trime", "CE on the BM25 batches + TRIME datastore softmax"),
+        ("ce_bm25", "trime_interp", "CE on the BM25 batches + TRIME datastore softmax + interpolation"),
+        ("ce_random", "model", "CE on the random batches (control)"),
+        ("ce_random", "knn_mt", "CE on the random batches + kNN-MT"),
+        ("ce_random", "trime", "CE on the random batches + TRIME datastore softmax"),
+        ("ce_random", "trime_interp", "CE on the random batches + TRIME datastore softmax + interpolation")]
 print("| model | test BLEU | sentences/s | setting (tuned on valid) |\n|---|---:|---:|---|")
 for name, mode, label in rows:
   path = os.path.join(out, name, "translate", f"test.{mode}.json")
@@ -120,6 +132,12 @@ for name, mode, label in rows:
   print(f"| {label} | {r['bleu']:.2f} | {r['sentences_per_s']:.1f} | {how} |")
 PY
     ;;
+  throughput)
+    NAME=$2
+    $PYBIN -m bench.mt_decode --checkpoint=$OUT/$NAME/export --datastore=$OUT/$NAME/ds \
+      --settings=$OUT/$NAME/translate/tuned.json --modes=${MODES:-model,knn_mt,trime} --nprobe=8 \
+      --sentences=${SENTENCES:-512}
+    ;;
   all)  # everything, in order; rerun after an interruption (finished steps are skipped or resume)
     bash "$0" spm
     for NAME in trime_bm25 vanilla trime_random; do
@@ -131,7 +149,13 @@ PY
     done
     MODES="model knn_mt" bash "$0" test vanilla
     MODES="model trime trime_interp" bash "$0" test trime_bm25
-    MODES="trime trime_interp" bash "$0" test trime_random
+    MODES="model trime trime_interp" bash "$0" test trime_random
+    for NAME in ce_random ce_bm25; do  # the controls
+      until [ -d $OUT/$NAME/export ]; do bash "$0" train $NAME; done
+      [ -f $OUT/$NAME/ds/index.faiss ] || bash "$0" datastore $NAME
+      [ -f $OUT/$NAME/translate/tuned.json ] || TUNE_MODES=knn_mt,trime bash "$0" tune $NAME
+      MODES="model knn_mt trime trime_interp" bash "$0" test $NAME
+    done
     bash "$0" table
     ;;
   *)

@@ -1,0 +1,78 @@
+"""MT decoding throughput (sentences/s) with and without the datastore, one export, one run.
+
+Decodes the same test sentences (evenly spaced over the split) with the model alone, kNN-MT and TrimeMT_ext (each at its valid-tuned setting
+from tuned.json, or all at --k), beam 4, after one untimed pass that compiles every shape; the modes are timed
+in turn, --repeats times, and the median pass is reported with its retrieval share (FAISS search + gathering
+the retrieved keys) and the ratio to the model alone. Run it on an idle machine: the numbers are seconds.
+
+  python -m bench.mt_decode --checkpoint=runs/ui_de_en/ce_random/export --datastore=runs/ui_de_en/ce_random/ds \
+      --settings=runs/ui_de_en/ce_random/translate/tuned.json [--sentences=512 --repeats=2 --nprobe=8]
+"""
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import numpy as np
+
+from trime_jax.mt import data as mt_data
+from trime_jax.mt import datastore as mt_datastore
+from trime_jax.mt import decode
+from trime_jax.mt import model as mt_model
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--checkpoint", required=True, help="MT export directory")
+  ap.add_argument("--datastore", required=True)
+  ap.add_argument("--settings", required=True, help="tuned.json of launch.translate --tune")
+  ap.add_argument("--modes", default="model,knn_mt,trime", help="comma-separated; each needs a tuned setting")
+  ap.add_argument("--k", type=int, default=0, help="override every retrieval mode's K (0: the tuned K)")
+  ap.add_argument("--sentences", type=int, default=512, help="N test sentences, evenly spaced over the split")
+  ap.add_argument("--batch_sentences", type=int, default=32)
+  ap.add_argument("--nprobe", type=int, default=8)
+  ap.add_argument("--repeats", type=int, default=2)
+  args = ap.parse_args()
+
+  graphdef, params, config, vocab = mt_model.load_mt_export(args.checkpoint)
+  cfg = mt_model.MTConfig.from_config(config.model, vocab_size=vocab.size)
+  ds, index = mt_datastore.open_mt_datastore(args.datastore, args.checkpoint, nprobe=args.nprobe)
+  pairs = mt_data.load_parallel(mt_datastore.mt_config(None, args.checkpoint), "test", vocab)
+  # evenly spaced over the test split: its length mix (a batch's search runs as long as its longest sentence)
+  src = [pairs.src[i] for i in np.linspace(0, len(pairs.src) - 1, min(args.sentences, len(pairs.src))).astype(int)]
+  translators = {}
+  for mode in args.modes.split(","):
+    dist = decode.Distribution() if mode == "model" else decode.Distribution.from_tuned(args.settings, mode)
+    if args.k and mode != "model":
+      dist = dataclasses.replace(dist, k=args.k)
+    translators[mode] = decode.Translator(graphdef, params, cfg, dist=dist, datastore=ds, index=index,
+                                          eos_id=vocab.eos_id)
+  for t in translators.values():  # compile every shape (untimed)
+    t.translate(src, batch_sentences=args.batch_sentences)
+  runs = {m: [] for m in translators}
+  for _ in range(args.repeats):
+    for mode, t in translators.items():
+      t.search_seconds = 0.0
+      t0 = time.perf_counter()
+      t.translate(src, batch_sentences=args.batch_sentences)
+      runs[mode].append((time.perf_counter() - t0, t.search_seconds))
+  base = statistics.median(r[0] for r in runs["model"]) if "model" in runs else None
+  print(f"{len(src)} test sentences, beam 4, batches of {args.batch_sentences}, nprobe {args.nprobe}, "
+        f"datastore {ds.count:,} keys, median of {args.repeats}")
+  results = {}
+  for mode, rs in runs.items():
+    sec = statistics.median(r[0] for r in rs)
+    search = statistics.median(r[1] for r in rs)
+    d = translators[mode].dist
+    how = "" if mode == "model" else f" K {d.k}"
+    results[mode] = {"sentences_per_s": len(src) / sec, "retrieval_share": search / sec,
+                     "vs_model": base / sec if base else None}
+    print(f"{mode:8s}{how:6s} {len(src) / sec:7.1f} sentences/s  retrieval {100 * search / sec:4.1f}%"
+          + (f"  {base / sec:.2f}x the model alone's speed" if base else ""))
+  print(json.dumps(results))
+
+
+if __name__ == "__main__":
+  main()
