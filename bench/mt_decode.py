@@ -2,8 +2,9 @@
 
 Decodes the same test sentences (evenly spaced over the split) with the model alone, kNN-MT and TrimeMT_ext (each at its valid-tuned setting
 from tuned.json, or all at --k), beam 4, after one untimed pass that compiles every shape; the modes are timed
-in turn, --repeats times, and the median pass is reported with its retrieval share (FAISS search + gathering
-the retrieved keys) and the ratio to the model alone. Run it on an idle machine: the numbers are seconds.
+in turn, --repeats times, and the median pass is reported with its decoder steps (a batch searches until its
+last sentence ends: a weaker distribution that loops takes more), time per step, retrieval share (FAISS search
++ gathering the retrieved keys) and the ratio of sentences/s to the model alone's. Run it on an idle machine: the numbers are seconds.
 
   python -m bench.mt_decode --checkpoint=runs/ui_de_en/ce_random/export --datastore=runs/ui_de_en/ce_random/ds \
       --settings=runs/ui_de_en/ce_random/translate/tuned.json [--sentences=512 --repeats=2 --nprobe=8]
@@ -34,6 +35,11 @@ def main():
   ap.add_argument("--batch_sentences", type=int, default=32)
   ap.add_argument("--nprobe", type=int, default=8)
   ap.add_argument("--repeats", type=int, default=2)
+  # launch.translate's defaults (the original evaluations'): SearchOptions() alone is fairseq's 0·|x| + 200
+  ap.add_argument("--beam", type=int, default=4)
+  ap.add_argument("--lenpen", type=float, default=0.6)
+  ap.add_argument("--max_len_a", type=float, default=1.2)
+  ap.add_argument("--max_len_b", type=int, default=10)
   args = ap.parse_args()
 
   graphdef, params, config, vocab = mt_model.load_mt_export(args.checkpoint)
@@ -42,34 +48,38 @@ def main():
   pairs = mt_data.load_parallel(mt_datastore.mt_config(None, args.checkpoint), "test", vocab)
   # evenly spaced over the test split: its length mix (a batch's search runs as long as its longest sentence)
   src = [pairs.src[i] for i in np.linspace(0, len(pairs.src) - 1, min(args.sentences, len(pairs.src))).astype(int)]
+  options = decode.SearchOptions(beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a,
+                                 max_len_b=args.max_len_b)
   translators = {}
   for mode in args.modes.split(","):
     dist = decode.Distribution() if mode == "model" else decode.Distribution.from_tuned(args.settings, mode)
     if args.k and mode != "model":
       dist = dataclasses.replace(dist, k=args.k)
     translators[mode] = decode.Translator(graphdef, params, cfg, dist=dist, datastore=ds, index=index,
-                                          eos_id=vocab.eos_id)
+                                          options=options, eos_id=vocab.eos_id)
   for t in translators.values():  # compile every shape (untimed)
     t.translate(src, batch_sentences=args.batch_sentences)
   runs = {m: [] for m in translators}
   for _ in range(args.repeats):
     for mode, t in translators.items():
-      t.search_seconds = 0.0
+      t.search_seconds, t.decode_steps = 0.0, 0
       t0 = time.perf_counter()
       t.translate(src, batch_sentences=args.batch_sentences)
-      runs[mode].append((time.perf_counter() - t0, t.search_seconds))
+      runs[mode].append((time.perf_counter() - t0, t.search_seconds, t.decode_steps))
   base = statistics.median(r[0] for r in runs["model"]) if "model" in runs else None
-  print(f"{len(src)} test sentences, beam 4, batches of {args.batch_sentences}, nprobe {args.nprobe}, "
+  print(f"{len(src)} test sentences, beam {args.beam}, max length {args.max_len_a:g}·|x| + {args.max_len_b}, batches of {args.batch_sentences}, nprobe {args.nprobe}, "
         f"datastore {ds.count:,} keys, median of {args.repeats}")
   results = {}
   for mode, rs in runs.items():
     sec = statistics.median(r[0] for r in rs)
     search = statistics.median(r[1] for r in rs)
+    steps = rs[0][2]  # the same every pass
     d = translators[mode].dist
     how = "" if mode == "model" else f" K {d.k}"
     results[mode] = {"sentences_per_s": len(src) / sec, "retrieval_share": search / sec,
-                     "vs_model": base / sec if base else None}
-    print(f"{mode:8s}{how:6s} {len(src) / sec:7.1f} sentences/s  retrieval {100 * search / sec:4.1f}%"
+                     "vs_model": base / sec if base else None, "decode_steps": steps, "ms_per_step": 1e3 * sec / steps}
+    print(f"{mode:12s}{how:6s} {len(src) / sec:6.1f} sentences/s  {steps:5d} steps  {1e3 * sec / steps:6.1f} ms/step"
+          f"  retrieval {100 * search / sec:4.1f}%"
           + (f"  {base / sec:.2f}x the model alone's speed" if base else ""))
   print(json.dumps(results))
 

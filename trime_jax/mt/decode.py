@@ -375,6 +375,7 @@ class Translator:
     self.options = dataclasses.replace(options, max_positions=min(options.max_positions, cfg.max_len))
     self.eos_id = eos_id
     self.search_seconds = 0.0
+    self.decode_steps = 0  # decoder steps run (one per position of every batch's search)
 
   def _callback(self, enc, src):
     beam = self.options.beam
@@ -384,6 +385,7 @@ class Translator:
     state = {}
 
     def next_log_probs(prev_NxT, step, live_N, parents_N):
+      self.decode_steps += 1
       if step == 0:  # cache widths rounded up to 16: a few compilations
         state["cache"] = _init_cache(self.graphdef, self.params, enc_N, -(-prev_NxT.shape[1] // 16) * 16)
       logits, g, state["cache"] = _cached_step(
@@ -391,9 +393,9 @@ class Translator:
           jnp.asarray(step, jnp.int32), jnp.asarray(parents_N, jnp.int32))
       if d.mode == "model":
         return np.asarray(jax.nn.log_softmax(logits, -1))
+      g_np = np.asarray(g)  # waits for the step: search_seconds below counts the retrieval alone
       t0 = time.perf_counter()
       live = np.flatnonzero(live_N)  # no search for finished sentences' rows: they get no entries (model alone)
-      g_np = np.asarray(g)
       k = int(min(d.k, self.ds.count))
       nb = Neighbours(np.full((len(g_np), k), -1, np.int64), np.full((len(g_np), k), -1, np.int32),
                       np.full((len(g_np), k), -np.inf, np.float32), np.zeros((len(g_np), k, g_np.shape[1]), np.float32))
