@@ -1,10 +1,11 @@
 """MT decoding throughput (sentences/s) with and without the datastore, one export, one run.
 
-Decodes the same test sentences (evenly spaced over the split) with the model alone, kNN-MT and TrimeMT_ext (each at its valid-tuned setting
-from tuned.json, or all at --k), beam 4, after one untimed pass that compiles every shape; the modes are timed
-in turn, --repeats times, and the median pass is reported with its decoder steps (a batch searches until its
-last sentence ends: a weaker distribution that loops takes more), time per step, retrieval share (FAISS search
-+ gathering the retrieved keys) and the ratio of sentences/s to the model alone's. Run it on an idle machine: the numbers are seconds.
+Decodes the same test sentences (evenly spaced over the split) with the model alone, kNN-MT and TrimeMT_ext (each
+at its valid-tuned setting from tuned.json, or all at --k) with launch.translate's search (decode.EVAL_SEARCH),
+after one untimed pass that compiles every shape. The modes are timed in turn, --repeats times, and the median
+pass is reported with its decoder steps (a batch searches until its last sentence ends: a weaker distribution
+that loops takes more), time per step, retrieval share (FAISS search + gathering the retrieved keys) and the
+ratio of sentences/s to the model alone's. Run it on an idle machine: the numbers are seconds.
 
   python -m bench.mt_decode --checkpoint=runs/ui_de_en/ce_random/export --datastore=runs/ui_de_en/ce_random/ds \
       --settings=runs/ui_de_en/ce_random/translate/tuned.json [--sentences=512 --repeats=2 --nprobe=8]
@@ -35,11 +36,11 @@ def main():
   ap.add_argument("--batch_sentences", type=int, default=32)
   ap.add_argument("--nprobe", type=int, default=8)
   ap.add_argument("--repeats", type=int, default=2)
-  # launch.translate's defaults (the original evaluations'): SearchOptions() alone is fairseq's 0·|x| + 200
-  ap.add_argument("--beam", type=int, default=4)
-  ap.add_argument("--lenpen", type=float, default=0.6)
-  ap.add_argument("--max_len_a", type=float, default=1.2)
-  ap.add_argument("--max_len_b", type=int, default=10)
+  search = decode.EVAL_SEARCH  # launch.translate's defaults (SearchOptions() alone is fairseq's 0·|x| + 200)
+  ap.add_argument("--beam", type=int, default=search.beam)
+  ap.add_argument("--lenpen", type=float, default=search.lenpen)
+  ap.add_argument("--max_len_a", type=float, default=search.max_len_a)
+  ap.add_argument("--max_len_b", type=int, default=search.max_len_b)
   args = ap.parse_args()
 
   graphdef, params, config, vocab = mt_model.load_mt_export(args.checkpoint)
@@ -67,7 +68,8 @@ def main():
       t.translate(src, batch_sentences=args.batch_sentences)
       runs[mode].append((time.perf_counter() - t0, t.search_seconds, t.decode_steps))
   base = statistics.median(r[0] for r in runs["model"]) if "model" in runs else None
-  print(f"{len(src)} test sentences, beam {args.beam}, max length {args.max_len_a:g}·|x| + {args.max_len_b}, batches of {args.batch_sentences}, nprobe {args.nprobe}, "
+  print(f"{len(src)} test sentences, beam {args.beam}, max length {args.max_len_a:g}·|x| + {args.max_len_b}, "
+        f"batches of {args.batch_sentences}, nprobe {args.nprobe}, "
         f"datastore {ds.count:,} keys, median of {args.repeats}")
   results = {}
   for mode, rs in runs.items():

@@ -25,6 +25,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from launch.common import run_main
+from trime_jax.mt import decode
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "MT export directory (<workdir>/export).")
 _CONFIG = config_flags.DEFINE_config_file("config", None, "An MT config (task='mt') for the data; default: the "
@@ -36,10 +37,13 @@ _MODE = flags.DEFINE_enum("mode", "model", ["model", "knn_mt", "trime", "trime_i
                           "entries; --interp_lambda > 0 adds Appendix A's interpolation). With --settings, "
                           "trime_interp takes the tuned interpolated setting and trime_best the better of the two "
                           "on valid BLEU.")
-_BEAM = flags.DEFINE_integer("beam", 4, "Beam size (1 = greedy).")
-_LENPEN = flags.DEFINE_float("lenpen", 0.6, "Length penalty: score / len^lenpen (0.6: the original TrimeMT / kNN-MT evaluations; fairseq default 1.0).")
-_MAX_LEN_A = flags.DEFINE_float("max_len_a", 1.2, "Max output length = a * source length + b (1.2 and 10: the original evaluations; fairseq default 0, 200).")
-_MAX_LEN_B = flags.DEFINE_integer("max_len_b", 10, "Max output length = a * source length + b (fairseq: 200).")
+_BEAM = flags.DEFINE_integer("beam", decode.EVAL_SEARCH.beam, "Beam size (1 = greedy).")
+_LENPEN = flags.DEFINE_float("lenpen", decode.EVAL_SEARCH.lenpen,
+                             "Length penalty: score / len^lenpen (the original evaluations'; fairseq default 1.0).")
+_MAX_LEN_A = flags.DEFINE_float("max_len_a", decode.EVAL_SEARCH.max_len_a,
+                                "Max output length = a * source length + b (the original evaluations'; fairseq: 0).")
+_MAX_LEN_B = flags.DEFINE_integer("max_len_b", decode.EVAL_SEARCH.max_len_b,
+                                  "Max output length = a * source length + b (fairseq: 200).")
 _DATASTORE = flags.DEFINE_string("datastore", "", "Datastore directory (launch.build_datastore).")
 _INDEX = flags.DEFINE_string("index", "", "FAISS index (default <datastore>/index.faiss).")
 _NPROBE = flags.DEFINE_integer("nprobe", 32, "IVF lists searched per query.")
@@ -97,7 +101,6 @@ def main(argv):
   del argv
   from trime_jax.errors import ConfigError
   from trime_jax.mt import datastore as mt_datastore
-  from trime_jax.mt import decode
   from trime_jax.mt import model as mt_model
 
   checkpoint, out = _CHECKPOINT.value, _OUT.value

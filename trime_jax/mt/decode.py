@@ -71,6 +71,11 @@ class SearchOptions:
     return np.clip(raw, 1, self.max_positions - 1)
 
 
+# The original TrimeMT / kNN-MT evaluations' search (beam 4, lenpen 0.6, max length 1.2·|x| + 10): the default of
+# launch.translate and bench/mt_decode. SearchOptions() alone keeps fairseq's generate defaults.
+EVAL_SEARCH = SearchOptions(beam=4, lenpen=0.6, max_len_a=1.2, max_len_b=10)
+
+
 @dataclasses.dataclass
 class Hypothesis:
   tokens: list  # output tokens, without the final eos
