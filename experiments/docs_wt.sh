@@ -14,7 +14,8 @@
 # SEED=1 repeats under runs/docs_wt_s1. Commit commands and results, never checkpoints.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="nice -n 10 .venv/bin/python -m"
+PYBIN=${PYBIN:-.venv/bin/python}
+PY="nice -n 10 $PYBIN -m"
 SEED=${SEED:-0}
 OUT=runs/docs_wt$([ "$SEED" = 0 ] || echo "_s$SEED")
 S="--config.train.seed=$SEED"
@@ -46,7 +47,7 @@ case "${1:-}" in
     NAME=$2; CFG=$(config_of "$NAME")
     # A chunk ends with SIGTERM after $CHUNK s: training checkpoints at once and the rerun resumes.
     rc=0; timeout --signal=TERM "$CHUNK" $PY launch.train --config=$CFG --workdir=$OUT/$NAME $S \
-      $(overrides_of "$NAME") || rc=$?
+      $(overrides_of "$NAME") ${TRAIN_FLAGS:-} || rc=$?
     if [ "$rc" = 124 ] || [ "$rc" = 143 ]; then echo "chunk over: rerun 'bash $0 train $NAME' to continue"; exit 0; fi
     exit $rc
     ;;

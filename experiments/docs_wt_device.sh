@@ -1,0 +1,77 @@
+#!/bin/bash
+# Issue 17's trainings on a lent accelerator (one GPU; this workplace's `device` tool: a bare machine with JAX and
+# no network, whose command gets an empty $OUT to send files back in). The trainings are experiments/docs_wt.sh's
+# own `train` command, unchanged; this wrapper supplies what the bare machine lacks and packs the exports.
+#
+#   here:  bash experiments/docs_wt_device.sh prepare
+#            # .gpu/ (git-ignored): the pinned pure-Python packages (flax, optax, orbax-checkpoint, ml_collections;
+#            # the machine's own jax runs them), the encoded corpus cache (xz; the raw corpus in ../shared does not
+#            # travel), carried with runs/plans (the batch plans)
+#   there: bash experiments/docs_wt_device.sh train "vanilla:0 local:0 ..."
+#            # every NAME:SEED job at once on the one GPU (each is small; CHUNK seconds at most, then they
+#            # checkpoint and stop, as on CPU), logs and exports under runs/, then the exports as one tar split
+#            # into 15 MiB parts under runs/device_parts (the first four copied to $OUT; later calls fetch the rest)
+#   here:  bash experiments/docs_wt_device.sh unpack PART...
+#            # joins the parts (in name order) and unpacks the exports and logs into runs/docs_wt[_s1]/NAME
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+case "${1:-}" in
+  prepare)
+    mkdir -p .gpu/whl .gpu/cache
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform any -d .gpu/whl \
+      flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.8 ml_collections==1.1.0
+    # the corpus cache docs_wt's data config reads (written by any earlier run here: plans, train)
+    KEY=$(.venv/bin/python -c "from configs import docs_wt; from trime_jax import corpora; \
+print(corpora._cache_key(docs_wt.get_config().data, None))")
+    SRC=runs/cache/docs_wt/$KEY
+    [ -f "$SRC/COMPLETE" ] || .venv/bin/python -c "from configs import docs_wt; from trime_jax import corpora; \
+corpora.load_splits(docs_wt.get_config().data)"  # encodes the corpus once (as any training here would)
+    tar -C "$SRC" -cf - . | xz -T2 -6 > .gpu/cache/docs_wt.tar.xz
+    du -sh .gpu runs/plans
+    ;;
+  train)
+    JOBS=$2
+    PYBIN=${PYBIN:-python3}  # the machine's python (with its jax)
+    $PYBIN -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .gpu/whl/*.whl
+    # faiss is imported by the datastore modules, not used by training; the machine has none
+    mkdir -p /tmp/stub && printf 'def __getattr__(name):\n  raise ImportError("faiss: not on this machine")\n' \
+      > /tmp/stub/faiss.py
+    export PYTHONPATH=/tmp/site:/tmp/stub:$PWD
+    KEY=$($PYBIN -c "from configs import docs_wt; from trime_jax import corpora; \
+print(corpora._cache_key(docs_wt.get_config().data, None))")
+    mkdir -p runs/cache/docs_wt/$KEY && xz -dc .gpu/cache/docs_wt.tar.xz | tar -C runs/cache/docs_wt/$KEY -xf -
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    $PYBIN -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several trainings share the GPU
+    T0=$(date +%s)
+    PIDS=""
+    for JOB in $JOBS; do
+      NAME=${JOB%:*}; SEED=${JOB#*:}; DIR=runs/docs_wt$([ "$SEED" = 0 ] || echo "_s$SEED")
+      mkdir -p $DIR/$NAME
+      ( START=$(date +%s)
+        SEED=$SEED PYBIN=$PYBIN CHUNK=${CHUNK:-420} TRAIN_FLAGS="--config.train.checkpoint_every=400 ${EXTRA_FLAGS:-}" \
+          bash experiments/docs_wt.sh train $NAME > $DIR/$NAME/train.log 2>&1
+        echo "$JOB rc=$? wall_s=$(( $(date +%s) - START )) exported=$([ -d $DIR/$NAME/export ] && echo yes || echo no)" \
+          | tee -a runs/device_jobs.txt ) &
+      PIDS="$PIDS $!"
+    done
+    wait $PIDS || true
+    echo "all jobs: $(( $(date +%s) - T0 )) s" | tee -a runs/device_jobs.txt
+    nvidia-smi --query-gpu=name --format=csv,noheader >> runs/device_jobs.txt || true
+    rm -rf runs/device_parts && mkdir -p runs/device_parts
+    tar -cf - runs/device_jobs.txt $(ls -d runs/docs_wt*/*/export 2>/dev/null) runs/docs_wt*/*/metrics.jsonl \
+      runs/docs_wt*/*/train.log runs/docs_wt*/*/config.json | split -b 15m -d -a 2 - runs/device_parts/exports.tar.
+    ls -la runs/device_parts
+    if [ -n "${OUT:-}" ]; then cp $(ls runs/device_parts/* | head -4) "$OUT"/; fi
+    ;;
+  unpack)
+    shift
+    for f in "$@"; do echo "$(basename "$f") $f"; done | sort | cut -d' ' -f2 | xargs cat > /tmp/docs_wt_exports.tar
+    tar -xf /tmp/docs_wt_exports.tar
+    tar -tf /tmp/docs_wt_exports.tar | grep -E "/export/$|device_jobs" || true
+    rm /tmp/docs_wt_exports.tar
+    ;;
+  *) echo "usage: $0 prepare | train JOBS | unpack PARTS..." >&2; exit 2 ;;
+esac
