@@ -10,6 +10,7 @@
 #   bash experiments/docs_wt.sh eval NAME        # test perplexities, every memory, tuned on dev
 #   bash experiments/docs_wt.sh sizes NAME       # datastore-size sweep: first 1M / 4M entries vs all (~16M)
 #   bash experiments/docs_wt.sh domain NAME      # linux-doc-6.1 test: kernel datastore vs training datastore
+#   bash experiments/docs_wt.sh exact NAME       # (an accelerator) every training key on the device, exact scores
 #
 # SEED=1 repeats under runs/docs_wt_s1. Commit commands and results, never checkpoints.
 set -euo pipefail
@@ -82,5 +83,14 @@ case "${1:-}" in
         --output=$OUT/$NAME/domain_$DS.json
     done
     ;;
-  *) echo "usage: $0 plans | train NAME | datastore NAME | eval NAME | sizes NAME | domain NAME" >&2; exit 2 ;;
+  exact)  # an accelerator: every training key on the device, scored exactly (no FAISS, no top-K; eval.datastore_on_device)
+    NAME=$2; CFG=$(config_of "$NAME")
+    timeout ${BUILD_S:-900} $PY launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export \
+      --out=$OUT/$NAME/ds_exact --index=none --config.eval.batch_size=32  # windows are independent: same keys
+    timeout ${EVAL_S:-3600} $PY launch.eval_ext --config=$CFG --checkpoint=$OUT/$NAME/export \
+      --config.eval.datastore=$OUT/$NAME/ds_exact --config.eval.datastore_on_device=True --config.eval.tune=True \
+      --config.eval.split=test --output=$OUT/$NAME/eval_exact.json
+    ;;
+  *) echo "usage: $0 plans | train NAME | datastore NAME | eval NAME | sizes NAME | domain NAME | exact NAME" >&2
+     exit 2 ;;
 esac

@@ -16,11 +16,31 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+setup() {  # there: packages, the faiss stand-in and the corpus cache
+  PYBIN=${PYBIN:-python3}  # the machine's python (with its jax)
+  $PYBIN -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .gpu/whl/*.whl
+  # faiss: imported by the datastore modules, unused by training and exact evaluation; the machine has none
+  mkdir -p /tmp/stub && printf 'def __getattr__(name):\n  raise ImportError("faiss: not on this machine")\n' \
+    > /tmp/stub/faiss.py
+  export PYTHONPATH=/tmp/site:/tmp/stub:$PWD
+  KEY=$($PYBIN -c "from configs import docs_wt; from trime_jax import corpora; \
+print(corpora._cache_key(docs_wt.get_config().data, None))")
+  mkdir -p runs/cache/docs_wt/$KEY && xz -dc .gpu/cache/docs_wt.tar.xz | tar -C runs/cache/docs_wt/$KEY -xf -
+  # evaluation reads the corpus encoded with the checkpoint's (the same) vocabulary: a second cache key
+  KEYV=$($PYBIN -c "from configs import docs_wt; from trime_jax import corpora; d = docs_wt.get_config().data; \
+print(corpora._cache_key(d, corpora.load_splits(d).vocab))")
+  [ -e runs/cache/docs_wt/$KEYV ] || cp -al runs/cache/docs_wt/$KEY runs/cache/docs_wt/$KEYV
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several jobs share the GPU
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+  $PYBIN -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+}
+
 case "${1:-}" in
   prepare)
     mkdir -p .gpu/whl .gpu/cache
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform any -d .gpu/whl \
-      flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.8 ml_collections==1.1.0
+      flax==0.12.12 optax==0.2.8 orbax-checkpoint==0.12.8 ml_collections==1.1.0
     # the corpus cache docs_wt's data config reads (written by any earlier run here: plans, train)
     KEY=$(.venv/bin/python -c "from configs import docs_wt; from trime_jax import corpora; \
 print(corpora._cache_key(docs_wt.get_config().data, None))")
@@ -32,19 +52,7 @@ corpora.load_splits(docs_wt.get_config().data)"  # encodes the corpus once (as a
     ;;
   train)
     JOBS=$2
-    PYBIN=${PYBIN:-python3}  # the machine's python (with its jax)
-    $PYBIN -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .gpu/whl/*.whl
-    # faiss is imported by the datastore modules, not used by training; the machine has none
-    mkdir -p /tmp/stub && printf 'def __getattr__(name):\n  raise ImportError("faiss: not on this machine")\n' \
-      > /tmp/stub/faiss.py
-    export PYTHONPATH=/tmp/site:/tmp/stub:$PWD
-    KEY=$($PYBIN -c "from configs import docs_wt; from trime_jax import corpora; \
-print(corpora._cache_key(docs_wt.get_config().data, None))")
-    mkdir -p runs/cache/docs_wt/$KEY && xz -dc .gpu/cache/docs_wt.tar.xz | tar -C runs/cache/docs_wt/$KEY -xf -
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-    $PYBIN -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several trainings share the GPU
+    setup
     T0=$(date +%s)
     PIDS=""
     for JOB in $JOBS; do
@@ -65,6 +73,18 @@ print(corpora._cache_key(docs_wt.get_config().data, None))")
       runs/docs_wt*/*/train.log runs/docs_wt*/*/config.json | split -b 15m -d -a 2 - runs/device_parts/exports.tar.
     ls -la runs/device_parts
     if [ -n "${OUT:-}" ]; then cp $(ls runs/device_parts/* | head -4) "$OUT"/; fi
+    ;;
+  exact)  # there: experiments/docs_wt.sh exact NAME for each NAME at once; results and logs copied to $OUT
+    setup
+    for NAME in $2; do
+      ( PYBIN=$PYBIN bash experiments/docs_wt.sh exact $NAME > runs/docs_wt/$NAME/exact.log 2>&1
+        echo "$NAME rc=$?" ) &
+    done
+    wait
+    for NAME in $2; do
+      cp runs/docs_wt/$NAME/exact.log "$OUT"/exact_$NAME.log || true
+      cp runs/docs_wt/$NAME/eval_exact.json "$OUT"/eval_exact_$NAME.json || true
+    done
     ;;
   unpack)
     shift
