@@ -133,6 +133,22 @@ def test_sharded_distribution_equals_float64_reference_on_8_devices(eight_device
       assert c[name] <= 1e-11, (m, name, c)
 
 
+def test_on_device_exact_with_local_families_at_scales_no_external_family_reads(setup):  # noqa: F811
+  """The test pass after tuning scores only each group's best point: a local-only family (trime_local at its τ,
+  the cache at its θ) reads no external sum, so the exact path must not look one up at its scale."""
+  s = setup
+  store = exact_memory.load_datastore(s["ds"], sharding.make_mesh(1))
+  P = evaluate.Point
+  points = [evaluate.NONE, P("trime_local", tau=0.7), P("cache", lam=0.3, theta=1.1), P("trime", tau=2.5),
+            P("interp", tau=2.5, tau_prime=0.5, lam=0.2, interp_memory="all"), P("knnlm", lam=0.4, theta=0.3)]
+  assert 1 / 0.7 not in evaluate.exact_scales(points) and 1.1 not in evaluate.exact_scales(points)
+  run = lambda ext: evaluate.evaluate(s["graphdef"], s["params"], s["dev"], points, block_len=BLOCK,
+                                      context_window=CTX, streams=2, external=ext)
+  exact = run(store)
+  flat = run(knn.ExternalMemory(str(s["tmp"] / "ds"), checkpoint_dir=s["export"], k=10_000))
+  np.testing.assert_allclose([r.nll for r in exact.scores], [r.nll for r in flat.scores], rtol=1e-5)
+
+
 def test_evaluate_checkpoint_with_datastore_on_device(setup, monkeypatch):  # noqa: F811
   """The config switch: eval.datastore_on_device=True gives the FAISS flat (K = datastore) numbers, without
   retrieval accuracy; the FAISS path stays the default."""

@@ -278,8 +278,10 @@ def point_nlls(stats: loss.VocabStats, targets, local_blocks, ext_block, points)
   lse = loss.masked_logsumexp_with
 
   def blocks_of(which, scale):
+    if which == "local":  # (exact memory holds sums only at the scales the external readers use)
+      return local_blocks
     ext = [] if ext_block is None else [MemoryBlock(*ext_block[scale]) if isinstance(ext_block, dict) else ext_block]
-    return {"local": local_blocks, "external": ext, "all": local_blocks + ext}[which]
+    return ext if which == "external" else local_blocks + ext
 
   log_p_vocab = stats.target_logit - stats.log_normalizer
 
