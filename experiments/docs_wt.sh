@@ -8,7 +8,8 @@
 #                                                #   same command to continue (it resumes from the last checkpoint)
 #   bash experiments/docs_wt.sh datastore NAME   # keys of every training token (~16M), IVF-PQ index
 #   bash experiments/docs_wt.sh eval NAME        # test perplexities, every memory, tuned on dev
-#   bash experiments/docs_wt.sh sizes NAME       # datastore-size sweep: first 1M / 4M entries vs all (~16M)
+#   bash experiments/docs_wt.sh sizes NAME       # datastore-size sweep: first 1M / 4M entries vs all (17.8M); a
+#                                                #   size can be taken while the full build is still running
 #   bash experiments/docs_wt.sh domain NAME      # linux-doc-6.1 test: kernel datastore vs training datastore
 #   bash experiments/docs_wt.sh exact NAME       # (an accelerator) every training key on the device, exact scores
 #
@@ -66,7 +67,7 @@ case "${1:-}" in
     ;;
   sizes)  # table 4: datastore-size sweep (the first 1M / 4M entries of NAME's full datastore; no keys recomputed)
     NAME=$2; CFG=$(config_of "$NAME")
-    for N in 1000000 4000000; do
+    for N in ${SIZES:-1000000 4000000}; do  # SIZES="1000000": one size; the build may still be running
       $PY launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds_$N \
         --subset_of=$OUT/$NAME/ds --entries=$N --index=ivfpq --nlist=$((N / 1000)) --pq_m=16
       $PY launch.eval_ext --config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.datastore=$OUT/$NAME/ds_$N \

@@ -26,7 +26,8 @@ _INDEX = flags.DEFINE_enum("index", "auto", ["auto", "flat", "ivfpq", "none"],
                            "FAISS index: auto = the cheaper of exact IndexFlatIP and IVF-PQ for the searches "
                            "launch.eval_ext runs (dev + test tokens, eval.knn_k, eval.nprobe); it says which and why.")
 _NLIST = flags.DEFINE_integer("nlist", 4096, "IVF-PQ inverted lists (clamped for small stores).")
-_SUBSET_OF = flags.DEFINE_string("subset_of", "", "A complete datastore: --out gets its first --entries entries "
+_SUBSET_OF = flags.DEFINE_string("subset_of", "", "A datastore (complete, or a build in progress that has finished "
+                                 "--entries tokens): --out gets its first --entries entries "
                                  "(no keys recomputed; datastore-size sweeps), then its own index.")
 _ENTRIES = flags.DEFINE_integer("entries", 0, "With --subset_of: how many entries (the first ones, stream order).")
 _PQ_M = flags.DEFINE_integer("pq_m", 64, "IVF-PQ sub-quantizers (clamped to a divisor of the key dimension).")
@@ -50,8 +51,8 @@ def main(argv):
   e = config.eval
   try:
     if _SUBSET_OF.value:
-      Datastore(_SUBSET_OF.value).check_checkpoint(checkpoint)
-      subset_datastore(_SUBSET_OF.value, out, _ENTRIES.value)
+      subset_datastore(_SUBSET_OF.value, out, _ENTRIES.value)  # the source may be a build in progress
+      Datastore(out).check_checkpoint(checkpoint)  # the source's identity: the same model's keys
     else:
       build_datastore(checkpoint, corpus, out, block_len=e.block_len, context_window=e.context_window,
                       batch_size=e.batch_size)

@@ -205,3 +205,23 @@ def test_subset_is_the_prefix_and_a_datastore_of_its_own(setup, tmp_path):
     subset_datastore(setup["out"], out, n - 1)
   with pytest.raises(ConfigError, match="holds"):
     subset_datastore(setup["out"], str(tmp_path / "big"), src.count + 1)
+
+
+def test_subset_of_a_build_in_progress_is_the_complete_ones_prefix(setup, tmp_path):
+  """A size sweep need not wait for the full build: the finished chunks of an interrupted build are final."""
+  from trime_jax.datastore import subset_datastore
+
+  partial = str(tmp_path / "partial")
+  meta = build_datastore(setup["export"], setup["corpus"], partial, chunk_tokens=100, max_chunks=2, progress=False)
+  done = meta["tokens_done"]
+  assert not meta["complete"] and 0 < done < setup["ds"].count
+  with pytest.raises(CheckpointError, match="incomplete"):
+    Datastore(partial)
+  sub_meta = subset_datastore(partial, str(tmp_path / "sub"), done)
+  full_sub = subset_datastore(setup["out"], str(tmp_path / "sub_full"), done)
+  sub = Datastore(str(tmp_path / "sub"))
+  np.testing.assert_array_equal(sub.keys, setup["ds"].keys[:done])
+  np.testing.assert_array_equal(sub.values, setup["ds"].values[:done])
+  assert sub_meta["fingerprint"] == full_sub["fingerprint"] and sub_meta["subset_of"] == setup["ds"].fingerprint
+  with pytest.raises(ConfigError, match=f"finished {done:,}"):
+    subset_datastore(partial, str(tmp_path / "too_many"), done + 1)

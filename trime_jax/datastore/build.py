@@ -383,31 +383,51 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
   return meta
 
 
-def subset_datastore(source_dir: str, out_dir: str, count: int) -> dict:
-  """A datastore of the first `count` entries of the complete datastore in `source_dir` (the first `count`
-  training tokens, whole stream order), written without recomputing keys: the size sweep of the paper's
-  analysis. Its identity is the source's with `count` replaced (so an index records which size it was built
-  for) and meta `subset_of` = the source's fingerprint. Rerunning on a finished subset is a no-op."""
+def _prefix_source(source_dir: str, count: int):
+  """(meta, keys, values) of the datastore in `source_dir` whose first `count` entries are final: a complete
+  datastore (verified), or a build in progress that has finished at least `count` tokens (each chunk is flushed
+  before meta.json records it, so its prefix is what the complete datastore will hold)."""
+  meta = _read_meta(source_dir)
+  if meta is not None and meta.get("format") == FORMAT and not meta.get("complete"):
+    if _identity_fingerprint({k: meta.get(k) for k in IDENTITY}) != meta.get("fingerprint"):
+      raise DamagedCheckpointError(f"datastore meta {_paths(source_dir)[0]} was edited: rebuild the datastore")
+    done = int(meta.get("tokens_done", 0))
+    if not 0 < count <= done:
+      raise ConfigError(f"a subset of {count:,} entries: the build in {source_dir} has finished {done:,} of "
+                        f"{meta['count']:,} tokens so far (rerun its build command to go on)")
+    _, keys_path, values_path = _paths(source_dir)
+    return meta, np.load(keys_path, mmap_mode="r"), np.load(values_path, mmap_mode="r")
   src = Datastore(source_dir)
   if not 0 < count <= src.count:
     raise ConfigError(f"a subset of {count:,} entries: the datastore {source_dir} holds {src.count:,}")
-  identity = {**{k: src.meta[k] for k in IDENTITY}, "count": int(count)}
+  return src.meta, src.keys, src.values
+
+
+def subset_datastore(source_dir: str, out_dir: str, count: int) -> dict:
+  """A datastore of the first `count` entries of the datastore in `source_dir` (the first `count` training
+  tokens, whole stream order), written without recomputing keys: the size sweep of the paper's analysis. The
+  source may be a build still in progress that has finished `count` tokens. Its identity is the source's with
+  `count` replaced (so an index records which size it was built for) and meta `subset_of` = the source's
+  fingerprint. Rerunning on a finished subset is a no-op."""
+  src_meta, src_keys, src_values = _prefix_source(source_dir, count)
+  identity = {**{k: src_meta[k] for k in IDENTITY}, "count": int(count)}
   fp = _identity_fingerprint(identity)
   meta = _read_meta(out_dir)
   if meta is not None:
-    if meta.get("fingerprint") == fp and meta.get("subset_of") == src.fingerprint and meta.get("complete"):
+    if meta.get("fingerprint") == fp and meta.get("subset_of") == src_meta["fingerprint"] and meta.get("complete"):
       return meta
     raise CheckpointError(f"{out_dir} holds a different datastore: choose another output directory or delete it")
   os.makedirs(out_dir, exist_ok=True)
   meta_path, keys_path, values_path = _paths(out_dir)
   t0 = time.perf_counter()
-  for path, arr in ((keys_path, src.keys), (values_path, src.values)):
+  for path, arr in ((keys_path, src_keys), (values_path, src_values)):
     out = np.lib.format.open_memmap(path, mode="w+", dtype=arr.dtype, shape=(count,) + arr.shape[1:])
     for a in range(0, count, CHUNK_TOKENS):
       out[a:a + CHUNK_TOKENS] = arr[a:min(a + CHUNK_TOKENS, count)]
     out.flush()
     del out
-  meta = {**identity, "fingerprint": fp, "subset_of": src.fingerprint, "corpus_name": src.meta.get("corpus_name"),
+  meta = {**identity, "fingerprint": fp, "subset_of": src_meta["fingerprint"],
+          "corpus_name": src_meta.get("corpus_name"),
           "tokens_done": int(count), "complete": True, "build_seconds": round(time.perf_counter() - t0, 3),
           "file_digests": {os.path.basename(p): file_digest(p) for p in (keys_path, values_path)}}
   data.atomic_write_json(meta_path, meta)  # last: a subset without meta.json is not a datastore
