@@ -7,7 +7,8 @@
 #                                                #   one chunk of at most CHUNK seconds (default 1800); rerun the
 #                                                #   same command to continue (it resumes from the last checkpoint)
 #   bash experiments/docs_wt.sh datastore NAME   # keys of every training token (~16M), IVF-PQ index
-#   bash experiments/docs_wt.sh eval NAME        # test perplexities, every memory, tuned on dev
+#   bash experiments/docs_wt.sh eval NAME        # test perplexities without the datastore, tuned on dev
+#   bash experiments/docs_wt.sh eval_ext NAME    # with the full datastore: kNN-LM families, TrimeLM_ext
 #   bash experiments/docs_wt.sh sizes NAME       # datastore-size sweep: first 1M / 4M entries vs all (17.8M); a
 #                                                #   size can be taken while the full build is still running
 #   bash experiments/docs_wt.sh domain NAME      # linux-doc-6.1 test: kernel datastore vs training datastore
@@ -58,10 +59,14 @@ case "${1:-}" in
     /usr/bin/time -v $PY launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds \
       --index=ivfpq --nlist=4096 --pq_m=16 2> $OUT/$NAME/ds_time.txt
     ;;
-  eval)
-    NAME=$2; CFG=$(config_of "$NAME")
+  eval)  # test perplexities without the datastore, tuned on dev: none and the model's test-time memory (local
+    #       + long-term, sizes MEM_SIZES; the vanilla model: the continuous cache over the same sizes)
+    NAME=$2; CFG=$(config_of "$NAME"); MEM=$([ "$NAME" = vanilla ] && echo cache || echo local)
     $PY launch.eval --config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.tune=True --config.eval.split=test \
-      --config.eval.memory=local --mem_sizes=0,2048,8192 --label=$NAME --output=$OUT/$NAME/eval.json
+      --config.eval.memory=$MEM --mem_sizes=${MEM_SIZES:-0,2048,8192} --label=$NAME --output=$OUT/$NAME/eval.json
+    ;;
+  eval_ext)  # + the full datastore (kNN-LM families, TrimeLM_ext, interpolation), tuned on dev
+    NAME=$2; CFG=$(config_of "$NAME")
     $PY launch.eval_ext --config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.datastore=$OUT/$NAME/ds \
       --config.eval.tune=True --config.eval.split=test --output=$OUT/$NAME/eval_ext.json
     ;;
@@ -84,7 +89,8 @@ case "${1:-}" in
         --output=$OUT/$NAME/domain_$DS.json
     done
     ;;
-  exact)  # an accelerator: every training key on the device, scored exactly (no FAISS, no top-K; eval.datastore_on_device)
+  exact)  # an accelerator: every training key on the device, scored exactly (eval.datastore_on_device: no FAISS,
+    #        no top-K)
     NAME=$2; CFG=$(config_of "$NAME")
     timeout ${BUILD_S:-900} $PY launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export \
       --out=$OUT/$NAME/ds_exact --index=none --config.eval.batch_size=32  # windows are independent: same keys
@@ -92,6 +98,7 @@ case "${1:-}" in
       --config.eval.datastore=$OUT/$NAME/ds_exact --config.eval.datastore_on_device=True --config.eval.tune=True \
       --config.eval.split=test --output=$OUT/$NAME/eval_exact.json
     ;;
-  *) echo "usage: $0 plans | train NAME | datastore NAME | eval NAME | sizes NAME | domain NAME | exact NAME" >&2
+  *) echo "usage: $0 plans | train NAME | datastore NAME | eval NAME | eval_ext NAME | sizes NAME | domain NAME" \
+       "| exact NAME" >&2
      exit 2 ;;
 esac
