@@ -170,3 +170,12 @@ def test_evaluate_checkpoint_with_datastore_on_device(setup, monkeypatch):  # no
   assert [r["variant"] for r in exact_out["rows"]] == [r["variant"] for r in faiss_out["rows"]]
   np.testing.assert_allclose([r["nll"] for r in exact_out["rows"]], [r["nll"] for r in faiss_out["rows"]],
                              rtol=1e-5)
+  # Tuned on dev, then the best point per group on the split (the docs-wt run's path): the same choices.
+  cfg.eval.tune, cfg.eval.split = True, "test"
+  faiss_out = evaluate.evaluate_checkpoint(cfg, s["export"], external_memory=True)
+  cfg.eval.datastore_on_device = True
+  exact_out = evaluate.evaluate_checkpoint(cfg, s["export"], external_memory=True)
+  cfg.eval.datastore_on_device, cfg.eval.tune, cfg.eval.split = False, False, "dev"
+  assert [r["variant"] for r in exact_out["rows"]] == [r["variant"] for r in faiss_out["rows"]]
+  np.testing.assert_allclose([r["nll"] for r in exact_out["rows"]], [r["nll"] for r in faiss_out["rows"]],
+                             rtol=1e-5)
