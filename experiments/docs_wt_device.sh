@@ -11,6 +11,9 @@
 #            # every NAME:SEED job at once on the one GPU (each is small; CHUNK seconds at most, then they
 #            # checkpoint and stop, as on CPU), logs and exports under runs/, then the exports as one tar split
 #            # into 15 MiB parts under runs/device_parts (the first four copied to $OUT; later calls fetch the rest)
+#   there: bash experiments/docs_wt_device.sh exact "vanilla ext"
+#            # experiments/docs_wt.sh exact NAME for each (carry runs/docs_wt/NAME/export): every training key on
+#            # the GPU, scored exactly; results and logs to $OUT
 #   here:  bash experiments/docs_wt_device.sh unpack PART...
 #            # joins the parts (in name order) and unpacks the exports and logs into runs/docs_wt[_s1]/NAME
 set -euo pipefail
@@ -59,7 +62,8 @@ corpora.load_splits(docs_wt.get_config().data)"  # encodes the corpus once (as a
       NAME=${JOB%:*}; SEED=${JOB#*:}; DIR=runs/docs_wt$([ "$SEED" = 0 ] || echo "_s$SEED")
       mkdir -p $DIR/$NAME
       ( START=$(date +%s)
-        SEED=$SEED PYBIN=$PYBIN CHUNK=${CHUNK:-420} TRAIN_FLAGS="--config.train.checkpoint_every=400 ${EXTRA_FLAGS:-}" \
+        FLAGS="--config.train.checkpoint_every=400 ${EXTRA_FLAGS:-}"
+        SEED=$SEED PYBIN=$PYBIN CHUNK=${CHUNK:-420} TRAIN_FLAGS="$FLAGS" \
           bash experiments/docs_wt.sh train $NAME > $DIR/$NAME/train.log 2>&1
         echo "$JOB rc=$? wall_s=$(( $(date +%s) - START )) exported=$([ -d $DIR/$NAME/export ] && echo yes || echo no)" \
           | tee -a runs/device_jobs.txt ) &
@@ -93,5 +97,5 @@ corpora.load_splits(docs_wt.get_config().data)"  # encodes the corpus once (as a
     tar -tf /tmp/docs_wt_exports.tar | grep -E "/export/$|device_jobs" || true
     rm /tmp/docs_wt_exports.tar
     ;;
-  *) echo "usage: $0 prepare | train JOBS | unpack PARTS..." >&2; exit 2 ;;
+  *) echo "usage: $0 prepare | train JOBS | exact NAMES | unpack PARTS..." >&2; exit 2 ;;
 esac
