@@ -65,7 +65,8 @@ corpora.load_splits(docs_wt.get_config().data)"  # encodes the corpus once (as a
         FLAGS="--config.train.checkpoint_every=400 ${EXTRA_FLAGS:-}"
         SEED=$SEED PYBIN=$PYBIN CHUNK=${CHUNK:-420} TRAIN_FLAGS="$FLAGS" \
           bash experiments/docs_wt.sh train $NAME > $DIR/$NAME/train.log 2>&1
-        echo "$JOB rc=$? wall_s=$(( $(date +%s) - START )) exported=$([ -d $DIR/$NAME/export ] && echo yes || echo no)" \
+        RC=$?; E=$([ -d $DIR/$NAME/export ] && echo yes || echo no)
+        echo "$JOB rc=$RC wall_s=$(( $(date +%s) - START )) exported=$E" \
           | tee -a runs/device_jobs.txt ) &
       PIDS="$PIDS $!"
     done
