@@ -64,8 +64,8 @@ corpora.load_splits(docs_wt.get_config().data)"  # encodes the corpus once (as a
       ( START=$(date +%s)
         FLAGS="--config.train.checkpoint_every=400 ${EXTRA_FLAGS:-}"
         SEED=$SEED PYBIN=$PYBIN CHUNK=${CHUNK:-420} TRAIN_FLAGS="$FLAGS" \
-          bash experiments/docs_wt.sh train $NAME > $DIR/$NAME/train.log 2>&1
-        RC=$?; E=$([ -d $DIR/$NAME/export ] && echo yes || echo no)
+          bash experiments/docs_wt.sh train $NAME > $DIR/$NAME/train.log 2>&1 && RC=0 || RC=$?
+        E=$([ -d $DIR/$NAME/export ] && echo yes || echo no)
         echo "$JOB rc=$RC wall_s=$(( $(date +%s) - START )) exported=$E" \
           | tee -a runs/device_jobs.txt ) &
       PIDS="$PIDS $!"
@@ -82,8 +82,8 @@ corpora.load_splits(docs_wt.get_config().data)"  # encodes the corpus once (as a
   exact)  # there: experiments/docs_wt.sh exact NAME for each NAME at once; results and logs copied to $OUT
     setup
     for NAME in $2; do
-      ( PYBIN=$PYBIN bash experiments/docs_wt.sh exact $NAME > runs/docs_wt/$NAME/exact.log 2>&1
-        echo "$NAME rc=$?" ) &
+      ( PYBIN=$PYBIN bash experiments/docs_wt.sh exact $NAME > runs/docs_wt/$NAME/exact.log 2>&1 && RC=0 || RC=$?
+        echo "$NAME rc=$RC" ) &
     done
     wait
     for NAME in $2; do
