@@ -51,8 +51,8 @@ def main(argv):
   e = config.eval
   try:
     if _SUBSET_OF.value:
-      subset_datastore(_SUBSET_OF.value, out, _ENTRIES.value)  # the source may be a build in progress
-      Datastore(out).check_checkpoint(checkpoint)  # the source's identity: the same model's keys
+      # the source may be a build in progress; it must hold this model's keys (checked before writing)
+      subset_datastore(_SUBSET_OF.value, out, _ENTRIES.value, checkpoint_dir=checkpoint)
     else:
       build_datastore(checkpoint, corpus, out, block_len=e.block_len, context_window=e.context_window,
                       batch_size=e.batch_size)

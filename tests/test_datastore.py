@@ -13,7 +13,7 @@ from trime_jax import checkpoint as ckpt
 from trime_jax import data as D
 from trime_jax import steps
 from trime_jax.datastore import Datastore, KnnIndex, build, build_datastore, build_index, gpu_available, rescore
-from trime_jax.errors import CheckpointError, ConfigError
+from trime_jax.errors import CheckpointError, ConfigError, DamagedCheckpointError
 from trime_jax.model import ModelConfig, TransformerLM
 
 BLOCK, CONTEXT, BATCH = 16, 6, 3
@@ -225,3 +225,24 @@ def test_subset_of_a_build_in_progress_is_the_complete_ones_prefix(setup, tmp_pa
   assert sub_meta["fingerprint"] == full_sub["fingerprint"] and sub_meta["subset_of"] == setup["ds"].fingerprint
   with pytest.raises(ConfigError, match=f"finished {done:,}"):
     subset_datastore(partial, str(tmp_path / "too_many"), done + 1)
+
+
+def test_subset_for_another_model_or_of_an_edited_build_is_refused_before_writing(setup, tmp_path):
+  from trime_jax.datastore import subset_datastore
+
+  other = _export(tmp_path / "other", seed=1)
+  out = tmp_path / "sub"
+  with pytest.raises(CheckpointError, match="checkpoint_fingerprint"):
+    subset_datastore(setup["out"], str(out), 10, checkpoint_dir=other)
+  assert not out.exists()  # nothing written
+  subset_datastore(setup["out"], str(out), 10, checkpoint_dir=setup["export"])  # the right model: fine
+
+  partial = tmp_path / "partial"
+  build_datastore(setup["export"], setup["corpus"], str(partial), chunk_tokens=100, max_chunks=1, progress=False)
+  meta_path = partial / "meta.json"
+  meta = json.loads(meta_path.read_text())
+  meta["context_window"] += 1  # an identity field edited by hand
+  meta_path.write_text(json.dumps(meta))
+  with pytest.raises(DamagedCheckpointError, match="edited"):
+    subset_datastore(str(partial), str(tmp_path / "sub2"), 10)
+  assert not (tmp_path / "sub2").exists()

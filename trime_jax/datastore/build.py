@@ -117,6 +117,40 @@ def _read_meta(directory: str) -> dict | None:
     raise DamagedCheckpointError(f"datastore meta {path} is corrupt or truncated ({e})") from None
 
 
+def _checked_meta(directory: str) -> dict:
+  """meta.json of the datastore (complete or being built) in `directory`, with its format and identity
+  fingerprint verified."""
+  meta = _read_meta(directory)
+  if meta is None:
+    raise CheckpointError(f"no datastore in {directory}: meta.json is missing "
+                          "(build one with `python -m launch.build_datastore`)")
+  if meta.get("format") != FORMAT:
+    raise CheckpointError(f"{directory}: unknown datastore format {meta.get('format')!r}")
+  missing = [k for k in IDENTITY + ("fingerprint",) if k not in meta]
+  if missing:
+    raise DamagedCheckpointError(f"datastore meta {_paths(directory)[0]} lacks {', '.join(missing)}")
+  if _identity_fingerprint({k: meta[k] for k in IDENTITY}) != meta["fingerprint"]:
+    raise DamagedCheckpointError(f"datastore meta {_paths(directory)[0]} was edited: its fingerprint "
+                                 f"{meta['fingerprint']} does not match its fields; rebuild the datastore")
+  return meta
+
+
+def _check_meta(directory: str, meta: dict, **want) -> None:
+  """Raise CheckpointError naming every given field (not None) that differs from the datastore's meta."""
+  problems = [f"{name} {meta.get(name)!r} (datastore) != {value!r}" for name, value in want.items()
+              if value is not None and meta.get(name) != value]
+  if problems:
+    raise CheckpointError(f"datastore {directory} does not match: " + "; ".join(problems))
+
+
+def _check_meta_checkpoint(directory: str, meta: dict, checkpoint_dir: str) -> None:
+  """The datastore must have been built by this exported model (same weights, vocabulary, key space)."""
+  cmeta = ckpt.read_export_meta(checkpoint_dir)
+  _check_meta(directory, meta, checkpoint_fingerprint=ckpt.fingerprint(checkpoint_dir),
+              vocab_fingerprint=cmeta["vocab_fingerprint"], dimension=int(cmeta["d_model"]),
+              key_type=cmeta["key_type"])
+
+
 class DatastoreWriter:
   """The files of a datastore being built, shared by every builder (LM windows here, translation targets in
   `trime_jax.mt.datastore`).
@@ -201,21 +235,10 @@ class Datastore:
 
   def __init__(self, directory: str):
     self.directory = os.path.abspath(directory)
-    meta = _read_meta(directory)
-    if meta is None:
-      raise CheckpointError(f"no datastore in {directory}: meta.json is missing "
-                            "(build one with `python -m launch.build_datastore`)")
-    if meta.get("format") != FORMAT:
-      raise CheckpointError(f"{directory}: unknown datastore format {meta.get('format')!r}")
+    meta = _checked_meta(directory)
     if not meta.get("complete"):
       raise CheckpointError(f"datastore {directory} is incomplete ({meta.get('tokens_done', 0):,} of "
                             f"{meta['count']:,} tokens): rerun the same build command to resume it")
-    missing = [k for k in IDENTITY + ("fingerprint",) if k not in meta]
-    if missing:
-      raise DamagedCheckpointError(f"datastore meta {_paths(directory)[0]} lacks {', '.join(missing)}")
-    if _identity_fingerprint({k: meta[k] for k in IDENTITY}) != meta["fingerprint"]:
-      raise DamagedCheckpointError(f"datastore meta {_paths(directory)[0]} was edited: its fingerprint "
-                                   f"{meta['fingerprint']} does not match its fields; rebuild the datastore")
     _, keys_path, values_path = _paths(directory)
     for path in (keys_path, values_path):
       want = meta.get("file_digests", {}).get(os.path.basename(path))
@@ -260,19 +283,12 @@ class Datastore:
   def check(self, *, checkpoint_fingerprint: str | None = None, vocab_fingerprint: str | None = None,
             dimension: int | None = None, key_type: str | None = None) -> None:
     """Raise CheckpointError naming every given field that differs from what the datastore was built with."""
-    problems = []
-    for name, want in [("checkpoint_fingerprint", checkpoint_fingerprint), ("vocab_fingerprint", vocab_fingerprint),
-                       ("dimension", dimension), ("key_type", key_type)]:
-      if want is not None and self.meta.get(name) != want:
-        problems.append(f"{name} {self.meta.get(name)!r} (datastore) != {want!r}")
-    if problems:
-      raise CheckpointError(f"datastore {self.directory} does not match: " + "; ".join(problems))
+    _check_meta(self.directory, self.meta, checkpoint_fingerprint=checkpoint_fingerprint,
+                vocab_fingerprint=vocab_fingerprint, dimension=dimension, key_type=key_type)
 
   def check_checkpoint(self, checkpoint_dir: str) -> None:
     """The datastore must have been built by this exported model (same weights, vocabulary, key space)."""
-    meta = ckpt.read_export_meta(checkpoint_dir)
-    self.check(checkpoint_fingerprint=ckpt.fingerprint(checkpoint_dir), vocab_fingerprint=meta["vocab_fingerprint"],
-               dimension=int(meta["d_model"]), key_type=meta["key_type"])
+    _check_meta_checkpoint(self.directory, self.meta, checkpoint_dir)
 
   def gather_keys(self, ids) -> np.ndarray:
     """float32 keys [*ids.shape, D] of entries `ids` (-1 gives zeros); the memmap is read in ascending order."""
@@ -387,10 +403,8 @@ def _prefix_source(source_dir: str, count: int):
   """(meta, keys, values) of the datastore in `source_dir` whose first `count` entries are final: a complete
   datastore (verified), or a build in progress that has finished at least `count` tokens (each chunk is flushed
   before meta.json records it, so its prefix is what the complete datastore will hold)."""
-  meta = _read_meta(source_dir)
-  if meta is not None and meta.get("format") == FORMAT and not meta.get("complete"):
-    if _identity_fingerprint({k: meta.get(k) for k in IDENTITY}) != meta.get("fingerprint"):
-      raise DamagedCheckpointError(f"datastore meta {_paths(source_dir)[0]} was edited: rebuild the datastore")
+  meta = _checked_meta(source_dir)
+  if not meta.get("complete"):
     done = int(meta.get("tokens_done", 0))
     if not 0 < count <= done:
       raise ConfigError(f"a subset of {count:,} entries: the build in {source_dir} has finished {done:,} of "
@@ -403,13 +417,16 @@ def _prefix_source(source_dir: str, count: int):
   return src.meta, src.keys, src.values
 
 
-def subset_datastore(source_dir: str, out_dir: str, count: int) -> dict:
+def subset_datastore(source_dir: str, out_dir: str, count: int, *, checkpoint_dir: str | None = None) -> dict:
   """A datastore of the first `count` entries of the datastore in `source_dir` (the first `count` training
   tokens, whole stream order), written without recomputing keys: the size sweep of the paper's analysis. The
   source may be a build still in progress that has finished `count` tokens. Its identity is the source's with
   `count` replaced (so an index records which size it was built for) and meta `subset_of` = the source's
-  fingerprint. Rerunning on a finished subset is a no-op."""
+  fingerprint. Rerunning on a finished subset is a no-op. With `checkpoint_dir`, the source must have been built
+  by that exported model (checked before anything is written)."""
   src_meta, src_keys, src_values = _prefix_source(source_dir, count)
+  if checkpoint_dir is not None:
+    _check_meta_checkpoint(source_dir, src_meta, checkpoint_dir)
   identity = {**{k: src_meta[k] for k in IDENTITY}, "count": int(count)}
   fp = _identity_fingerprint(identity)
   meta = _read_meta(out_dir)
