@@ -7,6 +7,8 @@
 #                                                #   one chunk of at most CHUNK seconds (default 1800); rerun the
 #                                                #   same command to continue (it resumes from the last checkpoint)
 #   bash experiments/docs_wt.sh datastore NAME   # keys of every training token (~16M), IVF-PQ index
+#   bash experiments/docs_wt.sh partial NAME     # the same build, stopped once the largest of SIZES is done (the
+#                                                #   sweep's sizes without the whole build; `datastore` resumes it)
 #   bash experiments/docs_wt.sh eval NAME        # test perplexities without the datastore, tuned on dev
 #   bash experiments/docs_wt.sh eval_ext NAME    # with the full datastore: kNN-LM families, TrimeLM_ext
 #   bash experiments/docs_wt.sh sizes NAME       # datastore-size sweep: first 1M / 4M entries vs all (17.8M); a
@@ -59,16 +61,22 @@ case "${1:-}" in
     /usr/bin/time -v $PY launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds \
       --index=ivfpq --nlist=4096 --pq_m=16 2> $OUT/$NAME/ds_time.txt
     ;;
+  partial)
+    NAME=$2; CFG=$(config_of "$NAME"); MAX=$(printf '%s\n' ${SIZES:-1000000 4000000} | sort -n | tail -1)
+    $PY launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds --stop_at_tokens=$MAX
+    ;;
   eval)  # test perplexities without the datastore, tuned on dev: none and the model's test-time memory (local
     #       + long-term, sizes MEM_SIZES; the vanilla model: the continuous cache over the same sizes)
     NAME=$2; CFG=$(config_of "$NAME"); MEM=$([ "$NAME" = vanilla ] && echo cache || echo local)
     $PY launch.eval --config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.tune=True --config.eval.split=test \
       --config.eval.memory=$MEM --mem_sizes=${MEM_SIZES:-0,2048,8192} --label=$NAME --output=$OUT/$NAME/eval.json
     ;;
-  eval_ext)  # + the full datastore (kNN-LM families, TrimeLM_ext, interpolation), tuned on dev
+  eval_ext)  # + the full datastore (kNN-LM families, TrimeLM_ext, interpolation), tuned on dev; MEM_SIZE=0: the
+    #          long-term memory off (TrimeLM_ext without long-term memory), results in eval_ext_mem0.json
     NAME=$2; CFG=$(config_of "$NAME")
     $PY launch.eval_ext --config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.datastore=$OUT/$NAME/ds \
-      --config.eval.tune=True --config.eval.split=test --output=$OUT/$NAME/eval_ext.json
+      --config.eval.tune=True --config.eval.split=test ${MEM_SIZE:+--config.eval.mem_size=$MEM_SIZE} \
+      --output=$OUT/$NAME/eval_ext${MEM_SIZE:+_mem$MEM_SIZE}.json
     ;;
   sizes)  # table 4: datastore-size sweep (the first 1M / 4M entries of NAME's full datastore; no keys recomputed)
     NAME=$2; CFG=$(config_of "$NAME")
@@ -98,7 +106,7 @@ case "${1:-}" in
       --config.eval.datastore=$OUT/$NAME/ds_exact --config.eval.datastore_on_device=True --config.eval.tune=True \
       --config.eval.split=test --output=$OUT/$NAME/eval_exact.json
     ;;
-  *) echo "usage: $0 plans | train NAME | datastore NAME | eval NAME | eval_ext NAME | sizes NAME | domain NAME" \
+  *) echo "usage: $0 plans | train NAME | datastore NAME | partial NAME | eval NAME | eval_ext NAME | sizes NAME | domain NAME" \
        "| exact NAME" >&2
      exit 2 ;;
 esac

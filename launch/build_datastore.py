@@ -30,6 +30,9 @@ _SUBSET_OF = flags.DEFINE_string("subset_of", "", "A datastore (complete, or a b
                                  "--entries tokens): --out gets its first --entries entries "
                                  "(no keys recomputed; datastore-size sweeps), then its own index.")
 _ENTRIES = flags.DEFINE_integer("entries", 0, "With --subset_of: how many entries (the first ones, stream order).")
+_STOP_AT = flags.DEFINE_integer("stop_at_tokens", 0, "Stop the build once its first this many tokens are done "
+                                "(whole chunks; it stays incomplete, a rerun without the flag resumes): enough "
+                                "for --subset_of without the whole build.")
 _PQ_M = flags.DEFINE_integer("pq_m", 64, "IVF-PQ sub-quantizers (clamped to a divisor of the key dimension).")
 flags.mark_flags_as_required(["config", "checkpoint", "out"])
 
@@ -54,8 +57,10 @@ def main(argv):
       # the source may be a build in progress; it must hold this model's keys (checked before writing)
       subset_datastore(_SUBSET_OF.value, out, _ENTRIES.value, checkpoint_dir=checkpoint)
     else:
-      build_datastore(checkpoint, corpus, out, block_len=e.block_len, context_window=e.context_window,
-                      batch_size=e.batch_size)
+      meta = build_datastore(checkpoint, corpus, out, block_len=e.block_len, context_window=e.context_window,
+                             batch_size=e.batch_size, stop_at_tokens=_STOP_AT.value or None)
+      if not meta["complete"]:  # stopped at --stop_at_tokens: no index for an incomplete datastore
+        return
   except KeyboardInterrupt:
     print(f"interrupted: the datastore in {out} keeps every finished chunk; rerun the same command to resume",
           file=sys.stderr, flush=True)

@@ -80,6 +80,10 @@ def test_interrupted_build_resumes_to_the_same_store(setup, tmp_path):
   assert not meta["complete"] and 0 < meta["tokens_done"] < len(setup["corpus"])
   with pytest.raises(CheckpointError, match="incomplete"):
     Datastore(out)
+  done = meta["tokens_done"]  # stop_at_tokens: whole chunks until at least that many tokens are done
+  meta = build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, stop_at_tokens=done + 1,
+                         progress=False)
+  assert done + 1 <= meta["tokens_done"] < len(setup["corpus"]) and not meta["complete"]
   meta = build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, progress=False)
   assert meta["complete"]
   _same_files(out, setup["out"])

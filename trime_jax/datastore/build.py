@@ -314,12 +314,13 @@ def _keys_step(graphdef, params, inputs_BxL):
 def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, block_len: int | None = None,
                     context_window: int | None = None, batch_size: int | None = None,
                     chunk_tokens: int = CHUNK_TOKENS, max_chunks: int | None = None,
-                    progress: bool = True) -> dict:
+                    stop_at_tokens: int | None = None, progress: bool = True) -> dict:
   """Build (or resume) the datastore of `corpus` under the exported model in `checkpoint_dir`.
 
   block_len / context_window / batch_size default to the checkpoint config's `eval` values. Progress is saved
   every `chunk_tokens` scored tokens (rounded up to whole batches of windows). `max_chunks` stops after that
-  many chunks in this call (the datastore stays incomplete; a later call resumes). Returns meta.json's dict;
+  many chunks in this call, `stop_at_tokens` once the first that many tokens are done (either way the datastore
+  stays incomplete and a later call resumes; a partial build serves `subset_datastore`). Returns meta.json's dict;
   open the result with `Datastore(out_dir)` once `complete` is true.
   """
   graphdef, params, config, vocab, cmeta = ckpt.load_export(checkpoint_dir)
@@ -366,6 +367,8 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
     try:  # the bar ends its line before any error message
       for chunk_i, c0 in enumerate(todo):
         if max_chunks is not None and chunk_i >= max_chunks:
+          break
+        if stop_at_tokens is not None and wins[c0].score_start >= stop_at_tokens:
           break
         chunk = wins[c0:c0 + per_chunk]
         a, b = chunk[0].score_start, chunk[-1].end
