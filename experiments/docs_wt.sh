@@ -14,6 +14,7 @@
 #   bash experiments/docs_wt.sh sizes NAME       # datastore-size sweep: first 1M / 4M entries vs all (17.8M); a
 #                                                #   size can be taken while the full build is still running
 #   bash experiments/docs_wt.sh domain NAME      # linux-doc-6.1 test: kernel datastore vs training datastore
+#                                                #   (DOMAIN_MATCHED=1: the training one cut to the kernel one's size)
 #   bash experiments/docs_wt.sh exact NAME       # (an accelerator) every training key on the device, exact scores
 #
 # SEED=1 repeats under runs/docs_wt_s1. Commit commands and results, never checkpoints.
@@ -87,11 +88,22 @@ case "${1:-}" in
         --config.eval.tune=True --config.eval.split=test --output=$OUT/$NAME/eval_ext_$N.json
     done
     ;;
-  domain)
-    NAME=$2
+  domain)  # table 5: linux-doc-6.1 test, the model unchanged; a datastore of the kernel documentation's training
+    #        documents (ds_kernel) vs one of the training corpus: the whole one (ds) or, DOMAIN_MATCHED=1, its first N
+    #        entries with N = the kernel datastore's size (ds_matched: the two differ in domain only; a partial build
+    #        of ds suffices). Both size-matched indexes: IVF-PQ, 1,024 lists, 16 × 8 bits.
+    NAME=$2; CFG=$(config_of "$NAME")
     $PY launch.build_datastore --config=configs/docs_wt_kernel.py --checkpoint=$OUT/$NAME/export \
       --out=$OUT/$NAME/ds_kernel --index=ivfpq --nlist=1024 --pq_m=16
-    for DS in ds_kernel ds; do
+    TRAIN_DS=ds
+    if [ "${DOMAIN_MATCHED:-0}" = 1 ]; then
+      N=$($PYBIN -c "import json, sys; print(json.load(open(sys.argv[1]))['count'])" $OUT/$NAME/ds_kernel/meta.json)
+      $PY launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds --stop_at_tokens=$N
+      $PY launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds_matched \
+        --subset_of=$OUT/$NAME/ds --entries=$N --index=ivfpq --nlist=1024 --pq_m=16
+      TRAIN_DS=ds_matched
+    fi
+    for DS in ds_kernel $TRAIN_DS; do
       $PY launch.eval_ext --config=configs/docs_wt_kernel.py --checkpoint=$OUT/$NAME/export \
         --config.eval.datastore=$OUT/$NAME/$DS --config.eval.tune=True --config.eval.split=test \
         --output=$OUT/$NAME/domain_$DS.json
