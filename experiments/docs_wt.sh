@@ -91,7 +91,8 @@ case "${1:-}" in
   domain)  # table 5: linux-doc-6.1 test, the model unchanged; a datastore of the kernel documentation's training
     #        documents (ds_kernel) vs one of the training corpus: the whole one (ds) or, DOMAIN_MATCHED=1, its first N
     #        entries with N = the kernel datastore's size (ds_matched: the two differ in domain only; a partial build
-    #        of ds suffices). Both size-matched indexes: IVF-PQ, 1,024 lists, 16 × 8 bits.
+    #        of ds suffices). Both size-matched indexes: IVF-PQ, 1,024 lists, 16 × 8 bits. MEM_SIZE: the long-term
+    #        memory (as for eval_ext); a rerun reuses the finished datastores (only their indexes are rebuilt).
     NAME=$2; CFG=$(config_of "$NAME")
     $PY launch.build_datastore --config=configs/docs_wt_kernel.py --checkpoint=$OUT/$NAME/export \
       --out=$OUT/$NAME/ds_kernel --index=ivfpq --nlist=1024 --pq_m=16
@@ -106,7 +107,7 @@ case "${1:-}" in
     for DS in ds_kernel $TRAIN_DS; do
       $PY launch.eval_ext --config=configs/docs_wt_kernel.py --checkpoint=$OUT/$NAME/export \
         --config.eval.datastore=$OUT/$NAME/$DS --config.eval.tune=True --config.eval.split=test \
-        --output=$OUT/$NAME/domain_$DS.json
+        ${MEM_SIZE:+--config.eval.mem_size=$MEM_SIZE} --output=$OUT/$NAME/domain_$DS${MEM_SIZE:+_mem$MEM_SIZE}.json
     done
     ;;
   exact)  # an accelerator: every training key on the device, scored exactly (eval.datastore_on_device: no FAISS,
