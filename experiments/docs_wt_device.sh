@@ -19,14 +19,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-setup() {  # there: packages, the faiss stand-in and the corpus cache
+setup() {  # there: packages, the faiss stand-in and the corpus cache; once per machine (a warm machine keeps /tmp)
   PYBIN=${PYBIN:-python3}  # the machine's python (with its jax)
+  export PYTHONPATH=/tmp/site:/tmp/stub:$PWD
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several jobs share the GPU
+  if [ -f /tmp/trime_setup.done ]; then return; fi
   $PYBIN -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .gpu/whl/*.whl
   # faiss: imported by the datastore modules, unused by training and exact evaluation; the machine has none
   mkdir -p /tmp/stub && printf 'def __getattr__(name):\n  raise ImportError("faiss: not on this machine")\n' \
     > /tmp/stub/faiss.py
-  export PYTHONPATH=/tmp/site:/tmp/stub:$PWD
   KEY=$($PYBIN -c "from configs import docs_wt; from trime_jax import corpora; \
 print(corpora._cache_key(docs_wt.get_config().data, None))")
   mkdir -p runs/cache/docs_wt/$KEY && xz -dc .gpu/cache/docs_wt.tar.xz | tar -C runs/cache/docs_wt/$KEY -xf -
@@ -34,9 +36,9 @@ print(corpora._cache_key(docs_wt.get_config().data, None))")
   KEYV=$($PYBIN -c "from configs import docs_wt; from trime_jax import corpora; d = docs_wt.get_config().data; \
 print(corpora._cache_key(d, corpora.load_splits(d).vocab))")
   [ -e runs/cache/docs_wt/$KEYV ] || cp -al runs/cache/docs_wt/$KEY runs/cache/docs_wt/$KEYV
-  export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several jobs share the GPU
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   $PYBIN -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+  touch /tmp/trime_setup.done  # a second invocation (exact beside train, a later call) skips all of the above
 }
 
 case "${1:-}" in
@@ -74,8 +76,12 @@ corpora.load_splits(docs_wt.get_config().data)"  # encodes the corpus once (as a
     echo "all jobs: $(( $(date +%s) - T0 )) s" | tee -a runs/device_jobs.txt
     nvidia-smi --query-gpu=name --format=csv,noheader >> runs/device_jobs.txt || true
     rm -rf runs/device_parts && mkdir -p runs/device_parts
-    tar -cf - runs/device_jobs.txt $(ls -d runs/docs_wt*/*/export 2>/dev/null) runs/docs_wt*/*/metrics.jsonl \
-      runs/docs_wt*/*/train.log runs/docs_wt*/*/config.json | split -b 15m -d -a 2 - runs/device_parts/exports.tar.
+    FILES=""  # this call's jobs only (an export carried in for `exact` stays out), in JOBS order
+    for JOB in $JOBS; do
+      DIR=runs/docs_wt$([ "${JOB#*:}" = 0 ] || echo "_s${JOB#*:}")/${JOB%:*}
+      for F in export metrics.jsonl train.log config.json; do [ -e $DIR/$F ] && FILES="$FILES $DIR/$F"; done
+    done
+    tar -cf - runs/device_jobs.txt $FILES | split -b 15m -d -a 2 - runs/device_parts/exports.tar.
     ls -la runs/device_parts
     if [ -n "${OUT:-}" ]; then cp $(ls runs/device_parts/* | head -4) "$OUT"/; fi
     ;;
