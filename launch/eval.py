@@ -46,7 +46,7 @@ def main(argv):
     except ValueError:
       raise ConfigError(f"--mem_sizes must be integers, got {','.join(_MEM_SIZES.value)}") from None
     rows = evaluate.evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value, mem_sizes=sizes, label=_LABEL.value,
-                                        progress=sys.stderr.isatty())["rows"]  # no bar in log files
+                                        progress=sys.stderr.isatty() or "log")["rows"]  # log files: lines
     print(evaluate.format_table(rows))
     if _OUTPUT.value:
       os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)

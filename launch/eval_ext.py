@@ -33,7 +33,7 @@ def main(argv):
   from trime_jax import evaluate
 
   out = evaluate.evaluate_checkpoint(validated(_CONFIG.value), _CHECKPOINT.value, external_memory=True,
-                                     progress=sys.stderr.isatty(),  # no bar in log files
+                                     progress=sys.stderr.isatty() or "log",  # log files: plain lines
                                      throughput_tokens=_THROUGHPUT.value)
   split = out["split"]
   cols = dict.fromkeys(("family", "interp_memory", "variant", "dev_ppl", f"{split}_ppl", f"{split}_bpc", "tokens",

@@ -147,3 +147,25 @@ def test_context_window_gives_context_and_batching_does_not_matter():
   assert a[0].tokens == 71 and [x.nll for x in a] == pytest.approx([x.nll for x in b], rel=1e-6)
   no_ctx = evaluate.evaluate(graphdef, params, corpus, v, block_len=8, context_window=0, streams=2).scores
   assert no_ctx[0].tokens == 71 and no_ctx[0].nll != pytest.approx(a[0].nll, rel=1e-6)
+
+
+def test_progress_log_prints_plain_lines_with_rate_and_eta(capsys):
+  """Without a terminal (a log file, a remote accelerator's output) evaluation reports progress as lines."""
+  rng = np.random.default_rng(2)
+  vocab = D.Vocab([f"w{i}" for i in range(12)])
+  corpus = D.Corpus.from_docs([rng.integers(0, 12, 60)], vocab)
+  (graphdef, params), _ = _tiny_model()
+  v = [evaluate.NONE]
+  quiet = evaluate.evaluate(graphdef, params, corpus, v, block_len=8, context_window=0, streams=1).scores
+  assert capsys.readouterr().err == ""
+  logged = evaluate.evaluate(graphdef, params, corpus, v, block_len=8, context_window=0, streams=1,
+                             progress="log").scores
+  assert logged[0].nll == quiet[0].nll  # reporting changes nothing
+  err = capsys.readouterr().err
+  assert "\r" not in err and "eval: step 1/8 after" in err and "(the first step compiles)" in err
+  assert "eval: step 8/8 after" in err  # the last step always
+  log = evaluate.ProgressLog("x", 4, every_s=0.0)
+  for done in range(1, 5):
+    log.step(done)
+  lines = capsys.readouterr().err.splitlines()
+  assert len(lines) == 4 and "steps/s, ETA" in lines[1] and "ETA" not in lines[3]

@@ -47,6 +47,7 @@ import functools
 import itertools
 import math
 import os
+import sys
 import time
 from typing import NamedTuple
 
@@ -470,16 +471,41 @@ class EvalResult:
     return {f"top{k}": float(h) / max(self.tokens, 1) for k, h in zip(knn.RETRIEVAL_KS, self.retrieval_hits)}
 
 
+class ProgressLog:
+  """Plain progress lines on stderr where no one watches a bar: after the first step (its time includes
+  compilation), then every `every_s` seconds with the rate and ETA of the steps since, and at the end."""
+
+  def __init__(self, desc: str, total: int, every_s: float = 60.0):
+    self.desc, self.total, self.every_s = desc, total, every_s
+    self.t0 = self.last = time.perf_counter()
+    self.t1 = None  # after the first step
+
+  def step(self, done: int) -> None:
+    now = time.perf_counter()
+    if done > 1 and done < self.total and now - self.last < self.every_s:
+      return
+    line = f"{self.desc}: step {done:,}/{self.total:,} after {now - self.t0:,.0f} s"
+    if self.t1 is None:
+      self.t1 = now
+      line += " (the first step compiles)"
+    elif done < self.total:
+      rate = (done - 1) / max(now - self.t1, 1e-9)
+      line += f", {rate:.3g} steps/s, ETA {(self.total - done) / rate:,.0f} s"
+    print(line, file=sys.stderr, flush=True)
+    self.last = now
+
+
 def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, context_window: int, streams: int,
              long_term: StoreSpec = StoreSpec(),
              external: knn.ExternalMemory | exact_memory.DeviceDatastore | None = None, vocab_chunk: int = 0,
-             max_tokens: int = 0, word_buckets_V=None, progress: bool = False,
+             max_tokens: int = 0, word_buckets_V=None, progress: bool | str = False,
              break_mode: str = "none") -> EvalResult:
   """Score `corpus` under every point in one pass: `streams` parallel streams, each with a long-term store of
   `long_term.mem_size` tokens, plus one top-K search per scored token when `external` is given (a
   `knn.ExternalMemory`), or every datastore entry (an `exact_memory.DeviceDatastore`: exact sums on device,
   no retrieval accuracy). Results do not depend on `streams` (up to float rounding). `break_mode`: fairseq's
-  --sample-break-mode of the windows (`data.eval_windows`)."""
+  --sample-break-mode of the windows (`data.eval_windows`). `progress`: True a tqdm bar, "log" plain lines on
+  stderr (`ProgressLog`: a log file, or a remote accelerator's output), False nothing."""
   points = tuple(points)
   if not points:
     raise ConfigError("nothing to evaluate: no points")
@@ -514,7 +540,8 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   scales = exact_scales(points)
   t0 = time.perf_counter()
   desc = "eval" + (" (external)" if external else "") + (f" mem={long_term.mem_size}" if long_term.mem_size else "")
-  for step in tqdm(range(len(plan.schedule)), desc=desc, disable=not progress, unit="step"):
+  log = ProgressLog(desc, len(plan.schedule)) if progress == "log" else None
+  for step in tqdm(range(len(plan.schedule)), desc=desc, disable=progress is not True, unit="step"):
     batch = plan.batch(corpus, step)
     out = forward_queries(graphdef, params, batch["inputs"], batch["targets"], batch["qstart"], carry,
                           batch["reset"] if stateful else None, queries=plan.queries, vocab_chunk=vocab_chunk)
@@ -539,6 +566,8 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
     totals += np.asarray(sums, np.float64)
     bucket_totals += np.asarray(bucket_sums, np.float64)
     bucket_counts += np.asarray(bucket_count, np.float64)
+    if log is not None:
+      log.step(step + 1)
   seconds = time.perf_counter() - t0
   is_bytes = corpus.vocab.kind == "bytes"
   scores = [Score(p, float(t / max(n, 1)), n, seconds, is_bytes) for p, t in zip(points, totals)]
@@ -619,7 +648,7 @@ def on_device_datastore(e, checkpoint_dir: str) -> exact_memory.DeviceDatastore:
 
 
 def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = False, mem_sizes=None,
-                        label: str = "", progress: bool = False, throughput_tokens: int = 0) -> dict:
+                        label: str = "", progress: bool | str = False, throughput_tokens: int = 0) -> dict:
   """Evaluate an export on `config.eval.split`, for each long-term memory size of `mem_sizes` (default:
   eval.mem_size). Families: `families_of(config.eval, external_memory)`; external memory needs
   eval.datastore.
