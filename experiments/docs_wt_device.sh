@@ -16,6 +16,12 @@
 #            # the GPU, scored exactly; results and logs to $OUT
 #   here:  bash experiments/docs_wt_device.sh unpack PART...
 #            # joins the parts (in name order) and unpacks the exports and logs into runs/docs_wt[_s1]/NAME
+#
+# Budget (2026-11-27, one H200, 900 s of device time for the session): a call returns at most 64 MiB, i.e. four
+# parts (~2.7 exports of 21 MB). Training four models at once took 190 s, the whole first call 390 s of device
+# time (start and transfers included); the second call that fetched the last two parts ran 0.3 s but cost 328 s.
+# So: one call per ~2–3 models, or train and evaluate there. `exact` beside `train` in one call works (setup runs
+# once), but its evaluation over 17.8M keys did not finish within 270 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
