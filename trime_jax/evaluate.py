@@ -473,7 +473,7 @@ class EvalResult:
 
 class ProgressLog:
   """Plain progress lines on stderr where no one watches a bar: after the first step (its time includes
-  compilation), then every `every_s` seconds with the rate and ETA of the steps since, and at the end."""
+  compilation), then every `every_s` seconds with the rate since the first step and the ETA, and at the end."""
 
   def __init__(self, desc: str, total: int, every_s: float = 60.0):
     self.desc, self.total, self.every_s = desc, total, every_s
