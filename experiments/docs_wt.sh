@@ -14,7 +14,8 @@
 #   bash experiments/docs_wt.sh sizes NAME       # datastore-size sweep: first 1M / 4M entries vs all (17.8M); a
 #                                                #   size can be taken while the full build is still running
 #   bash experiments/docs_wt.sh domain NAME      # linux-doc-6.1 test: kernel datastore vs training datastore
-#                                                #   (DOMAIN_MATCHED=1: the training one cut to the kernel one's size)
+#                                                #   (DOMAIN_MATCHED=1: the training one cut to the kernel one's size;
+#                                                #   DATASTORES=ds: evaluate only the whole training one)
 #   bash experiments/docs_wt.sh exact NAME       # (an accelerator) every training key on the device, exact scores
 #
 # SEED=1 repeats under runs/docs_wt_s1. Commit commands and results, never checkpoints.
@@ -104,7 +105,7 @@ case "${1:-}" in
         --subset_of=$OUT/$NAME/ds --entries=$N --index=ivfpq --nlist=1024 --pq_m=16
       TRAIN_DS=ds_matched
     fi
-    for DS in ds_kernel $TRAIN_DS; do
+    for DS in ${DATASTORES:-ds_kernel $TRAIN_DS}; do  # DATASTORES=ds: only the training one (the kernel rows exist)
       $PY launch.eval_ext --config=configs/docs_wt_kernel.py --checkpoint=$OUT/$NAME/export \
         --config.eval.datastore=$OUT/$NAME/$DS --config.eval.tune=True --config.eval.split=test \
         ${MEM_SIZE:+--config.eval.mem_size=$MEM_SIZE} --output=$OUT/$NAME/domain_$DS${MEM_SIZE:+_mem$MEM_SIZE}.json
