@@ -123,10 +123,14 @@ def get_config():
   e.max_tokens = 0  # score only the first max_tokens targets (0 = the whole split)
   e.tune_max_tokens = 0  # eval.tune on the first N dev targets only (0 = as eval.max_tokens): tuning a few
   #   parameters needs less text than reporting, and with a 16M-key datastore every dev token costs a search
-  e.mem_size = 0  # long-term memory: tokens before each window (TRIME and cache); >0: batch_size parallel streams.
-  #   The original's --mem-size counts its last scored tokens, the window's context included: ours = original
-  #   - context_window (with reset_at_documents=False, the original's store; docs/long_memory.md)
-  e.reset_at_documents = True  # long-term memory of the query's own document only (False: across documents)
+  e.mem_size = 0  # long-term memory (TRIME and cache), in eval.long_term_layout's units; >0: batch_size parallel
+  #   streams, each with its own store
+  e.long_term_layout = "original"  # original: the last mem_size scored tokens before the window's first scored
+  #   token (the release's --mem-size M is mem_size = M; the window's context tokens are in the store and again in
+  #   the local memory, with different keys) | disjoint: the mem_size tokens before the window (each token once;
+  #   ours, docs/long_memory.md "Two store layouts")
+  e.reset_at_documents = False  # long-term memory of the query's own document only (the original: False, its
+  #   store crosses documents)
   e.datastore = ""  # external memory: datastore directory (launch/build_datastore.py); used by launch/eval_ext.py
   e.index = ""  # FAISS index file; "" = <datastore>/index.faiss
   e.knn_k = 1024  # K: memories retrieved per scored token

@@ -45,6 +45,8 @@ def get_config():
   c.eval.block_len = 1024  # L_eval
   c.eval.context_window = 512  # 512 scored tokens per block, each after 512 tokens of context
   c.eval.batch_size = 4  # parallel streams
+  c.eval.long_term_layout = "disjoint"  # long-term store as docs/docs_wt.md's tables measured it (the tokens
+  c.eval.reset_at_documents = True  #   before the window, of the query's document; _long / _ext: across documents)
   c.eval.tune_max_tokens = 100_000  # τ, λ, θ, τ′ tuned on the first 100k of the 365k dev tokens (each costs a
   #   search of the 17.8M-key datastore); test is always scored in full
   return c

@@ -68,8 +68,8 @@ def get_config():
   c.eval.sample_break_mode = "complete"  # --sample-break-mode complete (every released 247M evaluation)
   c.eval.batch_size = 1  # blocks per forward
   # Evaluation as released (run_pretrained_models.md). TrimeLM: --use-local --softmax-temp 1.17. TrimeLM_long:
-  # --softmax-temp 1.22 --mem-size 12288 -> eval.temperature=1.22, eval.mem_size=9728 (ours excludes the
-  # 2,560 context tokens), reset_at_documents=False. TrimeLM_ext: --softmax-temp 1.25, the same store, K=1024,
+  # --softmax-temp 1.22 --mem-size 12288 -> eval.temperature=1.22, eval.mem_size=12288 (the original store
+  # layout, the default), reset_at_documents=False. TrimeLM_ext: --softmax-temp 1.25, the same store, K=1024,
   # --probe 32, --interp-temp 10.5 --lmbda 0.3 -> eval.knn_temperature=10.5/√1024=0.328, eval.knn_lambda=0.3.
   c.eval.temperature = 1.17  # --softmax-temp (TrimeLM)
   c.eval.reset_at_documents = False  # the original's store never resets at documents

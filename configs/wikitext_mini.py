@@ -28,4 +28,6 @@ def get_config():
   c.eval.block_len = 512  # L_eval
   c.eval.context_window = 256  # scored tokens per block: 256
   c.eval.batch_size = 4  # blocks per forward pass
+  c.eval.long_term_layout = "disjoint"  # long-term store as docs/long_memory.md measured it: the tokens before
+  c.eval.reset_at_documents = True  #   the window, of the query's own article (not the original's layout)
   return c

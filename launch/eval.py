@@ -62,13 +62,11 @@ def main(argv):
       raise ConfigError(f"--include {path}: {e}") from None
   if len(_MEM_SIZES.value) > 1 or _INCLUDE.value:
     print(sweep.sweep_table(rows))
-    print(f"memory sizes (columns) = {evaluate.MEM_SIZE_AXIS_LABEL}")
+    print(f"memory sizes (columns) = {evaluate.mem_size_axis_label(rows)}")
   if _PLOT.value:
     os.makedirs(os.path.dirname(os.path.abspath(_PLOT.value)), exist_ok=True)
     metric = "bpc" if any("bpc" in r for r in rows) else "ppl"
-    # The title states the x-axis convention: our mem_size, not the original's --mem-size.
-    title = (f"{rows[0].get('split', '') if rows else ''} {metric} vs long-term memory size\n"
-             "(original's --mem-size = x + context window)")
+    title = f"{rows[0].get('split', '') if rows else ''} {metric} vs long-term memory size"
     print(f"wrote {sweep.plot_sweep(rows, _PLOT.value, title=title)}")
 
 

@@ -58,7 +58,7 @@ def test_local_and_long_term_memory_numbers_are_unchanged(tiny):
   for (mem_size, reset), rows in _recorded("evaluate").items():
     points = [_point(r) for r in rows]
     res = evaluate.evaluate(tiny["graphdef"], tiny["params"], tiny["dev"], points, block_len=BLOCK,
-                            context_window=CTX, streams=2, long_term=evaluate.StoreSpec(mem_size, reset))
+                            context_window=CTX, streams=2, long_term=evaluate.StoreSpec(mem_size, reset, "disjoint"))
     got = np.array([s.nll for s in res.scores])
     want = np.array([r["nll"] for r in rows])
     # Before, the forward pass and the scoring were one jitted function here; now they are the driver's two
@@ -72,7 +72,7 @@ def test_external_memory_numbers_are_unchanged(tiny):
     rows = [r for r in rows if "family" in r]
     external = knn.ExternalMemory(tiny["ds"], checkpoint_dir=tiny["export"], k=6)
     res = evaluate.evaluate(tiny["graphdef"], tiny["params"], tiny["dev"], [_point(r) for r in rows],
-                            block_len=BLOCK, context_window=CTX, streams=2, long_term=evaluate.StoreSpec(mem_size),
+                            block_len=BLOCK, context_window=CTX, streams=2, long_term=evaluate.StoreSpec(mem_size, True, "disjoint"),
                             external=external)
     assert {r["family"] for r in rows} == set(evaluate.FAMILIES)
     np.testing.assert_array_equal([s.nll for s in res.scores], [r["nll"] for r in rows])

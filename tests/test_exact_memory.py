@@ -72,7 +72,7 @@ def test_on_device_exact_equals_faiss_flat_with_k_the_datastore_and_brute_force(
   # With a long-term store (streams re-run warm-up windows to fill it): the same numbers as FAISS.
   long_run = lambda ext: evaluate.evaluate(s["graphdef"], s["params"], s["dev"], points, block_len=BLOCK,
                                            context_window=CTX, streams=2, external=ext,
-                                           long_term=evaluate.StoreSpec(12, reset_at_documents=False))
+                                           long_term=evaluate.StoreSpec(12, reset_at_documents=False, layout="disjoint"))
   calls = store.queries
   got, want = long_run(store), long_run(knn.ExternalMemory(str(s["tmp"] / "ds"), k=10_000))
   assert store.queries > calls

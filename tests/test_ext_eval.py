@@ -217,7 +217,7 @@ def test_both_interpolation_memories_with_top_k_and_long_term_memory_equal_brute
   v = [evaluate.NONE, P("trime", tau=tau), P("knnlm", lam=lam, theta=1 / tau_prime)] + interp
   assert [p.name for p in interp] == ["interp(tau=0.8,tau_prime=0.5,lambda=0.35,interp_memory=external)",
                                       "interp(tau=0.8,tau_prime=0.5,lambda=0.35,interp_memory=all)"]
-  long_term = evaluate.StoreSpec(mem_size, reset_at_documents)
+  long_term = evaluate.StoreSpec(mem_size, reset_at_documents, "disjoint")
   res = evaluate.evaluate(s["graphdef"], s["params"], s["dev"], v, block_len=BLOCK, context_window=CTX, streams=2,
                           long_term=long_term, external=ext)
   got = {_key(r.point): r.nll for r in res.scores}

@@ -307,29 +307,35 @@ class Tiny:
         self.key_of[p] = self.outs[-1][1][p - w.start]
     self.cache = {}
 
-  def run(self, mem_size, reset=True, streams=3):
+  def run(self, mem_size, reset=True, streams=3, layout="disjoint"):
     """Mean nll per point from `evaluate.evaluate`."""
-    if (mem_size, reset, streams) not in self.cache:
+    if (mem_size, reset, streams, layout) not in self.cache:
       res = evaluate.evaluate(self.graphdef, self.params, self.corpus, POINTS, block_len=BLOCK,
                               context_window=CONTEXT, streams=streams,
-                              long_term=evaluate.StoreSpec(mem_size, reset), break_mode=self.break_mode).scores
+                              long_term=evaluate.StoreSpec(mem_size, reset, layout), break_mode=self.break_mode).scores
       assert all(r.tokens == len(self.corpus) for r in res)
-      self.cache[mem_size, reset, streams] = np.array([r.nll for r in res])
-    return self.cache[mem_size, reset, streams]
+      self.cache[mem_size, reset, streams, layout] = np.array([r.nll for r in res])
+    return self.cache[mem_size, reset, streams, layout]
 
-  def brute_force(self, mem_size, reset):
-    """Mean nll per variant in float64: each scored token sees the earlier tokens of its window and the tokens
-    from `mem_size` + CONTEXT before the window's first scored token up to the window's start (of its own
-    document if `reset`), keyed from their scoring window: the original's store of its last mem_size + CONTEXT
-    scored tokens, without counting the window's own tokens twice."""
+  def brute_force(self, mem_size, reset, layout="disjoint"):
+    """Mean nll per variant in float64: each scored token sees the earlier tokens of its window and a store of
+    earlier scored tokens (of its own document if `reset`), each keyed from its scoring window. disjoint: the
+    tokens from `mem_size` + CONTEXT before the window's first scored token up to the window's start (the
+    original's store of its last mem_size + CONTEXT scored tokens, without counting the window's own tokens
+    twice); original: the last `mem_size` scored tokens before the window's first scored token, the window's
+    context tokens included (so they count twice, with two keys: SequenceScorer's update_mem / retrieve_logits)."""
     corpus, doc = self.corpus, self.corpus.doc_ids()
     d = self.outs[0][1].shape[-1]
     totals = np.zeros(1 + len(TAUS) + len(CACHE))
     for w, (logits, keys, targets) in zip(self.wins, self.outs):
       for p in range(w.score_start, w.end):
         i, y = p - w.start, int(corpus.tokens[p])
-        lo = max(0, w.score_start - CONTEXT - mem_size) if mem_size else w.start  # 0: local memory only
-        store = [q for q in range(lo, w.start) if not reset or doc[q] == doc[p]]
+        if layout == "original":
+          store_range = range(max(0, w.score_start - mem_size), w.score_start)  # empty for mem_size 0
+        else:
+          lo = max(0, w.score_start - CONTEXT - mem_size) if mem_size else w.start  # 0: local memory only
+          store_range = range(lo, w.start)
+        store = [q for q in store_range if not reset or doc[q] == doc[p]]
         mk = np.array([keys[j] for j in range(i)] + [self.key_of[q] for q in store]).reshape(-1, d)
         mt = np.array([targets[j] for j in range(i)] + [corpus.tokens[q] for q in store], np.int64)
         lp = logits[i] - ref.logsumexp(logits[i])
@@ -373,6 +379,29 @@ def test_complete_mode_long_memory_equals_brute_force(tiny_complete, mem_size, r
   assert any(w.end - w.score_start > BLOCK - CONTEXT for w in t.wins)
   assert any(0 < w.score_start - w.start < CONTEXT for w in t.wins if w.start > 0)  # trimmed contexts
   np.testing.assert_allclose(t.run(mem_size, reset, streams), t.brute_force(mem_size, reset), rtol=2e-5)
+
+
+@pytest.mark.parametrize("mem_size,reset,streams", [(6, False, 3), (25, True, 3), (40, False, 1), (10_000, False, 3)])
+def test_original_layout_equals_brute_force(tiny, mem_size, reset, streams):
+  """The release's store (eval.long_term_layout="original"): the last mem_size scored tokens, the window's
+  context included; the ring buffer wraps for the small sizes."""
+  np.testing.assert_allclose(tiny.run(mem_size, reset, streams, "original"),
+                             tiny.brute_force(mem_size, reset, "original"), rtol=2e-5)
+
+
+@pytest.mark.parametrize("mem_size,reset,streams", [(25, False, 3), (6, True, 1)])
+def test_complete_mode_original_layout_equals_brute_force(tiny_complete, mem_size, reset, streams):
+  t = tiny_complete
+  np.testing.assert_allclose(t.run(mem_size, reset, streams, "original"),
+                             t.brute_force(mem_size, reset, "original"), rtol=2e-5)
+
+
+def test_the_layouts_differ_by_the_context_tokens(tiny):
+  """Same tokens in reach (original M = disjoint mem_size + CONTEXT), but the original counts the window's
+  context twice: the numbers differ; with no context window they would not."""
+  orig, disj = tiny.run(25 + CONTEXT, False, 3, "original"), tiny.run(25, False, 3, "disjoint")
+  assert np.abs(orig[1:] - disj[1:]).min() > 1e-4
+  assert orig[0] == pytest.approx(disj[0], rel=1e-6)
 
 
 def test_memory_sizes_and_document_resets_change_the_numbers(tiny):

@@ -271,7 +271,7 @@ ORIGINAL = {
         "train.num_steps": 200_000, "train.learning_rate": 5e-4, "train.schedule": "inverse_sqrt",
         "train.warmup_steps": 8000,
         # run_pretrained_models.md, TrimeLM_long: --softmax-temp 1.07 --mem-size 15000 (= ours + 86 context)
-        "eval.temperature": 1.07, "eval.mem_size": 15000 - 86, "eval.reset_at_documents": False,
+        "eval.temperature": 1.07, "eval.mem_size": 15000, "eval.long_term_layout": "original", "eval.reset_at_documents": False,
         "eval.block_len": 150, "eval.context_window": 86, "eval.sample_break_mode": "none",
     },
     # no script: paper appendix table + transformer_lm_wiki103_small_sm; optimizer details as the 150M script
@@ -299,7 +299,7 @@ ORIGINAL = {
         "train.num_steps": 400_000, "train.learning_rate": 2.5e-4,  # --max-lr 0.00025
         "train.schedule": "cosine", "train.warmup_steps": 0, "train.min_lr": 0.0,  # --lr 0.0
         # run_pretrained_models.md, TrimeLM_long: --softmax-temp 1.10 --mem-size 24576 (= ours + 432 context)
-        "eval.temperature": 1.10, "eval.mem_size": 24576 - 432, "eval.reset_at_documents": False,
+        "eval.temperature": 1.10, "eval.mem_size": 24576, "eval.long_term_layout": "original", "eval.reset_at_documents": False,
         "eval.block_len": 512, "eval.context_window": 432, "eval.sample_break_mode": "none",
     },
 }

@@ -7,13 +7,17 @@ The split is one token stream (documents concatenated, as fairseq's `eval_lm`), 
 A scored token's test memory is data layout, as in training: three sources of (key, next token) pairs, each
 with `loss.TokenMeta` for its queries and memories, and `loss.visible` deciding who sees whom:
   local       the window's earlier tokens (context included): causal within the window
-  long-term   the `mem_size` tokens before the window (`long_memory.Store`, of the query's document unless
-              `reset_at_documents=False`), each keyed in the window that scored it: causal before the window's
-              start, within `span = mem_size`
+  long-term   earlier scored tokens (`long_memory.Store`), each keyed in the window that scored it, in one of
+              two layouts (`StoreSpec.layout`, config eval.long_term_layout):
+                original  the release's: the last `mem_size` scored tokens before the window's first scored
+                          token, so the window's context tokens are in the store AND in the local memory (with
+                          different keys); the original's --mem-size M is mem_size = M
+                disjoint  ours: the `mem_size` tokens before the window's start, so every token counts once
+                          (= the original's M when mem_size = M - context_window, apart from the duplicates)
+              and of the query's document only with `reset_at_documents=True` (the original never resets)
   external    the top-K entries retrieved from a datastore (`knn.ExternalMemory`, one search per scored
               token): rows of their own (row -1), visible like training's other rows
-The sources are disjoint (no token counts twice), so a family's memory is a union of blocks, and every family
-comes out of one pass (a grid over τ, τ′, λ, θ costs one pass, not one per point):
+A family's memory is a union of these blocks, and every family comes out of one pass (a grid over τ, τ′, λ, θ costs one pass, not one per point):
 
   none          the model's softmax alone
   cache         continuous cache (Grave et al. 2017): (1-λ)·p_LM + λ·p_mem(θ), memory = local + long-term
@@ -29,10 +33,8 @@ sim = g(c)·g(c_j)/√D throughout; p_mem(θ)(w) ∝ Σ_{x_j = w} exp(θ·sim). 
 mixtures fall back to the model (P_trime or p_LM). The original's --interp-temp has no √D (its P′ is
 softmax(g·k_j / τ′_orig) over the top-K): τ′_orig = √D·τ′ (D = 1,024: its 10.5 is our τ′ = 0.328).
 
-mem_size vs the original's --mem-size: its store keeps the last M *scored* tokens, so the window's context
-tokens are in it (and again in the local memory). Both cover the same tokens when our mem_size = original
-M - context_window (M >= context_window, `reset_at_documents=False`: the original's store never resets); the
-original counts the context tokens twice, we count every token once (docs/long_memory.md).
+The original layout reproduces the release's scores token by token (tests/test_oracle.py); the disjoint
+layout differs from it only by the duplicated context tokens (docs/long_memory.md, "Two store layouts").
 
 The driver runs `streams` parallel streams over a stream plan (`data.stream_schedule`): the windows split into
 contiguous runs, one per stream, each with its own long-term store; a stream first re-runs (without scoring)
@@ -77,9 +79,18 @@ FAMILY_PARAMS = {"none": (), "cache": ("lam", "theta"), "trime_local": ("tau",),
 INTERP_MEMORIES = ("external", "all")
 # launch.eval's eval.memory: which family (besides `none`) it scores.
 EVAL_MEMORIES = {"none": None, "local": "trime_local", "cache": "cache"}
-# x-axis of memory-size sweeps: our mem_size convention, and how to read it as the original's --mem-size.
-MEM_SIZE_AXIS_LABEL = ("long-term memory: tokens before the window (0 = local only; "
-                       "original --mem-size = this + context window)")
+# Layouts of the long-term store (StoreSpec.layout): the release's (its context tokens twice) | ours (once each).
+LONG_TERM_LAYOUTS = ("original", "disjoint")
+# x-axis of memory-size sweeps, per layout: what mem_size counts.
+MEM_SIZE_AXIS_LABELS = {
+    "original": "long-term memory: last scored tokens kept (the original's --mem-size; 0 = local only)",
+    "disjoint": "long-term memory: tokens before the window (0 = local only; original --mem-size ≈ this + context)"}
+
+
+def mem_size_axis_label(rows) -> str:
+  """What the mem_size of `rows` counts (rows written before the layouts existed are disjoint)."""
+  layouts = {r.get("long_term_layout", "disjoint") for r in rows} or {"original"}
+  return "; ".join(MEM_SIZE_AXIS_LABELS[lay] for lay in sorted(layouts))
 
 # Tuning grids (dev split), one per parameter. τ′ and θ act on sim = g·g_j/√D. With hundreds of retrieved
 # neighbours in the softmax the best τ is larger than with local memory alone, hence the long upper tail; with a
@@ -170,15 +181,23 @@ def configured_points(e, families) -> tuple[Point, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class StoreSpec:
-  """The long-term store every point sees (static: part of the jit cache key). mem_size = tokens before the
-  window (0: local memory only; the original's --mem-size = mem_size + context_window)."""
+  """The long-term store every point sees (static: part of the jit cache key). 0: local memory only.
+  layout "original": the last mem_size scored tokens before the window's first scored token (the release's
+  --mem-size; the window's context tokens are there too); "disjoint": the mem_size tokens before the window."""
 
   mem_size: int = 0
-  reset_at_documents: bool = True  # the store holds only the query's own document
+  reset_at_documents: bool = False  # the store holds only the query's own document (the original: False)
+  layout: str = "original"  # LONG_TERM_LAYOUTS
 
   def __post_init__(self):
     if self.mem_size < 0:
       raise ConfigError(f"eval.mem_size must be >= 0, got {self.mem_size}")
+    if self.layout not in LONG_TERM_LAYOUTS:
+      raise ConfigError(f"eval.long_term_layout must be one of {LONG_TERM_LAYOUTS}, got {self.layout!r}")
+
+  def reach(self, context_window: int) -> int:
+    """How far before a window's first scored token the store can be seen."""
+    return self.mem_size + (context_window if self.layout == "disjoint" else 0)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -216,15 +235,15 @@ def local_block(queries_SxQxD, targets_SxQ, qpos_SxQ, keys_SxLxD, targets_SxL) -
                 _meta(targets_SxL, order=window_pos), causal=True, cross_rows=False)
 
 
-def long_term_block(store: long_memory.Store, queries_SxQxD, targets_SxQ, doc_SxQ, window_start_S, span_S,
+def long_term_block(store: long_memory.Store, queries_SxQxD, targets_SxQ, doc_SxQ, store_end_S, span_S,
                     long_term: StoreSpec) -> MemoryBlock:
-  """The store's tokens in [start - span, start): for the store, a query stands at its window's start (tokens
-  from there on are the window's own, seen as local memory). span = mem_size + context_window - the window's
-  context length: the store reaches mem_size + context_window tokens before the window's first scored token,
-  as the original's store of its last M = mem_size + context_window scored tokens (span = mem_size whenever
-  the window has its full context, i.e. always in sample_break_mode none after the first windows)."""
+  """The store's tokens in [end - span, end): for the store, a query stands at `end` (`StreamPlan.batch`).
+  original layout: end = the window's first scored token, span = mem_size (the last mem_size scored tokens;
+  the window's context tokens are among them). disjoint: end = the window's start (tokens from there on are
+  the window's own, seen as local memory), span = mem_size + context_window - the window's context length
+  (= mem_size whenever the window has its full context)."""
   doc_q, doc_m = (doc_SxQ, store.doc) if long_term.reset_at_documents else (0, 0)
-  query = _meta(targets_SxQ, order=window_start_S[:, None], doc=doc_q)
+  query = _meta(targets_SxQ, order=store_end_S[:, None], doc=doc_q)
   mem = _meta(store.targets, order=store.pos, doc=doc_m)
   return _block(similarities(queries_SxQxD, store.keys), query, mem, causal=True, cross_rows=False,
                 span=jnp.broadcast_to(span_S[:, None], targets_SxQ.shape))
@@ -346,13 +365,14 @@ def forward_queries(graphdef, params, inputs_SxL, targets_SxL, qstart_S, carry=N
 def score_step(store: long_memory.Store, keys, targets, q_keys, q_stats, q_targets, qpos, batch, ext_sim,
                ext_targets, bucket_q, ext_exact=None, *, points: tuple, long_term: StoreSpec, n_buckets: int):
   """(nll sums [P], per-bucket nll sums [P, n_buckets], per-bucket token counts [n_buckets], the store with
-  this step's queries inserted). External memory: top-K retrieved (`ext_sim`, `ext_targets` [S, Q, K]) or the
+  this step's queries inserted, every query's nll [P, S, Q] (0 where not scored), its global target position
+  [S, Q] (-1 where not scored)). External memory: top-K retrieved (`ext_sim`, `ext_targets` [S, Q, K]) or the
   exact on-device sums (`ext_exact`: (lse_neg, lse_pos) [C, S, Q] at `exact_scales(points)`)."""
   pos = batch["start"][:, None] + qpos  # global target positions
   real = batch["own"] & (q_targets >= 0)
   local = [local_block(q_keys, q_targets, qpos, keys, targets)]
   if long_term.mem_size:
-    local.append(long_term_block(store, q_keys, q_targets, batch["doc_q"], batch["start"], batch["span"],
+    local.append(long_term_block(store, q_keys, q_targets, batch["doc_q"], batch["store_end"], batch["span"],
                                  long_term))
   ext = external_block(ext_sim, ext_targets, q_targets) if ext_sim is not None else None
   if ext_exact is not None:
@@ -362,7 +382,8 @@ def score_step(store: long_memory.Store, keys, targets, q_keys, q_stats, q_targe
   nll = jnp.where(scored[None], nll, 0.0)
   onehot = jax.nn.one_hot(bucket_q, n_buckets, dtype=nll.dtype) * scored[..., None]
   store = long_memory.insert(store, q_keys, q_targets, pos, batch["doc_q"], real & batch["insert"][:, None])
-  return nll.sum(axis=(1, 2)), jnp.einsum("psq,sqb->pb", nll, onehot), onehot.sum(axis=(0, 1)), store
+  return (nll.sum(axis=(1, 2)), jnp.einsum("psq,sqb->pb", nll, onehot), onehot.sum(axis=(0, 1)), store,
+          nll, jnp.where(scored, pos, -1))
 
 
 @dataclasses.dataclass
@@ -378,12 +399,14 @@ class StreamPlan:
   store: long_memory.Store
   doc_starts: np.ndarray
   block_len: int  # L: model input length
-  reach: int  # mem_size + context_window: the store's tokens before a window's first scored token
+  long_term: StoreSpec
+  context_window: int
 
   def batch(self, corpus: data.Corpus, step: int) -> dict:
     """Host arrays of step `step`: inputs / targets [S, L]; start, offset (score_start - start), qstart (the
     first of the Q query positions: the offset, or earlier where Q positions from it would pass L; those
-    before the offset are not scored), span (the store's reach before `start`), reset (a stateful model's
+    before the offset are not scored), store_end, span (the store's tokens a query sees: [store_end - span,
+    store_end), `long_term_block`), reset (a stateful model's
     stream does not continue its previous step's window) [S]; doc_q [S, Q]
     document of each query; own [S, Q] bool: the query is one of its window's scored targets; score, insert
     [S] bool."""
@@ -399,10 +422,15 @@ class StreamPlan:
     prev = self.schedule[step - 1] if step else np.full_like(idx, -1)
     reset = (prev < 0) | (idx != prev + 1)
     return {"inputs": inputs, "targets": targets, "start": start, "offset": offset, "qstart": qstart, "reset": reset,
-            "span": self.reach - offset,
+            **self._store_view(start, offset),
             "own": (qpos >= (start + offset)[:, None]) & (qpos < ends[:, None]),
             "doc_q": (np.searchsorted(self.doc_starts, qpos, side="right") - 1).astype(np.int32),
             "score": self.score[step], "insert": idx >= 0}
+
+  def _store_view(self, start, offset) -> dict:
+    if self.long_term.layout == "original":
+      return {"store_end": start + offset, "span": np.full_like(start, self.long_term.mem_size)}
+    return {"store_end": start, "span": self.long_term.reach(self.context_window) - offset}
 
 
 def stream_plan(corpus: data.Corpus, *, block_len: int, context_window: int, streams: int,
@@ -410,14 +438,15 @@ def stream_plan(corpus: data.Corpus, *, block_len: int, context_window: int, str
                 break_mode: str = "none") -> StreamPlan:
   n = len(corpus) if not max_tokens else min(max_tokens, len(corpus))
   wins = data.eval_windows(corpus, n, block_len, context_window, break_mode)
+  reach = long_term.reach(context_window)  # warm-up windows and store slots: what the store must still hold
   schedule, score = data.stream_schedule(wins, corpus.doc_starts, streams, long_term.mem_size,
-                                         long_term.reset_at_documents, context_window=context_window)
+                                         long_term.reset_at_documents, context_window=reach - long_term.mem_size)
   q = block_len - context_window
   if break_mode == "complete":  # blocks of whole lines: up to block_len scored tokens (a long line)
     q = max(w.end - w.score_start for w in wins)
-  store = long_memory.empty(streams, long_memory.capacity(long_term.mem_size, context_window, q), d_model, dtype)
+  store = long_memory.empty(streams, long_memory.capacity(reach, 0, q), d_model, dtype)
   return StreamPlan(n, wins, schedule, score, q, store, np.asarray(corpus.doc_starts, np.int64), block_len,
-                    long_term.mem_size + context_window)
+                    long_term, context_window)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -460,6 +489,8 @@ class EvalResult:
   #   tokens (None: exact on-device memory, no ranking)
   seconds: float
   search_seconds: float
+  token_nll: np.ndarray | None = None  # [P, tokens] float32 nll of every scored target in stream order
+  #   (`evaluate(..., per_token=True)`), e.g. to compare with another implementation token by token
 
   @property
   def tokens(self) -> int:
@@ -499,13 +530,14 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
              long_term: StoreSpec = StoreSpec(),
              external: knn.ExternalMemory | exact_memory.DeviceDatastore | None = None, vocab_chunk: int = 0,
              max_tokens: int = 0, word_buckets_V=None, progress: bool | str = False,
-             break_mode: str = "none") -> EvalResult:
+             break_mode: str = "none", per_token: bool = False) -> EvalResult:
   """Score `corpus` under every point in one pass: `streams` parallel streams, each with a long-term store of
   `long_term.mem_size` tokens, plus one top-K search per scored token when `external` is given (a
   `knn.ExternalMemory`), or every datastore entry (an `exact_memory.DeviceDatastore`: exact sums on device,
   no retrieval accuracy). Results do not depend on `streams` (up to float rounding). `break_mode`: fairseq's
   --sample-break-mode of the windows (`data.eval_windows`). `progress`: True a tqdm bar, "log" plain lines on
-  stderr (`ProgressLog`: a log file, or a remote accelerator's output), False nothing."""
+  stderr (`ProgressLog`: a log file, or a remote accelerator's output), False nothing. `per_token`: also
+  every scored target's nll under every point (`EvalResult.token_nll`)."""
   points = tuple(points)
   if not points:
     raise ConfigError("nothing to evaluate: no points")
@@ -535,6 +567,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   bucket_totals = np.zeros((len(points), n_buckets))
   bucket_counts = np.zeros(n_buckets)
   hits = np.zeros(len(knn.RETRIEVAL_KS), np.int64)
+  token_nll = np.full((len(points), n), np.nan, np.float32) if per_token else None
   search_s0 = external.search_seconds if external is not None else 0.0
   on_device = isinstance(external, exact_memory.DeviceDatastore)
   scales = exact_scales(points)
@@ -560,9 +593,12 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
         ext_sim[scored], ext_targets[scored] = got.sim, got.targets
         hits += knn.retrieval_hits(got.targets, q_targets_np[scored])
     bucket_q = buckets[np.maximum(q_targets_np, 0)]
-    sums, bucket_sums, bucket_count, store = score_step(
+    sums, bucket_sums, bucket_count, store, step_nll, step_pos = score_step(
         store, keys, batch["targets"], q_keys, q_stats, q_targets, qpos, batch, ext_sim, ext_targets, bucket_q,
         ext_exact, points=points, long_term=long_term, n_buckets=n_buckets)
+    if token_nll is not None:
+      step_pos = np.asarray(step_pos)
+      token_nll[:, step_pos[step_pos >= 0]] = np.asarray(step_nll)[:, step_pos >= 0]
     totals += np.asarray(sums, np.float64)
     bucket_totals += np.asarray(bucket_sums, np.float64)
     bucket_counts += np.asarray(bucket_count, np.float64)
@@ -574,7 +610,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   with np.errstate(invalid="ignore", divide="ignore"):
     bucket_nll = np.where(bucket_counts > 0, bucket_totals / bucket_counts, np.nan)
   search = (external.search_seconds - search_s0) if external is not None else 0.0
-  return EvalResult(scores, bucket_nll, bucket_counts, None if on_device else hits, seconds, search)
+  return EvalResult(scores, bucket_nll, bucket_counts, None if on_device else hits, seconds, search, token_nll)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -612,11 +648,12 @@ def families_of(e, external_memory: bool) -> tuple:
   return ("none",) + ((EVAL_MEMORIES[e.memory],) if EVAL_MEMORIES[e.memory] else ())
 
 
-def _rows(result: EvalResult, *, split: str, mem_size: int, best: dict | None, dev_best: dict | None,
+def _rows(result: EvalResult, *, split: str, mem_size: int, layout: str, best: dict | None, dev_best: dict | None,
           label: str) -> list[dict]:
   rows = []
   for s in result.scores:
-    row = {**s.as_dict(), "family": s.point.family, "params": s.point.params, "mem_size": mem_size, "split": split,
+    row = {**s.as_dict(), "family": s.point.family, "params": s.point.params, "mem_size": mem_size,
+           "long_term_layout": layout, "split": split,
            f"{split}_ppl": s.ppl}
     if s.point.family == "interp":
       row["interp_memory"] = s.point.interp_memory  # "external" (the original's P′) or "all" (the paper's text)
@@ -690,7 +727,7 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
     out.update(datastore=e.datastore, index="on_device_exact" if on_device else knn_memory.index.kind,
                k=knn_memory.k, nprobe=e.nprobe, exact=bool(e.knn_exact or on_device), mem_size=sizes[0])
   for mem_size in sizes:
-    long_term = StoreSpec(mem_size, bool(e.reset_at_documents))
+    long_term = StoreSpec(mem_size, bool(e.reset_at_documents), str(e.long_term_layout))
     best = dev_best = None
     if e.tune:  # on the first eval.tune_max_tokens dev targets (0: eval.max_tokens)
       dev = run(splits.dev, points, long_term=long_term, max_tokens=int(e.get("tune_max_tokens", 0)) or e.max_tokens)
@@ -707,7 +744,7 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
         best = {s.point.group: s for s in result.scores}
     else:
       result = run(splits.get(e.split), points, long_term=long_term)
-    out["rows"] += _rows(result, split=e.split, mem_size=mem_size, best=best, dev_best=dev_best, label=label)
+    out["rows"] += _rows(result, split=e.split, mem_size=mem_size, layout=long_term.layout, best=best, dev_best=dev_best, label=label)
   if external_memory:  # of the last memory size
     out["retrieval_accuracy"] = result.retrieval_accuracy()
     out["search_seconds"], out["seconds"] = result.search_seconds, result.seconds

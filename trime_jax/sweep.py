@@ -72,7 +72,7 @@ def plot_sweep(rows: list[dict], path: str, title: str = "") -> str:
     ax.plot([x[m] for m in ms], [cells[m][metric] for m in ms], color=color, label=prefix + FAMILY_NAMES.get(fam, fam),
             **style.get(fam, {}))
   ax.set_xticks(range(len(sizes)), [f"{m:,}" for m in sizes])
-  ax.set_xlabel(evaluate.MEM_SIZE_AXIS_LABEL)
+  ax.set_xlabel(evaluate.mem_size_axis_label(rows))
   ax.set_ylabel("perplexity" if metric == "ppl" else "bits per byte")
   ax.set_title(title or f"{rows[0].get('split', '')} {metric} vs long-term memory size")
   ax.grid(alpha=0.3)
