@@ -80,6 +80,13 @@ def imported(fx):
   sd = {k[len("param/"):]: fx[k] for k in fx.files if k.startswith("param/")}
   vocab = FI.read_dictionary(DICT)
   cfg = FI.model_config(flags, sd, len(vocab))
+  if not any(f.name == "adaptive_tail_ignores_pad" for f in dataclasses.fields(cfg)):
+    import pytest
+
+    # Measured before that option existed: loss 4.7%, logged CE 5.3%, gradients up to 56% off (the batch holds
+    # two targets at each tail's relative index 1); with the original's rule applied, every case matches.
+    pytest.xfail("this trime-jax gives the adaptive tail word at c_i + 1 its exact tail term; the original's "
+                 "criteria drop it (F.cross_entropy ignore_index=pad=1): model.adaptive_tail_ignores_pad")
   return cfg, FI.params_tree(cfg, FI.convert(sd, cfg)), sd
 
 
@@ -142,21 +149,38 @@ def trime_jax_step(case, fx, cfg, params, mesh=None, dtype=None):
     params = jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
   tx = grad_capture()
   state = {"step": jnp.int32(step), "params": params, "opt_state": tx.init(params)}
-  fn = functools.partial(steps.train_step, graphdef, tx, spec, use_trime, report_trime, mesh=mesh)
   if mesh is not None:
     repl, data_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh, batch_axis=1)
-    in_batch = {k: data_sh for k in batch}
     state = jax.device_put(state, repl)
     batch = {k: jax.device_put(v, data_sh) for k, v in batch.items()}
-    jitted = jax.jit(fn, in_shardings=(repl, in_batch, repl), out_shardings=(repl, repl))
-  else:
-    jitted = jax.jit(fn)
+  jitted = _jitted_step(graphdef, tx, spec, use_trime, report_trime, mesh)
   new_state, metrics = jitted(state, batch, jax.random.PRNGKey(0))
   flat = {}
   for path, leaf in jax.tree_util.tree_leaves_with_path(new_state["opt_state"]["g"]):
     keys = [getattr(p, "key", getattr(p, "idx", getattr(p, "name", None))) for p in path]
     flat[".".join(str(k) for k in keys if k != "value")] = np.asarray(leaf, np.float64)
   return {k: float(v) for k, v in jax.device_get(metrics).items()}, flat, spec, use_trime
+
+
+_JIT_CACHE = {}
+
+
+def _jitted_step(graphdef, tx, spec, use_trime, report_trime, mesh):
+  """`steps.train_step` jitted as train.py jits it (shardings on a mesh); one compilation per distinct step."""
+  import jax
+
+  from trime_jax import sharding, steps
+
+  key = (graphdef, spec, use_trime, report_trime, id(mesh))
+  if key not in _JIT_CACHE:
+    fn = functools.partial(steps.train_step, graphdef, tx, spec, use_trime, report_trime, mesh=mesh)
+    if mesh is not None:
+      repl, data_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh, batch_axis=1)
+      in_batch = {k: data_sh for k in ("inputs", "targets", "drop_local")}
+      _JIT_CACHE[key] = jax.jit(fn, in_shardings=(repl, in_batch, repl), out_shardings=(repl, repl))
+    else:
+      _JIT_CACHE[key] = jax.jit(fn)
+  return _JIT_CACHE[key]
 
 
 def oracle_grads(fx, case, cfg):
@@ -201,9 +225,9 @@ def test_fixture_cases_are_distinct():
   """The cases really differ (memory kinds, drop-local, CE warm-up), so equality below means something."""
   fx = fixture()
   losses = {c: float(fx[f"{c}/loss"]) for c in CASES}
-  assert losses["ce_warmup"] == float(fx["local/ori_loss"])  # return_ce_loss: loss = ori_loss
+  assert abs(losses["ce_warmup"] - float(fx["local/ori_loss"])) < 1e-12  # return_ce_loss: loss = ori_loss
   assert len({round(losses[c], 9) for c in ("local", "ce_warmup", "long", "ext_p0", "ext_p1", "ext_4gpu")}) == 6
-  assert losses["long"] == losses["long_4gpu"] != 0  # same memory; only the gradients differ (gather)
+  assert abs(losses["long"] - losses["long_4gpu"]) < 1e-12  # same memory; only the gradients differ (gather)
   assert abs(float(fx["long/grad_norm"]) - float(fx["long_4gpu/grad_norm"])) > 1e-3
   assert bool(fx["ext_p0.9/drop_local"].all()) and not bool(fx["ext_p0/drop_local"].any())
   assert list(fx["ext_4gpu/drop_local"]) == [False, True, True, False]
@@ -224,16 +248,46 @@ def test_single_device_cases_match_the_original():
 
 
 def test_float64_agrees_to_roundoff():
-  """The same step in float64 (jax x64, parameters cast): the only differences left are rounding (1e-10)."""
+  """The same objective in float64 (jax x64, parameters cast), through `steps.nll_sums` (what train_step's
+  micro-batch differentiates; train_step's own scan keeps an int32 token count that x64 turns into int64).
+  The model keeps some float32 internals under x64 (sinusoidal positions, attention and output-layer logits
+  accumulate in float32), so this is bounded by those: loss within 1e-8 relative (float32 run: ~6e-8), every
+  gradient tensor within 1e-6 of its max (global norm 1e-7). No objective-level difference hides below the float32 tolerance."""
   import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from trime_jax import steps
+  from trime_jax import train as T
+  from trime_jax.model import TransformerLM
 
   fx = fixture()
   with jax.enable_x64(True):
     cfg, params, _ = imported(fx)
-    for case in ("local", "long", "ext_p0.9", "ext_p0"):
-      metrics, grads, _, _ = trime_jax_step(case, fx, cfg, params, dtype="float64")
-      r = compare(fx, case, cfg, metrics, grads)
-      assert r["loss"] < 1e-12 and r["ce"] < 1e-12 and r["grad"] < 1e-9 and r["norm"] < 1e-12, (case, r)
+    cfg64 = dataclasses.replace(cfg, dtype="float64")
+    params = jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), params)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: TransformerLM(cfg64, rngs=nnx.Rngs(0))), nnx.Param)
+    src, tgt = fx["src_tokens"].astype(np.int32), fx["target"].astype(np.int32)
+    for case in ("local", "ce_warmup", "long", "ext_p0.9", "ext_p0"):
+      config = paper_config(case, cfg, *tgt.shape)
+      spec = steps.LossSpec.from_config(config)
+      use_trime = case != "ce_warmup"
+      drop = fx[f"{case}/drop_local"] if f"{case}/drop_local" in fx.files else np.zeros(tgt.shape[:1], bool)
+      batch = {"inputs": src, "targets": tgt, "drop_local": drop}
+
+      def objective(p):
+        obj, ce, _, n = steps.nll_sums(nnx.merge(graphdef, p), batch, spec, use_trime=use_trime, report_trime=True,
+                                       rngs=nnx.Rngs(dropout=0))
+        return obj / n, ce / n
+
+      (loss, ce), g = jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
+      flat = {}
+      for path, leaf in jax.tree_util.tree_leaves_with_path(g):
+        keys = [getattr(p, "key", getattr(p, "idx", getattr(p, "name", None))) for p in path]
+        flat[".".join(str(k) for k in keys if k != "value")] = np.asarray(leaf, np.float64)
+      norm = float(np.sqrt(sum((x ** 2).sum() for x in flat.values())))
+      r = compare(fx, case, cfg, {"loss": float(loss), "ce_nll": float(ce), "grad_norm": norm}, flat)
+      assert r["loss"] < 1e-8 and r["ce"] < 1e-8 and r["grad"] < 1e-6 and r["norm"] < 1e-7, (case, r)
 
 
 def test_perturbation_is_detected():
@@ -250,12 +304,24 @@ def test_perturbation_is_detected():
   m2, g2, _, _ = trime_jax_step("ce_warmup", fx, cfg, params)
   r = compare(fx, "local", cfg, m2, g2)
   assert r["loss"] > 1e-2 and not r["grads_ok"], r
-  # one parameter nudged
+  # the exact tail term for the words at tail-relative index 1 (the batch holds two of each tail's: fairseq's
+  # F.cross_entropy(ignore_index=pad=1) drops their tail term in the original criteria)
+  if any(f.name == "adaptive_tail_ignores_pad" for f in dataclasses.fields(cfg)):
+    assert cfg.adaptive_tail_ignores_pad
+    exact = dataclasses.replace(cfg, adaptive_tail_ignores_pad=False)
+    m4, g4, _, _ = trime_jax_step("local", fx, exact, params)
+    r = compare(fx, "local", cfg, m4, g4)
+    assert r["loss"] > 1e-4 and r["ce"] > 1e-4 and not r["grads_ok"], r
+  # one parameter nudged: the scale of the LayerNorm whose output is the memory key (last_ffn_input)
   import jax
 
-  nudged = jax.tree_util.tree_map(lambda x: x, params)
-  leaf = nudged["blocks"][1]["ffn_norm"]["scale"]
-  leaf.value = leaf.value.at[0].add(1e-3)
+  def nudge(path, x):
+    name = ".".join(str(getattr(p, "key", getattr(p, "idx", ""))) for p in path)
+    return x.at[0].add(1e-3) if name.startswith("blocks.1.ffn_norm.scale") else x
+
+  nudged = jax.tree_util.tree_map_with_path(nudge, params)
+  assert any(float(np.abs(np.asarray(a) - np.asarray(b)).max()) > 0
+             for a, b in zip(jax.tree_util.tree_leaves(nudged), jax.tree_util.tree_leaves(params)))
   m3, g3, _, _ = trime_jax_step("local", fx, cfg, nudged)
   r = compare(fx, "local", cfg, m3, g3)
   assert not (r["loss"] <= LOSS_RTOL and r["grads_ok"]), r
@@ -288,6 +354,10 @@ def test_four_device_cases_match_the_original():
   assert p.returncode == 0, p.stderr[-4000:]
   results = json.loads(p.stdout.strip().splitlines()[-1])
   print(json.dumps(results, indent=1))
+  if "xfail" in results:
+    import pytest
+
+    pytest.xfail(results["xfail"])
   assert results["devices"] == 4
   for case in ("ext_4gpu", "long_4gpu"):
     assert results[case]["memory_grad"] == "local_only"
@@ -305,13 +375,18 @@ def _four_devices():
   from trime_jax.sharding import make_mesh
 
   fx = fixture()
-  cfg, params, _ = imported(fx)
+  try:
+    cfg, params, _ = imported(fx)
+  except BaseException as e:  # pytest.xfail outside pytest: report it to the test
+    if type(e).__name__ == "XFailed":
+      print(json.dumps({"xfail": str(e)}))
+      return
+    raise
   mesh = make_mesh(4)
   out = {"devices": jax.device_count()}
   for case in ("ext_4gpu", "long_4gpu"):
     metrics, grads, spec, _ = trime_jax_step(case, fx, cfg, params, mesh=mesh)
     out[case] = dict(compare(fx, case, cfg, metrics, grads), memory_grad=spec.memory_grad)
-    CASES[case + "_all"] = CASES[case]
     original = paper_config
     try:
       globals()["paper_config"] = lambda c, *a: _with(original(c, *a), memory_grad="all")

@@ -36,12 +36,15 @@ from fairseq.models.transformer_lm import TransformerLanguageModel
 
 TEXT = "/work/shared/data/wikitext-2/wiki.valid.tokens"  # the oracle's TRAIN split (NOTES.md)
 BASE_CKPT = "/work/shared/oracle/trime.pt"  # only its args Namespace is used (the fork's full flag set)
-N_WORDS = 60  # dictionary: 4 specials + the 60 most frequent words (everything else is <unk>)
-CUTOFFS = "20,40"  # head: 20 words + 2 cluster tokens; tails of 20 and 24 words
+N_WORDS = 188  # dictionary: 4 specials + the 188 most frequent words (everything else is <unk>): V = 192
+CUTOFFS = "24,64"  # head: 24 symbols + 2 cluster tokens; tails of 40 and 128 words
+TAIL_PAD_WORDS = (25, 65)  # tail-relative index 1 = fairseq's padding_idx: the criteria's F.cross_entropy(
+#   ignore_index=pad) drops these words' tail term; the batch is chosen to contain both as targets
 FACTOR = 2
 D, FFN, HEADS, LAYERS = 16, 32, 2, 2
 B, L = 4, 32  # one forward: 4 consecutive stream segments of 32 tokens
-OFFSET = 2048  # the fixture batch starts at this stream position
+OFFSET0 = 2048  # the fixture batch: the first stream position >= this (step 32) whose targets hold
+#   TAIL_PAD_WORDS and at least one target of each tail
 WARM_STEPS = 40  # CE steps that make the model non-random (on stream blocks after the fixture batch)
 SEED = 1
 
@@ -101,7 +104,7 @@ def warm_up(model, stream, args):
   opt = torch.optim.Adam(model.parameters(), lr=3e-3, betas=(0.9, 0.98))
   rng = np.random.default_rng(SEED)
   for _ in range(WARM_STEPS):
-    start = int(rng.integers(OFFSET + 4 * B * L, len(stream) - B * L - 1))
+    start = int(rng.integers(OFFSET + 8 * B * L, len(stream) - B * L - 1))
     loss, n, _ = crit(model, sample_of(stream, start))
     opt.zero_grad()
     (loss / n).backward()
@@ -192,6 +195,12 @@ def main():
   global TASK
   TASK = types.SimpleNamespace(source_dictionary=d, target_dictionary=d, args=None)
   stream = encode(words, d)
+  global OFFSET
+  lo, mid = (int(c) for c in CUTOFFS.split(","))
+  for OFFSET in range(OFFSET0, len(stream), 32):
+    t = stream[OFFSET:OFFSET + B * L]
+    if all((t == w).any() for w in TAIL_PAD_WORDS) and ((t >= lo) & (t < mid)).any() and (t >= mid).any():
+      break
   args = model_args()
   model = TransformerLanguageModel.build_model(args, TASK)
   warm_up(model, stream, args)
