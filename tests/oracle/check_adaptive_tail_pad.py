@@ -1,11 +1,12 @@
 # Shows what the original trime_generate does for targets whose id - cutoff[i] == pad (1), i.e. ids 2001 and 8001
 # with --adaptive-softmax-cutoff 2000,8000: F.cross_entropy(tail, ..., ignore_index=pad) gives 0 for them, so the
 # vocab term is the head cluster probability only. Compares the dumped local_T1.0 scores with both formulas.
-# usage: PYTHONPATH=$ORIG python check_adaptive_tail_pad.py DATA ADAPTIVE_CKPT DUMP_local_T1.0.npz
+# usage: PYTHONPATH=$ORIG python check_adaptive_tail_pad.py DATA ADAPTIVE_CKPT DUMP_local_T1.0.npz [DUMP_plain.npz]
 import sys, math, numpy as np, torch, torch.nn.functional as F
 from fairseq import checkpoint_utils, options, tasks, utils
 from fairseq.data import LMContextWindowDataset
 data, ckpt, dump = sys.argv[1:4]
+plain = np.load(sys.argv[4])['logp'] if len(sys.argv) > 4 else None
 pa = options.parse_args_and_arch(options.get_eval_lm_parser(), [data, '--path', ckpt, '--sample-break-mode', 'none',
      '--max-tokens', '128', '--context-window', '64', '--max-sentences', '1', '--knn-keytype', 'last_ffn_input', '--cpu'])
 task = tasks.setup_task(pa)
@@ -48,7 +49,11 @@ with torch.no_grad():
             full = torch.logsumexp(torch.stack([z_cls + tail_lp, ctx]), 0) - den
             headonly = torch.logsumexp(torch.stack([z_cls, ctx]), 0) - den
             got = logp[off[w] + t - st]
-            print('window %d pos %d target %d: dump %.6f | with tail term %.6f | head-cluster only %.6f' % (
-                w, t, y, got, full, headonly))
+            print('window %d pos %d target %d: local dump %.6f | with tail term %.6f | head-cluster only %.6f' % (
+                w, t, y, got, full, headonly), end='')
+            if plain is not None:  # plain `generate` uses get_log_prob: full log p = log p_head(cluster) + log p_tail
+                print(' || plain dump %.6f | full log-softmax %.6f' % (plain[off[w] + t - st],
+                      z_cls - norm_t + tail_lp), end='')
+            print()
             n += 1
 print(n, 'positions')
