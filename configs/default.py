@@ -50,6 +50,9 @@ def get_config():
   m.adaptive_softmax_factor = 4.0  # --adaptive-softmax-factor (tied: must equal the input's)
   m.tie_adaptive_proj = False  # tail projections shared with the adaptive input's (--tie-adaptive-proj)
   m.adaptive_softmax_dropout = 0.0  # --adaptive-softmax-dropout: on the softmax input and inside each tail
+  m.adaptive_tail_ignores_pad = True  # the original's TRIME criterion and scorer: the tail word at c_i + 1 (tail-
+  #   relative index 1 = fairseq's <pad>) gets no tail term inside the TRIME softmax (F.cross_entropy's
+  #   ignore_index); False: its exact probability. Plain evaluation is exact either way (model.py)
   # SRU++ only (backbone=srupp; num_layers, d_model, dropout, attention_dropout, dtype are shared; keys are
   # always the final projection's input, key_type="final"):
   m.srupp_attn_dim = 0  # d': attention size (0 = d_model / 4, the paper's ratio)
@@ -133,6 +136,10 @@ def get_config():
   #   store crosses documents)
   e.datastore = ""  # external memory: datastore directory (launch/build_datastore.py); used by launch/eval_ext.py
   e.index = ""  # FAISS index file; "" = <datastore>/index.faiss
+  e.datastore_entries = "all"  # launch.build_datastore: all (every target of the split) | original (the release's
+  #   --save-knnlm-dstore: windows of exactly block_len - context_window scored tokens, the context-less first
+  #   one only when eval.batch_size is 1; the paper configs)
+  e.datastore_key_dtype = "float16"  # launch.build_datastore: float16 (the release's --dstore-fp16) | float32
   e.knn_k = 1024  # K: memories retrieved per scored token
   e.nprobe = 32  # IVF lists searched per query (IVF-PQ indexes)
   e.knn_exact = False  # re-score the retrieved entries exactly from the stored float16 keys

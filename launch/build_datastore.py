@@ -58,7 +58,8 @@ def main(argv):
       subset_datastore(_SUBSET_OF.value, out, _ENTRIES.value, checkpoint_dir=checkpoint)
     else:
       meta = build_datastore(checkpoint, corpus, out, block_len=e.block_len, context_window=e.context_window,
-                             batch_size=e.batch_size, stop_at_tokens=_STOP_AT.value or None)
+                             batch_size=e.batch_size, stop_at_tokens=_STOP_AT.value or None,
+                             key_dtype=e.datastore_key_dtype, entries=e.datastore_entries)
       if not meta["complete"]:  # stopped at --stop_at_tokens: no index for an incomplete datastore
         return
   except KeyboardInterrupt:

@@ -270,10 +270,16 @@ def params_digest(params) -> str:
   return h.hexdigest()[:16]
 
 
+# ModelConfig fields added after exports existed, with the value that reproduces the behaviour from before
+# them: left out of the digest at that value, so earlier exports keep their digest (and fingerprint).
+LATER_FIELDS = {"adaptive_tail_ignores_pad": False}
+
+
 def arch_digest(mcfg) -> str:
   """SHA-256 (16 hex digits) of the architecture: every ModelConfig field but the dropouts (which do not change
   what a trained model computes at evaluation). Shape-compatible edits (num_heads 4 -> 8) change it."""
-  fields = {k: v for k, v in dataclasses.asdict(mcfg).items() if "dropout" not in k}
+  fields = {k: v for k, v in dataclasses.asdict(mcfg).items() if "dropout" not in k
+            and not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
   return hashlib.sha256(json.dumps(fields, sort_keys=True, default=list).encode()).hexdigest()[:16]
 
 

@@ -211,6 +211,15 @@ class MemoryBlock(NamedTuple):
   positive: jax.Array  # bool: visible and memory j's target equals query i's target
 
 
+class QueryStats(NamedTuple):
+  """The vocabulary side of every scored query: `loss.VocabStats`, plus the target logit inside the TRIME
+  softmax (the original's adaptive-softmax scorer drops one tail word's term: `ModelConfig.adaptive_tail_ignores_pad`)."""
+
+  log_normalizer: jax.Array
+  target_logit: jax.Array
+  trime_target_logit: jax.Array
+
+
 def similarities(queries_SxQxD, keys_SxMxD):
   d = queries_SxQxD.shape[-1]
   return jnp.einsum("sqd,smd->sqm", queries_SxQxD, keys_SxMxD, preferred_element_type=jnp.float32,
@@ -290,7 +299,7 @@ def _mix(log_p_model, log_p_mem, has_mem, lam):
   return jnp.where(has_mem, mixed, log_p_model)
 
 
-def point_nlls(stats: loss.VocabStats, targets, local_blocks, ext_block, points):
+def point_nlls(stats: QueryStats, targets, local_blocks, ext_block, points):
   """[P, ..., Q] nll of every query under every point. `local_blocks`: local (+ long-term) memory;
   `ext_block`: the retrieved entries, or None, or (exact on-device memory, `exact_memory.summary_blocks`) one
   block per scale at which the points read it. Shared terms (a TRIME softmax at τ, a p_mem at θ) are computed
@@ -306,7 +315,7 @@ def point_nlls(stats: loss.VocabStats, targets, local_blocks, ext_block, points)
   log_p_vocab = stats.target_logit - stats.log_normalizer
 
   def log_p_trime(blocks, tau):
-    z, p = stats.log_normalizer, stats.target_logit
+    z, p = stats.log_normalizer, stats.trime_target_logit  # ModelConfig.adaptive_tail_ignores_pad
     for blk in blocks:
       z, p = lse(z, blk.sim / tau, blk.visible), lse(p, blk.sim / tau, blk.positive)
     return p - z
@@ -350,12 +359,14 @@ def forward_queries(graphdef, params, inputs_SxL, targets_SxL, qstart_S, carry=N
   model = nnx.merge(graphdef, params)
   if carry is not None:
     carry = model.reset_carry(carry, reset_S)
-    stats, keys, carry = steps.forward_carry(model, inputs_SxL, targets_SxL, carry, vocab_chunk=vocab_chunk)
+    (stats, crit), keys, carry = steps.forward_carry(model, inputs_SxL, targets_SxL, carry, vocab_chunk=vocab_chunk,
+                                                     criterion="both")
   else:
-    stats, keys = steps.forward(model, inputs_SxL, targets_SxL, vocab_chunk=vocab_chunk)
+    (stats, crit), keys = steps.forward(model, inputs_SxL, targets_SxL, vocab_chunk=vocab_chunk, criterion="both")
   qpos = qstart_S[:, None] + jnp.arange(queries, dtype=jnp.int32)[None, :]
   take = lambda x: jnp.take_along_axis(x, qpos, axis=1)
-  q_stats = loss.VocabStats(take(stats.log_normalizer), take(stats.target_logit))
+  # the model's own target term (plain, cache, kNN-LM) and the TRIME softmax's (`model.vocab_stats` criterion)
+  q_stats = QueryStats(take(stats.log_normalizer), take(stats.target_logit), take(crit))
   q_keys = jnp.take_along_axis(keys, qpos[:, :, None], axis=1)
   out = (keys, q_keys, q_stats, take(targets_SxL), qpos)
   return out if carry is None else out + (carry,)

@@ -298,7 +298,8 @@ def model_config(flags: dict, params: dict, vocab_size: int, *, key_type: str = 
         adaptive_input_factor=float(flags["adaptive_input_factor"]),
         adaptive_softmax_factor=float(flags["adaptive_softmax_factor"]),
         tie_adaptive_proj=bool(flags["tie_adaptive_proj"]) and tied and adaptive_softmax,
-        adaptive_softmax_dropout=float(flags["adaptive_softmax_dropout"] or 0.0))
+        adaptive_softmax_dropout=float(flags["adaptive_softmax_dropout"] or 0.0),
+        adaptive_tail_ignores_pad=adaptive_softmax)  # as the release's criteria and TRIME scorer
   except ValueError as e:
     raise ImportError_(f"the checkpoint's architecture has no trime-jax equivalent: {e}") from None
 

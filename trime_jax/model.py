@@ -47,6 +47,9 @@ KEY_TYPES = ("last_ffn_input", "final")
 POSITION_TYPES = ("sinusoidal", "learned")
 
 
+FAIRSEQ_PADDING_IDX = 1  # fairseq Dictionary's <pad>: the original's criteria ignore targets equal to it
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Shapes and regularisation of `TransformerLM` (mirrors `config.model`)."""
@@ -73,6 +76,11 @@ class ModelConfig:
   adaptive_softmax_factor: float = 4.0  # tail i of the softmax has D / factor^i dimensions
   tie_adaptive_proj: bool = False  # tail projections Q_i = P_iᵀ of the adaptive input (needs tie_embeddings)
   adaptive_softmax_dropout: float = 0.0  # dropout on the softmax input and inside each tail (fairseq's p)
+  # The original's TRIME criterion and TRIME scorer take a tail's term with F.cross_entropy(ignore_index=pad=1)
+  # on the tail-relative target, so the word at band start c_i + 1 of every tail gets no tail term: its
+  # probability inside the TRIME softmax is its cluster's (plain evaluation, get_log_prob, is exact). True
+  # reproduces that (`vocab_stats` returns it as `trime_target_logit`); False: every word its exact term.
+  adaptive_tail_ignores_pad: bool = False
 
   def __post_init__(self):
     # JSON round trips (exported config.json) turn tuples into lists; the config must stay hashable.
@@ -404,18 +412,30 @@ class TransformerLM(nnx.Module):
       parts.append(jax.nn.log_softmax(tail, axis=-1) + head[:, c1 + i, None])
     return jnp.concatenate(parts, axis=-1).reshape(lead + (self.cfg.vocab_size,))
 
-  def vocab_stats(self, f_BxLxD, targets_BxL, *, vocab_chunk=0, deterministic=True, rngs=None) -> loss.VocabStats:
+  def vocab_stats(self, f_BxLxD, targets_BxL, *, vocab_chunk=0, deterministic=True, rngs=None, criterion=False):
     """The vocabulary side of the TRIME loss without [B, L, V] when vocab_chunk > 0 (adaptive: never).
 
     Full softmax: log Σ_v exp(f·W_v) and f·W_target. Adaptive softmax, as the original criterion: the head's
     log-sum-exp (norm_t) and log p(target) + norm_t, where a tail target adds its cluster's log-softmax
     (computed for every row: static shapes; tails are D/factor^i wide, so that costs little).
+
+    criterion=False: the model's own target term. True: the TRIME criterion's (= the model's unless
+    `cfg.adaptive_tail_ignores_pad`). "both": (VocabStats, the criterion's target logit [B, L]).
     """
+    stats, crit = self._vocab_stats(f_BxLxD, targets_BxL, vocab_chunk, deterministic, rngs)
+    if criterion == "both":
+      return stats, crit
+    return loss.VocabStats(stats.log_normalizer, crit) if criterion else stats
+
+  def _vocab_stats(self, f_BxLxD, targets_BxL, vocab_chunk, deterministic, rngs):
+    """(VocabStats, the TRIME criterion's target logit)."""
     if not self.cfg.adaptive_softmax:
       if vocab_chunk:
         w = self.output_embedding().astype(f_BxLxD.dtype)
-        return loss.chunked_vocab_stats(f_BxLxD, w, targets_BxL, chunk=vocab_chunk)
-      return loss.vocab_stats(self.logits(f_BxLxD), targets_BxL)
+        st = loss.chunked_vocab_stats(f_BxLxD, w, targets_BxL, chunk=vocab_chunk)
+      else:
+        st = loss.vocab_stats(self.logits(f_BxLxD), targets_BxL)
+      return st, st.target_logit
 
     def stats(hidden, weight, t):
       if vocab_chunk:  # equal chunks of at most vocab_chunk: a 20,002-row head is not padded to 32,768
@@ -430,13 +450,17 @@ class TransformerLM(nnx.Module):
     band, c1 = self._band(t), cfg.band_edges[1]
     head_t = jnp.where(band == 0, t, c1 + band - 1)  # fairseq adapt_target: tail words -> their cluster token
     head = stats(f, self._head_weight(f.dtype), head_t)
-    target = head.target_logit
+    target = trime_target = head.target_logit
     for i in range(len(cfg.adaptive_cutoffs)):
       lo, hi = cfg.band_edges[i + 1], cfg.band_edges[i + 2]
       h, out = self._tail_hidden(f, i, drop)
       tail = stats(h, out, jnp.clip(t - lo, 0, hi - lo - 1))
-      target = target + jnp.where(band == i + 1, tail.target_logit - tail.log_normalizer, 0.0)
-    return loss.VocabStats(head.log_normalizer.reshape(lead), target.reshape(lead))
+      term = jnp.where(band == i + 1, tail.target_logit - tail.log_normalizer, 0.0)
+      target = target + term
+      # fairseq's padding_idx is 1: F.cross_entropy(..., ignore_index=1) drops the tail word at relative index 1
+      trime_target = trime_target + jnp.where(t - lo == FAIRSEQ_PADDING_IDX, 0.0, term)
+    crit = trime_target if cfg.adaptive_tail_ignores_pad else target
+    return loss.VocabStats(head.log_normalizer.reshape(lead), target.reshape(lead)), crit.reshape(lead)
 
   def __call__(self, tokens_BxL, *, deterministic: bool = True, rngs=None):
     f, g = self.features(tokens_BxL, deterministic=deterministic, rngs=rngs)

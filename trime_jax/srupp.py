@@ -285,12 +285,15 @@ class SRUppLM(nnx.Module):
     w = self.output_embedding().astype(f_BxLxD.dtype)
     return jnp.einsum("bld,vd->blv", f_BxLxD, w, preferred_element_type=jnp.float32) + self.out_bias[...]
 
-  def vocab_stats(self, f_BxLxD, targets_BxL, *, vocab_chunk=0, deterministic=True, rngs=None) -> loss.VocabStats:
+  def vocab_stats(self, f_BxLxD, targets_BxL, *, vocab_chunk=0, deterministic=True, rngs=None, criterion=False):
+    """As `TransformerLM.vocab_stats` (a full softmax: the criterion's target term is the model's own)."""
     del deterministic, rngs
     if vocab_chunk:
-      return loss.chunked_vocab_stats(f_BxLxD, self.output_embedding().astype(f_BxLxD.dtype), targets_BxL,
-                                      bias_V=self.out_bias[...], chunk=vocab_chunk)
-    return loss.vocab_stats(self.logits(f_BxLxD), targets_BxL)
+      st = loss.chunked_vocab_stats(f_BxLxD, self.output_embedding().astype(f_BxLxD.dtype), targets_BxL,
+                                    bias_V=self.out_bias[...], chunk=vocab_chunk)
+    else:
+      st = loss.vocab_stats(self.logits(f_BxLxD), targets_BxL)
+    return (st, st.target_logit) if criterion == "both" else st
 
   def __call__(self, tokens_BxL, *, deterministic: bool = True, rngs=None):
     f, g = self.features(tokens_BxL, deterministic=deterministic, rngs=rngs)

@@ -49,17 +49,21 @@ class LossSpec:
                memory_grad=config.trime.get("memory_grad", "all"))
 
 
-def forward(model, inputs_BxL, targets_BxL, *, vocab_chunk=0, deterministic=True, rngs=None):
-  """(VocabStats [B, L], keys [B, L, D]) without materialising [B, L, V] when vocab_chunk > 0."""
+def forward(model, inputs_BxL, targets_BxL, *, vocab_chunk=0, deterministic=True, rngs=None, criterion=False):
+  """(VocabStats [B, L], keys [B, L, D]) without materialising [B, L, V] when vocab_chunk > 0. `criterion`:
+  the TRIME criterion's target term (`model.vocab_stats`; "both": (VocabStats, criterion target) first)."""
   f, g = model.features(inputs_BxL, deterministic=deterministic, rngs=rngs)
-  stats = model.vocab_stats(f, targets_BxL, vocab_chunk=vocab_chunk, deterministic=deterministic, rngs=rngs)
+  stats = model.vocab_stats(f, targets_BxL, vocab_chunk=vocab_chunk, deterministic=deterministic, rngs=rngs,
+                            criterion=criterion)
   return stats, g
 
 
-def forward_carry(model, inputs_BxL, targets_BxL, carry, *, vocab_chunk=0, deterministic=True, rngs=None):
+def forward_carry(model, inputs_BxL, targets_BxL, carry, *, vocab_chunk=0, deterministic=True, rngs=None,
+                  criterion=False):
   """`forward` of a stateful model continuing from `carry`: (VocabStats, keys, new model carry)."""
   f, g, carry = model.features_carry(inputs_BxL, carry, deterministic=deterministic, rngs=rngs)
-  stats = model.vocab_stats(f, targets_BxL, vocab_chunk=vocab_chunk, deterministic=deterministic, rngs=rngs)
+  stats = model.vocab_stats(f, targets_BxL, vocab_chunk=vocab_chunk, deterministic=deterministic, rngs=rngs,
+                            criterion=criterion)
   return stats, g, carry
 
 
@@ -107,8 +111,9 @@ def nll_sums(model, batch, spec: LossSpec, *, use_trime: bool, report_trime: boo
   is `sharded_loss.sharded_trime_nll_from_vocab_stats` (every query sees the whole global batch).
   """
   inputs, targets = batch["inputs"], batch["targets"]
+  # Training takes the criterion's token term throughout (CE warm-up included), as the original's criteria do.
   stats, keys = forward(model, inputs, targets, vocab_chunk=spec.vocab_chunk, deterministic=deterministic,
-                        rngs=rngs)
+                        rngs=rngs, criterion=True)
   return _sums(stats, keys, batch, spec, use_trime=use_trime, report_trime=report_trime, mesh=mesh)
 
 
@@ -118,7 +123,7 @@ def nll_sums_carry(model, batch, carry: dict, spec: LossSpec, *, use_trime: bool
   ((objective, ce, trime, n_tokens), new carry). memory="long": `previous_segment_nll` with the carried keys."""
   inputs, targets = batch["inputs"], batch["targets"]
   stats, keys, model_carry = forward_carry(model, inputs, targets, carry["model"], vocab_chunk=spec.vocab_chunk,
-                                           deterministic=deterministic, rngs=rngs)
+                                           deterministic=deterministic, rngs=rngs, criterion=True)
   prev = (carry["keys"], carry["targets"]) if spec.objective.memory == "long" else None
   sums = _sums(stats, keys, batch, spec, use_trime=use_trime, report_trime=report_trime, mesh=mesh, previous=prev)
   new = {"model": model_carry, "keys": jax.lax.stop_gradient(keys).astype(carry["keys"].dtype),

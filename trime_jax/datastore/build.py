@@ -2,11 +2,13 @@
 
 Layout of a datastore directory:
   keys.npy     float16 [N, D]  g(c_i): the memory key of target position i (`model.features(...)[1]`)
+                               (float32 with key_dtype="float32", the original without --dstore-fp16)
   values.npy   int32   [N]     x_i: the target token at position i (= corpus.tokens[i])
   meta.json    format, count N, dimension D, dtypes, fingerprints (checkpoint, vocabulary, corpus, datastore),
                block_len / context_window, key_type, tokens_done, complete, build timing
 
-Entry i is target position i of the corpus stream, so N = len(corpus) and `values` equals the corpus tokens.
+Entry i is target position i of the corpus stream, so N = len(corpus) and `values` equals the corpus tokens
+(entries="original": the original's --save-knnlm-dstore windows only, entry i = position first_position + i).
 Keys are computed with evaluation's windows (`data.windows(N, block_len, context_window)`): every target
 is scored once, with up to `context_window` tokens of context before its chunk, exactly the context it gets
 when the same model evaluates that text. Documents are concatenated, as in evaluation.
@@ -46,11 +48,18 @@ from trime_jax import data
 from trime_jax.errors import CheckpointError, ConfigError, DamagedCheckpointError
 
 FORMAT = "trime-datastore/1"
-KEY_DTYPE = np.float16
+KEY_DTYPE = np.float16  # the default (the release's --dstore-fp16); float32 on request (`build_datastore`)
+KEY_DTYPES = ("float16", "float32")
 VALUE_DTYPE = np.int32
 FULL_DIGEST_BYTES = 1 << 30  # files up to 1 GiB are hashed whole on every load; larger ones by sampled blocks
 CHUNK_TOKENS = 1 << 16  # scored tokens per persisted chunk (rounded to whole window batches)
 # meta.json fields that identify what a datastore holds: a resumed build must agree on all of them.
+# Which windows' targets a datastore holds (`build_datastore(entries=...)`): every target | the original's
+# `eval_lm.py --save-knnlm-dstore` (windows of exactly S = block_len - context_window scored tokens; the first
+# window too only when it is alone in its batch, since fairseq pads it to the batch's longest window).
+ENTRIES = ("all", "original")
+# Identity fields a datastore has only when they are not the default (older datastores lack them).
+OPTIONAL_IDENTITY = ("first_position",)  # the corpus position of entry 0 (entries="original": S or 0)
 IDENTITY = ("format", "count", "dimension", "key_dtype", "value_dtype", "checkpoint_fingerprint",
             "vocab_fingerprint", "corpus_fingerprint", "key_type", "block_len", "context_window")
 
@@ -101,6 +110,10 @@ def _identity_fingerprint(identity: dict) -> str:
   return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _identity_of(fields: dict) -> dict:
+  return {k: fields[k] for k in IDENTITY + tuple(k for k in OPTIONAL_IDENTITY if k in fields)}
+
+
 def _paths(directory: str):
   return (os.path.join(directory, "meta.json"), os.path.join(directory, "keys.npy"),
           os.path.join(directory, "values.npy"))
@@ -129,7 +142,7 @@ def _checked_meta(directory: str) -> dict:
   missing = [k for k in IDENTITY + ("fingerprint",) if k not in meta]
   if missing:
     raise DamagedCheckpointError(f"datastore meta {_paths(directory)[0]} lacks {', '.join(missing)}")
-  if _identity_fingerprint({k: meta[k] for k in IDENTITY}) != meta["fingerprint"]:
+  if _identity_fingerprint(_identity_of(meta)) != meta["fingerprint"]:
     raise DamagedCheckpointError(f"datastore meta {_paths(directory)[0]} was edited: its fingerprint "
                                  f"{meta['fingerprint']} does not match its fields; rebuild the datastore")
   return meta
@@ -166,7 +179,7 @@ class DatastoreWriter:
     missing = [k for k in IDENTITY if k not in identity]
     if missing:
       raise ValueError(f"datastore identity lacks {missing}")
-    self.out_dir, self.identity = out_dir, {k: identity[k] for k in IDENTITY}
+    self.out_dir, self.identity = out_dir, _identity_of(identity)
     self.meta_path, self.keys_path, self.values_path = _paths(out_dir)
     self.meta = _read_meta(out_dir)
     if self.meta is not None:
@@ -188,7 +201,8 @@ class DatastoreWriter:
     n, dim = self.identity["count"], self.identity["dimension"]
     os.makedirs(self.out_dir, exist_ok=True)
     if self.meta is None or not self.meta.get("tokens_done"):  # fresh: full-size files, their blocks reserved
-      self.keys = np.lib.format.open_memmap(self.keys_path, mode="w+", dtype=KEY_DTYPE, shape=(n, dim))
+      self.keys = np.lib.format.open_memmap(self.keys_path, mode="w+", dtype=np.dtype(self.identity["key_dtype"]),
+                                            shape=(n, dim))
       self.values = np.lib.format.open_memmap(self.values_path, mode="w+", dtype=VALUE_DTYPE, shape=(n,))
       for path in (self.keys_path, self.values_path):  # a memmap write to a full disk would be a SIGBUS
         _reserve(path)
@@ -257,9 +271,9 @@ class Datastore:
     except (OSError, ValueError, EOFError) as e:
       raise DamagedCheckpointError(f"datastore {directory} is damaged: {e}") from None
     n, d = meta["count"], meta["dimension"]
-    if self.keys.shape != (n, d) or self.keys.dtype != KEY_DTYPE:
+    if self.keys.shape != (n, d) or self.keys.dtype != np.dtype(meta["key_dtype"]):
       raise CheckpointError(f"datastore {directory}: keys.npy is {self.keys.dtype}{list(self.keys.shape)}, "
-                            f"meta.json says float16[{n}, {d}]")
+                            f"meta.json says {meta['key_dtype']}[{n}, {d}]")
     if self.values.shape != (n,) or self.values.dtype != VALUE_DTYPE:
       raise CheckpointError(f"datastore {directory}: values.npy is {self.values.dtype}{list(self.values.shape)},"
                             f" meta.json says int32[{n}]")
@@ -296,33 +310,40 @@ class Datastore:
     flat = ids.reshape(-1)
     safe = np.where(flat >= 0, flat, 0)
     order = np.argsort(safe, kind="stable")
-    out = np.empty((flat.size, self.dimension), KEY_DTYPE)
+    out = np.empty((flat.size, self.dimension), self.keys.dtype)
     out[order] = self.keys[safe[order]]
     out = out.astype(np.float32)
     out[flat < 0] = 0.0
     return out.reshape(ids.shape + (self.dimension,))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _keys_step(graphdef, params, inputs_BxL):
-  """Memory keys g [B, L, D] as float16 (the dropout-free forward of evaluation)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "key_dtype"))
+def _keys_step(graphdef, params, inputs_BxL, key_dtype="float16"):
+  """Memory keys g [B, L, D] as `key_dtype` (the dropout-free forward of evaluation)."""
   model = nnx.merge(graphdef, params)
   _, g = model.features(inputs_BxL, deterministic=True)
-  return g.astype(jnp.float16)
+  return g.astype(key_dtype)
 
 
 def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, block_len: int | None = None,
                     context_window: int | None = None, batch_size: int | None = None,
                     chunk_tokens: int = CHUNK_TOKENS, max_chunks: int | None = None,
-                    stop_at_tokens: int | None = None, progress: bool = True) -> dict:
+                    stop_at_tokens: int | None = None, progress: bool = True, key_dtype: str = "float16",
+                    entries: str = "all") -> dict:
   """Build (or resume) the datastore of `corpus` under the exported model in `checkpoint_dir`.
 
   block_len / context_window / batch_size default to the checkpoint config's `eval` values. Progress is saved
   every `chunk_tokens` scored tokens (rounded up to whole batches of windows). `max_chunks` stops after that
   many chunks in this call, `stop_at_tokens` once the first that many tokens are done (either way the datastore
   stays incomplete and a later call resumes; a partial build serves `subset_datastore`). Returns meta.json's dict;
-  open the result with `Datastore(out_dir)` once `complete` is true.
+  open the result with `Datastore(out_dir)` once `complete` is true. `key_dtype`: float16 (the release's
+  --dstore-fp16) or float32 (its default). `entries` (ENTRIES): "all" targets, entry i = position i; "original":
+  the original's --save-knnlm-dstore with this batch size, entry i = position first_position + i.
   """
+  if key_dtype not in KEY_DTYPES:
+    raise ConfigError(f"datastore key dtype must be one of {KEY_DTYPES}, got {key_dtype!r}")
+  if entries not in ENTRIES:
+    raise ConfigError(f"datastore entries must be one of {ENTRIES}, got {entries!r}")
   graphdef, params, config, vocab, cmeta = ckpt.load_export(checkpoint_dir)
   if config.model.get("backbone", "transformer") != "transformer":  # keys here come from independent windows
     raise ConfigError(f"datastores are built with the transformer backbone; {checkpoint_dir} is a "
@@ -337,16 +358,25 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
     raise CheckpointError(f"corpus {corpus.name or '(unnamed)'} is encoded with vocabulary "
                           f"{corpus.vocab.fingerprint()}, the checkpoint uses {vocab.fingerprint()}: "
                           "encode the corpus with the checkpoint's vocabulary")
-  n = len(corpus)
   dim = int(cmeta["d_model"])
-  wins = data.windows(n, block_len, context_window)  # ConfigError for a bad context window
+  wins = data.windows(len(corpus), block_len, context_window)  # ConfigError for a bad context window
   stride = block_len - context_window
+  base = 0  # corpus position of entry 0
+  if entries == "original":
+    wins = [w for w in wins if w.end - w.score_start == stride]  # no partial last window
+    if batch_size > 1 and wins and wins[0].score_start == wins[0].start:  # the context-less first window,
+      wins = wins[1:]  # padded to its batch's longest: the original's "Skipping this one"
+    if not wins:
+      raise ConfigError(f"entries=original: no window of {stride} scored tokens in {len(corpus):,} tokens")
+    base = wins[0].score_start
+  n = wins[-1].end - base if wins else 0
   per_chunk = batch_size * max(1, -(-chunk_tokens // (batch_size * stride)))  # windows per chunk
 
-  identity = {"format": FORMAT, "count": n, "dimension": dim, "key_dtype": "float16", "value_dtype": "int32",
+  identity = {"format": FORMAT, "count": n, "dimension": dim, "key_dtype": key_dtype, "value_dtype": "int32",
               "checkpoint_fingerprint": ckpt.fingerprint(checkpoint_dir), "vocab_fingerprint": vocab.fingerprint(),
               "corpus_fingerprint": corpus.fingerprint(), "key_type": cmeta["key_type"],
-              "block_len": block_len, "context_window": context_window}
+              "block_len": block_len, "context_window": context_window,
+              **({"first_position": base} if entries == "original" else {})}
   writer = DatastoreWriter(out_dir, identity)
   if writer.complete:
     if progress:
@@ -368,7 +398,7 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
       for chunk_i, c0 in enumerate(todo):
         if max_chunks is not None and chunk_i >= max_chunks:
           break
-        if stop_at_tokens is not None and wins[c0].score_start >= stop_at_tokens:
+        if stop_at_tokens is not None and wins[c0].score_start - base >= stop_at_tokens:
           break
         chunk = wins[c0:c0 + per_chunk]
         a, b = chunk[0].score_start, chunk[-1].end
@@ -377,18 +407,18 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
           real = len(part)
           part = part + [part[-1]] * (batch_size - real)  # fixed shapes: repeat, then ignore
           inputs, _, scored = data.window_batch(corpus, part, block_len)
-          g = np.asarray(_keys_step(graphdef, params, inputs))
+          g = np.asarray(_keys_step(graphdef, params, inputs, key_dtype))
           rows = g[:real][scored[:real]]  # scored positions in order = consecutive target positions
           lo = part[0].score_start
           if not np.isfinite(rows).all():
-            raise CheckpointError(f"non-finite float16 keys at tokens {lo}..{lo + len(rows)}: the model's keys "
-                                  "overflow float16 or the checkpoint is broken")
-          keys[lo:lo + len(rows)] = rows
-        values[a:b] = np.asarray(corpus.tokens[a:b], VALUE_DTYPE)
+            raise CheckpointError(f"non-finite {key_dtype} keys at tokens {lo}..{lo + len(rows)}: the model's "
+                                  f"keys overflow {key_dtype} or the checkpoint is broken")
+          keys[lo - base:lo - base + len(rows)] = rows
+        values[a - base:b - base] = np.asarray(corpus.tokens[a:b], VALUE_DTYPE)
         built += b - a
         dt, t0 = time.perf_counter() - t0, time.perf_counter()
         session_s += dt
-        writer.commit(dt, tokens_done=b)  # only after the chunk's data is on disk
+        writer.commit(dt, tokens_done=b - base)  # only after the chunk's data is on disk
         bar.update(b - a)
     finally:
       bar.close()
@@ -430,7 +460,7 @@ def subset_datastore(source_dir: str, out_dir: str, count: int, *, checkpoint_di
   src_meta, src_keys, src_values = _prefix_source(source_dir, count)
   if checkpoint_dir is not None:
     _check_meta_checkpoint(source_dir, src_meta, checkpoint_dir)
-  identity = {**{k: src_meta[k] for k in IDENTITY}, "count": int(count)}
+  identity = {**_identity_of(src_meta), "count": int(count)}
   fp = _identity_fingerprint(identity)
   meta = _read_meta(out_dir)
   if meta is not None:
