@@ -4,6 +4,7 @@ import glob, os, sys
 import numpy as np
 src, dst = sys.argv[1], sys.argv[2]
 pattern = sys.argv[3] if len(sys.argv) > 3 else 'scores_*.npz'
+PPL_ONLY = {'scores_trime_ext_ivfpq_T1.0_mem512_it10.5_l0.3.npz'}  # IVF-PQ: not bit-reproducible elsewhere
 KEEP_TARGET = {'scores_trime_plain.npz', 'scores_trime_local_T1.0_complete.npz'}
 ref = {}
 lay = {}
@@ -23,5 +24,9 @@ for fn in sorted(glob.glob(os.path.join(src, pattern))):
             ref[layout] = d['target']
         if base not in KEEP_TARGET:
             del d['target']
+    if base in PPL_ONLY:
+        d = {k: d[k] for k in ['log2_loss', 'ppl', 'ppl_f64', 'flags', 'checkpoint', 'mode']}
+        d['n_tokens'] = np.int64(L[1].sum())
+        base = 'ppl_' + base[len('scores_'):]
     np.savez_compressed(os.path.join(dst, base), **d)
-    print(base, os.path.getsize(os.path.join(dst, base)), 'ppl %.2f' % d['ppl'], d['logp'].shape)
+    print(base, os.path.getsize(os.path.join(dst, base)), 'ppl %.2f' % d['ppl'])

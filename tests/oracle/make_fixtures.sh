@@ -76,6 +76,11 @@ $PY $HERE/save_dstore_fixture.py $WORK/dstore/dstore 217536 64 $FIX/dstore_trime
 
 # ---- 4/5. whole-split per-token dumps (ORIGINAL SequenceScorer), TEST split ----
 D="$PY $HERE/dump_scores.py --data $DATA --outdir $OUT"
+# sanity: first 32 windows against the shared oracle (must agree to ~1e-6; they agreed exactly)
+$D --ckpt $T --ckpt-name trime --outdir $WORK/sanity --dstore-dir $WORK/dstore --max-windows 32 --save-targets \
+   plain local_T1.0 long_T1.0_mem512 ext_flat_noint_T1.0_mem512 ext_flat_T1.0_mem512_it10.5_l0.3 > $WORK/logs/dump_sanity.txt 2>&1
+$PY $HERE/check_first32.py $SHARED/token_scores_trime_first32.npz $WORK/sanity \
+   plain local_T1.0 long_T1.0_mem512 ext_flat_noint_T1.0_mem512 ext_flat_T1.0_mem512_it10.5_l0.3
 # a. trime.pt, sample-break-mode none, 128-token inputs, context 64, max-sentences 1
 $D --ckpt $T --ckpt-name trime --save-targets plain local_T1.0 long_T1.0_mem64 long_T1.0_mem128 long_T1.0_mem512 long_T1.0_mem2000 \
    > $WORK/logs/dump_a.txt 2>&1
@@ -91,6 +96,10 @@ $D --ckpt $T --ckpt-name trime --dstore-dir $WORK/dstore \
 $D --ckpt $T --ckpt-name trime --dstore-dir $WORK/dstore --dstore-fp16-dir $WORK/dstore_fp16 \
    ext_ivfpq_T1.0_mem512_it10.5_l0.3 ext_flatfp16_T1.0_mem512_it10.5_l0.3 > $WORK/logs/dump_f.txt 2>&1
 
+# adaptive softmax quirk (ids 2001/8001 lose their tail term in trime_generate)
+$PY $HERE/check_adaptive_tail_pad.py $DATA $A $OUT/scores_adaptive_local_T1.0.npz $OUT/scores_adaptive_plain.npz
+
 # ---- 6. compact fixtures ----
 $PY $HERE/finalize_fixtures.py $OUT $FIX
+$PY $HERE/results_table.py $FIX     # the README's table
 du -sh $FIX
