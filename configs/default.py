@@ -78,6 +78,10 @@ def get_config():
   t.memory_chunk = 0  # blockwise loss: memory tokens per chunk; 0 = derived from a 64 MiB block budget
   t.sharded_variant = "gather"  # >1 device, memory=ext: gather (all-gather keys) | ring (ppermute blocks, O(B/n) memory)
   t.memory_grad = "all"  # >1 device: all (grads reach every device's keys) | local_only (original: own device only)
+  t.memory_grad_group_rows = 0  # G > 0: a memory key gets gradient only from queries whose row lies in its group
+  #   of G consecutive rows of the global forward batch (= one original GPU's segments: the original's all_gather
+  #   detaches other GPUs' keys), on any number of our devices; values unchanged; 0 = no cut by rows. Acts on
+  #   long and ext memory (local memory stays in its row); combines with memory_grad=local_only
 
   c.train = r = ml_collections.ConfigDict()
   r.seed = 0  # parameter init, data order, dropout and drop-local decisions

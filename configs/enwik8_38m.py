@@ -45,6 +45,8 @@ def get_config():
   c.trime.consecutive_segments = 24  # m: 24 × 512 = 12,288 in-batch memories
   c.trime.ce_warmup_steps = 5_496  # --ce-warmup-epoch 3: 3 × 1,832 updates (175,782 segments / 96 per update)
   c.trime.memory_grad = "local_only"  # >1 device: the original's all_gather cuts gradients into other GPUs' keys
+  c.trime.memory_grad_group_rows = 0  # no cut: trime_long_loss_same_device gathers nothing, the run is one GPU's
+  #   --max-tokens (= our batch_size rows) with full key gradients; trime_loss (local) has nothing to cut
   c.train.seed = 1  # --seed 1
   c.train.batch_size = 24  # --max-tokens 12288 / --tokens-per-sample 512 per GPU (one run)
   c.train.grad_accum = 4  # 4 GPUs (README) × --update-freq 1: 96 segments = 49,152 tokens per update

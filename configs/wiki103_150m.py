@@ -49,6 +49,8 @@ def get_config():
   c.trime.consecutive_segments = 60  # m
   c.trime.ce_warmup_steps = 8_604  # --ce-warmup-epoch 3: 3 × 2,868 updates (688,181 segments / 240 per update)
   c.trime.memory_grad = "local_only"  # >1 device: the original's all_gather cuts gradients into other GPUs' keys
+  c.trime.memory_grad_group_rows = 0  # no cut: trime_long_loss_same_device gathers nothing, the run is one GPU's
+  #   --max-tokens (= our batch_size rows) with full key gradients; trime_loss (local) has nothing to cut
   c.train.seed = 1  # --seed 1
   c.train.batch_size = 60  # --max-tokens 9000 / --tokens-per-sample 150 per GPU (one run, 9,000 memories)
   c.train.grad_accum = 4  # paper table: 240 segments = 36,000 tokens per update (2 GPUs × --update-freq 2;

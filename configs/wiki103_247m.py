@@ -44,6 +44,9 @@ def get_config():
   c.trime.memory = "local"  # TrimeLM; long: see wiki103_150m; ext: memory=ext + batching=bm25
   c.trime.ce_warmup_steps = 12_609  # --ce-warmup-epoch 9: 9 × 1,401 updates (33,603 segments / 24 per update)
   c.trime.memory_grad = "local_only"  # >1 device: the original's all_gather cuts gradients into other GPUs' keys
+  c.trime.memory_grad_group_rows = 1  # --max-tokens 3072 = one segment per GPU: trime_ext_loss / trime_long_loss
+  #   gather the other segments' keys without gradient, so a key gets gradient from its own segment's queries only
+  #   (however many segments one of our devices holds; no effect on the local-memory TrimeLM)
   c.train.seed = 1  # --seed 1
   c.train.batch_size = 8  # paper table: 8 segments per forward (24,576 in-batch memories); the script on
   #   the README's 4 GPUs: --max-tokens 3072 = 1 segment per GPU, 4 per forward, --update-freq 6

@@ -51,6 +51,8 @@ def get_config():
   c.trime.consecutive_segments = 8  # m for the TrimeLM_long variant (memory=long, batching=consecutive)
   c.trime.ce_warmup_steps = -1  # no script: the paper's "first 5% updates" (10,000)
   c.trime.memory_grad = "local_only"  # >1 device: the original's all_gather cuts gradients into other GPUs' keys
+  c.trime.memory_grad_group_rows = 0  # no script, so no GPU layout to reproduce (the 247M _ext script's one segment
+  #   per GPU would be 1): the 8 segments of a forward get full key gradients, as the paper's equations
   c.train.seed = 1  # --seed 1 (every original script)
   c.train.batch_size = 8  # paper table: 8 segments per forward, 24,576 in-batch memories
   c.train.grad_accum = 1  # paper table: gradient accumulation 1 (24,576 tokens per update)

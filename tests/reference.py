@@ -82,3 +82,42 @@ def trime_nll(logits_BxLxV, keys_BxLxD, targets_BxL, memory, consecutive_segment
   flat_k = keys_BxLxD.reshape(b * l, -1)
   return memory_nll(logits_BxLxV.reshape(b * l, v), flat_k, flat_t, flat_k, flat_t, mask,
                     temperature).reshape(b, l)
+
+
+def trime_key_grad(logits_BxLxV, keys_BxLxD, targets_BxL, memory, consecutive_segments=1, drop_local=False,
+                   temperature=1.0, key_grad_rows_BxB=None, weights_BxL=None):
+  """d Σ_i w_i·nll_i / d keys `[B, L, D]` in float64, from the analytic derivative of `trime_nll`.
+
+  d nll_i / d s_ij = vis_ij·e^{s_ij}/Z_i − pos_ij·e^{s_ij}/P_i, s_ij = q_i·q_j·scale. Token t's key is query
+  and memory at once: dq_t = Σ_j G_tj q_j·scale, dk_t = Σ_i G_it·q_i·scale. key_grad_rows_BxB (optional bool):
+  the memory part dk_t takes query i only where key_grad_rows[row(i), row(t)] (the original's cut of memory-key
+  gradients at GPU boundaries); None: every query.
+  """
+  b, l, v = logits_BxLxV.shape
+  n = b * l
+  mask = batch_mask(memory, targets_BxL, consecutive_segments, drop_local)
+  t = targets_BxL.reshape(-1)
+  q = np.float64(keys_BxLxD).reshape(n, -1)
+  lg = np.float64(logits_BxLxV).reshape(n, v)
+  w = np.ones(n) if weights_BxL is None else np.float64(weights_BxL).reshape(-1)
+  scale = 1.0 / np.sqrt(q.shape[1]) / temperature
+  s = q @ q.T * scale
+  g = np.zeros((n, n))
+  for i in range(n):
+    if t[i] < 0:
+      continue
+    vis = mask[i] & (t >= 0)
+    pos = vis & (t == t[i])
+    log_z = logsumexp(np.concatenate([lg[i], s[i][vis]]))
+    log_p = logsumexp(np.concatenate([[lg[i][t[i]]], s[i][pos]]))
+    g[i, vis] += w[i] * np.exp(s[i, vis] - log_z)
+    g[i, pos] -= w[i] * np.exp(s[i, pos] - log_p)
+  rows = np.repeat(np.arange(b), l)
+  cut = np.ones((n, n), bool) if key_grad_rows_BxB is None else np.asarray(key_grad_rows_BxB)[rows][:, rows]
+  return ((g @ q + (g * cut).T @ q) * scale).reshape(keys_BxLxD.shape)
+
+
+def same_group_rows(b, group_rows):
+  """`[B, B]` bool: rows in the same group of `group_rows` consecutive rows (memory_grad_group_rows)."""
+  r = np.arange(b) // group_rows
+  return r[:, None] == r[None, :]

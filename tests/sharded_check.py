@@ -164,6 +164,7 @@ def check_loss():
       topk.append({"drop_local": "rows" if drop is drop_rows else drop, "memory_grad": mg, "value": float(val),
                    "value_err": abs(float(val - ref_val)), "logits_grad_err": _max_err(grads[0], ref_grads[0]),
                    "keys_grad_err": _max_err(grads[1], ref_grads[1]), "grad_scale": _max_abs(ref_grads)})
+  group_cut = check_group_cut(mesh, logits, keys, targets, weights, drop_rows)
   try:
     sharded_loss.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory="ext", memory_topk=3, variant="ring")
     ring_topk_error = ""
@@ -181,7 +182,36 @@ def check_loss():
     text = jax.jit(jax.grad(f, argnums=(0, 1))).lower(logits, keys).as_text()
     ops = re.findall(r"stablehlo\.(all_gather|reduce_scatter|collective_permute|all_reduce|all_to_all)", text)
     collectives[f"{mem}/{m}/{var}/{mg}"] = sorted(set(ops))
-  return {"cases": results, "collectives": collectives, "topk": topk, "ring_topk_error": ring_topk_error}
+  return {"cases": results, "collectives": collectives, "topk": topk, "ring_topk_error": ring_topk_error,
+          "group_cut": group_cut}
+
+
+def check_group_cut(mesh, logits, keys, targets, weights, drop_rows):
+  """memory_grad_group_rows = G against the float64 NumPy reference (tests/reference.py `trime_key_grad`): key
+  gradients only from queries of the key's group of G rows (and, with local_only, of its device: 3 rows).
+  G=1 and 2 lie within a device or cross its boundaries (rows 2|3), G=4 and 6 span devices; long m=3 is aligned
+  with the devices (no communication: the per-device path, global row offsets), m=2 / 8 / 24 span them."""
+  from tests import reference as ref
+
+  runs = [("ext", 1, "gather", "all", 1), ("ext", 1, "ring", "all", 2), ("ext", 1, "gather", "local_only", 6),
+          ("ext", 1, "ring", "local_only", 2), ("long", 3, "gather", "all", 2), ("long", 2, "gather", "all", 1),
+          ("long", 8, "ring", "all", 2), ("long", 24, "gather", "local_only", 4)]
+  device = ref.same_group_rows(B, B // N_DEV)
+  out = []
+  for mem, m, var, mg, g in runs:
+    drop = drop_rows if mem == "ext" else False
+    f = lambda lg, ks: (sharded_loss.sharded_trime_nll(
+        lg, ks, targets, mesh=mesh, memory=mem, consecutive_segments=m, drop_local=drop, temperature=TEMPERATURE,
+        variant=var, memory_grad=mg, memory_chunk=5, memory_grad_group_rows=g) * weights).sum()
+    val, dk = jax.jit(jax.value_and_grad(f, argnums=1))(logits, keys)
+    cut = ref.same_group_rows(B, g) & (device if mg == "local_only" else True)
+    want = ref.trime_key_grad(logits, keys, targets, mem, m, drop, TEMPERATURE, cut, weights)
+    uncut = ref.trime_key_grad(logits, keys, targets, mem, m, drop, TEMPERATURE, None, weights)
+    want_val = float((ref.trime_nll(logits, keys, targets, mem, m, drop, TEMPERATURE) * weights).sum())
+    out.append({"memory": mem, "m": m, "variant": var, "memory_grad": mg, "group_rows": g, "value": float(val),
+                "value_err": abs(float(val) - want_val), "keys_grad_err": float(np.abs(np.asarray(dk) - want).max()),
+                "grad_scale": float(np.abs(want).max()), "cut_vs_uncut": float(np.abs(want - uncut).max())})
+  return out
 
 
 def check_model():

@@ -379,3 +379,59 @@ def test_memory_topk_matches_the_original_mt_criterion(k):
       assert np.all(np.asarray(grad)[~valid] == 0)
   with pytest.raises(ValueError, match="memory_topk"):
     loss.ObjectiveSpec("ext", memory_topk=-1)
+
+
+# memory_grad_group_rows: (memory, m, drop_local variant, G) on 6 rows. G=2, m=3 and G=4, m=6: run and group
+# boundaries interleave.
+GROUP_CUT_MODES = [("local", 1, False, 1), ("long", 3, False, 1), ("long", 3, False, 2), ("long", 6, False, 4),
+                   ("ext", 1, False, 1), ("ext", 1, "rows", 2), ("ext", 1, True, 3)]
+
+
+@pytest.mark.parametrize("memory,m,drop_local,group_rows", GROUP_CUT_MODES)
+@pytest.mark.parametrize("implementation,chunk", [("dense", None), ("auto", None), ("blockwise", 5),
+                                                  ("blockwise", 64)])
+def test_memory_grad_group_rows_matches_reference(memory, m, drop_local, group_rows, implementation, chunk):
+  """memory_grad_group_rows = G: the value is unchanged and a memory key's gradient comes only from queries of
+  rows in its group of G consecutive rows (float64 NumPy reference: `ref.trime_key_grad`)."""
+  rng = np.random.default_rng(hash((memory, m, str(drop_local), group_rows)) % 2**32)
+  logits, keys, targets = _batch(rng)
+  b = targets.shape[0]
+  drop, _ = _opts(drop_local, *targets.shape)
+  weights = rng.normal(size=targets.shape)
+  want_nll = ref.trime_nll(logits, keys, targets, memory, m, drop, 0.7)
+  want = ref.trime_key_grad(logits, keys, targets, memory, m, drop, 0.7, ref.same_group_rows(b, group_rows), weights)
+  uncut = ref.trime_key_grad(logits, keys, targets, memory, m, drop, 0.7, None, weights)
+  with jax.enable_x64(True):
+    def f(k, g):
+      nll = loss.trime_nll(jnp.asarray(logits), k, jnp.asarray(targets), memory=memory, consecutive_segments=m,
+                           drop_local=drop, temperature=0.7, implementation=implementation, memory_chunk=chunk,
+                           memory_grad_group_rows=g)
+      return (nll * weights).sum(), nll
+
+    (_, nll), got = jax.value_and_grad(f, has_aux=True)(jnp.asarray(keys), group_rows)
+    (_, nll0), got0 = jax.value_and_grad(f, has_aux=True)(jnp.asarray(keys), 0)
+  np.testing.assert_allclose(np.asarray(nll), want_nll, rtol=1e-10, atol=1e-10)
+  np.testing.assert_array_equal(np.asarray(nll), np.asarray(nll0))  # the forward value is untouched
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-9, atol=1e-10)
+  np.testing.assert_allclose(np.asarray(got0), uncut, rtol=1e-9, atol=1e-10)
+  if memory == "local":  # memory within a row: nothing to cut
+    np.testing.assert_allclose(want, uncut, rtol=1e-12, atol=1e-12)
+  else:  # the cut changes the key gradient, so the comparison above can fail
+    assert np.abs(want - uncut).max() > 1e-2 * np.abs(uncut).max()
+
+
+def test_memory_grad_group_rows_spec():
+  from ml_collections import ConfigDict
+
+  cfg = ConfigDict({"trime": {"memory": "ext", "consecutive_segments": 1, "temperature": 1.0,
+                              "stop_gradient_memory": False, "memory_chunk": 0, "memory_grad_group_rows": 1}})
+  spec = loss.ObjectiveSpec.from_config(cfg)
+  assert spec.memory_grad_group_rows == 1 and spec.key_grad_group_rows == 1
+  assert loss.ObjectiveSpec("local", memory_grad_group_rows=1).key_grad_group_rows == 0
+  assert loss.ObjectiveSpec("ext", memory_grad_group_rows=1, stop_gradient_memory=True).key_grad_group_rows == 0
+  with pytest.raises(ValueError, match="memory_grad_group_rows"):
+    loss.ObjectiveSpec("ext", memory_grad_group_rows=-1)
+  with pytest.raises(ValueError, match="packed segments"):
+    loss.trime_nll_from_vocab_stats(loss.VocabStats(jnp.zeros((2, 3)), jnp.zeros((2, 3))), jnp.zeros((2, 3, 4)),
+                                    jnp.zeros((2, 3), jnp.int32), memory="ext", memory_grad_group_rows=1,
+                                    rows=jnp.zeros((2, 3), jnp.int32))

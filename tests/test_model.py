@@ -253,6 +253,9 @@ ORIGINAL = {
         "train.learning_rate": 1.0,  # --max-lr 1.0
         "train.clip_norm": 0.1, "train.schedule": "cosine", "train.warmup_steps": 16_000,
         "train.min_lr": 1e-4,  # --lr 0.0001: fairseq cosine's floor
+        # --max-tokens 3072 = --tokens-per-sample: one segment per GPU; trime_ext_loss / trime_long_loss all_gather
+        # the other GPUs' segments without gradient, so a key's gradient comes from its own segment's queries only
+        "trime.memory_grad_group_rows": 1,
         # run_pretrained_models.md: --softmax-temp 1.17; ext: --k 1024 --probe 32 --interp-temp 10.5 --lmbda 0.3
         "eval.temperature": 1.17, "eval.knn_k": 1024, "eval.nprobe": 32, "eval.interp_memory": "external",
         "eval.knn_temperature": 10.5 / 32, "eval.knn_lambda": 0.3, "eval.reset_at_documents": False,
@@ -263,6 +266,7 @@ ORIGINAL = {
         **_FAIRSEQ_BASE, **_ADAM,
         "model.num_layers": 16, "model.d_model": 410, "model.num_heads": 10, "model.d_ff": 2100,
         "model.max_len": 150, "model.final_norm": True, "data.segment_len": 150,
+        "trime.memory_grad_group_rows": 0,  # trime_long_loss_same_device: no gather, full gradients in a GPU's run
         **_ADAPTIVE_WIKI103, "model.adaptive_input_factor": 1.0, "model.adaptive_softmax_factor": 1.0,  # script
         "model.tie_adaptive_proj": False, "model.adaptive_softmax_dropout": 0.0,  # base defaults
         "trime.ce_warmup_steps": 3 * 2868,  # --ce-warmup-epoch 3, ceil(688,181 segments / 240)
@@ -279,6 +283,7 @@ ORIGINAL = {
         **_FAIRSEQ_BASE, **_ADAM,
         "model.num_layers": 8, "model.d_model": 128, "model.num_heads": 4, "model.d_ff": 512,
         "model.max_len": 3072, "model.final_norm": True, "data.segment_len": 3072,
+        "trime.memory_grad_group_rows": 0,  # no script: no GPU layout to reproduce
         **_ADAPTIVE_WIKI103,  # the paper's 7M count; factor 4 (paper)
         "model.tie_adaptive_proj": False, "model.adaptive_softmax_dropout": 0.0,  # as the 150M script (inferred)
         "trime.ce_warmup_steps": -1,  # the paper's 5% of updates
@@ -290,6 +295,7 @@ ORIGINAL = {
         **_FAIRSEQ_BASE, **_ADAM,
         "model.num_layers": 12, "model.d_model": 512, "model.num_heads": 8, "model.d_ff": 2048,
         "model.max_len": 512, "model.final_norm": True, "data.segment_len": 512,
+        "trime.memory_grad_group_rows": 0,  # trime_long_loss_same_device: no gather, full gradients in a GPU's run
         # --adaptive-input --adaptive-{input,softmax}-cutoff 208 (the whole dictionary: one band) factor 1
         "model.adaptive_input": True, "model.adaptive_softmax": True, "model.adaptive_cutoffs": (),
         "model.adaptive_input_factor": 1.0, "model.adaptive_softmax_factor": 1.0, "model.tie_adaptive_proj": False,

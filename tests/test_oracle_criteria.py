@@ -24,8 +24,11 @@ trime-jax side: the paper config (configs/wiki103_247m.py; the `_long` / `_ext` 
 docs/paper_configs.md states them, long_same_device as configs/wiki103_150m.py: one run = one forward's rows)
 with the imported model, `steps.LossSpec.from_config`, `train.ce_warmup_steps` and the jitted `steps.train_step`
 (the update's gradient captured by an optimizer that stores it). The drop-local mask is the fixture's. The
-4-GPU cases run train_step on a 4-device CPU mesh in a subprocess (this file run as a script), with the paper
-configs' `trime.memory_grad = "local_only"`.
+4-GPU cases (one segment per GPU, as the 247M script) take the paper config's `trime.memory_grad_group_rows = 1`
+(key gradients only from queries of the key's own segment = GPU) and match on ONE device; in a subprocess (this
+file run as a script) also on a 4-device CPU mesh (1 row per device) and a 2-device one (2 rows per device),
+with the paper configs' `trime.memory_grad = "local_only"`. The single-GPU cases hold all 4 segments on one
+GPU (--max-tokens 128): `memory_grad_group_rows = 4`, the whole batch.
 
 Tolerances (trime-jax in float32 against the float64 original): loss and logged CE rtol 1e-5; every gradient
 tensor max |Δ| <= 1e-4 · max |g| of that tensor (+1e-7 absolute), and the global norm rtol 1e-5.
@@ -53,16 +56,19 @@ GRAD_RTOL = 1e-4  # of the tensor's largest |gradient|
 GRAD_ATOL = 1e-7
 NORM_RTOL = 1e-5
 
-# case -> (paper config module, trime overrides, number of devices)
+# case -> (paper config module, trime overrides, number of devices). The fixture's single-GPU cases put the 4
+# segments on ONE GPU (--max-tokens 128): memory_grad_group_rows = 4 rows per original GPU (the paper's 247M
+# script has one segment per GPU: the config's 1, which the 4-GPU cases keep).
+ONE_GPU = dict(memory_grad_group_rows=4)
 CASES = {
-    "local": ("wiki103_247m", dict(memory="local"), 1),
-    "ce_warmup": ("wiki103_247m", dict(memory="local"), 1),
-    "long": ("wiki103_247m", dict(memory="long", batching="consecutive", consecutive_segments=4), 1),
+    "local": ("wiki103_247m", dict(memory="local", **ONE_GPU), 1),
+    "ce_warmup": ("wiki103_247m", dict(memory="local", **ONE_GPU), 1),
+    "long": ("wiki103_247m", dict(memory="long", batching="consecutive", consecutive_segments=4, **ONE_GPU), 1),
     "long_same_device": ("wiki103_150m", dict(memory="long", consecutive_segments=4), 1),
-    "ext_p0.9": ("wiki103_247m", dict(memory="ext", batching="bm25", drop_local_prob=0.9), 1),
-    "ext_p0": ("wiki103_247m", dict(memory="ext", batching="bm25", drop_local_prob=0.0), 1),
-    "ext_p1": ("wiki103_247m", dict(memory="ext", batching="bm25", drop_local_prob=1.0), 1),
-    "ext_none": ("wiki103_247m", dict(memory="ext", batching="bm25", drop_local_prob=0.0), 1),
+    "ext_p0.9": ("wiki103_247m", dict(memory="ext", batching="bm25", drop_local_prob=0.9, **ONE_GPU), 1),
+    "ext_p0": ("wiki103_247m", dict(memory="ext", batching="bm25", drop_local_prob=0.0, **ONE_GPU), 1),
+    "ext_p1": ("wiki103_247m", dict(memory="ext", batching="bm25", drop_local_prob=1.0, **ONE_GPU), 1),
+    "ext_none": ("wiki103_247m", dict(memory="ext", batching="bm25", drop_local_prob=0.0, **ONE_GPU), 1),
     "ext_4gpu": ("wiki103_247m", dict(memory="ext", batching="bm25", drop_local_prob=0.9), 4),
     "long_4gpu": ("wiki103_247m", dict(memory="long", batching="consecutive", consecutive_segments=4), 4),
 }
@@ -327,6 +333,32 @@ def test_perturbation_is_detected():
   assert not (r["loss"] <= LOSS_RTOL and r["grads_ok"]), r
 
 
+def test_four_gpu_cases_match_the_original_on_one_device():
+  """ext and long on 4 GPUs (one segment each, other GPUs' keys without gradient) on ONE device: the paper
+  config's memory_grad_group_rows = 1 cuts key gradients at the original's GPU (= segment) boundaries. Without
+  the cut (0) the loss is the same and the gradients are not the original's."""
+  fx = fixture()
+  cfg, params, _ = imported(fx)
+  results = {}
+  for case in ("ext_4gpu", "long_4gpu"):
+    metrics, grads, spec, _ = trime_jax_step(case, fx, cfg, params)
+    assert spec.objective.memory_grad_group_rows == 1
+    results[case] = compare(fx, case, cfg, metrics, grads)
+    original = paper_config
+    try:
+      globals()["paper_config"] = lambda c, *a: _with(original(c, *a), memory_grad_group_rows=0)
+      metrics, grads, spec, _ = trime_jax_step(case, fx, cfg, params)
+    finally:
+      globals()["paper_config"] = original
+    assert spec.objective.memory_grad_group_rows == 0
+    results[case + "_uncut"] = compare(fx, case, cfg, metrics, grads)
+  print(json.dumps(results, indent=1))
+  for case in ("ext_4gpu", "long_4gpu"):
+    assert_matches(results[case])
+    r = results[case + "_uncut"]
+    assert r["loss"] <= LOSS_RTOL and not r["grads_ok"] and r["grad"] > 1e-2, r
+
+
 def test_checkpoint_file_imports_to_the_same_parameters():
   """criteria_model.pt (the release's format) through `import_checkpoint` = the npz's tensors (needs torch)."""
   import pytest
@@ -345,9 +377,10 @@ def test_checkpoint_file_imports_to_the_same_parameters():
 
 
 def test_four_device_cases_match_the_original():
-  """ext and long on 4 GPUs (other GPUs' keys without gradient) = train_step on a 4-device mesh with the
-  paper configs' memory_grad=local_only. Runs this file as a script: the device count must be set before jax
-  starts."""
+  """ext and long on 4 GPUs (other GPUs' keys without gradient) = train_step on a 4-device mesh (1 row per
+  device) and on a 2-device mesh (2 rows per device) with the paper configs' memory_grad=local_only and
+  memory_grad_group_rows=1. On 4 devices either cut alone reproduces the original; on 2 devices only the row
+  groups do. Runs this file as a script: the device count must be set before jax starts."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   p = subprocess.run([sys.executable, os.path.abspath(__file__), "four_devices"], capture_output=True, text=True,
                      env=env, cwd=REPO, timeout=900)
@@ -360,11 +393,16 @@ def test_four_device_cases_match_the_original():
     pytest.xfail(results["xfail"])
   assert results["devices"] == 4
   for case in ("ext_4gpu", "long_4gpu"):
-    assert results[case]["memory_grad"] == "local_only"
-    assert_matches(results[case])
-    # memory_grad="all" (our own configs' exact gradient) is a different gradient, same loss
-    r = results[case + "_all"]
-    assert r["loss"] <= LOSS_RTOL and not r["grads_ok"], r
+    for n, mg, g in [(4, "local_only", 1), (4, "local_only", 0), (4, "all", 1), (2, "local_only", 1),
+                     (2, "all", 1)]:
+      r = results[f"{case}/{n}dev/{mg}/{g}"]
+      assert (r["memory_grad"], r["memory_grad_group_rows"]) == (mg, g)
+      assert_matches(r)
+    # no cut at the original's GPUs (memory_grad="all" and no row groups: our own configs' exact gradient, or
+    # local_only on 2 devices of 2 rows: cut only at our device boundaries) is a different gradient, same loss
+    for key in ("4dev/all/0", "2dev/local_only/0"):
+      r = results[f"{case}/{key}"]
+      assert r["loss"] <= LOSS_RTOL and not r["grads_ok"], (key, r)
 
 
 def _four_devices():
@@ -382,18 +420,19 @@ def _four_devices():
       print(json.dumps({"xfail": str(e)}))
       return
     raise
-  mesh = make_mesh(4)
+  meshes = {4: make_mesh(4), 2: make_mesh(2)}
   out = {"devices": jax.device_count()}
+  original = paper_config
   for case in ("ext_4gpu", "long_4gpu"):
-    metrics, grads, spec, _ = trime_jax_step(case, fx, cfg, params, mesh=mesh)
-    out[case] = dict(compare(fx, case, cfg, metrics, grads), memory_grad=spec.memory_grad)
-    original = paper_config
-    try:
-      globals()["paper_config"] = lambda c, *a: _with(original(c, *a), memory_grad="all")
-      metrics, grads, spec, _ = trime_jax_step(case, fx, cfg, params, mesh=mesh)
-    finally:
-      globals()["paper_config"] = original
-    out[case + "_all"] = dict(compare(fx, case, cfg, metrics, grads), memory_grad=spec.memory_grad)
+    for n, mg, g in [(4, "local_only", 1), (4, "local_only", 0), (4, "all", 1), (4, "all", 0),
+                     (2, "local_only", 1), (2, "all", 1), (2, "local_only", 0)]:
+      try:
+        globals()["paper_config"] = lambda c, *a: _with(original(c, *a), memory_grad=mg, memory_grad_group_rows=g)
+        metrics, grads, spec, _ = trime_jax_step(case, fx, cfg, params, mesh=meshes[n])
+      finally:
+        globals()["paper_config"] = original
+      out[f"{case}/{n}dev/{mg}/{g}"] = dict(compare(fx, case, cfg, metrics, grads), memory_grad=spec.memory_grad,
+                                           memory_grad_group_rows=spec.objective.memory_grad_group_rows)
   print(json.dumps(out))
 
 

@@ -112,6 +112,20 @@ def test_local_only_cuts_exactly_the_cross_device_memory_gradients(checks):
       assert c["keys_grad_diff_vs_all"] > 0.1, c
 
 
+def test_memory_grad_group_rows_on_8_devices_matches_reference(checks):
+  """memory_grad_group_rows (the original's cut of key gradients at its GPUs' row groups) on 8 devices × 3 rows,
+  gather and ring, with memory_grad all / local_only, ext and long runs (aligned and spanning devices): value
+  and key gradients equal the float64 NumPy reference, which differs from the uncut gradient."""
+  cases = checks("loss")["group_cut"]
+  assert {(c["memory"], c["variant"], c["memory_grad"]) for c in cases} >= {
+      ("ext", "gather", "all"), ("ext", "ring", "all"), ("ext", "gather", "local_only"),
+      ("ext", "ring", "local_only"), ("long", "gather", "all"), ("long", "ring", "all")}
+  for c in cases:
+    assert c["value_err"] <= 1e-10 * max(1.0, abs(c["value"])), c
+    assert c["keys_grad_err"] <= 1e-9 * max(1.0, c["grad_scale"]), c
+    assert c["grad_scale"] > 0.1 and c["cut_vs_uncut"] > 1e-2 * c["grad_scale"], c  # the check can fail
+
+
 def test_communication_only_where_memories_cross_devices(checks):
   """Collectives in forward + backward: none for local memory or runs that stay on a device; neighbour
   ppermutes for runs that span devices and for the ring; all-gather + reduce-scatter for the gather (no

@@ -265,10 +265,49 @@ def masked_logsumexp_with(first_N, scores_NxM, mask_NxM):
   return m + jnp.log(total)
 
 
-def _similarities(keys_NxD, memory_keys_MxD, scale):
+def _dot(keys_NxD, memory_keys_MxD):
   acc = accumulation_dtype(keys_NxD, memory_keys_MxD)
   return jnp.einsum("nd,md->nm", keys_NxD, memory_keys_MxD, preferred_element_type=acc,
-                    precision=similarity_precision(keys_NxD, memory_keys_MxD)) * scale
+                    precision=similarity_precision(keys_NxD, memory_keys_MxD))
+
+
+@jax.custom_vjp
+def _key_grad_masked_dot(keys_NxD, memory_keys_MxD, key_grad_mask_NxM):
+  """q · k `[N, M]` whose gradient reaches memory key j from query i only where key_grad_mask[i, j] (the
+  queries' gradient is complete): `memory_grad_group_rows`."""
+  return _dot(keys_NxD, memory_keys_MxD)
+
+
+def _key_grad_masked_dot_fwd(keys_NxD, memory_keys_MxD, key_grad_mask_NxM):
+  return _dot(keys_NxD, memory_keys_MxD), (keys_NxD, memory_keys_MxD, key_grad_mask_NxM)
+
+
+def _key_grad_masked_dot_bwd(res, g_NxM):
+  q, k, mask = res
+  prec = similarity_precision(q, k)
+  dq = jnp.einsum("nm,md->nd", g_NxM, k.astype(g_NxM.dtype), precision=prec)
+  dk = jnp.einsum("nm,nd->md", jnp.where(mask, g_NxM, 0.0), q.astype(g_NxM.dtype), precision=prec)
+  return dq.astype(q.dtype), dk.astype(k.dtype), None
+
+
+_key_grad_masked_dot.defvjp(_key_grad_masked_dot_fwd, _key_grad_masked_dot_bwd)
+
+
+def _similarities(keys_NxD, memory_keys_MxD, scale, key_grad_mask=None):
+  """q · k · scale `[N, M]`; key_grad_mask `[N, M]` (optional): memory key j gets gradient from query i only
+  where it is True (the value is unchanged)."""
+  if key_grad_mask is None:
+    return _dot(keys_NxD, memory_keys_MxD) * scale
+  return _key_grad_masked_dot(keys_NxD, memory_keys_MxD, key_grad_mask) * scale
+
+
+def same_grad_group(query_row, memory_row, group_rows: int):
+  """`[..., N, M]` bool: query and memory rows lie in the same group of `group_rows` consecutive rows of the
+  global batch (one original GPU's segments: `ObjectiveSpec.memory_grad_group_rows`). Padding memories (row
+  -1) are in no query's group."""
+  q = query_row[..., :, None] // group_rows
+  m = memory_row[..., None, :]
+  return (m >= 0) & (q == m // group_rows)
 
 
 def _scale(d: int, temperature):
@@ -280,21 +319,23 @@ def similarity_scale(d: int, temperature, dtype):
   return jnp.asarray(_scale(d, 1.0), dtype) / jnp.asarray(temperature, dtype)
 
 
-def _dense_nll(stats: VocabStats, keys, targets, memory_keys, memory_targets, memory_mask, scale):
+def _dense_nll(stats: VocabStats, keys, targets, memory_keys, memory_targets, memory_mask, scale,
+               key_grad_mask=None):
   mask = memory_mask & (memory_targets[None, :] >= 0)
-  sim = _similarities(keys, memory_keys, scale)
+  sim = _similarities(keys, memory_keys, scale, key_grad_mask)
   positive = mask & (memory_targets[None, :] == targets[:, None])
   log_z = masked_logsumexp_with(stats.log_normalizer, sim, mask)
   log_p = masked_logsumexp_with(stats.target_logit, sim, positive)
   return jnp.where(targets >= 0, log_z - log_p, 0.0)
 
 
-def topk_dense_nll(stats: VocabStats, keys, targets, memory_keys, memory_targets, memory_mask, scale, k: int):
+def topk_dense_nll(stats: VocabStats, keys, targets, memory_keys, memory_targets, memory_mask, scale, k: int,
+                   key_grad_mask=None):
   """`_dense_nll` where each query's softmax keeps only its k most similar visible memories (numerator and
   normaliser alike): the original TrimeMT criterion's `--topk-mem` (trime_mt_loss.py, top-k before the label
-  match). Gradients reach the selected memories only."""
+  match). Gradients reach the selected memories only (and, with key_grad_mask, only where it is True)."""
   mask = memory_mask & (memory_targets[None, :] >= 0)
-  sim = jnp.where(mask, _similarities(keys, memory_keys, scale), -jnp.inf)
+  sim = jnp.where(mask, _similarities(keys, memory_keys, scale, key_grad_mask), -jnp.inf)
   top_sim, idx = jax.lax.top_k(sim, min(k, sim.shape[-1]))
   top_mask = jnp.isfinite(top_sim)  # fewer than k visible: the rest stay out
   positive = top_mask & (memory_targets[idx] == targets[:, None])
@@ -413,9 +454,11 @@ def fold_memory(chunk, q_NxD, qmeta, causal, scale, cross_rows, state, k_MxD, km
   return jax.lax.scan(body, state, (kc, mc))[0]
 
 
-def memory_grads(chunk, q_NxD, qmeta, causal, scale, cross_rows, log_z, log_p, g_z, g_p, with_dk, k_MxD, kmeta):
+def memory_grads(chunk, q_NxD, qmeta, causal, scale, cross_rows, log_z, log_p, g_z, g_p, with_dk, k_MxD, kmeta,
+                 grad_group_rows: int = 0):
   """(dq `[N, D]`, dk `[M, D]` or None) of a memory's part of (log Z, log P) under cotangents (g_z, g_p),
-  similarities recomputed chunk by chunk."""
+  similarities recomputed chunk by chunk. grad_group_rows > 0: a key's gradient comes only from queries whose
+  `row` lies in its group of that many consecutive rows (`same_grad_group`); dq is complete either way."""
   kc, mc = chunk_memory(chunk, k_MxD, kmeta)
   acc = scale.dtype
   q32 = q_NxD.astype(acc)
@@ -428,7 +471,11 @@ def memory_grads(chunk, q_NxD, qmeta, causal, scale, cross_rows, log_z, log_p, g
     g = g + g_p[:, None] * jnp.exp(jnp.where(pos, s - log_p[:, None], -jnp.inf))
     g = g * scale
     dq = dq + jnp.einsum("nc,cd->nd", g, blk[0].astype(acc), precision=prec)
-    return dq, jnp.einsum("nc,nd->cd", g, q32, precision=prec) if with_dk else None
+    if not with_dk:
+      return dq, None
+    if grad_group_rows > 0:
+      g = jnp.where(same_grad_group(qmeta.row, blk[1].row, grad_group_rows), g, 0.0)
+    return dq, jnp.einsum("nc,nd->cd", g, q32, precision=prec)
 
   dq, dk = jax.lax.scan(body, jnp.zeros(q_NxD.shape, acc), (kc, mc))
   return dq, (dk.reshape(-1, k_MxD.shape[-1])[: k_MxD.shape[0]] if with_dk else None)
@@ -442,32 +489,41 @@ def vocab_stats_grads(stats: VocabStats, log_z, log_p, g_z, g_p) -> VocabStats:
   )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def memory_log_terms(cross_rows, chunk, q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats: VocabStats):
+def memory_log_terms(cross_rows, chunk, q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats: VocabStats,
+                     grad_group_rows: int = 0):
   """(log Z, log P) `[N]` for queries against a memory, blockwise.
 
   log Z = log(exp(log_normalizer) + Σ_{j vis} e^{s_ij}), log P = log(exp(target_logit) + Σ_{j vis, pos} e^{s_ij}),
   s_ij = q_i · k_j · scale. Differentiable in q, k and `stats`; never holds more than `[N, chunk]` floats.
+  grad_group_rows > 0 (static): key j gets gradient only from queries of its row group (`memory_grads`).
   """
-  return _memory_log_terms_fwd(cross_rows, chunk, q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats)[0]
+  return _memory_log_terms(cross_rows, chunk, int(grad_group_rows), q_NxD, k_MxD, qmeta, kmeta, causal, scale,
+                           stats)
 
 
-def _memory_log_terms_fwd(cross_rows, chunk, q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _memory_log_terms(cross_rows, chunk, grad_group_rows, q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats):
+  return _memory_log_terms_fwd(cross_rows, chunk, grad_group_rows, q_NxD, k_MxD, qmeta, kmeta, causal, scale,
+                               stats)[0]
+
+
+def _memory_log_terms_fwd(cross_rows, chunk, grad_group_rows, q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats):
   state = fold_memory(chunk, q_NxD, qmeta, causal, scale, cross_rows, start_log_terms(stats, scale.dtype), k_MxD,
                       kmeta)
   log_z, log_p = finish_log_terms(state)
   return (log_z, log_p), (q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats, log_z, log_p)
 
 
-def _memory_log_terms_bwd(cross_rows, chunk, res, cotangents):
+def _memory_log_terms_bwd(cross_rows, chunk, grad_group_rows, res, cotangents):
   q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats, log_z, log_p = res
   g_z, g_p = cotangents
-  dq, dk = memory_grads(chunk, q_NxD, qmeta, causal, scale, cross_rows, log_z, log_p, g_z, g_p, True, k_MxD, kmeta)
+  dq, dk = memory_grads(chunk, q_NxD, qmeta, causal, scale, cross_rows, log_z, log_p, g_z, g_p, True, k_MxD, kmeta,
+                        grad_group_rows)
   d_stats = vocab_stats_grads(stats, log_z, log_p, g_z, g_p)
   return dq.astype(q_NxD.dtype), dk.astype(k_MxD.dtype), None, None, None, None, d_stats
 
 
-memory_log_terms.defvjp(_memory_log_terms_fwd, _memory_log_terms_bwd)
+_memory_log_terms.defvjp(_memory_log_terms_fwd, _memory_log_terms_bwd)
 
 
 def chunk_len(n_queries: int, n_memory: int, block_elems: int = DEFAULT_BLOCK_ELEMS) -> int:
@@ -493,6 +549,9 @@ class ObjectiveSpec:
   memory_chunk: int | None = None  # memory chunk length of the blockwise path (None: from block_elems)
   memory_topk: int = 0  # > 0: only the k most similar visible memories per query (the original MT's --topk-mem;
   # one dense [N, N] block, so for batches of sentence pairs)
+  memory_grad_group_rows: int = 0  # > 0: a memory key gets gradient only from queries whose batch row lies in
+  # its group of this many consecutive rows of the global batch (one original GPU's segments: its all_gather
+  # detaches other GPUs' keys); values unchanged. 0: no cut. No effect on local memory (within a row)
 
   def __post_init__(self):
     if self.memory not in MEMORY_MODES:
@@ -503,6 +562,15 @@ class ObjectiveSpec:
       raise ValueError(f"consecutive_segments must be >= 1, got {self.consecutive_segments}")
     if self.memory_topk < 0:
       raise ValueError(f"memory_topk must be >= 0, got {self.memory_topk}")
+    if self.memory_grad_group_rows < 0:
+      raise ValueError(f"memory_grad_group_rows must be >= 0, got {self.memory_grad_group_rows}")
+
+  @property
+  def key_grad_group_rows(self) -> int:
+    """The row-group cut that acts: 0 where it cannot matter (no memory across rows, or no key gradient)."""
+    if self.memory not in ("long", "ext") or self.stop_gradient_memory:
+      return 0
+    return self.memory_grad_group_rows
 
   @classmethod
   def from_config(cls, config) -> "ObjectiveSpec":
@@ -510,7 +578,8 @@ class ObjectiveSpec:
     t = config.trime
     return cls(memory=t.memory, consecutive_segments=int(t.consecutive_segments), temperature=float(t.temperature),
                stop_gradient_memory=bool(t.stop_gradient_memory), memory_chunk=int(t.memory_chunk) or None,
-               memory_topk=int(t.get("memory_topk", 0)))
+               memory_topk=int(t.get("memory_topk", 0)),
+               memory_grad_group_rows=int(t.get("memory_grad_group_rows", 0)))
 
 
 def objective_spec(spec: ObjectiveSpec | None, options: dict) -> ObjectiveSpec:
@@ -538,12 +607,14 @@ def _groups(memory: str, b: int, consecutive_segments: int) -> int:
 
 
 def trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: ObjectiveSpec | None = None, *,
-                               drop_local=False, documents=None, rows=None, **options):
+                               drop_local=False, documents=None, rows=None, row_offset=0, **options):
   """`trime_nll` with the vocabulary side given as `VocabStats` `[B, L]` (the training path).
 
   `drop_local` may be traced (the drop decisions need no recompilation). The blockwise path scans memory
   chunks of `spec.memory_chunk` tokens (default: derived from `spec.block_elems`). `rows` `[B, L]`: packed
   segments' ids (`batch_meta`'s rows_BxL); drop_local must then be a scalar (it is drawn per layout row).
+  `row_offset` (may be traced): global row index of row 0, for a shard of a global batch (it places the rows
+  in `spec.memory_grad_group_rows`'s groups).
   """
   spec = objective_spec(spec, options)
   keys, targets = jnp.asarray(keys), jnp.asarray(targets)
@@ -559,7 +630,11 @@ def trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: Objective
     raise ValueError(f"documents restrict long-term memory (packed runs); memory={memory!r} takes none")
   if rows is not None and jnp.ndim(drop_local):
     raise ValueError("packed rows take a scalar drop_local (per-row draws would split packed segments alike)")
-  meta = batch_meta(targets, memory, consecutive_segments, documents_BxL=documents, rows_BxL=rows)
+  cut = spec.key_grad_group_rows
+  if cut and rows is not None:
+    raise ValueError("memory_grad_group_rows groups layout rows; packed segments (rows=) are not supported")
+  meta = batch_meta(targets, memory, consecutive_segments, row_offset=row_offset, documents_BxL=documents,
+                    rows_BxL=rows)
   causal = per_query_causal(memory, drop_local, b, l)
   cross_rows = memory == "ext"
   acc = accumulation_dtype(keys, stats.log_normalizer)
@@ -571,7 +646,8 @@ def trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: Objective
     mask = visible(flat, flat, causal.reshape(-1), cross_rows)
     flat_stats = VocabStats(*(x.reshape(-1) for x in stats))
     args = (flat_stats, keys.reshape(b * l, d), flat.target, mem_keys.reshape(b * l, d), flat.target, mask, scale)
-    nll = topk_dense_nll(*args, spec.memory_topk) if spec.memory_topk else _dense_nll(*args)
+    kg = same_grad_group(flat.row, flat.row, cut) if cut else None
+    nll = topk_dense_nll(*args, spec.memory_topk, kg) if spec.memory_topk else _dense_nll(*args, kg)
     return nll.reshape(b, l)
 
   g = _groups(memory, b, consecutive_segments)
@@ -586,12 +662,13 @@ def trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: Objective
     # The per-group [n, n] blocks fit the budget: plain autodiff keeps them for the backward instead of
     # recomputing them (cheaper when memory is no concern, e.g. local memory of short segments).
     mask = jax.vmap(visible, in_axes=(0, 0, 0, None))(gmeta, gmeta, grouped(causal), cross_rows)
-    nll = jax.vmap(_dense_nll, in_axes=(0, 0, 0, 0, 0, 0, None))(
-        gstats, grouped(keys), gmeta.target, grouped(mem_keys), gmeta.target, mask, scale)
+    kg = jax.vmap(lambda r: same_grad_group(r, r, cut))(gmeta.row) if cut else None
+    nll = jax.vmap(_dense_nll, in_axes=(0, 0, 0, 0, 0, 0, None, 0 if cut else None))(
+        gstats, grouped(keys), gmeta.target, grouped(mem_keys), gmeta.target, mask, scale, kg)
     return nll.reshape(b, l)
   chunk = spec.memory_chunk or chunk_len(g * n, n, spec.block_elems)
   terms = jax.vmap(
-      functools.partial(memory_log_terms, cross_rows, chunk), in_axes=(0, 0, 0, 0, 0, None, 0)
+      functools.partial(memory_log_terms, cross_rows, chunk, grad_group_rows=cut), in_axes=(0, 0, 0, 0, 0, None, 0)
   )
   log_z, log_p = terms(grouped(keys), grouped(mem_keys), gmeta, gmeta, grouped(causal), scale, gstats)
   return jnp.where(valid, (log_z - log_p).reshape(b, l), 0.0)
@@ -609,7 +686,8 @@ def trime_nll(token_logits, keys, targets, spec: ObjectiveSpec | None = None, *,
                     sees every earlier token of its run (`documents` [B, L]: only those of its own document)
     memory="ext":   a token sees every token of every other row, plus j < t of its own row unless its row
                     drops local memory (`drop_local`: a bool for every row, or [B] per row)
-  Gradients reach every memory key unless `stop_gradient_memory`. `implementation`: "auto" (per-group dense
+  Gradients reach every memory key unless `stop_gradient_memory`; with `memory_grad_group_rows` = G > 0 a key
+  gets gradient only from queries of rows in its group of G consecutive rows (values unchanged). `implementation`: "auto" (per-group dense
   blocks when they fit `block_elems`, else blockwise), "blockwise" (always the chunked custom-VJP kernel),
   "dense" (one full `[BL, BL]` mask; tests, small batches).
   """

@@ -28,6 +28,9 @@ sharded with the rows: it decides what a *query* sees, so it never travels.
 memory_grad="all" (default): the gradient reaches every memory key on every device (= `trime_nll`).
 memory_grad="local_only": the original PyTorch code's behaviour, where `all_gather` cut the graph: a key
 receives gradient from queries on its own device only (as a query it still gets its full gradient).
+spec.memory_grad_group_rows = G > 0 cuts by global rows instead of devices (key gradient only from queries of
+its group of G consecutive rows: one original GPU's segments, whatever the device count here); it combines
+with local_only (a key then needs both the same device and the same group).
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ def sharded_trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: l
   if spec.memory == "none" or n == 1:
     return loss.trime_nll_from_vocab_stats(stats, keys, targets, spec, drop_local=drop_local, documents=documents,
                                            rows=rows)
+  if rows is not None and spec.key_grad_group_rows:
+    raise ValueError("memory_grad_group_rows groups layout rows; packed segments (rows=) are not supported")
   if rows is not None and (spec.memory == "long" or (spec.memory == "ext" and variant != "gather")):
     raise ValueError("packed rows (rows=) take local memory, or ext memory with variant='gather'")
   if rows is not None and jnp.ndim(drop_local):
@@ -143,8 +148,8 @@ def _device_nll(st: _Static, lse_BxL, tgt_BxL, keys_BxLxD, targets_BxL, causal_B
   rows_BxL = groups_BxL if st.packed else None  # packed segments' ids
   if memory == "local" or (memory == "long" and b % m == 0):  # no memory on another device
     spec = dataclasses.replace(st.spec, stop_gradient_memory=st.detach_own, temperature=temperature)
-    return loss.trime_nll_from_vocab_stats(stats, keys_BxLxD, targets_BxL, spec,
-                                        documents=docs_BxL, rows=rows_BxL)
+    return loss.trime_nll_from_vocab_stats(stats, keys_BxLxD, targets_BxL, spec, documents=docs_BxL,
+                                           rows=rows_BxL, row_offset=lax.axis_index(st.axis) * b)
 
   acc = loss.accumulation_dtype(keys_BxLxD, lse_BxL)
   scale = loss.similarity_scale(d, temperature, acc)
@@ -207,7 +212,8 @@ def _long_spanning(st: _Static, stats, keys, own, remote, targets, docs, scale):
   win_t = jnp.concatenate([halo_t, targets])
   win_d = jnp.concatenate([halo_d, docs])
   g_runs = max((i * b + b - 1) // m - (i * b) // m + 1 for i in range(n))  # most runs any device touches
-  terms = functools.partial(loss.memory_log_terms, False)
+  cut = st.spec.key_grad_group_rows
+  terms = lambda *a: loss.memory_log_terms(False, *a, grad_group_rows=cut)
   flat_stats = VocabStats(*(x.reshape(-1) for x in stats))
 
   if b * (h + b) <= g_runs * m * m:
@@ -257,14 +263,16 @@ def _ext_gather(st: _Static, stats, keys, own, remote, targets, causal, scale, r
   qmeta = _flat(loss.batch_meta(targets, "ext", row_offset=r0, rows_BxL=rows))
   kmeta = _flat(loss.batch_meta(mem_t, "ext", rows_BxL=mem_rows))
   flat_stats = VocabStats(*(x.reshape(-1) for x in stats))
+  cut = st.spec.key_grad_group_rows
   if st.spec.memory_topk:  # each query's k most similar visible memories of the global batch (dense [b·L, n·b·L])
     mask = loss.visible(qmeta, kmeta, causal, True)
+    kg = loss.same_grad_group(qmeta.row, kmeta.row, cut) if cut else None
     nll = loss.topk_dense_nll(flat_stats, keys.reshape(-1, d), qmeta.target, mem.reshape(-1, d), kmeta.target, mask,
-                              scale, st.spec.memory_topk)
+                              scale, st.spec.memory_topk, kg)
     return nll.reshape(b, l)
   chunk = st.spec.memory_chunk or loss.chunk_len(b * l, st.n * b * l, st.spec.block_elems)
   log_z, log_p = loss.memory_log_terms(True, chunk, keys.reshape(-1, d), mem.reshape(-1, d), qmeta, kmeta,
-                                    causal, scale, flat_stats)
+                                       causal, scale, flat_stats, grad_group_rows=cut)
   return (log_z - log_p).reshape(b, l)
 
 
@@ -272,7 +280,8 @@ def _ext_ring(st: _Static, stats, keys, own, remote, targets, causal, scale):
   b, l, d = keys.shape
   key_grads = "none" if st.detach_own else "own" if st.detach_remote else "all"
   chunk = st.spec.memory_chunk or loss.chunk_len(b * l, b * l, st.spec.block_elems)
-  log_z, log_p = _ring_log_terms(st.axis, st.n, chunk, key_grads, keys.reshape(-1, d), own.reshape(-1, d),
+  log_z, log_p = _ring_log_terms(st.axis, st.n, chunk, key_grads, st.spec.key_grad_group_rows,
+                                 keys.reshape(-1, d), own.reshape(-1, d),
                                  targets, causal, scale, VocabStats(*(x.reshape(-1) for x in stats)))
   return (log_z - log_p).reshape(b, l)
 
@@ -289,17 +298,17 @@ def _ext_meta(targets_BxL, row_offset):
   return _flat(loss.batch_meta(targets_BxL, "ext", row_offset=row_offset))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _ring_log_terms(axis, n, chunk, key_grads, q_NxD, k_NxD, targets_BxL, causal, scale, stats):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _ring_log_terms(axis, n, chunk, key_grads, grad_group_rows, q_NxD, k_NxD, targets_BxL, causal, scale, stats):
   """(log Z, log P) `[N]` of this device's queries against the ext memory of all n devices' blocks.
 
   key_grads: "all" (every block's keys get gradient from every device), "own" (from this device's
-  queries only) or "none".
+  queries only) or "none"; grad_group_rows > 0: and only from queries of the key's row group.
   """
-  return _ring_fwd(axis, n, chunk, key_grads, q_NxD, k_NxD, targets_BxL, causal, scale, stats)[0]
+  return _ring_fwd(axis, n, chunk, key_grads, grad_group_rows, q_NxD, k_NxD, targets_BxL, causal, scale, stats)[0]
 
 
-def _ring_fwd(axis, n, chunk, key_grads, q, k, targets, causal, scale, stats):
+def _ring_fwd(axis, n, chunk, key_grads, grad_group_rows, q, k, targets, causal, scale, stats):
   i = lax.axis_index(axis)
   b = targets.shape[0]
   qmeta = _ext_meta(targets, i * b)
@@ -317,14 +326,15 @@ def _ring_fwd(axis, n, chunk, key_grads, q, k, targets, causal, scale, stats):
   return (log_z, log_p), (q, k, targets, causal, scale, stats, log_z, log_p)
 
 
-def _ring_bwd(axis, n, chunk, key_grads, res, cotangents):
+def _ring_bwd(axis, n, chunk, key_grads, grad_group_rows, res, cotangents):
   q, k, targets, causal, scale, stats, log_z, log_p = res
   g_z, g_p = cotangents
   i = lax.axis_index(axis)
   b = targets.shape[0]
   qmeta = _ext_meta(targets, i * b)
   travel = key_grads == "all"
-  grads = functools.partial(loss.memory_grads, chunk, q, qmeta, causal, scale, True, log_z, log_p, g_z, g_p)
+  grads = lambda with_dk, k_blk, kmeta: loss.memory_grads(chunk, q, qmeta, causal, scale, True, log_z, log_p, g_z,
+                                                          g_p, with_dk, k_blk, kmeta, grad_group_rows)
   src = lambda s: ((i - s) % n) * b
 
   dq, dk = grads(key_grads != "none", k, qmeta)  # step 0: this device's own block

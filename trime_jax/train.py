@@ -91,6 +91,8 @@ def validate_config(config) -> None:
     raise ConfigError("temperatures must be positive")
   _choice(t.sharded_variant, sharded_loss.VARIANTS, "trime.sharded_variant")
   _choice(t.memory_grad, sharded_loss.MEMORY_GRADS, "trime.memory_grad")
+  if t.get("memory_grad_group_rows", 0) < 0:
+    raise ConfigError(f"trime.memory_grad_group_rows must be >= 0, got {t.memory_grad_group_rows}")
   _choice(train_cfg.progress, PROGRESS, "train.progress")
   _check_backbone(config)
   profile_steps(train_cfg)
