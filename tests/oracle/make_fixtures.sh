@@ -89,6 +89,24 @@ $D --ckpt $A --ckpt-name adaptive --save-targets plain local_T1.0 long_T1.0_mem5
 # c. sample-break-mode complete (same --max-tokens 128 --context-window 64)
 $D --ckpt $T --ckpt-name trime --save-targets --break-mode complete local_T1.0 long_T1.0_mem512 > $WORK/logs/dump_c_trime.txt 2>&1
 $D --ckpt $A --ckpt-name adaptive --save-targets --break-mode complete local_T1.0 long_T1.0_mem512 > $WORK/logs/dump_c_adaptive.txt 2>&1
+# c'. complete mode on TEST's lines that fit a window (at most 128 tokens with </s>): no block is dropped, so every
+#     token of that corpus is scored (tests/test_oracle.py SHORT_LINES); the files are renamed *_completeshort.npz
+mkdir -p $WORK/data/raw_short
+python3 -c "
+import sys; lines = open(sys.argv[1], encoding='utf-8').read().split('\n')[:-1]
+open(sys.argv[2], 'w', encoding='utf-8').write(''.join(l + '\n' for l in lines if len(l.split()) + 1 <= 128))
+" $WORK/data/raw/test.txt $WORK/data/raw_short/test.txt
+(cd $ORIG && $PY preprocess.py --only-source --srcdict $DATA/dict.txt --testpref $WORK/data/raw_short/test.txt \
+   --destdir $WORK/data/data-bin/wt2_short --workers 1)
+mkdir -p $WORK/out_short
+for C in trime adaptive; do
+  CK=$T; [ $C = adaptive ] && CK=$A
+  $D --data $WORK/data/data-bin/wt2_short --ckpt $CK --ckpt-name $C --outdir $WORK/out_short --break-mode complete \
+     local_T1.0 long_T1.0_mem512 > $WORK/logs/dump_cshort_$C.txt 2>&1
+  for M in local_T1.0 long_T1.0_mem512; do
+    cp $WORK/out_short/scores_${C}_${M}_complete.npz $OUT/scores_${C}_${M}_completeshort.npz
+  done
+done
 # d + e. external memory (exact IndexFlatIP, K 1024) without / with interpolation, and the kNN-LM baseline (eval_lm.py --knnlm path)
 $D --ckpt $T --ckpt-name trime --dstore-dir $WORK/dstore \
    ext_flat_noint_T1.0_mem512 ext_flat_T1.0_mem512_it10.5_l0.3 knnlm_flat_k1024_l0.25 > $WORK/logs/dump_de.txt 2>&1
