@@ -75,5 +75,7 @@ def test_external_memory_numbers_are_unchanged(tiny):
                             block_len=BLOCK, context_window=CTX, streams=2, long_term=evaluate.StoreSpec(mem_size, True, "disjoint"),
                             external=external)
     assert {r["family"] for r in rows} == set(evaluate.FAMILIES)
-    np.testing.assert_array_equal([s.nll for s in res.scores], [r["nll"] for r in rows])
+    # rtol as the other pins: the jitted scoring step's fusion may move the last float32 bits (6e-8 here since the
+    # forward also returns the TRIME criterion's target term)
+    np.testing.assert_allclose([s.nll for s in res.scores], [r["nll"] for r in rows], rtol=1e-6, atol=0)
     np.testing.assert_array_equal(res.retrieval_hits, hits)

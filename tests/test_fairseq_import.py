@@ -485,9 +485,14 @@ def fairseq_eval_lm_nll(sd, spec, stream, tokens_per_sample, context_window, pad
       target[pos] = tgt
       labels = np.where(target == pad, np.roll(toks, -1), target)  # rep_labels: virtual labels at pads
       sims = key @ key.T / math.sqrt(key.shape[-1]) / local_tau
+      edges = tuple(spec.get("cutoffs", ())) + (lp.shape[-1],)
       for i, y in zip(pos, tgt):
         j = np.arange(i)  # local_mask: strictly earlier positions
-        num = np.concatenate([[lp[i, y] + norm_t[i]], sims[i, j[labels[j] == y]]])
+        lp_y = lp[i, y]
+        for lo, hi in zip(edges[:-1], edges[1:]):  # the criterion's ignore_index=pad(1) on tail-relative targets:
+          if y - lo == 1:  # the tail word at c_i + 1 keeps only its cluster's head probability
+            lp_y = _logsumexp(lp[i, lo:hi])
+        num = np.concatenate([[lp_y + norm_t[i]], sims[i, j[labels[j] == y]]])
         den = np.concatenate([[norm_t[i]], sims[i, j]])
         total -= _logsumexp(num) - _logsumexp(den)
     count += len(tgt)

@@ -315,7 +315,8 @@ def point_nlls(stats: QueryStats, targets, local_blocks, ext_block, points):
   log_p_vocab = stats.target_logit - stats.log_normalizer
 
   def log_p_trime(blocks, tau):
-    z, p = stats.log_normalizer, stats.trime_target_logit  # ModelConfig.adaptive_tail_ignores_pad
+    # ModelConfig.adaptive_tail_ignores_pad (QueryStats); a plain loss.VocabStats (mt.decode) has one target term
+    z, p = stats.log_normalizer, getattr(stats, "trime_target_logit", stats.target_logit)
     for blk in blocks:
       z, p = lse(z, blk.sim / tau, blk.visible), lse(p, blk.sim / tau, blk.positive)
     return p - z
