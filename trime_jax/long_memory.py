@@ -4,9 +4,9 @@ keys, next tokens, positions and documents (shapes: S streams, M slots, Q querie
   * every scored token is inserted exactly once, with the key computed in the window that scored it;
   * who sees what is `evaluate.long_term_block`'s TokenMeta + `loss.visible`: a query in a window fed from
     target position `start`, scored from `score_start`, sees the store tokens q with
-    score_start - context_window - mem_size <= q < start (= start - mem_size when the window has its full
-    context; tokens at >= start are the window's own, seen as local memory: no token counts twice), and with
-    `reset_at_documents` only those of its own document.
+    score_start - mem_size <= q < score_start (layout "original", the release's: the window's context tokens
+    are also local memory, so they count twice), or score_start - context_window - mem_size <= q < start
+    (layout "disjoint": no token counts twice), and with `reset_at_documents` only those of its own document.
 The document rule is visibility rather than a clear of the buffer: a window can straddle a document boundary,
 and its queries before the boundary still need the store.
 """

@@ -79,7 +79,7 @@ class ModelConfig:
   # The original's TRIME criterion and TRIME scorer take a tail's term with F.cross_entropy(ignore_index=pad=1)
   # on the tail-relative target, so the word at band start c_i + 1 of every tail gets no tail term: its
   # probability inside the TRIME softmax is its cluster's (plain evaluation, get_log_prob, is exact). True
-  # reproduces that (`vocab_stats` returns it as `trime_target_logit`); False: every word its exact term.
+  # reproduces that (`vocab_stats(..., criterion=True | "both")`); False: every word its exact term.
   adaptive_tail_ignores_pad: bool = False
 
   def __post_init__(self):
