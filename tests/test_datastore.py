@@ -110,6 +110,41 @@ def test_crash_mid_chunk_resumes_to_the_same_store(setup, tmp_path, monkeypatch)
   _same_files(out, setup["out"])
 
 
+@pytest.mark.parametrize("where", ["keys", "values"])
+def test_chunk_damaged_before_resume_is_recomputed(setup, tmp_path, capsys, where):
+  """A committed chunk changed between a kill and the rerun (issue 35.2): the rerun finds it by its recorded
+  digest and recomputes it, instead of blessing the damage with the finished store's file digests."""
+  out = str(tmp_path / f"damaged_{where}")
+  meta = build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, max_chunks=3, progress=False)
+  assert len(meta["chunks"]) == 3 and not meta["complete"]
+  a, b = meta["chunks"][1]["rows"]  # damage the second chunk: the first stays, the rest is redone
+  arr = np.load(os.path.join(out, f"{where}.npy"), mmap_mode="r+")
+  arr[(a + b) // 2] = arr[(a + b) // 2] + 1
+  arr.flush()
+  del arr
+  capsys.readouterr()
+  meta = build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, progress=True)
+  printed = capsys.readouterr().out
+  assert f"warning: datastore build in {out}: entries {a:,}..{b:,} were changed" in printed, printed
+  assert f"recomputing from entry {a:,}" in printed
+  assert meta["complete"] and "chunks" not in meta  # the whole-file digests supersede the chunk records
+  _same_files(out, setup["out"])
+
+
+def test_subset_of_a_damaged_build_is_refused(setup, tmp_path):
+  from trime_jax.datastore import subset_datastore
+
+  src = str(tmp_path / "partial")
+  meta = build_datastore(setup["export"], setup["corpus"], src, chunk_tokens=100, max_chunks=2, progress=False)
+  keys = np.load(os.path.join(src, "keys.npy"), mmap_mode="r+")
+  keys[3] = keys[3] + 1
+  keys.flush()
+  del keys
+  with pytest.raises(DamagedCheckpointError, match="entries 0..") as e:
+    subset_datastore(src, str(tmp_path / "sub"), meta["tokens_done"])
+  assert not os.path.exists(tmp_path / "sub"), e.value
+
+
 def test_out_dir_of_another_datastore_is_refused(setup):
   with pytest.raises(CheckpointError, match="context_window"):
     build_datastore(setup["export"], setup["corpus"], setup["out"], context_window=4, progress=False)

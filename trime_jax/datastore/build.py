@@ -106,6 +106,14 @@ def _no_space_is_an_error(out_dir: str, count: int, dimension: int):
         f"{count * (dimension * 2 + 4) / 2**20:,.1f} MiB) and rerun the same command to resume") from None
 
 
+def _chunk_digest(keys, values, a: int, b: int) -> str:
+  """SHA-256 (16 hex digits) of entries a..b of a datastore's keys and values (a committed chunk)."""
+  h = hashlib.sha256(f"{a}:{b}:".encode())
+  h.update(np.ascontiguousarray(keys[a:b]).tobytes())
+  h.update(np.ascontiguousarray(values[a:b]).tobytes())
+  return h.hexdigest()[:16]
+
+
 def _identity_fingerprint(identity: dict) -> str:
   return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -196,10 +204,18 @@ class DatastoreWriter:
   def no_space_is_an_error(self):
     return _no_space_is_an_error(self.out_dir, self.identity["count"], self.identity["dimension"])
 
-  def open(self, **fields):
-    """(keys [N, D], values [N]) memmaps; a fresh build's meta.json gets `fields` and tokens_done = 0."""
+  def open(self, *, verify_chunks: bool = False, **fields):
+    """(keys [N, D], values [N]) memmaps; a fresh build's meta.json gets `fields` and tokens_done = 0.
+
+    verify_chunks (builders that commit contiguous `rows`): on resume every committed chunk is checked against
+    the digest recorded when it was committed, and the build rolls back to the first damaged one (one
+    `warning:` line), so that chunk and those after it are recomputed; a build whose chunks have no digests
+    (an older version's) restarts from the beginning. Damage between a kill and the rerun is never blessed
+    with `finish()`'s whole-file digests."""
     n, dim = self.identity["count"], self.identity["dimension"]
     os.makedirs(self.out_dir, exist_ok=True)
+    if verify_chunks and self.meta is not None and self.meta.get("tokens_done"):
+      self._verify_chunks()
     if self.meta is None or not self.meta.get("tokens_done"):  # fresh: full-size files, their blocks reserved
       self.keys = np.lib.format.open_memmap(self.keys_path, mode="w+", dtype=np.dtype(self.identity["key_dtype"]),
                                             shape=(n, dim))
@@ -220,18 +236,61 @@ class DatastoreWriter:
                               f"{self.values.shape}, expected {(n, dim)} / {(n,)}; delete it and rebuild")
     return self.keys, self.values
 
-  def commit(self, seconds: float, **progress) -> None:
-    """Flush the data written so far, then record `progress` (e.g. tokens_done) and the build time."""
+  def commit(self, seconds: float, rows: tuple[int, int] | None = None, **progress) -> None:
+    """Flush the data written so far, then record `progress` (e.g. tokens_done) and the build time.
+
+    rows=(a, b): the entries this chunk wrote; their digest and the progress before the chunk are recorded
+    (meta "chunks"), so a resumed build can find a chunk damaged after it was committed and redo it."""
     self.keys.flush()
     self.values.flush()
+    if rows is not None:
+      a, b = int(rows[0]), int(rows[1])
+      self.meta.setdefault("chunks", []).append(
+          {"rows": [a, b], "digest": _chunk_digest(self.keys, self.values, a, b),
+           "before": {k: self.meta.get(k) for k in progress}})
     self.meta.update(progress)
     self.meta["build_seconds"] = round(self.meta["build_seconds"] + seconds, 3)
     data.atomic_write_json(self.meta_path, self.meta)
+
+  def _verify_chunks(self) -> None:
+    """Check every committed chunk's digest (see `open`); roll meta.json back to the first damaged one."""
+    meta, done = self.meta, int(self.meta.get("tokens_done", 0))
+    chunks = meta.get("chunks")
+    covered = 0
+    for c in chunks or ():
+      if c["rows"][0] != covered:
+        break
+      covered = c["rows"][1]
+    if not chunks or covered != done:
+      print(f"warning: datastore build in {self.out_dir}: its {done:,} saved tokens have no per-chunk digests "
+            "(written by an older version, or meta.json was edited); restarting the build from the beginning",
+            flush=True)
+      self.meta = None  # open() starts afresh: new files, tokens_done = 0
+      return
+    try:
+      keys = np.load(self.keys_path, mmap_mode="r")
+      values = np.load(self.values_path, mmap_mode="r")
+    except (OSError, ValueError, EOFError) as e:
+      raise CheckpointError(f"cannot resume datastore {self.out_dir} ({e}): delete it and rebuild") from None
+    if keys.shape[0] < done or values.shape[0] < done:
+      raise CheckpointError(f"cannot resume datastore {self.out_dir}: its files hold {keys.shape[0]:,} entries, "
+                            f"meta.json says {done:,} are done; delete it and rebuild")
+    for i, c in enumerate(chunks):
+      a, b = c["rows"]
+      got = _chunk_digest(keys, values, a, b)
+      if got != c["digest"]:
+        print(f"warning: datastore build in {self.out_dir}: entries {a:,}..{b:,} were changed after they were "
+              f"saved (digest {got}, recorded {c['digest']}); recomputing from entry {a:,}", flush=True)
+        meta.update(c["before"])
+        meta["chunks"] = chunks[:i]
+        data.atomic_write_json(self.meta_path, meta)
+        return
 
   def finish(self) -> dict:
     """Close the files, record their digests and mark the datastore complete; returns meta.json's dict."""
     self.keys = self.values = None
     n = self.identity["count"]
+    self.meta.pop("chunks", None)  # superseded by the whole-file digests
     self.meta["tokens_done"] = n
     self.meta["file_digests"] = {os.path.basename(p): file_digest(p) for p in (self.keys_path, self.values_path)}
     self.meta["complete"] = True
@@ -383,7 +442,7 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
       print(f"datastore {out_dir} is already complete ({n:,} tokens)", flush=True)
     return writer.meta
   with writer.no_space_is_an_error():  # a full disk: one line, and the finished chunks stay resumable
-    keys, values = writer.open(corpus_name=corpus.name)
+    keys, values = writer.open(verify_chunks=True, corpus_name=corpus.name)
     meta = writer.meta
     done = int(meta["tokens_done"])
     if done % stride:
@@ -418,7 +477,7 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
         built += b - a
         dt, t0 = time.perf_counter() - t0, time.perf_counter()
         session_s += dt
-        writer.commit(dt, tokens_done=b - base)  # only after the chunk's data is on disk
+        writer.commit(dt, rows=(a - base, b - base), tokens_done=b - base)  # only after the chunk is on disk
         bar.update(b - a)
     finally:
       bar.close()
@@ -443,7 +502,21 @@ def _prefix_source(source_dir: str, count: int):
       raise ConfigError(f"a subset of {count:,} entries: the build in {source_dir} has finished {done:,} of "
                         f"{meta['count']:,} tokens so far (rerun its build command to go on)")
     _, keys_path, values_path = _paths(source_dir)
-    return meta, np.load(keys_path, mmap_mode="r"), np.load(values_path, mmap_mode="r")
+    keys, values = np.load(keys_path, mmap_mode="r"), np.load(values_path, mmap_mode="r")
+    # The prefix must be what was committed: every chunk it overlaps matches its recorded digest.
+    covered = 0
+    for c in meta.get("chunks") or ():
+      if covered >= count:
+        break
+      a, b = c["rows"]
+      if a != covered or _chunk_digest(keys, values, a, b) != c["digest"]:
+        raise DamagedCheckpointError(f"the build in {source_dir} is damaged: entries {a:,}..{b:,} changed after "
+                                     "they were saved; rerun its build command (it recomputes them) first")
+      covered = b
+    if covered < count:
+      raise DamagedCheckpointError(f"the build in {source_dir} has no digests for its first {count:,} entries "
+                                   "(an older version's build): rerun its build command first")
+    return meta, keys, values
   src = Datastore(source_dir)
   if not 0 < count <= src.count:
     raise ConfigError(f"a subset of {count:,} entries: the datastore {source_dir} holds {src.count:,}")
