@@ -34,6 +34,9 @@ _STOP_AT = flags.DEFINE_integer("stop_at_tokens", 0, "Stop the build once its fi
                                 "(whole chunks; it stays incomplete, a rerun without the flag resumes): enough "
                                 "for --subset_of without the whole build.")
 _PQ_M = flags.DEFINE_integer("pq_m", 64, "IVF-PQ sub-quantizers (clamped to a divisor of the key dimension).")
+_TRAINED_INDEX = flags.DEFINE_string("trained_index", "", "A trained, empty IVF-PQ faiss file (e.g. the original "
+                                     "release's knn.index.ip.trained): its centroids and codebooks are used as "
+                                     "they are and only the keys are added (implies --index=ivfpq).")
 flags.mark_flags_as_required(["config", "checkpoint", "out"])
 
 
@@ -71,7 +74,7 @@ def main(argv):
     cap = e.max_tokens or None
     queries = sum(min(len(splits.get(s)), cap or len(splits.get(s))) for s in ("dev", "test"))
     build_index(Datastore(out), kind=_INDEX.value, nlist=_NLIST.value, pq_m=_PQ_M.value, queries=queries,
-                k=e.knn_k, nprobe=e.nprobe)
+                k=e.knn_k, nprobe=e.nprobe, trained_index=_TRAINED_INDEX.value or None)
 
 
 if __name__ == "__main__":

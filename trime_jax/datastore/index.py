@@ -100,14 +100,22 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
                 exact_max_floats: int = EXACT_MAX_FLOATS, queries: int | None = None, k: int = 1024,
                 nprobe: int = 32,
                 nlist: int = 4096, pq_m: int = 64, pq_bits: int = 8, train_size: int = 1_000_000,
-                add_chunk: int = 1 << 20, seed: int = 0, progress: bool = True) -> "KnnIndex":
+                add_chunk: int = 1 << 20, seed: int = 0, progress: bool = True,
+                trained_index: str | None = None) -> "KnnIndex":
   """Build, save (`path`, default `<datastore>/index.faiss`) and return an inner-product index over `ds.keys`.
 
   IVF-PQ parameters are clamped for small stores: nlist ≤ train_points / 39, pq_m the largest divisor of D
   not above pq_m, pq_bits ≤ log2(train_points / 39); the sidecar records the values used.
+
+  trained_index: a faiss file holding an already trained, empty inner-product IVF-PQ index (e.g. the
+  `knn.index.ip.trained` the original release's build_dstore.py writes). Its coarse centroids and PQ codebooks
+  are used as they are and only the keys are added, so the index equals one built by that code from the same
+  keys: k-means and PQ training are not reproducible across faiss versions, adding is. Implies kind="ivfpq".
   """
   if kind not in KINDS:
     raise ConfigError(f"index kind must be one of {KINDS}, got {kind!r}")
+  if trained_index:
+    kind = "ivfpq"
   path = path or os.path.join(ds.directory, "index.faiss")
   n, d = ds.count, ds.dimension
   if kind == "auto" and queries is None:  # no search cost to weigh: exact while the keys fit
@@ -123,6 +131,13 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
   if kind == "flat":
     index = faiss.IndexFlatIP(d)
     info["train_seconds"] = 0.0
+  elif trained_index:
+    index = _read_trained_ivfpq(trained_index, d)
+    info.update(nlist=int(index.nlist), pq_m=int(index.pq.M), pq_bits=int(index.pq.nbits), train_seconds=0.0,
+                trained_from=os.path.abspath(trained_index), trained_digest=file_digest(trained_index))
+    if progress:
+      print(f"index: IVF-PQ (nlist={index.nlist}, m={index.pq.M}, bits={index.pq.nbits}) trained by "
+            f"{trained_index}; adding {n:,} keys", flush=True)
   else:
     n_train = min(n, int(train_size))
     nlist_used = max(1, min(int(nlist), n_train // MIN_POINTS_PER_CENTROID))
@@ -156,6 +171,31 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
   if progress:
     print(f"index: {kind} over {n:,} × {d} keys in {info['build_seconds']:.1f} s -> {path}", flush=True)
   return KnnIndex(index, info, path)
+
+
+def _read_trained_ivfpq(path: str, d: int):
+  """The trained, empty inner-product IndexIVFPQ in `path`, or one ConfigError saying what it is instead."""
+  if not os.path.isfile(path):
+    raise ConfigError(f"trained index {path} is not a file")
+  try:
+    index = faiss.read_index(path)  # already the concrete class (downcast_index would drop the owning proxy)
+  except RuntimeError as e:
+    raise ConfigError(f"trained index {path} cannot be read by faiss ({str(e).splitlines()[0][:200]})") from None
+  problems = []
+  if not isinstance(index, faiss.IndexIVFPQ):
+    problems.append(f"it is an {type(index).__name__}, not an IndexIVFPQ")
+  else:
+    if index.d != d:
+      problems.append(f"its dimension is {index.d}, the datastore's {d}")
+    if index.metric_type != faiss.METRIC_INNER_PRODUCT:
+      problems.append("its metric is not inner product")
+    if not index.is_trained:
+      problems.append("it is not trained")
+    if index.ntotal:
+      problems.append(f"it already holds {index.ntotal:,} keys")
+  if problems:
+    raise ConfigError(f"trained index {path} cannot be used: " + "; ".join(problems))
+  return index
 
 
 class KnnIndex:
