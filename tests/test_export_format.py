@@ -1,0 +1,226 @@
+"""docs/export_format.md against the code: the parameter tables (every path and shape of every backbone variant),
+the files and meta fields of a trained export, the digests as the page describes them, and its plain orbax +
+Flax loading example run on a tiny export."""
+
+import hashlib
+import json
+import os
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests.helpers import REPO, tiny_config, write_text_file
+from trime_jax import checkpoint, data
+from trime_jax.model import ModelConfig, build_model, model_config
+from trime_jax.mt.model import MTConfig, TransformerMT
+from trime_jax.srupp import SRUppConfig
+
+DOC = os.path.join(REPO, "docs", "export_format.md")
+
+
+def _doc() -> str:
+  with open(DOC, encoding="utf-8") as f:
+    return f.read()
+
+
+def _tables() -> dict:
+  """{section title: [(path pattern, shape expression)]} of the parameter tables, by `### ` section."""
+  out, section = {}, None
+  for line in _doc().splitlines():
+    if line.startswith("### "):
+      section = line[4:]
+      out[section] = []
+    m = re.match(r"\| `([^`]+)` \| `\[([^`]*)\]` \|", line)
+    if m and section:
+      out[section].append((m.group(1), m.group(2)))
+  return out
+
+
+def _leaves(model) -> dict:
+  """{'a/0/b': shape} of a model's parameters (nnx.State paths, '/'-joined)."""
+  pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): tuple(leaf.shape)
+          for path, leaf in jax.tree_util.tree_leaves_with_path(pure)}
+
+
+def _match(rows, path):
+  """(shape expression, {"i": index}) of the documented row matching `path`, or None."""
+  for pattern, shape in rows:
+    m = re.fullmatch(re.escape(pattern).replace(r"\{i\}", r"(\d+)"), path)
+    if m:
+      return pattern, shape, ({"i": int(m.group(1))} if m.groups() else {})
+  return None
+
+
+def _check(rows, model, symbols, used: set):
+  for path, shape in _leaves(model).items():
+    found = _match(rows, path)
+    assert found, f"{path} {shape} is not in docs/export_format.md"
+    pattern, expr, index = found
+    ns = symbols(path)
+    assert tuple(eval(f"({expr},)", {}, {**ns, **index})) == shape, (path, expr, shape)  # noqa: S307 - our doc
+    used.add(pattern)
+
+
+def _lm_symbols(cfg):
+  def symbols(path):
+    factor = cfg.adaptive_softmax_factor if path.startswith("adaptive_softmax") else cfg.adaptive_input_factor
+    edges = cfg.band_edges
+    return {"V": cfg.vocab_size, "D": cfg.d_model, "F": cfg.d_ff, "P": cfg.max_len + cfg.position_offset,
+            "k": len(edges) - 2, "c1": edges[1], "n": lambda i: edges[i + 1] - edges[i],
+            "d": lambda i: int(cfg.d_model // factor ** i)}
+  return symbols
+
+
+def _abstract(make):
+  return nnx.eval_shape(lambda: make(nnx.Rngs(0)))
+
+
+def test_transformer_table_lists_every_parameter_with_its_shape():
+  rows = _tables()["Transformer LM (`model.backbone = \"transformer\"`, `trime_jax/model.py`)"]
+  used = set()
+  variants = [
+      dict(num_layers=2),
+      dict(num_layers=1, tie_embeddings=False, positions="learned", position_offset=2, final_norm=False),
+      dict(num_layers=1, adaptive_input=True, adaptive_softmax=True, adaptive_cutoffs=(100, 500)),
+      dict(num_layers=1, adaptive_input=True, adaptive_softmax=True, adaptive_cutoffs=(100, 500),
+           tie_adaptive_proj=True),
+      dict(num_layers=1, tie_embeddings=False, adaptive_input=True, adaptive_softmax=True,
+           adaptive_cutoffs=(100, 500), adaptive_input_factor=2.0, adaptive_softmax_factor=4.0),
+  ]
+  for kw in variants:
+    cfg = ModelConfig(vocab_size=1000, d_model=64, num_heads=4, d_ff=96, **kw)
+    _check(rows, _abstract(lambda r: build_model(cfg, rngs=r)), _lm_symbols(cfg), used)
+  assert used == {p for p, _ in rows}, f"documented but never built: {sorted({p for p, _ in rows} - used)}"
+
+
+def test_srupp_table_lists_every_parameter_with_its_shape():
+  rows = next(v for k, v in _tables().items() if k.startswith("SRU++"))
+  used = set()
+  for kw in (dict(num_layers=2, attention_every=2), dict(num_layers=1, layer_norm=True, attn_dim=24)):
+    cfg = SRUppConfig(vocab_size=300, d_model=64, **kw)
+    symbols = lambda path, cfg=cfg: {"V": cfg.vocab_size, "D": cfg.d_model, "A": cfg.attn_dim}
+    _check(rows, _abstract(lambda r: build_model(cfg, rngs=r)), symbols, used)
+  assert used == {p for p, _ in rows}, sorted({p for p, _ in rows} - used)
+
+
+def test_mt_table_lists_every_parameter_with_its_shape():
+  rows = next(v for k, v in _tables().items() if k.startswith("Translation model"))
+  used = set()
+  for kw in (dict(share_decoder_embeddings=False),
+             dict(share_all_embeddings=True, encoder_normalize_before=True, decoder_normalize_before=True)):
+    cfg = MTConfig(vocab_size=300, d_model=64, d_ff=96, encoder_layers=2, decoder_layers=1, **kw)
+    symbols = lambda path, cfg=cfg: {"V": cfg.vocab_size, "D": cfg.d_model, "F": cfg.d_ff}
+    _check(rows, _abstract(lambda r: TransformerMT(cfg, rngs=r)), symbols, used)
+  assert used == {p for p, _ in rows}, sorted({p for p, _ in rows} - used)
+
+
+@pytest.fixture(scope="module")
+def trained_export(tmp_path_factory):
+  """The export of a 2-update byte-level training run (what `launch.train` writes)."""
+  from trime_jax.train import train_and_evaluate
+
+  root = tmp_path_factory.mktemp("export_format")
+  corpus = write_text_file(root / "corpus.txt", 8_000)
+  cfg = tiny_config(corpus, **{"train.num_steps": 2, "train.checkpoint_every": 2, "train.eval_max_tokens": 64,
+                               "train.keep_best": False})
+  return train_and_evaluate(cfg, str(root / "run"))["export"]
+
+
+def _loading_example() -> str:
+  section = _doc().split("## Loading it with plain orbax and Flax", 1)[1]
+  return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def _run_example(export_dir: str) -> dict:
+  code = _loading_example()
+  assert 'export = "runs/mini/export"' in code
+  ns = {}
+  exec(code.replace('"runs/mini/export"', repr(export_dir)), ns)  # noqa: S102 - the documented snippet
+  return ns
+
+
+def test_files_and_meta_fields_of_a_trained_export(trained_export):
+  doc = _doc()
+  names = sorted(os.listdir(trained_export))
+  assert names == ["config.json", "meta.json", "params", "vocab.json"]
+  for name in names:
+    assert f"| `{name}" in doc
+  meta = json.load(open(os.path.join(trained_export, "meta.json")))
+  for line in doc.split("## meta.json", 1)[1].split("## Digests", 1)[0].splitlines():
+    m = re.match(r"\| `([^|]+)` \| (every export|LM exports|`<workdir>/export`) \|", line)
+    if m:
+      for field in re.findall(r"`([^`]+)`", m.group(1)):
+        assert field in meta, field
+  documented = set(re.findall(r"^\| `([a-z_]+)`", doc.split("## meta.json", 1)[1], re.M))
+  documented |= {"best_metric", "dev_ppl", "imported_from", "fairseq_arch", "fairseq_dict", "valid", "plan"}
+  assert set(meta) <= documented, set(meta) - documented
+  vocab = json.load(open(os.path.join(trained_export, "vocab.json")))
+  assert set(vocab) == {"kind", "fingerprint", "tokens"} and vocab["fingerprint"] == meta["vocab_fingerprint"]
+
+
+def test_loading_example_restores_the_trained_parameters(trained_export):
+  ns = _run_example(trained_export)
+  model, meta = ns["model"], ns["meta"]
+  graphdef, params, config, vocab, _ = checkpoint.load_export(trained_export)
+  ref = nnx.merge(graphdef, params)
+  for (pa, a), (pb, b) in zip(jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)),
+                              jax.tree_util.tree_leaves_with_path(params)):
+    assert pa == pb
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  tokens = jax.numpy.array([[1, 2, 3]])
+  np.testing.assert_array_equal(np.asarray(ns["logits"]), np.asarray(ref(tokens)[0]))
+  assert ns["logits"].shape == (1, 3, meta["vocab_size"]) and ns["keys"].shape == (1, 3, meta["d_model"])
+
+
+def test_loading_example_works_for_srupp(tmp_path):
+  """The same snippet builds the other backbone from config.json (model.backbone)."""
+  cfg = tiny_config(tmp_path / "unused.txt", **{"model.backbone": "srupp", "model.key_type": "final"})
+  vocab = data.Vocab.bytes()
+  src = build_model(cfg.model, vocab_size=len(vocab), rngs=nnx.Rngs(3))
+  directory = checkpoint.export(str(tmp_path / "export"), nnx.state(src, nnx.Param), cfg, vocab, extra={"step": 0})
+  ns = _run_example(directory)
+  assert type(ns["model"]).__name__ == "SRUppLM"
+  np.testing.assert_array_equal(np.asarray(ns["logits"]), np.asarray(src(jax.numpy.array([[1, 2, 3]]))[0]))
+
+
+def test_digests_as_documented(trained_export):
+  """params_digest, arch_digest and the vocabulary fingerprint recomputed from the page's description."""
+  meta = json.load(open(os.path.join(trained_export, "meta.json")))
+  model = _run_example(trained_export)["model"]
+  h = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+    arr = np.asarray(leaf)
+    h.update(f"{jax.tree_util.keystr(path)}:{arr.shape}:{arr.dtype}".encode())
+    h.update(np.ascontiguousarray(arr).tobytes())
+  assert h.hexdigest()[:16] == meta["params_digest"]
+  assert "['blocks'][0]['attn']['out']['bias'].value" in [jax.tree_util.keystr(p) for p, _ in
+                                                          jax.tree_util.tree_leaves_with_path(
+                                                              nnx.state(model, nnx.Param))]
+
+  config = json.load(open(os.path.join(trained_export, "config.json")))
+  import dataclasses
+
+  fields = {k: v for k, v in dataclasses.asdict(model_config(config["model"], meta["vocab_size"])).items()
+            if "dropout" not in k and not (k in checkpoint.LATER_FIELDS and v == checkpoint.LATER_FIELDS[k])}
+  assert hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16] == meta["arch_digest"]
+
+  tokens = json.load(open(os.path.join(trained_export, "vocab.json")))["tokens"]
+  h = hashlib.sha256(meta["vocab_kind"].encode())
+  for t in tokens:
+    h.update(t.encode("utf-8", "surrogatepass") + b"\0")
+  assert h.hexdigest()[:16] == meta["vocab_fingerprint"]
+  assert checkpoint.fingerprint(trained_export) == \
+      f"{meta['vocab_fingerprint']}-{meta['params_digest']}-{meta['arch_digest']}"
+
+
+def test_restore_without_a_target_gives_what_the_page_says(trained_export):
+  """Without an abstract target orbax returns dicts with string indices and `value` leaves (why the page
+  passes one)."""
+  import orbax.checkpoint as ocp
+
+  raw = ocp.StandardCheckpointer().restore(os.path.join(trained_export, "params"))
+  assert set(raw["blocks"]) == {"0"} and set(raw["embed"]["embedding"]) == {"value"}
