@@ -119,5 +119,7 @@ $PY $HERE/check_adaptive_tail_pad.py $DATA $A $OUT/scores_adaptive_local_T1.0.np
 
 # ---- 6. compact fixtures ----
 $PY $HERE/finalize_fixtures.py $OUT $FIX
+# the original's trained (empty) IVF-PQ index: tests add our keys to it (build_index(trained_index=...))
+cp $WORK/dstore/knn.index.ip.trained $FIX/ivfpq_trained.index
 $PY $HERE/results_table.py $FIX     # the README's table
 du -sh $FIX
