@@ -1,6 +1,6 @@
 """Build the external-memory datastore (keys g(c) + next tokens) of a corpus split, then its FAISS index.
 
-  python -m launch.build_datastore --config=configs/wikitext_mini.py --checkpoint=runs/mini/export \
+  python -m launch.build_datastore --config=configs/wikitext_mini.py --checkpoint=runs/mini/export \\
       --out=runs/mini/datastore [--split=train] [--index=auto|flat|ivfpq|none] [--nlist=4096] [--pq_m=64]
 
 The model and vocabulary come from the checkpoint; `--config` supplies the data and the evaluation windows
@@ -11,12 +11,14 @@ Translation (a config with task="mt", or an MT export): the teacher-forced decod
 the training pairs (trime_jax/mt/datastore.py), same files and index; --split=train|dev|test (dev = valid).
 """
 
+import os
+import shutil
 import sys
 
 from absl import flags
 from ml_collections import config_flags
 
-from launch.common import run_main, validated
+from launch.common import check_export, refuse_target, run_main, validated
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
@@ -25,19 +27,48 @@ _SPLIT = flags.DEFINE_enum("split", "train", ["train", "dev", "test"], "Corpus s
 _INDEX = flags.DEFINE_enum("index", "auto", ["auto", "flat", "ivfpq", "none"],
                            "FAISS index: auto = the cheaper of exact IndexFlatIP and IVF-PQ for the searches "
                            "launch.eval_ext runs (dev + test tokens, eval.knn_k, eval.nprobe); it says which and why.")
-_NLIST = flags.DEFINE_integer("nlist", 4096, "IVF-PQ inverted lists (clamped for small stores).")
+_NLIST = flags.DEFINE_integer("nlist", 4096, "IVF-PQ inverted lists (clamped for small stores).", lower_bound=1)
 _SUBSET_OF = flags.DEFINE_string("subset_of", "", "A datastore (complete, or a build in progress that has finished "
                                  "--entries tokens): --out gets its first --entries entries "
                                  "(no keys recomputed; datastore-size sweeps), then its own index.")
-_ENTRIES = flags.DEFINE_integer("entries", 0, "With --subset_of: how many entries (the first ones, stream order).")
+_ENTRIES = flags.DEFINE_integer("entries", 0, "With --subset_of: how many entries (the first ones, stream order).",
+                                lower_bound=0)
 _STOP_AT = flags.DEFINE_integer("stop_at_tokens", 0, "Stop the build once its first this many tokens are done "
                                 "(whole chunks; it stays incomplete, a rerun without the flag resumes): enough "
-                                "for --subset_of without the whole build.")
-_PQ_M = flags.DEFINE_integer("pq_m", 64, "IVF-PQ sub-quantizers (clamped to a divisor of the key dimension).")
+                                "for --subset_of without the whole build.", lower_bound=0)
+_PQ_M = flags.DEFINE_integer("pq_m", 64, "IVF-PQ sub-quantizers (clamped to a divisor of the key dimension).",
+                             lower_bound=1)
 _TRAINED_INDEX = flags.DEFINE_string("trained_index", "", "A trained, empty IVF-PQ faiss file (e.g. the original "
                                      "release's knn.index.ip.trained): its centroids and codebooks are used as "
                                      "they are and only the keys are added (implies --index=ivfpq).")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace what --out holds (another datastore, an export, any "
+                               "files) instead of refusing it; without it a build of the same datastore resumes.")
 flags.mark_flags_as_required(["config", "checkpoint", "out"])
+
+
+def _check_flags(out: str) -> None:
+  """Flags that contradict each other or would be ignored, and an --out that holds something else: one line
+  before any work."""
+  from trime_jax.errors import ConfigError
+
+  if _SUBSET_OF.value and _ENTRIES.value < 1:
+    raise ConfigError(f"--subset_of needs --entries >= 1 (the number of entries to keep), got {_ENTRIES.value}")
+  if not _SUBSET_OF.value and _ENTRIES.value:
+    raise ConfigError("--entries is read with --subset_of (a datastore to take the first entries of)")
+  if _SUBSET_OF.value and _STOP_AT.value:
+    raise ConfigError("--stop_at_tokens stops a build; --subset_of copies entries and builds nothing")
+  for name in ("nlist", "pq_m"):
+    if flags.FLAGS[name].present and _INDEX.value in ("flat", "none"):
+      raise ConfigError(f"--{name} sets the IVF-PQ index; --index={_INDEX.value} builds none")
+  if _SUBSET_OF.value and os.path.abspath(_SUBSET_OF.value) == os.path.abspath(out):
+    raise ConfigError(f"--subset_of and --out are the same directory ({out})")
+  what = refuse_target(out, "out", "a datastore", ok=("a datastore",), overwrite=_OVERWRITE.value)
+  if what and _OVERWRITE.value:  # asked for; the old contents go only now, after every flag was checked
+    print(f"--overwrite: removing {out} ({what})", flush=True)
+    if os.path.isdir(out) and not os.path.islink(out):
+      shutil.rmtree(out)
+    else:
+      os.remove(out)
 
 
 def main(argv):
@@ -47,12 +78,19 @@ def main(argv):
   from trime_jax.datastore import Datastore, build_datastore, build_index, subset_datastore
   from trime_jax.mt import datastore as mt_datastore
 
+  from trime_jax.errors import CheckpointError
+
+  if not os.path.isdir(_CHECKPOINT.value):
+    raise CheckpointError(f"--checkpoint={_CHECKPOINT.value}: export directory not found")
   if mt_datastore.is_mt(_CONFIG.value, _CHECKPOINT.value):  # translation: its own data and keys
+    _check_flags(_OUT.value)
     mt_datastore.build_main(_CONFIG.value, _CHECKPOINT.value, _OUT.value, split=_SPLIT.value,
                             index_kind=_INDEX.value, nlist=_NLIST.value, pq_m=_PQ_M.value)
     return
   config, checkpoint, out = validated(_CONFIG.value), _CHECKPOINT.value, _OUT.value
+  check_export(config, checkpoint)
   splits = evaluate.load_eval_data(config, ckpt.read_export_vocab(checkpoint))
+  _check_flags(out)
   corpus = splits.get(_SPLIT.value)
   e = config.eval
   try:

@@ -67,16 +67,71 @@ def _config_argv(argv: list[str]) -> list[str]:
   return out
 
 
-def _parse_flags(argv):
-  """absl flag parsing, but a bad flag or config override (typo in --config.x.y) is one line, not a traceback."""
+HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort")
+HELPFULL_FLAGS = ("--helpfull", "-helpfull")
+
+
+def _help_requested(argv) -> str:
+  """'short' / 'full' when argv asks for help (before a `--`), else ''."""
+  for arg in argv[1:]:
+    if arg == "--":
+      break
+    if arg in HELP_FLAGS:
+      return "short"
+    if arg in HELPFULL_FLAGS:
+      return "full"
+  return ""
+
+
+def print_help(module: str, full: bool = False) -> None:
+  """The launch module's docstring and its own flags on stdout (absl's --help shows only "USAGE ... Try
+  --helpfull" for an installed command, whose __main__ is the console-script wrapper, and exits 1)."""
   from absl import flags
 
+  mod = sys.modules.get(module)
+  doc = (getattr(mod, "__doc__", None) or "").strip("\n")
+  prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else module
+  if module == "__main__" or not doc:
+    key = sys.argv[0]  # `python -m launch.X`: absl files __main__'s flags under the script's path
+  else:
+    key = module
+  if module == "__main__":
+    name = getattr(getattr(mod, "__spec__", None), "name", None) or prog
+  else:
+    name = module
+  text = flags.FLAGS.get_help() if full else flags.FLAGS.module_help(key)
+  if not full and "config" in flags.FLAGS and "--config" not in text:
+    text += "\n" + flags.FLAGS.module_help(flags.FLAGS.find_module_defining_flag("config") or key)
+  head = name if prog.endswith(".py") or prog == name else f"{prog} ({name})"
+  tail = ("--config.SECTION.FIELD=VALUE overrides a field of the config (every field, with a comment: "
+          "configs/default.py); " if "config" in flags.FLAGS else "") + "--helpfull also lists absl's and JAX's flags."
+  try:
+    print(f"{head}\n\n{doc}\n\nflags:\n{text}\n\n{tail}", flush=True)
+  except BrokenPipeError:  # `--help | head`
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _parse_flags(argv, module: str = "__main__"):
+  """absl flag parsing, but a bad flag or config override (typo in --config.x.y) is one line, not a traceback;
+  --help prints the module's docstring and flags and exits 0."""
+  from absl import flags
+
+  wanted = _help_requested(argv)
+  if wanted:
+    print_help(module, full=wanted == "full")
+    sys.exit(0)
   try:
     argv = _config_argv(argv)
     sys.argv[:] = argv  # ml_collections reads the --config.x.y overrides from sys.argv
     return flags.FLAGS(argv)
   except Exception as e:  # noqa: BLE001 - every parse failure is a usage error
-    print(f"error: bad command-line flag: {_one_line(e)}", file=sys.stderr, flush=True)
+    inner = e
+    while inner.args and isinstance(inner.args[0], BaseException):
+      inner = inner.args[0]
+    chain = [inner, e, e.__cause__, e.__context__]
+    # An export's stored config refused while --config loads it is about the file, not a flag.
+    kind = "" if any(isinstance(x, TrimeError) for x in chain) else "bad command-line flag: "
+    print(f"error: {kind}{_one_line(e)}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
@@ -120,8 +175,29 @@ def _quiet_closed_loop(default_hook):
   return hook
 
 
+# OSErrors that come from the machine, not from a bug: a folder where a file belongs (or the reverse), no
+# permission, a full disk or quota, a read-only file system, a file too large for the limit.
+import errno as _errno
+
+ENVIRONMENT_ERRNOS = (_errno.EISDIR, _errno.ENOTDIR, _errno.EACCES, _errno.EPERM, _errno.ENOSPC, _errno.EDQUOT,
+                      _errno.EROFS, _errno.EFBIG, _errno.ENOENT, _errno.EEXIST, _errno.ENAMETOOLONG)
+
+
+def os_error_line(e: OSError) -> str:
+  """One line for an OSError of the machine (ENVIRONMENT_ERRNOS): what failed, on which path, what to do."""
+  what = os.strerror(e.errno) if e.errno else str(e)
+  path = e.filename if e.filename is not None else ""
+  hint = {_errno.ENOSPC: "free space and rerun the same command", _errno.EDQUOT: "free space (quota) and rerun",
+          _errno.EACCES: "check the path's permissions", _errno.EPERM: "check the path's permissions",
+          _errno.EROFS: "write to another location", _errno.EISDIR: "give a file, not a folder",
+          _errno.ENOTDIR: "a part of the path is a file, not a folder"}.get(e.errno, "")
+  return f"{what}: {path}" + (f" ({hint})" if hint else "")
+
+
 def run_main(main):
-  """Run an absl `main`; input errors (TrimeError) print one `error: ...` line and exit with status 2."""
+  """Run an absl `main`; input errors (TrimeError) print one `error: ...` line and exit with status 2, as do
+  errors of the machine (a folder for a file, no permission, a full disk: ENVIRONMENT_ERRNOS)."""
+  import functools
   import threading
 
   from absl import app, logging
@@ -158,6 +234,9 @@ def run_main(main):
       print(f"error: {e}", file=sys.stderr, flush=True)
       sys.exit(2)
     except OSError as e:  # e.g. a --config file that does not exist (config_flags loads it lazily)
+      if e.errno in ENVIRONMENT_ERRNOS:
+        print(f"error: {os_error_line(e)}", file=sys.stderr, flush=True)
+        sys.exit(2)
       if "config" not in str(e).lower():
         raise
       print(f"error: {_one_line(e)}", file=sys.stderr, flush=True)
@@ -167,7 +246,7 @@ def run_main(main):
             file=sys.stderr, flush=True)
       sys.exit(130)
 
-  app.run(wrapped, flags_parser=_parse_flags)
+  app.run(wrapped, flags_parser=functools.partial(_parse_flags, module=main.__module__))
 
 
 def validated(config):
@@ -183,3 +262,162 @@ def validated(config):
 def default_workdir(config_path: str) -> str:
   name = os.path.splitext(os.path.basename(config_path or "run"))[0]
   return os.path.join("runs", name)
+
+
+def describe_target(path: str) -> str:
+  """What an output path holds, for refusing it: "" (absent, or an empty folder), else "an export", "a training
+  workdir", "a datastore", "a batch plan", "a file", or "a folder with N files (a, b, ...)"."""
+  import json
+
+  if not os.path.lexists(path):
+    return ""
+  if not os.path.isdir(path):
+    return "a file"
+  try:
+    names = sorted(os.listdir(path))
+  except OSError as e:
+    return f"a folder that cannot be read ({os.strerror(e.errno)})"
+  if not names:
+    return ""
+  meta = {}
+  if "meta.json" in names:
+    try:
+      with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    except (OSError, ValueError, UnicodeDecodeError):
+      meta = {}
+  if not isinstance(meta, dict):
+    meta = {}
+  if str(meta.get("format", "")).startswith("trime-datastore"):
+    return "a datastore"
+  if "params_digest" in meta or ("params" in names and "config.json" in names):
+    return "an export"
+  if "checkpoints" in names or "metrics.jsonl" in names:
+    return "a training workdir"
+  if "plan.json" in names and "batches.npy" in names:
+    return "a batch plan"
+  shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+  return f"a folder with {len(names)} file{'s' if len(names) != 1 else ''} ({shown})"
+
+
+def refuse_target(path: str, flag: str, wanted: str, ok=(), overwrite: bool = False) -> str:
+  """Refuse writing `wanted` (e.g. "an export") to `path` when it holds anything else than one of `ok`
+  (describe_target's words), unless `overwrite`; returns describe_target(path). Raises ConfigError naming what
+  is there, so nothing is replaced silently."""
+  from trime_jax.errors import ConfigError
+
+  what = describe_target(path)
+  if what and what not in ok and not overwrite:
+    raise ConfigError(f"--{flag}={path} already holds {what}, not {wanted}: choose another --{flag} "
+                      f"(or add --overwrite to replace it)")
+  return what
+
+
+def check_output_file(path: str, flag: str) -> None:
+  """An output file the program writes at the end: refused up front (before the work) when it is a folder, when
+  a folder on its way is a file, or when it cannot be created for lack of permission."""
+  from trime_jax.errors import ConfigError
+
+  if not path:
+    return
+  if os.path.isdir(path):
+    raise ConfigError(f"--{flag}={path} is a folder: give a file name (e.g. {os.path.join(path, 'results.json')})")
+  parent = os.path.dirname(os.path.abspath(path))
+  probe = parent
+  while not os.path.exists(probe):
+    probe = os.path.dirname(probe)
+  if not os.path.isdir(probe):
+    raise ConfigError(f"--{flag}={path}: {probe} is a file, not a folder")
+  if os.path.exists(path) and not os.access(path, os.W_OK):
+    raise ConfigError(f"--{flag}={path}: no permission to write it")
+  if not os.access(probe, os.W_OK | os.X_OK) and not os.path.exists(path):
+    raise ConfigError(f"--{flag}={path}: no permission to write in {probe}")
+
+
+def check_flag(holder, ok, what: str) -> None:
+  """Range-check a flag when it is parsed (a bad value is one `error:` line before any work); None passes."""
+  from absl import flags
+
+  flags.register_validator(holder.name, lambda v: v is None or ok(v), message=f"--{holder.name} must be {what}")
+
+
+def given_overrides(section: str) -> dict:
+  """{field: raw value} of the `--config.<section>.<field>=...` overrides on the command line."""
+  out = {}
+  args = sys.argv[1:]
+  for i, arg in enumerate(args):
+    if arg == "--":
+      break
+    name, eq, value = arg.lstrip("-").partition("=")
+    prefix = f"config.{section}."
+    if arg.startswith("-") and name.startswith(prefix):
+      out[name[len(prefix):]] = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+  return out
+
+
+def check_export(config, checkpoint: str) -> None:
+  """The export's stored config.json has no field this version does not know (launch/export_config.py), and no
+  `--config.model.X=...` differs from it: an export's architecture is fixed (evaluation, datastores and
+  generation use the export's `model` section), so such an override would be ignored. Either is one error
+  naming the file or the field with both values."""
+  from launch.export_config import check_stored_config
+  from trime_jax.errors import ConfigError
+
+  if not checkpoint or not os.path.isfile(os.path.join(checkpoint, "config.json")):
+    return  # the export's own checks report a missing export or config.json
+  path = os.path.join(checkpoint, "config.json")
+  stored = check_stored_config(checkpoint).get("model", {})
+  given = given_overrides("model")
+  if not given or config is None or "model" not in config:
+    return
+  for field in sorted(given):
+    now = config.model.get(field) if field in config.model else None
+    there = stored.get(field)
+    now, there = (tuple(v) if isinstance(v, list) else v for v in (now, there))
+    if field not in stored or now != there:
+      raise ConfigError(f"--config.model.{field}={given[field]}: an export's architecture is fixed and is used as "
+                        f"stored ({path} has model.{field}={there!r}{'' if field in stored else ' (absent)'}); "
+                        "drop the override")
+
+
+def _datastore_meta(directory: str) -> dict:
+  import json
+
+  try:
+    with open(os.path.join(directory, "meta.json")) as f:
+      meta = json.load(f)
+  except (OSError, ValueError, UnicodeDecodeError):
+    return {}  # the datastore's own checks report a missing or damaged meta.json
+  return meta if isinstance(meta, dict) else {}
+
+
+def overlap_error(datastore: str, ds_split: str, split: str, role: str, fix: str):
+  from trime_jax.errors import ConfigError
+
+  return ConfigError(f"split leakage: the datastore {datastore} was built from {ds_split}, the very split this "
+                     f"run {role}: each scored token would retrieve itself. {fix}, or pass "
+                     "--allow_split_overlap to study the leakage on purpose")
+
+
+def check_split_overlap(config, checkpoint: str, allow: bool = False) -> None:
+  """External memory must not hold the text it is evaluated on: the datastore's meta.json records the corpus
+  it was built from (corpus_fingerprint over its tokens, corpus_name with its split); the splits this
+  evaluation scores (eval.split, and dev when eval.tune tunes on it) are compared by content. An error names
+  both, unless `allow` (--allow_split_overlap)."""
+  e = config.eval
+  if allow or not e.get("datastore"):
+    return
+  meta = _datastore_meta(e.datastore)
+  if not meta.get("corpus_fingerprint"):
+    return
+  from trime_jax import checkpoint as ckpt
+  from trime_jax import evaluate
+
+  splits = evaluate.load_eval_data(config, ckpt.read_export_vocab(checkpoint))
+  scored = [(e.split, f"scores (eval.split={e.split})")]
+  if e.tune and e.split != "dev":
+    scored.append(("dev", "tunes on (eval.tune=True tunes on dev)"))
+  for split, role in scored:
+    if splits.get(split).fingerprint() == meta["corpus_fingerprint"]:
+      raise overlap_error(e.datastore, meta.get("corpus_name") or f"the {split} split", split, role,
+                          "Build the datastore from the training split (launch.build_datastore --split=train)")

@@ -1,7 +1,7 @@
 """Evaluate an exported checkpoint: perplexity (and bits per byte for byte-level data).
 
-  python -m launch.eval --config=configs/wikitext_mini.py --checkpoint=runs/mini/export \
-      [--config.eval.split=test] [--config.eval.memory=local|none|cache] [--config.eval.tune=True] \
+  python -m launch.eval --config=configs/wikitext_mini.py --checkpoint=runs/mini/export \\
+      [--config.eval.split=test] [--config.eval.memory=local|none|cache] [--config.eval.tune=True] \\
       [--config.eval.mem_size=4096 | --mem_sizes=0,1024,2048,4096] [--label=TrimeLM] [--output=rows.json]
 
 The model and vocabulary come from the checkpoint; `--config` supplies the data and the `eval` section.
@@ -19,7 +19,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from launch.common import run_main, validated
+from launch.common import check_output_file, check_export, run_main, validated
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
@@ -36,15 +36,32 @@ def main(argv):
   from trime_jax import evaluate, sweep
   from trime_jax.errors import ConfigError
 
+  # Everything the flags name is checked before the evaluation runs (an --output folder found only at the end
+  # would lose the whole evaluation).
+  check_output_file(_OUTPUT.value, "output")
+  check_output_file(_PLOT.value, "plot")
+  included = []
+  for path in _INCLUDE.value:
+    try:
+      with open(path) as f:
+        loaded = json.load(f)
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+      raise ConfigError(f"--include {path}: {e}") from None
+    if not isinstance(loaded, list) or not all(isinstance(r, dict) for r in loaded):
+      raise ConfigError(f"--include {path}: not the rows of a launch.eval --output file (a JSON list of objects)")
+    included += loaded
+  try:
+    sizes = [int(m) for m in _MEM_SIZES.value]
+  except ValueError:
+    raise ConfigError(f"--mem_sizes must be integers, got {','.join(_MEM_SIZES.value)}") from None
+  if any(m < 0 for m in sizes):
+    raise ConfigError(f"--mem_sizes must be >= 0 (tokens of long-term memory), got {','.join(_MEM_SIZES.value)}")
   rows = []
   if _CHECKPOINT.value:
     if _CONFIG.value is None:
       raise ConfigError("--checkpoint needs --config (the data and eval sections)")
     validated(_CONFIG.value)
-    try:
-      sizes = [int(m) for m in _MEM_SIZES.value]
-    except ValueError:
-      raise ConfigError(f"--mem_sizes must be integers, got {','.join(_MEM_SIZES.value)}") from None
+    check_export(_CONFIG.value, _CHECKPOINT.value)
     rows = evaluate.evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value, mem_sizes=sizes, label=_LABEL.value,
                                         progress=sys.stderr.isatty() or "log")["rows"]  # log files: lines
     print(evaluate.format_table(rows))
@@ -54,12 +71,7 @@ def main(argv):
         json.dump(rows, f, indent=1)
   elif not _INCLUDE.value:
     raise ConfigError("nothing to do: give --config and --checkpoint, or --include files to summarise")
-  for path in _INCLUDE.value:
-    try:
-      with open(path) as f:
-        rows += json.load(f)
-    except (OSError, ValueError) as e:
-      raise ConfigError(f"--include {path}: {e}") from None
+  rows += included
   if len(_MEM_SIZES.value) > 1 or _INCLUDE.value:
     print(sweep.sweep_table(rows))
     print(f"memory sizes (columns) = {evaluate.mem_size_axis_label(rows)}")

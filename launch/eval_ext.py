@@ -2,7 +2,7 @@
 retrieved memories, plus the Appendix-A interpolation) and the kNN-LM baselines, from one datastore.
 
   python -m launch.build_datastore --config=configs/wikitext_mini.py --checkpoint=runs/ext/export --out=runs/ext/ds
-  python -m launch.eval_ext --config=configs/wikitext_mini.py --checkpoint=runs/ext/export \
+  python -m launch.eval_ext --config=configs/wikitext_mini.py --checkpoint=runs/ext/export \\
       --config.eval.datastore=runs/ext/ds --config.eval.split=test --config.eval.tune=True [--throughput_tokens=8192]
 
 With eval.tune the parameters of every family (τ, τ′, λ, θ) are grid-searched on dev, then applied to
@@ -18,13 +18,16 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from launch.common import run_main, validated
+from launch.common import check_output_file, check_split_overlap, check_export, run_main, validated
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
 _OUTPUT = flags.DEFINE_string("output", "", "Optional JSON file for the results.")
 _THROUGHPUT = flags.DEFINE_integer("throughput_tokens", 0, "Also time this many tokens with vs without external "
-                                   "memory (0: skip).")
+                                   "memory (0: skip).", lower_bound=0)
+_ALLOW_OVERLAP = flags.DEFINE_bool("allow_split_overlap", False, "Evaluate (or tune on) the very split the datastore "
+                                   "was built from. Refused without this flag: the retrieved entries would include "
+                                   "each scored token itself (leakage); use it only to study that on purpose.")
 flags.mark_flags_as_required(["config", "checkpoint"])
 
 
@@ -32,7 +35,11 @@ def main(argv):
   del argv
   from trime_jax import evaluate
 
-  out = evaluate.evaluate_checkpoint(validated(_CONFIG.value), _CHECKPOINT.value, external_memory=True,
+  check_output_file(_OUTPUT.value, "output")  # before the evaluation, not after it
+  config = validated(_CONFIG.value)
+  check_export(config, _CHECKPOINT.value)
+  check_split_overlap(config, _CHECKPOINT.value, allow=_ALLOW_OVERLAP.value)
+  out = evaluate.evaluate_checkpoint(config, _CHECKPOINT.value, external_memory=True,
                                      progress=sys.stderr.isatty() or "log",  # log files: plain lines
                                      throughput_tokens=_THROUGHPUT.value)
   split = out["split"]

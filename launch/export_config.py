@@ -4,10 +4,12 @@
   python -m launch.eval --checkpoint=runs/mini/export                       # uses this config implicitly
   python -m launch.eval --config=launch/export_config.py:runs/mini/export --config.eval.split=test
 
-Fields the export does not have (added after it was written) keep their defaults; fields this version does not
-know are left out.
+Fields the export does not have (added after it was written) keep their defaults; a field this version does not
+know (a misspelling such as `eval.tempreture` in a hand-edited config.json) is refused with the file named
+(`unknown_fields`, which the launch programs also apply when `--config` is given).
 """
 
+import difflib
 import json
 import os
 
@@ -15,10 +17,53 @@ from configs import default
 from trime_jax.errors import CheckpointError
 
 
+def is_mt(stored: dict) -> bool:
+  """A translation export's config (its own schema, read by trime_jax.mt)."""
+  data = stored.get("data") if isinstance(stored.get("data"), dict) else {}
+  return stored.get("task") == "mt" or data.get("src_lang") is not None
+
+
+def unknown_fields(stored: dict, known=None, prefix: str = "") -> list[str]:
+  """Dotted names of the fields of `stored` that configs/default.py does not have, each with the closest known
+  name when there is one ("eval.tempreture (eval.temperature?)")."""
+  known = default.get_config() if known is None else known
+  out = []
+  for key, value in stored.items():
+    if key not in known:
+      close = difflib.get_close_matches(key, list(known.keys()), n=1)
+      out.append(f"{prefix}{key}" + (f" ({prefix}{close[0]}?)" if close else ""))
+    elif hasattr(known[key], "keys") and isinstance(value, dict):
+      out += unknown_fields(value, known[key], f"{prefix}{key}.")
+  return out
+
+
+def check_stored_config(export_dir: str, stored: dict | None = None) -> dict:
+  """The export's config.json as a dict, refused (CheckpointError naming the file) when it has fields this
+  version does not know: they would be ignored without a word. Translation exports are read by their own
+  schema and only parsed here."""
+  path = os.path.join(export_dir, "config.json")
+  if stored is None:
+    if not os.path.isfile(path):
+      raise CheckpointError(f"no stored config: {path} not found (give --config, or an export directory)")
+    try:
+      with open(path) as f:
+        stored = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+      raise CheckpointError(f"{path} is corrupt or truncated ({e})") from None
+  if not isinstance(stored, dict):
+    raise CheckpointError(f"{path} is not a config (a JSON object)")
+  if not is_mt(stored):
+    bad = unknown_fields(stored)
+    if bad:
+      raise CheckpointError(f"{path} has field{'s' if len(bad) > 1 else ''} this version does not know: "
+                            f"{', '.join(bad)}; correct or remove {'them' if len(bad) > 1 else 'it'}")
+  return stored
+
+
 def _update(dst, src: dict) -> None:
   for key, value in src.items():
     if key not in dst:
-      continue  # a field this version does not have
+      continue  # a translation export's own fields (check_stored_config refused unknown LM fields)
     if hasattr(dst[key], "keys") and isinstance(value, dict):
       _update(dst[key], value)
     else:
@@ -26,11 +71,7 @@ def _update(dst, src: dict) -> None:
 
 
 def get_config(export_dir: str = ""):
-  path = os.path.join(export_dir, "config.json")
-  if not os.path.isfile(path):
-    raise CheckpointError(f"no stored config: {path} not found (give --config, or an export directory)")
-  with open(path) as f:
-    stored = json.load(f)
+  stored = check_stored_config(export_dir)
   c = default.get_config()
   with c.unlocked():
     _update(c, stored)

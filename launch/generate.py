@@ -1,6 +1,6 @@
 """Generate text from an exported checkpoint with TRIME's memory-augmented next-token distribution.
 
-  python -m launch.generate --checkpoint=runs/demo/local/export --prompt="def main(argv):\\n" \
+  python -m launch.generate --checkpoint=runs/demo/local/export --prompt="def main(argv):\\n" \\
       [--prompt=... | --prompt_file=FILE ...] [--max_new_tokens=64] [--temperature=0.8 --top_k=0 --top_p=0.95
       --seed=0 | --temperature=0 (greedy)] [--memory=none|local|long|external] [--tau=1.0] [--trace]
 
@@ -17,9 +17,11 @@ generated token, its probability, the share of it that came from memory and the 
 (source, share, a few tokens of their context, [their next token]).
 """
 
+import math
+
 from absl import flags
 
-from launch.common import run_main
+from launch.common import check_export, check_flag, run_main
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
 _PROMPT = flags.DEFINE_multi_string("prompt", [], "A prompt (repeat for a batch); \\n is a newline.")
@@ -45,6 +47,17 @@ _ON_DEVICE = flags.DEFINE_bool("datastore_on_device", False, "memory=external: t
 _TRACE = flags.DEFINE_bool("trace", False, "Print a retrieval trace per generated token.")
 _STOP_AT_EOS = flags.DEFINE_bool("stop_at_eos", True, "Stop a prompt at </s> (word vocabularies).")
 flags.mark_flags_as_required(["checkpoint"])
+# Ranges, checked when the flags are parsed (one `error:` line, before the model is loaded).
+_finite = math.isfinite
+check_flag(_MAX_NEW, lambda v: v >= 1, "an integer >= 1")
+check_flag(_TEMPERATURE, lambda v: _finite(v) and v >= 0, "a number >= 0 (0: greedy)")
+check_flag(_TOP_K, lambda v: v >= 0, "an integer >= 0 (0: every token)")
+check_flag(_TOP_P, lambda v: 0 < v <= 1, "in (0, 1]")
+check_flag(_TAU, lambda v: _finite(v) and v > 0, "a number > 0")
+check_flag(_KNN_K, lambda v: v >= 1, "an integer >= 1")
+check_flag(_NPROBE, lambda v: v >= 1, "an integer >= 1 (IVF lists searched per query)")
+check_flag(_INTERP_LAMBDA, lambda v: 0 <= v < 1, "in [0, 1) (0: no interpolation)")
+check_flag(_INTERP_TAU, lambda v: _finite(v) and v > 0, "a number > 0")
 
 
 def main(argv):
@@ -71,8 +84,13 @@ def main(argv):
   if memory == "external" and not _DATASTORE.value:
     raise ConfigError("--memory=external needs --datastore (build one with `python -m launch.build_datastore`)")
 
+  check_export(None, _CHECKPOINT.value)  # a config.json field this version does not know: refused
   gen = G.Generator(_CHECKPOINT.value)
   tau = gen.default_tau if _TAU.value is None else _TAU.value
+  if _TAU.value is None and not (math.isfinite(tau) and tau > 0):
+    # The export's own evaluation τ is broken: say so, not "--tau must be > 0" for a flag nobody passed.
+    raise ConfigError(f"{_CHECKPOINT.value}/config.json has eval.temperature={tau!r}, not a τ (> 0) to "
+                      "generate with: pass --tau (e.g. the τ launch.eval tuned) or correct the file")
   spec = G.MemorySpec(memory, tau=tau, interp_lambda=_INTERP_LAMBDA.value, interp_tau=_INTERP_TAU.value,
                       interp_memory=_INTERP_MEMORY.value)
   sampling = G.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _SEED.value)

@@ -1,6 +1,6 @@
 """Import a fairseq `transformer_lm` checkpoint of the original TRIME release as a trime-jax export.
 
-  python -m launch.import_fairseq --checkpoint=pretrained_models/wiki103-247M-trime/checkpoint_best.pt \
+  python -m launch.import_fairseq --checkpoint=pretrained_models/wiki103-247M-trime/checkpoint_best.pt \\
       --dict=data-bin/wikitext-103/dict.txt --out=runs/wiki103-247M-trime/export
 
 The export is what `launch.eval`, `launch.eval_ext` and `launch.build_datastore` read; its vocabulary is
@@ -11,7 +11,7 @@ docs/paper_models.md, "Importing the original checkpoints".
 
 from absl import flags
 
-from launch.common import run_main
+from launch.common import refuse_target, run_main
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "fairseq checkpoint (.pt) of a transformer_lm.")
 _DICT = flags.DEFINE_string("dict", None, "fairseq dict.txt the checkpoint was trained with.")
@@ -21,6 +21,8 @@ _KEY_TYPE = flags.DEFINE_enum("key_type", "last_ffn_input", ["last_ffn_input", "
                               "evaluation) or final (model_output).")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                            "Compute dtype of the exported model (model.dtype); float32 reproduces fairseq's numbers.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace --out when it already holds something (an earlier "
+                               "import, a trained export, any files); without it that is refused.")
 _TRUST = flags.DEFINE_bool("trust_pickle", False, "Unpickle the whole file (arbitrary Python objects). Only for "
                            "checkpoints you trust; by default only tensors, containers and argparse.Namespace load.")
 
@@ -34,8 +36,11 @@ def main(argv):
   for name, flag in (("checkpoint", _CHECKPOINT), ("dict", _DICT), ("out", _OUT)):
     if not flag.value:
       raise ConfigError(f"--{name} is required")
+  # Before reading anything: an export (a trained model's, say) at --out is not replaced without --overwrite.
+  refuse_target(_OUT.value, "out", "an empty folder for the import", overwrite=_OVERWRITE.value)
   out, imp = fairseq_import.import_to_export(_CHECKPOINT.value, _DICT.value, _OUT.value, key_type=_KEY_TYPE.value,
-                                             dtype=_DTYPE.value, trust_pickle=_TRUST.value)
+                                             dtype=_DTYPE.value, trust_pickle=_TRUST.value,
+                                             overwrite=_OVERWRITE.value)
   c = imp.cfg
   print(f"imported {imp.flags.get('arch') or imp.flags.get('_name')}: {count_params(imp.params):,} parameters, "
         f"{c.num_layers} layers, d_model={c.d_model}, vocab={len(imp.vocab):,}, positions={c.positions}, "

@@ -1,6 +1,6 @@
 """Write a batch-plan file for consecutive (TrimeLM_long) or BM25 (TrimeLM_ext) batching.
 
-  python -m launch.make_batches --config=configs/wikitext_mini_long.py --kind=consecutive \
+  python -m launch.make_batches --config=configs/wikitext_mini_long.py --kind=consecutive \\
       --out=runs/plans/wikitext_mini_long
   python -m launch.make_batches --config=configs/wikitext_mini.py --kind=bm25 --out=runs/plans/bm25
 
@@ -12,11 +12,13 @@ over all row slots).
 from absl import flags
 from ml_collections import config_flags
 
-from launch.common import run_main, validated
+from launch.common import describe_target, run_main, validated
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
 _KIND = flags.DEFINE_enum("kind", None, ["consecutive", "bm25"], "Batching method.")
 _OUT = flags.DEFINE_string("out", None, "Output plan directory.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace what --out holds when it is not a plan of the same kind "
+                               "and corpus (another plan, any other files); without it that is refused.")
 flags.mark_flags_as_required(["config", "kind", "out"])
 
 
@@ -27,10 +29,26 @@ def main(argv):
   from trime_jax import corpora
   from trime_jax.batching import plan as batch_plan
 
+  from trime_jax.errors import ConfigError
+
   config = validated(_CONFIG.value)
+  out_dir = _OUT.value
+  what = describe_target(out_dir)
+  if what and what != "a batch plan" and not _OVERWRITE.value:  # a workdir, an export, ...: never replaced silently
+    raise ConfigError(f"--out={out_dir} already holds {what}, not a batch plan: choose another --out (or add "
+                      "--overwrite to replace it)")
   splits = corpora.load_splits(config.data)
+  if what == "a batch plan" and not _OVERWRITE.value:
+    old = batch_plan.load(out_dir).header
+    fp = splits.train.fingerprint()
+    if old.get("kind") != _KIND.value or old.get("corpus_fingerprint") != fp:
+      raise ConfigError(f"--out={out_dir} already holds a {old.get('kind')} plan of corpus "
+                        f"{old.get('corpus_name') or old.get('corpus_fingerprint')}; this one is a {_KIND.value} "
+                        f"plan of {splits.train.name} ({fp}): choose another --out (or add --overwrite to replace "
+                        "it)")
   planner = importlib.import_module(f"trime_jax.batching.{_KIND.value}")
   header, batches = planner.make_plan(splits.train, config, progress=True)
+  header.setdefault("corpus_name", splits.train.name)  # what the fingerprint is of, for error messages
   out = batch_plan.save(_OUT.value, header, batches)
   print(f"wrote {out}: {len(batches):,} batches of {batches.shape[1]} segments")
   if "real_token_fraction" in header:

@@ -30,6 +30,12 @@ def main(argv):
   if name not in tfds_builders.NAMES:
     raise ConfigError(f"--corpus must be one of {tfds_builders.NAMES}, got {_CORPUS.value!r}")
   manual = os.path.expanduser(_MANUAL_DIR.value) if _MANUAL_DIR.value else ""
+  if manual and not os.path.isdir(manual):
+    raise ConfigError(f"--manual_dir={_MANUAL_DIR.value}: " + ("a file, not a folder (give the folder that holds "
+                      "it)" if os.path.exists(manual) else "not found"))
+  data_dir = os.path.expanduser(_DATA_DIR.value) if _DATA_DIR.value else ""
+  if data_dir and os.path.exists(data_dir) and not os.path.isdir(data_dir):
+    raise ConfigError(f"--data_dir={_DATA_DIR.value} is a file, not a folder")
   b = tfds_builders.prepare(name, _DATA_DIR.value, manual)
   unit = "chunks of 1 MiB" if name == "enwik8" else "articles"
   for split, info in sorted(b.info.splits.items()):

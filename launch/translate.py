@@ -1,9 +1,9 @@
 """Translate a split of an MT export's data with beam search (or greedy), and score it with sacrebleu.
 
   python -m launch.translate --checkpoint=runs/ui_vanilla/export --split=test --out=runs/ui_vanilla/translate
-  python -m launch.translate --checkpoint=... --mode=knn_mt --datastore=runs/ui_vanilla/datastore \
+  python -m launch.translate --checkpoint=... --mode=knn_mt --datastore=runs/ui_vanilla/datastore \\
       --k=16 --lambda=0.3 --temperature=10 --split=test --out=...
-  python -m launch.translate --checkpoint=... --mode=trime --datastore=... --k=64 --tau=1 \
+  python -m launch.translate --checkpoint=... --mode=trime --datastore=... --k=64 --tau=1 \\
       [--interp_lambda=0.2 --interp_tau=1] --split=test --out=...
   python -m launch.translate --checkpoint=... --datastore=... --tune --out=...      # tune on valid
   python -m launch.translate --checkpoint=... --datastore=... --settings=<out>/tuned.json --mode=trime ...
@@ -18,13 +18,14 @@ The data comes from the export's stored config (--config=an MT config, task='mt'
 
 import dataclasses
 import json
+import math
 import os
 import time
 
 from absl import flags
 from ml_collections import config_flags
 
-from launch.common import run_main
+from launch.common import check_flag, overlap_error, run_main
 from trime_jax.mt import decode
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "MT export directory (<workdir>/export).")
@@ -61,14 +62,49 @@ _TUNE_BEAM = flags.DEFINE_integer("tune_beam", 2, "--tune: settings per mode dec
 _TUNE_MODES = flags.DEFINE_list("tune_modes", ["knn_mt", "trime"], "--tune: the datastore distributions to tune "
                                 "(knn_mt, trime; trime includes Appendix A's interpolation); the model alone is "
                                 "always decoded.")
+_ALLOW_OVERLAP = flags.DEFINE_bool("allow_split_overlap", False, "Translate (or tune on) the very split the datastore "
+                                   "was built from. Refused without this flag: each target token would retrieve "
+                                   "itself (leakage); use it only to study that on purpose.")
 flags.mark_flags_as_required(["checkpoint", "out"])
+# Ranges, checked when the flags are parsed (one `error:` line, before the model is loaded).
+_finite = math.isfinite
+check_flag(_BEAM, lambda v: v >= 1, "an integer >= 1 (1: greedy)")
+check_flag(_LENPEN, _finite, "a finite number")
+check_flag(_MAX_LEN_A, lambda v: _finite(v) and v >= 0, "a number >= 0")
+check_flag(_MAX_LEN_B, lambda v: v >= 0, "an integer >= 0")
+check_flag(_NPROBE, lambda v: v >= 1, "an integer >= 1 (IVF lists searched per query)")
+check_flag(_K, lambda v: v >= 1, "an integer >= 1")
+check_flag(_LAMBDA, lambda v: 0 <= v <= 1, "in [0, 1]")
+check_flag(_TEMPERATURE, lambda v: _finite(v) and v > 0, "a number > 0")
+check_flag(_TAU, lambda v: _finite(v) and v > 0, "a number > 0")
+check_flag(_INTERP_LAMBDA, lambda v: 0 <= v < 1, "in [0, 1) (0: no interpolation)")
+check_flag(_INTERP_TAU, lambda v: _finite(v) and v > 0, "a number > 0")
+check_flag(_BATCH, lambda v: v >= 1, "an integer >= 1")
+check_flag(_MAX_SENTENCES, lambda v: v >= 0, "an integer >= 0 (0: every sentence)")
+check_flag(_TUNE_BEAM, lambda v: v >= 1, "an integer >= 1")
+check_flag(_TUNE_MODES, lambda v: bool(v) and set(v) <= {"knn_mt", "trime"},
+           "a non-empty subset of knn_mt,trime")
 
 
-def _data(config, checkpoint, split, vocab, limit):
+def _check_overlap(ds, pairs, split: str) -> None:
+  """The datastore must not hold the targets being translated (its meta.json records the split's pairs by
+  fingerprint and name); --allow_split_overlap lets it through on purpose."""
+  from trime_jax.mt import datastore as mt_datastore
+
+  if ds is None or _ALLOW_OVERLAP.value:
+    return
+  if ds.meta.get("corpus_fingerprint") == mt_datastore.corpus_fingerprint(pairs.src, pairs.tgt):
+    role = "tunes on (--tune tunes on valid)" if split == "valid" and _TUNE.value else f"translates (--split={split})"
+    raise overlap_error(_DATASTORE.value, f"the {ds.meta.get('corpus_name') or split} pairs", split, role,
+                        "Build the datastore from the training pairs (launch.build_datastore --split=train)")
+
+
+def _data(config, checkpoint, split, vocab, limit, ds=None):
   from trime_jax.mt import data as mt_data
   from trime_jax.mt import datastore as mt_datastore
 
   pairs = mt_data.load_parallel(mt_datastore.mt_config(config, checkpoint), split, vocab)
+  _check_overlap(ds, pairs, split)  # the whole split: --max_sentences takes a prefix of it
   if limit:
     pairs = dataclasses.replace(pairs, src=pairs.src[:limit], tgt=pairs.tgt[:limit], src_text=pairs.src_text[:limit],
                                 tgt_text=pairs.tgt_text[:limit])
@@ -117,11 +153,9 @@ def main(argv):
   if _TUNE.value:
     if ds is None:
       raise ConfigError("--tune needs --datastore")
-    pairs = _data(_CONFIG.value, checkpoint, "valid", vocab, _MAX_SENTENCES.value)
+    pairs = _data(_CONFIG.value, checkpoint, "valid", vocab, _MAX_SENTENCES.value, ds)
     t0 = time.perf_counter()
     modes = tuple(_TUNE_MODES.value)
-    if not modes or set(modes) - {"knn_mt", "trime"}:
-      raise ConfigError(f"--tune_modes must be a non-empty subset of knn_mt,trime, got {','.join(modes)}")
     tp = decode.tune_pass(graphdef, params, pairs, ds, index, k_max=max(decode.KS), modes=modes)
     trime_cfg = config.get("trime")
     rows = decode.tune(tp, modes=modes, train_tau=float(trime_cfg.get("temperature", 1.0)) if trime_cfg else 1.0)
@@ -153,7 +187,7 @@ def main(argv):
                              tau=_TAU.value, interp_lambda=_INTERP_LAMBDA.value, interp_tau=_INTERP_TAU.value)
   if _SETTINGS.value:
     dist = decode.Distribution.from_tuned(_SETTINGS.value, _MODE.value)
-  pairs = _data(_CONFIG.value, checkpoint, _SPLIT.value, vocab, _MAX_SENTENCES.value)
+  pairs = _data(_CONFIG.value, checkpoint, _SPLIT.value, vocab, _MAX_SENTENCES.value, ds)
   res = translate_split(make(dist), pairs, vocab, out, f"{_SPLIT.value}.{_MODE.value}",
                         {"setting": dataclasses.asdict(dist)})
   print(json.dumps(res), flush=True)

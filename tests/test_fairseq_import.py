@@ -681,3 +681,34 @@ def test_cli_import_then_launch_eval(torch, tmp_path):
   r = _run(["launch.import_fairseq", f"--checkpoint={ckpt_path}", f"--dict={tmp_path / 'missing.txt'}",
             f"--out={tmp_path / 'x'}"], helpers.REPO)
   assert r.returncode == 2 and r.stderr.strip().startswith("error: fairseq dictionary not found"), r.stderr
+
+
+def test_bad_checkpoint_paths_say_what_they_are(torch, tmp_path):
+  """Issue 35: a folder is "a folder" (not "not found"); a text file is "not a torch checkpoint", without
+  suggesting --trust_pickle (which would not help)."""
+  d = write_dict(tmp_path / "dict.txt")
+  (tmp_path / "ckpts").mkdir()
+  with pytest.raises(FI.ImportError_, match="is a folder, not a file") as e:
+    FI.load_checkpoint(str(tmp_path / "ckpts"))
+  assert "not found" not in str(e.value)
+  (tmp_path / "notes.txt").write_text("these are not weights\n")
+  with pytest.raises(FI.ImportError_, match="is not a torch checkpoint") as e:
+    FI.load_checkpoint(str(tmp_path / "notes.txt"))
+  assert "trust_pickle" not in str(e.value)
+  with pytest.raises(FI.ImportError_, match="is a folder, not a file"):
+    FI.read_dictionary(str(tmp_path / "ckpts"))
+  assert FI.read_dictionary(d)
+
+
+def test_import_refuses_a_non_empty_out_unless_overwrite(torch, tmp_path):
+  """Issue 35.4: an existing export at --out is not replaced silently."""
+  d = write_dict(tmp_path / "dict.txt")
+  path = write_checkpoint(torch, tmp_path / "c.pt", "plain_shared")
+  out = tmp_path / "export"
+  FI.import_to_export(path, d, str(out))
+  before = (out / "meta.json").read_bytes()
+  with pytest.raises(FI.ImportError_, match="already exists and is not empty"):
+    FI.import_to_export(path, d, str(out))
+  assert (out / "meta.json").read_bytes() == before
+  FI.import_to_export(path, d, str(out), overwrite=True)
+  assert (out / "meta.json").is_file()

@@ -186,6 +186,10 @@ def _require_file(path: str, what: str) -> str:
     raise DataError(f"no path given for {what}")
   if not os.path.exists(path):
     raise DataError(f"{what} not found: {path}")
+  if os.path.isdir(path):
+    raise DataError(f"{what} {path} is a folder, not a file")
+  if not os.access(path, os.R_OK):
+    raise DataError(f"{what} {path}: no permission to read it")
   if os.path.isfile(path) and os.path.getsize(path) == 0:
     raise DataError(f"{what} is empty: {path}")
   return path

@@ -119,10 +119,21 @@ def _torch():
   return torch
 
 
+def _require_file(path: str, what: str, example: str) -> None:
+  """`path` is a readable file: one error that says what it is instead (missing, a folder, unreadable)."""
+  if os.path.isdir(path):
+    inside = sorted(n for n in os.listdir(path) if n.endswith((".pt", ".txt")))[:3] if os.access(path, os.R_OK) else []
+    raise ImportError_(f"{what} {path} is a folder, not a file: give the file itself (e.g. "
+                       f"{os.path.join(path, inside[0] if inside else example)})")
+  if not os.path.exists(path):
+    raise ImportError_(f"{what} not found: {path}")
+  if not os.access(path, os.R_OK):
+    raise ImportError_(f"{what} {path}: no permission to read it")
+
+
 def read_dictionary(path: str) -> data.Vocab:
   """fairseq's Dictionary ids: `<s>` `<pad>` `</s>` `<unk>`, then one `<token> <count>` line each, in order."""
-  if not os.path.isfile(path):
-    raise ImportError_(f"fairseq dictionary not found: {path}")
+  _require_file(path, "fairseq dictionary", "dict.txt")
   tokens = list(SPECIALS)
   seen = {t: f"built-in symbol {i}" for i, t in enumerate(SPECIALS)}
   with open(path, encoding="utf-8") as f:
@@ -158,8 +169,14 @@ def _plain(obj):
 def load_checkpoint(path: str, *, trust_pickle: bool = False):
   """(flags dict, {name: float32 ndarray}) of a fairseq checkpoint, the `decoder.` prefix kept."""
   torch = _torch()
-  if not os.path.isfile(path):
-    raise ImportError_(f"fairseq checkpoint not found: {path}")
+  _require_file(path, "fairseq checkpoint", "checkpoint_best.pt")
+  with open(path, "rb") as f:
+    magic = f.read(4)
+  # torch.save writes a zip archive (PK..) or, before torch 1.6, a pickle (protocol 2+: 0x80). Anything else is
+  # not a checkpoint at all, and torch's unpickling error would wrongly suggest --trust_pickle.
+  if not (magic.startswith(b"PK\x03\x04") or magic[:1] == b"\x80"):
+    raise ImportError_(f"{path} is not a torch checkpoint: it is neither a zip archive nor a pickle (it starts "
+                       f"with {magic!r}); give the .pt file fairseq saved")
   try:
     if trust_pickle:
       state = torch.load(path, map_location="cpu", weights_only=False)
@@ -168,7 +185,10 @@ def load_checkpoint(path: str, *, trust_pickle: bool = False):
       state = torch.load(path, map_location="cpu", weights_only=True)
   except Exception as e:  # noqa: BLE001 - torch raises many types; one line says which file and why
     first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-    hint = "" if trust_pickle else " (if it holds other Python objects and you trust the file: --trust_pickle)"
+    # Only a refused global (weights_only) is what --trust_pickle changes; a damaged file stays damaged.
+    refused = "weights_only" in str(e) or "Unsupported global" in str(e) or "GLOBAL" in str(e)
+    hint = (" (if it holds other Python objects and you trust the file: --trust_pickle)"
+            if refused and not trust_pickle else "")
     raise ImportError_(f"cannot read {path} as a torch checkpoint: {first}{hint}") from None
   if not isinstance(state, dict) or "model" not in state:
     raise ImportError_(f"{path} is not a fairseq checkpoint: no 'model' state dict")
@@ -509,12 +529,23 @@ def export_config(cfg: ModelConfig, flags: dict, *, dtype: str = "float32"):
 
 
 def import_to_export(checkpoint: str, dict_path: str, out: str, *, key_type: str = "last_ffn_input",
-                     dtype: str = "float32", trust_pickle: bool = False) -> tuple[str, Imported]:
-  """Write the trime-jax export of a fairseq checkpoint to `out`; returns (directory, what was imported)."""
+                     dtype: str = "float32", trust_pickle: bool = False,
+                     overwrite: bool = False) -> tuple[str, Imported]:
+  """Write the trime-jax export of a fairseq checkpoint to `out`; returns (directory, what was imported).
+
+  A non-empty `out` (an earlier export, a trained model's, anything) is refused unless `overwrite`: the import
+  replaces the whole directory."""
+  import inspect
+
   from trime_jax import checkpoint as ckpt
+
+  if os.path.lexists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
+    raise ImportError_(f"{out} already exists and is not empty: the import would replace it; choose another "
+                       "output directory (or pass overwrite=True / --overwrite)")
 
   imp = import_checkpoint(checkpoint, dict_path, key_type=key_type, trust_pickle=trust_pickle)
   config = export_config(imp.cfg, imp.flags, dtype=dtype)
   extra = {"step": 0, "imported_from": os.path.abspath(checkpoint), "fairseq_arch": imp.flags.get("arch") or
            imp.flags.get("_name"), "fairseq_dict": os.path.abspath(dict_path)}
-  return ckpt.export(out, imp.params, config, imp.vocab, extra=extra), imp
+  kwargs = {"overwrite": overwrite} if "overwrite" in inspect.signature(ckpt.export).parameters else {}
+  return ckpt.export(out, imp.params, config, imp.vocab, extra=extra, **kwargs), imp

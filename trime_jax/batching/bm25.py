@@ -240,6 +240,7 @@ def make_plan(corpus: data.Corpus, config, *, progress: bool = True, k: int | No
   header = {
       "kind": "bm25",
       "corpus_fingerprint": corpus.fingerprint(),
+      "corpus_name": corpus.name,  # e.g. "wikitext_mini:train": what the fingerprint is of
       "segment_len": seg_len,
       "segmentation": mode,
       "batch_size": batch_size,

@@ -100,6 +100,7 @@ def make_plan(corpus: data.Corpus, config, *, progress: bool = True):
   header = {
       "kind": KIND,
       "corpus_fingerprint": corpus.fingerprint(),
+      "corpus_name": corpus.name,  # e.g. "wikitext_mini:train": what the fingerprint is of
       "segment_len": int(d.segment_len),
       "segmentation": "stream",
       "consecutive_segments": m,

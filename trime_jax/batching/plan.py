@@ -31,9 +31,10 @@ FORMAT = "trime-batch-plan/1"
 
 
 class BatchPlan:
-  def __init__(self, header: dict, batches: np.ndarray):
+  def __init__(self, header: dict, batches: np.ndarray, directory: str = ""):
     self.header = header
     self.batches = batches
+    self.directory = directory
     self._order = None  # (epoch, permutation) of the last epoch read: one permutation per epoch, not per row
 
   @property
@@ -66,13 +67,17 @@ class BatchPlan:
     h = self.header
     problems = []
     if h.get("corpus_fingerprint") != corpus_fingerprint:
-      problems.append(f"corpus fingerprint {h.get('corpus_fingerprint')} != {corpus_fingerprint}")
+      made = f" (made from {h['corpus_name']})" if h.get("corpus_name") else ""
+      problems.append(f"it was made for another corpus{made}: corpus fingerprint {h.get('corpus_fingerprint')} "
+                      f"(plan) != {corpus_fingerprint} (this run's training split; write its plan with "
+                      "launch.make_batches)")
     for name, want in [("segment_len", segment_len), ("segmentation", segmentation), ("batch_size", batch_size),
                        ("consecutive_segments", consecutive_segments), ("kind", kind), ("layout", layout)]:
       if want is not None and h.get(name) != want:
         problems.append(f"{name} {h.get(name)!r} != {want!r}")
     if problems:
-      raise DataError("batch plan does not match this run: " + "; ".join(problems))
+      where = f" {self.directory}" if self.directory else ""
+      raise DataError(f"batch plan{where} does not match this run: " + "; ".join(problems))
 
 
 def save(directory: str, header: dict, batches: np.ndarray) -> str:
@@ -119,4 +124,4 @@ def load(directory: str) -> BatchPlan:
   want = (header.get("num_batches"), header.get("batch_size"))
   if batches.ndim != 2 or tuple(batches.shape) != want:
     raise DataError(f"batch plan {arr} holds shape {tuple(batches.shape)}, plan.json says {want}; rewrite the plan")
-  return BatchPlan(header, batches)
+  return BatchPlan(header, batches, directory)

@@ -138,6 +138,14 @@ def _read_meta(directory: str) -> dict | None:
     raise DamagedCheckpointError(f"datastore meta {path} is corrupt or truncated ({e})") from None
 
 
+def _refuse_non_datastore(out_dir: str, meta) -> None:
+  """An output directory whose meta.json is not a datastore's (an export's, say) is not overwritten."""
+  if meta is not None and (not isinstance(meta, dict) or meta.get("format") != FORMAT):
+    what = "an export" if isinstance(meta, dict) and "params_digest" in meta else "something else"
+    raise CheckpointError(f"{out_dir} is not a datastore: its meta.json belongs to {what}; choose another output "
+                          "directory")
+
+
 def _checked_meta(directory: str) -> dict:
   """meta.json of the datastore (complete or being built) in `directory`, with its format and identity
   fingerprint verified."""
@@ -190,11 +198,12 @@ class DatastoreWriter:
     self.out_dir, self.identity = out_dir, _identity_of(identity)
     self.meta_path, self.keys_path, self.values_path = _paths(out_dir)
     self.meta = _read_meta(out_dir)
+    _refuse_non_datastore(out_dir, self.meta)
     if self.meta is not None:
       diff = [f"{k}: {self.meta.get(k)!r} there, {v!r} now" for k, v in self.identity.items() if self.meta.get(k) != v]
       if diff:
         raise CheckpointError(f"{out_dir} holds a different datastore ({'; '.join(diff)}): choose another "
-                              "output directory or delete it")
+                              "output directory, or replace it (launch.build_datastore --overwrite)")
     self.keys = self.values = None
 
   @property
@@ -536,6 +545,7 @@ def subset_datastore(source_dir: str, out_dir: str, count: int, *, checkpoint_di
   identity = {**_identity_of(src_meta), "count": int(count)}
   fp = _identity_fingerprint(identity)
   meta = _read_meta(out_dir)
+  _refuse_non_datastore(out_dir, meta)
   if meta is not None:
     if meta.get("fingerprint") == fp and meta.get("subset_of") == src_meta["fingerprint"] and meta.get("complete"):
       return meta

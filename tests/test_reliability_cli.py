@@ -1,0 +1,452 @@
+"""Reliability of the launch CLIs (issues 35 and 36): one row per case, run on copies of one tiny run.
+
+Error rows: exit status 2, exactly one `error:` line (no traceback) holding the expected words, and every file
+the user had (the export, the datastore, the corpus, the config, the output target) unchanged. Recovery rows
+check what the documented way through does. `--help` rows: every launch module and every installed command
+prints its own docstring and its own flags, exit 0.
+
+The CLIs run in forked children of one driver process (`python -m tests.test_reliability_cli CASES OUT`, the
+driver of tests/test_reliability.py), so a refused case costs its own work, not the imports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.test_reliability import _driver, edit_json, one_error_line, tree_hashes
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCH = ["build_datastore", "demo", "eval", "eval_ext", "generate", "import_fairseq", "make_batches",
+          "prepare_data", "train", "train_mt", "translate"]
+
+
+def run_cases(cases: list, out_dir) -> list:
+  """Run CLI cases in one driver subprocess; [{rc, out, err, seconds}] in order."""
+  out_dir = str(out_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, "cases.json")
+  with open(path, "w") as f:
+    json.dump(cases, f)
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
+             JAX_COMPILATION_CACHE_DIR=os.path.join(os.path.dirname(out_dir), "jax_cache"),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+  r = subprocess.run([sys.executable, "-m", "tests.test_reliability_cli", path, out_dir], cwd=REPO, env=env,
+                     capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stderr[-3000:]
+  with open(os.path.join(out_dir, "results.json")) as f:
+    return json.load(f)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The base: one tiny byte-level run (export), a datastore of its test split (flat index), a batch plan.
+# ----------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+  from tests.helpers import config_file, write_text_file, write_wikitext_dir
+
+  tmp = tmp_path_factory.mktemp("relcli")
+  corpus = write_text_file(tmp / "text.bin", 40_000)
+  (tmp / "bytes").mkdir()
+  cfg = config_file(tmp / "bytes", corpus, **{"train.num_steps": 2, "train.checkpoint_every": 2,
+                                               "train.eval_max_tokens": 200, "eval.max_tokens": 200})
+  work = tmp / "run"
+  cases = [
+      {"module": "launch.train", "args": [f"--config={cfg}", f"--workdir={work}"]},
+      {"module": "launch.build_datastore", "args": [f"--config={cfg}", f"--checkpoint={work}/export",
+                                                    f"--out={tmp}/ds_test", "--split=test", "--index=flat"]},
+      {"module": "launch.build_datastore", "args": [f"--config={cfg}", f"--checkpoint={work}/export",
+                                                    f"--out={tmp}/ds_dev", "--split=dev", "--index=flat"]},
+      {"module": "launch.make_batches", "args": [f"--config={cfg}", "--kind=consecutive", f"--out={tmp}/plan",
+                                                 "--config.trime.memory=long", "--config.trime.consecutive_segments=2"]},
+  ]
+  results = run_cases(cases, tmp / "base_out")
+  for c, r in zip(cases, results):
+    assert r["rc"] == 0, (c, r["err"][-3000:])
+  return {"tmp": tmp, "corpus": corpus, "cfg": cfg, "work": work, "export": work / "export",
+          "ds": tmp / "ds_test", "ds_dev": tmp / "ds_dev", "plan": tmp / "plan", "wiki": write_wikitext_dir(str(tmp / "wiki"))}
+
+
+def _copy(b, what, name):
+  dst = b["tmp"] / "cases" / name
+  shutil.copytree(b[what], dst)
+  return dst
+
+
+def _case(module, *args, setup=""):
+  return {"module": f"launch.{module}", "args": list(args), "setup": setup}
+
+
+def _ext(b, ds, *extra):
+  return _case("eval_ext", f"--config={b['cfg']}", f"--checkpoint={b['export']}", f"--config.eval.datastore={ds}",
+               "--config.eval.knn_k=8", *extra)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Error rows: builder(b) -> (case, [substrings of the one error line], [paths that must stay unchanged])
+# ----------------------------------------------------------------------------------------------------------
+def e_split_leakage(b):  # 35.3: a datastore of the test split, evaluated on test
+  case = _ext(b, b["ds"], "--config.eval.split=test")
+  return case, ["split leakage", str(b["ds"]), "bytes:test", "eval.split=test", "--allow_split_overlap"], [b["ds"]]
+
+
+def e_split_leakage_tuning(b):  # tuning on dev with a datastore of dev leaks into the tuned parameters
+  case = _ext(b, b["ds_dev"], "--config.eval.split=test", "--config.eval.tune=True")
+  return case, ["split leakage", "bytes:dev", "tunes on"], [b["ds_dev"]]
+
+
+def e_build_datastore_out_is_export(b):  # 35.4 + the misleading "format: None there"
+  x = _copy(b, "work", "ds_into_export") / "export"
+  case = _case("build_datastore", f"--config={b['cfg']}", f"--checkpoint={b['export']}", f"--out={x}")
+  return case, [f"--out={x} already holds an export", "--overwrite"], [x]
+
+
+def e_build_datastore_other_identity(b):
+  ds = _copy(b, "ds", "ds_other")
+  case = _case("build_datastore", f"--config={b['cfg']}", f"--checkpoint={b['export']}", f"--out={ds}",
+               "--split=dev", "--index=flat")
+  return case, [str(ds), "holds a different datastore", "corpus_fingerprint", "--overwrite"], [ds]
+
+
+def e_build_datastore_nlist0(b):  # 35.8
+  case = _case("build_datastore", f"--config={b['cfg']}", f"--checkpoint={b['export']}",
+               f"--out={b['tmp']}/cases/nlist0", "--index=ivfpq", "--nlist=0")
+  return case, ["--nlist=0", "not a positive integer"], []
+
+
+def e_build_datastore_entries_alone(b):
+  case = _case("build_datastore", f"--config={b['cfg']}", f"--checkpoint={b['export']}",
+               f"--out={b['tmp']}/cases/entries", "--entries=5")
+  return case, ["--entries", "--subset_of"], []
+
+
+def e_build_datastore_nlist_flat(b):
+  case = _case("build_datastore", f"--config={b['cfg']}", f"--checkpoint={b['export']}",
+               f"--out={b['tmp']}/cases/nlistflat", "--index=flat", "--nlist=8")
+  return case, ["--nlist", "--index=flat"], []
+
+
+def e_import_fairseq_out_is_export(b):  # 35.4
+  x = _copy(b, "work", "import_into_export") / "export"
+  (b["tmp"] / "cases" / "dict.txt").write_text("a 3\nb 2\n")
+  case = _case("import_fairseq", f"--checkpoint={b['tmp']}/cases/none.pt", f"--dict={b['tmp']}/cases/dict.txt",
+               f"--out={x}")
+  return case, [f"--out={x} already holds an export", "--overwrite"], [x]
+
+
+def e_import_fairseq_checkpoint_folder(b):
+  (b["tmp"] / "cases" / "ckpt_folder").mkdir()
+  (b["tmp"] / "cases" / "d2.txt").write_text("a 3\nb 2\n")
+  case = _case("import_fairseq", f"--checkpoint={b['tmp']}/cases/ckpt_folder", f"--dict={b['tmp']}/cases/d2.txt",
+               f"--out={b['tmp']}/cases/imp1")
+  return case, ["ckpt_folder is a folder, not a file"], []
+
+
+def e_import_fairseq_text_checkpoint(b):
+  (b["tmp"] / "cases" / "notes.pt").write_text("not weights\n")
+  (b["tmp"] / "cases" / "d3.txt").write_text("a 3\nb 2\n")
+  case = _case("import_fairseq", f"--checkpoint={b['tmp']}/cases/notes.pt", f"--dict={b['tmp']}/cases/d3.txt",
+               f"--out={b['tmp']}/cases/imp2")
+  return case, ["notes.pt is not a torch checkpoint"], []
+
+
+def _translate(b, *extra):
+  return _case("translate", f"--checkpoint={b['export']}", f"--out={b['tmp']}/cases/tr", *extra)
+
+
+def e_translate_max_sentences(b):  # 35.7
+  return _translate(b, "--max_sentences=-2"), ["--max_sentences must be an integer >= 0"], []
+
+
+def e_translate_batch_sentences(b):
+  return _translate(b, "--batch_sentences=0"), ["--batch_sentences must be an integer >= 1"], []
+
+
+def e_translate_nprobe(b):
+  return _translate(b, "--nprobe=0"), ["--nprobe must be an integer >= 1"], []
+
+
+def e_translate_tune_modes(b):
+  return _translate(b, "--tune_modes=knn_mt,bogus"), ["--tune_modes must be a non-empty subset"], []
+
+
+def _generate(b, *extra, export=None):
+  return _case("generate", f"--checkpoint={export or b['export']}", "--prompt=def ", "--max_new_tokens=2", *extra)
+
+
+def e_generate_nprobe(b):
+  return _generate(b, "--memory=external", f"--datastore={b['ds']}", "--nprobe=0"), ["--nprobe must be"], []
+
+
+def e_generate_top_p(b):
+  return _generate(b, "--top_p=0"), ["--top_p must be in (0, 1]"], []
+
+
+def e_generate_bad_stored_temperature(b):  # blames the export's config.json, not --tau / --interp_tau
+  x = _copy(b, "work", "badtemp") / "export"
+  edit_json(x / "config.json", lambda c: c["eval"].update(temperature=-1.0))
+  return _generate(b, export=x), [f"{x}/config.json has eval.temperature=-1.0", "pass --tau"], [x]
+
+
+def e_eval_architecture_override(b):  # 35.9: the implicit export config, then an explicit --config
+  case = _case("eval", f"--checkpoint={b['export']}", "--config.model.d_model=64")
+  return case, ["--config.model.d_model=64", "architecture is fixed", "model.d_model=32"], [b["export"]]
+
+
+def e_eval_architecture_override_explicit_config(b):
+  case = _case("eval", f"--config={b['cfg']}", f"--checkpoint={b['export']}", "--config.model.num_layers=3")
+  return case, ["--config.model.num_layers=3", "model.num_layers=1"], [b["export"]]
+
+
+def e_export_config_unknown_field(b):  # 35.10
+  x = _copy(b, "work", "typo") / "export"
+  edit_json(x / "config.json", lambda c: c["eval"].update(tempreture=2.0))
+  return _case("eval", f"--checkpoint={x}"), [f"error: {x}/config.json", "eval.tempreture (eval.temperature?)"], [x]
+
+
+def e_export_config_unknown_field_explicit_config(b):
+  x = _copy(b, "work", "typo2") / "export"
+  edit_json(x / "config.json", lambda c: c["model"].update(num_layer=2))
+  case = _case("eval", f"--config={b['cfg']}", f"--checkpoint={x}")
+  return case, [f"{x}/config.json", "model.num_layer"], [x]
+
+
+def e_eval_output_folder(b):  # checked before the evaluation runs
+  (b["tmp"] / "cases" / "outdir").mkdir()
+  case = _case("eval", f"--config={b['cfg']}", f"--checkpoint={b['export']}", f"--output={b['tmp']}/cases/outdir")
+  return case, ["--output=", "outdir is a folder"], []
+
+
+def e_eval_ext_output_folder(b):
+  (b["tmp"] / "cases" / "outdir2").mkdir()
+  return _ext(b, b["ds"], f"--output={b['tmp']}/cases/outdir2"), ["outdir2 is a folder"], []
+
+
+def e_byte_corpus_folder(b):
+  (b["tmp"] / "cases" / "corpus_dir").mkdir()
+  case = _case("eval", f"--config={b['cfg']}", f"--checkpoint={b['export']}",
+               f"--config.data.path={b['tmp']}/cases/corpus_dir")
+  return case, ["byte corpus", "corpus_dir is a folder, not a file"], []
+
+
+def e_token_file_folder(b):
+  wiki = _copy(b, "wiki", "wiki_dir")
+  os.remove(wiki / "wiki.test.tokens")
+  (wiki / "wiki.test.tokens").mkdir()
+  case = _case("make_batches", f"--config={b['cfg']}", "--kind=bm25", f"--out={b['tmp']}/cases/p_wiki",
+               "--config.data.corpus=wikitext", f"--config.data.path={wiki}")
+  return case, ["wiki.test.tokens is a folder, not a file"], [wiki]
+
+
+def e_make_batches_out_is_workdir(b):
+  w = _copy(b, "work", "plan_into_work")
+  case = _case("make_batches", f"--config={b['cfg']}", "--kind=consecutive", f"--out={w}",
+               "--config.trime.memory=long", "--config.trime.consecutive_segments=2")
+  return case, [f"--out={w} already holds a training workdir"], [w]
+
+
+def e_make_batches_out_other_corpus(b):
+  p = _copy(b, "plan", "plan_other")
+  wiki = b["wiki"]
+  case = _case("make_batches", f"--config={b['cfg']}", "--kind=consecutive", f"--out={p}",
+               "--config.data.corpus=wikitext", f"--config.data.path={wiki}", "--config.trime.memory=long",
+               "--config.trime.consecutive_segments=2", "--config.data.segment_len=8")
+  return case, [f"--out={p} already holds a consecutive plan of corpus bytes:train", "wikitext:train"], [p]
+
+
+def e_batch_plan_other_corpus(b):  # training with a plan of another corpus: the plan's corpus named
+  case = _case("train", f"--config={b['cfg']}", f"--workdir={b['tmp']}/cases/plan_run",
+               f"--config.data.path={b['tmp']}/cases/other.bin", "--config.trime.memory=long",
+               "--config.trime.batching=consecutive", "--config.trime.consecutive_segments=2",
+               f"--config.trime.batch_plan={b['plan']}")
+  shutil.copy(b["corpus"], b["tmp"] / "cases" / "other.bin")
+  with open(b["tmp"] / "cases" / "other.bin", "r+b") as f:
+    f.seek(100)
+    f.write(b"XYZ")
+  return case, [str(b["plan"]), "made for another corpus (made from bytes:train)"], [b["plan"]]
+
+
+def e_prepare_data_manual_dir(b):
+  return _case("prepare_data", "--corpus=enwik8", f"--manual_dir={b['tmp']}/cases/no_such"), \
+      ["--manual_dir=", "not found"], []
+
+
+def e_full_disk_output(b):  # full disk while writing the results: one line, exit 2
+  setup = ("import builtins, errno, os\n_open = builtins.open\n"
+           "def _full(path, mode='r', *a, **k):\n"
+           "  if str(path).endswith('full.json') and 'w' in mode:\n"
+           "    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))\n"
+           "  return _open(path, mode, *a, **k)\n"
+           "builtins.open = _full\n")
+  case = _case("eval", f"--config={b['cfg']}", f"--checkpoint={b['export']}",
+               f"--output={b['tmp']}/cases/full.json", setup=setup)
+  return case, ["No space left on device", "full.json", "free space"], []
+
+
+ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_build_datastore_out_is_export, e_build_datastore_other_identity,
+               e_build_datastore_nlist0, e_build_datastore_entries_alone, e_build_datastore_nlist_flat,
+               e_import_fairseq_out_is_export, e_import_fairseq_checkpoint_folder, e_import_fairseq_text_checkpoint,
+               e_translate_max_sentences, e_translate_batch_sentences, e_translate_nprobe, e_translate_tune_modes,
+               e_generate_nprobe, e_generate_top_p, e_generate_bad_stored_temperature, e_eval_architecture_override,
+               e_eval_architecture_override_explicit_config, e_export_config_unknown_field,
+               e_export_config_unknown_field_explicit_config, e_eval_output_folder, e_eval_ext_output_folder,
+               e_byte_corpus_folder, e_token_file_folder, e_make_batches_out_is_workdir,
+               e_make_batches_out_other_corpus, e_batch_plan_other_corpus, e_prepare_data_manual_dir,
+               e_full_disk_output]
+
+
+# Recovery rows: builder(b) -> (cases, check(results, b))
+def r_split_overlap_allowed(b):
+  def check(rs, b):
+    assert rs[0]["rc"] == 0, rs[0]["err"][-3000:]
+    assert "| trime" in rs[0]["out"]
+
+  return [_ext(b, b["ds"], "--config.eval.split=test", "--allow_split_overlap")], check
+
+
+def r_build_datastore_overwrite(b):
+  x = _copy(b, "work", "ds_overwrite") / "export"
+
+  def check(rs, b):
+    assert rs[0]["rc"] == 0, rs[0]["err"][-3000:]
+    assert f"--overwrite: removing {x} (an export)" in rs[0]["out"]
+    assert json.loads((x / "meta.json").read_text())["format"].startswith("trime-datastore")
+
+  return [_case("build_datastore", f"--config={b['cfg']}", f"--checkpoint={b['export']}", f"--out={x}",
+                "--index=none", "--split=dev", "--overwrite")], check
+
+
+RECOVERY_CASES = [r_split_overlap_allowed, r_build_datastore_overwrite]
+
+
+@pytest.fixture(scope="module")
+def results(base):
+  (base["tmp"] / "cases").mkdir(exist_ok=True)
+  cases, rows = [], {}
+  user_files = [base["corpus"], base["cfg"], base["wiki"]]
+  for build in ERROR_CASES:
+    case, expect, watched = build(base)
+    watched = [p for p in watched if os.path.exists(p)] + user_files
+    rows[build.__name__] = (len(cases), expect, watched, tree_hashes(*watched))
+    cases.append(case)
+  for build in RECOVERY_CASES:
+    group, check = build(base)
+    rows[build.__name__] = (len(cases), len(group), check)
+    cases += group
+  t0 = time.perf_counter()
+  out = run_cases(cases, base["tmp"] / "cases_out")
+  print(f"\n{len(cases)} CLI cases in {time.perf_counter() - t0:.1f} s: "
+        + ", ".join(f"{c['module'].split('.')[1]} {r['seconds']:.1f}" for c, r in zip(cases, out)))
+  return out, rows
+
+
+@pytest.mark.parametrize("build", ERROR_CASES, ids=lambda f: f.__name__)
+def test_error_case(results, build):
+  out, rows = results
+  i, expect, watched, before = rows[build.__name__]
+  line = one_error_line(out[i])
+  print(f"\n{build.__name__}: {line}")
+  for s in expect:
+    assert s in line, (s, line)
+  assert tree_hashes(*watched) == before  # nothing the user had was changed
+
+
+@pytest.mark.parametrize("build", RECOVERY_CASES, ids=lambda f: f.__name__)
+def test_recovery_case(results, base, build):
+  out, rows = results
+  i, n, check = rows[build.__name__]
+  check(out[i:i + n], base)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# --help (issue 36.2): every `python -m launch.X` and every installed command, exit 0, its docstring and flags
+# ----------------------------------------------------------------------------------------------------------
+def _scripts() -> dict:
+  import tomllib
+
+  with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+    return tomllib.load(f)["project"]["scripts"]
+
+
+def _first_doc_line(module: str) -> str:
+  """The first line of a launch module's docstring, read without importing it (its absl flags would clash)."""
+  import ast
+
+  with open(os.path.join(REPO, *module.split(".")) + ".py") as f:
+    return (ast.get_docstring(ast.parse(f.read())) or "").strip().splitlines()[0]
+
+
+def test_help_of_every_command(tmp_path):
+  scripts = _scripts()
+  cases = [{"module": f"launch.{m}", "args": ["--help"]} for m in LAUNCH]
+  for name, target in sorted(scripts.items()):
+    mod, func = target.split(":")
+    cases.append({"script": name, "call": target, "args": ["--help"]})
+  out = run_cases(cases, tmp_path / "help")
+  for c, r in zip(cases, out):
+    what = c.get("script") or c["module"]
+    assert r["rc"] == 0, (what, r["rc"], r["err"][-2000:])
+    assert "Traceback" not in r["err"], (what, r["err"][-2000:])
+    module = c["module"] if "module" in c else "launch." + c["call"].split(":")[1]
+    doc_line = _first_doc_line(module)
+    assert doc_line in r["out"], (what, r["out"][:500])
+    assert "\nflags:\n" in r["out"] and "Try --helpfull" not in r["out"], (what, r["out"][-1500:])
+    own = [ln for ln in r["out"].splitlines() if ln.startswith("  --")]
+    assert len(own) >= 2, (what, r["out"])
+    assert "--xla_" not in r["out"] and "--jax_" not in r["out"]  # only its own flags
+
+
+def _cli_driver(cases_path: str, out_dir: str) -> None:
+  """tests.test_reliability's driver, plus {"call": "launch.cli:NAME", "script": "trime-x"} cases (an
+  installed command: its console-script function with sys.argv[0] = the command's name)."""
+  with open(cases_path) as f:
+    cases = json.load(f)
+  if not any("call" in c for c in cases):
+    return _driver(cases_path, out_dir)
+  from tests import test_reliability as R
+
+  results = []
+  for i, c in enumerate(cases):
+    prefix = os.path.join(out_dir, f"case{i}")
+    t0 = time.perf_counter()
+    if "call" in c:
+      pid = os.fork()
+      if pid == 0:
+        code = 1
+        try:
+          for fd, ext in ((1, ".out"), (2, ".err")):
+            os.dup2(os.open(prefix + ext, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+          import importlib
+
+          mod, func = c["call"].split(":")
+          sys.argv = [c["script"]] + list(c["args"])
+          getattr(importlib.import_module(mod), func)()
+          code = 0
+        except SystemExit as e:
+          code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:  # noqa: BLE001
+          import traceback
+
+          traceback.print_exc()
+        finally:
+          sys.stdout.flush()
+          sys.stderr.flush()
+          os._exit(code)
+      _, status = os.waitpid(pid, 0)
+      rc = os.waitstatus_to_exitcode(status)
+    else:
+      rc = R._run_forked(c["module"], c["args"], c.get("setup", ""), prefix)
+    with open(prefix + ".out") as fo, open(prefix + ".err") as fe:
+      results.append({"rc": rc, "out": fo.read(), "err": fe.read(), "seconds": time.perf_counter() - t0})
+  with open(os.path.join(out_dir, "results.json"), "w") as f:
+    json.dump(results, f)
+
+
+if __name__ == "__main__":
+  _cli_driver(sys.argv[1], sys.argv[2])
