@@ -109,7 +109,8 @@ def get_config():
   r.keep_checkpoints = 2  # checkpoints kept by the CheckpointManager
   r.keep_best = True  # also export the parameters with the lowest dev perplexity to <workdir>/best (ranked by
   #   trime_local ppl for TRIME models, none_ppl for vanilla; evaluated every eval_every updates and at the end)
-  r.tensorboard = True  # TensorBoard event files (losses, lr, grad norm, tokens/s, dev ppl) in <workdir>/tb
+  r.tensorboard = True  # event files in <workdir>/tb: losses, lr, grad norm, tokens/s, dev ppl, config, hparams
+  r.wandb_project = ""  # W&B project (non-empty: scalars, config go there too; pip install "trime-jax[wandb]")
   r.progress = "auto"  # auto (tqdm bar on a terminal or in a notebook, else ETA in the log lines) | bar | log
   r.profile_steps = ""  # "FIRST,LAST" (or "STEP"): jax.profiler trace of those updates to <workdir>/profile
   r.allow_config_change = False  # resume a workdir whose config.json differs in fields that change training

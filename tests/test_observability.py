@@ -1,11 +1,11 @@
-"""Observability: TensorBoard event files (decoded with protobuf, independently of the writer), the profiler
-trace, the progress bar's modes, the log filter that quietens orbax, and the new config fields' checks."""
+"""Observability: TensorBoard event files (read back with tensorboard's own event reader, as `tensorboard
+--logdir` would), config text and hparams, the optional W&B writer (offline mode), the profiler trace, the
+progress bar's modes, the log filter that quietens orbax, and the new config fields' checks."""
 
 import glob
 import json
 import logging
 import os
-import struct
 import sys
 
 import numpy as np
@@ -16,85 +16,103 @@ from trime_jax import event_writer
 from trime_jax.train import train_and_evaluate
 
 
-def _event_class():
-  """tensorboard.Event / Summary / SessionLog built from a descriptor written out here (field numbers as in
-  tensorboard's event.proto and summary.proto), so decoding does not go through our encoder."""
-  from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+def _accumulator(logdir):
+  """tensorboard's EventAccumulator over every event file in `logdir`; it drops what a SessionLog START (a
+  resumed run) supersedes, as TensorBoard's UI does."""
+  from tensorboard.backend.event_processing import event_accumulator as ea
 
-  f = descriptor_pb2.FileDescriptorProto(name="tb_event_test.proto", package="tbtest", syntax="proto3")
-  T = descriptor_pb2.FieldDescriptorProto
-  value = f.message_type.add(name="Value")
-  value.field.add(name="tag", number=1, type=T.TYPE_STRING, label=T.LABEL_OPTIONAL)
-  value.field.add(name="simple_value", number=2, type=T.TYPE_FLOAT, label=T.LABEL_OPTIONAL)
-  summary = f.message_type.add(name="Summary")
-  summary.field.add(name="value", number=1, type=T.TYPE_MESSAGE, type_name=".tbtest.Value", label=T.LABEL_REPEATED)
-  log = f.message_type.add(name="SessionLog")
-  log.field.add(name="status", number=1, type=T.TYPE_INT32, label=T.LABEL_OPTIONAL)
-  event = f.message_type.add(name="Event")
-  event.field.add(name="wall_time", number=1, type=T.TYPE_DOUBLE, label=T.LABEL_OPTIONAL)
-  event.field.add(name="step", number=2, type=T.TYPE_INT64, label=T.LABEL_OPTIONAL)
-  event.field.add(name="file_version", number=3, type=T.TYPE_STRING, label=T.LABEL_OPTIONAL)
-  event.field.add(name="summary", number=5, type=T.TYPE_MESSAGE, type_name=".tbtest.Summary", label=T.LABEL_OPTIONAL)
-  event.field.add(name="session_log", number=7, type=T.TYPE_MESSAGE, type_name=".tbtest.SessionLog",
-                  label=T.LABEL_OPTIONAL)
-  pool = descriptor_pool.DescriptorPool()
-  pool.Add(f)
-  return message_factory.GetMessageClass(pool.FindMessageTypeByName("tbtest.Event"))
+  acc = ea.EventAccumulator(str(logdir), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
+  acc.Reload()
+  return acc
 
 
 def read_events(path):
-  """The Event messages of one event file; every record's length and payload CRCs are checked."""
-  Event = _event_class()
-  with open(path, "rb") as f:
-    data = f.read()
-  events, pos = [], 0
-  while pos < len(data):
-    header = data[pos:pos + 8]
-    (length,) = struct.unpack("<Q", header)
-    assert struct.unpack("<I", data[pos + 8:pos + 12])[0] == event_writer.masked_crc32c(header)
-    payload = data[pos + 12:pos + 12 + length]
-    assert struct.unpack("<I", data[pos + 12 + length:pos + 16 + length])[0] == event_writer.masked_crc32c(payload)
-    events.append(Event.FromString(payload))
-    pos += 16 + length
-  return events
+  """The Event messages of one event file, read by tensorboard's loader (which checks every record's CRCs)."""
+  from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+  return list(EventFileLoader(str(path)).Load())
 
 
 def scalars(logdir):
-  """{tag: [(step, value), ...]} over a run's event files in order, dropping what a SessionLog START (a
-  resumed run) supersedes, as TensorBoard does."""
+  """{tag: [(step, value), ...]} as TensorBoard shows them."""
+  acc = _accumulator(logdir)
+  return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _hparams(acc) -> dict:
+  """{"session_start_info": proto, "session_end_info": proto} of the HParams plugin's data in a run."""
+  from tensorboard.plugins.hparams import plugin_data_pb2
+
   out = {}
-  for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
-    for e in read_events(path):
-      if e.HasField("session_log") and e.session_log.status == 1:
-        out = {tag: [(s, v) for s, v in pts if s < e.step] for tag, pts in out.items()}
-      for v in e.summary.value:
-        out.setdefault(v.tag, []).append((e.step, v.simple_value))
+  for content in acc.PluginTagToContent("hparams").values():
+    data = plugin_data_pb2.HParamsPluginData.FromString(content)
+    out[data.WhichOneof("data")] = getattr(data, data.WhichOneof("data"))
   return out
 
 
-def test_crc32c_and_records_decode_with_protobuf(tmp_path):
-  assert event_writer.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
-  assert event_writer.crc32c(b"") == 0
-  w = event_writer.EventWriter(str(tmp_path))
+def test_event_writer_scalars_restart_config_and_hparams(tmp_path):
+  from configs import default
+
+  cfg = default.get_config()
+  w = event_writer.EventWriter(str(tmp_path), config=cfg)
   w.scalars(3, {"train/loss": 2.5, "dev/none_ppl": 123.25})
+  w.scalars(8, {"train/loss": 2.0})  # logged by a run that was then interrupted before checkpointing update 8
   w.restart(7)
   w.scalars(7, {"train/loss": 1.0})
   w.close()
+  assert scalars(tmp_path) == {"train/loss": [(3, 2.5), (7, 1.0)], "dev/none_ppl": [(3, 123.25)]}
   (path,) = glob.glob(str(tmp_path / "events.out.tfevents.*"))
-  version, first, restart, second = read_events(path)
-  assert version.file_version == "brain.Event:2" and version.wall_time > 1e9
-  assert first.step == 3 and [(v.tag, v.simple_value) for v in first.summary.value] == [("train/loss", 2.5),
-                                                                                      ("dev/none_ppl", 123.25)]
-  assert restart.step == 7 and restart.session_log.status == 1
-  assert second.step == 7 and second.summary.value[0].simple_value == 1.0
-  data = bytearray(open(path, "rb").read())
-  data[-6] ^= 1  # a flipped bit in the last payload fails its CRC
-  open(path, "wb").write(bytes(data))
-  with pytest.raises(AssertionError):
-    read_events(path)
-  off = event_writer.EventWriter(str(tmp_path / "off"), enabled=False)
+  events = read_events(path)
+  assert events[0].file_version == "brain.Event:2" and events[0].wall_time > 1e9
+  assert [e.step for e in events if e.HasField("session_log")] == [7]
+  acc = _accumulator(tmp_path)
+  (text,) = acc.Tensors("config/text_summary")
+  shown = text.tensor_proto.string_val[0].decode()
+  assert shown.startswith("```\n") and json.loads(shown.strip("`\n")) == json.loads(cfg.to_json_best_effort())
+  hp = _hparams(acc)
+  assert set(hp) == {"session_start_info", "session_end_info"}
+  values = hp["session_start_info"].hparams
+  assert values["model.d_model"].number_value == cfg.model.d_model
+  assert values["trime.memory"].string_value == cfg.trime.memory
+  assert values["train.tensorboard"].bool_value is True
+  assert json.loads(values["data.split_fractions"].string_value) == list(cfg.data.split_fractions)
+  assert len(values) == len(event_writer.flat_hparams(cfg))
+
+  off = event_writer.EventWriter(str(tmp_path / "off"), enabled=False, config=cfg)
   off.scalars(1, {"x": 1.0})
+  off.close()
   assert not os.path.exists(tmp_path / "off")
+  with cfg.unlocked():
+    cfg.train.tensorboard = False
+  none = event_writer.EventWriter(str(tmp_path / "none"), config=cfg)
+  none.scalars(1, {"x": 1.0})
+  none.close()
+  assert not os.path.exists(tmp_path / "none")
+
+
+def test_wandb_writer_offline(tmp_path, monkeypatch):
+  """config.train.wandb_project logs the scalars and the config to W&B (offline mode: files only), and a
+  resumed run keeps the workdir's run id."""
+  pytest.importorskip("wandb")
+  from configs import default
+
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  cfg = default.get_config()
+  with cfg.unlocked():
+    cfg.train.wandb_project = "trime-test"
+    cfg.train.tensorboard = False
+  for step in (1, 2):
+    w = event_writer.EventWriter(str(tmp_path / "tb"), config=cfg)
+    w.scalars(step, {"train/loss_w": 2.5 - step})
+    w.close()
+  run_id = (tmp_path / "wandb" / "run_id").read_text()
+  runs = glob.glob(str(tmp_path / "wandb" / f"offline-run-*-{run_id}"))
+  assert len(runs) == 2, runs  # the second writer resumed the same run id
+  logged = b"".join(open(f, "rb").read() for r in runs for f in glob.glob(os.path.join(r, "run-*.wandb")))
+  for needle in (b"train/loss_w", b"1.5", b"0.5", b"trime-test", b"d_model", b"ce_warmup_steps"):
+    assert needle in logged, needle  # W&B's run files are protobuf records: keys and values appear as text
+  assert not os.path.exists(tmp_path / "tb")
 
 
 def test_training_writes_tensorboard_scalars_and_a_profile_trace(tmp_path):
@@ -108,13 +126,17 @@ def test_training_writes_tensorboard_scalars_and_a_profile_trace(tmp_path):
   train = [m for m in lines if "loss" in m]
   dev = [m for m in lines if m.get("split") == "dev"]
   tb = scalars(work / "tb")
+  # tensorboardX keeps only [-/\w.] in tags: "trime_local(tau=1)_ppl" shows as "trime_local_tau_1__ppl".
   assert set(tb) == {f"train/{k}" for k in ("loss", "ce_nll", "trime_nll", "ppl", "lr", "grad_norm", "tokens_per_s")} | {
-      "dev/none_ppl", "dev/trime_local(tau=1)_ppl"}
+      "dev/none_ppl", "dev/trime_local_tau_1__ppl"}
   for key in ("loss", "ce_nll", "trime_nll", "lr", "grad_norm"):  # float32 copies of metrics.jsonl
     assert [s for s, _ in tb[f"train/{key}"]] == [m["step"] for m in train] == [1, 2, 3, 4]
     np.testing.assert_array_equal([v for _, v in tb[f"train/{key}"]], np.float32([m[key] for m in train]))
-  for key in ("none_ppl", "trime_local(tau=1)_ppl"):  # the periodic evaluation and the final one
-    assert tb[f"dev/{key}"] == [(m["step"], np.float32(m[key])) for m in dev] and [m["step"] for m in dev] == [2, 4]
+  for key, tag in (("none_ppl", "none_ppl"), ("trime_local(tau=1)_ppl", "trime_local_tau_1__ppl")):
+    # the periodic evaluation and the final one
+    assert tb[f"dev/{tag}"] == [(m["step"], np.float32(m[key])) for m in dev] and [m["step"] for m in dev] == [2, 4]
+  hp = _hparams(_accumulator(work / "tb"))["session_start_info"].hparams
+  assert hp["train.num_steps"].number_value == 4 and hp["data.corpus"].string_value == "bytes"
   assert all(v > 0 for _, v in tb["train/tokens_per_s"])
   traces = glob.glob(str(work / "profile" / "plugins" / "profile" / "*" / "*.xplane.pb"))
   assert len(traces) == 1 and os.path.getsize(traces[0]) > 0

@@ -1,111 +1,122 @@
-"""TensorBoard scalars without TensorFlow: event files written record by record.
+"""Metric writers of a training run: TensorBoard through tensorboardX (no TensorFlow) and, optionally, Weights &
+Biases.
 
-An event file is a TFRecord stream of `tensorboard.Event` protos. Each record is
-  uint64 length | uint32 masked-crc32c(length) | payload | uint32 masked-crc32c(payload)   (little-endian)
-and the few proto fields a scalar needs are encoded here by hand (field numbers from tensorboard's
-event.proto and summary.proto), so the default install needs neither TensorFlow nor tensorboardX:
-
-  Event:      wall_time = 1 (double), step = 2 (int64), file_version = 3 (string), summary = 5 (Summary),
-              session_log = 7 (SessionLog)
-  Summary:    value = 1 (repeated Value)
-  Value:      tag = 1 (string), simple_value = 2 (float)
-  SessionLog: status = 1 (enum; START = 1)
-
-`tensorboard --logdir <workdir>/tb` reads them.
+`EventWriter(logdir, enabled, config)` is what the trainer holds. With a config it writes, besides the scalars:
+  - the config as text (TensorBoard's Text tab, tag `config`; W&B: the run's config),
+  - the config's fields as hyperparameters (TensorBoard's HParams tab: one session whose metrics are the run's
+    scalars, which TensorBoard lists by itself because no experiment summary fixes them).
+`config.train.tensorboard` turns the event files in `logdir` off; `config.train.wandb_project` (non-empty, with
+`pip install 'trime-jax[wandb]'`) logs the same scalars to that W&B project, the run's files under
+`<workdir>/wandb` (WANDB_MODE=offline keeps them there). `tensorboard --logdir <workdir>/tb` reads the event files.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import socket
-import struct
-import time
+import uuid
 
 
-def _make_table() -> list[int]:
-  table = []
-  for byte in range(256):
-    crc = byte
-    for _ in range(8):
-      crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1  # CRC-32C (Castagnoli), reflected
-    table.append(crc)
-  return table
+def flat_hparams(config) -> dict:
+  """{"model.d_model": 128, ...}: a config's leaves as TensorBoard hyperparameter values (bool / int / float / str;
+  lists, tuples and None as their JSON text)."""
+  tree = json.loads(config.to_json_best_effort()) if hasattr(config, "to_json_best_effort") else dict(config)
+  out = {}
+
+  def walk(node, prefix):
+    for k, v in node.items():
+      if isinstance(v, dict):
+        walk(v, f"{prefix}{k}.")
+      elif isinstance(v, (bool, int, float, str)):
+        out[f"{prefix}{k}"] = v
+      else:
+        out[f"{prefix}{k}"] = json.dumps(v)
+
+  walk(tree, "")
+  return out
 
 
-_CRC_TABLE = _make_table()
-
-
-def crc32c(data: bytes) -> int:
-  crc = 0xFFFFFFFF
-  for byte in data:
-    crc = _CRC_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-  return crc ^ 0xFFFFFFFF
-
-
-def masked_crc32c(data: bytes) -> int:
-  """TFRecord's mask: a CRC stored next to the data it covers would otherwise be easy to confuse with it."""
-  crc = crc32c(data)
-  return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def tfrecord(payload: bytes) -> bytes:
-  header = struct.pack("<Q", len(payload))
-  return header + struct.pack("<I", masked_crc32c(header)) + payload + struct.pack("<I", masked_crc32c(payload))
-
-
-# Protobuf wire format: a key is (field << 3 | wire type); 0 varint, 1 fixed64, 2 length-delimited, 5 fixed32.
-def _varint(n: int) -> bytes:
-  out = bytearray()
-  while True:
-    low, n = n & 0x7F, n >> 7
-    out.append(low | (0x80 if n else 0))
-    if not n:
-      return bytes(out)
-
-
-def _bytes_field(field: int, data: bytes) -> bytes:
-  return _varint(field << 3 | 2) + _varint(len(data)) + data
-
-
-def _event(step: int, wall_time: float, body: bytes) -> bytes:
-  return _varint(1 << 3 | 1) + struct.pack("<d", wall_time) + _varint(2 << 3 | 0) + _varint(max(int(step), 0)) + body
-
-
-def scalar_event(step: int, values: dict[str, float], wall_time: float) -> bytes:
-  summary = b"".join(
-      _bytes_field(1, _bytes_field(1, tag.encode()) + _varint(2 << 3 | 5) + struct.pack("<f", float(v)))
-      for tag, v in values.items())
-  return _event(step, wall_time, _bytes_field(5, summary))
+def config_text(config) -> str:
+  """The config as a Markdown code block (TensorBoard renders text summaries as Markdown)."""
+  body = config.to_json_best_effort(indent=2) if hasattr(config, "to_json_best_effort") else json.dumps(
+      config, indent=2, default=str)
+  return "```\n" + body + "\n```"
 
 
 class EventWriter:
-  """Appends scalar events to a new `events.out.tfevents.*` file in `logdir`; every call is flushed, so a
-  killed run loses nothing it logged. `enabled=False` (processes other than 0) makes every call a no-op."""
+  """Scalars (and, given the config, config text and hyperparameters) to TensorBoard and optionally W&B.
 
-  def __init__(self, logdir: str, enabled: bool = True):
-    self._file = None
+  Every `scalars` call is flushed to the event file, so a killed run keeps what it logged. `enabled=False`
+  (processes other than 0) makes every call a no-op and creates nothing."""
+
+  def __init__(self, logdir: str, enabled: bool = True, config=None):
+    self._tb = self._wandb = None
+    self._hparams = None
     if not enabled:
       return
-    os.makedirs(logdir, exist_ok=True)
-    name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
-    self.path = os.path.join(logdir, name)
-    self._file = open(self.path, "ab")
-    self._write(_event(0, time.time(), _bytes_field(3, b"brain.Event:2")))
+    train = config.get("train", {}) if config is not None else {}
+    if train.get("tensorboard", True):
+      from tensorboardX import SummaryWriter
 
-  def _write(self, event: bytes) -> None:
-    if self._file is not None:
-      self._file.write(tfrecord(event))
-      self._file.flush()
+      # The pid keeps two writers of one second apart (tensorboardX names files by time and host only).
+      self._tb = SummaryWriter(logdir, flush_secs=10, filename_suffix=f".{os.getpid()}")
+    project = train.get("wandb_project", "")
+    if project:
+      self._wandb = _wandb_run(project, os.path.dirname(os.path.abspath(logdir)), config)
+    if config is not None and self._tb is not None:
+      from tensorboardX.summary import hparams
+
+      self._tb.add_text("config", config_text(config), 0)
+      # Only the session start: without an experiment summary TensorBoard's HParams tab takes the metrics from
+      # the run's scalar tags, so nothing here has to know which dev metrics training will log.
+      _, start, self._hparams = hparams(flat_hparams(config), {})
+      self._tb.file_writer.add_summary(start)
+      self._tb.flush()
 
   def scalars(self, step: int, values: dict[str, float]) -> None:
-    self._write(scalar_event(step, values, time.time()))
+    if self._tb is not None:
+      for tag, v in values.items():
+        self._tb.add_scalar(tag, float(v), int(step))
+      self._tb.flush()
+    if self._wandb is not None:
+      self._wandb.log({k: float(v) for k, v in values.items()}, step=int(step))
 
   def restart(self, step: int) -> None:
-    """A resumed run: a SessionLog START at `step` tells TensorBoard to drop events at `step` and later from
-    the interrupted run (they are logged again), as TensorFlow's own writer does on restart."""
-    self._write(_event(step, time.time(), _bytes_field(7, _varint(1 << 3 | 0) + _varint(1))))
+    """A resumed run: a SessionLog START at `step` tells TensorBoard to drop the interrupted run's events at
+    `step` and later (they are logged again), as TensorFlow's own writer does on restart. (W&B keeps a resumed
+    run's history and ignores steps it has seen.)"""
+    if self._tb is not None:
+      from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+      self._tb.file_writer.add_event(Event(step=int(step), session_log=SessionLog(status=SessionLog.START)))
+      self._tb.flush()
 
   def close(self) -> None:
-    if self._file is not None:
-      self._file.close()
-      self._file = None
+    if self._tb is not None:
+      if self._hparams is not None:
+        self._tb.file_writer.add_summary(self._hparams)  # the HParams session's end (status: success)
+      self._tb.close()
+      self._tb = None
+    if self._wandb is not None:
+      self._wandb.finish()
+      self._wandb = None
+
+
+def _wandb_run(project: str, workdir: str, config):
+  """A W&B run for `workdir`, resumed when the workdir had one (its id is kept in `<workdir>/wandb/run_id`)."""
+  try:
+    import wandb
+  except ImportError:
+    raise ImportError("train.wandb_project needs wandb: pip install 'trime-jax[wandb]'") from None
+  directory = os.path.join(workdir, "wandb")
+  os.makedirs(directory, exist_ok=True)
+  id_path = os.path.join(directory, "run_id")
+  if os.path.exists(id_path):
+    with open(id_path) as f:
+      run_id = f.read().strip()
+  else:
+    run_id = uuid.uuid4().hex[:12]
+    with open(id_path, "w") as f:
+      f.write(run_id)
+  return wandb.init(project=project, dir=workdir, id=run_id, resume="allow", name=os.path.basename(workdir),
+                    config=json.loads(config.to_json_best_effort()))

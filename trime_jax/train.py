@@ -570,7 +570,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   state = jax.device_put(state, repl)
   mgr = ckpt.manager(os.path.join(workdir, "checkpoints"), train_cfg.keep_checkpoints)
   restored_step, restored = ckpt.restore_latest(mgr, ckpt.abstract(state), log=_log)
-  tb = event_writer.EventWriter(os.path.join(workdir, "tb"), enabled=_chief() and train_cfg.tensorboard)
+  tb = event_writer.EventWriter(os.path.join(workdir, "tb"), enabled=_chief(), config=config)  # reads train.tensorboard
   if restored is not None:
     tb.restart(restored_step + 1)  # TensorBoard drops the interrupted run's events past the checkpoint
     state = restored
