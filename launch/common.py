@@ -264,6 +264,9 @@ def default_workdir(config_path: str) -> str:
   return os.path.join("runs", name)
 
 
+DATASTORE_FILES = ("keys.npy", "values.npy", "meta.json", "index.faiss", "index.faiss.json")
+
+
 def describe_target(path: str) -> str:
   """What an output path holds, for refusing it: "" (absent, or an empty folder), else "an export", "a training
   workdir", "a datastore", "a batch plan", "a file", or "a folder with N files (a, b, ...)"."""
@@ -289,6 +292,9 @@ def describe_target(path: str) -> str:
   if not isinstance(meta, dict):
     meta = {}
   if str(meta.get("format", "")).startswith("trime-datastore"):
+    return "a datastore"
+  # A datastore build stopped (a kill, a full disk) before its first meta.json: only its own files are there.
+  if "meta.json" not in names and all(n in DATASTORE_FILES or ".tmp" in n for n in names):
     return "a datastore"
   if "params_digest" in meta or ("params" in names and "config.json" in names):
     return "an export"
