@@ -20,7 +20,7 @@ import math  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from trime_jax import exact_memory, loss, sharding  # noqa: E402
+from trime_jax import exact_memory, scoring, sharding  # noqa: E402
 
 N_DEV = 8
 
@@ -84,20 +84,20 @@ def check():
     want = ref_log_probs(logits, q, k, t, mask, tau)
     case = {}
     for chunk in (0, 2):
-      got = loss.sharded_memory_log_probs(logits, q, k, t, mask, mesh=mesh, temperature=tau, memory_chunk=chunk)
+      got = scoring.sharded_memory_log_probs(logits, q, k, t, mask, mesh=mesh, temperature=tau, memory_chunk=chunk)
       case[f"chunk{chunk}"] = err(got, want)
     case["vs_memory_log_probs"] = err(
-        loss.sharded_memory_log_probs(logits, q, k, t, mask, mesh=mesh, temperature=tau),
-        loss.memory_log_probs(logits, q, k, t, mask, temperature=tau))
-    case["no_mask"] = err(loss.sharded_memory_log_probs(logits, q, k, t, None, mesh=mesh, temperature=tau),
+        scoring.sharded_memory_log_probs(logits, q, k, t, mask, mesh=mesh, temperature=tau),
+        scoring.memory_log_probs(logits, q, k, t, mask, temperature=tau))
+    case["no_mask"] = err(scoring.sharded_memory_log_probs(logits, q, k, t, None, mesh=mesh, temperature=tau),
                           ref_log_probs(logits, q, k, t, np.ones((n, m), bool), tau))
     case["sums_to_one"] = float(np.abs(np.exp(np.asarray(
-        loss.sharded_memory_log_probs(logits, q, k, t, mask, mesh=mesh, temperature=tau))).sum(-1) - 1).max())
+        scoring.sharded_memory_log_probs(logits, q, k, t, mask, mesh=mesh, temperature=tau))).sum(-1) - 1).max())
     case["no_memory_row_is_softmax"] = err(np.asarray(want)[2], logits[2] - np.logaddexp.reduce(logits[2]))
     # Gradients w.r.t. queries and memory keys equal the single-device function's.
-    f = lambda qq, kk: (loss.sharded_memory_log_probs(logits, qq, kk, t, mask, mesh=mesh, temperature=tau,
+    f = lambda qq, kk: (scoring.sharded_memory_log_probs(logits, qq, kk, t, mask, mesh=mesh, temperature=tau,
                                                       memory_chunk=2) * np.arange(v)).sum()
-    g = lambda qq, kk: (loss.memory_log_probs(logits, qq, kk, t, mask, temperature=tau) * np.arange(v)).sum()
+    g = lambda qq, kk: (scoring.memory_log_probs(logits, qq, kk, t, mask, temperature=tau) * np.arange(v)).sum()
     case["grad"] = max(err(a, b) for a, b in zip(jax.grad(f, (0, 1))(q, k), jax.grad(g, (0, 1))(q, k)))
     # The on-device datastore: full distribution (generation) and the evaluation's log-sum-exp terms.
     store = exact_memory.from_arrays(k, t, mesh)

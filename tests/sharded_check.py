@@ -1,6 +1,6 @@
 """Sharded TRIME loss vs the single-device computation, on 8 virtual CPU devices.
 
-  python tests/sharded_check.py loss|model|train [workdir]
+  python tests/sharded_check.py loss|model|train|placed [workdir]
 
 Run in a subprocess by tests/test_sharded.py (the device count must be set before jax initialises, and the
 pytest process already has 1 device). Prints one JSON object of measured differences; the test asserts on
@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from trime_jax import loss as L  # noqa: E402
+from trime_jax import scoring as S  # noqa: E402
 from trime_jax import sharded_loss  # noqa: E402
 from trime_jax.sharding import make_mesh  # noqa: E402
 
@@ -66,8 +67,8 @@ def local_only_reference(stats, keys, targets, memory, m, drop_local, temperatur
   scale = 1.0 / (np.sqrt(d) * temperature)
   sim = jnp.where(device[:, None] == device[None, :], q @ q.T, q @ jax.lax.stop_gradient(q).T) * scale
   positive = mask & (flat.target[None, :] == flat.target[:, None])
-  log_z = L.masked_logsumexp_with(stats.log_normalizer.reshape(-1), sim, mask)
-  log_p = L.masked_logsumexp_with(stats.target_logit.reshape(-1), sim, positive)
+  log_z = S.masked_logsumexp_with(stats.log_normalizer.reshape(-1), sim, mask)
+  log_p = S.masked_logsumexp_with(stats.target_logit.reshape(-1), sim, positive)
   return jnp.where(targets >= 0, (log_z - log_p).reshape(b, l), 0.0)
 
 
@@ -337,7 +338,64 @@ def check_srupp_train(workdir, corpus):
   return losses
 
 
+def check_placed():
+  """Inputs placed on the mesh as a user of a mesh has them (`jax.device_put(x, NamedSharding(mesh,
+  P("data")))`), on our mesh (auto axes) and on `jax.make_mesh`'s default (explicit axes), eager and jitted:
+  every memory kind and variant of `sharded_trime_nll`, `sharded_trime_nll_from_vocab_stats` and
+  `sharded_memory_log_probs` run and equal the single-device results (float32)."""
+  rng = np.random.default_rng(1)
+  b, seg, d, v = 16, 4, 8, 7  # 2 rows per device: long runs of 4 rows span 2 devices
+  logits = rng.normal(size=(b, seg, v)).astype(np.float32)
+  keys = rng.normal(size=(b, seg, d)).astype(np.float32)
+  targets = rng.integers(0, v, size=(b, seg)).astype(np.int32)
+  targets[3, 1:] = -1
+  drop = rng.random(b) < 0.5
+  docs = np.cumsum(rng.random((b, seg)) < 0.2).reshape(b, seg).astype(np.int32)
+  mem_keys = rng.normal(size=(24, d)).astype(np.float32)
+  mem_targets = rng.integers(-1, v, size=24).astype(np.int32)
+  mask = rng.random((b, 24)) < 0.7
+  kinds = [("none", 1, None, None), ("local", 1, None, None), ("long", 4, None, docs), ("ext", 1, drop, None)]
+  want = {mem: L.trime_nll(logits, keys, targets, memory=mem, consecutive_segments=m, temperature=TEMPERATURE,
+                           drop_local=False if dl is None else dl, documents=dc, implementation="dense")
+          for mem, m, dl, dc in kinds}
+  want_probs = S.memory_log_probs(logits[:, 0], keys[:, 0], mem_keys, mem_targets, mask, temperature=TEMPERATURE)
+  explicit = jax.make_mesh((N_DEV,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  # Every kind and variant on the explicit mesh (where unplaced inputs fail), eager and jitted; on ours (auto
+  # axes, the training path) ext's two variants jitted. (mesh, memory kinds, APIs, ways to call)
+  runs = [(explicit, kinds, ("logits",), ("eager", "jit")), (explicit, kinds[3:], ("vocab_stats",), ("eager", "jit")),
+          (make_mesh(N_DEV), kinds[3:], ("logits",), ("jit",))]
+  cases = []
+  for mesh, mesh_kinds, apis, hows in runs:
+    put = lambda x, mesh=mesh: jax.device_put(x, NamedSharding(mesh, P("data")))
+    mesh_name = "explicit" if mesh is explicit else "auto"
+    for mem, m, dl, dc in mesh_kinds:
+      for var in ("gather", "ring"):
+        for api in apis:
+          def f(lg, ks, t, dl, dc, mem=mem, m=m, var=var, api=api, mesh=mesh, put=put):
+            opts = dict(mesh=mesh, memory=mem, consecutive_segments=m, temperature=TEMPERATURE, variant=var,
+                        documents=dc, drop_local=False if dl is None else dl)
+            if api == "logits":
+              return sharded_loss.sharded_trime_nll(lg, ks, t, **opts)
+            st = L.VocabStats(*(put(x) for x in L.vocab_stats(lg, t)))
+            return sharded_loss.sharded_trime_nll_from_vocab_stats(st, ks, t, **opts)
+          args = (put(logits), put(keys), put(targets), None if dl is None else put(dl),
+                  None if dc is None else put(dc))
+          for how in hows:
+            got = (f if how == "eager" else jax.jit(f))(*args)
+            cases.append({"mesh": mesh_name, "memory": mem, "variant": var, "api": api, "how": how,
+                          "err": float(jnp.abs(got - want[mem]).max())})
+  put = lambda x: jax.device_put(x, NamedSharding(explicit, P("data")))
+  g = lambda lg, q, k, t, mk: sharded_loss.sharded_memory_log_probs(lg, q, k, t, mk, mesh=explicit,
+                                                                    temperature=TEMPERATURE)
+  for how in ("eager", "jit"):
+    got = (g if how == "eager" else jax.jit(g))(put(logits[:, 0]), put(keys[:, 0]), put(mem_keys),
+                                                put(mem_targets), put(mask))
+    cases.append({"mesh": "explicit", "memory": "log_probs", "variant": "-", "api": "memory_log_probs",
+                  "how": how, "err": float(jnp.abs(got - want_probs).max())})
+  return {"cases": cases}
+
+
 if __name__ == "__main__":
   which = sys.argv[1]
-  result = {"loss": check_loss, "model": check_model}[which]() if which != "train" else check_train(sys.argv[2])
+  result = {"loss": check_loss, "model": check_model, "placed": check_placed}[which]() if which != "train" else check_train(sys.argv[2])
   print("RESULT " + json.dumps(result), flush=True)

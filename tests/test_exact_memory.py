@@ -156,7 +156,7 @@ def test_evaluate_checkpoint_with_datastore_on_device(setup, monkeypatch):  # no
 
   s = setup
   splits = types.SimpleNamespace(train=s["train"], dev=s["dev"], get=lambda split: s["dev"])
-  monkeypatch.setattr(evaluate, "load_eval_data", lambda config, vocab: splits)
+  monkeypatch.setattr(evaluate.runner, "load_eval_data", lambda config, vocab: splits)  # what evaluate_checkpoint reads
   cfg = s["cfg"]
   assert cfg.eval.datastore_on_device is False  # the default
   cfg.eval.datastore, cfg.eval.knn_k, cfg.eval.knn_gpu = str(s["tmp"] / "ds"), 10_000, False

@@ -16,6 +16,7 @@ from trime_jax import data
 from trime_jax.datastore import Datastore
 from trime_jax import generate as G
 from trime_jax import model as M
+from trime_jax import scoring
 from trime_jax.errors import CheckpointError, ConfigError
 
 WORDS = ["</s>", "<unk>", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "to", "door", ".", ","]
@@ -348,8 +349,8 @@ def test_on_device_datastore_generation_is_every_entry_exactly(tmp_path, byte_ge
   seq = [byte_gen.vocab.bos] + list(b"def add(a")
   logits, keys = _uncached(_model(byte_gen), seq)
   q = jnp.asarray(keys[-1:], jnp.float32)
-  base = G._log_weights(jnp.asarray(logits[-1:], jnp.float32), q, jnp.asarray(keys[:-1], jnp.float32),
-                        jnp.asarray(seq[1:], jnp.int32), jnp.ones((1, len(seq) - 1), bool), tau=0.5)
+  base = scoring.memory_log_weights(jnp.asarray(logits[-1:], jnp.float32), q, jnp.asarray(keys[:-1], jnp.float32),
+                                    jnp.asarray(seq[1:], jnp.int32), jnp.ones((1, len(seq) - 1), bool), temperature=0.5)
   got = np.exp(np.asarray(exact_memory.exact_external_log_probs(base, q, device, temperature=0.5), np.float64))[0]
   want = np_step(logits[-1], keys[-1], np.concatenate([keys[:-1], np.asarray(ds.keys, np.float64)]),
                  np.concatenate([seq[1:], np.asarray(ds.values)]), 0.5)

@@ -20,6 +20,7 @@ from trime_jax import corpora
 from trime_jax import data as D
 from trime_jax import evaluate
 from trime_jax import loss
+from trime_jax import scoring
 from trime_jax import sweep
 from trime_jax.batching import consecutive
 from trime_jax.batching import plan as batch_plan
@@ -162,8 +163,8 @@ def test_plan_rows_are_the_layout_of_the_long_loss(layout):
     pos = np.where(valid, pos, 0)
     docs = D.segment_documents(corpus, segs, rows) if layout == "packed" else None  # what BatchSource feeds
     meta = loss.batch_meta(jnp.asarray(targets), "long", 3, documents_BxL=docs)
-    flat = loss.TokenMeta(*(x.reshape(-1) for x in meta))
-    got = np.asarray(loss.visible(flat, flat, True, False))
+    flat = scoring.TokenMeta(*(x.reshape(-1) for x in meta))
+    got = np.asarray(scoring.visible(flat, flat, True, False))
     run = np.repeat(np.arange(len(rows)) // 3, 4)
     want = (run[:, None] == run[None, :]) & (pos[None, :] < pos[:, None]) & valid[None, :]
     if layout == "packed":

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests import reference as ref
-from trime_jax import loss
+from trime_jax import loss, scoring
 
 # (memory, m, variant): variant False / True = drop_local for every row; "rows" = drop_local per row (mixed);
 # "docs" = packed long-term runs whose rows hold several documents (per-token document ids).
@@ -187,7 +187,7 @@ def test_memory_log_probs_is_the_distribution(temperature):
   mask = rng.random((n, mm)) < 0.5
   mask[1] = False
   with jax.enable_x64(True):
-    lp = np.asarray(loss.memory_log_probs(logits, q, k, mt, mask, temperature=temperature))
+    lp = np.asarray(scoring.memory_log_probs(logits, q, k, mt, mask, temperature=temperature))
     nll = np.asarray(loss.memory_nll(logits, q, t, k, mt, mask, temperature=temperature))
   np.testing.assert_allclose(np.exp(lp).sum(-1), 1.0, rtol=1e-12)
   for i in range(n):
@@ -200,7 +200,7 @@ def test_memory_log_probs_is_the_distribution(temperature):
   q, k = (rng.normal(size=(n, d)) * 3).astype(np.float32), (rng.normal(size=(mm, d)) * 3).astype(np.float32)
   t, mt = rng.integers(0, v, n), rng.integers(0, v, mm)
   mask = rng.random((n, mm)) < 0.3
-  lp = np.asarray(loss.memory_log_probs(logits, q, k, mt, mask, temperature=temperature))
+  lp = np.asarray(scoring.memory_log_probs(logits, q, k, mt, mask, temperature=temperature))
   nll = np.asarray(loss.memory_nll(logits, q, t, k, mt, mask, temperature=temperature))
   np.testing.assert_allclose(np.exp(lp).sum(-1), 1.0, rtol=1e-5)
   np.testing.assert_allclose(-lp[np.arange(n), t], nll, rtol=1e-4, atol=1e-5)

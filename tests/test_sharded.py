@@ -29,13 +29,13 @@ def _free_port():
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
-  """Start the loss, model and train groups and the two processes of the multi-host check as subprocesses;
+  """Start the loss, model, train and placed groups and the two processes of the multi-host check as subprocesses;
   `checks(name)` waits for one's JSON result."""
   workdir = str(tmp_path_factory.mktemp("sharded_train"))
   env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
   procs = {name: subprocess.Popen([sys.executable, os.path.join(HERE, "sharded_check.py"), name, workdir],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-           for name in ("loss", "model", "train")}
+           for name in ("loss", "model", "train", "placed")}
   cluster = dict(env, JAX_NUM_PROCESSES="2", JAX_COORDINATOR_ADDRESS=f"localhost:{_free_port()}")
   multihost = str(tmp_path_factory.mktemp("multihost"))
   for i in range(2):
@@ -77,6 +77,24 @@ def test_every_memory_mode_and_variant_equals_trime_nll(checks):
     assert c["grad_err"] <= 1e-10 * max(1.0, c["grad_scale"]), c
     assert c["grad_scale"] > 0.1, c  # the gradients compared are not trivially zero
 
+
+
+def test_inputs_placed_on_the_mesh_are_accepted(checks):
+  """Arrays a user of a mesh has — `jax.device_put(x, NamedSharding(mesh, P("data")))`, on a mesh with explicit
+  axes (`jax.make_mesh`'s default) — eager and under jit: every memory kind and variant of sharded_trime_nll,
+  the vocab-stats entry and sharded_memory_log_probs run (arrays built inside, like the per-query causal mask,
+  are placed as the rows) and equal the single-device results."""
+  cases = checks("placed")["cases"]
+  got = {(c["mesh"], c["memory"], c["variant"], c["api"], c["how"]) for c in cases}
+  for mem in ("none", "local", "long", "ext"):
+    for var in ("gather", "ring"):
+      for how in ("eager", "jit"):
+        assert ("explicit", mem, var, "logits", how) in got
+        assert ("explicit", "ext", var, "vocab_stats", how) in got
+      assert ("auto", "ext", var, "logits", "jit") in got
+  assert {("explicit", "log_probs", "-", "memory_log_probs", how) for how in ("eager", "jit")} <= got
+  for c in cases:
+    assert c["err"] <= 1e-5, c
 
 def test_memory_topk_on_8_devices_equals_trime_nll(checks):
   """memory_topk (the original MT's --topk-mem) with the gather variant: each query's k most similar memories of

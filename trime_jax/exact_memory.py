@@ -10,7 +10,7 @@ sharded as `P("data")`, padded to a multiple of the device count with invisible 
                            family of `evaluate` needs only these (TRIME at c = 1/τ, p_mem at θ, P′ at 1/τ′), so
                            the memory never leaves the devices and a query costs `[C, N]` numbers of traffic.
   exact_external_log_probs for generation: the full TRIME distribution `[N, V]` over the vocabulary plus all
-                           datastore memories (`sharded_loss.sharded_memory_log_probs`, no mask).
+                           datastore memories (`scoring.sharded_memory_log_probs`, no mask).
 
 sim = g(c)·k_j / √D, as `knn.ExternalMemory` returns it. Each device scans its shard in chunks with a running
 max; the devices combine with one `pmax` and one `psum` (the max first, so no device's sums underflow).
@@ -29,10 +29,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from trime_jax import loss, sharding
+from trime_jax import scoring, sharding
 from trime_jax.datastore import Datastore
 from trime_jax.errors import CheckpointError, ConfigError
-from trime_jax.sharded_loss import fold_memory_chunks, sharded_memory_log_probs
 
 # Share of a device's memory the datastore may take (the rest: the model, activations, similarity blocks).
 MAX_MEMORY_SHARE = 0.8
@@ -155,7 +154,7 @@ def external_log_terms(queries_NxD, targets_N, store: DeviceDatastore, scales, *
   scales = tuple(float(c) for c in scales)
   per = store.keys.shape[0] // store.devices
   # One chunk holds [C + 1, N, chunk] floats (similarities and their exps at every scale).
-  chunk = memory_chunk or loss.chunk_len(q.shape[0] * (len(scales) + 1), per)
+  chunk = memory_chunk or scoring.chunk_len(q.shape[0] * (len(scales) + 1), per)
   neg, pos = _log_terms(store.mesh, store.axis, chunk, scales, q, t, store.keys, store.targets)
   return neg.reshape((len(scales),) + lead), pos.reshape((len(scales),) + lead)
 
@@ -169,7 +168,7 @@ def _log_terms(mesh, axis, chunk, scales, q_NxD, t_N, mk_MxD, mt_M):
 
 def _device_log_terms(axis, chunk, scales, q_NxD, t_N, mk_mxD, mt_m):
   n = q_NxD.shape[0]
-  acc = loss.accumulation_dtype(q_NxD, mk_mxD)  # float32 (float64 for float64 keys and queries)
+  acc = scoring.accumulation_dtype(q_NxD, mk_mxD)  # float32 (float64 for float64 keys and queries)
   c_C = jnp.asarray(scales, acc)
   inv_sqrt_d = 1.0 / math.sqrt(q_NxD.shape[-1])
 
@@ -177,7 +176,7 @@ def _device_log_terms(axis, chunk, scales, q_NxD, t_N, mk_mxD, mt_m):
     k = lax.dynamic_slice_in_dim(mk_mxD, start, size)
     mt = lax.dynamic_slice_in_dim(mt_m, start, size)
     sim_Nxc = jnp.einsum("nd,cd->nc", q_NxD, k, preferred_element_type=acc,
-                         precision=loss.similarity_precision(q_NxD, k)) * inv_sqrt_d
+                         precision=scoring.similarity_precision(q_NxD, k)) * inv_sqrt_d
     vis = (mt >= 0)[None, :]
     is_pos = mt[None, :] == t_N[:, None]
     out = []
@@ -191,7 +190,7 @@ def _device_log_terms(axis, chunk, scales, q_NxD, t_N, mk_mxD, mt_m):
     return tuple(out)
 
   empty = (jnp.full((n,), -jnp.inf, acc), jnp.zeros((len(scales), n), acc))
-  state = fold_memory_chunks(fold, (empty, empty), mt_m.shape[0], chunk)
+  state = scoring.fold_memory_chunks(fold, (empty, empty), mt_m.shape[0], chunk)
   result = []
   for mx_N, s_CxN in state:  # combine the devices: global max, then the rescaled sums
     g_N = lax.pmax(mx_N, axis)
@@ -202,7 +201,7 @@ def _device_log_terms(axis, chunk, scales, q_NxD, t_N, mk_mxD, mt_m):
 
 
 def summary_blocks(lse_neg_CxSxQ, lse_pos_CxSxQ, scales) -> dict:
-  """{scale c: a two-entry pseudo `evaluate.MemoryBlock`-like (sim, visible, positive) `[S, Q, 2]`} whose
+  """{scale c: a two-entry `scoring.MemoryBlock` (sim, visible, positive) `[S, Q, 2]`} whose
   masked log-sum-exp at scale c (c·sim) gives back lse_neg / lse_pos exactly: entry 0 holds the non-target
   memories' sum, entry 1 the target's (positive). Lets `evaluate.point_nlls` score the exact memory with the
   code that scores retrieved top-K entries."""
@@ -213,7 +212,7 @@ def summary_blocks(lse_neg_CxSxQ, lse_pos_CxSxQ, scales) -> dict:
     sim = jnp.stack([jnp.where(has_neg, neg, 0.0), jnp.where(has_pos, pos, 0.0)], -1) / c
     visible = jnp.stack([has_neg, has_pos], -1)
     positive = jnp.stack([jnp.zeros_like(has_pos), has_pos], -1)
-    out[c] = (sim, visible, positive)
+    out[c] = scoring.MemoryBlock(sim, visible, positive)
   return out
 
 
@@ -228,10 +227,10 @@ def exact_external_log_probs(token_logits_NxV, queries_NxD, store: DeviceDatasto
     P(w | c) ∝ exp(logit_w) + Σ_{j: x_j = w} exp(g(c)·k_j / √D / τ)
 
   For generation (one query per prompt and step): token_logits `[N, V]` the model's logits, queries `[N, D]`
-  its keys g(c). Replicated output. `sharded_loss.sharded_memory_log_probs` with every entry visible."""
+  its keys g(c). Replicated output. `scoring.sharded_memory_log_probs` with every entry visible."""
   queries_NxD, token_logits_NxV = replicated(store, queries_NxD), replicated(store, token_logits_NxV)
   if queries_NxD.shape[-1] != store.dimension:
     raise CheckpointError(f"queries of dimension {queries_NxD.shape[-1]} cannot score a datastore of dimension "
                           f"{store.dimension}")
-  return sharded_memory_log_probs(token_logits_NxV, queries_NxD, store.keys, store.targets, None, mesh=store.mesh,
+  return scoring.sharded_memory_log_probs(token_logits_NxV, queries_NxD, store.keys, store.targets, None, mesh=store.mesh,
                                   temperature=temperature, axis=store.axis, memory_chunk=memory_chunk)

@@ -2,8 +2,8 @@
 
     P(w | c) ∝ exp(logit_w) + Σ_{memories j with x_j = w} exp(g(c) · k_j / √D / τ)
 
-computed by `loss.memory_log_probs` (the dense segment-sum) for one query per row and step. The memories are
-(key, next token) pairs, exactly as evaluation lays them out (evaluate.py):
+computed by `scoring.memory_log_probs` (the dense segment-sum) for one query per row and step. The memories are
+(key, next token) pairs, exactly as evaluation lays them out (`evaluate.memory`):
 
   none       the model's softmax alone
   local      the keys of the prompt and of every token generated so far, per row (each keyed once, in the
@@ -46,7 +46,7 @@ from trime_jax import checkpoint as ckpt
 from trime_jax import data
 from trime_jax import exact_memory
 from trime_jax import knn
-from trime_jax import loss
+from trime_jax import scoring
 from trime_jax.errors import CheckpointError, ConfigError
 
 MEMORIES = ("none", "local", "long", "external")
@@ -100,17 +100,11 @@ class MemorySpec:
 # ----------------------------------------------------------------------------------------------------------
 def next_token_log_probs(logits_BxV, q_BxD, mem_keys_MxD, mem_targets_M, mem_mask_BxM, *, tau: float,
                          prime_M=None, interp_lambda: float = 0.0, interp_tau: float = 1.0):
-  """log P [B, V] of the next token: one `loss.memory_log_probs` call, every row's query against the memories
-  its mask shows (memories with target < 0 are empty slots). With interp_lambda > 0: (1-λ)·P_trime + λ·P′, P′
-  over the visible memories where `prime_M` is True (rows that see none keep P_trime)."""
-  log_p = loss.memory_log_probs(logits_BxV, q_BxD, mem_keys_MxD, mem_targets_M, mem_mask_BxM, temperature=tau)
-  if not interp_lambda:
-    return log_p
-  prime_BxM = mem_mask_BxM & prime_M[None, :] & (mem_targets_M[None, :] >= 0)
-  no_vocab = jnp.full_like(logits_BxV, -jnp.inf)  # P′ is memories only
-  log_prime = loss.memory_log_probs(no_vocab, q_BxD, mem_keys_MxD, mem_targets_M, prime_BxM, temperature=interp_tau)
-  mixed = jnp.logaddexp(math.log1p(-interp_lambda) + log_p, math.log(interp_lambda) + log_prime)
-  return jnp.where(prime_BxM.any(-1, keepdims=True), mixed, log_p)
+  """log P [B, V] of the next token: `scoring.trime_log_probs`, every row's query against the memories its mask
+  shows (memories with target < 0 are empty slots). With interp_lambda > 0: (1-λ)·P_trime + λ·P′, P′ over the
+  visible memories where `prime_M` is True (rows that see none keep P_trime)."""
+  return scoring.trime_log_probs(logits_BxV, q_BxD, mem_keys_MxD, mem_targets_M, mem_mask_BxM, tau=tau,
+                                 prime_M=prime_M, interp_lambda=interp_lambda, interp_tau=interp_tau)
 
 
 def filter_log_probs(log_p_BxV, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
@@ -212,18 +206,6 @@ def _remember(local_keys, local_targets, g_BxD, tokens_B, slot_B, active_B):
   return local_keys, local_targets.at[rows, slot].set(tokens_B, mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames=("tau",))
-def _log_weights(logits_BxV, q_BxD, mem_keys_MxD, mem_targets_M, mem_mask_BxM, *, tau: float):
-  """log(exp(logit_w) + Σ_{visible j, x_j = w} exp(g·k_j/√D/τ)) [B, V]: the unnormalised TRIME weights of the
-  given memories, to which `exact_memory.exact_external_log_probs` adds every on-device datastore entry."""
-  log_p = loss.memory_log_probs(logits_BxV, q_BxD, mem_keys_MxD, mem_targets_M, mem_mask_BxM, temperature=tau)
-  sims = jnp.einsum("bd,md->bm", q_BxD, mem_keys_MxD, precision=jax.lax.Precision.HIGHEST)
-  sims = sims / (math.sqrt(q_BxD.shape[-1]) * tau)
-  sims = jnp.where(mem_mask_BxM & (mem_targets_M[None, :] >= 0), sims, -jnp.inf)
-  log_z = jnp.logaddexp(jax.nn.logsumexp(logits_BxV, axis=-1), jax.nn.logsumexp(sims, axis=-1))
-  return log_p + log_z[:, None]
-
-
 def _exact_next_token(graphdef, params, f_BxD, g_BxD, local_keys, local_targets, store_keys, store_targets,
                       device_store, keys_B, slot_B, active_B, *, memory: MemorySpec, sampling: Sampling):
   """`_next_token` with every entry of an on-device datastore as external memory (exact sums, no top-K)."""
@@ -236,7 +218,8 @@ def _exact_next_token(graphdef, params, f_BxD, g_BxD, local_keys, local_targets,
     keys = jnp.concatenate([keys, store_keys.astype(jnp.float32)])
     targets = jnp.concatenate([targets, store_targets])
     mask = jnp.concatenate([mask, jnp.ones((b, store_targets.shape[0]), bool)], axis=1)
-  base = _log_weights(logits, q, keys.astype(jnp.float32), targets, mask, tau=memory.tau)
+  # the unnormalised TRIME weights of the local / long-term memories, to which every datastore entry is added
+  base = scoring.memory_log_weights(logits, q, keys.astype(jnp.float32), targets, mask, temperature=memory.tau)
   log_p = exact_memory.exact_external_log_probs(base, q, device_store, temperature=memory.tau)
   tokens = sample(jnp.asarray(log_p), keys_B, sampling)
   local_keys, local_targets = _remember(local_keys, local_targets, g_BxD, tokens, slot_B, active_B)

@@ -2,7 +2,7 @@
 keys, next tokens, positions and documents (shapes: S streams, M slots, Q queries per window, D key dim).
 
   * every scored token is inserted exactly once, with the key computed in the window that scored it;
-  * who sees what is `evaluate.long_term_block`'s TokenMeta + `loss.visible`: a query in a window fed from
+  * who sees what is `evaluate.long_term_block`'s TokenMeta + `scoring.visible`: a query in a window fed from
     target position `start`, scored from `score_start`, sees the store tokens q with
     score_start - mem_size <= q < score_start (layout "original", the release's: the window's context tokens
     are also local memory, so they count twice), or score_start - context_window - mem_size <= q < start

@@ -1,31 +1,23 @@
-"""The TRIME objective: one softmax over the vocabulary and an in-batch memory.
-
-    P(w | c) ∝ exp(E_w · f(c)) + Σ_{j visible, x_j = w} exp(g(c) · g(c_j) / √d / τ)
-
-The vocabulary side enters only through two numbers per query (see `vocab_stats`): its log-normaliser
-log Σ_v exp(E_v · f) and the target's logit. The memory side is a set of keys with next-token targets and a
-*visibility rule*: local, long-term and external memory differ only in who may see whom (`TokenMeta` +
-`visible`), never in the loss code.
+"""The TRIME objective: a batch whose memory is the batch itself.
 
     nll_i = log(Z_vocab_i + Σ_{j vis} e^{s_ij}) - log(e^{logit_i,y_i} + Σ_{j vis, x_j = y_i} e^{s_ij})
 
-Both log-terms always contain a vocabulary term, so a query with no visible memory falls back to the plain
-softmax exactly (no additive -10000 masks anywhere). Implementations:
+The distribution and its pieces are `scoring`'s (similarities, `TokenMeta` + `visible`, the dense and blockwise
+log terms); this module lays a training batch out for them and owns what only training needs:
 
-* dense (`memory_nll`, `memory_log_probs`): explicit `[N, M]` masks, for tests and small memories;
-  `sharded_memory_log_probs` is the same distribution with the memory sharded over devices (`sharded_loss`);
-* blockwise (`memory_log_terms`): scans memory chunks with a running log-sum-exp under a custom VJP that
-  recomputes similarities in the backward pass, so no `[N, M]` float array is ever held for the batch. Its
-  kernels (`fold_memory`, `memory_grads`) are public: `sharded_loss`'s ring folds each passing block with them.
-* `trime_nll` exploits structure: local memory is block-diagonal (one `[L, L]` block per segment) and
-  long-term memory is block-diagonal per document run; only external memory spans the whole batch. Its
-  default `implementation="auto"` keeps the per-group blocks for autodiff when they fit a 64 MiB budget
-  (no recomputation) and switches to the blockwise kernel when they do not.
+* the vocabulary side as two numbers per query (`VocabStats`: `vocab_stats` from full logits,
+  `chunked_vocab_stats` a running log-sum-exp over vocabulary chunks with a recomputing VJP);
+* `batch_meta` / `per_query_causal`: local, long-term and external memory as `TokenMeta` of the batch;
+* the objective's options, once (`ObjectiveSpec`, built from the config by `ObjectiveSpec.from_config`);
+* `trime_nll` / `trime_nll_from_vocab_stats`, which exploit structure: local memory is block-diagonal (one
+  `[L, L]` block per segment), long-term memory block-diagonal per document run, only external memory spans
+  the batch. `implementation="auto"` keeps the per-group blocks for autodiff when they fit a 64 MiB budget
+  (no recomputation) and switches to `scoring.memory_log_terms` (blockwise) when they do not; "dense" is one
+  `[BL, BL]` mask (tests);
+* `memory_nll` (dense, explicit `[N, M]` masks, for tests and small memories).
 
-The objective's options (memory kind, run length, temperature, stop-gradient, implementation, chunking) are one
-frozen `ObjectiveSpec`, built from the config once (`ObjectiveSpec.from_config`) and handed to the loss. At test
-time the same `TokenMeta` + `visible` decide what a query sees (`evaluate.py`: the window, the long-term store
-via `span`, retrieved entries as rows of their own).
+The same global batch sharded over devices: `sharded_loss` (above this module). This module imports only
+`scoring`.
 
 Shapes in names: N queries, M memories, D key dim, V vocabulary, B segments, L tokens per segment.
 """
@@ -34,46 +26,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from trime_jax import scoring
+# The scorer's names the objective's callers use with it (model heads return VocabStats; TokenMeta + visible
+# are the objective's memory rule): defined in `scoring`, importable from here as well.
+from trime_jax.scoring import DEFAULT_BLOCK_ELEMS, TokenMeta, VocabStats, accumulation_dtype, visible
 
 MEMORY_MODES = ("none", "local", "long", "ext")
 # auto: per-group dense blocks with plain autodiff when they fit `block_elems`, else blockwise;
 # blockwise: always the chunked custom-VJP kernel; dense: one [BL, BL] mask for the whole batch (tests).
 IMPLEMENTATIONS = ("auto", "blockwise", "dense")
 
-# Default budget for one similarity block (queries × memory chunk) in the blockwise path: 2^24 float32
-# values = 64 MiB. The chunk length along the memory axis is derived from it and the number of queries.
-DEFAULT_BLOCK_ELEMS = 1 << 24
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Vocabulary side: two numbers per query.
 # ----------------------------------------------------------------------------------------------------------
-class VocabStats(NamedTuple):
-  """What the TRIME objective needs from the output layer, per query."""
-
-  log_normalizer: jax.Array  # [...] log Σ_v exp(logit_v)
-  target_logit: jax.Array  # [...] logit of the target token (0 where the target is padding)
-
-
-def accumulation_dtype(*xs):
-  """Accumulation dtype: at least float32 (float64 stays float64, bfloat16 is promoted)."""
-  return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
-
-
-def similarity_precision(*xs):
-  """Matmul precision of memory similarities (and their gradients): full float32 for float32 keys, since
-  the accelerators' default (TF32 on GPUs, one bfloat16 pass on TPUs) rounds similarities that reach the
-  tens by ~1e-3 relative, enough to move the loss; bfloat16 keys need nothing (their products are exact in
-  the float32 accumulator) and keep the fast default."""
-  full = all(jnp.dtype(x.dtype).itemsize >= 4 for x in xs)
-  return jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT
-
-
 def _safe_targets(targets):
   return jnp.maximum(targets, 0)
 
@@ -167,46 +137,6 @@ def chunked_vocab_stats(hidden, weight_VxD, targets, *, bias_V=None, chunk=8192)
 # ----------------------------------------------------------------------------------------------------------
 # Memory side: who may see whom.
 # ----------------------------------------------------------------------------------------------------------
-class TokenMeta(NamedTuple):
-  """Per-token metadata from which visibility is derived (all int32, same shape)."""
-
-  row: jax.Array  # segment (row) index in the global batch
-  group: jax.Array  # causal group: the segment (local/ext) or the run of consecutive segments (long)
-  order: jax.Array  # order within the group: earlier tokens have smaller values
-  target: jax.Array  # next token; < 0 marks padding (never memory, nll 0)
-  doc: jax.Array  # document id: causal memory only within the same document (constant unless packed runs)
-
-
-def visible(query: TokenMeta, memory: TokenMeta, causal, cross_rows: bool, span=None):
-  """`[..., N, M]` bool: memory j is visible to query i (queries `[..., N]`, memories `[..., M]`).
-
-  causal (bool scalar or `[..., N]` per query, may be traced): earlier tokens of the same group and document
-  are visible (local / long-term memory); a query whose `causal` is False has no such memory (ext memory's
-  dropped local memory, drawn per segment). span (optional, test-time long-term store; scalar or `[..., N]`
-  per query): only earlier tokens at most `span` before the query's order. cross_rows (static): every token
-  of every *other* row is visible (external in-batch memory; at test time, retrieved entries carry row -1).
-  Padding memories (target < 0) are never visible.
-  """
-  causal = jnp.asarray(causal, bool)
-  causal = causal[..., None] if causal.ndim else causal
-  q = lambda x: x[..., :, None]
-  m = lambda x: x[..., None, :]
-  same_group = (q(query.group) == m(memory.group)) & (q(query.doc) == m(memory.doc))
-  earlier = same_group & (m(memory.order) < q(query.order))
-  if span is not None:
-    span = jnp.asarray(span)
-    earlier = earlier & (m(memory.order) >= q(query.order) - (q(span) if span.ndim else span))
-  vis = earlier & causal
-  if cross_rows:
-    vis = vis | (q(query.row) != m(memory.row))
-  return vis & (m(memory.target) >= 0)
-
-
-def positive(query: TokenMeta, memory: TokenMeta, vis):
-  """`[..., N, M]` bool: visible memories whose next token is the query's target (the numerator's terms)."""
-  return vis & (memory.target[..., None, :] == query.target[..., :, None])
-
-
 def batch_meta(targets_BxL, memory: str, consecutive_segments: int = 1, row_offset=0,
                documents_BxL=None, rows_BxL=None) -> TokenMeta:
   """`TokenMeta` `[B, L]` for a batch whose memory is the batch itself (see `trime_nll`).
@@ -252,104 +182,12 @@ def per_query_causal(memory: str, drop_local, b: int, l: int):
 # ----------------------------------------------------------------------------------------------------------
 # Dense path (explicit masks).
 # ----------------------------------------------------------------------------------------------------------
-def masked_logsumexp_with(first_N, scores_NxM, mask_NxM):
-  """log(exp(first) + Σ_j mask·exp(scores)) over the last axis (any leading shape).
-
-  Exact: masked entries contribute nothing and get zero gradient. `first` may be -inf (then the result is
-  the masked log-sum-exp alone, -inf where nothing is visible).
-  """
-  masked = jnp.where(mask_NxM, scores_NxM, -jnp.inf)
-  m = jnp.maximum(first_N, masked.max(axis=-1))
-  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-  total = jnp.exp(first_N - m) + jnp.exp(masked - m[..., None]).sum(axis=-1)
-  return m + jnp.log(total)
-
-
-def _dot(keys_NxD, memory_keys_MxD):
-  acc = accumulation_dtype(keys_NxD, memory_keys_MxD)
-  return jnp.einsum("nd,md->nm", keys_NxD, memory_keys_MxD, preferred_element_type=acc,
-                    precision=similarity_precision(keys_NxD, memory_keys_MxD))
-
-
-@jax.custom_vjp
-def _key_grad_masked_dot(keys_NxD, memory_keys_MxD, key_grad_mask_NxM):
-  """q · k `[N, M]` whose gradient reaches memory key j from query i only where key_grad_mask[i, j] (the
-  queries' gradient is complete): `memory_grad_group_rows`."""
-  return _dot(keys_NxD, memory_keys_MxD)
-
-
-def _key_grad_masked_dot_fwd(keys_NxD, memory_keys_MxD, key_grad_mask_NxM):
-  return _dot(keys_NxD, memory_keys_MxD), (keys_NxD, memory_keys_MxD, key_grad_mask_NxM)
-
-
-def _key_grad_masked_dot_bwd(res, g_NxM):
-  q, k, mask = res
-  prec = similarity_precision(q, k)
-  dq = jnp.einsum("nm,md->nd", g_NxM, k.astype(g_NxM.dtype), precision=prec)
-  dk = jnp.einsum("nm,nd->md", jnp.where(mask, g_NxM, 0.0), q.astype(g_NxM.dtype), precision=prec)
-  return dq.astype(q.dtype), dk.astype(k.dtype), None
-
-
-_key_grad_masked_dot.defvjp(_key_grad_masked_dot_fwd, _key_grad_masked_dot_bwd)
-
-
-def _similarities(keys_NxD, memory_keys_MxD, scale, key_grad_mask=None):
-  """q · k · scale `[N, M]`; key_grad_mask `[N, M]` (optional): memory key j gets gradient from query i only
-  where it is True (the value is unchanged)."""
-  if key_grad_mask is None:
-    return _dot(keys_NxD, memory_keys_MxD) * scale
-  return _key_grad_masked_dot(keys_NxD, memory_keys_MxD, key_grad_mask) * scale
-
-
-def same_grad_group(query_row, memory_row, group_rows: int):
-  """`[..., N, M]` bool: query and memory rows lie in the same group of `group_rows` consecutive rows of the
-  global batch (one original GPU's segments: `ObjectiveSpec.memory_grad_group_rows`). Padding memories (row
-  -1) are in no query's group."""
-  q = query_row[..., :, None] // group_rows
-  m = memory_row[..., None, :]
-  return (m >= 0) & (q == m // group_rows)
-
-
-def _scale(d: int, temperature):
-  return 1.0 / (math.sqrt(d) * temperature)
-
-
-def similarity_scale(d: int, temperature, dtype):
-  """1 / (√d · τ) in `dtype` (τ may be traced): the factor on q·k of the blockwise paths."""
-  return jnp.asarray(_scale(d, 1.0), dtype) / jnp.asarray(temperature, dtype)
-
-
-def _dense_nll(stats: VocabStats, keys, targets, memory_keys, memory_targets, memory_mask, scale,
-               key_grad_mask=None):
-  mask = memory_mask & (memory_targets[None, :] >= 0)
-  sim = _similarities(keys, memory_keys, scale, key_grad_mask)
-  positive = mask & (memory_targets[None, :] == targets[:, None])
-  log_z = masked_logsumexp_with(stats.log_normalizer, sim, mask)
-  log_p = masked_logsumexp_with(stats.target_logit, sim, positive)
-  return jnp.where(targets >= 0, log_z - log_p, 0.0)
-
-
-def topk_dense_nll(stats: VocabStats, keys, targets, memory_keys, memory_targets, memory_mask, scale, k: int,
-                   key_grad_mask=None):
-  """`_dense_nll` where each query's softmax keeps only its k most similar visible memories (numerator and
-  normaliser alike): the original TrimeMT criterion's `--topk-mem` (trime_mt_loss.py, top-k before the label
-  match). Gradients reach the selected memories only (and, with key_grad_mask, only where it is True)."""
-  mask = memory_mask & (memory_targets[None, :] >= 0)
-  sim = jnp.where(mask, _similarities(keys, memory_keys, scale, key_grad_mask), -jnp.inf)
-  top_sim, idx = jax.lax.top_k(sim, min(k, sim.shape[-1]))
-  top_mask = jnp.isfinite(top_sim)  # fewer than k visible: the rest stay out
-  positive = top_mask & (memory_targets[idx] == targets[:, None])
-  log_z = masked_logsumexp_with(stats.log_normalizer, top_sim, top_mask)
-  log_p = masked_logsumexp_with(stats.target_logit, top_sim, positive)
-  return jnp.where(targets >= 0, log_z - log_p, 0.0)
-
-
 def memory_nll_from_vocab_stats(
     stats: VocabStats, keys, targets, memory_keys, memory_targets, memory_mask, *, temperature=1.0
 ):
   """`memory_nll` with the vocabulary side given as `VocabStats` `[N]` (dense mask `[N, M]`)."""
-  scale = _scale(keys.shape[-1], temperature)
-  return _dense_nll(stats, keys, targets, memory_keys, memory_targets, memory_mask, scale)
+  scale = scoring.static_scale(keys.shape[-1], temperature)
+  return scoring.dense_nll(stats, keys, targets, memory_keys, memory_targets, memory_mask, scale)
 
 
 def memory_nll(token_logits, keys, targets, memory_keys, memory_targets, memory_mask, *, temperature=1.0):
@@ -364,172 +202,6 @@ def memory_nll(token_logits, keys, targets, memory_keys, memory_targets, memory_
       stats, keys, targets, memory_keys, memory_targets, memory_mask, temperature=temperature
   )
 
-
-@jax.jit
-def _memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask, scale):
-  n, v = token_logits.shape
-  logits = token_logits.astype(accumulation_dtype(token_logits, keys))
-  mask = memory_mask & (memory_targets[None, :] >= 0)
-  sim_MxN = jnp.where(mask, _similarities(keys, memory_keys, scale), -jnp.inf).T
-  buckets = jnp.maximum(memory_targets, 0)
-  # Segment-sum scatter of exp(sim) into vocabulary buckets, in log space: a per-bucket max first, so a
-  # bucket's mass survives even when it is far below the row's largest logit.
-  bmax_VxN = jax.ops.segment_max(sim_MxN, buckets, num_segments=v)
-  bmax_VxN = jax.lax.stop_gradient(jnp.where(jnp.isfinite(bmax_VxN), bmax_VxN, 0.0))
-  bsum_VxN = jax.ops.segment_sum(jnp.exp(sim_MxN - bmax_VxN[buckets]), buckets, num_segments=v)
-  log_total_NxV = jnp.logaddexp(logits, (bmax_VxN + jnp.log(bsum_VxN)).T)
-  return log_total_NxV - jax.nn.logsumexp(log_total_NxV, axis=-1, keepdims=True)
-
-
-def memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask, *, temperature=1.0):
-  """The full memory-augmented distribution `[N, V]` (log-probabilities; rows sum to 1).
-
-  exp(sim) of every visible memory is scattered into its target's vocabulary bucket with a jit-compiled
-  segment sum and added to exp(logits) before normalising.
-  """
-  scale = jnp.asarray(_scale(keys.shape[-1], temperature), accumulation_dtype(keys))
-  return _memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask, scale)
-
-
-def sharded_memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask=None, *, mesh,
-                             temperature=1.0, **options):
-  """`memory_log_probs` with the memory sharded over the `data` axis of `mesh` (memory_mask may be None: all
-  visible). Implemented in `sharded_loss.sharded_memory_log_probs` (see there for `axis`, `memory_chunk`)."""
-  from trime_jax import sharded_loss  # imported here: sharded_loss imports this module
-
-  return sharded_loss.sharded_memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask,
-                                               mesh=mesh, temperature=temperature, **options)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Blockwise path: running log-sum-exp over memory chunks, custom VJP that recomputes similarities. The kernels
-# (`fold_memory`, `memory_grads`) are public: the ring of `sharded_loss` folds each passing block with them.
-# ----------------------------------------------------------------------------------------------------------
-def chunk_memory(chunk, keys_MxD, meta: TokenMeta):
-  """Keys `[n_chunks, chunk, D]` and metadata `[n_chunks, chunk]` (padding: target -1, never visible)."""
-  m = keys_MxD.shape[0]
-  n_chunks = -(-m // chunk)
-  pad = n_chunks * chunk - m
-  keys = jnp.pad(keys_MxD, ((0, pad), (0, 0))).reshape(n_chunks, chunk, -1)
-  padded = TokenMeta(*(jnp.pad(x, (0, pad), constant_values=-1).reshape(n_chunks, chunk) for x in meta))
-  return keys, padded
-
-
-def block_terms(q_NxD, k_CxD, qmeta, kmeta, causal, scale, cross_rows):
-  """(similarities `[N, C]` at `scale`, visible, positive) of queries against one memory chunk."""
-  s = jnp.einsum("nd,cd->nc", q_NxD, k_CxD, preferred_element_type=scale.dtype,
-                 precision=similarity_precision(q_NxD, k_CxD)) * scale
-  vis = visible(qmeta, kmeta, causal, cross_rows)
-  return s, vis, positive(qmeta, kmeta, vis)
-
-
-def start_log_terms(stats: VocabStats, dtype):
-  """Running (max, sum) of log Z and log P before any memory: the vocabulary terms alone."""
-  lse, tgt = stats.log_normalizer.astype(dtype), stats.target_logit.astype(dtype)
-  one = jnp.ones_like(lse)
-  return lse, one, tgt, one
-
-
-def finish_log_terms(state):
-  """(log Z, log P) `[N]` from the running (max, sum) pairs."""
-  mz, sz, mp, sp = state
-  return mz + jnp.log(sz), mp + jnp.log(sp)
-
-
-def fold_memory(chunk, q_NxD, qmeta, causal, scale, cross_rows, state, k_MxD, kmeta):
-  """Add a memory `[M, D]` to the running (max, sum) of log Z and log P, chunk by chunk."""
-  kc, mc = chunk_memory(chunk, k_MxD, kmeta)
-
-  def body(carry, blk):
-    mz, sz, mp, sp = carry
-    s, vis, pos = block_terms(q_NxD, blk[0], qmeta, blk[1], causal, scale, cross_rows)
-    sz_masked = jnp.where(vis, s, -jnp.inf)
-    sp_masked = jnp.where(pos, s, -jnp.inf)
-    new_mz = jnp.maximum(mz, sz_masked.max(axis=-1))
-    new_mp = jnp.maximum(mp, sp_masked.max(axis=-1))
-    sz = sz * jnp.exp(mz - new_mz) + jnp.exp(sz_masked - new_mz[:, None]).sum(axis=-1)
-    sp = sp * jnp.exp(mp - new_mp) + jnp.exp(sp_masked - new_mp[:, None]).sum(axis=-1)
-    return (new_mz, sz, new_mp, sp), None
-
-  return jax.lax.scan(body, state, (kc, mc))[0]
-
-
-def memory_grads(chunk, q_NxD, qmeta, causal, scale, cross_rows, log_z, log_p, g_z, g_p, with_dk, k_MxD, kmeta,
-                 grad_group_rows: int = 0):
-  """(dq `[N, D]`, dk `[M, D]` or None) of a memory's part of (log Z, log P) under cotangents (g_z, g_p),
-  similarities recomputed chunk by chunk. grad_group_rows > 0: a key's gradient comes only from queries whose
-  `row` lies in its group of that many consecutive rows (`same_grad_group`); dq is complete either way."""
-  kc, mc = chunk_memory(chunk, k_MxD, kmeta)
-  acc = scale.dtype
-  q32 = q_NxD.astype(acc)
-  prec = similarity_precision(q_NxD, k_MxD)
-
-  def body(dq, blk):
-    s, vis, pos = block_terms(q_NxD, blk[0], qmeta, blk[1], causal, scale, cross_rows)
-    # d logZ_i / d s_ij = vis·softmax weight; d logP_i / d s_ij = pos·weight within the positives.
-    g = g_z[:, None] * jnp.exp(jnp.where(vis, s - log_z[:, None], -jnp.inf))
-    g = g + g_p[:, None] * jnp.exp(jnp.where(pos, s - log_p[:, None], -jnp.inf))
-    g = g * scale
-    dq = dq + jnp.einsum("nc,cd->nd", g, blk[0].astype(acc), precision=prec)
-    if not with_dk:
-      return dq, None
-    if grad_group_rows > 0:
-      g = jnp.where(same_grad_group(qmeta.row, blk[1].row, grad_group_rows), g, 0.0)
-    return dq, jnp.einsum("nc,nd->cd", g, q32, precision=prec)
-
-  dq, dk = jax.lax.scan(body, jnp.zeros(q_NxD.shape, acc), (kc, mc))
-  return dq, (dk.reshape(-1, k_MxD.shape[-1])[: k_MxD.shape[0]] if with_dk else None)
-
-
-def vocab_stats_grads(stats: VocabStats, log_z, log_p, g_z, g_p) -> VocabStats:
-  """Cotangents of the vocabulary terms: each is one term of log Z (log P)."""
-  return VocabStats(
-      (g_z * jnp.exp(stats.log_normalizer - log_z)).astype(stats.log_normalizer.dtype),
-      (g_p * jnp.exp(stats.target_logit - log_p)).astype(stats.target_logit.dtype),
-  )
-
-
-def memory_log_terms(cross_rows, chunk, q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats: VocabStats,
-                     grad_group_rows: int = 0):
-  """(log Z, log P) `[N]` for queries against a memory, blockwise.
-
-  log Z = log(exp(log_normalizer) + Σ_{j vis} e^{s_ij}), log P = log(exp(target_logit) + Σ_{j vis, pos} e^{s_ij}),
-  s_ij = q_i · k_j · scale. Differentiable in q, k and `stats`; never holds more than `[N, chunk]` floats.
-  grad_group_rows > 0 (static): key j gets gradient only from queries of its row group (`memory_grads`).
-  """
-  return _memory_log_terms(cross_rows, chunk, int(grad_group_rows), q_NxD, k_MxD, qmeta, kmeta, causal, scale,
-                           stats)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _memory_log_terms(cross_rows, chunk, grad_group_rows, q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats):
-  return _memory_log_terms_fwd(cross_rows, chunk, grad_group_rows, q_NxD, k_MxD, qmeta, kmeta, causal, scale,
-                               stats)[0]
-
-
-def _memory_log_terms_fwd(cross_rows, chunk, grad_group_rows, q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats):
-  state = fold_memory(chunk, q_NxD, qmeta, causal, scale, cross_rows, start_log_terms(stats, scale.dtype), k_MxD,
-                      kmeta)
-  log_z, log_p = finish_log_terms(state)
-  return (log_z, log_p), (q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats, log_z, log_p)
-
-
-def _memory_log_terms_bwd(cross_rows, chunk, grad_group_rows, res, cotangents):
-  q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats, log_z, log_p = res
-  g_z, g_p = cotangents
-  dq, dk = memory_grads(chunk, q_NxD, qmeta, causal, scale, cross_rows, log_z, log_p, g_z, g_p, True, k_MxD, kmeta,
-                        grad_group_rows)
-  d_stats = vocab_stats_grads(stats, log_z, log_p, g_z, g_p)
-  return dq.astype(q_NxD.dtype), dk.astype(k_MxD.dtype), None, None, None, None, d_stats
-
-
-_memory_log_terms.defvjp(_memory_log_terms_fwd, _memory_log_terms_bwd)
-
-
-def chunk_len(n_queries: int, n_memory: int, block_elems: int = DEFAULT_BLOCK_ELEMS) -> int:
-  """Memory-chunk length so that one `[n_queries, chunk]` block holds about `block_elems` floats."""
-  c = max(128, block_elems // max(n_queries, 1))
-  return int(min(c, n_memory))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -638,7 +310,7 @@ def trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: Objective
   causal = per_query_causal(memory, drop_local, b, l)
   cross_rows = memory == "ext"
   acc = accumulation_dtype(keys, stats.log_normalizer)
-  scale = similarity_scale(d, spec.temperature, acc)
+  scale = scoring.similarity_scale(d, spec.temperature, acc)
   mem_keys = jax.lax.stop_gradient(keys) if spec.stop_gradient_memory else keys
 
   if spec.implementation == "dense" or spec.memory_topk:
@@ -646,8 +318,9 @@ def trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: Objective
     mask = visible(flat, flat, causal.reshape(-1), cross_rows)
     flat_stats = VocabStats(*(x.reshape(-1) for x in stats))
     args = (flat_stats, keys.reshape(b * l, d), flat.target, mem_keys.reshape(b * l, d), flat.target, mask, scale)
-    kg = same_grad_group(flat.row, flat.row, cut) if cut else None
-    nll = topk_dense_nll(*args, spec.memory_topk, kg) if spec.memory_topk else _dense_nll(*args, kg)
+    kg = scoring.same_grad_group(flat.row, flat.row, cut) if cut else None
+    nll = (scoring.topk_dense_nll(*args, spec.memory_topk, kg) if spec.memory_topk
+           else scoring.dense_nll(*args, kg))
     return nll.reshape(b, l)
 
   g = _groups(memory, b, consecutive_segments)
@@ -662,13 +335,13 @@ def trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: Objective
     # The per-group [n, n] blocks fit the budget: plain autodiff keeps them for the backward instead of
     # recomputing them (cheaper when memory is no concern, e.g. local memory of short segments).
     mask = jax.vmap(visible, in_axes=(0, 0, 0, None))(gmeta, gmeta, grouped(causal), cross_rows)
-    kg = jax.vmap(lambda r: same_grad_group(r, r, cut))(gmeta.row) if cut else None
-    nll = jax.vmap(_dense_nll, in_axes=(0, 0, 0, 0, 0, 0, None, 0 if cut else None))(
+    kg = jax.vmap(lambda r: scoring.same_grad_group(r, r, cut))(gmeta.row) if cut else None
+    nll = jax.vmap(scoring.dense_nll, in_axes=(0, 0, 0, 0, 0, 0, None, 0 if cut else None))(
         gstats, grouped(keys), gmeta.target, grouped(mem_keys), gmeta.target, mask, scale, kg)
     return nll.reshape(b, l)
-  chunk = spec.memory_chunk or chunk_len(g * n, n, spec.block_elems)
+  chunk = spec.memory_chunk or scoring.chunk_len(g * n, n, spec.block_elems)
   terms = jax.vmap(
-      functools.partial(memory_log_terms, cross_rows, chunk, grad_group_rows=cut), in_axes=(0, 0, 0, 0, 0, None, 0)
+      functools.partial(scoring.memory_log_terms, cross_rows, chunk, grad_group_rows=cut), in_axes=(0, 0, 0, 0, 0, None, 0)
   )
   log_z, log_p = terms(grouped(keys), grouped(mem_keys), gmeta, gmeta, grouped(causal), scale, gstats)
   return jnp.where(valid, (log_z - log_p).reshape(b, l), 0.0)
@@ -693,3 +366,4 @@ def trime_nll(token_logits, keys, targets, spec: ObjectiveSpec | None = None, *,
   """
   return trime_nll_from_vocab_stats(vocab_stats(token_logits, targets), keys, targets,
                                     objective_spec(spec, options), drop_local=drop_local, documents=documents)
+

@@ -44,8 +44,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from trime_jax import loss
-from trime_jax.loss import TokenMeta, VocabStats
+from trime_jax import loss, scoring
+from trime_jax.scoring import TokenMeta, VocabStats
+# The full distribution with the memory sharded over devices is the scorer's (it is no loss); importable here too.
+from trime_jax.scoring import sharded_memory_log_probs  # noqa: F401
 from trime_jax.sharding import DATA
 
 VARIANTS = ("gather", "ring")
@@ -116,11 +118,14 @@ def sharded_trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: l
   rows = P(axis)
   # check_vma=False: the blockwise kernels of `loss` start their scans from device-invariant zeros, which
   # the varying-manual-axes type check rejects inside shard_map; every output here is per-device anyway.
-  per_device = jax.shard_map(functools.partial(_device_nll, static), mesh=mesh,
-                             in_specs=(rows, rows, rows, rows, rows, rows, P()), out_specs=rows, check_vma=False)
-  acc = loss.accumulation_dtype(keys, stats.log_normalizer)
-  return per_device(stats.log_normalizer, stats.target_logit, keys, targets, causal, groups,
-                    jnp.asarray(spec.temperature, acc))
+  specs = (rows, rows, rows, rows, rows, rows, P())
+  per_device = jax.shard_map(functools.partial(_device_nll, static), mesh=mesh, in_specs=specs, out_specs=rows,
+                             check_vma=False)
+  acc = scoring.accumulation_dtype(keys, stats.log_normalizer)
+  args = (stats.log_normalizer, stats.target_logit, keys, targets, causal, groups, jnp.asarray(spec.temperature, acc))
+  # Every input placed as its in_spec: the caller's arrays may be placed otherwise (replicated, or sharded on a
+  # mesh with explicit axes), and `causal` / `groups` are built here, unplaced.
+  return per_device(*(scoring.on_mesh(mesh, sp, x) for sp, x in zip(specs, args)))
 
 
 def sharded_trime_nll(token_logits, keys, targets, spec: loss.ObjectiveSpec | None = None, *, mesh, drop_local=False,
@@ -151,8 +156,8 @@ def _device_nll(st: _Static, lse_BxL, tgt_BxL, keys_BxLxD, targets_BxL, causal_B
     return loss.trime_nll_from_vocab_stats(stats, keys_BxLxD, targets_BxL, spec, documents=docs_BxL,
                                            rows=rows_BxL, row_offset=lax.axis_index(st.axis) * b)
 
-  acc = loss.accumulation_dtype(keys_BxLxD, lse_BxL)
-  scale = loss.similarity_scale(d, temperature, acc)
+  acc = scoring.accumulation_dtype(keys_BxLxD, lse_BxL)
+  scale = scoring.similarity_scale(d, temperature, acc)
   own = lax.stop_gradient(keys_BxLxD) if st.detach_own else keys_BxLxD
   remote = lax.stop_gradient(keys_BxLxD) if st.detach_remote else keys_BxLxD
   if memory == "long":
@@ -213,13 +218,13 @@ def _long_spanning(st: _Static, stats, keys, own, remote, targets, docs, scale):
   win_d = jnp.concatenate([halo_d, docs])
   g_runs = max((i * b + b - 1) // m - (i * b) // m + 1 for i in range(n))  # most runs any device touches
   cut = st.spec.key_grad_group_rows
-  terms = lambda *a: loss.memory_log_terms(False, *a, grad_group_rows=cut)
+  terms = lambda *a: scoring.memory_log_terms(False, *a, grad_group_rows=cut)
   flat_stats = VocabStats(*(x.reshape(-1) for x in stats))
 
   if b * (h + b) <= g_runs * m * m:
     kmeta = _flat(loss.batch_meta(win_t, "long", m, row_offset=r0 - h, documents_BxL=win_d))
     qmeta = _flat(loss.batch_meta(targets, "long", m, row_offset=r0, documents_BxL=docs))
-    chunk = st.spec.memory_chunk or loss.chunk_len(b * l, (h + b) * l, st.spec.block_elems)
+    chunk = st.spec.memory_chunk or scoring.chunk_len(b * l, (h + b) * l, st.spec.block_elems)
     log_z, log_p = terms(chunk, keys.reshape(-1, d), win_k.reshape(-1, d), qmeta, kmeta, jnp.asarray(True),
                          scale, flat_stats)
     return (log_z - log_p).reshape(b, l)
@@ -244,7 +249,7 @@ def _long_spanning(st: _Static, stats, keys, own, remote, targets, docs, scale):
   gstats = VocabStats(runs(zeros, stats.log_normalizer, 0), runs(zeros, stats.target_logit, 0))
 
   grouped = lambda x: x.reshape((g_runs, m * l) + x.shape[2:])
-  chunk = st.spec.memory_chunk or loss.chunk_len(g_runs * m * l, m * l, st.spec.block_elems)
+  chunk = st.spec.memory_chunk or scoring.chunk_len(g_runs * m * l, m * l, st.spec.block_elems)
   log_z, log_p = jax.vmap(functools.partial(terms, chunk), in_axes=(0, 0, 0, 0, None, None, 0))(
       grouped(q), grouped(k), TokenMeta(*map(grouped, qmeta)), TokenMeta(*map(grouped, kmeta)),
       jnp.asarray(True), scale, VocabStats(*map(grouped, gstats)))
@@ -265,13 +270,13 @@ def _ext_gather(st: _Static, stats, keys, own, remote, targets, causal, scale, r
   flat_stats = VocabStats(*(x.reshape(-1) for x in stats))
   cut = st.spec.key_grad_group_rows
   if st.spec.memory_topk:  # each query's k most similar visible memories of the global batch (dense [b·L, n·b·L])
-    mask = loss.visible(qmeta, kmeta, causal, True)
-    kg = loss.same_grad_group(qmeta.row, kmeta.row, cut) if cut else None
-    nll = loss.topk_dense_nll(flat_stats, keys.reshape(-1, d), qmeta.target, mem.reshape(-1, d), kmeta.target, mask,
+    mask = scoring.visible(qmeta, kmeta, causal, True)
+    kg = scoring.same_grad_group(qmeta.row, kmeta.row, cut) if cut else None
+    nll = scoring.topk_dense_nll(flat_stats, keys.reshape(-1, d), qmeta.target, mem.reshape(-1, d), kmeta.target, mask,
                               scale, st.spec.memory_topk, kg)
     return nll.reshape(b, l)
-  chunk = st.spec.memory_chunk or loss.chunk_len(b * l, st.n * b * l, st.spec.block_elems)
-  log_z, log_p = loss.memory_log_terms(True, chunk, keys.reshape(-1, d), mem.reshape(-1, d), qmeta, kmeta,
+  chunk = st.spec.memory_chunk or scoring.chunk_len(b * l, st.n * b * l, st.spec.block_elems)
+  log_z, log_p = scoring.memory_log_terms(True, chunk, keys.reshape(-1, d), mem.reshape(-1, d), qmeta, kmeta,
                                        causal, scale, flat_stats, grad_group_rows=cut)
   return (log_z - log_p).reshape(b, l)
 
@@ -279,7 +284,7 @@ def _ext_gather(st: _Static, stats, keys, own, remote, targets, causal, scale, r
 def _ext_ring(st: _Static, stats, keys, own, remote, targets, causal, scale):
   b, l, d = keys.shape
   key_grads = "none" if st.detach_own else "own" if st.detach_remote else "all"
-  chunk = st.spec.memory_chunk or loss.chunk_len(b * l, b * l, st.spec.block_elems)
+  chunk = st.spec.memory_chunk or scoring.chunk_len(b * l, b * l, st.spec.block_elems)
   log_z, log_p = _ring_log_terms(st.axis, st.n, chunk, key_grads, st.spec.key_grad_group_rows,
                                  keys.reshape(-1, d), own.reshape(-1, d),
                                  targets, causal, scale, VocabStats(*(x.reshape(-1) for x in stats)))
@@ -312,7 +317,7 @@ def _ring_fwd(axis, n, chunk, key_grads, grad_group_rows, q, k, targets, causal,
   i = lax.axis_index(axis)
   b = targets.shape[0]
   qmeta = _ext_meta(targets, i * b)
-  fold = functools.partial(loss.fold_memory, chunk, q, qmeta, causal, scale, True)
+  fold = functools.partial(scoring.fold_memory, chunk, q, qmeta, causal, scale, True)
   src = lambda s: ((i - s) % n) * b  # global row offset of the block held at step s
 
   def step(carry, s):
@@ -320,9 +325,9 @@ def _ring_fwd(axis, n, chunk, key_grads, grad_group_rows, q, k, targets, causal,
     k_next, t_next = _ring_pass(axis, n, (k_blk, t_blk))  # in flight while this block is folded in
     return (k_next, t_next, fold(state, k_blk, _ext_meta(t_blk, src(s)))), None
 
-  start = loss.start_log_terms(stats, scale.dtype)
+  start = scoring.start_log_terms(stats, scale.dtype)
   (k_last, t_last, state), _ = lax.scan(step, (k, targets, start), jnp.arange(n - 1))
-  log_z, log_p = loss.finish_log_terms(fold(state, k_last, _ext_meta(t_last, src(n - 1))))
+  log_z, log_p = scoring.finish_log_terms(fold(state, k_last, _ext_meta(t_last, src(n - 1))))
   return (log_z, log_p), (q, k, targets, causal, scale, stats, log_z, log_p)
 
 
@@ -333,7 +338,7 @@ def _ring_bwd(axis, n, chunk, key_grads, grad_group_rows, res, cotangents):
   b = targets.shape[0]
   qmeta = _ext_meta(targets, i * b)
   travel = key_grads == "all"
-  grads = lambda with_dk, k_blk, kmeta: loss.memory_grads(chunk, q, qmeta, causal, scale, True, log_z, log_p, g_z,
+  grads = lambda with_dk, k_blk, kmeta: scoring.memory_grads(chunk, q, qmeta, causal, scale, True, log_z, log_p, g_z,
                                                           g_p, with_dk, k_blk, kmeta, grad_group_rows)
   src = lambda s: ((i - s) % n) * b
 
@@ -359,110 +364,8 @@ def _ring_bwd(axis, n, chunk, key_grads, grad_group_rows, res, cotangents):
     dk = _ring_pass(axis, n, dk_acc)  # the gradient of block i+1 goes to device i+1; ours arrives from i-1
   elif dk is None:
     dk = jnp.zeros(k.shape, scale.dtype)
-  d_stats = loss.vocab_stats_grads(stats, log_z, log_p, g_z, g_p)
+  d_stats = scoring.vocab_stats_grads(stats, log_z, log_p, g_z, g_p)
   return dq.astype(q.dtype), dk.astype(k.dtype), None, None, None, d_stats
 
 
 _ring_log_terms.defvjp(_ring_fwd, _ring_bwd)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The full memory-augmented distribution with the memory sharded over devices (generation, exact external
-# memory): a per-device segment sum into vocabulary buckets, combined with a max / sum collective.
-# ----------------------------------------------------------------------------------------------------------
-def fold_memory_chunks(fold, state, m: int, chunk: int):
-  """`fold(state, start, size)` over memory rows [0, m) in chunks of `chunk` rows (static sizes; a shorter
-  last chunk). The chunks are dynamic slices of the caller's arrays: the memory shard is never copied."""
-  chunk = max(1, min(chunk, m))
-  full = m // chunk
-  if full:
-    state = lax.fori_loop(0, full, lambda i, s: fold(s, i * chunk, chunk), state)
-  if m % chunk:
-    state = fold(state, full * chunk, m % chunk)
-  return state
-
-
-def pad_memory(n: int, memory_keys, memory_targets, memory_mask=None):
-  """Pad the memory axis to a multiple of n devices: zero keys, target -1 (never visible), mask False."""
-  pad = -memory_keys.shape[0] % n
-  if not pad:
-    return memory_keys, memory_targets, memory_mask
-  memory_keys = jnp.pad(memory_keys, ((0, pad), (0, 0)))
-  memory_targets = jnp.pad(memory_targets, (0, pad), constant_values=-1)
-  if memory_mask is not None:
-    memory_mask = jnp.pad(memory_mask, ((0, 0), (0, pad)))
-  return memory_keys, memory_targets, memory_mask
-
-
-def sharded_memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask=None, *, mesh,
-                             temperature=1.0, axis: str = DATA, memory_chunk: int = 0):
-  """`loss.memory_log_probs` with the memory sharded over `axis` of `mesh`: log-probabilities `[N, V]`.
-
-  token_logits `[N, V]`, keys `[N, D]` (replicated: every device scores every query), memory_keys `[M, D]`,
-  memory_targets `[M]` int (negative: ignored), memory_mask `[N, M]` bool or None (every memory visible).
-  M need not be a multiple of the device count (the memory is padded with invisible entries; a memory already
-  sharded as `P(axis)` with M a multiple of n is used in place). Each device scans its shard in chunks of
-  `memory_chunk` rows (0: about `loss.DEFAULT_BLOCK_ELEMS` similarities per chunk), keeping per vocabulary
-  bucket a running max and a segment sum of exp(similarity - max); the devices' buckets are then combined
-  with one `pmax` and one `psum` of `[V, N]`, so no bucket's mass underflows however far it lies below the
-  others, and a device with no visible memory contributes exactly nothing. Returns a replicated array.
-  """
-  token_logits, keys = jnp.asarray(token_logits), jnp.asarray(keys)
-  memory_keys, memory_targets = jnp.asarray(memory_keys), jnp.asarray(memory_targets, jnp.int32)
-  n_q, v = token_logits.shape
-  m, d = memory_keys.shape
-  if keys.shape != (n_q, d) or memory_targets.shape != (m,):
-    raise ValueError(f"shapes do not fit: token_logits {token_logits.shape}, keys {keys.shape}, memory_keys "
-                     f"{memory_keys.shape}, memory_targets {memory_targets.shape}")
-  if memory_mask is not None:
-    memory_mask = jnp.asarray(memory_mask, bool)
-    if memory_mask.shape != (n_q, m):
-      raise ValueError(f"memory_mask must be [N={n_q}, M={m}], got {memory_mask.shape}")
-  n = mesh.shape[axis]
-  memory_keys, memory_targets, memory_mask = pad_memory(n, memory_keys, memory_targets, memory_mask)
-  acc = loss.accumulation_dtype(token_logits, keys)
-  scale = loss.similarity_scale(d, temperature, acc)
-  chunk = memory_chunk or loss.chunk_len(n_q, memory_keys.shape[0] // n)
-  return _sharded_log_probs(mesh, axis, chunk, token_logits.astype(acc), keys, memory_keys, memory_targets,
-                            memory_mask, scale)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _sharded_log_probs(mesh, axis, chunk, logits_NxV, q_NxD, mk_MxD, mt_M, mask_NxM, scale):
-  spec_mask = () if mask_NxM is None else (P(None, axis),)
-  args = () if mask_NxM is None else (mask_NxM,)
-  body = functools.partial(_device_log_probs, axis, chunk, mask_NxM is not None)
-  per_device = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axis), P(axis), P()) + spec_mask,
-                             out_specs=P(), check_vma=False)
-  return per_device(logits_NxV, q_NxD, mk_MxD, mt_M, scale, *args)
-
-
-def _device_log_probs(axis, chunk, has_mask, logits_NxV, q_NxD, mk_mxD, mt_m, scale, mask_Nxm=None):
-  n_q, v = logits_NxV.shape
-  acc = logits_NxV.dtype
-
-  def fold(state, start, size):
-    bmax_VxN, bsum_VxN = state
-    t = lax.dynamic_slice_in_dim(mt_m, start, size)
-    vis_cxN = jnp.broadcast_to((t >= 0)[:, None], (size, n_q))
-    if has_mask:
-      vis_cxN = vis_cxN & lax.dynamic_slice_in_dim(mask_Nxm, start, size, axis=1).T
-    k = lax.dynamic_slice_in_dim(mk_mxD, start, size)
-    sim_cxN = jnp.where(vis_cxN, loss._similarities(q_NxD, k, scale).T.astype(acc), -jnp.inf)
-    b = jnp.maximum(t, 0)
-    # Per-bucket running max (as `loss.memory_log_probs`): a bucket far below the row's best keeps its mass.
-    new_VxN = lax.stop_gradient(jnp.maximum(bmax_VxN, jax.ops.segment_max(sim_cxN, b, num_segments=v)))
-    ref_VxN = jnp.where(jnp.isfinite(new_VxN), new_VxN, 0.0)
-    bsum_VxN = (bsum_VxN * jnp.exp(bmax_VxN - ref_VxN)
-                + jax.ops.segment_sum(jnp.exp(sim_cxN - ref_VxN[b]), b, num_segments=v))
-    return new_VxN, bsum_VxN
-
-  start = (jnp.full((v, n_q), -jnp.inf, acc), jnp.zeros((v, n_q), acc))
-  bmax_VxN, bsum_VxN = fold_memory_chunks(fold, start, mt_m.shape[0], chunk)
-  # Combine the devices: the global per-bucket max, then every device's sum rescaled to it (exact; a device
-  # whose bucket is empty has max -inf and adds 0).
-  gmax_VxN = lax.pmax(lax.stop_gradient(bmax_VxN), axis)
-  ref_VxN = jnp.where(jnp.isfinite(gmax_VxN), gmax_VxN, 0.0)
-  total_VxN = lax.psum(bsum_VxN * jnp.exp(bmax_VxN - ref_VxN), axis)
-  log_total_NxV = jnp.logaddexp(logits_NxV, (ref_VxN + jnp.log(total_VxN)).T)
-  return log_total_NxV - jax.nn.logsumexp(log_total_NxV, axis=-1, keepdims=True)

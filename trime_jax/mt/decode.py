@@ -39,8 +39,8 @@ import numpy as np
 from flax import nnx
 
 from trime_jax import evaluate
-from trime_jax import generate
 from trime_jax import loss
+from trime_jax import scoring
 from trime_jax.datastore import Datastore, KnnIndex
 from trime_jax.errors import CheckpointError, ConfigError
 
@@ -191,8 +191,8 @@ def search(next_log_probs: NextLogProbs, src_lens, options: SearchOptions, **kw)
 # ----------------------------------------------------------------------------------------------------------
 # Next-token distributions over retrieved datastore entries (one row = one query; K entries per row)
 # ----------------------------------------------------------------------------------------------------------
-# Both reuse the LM's memory softmax (`loss.memory_log_probs`, via `generate.next_token_log_probs`) and its
-# mixture (`evaluate._mix`), vmapped over rows: each row sees only its own K retrieved entries.
+# Both are the LM's scorer (`scoring.trime_log_probs`, `scoring.memory_log_probs`, `scoring.mix`), vmapped over
+# rows: each row sees only its own K retrieved entries.
 MODES = ("model", "knn_mt", "trime")
 
 
@@ -208,7 +208,7 @@ def trime_log_probs(logits_NxV, q_NxD, keys_NxKxD, targets_NxK, *, tau: float, i
   """TrimeMT_ext: log P [N, V], P(w) ∝ exp(logit_w) + Σ_{retrieved j, x_j = w} exp(q·k_j / √D / τ); with
   interp_lambda > 0 Appendix A's (1 - λ)·P(τ) + λ·P′(τ′), P′(w) ∝ Σ_{retrieved, x_j = w} exp(q·k_j / √D / τ′).
   Entries with target < 0 (fewer than K found) are empty."""
-  fn = lambda lg, q, k, t, m: generate.next_token_log_probs(
+  fn = lambda lg, q, k, t, m: scoring.trime_log_probs(
       lg, q, k, t, m, tau=tau, prime_M=jnp.ones(t.shape, bool), interp_lambda=interp_lambda, interp_tau=interp_tau)
   return _per_row(fn, logits_NxV.astype(jnp.float32), q_NxD.astype(jnp.float32), keys_NxKxD.astype(jnp.float32),
                   targets_NxK)
@@ -216,7 +216,7 @@ def trime_log_probs(logits_NxV, q_NxD, keys_NxKxD, targets_NxK, *, tau: float, i
 
 def l2_as_inner_product(q_NxD, keys_NxKxD):
   """(q′ [N, D+1], k′ [N, K, D+1]) with q′·k′ = q·k - |k|²/2 = (|q|² - |q - k|²) / 2: a softmax over 2·q′·k′/T
-  is the softmax over -|q - k|²/T (|q|² is constant per row), which `loss.memory_log_probs` computes as its
+  is the softmax over -|q - k|²/T (|q|² is constant per row), which `scoring.memory_log_probs` computes as its
   q′·k′ / (√(D+1)·τ) with τ = T / (2·√(D+1))."""
   q = jnp.concatenate([q_NxD, jnp.ones(q_NxD.shape[:-1] + (1,), q_NxD.dtype)], -1)
   k = jnp.concatenate([keys_NxKxD, -0.5 * jnp.sum(keys_NxKxD ** 2, -1, keepdims=True)], -1)
@@ -231,10 +231,10 @@ def knn_mt_log_probs(logits_NxV, q_NxD, keys_NxKxD, targets_NxK, *, temperature:
   q, k = l2_as_inner_product(q_NxD.astype(jnp.float32), keys_NxKxD.astype(jnp.float32))
   tau = temperature / (2 * math.sqrt(q.shape[-1]))
   no_vocab = jnp.full_like(logits, -jnp.inf)  # p_kNN is memories only
-  fn = lambda lg, qq, kk, t, m: loss.memory_log_probs(lg, qq, kk, t, m, temperature=tau)
+  fn = lambda lg, qq, kk, t, m: scoring.memory_log_probs(lg, qq, kk, t, m, temperature=tau)
   log_knn = _per_row(fn, no_vocab, q, k, targets_NxK)
   has = (targets_NxK >= 0).any(-1, keepdims=True)
-  return evaluate._mix(jax.nn.log_softmax(logits, -1), log_knn, has, lam)
+  return scoring.mix(jax.nn.log_softmax(logits, -1), log_knn, has, lam)
 
 
 @dataclasses.dataclass
@@ -266,7 +266,7 @@ def retrieve(ds: Datastore, index: KnnIndex, q_NxD, k: int, *, metric: str, cand
   import faiss
 
   threads = faiss.omp_get_max_threads()
-  faiss.omp_set_num_threads(1)  # as generate._search: a few hundred queries gain nothing from OpenMP's start-up
+  faiss.omp_set_num_threads(1)  # as generation's search: a few hundred queries gain nothing from OpenMP's start-up
   try:
     _, ids_all = index.search(q, c)
   finally:

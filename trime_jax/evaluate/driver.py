@@ -1,0 +1,242 @@
+"""The one driver: `evaluate` runs a stream plan (`memory.stream_plan`) with one jitted forward pass
+(`forward_queries`), the host-side search of the external memory, and one jitted scoring step (`score_step`:
+every point of `points.point_nlls` from the memory blocks) per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from trime_jax import data
+from trime_jax import exact_memory
+from trime_jax import knn
+from trime_jax import long_memory
+from trime_jax import steps
+from trime_jax.errors import CheckpointError, ConfigError
+from trime_jax.evaluate.memory import (QueryStats, StoreSpec, external_block, local_block, long_term_block,
+                                       stream_plan)
+from trime_jax.evaluate.points import Point, exact_scales, point_nlls
+
+# ----------------------------------------------------------------------------------------------------------
+# The one step, in two jitted halves around the host-side search.
+# ----------------------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("graphdef", "queries", "vocab_chunk"))
+def forward_queries(graphdef, params, inputs_SxL, targets_SxL, qstart_S, carry=None, reset_S=None, *, queries: int,
+                    vocab_chunk: int):
+  """(keys [S, L, D], query keys [S, Q, D], query VocabStats [S, Q], query targets [S, Q], query window
+  positions [S, Q][, new carry]): the Q positions from `qstart` on (they include every scored position of the
+  window). A stateful model continues every stream from `carry` (reset where `reset_S`) and returns it too."""
+  model = nnx.merge(graphdef, params)
+  if carry is not None:
+    carry = model.reset_carry(carry, reset_S)
+    (stats, crit), keys, carry = steps.forward_carry(model, inputs_SxL, targets_SxL, carry, vocab_chunk=vocab_chunk,
+                                                     criterion="both")
+  else:
+    (stats, crit), keys = steps.forward(model, inputs_SxL, targets_SxL, vocab_chunk=vocab_chunk, criterion="both")
+  qpos = qstart_S[:, None] + jnp.arange(queries, dtype=jnp.int32)[None, :]
+  take = lambda x: jnp.take_along_axis(x, qpos, axis=1)
+  # the model's own target term (plain, cache, kNN-LM) and the TRIME softmax's (`model.vocab_stats` criterion)
+  q_stats = QueryStats(take(stats.log_normalizer), take(stats.target_logit), take(crit))
+  q_keys = jnp.take_along_axis(keys, qpos[:, :, None], axis=1)
+  out = (keys, q_keys, q_stats, take(targets_SxL), qpos)
+  return out if carry is None else out + (carry,)
+
+
+@functools.partial(jax.jit, static_argnames=("points", "long_term", "n_buckets"), donate_argnames=("store",))
+def score_step(store: long_memory.Store, keys, targets, q_keys, q_stats, q_targets, qpos, batch, ext_sim,
+               ext_targets, bucket_q, ext_exact=None, *, points: tuple, long_term: StoreSpec, n_buckets: int):
+  """(nll sums [P], per-bucket nll sums [P, n_buckets], per-bucket token counts [n_buckets], the store with
+  this step's queries inserted, every query's nll [P, S, Q] (0 where not scored), its global target position
+  [S, Q] (-1 where not scored)). External memory: top-K retrieved (`ext_sim`, `ext_targets` [S, Q, K]) or the
+  exact on-device sums (`ext_exact`: (lse_neg, lse_pos) [C, S, Q] at `exact_scales(points)`)."""
+  pos = batch["start"][:, None] + qpos  # global target positions
+  real = batch["own"] & (q_targets >= 0)
+  local = [local_block(q_keys, q_targets, qpos, keys, targets)]
+  if long_term.mem_size:
+    local.append(long_term_block(store, q_keys, q_targets, batch["doc_q"], batch["store_end"], batch["span"],
+                                 long_term))
+  ext = external_block(ext_sim, ext_targets, q_targets) if ext_sim is not None else None
+  if ext_exact is not None:
+    ext = exact_memory.summary_blocks(*ext_exact, exact_scales(points))
+  nll = point_nlls(q_stats, q_targets, local, ext, points)  # [P, S, Q]
+  scored = real & batch["score"][:, None]
+  nll = jnp.where(scored[None], nll, 0.0)
+  onehot = jax.nn.one_hot(bucket_q, n_buckets, dtype=nll.dtype) * scored[..., None]
+  store = long_memory.insert(store, q_keys, q_targets, pos, batch["doc_q"], real & batch["insert"][:, None])
+  return (nll.sum(axis=(1, 2)), jnp.einsum("psq,sqb->pb", nll, onehot), onehot.sum(axis=(0, 1)), store,
+          nll, jnp.where(scored, pos, -1))
+
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The one driver.
+# ----------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Score:
+  point: Point
+  nll: float  # mean nats per scored token
+  tokens: int
+  seconds: float
+  bytes_level: bool
+
+  @property
+  def name(self) -> str:
+    return self.point.name
+
+  @property
+  def ppl(self) -> float:
+    return math.exp(min(self.nll, 700.0))
+
+  @property
+  def bits_per_token(self) -> float:
+    return self.nll / math.log(2)
+
+  def as_dict(self) -> dict:
+    d = {"variant": self.name, "nll": self.nll, "ppl": self.ppl, "tokens": self.tokens,
+         "tokens_per_s": self.tokens / max(self.seconds, 1e-9)}
+    if self.bytes_level:
+      d["bpc"] = self.bits_per_token
+    return d
+
+
+@dataclasses.dataclass
+class EvalResult:
+  scores: list  # [Score] per point, in the order given
+  bucket_nll: np.ndarray  # [P, n_buckets] mean nll per frequency bucket (nan where a bucket is empty)
+  bucket_tokens: np.ndarray  # [n_buckets]
+  retrieval_hits: np.ndarray | None  # [len(knn.RETRIEVAL_KS)] scored tokens whose target is in the top-k next
+  #   tokens (None: exact on-device memory, no ranking)
+  seconds: float
+  search_seconds: float
+  token_nll: np.ndarray | None = None  # [P, tokens] float32 nll of every scored target in stream order
+  #   (`evaluate(..., per_token=True)`), e.g. to compare with another implementation token by token
+
+  @property
+  def tokens(self) -> int:
+    return self.scores[0].tokens
+
+  def retrieval_accuracy(self) -> dict:
+    if self.retrieval_hits is None:
+      return {}
+    return {f"top{k}": float(h) / max(self.tokens, 1) for k, h in zip(knn.RETRIEVAL_KS, self.retrieval_hits)}
+
+
+class ProgressLog:
+  """Plain progress lines on stderr where no one watches a bar: after the first step (its time includes
+  compilation), then every `every_s` seconds with the rate since the first step and the ETA, and at the end."""
+
+  def __init__(self, desc: str, total: int, every_s: float = 60.0):
+    self.desc, self.total, self.every_s = desc, total, every_s
+    self.t0 = self.last = time.perf_counter()
+    self.t1 = None  # after the first step
+
+  def step(self, done: int) -> None:
+    now = time.perf_counter()
+    if done > 1 and done < self.total and now - self.last < self.every_s:
+      return
+    line = f"{self.desc}: step {done:,}/{self.total:,} after {now - self.t0:,.0f} s"
+    if self.t1 is None:
+      self.t1 = now
+      line += " (the first step compiles)"
+    elif done < self.total:
+      rate = (done - 1) / max(now - self.t1, 1e-9)
+      line += f", {rate:.3g} steps/s, ETA {(self.total - done) / rate:,.0f} s"
+    print(line, file=sys.stderr, flush=True)
+    self.last = now
+
+
+def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, context_window: int, streams: int,
+             long_term: StoreSpec = StoreSpec(),
+             external: knn.ExternalMemory | exact_memory.DeviceDatastore | None = None, vocab_chunk: int = 0,
+             max_tokens: int = 0, word_buckets_V=None, progress: bool | str = False,
+             break_mode: str = "none", per_token: bool = False) -> EvalResult:
+  """Score `corpus` under every point in one pass: `streams` parallel streams, each with a long-term store of
+  `long_term.mem_size` tokens, plus one top-K search per scored token when `external` is given (a
+  `knn.ExternalMemory`), or every datastore entry (an `exact_memory.DeviceDatastore`: exact sums on device,
+  no retrieval accuracy). Results do not depend on `streams` (up to float rounding). `break_mode`: fairseq's
+  --sample-break-mode of the windows (`data.eval_windows`). `progress`: True a tqdm bar, "log" plain lines on
+  stderr (`ProgressLog`: a log file, or a remote accelerator's output), False nothing. `per_token`: also
+  every scored target's nll under every point (`EvalResult.token_nll`)."""
+  points = tuple(points)
+  if not points:
+    raise ConfigError("nothing to evaluate: no points")
+  if any(p.needs_external for p in points) and external is None:
+    raise ConfigError("external-memory families (trime, interp, knnlm, knnlm_cache) need a datastore + index "
+                      "(eval.datastore)")
+  if streams < 1:
+    raise ConfigError(f"eval.batch_size (streams) must be >= 1, got {streams}")
+  model = nnx.merge(graphdef, params)
+  model_cfg, stateful = model.cfg, bool(getattr(model, "stateful", False))
+  if stateful and context_window:
+    raise ConfigError(f"a stateful model ({model_cfg.backbone}) carries its state from window to window: "
+                      f"eval.context_window must be 0, got {context_window}")
+  if block_len > model_cfg.max_len:
+    raise CheckpointError(f"eval.block_len={block_len} exceeds the model's max_len={model_cfg.max_len}")
+  if external is not None and external.dimension != model_cfg.d_model:
+    raise ConfigError(f"datastore keys have dimension {external.dimension}, the model's keys {model_cfg.d_model}")
+  plan = stream_plan(corpus, block_len=block_len, context_window=context_window, streams=streams,
+                     long_term=long_term, d_model=model_cfg.d_model, dtype=jnp.dtype(model_cfg.dtype),
+                     max_tokens=max_tokens, break_mode=break_mode)
+  n, store = plan.num_targets, plan.store
+  carry = model.init_carry(len(plan.schedule[0]), block_len) if stateful else None
+  del model
+  buckets = np.zeros(model_cfg.vocab_size, np.int32) if word_buckets_V is None else np.asarray(word_buckets_V)
+  n_buckets = len(knn.FREQ_BUCKETS)
+  totals = np.zeros(len(points))
+  bucket_totals = np.zeros((len(points), n_buckets))
+  bucket_counts = np.zeros(n_buckets)
+  hits = np.zeros(len(knn.RETRIEVAL_KS), np.int64)
+  token_nll = np.full((len(points), n), np.nan, np.float32) if per_token else None
+  search_s0 = external.search_seconds if external is not None else 0.0
+  on_device = isinstance(external, exact_memory.DeviceDatastore)
+  scales = exact_scales(points)
+  t0 = time.perf_counter()
+  desc = "eval" + (" (external)" if external else "") + (f" mem={long_term.mem_size}" if long_term.mem_size else "")
+  log = ProgressLog(desc, len(plan.schedule)) if progress == "log" else None
+  for step in tqdm(range(len(plan.schedule)), desc=desc, disable=progress is not True, unit="step"):
+    batch = plan.batch(corpus, step)
+    out = forward_queries(graphdef, params, batch["inputs"], batch["targets"], batch["qstart"], carry,
+                          batch["reset"] if stateful else None, queries=plan.queries, vocab_chunk=vocab_chunk)
+    keys, q_keys, q_stats, q_targets, qpos = out[:5]
+    carry = out[5] if stateful else None
+    q_targets_np = np.asarray(q_targets)
+    ext_sim = ext_targets = ext_exact = None
+    if on_device:  # every datastore entry, on the devices (retrieval accuracy does not apply)
+      ext_exact = external.log_terms(q_keys, q_targets, scales)
+    elif external is not None:
+      scored = batch["own"] & (q_targets_np >= 0) & batch["score"][:, None]
+      ext_sim = np.zeros(scored.shape + (external.k,), np.float32)
+      ext_targets = np.full(scored.shape + (external.k,), -1, np.int32)
+      if scored.any():  # one search per scored token; warm-up windows only fill the store
+        got = external.retrieve(np.asarray(q_keys)[scored])
+        ext_sim[scored], ext_targets[scored] = got.sim, got.targets
+        hits += knn.retrieval_hits(got.targets, q_targets_np[scored])
+    bucket_q = buckets[np.maximum(q_targets_np, 0)]
+    sums, bucket_sums, bucket_count, store, step_nll, step_pos = score_step(
+        store, keys, batch["targets"], q_keys, q_stats, q_targets, qpos, batch, ext_sim, ext_targets, bucket_q,
+        ext_exact, points=points, long_term=long_term, n_buckets=n_buckets)
+    if token_nll is not None:
+      step_pos = np.asarray(step_pos)
+      token_nll[:, step_pos[step_pos >= 0]] = np.asarray(step_nll)[:, step_pos >= 0]
+    totals += np.asarray(sums, np.float64)
+    bucket_totals += np.asarray(bucket_sums, np.float64)
+    bucket_counts += np.asarray(bucket_count, np.float64)
+    if log is not None:
+      log.step(step + 1)
+  seconds = time.perf_counter() - t0
+  is_bytes = corpus.vocab.kind == "bytes"
+  scores = [Score(p, float(t / max(n, 1)), n, seconds, is_bytes) for p, t in zip(points, totals)]
+  with np.errstate(invalid="ignore", divide="ignore"):
+    bucket_nll = np.where(bucket_counts > 0, bucket_totals / bucket_counts, np.nan)
+  search = (external.search_seconds - search_s0) if external is not None else 0.0
+  return EvalResult(scores, bucket_nll, bucket_counts, None if on_device else hits, seconds, search, token_nll)

@@ -1,0 +1,172 @@
+"""A scored token's test memory as data layout, as in training: three sources of (key, next token) pairs, each
+with `scoring.TokenMeta` for its queries and memories, and `scoring.visible` deciding who sees whom (see the
+package docstring: local, long-term, external); and the stream plan that feeds them (`stream_plan`: windows,
+streams, the empty long-term store).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trime_jax import data
+from trime_jax import long_memory
+from trime_jax import scoring
+from trime_jax.errors import ConfigError
+from trime_jax.scoring import MemoryBlock
+
+# Layouts of the long-term store (StoreSpec.layout): the release's (its context tokens twice) | ours (once each).
+LONG_TERM_LAYOUTS = ("original", "disjoint")
+# x-axis of memory-size sweeps, per layout: what mem_size counts.
+MEM_SIZE_AXIS_LABELS = {
+    "original": "long-term memory: last scored tokens kept (the original's --mem-size; 0 = local only)",
+    "disjoint": "long-term memory: tokens before the window (0 = local only; original --mem-size ≈ this + context)"}
+
+
+def mem_size_axis_label(rows) -> str:
+  """What the mem_size of `rows` counts (rows written before the layouts existed are disjoint)."""
+  layouts = {r.get("long_term_layout", "disjoint") for r in rows} or {"original"}
+  return "; ".join(MEM_SIZE_AXIS_LABELS[lay] for lay in sorted(layouts))
+
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreSpec:
+  """The long-term store every point sees (static: part of the jit cache key). 0: local memory only.
+  layout "original": the last mem_size scored tokens before the window's first scored token (the release's
+  --mem-size; the window's context tokens are there too); "disjoint": the mem_size tokens before the window."""
+
+  mem_size: int = 0
+  reset_at_documents: bool = False  # the store holds only the query's own document (the original: False)
+  layout: str = "original"  # LONG_TERM_LAYOUTS
+
+  def __post_init__(self):
+    if self.mem_size < 0:
+      raise ConfigError(f"eval.mem_size must be >= 0, got {self.mem_size}")
+    if self.layout not in LONG_TERM_LAYOUTS:
+      raise ConfigError(f"eval.long_term_layout must be one of {LONG_TERM_LAYOUTS}, got {self.layout!r}")
+
+  def reach(self, context_window: int) -> int:
+    """How far before a window's first scored token the store can be seen."""
+    return self.mem_size + (context_window if self.layout == "disjoint" else 0)
+
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Memory blocks: each source lays out TokenMeta for its queries and memories; `scoring.visible` decides.
+# ----------------------------------------------------------------------------------------------------------
+class QueryStats(NamedTuple):
+  """The vocabulary side of every scored query: `scoring.VocabStats`, plus the target logit inside the TRIME
+  softmax (the original's adaptive-softmax scorer drops one tail word's term: `ModelConfig.adaptive_tail_ignores_pad`)."""
+
+  log_normalizer: jax.Array
+  target_logit: jax.Array
+  trime_target_logit: jax.Array
+
+
+def _meta(target, *, row=0, group=0, order=0, doc=0) -> scoring.TokenMeta:
+  full = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.int32), target.shape)
+  return scoring.TokenMeta(full(row), full(group), full(order), full(target), full(doc))
+
+
+def _block(sim, query: scoring.TokenMeta, memory: scoring.TokenMeta, **rule) -> MemoryBlock:
+  vis = scoring.visible(query, memory, **rule)
+  return MemoryBlock(sim, vis, scoring.positive(query, memory, vis))
+
+
+def local_block(queries_SxQxD, targets_SxQ, qpos_SxQ, keys_SxLxD, targets_SxL) -> MemoryBlock:
+  """The window's tokens before each query (`qpos`: the query's position in the window); documents do not
+  matter inside a window (as in fairseq's scoring of a block)."""
+  window_pos = jnp.broadcast_to(jnp.arange(targets_SxL.shape[-1], dtype=jnp.int32), targets_SxL.shape)
+  return _block(scoring.block_similarities(queries_SxQxD, keys_SxLxD), _meta(targets_SxQ, order=qpos_SxQ),
+                _meta(targets_SxL, order=window_pos), causal=True, cross_rows=False)
+
+
+def long_term_block(store: long_memory.Store, queries_SxQxD, targets_SxQ, doc_SxQ, store_end_S, span_S,
+                    long_term: StoreSpec) -> MemoryBlock:
+  """The store's tokens in [end - span, end): for the store, a query stands at `end` (`StreamPlan.batch`).
+  original layout: end = the window's first scored token, span = mem_size (the last mem_size scored tokens;
+  the window's context tokens are among them). disjoint: end = the window's start (tokens from there on are
+  the window's own, seen as local memory), span = mem_size + context_window - the window's context length
+  (= mem_size whenever the window has its full context)."""
+  doc_q, doc_m = (doc_SxQ, store.doc) if long_term.reset_at_documents else (0, 0)
+  query = _meta(targets_SxQ, order=store_end_S[:, None], doc=doc_q)
+  mem = _meta(store.targets, order=store.pos, doc=doc_m)
+  return _block(scoring.block_similarities(queries_SxQxD, store.keys), query, mem, causal=True, cross_rows=False,
+                span=jnp.broadcast_to(span_S[:, None], targets_SxQ.shape))
+
+
+def external_block(sim_SxQxK, retrieved_targets_SxQxK, targets_SxQ) -> MemoryBlock:
+  """The retrieved entries: rows of their own (row -1), visible to every query unless padding (target -1)."""
+  query = _meta(targets_SxQ[..., None], row=0)  # [S, Q, 1]: each query against its own K entries
+  mem = _meta(retrieved_targets_SxQxK, row=-1, group=-1)
+  blk = _block(sim_SxQxK, query, mem, causal=False, cross_rows=True)
+  return MemoryBlock(sim_SxQxK, blk.visible[..., 0, :], blk.positive[..., 0, :])
+
+
+
+@dataclasses.dataclass
+class StreamPlan:
+  """What the driver runs: the windows, which window each stream runs at each step (`data.stream_schedule`),
+  and the empty long-term store."""
+
+  num_targets: int
+  wins: list
+  schedule: np.ndarray  # [T, streams] window index, -1 = idle
+  score: np.ndarray  # [T, streams] bool: scored (False: warm-up, insert only)
+  queries: int  # Q: scored positions per window (block_len - context_window; complete mode: its longest block)
+  store: long_memory.Store
+  doc_starts: np.ndarray
+  block_len: int  # L: model input length
+  long_term: StoreSpec
+  context_window: int
+
+  def batch(self, corpus: data.Corpus, step: int) -> dict:
+    """Host arrays of step `step`: inputs / targets [S, L]; start, offset (score_start - start), qstart (the
+    first of the Q query positions: the offset, or earlier where Q positions from it would pass L; those
+    before the offset are not scored), store_end, span (the store's tokens a query sees: [store_end - span,
+    store_end), `long_term_block`), reset (a stateful model's
+    stream does not continue its previous step's window) [S]; doc_q [S, Q]
+    document of each query; own [S, Q] bool: the query is one of its window's scored targets; score, insert
+    [S] bool."""
+    idx = self.schedule[step]
+    ws = [self.wins[max(i, 0)] for i in idx]
+    inputs, targets, _ = data.window_batch(corpus, ws, self.block_len)
+    start = np.array([w.start for w in ws], np.int32)
+    offset = np.array([w.score_start - w.start for w in ws], np.int32)
+    qstart = np.minimum(offset, self.block_len - self.queries)
+    qpos = start[:, None] + qstart[:, None] + np.arange(self.queries)[None, :]
+    ends = np.array([w.end for w in ws], np.int32)
+    # A stateful model's stream continues only from the window right before (the stream's previous step).
+    prev = self.schedule[step - 1] if step else np.full_like(idx, -1)
+    reset = (prev < 0) | (idx != prev + 1)
+    return {"inputs": inputs, "targets": targets, "start": start, "offset": offset, "qstart": qstart, "reset": reset,
+            **self._store_view(start, offset),
+            "own": (qpos >= (start + offset)[:, None]) & (qpos < ends[:, None]),
+            "doc_q": (np.searchsorted(self.doc_starts, qpos, side="right") - 1).astype(np.int32),
+            "score": self.score[step], "insert": idx >= 0}
+
+  def _store_view(self, start, offset) -> dict:
+    if self.long_term.layout == "original":
+      return {"store_end": start + offset, "span": np.full_like(start, self.long_term.mem_size)}
+    return {"store_end": start, "span": self.long_term.reach(self.context_window) - offset}
+
+
+def stream_plan(corpus: data.Corpus, *, block_len: int, context_window: int, streams: int,
+                long_term: StoreSpec, d_model: int, dtype, max_tokens: int = 0,
+                break_mode: str = "none") -> StreamPlan:
+  n = len(corpus) if not max_tokens else min(max_tokens, len(corpus))
+  wins = data.eval_windows(corpus, n, block_len, context_window, break_mode)
+  reach = long_term.reach(context_window)  # warm-up windows and store slots: what the store must still hold
+  schedule, score = data.stream_schedule(wins, corpus.doc_starts, streams, long_term.mem_size,
+                                         long_term.reset_at_documents, context_window=reach - long_term.mem_size)
+  q = block_len - context_window
+  if break_mode == "complete":  # blocks of whole lines: up to block_len scored tokens (a long line)
+    q = max(w.end - w.score_start for w in wins)
+  store = long_memory.empty(streams, long_memory.capacity(reach, 0, q), d_model, dtype)
+  return StreamPlan(n, wins, schedule, score, q, store, np.asarray(corpus.doc_starts, np.int64), block_len,
+                    long_term, context_window)

@@ -1,0 +1,212 @@
+"""What one evaluation pass scores: the families as typed `Point`s, their tuning grids (one per parameter), the
+one scorer that reads every point from the vocabulary statistics and the memory blocks (`point_nlls`, built on
+`scoring`), and the one tuner (`tune`).
+
+Families (P′, p_mem and the mixtures are `scoring`'s; sim = g(c)·g(c_j)/√D):
+
+  none          the model's softmax alone
+  cache         continuous cache (Grave et al. 2017): (1-λ)·p_LM + λ·p_mem(θ), memory = local + long-term
+  trime_local   TRIME softmax over vocabulary + local + long-term, at τ (TrimeLM / TrimeLM_long)
+  trime         TRIME softmax over vocabulary + local + long-term + retrieved, at τ (TrimeLM_ext)
+  interp        (1-λ)·P_trime(τ) + λ·P′(τ′), P′(w) ∝ Σ_{memories with x_j = w} exp(sim/τ′), over the memories
+                of `interp_memory`: "external" = the top-K retrieved only (the original release), "all" = local +
+                long-term + retrieved (the paper's Appendix A text)
+  knnlm         kNN-LM: (1-λ)·p_LM + λ·p_mem(θ), memory = retrieved only
+  knnlm_cache   kNN-LM + continuous cache: (1-λ)·p_LM + λ·p_mem(θ), memory = local + long-term + retrieved
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax.numpy as jnp
+
+from trime_jax import scoring
+from trime_jax.errors import ConfigError
+
+FAMILIES = ("none", "cache", "trime_local", "trime", "interp", "knnlm", "knnlm_cache")
+EXTERNAL_FAMILIES = ("trime", "interp", "knnlm", "knnlm_cache")
+# The parameters of each family, in display order (Point fields).
+FAMILY_PARAMS = {"none": (), "cache": ("lam", "theta"), "trime_local": ("tau",), "trime": ("tau",),
+                 "interp": ("tau", "tau_prime", "lam", "interp_memory"), "knnlm": ("lam", "theta"),
+                 "knnlm_cache": ("lam", "theta")}
+# Memory of the interpolation's P′: the original release's (top-K retrieved only) | the paper's text (all memories).
+INTERP_MEMORIES = ("external", "all")
+# launch.eval's eval.memory: which family (besides `none`) it scores.
+EVAL_MEMORIES = {"none": None, "local": "trime_local", "cache": "cache"}
+
+# Tuning grids (dev split), one per parameter. τ′ and θ act on sim = g·g_j/√D. With hundreds of retrieved
+# neighbours in the softmax the best τ is larger than with local memory alone, hence the long upper tail; with a
+# long-term store the cache optimum moves to λ ≈ 0.45, θ ≈ 4 (docs/long_memory.md), the grids reach past it.
+TAU_GRID = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0)
+TAU_PRIME_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)
+LAMBDA_GRID = (0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75)
+THETA_GRID = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+GRIDS = {"tau": TAU_GRID, "tau_prime": TAU_PRIME_GRID, "lam": LAMBDA_GRID, "theta": THETA_GRID,
+         "interp_memory": INTERP_MEMORIES}
+DISPLAY_NAMES = {"tau": "tau", "tau_prime": "tau_prime", "lam": "lambda", "theta": "theta",
+                 "interp_memory": "interp_memory"}
+
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What one pass scores: points of the families.
+# ----------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Point:
+  """One family at one setting of its parameters (the others stay None)."""
+
+  family: str
+  tau: float | None = None  # TRIME temperature (trime_local, trime, interp)
+  tau_prime: float | None = None  # P′ temperature (interp): P′ = p_mem at θ = 1/τ′
+  lam: float | None = None  # mixture weight λ (cache, interp, knnlm, knnlm_cache)
+  theta: float | None = None  # p_mem(θ) ∝ Σ exp(θ·sim) (cache, knnlm, knnlm_cache)
+  interp_memory: str | None = None  # memories of P′ (interp): "external" | "all"
+
+  def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise ConfigError(f"unknown evaluation family {self.family!r}: one of {FAMILIES}")
+    needed = FAMILY_PARAMS[self.family]
+    for name in ("tau", "tau_prime", "lam", "theta", "interp_memory"):
+      value = getattr(self, name)
+      if (value is None) == (name in needed):
+        raise ConfigError(f"{self.family} points take {needed or 'no parameters'}; {name}={value!r}")
+    if self.interp_memory is not None and self.interp_memory not in INTERP_MEMORIES:
+      raise ConfigError(f"interp_memory (eval.interp_memory) must be one of {INTERP_MEMORIES}, "
+                        f"got {self.interp_memory!r}")
+    if self.lam is not None and not 0.0 < self.lam < 1.0:
+      raise ConfigError(f"λ of {self.family} must be in (0, 1), got {self.lam}")
+    for name in ("tau", "tau_prime", "theta"):
+      if getattr(self, name) is not None and not getattr(self, name) > 0:
+        raise ConfigError(f"{name} of {self.family} must be > 0, got {getattr(self, name)}")
+
+  @property
+  def params(self) -> dict:
+    """{parameter: value} of this family's parameters, in display order."""
+    return {name: getattr(self, name) for name in FAMILY_PARAMS[self.family]}
+
+  @property
+  def group(self) -> str:
+    """What tuning picks one point of: the family, or for `interp` the family and its P′ memory."""
+    return f"interp[{self.interp_memory}]" if self.family == "interp" else self.family
+
+  @property
+  def name(self) -> str:
+    if self.family == "none":
+      return "none"
+    fmt = lambda v: v if isinstance(v, str) else f"{v:g}"
+    return f"{self.family}(" + ",".join(f"{DISPLAY_NAMES[k]}={fmt(v)}" for k, v in self.params.items()) + ")"
+
+  @property
+  def needs_external(self) -> bool:
+    return self.family in EXTERNAL_FAMILIES
+
+
+NONE = Point("none")
+
+
+def grid(families) -> tuple[Point, ...]:
+  """Every point of each family over the tuning grids (`interp`: both P′ memories)."""
+  out = []
+  for family in families:
+    names = FAMILY_PARAMS[family]
+    out += [Point(family, **dict(zip(names, values))) for values in itertools.product(*(GRIDS[n] for n in names))]
+  return tuple(out)
+
+
+def configured_points(e, families) -> tuple[Point, ...]:
+  """One point per family from the `eval` config section (no tuning)."""
+  tau, lam, theta = float(e.temperature), float(e.knn_lambda), float(e.cache_theta)
+  settings = {"none": {}, "cache": dict(lam=float(e.cache_lambda), theta=theta), "trime_local": dict(tau=tau),
+              "trime": dict(tau=tau), "knnlm": dict(lam=lam, theta=theta), "knnlm_cache": dict(lam=lam, theta=theta),
+              "interp": dict(tau=tau, tau_prime=float(e.knn_temperature), lam=lam, interp_memory=str(e.interp_memory))}
+  return tuple(Point(f, **settings[f]) for f in families)
+
+
+
+def families_of(e, external_memory: bool) -> tuple:
+  """Families an evaluation scores: every family with external memory; else `none` and eval.memory's."""
+  if external_memory:
+    return FAMILIES
+  if e.memory not in EVAL_MEMORIES:
+    raise ConfigError(f"eval.memory must be one of {tuple(EVAL_MEMORIES)}, got {e.memory!r}")
+  return ("none",) + ((EVAL_MEMORIES[e.memory],) if EVAL_MEMORIES[e.memory] else ())
+
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The one scorer: every point from the vocabulary statistics and the memory blocks.
+# ----------------------------------------------------------------------------------------------------------
+def exact_scales(points) -> tuple:
+  """The scales c at which `point_nlls` reads the external memory (c·sim: 1/τ, 1/τ′, θ): what the exact
+  on-device memory sums over (`exact_memory.external_log_terms`)."""
+  out = set()
+  for pt in points:
+    if pt.family in ("trime", "interp"):
+      out.add(1.0 / pt.tau)
+    if pt.family == "interp":
+      out.add(1.0 / pt.tau_prime)
+    if pt.family in ("knnlm", "knnlm_cache"):
+      out.add(pt.theta)
+  return tuple(sorted(out))
+
+
+def point_nlls(stats, targets, local_blocks, ext_block, points):
+  """[P, ..., Q] nll of every query under every point. `stats`: the queries' `memory.QueryStats` (or a plain
+  `scoring.VocabStats`: one target term); `local_blocks`: local (+ long-term) memory;
+  `ext_block`: the retrieved entries, or None, or (exact on-device memory, `exact_memory.summary_blocks`) one
+  block per scale at which the points read it. Shared terms (a TRIME softmax at τ, a p_mem at θ) are computed
+  once per pass."""
+
+  def blocks_of(which, scale):
+    if which == "local":  # (exact memory holds sums only at the scales the external readers use)
+      return local_blocks
+    ext = [] if ext_block is None else [ext_block[scale] if isinstance(ext_block, dict) else ext_block]
+    return ext if which == "external" else local_blocks + ext
+
+  log_p_vocab = stats.target_logit - stats.log_normalizer
+
+  def log_p_trime(blocks, tau):
+    # ModelConfig.adaptive_tail_ignores_pad (QueryStats); a plain VocabStats (mt.decode) has one target term
+    return scoring.trime_log_prob(stats.log_normalizer, getattr(stats, "trime_target_logit", stats.target_logit),
+                                  blocks, tau)
+
+  memo = {}
+
+  def once(key, fn):
+    if key not in memo:
+      memo[key] = fn()
+    return memo[key]
+
+  out = []
+  for pt in points:
+    if pt.family == "none":
+      lp = log_p_vocab
+    elif pt.family in ("trime_local", "trime"):
+      which = "local" if pt.family == "trime_local" else "all"
+      lp = once(("trime", which, pt.tau), lambda: log_p_trime(blocks_of(which, 1.0 / pt.tau), pt.tau))
+    elif pt.family == "interp":  # P′ at θ = 1/τ′: shared with knnlm(_cache) at that θ
+      lt = once(("trime", "all", pt.tau), lambda: log_p_trime(blocks_of("all", 1.0 / pt.tau), pt.tau))
+      lm, has = once(("mem", pt.interp_memory, 1.0 / pt.tau_prime),
+                     lambda: scoring.log_p_mem(blocks_of(pt.interp_memory, 1.0 / pt.tau_prime), 1.0 / pt.tau_prime, targets))
+      lp = scoring.mix(lt, lm, has, pt.lam)
+    else:  # cache | knnlm | knnlm_cache: the model mixed with a memory-only distribution at θ
+      which = {"cache": "local", "knnlm": "external", "knnlm_cache": "all"}[pt.family]
+      lm, has = once(("mem", which, pt.theta), lambda: scoring.log_p_mem(blocks_of(which, pt.theta), pt.theta, targets))
+      lp = scoring.mix(log_p_vocab, lm, has, pt.lam)
+    out.append(-lp)
+  return jnp.where(targets >= 0, jnp.stack(out), 0.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The one tuner.
+# ----------------------------------------------------------------------------------------------------------
+def tune(result) -> dict:
+  """{group: Score} of the lowest-nll point of each group (family; `interp`: each P′ memory) of an `EvalResult`;
+  the first of equal ones."""
+  best = {}
+  for s in result.scores:
+    if s.point.group not in best or s.nll < best[s.point.group].nll:
+      best[s.point.group] = s
+  return best

@@ -1,0 +1,168 @@
+"""A whole evaluation of an exported checkpoint: `evaluate_checkpoint` (what launch.eval, launch.eval_ext and
+launch.demo run): the export, the data, the external memory, the points (configured or a tuning grid on dev),
+one `driver.evaluate` per long-term memory size, and the result rows (`format_table`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+
+from trime_jax import checkpoint as ckpt
+from trime_jax import corpora
+from trime_jax import exact_memory
+from trime_jax import knn
+from trime_jax.errors import CheckpointError, ConfigError
+from trime_jax.evaluate.driver import EvalResult, evaluate
+from trime_jax.evaluate.memory import StoreSpec
+from trime_jax.evaluate.points import INTERP_MEMORIES, NONE, Point, families_of, grid, configured_points, tune
+
+# ----------------------------------------------------------------------------------------------------------
+# A whole evaluation of an exported checkpoint (launch.eval, launch.eval_ext and launch.demo wrap this).
+# ----------------------------------------------------------------------------------------------------------
+def load_eval_data(config, vocab):
+  """The config's corpora encoded with the checkpoint's vocabulary (kinds must agree)."""
+  splits = corpora.load_splits(config.data, vocab=vocab if vocab.kind == "words" else None)
+  if splits.vocab.kind != vocab.kind or len(splits.vocab) != len(vocab):
+    raise CheckpointError(
+        f"checkpoint vocabulary ({vocab.kind}, {len(vocab)} tokens) does not match data.corpus="
+        f"{config.data.corpus!r} ({splits.vocab.kind}, {len(splits.vocab)} tokens)")
+  return splits
+
+
+
+def _rows(result: EvalResult, *, split: str, mem_size: int, layout: str, best: dict | None, dev_best: dict | None,
+          label: str) -> list[dict]:
+  rows = []
+  for s in result.scores:
+    row = {**s.as_dict(), "family": s.point.family, "params": s.point.params, "mem_size": mem_size,
+           "long_term_layout": layout, "split": split,
+           f"{split}_ppl": s.ppl}
+    if s.point.family == "interp":
+      row["interp_memory"] = s.point.interp_memory  # "external" (the original's P′) or "all" (the paper's text)
+    if s.bytes_level:
+      row[f"{split}_bpc"] = s.bits_per_token
+    if dev_best is not None:
+      row["dev_ppl"] = dev_best[s.point.group].ppl
+    if best is not None and s.point.family != "none" and best[s.point.group] is s:
+      row["best"] = True
+      if len(result.scores) > len(best):  # a grid: mark its best points
+        row["variant"] += "  <- best"
+    if label:
+      row["model"] = label
+    rows.append(row)
+  return rows
+
+
+def on_device_datastore(e, checkpoint_dir: str) -> exact_memory.DeviceDatastore:
+  """eval.datastore on all devices (eval.datastore_on_device=True), checked against the model; the FAISS index
+  is not read."""
+  if not isinstance(e.datastore_on_device, bool):
+    raise ConfigError(f"eval.datastore_on_device must be True or False, got {e.datastore_on_device!r}")
+  if e.knn_gpu:
+    raise ConfigError("eval.datastore_on_device=True scores every key on the devices without FAISS: "
+                      "eval.knn_gpu=True does not apply (set one of them)")
+  ds = exact_memory.Datastore(e.datastore)
+  ds.check_checkpoint(checkpoint_dir)
+  return exact_memory.load_datastore(ds)
+
+
+def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = False, mem_sizes=None,
+                        label: str = "", progress: bool | str = False, throughput_tokens: int = 0) -> dict:
+  """Evaluate an export on `config.eval.split`, for each long-term memory size of `mem_sizes` (default:
+  eval.mem_size). Families: `families_of(config.eval, external_memory)`; external memory needs
+  eval.datastore.
+
+  With eval.tune every family's parameters are grid-searched on dev (the interpolation for both P′ memories):
+  when the split is dev the grid's rows are the result (the best of each group marked), otherwise the best
+  points are applied to the split (rows carry dev_ppl). Returns {"rows": [...], ...}: rows with family, params,
+  variant, nll, ppl, <split>_ppl, tokens, mem_size, split (+ model, dev_ppl, best); with external memory also
+  retrieval accuracy, frequency-bucket perplexities and (if `throughput_tokens`) throughput with vs without
+  external memory."""
+  checkpoint_dir = os.path.abspath(checkpoint_dir)
+  graphdef, params, train_config, vocab, _ = ckpt.load_export(checkpoint_dir)
+  splits = load_eval_data(config, vocab)
+  e = config.eval
+  families = families_of(e, external_memory)
+  if e.interp_memory not in INTERP_MEMORIES:
+    raise ConfigError(f"eval.interp_memory must be one of {INTERP_MEMORIES}, got {e.interp_memory!r}")
+  knn_memory = buckets = None
+  if external_memory:
+    if not e.datastore:
+      raise ConfigError("eval.datastore is not set: build one with `python -m launch.build_datastore`")
+    if e.datastore_on_device:
+      knn_memory = on_device_datastore(e, checkpoint_dir)
+    else:
+      knn_memory = knn.ExternalMemory(e.datastore, index_path=e.index, checkpoint_dir=checkpoint_dir, k=e.knn_k,
+                                      nprobe=e.nprobe, exact=e.knn_exact, gpu=e.knn_gpu)
+    buckets = knn.frequency_buckets(splits.train.tokens, len(vocab)) if vocab.kind == "words" else None
+  points = grid(families) if e.tune else configured_points(e, families)
+  sizes = [int(m) for m in mem_sizes] if mem_sizes else [int(e.mem_size)]
+  if families == ("none",):
+    sizes = [0]  # nothing reads the store
+  run = functools.partial(evaluate, graphdef, params, block_len=e.block_len, context_window=e.context_window,
+                          streams=e.batch_size, external=knn_memory, vocab_chunk=train_config.train.vocab_chunk,
+                          max_tokens=e.max_tokens, word_buckets_V=buckets, progress=progress,
+                          break_mode=e.get("sample_break_mode", "none"))
+  out = {"checkpoint": checkpoint_dir, "split": e.split, "rows": []}
+  if external_memory:
+    on_device = isinstance(knn_memory, exact_memory.DeviceDatastore)
+    out.update(datastore=e.datastore, index="on_device_exact" if on_device else knn_memory.index.kind,
+               k=knn_memory.k, nprobe=e.nprobe, exact=bool(e.knn_exact or on_device), mem_size=sizes[0])
+  for mem_size in sizes:
+    long_term = StoreSpec(mem_size, bool(e.reset_at_documents), str(e.long_term_layout))
+    best = dev_best = None
+    if e.tune:  # on the first eval.tune_max_tokens dev targets (0: eval.max_tokens)
+      dev = run(splits.dev, points, long_term=long_term, max_tokens=int(e.get("tune_max_tokens", 0)) or e.max_tokens)
+      out["dev_tokens"] = dev.tokens
+      best = tune(dev)
+      if e.split == "dev":
+        result = dev
+      else:
+        dev_best = best
+        out.setdefault("dev_grid", []).extend({"variant": s.name, "mem_size": mem_size, "dev_ppl": s.ppl}
+                                              for s in dev.scores)
+        result = run(splits.get(e.split), (NONE,) + tuple(b.point for g, b in best.items() if g != "none"),
+                     long_term=long_term)
+        best = {s.point.group: s for s in result.scores}
+    else:
+      result = run(splits.get(e.split), points, long_term=long_term)
+    out["rows"] += _rows(result, split=e.split, mem_size=mem_size, layout=long_term.layout, best=best, dev_best=dev_best, label=label)
+  if external_memory:  # of the last memory size
+    out["retrieval_accuracy"] = result.retrieval_accuracy()
+    out["search_seconds"], out["seconds"] = result.search_seconds, result.seconds
+    if buckets is not None:
+      out["buckets"] = {"names": [b[2] for b in knn.FREQ_BUCKETS], "tokens": result.bucket_tokens.tolist(),
+                        "ppl": {s.name: np.exp(result.bucket_nll[i]).tolist() for i, s in enumerate(result.scores)}}
+    if throughput_tokens:
+      tau = next((s.point.tau for s in result.scores if s.point.family == "trime"), 1.0)
+      timed = []
+      for ext, pt in ((knn_memory, Point("trime", tau=tau)), (None, Point("trime_local", tau=tau))):
+        corpus = splits.get(e.split)
+        timing = functools.partial(run, corpus, (pt,), long_term=long_term, external=ext, word_buckets_V=None,
+                                   progress=False)
+        timing(max_tokens=min(throughput_tokens, 1024))  # untimed: neither side's timing includes compilation
+        timed.append(timing(max_tokens=throughput_tokens))
+      with_ext, without = timed
+      a, b = with_ext.tokens / with_ext.seconds, without.tokens / without.seconds
+      out["throughput"] = {"tokens": with_ext.tokens, "with_external_tok_s": a, "without_tok_s": b, "ratio": a / b,
+                           "search_share": with_ext.search_seconds / with_ext.seconds}
+  return out
+
+
+def format_table(rows: list[dict], columns=("variant", "ppl", "bpc", "nll", "tokens", "tokens_per_s")) -> str:
+  cols = [c for c in columns if any(c in r for r in rows)]
+
+  def fmt(v):
+    if isinstance(v, float):
+      return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}" if abs(v) < 10 else f"{v:.2f}"
+    return f"{v:,}" if isinstance(v, int) else str(v)
+
+  cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+  widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+  lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths)) + " |",
+           "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+  lines += ["| " + " | ".join(v.ljust(w) for v, w in zip(row, widths)) + " |" for row in cells]
+  return "\n".join(lines)
