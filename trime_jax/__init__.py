@@ -1,0 +1,46 @@
+"""TRIME (Zhong, Lei & Chen, EMNLP 2022) in JAX and Flax NNX.
+
+    import trime_jax
+    model = trime_jax.load("runs/mini/export")     # trime_jax.api: score, generate, memory
+    trime_jax.train(config, "runs/x")              # train_and_evaluate
+
+The API's names load on first use, so `import trime_jax.data` (or any light module) does not pull in orbax,
+optax and the evaluator.
+"""
+
+import importlib
+import sys
+import types
+
+_API = ("load", "Model", "Memory", "TextScore", "Output")
+__all__ = ["api", "train", *_API]
+
+
+class _CallableTrainModule(types.ModuleType):
+  """`trime_jax.train` stays the module (`trime_jax.train.train_and_evaluate`, `from trime_jax import train as T`)
+  and is also the one-call entry point: `trime_jax.train(config, workdir)` = `api.train`."""
+
+  def __call__(self, config, workdir, **kwargs):
+    from trime_jax import api
+
+    return api.train(config, workdir, **kwargs)
+
+
+class _Package(types.ModuleType):
+  # Python's import system sets `trime_jax.train` to the submodule whenever it is first imported (by anyone);
+  # making the module callable at that moment keeps `trime_jax.train(...)` working whatever imported it first.
+  def __setattr__(self, name, value):
+    if name == "train" and isinstance(value, types.ModuleType):
+      value.__class__ = _CallableTrainModule
+    super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __getattr__(name):  # PEP 562: reached only for names not set yet
+  if name in _API:
+    return getattr(importlib.import_module("trime_jax.api"), name)
+  if name in ("api", "train"):
+    return importlib.import_module(f"trime_jax.{name}")
+  raise AttributeError(f"module 'trime_jax' has no attribute {name!r}")
