@@ -1,4 +1,4 @@
-"""Pure, module-level training step and forward pass (`train.py` jits the step with shardings; `evaluate.py`
+"""Pure, module-level training step and forward pass (`train.py` jits the step with shardings; `evaluate`
 jits the forward pass of evaluation).
 
 The forward pass yields f (final output), g (memory keys) and the vocabulary side as `VocabStats`; the CE
