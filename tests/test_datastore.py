@@ -285,3 +285,39 @@ def test_subset_for_another_model_or_of_an_edited_build_is_refused_before_writin
   with pytest.raises(DamagedCheckpointError, match="edited"):
     subset_datastore(str(partial), str(tmp_path / "sub2"), 10)
   assert not (tmp_path / "sub2").exists()
+
+
+def test_auto_index_counts_its_build_time():
+  """Issue 36.5: a tiny model's store (200k × 32 keys, dev + test = 40k searches of K=64) gets the exact index:
+  training IVF-PQ's product quantizer (m=32 k-means of 256 centroids) alone outweighs the searches it saves."""
+  from trime_jax.datastore.index import index_choice, ivfpq_build_seconds
+
+  kind, why = index_choice(200_000, 32, 40_000, 64)
+  assert kind == "flat" and "to build it" in why, why
+  est = ivfpq_build_seconds(200_000, 32, nlist=4096, pq_m=32)
+  assert est["pq"] > 60 and est["total"] == pytest.approx(est["coarse"] + est["pq"] + est["add"])
+  # A store searched far more often still gets IVF-PQ (wikitext-mini's 375k keys, 87k searches of K=1024).
+  assert index_choice(375_000, 128, 87_000, 1024)[0] == "ivfpq"
+
+
+def test_index_training_heartbeat(capsys):
+  """A blocking FAISS call is not silent: elapsed time and the estimate's remainder every few seconds."""
+  import time
+
+  from trime_jax.datastore.index import _Heartbeat
+
+  with _Heartbeat("training IVF-PQ", estimate=100.0, every=0.05):
+    time.sleep(0.3)
+  out = capsys.readouterr().out
+  assert out.count("index: training IVF-PQ: 0 s elapsed, ~100 s left (estimated ~100 s in all)") >= 2, out
+  with _Heartbeat("training IVF-PQ", estimate=0.01, every=0.05):
+    time.sleep(0.15)
+  assert "longer than the ~0 s estimated" in capsys.readouterr().out
+
+
+def test_ivfpq_build_states_its_estimate(setup, tmp_path, capsys):
+  out = str(tmp_path / "ivf.faiss")
+  build_index(setup["ds"], out, kind="ivfpq", nlist=4, pq_m=4, progress=True)
+  printed = capsys.readouterr()
+  assert "index: training IVF-PQ (nlist=" in printed.out and "estimated ~" in printed.out, printed.out
+  assert "to add the keys" in printed.out

@@ -42,11 +42,35 @@ KINDS = ("auto", "flat", "ivfpq")
 EXACT_MAX_FLOATS = 1 << 27  # auto: exact IndexFlatIP while its float32 copy of the keys (N·D) fits 512 MiB
 MIN_POINTS_PER_CENTROID = 39  # below this faiss k-means warns that clustering is unreliable
 RESCORE_FLOATS = 1 << 22  # float32 keys gathered at a time by `rescore` (16 MiB)
-# Cost model of `index_choice`, measured with faiss-cpu on the 2-core CI machine under load (375k × 128 random
-# keys): an exact search scans 1.6e9 multiply-adds/s (K=16 and K=1024 alike), k-means training 5.3e9/s (GEMM).
+# Cost model of `index_choice`, measured with faiss-cpu on the 2-core CI machine under load (random keys): an
+# exact search scans 1.6e9 multiply-adds/s (K=16 and K=1024 alike); the coarse k-means runs at 3.6e9/s (GEMM;
+# 5.3e9 measured on an idle machine); adding assigns every key to its list at the same rate. Training the
+# product quantizer is m separate k-means of 2^bits centroids on up to 256·2^bits points, dominated by per-point
+# work, not GEMM: 1e-8 s per point, centroid and iteration for sub-vectors of 1-2 floats, 2.5e-9 s for 4
+# (measured: m=32 on D=32 took 119 s for 50k keys, m=8 took 6 s). With the kNN-LM default m=64 on D=128 that is
+# ~270 s whatever the datastore's size: the cost a tiny datastore's IVF-PQ index used to hide.
 FLAT_MACS_PER_S = 1.6e9
-KMEANS_MACS_PER_S = 5.3e9
+KMEANS_MACS_PER_S = 3.6e9
 KMEANS_ITERS = 25  # faiss Clustering's default niter
+PQ_MAX_POINTS_PER_CENTROID = 256  # faiss Clustering's default: PQ k-means samples at most 256 · 2^bits points
+HEARTBEAT_S = 30.0  # an index being trained says every this many seconds how long it has taken and should take
+
+
+def pq_seconds_per_distance(dsub: int) -> float:
+  """Seconds per (point, centroid, iteration) of one PQ sub-quantizer's k-means (see the measurements above)."""
+  return 1e-8 if dsub <= 2 else 2.5e-9 * dsub / 4
+
+
+def ivfpq_build_seconds(n: int, d: int, *, nlist: int, pq_m: int, pq_bits: int = 8,
+                        train_size: int = 1_000_000) -> dict:
+  """Estimated seconds of an IVF-PQ build with these (already clamped) parameters: {coarse, pq, add, total}."""
+  n_train = min(n, int(train_size))
+  coarse = KMEANS_ITERS * n_train * nlist * d / KMEANS_MACS_PER_S
+  k = 2 ** int(pq_bits)
+  pq = (pq_m * KMEANS_ITERS * min(n_train, PQ_MAX_POINTS_PER_CENTROID * k) * k
+        * pq_seconds_per_distance(max(1, d // max(1, pq_m))))
+  add = n * (nlist * d + k * d) / KMEANS_MACS_PER_S  # list assignment + PQ encoding of every key
+  return {"coarse": coarse, "pq": pq, "add": add, "total": coarse + pq + add}
 
 
 def index_choice(n: int, d: int, queries: int, k: int, *, nprobe: int = 32, nlist: int = 4096, pq_m: int = 64,
@@ -54,17 +78,20 @@ def index_choice(n: int, d: int, queries: int, k: int, *, nprobe: int = 32, nlis
   """("flat" | "ivfpq", why): the index whose build + `queries` searches of K neighbours costs less.
 
   flat:  queries · N · D multiply-adds (every query scans every key).
-  ivfpq: k-means (KMEANS_ITERS · train · nlist · D, at GEMM speed) + queries · (nlist · D + nprobe · N/nlist · m).
+  ivfpq: its build (`ivfpq_build_seconds`: coarse k-means, PQ training, adding) + queries · (nlist · D +
+  nprobe · N/nlist · m).
   Exact wins ties, and whenever IVF-PQ's nprobe lists hold fewer than 2K candidates (it could not return K good
   neighbours) or the store is too small to train; it loses when its float32 keys exceed `exact_max_floats`."""
   n_train = min(n, int(train_size))
   nlist_used = max(1, min(int(nlist), n_train // MIN_POINTS_PER_CENTROID))
   m_used = _largest_divisor_at_most(d, int(pq_m))
+  bits_used = _pq_bits(8, n_train)
   flat_s = queries * n * d / FLAT_MACS_PER_S
-  ivf_s = (KMEANS_ITERS * n_train * nlist_used * d / KMEANS_MACS_PER_S
-           + queries * (nlist_used * d + nprobe * n / nlist_used * m_used) / FLAT_MACS_PER_S)
+  build = ivfpq_build_seconds(n, d, nlist=nlist_used, pq_m=m_used, pq_bits=bits_used, train_size=train_size)
+  ivf_s = build["total"] + queries * (nlist_used * d + nprobe * n / nlist_used * m_used) / FLAT_MACS_PER_S
   costs = (f"{queries:,} searches of K={k} over {n:,} × {d} keys: exact ~{_dur(flat_s)}, IVF-PQ (nlist={nlist_used},"
-           f" nprobe={nprobe}, incl. training) ~{_dur(ivf_s)} at the 2-core rates in trime_jax/datastore/index.py")
+           f" m={m_used}, nprobe={nprobe}) ~{_dur(ivf_s)} of which ~{_dur(build['total'])} to build it, at the "
+           "2-core rates in trime_jax/datastore/index.py")
   if n * d > exact_max_floats:
     return "ivfpq", f"IVF-PQ: an exact index's float32 keys ({n * d * 4 / 2**30:.1f} GiB) exceed the limit; {costs}"
   if n_train < 2 * MIN_POINTS_PER_CENTROID or nprobe * n / nlist_used < 2 * k:
@@ -72,6 +99,45 @@ def index_choice(n: int, d: int, queries: int, k: int, *, nprobe: int = 32, nlis
   if flat_s <= ivf_s:
     return "flat", f"exact: the cheaper one; {costs}"
   return "ivfpq", f"IVF-PQ: the cheaper one (approximate scores; --index=flat forces exact); {costs}"
+
+
+def _pq_bits(pq_bits: int, n_train: int) -> int:
+  return max(1, min(int(pq_bits), int(math.log2(max(n_train // MIN_POINTS_PER_CENTROID, 2)))))
+
+
+class _Heartbeat:
+  """While a blocking FAISS call runs (faiss releases the GIL), print every `every` seconds how long it has
+  taken and, from the cost model's `estimate`, about how long it should still take: minutes of silence are
+  otherwise indistinguishable from a hang."""
+
+  def __init__(self, what: str, estimate: float | None, every: float = HEARTBEAT_S, enabled: bool = True):
+    import threading
+
+    self.what, self.estimate, self.every, self.enabled = what, estimate, every, enabled
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, daemon=True)
+
+  def _run(self):
+    t0 = time.perf_counter()
+    while not self._stop.wait(self.every):
+      spent = time.perf_counter() - t0
+      if self.estimate is None:
+        eta = ""
+      elif spent < self.estimate:
+        eta = f", ~{_dur(self.estimate - spent)} left (estimated ~{_dur(self.estimate)} in all)"
+      else:
+        eta = f", longer than the ~{_dur(self.estimate)} estimated (a loaded machine); still working"
+      print(f"index: {self.what}: {_dur(spent)} elapsed{eta}", flush=True)
+
+  def __enter__(self):
+    if self.enabled:
+      self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    if self.enabled:
+      self._thread.join()
 
 
 def _dur(seconds: float) -> str:
@@ -142,21 +208,28 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
     n_train = min(n, int(train_size))
     nlist_used = max(1, min(int(nlist), n_train // MIN_POINTS_PER_CENTROID))
     m_used = _largest_divisor_at_most(d, int(pq_m))
-    bits_used = max(1, min(int(pq_bits), int(math.log2(max(n_train // MIN_POINTS_PER_CENTROID, 2)))))
+    bits_used = _pq_bits(pq_bits, n_train)
     quantizer = faiss.IndexFlatIP(d)
     index = faiss.IndexIVFPQ(quantizer, d, nlist_used, m_used, bits_used, faiss.METRIC_INNER_PRODUCT)
     sample = np.sort(np.random.default_rng(seed).choice(n, size=n_train, replace=False))
     train = _f32(ds.keys[sample])
+    est = ivfpq_build_seconds(n, d, nlist=nlist_used, pq_m=m_used, pq_bits=bits_used, train_size=train_size)
     if progress:
-      print(f"index: training IVF-PQ (nlist={nlist_used}, m={m_used}, bits={bits_used}) on {n_train:,} keys",
-            flush=True)
-    index.train(train)
+      print(f"index: training IVF-PQ (nlist={nlist_used}, m={m_used}, bits={bits_used}) on {n_train:,} keys: "
+            f"estimated ~{_dur(est['coarse'] + est['pq'])} (coarse k-means ~{_dur(est['coarse'])}, product "
+            f"quantizer ~{_dur(est['pq'])}), then ~{_dur(est['add'])} to add the keys", flush=True)
+    with _Heartbeat("training IVF-PQ", est["coarse"] + est["pq"], enabled=progress):
+      index.train(train)
     del train
     info.update(nlist=nlist_used, pq_m=m_used, pq_bits=bits_used, train_size=n_train, seed=seed,
                 train_seconds=round(time.perf_counter() - t0, 3))
   t1 = time.perf_counter()
-  for a in tqdm(range(0, n, add_chunk), desc="index add", unit="chunk", disable=not progress):
-    index.add(_f32(ds.keys[a:a + add_chunk]))  # ids are sequential: id = datastore row
+  # Keys are added in chunks of at most 1/20 of the store, so the bar (keys, rate, ETA) moves on small stores too.
+  step = max(1, min(int(add_chunk), -(-n // 20)))
+  with tqdm(total=n, desc="index add", unit="key", unit_scale=True, disable=not progress) as bar:
+    for a in range(0, n, step):
+      index.add(_f32(ds.keys[a:a + step]))  # ids are sequential: id = datastore row
+      bar.update(min(step, n - a))
   if index.ntotal != n:
     raise CheckpointError(f"index holds {index.ntotal} keys after adding {n}")
   info["add_seconds"] = round(time.perf_counter() - t1, 3)
