@@ -77,7 +77,14 @@ def show_generation(export: str, tau: float, test, prompt_bytes: int = 128, new_
 
 def main(argv):
   del argv
-  run_demo(_CONFIG.value, _WORKDIR.value)
+  from trime_jax.errors import ConfigError
+
+  workdir = _WORKDIR.value
+  if not workdir:
+    raise ConfigError("--workdir must name a folder")
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ConfigError(f"--workdir={workdir} is a file, not a folder")
+  run_demo(_CONFIG.value, workdir)
 
 
 if __name__ == "__main__":

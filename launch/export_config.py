@@ -3,6 +3,7 @@
 
   python -m launch.eval --checkpoint=runs/mini/export                       # uses this config implicitly
   python -m launch.eval --config=launch/export_config.py:runs/mini/export --config.eval.split=test
+  python -m launch.export_config runs/mini/export     # prints that config (stored fields over the defaults)
 
 Fields the export does not have (added after it was written) keep their defaults; a field this version does not
 know (a misspelling such as `eval.tempreture` in a hand-edited config.json) is refused with the file named
@@ -76,3 +77,32 @@ def get_config(export_dir: str = ""):
   with c.unlocked():
     _update(c, stored)
   return c
+
+
+def main(argv: list[str]) -> int:
+  """`python -m launch.export_config EXPORT_DIR`: print the config an evaluation of the export would use."""
+  import sys
+
+  args = argv[1:]
+  if not args or args[0] in ("-h", "--help", "-help", "--helpshort", "--helpfull"):
+    try:
+      print(f"launch.export_config\n\n{__doc__.strip()}\n\nusage: python -m launch.export_config EXPORT_DIR")
+    except BrokenPipeError:  # `--help | head`
+      pass
+    return 0
+  if len(args) != 1 or args[0].startswith("-"):
+    print("error: usage: python -m launch.export_config EXPORT_DIR (one export directory, no flags)",
+          file=sys.stderr)
+    return 2
+  try:
+    print(get_config(args[0]).to_json_best_effort(indent=1))
+  except CheckpointError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  import sys
+
+  sys.exit(main(sys.argv))

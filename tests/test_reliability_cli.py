@@ -402,6 +402,24 @@ def test_help_of_every_command(tmp_path):
     assert "--xla_" not in r["out"] and "--jax_" not in r["out"]  # only its own flags
 
 
+def test_export_config_command(base, tmp_path):
+  """`python -m launch.export_config` (a config file for --config, and a command that prints it)."""
+  env = dict(os.environ, PYTHONPATH=REPO)
+  run = lambda *a: subprocess.run([sys.executable, "-m", "launch.export_config", *a], cwd=REPO, env=env,
+                                  capture_output=True, text=True, timeout=120)
+  r = run("--help")
+  assert r.returncode == 0 and _first_doc_line("launch.export_config") in r.stdout, r.stderr
+  r = run(str(base["export"]))
+  assert r.returncode == 0, r.stderr
+  assert json.loads(r.stdout)["model"]["d_model"] == 32
+  x = tmp_path / "typo"
+  shutil.copytree(base["export"], x)
+  edit_json(x / "config.json", lambda c: c["eval"].update(tempreture=2.0))
+  r = run(str(x))
+  assert r.returncode == 2 and "Traceback" not in r.stderr
+  assert r.stderr.startswith(f"error: {x}/config.json has field this version does not know: eval.tempreture"), r.stderr
+
+
 def _cli_driver(cases_path: str, out_dir: str) -> None:
   """tests.test_reliability's driver, plus {"call": "launch.cli:NAME", "script": "trime-x"} cases (an
   installed command: its console-script function with sys.argv[0] = the command's name)."""
