@@ -7,6 +7,10 @@ job; on multi-host / TPU runs JAX's preemption notice) the run finishes the upda
 and exits with status 143 (128 + SIGTERM, so schedulers see a terminated, not a finished, job); the same
 command then resumes exactly where it stopped. Exit status 0: trained, evaluated and exported.
 
+`--workdir` is required for training (there is no default run directory); one run per workdir: a second one
+exits with status 2 naming the process that holds it. Ctrl-C exits with status 130 saying which checkpoint (if
+any) is on disk to resume from.
+
 `--dry_run` prints the parameter count and the per-device memory plan (parameters, optimizer state, XLA's
 compiled plan of one train step at the configured batch) and exits without training.
 """
@@ -16,28 +20,40 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from launch.common import default_workdir, run_main
+from launch.common import run_main
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics.jsonl, export/).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics.jsonl, export/); required "
+                               "unless --dry_run.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print parameters and the per-device memory plan; do not train.")
 flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
   del argv
-  from trime_jax.train import PREEMPTED_EXIT_CODE, Preempted, format_memory_plan, memory_plan, train_and_evaluate
+  from trime_jax.runtime.preemption import PREEMPTED_EXIT_CODE, Preempted
+  from trime_jax.train import format_memory_plan, memory_plan, train_and_evaluate
 
   config = _CONFIG.value
   if _DRY_RUN.value:
     print(format_memory_plan(memory_plan(config)), flush=True)
     return
-  workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename)
+  workdir = _WORKDIR.value
+  if not workdir:
+    from trime_jax.errors import ConfigError
+
+    raise ConfigError("--workdir is required: the run directory for checkpoints, metrics.jsonl and export/ "
+                      "(e.g. --workdir=runs/mini); rerunning with the same --workdir resumes")
   try:
     train_and_evaluate(config, workdir)
   except Preempted as e:
     print(e, file=sys.stderr, flush=True)
     sys.exit(PREEMPTED_EXIT_CODE)
+  except KeyboardInterrupt:
+    from trime_jax.runtime.workdir import on_disk
+
+    print(f"interrupted: {on_disk(workdir)}", file=sys.stderr, flush=True)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@
 Rerunning the same command resumes from the newest checkpoint in the workdir (`--config.train.stop_after=N`
 trains at most N updates per invocation). SIGTERM checkpoints the current update and exits with status 143.
 Exit status 0: trained, evaluated on valid and exported to <workdir>/export (trime_jax.mt.model.load_mt_export).
+`--workdir` is required; one run per workdir (a second exits with status 2 naming the process that holds it);
+Ctrl-C exits with status 130 saying which checkpoint (if any) is on disk to resume from.
 """
 
 import sys
@@ -14,25 +16,33 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from launch.common import default_workdir, run_main
+from launch.common import run_main
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/ui_de_en.py, configs/iwslt_de_en.py).",
                                           lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics.jsonl, export/).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics.jsonl, export/); required.")
 flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
   del argv
+  from trime_jax.errors import ConfigError
   from trime_jax.mt.train import train_and_evaluate
-  from trime_jax.train import PREEMPTED_EXIT_CODE, Preempted
+  from trime_jax.runtime.preemption import PREEMPTED_EXIT_CODE, Preempted
+  from trime_jax.runtime.workdir import on_disk
 
-  workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename)
+  workdir = _WORKDIR.value
+  if not workdir:
+    raise ConfigError("--workdir is required: the run directory for checkpoints, metrics.jsonl and export/ "
+                      "(e.g. --workdir=runs/ui_vanilla); rerunning with the same --workdir resumes")
   try:
     train_and_evaluate(_CONFIG.value, workdir, log=lambda s: print(s, flush=True))
   except Preempted as e:
     print(e, file=sys.stderr, flush=True)
     sys.exit(PREEMPTED_EXIT_CODE)
+  except KeyboardInterrupt:
+    print(f"interrupted: {on_disk(workdir)}", file=sys.stderr, flush=True)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -132,3 +132,36 @@ def test_packed_training_equals_padded_training(tmp_path):
   c.data.pack_len = 16  # below data.max_len=32
   with pytest.raises(ConfigError, match="pack_len"):
     mt_train.train_and_evaluate(c, str(tmp_path / "w"))
+
+
+def test_mt_workdir_lock_and_stored_config_are_checked_before_data(tmp_path):
+  """One run per MT workdir (the runtime's lock, the holder named) and no unknown field in its config.json:
+  both refused before any data is read (the data path here does not exist)."""
+  from tests.test_train import _hold, _release
+  from trime_jax.runtime.lock import LockedError
+
+  c = tiny_config(tmp_path / "no_data")
+  work = tmp_path / "run"
+  work.mkdir()
+  holder = _hold(work / ".lock")
+  try:
+    with pytest.raises(LockedError, match=f"workdir {work} is in use by process {holder.pid} "):
+      mt_train.train_and_evaluate(c, str(work), log=lambda s: None)
+  finally:
+    _release(holder)
+  stored = json.loads(c.to_json_best_effort())
+  stored["train"]["lerning_rate"] = 1.0
+  (work / "config.json").write_text(json.dumps(stored))
+  with pytest.raises(ConfigError, match=r"config.json has field .*train.lerning_rate \(train.learning_rate\?\)"):
+    mt_train.train_and_evaluate(c, str(work), log=lambda s: None)
+  assert sorted(os.listdir(work)) == ["config.json"]
+
+
+def test_cli_requires_workdir():
+  r = subprocess.run([sys.executable, "-m", "launch.train_mt", "--config=configs/ui_de_en.py"], cwd=REPO,
+                     capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO,
+                                                                          JAX_PLATFORMS="cpu"))
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert [l for l in r.stderr.splitlines() if l.startswith("error:")] == [
+      "error: --workdir is required: the run directory for checkpoints, metrics.jsonl and export/ "
+      "(e.g. --workdir=runs/ui_vanilla); rerunning with the same --workdir resumes"], r.stderr[-2000:]

@@ -352,12 +352,44 @@ def e_index_flipped(b):
   return _eval_ext(b, b["work"] / "export", ds), [str(ds / "index.faiss"), "digest"]
 
 
+def e_workdir_is_file(b):
+  f = b["tmp"] / "cases" / "a_file"
+  f.parent.mkdir(exist_ok=True)
+  f.write_text("not a folder\n")
+  return _train(b, f), [f"--workdir={f}", "is a file, not a folder"]
+
+
+def e_workdir_missing(b):
+  return {"module": "launch.train", "args": [f"--config={b['cfg']}"]}, ["--workdir is required"]
+
+
+def e_workdir_config_typo(b):
+  w = _copy(b, "work", "typo")
+  edit_json(w / "config.json", lambda c: c["train"].update(lerning_rate=1.0))
+  return _train(b, w), [str(w / "config.json"), "train.lerning_rate (train.learning_rate?)"]
+
+
+def e_export_target_other(b):
+  w = b["tmp"] / "cases" / "export_other"
+  (w / "export").mkdir(parents=True)
+  (w / "export" / "notes.txt").write_text("mine\n")
+  return _train(b, w), [str(w / "export"), "not an export", "notes.txt"]
+
+
+def e_export_target_other_model(b):
+  w = _copy(b, "work", "export_model")  # its export/ says another training corpus: another model
+  shutil.rmtree(w / "checkpoints")
+  edit_json(w / "export" / "meta.json", lambda m: m.update(train_fingerprint="0123456789abcdef"))
+  return _train(b, w), [str(w / "export"), "another model", "train_fingerprint"]
+
+
 ERROR_CASES = [e_params_flipped, e_arch_edited, _truncated("vocab.json"), _truncated("config.json"),
                _truncated("meta.json"), e_params_metadata_deleted, e_params_data_deleted, e_eval_max_tokens,
                e_eval_batch_size, e_eval_knn_lambda, e_eval_split, e_log_every, e_num_heads, e_config_missing, e_data_dir_missing, e_non_utf8_corpus,
                e_word_export_byte_config, e_workdir_other_seed, e_workdir_other_memory, e_batches_truncated,
                e_batch_plan_missing, e_datastore_keys_flipped, e_datastore_meta_truncated, e_datastore_meta_edited,
-               e_index_flipped]
+               e_index_flipped, e_workdir_is_file, e_workdir_missing, e_workdir_config_typo, e_export_target_other,
+               e_export_target_other_model]
 
 
 # Recovery cases: (builder -> (cases, state)) and a check(results, state, base).
@@ -369,6 +401,8 @@ def r_checkpoint_fallback(kind):
       os.remove(newest / "_METADATA")
     elif kind == "data_deleted":
       os.remove(data_files(newest)[0])
+    elif kind == "bit_flipped":  # orbax reads it without complaint: only the step's digest sees it
+      flip_byte(data_files(newest)[0], 0.3)
     else:
       truncate(data_files(newest)[0])
     return [_train(b, w)], w
@@ -379,6 +413,10 @@ def r_checkpoint_fallback(kind):
     assert "Traceback" not in r["err"] and "Event loop is closed" not in r["err"], r["err"][-3000:]
     assert "checkpoint at step 4" in r["out"] and "falling back to the checkpoint at step 2" in r["out"], r["out"]
     assert "resumed from step 2" in r["out"]
+    warnings = [ln for ln in r["out"].splitlines() + r["err"].splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 1 and f"checkpoint at step 4 in {w / 'checkpoints'}" in warnings[0], warnings
+    if kind == "bit_flipped":
+      assert "changed after it was saved" in warnings[0], warnings
     assert os.path.isdir(w / "checkpoints_damaged" / "4")  # kept for inspection, out of orbax's way
     # Resumed from step 2, the rerun reaches the uninterrupted run's parameters bit for bit.
     assert _meta(w / "export")["params_digest"] == _meta(b["work"] / "export")["params_digest"]
@@ -465,7 +503,105 @@ def r_datastore_disk_full():
   return build, check
 
 
-RECOVERY_CASES = [r_checkpoint_fallback("metadata_deleted"), r_checkpoint_fallback("data_deleted"),
+# A process that holds a workdir's lock as a running training does (the lock file's format, flock), until the
+# case's process exits (its stdin closes); its pid is written to `pidfile` for the check.
+_HOLDER = (
+    "import fcntl, json, os, sys\n"
+    "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+    "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+    "os.write(fd, json.dumps({'pid': os.getpid(), 'host': os.uname().nodename, 'since': 'now'}).encode())\n"
+    "print('held', flush=True)\n"
+    "sys.stdin.read()\n")
+_HOLD_LOCK = """
+import subprocess, sys
+_holder = subprocess.Popen([sys.executable, "-c", {holder!r}, {lock!r}], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)
+_holder.stdout.readline()
+open({pidfile!r}, "w").write(str(_holder.pid))
+"""
+
+
+def r_workdir_locked():
+  def build(b):
+    w = _copy(b, "work", "locked")
+    pidfile = str(b["tmp"] / "cases" / "locked.pid")
+    setup = _HOLD_LOCK.format(holder=_HOLDER, lock=str(w / ".lock"), pidfile=pidfile)
+    before = tree_hashes(w)
+    return [_train(b, w, "--config.train.num_steps=6") | {"setup": setup}], (w, pidfile, before)
+
+  def check(rs, state, b):
+    w, pidfile, before = state
+    line = one_error_line(rs[0])
+    with open(pidfile) as f:
+      pid = f.read().strip()
+    assert f"workdir {w} is in use by process {pid}" in line, line
+    after = {k: v for k, v in tree_hashes(w).items() if not k.endswith(".lock")}  # the holder's own file
+    assert after == before  # the second run changed nothing (no metrics line, no checkpoint)
+
+  build.__name__ = check.__name__ = "r_workdir_locked"
+  return build, check
+
+
+# Ctrl-C (KeyboardInterrupt) raised where the run saves update `step`, after the earlier save has finished.
+_CTRL_C_AT = """
+from trime_jax import checkpoint
+_save = checkpoint.save
+def _interrupted(mgr, step, state):
+  if step == {step}:
+    checkpoint.finish(mgr)
+    raise KeyboardInterrupt
+  _save(mgr, step, state)
+checkpoint.save = _interrupted
+"""
+
+
+def r_interrupted():
+  def build(b):
+    w = b["tmp"] / "cases" / "ctrl_c"
+    return [_train(b, w) | {"setup": _CTRL_C_AT.format(step=2)},  # before the first checkpoint
+            _train(b, w) | {"setup": _CTRL_C_AT.format(step=4)},  # after it
+            _train(b, w)], w
+
+  def check(rs, w, b):
+    for r in rs[:2]:
+      assert r["rc"] == 130 and "Traceback" not in r["err"], r["err"][-3000:]
+      assert "intact" not in r["err"], r["err"]
+    assert "interrupted: no checkpoint had been written yet" in rs[0]["err"], rs[0]["err"]
+    assert f"interrupted: the newest checkpoint on disk is step 2 in {w / 'checkpoints'}" in rs[1]["err"], rs[1]["err"]
+    assert rs[2]["rc"] == 0, rs[2]["err"][-3000:]
+    with open(w / "metrics.jsonl") as f, open(b["work"] / "metrics.jsonl") as g:
+      steps, want = ([(r["step"], r.get("split")) for r in map(json.loads, h)] for h in (f, g))
+    assert steps == want, (steps, want)  # each line once, as in the uninterrupted run
+    assert _meta(w / "export")["params_digest"] == _meta(b["work"] / "export")["params_digest"]
+
+  build.__name__ = check.__name__ = "r_interrupted"
+  return build, check
+
+
+# A file-size limit (RLIMIT_FSIZE, like a small filesystem) that the checkpoint's largest data file exceeds.
+_SMALL_DISK = ("import resource, signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+               "resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n")
+
+
+def r_training_disk_full():
+  def build(b):
+    w = b["tmp"] / "cases" / "train_full"
+    limit = max(os.path.getsize(p) for p in data_files(b["work"] / "checkpoints" / "2")) // 2
+    return [_train(b, w) | {"setup": _SMALL_DISK.format(limit=limit)}, _train(b, w)], w
+
+  def check(rs, w, b):
+    line = one_error_line(rs[0])
+    assert "no space left writing the checkpoint of update 2" in line and str(w / "checkpoints") in line, line
+    assert "rerun the same command" in line, line
+    assert rs[1]["rc"] == 0, rs[1]["err"][-3000:]
+    assert _meta(w / "export")["params_digest"] == _meta(b["work"] / "export")["params_digest"]
+
+  build.__name__ = check.__name__ = "r_training_disk_full"
+  return build, check
+
+
+RECOVERY_CASES = [r_checkpoint_fallback("bit_flipped"), r_workdir_locked(), r_interrupted(), r_training_disk_full(),
+                  r_checkpoint_fallback("metadata_deleted"), r_checkpoint_fallback("data_deleted"),
                   r_checkpoint_fallback("data_truncated"), r_allowed_config_change(), r_finished_rerun(),
                   r_datastore_disk_full()]
 
@@ -478,7 +614,8 @@ def results(base):
   for build in ERROR_CASES:
     case, expect = build(base)
     watched = [a.split("=", 1)[1] for a in case["args"] if a.startswith(("--checkpoint=", "--config.eval.datastore=",
-                                                                        "--config.data.path=", "--config.trime.batch_plan="))]
+                                                                        "--config.data.path=", "--config.trime.batch_plan=",
+                                                                        "--workdir="))]
     watched = [p for p in watched if os.path.exists(p)] + user_files
     before = tree_hashes(*watched)
     spans[build.__name__] = (len(cases), 1)

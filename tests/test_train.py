@@ -144,3 +144,126 @@ def test_out_of_range_fields_are_refused_before_compiling(field, value, message)
     cfg[section][name] = value
   with pytest.raises(ConfigError, match=message):
     validate_config(cfg)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One writer per directory, exports that refuse another model's directory (issue 35); no training needed.
+# ----------------------------------------------------------------------------------------------------------
+def _hold(lock_path):
+  """Another process holding `lock_path` as a running training would (until its stdin closes)."""
+  import subprocess
+  import sys
+
+  code = ("import sys\nfrom trime_jax.runtime.lock import DirLock\n"
+          "with DirLock(sys.argv[1], 'x'):\n  print('held', flush=True)\n  sys.stdin.read()\n")
+  p = subprocess.Popen([sys.executable, "-c", code, str(lock_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                       text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert p.stdout.readline().strip() == "held"
+  return p
+
+
+def _release(p):
+  p.stdin.close()
+  p.wait(timeout=30)
+
+
+def _tiny_export_args():
+  from flax import nnx
+
+  from configs import default
+  from trime_jax import data as D
+  from trime_jax.model import ModelConfig, TransformerLM
+
+  c = default.get_config()
+  c.model.num_layers, c.model.d_model, c.model.num_heads, c.model.d_ff, c.model.max_len = 1, 16, 2, 32, 32
+  vocab = D.Vocab.bytes()
+  model = TransformerLM(ModelConfig.from_config(c.model, vocab_size=len(vocab)), rngs=nnx.Rngs(params=0))
+  return nnx.split(model, nnx.Param)[1], c, vocab
+
+
+def test_workdir_lock_names_the_holder_and_is_released(corpus, tmp_path):
+  from trime_jax.runtime.lock import LockedError
+
+  work = tmp_path / "run"
+  work.mkdir()
+  holder = _hold(work / ".lock")
+  try:
+    with pytest.raises(LockedError, match=f"workdir {work} is in use by process {holder.pid} "):
+      train_and_evaluate(tiny_config(corpus, **{"train.num_steps": 2}), str(work))
+  finally:
+    _release(holder)
+  assert sorted(os.listdir(work)) == []  # the refused run wrote nothing; the holder removed its lock file
+  from trime_jax.runtime.lock import DirLock
+
+  with DirLock(str(work / ".lock"), "w"), DirLock(str(work / ".lock"), "w"):  # free again; reentrant in-process
+    assert os.path.exists(work / ".lock")
+  assert not os.path.exists(work / ".lock")
+
+
+def test_workdir_that_is_a_file_is_refused(corpus, tmp_path):
+  f = tmp_path / "f"
+  f.write_text("x")
+  with pytest.raises(ConfigError, match="is a file, not a folder"):
+    train_and_evaluate(tiny_config(corpus), str(f))
+  with pytest.raises(ConfigError, match="is a file, not a folder"):
+    train_and_evaluate(tiny_config(corpus), str(f / "run"))
+
+
+def test_export_refuses_another_kind_or_model_unless_overwrite(tmp_path):
+  from trime_jax.errors import CheckpointError
+  from trime_jax.runtime.lock import LockedError
+
+  params, cfg, vocab = _tiny_export_args()
+  target = tmp_path / "export"
+  target.mkdir()
+  (target / "notes.txt").write_text("mine")
+  with pytest.raises(CheckpointError, match="not an export .*notes.txt"):
+    ckpt.export(str(target), params, cfg, vocab)
+  assert os.listdir(target) == ["notes.txt"]  # untouched
+  ckpt.export(str(target), params, cfg, vocab, extra={"train_fingerprint": "a"}, overwrite=True)
+  assert ckpt.read_export_meta(str(target))["train_fingerprint"] == "a"
+  ckpt.export(str(target), params, cfg, vocab, extra={"train_fingerprint": "a", "step": 5})  # same model: fine
+  with pytest.raises(CheckpointError, match="another model .*train_fingerprint 'a' there, 'b' now"):
+    ckpt.export(str(target), params, cfg, vocab, extra={"train_fingerprint": "b"})
+  with cfg.unlocked():
+    cfg.model.num_heads = 4  # same shapes, another architecture
+  with pytest.raises(CheckpointError, match="another model .*arch_digest"):
+    ckpt.export(str(target), params, cfg, vocab, extra={"train_fingerprint": "a"})
+  holder = _hold(str(target) + ".lock")
+  try:
+    with pytest.raises(LockedError, match=f"export directory {target} is in use by process {holder.pid}"):
+      ckpt.export(str(target), params, cfg, vocab, extra={"train_fingerprint": "a"}, overwrite=True)
+  finally:
+    _release(holder)
+  assert ckpt.read_export_meta(str(target))["step"] == 5
+
+
+def test_workdir_config_json_with_an_unknown_field_is_refused(corpus, tmp_path):
+  import json
+
+  work = tmp_path / "run"
+  work.mkdir()
+  cfg = tiny_config(corpus)
+  stored = json.loads(cfg.to_json_best_effort())
+  stored["train"]["lerning_rate"] = 1.0
+  (work / "config.json").write_text(json.dumps(stored))
+  with pytest.raises(ckpt.CheckpointError, match=r"config.json has field .*train.lerning_rate \(train.learning_rate\?\)"):
+    ckpt.check_resume_config(str(work), cfg)
+
+
+def test_step_digest_names_the_changed_file(tmp_path):
+  from trime_jax.errors import DamagedCheckpointError
+
+  mgr = ckpt.manager(str(tmp_path / "checkpoints"), 3)
+  state = {"step": jnp.int32(1), "w": jnp.arange(4096, dtype=jnp.float32)}
+  ckpt.save(mgr, 1, state)
+  ckpt.finish(mgr)
+  step_dir = tmp_path / "checkpoints" / "1"
+  assert (step_dir / ckpt.DIGEST_FILE).exists()
+  ckpt.verify_step(str(tmp_path / "checkpoints"), 1, "checkpoint at step 1")  # intact: silent
+  big = max((p for p in step_dir.rglob("*") if p.is_file() and p.name != ckpt.DIGEST_FILE), key=os.path.getsize)
+  data = bytearray(big.read_bytes())
+  data[len(data) // 2] ^= 1
+  big.write_bytes(bytes(data))
+  with pytest.raises(DamagedCheckpointError, match=f"{big} changed after it was saved"):
+    ckpt.verify_step(str(tmp_path / "checkpoints"), 1, "checkpoint at step 1")

@@ -10,13 +10,17 @@ The export is written to a temporary directory and renamed into place, so it is 
 Verified on every load: the JSON files parse, vocab.json matches meta.json's vocabulary fingerprint,
 config.json's architecture matches meta.json's `arch_digest`, the stored parameter shapes match the
 architecture, and the restored parameters' bytes match `params_digest` (a flipped byte is refused, not
-evaluated). Training checkpoints are checked the same way (files present, shapes, readable); a damaged newest
-checkpoint is moved aside to `<workdir>/checkpoints_damaged/` and training resumes from the previous one.
+evaluated). Training checkpoints are checked the same way (files present, shapes, readable) and against the
+digest written beside each step once it is complete (`<step>/trime_digest.json`: SHA-256 of every file); a
+damaged newest checkpoint is moved aside to `<workdir>/checkpoints_damaged/` and training resumes from the
+previous one. `export` refuses a non-empty target that is not an export of the same model (architecture,
+vocabulary, training data) unless `overwrite=True`, and holds `<export>.lock` while it writes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -31,8 +35,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from trime_jax import data
-from trime_jax.errors import CheckpointError, DamagedCheckpointError
+from trime_jax.errors import CheckpointError, DamagedCheckpointError, TrimeError
 from trime_jax.model import build_model, count_params, model_config
+from trime_jax.runtime.lock import DirLock
 
 EXPORT_FILES = ("config.json", "vocab.json", "meta.json", "params")
 
@@ -43,8 +48,119 @@ def manager(directory: str, keep: int) -> ocp.CheckpointManager:
   return ocp.CheckpointManager(path, options=options)
 
 
+class DiskFullError(TrimeError):
+  """Writing a checkpoint or export failed for lack of space (or a file size / quota limit)."""
+
+
+# How orbax / TensorStore report a full disk: an OSError's errno, or a TensorStore status in the message.
+_NO_SPACE = ("RESOURCE_EXHAUSTED", "No space left", "Disk quota exceeded", "File too large")
+
+
+def _is_no_space(e: BaseException) -> bool:
+  while e is not None:
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+      return True
+    if any(t in str(e) for t in _NO_SPACE):
+      return True
+    e = e.__cause__ or e.__context__
+  return False
+
+
+def _no_space(mgr, step, e) -> DiskFullError:
+  kept = newest_step(str(mgr.directory))
+  where = (f"the newest complete checkpoint is step {kept}" if kept is not None else
+           "no complete checkpoint is on disk yet (the rerun starts from step 0)")
+  return DiskFullError(f"no space left writing the checkpoint of update {step} to {mgr.directory} "
+                       f"({_first_line(e)}); {where}: free space and rerun the same command to resume")
+
+
 def save(mgr: ocp.CheckpointManager, step: int, state) -> None:
-  mgr.save(step, args=ocp.args.StandardSave(state))
+  """Save `step` (asynchronously); first the previous save is finished and its digest written (`seal`).
+  A full disk is DiskFullError (one line), not orbax's traceback."""
+  finish(mgr)
+  try:
+    mgr._trime_pending = step  # the step an asynchronous failure (reported by `finish`) belongs to
+    mgr.save(step, args=ocp.args.StandardSave(state))
+  except Exception as e:  # noqa: BLE001 - only a full disk is translated; anything else propagates
+    if _is_no_space(e):
+      raise _no_space(mgr, step, e) from None
+    raise
+
+
+def finish(mgr: ocp.CheckpointManager) -> None:
+  """Wait for the save in flight, then write the digest of every complete step that lacks one."""
+  try:
+    mgr.wait_until_finished()
+  except Exception as e:  # noqa: BLE001 - only a full disk is translated; anything else propagates
+    if _is_no_space(e):
+      raise _no_space(mgr, getattr(mgr, "_trime_pending", None), e) from None
+    raise
+  seal(str(mgr.directory))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Step digests: written after a step is complete (orbax has renamed it into place and the save is finished),
+# verified before it is restored. A step without one (killed between orbax's rename and the digest, or saved
+# by an older version) is restored on shapes and orbax's own checks only.
+# ----------------------------------------------------------------------------------------------------------
+DIGEST_FILE = "trime_digest.json"
+
+
+def _file_digests(step_dir: str) -> dict:
+  out = {}
+  for root, _, names in os.walk(step_dir):
+    for name in names:
+      path = os.path.join(root, name)
+      rel = os.path.relpath(path, step_dir)
+      if rel == DIGEST_FILE:
+        continue
+      h = hashlib.sha256()
+      with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+          h.update(block)
+      out[rel] = h.hexdigest()
+  return dict(sorted(out.items()))
+
+
+def _step_dirs(directory: str) -> list[int]:
+  """Complete step directories (orbax writes `<step>.orbax-checkpoint-tmp-*` and renames when done)."""
+  if "://" in directory or not os.path.isdir(directory):
+    return []
+  return sorted(int(n) for n in os.listdir(directory) if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+
+
+def seal(directory: str) -> None:
+  """Write `<step>/trime_digest.json` for every complete step without one (process 0; local paths only)."""
+  if jax.process_index() != 0:
+    return
+  for step in _step_dirs(directory):
+    step_dir = os.path.join(directory, str(step))
+    if not os.path.exists(os.path.join(step_dir, DIGEST_FILE)):
+      data.atomic_write_json(os.path.join(step_dir, DIGEST_FILE), {"step": step, "files": _file_digests(step_dir)})
+
+
+def newest_step(directory: str):
+  """The newest complete step on disk (what a rerun resumes from when it verifies), or None."""
+  return (_step_dirs(directory) or [None])[-1]
+
+
+def verify_step(directory: str, step: int, what: str) -> None:
+  """DamagedCheckpointError naming the first file whose bytes differ from the step's digest (or that is missing
+  or added); nothing when the step has no digest."""
+  step_dir = os.path.join(directory, str(step))
+  path = os.path.join(step_dir, DIGEST_FILE)
+  if "://" in directory or not os.path.exists(path):
+    return
+  want = read_json(path, "checkpoint digest", DamagedCheckpointError).get("files", {})
+  have = _file_digests(step_dir)
+  for rel in sorted(want.keys() | have.keys()):
+    if rel not in have:
+      raise DamagedCheckpointError(f"{what} is damaged: {os.path.join(step_dir, rel)} is missing")
+    if rel not in want:
+      raise DamagedCheckpointError(f"{what} is damaged: {os.path.join(step_dir, rel)} was added after it was saved")
+    if want[rel] != have[rel]:
+      raise DamagedCheckpointError(f"{what} is damaged: {os.path.join(step_dir, rel)} changed after it was saved "
+                                   f"(SHA-256 {have[rel][:16]} != {DIGEST_FILE}'s {want[rel][:16]})")
 
 
 def restore_latest(mgr: ocp.CheckpointManager, abstract_state, log=print):
@@ -57,6 +173,7 @@ def restore_latest(mgr: ocp.CheckpointManager, abstract_state, log=print):
   for i, step in enumerate(steps):
     path = os.path.join(str(mgr.directory), str(step), "default")
     try:
+      verify_step(str(mgr.directory), step, f"checkpoint at step {step} in {mgr.directory}")
       state = _restore_checked(path, abstract_state, f"checkpoint at step {step} in {mgr.directory}",
                                lambda: mgr.restore(step, args=ocp.args.StandardRestore(abstract_state)))
     except DamagedCheckpointError as e:
@@ -155,17 +272,18 @@ def _flat(tree: dict, prefix: str = "") -> dict:
   return out
 
 
-def check_resume_config(workdir: str, config: ml_collections.ConfigDict) -> None:
-  """Before resuming `workdir`, compare its config.json with `config`; then write `config` there.
+def check_resume_config(workdir: str, config: ml_collections.ConfigDict, *, write: bool = True) -> None:
+  """Before resuming `workdir`, compare its config.json with `config`; then (`write`) write `config` there.
 
   Differences outside RESUMABLE_CHANGES are refused (naming the fields) unless train.allow_config_change;
-  every difference is appended to config_changes.jsonl. A field absent on one side (a code version that adds
-  or drops a field) is not a difference. Nothing to resume (no checkpoint yet): config.json is just written."""
+  every difference is appended to config_changes.jsonl when written. A field absent from `config` (a typo in an
+  edited config.json) is refused with the file named. Nothing to resume (no checkpoint yet): config.json is just
+  written. `write=False` checks only (nothing on disk changes); call again with write=True when the run starts."""
   path = os.path.join(workdir, "config.json")
   new = json.loads(config.to_json_best_effort())
   # Multi-process: process 0 decides (hosts may differ in host-local fields such as data.path) and tells the
   # others, so that every process stops or none does.
-  problem = _resume_problem(workdir, path, config, new) if jax.process_index() == 0 else None
+  problem, diff, blocking = _resume_problem(workdir, path, config, new) if jax.process_index() == 0 else (None, {}, [])
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
 
@@ -173,32 +291,42 @@ def check_resume_config(workdir: str, config: ml_collections.ConfigDict) -> None
       problem = f"process 0 refused to resume workdir {workdir} (see its error line)"
   if problem:
     raise CheckpointError(problem)
-  if jax.process_index() == 0:
-    data.atomic_write_json(path, new)
-
-
-def _resume_problem(workdir: str, path: str, config, new: dict) -> str | None:
-  """check_resume_config's comparison on process 0: the error message, or None (changes recorded)."""
-  ckpts = os.path.join(workdir, "checkpoints")
-  resuming = os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts))
-  if resuming and os.path.exists(path):
-    old = _flat(read_json(path, "workdir config", CheckpointError))
-    flat_new = _flat(new)
-    diff = {k: [old[k], flat_new[k]] for k in sorted(old.keys() & flat_new.keys()) if old[k] != flat_new[k]}
-    blocking = [k for k in diff if not k.startswith(RESUMABLE_CHANGES)]
-    if blocking and not config.train.get("allow_config_change", False):
-      shown = "; ".join(f"{k}: {diff[k][0]!r} there, {diff[k][1]!r} now" for k in blocking[:8])
-      more = f" (+{len(blocking) - 8} more)" if len(blocking) > 8 else ""
-      return (f"workdir {workdir} holds a run with other settings ({shown}{more}): use another --workdir, or pass "
-              "--config.train.allow_config_change=True to resume it with these settings (recorded in "
-              "config_changes.jsonl)")
+  if write and jax.process_index() == 0:
     if diff:
       with open(os.path.join(workdir, "config_changes.jsonl"), "a") as f:
         f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changes": diff,
                             "allowed": bool(blocking)}) + "\n")
       print(f"config changes recorded in {os.path.join(workdir, 'config_changes.jsonl')}: "
             + ", ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in diff.items()), flush=True)
-  return None
+    data.atomic_write_json(path, new)
+
+
+def _resume_problem(workdir: str, path: str, config, new: dict):
+  """check_resume_config's comparison on process 0: (the error message or None, the differences, the blocking
+  ones)."""
+  ckpts = os.path.join(workdir, "checkpoints")
+  resuming = os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts))
+  if os.path.exists(path):  # an edited field must not be ignored silently: unknown ones are refused
+    from trime_jax.runtime import workdir as workdir_files
+    from trime_jax.errors import ConfigError
+
+    try:
+      workdir_files.check_stored_config(path, read_json(path, "workdir config", CheckpointError), config)
+    except ConfigError as e:
+      return str(e), {}, []
+  if not (resuming and os.path.exists(path)):
+    return None, {}, []
+  old = _flat(read_json(path, "workdir config", CheckpointError))
+  flat_new = _flat(new)
+  diff = {k: [old[k], flat_new[k]] for k in sorted(old.keys() & flat_new.keys()) if old[k] != flat_new[k]}
+  blocking = [k for k in diff if not k.startswith(RESUMABLE_CHANGES)]
+  if blocking and not config.train.get("allow_config_change", False):
+    shown = "; ".join(f"{k}: {diff[k][0]!r} there, {diff[k][1]!r} now" for k in blocking[:8])
+    more = f" (+{len(blocking) - 8} more)" if len(blocking) > 8 else ""
+    return (f"workdir {workdir} holds a run with other settings ({shown}{more}): use another --workdir, or pass "
+            "--config.train.allow_config_change=True to resume it with these settings (recorded in "
+            "config_changes.jsonl)"), diff, blocking
+  return None, diff, blocking
 
 
 def abstract(tree):
@@ -224,40 +352,98 @@ def replace_directory(tmp: str, directory: str) -> None:
     os.replace(tmp, directory)
 
 
-def export(directory: str, params, config: ml_collections.ConfigDict, vocab: data.Vocab, extra=None) -> str:
+# What makes an export "the same model" for `export`'s refusal: re-exporting a training run (a rerun, a longer
+# run, a new best) keeps these; another model, vocabulary or training corpus changes one of them.
+IDENTITY_FIELDS = ("arch_digest", "vocab_fingerprint", "train_fingerprint")
+
+
+def export_target_problem(directory: str, meta: dict) -> str | None:
+  """Why writing an export with `meta` to `directory` would replace something else (None: absent, empty, or an
+  export of the same model)."""
+  if not os.path.lexists(directory):
+    return None
+  if not os.path.isdir(directory):
+    return "is a file"
+  names = sorted(os.listdir(directory))
+  if not names:
+    return None
+  try:
+    with open(os.path.join(directory, "meta.json"), encoding="utf-8") as f:
+      there = json.load(f)
+  except (OSError, ValueError, UnicodeDecodeError):
+    there = None
+  if not isinstance(there, dict) or "params_digest" not in there:
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    return f"holds {len(names)} file{'s' if len(names) != 1 else ''} that are not an export ({shown})"
+  # (Exports from before arch_digest lack it: compared on the other fields.)
+  differ = [k for k in IDENTITY_FIELDS if there.get(k) != meta.get(k) and not (k == "arch_digest" and k not in there)]
+  if differ:
+    shown = ", ".join(f"{k} {there.get(k)!r} there, {meta.get(k)!r} now" for k in differ)
+    return f"holds an export of another model ({shown})"
+  return None
+
+
+def _export_meta(config, vocab: data.Vocab, extra=None) -> dict:
+  mcfg = model_config(config.model, vocab_size=len(vocab))
+  return {"arch_digest": arch_digest(mcfg), "vocab_fingerprint": vocab.fingerprint(), "vocab_size": len(vocab),
+          "vocab_kind": vocab.kind, "d_model": mcfg.d_model, "key_type": mcfg.key_type, **(extra or {})}
+
+
+def check_export_target(directory: str, config, vocab: data.Vocab, extra=None) -> None:
+  """`export`'s refusal, before the work that leads to the export (training checks its export/ and best/ up
+  front, so a run is not lost to a refused export at its end)."""
+  directory = os.path.abspath(directory)
+  problem = export_target_problem(directory, _export_meta(config, vocab, extra))
+  if problem:
+    raise CheckpointError(f"export target {directory} {problem}: move it away or choose another --workdir")
+
+
+def export(directory: str, params, config: ml_collections.ConfigDict, vocab: data.Vocab, extra=None, *,
+           overwrite: bool = False) -> str:
   """Write params + config + vocab + meta to `directory` atomically; returns the directory.
 
-  Multi-host: every process calls this with the same (replicated, host-copied) params; orbax writes them
-  once and synchronises the processes, process 0 writes the JSON files and renames the directory."""
+  A non-empty `directory` that is not an export of the same model (IDENTITY_FIELDS: architecture, vocabulary,
+  training data) is refused (CheckpointError naming what is there) unless `overwrite`; one writer at a time
+  (`<directory>.lock`, LockedError naming the holder). Multi-host: every process calls this with the same
+  (replicated, host-copied) params; orbax writes them once and synchronises the processes, process 0 checks,
+  writes the JSON files and renames the directory."""
   directory = os.path.abspath(directory)
   tmp = directory + ".tmp"
   chief = jax.process_index() == 0
-  if chief:
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-  _sync("export:start")
-  ckptr = ocp.StandardCheckpointer()
-  ckptr.save(os.path.join(tmp, "params"), params)
-  ckptr.wait_until_finished()
-  if chief:
-    mcfg = model_config(config.model, vocab_size=len(vocab))
-    meta = {
-        "params_digest": params_digest(params),
-        "arch_digest": arch_digest(mcfg),
-        "vocab_fingerprint": vocab.fingerprint(),
-        "vocab_size": len(vocab),
-        "vocab_kind": vocab.kind,
-        "d_model": mcfg.d_model,
-        "key_type": mcfg.key_type,
-        "num_params": count_params(params),
-        **(extra or {}),
-    }
-    data.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(config.to_json_best_effort()))
-    data.atomic_write_json(os.path.join(tmp, "vocab.json"), vocab.to_json())
-    data.atomic_write_json(os.path.join(tmp, "meta.json"), meta)
-    replace_directory(tmp, directory)
-  _sync("export:done")
+  meta = {} if not chief else {  # process 0 writes the files
+      "params_digest": params_digest(params), **_export_meta(config, vocab, extra),
+      "num_params": count_params(params)}
+  # (Multi-host: a refusal on process 0 stops the others at the next collective / heartbeat timeout.)
+  lock = DirLock(directory + ".lock", f"export directory {directory}") if chief else _null()
+  with lock:
+    if chief:
+      problem = None if overwrite else export_target_problem(directory, meta)
+      if problem:
+        raise CheckpointError(f"export target {directory} {problem}: choose another directory, or overwrite it "
+                              "explicitly (checkpoint.export(..., overwrite=True); the CLIs' --overwrite)")
+      shutil.rmtree(tmp, ignore_errors=True)
+      os.makedirs(tmp)
+    _sync("export:start")
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(os.path.join(tmp, "params"), params)
+    ckptr.wait_until_finished()
+    if chief:
+      _write_export_files(tmp, directory, config, vocab, meta)
+    _sync("export:done")
   return directory
+
+
+def _null():
+  import contextlib
+
+  return contextlib.nullcontext()
+
+
+def _write_export_files(tmp: str, directory: str, config, vocab, meta: dict) -> None:
+  data.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(config.to_json_best_effort()))
+  data.atomic_write_json(os.path.join(tmp, "vocab.json"), vocab.to_json())
+  data.atomic_write_json(os.path.join(tmp, "meta.json"), meta)
+  replace_directory(tmp, directory)
 
 
 def params_digest(params) -> str:

@@ -15,16 +15,13 @@ import functools
 import json
 import math
 import os
-import signal
 import sys
-import threading
 import time
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from absl import logging
 from flax import nnx
 
@@ -34,189 +31,23 @@ from trime_jax import data
 from trime_jax import distributed
 from trime_jax import evaluate
 from trime_jax import event_writer
-from trime_jax import sharded_loss
 from trime_jax import sharding
 from trime_jax import steps
 from trime_jax.batching import plan as batch_plan
+from trime_jax.runtime import workdir as workdir_files
+from trime_jax.runtime.workdir import truncate_metrics  # noqa: F401 - also train.truncate_metrics
+from trime_jax.train_config import (BATCHINGS, CONSECUTIVE_LAYOUTS, PROGRESS, ce_warmup_steps,  # noqa: F401
+                                    profile_steps, validate_config)
+# The shared runtime, under the names this module has always had (tests, launch/train.py, notebooks use them).
+from trime_jax.runtime.best import BestKeeper as _BestKeeper, host_copy as _host_copy
+from trime_jax.runtime.optim import OPTIMIZERS, SCHEDULES, make_optimizer, make_schedule  # noqa: F401
+from trime_jax.runtime.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch as _PreemptionWatch  # noqa: F401
+from trime_jax.runtime.progress import Progress as _Progress, _AboveBar, _in_notebook  # noqa: F401
 from trime_jax.errors import ConfigError, TrainingError
-from trime_jax.loss import MEMORY_MODES
 from trime_jax import model as model_lib
 from trime_jax.model import count_params
 
-OPTIMIZERS = ("adam", "nag", "radam")
-SCHEDULES = ("inverse_sqrt", "cosine", "constant")
-BATCHINGS = ("random", "consecutive", "bm25")
-CONSECUTIVE_LAYOUTS = ("stream", "packed")
-PROGRESS = ("auto", "bar", "log")
 TB_TRAIN_SCALARS = ("loss", "ce_nll", "trime_nll", "ppl", "lr", "grad_norm", "tokens_per_s")
-PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: what a shell reports for a run the signal ended (launch/train.py)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Config checks, optimizer, schedule
-# ----------------------------------------------------------------------------------------------------------
-def _choice(value, allowed, name):
-  if value not in allowed:
-    raise ConfigError(f"{name} must be one of {allowed}, got {value!r}")
-
-
-def validate_config(config) -> None:
-  """Clear errors for values a locked ConfigDict cannot catch (enums, ranges, consistency)."""
-  t, train_cfg, d = config.trime, config.train, config.data
-  _choice(t.memory, MEMORY_MODES, "trime.memory")
-  _choice(t.batching, BATCHINGS, "trime.batching")
-  _choice(train_cfg.optimizer, OPTIMIZERS, "train.optimizer")
-  _choice(train_cfg.schedule, SCHEDULES, "train.schedule")
-  _choice(d.segmentation, data.SEGMENTATIONS, "data.segmentation")
-  _choice(config.eval.memory, tuple(evaluate.EVAL_MEMORIES), "eval.memory")
-  _choice(config.eval.get("sample_break_mode", "none"), data.BREAK_MODES, "eval.sample_break_mode")
-  for name, v in [("train.batch_size", train_cfg.batch_size), ("train.grad_accum", train_cfg.grad_accum),
-                  ("train.num_steps", train_cfg.num_steps), ("data.segment_len", d.segment_len),
-                  ("trime.consecutive_segments", t.consecutive_segments)]:
-    if v < 1:
-      raise ConfigError(f"{name} must be >= 1, got {v}")
-  if not 0.0 <= t.drop_local_prob <= 1.0:
-    raise ConfigError(f"trime.drop_local_prob must be in [0, 1], got {t.drop_local_prob}")
-  _choice(t.consecutive_layout, CONSECUTIVE_LAYOUTS, "trime.consecutive_layout")
-  if t.batching == "consecutive" and d.segmentation != "stream":
-    raise ConfigError("trime.batching='consecutive' reads runs of the concatenated stream: it needs "
-                      f"data.segmentation='stream', got {d.segmentation!r}")
-  if t.memory == "long" and train_cfg.batch_size % t.consecutive_segments:
-    raise ConfigError(f"train.batch_size={train_cfg.batch_size} must be a multiple of "
-                      f"trime.consecutive_segments={t.consecutive_segments} for memory='long'")
-  if d.segment_len > config.model.max_len or config.eval.block_len > config.model.max_len:
-    raise ConfigError(f"model.max_len={config.model.max_len} is shorter than data.segment_len="
-                      f"{d.segment_len} or eval.block_len={config.eval.block_len}")
-  if t.temperature <= 0 or config.eval.temperature <= 0:
-    raise ConfigError("temperatures must be positive")
-  _choice(t.sharded_variant, sharded_loss.VARIANTS, "trime.sharded_variant")
-  _choice(t.memory_grad, sharded_loss.MEMORY_GRADS, "trime.memory_grad")
-  if t.get("memory_grad_group_rows", 0) < 0:
-    raise ConfigError(f"trime.memory_grad_group_rows must be >= 0, got {t.memory_grad_group_rows}")
-  _choice(train_cfg.progress, PROGRESS, "train.progress")
-  _check_backbone(config)
-  profile_steps(train_cfg)
-  _check_ranges(config)
-
-
-def _check_backbone(config) -> None:
-  """A stateful backbone (SRU++) reads each batch row as one stream: its long memory is the previous segment of
-  the same row (trime.memory="long" needs the consecutive 'stream' plan, one segment per run), and evaluation
-  threads its state through contiguous windows (no overlapping context)."""
-  m, t = config.model, config.trime
-  backbone = m.get("backbone", "transformer")
-  _choice(backbone, model_lib.BACKBONES, "model.backbone")
-  if backbone != "srupp":
-    return
-  if t.memory == "long" and (t.batching != "consecutive" or t.consecutive_layout != "stream"
-                             or t.consecutive_segments != 1):
-    raise ConfigError("model.backbone='srupp' with trime.memory='long' takes the previous segment of each stream "
-                      "as long memory: it needs trime.batching='consecutive', trime.consecutive_layout='stream' "
-                      f"and trime.consecutive_segments=1 (got {t.batching!r}, {t.consecutive_layout!r}, "
-                      f"{t.consecutive_segments})")
-  if config.eval.context_window != 0:
-    raise ConfigError("model.backbone='srupp' carries its state from window to window: eval.context_window must "
-                      f"be 0 (got {config.eval.context_window})")
-  if m.get("key_type", "final") != "final":
-    raise ConfigError("model.backbone='srupp' keys are the final projection's input: set model.key_type='final'")
-  try:
-    model_lib.model_config(m, vocab_size=1)
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
-
-
-def profile_steps(train_cfg) -> tuple[int, int] | None:
-  """`train.profile_steps` as (first, last) updates to trace, 1-based and inclusive like the log lines'
-  numbers ("10,12": updates 10, 11 and 12; "10": update 10 only), or None when it is empty."""
-  text = str(train_cfg.profile_steps).strip()
-  if not text:
-    return None
-  try:
-    parts = [int(x) for x in text.split(",")]
-  except ValueError:
-    parts = []
-  if len(parts) not in (1, 2):
-    raise ConfigError(f"train.profile_steps must be 'FIRST,LAST' or 'STEP' (update numbers), got {text!r}")
-  first, last = parts[0], parts[-1]
-  if not 1 <= first <= last <= train_cfg.num_steps:
-    raise ConfigError(f"train.profile_steps={text!r} must satisfy 1 <= first <= last <= train.num_steps="
-                      f"{train_cfg.num_steps}")
-  return first, last
-
-
-def _check_ranges(config) -> None:
-  """Numeric fields whose bad values would otherwise fail after compilation or silently train nonsense."""
-  m, train_cfg, e = config.model, config.train, config.eval
-  at_least = [("train.log_every", train_cfg.log_every, 1), ("train.checkpoint_every", train_cfg.checkpoint_every, 1),
-              ("train.keep_checkpoints", train_cfg.keep_checkpoints, 1), ("train.warmup_steps", train_cfg.warmup_steps, 0),
-              ("train.eval_every", train_cfg.eval_every, 0), ("train.eval_max_tokens", train_cfg.eval_max_tokens, 0),
-              ("train.vocab_chunk", train_cfg.vocab_chunk, 0), ("train.num_devices", train_cfg.num_devices, 0),
-              ("model.num_layers", m.num_layers, 1), ("model.num_heads", m.num_heads, 1),
-              ("eval.batch_size", e.batch_size, 1), ("eval.max_tokens", e.max_tokens, 0),
-              ("eval.context_window", e.context_window, 0), ("eval.mem_size", e.mem_size, 0),
-              ("eval.block_len", e.block_len, 1), ("eval.knn_k", e.knn_k, 1), ("eval.nprobe", e.nprobe, 1)]
-  for name, value, low in at_least:
-    if value < low:
-      raise ConfigError(f"{name} must be >= {low}, got {value}")
-  for name, value in [("train.learning_rate", train_cfg.learning_rate), ("train.adam_eps", train_cfg.adam_eps)]:
-    if not value > 0:
-      raise ConfigError(f"{name} must be > 0, got {value}")
-  for name, value in [("train.weight_decay", train_cfg.weight_decay), ("train.clip_norm", train_cfg.clip_norm),
-                      ("train.warmup_init_lr", train_cfg.warmup_init_lr), ("train.min_lr", train_cfg.min_lr)]:
-    if value < 0:
-      raise ConfigError(f"{name} must be >= 0, got {value}")
-  for name in ("knn_lambda", "cache_lambda"):  # interpolation weights
-    if not 0.0 <= e[name] <= 1.0:
-      raise ConfigError(f"eval.{name} must be in [0, 1], got {e[name]}")
-  if not e.knn_temperature > 0:
-    raise ConfigError(f"eval.knn_temperature must be > 0, got {e.knn_temperature}")
-  _choice(e.split, corpora.SPLITS, "eval.split")
-  _choice(e.interp_memory, tuple(evaluate.INTERP_MEMORIES), "eval.interp_memory")
-  for name in ("dropout", "attention_dropout", "activation_dropout"):
-    if not 0.0 <= m[name] < 1.0:
-      raise ConfigError(f"model.{name} must be in [0, 1), got {m[name]}")
-  if m.d_model % m.num_heads:
-    raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}")
-  if e.context_window >= e.block_len:
-    raise ConfigError(f"eval.context_window={e.context_window} must be shorter than eval.block_len={e.block_len} "
-                      "(the rest of each block is scored)")
-
-
-def ce_warmup_steps(config) -> int:
-  w = config.trime.ce_warmup_steps
-  return int(math.ceil(0.05 * config.train.num_steps)) if w < 0 else int(w)
-
-
-def make_schedule(train_cfg) -> optax.Schedule:
-  """Linear warm-up from `warmup_init_lr` to `learning_rate`, then inverse-sqrt, cosine or constant."""
-  peak, warm = float(train_cfg.learning_rate), int(train_cfg.warmup_steps)
-  init = float(train_cfg.warmup_init_lr) if warm else peak
-  warmup = optax.linear_schedule(init, peak, max(warm, 1))
-  if train_cfg.schedule == "inverse_sqrt":  # fairseq: lr · sqrt(warmup / step) after the warm-up
-    decay = lambda s: peak * jnp.sqrt(max(warm, 1) / jnp.maximum(s + max(warm, 1), 1))
-  elif train_cfg.schedule == "cosine":
-    decay = optax.cosine_decay_schedule(peak, max(int(train_cfg.num_steps) - warm, 1),
-                                        alpha=float(train_cfg.min_lr) / peak)
-  else:
-    decay = optax.constant_schedule(peak)
-  return optax.join_schedules([warmup, decay], [warm]) if warm else decay
-
-
-def make_optimizer(train_cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  schedule = make_schedule(train_cfg)
-  if train_cfg.optimizer == "adam":
-    opt = optax.adamw(schedule, b1=train_cfg.adam_b1, b2=train_cfg.adam_b2, eps=train_cfg.adam_eps,
-                      weight_decay=train_cfg.weight_decay)
-  elif train_cfg.optimizer == "radam":  # SRU++'s enwik8 script: RAdam, its weight decay decoupled (p -= lr·wd·p)
-    opt = optax.chain(optax.scale_by_radam(b1=train_cfg.adam_b1, b2=train_cfg.adam_b2, eps=train_cfg.adam_eps),
-                      optax.add_decayed_weights(train_cfg.weight_decay), optax.scale_by_learning_rate(schedule))
-  else:  # fairseq `nag`: SGD with Nesterov momentum; its weight decay is decoupled (p *= 1 - lr·wd), outside
-    # the momentum, like Adam's
-    opt = optax.chain(optax.trace(decay=train_cfg.nag_momentum, nesterov=True),
-                      optax.add_decayed_weights(train_cfg.weight_decay), optax.scale_by_learning_rate(schedule))
-  if train_cfg.clip_norm > 0:
-    opt = optax.chain(optax.clip_by_global_norm(train_cfg.clip_norm), opt)
-  return opt, schedule
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -304,164 +135,10 @@ def _log(line: str) -> None:
     sys.stdout.flush()
 
 
-def _hms(seconds: float) -> str:
-  seconds = int(round(seconds))
-  return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
-class _AboveBar:
-  """A stream whose lines tqdm prints above its bar (tqdm's recipe for redirected writes)."""
-
-  def __init__(self, stream):
-    self.stream = stream
-
-  def write(self, text: str) -> None:
-    if text.rstrip():
-      from tqdm import tqdm
-
-      tqdm.write(text.rstrip("\n"), file=self.stream)
-
-  def flush(self) -> None:
-    self.stream.flush()
-
-
-def _in_notebook() -> bool:
-  """A Jupyter/Colab kernel runs this process (not merely: ipykernel was imported, e.g. by nbclient)."""
-  ipython = sys.modules.get("IPython")
-  shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
-  return shell is not None and type(shell).__name__ in ("ZMQInteractiveShell", "Shell")  # Shell: Colab's
-
-
-class _Progress:
-  """Rate and ETA on process 0: a tqdm bar where someone watches (a terminal or a notebook; `train.progress`
-  'auto'), otherwise no bar (no carriage-return spam in log files) and the ETA goes into the log lines.
-  While the bar is drawn, absl's log lines on stderr are printed above it instead of through it."""
-
-  def __init__(self, total: int, start: int, mode: str):
-    self.total, self.bar, self.t0, self.n0 = total, None, None, start
-    self._log_handler = None
-    interactive = sys.stderr.isatty() or _in_notebook()
-    if _chief() and (mode == "bar" or (mode == "auto" and interactive)):
-      from tqdm.auto import tqdm
-
-      self.bar = tqdm(total=total, initial=start, unit="update", dynamic_ncols=True, smoothing=0.05)
-      handler = getattr(logging.get_absl_handler(), "python_handler", None)
-      if handler is not None and handler.stream is sys.stderr:
-        self._log_handler, handler.stream = handler, _AboveBar(sys.stderr)
-
-  def update(self, done: int, **postfix) -> None:
-    if self.t0 is None:  # the clock starts after the first update, which compiles
-      self.t0, self.n0 = time.perf_counter(), done
-    if self.bar is not None:
-      self.bar.update(done - self.bar.n)
-      if postfix:
-        self.bar.set_postfix(postfix, refresh=False)
-
-  def eta(self, done: int) -> str:
-    if self.t0 is None or done <= self.n0:
-      return "ETA ?"
-    rate = (done - self.n0) / max(time.perf_counter() - self.t0, 1e-9)
-    return f"{rate:.2f} updates/s | ETA {_hms((self.total - done) / rate)}"
-
-  def close(self) -> None:
-    if self.bar is not None:
-      self.bar.close()
-    if self._log_handler is not None:
-      self._log_handler.stream, self._log_handler = self._log_handler.stream.stream, None
-
-
-class Preempted(Exception):
-  """Training stopped on a preemption signal after checkpointing update `step`; the same command resumes.
-  launch/train.py exits with PREEMPTED_EXIT_CODE."""
-
-  def __init__(self, step: int, directory):
-    super().__init__(f"preempted: checkpoint of update {step} saved in {directory}; rerun the same command to "
-                     "resume")
-    self.step = step
-
-
-def _jax_owns_sigterm() -> bool:
-  """With `jax.distributed` running, JAX's preemption sync manager handles SIGTERM itself and agrees on a
-  step all hosts save at (orbax `reached_preemption`); a Python handler would replace its C++ one."""
-  try:
-    from jax._src import distributed as jax_distributed
-
-    return jax_distributed.global_state.client is not None
-  except (ImportError, AttributeError):
-    return jax.process_count() > 1
-
-
-class _PreemptionWatch:
-  """SIGTERM sets a flag that the loop reads between updates (an update is never cut in half); the previous
-  handler is restored on exit. Multi-host: orbax's `reached_preemption(step)` (all hosts agree on the step)."""
-
-  def __init__(self, mgr):
-    self.mgr, self.requested, self._previous = mgr, False, None
-
-  def _handler(self, signum, frame):
-    del signum, frame
-    self.requested = True
-
-  def __enter__(self):
-    if not _jax_owns_sigterm() and threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handler)
-    return self
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-
-  def reached(self, step: int) -> bool:
-    return self.requested or self.mgr.reached_preemption(step)
-
-
 def best_metric(config) -> str:
   """The dev perplexity `train.keep_best` ranks by: with local memory for TRIME models (how they are used),
   without memory for vanilla LMs."""
   return "trime_local(tau=1)_ppl" if config.trime.memory != "none" else "none_ppl"
-
-
-class _BestKeeper:
-  """Exports the parameters with the lowest dev perplexity so far to `directory` (same layout as
-  `<workdir>/export`, meta.json adds step, best_metric and dev_ppl). The best so far is read back from
-  meta.json, so a resumed run keeps comparing against it; runs are deterministic, so a best written past
-  the resumed checkpoint is the state the resumed run reaches again."""
-
-  def __init__(self, directory: str, enabled: bool, metric: str, config, vocab, extra: dict):
-    self.directory, self.enabled, self.metric = directory, enabled, metric
-    self.config, self.vocab, self.extra = config, vocab, extra
-    self.ppl = math.inf
-    meta = os.path.join(directory, "meta.json")
-    if enabled and os.path.exists(meta):
-      with open(meta) as f:
-        self.ppl = float(json.load(f).get("dev_ppl", math.inf))
-
-  def update(self, step: int, params, dev: dict) -> None:
-    ppl = dev.get(self.metric, math.nan)
-    if not (self.enabled and ppl < self.ppl):  # NaN never wins
-      return
-    ckpt.export(self.directory, _host_copy(params), self.config, self.vocab,
-                extra={**self.extra, "step": step, "best_metric": self.metric, "dev_ppl": ppl})
-    self.ppl = ppl
-    logging.info("best dev %s %.4f at update %d: exported to %s", self.metric, ppl, step, self.directory)
-
-
-def _host_copy(tree):
-  """NumPy copy of replicated arrays on this host (works when they span several processes)."""
-  return jax.tree_util.tree_map(
-      lambda x: np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else np.asarray(x), tree)
-
-
-def truncate_metrics(path: str, last_step: int) -> None:
-  """On resume, drop metric lines past the restored checkpoint (they will be produced again)."""
-  if not os.path.exists(path):
-    return
-  with open(path) as f:
-    lines = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= last_step]
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    f.writelines(lines)
-  os.replace(tmp, path)
 
 
 def build_model(config, vocab_size: int, seed: int):
@@ -542,18 +219,30 @@ def format_memory_plan(plan: dict) -> str:
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, splits=None) -> dict:
   """Train (or resume) in `workdir`, evaluate on dev, export. Returns the final metrics.
 
-  Raises `Preempted` after checkpointing, when SIGTERM (or a multi-host preemption notice) arrives."""
+  Raises `Preempted` after checkpointing, when SIGTERM (or a multi-host preemption notice) arrives. One run per
+  workdir: a second one raises LockedError naming the process that holds it."""
   validate_config(config)
-  os.makedirs(workdir, exist_ok=True)
+  workdir_files.prepare(workdir)
+  with workdir_files.lock(workdir):
+    return _train_and_evaluate(config, workdir, splits)
+
+
+def _train_and_evaluate(config, workdir: str, splits) -> dict:
   if not _chief():
     logging.set_verbosity(logging.WARNING)  # INFO lines from process 0 only
-  ckpt.check_resume_config(workdir, config)  # before any work: refuses another run's workdir, naming fields
+  # Before any work: refuses another run's workdir, naming fields (written once the exports are checked too).
+  ckpt.check_resume_config(workdir, config, write=False)
   splits = splits or corpora.load_splits(config.data)
   vocab = splits.vocab
   if config.model.vocab_size and config.model.vocab_size != len(vocab):
     raise ConfigError(f"model.vocab_size={config.model.vocab_size} but the data's vocabulary has "
                       f"{len(vocab)} tokens (set model.vocab_size=0 to take it from the data)")
   train_cfg = config.train
+  identity = {"train_fingerprint": splits.train.fingerprint()}
+  if _chief():  # export/ and best/ hold this run's exports or nothing (refused now, not after training)
+    for name in ("export", "best"):
+      ckpt.check_export_target(os.path.join(workdir, name), config, vocab, identity)
+  ckpt.check_resume_config(workdir, config)  # nothing was refused: the run starts; config.json says what ran
   mesh = sharding.make_mesh(train_cfg.num_devices)
   if train_cfg.batch_size % mesh.size:
     raise ConfigError(f"train.batch_size={train_cfg.batch_size} is not divisible by the {mesh.size} devices")
@@ -571,12 +260,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   mgr = ckpt.manager(os.path.join(workdir, "checkpoints"), train_cfg.keep_checkpoints)
   restored_step, restored = ckpt.restore_latest(mgr, ckpt.abstract(state), log=_log)
   tb = event_writer.EventWriter(os.path.join(workdir, "tb"), enabled=_chief(), config=config)  # reads train.tensorboard
+  # Metric lines past the checkpoint resumed from (step 0 when there is none: a run stopped before its first
+  # checkpoint) are dropped; the rerun writes them again. TensorBoard drops its events past it likewise.
+  dropped = _chief() and truncate_metrics(os.path.join(workdir, "metrics.jsonl"), restored_step or 0)
+  if restored is not None or dropped:
+    tb.restart((restored_step or 0) + 1)
   if restored is not None:
-    tb.restart(restored_step + 1)  # TensorBoard drops the interrupted run's events past the checkpoint
     state = restored
     _log(f"resumed from step {restored_step} ({mgr.directory})")
-    if _chief():
-      truncate_metrics(os.path.join(workdir, "metrics.jsonl"), restored_step)
 
   state = jax.device_put(state, repl)
   spec = steps.LossSpec.from_config(config)
@@ -642,7 +333,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
                  "skipped": int(m["skipped"])}
           t_last, tok_last = now, 0
           if not math.isfinite(rec["loss"]):
-            mgr.wait_until_finished()
+            ckpt.finish(mgr)
             kept = mgr.latest_step()
             where = f"the last checkpoint (step {kept}) is intact in {mgr.directory}" if kept is not None else \
                 "no checkpoint had been written yet"
@@ -668,7 +359,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
         if preemption.reached(done) and done < train_cfg.num_steps:
           if not saved:
             ckpt.save(mgr, done, state)
-          mgr.wait_until_finished()
+          ckpt.finish(mgr)
           logging.info("preemption signal: checkpoint of update %d saved, stopping", done)
           raise Preempted(done, mgr.directory)
   except BaseException:
@@ -678,7 +369,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
     progress.close()
     if tracing:
       jax.profiler.stop_trace()
-  mgr.wait_until_finished()
+  ckpt.finish(mgr)  # the last save complete and its digest written
 
   params = _host_copy(state["params"])
   # A rerun of a finished training reuses its final dev line instead of appending a duplicate.

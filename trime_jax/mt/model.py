@@ -361,21 +361,24 @@ def export_mt(directory: str, params, config, vocab, extra=None) -> str:
   from trime_jax import checkpoint
   from trime_jax import data as lm_data
 
+  from trime_jax.runtime.lock import DirLock
+
   directory = os.path.abspath(directory)
   tmp = directory + ".tmp"
-  shutil.rmtree(tmp, ignore_errors=True)
-  os.makedirs(tmp)
-  ckptr = ocp.StandardCheckpointer()
-  ckptr.save(os.path.join(tmp, "params"), params)
-  ckptr.wait_until_finished()
-  mcfg = MTConfig.from_config(config.model, vocab_size=vocab.size)
-  meta = {"params_digest": params_digest(params), "vocab_fingerprint": vocab.fingerprint(),
-          "vocab_size": vocab.size, "vocab_kind": vocab.kind, "d_model": mcfg.d_model, "key_type": mcfg.key_type,
-          "num_params": count_params(params), "model_family": "mt", **(extra or {})}
-  vocab.save(tmp)
-  lm_data.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(config.to_json_best_effort()))
-  lm_data.atomic_write_json(os.path.join(tmp, "meta.json"), meta)
-  checkpoint.replace_directory(tmp, directory)
+  with DirLock(directory + ".lock", f"export directory {directory}"):  # one writer (checkpoint.export's rule)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(os.path.join(tmp, "params"), params)
+    ckptr.wait_until_finished()
+    mcfg = MTConfig.from_config(config.model, vocab_size=vocab.size)
+    meta = {"params_digest": params_digest(params), "vocab_fingerprint": vocab.fingerprint(),
+            "vocab_size": vocab.size, "vocab_kind": vocab.kind, "d_model": mcfg.d_model, "key_type": mcfg.key_type,
+            "num_params": count_params(params), "model_family": "mt", **(extra or {})}
+    vocab.save(tmp)
+    lm_data.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(config.to_json_best_effort()))
+    lm_data.atomic_write_json(os.path.join(tmp, "meta.json"), meta)
+    checkpoint.replace_directory(tmp, directory)
   return directory
 
 

@@ -7,10 +7,12 @@ local or long-term memory). Padding targets are -1: never scored, never memory. 
 loss is `sharded_loss.sharded_trime_nll_from_vocab_stats` (rows sharded over `data`). The first
 `trime.ce_warmup_steps` updates train plain CE.
 
-Reused from the LM by import: `train.make_optimizer` (Adam + inverse-sqrt warm-up), `checkpoint.manager / save /
-restore_latest / abstract`, `train.Preempted`, `sharding.make_mesh`. Resumable: rerunning the same command
-continues from the newest checkpoint; the batch of update s is a function of s (`batching.Plan.batch_at`).
-SIGTERM finishes the current update, checkpoints it and raises `Preempted`.
+Shared with the LM trainer through the training runtime (`trime_jax/runtime/`): the optimizer and schedule,
+preemption (`Preempted`), the workdir's lock, config.json check, metrics truncation and atomic JSON; and
+`checkpoint.manager / save / finish / restore_latest / abstract` (step digests, fallback). Resumable: rerunning
+the same command continues from the newest checkpoint; the batch of update s is a function of s
+(`batching.Plan.batch_at`). SIGTERM finishes the current update, checkpoints it and raises `Preempted`. One run
+per workdir (a second raises LockedError naming the process).
 
 Writes `<workdir>/`: config.json, plan.npz (the batch plan), checkpoints/, metrics.jsonl (train lines and
 `{"split": "valid", ...}` dev lines: CE nll/ppl, and TRIME nll/ppl with in-batch memory for memory=ext), and
@@ -23,8 +25,6 @@ import functools
 import json
 import math
 import os
-import signal
-import threading
 import time
 
 import jax
@@ -38,8 +38,10 @@ from trime_jax import checkpoint as ckpt
 from trime_jax import loss
 from trime_jax import sharded_loss
 from trime_jax import sharding
-from trime_jax import train as lm_train
-from trime_jax.errors import ConfigError, TrainingError
+from trime_jax.errors import CheckpointError, ConfigError, TrainingError
+from trime_jax.runtime import workdir as workdir_files
+from trime_jax.runtime.optim import make_optimizer
+from trime_jax.runtime.preemption import Preempted, PreemptionWatch
 from trime_jax.mt import batching
 from trime_jax.mt import data as mt_data
 from trime_jax.mt import model as mt_model
@@ -181,7 +183,7 @@ def _step_fn(graphdef, train_json: str, spec, use_trime: bool, sharded):
   """The jitted update, cached across runs in one process (a resumed run in a notebook or a test does not
   recompile): keyed by the model graph, the train section (optimizer, schedule, smoothing) and the objective."""
   r = ml_collections.ConfigDict(json.loads(train_json))
-  tx, _ = lm_train.make_optimizer(r)
+  tx, _ = make_optimizer(r)
   fn = functools.partial(train_step, graphdef, tx, spec, use_trime, int(r.vocab_chunk), float(r.label_smoothing),
                          sharded)
   return jax.jit(fn, donate_argnums=(0,))
@@ -221,33 +223,6 @@ def _eval_fn(graphdef, spec, vocab_chunk):
 # ----------------------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------------------
-class _SigtermFlag:
-  """SIGTERM sets a flag the loop reads between updates; the previous handler comes back on exit."""
-
-  def __init__(self):
-    self.requested, self._previous = False, None
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handler)
-    return self
-
-  def _handler(self, signum, frame):
-    del signum, frame
-    self.requested = True
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-
-
-def _write_json(path, obj):
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=1, sort_keys=True)
-  os.replace(tmp, path)
-
-
 def plan_target_tokens(pairs, plan: batching.Plan) -> np.ndarray:
   """[num_batches] target tokens (ids + eos) of each plan batch."""
   per_pair = np.asarray([len(t) + 1 for t in pairs.tgt], np.int64)
@@ -293,17 +268,23 @@ def train_and_evaluate(config, workdir: str, *, log=print) -> dict:
   """Train (or resume) in `workdir`, evaluate on valid, export. Returns the final metrics."""
   validate_config(config)
   resolve_data_path(config)
-  os.makedirs(workdir, exist_ok=True)
+  workdir_files.prepare(workdir)
+  with workdir_files.lock(workdir):
+    return _train_and_evaluate(config, workdir, log)
+
+
+def _train_and_evaluate(config, workdir: str, log) -> dict:
   cfg_path = os.path.join(workdir, "config.json")
   if os.path.exists(cfg_path):
-    old = json.load(open(cfg_path))
+    old = ckpt.read_json(cfg_path, "workdir config", CheckpointError)
+    workdir_files.check_stored_config(cfg_path, old, config)
     new = json.loads(config.to_json_best_effort())
     fixed = ("model", "data")
     diff = [k for k in fixed if old.get(k) != new.get(k)] + [
         f"trime.{k}" for k in ("memory", "batching") if old["trime"].get(k) != new["trime"].get(k)]
     if diff:
       raise ConfigError(f"{workdir} holds a run with another config ({', '.join(diff)} differ): use a new workdir")
-  _write_json(cfg_path, json.loads(config.to_json_best_effort()))
+  workdir_files.atomic_write_json(cfg_path, json.loads(config.to_json_best_effort()))
 
   vocab = mt_data.load_vocab(config)
   train_pairs = mt_data.load_parallel(config, "train", vocab)
@@ -314,14 +295,15 @@ def train_and_evaluate(config, workdir: str, *, log=print) -> dict:
   pack_len = pack_len_of(config)
   model = mt_model.build_mt_model(config, vocab.size, int(r.seed))
   graphdef, params = nnx.split(model, nnx.Param)
-  tx, schedule = lm_train.make_optimizer(r)
+  tx, schedule = make_optimizer(r)
   state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
   mgr = ckpt.manager(os.path.join(workdir, "checkpoints"), int(r.keep_checkpoints))
   restored_step, restored = ckpt.restore_latest(mgr, ckpt.abstract(state), log=log)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
+  # Lines past the checkpoint resumed from (step 0 without one: stopped before the first) are written again.
+  workdir_files.truncate_metrics(metrics_path, restored_step or 0)
   if restored is not None:
     state = restored
-    lm_train.truncate_metrics(metrics_path, restored_step)
     log(f"resumed from update {restored_step}")
   spec = objective_spec(config)
   warm = int(config.trime.ce_warmup_steps)
@@ -349,7 +331,7 @@ def train_and_evaluate(config, workdir: str, *, log=print) -> dict:
   # Throughput excludes updates that compiled a new (objective, shape) program: timed per update (the CPU and
   # accelerator backends both run asynchronously, so each update is waited for; it costs no throughput).
   compiled, step_s, compile_s = set(), 0.0, 0.0
-  with open(metrics_path, "a") as mfile, _SigtermFlag() as sigterm:
+  with open(metrics_path, "a") as mfile, PreemptionWatch(mgr) as preemption:
     for step in range(start, stop):
       use_trime = spec.memory != "none" and step >= warm
       b = batching.collate_batch(train_pairs, plan, plan.batch_at(step), pack_len=pack_len)
@@ -389,12 +371,13 @@ def train_and_evaluate(config, workdir: str, *, log=print) -> dict:
         mfile.write(json.dumps({"step": done, "split": "valid", **ev}) + "\n")
         mfile.flush()
         log(f"valid at {done}: {ev}")
-      if done % int(r.checkpoint_every) == 0 or done == stop or sigterm.requested:
+      preempted = preemption.reached(done)
+      if done % int(r.checkpoint_every) == 0 or done == stop or preempted:
         ckpt.save(mgr, done, state)
-      if sigterm.requested and done < total:
-        mgr.wait_until_finished()
-        raise lm_train.Preempted(done, mgr.directory)
-    mgr.wait_until_finished()
+      if preempted and done < total:
+        ckpt.finish(mgr)
+        raise Preempted(done, mgr.directory)
+    ckpt.finish(mgr)  # the last save complete and its digest written
     end = int(state["step"])
     if end < total:
       log(f"stopped after update {end} (train.stop_after={r.stop_after}); rerun to continue")

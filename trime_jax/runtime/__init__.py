@@ -1,0 +1,3 @@
+"""The training runtime shared by the language-model trainer (`trime_jax/train.py`) and the translation trainer
+(`trime_jax/mt/train.py`): one writer per directory (`lock`), workdir files (`workdir`: atomic JSON, metrics
+lines, the stored config), preemption, progress, the optimizer and schedule (`optim`)."""

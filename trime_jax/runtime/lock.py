@@ -1,0 +1,97 @@
+"""One writer per directory: an advisory lock (`fcntl.flock`) that a second run finds taken.
+
+A training workdir (`<workdir>/.lock`), an MT training workdir, and an export directory (`<export>.lock`, beside
+it, because an export is written elsewhere and renamed into place) each admit one writer. The lock file holds
+the owner's pid, host and start time, so the refusal names the process that holds it. flock is released by the
+kernel when the holder dies (kill -9 included), so a stale file never blocks a rerun; the file is removed on a
+clean release. Multi-process runs lock on process 0 only (every process shares the workdir).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+
+from trime_jax.errors import TrimeError
+
+
+class LockedError(TrimeError):
+  """The directory is being written by another process."""
+
+
+class DirLock:
+  """`with DirLock(path, what):` holds `path` (a lock file) for the block; LockedError if another process has it.
+
+  `what` names the directory in the message ("workdir runs/mini"). Reentrant in one process: a nested lock on
+  the same file (an export inside a locked workdir's run, twice) is a no-op, not a self-deadlock."""
+
+  _held: dict = {}  # lock path -> depth, this process
+
+  def __init__(self, path: str, what: str):
+    self.path, self.what, self.fd = os.path.abspath(path), what, None
+
+  def __enter__(self):
+    if DirLock._held.get(self.path):
+      DirLock._held[self.path] += 1
+      return self
+    while True:
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        holder = _read_holder(fd)
+        os.close(fd)
+        raise LockedError(f"{self.what} is in use by {holder} (lock file {self.path}): wait for it to finish or "
+                          "stop it, then rerun") from None
+      # The previous holder may have removed the file between our open and our flock: then we hold a lock on
+      # an unlinked inode that a third process would not see. Retry on the file now at the path.
+      try:
+        same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+      except FileNotFoundError:
+        same = False
+      if same:
+        break
+      os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                             "since": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode())
+    os.fsync(fd)
+    self.fd = fd
+    DirLock._held[self.path] = 1
+    return self
+
+  def __exit__(self, *exc):
+    depth = DirLock._held.get(self.path, 0)
+    if depth > 1:
+      DirLock._held[self.path] = depth - 1
+      return
+    DirLock._held.pop(self.path, None)
+    if self.fd is not None:
+      try:
+        os.unlink(self.path)  # while still holding it: a waiting opener retries on a new file (see __enter__)
+      except OSError:
+        pass
+      os.close(self.fd)
+      self.fd = None
+
+
+def _read_holder(fd: int) -> str:
+  try:
+    os.lseek(fd, 0, os.SEEK_SET)
+    info = json.loads(os.read(fd, 4096).decode() or "{}")
+  except (OSError, ValueError, UnicodeDecodeError):
+    info = {}
+  if not info.get("pid"):
+    return "another process"
+  host = "" if info.get("host") == socket.gethostname() else f" on host {info.get('host')}"
+  return f"process {info['pid']}{host} (since {info.get('since', '?')})"
+
+
+def nothing():
+  """A context manager that does nothing (processes other than 0 of a multi-process run)."""
+  import contextlib
+
+  return contextlib.nullcontext()

@@ -1,0 +1,42 @@
+"""The optimizer and learning-rate schedule of `config.train`, for both trainers (fairseq's adam / nag and
+SRU++'s radam; inverse-sqrt, cosine or constant after a linear warm-up)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import optax
+
+OPTIMIZERS = ("adam", "nag", "radam")
+SCHEDULES = ("inverse_sqrt", "cosine", "constant")
+
+
+def make_schedule(train_cfg) -> optax.Schedule:
+  """Linear warm-up from `warmup_init_lr` to `learning_rate`, then inverse-sqrt, cosine or constant."""
+  peak, warm = float(train_cfg.learning_rate), int(train_cfg.warmup_steps)
+  init = float(train_cfg.warmup_init_lr) if warm else peak
+  warmup = optax.linear_schedule(init, peak, max(warm, 1))
+  if train_cfg.schedule == "inverse_sqrt":  # fairseq: lr · sqrt(warmup / step) after the warm-up
+    decay = lambda s: peak * jnp.sqrt(max(warm, 1) / jnp.maximum(s + max(warm, 1), 1))
+  elif train_cfg.schedule == "cosine":
+    decay = optax.cosine_decay_schedule(peak, max(int(train_cfg.num_steps) - warm, 1),
+                                        alpha=float(train_cfg.min_lr) / peak)
+  else:
+    decay = optax.constant_schedule(peak)
+  return optax.join_schedules([warmup, decay], [warm]) if warm else decay
+
+
+def make_optimizer(train_cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  schedule = make_schedule(train_cfg)
+  if train_cfg.optimizer == "adam":
+    opt = optax.adamw(schedule, b1=train_cfg.adam_b1, b2=train_cfg.adam_b2, eps=train_cfg.adam_eps,
+                      weight_decay=train_cfg.weight_decay)
+  elif train_cfg.optimizer == "radam":  # SRU++'s enwik8 script: RAdam, its weight decay decoupled (p -= lr·wd·p)
+    opt = optax.chain(optax.scale_by_radam(b1=train_cfg.adam_b1, b2=train_cfg.adam_b2, eps=train_cfg.adam_eps),
+                      optax.add_decayed_weights(train_cfg.weight_decay), optax.scale_by_learning_rate(schedule))
+  else:  # fairseq `nag`: SGD with Nesterov momentum; its weight decay is decoupled (p *= 1 - lr·wd), outside
+    # the momentum, like Adam's
+    opt = optax.chain(optax.trace(decay=train_cfg.nag_momentum, nesterov=True),
+                      optax.add_decayed_weights(train_cfg.weight_decay), optax.scale_by_learning_rate(schedule))
+  if train_cfg.clip_norm > 0:
+    opt = optax.chain(optax.clip_by_global_norm(train_cfg.clip_norm), opt)
+  return opt, schedule

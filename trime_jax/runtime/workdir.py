@@ -1,0 +1,100 @@
+"""A training workdir's own files, for both trainers: the directory itself (checked, locked), the stored
+config.json (unknown fields refused), metrics.jsonl (lines past the resumed step dropped), atomic JSON, and what
+an interrupted run leaves on disk (said truthfully in the exit message)."""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import json
+import os
+
+import jax
+
+from trime_jax import data
+from trime_jax.errors import ConfigError
+from trime_jax.runtime.lock import DirLock
+
+LOCK_FILE = ".lock"
+
+
+def atomic_write_json(path: str, obj) -> None:
+  """Write `obj` to `path` through a temporary file and a rename: complete or absent (data.atomic_write_json)."""
+  data.atomic_write_json(path, obj)
+
+
+def prepare(workdir: str) -> None:
+  """Create `workdir`; a path that is a file (or lies under one) is a ConfigError, not a traceback."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ConfigError(f"--workdir={workdir} is a file, not a folder: give a run directory")
+  probe = os.path.dirname(os.path.abspath(workdir))
+  while not os.path.exists(probe):
+    probe = os.path.dirname(probe)
+  if not os.path.isdir(probe):
+    raise ConfigError(f"--workdir={workdir}: {probe} is a file, not a folder")
+  os.makedirs(workdir, exist_ok=True)
+
+
+def lock(workdir: str):
+  """One run per workdir (process 0 holds `<workdir>/.lock`; the other processes of a run share it)."""
+  if jax.process_index() != 0:
+    return contextlib.nullcontext()
+  return DirLock(os.path.join(workdir, LOCK_FILE), f"workdir {workdir}")
+
+
+def unknown_fields(stored: dict, known, prefix: str = "") -> list[str]:
+  """Dotted names of the fields of `stored` that `known` (a config) lacks, each with the closest known name
+  ("train.lerning_rate (train.learning_rate?)")."""
+  out = []
+  for key, value in stored.items():
+    if key not in known:
+      close = difflib.get_close_matches(key, list(known.keys()), n=1)
+      out.append(f"{prefix}{key}" + (f" ({prefix}{close[0]}?)" if close else ""))
+    elif hasattr(known[key], "keys") and isinstance(value, dict):
+      out += unknown_fields(value, known[key], f"{prefix}{key}.")
+  return out
+
+
+def check_stored_config(path: str, stored: dict, config) -> None:
+  """A workdir's config.json must not hold a field this config does not have: a misspelling there (an edit) would
+  be ignored without a word. ConfigError naming the file and the fields."""
+  if not isinstance(stored, dict):
+    raise ConfigError(f"workdir config {path} is not a config (a JSON object): restore it or use another --workdir")
+  bad = unknown_fields(stored, config)
+  if bad:
+    raise ConfigError(f"workdir config {path} has field{'s' if len(bad) > 1 else ''} this version does not know: "
+                      f"{', '.join(bad)}; correct or remove {'them' if len(bad) > 1 else 'it'} (the run's settings "
+                      "come from --config; config.json records them)")
+
+
+def truncate_metrics(path: str, last_step: int) -> bool:
+  """On resume, drop metric lines past `last_step` (the restored checkpoint, 0 when there is none): the rerun
+  produces them again. Returns whether any line was dropped."""
+  if not os.path.exists(path):
+    return False
+  with open(path) as f:
+    rows = [ln for ln in f if ln.strip()]
+  keep = [ln for ln in rows if json.loads(ln).get("step", 0) <= last_step]
+  if len(keep) == len(rows):
+    return False
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(keep)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+  return True
+
+
+def on_disk(workdir: str) -> str:
+  """What an interrupted run left to resume from, for its exit message (never claims a checkpoint that is not
+  there)."""
+  from trime_jax import checkpoint as ckpt
+
+  directory = os.path.join(workdir, "checkpoints")
+  step = ckpt.newest_step(directory)
+  if step is None:
+    return ("no checkpoint had been written yet: rerun the same command to start again from step 0 (this run's "
+            "metrics lines are dropped then)")
+  return (f"the newest checkpoint on disk is step {step} in {directory}: rerun the same command to resume from it "
+          "(metrics lines past it are dropped then)")

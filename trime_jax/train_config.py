@@ -1,0 +1,155 @@
+"""The language-model trainer's config checks (`validate_config`): every enum, range and consistency rule a
+locked ConfigDict cannot express, raised as one ConfigError before anything is compiled. The evaluation CLIs
+apply the same checks (launch/common.validated)."""
+
+from __future__ import annotations
+
+import math
+
+from trime_jax import corpora
+from trime_jax import data
+from trime_jax import evaluate
+from trime_jax import model as model_lib
+from trime_jax import sharded_loss
+from trime_jax.errors import ConfigError
+from trime_jax.loss import MEMORY_MODES
+from trime_jax.runtime.optim import OPTIMIZERS, SCHEDULES
+
+BATCHINGS = ("random", "consecutive", "bm25")
+CONSECUTIVE_LAYOUTS = ("stream", "packed")
+PROGRESS = ("auto", "bar", "log")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Config checks
+# ----------------------------------------------------------------------------------------------------------
+def _choice(value, allowed, name):
+  if value not in allowed:
+    raise ConfigError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def validate_config(config) -> None:
+  """Clear errors for values a locked ConfigDict cannot catch (enums, ranges, consistency)."""
+  t, train_cfg, d = config.trime, config.train, config.data
+  _choice(t.memory, MEMORY_MODES, "trime.memory")
+  _choice(t.batching, BATCHINGS, "trime.batching")
+  _choice(train_cfg.optimizer, OPTIMIZERS, "train.optimizer")
+  _choice(train_cfg.schedule, SCHEDULES, "train.schedule")
+  _choice(d.segmentation, data.SEGMENTATIONS, "data.segmentation")
+  _choice(config.eval.memory, tuple(evaluate.EVAL_MEMORIES), "eval.memory")
+  _choice(config.eval.get("sample_break_mode", "none"), data.BREAK_MODES, "eval.sample_break_mode")
+  for name, v in [("train.batch_size", train_cfg.batch_size), ("train.grad_accum", train_cfg.grad_accum),
+                  ("train.num_steps", train_cfg.num_steps), ("data.segment_len", d.segment_len),
+                  ("trime.consecutive_segments", t.consecutive_segments)]:
+    if v < 1:
+      raise ConfigError(f"{name} must be >= 1, got {v}")
+  if not 0.0 <= t.drop_local_prob <= 1.0:
+    raise ConfigError(f"trime.drop_local_prob must be in [0, 1], got {t.drop_local_prob}")
+  _choice(t.consecutive_layout, CONSECUTIVE_LAYOUTS, "trime.consecutive_layout")
+  if t.batching == "consecutive" and d.segmentation != "stream":
+    raise ConfigError("trime.batching='consecutive' reads runs of the concatenated stream: it needs "
+                      f"data.segmentation='stream', got {d.segmentation!r}")
+  if t.memory == "long" and train_cfg.batch_size % t.consecutive_segments:
+    raise ConfigError(f"train.batch_size={train_cfg.batch_size} must be a multiple of "
+                      f"trime.consecutive_segments={t.consecutive_segments} for memory='long'")
+  if d.segment_len > config.model.max_len or config.eval.block_len > config.model.max_len:
+    raise ConfigError(f"model.max_len={config.model.max_len} is shorter than data.segment_len="
+                      f"{d.segment_len} or eval.block_len={config.eval.block_len}")
+  if t.temperature <= 0 or config.eval.temperature <= 0:
+    raise ConfigError("temperatures must be positive")
+  _choice(t.sharded_variant, sharded_loss.VARIANTS, "trime.sharded_variant")
+  _choice(t.memory_grad, sharded_loss.MEMORY_GRADS, "trime.memory_grad")
+  if t.get("memory_grad_group_rows", 0) < 0:
+    raise ConfigError(f"trime.memory_grad_group_rows must be >= 0, got {t.memory_grad_group_rows}")
+  _choice(train_cfg.progress, PROGRESS, "train.progress")
+  _check_backbone(config)
+  profile_steps(train_cfg)
+  _check_ranges(config)
+
+
+def _check_backbone(config) -> None:
+  """A stateful backbone (SRU++) reads each batch row as one stream: its long memory is the previous segment of
+  the same row (trime.memory="long" needs the consecutive 'stream' plan, one segment per run), and evaluation
+  threads its state through contiguous windows (no overlapping context)."""
+  m, t = config.model, config.trime
+  backbone = m.get("backbone", "transformer")
+  _choice(backbone, model_lib.BACKBONES, "model.backbone")
+  if backbone != "srupp":
+    return
+  if t.memory == "long" and (t.batching != "consecutive" or t.consecutive_layout != "stream"
+                             or t.consecutive_segments != 1):
+    raise ConfigError("model.backbone='srupp' with trime.memory='long' takes the previous segment of each stream "
+                      "as long memory: it needs trime.batching='consecutive', trime.consecutive_layout='stream' "
+                      f"and trime.consecutive_segments=1 (got {t.batching!r}, {t.consecutive_layout!r}, "
+                      f"{t.consecutive_segments})")
+  if config.eval.context_window != 0:
+    raise ConfigError("model.backbone='srupp' carries its state from window to window: eval.context_window must "
+                      f"be 0 (got {config.eval.context_window})")
+  if m.get("key_type", "final") != "final":
+    raise ConfigError("model.backbone='srupp' keys are the final projection's input: set model.key_type='final'")
+  try:
+    model_lib.model_config(m, vocab_size=1)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
+def profile_steps(train_cfg) -> tuple[int, int] | None:
+  """`train.profile_steps` as (first, last) updates to trace, 1-based and inclusive like the log lines'
+  numbers ("10,12": updates 10, 11 and 12; "10": update 10 only), or None when it is empty."""
+  text = str(train_cfg.profile_steps).strip()
+  if not text:
+    return None
+  try:
+    parts = [int(x) for x in text.split(",")]
+  except ValueError:
+    parts = []
+  if len(parts) not in (1, 2):
+    raise ConfigError(f"train.profile_steps must be 'FIRST,LAST' or 'STEP' (update numbers), got {text!r}")
+  first, last = parts[0], parts[-1]
+  if not 1 <= first <= last <= train_cfg.num_steps:
+    raise ConfigError(f"train.profile_steps={text!r} must satisfy 1 <= first <= last <= train.num_steps="
+                      f"{train_cfg.num_steps}")
+  return first, last
+
+
+def _check_ranges(config) -> None:
+  """Numeric fields whose bad values would otherwise fail after compilation or silently train nonsense."""
+  m, train_cfg, e = config.model, config.train, config.eval
+  at_least = [("train.log_every", train_cfg.log_every, 1), ("train.checkpoint_every", train_cfg.checkpoint_every, 1),
+              ("train.keep_checkpoints", train_cfg.keep_checkpoints, 1), ("train.warmup_steps", train_cfg.warmup_steps, 0),
+              ("train.eval_every", train_cfg.eval_every, 0), ("train.eval_max_tokens", train_cfg.eval_max_tokens, 0),
+              ("train.vocab_chunk", train_cfg.vocab_chunk, 0), ("train.num_devices", train_cfg.num_devices, 0),
+              ("model.num_layers", m.num_layers, 1), ("model.num_heads", m.num_heads, 1),
+              ("eval.batch_size", e.batch_size, 1), ("eval.max_tokens", e.max_tokens, 0),
+              ("eval.context_window", e.context_window, 0), ("eval.mem_size", e.mem_size, 0),
+              ("eval.block_len", e.block_len, 1), ("eval.knn_k", e.knn_k, 1), ("eval.nprobe", e.nprobe, 1)]
+  for name, value, low in at_least:
+    if value < low:
+      raise ConfigError(f"{name} must be >= {low}, got {value}")
+  for name, value in [("train.learning_rate", train_cfg.learning_rate), ("train.adam_eps", train_cfg.adam_eps)]:
+    if not value > 0:
+      raise ConfigError(f"{name} must be > 0, got {value}")
+  for name, value in [("train.weight_decay", train_cfg.weight_decay), ("train.clip_norm", train_cfg.clip_norm),
+                      ("train.warmup_init_lr", train_cfg.warmup_init_lr), ("train.min_lr", train_cfg.min_lr)]:
+    if value < 0:
+      raise ConfigError(f"{name} must be >= 0, got {value}")
+  for name in ("knn_lambda", "cache_lambda"):  # interpolation weights
+    if not 0.0 <= e[name] <= 1.0:
+      raise ConfigError(f"eval.{name} must be in [0, 1], got {e[name]}")
+  if not e.knn_temperature > 0:
+    raise ConfigError(f"eval.knn_temperature must be > 0, got {e.knn_temperature}")
+  _choice(e.split, corpora.SPLITS, "eval.split")
+  _choice(e.interp_memory, tuple(evaluate.INTERP_MEMORIES), "eval.interp_memory")
+  for name in ("dropout", "attention_dropout", "activation_dropout"):
+    if not 0.0 <= m[name] < 1.0:
+      raise ConfigError(f"model.{name} must be in [0, 1), got {m[name]}")
+  if m.d_model % m.num_heads:
+    raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}")
+  if e.context_window >= e.block_len:
+    raise ConfigError(f"eval.context_window={e.context_window} must be shorter than eval.block_len={e.block_len} "
+                      "(the rest of each block is scored)")
+
+
+def ce_warmup_steps(config) -> int:
+  w = config.trime.ce_warmup_steps
+  return int(math.ceil(0.05 * config.train.num_steps)) if w < 0 else int(w)
