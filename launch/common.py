@@ -427,3 +427,41 @@ def check_split_overlap(config, checkpoint: str, allow: bool = False) -> None:
     if splits.get(split).fingerprint() == meta["corpus_fingerprint"]:
       raise overlap_error(e.datastore, meta.get("corpus_name") or f"the {split} split", split, role,
                           "Build the datastore from the training split (launch.build_datastore --split=train)")
+
+
+# Fields that decide which documents (or bytes) land in which split, per corpus whose splits are drawn here
+# (wikitext, tfds: and docs-wt package selections keep each document in its released split).
+SPLIT_FIELDS = {"wikitext_mini": ("split_fractions", "split_seed"), "bytes": ("split_fractions",),
+                "stdlib": ("split_fractions", "split_seed", "max_files", "max_bytes_per_file")}
+
+
+def check_data_split(config, checkpoint: str, allow: bool = False) -> None:
+  """Evaluating an export on the corpus it was trained on, with the splits drawn differently (another
+  data.split_seed or split_fractions), puts training text into dev / test: refused, naming the fields and both
+  values, unless `allow` (--allow_split_overlap). The export's config.json records the data section it was
+  trained with."""
+  import json
+
+  from trime_jax.errors import ConfigError
+
+  if allow or config is None or not checkpoint:
+    return
+  try:
+    with open(os.path.join(checkpoint, "config.json")) as f:
+      stored = json.load(f).get("data", {})
+  except (OSError, ValueError, AttributeError):
+    return  # the export's own checks report a missing or damaged config.json
+  d = config.data
+  fields = SPLIT_FIELDS.get(d.corpus, ())
+  if not fields or stored.get("corpus") != d.corpus:
+    return
+  if d.corpus != "stdlib" and os.path.abspath(str(stored.get("path", ""))) != os.path.abspath(str(d.path)):
+    if os.path.basename(str(stored.get("path", "")).rstrip("/")) != os.path.basename(str(d.path).rstrip("/")):
+      return  # other text: nothing of the training split is in it
+  norm = lambda v: [float(x) for x in v] if isinstance(v, (list, tuple)) else v
+  diff = [f"data.{f}={norm(d.get(f))!r} now, {norm(stored.get(f))!r} in training" for f in fields
+          if f in stored and norm(d.get(f)) != norm(stored.get(f))]
+  if diff:
+    raise ConfigError(f"split leakage: {checkpoint} was trained on data.corpus={d.corpus!r} with its splits drawn "
+                      f"otherwise ({'; '.join(diff)}), so this run's dev / test hold training text. Use the export's "
+                      "data settings (omit --config, or match them), or pass --allow_split_overlap on purpose")

@@ -19,7 +19,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from launch.common import check_output_file, check_export, run_main, validated
+from launch.common import check_data_split, check_export, check_output_file, run_main, validated
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
@@ -28,6 +28,9 @@ _MEM_SIZES = flags.DEFINE_list("mem_sizes", [], "Long-term memory sizes to sweep
                                 "tokens before the window (the original's --mem-size = this + context_window).")
 _LABEL = flags.DEFINE_string("label", "", "Model name in the rows, summary table and plot.")
 _INCLUDE = flags.DEFINE_list("include", [], "Earlier --output JSON files to add to the summary and plot.")
+_ALLOW_OVERLAP = flags.DEFINE_bool("allow_split_overlap", False, "Evaluate although the data section draws the "
+                                   "splits otherwise than the export's training did (its dev / test then hold "
+                                   "training text). Refused without this flag.")
 _PLOT = flags.DEFINE_string("plot", "", "PNG file: perplexity vs long-term memory size (needs matplotlib).")
 
 
@@ -62,6 +65,7 @@ def main(argv):
       raise ConfigError("--checkpoint needs --config (the data and eval sections)")
     validated(_CONFIG.value)
     check_export(_CONFIG.value, _CHECKPOINT.value)
+    check_data_split(_CONFIG.value, _CHECKPOINT.value, allow=_ALLOW_OVERLAP.value)
     rows = evaluate.evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value, mem_sizes=sizes, label=_LABEL.value,
                                         progress=sys.stderr.isatty() or "log")["rows"]  # log files: lines
     print(evaluate.format_table(rows))

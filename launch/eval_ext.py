@@ -18,7 +18,8 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from launch.common import check_output_file, check_split_overlap, check_export, run_main, validated
+from launch.common import (check_data_split, check_export, check_output_file, check_split_overlap, run_main,
+                           validated)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
@@ -38,6 +39,7 @@ def main(argv):
   check_output_file(_OUTPUT.value, "output")  # before the evaluation, not after it
   config = validated(_CONFIG.value)
   check_export(config, _CHECKPOINT.value)
+  check_data_split(config, _CHECKPOINT.value, allow=_ALLOW_OVERLAP.value)
   check_split_overlap(config, _CHECKPOINT.value, allow=_ALLOW_OVERLAP.value)
   out = evaluate.evaluate_checkpoint(config, _CHECKPOINT.value, external_memory=True,
                                      progress=sys.stderr.isatty() or "log",  # log files: plain lines

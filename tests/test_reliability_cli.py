@@ -101,6 +101,13 @@ def e_split_leakage_tuning(b):  # tuning on dev with a datastore of dev leaks in
   return case, ["split leakage", "bytes:dev", "tunes on"], [b["ds_dev"]]
 
 
+def e_split_drawn_otherwise(b):  # another split_fractions puts training bytes into dev / test
+  case = _case("eval", f"--config={b['cfg']}", f"--checkpoint={b['export']}",
+               "--config.data.split_fractions=0.7,0.2,0.1")
+  return case, ["split leakage", "data.split_fractions=[0.7, 0.2, 0.1] now, [0.8, 0.1, 0.1] in training",
+                "--allow_split_overlap"], [b["export"]]
+
+
 def e_build_datastore_out_is_export(b):  # 35.4 + the misleading "format: None there"
   x = _copy(b, "work", "ds_into_export") / "export"
   case = _case("build_datastore", f"--config={b['cfg']}", f"--checkpoint={b['export']}", f"--out={x}")
@@ -289,7 +296,7 @@ def e_full_disk_output(b):  # full disk while writing the results: one line, exi
   return case, ["No space left on device", "full.json", "free space"], []
 
 
-ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_build_datastore_out_is_export, e_build_datastore_other_identity,
+ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise, e_build_datastore_out_is_export, e_build_datastore_other_identity,
                e_build_datastore_nlist0, e_build_datastore_entries_alone, e_build_datastore_nlist_flat,
                e_import_fairseq_out_is_export, e_import_fairseq_checkpoint_folder, e_import_fairseq_text_checkpoint,
                e_translate_max_sentences, e_translate_batch_sentences, e_translate_nprobe, e_translate_tune_modes,
