@@ -241,8 +241,8 @@ def run_main(main):
         raise
       print(f"error: {_one_line(e)}", file=sys.stderr, flush=True)
       sys.exit(2)
-    except KeyboardInterrupt:
-      print("interrupted: the last orbax checkpoint is intact; rerun the same command to resume",
+    except KeyboardInterrupt:  # training and datastore builds say what is on disk themselves
+      print("interrupted (Ctrl-C): output files are written whole or not at all; rerun the same command",
             file=sys.stderr, flush=True)
       sys.exit(130)
 

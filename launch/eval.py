@@ -37,6 +37,7 @@ _PLOT = flags.DEFINE_string("plot", "", "PNG file: perplexity vs long-term memor
 def main(argv):
   del argv
   from trime_jax import evaluate, sweep
+  from trime_jax.data import atomic_write_json
   from trime_jax.errors import ConfigError
 
   # Everything the flags name is checked before the evaluation runs (an --output folder found only at the end
@@ -71,8 +72,7 @@ def main(argv):
     print(evaluate.format_table(rows))
     if _OUTPUT.value:
       os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)
-      with open(_OUTPUT.value, "w") as f:
-        json.dump(rows, f, indent=1)
+      atomic_write_json(_OUTPUT.value, rows)  # whole or absent, even when interrupted
   elif not _INCLUDE.value:
     raise ConfigError("nothing to do: give --config and --checkpoint, or --include files to summarise")
   rows += included

@@ -11,7 +11,6 @@ P′ covers eval.interp_memory ("external": the original release, default; "all"
 the perplexity table, top-K retrieval accuracy and perplexity per frequency bucket.
 """
 
-import json
 import os
 import sys
 
@@ -35,6 +34,7 @@ flags.mark_flags_as_required(["config", "checkpoint"])
 def main(argv):
   del argv
   from trime_jax import evaluate
+  from trime_jax.data import atomic_write_json
 
   check_output_file(_OUTPUT.value, "output")  # before the evaluation, not after it
   config = validated(_CONFIG.value)
@@ -68,8 +68,7 @@ def main(argv):
           f"ratio {t['ratio']:.3f} (search {t['search_share']:.0%} of the time)")
   if _OUTPUT.value:
     os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)
-    with open(_OUTPUT.value, "w") as f:
-      json.dump(out, f, indent=1)
+    atomic_write_json(_OUTPUT.value, out)  # whole or absent, even when interrupted
 
 
 if __name__ == "__main__":

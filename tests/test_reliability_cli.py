@@ -287,7 +287,7 @@ def e_prepare_data_manual_dir(b):
 def e_full_disk_output(b):  # full disk while writing the results: one line, exit 2
   setup = ("import builtins, errno, os\n_open = builtins.open\n"
            "def _full(path, mode='r', *a, **k):\n"
-           "  if str(path).endswith('full.json') and 'w' in mode:\n"
+           "  if 'full.json' in str(path) and 'w' in mode:\n"
            "    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))\n"
            "  return _open(path, mode, *a, **k)\n"
            "builtins.open = _full\n")
