@@ -407,13 +407,26 @@ def export(directory: str, params, config: ml_collections.ConfigDict, vocab: dat
   (`<directory>.lock`, LockedError naming the holder). Multi-host: every process calls this with the same
   (replicated, host-copied) params; orbax writes them once and synchronises the processes, process 0 checks,
   writes the JSON files and renames the directory."""
-  directory = os.path.abspath(directory)
-  tmp = directory + ".tmp"
   chief = jax.process_index() == 0
   meta = {} if not chief else {  # process 0 writes the files
       "params_digest": params_digest(params), **_export_meta(config, vocab, extra),
       "num_params": count_params(params)}
-  # (Multi-host: a refusal on process 0 stops the others at the next collective / heartbeat timeout.)
+
+  def files(tmp):
+    data.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(config.to_json_best_effort()))
+    data.atomic_write_json(os.path.join(tmp, "vocab.json"), vocab.to_json())
+
+  return write_export(directory, params, meta, files, overwrite=overwrite)
+
+
+def write_export(directory: str, params, meta: dict, write_files, *, overwrite: bool = False) -> str:
+  """The export writer both models use (`export`, `mt.model.export_mt`): under `<directory>.lock`, refuse a
+  non-empty target of another kind or model (unless `overwrite`), write the parameters with orbax into
+  `<directory>.tmp`, then (process 0) `write_files(tmp)` and meta.json, and rename it into place: the export is
+  complete or absent. (Multi-host: a refusal on process 0 stops the others at the next collective / heartbeat.)"""
+  directory = os.path.abspath(directory)
+  tmp = directory + ".tmp"
+  chief = jax.process_index() == 0
   lock = DirLock(directory + ".lock", f"export directory {directory}") if chief else _null()
   with lock:
     if chief:
@@ -428,7 +441,9 @@ def export(directory: str, params, config: ml_collections.ConfigDict, vocab: dat
     ckptr.save(os.path.join(tmp, "params"), params)
     ckptr.wait_until_finished()
     if chief:
-      _write_export_files(tmp, directory, config, vocab, meta)
+      write_files(tmp)
+      data.atomic_write_json(os.path.join(tmp, "meta.json"), meta)
+      replace_directory(tmp, directory)
     _sync("export:done")
   return directory
 
@@ -439,11 +454,17 @@ def _null():
   return contextlib.nullcontext()
 
 
-def _write_export_files(tmp: str, directory: str, config, vocab, meta: dict) -> None:
-  data.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(config.to_json_best_effort()))
-  data.atomic_write_json(os.path.join(tmp, "vocab.json"), vocab.to_json())
-  data.atomic_write_json(os.path.join(tmp, "meta.json"), meta)
-  replace_directory(tmp, directory)
+def restore_export_params(params_dir: str, abstract_params, meta: dict, what: str):
+  """An export's parameters, restored after the file checks (`_restore_checked`) and compared with meta.json's
+  `params_digest`: DamagedCheckpointError naming `params_dir` when the bytes changed after export."""
+  params = _restore_checked(params_dir, abstract_params, f"{what} {params_dir}",
+                            lambda: ocp.StandardCheckpointer().restore(params_dir, abstract_params))
+  digest = params_digest(params)
+  if digest != meta["params_digest"]:
+    raise DamagedCheckpointError(
+        f"{what} {params_dir} are damaged: their digest {digest} != meta.json's params_digest "
+        f"{meta['params_digest']} (the files changed after export); re-export by rerunning training in its workdir")
+  return params
 
 
 def params_digest(params) -> str:
@@ -541,12 +562,5 @@ def load_export(directory: str):
         f"meta.json's {meta['arch_digest']}): was config.json's model section edited? Restore it")
   target = nnx.eval_shape(lambda: build_model(mcfg, rngs=nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(target, nnx.Param)
-  params_dir = os.path.join(directory, "params")
-  params = _restore_checked(params_dir, abstract_params, f"exported parameters {params_dir}",
-                            lambda: ocp.StandardCheckpointer().restore(params_dir, abstract_params))
-  digest = params_digest(params)
-  if digest != meta["params_digest"]:
-    raise DamagedCheckpointError(
-        f"exported parameters {params_dir} are damaged: their digest {digest} != meta.json's params_digest "
-        f"{meta['params_digest']} (the files changed after export); re-export by rerunning training in its workdir")
+  params = restore_export_params(os.path.join(directory, "params"), abstract_params, meta, "exported parameters")
   return graphdef, params, config, vocab, meta

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trime_jax import layers
 from trime_jax import loss
 
 KEY_TYPES = ("last_ffn_input", "final")
@@ -124,19 +125,9 @@ class ModelConfig:
     return cls(**kwargs)
 
 
-def sinusoidal_positions(length: int, dim: int):
-  """fairseq's sinusoidal embedding: [sin | cos] halves, frequencies 10000^(-i/(half-1))."""
-  half = dim // 2
-  freq = jnp.exp(jnp.arange(half, dtype=jnp.float32) * -(math.log(10000.0) / max(half - 1, 1)))
-  angles = jnp.arange(length, dtype=jnp.float32)[:, None] * freq[None, :]
-  emb = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=1)
-  if dim % 2:
-    emb = jnp.pad(emb, ((0, 0), (0, 1)))
-  return emb
-
-
-def _xavier():
-  return nnx.initializers.xavier_uniform()
+# Shared with the translation model (trime_jax/layers.py); the names stay importable from here.
+sinusoidal_positions = layers.sinusoidal_positions
+_xavier = layers.xavier
 
 
 class CausalSelfAttention(nnx.Module):
@@ -144,8 +135,8 @@ class CausalSelfAttention(nnx.Module):
     d = cfg.d_model
     self.num_heads = cfg.num_heads
     self.dtype = jnp.dtype(cfg.dtype)
-    self.qkv = nnx.Linear(d, 3 * d, kernel_init=_xavier(), dtype=self.dtype, rngs=rngs)
-    self.out = nnx.Linear(d, d, kernel_init=_xavier(), dtype=self.dtype, rngs=rngs)
+    self.qkv = layers.linear(d, 3 * d, self.dtype, rngs)  # fused q, k, v (fairseq imports split its rows)
+    self.out = layers.linear(d, d, self.dtype, rngs)
     self.attn_dropout = nnx.Dropout(cfg.attention_dropout)
 
   def __call__(self, x_BxLxD, *, deterministic: bool, rngs):
@@ -153,14 +144,7 @@ class CausalSelfAttention(nnx.Module):
     h = self.num_heads
     qkv = self.qkv(x_BxLxD).reshape(b, l, 3, h, d // h)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, L, H, Dh]
-    if deterministic or self.attn_dropout.rate == 0.0:
-      y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    else:  # attention-probability dropout needs the explicit weights
-      logits = jnp.einsum("blhd,bmhd->bhlm", q, k, preferred_element_type=jnp.float32) / math.sqrt(d // h)
-      causal = jnp.tril(jnp.ones((l, l), bool))
-      probs = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1).astype(v.dtype)
-      probs = self.attn_dropout(probs, deterministic=False, rngs=rngs)
-      y = jnp.einsum("bhlm,bmhd->blhd", probs, v)
+    y = layers.attention(q, k, v, self.attn_dropout, causal=True, deterministic=deterministic, rngs=rngs)
     return self.out(y.reshape(b, l, d))
 
   def decode(self, x_BxTxD, k_cache_BxCxHxDh, v_cache_BxCxHxDh, pos_BxT):
@@ -184,12 +168,12 @@ class Block(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d = cfg.d_model
-    self.attn_norm = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+    self.attn_norm = layers.layer_norm(d, rngs)
     self.attn = CausalSelfAttention(cfg, rngs=rngs)
-    self.ffn_norm = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+    self.ffn_norm = layers.layer_norm(d, rngs)
     dtype = jnp.dtype(cfg.dtype)
-    self.fc1 = nnx.Linear(d, cfg.d_ff, kernel_init=_xavier(), dtype=dtype, rngs=rngs)
-    self.fc2 = nnx.Linear(cfg.d_ff, d, kernel_init=_xavier(), dtype=dtype, rngs=rngs)
+    self.fc1 = layers.linear(d, cfg.d_ff, dtype, rngs)  # the block's own fc1 / fc2 (fairseq's names), no sub-module
+    self.fc2 = layers.linear(cfg.d_ff, d, dtype, rngs)
     self.dropout = nnx.Dropout(cfg.dropout)
     self.act_dropout = nnx.Dropout(cfg.activation_dropout)
 
@@ -197,8 +181,7 @@ class Block(nnx.Module):
     drop = dict(deterministic=deterministic, rngs=rngs)
     x = x + self.dropout(self.attn(self.attn_norm(x), deterministic=deterministic, rngs=rngs), **drop)
     ffn_in = self.ffn_norm(x)
-    h = self.act_dropout(jax.nn.relu(self.fc1(ffn_in)), **drop)
-    x = x + self.dropout(self.fc2(h), **drop)
+    x = x + self.dropout(layers.feed_forward(ffn_in, self.fc1, self.fc2, self.act_dropout, **drop), **drop)
     return x, ffn_in
 
   def decode(self, x, k_cache, v_cache, pos_BxT):
@@ -206,7 +189,7 @@ class Block(nnx.Module):
     a, k_cache, v_cache = self.attn.decode(self.attn_norm(x), k_cache, v_cache, pos_BxT)
     x = x + a
     ffn_in = self.ffn_norm(x)
-    x = x + self.fc2(jax.nn.relu(self.fc1(ffn_in)))
+    x = x + layers.feed_forward(ffn_in, self.fc1, self.fc2, self.act_dropout, deterministic=True, rngs=None)
     return x, ffn_in, k_cache, v_cache
 
 
@@ -467,8 +450,7 @@ class TransformerLM(nnx.Module):
     return self.logits(f), g
 
 
-def count_params(tree) -> int:
-  return int(sum(x.size for x in jax.tree_util.tree_leaves(tree)))
+count_params = layers.count_params
 
 
 def abstract_param_count(cfg) -> int:

@@ -31,7 +31,8 @@ from flax import nnx
 
 from trime_jax import loss
 from trime_jax.errors import CheckpointError, DamagedCheckpointError
-from trime_jax.model import sinusoidal_positions
+from trime_jax import layers
+from trime_jax.layers import sinusoidal_positions
 
 KEY_TYPES = ("last_ffn_input", "final")
 EXPORT_FILES = ("config.json", "meta.json", "params")  # + the vocabulary file (SubwordVocab.FILES)
@@ -81,10 +82,6 @@ class MTConfig:
     return cls(**kwargs)
 
 
-def _xavier():
-  return nnx.initializers.xavier_uniform()
-
-
 def _embedding(cfg: MTConfig, rngs):
   """fairseq Embedding: N(0, D^-1/2) with the padding row zeroed."""
   d = cfg.d_model
@@ -100,9 +97,9 @@ class Attention(nnx.Module):
     d = cfg.d_model
     self.num_heads = cfg.num_heads
     dtype = jnp.dtype(cfg.dtype)
-    self.q = nnx.Linear(d, d, kernel_init=_xavier(), dtype=dtype, rngs=rngs)
-    self.kv = nnx.Linear(d, 2 * d, kernel_init=_xavier(), dtype=dtype, rngs=rngs)
-    self.out = nnx.Linear(d, d, kernel_init=_xavier(), dtype=dtype, rngs=rngs)
+    self.q = layers.linear(d, d, dtype, rngs)
+    self.kv = layers.linear(d, 2 * d, dtype, rngs)  # keys and values of one side (cached by decoding)
+    self.out = layers.linear(d, d, dtype, rngs)
     self.attn_dropout = nnx.Dropout(cfg.attention_dropout)
 
   def project_kv(self, kv_BxSxD):
@@ -119,27 +116,21 @@ class Attention(nnx.Module):
     b, t, d = x_BxTxD.shape
     h = self.num_heads
     q = self.q(x_BxTxD).reshape(b, t, h, d // h)
-    k, v = k_BxSxHxK, v_BxSxHxK
-    if deterministic or self.attn_dropout.rate == 0.0:
-      # A query whose keys are all masked (a batch-padding row) gets a uniform average, not NaN.
-      y = jax.nn.dot_product_attention(q, k, v, mask=mask_BxTxS[:, None])
-    else:  # attention-probability dropout needs the explicit weights
-      logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) / math.sqrt(d // h)
-      logits = jnp.where(mask_BxTxS[:, None], logits, jnp.finfo(jnp.float32).min)
-      probs = self.attn_dropout(jax.nn.softmax(logits, axis=-1).astype(v.dtype), deterministic=False, rngs=rngs)
-      y = jnp.einsum("bhts,bshd->bthd", probs, v)
+    # A query whose keys are all masked (a batch-padding row) gets a uniform average, not NaN.
+    y = layers.attention(q, k_BxSxHxK, v_BxSxHxK, self.attn_dropout, mask_BxTxS=mask_BxTxS, deterministic=deterministic,
+                         rngs=rngs)
     return self.out(y.reshape(b, t, d))
 
 
 class FeedForward(nnx.Module):
   def __init__(self, cfg: MTConfig, *, rngs: nnx.Rngs):
     dtype = jnp.dtype(cfg.dtype)
-    self.fc1 = nnx.Linear(cfg.d_model, cfg.d_ff, kernel_init=_xavier(), dtype=dtype, rngs=rngs)
-    self.fc2 = nnx.Linear(cfg.d_ff, cfg.d_model, kernel_init=_xavier(), dtype=dtype, rngs=rngs)
+    self.fc1 = layers.linear(cfg.d_model, cfg.d_ff, dtype, rngs)
+    self.fc2 = layers.linear(cfg.d_ff, cfg.d_model, dtype, rngs)
     self.act_dropout = nnx.Dropout(cfg.activation_dropout)
 
   def __call__(self, x, *, deterministic: bool, rngs):
-    return self.fc2(self.act_dropout(jax.nn.relu(self.fc1(x)), deterministic=deterministic, rngs=rngs))
+    return layers.feed_forward(x, self.fc1, self.fc2, self.act_dropout, deterministic=deterministic, rngs=rngs)
 
 
 def _sublayer(x, fn, norm, dropout, pre_norm: bool, drop):
@@ -154,9 +145,9 @@ class EncoderLayer(nnx.Module):
     d = cfg.d_model
     self.pre_norm = cfg.encoder_normalize_before
     self.self_attn = Attention(cfg, rngs=rngs)
-    self.self_attn_norm = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+    self.self_attn_norm = layers.layer_norm(d, rngs)
     self.ffn = FeedForward(cfg, rngs=rngs)
-    self.ffn_norm = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+    self.ffn_norm = layers.layer_norm(d, rngs)
     self.dropout = nnx.Dropout(cfg.dropout)
 
   def __call__(self, x, mask_BxSxS, *, deterministic: bool, rngs):
@@ -173,11 +164,11 @@ class DecoderLayer(nnx.Module):
     d = cfg.d_model
     self.pre_norm = cfg.decoder_normalize_before
     self.self_attn = Attention(cfg, rngs=rngs)
-    self.self_attn_norm = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+    self.self_attn_norm = layers.layer_norm(d, rngs)
     self.cross_attn = Attention(cfg, rngs=rngs)
-    self.cross_attn_norm = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+    self.cross_attn_norm = layers.layer_norm(d, rngs)
     self.ffn = FeedForward(cfg, rngs=rngs)
-    self.ffn_norm = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+    self.ffn_norm = layers.layer_norm(d, rngs)
     self.dropout = nnx.Dropout(cfg.dropout)
 
   def __call__(self, y, enc_BxSxD, self_mask_BxTxT, cross_mask_BxTxS, *, deterministic: bool, rngs):
@@ -225,7 +216,7 @@ class TransformerMT(nnx.Module):
     self.embed_dropout = nnx.Dropout(cfg.dropout)
     self.encoder = nnx.List([EncoderLayer(cfg, rngs=rngs) for _ in range(cfg.encoder_layers)])
     self.decoder = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.decoder_layers)])
-    ln = lambda on: nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs) if on else None
+    ln = lambda on: layers.layer_norm(d, rngs) if on else None
     self.encoder_norm = ln(cfg.encoder_normalize_before)
     self.decoder_norm = ln(cfg.decoder_normalize_before)
     if not cfg.share_decoder_embeddings and not cfg.share_all_embeddings:
@@ -339,8 +330,7 @@ class TransformerMT(nnx.Module):
     return self.logits(f), g
 
 
-def count_params(tree) -> int:
-  return int(sum(x.size for x in jax.tree_util.tree_leaves(tree)))
+count_params = layers.count_params
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -352,42 +342,32 @@ def params_digest(params) -> str:
   return checkpoint.params_digest(params)
 
 
-def export_mt(directory: str, params, config, vocab, extra=None) -> str:
-  """Write params + config + the subword model + meta to `directory` atomically; returns the directory."""
-  import shutil
-
-  import orbax.checkpoint as ocp
-
+def export_mt(directory: str, params, config, vocab, extra=None, *, overwrite: bool = False) -> str:
+  """Write params + config + the subword model + meta to `directory` atomically; returns the directory. The LM's
+  writer (`checkpoint.write_export`): one writer at a time, a target of another kind or model refused unless
+  `overwrite`."""
   from trime_jax import checkpoint
   from trime_jax import data as lm_data
 
-  from trime_jax.runtime.lock import DirLock
+  mcfg = MTConfig.from_config(config.model, vocab_size=vocab.size)
+  meta = {"params_digest": params_digest(params), "vocab_fingerprint": vocab.fingerprint(),
+          "vocab_size": vocab.size, "vocab_kind": vocab.kind, "d_model": mcfg.d_model, "key_type": mcfg.key_type,
+          "num_params": count_params(params), "model_family": "mt", **(extra or {})}
 
-  directory = os.path.abspath(directory)
-  tmp = directory + ".tmp"
-  with DirLock(directory + ".lock", f"export directory {directory}"):  # one writer (checkpoint.export's rule)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(os.path.join(tmp, "params"), params)
-    ckptr.wait_until_finished()
-    mcfg = MTConfig.from_config(config.model, vocab_size=vocab.size)
-    meta = {"params_digest": params_digest(params), "vocab_fingerprint": vocab.fingerprint(),
-            "vocab_size": vocab.size, "vocab_kind": vocab.kind, "d_model": mcfg.d_model, "key_type": mcfg.key_type,
-            "num_params": count_params(params), "model_family": "mt", **(extra or {})}
+  def files(tmp):
     vocab.save(tmp)
     lm_data.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(config.to_json_best_effort()))
-    lm_data.atomic_write_json(os.path.join(tmp, "meta.json"), meta)
-    checkpoint.replace_directory(tmp, directory)
-  return directory
+
+  return checkpoint.write_export(directory, params, meta, files, overwrite=overwrite)
 
 
 def load_mt_export(directory: str):
-  """(graphdef, params, config, vocab) of an MT export, validated (files present, vocabulary fingerprint and
-  parameter digest as recorded in meta.json)."""
+  """(graphdef, params, config, vocab) of an MT export, validated (files present, vocabulary fingerprint, the
+  parameters' files and shapes and their digest as recorded in meta.json: `checkpoint.restore_export_params`)."""
   import ml_collections
   import orbax.checkpoint as ocp
 
+  from trime_jax import checkpoint
   from trime_jax.mt.data import SubwordVocab
 
   directory = os.path.abspath(directory)
@@ -396,15 +376,9 @@ def load_mt_export(directory: str):
   missing = [f for f in EXPORT_FILES if not os.path.exists(os.path.join(directory, f))]
   if missing:
     raise CheckpointError(f"incomplete MT export {directory}: missing {', '.join(missing)}")
-
-  def read(name):
-    try:
-      with open(os.path.join(directory, name), encoding="utf-8") as fh:
-        return json.load(fh)
-    except (ValueError, UnicodeDecodeError) as e:
-      raise DamagedCheckpointError(f"{os.path.join(directory, name)} is corrupt or truncated ({e})") from None
-
-  config, meta = ml_collections.ConfigDict(read("config.json")), read("meta.json")
+  config = ml_collections.ConfigDict(checkpoint.read_json(os.path.join(directory, "config.json"), "MT export config",
+                                                          DamagedCheckpointError))
+  meta = checkpoint.read_json(os.path.join(directory, "meta.json"), "MT export meta", DamagedCheckpointError)
   if meta.get("model_family") != "mt":
     raise CheckpointError(f"{directory} is not an MT export (meta.json model_family={meta.get('model_family')!r})")
   vocab = SubwordVocab.load(directory)
@@ -415,14 +389,8 @@ def load_mt_export(directory: str):
   target = nnx.eval_shape(lambda: TransformerMT(mcfg, rngs=nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(target, nnx.Param)
   abstract_params = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, abstract_params)
-  params_dir = os.path.join(directory, "params")
-  try:
-    params = ocp.StandardCheckpointer().restore(params_dir, abstract_params)
-  except Exception as e:  # orbax raises many types for missing / mismatched files
-    raise DamagedCheckpointError(f"MT export parameters {params_dir} cannot be restored: "
-                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-  if params_digest(params) != meta["params_digest"]:
-    raise DamagedCheckpointError(f"MT export parameters {params_dir} changed after export (digest mismatch)")
+  params = checkpoint.restore_export_params(os.path.join(directory, "params"), abstract_params, meta,
+                                            "MT export parameters")
   return graphdef, params, config, vocab
 
 

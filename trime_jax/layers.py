@@ -1,0 +1,76 @@
+"""Layers shared by the language model (`model.TransformerLM`) and the translation model (`mt.model.TransformerMT`),
+as MaxText keeps layers apart from models: initialisers, the Xavier linear layer, fairseq's sinusoidal positions,
+multi-head attention's core (scaled dot product, a causal or boolean mask, attention-probability dropout), the
+ReLU feed-forward, and the parameter count.
+
+The models keep their own parameter names and tree layout (exports and fairseq imports depend on them: the LM's
+fused `qkv`, the MT model's `q` / `kv`, the LM block's `fc1` / `fc2` vs the MT layer's `ffn.fc1`); they build
+their modules through these helpers in the same order as before, so initial parameters (the RNG draws) and every
+number they compute are unchanged.
+
+Shapes in names: B batch, T queries, S keys, H heads, K head dim, D model dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def xavier():
+  """fairseq's Linear initialiser (Xavier uniform)."""
+  return nnx.initializers.xavier_uniform()
+
+
+def linear(d_in: int, d_out: int, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+  """A Xavier-initialised linear layer computing in `dtype` (its parameters stay float32)."""
+  return nnx.Linear(d_in, d_out, kernel_init=xavier(), dtype=dtype, rngs=rngs)
+
+
+def layer_norm(d: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
+  return nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+
+
+def sinusoidal_positions(length: int, dim: int):
+  """fairseq's sinusoidal embedding: [sin | cos] halves, frequencies 10000^(-i/(half-1))."""
+  half = dim // 2
+  freq = jnp.exp(jnp.arange(half, dtype=jnp.float32) * -(math.log(10000.0) / max(half - 1, 1)))
+  angles = jnp.arange(length, dtype=jnp.float32)[:, None] * freq[None, :]
+  emb = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=1)
+  if dim % 2:
+    emb = jnp.pad(emb, ((0, 0), (0, 1)))
+  return emb
+
+
+def attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, dropout: nnx.Dropout, *, causal: bool = False, mask_BxTxS=None,
+              deterministic: bool, rngs):
+  """softmax(q·kᵀ/√K + mask)·v per head: [B, T, H, K]. `causal` (T = S; a query sees keys up to its own
+  position) or `mask_BxTxS` (True: visible; a query whose keys are all masked averages them uniformly instead of
+  NaN). Without dropout it is XLA's fused `dot_product_attention`; attention-probability dropout needs the
+  explicit weights (masked logits -inf for causal, the float32 minimum for a mask, as each model had)."""
+  if deterministic or dropout.rate == 0.0:
+    if causal:
+      return jax.nn.dot_product_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, is_causal=True)
+    return jax.nn.dot_product_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, mask=mask_BxTxS[:, None])
+  head = q_BxTxHxK.shape[-1]
+  logits = jnp.einsum("bthd,bshd->bhts", q_BxTxHxK, k_BxSxHxK, preferred_element_type=jnp.float32) / math.sqrt(head)
+  if causal:
+    t, s = logits.shape[-2:]
+    logits = jnp.where(jnp.tril(jnp.ones((t, s), bool)), logits, -jnp.inf)
+  else:
+    logits = jnp.where(mask_BxTxS[:, None], logits, jnp.finfo(jnp.float32).min)
+  probs = dropout(jax.nn.softmax(logits, axis=-1).astype(v_BxSxHxK.dtype), deterministic=False, rngs=rngs)
+  return jnp.einsum("bhts,bshd->bthd", probs, v_BxSxHxK)
+
+
+def feed_forward(x, fc1: nnx.Linear, fc2: nnx.Linear, act_dropout: nnx.Dropout, *, deterministic: bool, rngs):
+  """fc2(Drop(ReLU(fc1(x)))): the Transformer's position-wise feed-forward."""
+  return fc2(act_dropout(jax.nn.relu(fc1(x)), deterministic=deterministic, rngs=rngs))
+
+
+def count_params(tree) -> int:
+  """Number of scalars in a parameter tree."""
+  return int(sum(x.size for x in jax.tree_util.tree_leaves(tree)))
