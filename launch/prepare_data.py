@@ -31,8 +31,8 @@ def main(argv):
     raise ConfigError(f"--corpus must be one of {tfds_builders.NAMES}, got {_CORPUS.value!r}")
   manual = os.path.expanduser(_MANUAL_DIR.value) if _MANUAL_DIR.value else ""
   if manual and not os.path.isdir(manual):
-    raise ConfigError(f"--manual_dir={_MANUAL_DIR.value}: " + ("a file, not a folder (give the folder that holds "
-                      "it)" if os.path.exists(manual) else "not found"))
+    raise ConfigError(f"manual dir for {name} " + (f"is a file, not a folder: {manual} (give the folder that holds "
+                      "it)" if os.path.exists(manual) else f"not found: {manual}") + " (--manual_dir)")
   data_dir = os.path.expanduser(_DATA_DIR.value) if _DATA_DIR.value else ""
   if data_dir and os.path.exists(data_dir) and not os.path.isdir(data_dir):
     raise ConfigError(f"--data_dir={_DATA_DIR.value} is a file, not a folder")

@@ -281,7 +281,7 @@ def e_batch_plan_other_corpus(b):  # training with a plan of another corpus: the
 
 def e_prepare_data_manual_dir(b):
   return _case("prepare_data", "--corpus=enwik8", f"--manual_dir={b['tmp']}/cases/no_such"), \
-      ["--manual_dir=", "not found"], []
+      ["manual dir for enwik8 not found", "no_such", "(--manual_dir)"], []
 
 
 def e_full_disk_output(b):  # full disk while writing the results: one line, exit 2
