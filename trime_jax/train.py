@@ -7,12 +7,13 @@ depend only on (seed, step), so a run resumed from an orbax checkpoint continues
 On SIGTERM (or JAX's preemption notice on multi-host / TPU runs) the run checkpoints the update it is at and
 raises `Preempted`; rerunning resumes there. The final parameters are exported (params + config + vocab) to
 `<workdir>/export` for evaluation; with `train.keep_best` the lowest-dev-perplexity ones go to `<workdir>/best`.
-"""
+
+The parts both trainers share live in `trime_jax/runtime/` (the workdir's lock, files and metrics, optimizer and
+schedule, preemption, progress, best-export keeping); the config checks in `trime_jax/train_config.py`."""
 
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import sys
@@ -262,7 +263,8 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   tb = event_writer.EventWriter(os.path.join(workdir, "tb"), enabled=_chief(), config=config)  # reads train.tensorboard
   # Metric lines past the checkpoint resumed from (step 0 when there is none: a run stopped before its first
   # checkpoint) are dropped; the rerun writes them again. TensorBoard drops its events past it likewise.
-  dropped = _chief() and truncate_metrics(os.path.join(workdir, "metrics.jsonl"), restored_step or 0)
+  metrics = workdir_files.MetricsFile(os.path.join(workdir, "metrics.jsonl"), enabled=_chief())
+  dropped = metrics.truncate(restored_step or 0)
   if restored is not None or dropped:
     tb.restart((restored_step or 0) + 1)
   if restored is not None:
@@ -306,7 +308,7 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   tracing = False
   progress = _Progress(train_cfg.num_steps, start, train_cfg.progress)
   try:
-    with open(metrics_path if _chief() else os.devnull, "a") as mfile, _PreemptionWatch(mgr) as preemption:
+    with _PreemptionWatch(mgr) as preemption:
       for step in range(start, train_cfg.num_steps):
         done = step + 1
         if trace and done == trace[0]:
@@ -340,8 +342,7 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
             raise TrainingError(f"non-finite loss at step {done} (updates with a non-finite loss or gradient "
                                 f"are skipped, not applied); {where}. Lower train.learning_rate or enable "
                                 "clipping.")
-          mfile.write(json.dumps(rec) + "\n")
-          mfile.flush()
+          metrics.write(rec)
           _log(f"step {done:>6}/{train_cfg.num_steps} [{rec['objective']:>5}] loss {rec['loss']:.4f}"
                f" | ce {rec['ce_nll']:.4f} | trime {rec['trime_nll']:.4f} | lr {rec['lr']:.2e}"
                f" | |g| {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {progress.eta(done)}")
@@ -387,11 +388,7 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
 
 def _logged_eval(metrics_path: str, step: int) -> dict | None:
   """The dev-evaluation line of `step` in metrics.jsonl, if there is one."""
-  if not os.path.exists(metrics_path):
-    return None
-  with open(metrics_path) as f:
-    rows = [json.loads(ln) for ln in f if ln.strip()]
-  return next((r for r in reversed(rows) if r.get("split") == "dev" and r.get("step") == step), None)
+  return workdir_files.MetricsFile(metrics_path).find(step, "dev")
 
 
 def _log_eval(graphdef, params, corpus, config, step, metrics_path) -> dict:
@@ -402,8 +399,6 @@ def _log_eval(graphdef, params, corpus, config, step, metrics_path) -> dict:
                           streams=e.batch_size, vocab_chunk=config.train.vocab_chunk,
                           max_tokens=config.train.eval_max_tokens).scores
   out = {"step": step, "split": "dev", **{f"{x.name}_ppl": x.ppl for x in res}, "tokens": res[0].tokens}
-  if _chief():
-    with open(metrics_path, "a") as f:
-      f.write(json.dumps(out) + "\n")
+  workdir_files.MetricsFile(metrics_path, enabled=_chief()).write(out)
   _log(f"eval step {step}: " + " | ".join(f"{x.name} ppl {x.ppl:.3f}" for x in res) + f" ({res[0].tokens:,} tokens)")
   return out

@@ -46,45 +46,7 @@ from trime_jax.mt import batching
 from trime_jax.mt import data as mt_data
 from trime_jax.mt import model as mt_model
 
-MEMORIES = ("none", "ext")
-
-
-def pack_len_of(config) -> int:
-  """data.pack_len (0: one pair per row, padded; else pairs packed into rows of that many tokens)."""
-  return int(config.data.get("pack_len", 0))
-
-
-def validate_config(config) -> None:
-  t, r = config.trime, config.train
-  if t.memory not in MEMORIES:
-    raise ConfigError(f"trime.memory must be one of {MEMORIES} for translation, got {t.memory!r}")
-  if t.batching not in batching.ORDERS:
-    raise ConfigError(f"trime.batching must be one of {batching.ORDERS}, got {t.batching!r}")
-  if r.label_smoothing and t.memory != "none":
-    raise ConfigError("train.label_smoothing is an option of the CE baseline (trime.memory=none) only")
-  if not 0.0 <= r.label_smoothing < 1.0:
-    raise ConfigError(f"train.label_smoothing must be in [0, 1), got {r.label_smoothing}")
-  if r.label_smoothing and r.vocab_chunk:
-    raise ConfigError("train.label_smoothing needs the full logits: set train.vocab_chunk=0")
-  if int(config.data.max_tokens) < 8:
-    raise ConfigError(f"data.max_tokens must be >= 8, got {config.data.max_tokens}")
-  if t.temperature <= 0:
-    raise ConfigError(f"trime.temperature must be positive, got {t.temperature}")
-  if t.memory_topk < 0:
-    raise ConfigError(f"trime.memory_topk must be >= 0, got {t.memory_topk}")
-  if t.sharded_variant not in sharded_loss.VARIANTS:
-    raise ConfigError(f"trime.sharded_variant must be one of {sharded_loss.VARIANTS}, got {t.sharded_variant!r}")
-  if t.memory_grad not in sharded_loss.MEMORY_GRADS:
-    raise ConfigError(f"trime.memory_grad must be one of {sharded_loss.MEMORY_GRADS}, got {t.memory_grad!r}")
-  pack_len = pack_len_of(config)
-  if pack_len and pack_len < int(config.data.max_len):
-    raise ConfigError(f"data.pack_len={pack_len} must be 0 (no packing) or >= data.max_len={config.data.max_len}")
-  if pack_len and t.sharded_variant != "gather":
-    raise ConfigError("data.pack_len (packed rows) needs trime.sharded_variant='gather' (the sharded loss "
-                      "gathers the pair ids with the keys)")
-  if t.memory_topk and t.sharded_variant != "gather":
-    raise ConfigError("trime.memory_topk needs trime.sharded_variant='gather' (a query's top k over the whole "
-                      "gathered batch)")
+from trime_jax.mt.train_config import MEMORIES, pack_len_of, validate_config  # noqa: F401 - also mt.train.*
 
 
 def resolve_data_path(config) -> None:
@@ -301,7 +263,8 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
   restored_step, restored = ckpt.restore_latest(mgr, ckpt.abstract(state), log=log)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   # Lines past the checkpoint resumed from (step 0 without one: stopped before the first) are written again.
-  workdir_files.truncate_metrics(metrics_path, restored_step or 0)
+  metrics = workdir_files.MetricsFile(metrics_path)
+  metrics.truncate(restored_step or 0)
   if restored is not None:
     state = restored
     log(f"resumed from update {restored_step}")
@@ -331,7 +294,7 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
   # Throughput excludes updates that compiled a new (objective, shape) program: timed per update (the CPU and
   # accelerator backends both run asynchronously, so each update is waited for; it costs no throughput).
   compiled, step_s, compile_s = set(), 0.0, 0.0
-  with open(metrics_path, "a") as mfile, PreemptionWatch(mgr) as preemption:
+  with PreemptionWatch(mgr) as preemption:
     for step in range(start, stop):
       use_trime = spec.memory != "none" and step >= warm
       b = batching.collate_batch(train_pairs, plan, plan.batch_at(step), pack_len=pack_len)
@@ -361,15 +324,13 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
                 "grad_norm": float(m["grad_norm"]), "lr": float(schedule(step)), "objective": "trime" if use_trime
                 else "ce", "tokens_per_s": round(tok_last / step_s, 1) if step_s else None, "timed_updates": n_last,
                 "compile_s": round(compile_s, 1), "target_tokens_seen": seen, "skipped": int(m["skipped"])}
-        mfile.write(json.dumps(last) + "\n")
-        mfile.flush()
+        metrics.write(last)
         log(f"update {done}: loss {loss_v:.4f} ce {last['ce_nll']:.4f} trime {last['trime_nll']:.4f} "
             f"lr {last['lr']:.2e} {last['tokens_per_s'] or 0:.0f} target tok/s (+{compile_s:.0f} s compiling)")
         tok_last, n_last, step_s = 0, 0, 0.0
       if r.eval_every and done % int(r.eval_every) == 0 and done < total:
         ev = evaluate(graphdef, state["params"], valid_pairs, config, eval_spec, max_pairs=int(r.eval_max_pairs))
-        mfile.write(json.dumps({"step": done, "split": "valid", **ev}) + "\n")
-        mfile.flush()
+        metrics.write({"step": done, "split": "valid", **ev})
         log(f"valid at {done}: {ev}")
       preempted = preemption.reached(done)
       if done % int(r.checkpoint_every) == 0 or done == stop or preempted:
@@ -383,9 +344,8 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
       log(f"stopped after update {end} (train.stop_after={r.stop_after}); rerun to continue")
       return {"train": last, "step": end}
     ev = evaluate(graphdef, state["params"], valid_pairs, config, eval_spec, max_pairs=int(r.eval_max_pairs))
-    if not any(json.loads(l).get("split") == "valid" and json.loads(l)["step"] == end
-               for l in open(metrics_path) if l.strip()):
-      mfile.write(json.dumps({"step": end, "split": "valid", **ev}) + "\n")
+    if metrics.find(end, "valid") is None:  # a rerun of a finished run writes no duplicate
+      metrics.write({"step": end, "split": "valid", **ev})
   export_dir = mt_model.export_mt(os.path.join(workdir, "export"), jax.device_get(state["params"]), config, vocab,
                                   extra={"step": end, "valid": ev, "plan": {k: plan.header[k] for k in
                                                                             ("order", "num_batches")}})

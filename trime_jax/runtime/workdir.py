@@ -98,3 +98,29 @@ def on_disk(workdir: str) -> str:
             "metrics lines are dropped then)")
   return (f"the newest checkpoint on disk is step {step} in {directory}: rerun the same command to resume from it "
           "(metrics lines past it are dropped then)")
+
+
+class MetricsFile:
+  """`<workdir>/metrics.jsonl`, both trainers' record: one JSON object per line (train lines, dev/valid lines),
+  appended and flushed line by line so a kill loses at most the line being written; only process 0 writes."""
+
+  def __init__(self, path: str, enabled: bool = True):
+    self.path, self.enabled = path, enabled
+
+  def write(self, record: dict) -> None:
+    if self.enabled:
+      with open(self.path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+  def rows(self) -> list[dict]:
+    if not os.path.exists(self.path):
+      return []
+    with open(self.path) as f:
+      return [json.loads(ln) for ln in f if ln.strip()]
+
+  def find(self, step: int, split: str) -> dict | None:
+    """The last `split` line of `step` (a finished run's rerun reuses it instead of writing a duplicate)."""
+    return next((r for r in reversed(self.rows()) if r.get("split") == split and r.get("step") == step), None)
+
+  def truncate(self, last_step: int) -> bool:
+    return self.enabled and truncate_metrics(self.path, last_step)

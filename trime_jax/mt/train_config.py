@@ -1,0 +1,48 @@
+"""The translation trainer's config checks (`validate_config`): enums, ranges and consistency, one ConfigError
+before any data is read or anything is compiled."""
+
+from __future__ import annotations
+
+from trime_jax import sharded_loss
+from trime_jax.errors import ConfigError
+from trime_jax.mt import batching
+
+MEMORIES = ("none", "ext")
+
+
+def pack_len_of(config) -> int:
+  """data.pack_len (0: one pair per row, padded; else pairs packed into rows of that many tokens)."""
+  return int(config.data.get("pack_len", 0))
+
+
+def validate_config(config) -> None:
+  t, r = config.trime, config.train
+  if t.memory not in MEMORIES:
+    raise ConfigError(f"trime.memory must be one of {MEMORIES} for translation, got {t.memory!r}")
+  if t.batching not in batching.ORDERS:
+    raise ConfigError(f"trime.batching must be one of {batching.ORDERS}, got {t.batching!r}")
+  if r.label_smoothing and t.memory != "none":
+    raise ConfigError("train.label_smoothing is an option of the CE baseline (trime.memory=none) only")
+  if not 0.0 <= r.label_smoothing < 1.0:
+    raise ConfigError(f"train.label_smoothing must be in [0, 1), got {r.label_smoothing}")
+  if r.label_smoothing and r.vocab_chunk:
+    raise ConfigError("train.label_smoothing needs the full logits: set train.vocab_chunk=0")
+  if int(config.data.max_tokens) < 8:
+    raise ConfigError(f"data.max_tokens must be >= 8, got {config.data.max_tokens}")
+  if t.temperature <= 0:
+    raise ConfigError(f"trime.temperature must be positive, got {t.temperature}")
+  if t.memory_topk < 0:
+    raise ConfigError(f"trime.memory_topk must be >= 0, got {t.memory_topk}")
+  if t.sharded_variant not in sharded_loss.VARIANTS:
+    raise ConfigError(f"trime.sharded_variant must be one of {sharded_loss.VARIANTS}, got {t.sharded_variant!r}")
+  if t.memory_grad not in sharded_loss.MEMORY_GRADS:
+    raise ConfigError(f"trime.memory_grad must be one of {sharded_loss.MEMORY_GRADS}, got {t.memory_grad!r}")
+  pack_len = pack_len_of(config)
+  if pack_len and pack_len < int(config.data.max_len):
+    raise ConfigError(f"data.pack_len={pack_len} must be 0 (no packing) or >= data.max_len={config.data.max_len}")
+  if pack_len and t.sharded_variant != "gather":
+    raise ConfigError("data.pack_len (packed rows) needs trime.sharded_variant='gather' (the sharded loss "
+                      "gathers the pair ids with the keys)")
+  if t.memory_topk and t.sharded_variant != "gather":
+    raise ConfigError("trime.memory_topk needs trime.sharded_variant='gather' (a query's top k over the whole "
+                      "gathered batch)")
