@@ -165,3 +165,15 @@ def test_cli_requires_workdir():
   assert [l for l in r.stderr.splitlines() if l.startswith("error:")] == [
       "error: --workdir is required: the run directory for checkpoints, metrics.jsonl and export/ "
       "(e.g. --workdir=runs/ui_vanilla); rerunning with the same --workdir resumes"], r.stderr[-2000:]
+
+
+def test_mt_export_target_of_another_kind_is_refused_before_training(tmp_path):
+  from trime_jax.errors import CheckpointError
+
+  write_pairs(tmp_path / "d", WDE * 3, WEN * 3)
+  work = tmp_path / "run"
+  (work / "export").mkdir(parents=True)
+  (work / "export" / "notes.txt").write_text("mine\n")
+  with pytest.raises(CheckpointError, match=f"export target {work / 'export'} holds 1 file that is not an export"):
+    mt_train.train_and_evaluate(tiny_config(tmp_path / "d"), str(work), log=lambda s: None)
+  assert not (work / "checkpoints").exists() and (work / "export" / "notes.txt").read_text() == "mine\n"

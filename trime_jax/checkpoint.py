@@ -374,7 +374,8 @@ def export_target_problem(directory: str, meta: dict) -> str | None:
     there = None
   if not isinstance(there, dict) or "params_digest" not in there:
     shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-    return f"holds {len(names)} file{'s' if len(names) != 1 else ''} that are not an export ({shown})"
+    many = len(names) != 1
+    return f"holds {len(names)} file{'s' if many else ''} that {'are' if many else 'is'} not an export ({shown})"
   # (Exports from before arch_digest lack it: compared on the other fields.)
   differ = [k for k in IDENTITY_FIELDS if there.get(k) != meta.get(k) and not (k == "arch_digest" and k not in there)]
   if differ:

@@ -249,6 +249,12 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
   workdir_files.atomic_write_json(cfg_path, json.loads(config.to_json_best_effort()))
 
   vocab = mt_data.load_vocab(config)
+  # export/ holds this run's export or nothing: refused now, not after training (checkpoint.write_export's rule).
+  problem = ckpt.export_target_problem(os.path.abspath(os.path.join(workdir, "export")),
+                                       {"vocab_fingerprint": vocab.fingerprint()})
+  if problem:
+    raise CheckpointError(f"export target {os.path.abspath(os.path.join(workdir, 'export'))} {problem}: move it "
+                          "away or choose another --workdir")
   train_pairs = mt_data.load_parallel(config, "train", vocab)
   valid_pairs = mt_data.load_parallel(config, "valid", vocab)
   plan = load_plan(workdir, train_pairs, config)
