@@ -136,7 +136,10 @@ def seal(directory: str) -> None:
   for step in _step_dirs(directory):
     step_dir = os.path.join(directory, str(step))
     if not os.path.exists(os.path.join(step_dir, DIGEST_FILE)):
-      data.atomic_write_json(os.path.join(step_dir, DIGEST_FILE), {"step": step, "files": _file_digests(step_dir)})
+      try:
+        data.atomic_write_json(os.path.join(step_dir, DIGEST_FILE), {"step": step, "files": _file_digests(step_dir)})
+      except FileNotFoundError:  # orbax deleted the step meanwhile (train.keep_checkpoints): nothing to seal
+        continue
 
 
 def newest_step(directory: str):
