@@ -261,8 +261,8 @@ def _first_line(e: BaseException) -> str:
 # parameters (logging, checkpoint cadence, evaluation, caching) or only extend the run (num_steps).
 RESUMABLE_CHANGES = ("train.num_steps", "train.log_every", "train.eval_every", "train.eval_max_tokens",
                      "train.checkpoint_every", "train.keep_checkpoints", "train.allow_config_change",
-                     "train.keep_best", "train.tensorboard", "train.wandb_project", "train.progress", "train.profile_steps",
-                     "data.cache_dir", "eval.")
+                     "train.keep_best", "train.tensorboard", "train.wandb_project", "train.progress",
+                     "train.profile_steps", "data.cache_dir", "eval.")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
