@@ -397,5 +397,6 @@ def check_placed():
 
 if __name__ == "__main__":
   which = sys.argv[1]
-  result = {"loss": check_loss, "model": check_model, "placed": check_placed}[which]() if which != "train" else check_train(sys.argv[2])
+  groups = {"loss": check_loss, "model": check_model, "placed": check_placed}
+  result = groups[which]() if which != "train" else check_train(sys.argv[2])
   print("RESULT " + json.dumps(result), flush=True)

@@ -8,25 +8,23 @@ sharded as `P("data")`, padded to a multiple of the device count with invisible 
   external_log_terms       for evaluation: per query and per scale c, log Σ exp(c·sim) over the memories whose
                            next token is the query's target and over all the others (`[C, N]` each). Every
                            family of `evaluate` needs only these (TRIME at c = 1/τ, p_mem at θ, P′ at 1/τ′), so
-                           the memory never leaves the devices and a query costs `[C, N]` numbers of traffic.
+                           the memory never leaves the devices and a query costs `[C, N]` numbers of traffic
+                           (`scoring.sharded_scaled_log_sums`).
   exact_external_log_probs for generation: the full TRIME distribution `[N, V]` over the vocabulary plus all
                            datastore memories (`scoring.sharded_memory_log_probs`, no mask).
 
-sim = g(c)·k_j / √D, as `knn.ExternalMemory` returns it. Each device scans its shard in chunks with a running
-max; the devices combine with one `pmax` and one `psum` (the max first, so no device's sums underflow).
+sim = g(c)·k_j / √D, as `knn.ExternalMemory` returns it. The sums are the scorer's (sharded over the devices,
+combined with one `pmax` and one `psum`); this module owns the datastore on the devices and its checks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from trime_jax import scoring, sharding
@@ -155,49 +153,9 @@ def external_log_terms(queries_NxD, targets_N, store: DeviceDatastore, scales, *
   per = store.keys.shape[0] // store.devices
   # One chunk holds [C + 1, N, chunk] floats (similarities and their exps at every scale).
   chunk = memory_chunk or scoring.chunk_len(q.shape[0] * (len(scales) + 1), per)
-  neg, pos = _log_terms(store.mesh, store.axis, chunk, scales, q, t, store.keys, store.targets)
+  neg, pos = scoring.sharded_scaled_log_sums(q, t, store.keys, store.targets, scales, mesh=store.mesh,
+                                             axis=store.axis, memory_chunk=chunk)
   return neg.reshape((len(scales),) + lead), pos.reshape((len(scales),) + lead)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _log_terms(mesh, axis, chunk, scales, q_NxD, t_N, mk_MxD, mt_M):
-  body = functools.partial(_device_log_terms, axis, chunk, scales)
-  return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axis), P(axis)), out_specs=(P(), P()),
-                       check_vma=False)(q_NxD, t_N, mk_MxD, mt_M)
-
-
-def _device_log_terms(axis, chunk, scales, q_NxD, t_N, mk_mxD, mt_m):
-  n = q_NxD.shape[0]
-  acc = scoring.accumulation_dtype(q_NxD, mk_mxD)  # float32 (float64 for float64 keys and queries)
-  c_C = jnp.asarray(scales, acc)
-  inv_sqrt_d = 1.0 / math.sqrt(q_NxD.shape[-1])
-
-  def fold(state, start, size):
-    k = lax.dynamic_slice_in_dim(mk_mxD, start, size)
-    mt = lax.dynamic_slice_in_dim(mt_m, start, size)
-    sim_Nxc = jnp.einsum("nd,cd->nc", q_NxD, k, preferred_element_type=acc,
-                         precision=scoring.similarity_precision(q_NxD, k)) * inv_sqrt_d
-    vis = (mt >= 0)[None, :]
-    is_pos = mt[None, :] == t_N[:, None]
-    out = []
-    for (mx_N, s_CxN), sel in zip(state, (vis & ~is_pos, vis & is_pos)):
-      masked = jnp.where(sel, sim_Nxc, -jnp.inf)
-      new_N = jnp.maximum(mx_N, masked.max(-1))
-      ref_N = jnp.where(jnp.isfinite(new_N), new_N, 0.0)  # c > 0: max_j c·sim_j = c·max_j sim_j
-      s_CxN = (s_CxN * jnp.exp(c_C[:, None] * (mx_N - ref_N)[None])
-               + jnp.exp(c_C[:, None, None] * (masked - ref_N[:, None])[None]).sum(-1))
-      out.append((new_N, s_CxN))
-    return tuple(out)
-
-  empty = (jnp.full((n,), -jnp.inf, acc), jnp.zeros((len(scales), n), acc))
-  state = scoring.fold_memory_chunks(fold, (empty, empty), mt_m.shape[0], chunk)
-  result = []
-  for mx_N, s_CxN in state:  # combine the devices: global max, then the rescaled sums
-    g_N = lax.pmax(mx_N, axis)
-    ref_N = jnp.where(jnp.isfinite(g_N), g_N, 0.0)
-    total = lax.psum(s_CxN * jnp.exp(c_C[:, None] * (mx_N - ref_N)[None]), axis)
-    result.append(c_C[:, None] * ref_N[None] + jnp.log(total))
-  return tuple(result)
 
 
 def summary_blocks(lse_neg_CxSxQ, lse_pos_CxSxQ, scales) -> dict:

@@ -16,7 +16,9 @@ sees whom; the pieces of the equation are here, once:
                 `sharded_loss`'s ring folds each passing block with them) and sharded (`sharded_loss`)
   per target    test time scores one target per query from `MemoryBlock`s (similarities + masks per memory
                 source): `trime_log_prob` (TRIME at τ), `log_p_mem` (p_mem at θ: the continuous cache, kNN-LM,
-                Appendix A's P′) and `mix` ((1-λ)·p + λ·p_mem, the model where a query has no memory)
+                Appendix A's P′) and `mix` ((1-λ)·p + λ·p_mem, the model where a query has no memory); over a
+                memory sharded over devices, the two sums every family reads at its scale:
+                `sharded_scaled_log_sums` (the on-device datastore)
   distribution  the full `[N, V]` law: `memory_log_probs` (a segment sum of exp(sim) into vocabulary buckets;
                 dense, or with the memory sharded over a mesh axis: `sharded_memory_log_probs`) and
                 `trime_log_probs` (+ Appendix A's interpolation, for generation and translation)
@@ -453,8 +455,8 @@ def memory_log_weights(token_logits, keys, memory_keys, memory_targets, memory_m
 def trime_log_probs(logits_NxV, q_NxD, mem_keys_MxD, mem_targets_M, mem_mask_NxM, *, tau: float, prime_M=None,
                     interp_lambda: float = 0.0, interp_tau: float = 1.0):
   """log P `[N, V]`: TRIME's distribution at τ over the memories each row's mask shows (`memory_log_probs`);
-  with interp_lambda > 0 Appendix A's (1-λ)·P_trime + λ·P′, P′(w) ∝ Σ_{visible, prime, x_j = w} exp(sim/τ′)
-  over the visible memories where `prime_M` is True (rows that see none keep P_trime)."""
+  with interp_lambda > 0 Appendix A's (1-λ)·P_trime + λ·P′, P′(w) ∝ Σ_{visible, prime, x_j = w}
+  exp(sim/τ′) over the visible memories where `prime_M` is True (rows that see none keep P_trime)."""
   log_p = memory_log_probs(logits_NxV, q_NxD, mem_keys_MxD, mem_targets_M, mem_mask_NxM, temperature=tau)
   if not interp_lambda:
     return log_p
@@ -557,3 +559,65 @@ def _device_log_probs(axis, chunk, has_mask, logits_NxV, q_NxD, mk_mxD, mt_m, sc
   ref_VxN = jnp.where(jnp.isfinite(gmax_VxN), gmax_VxN, 0.0)
   total_VxN = lax.psum(bsum_VxN * jnp.exp(bmax_VxN - ref_VxN), axis)
   return _normalise(_bucket_log_weights(logits_NxV, ref_VxN, total_VxN))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Per target, over a memory sharded over devices (an on-device datastore): the memory terms at several scales.
+# ----------------------------------------------------------------------------------------------------------
+def sharded_scaled_log_sums(queries_NxD, targets_N, memory_keys_MxD, memory_targets_M, scales, *, mesh,
+                            axis: str = DATA, memory_chunk: int):
+  """(lse_neg, lse_pos) `[C, N]` at scales c (a tuple of positive floats), over a memory sharded over `axis`:
+
+    lse_pos[c, i] = log Σ_{j: x_j = y_i} exp(c·sim_ij),   lse_neg[c, i] = log Σ_{j: x_j != y_i} exp(c·sim_ij)
+
+  (-inf where a sum is empty; memories with target < 0 never count), sim = q·k_j / √D. Queries `[N, D]` and
+  targets `[N]` are replicated; M a multiple of the device count. Every test-time family reads its memory terms
+  from these two sums at its scale (TRIME at 1/τ, p_mem at θ, P′ at 1/τ′: `exact_memory`, `evaluate`); they are
+  kept apart (rather than all and positive) so that neither is a difference of nearly equal numbers. Each
+  device scans its shard in chunks of `memory_chunk` rows with a running max; the devices combine with one
+  `pmax` and one `psum` (the max first, so no device's sums underflow)."""
+  scales = tuple(float(c) for c in scales)
+  return _sharded_scaled_log_sums(mesh, axis, memory_chunk, scales, queries_NxD, targets_N, memory_keys_MxD,
+                                  memory_targets_M)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _sharded_scaled_log_sums(mesh, axis, chunk, scales, q_NxD, t_N, mk_MxD, mt_M):
+  specs = (P(), P(), P(axis), P(axis))
+  body = functools.partial(_device_log_terms, axis, chunk, scales)
+  per_device = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), P()), check_vma=False)
+  return per_device(*(on_mesh(mesh, sp, x) for sp, x in zip(specs, (q_NxD, t_N, mk_MxD, mt_M))))
+
+
+def _device_log_terms(axis, chunk, scales, q_NxD, t_N, mk_mxD, mt_m):
+  n = q_NxD.shape[0]
+  acc = accumulation_dtype(q_NxD, mk_mxD)  # float32 (float64 for float64 keys and queries)
+  c_C = jnp.asarray(scales, acc)
+  inv_sqrt_d = 1.0 / math.sqrt(q_NxD.shape[-1])
+
+  def fold(state, start, size):
+    k = lax.dynamic_slice_in_dim(mk_mxD, start, size)
+    mt = lax.dynamic_slice_in_dim(mt_m, start, size)
+    sim_Nxc = jnp.einsum("nd,cd->nc", q_NxD, k, preferred_element_type=acc,
+                         precision=similarity_precision(q_NxD, k)) * inv_sqrt_d
+    vis = (mt >= 0)[None, :]
+    is_pos = mt[None, :] == t_N[:, None]
+    out = []
+    for (mx_N, s_CxN), sel in zip(state, (vis & ~is_pos, vis & is_pos)):
+      masked = jnp.where(sel, sim_Nxc, -jnp.inf)
+      new_N = jnp.maximum(mx_N, masked.max(-1))
+      ref_N = jnp.where(jnp.isfinite(new_N), new_N, 0.0)  # c > 0: max_j c·sim_j = c·max_j sim_j
+      s_CxN = (s_CxN * jnp.exp(c_C[:, None] * (mx_N - ref_N)[None])
+               + jnp.exp(c_C[:, None, None] * (masked - ref_N[:, None])[None]).sum(-1))
+      out.append((new_N, s_CxN))
+    return tuple(out)
+
+  empty = (jnp.full((n,), -jnp.inf, acc), jnp.zeros((len(scales), n), acc))
+  state = fold_memory_chunks(fold, (empty, empty), mt_m.shape[0], chunk)
+  result = []
+  for mx_N, s_CxN in state:  # combine the devices: global max, then the rescaled sums
+    g_N = lax.pmax(mx_N, axis)
+    ref_N = jnp.where(jnp.isfinite(g_N), g_N, 0.0)
+    total = lax.psum(s_CxN * jnp.exp(c_C[:, None] * (mx_N - ref_N)[None]), axis)
+    result.append(c_C[:, None] * ref_N[None] + jnp.log(total))
+  return tuple(result)

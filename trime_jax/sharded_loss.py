@@ -116,7 +116,7 @@ def sharded_trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: l
   groups = rows if rows is not None else documents
   groups = jnp.zeros((b, l), jnp.int32) if groups is None else jnp.asarray(groups, jnp.int32)
   rows = P(axis)
-  # check_vma=False: the blockwise kernels of `loss` start their scans from device-invariant zeros, which
+  # check_vma=False: the blockwise kernels of `scoring` start their scans from device-invariant zeros, which
   # the varying-manual-axes type check rejects inside shard_map; every output here is per-device anyway.
   specs = (rows, rows, rows, rows, rows, rows, P())
   per_device = jax.shard_map(functools.partial(_device_nll, static), mesh=mesh, in_specs=specs, out_specs=rows,
@@ -272,8 +272,8 @@ def _ext_gather(st: _Static, stats, keys, own, remote, targets, causal, scale, r
   if st.spec.memory_topk:  # each query's k most similar visible memories of the global batch (dense [b·L, n·b·L])
     mask = scoring.visible(qmeta, kmeta, causal, True)
     kg = scoring.same_grad_group(qmeta.row, kmeta.row, cut) if cut else None
-    nll = scoring.topk_dense_nll(flat_stats, keys.reshape(-1, d), qmeta.target, mem.reshape(-1, d), kmeta.target, mask,
-                              scale, st.spec.memory_topk, kg)
+    nll = scoring.topk_dense_nll(flat_stats, keys.reshape(-1, d), qmeta.target, mem.reshape(-1, d), kmeta.target,
+                                 mask, scale, st.spec.memory_topk, kg)
     return nll.reshape(b, l)
   chunk = st.spec.memory_chunk or scoring.chunk_len(b * l, st.n * b * l, st.spec.block_elems)
   log_z, log_p = scoring.memory_log_terms(True, chunk, keys.reshape(-1, d), mem.reshape(-1, d), qmeta, kmeta,
@@ -338,8 +338,8 @@ def _ring_bwd(axis, n, chunk, key_grads, grad_group_rows, res, cotangents):
   b = targets.shape[0]
   qmeta = _ext_meta(targets, i * b)
   travel = key_grads == "all"
-  grads = lambda with_dk, k_blk, kmeta: scoring.memory_grads(chunk, q, qmeta, causal, scale, True, log_z, log_p, g_z,
-                                                          g_p, with_dk, k_blk, kmeta, grad_group_rows)
+  grads = lambda with_dk, k_blk, kmeta: scoring.memory_grads(chunk, q, qmeta, causal, scale, True, log_z, log_p,
+                                                             g_z, g_p, with_dk, k_blk, kmeta, grad_group_rows)
   src = lambda s: ((i - s) % n) * b
 
   dq, dk = grads(key_grads != "none", k, qmeta)  # step 0: this device's own block
