@@ -5,6 +5,8 @@ import itertools
 import math
 import zlib
 
+import os
+
 import numpy as np
 import pytest
 
@@ -296,6 +298,34 @@ def test_mt_datastore_build_resumes_after_an_interruption(tiny, tmp_path, monkey
   resumed = Datastore(out)
   np.testing.assert_array_equal(np.asarray(resumed.values), np.asarray(whole.values))
   np.testing.assert_allclose(np.asarray(resumed.keys, np.float32), np.asarray(whole.keys, np.float32), atol=2e-3)
+
+
+def test_mt_datastore_chunk_damaged_after_a_kill_is_recomputed_not_blessed(tiny, tmp_path, monkeypatch, capsys):
+  """Entries of a committed chunk changed between the interruption and the rerun: the rerun finds them by
+  the chunk's digest (rows found again from the batch plan), says so in one warning line, and recomputes from
+  that chunk, so the finished datastore equals an uninterrupted build's."""
+  from trime_jax.datastore import Datastore
+  from trime_jax.mt import datastore as mt_datastore
+
+  monkeypatch.setattr(mt_datastore, "CHUNK_BATCHES", 1)
+  out = str(tmp_path / "ds")
+  meta = mt_datastore.build_mt_datastore(tiny["ckpt"], tiny["train"], out, batch_tokens=32, max_chunks=3,
+                                         progress=False)
+  assert meta["batches_done"] == 3 and [c["batches"] for c in meta["mt_chunks"]] == [[0, 1], [1, 2], [2, 3]]
+  batches = mt_datastore.pair_batches(tiny["train"].src, tiny["train"].tgt, batch_tokens=32)
+  counts = np.asarray([len(y) + 1 for y in tiny["train"].tgt], np.int64)
+  offsets = np.concatenate([[0], np.cumsum(counts)])
+  row = int(mt_datastore._rows_of(batches, offsets, counts, 1, 2)[0])  # an entry of the second chunk
+  values = np.load(os.path.join(out, "values.npy"), mmap_mode="r+")
+  values[row] = (values[row] + 1) % 7
+  values.flush()
+  del values
+  capsys.readouterr()
+  meta = mt_datastore.build_mt_datastore(tiny["ckpt"], tiny["train"], out, batch_tokens=32, progress=False)
+  lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("warning:")]
+  assert len(lines) == 1 and "batches 1..2 were changed" in lines[0], lines
+  assert meta["complete"] and "mt_chunks" not in meta
+  np.testing.assert_array_equal(np.asarray(Datastore(out).values), np.asarray(Datastore(tiny["ds_dir"]).values))
 
 
 def test_retrieve_matches_brute_force(tiny):

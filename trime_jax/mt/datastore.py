@@ -11,7 +11,9 @@ Entries are in pair order: pair i contributes len(y_i) + 1 entries (targets y_i 
 keyed by the decoder over prev = [eos] + y_i with its source. Padding targets (-1) never become entries.
 The files are written by the LM builder's `DatastoreWriter` (identity check, reserved blocks, atomic progress,
 digests). Batches are length-sorted, so progress is recorded as `batches_done` of a plan fixed by the pairs and
-`batch_tokens` (kept in meta.json): an interrupted build resumes at its first unsaved chunk of batches.
+`batch_tokens` (kept in meta.json): an interrupted build resumes at its first unsaved chunk of batches. Each
+committed chunk records the digest of the entries its batches wrote (scattered rows, found again from the plan),
+and a resumed build checks them: a chunk changed after it was saved is recomputed, never blessed by `finish()`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from trime_jax import checkpoint as ckpt
+from trime_jax import data
 from trime_jax.datastore import build as ds_build
 from trime_jax.errors import CheckpointError
 from trime_jax.mt import data as mt_data
@@ -83,6 +86,50 @@ def corpus_fingerprint(src_list, tgt_list) -> str:
   return h.hexdigest()[:16]
 
 
+def _rows_of(batches, offsets, counts, a: int, b: int) -> np.ndarray:
+  """The datastore rows (in write order) that batches a..b of the plan fill."""
+  idx = [i for pairs_idx, _ in batches[a:b] for i in pairs_idx]
+  if not idx:
+    return np.zeros(0, np.int64)
+  return np.concatenate([np.arange(offsets[i], offsets[i] + counts[i]) for i in idx])
+
+
+def _chunk_digest(keys, values, rows: np.ndarray, a: int, b: int) -> str:
+  h = hashlib.sha256(f"mt:{a}:{b}:".encode())
+  h.update(np.ascontiguousarray(keys[rows]).tobytes())
+  h.update(np.ascontiguousarray(values[rows]).tobytes())
+  return h.hexdigest()[:16]
+
+
+def _verify_chunks(writer, keys, values, batches, offsets, counts) -> None:
+  """Roll meta.json back to the first committed chunk whose entries changed since it was saved (one warning
+  line); a resumed build without chunk digests (an older version's) restarts from the first batch."""
+  meta, done = writer.meta, int(writer.meta.get("batches_done", 0))
+  if not done:
+    return
+  chunks = meta.get("mt_chunks") or []
+  covered = 0
+  for c in chunks:
+    covered = c["batches"][1] if c["batches"][0] == covered else -1
+  if covered != done:
+    print(f"warning: datastore build in {writer.out_dir}: its {done:,} saved batches have no per-chunk digests "
+          "(an older version's build, or meta.json was edited); restarting from the first batch", flush=True)
+    meta.update(batches_done=0, tokens_done=0)
+    meta["mt_chunks"] = []
+  else:
+    bad = next((i for i, c in enumerate(chunks)
+                if _chunk_digest(keys, values, _rows_of(batches, offsets, counts, *c["batches"]), *c["batches"])
+                != c["digest"]), None)
+    if bad is None:
+      return
+    a, b = chunks[bad]["batches"]
+    print(f"warning: datastore build in {writer.out_dir}: the entries of batches {a:,}..{b:,} were changed after "
+          f"they were saved; recomputing from batch {a:,}", flush=True)
+    meta.update(chunks[bad]["before"])
+    meta["mt_chunks"] = chunks[:bad]
+  data.atomic_write_json(writer.meta_path, meta)
+
+
 def build_mt_datastore(checkpoint_dir: str, pairs: mt_data.ParallelData, out_dir: str, *,
                        batch_tokens: int = 8192, max_chunks: int | None = None, progress: bool = True) -> dict:
   """Build (or resume) the datastore of `pairs` (the training split) under the MT export `checkpoint_dir` into
@@ -111,7 +158,9 @@ def build_mt_datastore(checkpoint_dir: str, pairs: mt_data.ParallelData, out_dir
                                batches_done=0)
     meta = writer.meta
     batches = pair_batches(pairs.src, pairs.tgt, batch_tokens=int(meta["batch_tokens"]))  # the resumed plan
+    _verify_chunks(writer, keys, values, batches, offsets, counts)
     first, written = int(meta["batches_done"]), 0
+    chunk_first = first
     t0 = time.perf_counter()
     bar = tqdm(total=len(batches), initial=first, desc="mt datastore", unit="batch", disable=not progress)
     try:
@@ -130,13 +179,19 @@ def build_mt_datastore(checkpoint_dir: str, pairs: mt_data.ParallelData, out_dir
         written += int(counts[idx].sum())
         if (b_i + 1) % CHUNK_BATCHES == 0 or b_i + 1 == len(batches):
           dt, t0 = time.perf_counter() - t0, time.perf_counter()
+          keys.flush(), values.flush()
+          rows = _rows_of(batches, offsets, counts, chunk_first, b_i + 1)
+          meta.setdefault("mt_chunks", []).append(
+              {"batches": [chunk_first, b_i + 1], "digest": _chunk_digest(keys, values, rows, chunk_first, b_i + 1),
+               "before": {"batches_done": chunk_first, "tokens_done": int(meta["tokens_done"])}})
           writer.commit(dt, batches_done=b_i + 1, tokens_done=int(meta["tokens_done"]) + written)
-          written = 0
+          written, chunk_first = 0, b_i + 1
         bar.update(1)
     finally:
       bar.close()
     del keys, values
     if meta["batches_done"] == len(batches):
+      meta.pop("mt_chunks", None)  # superseded by finish()'s whole-file digests
       meta = writer.finish()
   if progress:
     state = "complete" if meta["complete"] else f"incomplete ({meta['batches_done']} of {len(batches)} batches)"
