@@ -321,3 +321,26 @@ def test_ivfpq_build_states_its_estimate(setup, tmp_path, capsys):
   printed = capsys.readouterr()
   assert "index: training IVF-PQ (nlist=" in printed.out and "estimated ~" in printed.out, printed.out
   assert "to add the keys" in printed.out
+
+
+def test_a_second_build_of_the_same_directory_is_refused_while_one_runs(setup, tmp_path):
+  """One writer per datastore directory: while another process holds `<out>.lock` (a build in progress), a
+  build into the same directory is refused naming that process, and nothing is written."""
+  import subprocess
+  import sys
+  from trime_jax.runtime.lock import LockedError
+  out = str(tmp_path / "store")
+  holder = subprocess.Popen(
+      [sys.executable, "-c", "import sys, time\nfrom trime_jax.runtime.lock import DirLock\n"
+       f"with DirLock({out + '.lock'!r}, 'datastore'):\n  print('held', flush=True)\n  time.sleep(60)\n"],
+      stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  try:
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(LockedError, match=f"datastore .*store is in use by .*{holder.pid}"):
+      build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, progress=False)
+    assert not os.path.exists(out)
+  finally:
+    holder.kill()
+    holder.wait()
+  meta = build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, progress=False)  # lock released
+  assert meta["complete"] and not os.path.exists(out + ".lock")

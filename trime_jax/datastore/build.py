@@ -46,6 +46,7 @@ from tqdm import tqdm
 from trime_jax import checkpoint as ckpt
 from trime_jax import data
 from trime_jax.errors import CheckpointError, ConfigError, DamagedCheckpointError
+from trime_jax.runtime.lock import DirLock
 
 FORMAT = "trime-datastore/1"
 KEY_DTYPE = np.float16  # the default (the release's --dstore-fp16); float32 on request (`build_datastore`)
@@ -393,6 +394,22 @@ def _keys_step(graphdef, params, inputs_BxL, key_dtype="float16"):
   return g.astype(key_dtype)
 
 
+def locked_out_dir(build):
+  """Decorate a builder `build(..., out_dir, ...)`: one writer per datastore directory (`<out_dir>.lock` beside
+  it, as exports, so the directory itself holds only the datastore); a second build of the same directory
+  while one runs is refused naming the process that holds it (runtime.lock.LockedError)."""
+
+  @functools.wraps(build)
+  def locked(*args, **kwargs):
+    import inspect
+    out_dir = inspect.signature(build).bind(*args, **kwargs).arguments["out_dir"]
+    with DirLock(os.path.abspath(out_dir).rstrip(os.sep) + ".lock", f"datastore {out_dir}"):
+      return build(*args, **kwargs)
+
+  return locked
+
+
+@locked_out_dir
 def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, block_len: int | None = None,
                     context_window: int | None = None, batch_size: int | None = None,
                     chunk_tokens: int = CHUNK_TOKENS, max_chunks: int | None = None,
@@ -532,6 +549,7 @@ def _prefix_source(source_dir: str, count: int):
   return src.meta, src.keys, src.values
 
 
+@locked_out_dir
 def subset_datastore(source_dir: str, out_dir: str, count: int, *, checkpoint_dir: str | None = None) -> dict:
   """A datastore of the first `count` entries of the datastore in `source_dir` (the first `count` training
   tokens, whole stream order), written without recomputing keys: the size sweep of the paper's analysis. The

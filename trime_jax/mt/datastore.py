@@ -130,6 +130,7 @@ def _verify_chunks(writer, keys, values, batches, offsets, counts) -> None:
   data.atomic_write_json(writer.meta_path, meta)
 
 
+@ds_build.locked_out_dir
 def build_mt_datastore(checkpoint_dir: str, pairs: mt_data.ParallelData, out_dir: str, *,
                        batch_tokens: int = 8192, max_chunks: int | None = None, progress: bool = True) -> dict:
   """Build (or resume) the datastore of `pairs` (the training split) under the MT export `checkpoint_dir` into
