@@ -10,12 +10,12 @@ know (a misspelling such as `eval.tempreture` in a hand-edited config.json) is r
 (`unknown_fields`, which the launch programs also apply when `--config` is given).
 """
 
-import difflib
 import json
 import os
 
 from configs import default
 from trime_jax.errors import CheckpointError
+from trime_jax.runtime import workdir
 
 
 def is_mt(stored: dict) -> bool:
@@ -24,18 +24,11 @@ def is_mt(stored: dict) -> bool:
   return stored.get("task") == "mt" or data.get("src_lang") is not None
 
 
-def unknown_fields(stored: dict, known=None, prefix: str = "") -> list[str]:
+def unknown_fields(stored: dict) -> list[str]:
   """Dotted names of the fields of `stored` that configs/default.py does not have, each with the closest known
-  name when there is one ("eval.tempreture (eval.temperature?)")."""
-  known = default.get_config() if known is None else known
-  out = []
-  for key, value in stored.items():
-    if key not in known:
-      close = difflib.get_close_matches(key, list(known.keys()), n=1)
-      out.append(f"{prefix}{key}" + (f" ({prefix}{close[0]}?)" if close else ""))
-    elif hasattr(known[key], "keys") and isinstance(value, dict):
-      out += unknown_fields(value, known[key], f"{prefix}{key}.")
-  return out
+  name when there is one ("eval.tempreture (eval.temperature?)"): the training workdir's check, against the
+  default config."""
+  return workdir.unknown_fields(stored, default.get_config())
 
 
 def check_stored_config(export_dir: str, stored: dict | None = None) -> dict:
