@@ -119,3 +119,22 @@ def read_metrics(workdir) -> list:
   """The lines of `<workdir>/metrics.jsonl` as dicts."""
   with open(os.path.join(str(workdir), "metrics.jsonl")) as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+def run_cli_cases(driver_module: str, cases: list, out_dir, timeout: int) -> list:
+  """Run CLI cases in one driver subprocess (`python -m driver_module cases.json out_dir`, which writes
+  results.json); [{rc, out, err, seconds}] in order. One persistent compilation cache per suite: later runs
+  reuse the first run's compiled steps."""
+  out_dir = str(out_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, "cases.json")
+  with open(path, "w") as f:
+    json.dump(cases, f)
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
+             JAX_COMPILATION_CACHE_DIR=os.path.join(os.path.dirname(out_dir), "jax_cache"),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+  r = subprocess.run([sys.executable, "-m", driver_module, path, out_dir], cwd=REPO, env=env,
+                     capture_output=True, text=True, timeout=timeout)
+  assert r.returncode == 0, r.stderr[-3000:]
+  with open(os.path.join(out_dir, "results.json")) as f:
+    return json.load(f)

@@ -28,20 +28,9 @@ LAUNCH = ["build_datastore", "demo", "eval", "eval_ext", "generate", "import_fai
 
 
 def run_cases(cases: list, out_dir) -> list:
-  """Run CLI cases in one driver subprocess; [{rc, out, err, seconds}] in order."""
-  out_dir = str(out_dir)
-  os.makedirs(out_dir, exist_ok=True)
-  path = os.path.join(out_dir, "cases.json")
-  with open(path, "w") as f:
-    json.dump(cases, f)
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
-             JAX_COMPILATION_CACHE_DIR=os.path.join(os.path.dirname(out_dir), "jax_cache"),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
-  r = subprocess.run([sys.executable, "-m", "tests.test_reliability_cli", path, out_dir], cwd=REPO, env=env,
-                     capture_output=True, text=True, timeout=900)
-  assert r.returncode == 0, r.stderr[-3000:]
-  with open(os.path.join(out_dir, "results.json")) as f:
-    return json.load(f)
+  """Run CLI cases in one driver subprocess (this module's driver mode); [{rc, out, err, seconds}] in order."""
+  from tests.helpers import run_cli_cases
+  return run_cli_cases("tests.test_reliability_cli", cases, out_dir, timeout=900)
 
 
 # ----------------------------------------------------------------------------------------------------------
