@@ -462,7 +462,7 @@ def r_datastore_disk_full():
     fallocate = _NO_SPACE + "os.posix_fallocate = _full\n"
     # 2 uses chunks of 1,024 tokens (of 4,000) so the first chunk is saved before the disk fills.
     meta_write = _NO_SPACE + ("from trime_jax import data\nfrom trime_jax.datastore import build\n"
-                              "build.build_datastore.__kwdefaults__['chunk_tokens'] = 1024\n"
+                              "build.build_datastore.__wrapped__.__kwdefaults__['chunk_tokens'] = 1024\n"
                               "_w = data.atomic_write_json\n"
                               "def _meta(path, obj):\n  if obj.get('tokens_done', 0) > 1024:\n    _full()\n"
                               "  _w(path, obj)\n"
