@@ -24,7 +24,7 @@ install: $(STAMP)
 
 # Train a vanilla LM and a TrimeLM on Python stdlib sources (no download), evaluate both + continuous cache.
 demo: $(STAMP)
-	$(PY) -m launch.demo --workdir=runs/demo
+	$(PY) -m trime_jax.launch.demo --workdir=runs/demo
 
 # The whole test suite (CPU; multi-device tests use virtual CPU devices), two test files at a time (pytest-xdist):
 # 8.7 minutes on an idle 2-core machine (475 tests, 2026-11-26); 481 tests: 10.2 minutes with a training beside them.

@@ -20,7 +20,7 @@ from flax import nnx
 
 
 def _export(tmp):
-  from configs import demo
+  from trime_jax.configs import demo
   from trime_jax import checkpoint as ckpt
   from trime_jax import data
   from trime_jax.model import ModelConfig, TransformerLM

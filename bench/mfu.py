@@ -136,7 +136,7 @@ def flops_per_token(mcfg, l: int, objective: str, memory: str, b: int, m: int, p
 # Configs, at their shapes or shrunk (--tiny)
 # ----------------------------------------------------------------------------------------------------------
 def load_config(name: str, tiny: bool):
-  c = importlib.import_module(f"configs.{name}").get_config()
+  c = importlib.import_module(f"trime_jax.configs.{name}").get_config()
   if not c.model.vocab_size:
     c.model.vocab_size = DOCS_WT_VOCAB
   if tiny:  # every dimension shrunk; the structure (adaptive bands, memory kind, accumulation, dtype) kept

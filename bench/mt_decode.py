@@ -1,7 +1,7 @@
 """MT decoding throughput (sentences/s) with and without the datastore, one export, one run.
 
 Decodes the same test sentences (evenly spaced over the split) with the model alone, kNN-MT and TrimeMT_ext (each
-at its valid-tuned setting from tuned.json, or all at --k) with launch.translate's search (decode.EVAL_SEARCH),
+at its valid-tuned setting from tuned.json, or all at --k) with trime_jax.launch.translate's search (decode.EVAL_SEARCH),
 after one untimed pass that compiles every shape. The modes are timed in turn, --repeats times, and the median
 pass is reported with its decoder steps (a batch searches until its last sentence ends: a weaker distribution
 that loops takes more), time per step, retrieval share (FAISS search + gathering the retrieved keys) and the
@@ -29,14 +29,14 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--checkpoint", required=True, help="MT export directory")
   ap.add_argument("--datastore", required=True)
-  ap.add_argument("--settings", required=True, help="tuned.json of launch.translate --tune")
+  ap.add_argument("--settings", required=True, help="tuned.json of trime_jax.launch.translate --tune")
   ap.add_argument("--modes", default="model,knn_mt,trime", help="comma-separated; each needs a tuned setting")
   ap.add_argument("--k", type=int, default=0, help="override every retrieval mode's K (0: the tuned K)")
   ap.add_argument("--sentences", type=int, default=512, help="N test sentences, evenly spaced over the split")
   ap.add_argument("--batch_sentences", type=int, default=32)
   ap.add_argument("--nprobe", type=int, default=8)
   ap.add_argument("--repeats", type=int, default=2)
-  search = decode.EVAL_SEARCH  # launch.translate's defaults (SearchOptions() alone is fairseq's 0·|x| + 200)
+  search = decode.EVAL_SEARCH  # trime_jax.launch.translate's defaults (SearchOptions() alone is fairseq's 0·|x| + 200)
   ap.add_argument("--beam", type=int, default=search.beam)
   ap.add_argument("--lenpen", type=float, default=search.lenpen)
   ap.add_argument("--max_len_a", type=float, default=search.max_len_a)

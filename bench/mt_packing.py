@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from bench.common import time_interleaved
-from configs import ui_de_en
+from trime_jax.configs import ui_de_en
 from trime_jax import train as lm_train
 from trime_jax.mt import batching
 from trime_jax.mt import data as mt_data

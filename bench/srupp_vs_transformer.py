@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 
 from bench.common import time_interleaved
-from configs import bytes_srupp, enwik8_38m, enwik8_srupp
+from trime_jax.configs import bytes_srupp, enwik8_38m, enwik8_srupp
 from trime_jax import loss, steps
 from trime_jax import model as model_lib
 

@@ -7,7 +7,7 @@ Transformer runs of 4 consecutive segments (its long memory: the earlier segment
 --config.trime.memory=none.
 """
 
-from configs import default
+from trime_jax.configs import default
 
 
 def get_config(backbone: str = "srupp"):

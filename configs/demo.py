@@ -1,6 +1,6 @@
 """`make demo`: byte-level LM on the running interpreter's stdlib sources (no download, 2 CPU cores)."""
 
-from configs import default
+from trime_jax.configs import default
 
 
 def get_config():

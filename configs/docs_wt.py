@@ -10,7 +10,7 @@ training tokens left after the hold-out: the budget 2 shared CPU cores allow for
 at ~1.4k tokens/s); the datastore still covers all 16M training tokens. The vocabulary is built from the kept training documents only.
 """
 
-from configs import default
+from trime_jax.configs import default
 
 
 def get_config():

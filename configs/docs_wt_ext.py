@@ -2,7 +2,7 @@
 segment of the batch is memory; evaluated with a datastore of the whole (held-out-free) training split.
 Write the plan first (experiments/docs_wt.sh plans)."""
 
-from configs import docs_wt
+from trime_jax.configs import docs_wt
 
 
 def get_config():

@@ -1,7 +1,7 @@
 """docs-wt TrimeLM_long: consecutive batches (2 runs × m = 4 consecutive segments of 512 tokens), the stream
 layout of the original; long-term memory at evaluation. Write the plan first (experiments/docs_wt.sh plans)."""
 
-from configs import docs_wt
+from trime_jax.configs import docs_wt
 
 
 def get_config():

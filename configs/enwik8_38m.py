@@ -7,7 +7,7 @@ train_scripts/enwik8-38M-trime_long.sh of the original release (the TrimeLM scri
 criterion and order); docs/paper_configs.md lists each field's source.
 """
 
-from configs import default
+from trime_jax.configs import default
 
 
 def get_config():

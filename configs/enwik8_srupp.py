@@ -14,10 +14,10 @@ shape is not published, so it is an assumption made to land on 42M: d = 2,048, d
 10 layers, attention in the last layer only (attention_every = 10; Lei 2021 shows one attention layer keeps most
 of the gain): 43.6M parameters (tests/test_srupp.py checks 42M within 5%); attention in every layer is 48M.
 Needs enwik8 (not offline here): data/enwik8/enwik8, split 90M / 5M / 5M; the batch plan from
-`python -m launch.make_batches --config=configs/enwik8_srupp.py --kind=consecutive`.
+`python -m trime_jax.launch.make_batches --config=configs/enwik8_srupp.py --kind=consecutive`.
 """
 
-from configs import default
+from trime_jax.configs import default
 
 
 def get_config(segment_len: str = "512"):

@@ -15,7 +15,7 @@ Differences here: --ce-warmup-epoch 5 becomes trime.ce_warmup_steps (≈ 5 epoch
 the original's key (knn_embed) is the decoder output: model.key_type="final" below. 50 epochs ≈ 56k updates.
 """
 
-from configs import ui_de_en
+from trime_jax.configs import ui_de_en
 
 
 def get_config():

@@ -2,14 +2,14 @@
 
 Consecutive batching: each forward holds a run of 60 consecutive segments of 150 tokens of the training
 stream (9,000 in-batch memories, crossing documents, read in order as the original's --keep-order); write
-the plan with `python -m launch.make_batches --kind=consecutive`. The model has
+the plan with `python -m trime_jax.launch.make_batches --kind=consecutive`. The model has
 the script's tied adaptive input and softmax with factor 1 (every band D = 410 wide, untied projections):
 149,016,530 parameters (paper: 150M); docs/paper_models.md.
 Every training field follows train_scripts/wiki103-150M-trime_long.sh of the original release (the
 TrimeLM script differs only in criterion and order); docs/paper_configs.md lists each field's source.
 """
 
-from configs import default
+from trime_jax.configs import default
 
 
 def get_config():

@@ -7,7 +7,7 @@ Every training field follows train_scripts/wiki103-247M-trime.sh of the original
 _ext scripts differ only in criterion and batching); docs/paper_configs.md lists each field's source.
 """
 
-from configs import default
+from trime_jax.configs import default
 
 
 def get_config():

@@ -11,7 +11,7 @@ what the paper leaves open (Adam betas, weight decay, seed, warm-up init) is tak
 whose optimizer row in the paper is identical. docs/paper_configs.md lists each field's source.
 """
 
-from configs import default
+from trime_jax.configs import default
 
 
 def get_config():

@@ -2,7 +2,7 @@
 a small word-level model that trains in minutes on 2 CPU cores. Memory effects here are real: words recur
 within an article and across similar articles."""
 
-from configs import default
+from trime_jax.configs import default
 
 
 def get_config():

@@ -47,45 +47,45 @@ overrides_of() {
 
 case "${1:-}" in
   plans)
-    $PY launch.make_batches --config=configs/docs_wt_long.py --kind=consecutive --out=runs/plans/docs_wt_long $S
-    $PY launch.make_batches --config=configs/docs_wt_ext.py --kind=bm25 --out=runs/plans/docs_wt_bm25 $S
+    $PY trime_jax.launch.make_batches --config=configs/docs_wt_long.py --kind=consecutive --out=runs/plans/docs_wt_long $S
+    $PY trime_jax.launch.make_batches --config=configs/docs_wt_ext.py --kind=bm25 --out=runs/plans/docs_wt_bm25 $S
     ;;
   train)
     NAME=$2; CFG=$(config_of "$NAME")
     # A chunk ends with SIGTERM after $CHUNK s: training checkpoints at once and the rerun resumes.
-    rc=0; timeout --signal=TERM "$CHUNK" $PY launch.train --config=$CFG --workdir=$OUT/$NAME $S \
+    rc=0; timeout --signal=TERM "$CHUNK" $PY trime_jax.launch.train --config=$CFG --workdir=$OUT/$NAME $S \
       $(overrides_of "$NAME") ${TRAIN_FLAGS:-} || rc=$?
     if [ "$rc" = 124 ] || [ "$rc" = 143 ]; then echo "chunk over: rerun 'bash $0 train $NAME' to continue"; exit 0; fi
     exit $rc
     ;;
   datastore)
     NAME=$2; CFG=$(config_of "$NAME")
-    /usr/bin/time -v $PY launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds \
+    /usr/bin/time -v $PY trime_jax.launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds \
       --index=ivfpq --nlist=4096 --pq_m=16 2> $OUT/$NAME/ds_time.txt
     ;;
   partial)
     NAME=$2; CFG=$(config_of "$NAME"); MAX=$(printf '%s\n' ${SIZES:-1000000 4000000} | sort -n | tail -1)
-    $PY launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds --stop_at_tokens=$MAX
+    $PY trime_jax.launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds --stop_at_tokens=$MAX
     ;;
   eval)  # test perplexities without the datastore, tuned on dev: none and the model's test-time memory (local
     #       + long-term, sizes MEM_SIZES; the vanilla model: the continuous cache over the same sizes)
     NAME=$2; CFG=$(config_of "$NAME"); MEM=$([ "$NAME" = vanilla ] && echo cache || echo local)
-    $PY launch.eval --config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.tune=True --config.eval.split=test \
+    $PY trime_jax.launch.eval --config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.tune=True --config.eval.split=test \
       --config.eval.memory=$MEM --mem_sizes=${MEM_SIZES:-0,2048,8192} --label=$NAME --output=$OUT/$NAME/eval.json
     ;;
   eval_ext)  # + the full datastore (kNN-LM families, TrimeLM_ext, interpolation), tuned on dev; MEM_SIZE=0: the
     #          long-term memory off (TrimeLM_ext without long-term memory), results in eval_ext_mem0.json
     NAME=$2; CFG=$(config_of "$NAME")
-    $PY launch.eval_ext --config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.datastore=$OUT/$NAME/ds \
+    $PY trime_jax.launch.eval_ext --config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.datastore=$OUT/$NAME/ds \
       --config.eval.tune=True --config.eval.split=test ${MEM_SIZE:+--config.eval.mem_size=$MEM_SIZE} \
       --output=$OUT/$NAME/eval_ext${MEM_SIZE:+_mem$MEM_SIZE}.json
     ;;
   sizes)  # table 4: datastore-size sweep (the first 1M / 4M entries of NAME's full datastore; no keys recomputed)
     NAME=$2; CFG=$(config_of "$NAME")
     for N in ${SIZES:-1000000 4000000}; do  # SIZES="1000000": one size; the build may still be running
-      $PY launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds_$N \
+      $PY trime_jax.launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds_$N \
         --subset_of=$OUT/$NAME/ds --entries=$N --index=ivfpq --nlist=$((N / 1000)) --pq_m=16
-      $PY launch.eval_ext --config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.datastore=$OUT/$NAME/ds_$N \
+      $PY trime_jax.launch.eval_ext --config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.datastore=$OUT/$NAME/ds_$N \
         --config.eval.tune=True --config.eval.split=test --output=$OUT/$NAME/eval_ext_$N.json
     done
     ;;
@@ -95,18 +95,18 @@ case "${1:-}" in
     #        of ds suffices). Both size-matched indexes: IVF-PQ, 1,024 lists, 16 × 8 bits. MEM_SIZE: the long-term
     #        memory (as for eval_ext); a rerun reuses the finished datastores (only their indexes are rebuilt).
     NAME=$2; CFG=$(config_of "$NAME")
-    $PY launch.build_datastore --config=configs/docs_wt_kernel.py --checkpoint=$OUT/$NAME/export \
+    $PY trime_jax.launch.build_datastore --config=configs/docs_wt_kernel.py --checkpoint=$OUT/$NAME/export \
       --out=$OUT/$NAME/ds_kernel --index=ivfpq --nlist=1024 --pq_m=16
     TRAIN_DS=ds
     if [ "${DOMAIN_MATCHED:-0}" = 1 ]; then
       N=$($PYBIN -c "import json, sys; print(json.load(open(sys.argv[1]))['count'])" $OUT/$NAME/ds_kernel/meta.json)
-      $PY launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds --stop_at_tokens=$N
-      $PY launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds_matched \
+      $PY trime_jax.launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds --stop_at_tokens=$N
+      $PY trime_jax.launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds_matched \
         --subset_of=$OUT/$NAME/ds --entries=$N --index=ivfpq --nlist=1024 --pq_m=16
       TRAIN_DS=ds_matched
     fi
     for DS in ${DATASTORES:-ds_kernel $TRAIN_DS}; do  # DATASTORES=ds: only the training one (the kernel rows exist)
-      $PY launch.eval_ext --config=configs/docs_wt_kernel.py --checkpoint=$OUT/$NAME/export \
+      $PY trime_jax.launch.eval_ext --config=configs/docs_wt_kernel.py --checkpoint=$OUT/$NAME/export \
         --config.eval.datastore=$OUT/$NAME/$DS --config.eval.tune=True --config.eval.split=test \
         ${MEM_SIZE:+--config.eval.mem_size=$MEM_SIZE} --output=$OUT/$NAME/domain_$DS${MEM_SIZE:+_mem$MEM_SIZE}.json
     done
@@ -114,9 +114,9 @@ case "${1:-}" in
   exact)  # an accelerator: every training key on the device, scored exactly (eval.datastore_on_device: no FAISS,
     #        no top-K)
     NAME=$2; CFG=$(config_of "$NAME")
-    timeout ${BUILD_S:-900} $PY launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export \
+    timeout ${BUILD_S:-900} $PY trime_jax.launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export \
       --out=$OUT/$NAME/ds_exact --index=none --config.eval.batch_size=32  # windows are independent: same keys
-    timeout ${EVAL_S:-3600} $PY launch.eval_ext --config=$CFG --checkpoint=$OUT/$NAME/export \
+    timeout ${EVAL_S:-3600} $PY trime_jax.launch.eval_ext --config=$CFG --checkpoint=$OUT/$NAME/export \
       --config.eval.datastore=$OUT/$NAME/ds_exact --config.eval.datastore_on_device=True --config.eval.tune=True \
       --config.eval.split=test --output=$OUT/$NAME/eval_exact.json
     ;;

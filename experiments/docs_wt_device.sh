@@ -35,11 +35,11 @@ setup() {  # there: packages, the faiss stand-in and the corpus cache; once per 
   # faiss: imported by the datastore modules, unused by training and exact evaluation; the machine has none
   mkdir -p /tmp/stub && printf 'def __getattr__(name):\n  raise ImportError("faiss: not on this machine")\n' \
     > /tmp/stub/faiss.py
-  KEY=$($PYBIN -c "from configs import docs_wt; from trime_jax import corpora; \
+  KEY=$($PYBIN -c "from trime_jax.configs import docs_wt; from trime_jax import corpora; \
 print(corpora._cache_key(docs_wt.get_config().data, None))")
   mkdir -p runs/cache/docs_wt/$KEY && xz -dc .gpu/cache/docs_wt.tar.xz | tar -C runs/cache/docs_wt/$KEY -xf -
   # evaluation reads the corpus encoded with the checkpoint's (the same) vocabulary: a second cache key
-  KEYV=$($PYBIN -c "from configs import docs_wt; from trime_jax import corpora; d = docs_wt.get_config().data; \
+  KEYV=$($PYBIN -c "from trime_jax.configs import docs_wt; from trime_jax import corpora; d = docs_wt.get_config().data; \
 print(corpora._cache_key(d, corpora.load_splits(d).vocab))")
   [ -e runs/cache/docs_wt/$KEYV ] || cp -al runs/cache/docs_wt/$KEY runs/cache/docs_wt/$KEYV
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -53,10 +53,10 @@ case "${1:-}" in
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform any -d .gpu/whl \
       flax==0.12.12 optax==0.2.8 orbax-checkpoint==0.12.8 ml_collections==1.1.0
     # the corpus cache docs_wt's data config reads (written by any earlier run here: plans, train)
-    KEY=$(.venv/bin/python -c "from configs import docs_wt; from trime_jax import corpora; \
+    KEY=$(.venv/bin/python -c "from trime_jax.configs import docs_wt; from trime_jax import corpora; \
 print(corpora._cache_key(docs_wt.get_config().data, None))")
     SRC=runs/cache/docs_wt/$KEY
-    [ -f "$SRC/COMPLETE" ] || .venv/bin/python -c "from configs import docs_wt; from trime_jax import corpora; \
+    [ -f "$SRC/COMPLETE" ] || .venv/bin/python -c "from trime_jax.configs import docs_wt; from trime_jax import corpora; \
 corpora.load_splits(docs_wt.get_config().data)"  # encodes the corpus once (as any training here would)
     tar -C "$SRC" -cf - . | xz -T2 -6 > .gpu/cache/docs_wt.tar.xz
     du -sh .gpu runs/plans

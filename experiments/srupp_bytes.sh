@@ -21,33 +21,33 @@ TRAIN="--config.train.num_steps=$STEPS"
 EVAL="--config.eval.split=test"
 
 # 1. SRU++ vanilla (CE only; its state still runs along the stream)
-$PY launch.make_batches --config=$S --kind=consecutive --out=$OUT/plan_srupp --config.trime.batch_plan=$OUT/plan_srupp
-$PY launch.train --config=$S --workdir=$OUT/srupp_vanilla --config.trime.memory=none $TRAIN \
+$PY trime_jax.launch.make_batches --config=$S --kind=consecutive --out=$OUT/plan_srupp --config.trime.batch_plan=$OUT/plan_srupp
+$PY trime_jax.launch.train --config=$S --workdir=$OUT/srupp_vanilla --config.trime.memory=none $TRAIN \
   --config.trime.batch_plan=$OUT/plan_srupp
-$PY launch.eval --config=$S --checkpoint=$OUT/srupp_vanilla/export --config.eval.memory=none $EVAL \
+$PY trime_jax.launch.eval --config=$S --checkpoint=$OUT/srupp_vanilla/export --config.eval.memory=none $EVAL \
   --label="SRU++ vanilla" --output=$OUT/srupp_vanilla.json
 # 2. SRU++ + TrimeLM_long (current + previous segment in training; local + long-term memory at test)
-$PY launch.train --config=$S --workdir=$OUT/srupp_long --config.trime.batch_plan=$OUT/plan_srupp $TRAIN
-$PY launch.eval --config=$S --checkpoint=$OUT/srupp_long/export $EVAL $MEM \
+$PY trime_jax.launch.train --config=$S --workdir=$OUT/srupp_long --config.trime.batch_plan=$OUT/plan_srupp $TRAIN
+$PY trime_jax.launch.eval --config=$S --checkpoint=$OUT/srupp_long/export $EVAL $MEM \
   --label="SRU++ TrimeLM_long" --output=$OUT/srupp_long.json
 # 3. Transformer TrimeLM_long of similar size (runs of 4 consecutive segments)
-$PY launch.make_batches --config=$T --kind=consecutive --out=$OUT/plan_transformer \
+$PY trime_jax.launch.make_batches --config=$T --kind=consecutive --out=$OUT/plan_transformer \
   --config.trime.batch_plan=$OUT/plan_transformer
-$PY launch.train --config=$T --workdir=$OUT/transformer_long --config.trime.batch_plan=$OUT/plan_transformer $TRAIN
-$PY launch.eval --config=$T --checkpoint=$OUT/transformer_long/export $EVAL $MEM \
+$PY trime_jax.launch.train --config=$T --workdir=$OUT/transformer_long --config.trime.batch_plan=$OUT/plan_transformer $TRAIN
+$PY trime_jax.launch.eval --config=$T --checkpoint=$OUT/transformer_long/export $EVAL $MEM \
   --label="Transformer TrimeLM_long" --output=$OUT/transformer_long.json
 # 4. The two TrimeLM_long models with τ tuned on dev (one pass over the τ grid), applied to test
 if [ "${TUNE:-1}" = 1 ]; then
-  $PY launch.eval --config=$S --checkpoint=$OUT/srupp_long/export $EVAL --mem_sizes=1536 --config.eval.tune=True \
+  $PY trime_jax.launch.eval --config=$S --checkpoint=$OUT/srupp_long/export $EVAL --mem_sizes=1536 --config.eval.tune=True \
     --config.eval.max_tokens=16384 --label="SRU++ TrimeLM_long (tuned)" --output=$OUT/srupp_long_tuned.json
-  $PY launch.eval --config=$T --checkpoint=$OUT/transformer_long/export $EVAL --mem_sizes=1536 \
+  $PY trime_jax.launch.eval --config=$T --checkpoint=$OUT/transformer_long/export $EVAL --mem_sizes=1536 \
     --config.eval.tune=True --config.eval.max_tokens=16384 --label="Transformer TrimeLM_long (tuned)" \
     --output=$OUT/transformer_long_tuned.json
 fi
 # 5. SRU++ TrimeLM_long with plain CE for the first half of the budget (the Transformer recipe's CE warm-up)
 if [ "${WARMUP:-1}" = 1 ]; then
-  $PY launch.train --config=$S --workdir=$OUT/srupp_long_ce_warmup --config.trime.batch_plan=$OUT/plan_srupp $TRAIN \
+  $PY trime_jax.launch.train --config=$S --workdir=$OUT/srupp_long_ce_warmup --config.trime.batch_plan=$OUT/plan_srupp $TRAIN \
     --config.trime.ce_warmup_steps=$((STEPS / 2))
-  $PY launch.eval --config=$S --checkpoint=$OUT/srupp_long_ce_warmup/export $EVAL $MEM \
+  $PY trime_jax.launch.eval --config=$S --checkpoint=$OUT/srupp_long_ce_warmup/export $EVAL $MEM \
     --label="SRU++ TrimeLM_long (CE warm-up)" --output=$OUT/srupp_long_ce_warmup.json
 fi

@@ -52,7 +52,7 @@ case "${1:-}" in
   spm)
     nice -n 10 $PYBIN -c "
 import time
-from configs import ui_de_en
+from trime_jax.configs import ui_de_en
 from trime_jax.mt import data, train
 c = ui_de_en.get_config(); train.resolve_data_path(c)
 t = time.perf_counter(); v = data.load_vocab(c)
@@ -61,7 +61,7 @@ print(f'sentencepiece: {v.size} pieces, fingerprint {v.fingerprint()}, {time.per
   train)
     NAME=$2; OV=$(overrides_of "$NAME")
     # A chunk ends with SIGTERM after $CHUNK s: training checkpoints at once and the rerun resumes.
-    rc=0; timeout --signal=TERM "$CHUNK" $PY launch.train_mt --config=$CFG --workdir=$OUT/$NAME $S $OV \
+    rc=0; timeout --signal=TERM "$CHUNK" $PY trime_jax.launch.train_mt --config=$CFG --workdir=$OUT/$NAME $S $OV \
       --config.train.target_token_budget=${BUDGET:-2000000} --config.train.num_steps=100000 "${@:3}" || rc=$?
     if [ "$rc" = 124 ] || [ "$rc" = 143 ]; then echo "chunk over: rerun 'bash $0 train $NAME' to continue"; exit 0; fi
     exit $rc
@@ -70,22 +70,22 @@ print(f'sentencepiece: {v.size} pieces, fingerprint {v.fingerprint()}, {time.per
     NAME=$2
     # IVF-PQ (searched with nprobe=8 below): an exact index over ~1M keys would scan them all for every beam row
     # and step; nprobe=32 of 256 lists measured 0.5 s per 200 queries on the loaded 2-core machine
-    $PY launch.build_datastore --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds --index=ivfpq --nlist=512 --pq_m=32
+    $PY trime_jax.launch.build_datastore --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds --index=ivfpq --nlist=512 --pq_m=32
     ;;
   tune)
     NAME=$2
     # the vanilla model is tuned for kNN-MT, the TrimeMT models for TRIME's softmax (+ interpolation)
     TM=$([ "$NAME" = vanilla ] && echo knn_mt || echo trime)
-    $PY launch.translate --checkpoint=$OUT/$NAME/export --datastore=$OUT/$NAME/ds --tune --nprobe=8 \
+    $PY trime_jax.launch.translate --checkpoint=$OUT/$NAME/export --datastore=$OUT/$NAME/ds --tune --nprobe=8 \
       --tune_modes=${TUNE_MODES:-$TM} --max_sentences=${TUNE_SENTENCES:-1000} --out=$OUT/$NAME/translate
     ;;
   test)
     NAME=$2; T=$OUT/$NAME/translate
     for MODE in ${MODES:-model knn_mt trime trime_interp}; do  # e.g. MODES="model knn_mt" for vanilla
       if [ "$MODE" = model ]; then
-        $PY launch.translate --checkpoint=$OUT/$NAME/export --mode=model --split=test --out=$T
+        $PY trime_jax.launch.translate --checkpoint=$OUT/$NAME/export --mode=model --split=test --out=$T
       else
-        $PY launch.translate --checkpoint=$OUT/$NAME/export --datastore=$OUT/$NAME/ds --settings=$T/tuned.json \
+        $PY trime_jax.launch.translate --checkpoint=$OUT/$NAME/export --datastore=$OUT/$NAME/ds --settings=$T/tuned.json \
           --nprobe=8 --mode=$MODE --split=test --out=$T
       fi
     done

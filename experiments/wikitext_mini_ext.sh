@@ -24,32 +24,32 @@ EXCL="--config.trime.bm25_exclude_same_document=True --config.trime.batch_plan=$
 
 case "${1:-}" in
   plans)
-    $PY launch.make_batches --config=$CFG --kind=bm25 --out=$PLAN $S $ALG1
-    $PY launch.make_batches --config=$CFG --kind=bm25 --out=${PLAN}_excl $S $EXCL
+    $PY trime_jax.launch.make_batches --config=$CFG --kind=bm25 --out=$PLAN $S $ALG1
+    $PY trime_jax.launch.make_batches --config=$CFG --kind=bm25 --out=${PLAN}_excl $S $EXCL
     ;;
   train)
     case "$2" in
-      bm25) $PY launch.train --config=$CFG --workdir=$OUT/bm25 $S $ALG1 ;;             # TrimeLM_ext (Algorithm 1)
-      bm25_excl) $PY launch.train --config=$CFG --workdir=$OUT/bm25_excl $S $EXCL ;;   # BM25, other documents only
-      random) $PY launch.train --config=$CFG --workdir=$OUT/random $S --config.trime.batching=random ;;  # w/o BM25
-      stopgrad) $PY launch.train --config=$CFG --workdir=$OUT/stopgrad $S $ALG1 \
+      bm25) $PY trime_jax.launch.train --config=$CFG --workdir=$OUT/bm25 $S $ALG1 ;;             # TrimeLM_ext (Algorithm 1)
+      bm25_excl) $PY trime_jax.launch.train --config=$CFG --workdir=$OUT/bm25_excl $S $EXCL ;;   # BM25, other documents only
+      random) $PY trime_jax.launch.train --config=$CFG --workdir=$OUT/random $S --config.trime.batching=random ;;  # w/o BM25
+      stopgrad) $PY trime_jax.launch.train --config=$CFG --workdir=$OUT/stopgrad $S $ALG1 \
                   --config.trime.stop_gradient_memory=True ;;                          # w/o back-prop to memory
-      vanilla) $PY launch.train --config=configs/wikitext_mini.py --workdir=$OUT/vanilla $S \
+      vanilla) $PY trime_jax.launch.train --config=configs/wikitext_mini.py --workdir=$OUT/vanilla $S \
                  --config.trime.memory=none ;;                                         # kNN-LM's LM
       *) echo "train NAME: bm25 | bm25_excl | random | stopgrad | vanilla" >&2; exit 2 ;;
     esac
     ;;
   eval)
     NAME=$2
-    $PY launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds --index=flat
+    $PY trime_jax.launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds --index=flat
     # every family's τ, τ′, λ, θ tuned on dev (grid), then applied to test; both are reported
-    $PY launch.eval_ext --config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.datastore=$OUT/$NAME/ds \
+    $PY trime_jax.launch.eval_ext --config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.datastore=$OUT/$NAME/ds \
       --config.eval.tune=True --config.eval.split=test --output=$OUT/$NAME/eval_ext.json > $OUT/$NAME/eval_ext.txt
     ;;
   throughput)
-    $PY launch.build_datastore --config=$CFG --checkpoint=$OUT/bm25/export --out=$OUT/bm25/ds_ivfpq --index=ivfpq \
+    $PY trime_jax.launch.build_datastore --config=$CFG --checkpoint=$OUT/bm25/export --out=$OUT/bm25/ds_ivfpq --index=ivfpq \
       --nlist=1024 --pq_m=16
-    $PY launch.eval_ext --config=$CFG --checkpoint=$OUT/bm25/export --config.eval.datastore=$OUT/bm25/ds_ivfpq \
+    $PY trime_jax.launch.eval_ext --config=$CFG --checkpoint=$OUT/bm25/export --config.eval.datastore=$OUT/bm25/ds_ivfpq \
       --config.eval.split=test --config.eval.max_tokens=16384 --throughput_tokens=16384 \
       --output=$OUT/bm25/throughput.json > $OUT/bm25/throughput.txt
     ;;

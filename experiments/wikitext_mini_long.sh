@@ -15,12 +15,12 @@ SWEEP=--mem_sizes=0,1024,2048,4096,8192,16384
 
 case "${1:-}" in
   train)
-    $PY launch.make_batches --config=$CFG --kind=consecutive --out=$PLAN $L
-    $PY launch.train --config=$CFG --workdir=runs/long_$LAYOUT $L
+    $PY trime_jax.launch.make_batches --config=$CFG --kind=consecutive --out=$PLAN $L
+    $PY trime_jax.launch.train --config=$CFG --workdir=runs/long_$LAYOUT $L
     ;;
   sweep)
     mkdir -p runs/sweep
-    $PY launch.eval --config=$CFG --checkpoint=runs/long_$LAYOUT/export --config.eval.tune=True $SWEEP \
+    $PY trime_jax.launch.eval --config=$CFG --checkpoint=runs/long_$LAYOUT/export --config.eval.tune=True $SWEEP \
       --label="TrimeLM_long ($LAYOUT)" --output=runs/sweep/dev1k_long_$LAYOUT.json
     ;;
   *) echo "usage: $0 train|sweep stream|packed" >&2; exit 2 ;;

@@ -1,6 +1,6 @@
 """Build the external-memory datastore (keys g(c) + next tokens) of a corpus split, then its FAISS index.
 
-  python -m launch.build_datastore --config=configs/wikitext_mini.py --checkpoint=runs/mini/export \\
+  python -m trime_jax.launch.build_datastore --config=configs/wikitext_mini.py --checkpoint=runs/mini/export \\
       --out=runs/mini/datastore [--split=train] [--index=auto|flat|ivfpq|none] [--nlist=4096] [--pq_m=64]
 
 The model and vocabulary come from the checkpoint; `--config` supplies the data and the evaluation windows
@@ -18,7 +18,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from launch.common import check_export, refuse_target, run_main, validated
+from trime_jax.launch.common import check_export, refuse_target, run_main, validated
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
@@ -26,7 +26,7 @@ _OUT = flags.DEFINE_string("out", None, "Datastore directory (keys.npy, values.n
 _SPLIT = flags.DEFINE_enum("split", "train", ["train", "dev", "test"], "Corpus split stored in the datastore.")
 _INDEX = flags.DEFINE_enum("index", "auto", ["auto", "flat", "ivfpq", "none"],
                            "FAISS index: auto = the cheaper of exact IndexFlatIP and IVF-PQ for the searches "
-                           "launch.eval_ext runs (dev + test tokens, eval.knn_k, eval.nprobe); it says which and why.")
+                           "trime_jax.launch.eval_ext runs (dev + test tokens, eval.knn_k, eval.nprobe); it says which and why.")
 _NLIST = flags.DEFINE_integer("nlist", 4096, "IVF-PQ inverted lists (clamped for small stores).", lower_bound=1)
 _SUBSET_OF = flags.DEFINE_string("subset_of", "", "A datastore (complete, or a build in progress that has finished "
                                  "--entries tokens): --out gets its first --entries entries "
@@ -109,7 +109,7 @@ def main(argv):
           file=sys.stderr, flush=True)
     sys.exit(130)
   if _INDEX.value != "none":
-    # The searches launch.eval_ext will run: one per scored token of dev (tuning) and test.
+    # The searches trime_jax.launch.eval_ext will run: one per scored token of dev (tuning) and test.
     cap = e.max_tokens or None
     queries = sum(min(len(splits.get(s)), cap or len(splits.get(s))) for s in ("dev", "test"))
     with DirLock(os.path.abspath(out).rstrip(os.sep) + ".lock", f"datastore {out}"):  # as the build's lock

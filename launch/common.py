@@ -92,7 +92,7 @@ def print_help(module: str, full: bool = False) -> None:
   doc = (getattr(mod, "__doc__", None) or "").strip("\n")
   prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else module
   if module == "__main__" or not doc:
-    key = sys.argv[0]  # `python -m launch.X`: absl files __main__'s flags under the script's path
+    key = sys.argv[0]  # `python -m trime_jax.launch.X`: absl files __main__'s flags under the script's path
   else:
     key = module
   if module == "__main__":
@@ -366,7 +366,7 @@ def check_export(config, checkpoint: str) -> None:
   `--config.model.X=...` differs from it: an export's architecture is fixed (evaluation, datastores and
   generation use the export's `model` section), so such an override would be ignored. Either is one error
   naming the file or the field with both values."""
-  from launch.export_config import check_stored_config
+  from trime_jax.launch.export_config import check_stored_config
   from trime_jax.errors import ConfigError
 
   if not checkpoint or not os.path.isfile(os.path.join(checkpoint, "config.json")):
@@ -426,7 +426,7 @@ def check_split_overlap(config, checkpoint: str, allow: bool = False) -> None:
   for split, role in scored:
     if splits.get(split).fingerprint() == meta["corpus_fingerprint"]:
       raise overlap_error(e.datastore, meta.get("corpus_name") or f"the {split} split", split, role,
-                          "Build the datastore from the training split (launch.build_datastore --split=train)")
+                          "Build the datastore from the training split (trime_jax.launch.build_datastore --split=train)")
 
 
 # Fields that decide which documents (or bytes) land in which split, per corpus whose splits are drawn here

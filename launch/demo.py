@@ -4,7 +4,7 @@ Trains both models with the same budget (configs/demo.py), tunes the evaluation 
 the continuous cache's λ, θ (vanilla) on held-out dev files, and prints one table of test bits per byte.
 Then TrimeLM writes: it continues a passage of a held-out file without and with local memory (same seed).
 
-  python -m launch.demo --workdir=runs/demo [--config.train.num_steps=200]
+  python -m trime_jax.launch.demo --workdir=runs/demo [--config.train.num_steps=200]
 """
 
 import json
@@ -13,7 +13,7 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
-from launch.common import run_main
+from trime_jax.launch.common import run_main
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py", "Demo config.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "runs/demo", "Where both runs and the results table go.")

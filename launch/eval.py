@@ -1,6 +1,6 @@
 """Evaluate an exported checkpoint: perplexity (and bits per byte for byte-level data).
 
-  python -m launch.eval --config=configs/wikitext_mini.py --checkpoint=runs/mini/export \\
+  python -m trime_jax.launch.eval --config=configs/wikitext_mini.py --checkpoint=runs/mini/export \\
       [--config.eval.split=test] [--config.eval.memory=local|none|cache] [--config.eval.tune=True] \\
       [--config.eval.mem_size=4096 | --mem_sizes=0,1024,2048,4096] [--label=TrimeLM] [--output=rows.json]
 
@@ -19,7 +19,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from launch.common import check_data_split, check_export, check_output_file, run_main, validated
+from trime_jax.launch.common import check_data_split, check_export, check_output_file, run_main, validated
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
@@ -52,7 +52,7 @@ def main(argv):
     except (OSError, ValueError, UnicodeDecodeError) as e:
       raise ConfigError(f"--include {path}: {e}") from None
     if not isinstance(loaded, list) or not all(isinstance(r, dict) for r in loaded):
-      raise ConfigError(f"--include {path}: not the rows of a launch.eval --output file (a JSON list of objects)")
+      raise ConfigError(f"--include {path}: not the rows of a trime_jax.launch.eval --output file (a JSON list of objects)")
     included += loaded
   try:
     sizes = [int(m) for m in _MEM_SIZES.value]

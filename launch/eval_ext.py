@@ -1,8 +1,8 @@
 """Evaluate with external memory: TrimeLM_ext (one softmax over vocabulary + local + long-term + top-K
 retrieved memories, plus the Appendix-A interpolation) and the kNN-LM baselines, from one datastore.
 
-  python -m launch.build_datastore --config=configs/wikitext_mini.py --checkpoint=runs/ext/export --out=runs/ext/ds
-  python -m launch.eval_ext --config=configs/wikitext_mini.py --checkpoint=runs/ext/export \\
+  python -m trime_jax.launch.build_datastore --config=configs/wikitext_mini.py --checkpoint=runs/ext/export --out=runs/ext/ds
+  python -m trime_jax.launch.eval_ext --config=configs/wikitext_mini.py --checkpoint=runs/ext/export \\
       --config.eval.datastore=runs/ext/ds --config.eval.split=test --config.eval.tune=True [--throughput_tokens=8192]
 
 With eval.tune the parameters of every family (τ, τ′, λ, θ) are grid-searched on dev, then applied to
@@ -17,7 +17,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from launch.common import (check_data_split, check_export, check_output_file, check_split_overlap, run_main,
+from trime_jax.launch.common import (check_data_split, check_export, check_output_file, check_split_overlap, run_main,
                            validated)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)

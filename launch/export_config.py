@@ -1,9 +1,9 @@
 """The config stored in an export (`<workdir>/export/config.json`), over configs/default.py (a config file for
 `--config`; it lives here, not in configs/, because it needs an argument).
 
-  python -m launch.eval --checkpoint=runs/mini/export                       # uses this config implicitly
-  python -m launch.eval --config=launch/export_config.py:runs/mini/export --config.eval.split=test
-  python -m launch.export_config runs/mini/export     # prints that config (stored fields over the defaults)
+  python -m trime_jax.launch.eval --checkpoint=runs/mini/export                       # uses this config implicitly
+  python -m trime_jax.launch.eval --config=launch/export_config.py:runs/mini/export --config.eval.split=test
+  python -m trime_jax.launch.export_config runs/mini/export     # prints that config (stored fields over the defaults)
 
 Fields the export does not have (added after it was written) keep their defaults; a field this version does not
 know (a misspelling such as `eval.tempreture` in a hand-edited config.json) is refused with the file named
@@ -13,7 +13,7 @@ know (a misspelling such as `eval.tempreture` in a hand-edited config.json) is r
 import json
 import os
 
-from configs import default
+from trime_jax.configs import default
 from trime_jax.errors import CheckpointError
 from trime_jax.runtime import workdir
 
@@ -73,18 +73,18 @@ def get_config(export_dir: str = ""):
 
 
 def main(argv: list[str]) -> int:
-  """`python -m launch.export_config EXPORT_DIR`: print the config an evaluation of the export would use."""
+  """`python -m trime_jax.launch.export_config EXPORT_DIR`: print the config an evaluation of the export would use."""
   import sys
 
   args = argv[1:]
   if not args or args[0] in ("-h", "--help", "-help", "--helpshort", "--helpfull"):
     try:
-      print(f"launch.export_config\n\n{__doc__.strip()}\n\nusage: python -m launch.export_config EXPORT_DIR")
+      print(f"trime_jax.launch.export_config\n\n{__doc__.strip()}\n\nusage: python -m trime_jax.launch.export_config EXPORT_DIR")
     except BrokenPipeError:  # `--help | head`
       pass
     return 0
   if len(args) != 1 or args[0].startswith("-"):
-    print("error: usage: python -m launch.export_config EXPORT_DIR (one export directory, no flags)",
+    print("error: usage: python -m trime_jax.launch.export_config EXPORT_DIR (one export directory, no flags)",
           file=sys.stderr)
     return 2
   try:

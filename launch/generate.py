@@ -1,17 +1,17 @@
 """Generate text from an exported checkpoint with TRIME's memory-augmented next-token distribution.
 
-  python -m launch.generate --checkpoint=runs/demo/local/export --prompt="def main(argv):\\n" \\
+  python -m trime_jax.launch.generate --checkpoint=runs/demo/local/export --prompt="def main(argv):\\n" \\
       [--prompt=... | --prompt_file=FILE ...] [--max_new_tokens=64] [--temperature=0.8 --top_k=0 --top_p=0.95
       --seed=0 | --temperature=0 (greedy)] [--memory=none|local|long|external] [--tau=1.0] [--trace]
 
   --memory=none      the model's softmax alone
   --memory=local     + the keys of the prompt and of everything generated so far (default)
   --memory=long      + a long-term store: --memory_file=FILE (its keys are computed first)
-  --memory=external  + top-K entries of a datastore (--datastore=DIR from launch.build_datastore, --index,
+  --memory=external  + top-K entries of a datastore (--datastore=DIR from trime_jax.launch.build_datastore, --index,
                      --knn_k); --memory_file adds a store too; --interp_lambda / --interp_tau mix in Appendix A's P′;
                      --datastore_on_device: every entry, exactly, with the keys on the devices (no index)
 
-τ defaults to the export's eval.temperature; pass the τ that launch.eval / launch.eval_ext tuned. `\\n` in
+τ defaults to the export's eval.temperature; pass the τ that trime_jax.launch.eval / trime_jax.launch.eval_ext tuned. `\\n` in
 --prompt is a newline. Several --prompt / --prompt_file are generated as one batch. --trace prints, for each
 generated token, its probability, the share of it that came from memory and the three memories that gave most
 (source, share, a few tokens of their context, [their next token]).
@@ -21,7 +21,7 @@ import math
 
 from absl import flags
 
-from launch.common import check_export, check_flag, run_main
+from trime_jax.launch.common import check_export, check_flag, run_main
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
 _PROMPT = flags.DEFINE_multi_string("prompt", [], "A prompt (repeat for a batch); \\n is a newline.")
@@ -82,7 +82,7 @@ def main(argv):
   if _DATASTORE.value and memory != "external":
     raise ConfigError(f"--datastore is read with --memory=external, not {memory}")
   if memory == "external" and not _DATASTORE.value:
-    raise ConfigError("--memory=external needs --datastore (build one with `python -m launch.build_datastore`)")
+    raise ConfigError("--memory=external needs --datastore (build one with `python -m trime_jax.launch.build_datastore`)")
 
   check_export(None, _CHECKPOINT.value)  # a config.json field this version does not know: refused
   gen = G.Generator(_CHECKPOINT.value)
@@ -90,7 +90,7 @@ def main(argv):
   if _TAU.value is None and not (math.isfinite(tau) and tau > 0):
     # The export's own evaluation τ is broken: say so, not "--tau must be > 0" for a flag nobody passed.
     raise ConfigError(f"{_CHECKPOINT.value}/config.json has eval.temperature={tau!r}, not a τ (> 0) to "
-                      "generate with: pass --tau (e.g. the τ launch.eval tuned) or correct the file")
+                      "generate with: pass --tau (e.g. the τ trime_jax.launch.eval tuned) or correct the file")
   spec = G.MemorySpec(memory, tau=tau, interp_lambda=_INTERP_LAMBDA.value, interp_tau=_INTERP_TAU.value,
                       interp_memory=_INTERP_MEMORY.value)
   sampling = G.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _SEED.value)

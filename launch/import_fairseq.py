@@ -1,9 +1,9 @@
 """Import a fairseq `transformer_lm` checkpoint of the original TRIME release as a trime-jax export.
 
-  python -m launch.import_fairseq --checkpoint=pretrained_models/wiki103-247M-trime/checkpoint_best.pt \\
+  python -m trime_jax.launch.import_fairseq --checkpoint=pretrained_models/wiki103-247M-trime/checkpoint_best.pt \\
       --dict=data-bin/wikitext-103/dict.txt --out=runs/wiki103-247M-trime/export
 
-The export is what `launch.eval`, `launch.eval_ext` and `launch.build_datastore` read; its vocabulary is
+The export is what `trime_jax.launch.eval`, `trime_jax.launch.eval_ext` and `trime_jax.launch.build_datastore` read; its vocabulary is
 fairseq's (`<s>`, `<pad>`, `</s>`, `<unk>`, then dict.txt), so `--config=configs/wiki103_247m.py` evaluates it on
 the WikiText-103 token files with fairseq's token ids. Needs PyTorch to read the file: pip install -e ".[fairseq]".
 docs/paper_models.md, "Importing the original checkpoints".
@@ -11,7 +11,7 @@ docs/paper_models.md, "Importing the original checkpoints".
 
 from absl import flags
 
-from launch.common import refuse_target, run_main
+from trime_jax.launch.common import refuse_target, run_main
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "fairseq checkpoint (.pt) of a transformer_lm.")
 _DICT = flags.DEFINE_string("dict", None, "fairseq dict.txt the checkpoint was trained with.")

@@ -1,8 +1,8 @@
 """Write a batch-plan file for consecutive (TrimeLM_long) or BM25 (TrimeLM_ext) batching.
 
-  python -m launch.make_batches --config=configs/wikitext_mini_long.py --kind=consecutive \\
+  python -m trime_jax.launch.make_batches --config=configs/wikitext_mini_long.py --kind=consecutive \\
       --out=runs/plans/wikitext_mini_long
-  python -m launch.make_batches --config=configs/wikitext_mini.py --kind=bm25 --out=runs/plans/bm25
+  python -m trime_jax.launch.make_batches --config=configs/wikitext_mini.py --kind=bm25 --out=runs/plans/bm25
 
 Training reads it with --config.trime.batching=<kind> --config.trime.batch_plan=<out>. A consecutive plan
 follows `trime.consecutive_layout` (stream | packed) and prints its real-token fraction (real target tokens
@@ -12,7 +12,7 @@ over all row slots).
 from absl import flags
 from ml_collections import config_flags
 
-from launch.common import describe_target, run_main, validated
+from trime_jax.launch.common import describe_target, run_main, validated
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
 _KIND = flags.DEFINE_enum("kind", None, ["consecutive", "bm25"], "Batching method.")

@@ -35,4 +35,4 @@ if [[ "${NNODES:-1}" -gt 1 ]]; then
   export JAX_COORDINATOR_ADDRESS="$MASTER_ADDR:${MASTER_PORT:-29500}"
 fi
 
-exec "$PYTHON" -m trime_jax.distributed launch.train "$@"
+exec "$PYTHON" -m trime_jax.distributed trime_jax.launch.train "$@"

@@ -1,9 +1,9 @@
 """Build a paper corpus once as tensorflow-datasets array_record files (no TensorFlow): downloaded from its public
 source, or read from a manual dir holding the released files when offline.
 
-  python -m launch.prepare_data --corpus=wikitext103                        # or trime-prepare-data ...
-  python -m launch.prepare_data --corpus=enwik8 --manual_dir=~/dl/enwik8    # offline: enwik8.zip (or enwik8) there
-  python -m launch.prepare_data --corpus=wikitext2 --data_dir=/big/disk/tfds
+  python -m trime_jax.launch.prepare_data --corpus=wikitext103                        # or trime-prepare-data ...
+  python -m trime_jax.launch.prepare_data --corpus=enwik8 --manual_dir=~/dl/enwik8    # offline: enwik8.zip (or enwik8) there
+  python -m trime_jax.launch.prepare_data --corpus=wikitext2 --data_dir=/big/disk/tfds
 
 Then train on it with --config.data.corpus=tfds:<corpus> --config.data.path= (plus
 --config.data.tfds_data_dir=<data_dir> if given): corpora.py reads the build with `tfds.data_source`.
@@ -11,7 +11,7 @@ Then train on it with --config.data.corpus=tfds:<corpus> --config.data.path= (pl
 
 from absl import flags
 
-from launch.common import run_main
+from trime_jax.launch.common import run_main
 
 _CORPUS = flags.DEFINE_string("corpus", None, "wikitext103 | wikitext2 | enwik8 (a `tfds:` prefix is accepted).")
 _MANUAL_DIR = flags.DEFINE_string("manual_dir", "", "Directory with the released files (offline); empty: download.")

@@ -29,8 +29,8 @@ if [[ -n "${TPU_NAME:-}" ]]; then
   : "${ZONE:?set ZONE to the TPU's zone}"
   args=$(printf '%q ' "$@")
   exec gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" ${PROJECT:+--project="$PROJECT"} --worker=all \
-    --command="cd $REPO_DIR && TRIME_DISTRIBUTED=auto $PYTHON -m trime_jax.distributed launch.train $args"
+    --command="cd $REPO_DIR && TRIME_DISTRIBUTED=auto $PYTHON -m trime_jax.distributed trime_jax.launch.train $args"
 fi
 
 cd "$(dirname "$0")/.."
-TRIME_DISTRIBUTED=auto exec "$PYTHON" -m trime_jax.distributed launch.train "$@"
+TRIME_DISTRIBUTED=auto exec "$PYTHON" -m trime_jax.distributed trime_jax.launch.train "$@"

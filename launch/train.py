@@ -1,6 +1,6 @@
 """Train a TrimeLM (or a vanilla LM with --config.trime.memory=none).
 
-  python -m launch.train --config=configs/wikitext_mini.py --workdir=runs/mini [--config.train.num_steps=500]
+  python -m trime_jax.launch.train --config=configs/wikitext_mini.py --workdir=runs/mini [--config.train.num_steps=500]
 
 Rerunning the same command resumes from the newest checkpoint in the workdir. On SIGTERM (a preempted VM or
 job; on multi-host / TPU runs JAX's preemption notice) the run finishes the update it is in, checkpoints it,
@@ -20,7 +20,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from launch.common import run_main
+from trime_jax.launch.common import run_main
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics.jsonl, export/); required "

@@ -1,12 +1,12 @@
 """Translate a split of an MT export's data with beam search (or greedy), and score it with sacrebleu.
 
-  python -m launch.translate --checkpoint=runs/ui_vanilla/export --split=test --out=runs/ui_vanilla/translate
-  python -m launch.translate --checkpoint=... --mode=knn_mt --datastore=runs/ui_vanilla/datastore \\
+  python -m trime_jax.launch.translate --checkpoint=runs/ui_vanilla/export --split=test --out=runs/ui_vanilla/translate
+  python -m trime_jax.launch.translate --checkpoint=... --mode=knn_mt --datastore=runs/ui_vanilla/datastore \\
       --k=16 --lambda=0.3 --temperature=10 --split=test --out=...
-  python -m launch.translate --checkpoint=... --mode=trime --datastore=... --k=64 --tau=1 \\
+  python -m trime_jax.launch.translate --checkpoint=... --mode=trime --datastore=... --k=64 --tau=1 \\
       [--interp_lambda=0.2 --interp_tau=1] --split=test --out=...
-  python -m launch.translate --checkpoint=... --datastore=... --tune --out=...      # tune on valid
-  python -m launch.translate --checkpoint=... --datastore=... --settings=<out>/tuned.json --mode=trime ...
+  python -m trime_jax.launch.translate --checkpoint=... --datastore=... --tune --out=...      # tune on valid
+  python -m trime_jax.launch.translate --checkpoint=... --datastore=... --settings=<out>/tuned.json --mode=trime ...
 
 Writes <out>/<split>.<mode>.hyp (one detokenised hypothesis per line) and <out>/<split>.<mode>.json (BLEU,
 sacrebleu signature, sentences/s, retrieval seconds, the settings). --tune: one teacher-forced pass over the valid
@@ -25,7 +25,7 @@ import time
 from absl import flags
 from ml_collections import config_flags
 
-from launch.common import check_flag, overlap_error, run_main
+from trime_jax.launch.common import check_flag, overlap_error, run_main
 from trime_jax.mt import decode
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "MT export directory (<workdir>/export).")
@@ -45,7 +45,7 @@ _MAX_LEN_A = flags.DEFINE_float("max_len_a", decode.EVAL_SEARCH.max_len_a,
                                 "Max output length = a * source length + b (the original evaluations'; fairseq: 0).")
 _MAX_LEN_B = flags.DEFINE_integer("max_len_b", decode.EVAL_SEARCH.max_len_b,
                                   "Max output length = a * source length + b (fairseq: 200).")
-_DATASTORE = flags.DEFINE_string("datastore", "", "Datastore directory (launch.build_datastore).")
+_DATASTORE = flags.DEFINE_string("datastore", "", "Datastore directory (trime_jax.launch.build_datastore).")
 _INDEX = flags.DEFINE_string("index", "", "FAISS index (default <datastore>/index.faiss).")
 _NPROBE = flags.DEFINE_integer("nprobe", 32, "IVF lists searched per query.")
 _K = flags.DEFINE_integer("k", 64, "Retrieved entries per query.")
@@ -96,7 +96,7 @@ def _check_overlap(ds, pairs, split: str) -> None:
   if ds.meta.get("corpus_fingerprint") == mt_datastore.corpus_fingerprint(pairs.src, pairs.tgt):
     role = "tunes on (--tune tunes on valid)" if split == "valid" and _TUNE.value else f"translates (--split={split})"
     raise overlap_error(_DATASTORE.value, f"the {ds.meta.get('corpus_name') or split} pairs", split, role,
-                        "Build the datastore from the training pairs (launch.build_datastore --split=train)")
+                        "Build the datastore from the training pairs (trime_jax.launch.build_datastore --split=train)")
 
 
 def _data(config, checkpoint, split, vocab, limit, ds=None):

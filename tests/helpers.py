@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-from configs import default
+from trime_jax.configs import default
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -379,7 +379,7 @@ def test_full_softmax_vocab_stats_unchanged():
 
 
 # ----------------------------------------------------------------------------------------------------------
-# launch.train --dry_run: parameter count and per-device memory plan, nothing trained
+# trime_jax.launch.train --dry_run: parameter count and per-device memory plan, nothing trained
 # ----------------------------------------------------------------------------------------------------------
 _ADAPTIVE_OVERRIDES = {"model.vocab_size": 256, "model.adaptive_input": True, "model.adaptive_softmax": True,
                        "model.adaptive_cutoffs": (40, 120), "model.adaptive_softmax_dropout": 0.2,
@@ -411,7 +411,7 @@ def test_dry_run_cli_prints_the_plan_and_trains_nothing(tmp_path):
   write_text_file(corpus)
   path = config_file(tmp_path, corpus, **_ADAPTIVE_OVERRIDES)
   workdir = tmp_path / "run"
-  out = run_cli("launch.train", f"--config={path}", f"--workdir={workdir}", "--dry_run")
+  out = run_cli("trime_jax.launch.train", f"--config={path}", f"--workdir={workdir}", "--dry_run")
   assert out.returncode == 0, out.stderr[-2000:]
   assert "parameters (vocab 256)" in out.stdout and "per-device memory plan" in out.stdout
   assert "peak" in out.stdout and not workdir.exists()

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from configs import default
+from trime_jax.configs import default
 from trime_jax import data as D
 from trime_jax.batching import bm25
 from trime_jax.batching import plan as batch_plan
@@ -205,7 +205,7 @@ def _paper_configs():
   root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
   names = sorted(os.path.basename(f)[:-3] for pat in ("wiki103_*.py", "enwik8_*.py")
                  for f in glob.glob(os.path.join(root, pat)))
-  return {n: importlib.import_module(f"configs.{n}").get_config() for n in names}
+  return {n: importlib.import_module(f"trime_jax.configs.{n}").get_config() for n in names}
 
 
 def test_default_and_paper_configs_run_algorithm_1_unchanged(corpus):

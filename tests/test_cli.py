@@ -15,7 +15,7 @@ def trained(tmp_path_factory):
   corpus = write_text_file(tmp / "text.bin", 40_000)
   cfg = config_file(tmp, corpus)
   work = tmp / "run"
-  r = run_cli("launch.train", f"--config={cfg}", f"--workdir={work}", "--config.train.num_steps=4")
+  r = run_cli("trime_jax.launch.train", f"--config={cfg}", f"--workdir={work}", "--config.train.num_steps=4")
   assert r.returncode == 0, r.stderr[-3000:]
   assert "exported" in r.stdout and os.path.isdir(work / "export")
   return tmp, corpus, cfg, work
@@ -32,7 +32,7 @@ def _one_error_line(r):
 def test_train_then_eval_cli(trained):
   tmp, _, cfg, work = trained
   out = tmp / "eval.json"
-  r = run_cli("launch.eval", f"--config={cfg}", f"--checkpoint={work}/export", "--config.eval.memory=cache",
+  r = run_cli("trime_jax.launch.eval", f"--config={cfg}", f"--checkpoint={work}/export", "--config.eval.memory=cache",
               "--config.eval.split=test", f"--output={out}")
   assert r.returncode == 0, r.stderr[-3000:]
   rows = json.loads(out.read_text())
@@ -43,19 +43,19 @@ def test_train_then_eval_cli(trained):
 
 def test_unknown_config_field(trained):
   _, _, cfg, work = trained
-  line = _one_error_line(run_cli("launch.train", f"--config={cfg}", f"--workdir={work}x", "--config.train.num_stpes=3"))
+  line = _one_error_line(run_cli("trime_jax.launch.train", f"--config={cfg}", f"--workdir={work}x", "--config.train.num_stpes=3"))
   assert "num_stpes" in line and "num_steps" in line
   assert "'num_stpes' Did you mean" in line  # the field quoted once, no stray quote
 
 
 def test_missing_and_empty_data(trained):
   tmp, _, cfg, _ = trained
-  line = _one_error_line(run_cli("launch.train", f"--config={cfg}", f"--workdir={tmp}/m",
+  line = _one_error_line(run_cli("trime_jax.launch.train", f"--config={cfg}", f"--workdir={tmp}/m",
                                  f"--config.data.path={tmp}/nope.bin"))
   assert "not found" in line
   empty = tmp / "empty.bin"
   empty.write_bytes(b"")
-  line = _one_error_line(run_cli("launch.train", f"--config={cfg}", f"--workdir={tmp}/e", f"--config.data.path={empty}"))
+  line = _one_error_line(run_cli("trime_jax.launch.train", f"--config={cfg}", f"--workdir={tmp}/e", f"--config.data.path={empty}"))
   assert "empty" in line
 
 
@@ -67,28 +67,28 @@ def test_checkpoint_vocabulary_mismatch(trained):
   vocab["tokens"] = vocab["tokens"][:-1]  # a vocabulary that is not the one the model was trained with
   vocab.pop("fingerprint")
   (broken / "vocab.json").write_text(json.dumps(vocab))
-  line = _one_error_line(run_cli("launch.eval", f"--config={cfg}", f"--checkpoint={broken}"))
+  line = _one_error_line(run_cli("trime_jax.launch.eval", f"--config={cfg}", f"--checkpoint={broken}"))
   assert "vocabulary mismatch" in line
   # A byte-level checkpoint evaluated on a word-level corpus.
   wiki = tmp / "wiki"
   from tests.helpers import write_wikitext_dir
 
   write_wikitext_dir(wiki)
-  line = _one_error_line(run_cli("launch.eval", f"--config={cfg}", f"--checkpoint={work}/export",
+  line = _one_error_line(run_cli("trime_jax.launch.eval", f"--config={cfg}", f"--checkpoint={work}/export",
                                  "--config.data.corpus=wikitext", f"--config.data.path={wiki}"))
   assert "does not match" in line
-  line = _one_error_line(run_cli("launch.eval", f"--config={cfg}", f"--checkpoint={tmp}/no_such_export"))
+  line = _one_error_line(run_cli("trime_jax.launch.eval", f"--config={cfg}", f"--checkpoint={tmp}/no_such_export"))
   assert "not found" in line
 
 
 def test_datastore_and_external_memory_eval_cli(trained):
   tmp, _, cfg, work = trained
   ds = tmp / "ds"
-  r = run_cli("launch.build_datastore", f"--config={cfg}", f"--checkpoint={work}/export", f"--out={ds}",
+  r = run_cli("trime_jax.launch.build_datastore", f"--config={cfg}", f"--checkpoint={work}/export", f"--out={ds}",
               "--index=flat")
   assert r.returncode == 0, r.stderr[-3000:]
   out = tmp / "ext.json"
-  r = run_cli("launch.eval_ext", f"--config={cfg}", f"--checkpoint={work}/export", f"--config.eval.datastore={ds}",
+  r = run_cli("trime_jax.launch.eval_ext", f"--config={cfg}", f"--checkpoint={work}/export", f"--config.eval.datastore={ds}",
               "--config.eval.knn_k=16", "--config.eval.tune=True", "--config.eval.split=test",
               "--throughput_tokens=256", f"--output={out}")
   assert r.returncode == 0, r.stderr[-3000:]
@@ -99,5 +99,5 @@ def test_datastore_and_external_memory_eval_cli(trained):
   acc = res["retrieval_accuracy"]
   assert 0 <= acc["top1"] <= acc["top8"] <= acc["top64"] <= acc["top1024"] <= 1
   assert res["throughput"]["ratio"] > 0 and "top-K retrieval accuracy" in r.stdout
-  line = _one_error_line(run_cli("launch.eval_ext", f"--config={cfg}", f"--checkpoint={work}/export"))
+  line = _one_error_line(run_cli("trime_jax.launch.eval_ext", f"--config={cfg}", f"--checkpoint={work}/export"))
   assert "eval.datastore" in line

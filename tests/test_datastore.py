@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import default
+from trime_jax.configs import default
 from trime_jax import checkpoint as ckpt
 from trime_jax import data as D
 from trime_jax import steps

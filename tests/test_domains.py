@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from configs import default
+from trime_jax.configs import default
 from trime_jax import corpora
 from trime_jax import data as D
 from trime_jax.errors import ConfigError, DataError
@@ -92,15 +92,15 @@ def test_docs_wt_held_out_kernel_documentation_matches_the_corpus_statistics():
 
 
 def test_docs_wt_configs_validate_and_hold_out_the_same_domain():
-  from configs import docs_wt, docs_wt_ext, docs_wt_kernel, docs_wt_long
+  from trime_jax.configs import docs_wt, docs_wt_ext, docs_wt_kernel, docs_wt_long
   from trime_jax import train
 
   cfgs = {m.__name__: m.get_config() for m in (docs_wt, docs_wt_long, docs_wt_ext, docs_wt_kernel)}
   for c in cfgs.values():
     train.validate_config(c)
-  held_out = cfgs["configs.docs_wt_kernel"].data.only_packages
-  assert held_out == ("linux-doc-6.1",) and cfgs["configs.docs_wt_kernel"].data.exclude_packages == ()
-  for name in ("configs.docs_wt", "configs.docs_wt_long", "configs.docs_wt_ext"):
+  held_out = cfgs["trime_jax.configs.docs_wt_kernel"].data.only_packages
+  assert held_out == ("linux-doc-6.1",) and cfgs["trime_jax.configs.docs_wt_kernel"].data.exclude_packages == ()
+  for name in ("trime_jax.configs.docs_wt", "trime_jax.configs.docs_wt_long", "trime_jax.configs.docs_wt_ext"):
     assert cfgs[name].data.exclude_packages == held_out and cfgs[name].data.only_packages == ()
     assert cfgs[name].train.num_steps * cfgs[name].train.batch_size * cfgs[name].data.segment_len == 4_915_200
-  assert (cfgs["configs.docs_wt_long"].trime.memory, cfgs["configs.docs_wt_ext"].trime.memory) == ("long", "ext")
+  assert (cfgs["trime_jax.configs.docs_wt_long"].trime.memory, cfgs["trime_jax.configs.docs_wt_ext"].trime.memory) == ("long", "ext")

@@ -120,7 +120,7 @@ def test_mt_table_lists_every_parameter_with_its_shape():
 
 @pytest.fixture(scope="module")
 def trained_export(tmp_path_factory):
-  """The export of a 2-update byte-level training run (what `launch.train` writes)."""
+  """The export of a 2-update byte-level training run (what `trime_jax.launch.train` writes)."""
   from trime_jax.train import train_and_evaluate
 
   root = tmp_path_factory.mktemp("export_format")

@@ -16,7 +16,7 @@ from trime_jax import knn
 from trime_jax.datastore import Datastore, build_datastore, build_index
 from trime_jax.errors import CheckpointError, ConfigError
 from trime_jax.model import ModelConfig, TransformerLM
-from configs import default
+from trime_jax.configs import default
 
 BLOCK, CTX, V, DIM = 16, 8, 9, 8
 
@@ -147,7 +147,7 @@ def test_mismatches_are_clear_errors(setup, tmp_path):
                         rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(other, nnx.Param)
   ext = knn.ExternalMemory(str(s["tmp"] / "ds"), k=4)
-  # Every path checks the block length against the model (launch.eval_ext did not before issue 10).
+  # Every path checks the block length against the model (trime_jax.launch.eval_ext did not before issue 10).
   with pytest.raises(CheckpointError, match="block_len=64 exceeds the model's max_len=32"):
     evaluate.evaluate(s["graphdef"], s["params"], s["dev"], trime, block_len=64, context_window=CTX, streams=1,
                       external=knn.ExternalMemory(str(s["tmp"] / "ds"), k=4))

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import default
+from trime_jax.configs import default
 from tests import helpers
 from trime_jax import checkpoint as ckpt
 from trime_jax import corpora
@@ -349,7 +349,7 @@ def test_release_architectures_read_as_the_paper_configs(config_name, flags):
 
   from trime_jax.model import ModelConfig
 
-  config = importlib.import_module(f"configs.{config_name}").get_config()
+  config = importlib.import_module(f"trime_jax.configs.{config_name}").get_config()
   v = 208 if config_name == "enwik8_38m" else config.model.vocab_size
   got = FI.model_config(FI.complete_flags({**flags, "knn_keytype": "last_ffn_input"}),
                         {"decoder.version": np.array([3.0])}, v)
@@ -503,7 +503,7 @@ def fairseq_eval_lm_nll(sd, spec, stream, tokens_per_sample, context_window, pad
 @pytest.mark.parametrize("name,break_mode", [("wiki103", "none"), ("plain_shared", "none"),
                                              ("wiki103", "complete")])
 def test_eval_of_import_equals_fairseq_eval_lm(torch, tmp_path, name, break_mode):
-  """launch.eval's evaluation of the export = eval_lm's context-window perplexity (memory=none) and
+  """trime_jax.launch.eval's evaluation of the export = eval_lm's context-window perplexity (memory=none) and
   eval_lm-trime.py --use-local --softmax-temp τ (memory=local at τ, row trime_local), with fairseq's
   --sample-break-mode none, and complete (the released 247M evaluation: lines of 9 and 14 tokens exceed
   T - C = 8, so blocks of one long line get less context)."""
@@ -542,7 +542,7 @@ def fairseq_dstore_keys(sd, spec, stream, tokens_per_sample, context_window, pad
 
 
 def test_datastore_of_import_has_fairseqs_keys(torch, tmp_path):
-  """launch.build_datastore's datastore of the export: fairseq's keys (float16) and next tokens."""
+  """trime_jax.launch.build_datastore's datastore of the export: fairseq's keys (float16) and next tokens."""
   from trime_jax.datastore import Datastore, build_datastore
 
   arch, storage, fused, flags, spec = VARIANTS["wiki103"]
@@ -649,7 +649,7 @@ def test_not_a_checkpoint(torch, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The command lines: import, then launch.eval on the export
+# The command lines: import, then trime_jax.launch.eval on the export
 # ----------------------------------------------------------------------------------------------------------
 def _run(args, cwd):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": helpers.REPO}
@@ -660,7 +660,7 @@ def test_cli_import_then_launch_eval(torch, tmp_path):
   arch, storage, fused, flags, spec = VARIANTS["wiki103"]
   ckpt_path = write_checkpoint(torch, tmp_path / "checkpoint_best.pt", "wiki103")
   d = write_dict(tmp_path / "dict.txt")
-  r = _run(["launch.import_fairseq", f"--checkpoint={ckpt_path}", f"--dict={d}", f"--out={tmp_path / 'export'}"],
+  r = _run(["trime_jax.launch.import_fairseq", f"--checkpoint={ckpt_path}", f"--dict={d}", f"--out={tmp_path / 'export'}"],
            helpers.REPO)
   assert r.returncode == 0, r.stderr[-2000:]
   assert "adaptive_softmax=True" in r.stdout and "wrote" in r.stdout
@@ -668,7 +668,7 @@ def test_cli_import_then_launch_eval(torch, tmp_path):
   assert meta["fairseq_arch"] == "transformer_lm_wiki103" and meta["vocab_size"] == V
   root = helpers.write_wikitext_dir(tmp_path / "wiki")
   t, c = SIZE["tokens_per_sample"], 12
-  r = _run(["launch.eval", "--config=configs/default.py", f"--checkpoint={tmp_path / 'export'}",
+  r = _run(["trime_jax.launch.eval", "--config=configs/default.py", f"--checkpoint={tmp_path / 'export'}",
             "--config.data.corpus=wikitext", f"--config.data.path={root}", "--config.eval.memory=none",
             f"--config.eval.block_len={t}", f"--config.eval.context_window={c}", f"--output={tmp_path / 'rows.json'}"],
            helpers.REPO)
@@ -678,7 +678,7 @@ def test_cli_import_then_launch_eval(torch, tmp_path):
   ref = fairseq_eval_lm_nll(fairseq_state(spec, fused=fused), spec, stream, t, c)
   assert abs(row["nll"] - ref) < 1e-5 * ref, (row["nll"], ref)
   # a bad input is one line and exit status 2
-  r = _run(["launch.import_fairseq", f"--checkpoint={ckpt_path}", f"--dict={tmp_path / 'missing.txt'}",
+  r = _run(["trime_jax.launch.import_fairseq", f"--checkpoint={ckpt_path}", f"--dict={tmp_path / 'missing.txt'}",
             f"--out={tmp_path / 'x'}"], helpers.REPO)
   assert r.returncode == 2 and r.stderr.strip().startswith("error: fairseq dictionary not found"), r.stderr
 

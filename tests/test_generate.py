@@ -380,12 +380,12 @@ def test_bad_input_is_a_clear_error(byte_gen):
 def test_cli_generates_with_a_memory_file_and_reports_errors_in_one_line(tmp_path, byte_gen):
   mem = tmp_path / "notes.txt"
   mem.write_text("print('hello world')\n" * 4)
-  r = run_cli("launch.generate", f"--checkpoint={byte_gen.checkpoint_dir}", "--prompt=print('hel",
+  r = run_cli("trime_jax.launch.generate", f"--checkpoint={byte_gen.checkpoint_dir}", "--prompt=print('hel",
               "--prompt=x", "--memory=long", f"--memory_file={mem}", "--max_new_tokens=6", "--temperature=0",
               "--trace")
   assert r.returncode == 0, r.stderr[-3000:]
   assert "long-term memory: 84 tokens" in r.stdout and r.stdout.count("=== prompt") == 2
   assert "retrieval trace" in r.stdout and "memory" in r.stdout
-  r = run_cli("launch.generate", f"--checkpoint={byte_gen.checkpoint_dir}", "--prompt=", "--memory=none")
+  r = run_cli("trime_jax.launch.generate", f"--checkpoint={byte_gen.checkpoint_dir}", "--prompt=", "--memory=none")
   assert r.returncode == 2 and "Traceback" not in r.stderr
   assert [l for l in r.stderr.splitlines() if l.startswith("error:")] == ["error: the prompt is empty"]

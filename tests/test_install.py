@@ -1,4 +1,5 @@
-"""Installed, not developed: the wheel carries configs/ and launch/ and the trime-* commands, which run from
+"""Installed, not developed: the wheel carries configs/ and launch/ as trime_jax.configs and trime_jax.launch (nothing
+else at the top level) and the trime-* commands, which run from
 another directory (config by name, data needing no download); evaluation takes its settings from the export's
 stored config; the README's Python snippet runs from another directory."""
 
@@ -45,13 +46,53 @@ def installed(tmp_path_factory):
 
 
 def test_wheel_has_configs_launch_and_commands(installed):
-  assert (installed / "configs" / "wiki103_247m.py").is_file() and (installed / "launch" / "eval.py").is_file()
-  assert (installed / "trime_jax" / "tfds_builders" / "__init__.py").is_file()
+  pkg = installed / "trime_jax"
+  assert (pkg / "configs" / "wiki103_247m.py").is_file() and (pkg / "launch" / "eval.py").is_file()
+  assert (pkg / "tfds_builders" / "__init__.py").is_file()
+  tops = {p.name for p in installed.iterdir() if not p.name.endswith(".dist-info")}
+  assert tops == {"trime_jax", "bin"}, tops  # no generic top-level `configs` / `launch`
   dist = next(installed.glob("trime_jax-*.dist-info"))
   entry_points = (dist / "entry_points.txt").read_text()
   for name in SCRIPTS:
-    assert f"{name} = launch.cli:" in entry_points
+    assert f"{name} = trime_jax.launch.cli:" in entry_points
     assert (installed / "bin" / name).is_file()
+
+
+def test_pyproject_lists_every_package():
+  """pyproject's explicit package list (needed for the package-dir mapping) is the tree's packages."""
+  try:
+    import tomllib
+  except ImportError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+
+  with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+    tool = tomllib.load(f)["tool"]["setuptools"]
+  found = {os.path.relpath(d, REPO).replace(os.sep, ".") for d, _, files in os.walk(os.path.join(REPO, "trime_jax"))
+           if "__init__.py" in files}
+  assert set(tool["packages"]) == found | {"trime_jax.configs", "trime_jax.launch"}
+  assert tool["package-dir"] == {"trime_jax.configs": "configs", "trime_jax.launch": "launch"}
+
+
+def test_old_top_level_names_say_the_new_ones():
+  """From a checkout's root, the names before the move give one line naming the new package."""
+  r = subprocess.run([sys.executable, "-m", "launch.train"], cwd=REPO, env=_env(""), capture_output=True, text=True,
+                     timeout=60)
+  assert r.returncode == 2 and r.stderr.strip() == (
+      "error: the programs are the package trime_jax.launch (python -m trime_jax.launch.NAME), not launch"), r.stderr
+  r = subprocess.run([sys.executable, "-c", "from configs import default"], cwd=REPO, env=_env(""),
+                     capture_output=True, text=True, timeout=60)
+  assert r.returncode == 1 and "the configs are the package trime_jax.configs" in r.stderr, r.stderr[-2000:]
+
+
+def test_checkout_without_install_finds_configs_and_launch(tmp_path):
+  """PYTHONPATH=<checkout> with no install (the device scripts): trime_jax.configs / .launch are the checkout's."""
+  code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
+          "import trime_jax.configs.demo, trime_jax.launch.common, trime_jax\n"
+          "print(trime_jax.configs.demo.__file__, trime_jax.launch.common.__file__)")
+  r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(REPO), capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.split() == [os.path.join(REPO, "configs", "demo.py"), os.path.join(REPO, "launch", "common.py")]
 
 
 def test_commands_run_from_another_directory(installed, tmp_path):
@@ -81,7 +122,7 @@ def test_commands_run_from_another_directory(installed, tmp_path):
 def test_readme_python_snippet_from_another_directory(tmp_path):
   """The README's snippet (wikitext_mini, data path relative to the repository) from another working directory."""
   snippet = textwrap.dedent("""
-      from configs import wikitext_mini
+      from trime_jax.configs import wikitext_mini
       from trime_jax.train import train_and_evaluate
       cfg = wikitext_mini.get_config(); cfg.train.num_steps = 200
       cfg.train.num_steps, cfg.train.warmup_steps, cfg.train.batch_size = 2, 1, 2  # tiny (test)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import default
+from trime_jax.configs import default
 from tests import reference as ref
 from trime_jax import checkpoint as ckpt
 from trime_jax import corpora
@@ -178,7 +178,7 @@ def test_plan_rows_are_the_layout_of_the_long_loss(layout):
 
 @pytest.fixture(scope="module")
 def wikitext_mini_train():
-  from configs import wikitext_mini
+  from trime_jax.configs import wikitext_mini
   return corpora.load_splits(wikitext_mini.get_config().data).train  # ../shared/data/wikitext-2
 
 
@@ -188,8 +188,8 @@ def test_real_token_fraction_on_wikitext_mini(wikitext_mini_train, name, layout)
   """The paper configs' plan shape on wikitext-mini wastes < 1% of the row slots (document-padded runs wasted
   62% at L = 150, m = 60)."""
   import importlib
-  from configs import wikitext_mini
-  config = importlib.import_module(f"configs.{name}").get_config()
+  from trime_jax.configs import wikitext_mini
+  config = importlib.import_module(f"trime_jax.configs.{name}").get_config()
   seg_len = config.data.segment_len
   config.data = wikitext_mini.get_config().data
   config.data.segment_len, config.data.segmentation = seg_len, "stream"
@@ -243,7 +243,7 @@ def test_make_batches_cli(tmp_path):
   data = _wiki_dir(tmp_path)
   cfg = tmp_path / "cfg.py"
   cfg.write_text(textwrap.dedent(f"""
-      from configs import default
+      from trime_jax.configs import default
       def get_config():
         c = default.get_config()
         c.data.corpus, c.data.path = "wikitext", {str(data)!r}
@@ -251,7 +251,7 @@ def test_make_batches_cli(tmp_path):
         c.train.batch_size, c.trime.consecutive_segments = 4, 2
         return c
       """))
-  out = _cli("launch.make_batches", f"--config={cfg}", "--kind=consecutive", f"--out={tmp_path / 'plan'}")
+  out = _cli("trime_jax.launch.make_batches", f"--config={cfg}", "--kind=consecutive", f"--out={tmp_path / 'plan'}")
   assert out.returncode == 0, out.stderr
   plan = batch_plan.load(str(tmp_path / "plan"))
   h = plan.header
@@ -441,7 +441,7 @@ def test_stream_schedule_scores_every_window_once(streams, mem_size, reset):
 
 
 def test_memory_size_sweep_table_and_plot(tmp_path):
-  """`evaluate_checkpoint(mem_sizes=...)` rows, the summary table, and `launch.eval --include --plot`."""
+  """`evaluate_checkpoint(mem_sizes=...)` rows, the summary table, and `trime_jax.launch.eval --include --plot`."""
   config = _config(**{"data.corpus": "wikitext", "data.path": str(_wiki_dir(tmp_path)), "eval.block_len": 16,
                       "eval.context_window": 8, "eval.batch_size": 2, "eval.tune": True})
   vocab = corpora.load_splits(config.data).vocab
@@ -460,7 +460,7 @@ def test_memory_size_sweep_table_and_plot(tmp_path):
   assert "| tiny | TRIME (local + long-term) |" in table and "| tiny | none |" in table
   assert f"(tau={best[1]['params']['tau']:g})" in table  # the tuned parameter, from the rows' typed params
   (tmp_path / "rows.json").write_text(json.dumps(rows))
-  out = _cli("launch.eval", f"--include={tmp_path / 'rows.json'}", f"--plot={tmp_path / 'sweep.png'}")
+  out = _cli("trime_jax.launch.eval", f"--include={tmp_path / 'rows.json'}", f"--plot={tmp_path / 'sweep.png'}")
   assert out.returncode == 0, out.stderr
   assert "| model |" in out.stdout and (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
   # eval.tune_max_tokens: the grid is searched on the first dev targets only, the split is scored in full

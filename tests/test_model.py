@@ -105,7 +105,7 @@ PAPER_PARAMS = {"wiki103_247m": (247e6, 0.01), "wiki103_150m": (150e6, 0.01), "w
 @pytest.mark.parametrize("name", sorted(PAPER_PARAMS))
 def test_paper_configs_parameter_counts(name):
   """Real shapes via nnx.eval_shape (nothing allocated): exactly fairseq's count, and the paper's."""
-  cfg = importlib.import_module(f"configs.{name}").get_config()
+  cfg = importlib.import_module(f"trime_jax.configs.{name}").get_config()
   ours = M.abstract_param_count(M.ModelConfig.from_config(cfg.model))
   assert ours == _fairseq_param_count(name)
   paper, tol = PAPER_PARAMS[name]
@@ -332,7 +332,7 @@ def test_ce_warmup_epoch_arithmetic():
 
 @pytest.mark.parametrize("name", sorted(ORIGINAL))
 def test_paper_config_fields_equal_the_original(name):
-  cfg = importlib.import_module(f"configs.{name}").get_config()
+  cfg = importlib.import_module(f"trime_jax.configs.{name}").get_config()
   wrong = {}
   for key, want in ORIGINAL[name].items():
     section, field = key.split(".")
@@ -350,7 +350,7 @@ def test_paper_config_fields_equal_the_original(name):
 def test_paper_configs_validate_and_build(name):
   from trime_jax.train import validate_config
 
-  cfg = importlib.import_module(f"configs.{name}").get_config()
+  cfg = importlib.import_module(f"trime_jax.configs.{name}").get_config()
   validate_config(cfg)
   mcfg = M.ModelConfig.from_config(cfg.model)
   for key, want in ORIGINAL[name].items():  # every model field of the table reaches ModelConfig

@@ -382,8 +382,8 @@ def test_cli_build_datastore_and_translate_tune(tiny):
   root, repo = tiny["root"], os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   ds2, out = root / "ds_cli", root / "out"
   py = sys.executable
-  script = (f"{py} -m launch.build_datastore --checkpoint={tiny['ckpt']} --out={ds2} --index=flat && "
-            f"{py} -m launch.translate --checkpoint={tiny['ckpt']} --datastore={ds2} --tune --tune_beam=1 "
+  script = (f"{py} -m trime_jax.launch.build_datastore --checkpoint={tiny['ckpt']} --out={ds2} --index=flat && "
+            f"{py} -m trime_jax.launch.translate --checkpoint={tiny['ckpt']} --datastore={ds2} --tune --tune_beam=1 "
             f"--beam=2 --max_len_b=8 --out={out}")
   env = {**os.environ, "PYTHONPATH": repo, "JAX_PLATFORMS": "cpu"}
   proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=repo, env=env, timeout=300)
@@ -400,7 +400,7 @@ def test_cli_build_datastore_and_translate_tune(tiny):
   assert decode.Distribution.from_tuned(str(out / "tuned.json"), "knn_mt") == decode.Distribution(
       **tuned["chosen"]["knn_mt"]["setting"])
   # --tune_modes restricts tuning (and its valid decodes) to one family; the model alone is always there
-  proc = subprocess.run([py, "-m", "launch.translate", f"--checkpoint={tiny['ckpt']}", f"--datastore={ds2}",
+  proc = subprocess.run([py, "-m", "trime_jax.launch.translate", f"--checkpoint={tiny['ckpt']}", f"--datastore={ds2}",
                          "--tune", "--tune_modes=knn_mt", "--tune_beam=1", "--beam=2", "--max_len_b=8",
                          f"--out={root / 'out_knn'}"], capture_output=True, text=True, cwd=repo, env=env, timeout=300)
   assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from configs import ui_de_en
+from trime_jax.configs import ui_de_en
 from tests.test_mt_model import write_pairs
 from trime_jax.errors import ConfigError
 from trime_jax.mt import batching
@@ -73,7 +73,7 @@ def test_train_resume_export_round_trip(tmp_path):
 
 def test_cli_error_is_one_line(tmp_path):
   """launch/train_mt with missing data: one `error:` line, exit status 2, no traceback."""
-  r = subprocess.run([sys.executable, "-m", "launch.train_mt", "--config=configs/ui_de_en.py",
+  r = subprocess.run([sys.executable, "-m", "trime_jax.launch.train_mt", "--config=configs/ui_de_en.py",
                       f"--workdir={tmp_path / 'w'}", "--config.data.path=/nonexistent/mt"], cwd=REPO,
                      capture_output=True, text=True, timeout=120,
                      env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"))
@@ -158,7 +158,7 @@ def test_mt_workdir_lock_and_stored_config_are_checked_before_data(tmp_path):
 
 
 def test_cli_requires_workdir():
-  r = subprocess.run([sys.executable, "-m", "launch.train_mt", "--config=configs/ui_de_en.py"], cwd=REPO,
+  r = subprocess.run([sys.executable, "-m", "trime_jax.launch.train_mt", "--config=configs/ui_de_en.py"], cwd=REPO,
                      capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO,
                                                                           JAX_PLATFORMS="cpu"))
   assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -28,7 +28,7 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
   tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
   assert len(tagged) == 1, "the notebook needs exactly one cell tagged `parameters`"
   assert "colab.research.google.com" in nb.cells[0].source  # the Open in Colab badge
-  assert not any("find_spec(\"launch.generate\")" in c.source for c in nb.cells)  # generation is not optional
+  assert not any("find_spec(\"trime_jax.launch.generate\")" in c.source for c in nb.cells)  # generation is not optional
   nb.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(CI_PARAMETERS, metadata={"tags": ["injected-parameters"]}))
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")

@@ -51,7 +51,7 @@ def _hparams(acc) -> dict:
 
 
 def test_event_writer_scalars_restart_config_and_hparams(tmp_path):
-  from configs import default
+  from trime_jax.configs import default
 
   cfg = default.get_config()
   w = event_writer.EventWriter(str(tmp_path), config=cfg)
@@ -94,7 +94,7 @@ def test_wandb_writer_offline(tmp_path, monkeypatch):
   """config.train.wandb_project logs the scalars and the config to W&B (offline mode: files only), and a
   resumed run keeps the workdir's run id."""
   pytest.importorskip("wandb")
-  from configs import default
+  from trime_jax.configs import default
 
   monkeypatch.setenv("WANDB_MODE", "offline")
   monkeypatch.setenv("WANDB_SILENT", "true")
@@ -143,7 +143,7 @@ def test_training_writes_tensorboard_scalars_and_a_profile_trace(tmp_path):
 
 
 def test_profile_steps_parse():
-  from configs import default
+  from trime_jax.configs import default
   from trime_jax.train import profile_steps
 
   r = default.get_config().train
@@ -185,7 +185,7 @@ def test_progress_bar_only_where_someone_watches(capsys):
 
 
 def test_log_filter_quietens_orbax_and_faiss_info_only():
-  from launch.common import quiet_libraries
+  from trime_jax.launch.common import quiet_libraries
 
   def record(path, level):
     return logging.LogRecord("absl", level, path, 1, "message", None, None)

@@ -21,7 +21,7 @@ import os
 import numpy as np
 import pytest
 
-from configs import default
+from trime_jax.configs import default
 from trime_jax import checkpoint as ckpt
 from trime_jax import evaluate as E
 from trime_jax import fairseq_import as FI
@@ -351,7 +351,7 @@ def test_float16_datastore_every_token_equals_the_original(models, test_split, c
 def test_ivfpq_index_trained_by_the_original_prints_its_perplexity(models, test_split, datastore_fp32, tmp_path):
   """--indexfile knn.index.ip (IVF-PQ: 256 lists, 16 × 8-bit codes, nprobe 32, trained by the original's
   build_dstore.py with faiss 1.7.4; k-means is not reproducible across faiss versions, so its trained file
-  tests/fixtures/oracle/ivfpq_trained.index is reused: `launch.build_datastore --trained_index`) over our
+  tests/fixtures/oracle/ivfpq_trained.index is reused: `trime_jax.launch.build_datastore --trained_index`) over our
   float32 datastore, PQ scores as the search returns them (--no-load-keys). The printed 941.87 equal; per
   token, our keys differ from the original's by ~1e-6, which can move a key's PQ code or list at a boundary:
   102 of 120,625 tokens differ by more than 1e-4 nats here (at most 0.032), so the bound is 0.2% of tokens."""

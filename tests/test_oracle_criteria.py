@@ -101,7 +101,7 @@ def paper_config(case, cfg, batch_size, seq_len):
   import importlib
 
   module, trime, _ = CASES[case]
-  c = importlib.import_module(f"configs.{module}").get_config()
+  c = importlib.import_module(f"trime_jax.configs.{module}").get_config()
   for f in dataclasses.fields(cfg):
     setattr(c.model, f.name, getattr(cfg, f.name))
   c.model.dtype = "float32"

@@ -42,10 +42,10 @@ def _leaves(export_dir):
 
 
 def _train_cli(cfg, work, out_dir):
-  """`python -m launch.train` in the background; stdout/stderr to files (a full pipe would block it)."""
+  """`python -m trime_jax.launch.train` in the background; stdout/stderr to files (a full pipe would block it)."""
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   out, err = open(out_dir / "stdout.txt", "w"), open(out_dir / "stderr.txt", "w")
-  return subprocess.Popen([sys.executable, "-m", "launch.train", f"--config={cfg}", f"--workdir={work}"], cwd=REPO,
+  return subprocess.Popen([sys.executable, "-m", "trime_jax.launch.train", f"--config={cfg}", f"--workdir={work}"], cwd=REPO,
                           env=env, stdout=out, stderr=err)
 
 

@@ -156,10 +156,10 @@ def base(tmp_path_factory):
                                                "eval.context_window": 16})
   work, wwork = tmp / "run", tmp / "wrun"
   cases = [
-      {"module": "launch.train", "args": [f"--config={cfg}", f"--workdir={work}"]},
-      {"module": "launch.build_datastore", "args": [f"--config={cfg}", f"--checkpoint={work}/export",
+      {"module": "trime_jax.launch.train", "args": [f"--config={cfg}", f"--workdir={work}"]},
+      {"module": "trime_jax.launch.build_datastore", "args": [f"--config={cfg}", f"--checkpoint={work}/export",
                                                     f"--out={tmp}/ds", "--split=dev"]},
-      {"module": "launch.make_batches", "args": [f"--config={cfg}", "--kind=consecutive", f"--out={tmp}/plan",
+      {"module": "trime_jax.launch.make_batches", "args": [f"--config={cfg}", "--kind=consecutive", f"--out={tmp}/plan",
                                                  "--config.trime.memory=long", "--config.trime.consecutive_segments=2"]},
   ]
   t0 = time.perf_counter()
@@ -196,19 +196,19 @@ def _meta(export):
 # driver call and each row is its own test.
 # ----------------------------------------------------------------------------------------------------------
 def _eval(b, export, *extra, cfg=None):
-  return {"module": "launch.eval", "args": [f"--config={cfg or b['cfg']}", f"--checkpoint={export}", *extra]}
+  return {"module": "trime_jax.launch.eval", "args": [f"--config={cfg or b['cfg']}", f"--checkpoint={export}", *extra]}
 
 
 def _eval_ext(b, export, ds, *extra):
   # The base datastore holds the dev split these rows evaluate: split leakage, allowed here on purpose (the rows
   # are about damaged files; tests/test_reliability_cli.py has the leakage rows).
-  return {"module": "launch.eval_ext", "args": [f"--config={b['cfg']}", f"--checkpoint={export}",
+  return {"module": "trime_jax.launch.eval_ext", "args": [f"--config={b['cfg']}", f"--checkpoint={export}",
                                                 f"--config.eval.datastore={ds}", "--config.eval.knn_k=8",
                                                 "--allow_split_overlap", *extra]}
 
 
 def _train(b, work, *extra, cfg=None):
-  return {"module": "launch.train", "args": [f"--config={cfg or b['cfg']}", f"--workdir={work}", *extra]}
+  return {"module": "trime_jax.launch.train", "args": [f"--config={cfg or b['cfg']}", f"--workdir={work}", *extra]}
 
 
 def e_params_flipped(b):
@@ -348,7 +348,7 @@ def e_workdir_is_file(b):
 
 
 def e_workdir_missing(b):
-  return {"module": "launch.train", "args": [f"--config={b['cfg']}"]}, ["--workdir is required"]
+  return {"module": "trime_jax.launch.train", "args": [f"--config={b['cfg']}"]}, ["--workdir is required"]
 
 
 def e_workdir_config_typo(b):
@@ -470,10 +470,10 @@ def r_datastore_disk_full():
     # 0: a kernel-enforced file size limit (RLIMIT_FSIZE, like a small filesystem; SIGXFSZ ignored -> EFBIG).
     rlimit = ("import resource, signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
               "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n")
-    return [{"module": "launch.build_datastore", "args": args, "setup": rlimit},
-            {"module": "launch.build_datastore", "args": args, "setup": fallocate},
-            {"module": "launch.build_datastore", "args": args, "setup": meta_write},
-            {"module": "launch.build_datastore", "args": args}], out
+    return [{"module": "trime_jax.launch.build_datastore", "args": args, "setup": rlimit},
+            {"module": "trime_jax.launch.build_datastore", "args": args, "setup": fallocate},
+            {"module": "trime_jax.launch.build_datastore", "args": args, "setup": meta_write},
+            {"module": "trime_jax.launch.build_datastore", "args": args}], out
 
   def check(rs, out, b):
     line = one_error_line(rs[0])
@@ -671,7 +671,7 @@ def test_multiprocess_peer_killed(tmp_path):
              JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
              XLA_FLAGS="--xla_force_host_platform_device_count=2", TRIME_HEARTBEAT_TIMEOUT_S="10")
   work = tmp_path / "run"
-  procs = [subprocess.Popen([sys.executable, "-m", "trime_jax.distributed", "launch.train", f"--config={cfg}",
+  procs = [subprocess.Popen([sys.executable, "-m", "trime_jax.distributed", "trime_jax.launch.train", f"--config={cfg}",
                              f"--workdir={work}"], cwd=REPO, env=dict(env, JAX_PROCESS_ID=str(i)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
   try:

@@ -47,12 +47,12 @@ def base(tmp_path_factory):
                                                "train.eval_max_tokens": 200, "eval.max_tokens": 200})
   work = tmp / "run"
   cases = [
-      {"module": "launch.train", "args": [f"--config={cfg}", f"--workdir={work}"]},
-      {"module": "launch.build_datastore", "args": [f"--config={cfg}", f"--checkpoint={work}/export",
+      {"module": "trime_jax.launch.train", "args": [f"--config={cfg}", f"--workdir={work}"]},
+      {"module": "trime_jax.launch.build_datastore", "args": [f"--config={cfg}", f"--checkpoint={work}/export",
                                                     f"--out={tmp}/ds_test", "--split=test", "--index=flat"]},
-      {"module": "launch.build_datastore", "args": [f"--config={cfg}", f"--checkpoint={work}/export",
+      {"module": "trime_jax.launch.build_datastore", "args": [f"--config={cfg}", f"--checkpoint={work}/export",
                                                     f"--out={tmp}/ds_dev", "--split=dev", "--index=flat"]},
-      {"module": "launch.make_batches", "args": [f"--config={cfg}", "--kind=consecutive", f"--out={tmp}/plan",
+      {"module": "trime_jax.launch.make_batches", "args": [f"--config={cfg}", "--kind=consecutive", f"--out={tmp}/plan",
                                                  "--config.trime.memory=long", "--config.trime.consecutive_segments=2"]},
   ]
   results = run_cases(cases, tmp / "base_out")
@@ -69,7 +69,7 @@ def _copy(b, what, name):
 
 
 def _case(module, *args, setup=""):
-  return {"module": f"launch.{module}", "args": list(args), "setup": setup}
+  return {"module": f"trime_jax.launch.{module}", "args": list(args), "setup": setup}
 
 
 def _ext(b, ds, *extra):
@@ -361,7 +361,7 @@ def test_recovery_case(results, base, build):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# --help (issue 36.2): every `python -m launch.X` and every installed command, exit 0, its docstring and flags
+# --help (issue 36.2): every `python -m trime_jax.launch.X` and every installed command, exit 0, its docstring and flags
 # ----------------------------------------------------------------------------------------------------------
 def _scripts() -> dict:
   import tomllib
@@ -374,13 +374,14 @@ def _first_doc_line(module: str) -> str:
   """The first line of a launch module's docstring, read without importing it (its absl flags would clash)."""
   import ast
 
-  with open(os.path.join(REPO, *module.split(".")) + ".py") as f:
+  name = module.removeprefix("trime_jax.launch.")  # the repository keeps launch/ at its top
+  with open(os.path.join(REPO, "launch", name + ".py")) as f:
     return (ast.get_docstring(ast.parse(f.read())) or "").strip().splitlines()[0]
 
 
 def test_help_of_every_command(tmp_path):
   scripts = _scripts()
-  cases = [{"module": f"launch.{m}", "args": ["--help"]} for m in LAUNCH]
+  cases = [{"module": f"trime_jax.launch.{m}", "args": ["--help"]} for m in LAUNCH]
   for name, target in sorted(scripts.items()):
     mod, func = target.split(":")
     cases.append({"script": name, "call": target, "args": ["--help"]})
@@ -389,7 +390,7 @@ def test_help_of_every_command(tmp_path):
     what = c.get("script") or c["module"]
     assert r["rc"] == 0, (what, r["rc"], r["err"][-2000:])
     assert "Traceback" not in r["err"], (what, r["err"][-2000:])
-    module = c["module"] if "module" in c else "launch." + c["call"].split(":")[1]
+    module = c["module"] if "module" in c else "trime_jax.launch." + c["call"].split(":")[1]
     doc_line = _first_doc_line(module)
     assert doc_line in r["out"], (what, r["out"][:500])
     assert "\nflags:\n" in r["out"] and "Try --helpfull" not in r["out"], (what, r["out"][-1500:])
@@ -399,12 +400,12 @@ def test_help_of_every_command(tmp_path):
 
 
 def test_export_config_command(base, tmp_path):
-  """`python -m launch.export_config` (a config file for --config, and a command that prints it)."""
+  """`python -m trime_jax.launch.export_config` (a config file for --config, and a command that prints it)."""
   env = dict(os.environ, PYTHONPATH=REPO)
-  run = lambda *a: subprocess.run([sys.executable, "-m", "launch.export_config", *a], cwd=REPO, env=env,
+  run = lambda *a: subprocess.run([sys.executable, "-m", "trime_jax.launch.export_config", *a], cwd=REPO, env=env,
                                   capture_output=True, text=True, timeout=120)
   r = run("--help")
-  assert r.returncode == 0 and _first_doc_line("launch.export_config") in r.stdout, r.stderr
+  assert r.returncode == 0 and _first_doc_line("trime_jax.launch.export_config") in r.stdout, r.stderr
   r = run(str(base["export"]))
   assert r.returncode == 0, r.stderr
   assert json.loads(r.stdout)["model"]["d_model"] == 32
@@ -417,7 +418,7 @@ def test_export_config_command(base, tmp_path):
 
 
 def _cli_driver(cases_path: str, out_dir: str) -> None:
-  """tests.test_reliability's driver, plus {"call": "launch.cli:NAME", "script": "trime-x"} cases (an
+  """tests.test_reliability's driver, plus {"call": "trime_jax.launch.cli:NAME", "script": "trime-x"} cases (an
   installed command: its console-script function with sys.argv[0] = the command's name)."""
   with open(cases_path) as f:
     cases = json.load(f)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import bytes_srupp, enwik8_srupp
+from trime_jax.configs import bytes_srupp, enwik8_srupp
 from tests.helpers import tiny_config, write_text_file
 from trime_jax import loss as L
 from trime_jax import model as M

@@ -91,7 +91,7 @@ def test_every_shipped_config_is_valid():
   from trime_jax.mt import train as mt_train
 
   for name in names:  # each family by its own validator: LM configs and MT configs
-    config = importlib.import_module(f"configs.{name}").get_config()
+    config = importlib.import_module(f"trime_jax.configs.{name}").get_config()
     (mt_train.validate_config if mt_datastore.is_mt_config(config) else validate_config)(config)
 
 
@@ -100,7 +100,7 @@ def test_weight_decay_is_decoupled_like_fairseq(optimizer):
   """fairseq's Adam and NAG both decay weights outside the adaptive / momentum update: with a zero gradient
   one step multiplies the parameters by exactly 1 - lr·wd (an L2 term inside NAG's momentum would give
   1 - lr·(1 + momentum)·wd)."""
-  from configs import default
+  from trime_jax.configs import default
   from trime_jax.train import make_optimizer
 
   r = default.get_config().train
@@ -135,7 +135,7 @@ def test_weight_decay_is_decoupled_like_fairseq(optimizer):
 def test_out_of_range_fields_are_refused_before_compiling(field, value, message):
   """Each bad value is one ConfigError naming the field, raised by validate_config (before any compilation);
   the shipped configs stay valid (test_every_shipped_config_is_valid)."""
-  from configs import default
+  from trime_jax.configs import default
   from trime_jax.train import validate_config
 
   cfg = default.get_config()
@@ -170,7 +170,7 @@ def _release(p):
 def _tiny_export_args():
   from flax import nnx
 
-  from configs import default
+  from trime_jax.configs import default
   from trime_jax import data as D
   from trime_jax.model import ModelConfig, TransformerLM
 

@@ -9,6 +9,9 @@ optax and the evaluator.
 """
 
 import importlib
+import importlib.abc
+import importlib.util
+import os
 import sys
 import types
 
@@ -36,6 +39,29 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+
+
+# configs/ and launch/ sit at the top of the repository and install inside this package (pyproject's
+# package-dir: trime_jax.configs, trime_jax.launch). An install (wheel or editable) finds them itself; a checkout
+# used without installing (PYTHONPATH=<checkout>, as experiments/*_device.sh do) finds them through this finder,
+# which is consulted last and knows only those two names.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TOP_LEVEL = ("configs", "launch")
+
+
+class _CheckoutFinder(importlib.abc.MetaPathFinder):
+  def find_spec(self, fullname, path=None, target=None):
+    head, _, name = fullname.partition(".")
+    if head != __name__ or name not in _TOP_LEVEL:
+      return None
+    folder = os.path.join(_CHECKOUT, name)
+    return importlib.util.spec_from_file_location(fullname, os.path.join(folder, "__init__.py"),
+                                                  submodule_search_locations=[folder])
+
+
+if all(os.path.isfile(os.path.join(_CHECKOUT, d, "__init__.py")) for d in _TOP_LEVEL) and not any(
+    isinstance(f, _CheckoutFinder) for f in sys.meta_path):
+  sys.meta_path.append(_CheckoutFinder())
 
 
 def __getattr__(name):  # PEP 562: reached only for names not set yet

@@ -18,7 +18,7 @@ Everything here wraps the library's own functions: `checkpoint.load_export`, `fa
   local     plus the earlier tokens of the text (the window it is scored or generated in)
   long      plus a long-term store: the documents in `model.memory` (and, when scoring, the text's own earlier
             windows)
-  external  plus the top-K entries of a datastore (`datastore=`, built by `launch.build_datastore` from this
+  external  plus the top-K entries of a datastore (`datastore=`, built by `trime_jax.launch.build_datastore` from this
             export) and, when `model.memory` holds documents, those too
 """
 
@@ -255,7 +255,7 @@ def load(path: str, *, dictionary: str | None = None, out: str | None = None, tr
   """A Model from an export directory (`<workdir>/export`, `<workdir>/best`, a training workdir itself), or from
   an original fairseq checkpoint (`.pt`) with its `dictionary` (dict.txt): imported with
   `fairseq_import.import_to_export` into `out` (default: a new temporary directory) first. `trust_pickle`,
-  `key_type`: the importer's options (launch.import_fairseq's flags)."""
+  `key_type`: the importer's options (trime_jax.launch.import_fairseq's flags)."""
   path = os.fspath(path)
   if dictionary is not None or os.path.isfile(path):
     if dictionary is None:

@@ -8,7 +8,7 @@ share, e.g. a GCS bucket or NFS).
 
 Launch (see launch/tpu_pod.sh, launch/multi_gpu.sh):
 
-  python -m trime_jax.distributed launch.train --config=configs/wiki103_247m.py --workdir=...
+  python -m trime_jax.distributed trime_jax.launch.train --config=configs/wiki103_247m.py --workdir=...
 
 starts `jax.distributed` from the environment (`initialize_from_env`), then runs the module like `python -m`.
 """
@@ -67,7 +67,7 @@ def global_array(sharding: jax.sharding.Sharding, local, global_shape) -> jax.Ar
 def main(argv) -> None:
   """`python -m trime_jax.distributed MODULE [ARGS...]`: initialise from the environment, run MODULE."""
   if len(argv) < 2:
-    raise SystemExit("usage: python -m trime_jax.distributed MODULE [ARGS...]  (e.g. launch.train --config=...)")
+    raise SystemExit("usage: python -m trime_jax.distributed MODULE [ARGS...]  (e.g. trime_jax.launch.train --config=...)")
   initialize_from_env()
   sys.argv = argv[1:]
   runpy.run_module(argv[1], run_name="__main__", alter_sys=True)

@@ -1,8 +1,8 @@
 """Import a fairseq `transformer_lm` checkpoint of the original TRIME release into a trime-jax export.
 
-    python -m launch.import_fairseq --checkpoint=PATH/checkpoint_best.pt --dict=PATH/dict.txt --out=DIR
+    python -m trime_jax.launch.import_fairseq --checkpoint=PATH/checkpoint_best.pt --dict=PATH/dict.txt --out=DIR
 
-The export is the one `launch.eval`, `launch.eval_ext` and `launch.build_datastore` read (`checkpoint.export`).
+The export is the one `trime_jax.launch.eval`, `trime_jax.launch.eval_ext` and `trime_jax.launch.build_datastore` read (`checkpoint.export`).
 What the import reads (docs/paper_models.md, "Importing the original checkpoints"):
 
   * the model's flags: `args` (an argparse.Namespace, the release's fairseq) or `cfg["model"]` (newer fairseq),
@@ -512,9 +512,9 @@ def import_checkpoint(checkpoint: str, dict_path: str, *, key_type: str = "last_
 
 
 def export_config(cfg: ModelConfig, flags: dict, *, dtype: str = "float32"):
-  """A full trime-jax config (configs/default.py) around the imported model: launch.eval reads the model and
+  """A full trime-jax config (configs/default.py) around the imported model: trime_jax.launch.eval reads the model and
   train.vocab_chunk from it, and the data and eval sections from its own --config."""
-  from configs import default
+  from trime_jax.configs import default
 
   c = default.get_config()
   for f in dataclasses.fields(cfg):

@@ -11,7 +11,7 @@ computed by `scoring.memory_log_probs` (the dense segment-sum) for one query per
   long       local + a `LongTermMemory` carried across calls (a document, a chat history: `read` fills it,
              every call appends its prompts and outputs unless remember=False), shared by all rows
   external   local (+ the long-term store if given) + the top-K entries a FAISS index retrieves from a
-             `launch.build_datastore` datastore, one search per generated token; their similarities are exact
+             `trime_jax.launch.build_datastore` datastore, one search per generated token; their similarities are exact
              (re-scored from the stored keys). Optionally Appendix A's interpolation
              (1 - λ)·P_trime(τ) + λ·P′(τ′), P′(w) ∝ Σ_{retrieved, x_j = w} exp(sim / τ′).
              Or every entry of the datastore, exactly, when it is on the devices (`Generator.on_device`,
@@ -396,7 +396,7 @@ class Generator:
 
   def external(self, datastore_dir: str, *, index_path: str = "", k: int = 1024, nprobe: int = 32,
                gpu: bool = False) -> knn.ExternalMemory:
-    """A datastore + index of this model (built by `launch.build_datastore`; another model's or vocabulary's
+    """A datastore + index of this model (built by `trime_jax.launch.build_datastore`; another model's or vocabulary's
     is refused)."""
     try:
       ext = knn.ExternalMemory(datastore_dir, index_path=index_path, checkpoint_dir=self.checkpoint_dir, k=k,
@@ -405,7 +405,7 @@ class Generator:
       if "does not match" not in str(e):
         raise
       raise CheckpointError(f"the datastore was built by another model or vocabulary than {self.checkpoint_dir} "
-                            f"(build one with launch.build_datastore --checkpoint=that export): {e}") from None
+                            f"(build one with trime_jax.launch.build_datastore --checkpoint=that export): {e}") from None
     if ext.dimension != self.cfg.d_model:
       raise CheckpointError(f"datastore keys have dimension {ext.dimension}, the model's keys {self.cfg.d_model}")
     return ext
@@ -418,7 +418,7 @@ class Generator:
       ds.check_checkpoint(self.checkpoint_dir)
     except CheckpointError as e:
       raise CheckpointError(f"the datastore was built by another model or vocabulary than {self.checkpoint_dir} "
-                            f"(build one with launch.build_datastore --checkpoint=that export): {e}") from None
+                            f"(build one with trime_jax.launch.build_datastore --checkpoint=that export): {e}") from None
     if ds.dimension != self.cfg.d_model:
       raise CheckpointError(f"datastore keys have dimension {ds.dimension}, the model's keys {self.cfg.d_model}")
     return exact_memory.load_datastore(ds, mesh)
@@ -446,7 +446,7 @@ class Generator:
     if memory.kind == "long" and store is None:
       raise ConfigError("memory=long needs a long-term store (a --memory_file, or store=LongTermMemory)")
     if memory.kind == "external" and external is None:
-      raise ConfigError("memory=external needs a datastore (--datastore, built by launch.build_datastore)")
+      raise ConfigError("memory=external needs a datastore (--datastore, built by trime_jax.launch.build_datastore)")
     if memory.kind in ("none", "local"):
       store = None
     if memory.kind == "external" and isinstance(external, exact_memory.DeviceDatastore) and (

@@ -47,7 +47,7 @@ class ExternalMemory:
     ds = self.datastore
     kind = "exact IndexFlatIP" if self.index.kind == "flat" else f"IVF-PQ (nprobe={nprobe})"
     print(f"external memory: {kind} index {path} over {ds.count:,} × {ds.dimension} keys, K={self.k}"
-          + (f" (every search scans all {ds.count:,} keys; launch.build_datastore --index=ivfpq is faster)"
+          + (f" (every search scans all {ds.count:,} keys; trime_jax.launch.build_datastore --index=ivfpq is faster)"
              if self.index.kind == "flat" and ds.count * ds.dimension > 1 << 24 else ""), flush=True)
     self.exact = exact
     self.search_seconds = 0.0

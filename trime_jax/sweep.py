@@ -1,4 +1,4 @@
-"""Memory-size sweeps (`launch.eval --mem_sizes`): the best point per memory size, as a table and a plot."""
+"""Memory-size sweeps (`trime_jax.launch.eval --mem_sizes`): the best point per memory size, as a table and a plot."""
 
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ class BatchPlan:
       made = f" (made from {h['corpus_name']})" if h.get("corpus_name") else ""
       problems.append(f"it was made for another corpus{made}: corpus fingerprint {h.get('corpus_fingerprint')} "
                       f"(plan) != {corpus_fingerprint} (this run's training split; write its plan with "
-                      "launch.make_batches)")
+                      "trime_jax.launch.make_batches)")
     for name, want in [("segment_len", segment_len), ("segmentation", segmentation), ("batch_size", batch_size),
                        ("consecutive_segments", consecutive_segments), ("kind", kind), ("layout", layout)]:
       if want is not None and h.get(name) != want:
@@ -107,7 +107,7 @@ def load(directory: str) -> BatchPlan:
   arr = os.path.join(directory, "batches.npy")
   if not directory or not os.path.isdir(directory):
     raise DataError(f"batch plan not found: {given!r} (looked in {os.path.abspath(given or '.')} and the repo root;"
-                    " write one with `python -m launch.make_batches` or set --config.trime.batch_plan)")
+                    " write one with `python -m trime_jax.launch.make_batches` or set --config.trime.batch_plan)")
   if not (os.path.exists(head) and os.path.exists(arr)):
     raise DataError(f"incomplete batch plan in {directory}: needs plan.json and batches.npy")
   try:

@@ -153,7 +153,7 @@ def _checked_meta(directory: str) -> dict:
   meta = _read_meta(directory)
   if meta is None:
     raise CheckpointError(f"no datastore in {directory}: meta.json is missing "
-                          "(build one with `python -m launch.build_datastore`)")
+                          "(build one with `python -m trime_jax.launch.build_datastore`)")
   if meta.get("format") != FORMAT:
     raise CheckpointError(f"{directory}: unknown datastore format {meta.get('format')!r}")
   missing = [k for k in IDENTITY + ("fingerprint",) if k not in meta]
@@ -204,7 +204,7 @@ class DatastoreWriter:
       diff = [f"{k}: {self.meta.get(k)!r} there, {v!r} now" for k, v in self.identity.items() if self.meta.get(k) != v]
       if diff:
         raise CheckpointError(f"{out_dir} holds a different datastore ({'; '.join(diff)}): choose another "
-                              "output directory, or replace it (launch.build_datastore --overwrite)")
+                              "output directory, or replace it (trime_jax.launch.build_datastore --overwrite)")
     self.keys = self.values = None
 
   @property
@@ -333,7 +333,7 @@ class Datastore:
       if got != want:
         raise DamagedCheckpointError(f"datastore {directory} is damaged: {path} has digest {got}, meta.json "
                                      f"recorded {want} when the build completed; rebuild it (delete the directory "
-                                     "and rerun launch.build_datastore)")
+                                     "and rerun trime_jax.launch.build_datastore)")
     try:
       self.keys = np.load(keys_path, mmap_mode="r")
       self.values = np.load(values_path, mmap_mode="r")

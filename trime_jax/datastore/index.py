@@ -299,7 +299,7 @@ class KnnIndex:
            device: int = 0) -> "KnnIndex":
     """Read an index; with `datastore`, refuse one built over other keys. gpu=True moves it to `device`."""
     if not os.path.exists(path):
-      raise CheckpointError(f"FAISS index not found: {path} (build one with `python -m launch.build_datastore`)")
+      raise CheckpointError(f"FAISS index not found: {path} (build one with `python -m trime_jax.launch.build_datastore`)")
     if not os.path.exists(_sidecar(path)):
       raise CheckpointError(f"FAISS index {path} is incomplete: its sidecar {_sidecar(path)} is missing; rebuild it")
     try:

@@ -4,7 +4,7 @@
              blocks, on `scoring`), `tune`
   memory.py  the memory blocks (local, long-term `StoreSpec`, external) and the stream plan
   driver.py  the jitted forward / scoring steps and `evaluate` (one pass over a corpus)
-  runner.py  `evaluate_checkpoint` (launch.eval, eval_ext, demo) and `format_table`
+  runner.py  `evaluate_checkpoint` (trime_jax.launch.eval, eval_ext, demo) and `format_table`
 
 Every public name is importable from the package (`from trime_jax import evaluate; evaluate.evaluate(...)`).
 

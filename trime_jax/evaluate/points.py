@@ -33,7 +33,7 @@ FAMILY_PARAMS = {"none": (), "cache": ("lam", "theta"), "trime_local": ("tau",),
                  "knnlm_cache": ("lam", "theta")}
 # Memory of the interpolation's P′: the original release's (top-K retrieved only) | the paper's text (all memories).
 INTERP_MEMORIES = ("external", "all")
-# launch.eval's eval.memory: which family (besides `none`) it scores.
+# trime_jax.launch.eval's eval.memory: which family (besides `none`) it scores.
 EVAL_MEMORIES = {"none": None, "local": "trime_local", "cache": "cache"}
 
 # Tuning grids (dev split), one per parameter. τ′ and θ act on sim = g·g_j/√D. With hundreds of retrieved

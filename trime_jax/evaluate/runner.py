@@ -1,5 +1,5 @@
-"""A whole evaluation of an exported checkpoint: `evaluate_checkpoint` (what launch.eval, launch.eval_ext and
-launch.demo run): the export, the data, the external memory, the points (configured or a tuning grid on dev),
+"""A whole evaluation of an exported checkpoint: `evaluate_checkpoint` (what trime_jax.launch.eval, trime_jax.launch.eval_ext and
+trime_jax.launch.demo run): the export, the data, the external memory, the points (configured or a tuning grid on dev),
 one `driver.evaluate` per long-term memory size, and the result rows (`format_table`).
 """
 
@@ -20,7 +20,7 @@ from trime_jax.evaluate.memory import StoreSpec
 from trime_jax.evaluate.points import INTERP_MEMORIES, NONE, Point, families_of, grid, configured_points, tune
 
 # ----------------------------------------------------------------------------------------------------------
-# A whole evaluation of an exported checkpoint (launch.eval, launch.eval_ext and launch.demo wrap this).
+# A whole evaluation of an exported checkpoint (trime_jax.launch.eval, trime_jax.launch.eval_ext and trime_jax.launch.demo wrap this).
 # ----------------------------------------------------------------------------------------------------------
 def load_eval_data(config, vocab):
   """The config's corpora encoded with the checkpoint's vocabulary (kinds must agree)."""
@@ -91,7 +91,7 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
   knn_memory = buckets = None
   if external_memory:
     if not e.datastore:
-      raise ConfigError("eval.datastore is not set: build one with `python -m launch.build_datastore`")
+      raise ConfigError("eval.datastore is not set: build one with `python -m trime_jax.launch.build_datastore`")
     if e.datastore_on_device:
       knn_memory = on_device_datastore(e, checkpoint_dir)
     else:

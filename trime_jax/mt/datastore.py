@@ -212,14 +212,14 @@ def open_mt_datastore(datastore_dir: str, checkpoint_dir: str, *, index_path: st
     ds.check_checkpoint(checkpoint_dir)
   except CheckpointError as e:
     raise CheckpointError(f"the datastore was built by another model or vocabulary than {checkpoint_dir} "
-                          f"(build one with launch.build_datastore --checkpoint=that export): {e}") from None
+                          f"(build one with trime_jax.launch.build_datastore --checkpoint=that export): {e}") from None
   index = KnnIndex.load(index_path or os.path.join(datastore_dir, "index.faiss"), datastore=ds, nprobe=nprobe,
                         gpu=gpu)
   return ds, index
 
 
 # ----------------------------------------------------------------------------------------------------------
-# launch.build_datastore for translation
+# trime_jax.launch.build_datastore for translation
 # ----------------------------------------------------------------------------------------------------------
 def is_mt_config(config) -> bool:
   """task="mt", or a data section with languages (configs/ui_de_en.py, configs/iwslt_de_en.py)."""
@@ -241,7 +241,7 @@ def is_mt(config, checkpoint_dir: str) -> bool:
 
 def mt_config(config, checkpoint_dir: str):
   """The config to read data from: `config` when it is an MT config, else the export's stored config.json
-  (launch.common's implicit export config is the LM schema and would drop the MT fields)."""
+  (trime_jax.launch.common's implicit export config is the LM schema and would drop the MT fields)."""
   import ml_collections
 
   from trime_jax.mt.train import resolve_data_path
@@ -254,7 +254,7 @@ def mt_config(config, checkpoint_dir: str):
 
 def build_main(config, checkpoint_dir: str, out_dir: str, *, split: str = "train", index_kind: str = "auto",
                nlist: int = 4096, pq_m: int = 64, k: int = 64, nprobe: int = 32, beam: int = 4) -> None:
-  """`launch.build_datastore` for an MT config / export: the datastore of `split`'s target tokens, then its
+  """`trime_jax.launch.build_datastore` for an MT config / export: the datastore of `split`'s target tokens, then its
   index (auto: the cheaper of exact and IVF-PQ for the searches decoding valid + test with `beam` runs)."""
   from trime_jax.datastore import Datastore, build_index
 

@@ -72,7 +72,7 @@ class SearchOptions:
 
 
 # The original TrimeMT / kNN-MT evaluations' search (beam 4, lenpen 0.6, max length 1.2·|x| + 10): the default of
-# launch.translate and bench/mt_decode. SearchOptions() alone keeps fairseq's generate defaults.
+# trime_jax.launch.translate and bench/mt_decode. SearchOptions() alone keeps fairseq's generate defaults.
 EVAL_SEARCH = SearchOptions(beam=4, lenpen=0.6, max_len_a=1.2, max_len_b=10)
 
 
@@ -327,7 +327,7 @@ class Distribution:
 
   @classmethod
   def from_tuned(cls, path: str, mode: str) -> "Distribution":
-    """The setting `launch.translate --tune` chose for `mode` (tuned.json): model | knn_mt | trime (TRIME with
+    """The setting `trime_jax.launch.translate --tune` chose for `mode` (tuned.json): model | knn_mt | trime (TRIME with
     the datastore, no interpolation) | trime_interp (+ Appendix A's interpolation) | trime_best (the better of
     the two on valid BLEU)."""
     import json
@@ -372,7 +372,7 @@ class Translator:
   def __init__(self, graphdef, params, cfg, *, dist: Distribution = Distribution(), datastore=None, index=None,
                options: SearchOptions = SearchOptions(), eos_id: int = 3):
     if dist.mode != "model" and (datastore is None or index is None):
-      raise ConfigError(f"mode {dist.mode} needs a datastore (--datastore, built by launch.build_datastore)")
+      raise ConfigError(f"mode {dist.mode} needs a datastore (--datastore, built by trime_jax.launch.build_datastore)")
     if datastore is not None and datastore.dimension != cfg.d_model:
       raise CheckpointError(f"datastore keys have dimension {datastore.dimension}, the model's {cfg.d_model}")
     self.graphdef, self.params, self.cfg = graphdef, params, cfg
