@@ -1,11 +1,11 @@
 """MT decoding throughput (sentences/s) with and without the datastore, one export, one run.
 
-Decodes the same test sentences (evenly spaced over the split) with the model alone, kNN-MT and TrimeMT_ext (each
-at its valid-tuned setting from tuned.json, or all at --k) with trime_jax.launch.translate's search (decode.EVAL_SEARCH),
-after one untimed pass that compiles every shape. The modes are timed in turn, --repeats times, and the median
-pass is reported with its decoder steps (a batch searches until its last sentence ends: a weaker distribution
-that loops takes more), time per step, retrieval share (FAISS search + gathering the retrieved keys) and the
-ratio of sentences/s to the model alone's. Run it on an idle machine: the numbers are seconds.
+Decodes the same test sentences (evenly spaced over the split) with the model alone, kNN-MT and TrimeMT_ext (each at its
+valid-tuned setting from tuned.json, or all at --k) with trime_jax.launch.translate's search (decode.EVAL_SEARCH), after
+one untimed pass that compiles every shape. The modes are timed in turn, --repeats times, and the median pass is
+reported with its decoder steps (a batch searches until its last sentence ends: a weaker distribution that loops takes
+more), time per step, retrieval share (FAISS search + gathering the retrieved keys) and the ratio of sentences/s to the
+model alone's. Run it on an idle machine: the numbers are seconds.
 
   python -m bench.mt_decode --checkpoint=runs/ui_de_en/ce_random/export --datastore=runs/ui_de_en/ce_random/ds \
       --settings=runs/ui_de_en/ce_random/translate/tuned.json [--sentences=512 --repeats=2 --nprobe=8]

@@ -7,7 +7,8 @@ with the Linux kernel documentation (linux-doc-6.1, ~3M training tokens) held ou
 Sized for 2 CPU cores: segments of L = 512 (not the paper's 3,072: attention is the CPU cost), 8 segments per
 update (4,096 tokens, 4,096 in-batch memories), 1,200 updates = 4.9M tokens, about 0.3 epoch of the 16M
 training tokens left after the hold-out: the budget 2 shared CPU cores allow for six models (about an hour each
-at ~1.4k tokens/s); the datastore still covers all 16M training tokens. The vocabulary is built from the kept training documents only.
+at ~1.4k tokens/s); the datastore still covers all 16M training tokens. The vocabulary is built from the kept
+training documents only.
 """
 
 from trime_jax.configs import default

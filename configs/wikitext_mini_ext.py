@@ -1,7 +1,8 @@
 """wikitext-mini TrimeLM_ext: every other segment of the batch is memory, BM25-packed batches, local memory
 dropped with p = 0.9 (paper §4.3). Write the plan first:
 
-  python -m trime_jax.launch.make_batches --config=configs/wikitext_mini_ext.py --kind=bm25 --out=runs/plans/wikitext_mini_bm25
+  python -m trime_jax.launch.make_batches --config=configs/wikitext_mini_ext.py --kind=bm25 \\
+      --out=runs/plans/wikitext_mini_bm25
 """
 
 from trime_jax.configs import wikitext_mini

@@ -26,7 +26,8 @@ _OUT = flags.DEFINE_string("out", None, "Datastore directory (keys.npy, values.n
 _SPLIT = flags.DEFINE_enum("split", "train", ["train", "dev", "test"], "Corpus split stored in the datastore.")
 _INDEX = flags.DEFINE_enum("index", "auto", ["auto", "flat", "ivfpq", "none"],
                            "FAISS index: auto = the cheaper of exact IndexFlatIP and IVF-PQ for the searches "
-                           "trime_jax.launch.eval_ext runs (dev + test tokens, eval.knn_k, eval.nprobe); it says which and why.")
+                           "trime_jax.launch.eval_ext runs (dev + test tokens, eval.knn_k, eval.nprobe); it says which "
+                           "and why.")
 _NLIST = flags.DEFINE_integer("nlist", 4096, "IVF-PQ inverted lists (clamped for small stores).", lower_bound=1)
 _SUBSET_OF = flags.DEFINE_string("subset_of", "", "A datastore (complete, or a build in progress that has finished "
                                  "--entries tokens): --out gets its first --entries entries "

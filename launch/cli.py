@@ -1,8 +1,9 @@
 """Console scripts (pyproject [project.scripts]): `trime-train` is `python -m trime_jax.launch.train`, and so on.
 
 Each imports its launch module (which defines the module's flags) and runs its `main` through `run_main`, so the
-installed commands behave exactly like `python -m trime_jax.launch.X`, from any directory: `--config=configs/demo.py` (or
-`--config=demo`) is found in the installed package when the working directory has no such file.
+installed commands behave exactly like `python -m trime_jax.launch.X`, from any directory:
+`--config=configs/demo.py` (or `--config=demo`) is found in the installed package when the working directory has
+no such file.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ def _run(module: str) -> None:
   except ModuleNotFoundError as e:
     if e.name != f"trime_jax.launch.{module}":
       raise
-    print(f"error: trime_jax.launch.{module} is not part of this installation of trime-jax", file=sys.stderr, flush=True)
+    print(f"error: trime_jax.launch.{module} is not part of this installation of trime-jax", file=sys.stderr,
+          flush=True)
     sys.exit(2)
   from trime_jax.launch.common import run_main
 

@@ -52,7 +52,8 @@ def main(argv):
     except (OSError, ValueError, UnicodeDecodeError) as e:
       raise ConfigError(f"--include {path}: {e}") from None
     if not isinstance(loaded, list) or not all(isinstance(r, dict) for r in loaded):
-      raise ConfigError(f"--include {path}: not the rows of a trime_jax.launch.eval --output file (a JSON list of objects)")
+      raise ConfigError(f"--include {path}: not the rows of a trime_jax.launch.eval --output file "
+                        "(a JSON list of objects)")
     included += loaded
   try:
     sizes = [int(m) for m in _MEM_SIZES.value]

@@ -1,7 +1,8 @@
 """Evaluate with external memory: TrimeLM_ext (one softmax over vocabulary + local + long-term + top-K
 retrieved memories, plus the Appendix-A interpolation) and the kNN-LM baselines, from one datastore.
 
-  python -m trime_jax.launch.build_datastore --config=configs/wikitext_mini.py --checkpoint=runs/ext/export --out=runs/ext/ds
+  python -m trime_jax.launch.build_datastore --config=configs/wikitext_mini.py --checkpoint=runs/ext/export \\
+      --out=runs/ext/ds
   python -m trime_jax.launch.eval_ext --config=configs/wikitext_mini.py --checkpoint=runs/ext/export \\
       --config.eval.datastore=runs/ext/ds --config.eval.split=test --config.eval.tune=True [--throughput_tokens=8192]
 

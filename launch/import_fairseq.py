@@ -3,10 +3,10 @@
   python -m trime_jax.launch.import_fairseq --checkpoint=pretrained_models/wiki103-247M-trime/checkpoint_best.pt \\
       --dict=data-bin/wikitext-103/dict.txt --out=runs/wiki103-247M-trime/export
 
-The export is what `trime_jax.launch.eval`, `trime_jax.launch.eval_ext` and `trime_jax.launch.build_datastore` read; its vocabulary is
-fairseq's (`<s>`, `<pad>`, `</s>`, `<unk>`, then dict.txt), so `--config=configs/wiki103_247m.py` evaluates it on
-the WikiText-103 token files with fairseq's token ids. Needs PyTorch to read the file: pip install -e ".[fairseq]".
-docs/paper_models.md, "Importing the original checkpoints".
+The export is what `trime_jax.launch.eval`, `trime_jax.launch.eval_ext` and `trime_jax.launch.build_datastore` read; its
+vocabulary is fairseq's (`<s>`, `<pad>`, `</s>`, `<unk>`, then dict.txt), so `--config=configs/wiki103_247m.py`
+evaluates it on the WikiText-103 token files with fairseq's token ids. Needs PyTorch to read the file: pip install -e
+".[fairseq]". docs/paper_models.md, "Importing the original checkpoints".
 """
 
 from absl import flags

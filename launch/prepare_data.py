@@ -2,7 +2,7 @@
 source, or read from a manual dir holding the released files when offline.
 
   python -m trime_jax.launch.prepare_data --corpus=wikitext103                        # or trime-prepare-data ...
-  python -m trime_jax.launch.prepare_data --corpus=enwik8 --manual_dir=~/dl/enwik8    # offline: enwik8.zip (or enwik8) there
+  python -m trime_jax.launch.prepare_data --corpus=enwik8 --manual_dir=~/dl/enwik8    # offline: enwik8.zip there
   python -m trime_jax.launch.prepare_data --corpus=wikitext2 --data_dir=/big/disk/tfds
 
 Then train on it with --config.data.corpus=tfds:<corpus> --config.data.path= (plus

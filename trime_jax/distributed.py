@@ -67,7 +67,8 @@ def global_array(sharding: jax.sharding.Sharding, local, global_shape) -> jax.Ar
 def main(argv) -> None:
   """`python -m trime_jax.distributed MODULE [ARGS...]`: initialise from the environment, run MODULE."""
   if len(argv) < 2:
-    raise SystemExit("usage: python -m trime_jax.distributed MODULE [ARGS...]  (e.g. trime_jax.launch.train --config=...)")
+    raise SystemExit("usage: python -m trime_jax.distributed MODULE [ARGS...]  "
+                     "(e.g. trime_jax.launch.train --config=...)")
   initialize_from_env()
   sys.argv = argv[1:]
   runpy.run_module(argv[1], run_name="__main__", alter_sys=True)

@@ -2,7 +2,8 @@
 
     python -m trime_jax.launch.import_fairseq --checkpoint=PATH/checkpoint_best.pt --dict=PATH/dict.txt --out=DIR
 
-The export is the one `trime_jax.launch.eval`, `trime_jax.launch.eval_ext` and `trime_jax.launch.build_datastore` read (`checkpoint.export`).
+The export is the one `trime_jax.launch.eval`, `trime_jax.launch.eval_ext` and `trime_jax.launch.build_datastore` read
+(`checkpoint.export`).
 What the import reads (docs/paper_models.md, "Importing the original checkpoints"):
 
   * the model's flags: `args` (an argparse.Namespace, the release's fairseq) or `cfg["model"]` (newer fairseq),
