@@ -43,7 +43,8 @@ CASES = [
     ("trime", "long_T1.0_mem64", "none"), ("trime", "long_T1.0_mem128", "none"),
     ("trime", "long_T1.0_mem512", "none"), ("trime", "long_T1.0_mem2000", "none"),
     ("adaptive", "plain", "none"), ("adaptive", "local_T1.0", "none"), ("adaptive", "long_T1.0_mem512", "none"),
-    # --sample-break-mode complete on TEST's lines that fit a window (SHORT_LINES; see test_complete_mode_skips)
+    # --sample-break-mode complete on TEST's lines that fit a window (SHORT_LINES; the whole split, where the
+    # original drops the longer lines: test_complete_mode_on_the_whole_split_drops_what_the_original_drops)
     ("trime", "local_T1.0", "complete"), ("trime", "long_T1.0_mem512", "complete"),
     ("adaptive", "local_T1.0", "complete"), ("adaptive", "long_T1.0_mem512", "complete"),
 ]
@@ -372,8 +373,56 @@ def test_ivfpq_index_trained_by_the_original_prints_its_perplexity(models, test_
 def test_complete_mode_skips_the_lines_that_do_not_fit(short_test_split):
   """On the whole TEST split, the original's complete mode (tests/fixtures/oracle/scores_trime_local_T1.0_
   complete.npz) scores exactly the tokens of the lines that fit a window (≤ 128 tokens: fairseq's
-  ignore_invalid_inputs drops a longer line's block, and the next block takes its context from the last fed
-  window and its long-term store is cleared). trime-jax refuses such a line (one error naming it) instead;
-  on the lines that fit, the test above shows every token equal."""
+  ignore_invalid_inputs drops a longer line's block), i.e. the SHORT_LINES corpus of the tests above."""
   fx = np.load(os.path.join(FIXTURES, "scores_trime_local_T1.0_complete.npz"))
   np.testing.assert_array_equal(fx["target"], np.asarray(short_test_split.tokens))
+
+
+# --sample-break-mode complete over the WHOLE test split (tests/fixtures/oracle/scores_*_complete.npz, section c
+# of tests/oracle/make_fixtures.sh): 345 lines longer than the model's 128 positions are dropped
+COMPLETE_WHOLE = [("trime", "local_T1.0"), ("trime", "long_T1.0_mem512")]
+
+
+@pytest.mark.parametrize("ckpt_name,mode", COMPLETE_WHOLE, ids=lambda x: x)
+def test_complete_mode_on_the_whole_split_drops_what_the_original_drops(models, test_split, ckpt_name, mode,
+                                                                       capfd):
+  """eval.complete_overlong="drop" (the default) as fairseq's eval_lm: a line longer than the block is not
+  scored (ignore_invalid_inputs), the next block's context is the last tokens of the blocks fed before it (the
+  collater's prev_tokens), and the long-term store is cleared at each such gap (the original's "Memory doesn't
+  match. Clear!"). The windows are the original's (scored tokens, context length, which blocks are fed), every
+  one of the 52,312 scored tokens is within 1e-4 nats of the original's, the printed perplexity is equal
+  (587.28 local, 531.80 long-term), and one line says what was dropped. Without the stale context (the text
+  right before each block instead) 14,957 tokens differ by up to 10.3 nats (593.38); without the clears
+  31,827 tokens differ by up to 11.4 nats (505.33)."""
+  from trime_jax import data as D
+  fx = np.load(os.path.join(FIXTURES, f"scores_{ckpt_name}_{mode}_complete.npz"))
+  layout = np.load(os.path.join(FIXTURES, "scores_trime_local_T1.0_complete.npz"))  # the one file with targets
+  wins = D.eval_windows(test_split, len(test_split), BLOCK, CONTEXT, "complete")
+  assert default.get_config().eval.complete_overlong == "drop"
+  np.testing.assert_array_equal([w.end - w.score_start for w in wins], fx["win_count"])
+  np.testing.assert_array_equal([w.score_start - w.start for w in wins], fx["win_ctx"])
+  tokens = np.asarray(test_split.tokens)
+  np.testing.assert_array_equal(np.concatenate([tokens[w.score_start:w.end] for w in wins]), layout["target"])
+  # the store is cleared where the original's is: where the fed blocks' ids (win_id) are not consecutive
+  np.testing.assert_array_equal([w.score_start != v.end for v, w in zip(wins, wins[1:])], np.diff(fx["win_id"]) != 1)
+  point, store = point_and_store(mode)
+  fresh = (ckpt_name, point, store, "complete", len(test_split)) not in _memo
+  ours = _our_logp(models, test_split, ckpt_name, point, store, "complete")
+  if fresh:  # the memo prints nothing
+    assert ("dropped 345 lines longer than eval.block_len=128 (68,313 of 120,625 tokens not scored)"
+            in capfd.readouterr().err)
+  assert len(ours) == len(fx["logp"]) == 52_312
+  diff = np.abs(ours - fx["logp"])
+  worst = int(np.argmax(diff))
+  assert diff.max() < TOKEN_ATOL, (f"{ckpt_name} {mode}: token {worst} differs by {diff[worst]:.3g} nats "
+                                   f"({(diff > TOKEN_ATOL).sum()} tokens over {TOKEN_ATOL})")
+  assert fairseq_printed_ppl(ours, fx["win_offset"], fx["win_count"]) == f"{float(fx['ppl']):.2f}"
+
+
+def test_complete_mode_refuses_a_long_line_when_asked(models, test_split):
+  """eval.complete_overlong="refuse" (ours): one ConfigError naming the first line longer than the block."""
+  from trime_jax.errors import ConfigError
+  graphdef, params = models["trime"][:2]
+  with pytest.raises(ConfigError, match=r"line 4 has 203 tokens, more than eval.block_len=128 \(345 such lines\)"):
+    E.evaluate(graphdef, params, test_split, [E.Point("none")], block_len=BLOCK, context_window=CONTEXT, streams=1,
+               break_mode="complete", complete_overlong="refuse")

@@ -366,6 +366,9 @@ class Window:
   start: int  # first target position fed to the model
   score_start: int  # first scored target position
   end: int  # one past the last target position (scored and fed)
+  context: tuple = ()  # complete mode after a dropped line (`complete_windows(overlong="drop")`): the target
+  #   ranges (a, b) fed as context, in order, where they are not [start, score_start); `start` is then
+  #   score_start minus their length (the row offset of the first scored token), not a position fed
 
 
 def windows(num_targets: int, block_len: int, context_window: int) -> list[Window]:
@@ -382,6 +385,9 @@ def windows(num_targets: int, block_len: int, context_window: int) -> list[Windo
 
 
 BREAK_MODES = ("none", "complete")
+# complete mode, a line longer than block_len (eval.complete_overlong): drop = fairseq eval_lm's
+# ignore_invalid_inputs (the original's numbers) | refuse = a ConfigError naming the line
+COMPLETE_OVERLONG = ("drop", "refuse")
 
 
 def line_lengths(tokens: np.ndarray, eos: int) -> np.ndarray:
@@ -393,35 +399,70 @@ def line_lengths(tokens: np.ndarray, eos: int) -> np.ndarray:
   return np.diff(ends, prepend=0)
 
 
-def complete_windows(sizes, block_len: int, context_window: int) -> list[Window]:
+def complete_windows(sizes, block_len: int, context_window: int, overlong: str = "drop") -> list[Window]:
   """fairseq `--sample-break-mode complete` with `--context-window` (eval_lm): blocks of whole lines, each at
   most S = block_len - context_window tokens (a longer line is a block of its own), packed greedily in order
   (`TokenBlockDataset`); each block is fed after as many earlier tokens as fit in block_len, at most
-  context_window (`LMContextWindowDataset`: its previous tokens, trimmed so the sample stays within
-  block_len). A line longer than block_len cannot be fed whole: an error, never a silent split."""
+  context_window (`LMContextWindowDataset`: its previous tokens, trimmed so the sample stays within block_len).
+
+  A line longer than block_len cannot be fed whole. overlong="drop" does what eval_lm does: the batch iterator
+  skips its block (`ignore_invalid_inputs`), so its tokens are not scored, and the collater's context, which
+  only fed blocks update, is the last tokens of the blocks fed before (`Window.context`), not the text right
+  before the next block (the long-term store is cleared there too: `evaluate.stream_plan`). "refuse": a
+  ConfigError naming the line, never a silent split."""
   if not 0 <= context_window < block_len:
     raise ConfigError(f"eval.context_window={context_window} must be in [0, block_len={block_len})")
+  if overlong not in COMPLETE_OVERLONG:
+    raise ConfigError(f"eval.complete_overlong must be one of {COMPLETE_OVERLONG}, got {overlong!r}")
   sizes = np.asarray(sizes, np.int64)
-  if len(sizes) and sizes.max() > block_len:
-    line = int(np.argmax(sizes))
+  if overlong == "refuse" and len(sizes) and sizes.max() > block_len:
+    longer = np.flatnonzero(sizes > block_len)
+    line = int(longer[0])
     raise ConfigError(f"eval.sample_break_mode=complete: line {line} has {int(sizes[line])} tokens, more than "
-                      f"eval.block_len={block_len}; use sample_break_mode=none or a longer block")
+                      f"eval.block_len={block_len} ({len(longer):,} such lines); use sample_break_mode=none, a "
+                      f"longer block, or eval.complete_overlong=drop (fairseq's eval_lm skips such lines)")
   stride = block_len - context_window
-  out, start, size = [], 0, 0
+  blocks, start, size = [], 0, 0
   for n in sizes.tolist():
     if size and size + n > stride:
-      out.append((start, start + size))
+      blocks.append((start, start + size))
       start, size = start + size, 0
     size += n
   if size:
-    out.append((start, start + size))
-  return [Window(s - min(context_window, s, block_len - (e - s)), s, e) for s, e in out]
+    blocks.append((start, start + size))
+  out, fed = [], []  # fed: the target ranges of the blocks fed so far (the collater's prev_tokens come from them)
+  for s, e in blocks:
+    if e - s > block_len:  # only a single line is longer than S, so this drops exactly one line
+      continue
+    ctx = min(context_window, sum(b - a for a, b in fed), block_len - (e - s))
+    ranges, need = [], ctx  # the last ctx fed positions, as target ranges (most recent first)
+    for a, b in reversed(fed):
+      if not need:
+        break
+      take = min(need, b - a)
+      if ranges and ranges[-1][0] == b:  # contiguous with the later range: merge
+        ranges[-1] = (b - take, ranges[-1][1])
+      else:
+        ranges.append((b - take, b))
+      need -= take
+    if not ranges or ranges == [(s - ctx, s)]:  # the tokens right before s (always so without drops)
+      out.append(Window(s - ctx, s, e))
+    else:
+      # a context that jumps over dropped lines. Its labels as local memory: the original rolls the fed inputs
+      # (the next slot's input), we take each position's own next token; both are the `</s>` ending a block's
+      # last line wherever the row jumps, since blocks are whole lines
+      out.append(Window(s - ctx, s, e, tuple(ranges[::-1])))
+    fed.append((s, e))
+    while len(fed) > 1 and sum(b - a for a, b in fed[1:]) >= context_window:
+      fed.pop(0)  # keeps `fed` short; its total only matters up to context_window
+  return out
 
 
 def eval_windows(corpus: Corpus, num_targets: int, block_len: int, context_window: int,
-                 break_mode: str = "none") -> list[Window]:
+                 break_mode: str = "none", overlong: str = "drop") -> list[Window]:
   """The evaluation windows of the first `num_targets` targets of `corpus` in fairseq's `--sample-break-mode`
-  (none: fixed chunks, `windows`; complete: whole lines, `complete_windows`)."""
+  (none: fixed chunks, `windows`; complete: whole lines, `complete_windows`, where a line longer than block_len
+  is dropped or refused by `overlong`)."""
   if break_mode == "none":
     return windows(num_targets, block_len, context_window)
   if break_mode != "complete":
@@ -430,7 +471,18 @@ def eval_windows(corpus: Corpus, num_targets: int, block_len: int, context_windo
   if not (tokens == corpus.vocab.eos).any():
     raise ConfigError(f"eval.sample_break_mode=complete needs `</s>` line ends; corpus {corpus.name or ''} has "
                       f"none in its first {num_targets} tokens (use sample_break_mode=none)")
-  return complete_windows(line_lengths(tokens, corpus.vocab.eos), block_len, context_window)
+  wins = complete_windows(line_lengths(tokens, corpus.vocab.eos), block_len, context_window, overlong)
+  if not wins:
+    raise ConfigError(f"eval.sample_break_mode=complete: every line of {corpus.name or 'the split'} is longer "
+                      f"than eval.block_len={block_len}, nothing to score")
+  return wins
+
+
+def window_targets(w: Window) -> np.ndarray:
+  """The target positions window `w` feeds, in order: its context, then its scored block."""
+  if not w.context:
+    return np.arange(w.start, w.end)
+  return np.concatenate([np.arange(a, b) for a, b in w.context] + [np.arange(w.score_start, w.end)])
 
 
 def window_batch(corpus: Corpus, wins: list[Window], block_len: int):
@@ -442,25 +494,31 @@ def window_batch(corpus: Corpus, wins: list[Window], block_len: int):
   toks = corpus.tokens
   for i, w in enumerate(wins):
     n = w.end - w.start
-    targets[i, :n] = toks[w.start:w.end]
-    if w.start == 0:
-      inputs[i, 0] = corpus.vocab.bos
-      inputs[i, 1:n] = toks[0:n - 1]
+    if w.context:  # a context that jumps over dropped lines: gather position by position
+      pos = window_targets(w)
+      targets[i, :n] = toks[pos]
+      inputs[i, :n] = np.where(pos > 0, toks[np.maximum(pos - 1, 0)], corpus.vocab.bos)
     else:
-      inputs[i, :n] = toks[w.start - 1:w.end - 1]
+      targets[i, :n] = toks[w.start:w.end]
+      if w.start == 0:
+        inputs[i, 0] = corpus.vocab.bos
+        inputs[i, 1:n] = toks[0:n - 1]
+      else:
+        inputs[i, :n] = toks[w.start - 1:w.end - 1]
     scored[i, w.score_start - w.start:n] = True
   return inputs, targets, scored
 
 
 def stream_schedule(wins: list[Window], doc_starts, streams: int, mem_size: int, reset_at_documents: bool, *,
-                    context_window: int):
+                    context_window: int, store_starts=None):
   """Which window each stream runs at each step: (window [T, streams] int64, -1 = idle; score [T, streams]).
 
   The windows are cut into `streams` contiguous runs of about equal length; a run starting at window k is
   preceded by warm-up windows (run, inserted into the long-term store, not scored): those whose scored tokens
   lie in [lo, score_start_k), lo = score_start_k - context_window - mem_size (the store's reach, see
-  `evaluate.long_term_block`; raised to the start of score_start_k's document with `reset_at_documents`);
-  every later window of the run needs nothing older. Each cut is placed, within a
+  `evaluate.long_term_block`; raised to the start of score_start_k's document with `reset_at_documents`, and
+  to the last of the sorted positions `store_starts` at or before it: where the store is cleared, e.g. after
+  a dropped line); every later window of the run needs nothing older. Each cut is placed, within a
   quarter run of its even position, where the warm-up is shortest (e.g. at a document start).
   """
   n_w = len(wins)
@@ -470,6 +528,9 @@ def stream_schedule(wins: list[Window], doc_starts, streams: int, mem_size: int,
   if reset_at_documents:
     doc_starts = np.asarray(doc_starts, np.int64)
     lo = np.maximum(lo, doc_starts[np.searchsorted(doc_starts, score_start, side="right") - 1])
+  if store_starts is not None and len(store_starts):
+    store_starts = np.asarray(store_starts, np.int64)
+    lo = np.maximum(lo, store_starts[np.maximum(np.searchsorted(store_starts, score_start, side="right") - 1, 0)])
   first = np.searchsorted(end, lo, side="right") if mem_size else np.arange(n_w)
   warm = np.arange(n_w) - np.minimum(first, np.arange(n_w))
   s = max(1, min(streams, n_w))

@@ -119,7 +119,8 @@ class EvalResult:
   seconds: float
   search_seconds: float
   token_nll: np.ndarray | None = None  # [P, tokens] float32 nll of every scored target in stream order
-  #   (`evaluate(..., per_token=True)`), e.g. to compare with another implementation token by token
+  #   (`evaluate(..., per_token=True)`; complete mode's dropped lines have none), e.g. to compare with another
+  #   implementation token by token
 
   @property
   def tokens(self) -> int:
@@ -159,12 +160,14 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
              long_term: StoreSpec = StoreSpec(),
              external: knn.ExternalMemory | exact_memory.DeviceDatastore | None = None, vocab_chunk: int = 0,
              max_tokens: int = 0, word_buckets_V=None, progress: bool | str = False,
-             break_mode: str = "none", per_token: bool = False) -> EvalResult:
+             break_mode: str = "none", per_token: bool = False, complete_overlong: str = "drop") -> EvalResult:
   """Score `corpus` under every point in one pass: `streams` parallel streams, each with a long-term store of
   `long_term.mem_size` tokens, plus one top-K search per scored token when `external` is given (a
   `knn.ExternalMemory`), or every datastore entry (an `exact_memory.DeviceDatastore`: exact sums on device,
   no retrieval accuracy). Results do not depend on `streams` (up to float rounding). `break_mode`: fairseq's
-  --sample-break-mode of the windows (`data.eval_windows`). `progress`: True a tqdm bar, "log" plain lines on
+  --sample-break-mode of the windows (`data.eval_windows`); `complete_overlong`: what complete mode does with a
+  line longer than block_len: "drop" as fairseq's eval_lm (not scored, one line on stderr says how many),
+  "refuse" (a ConfigError naming it). `progress`: True a tqdm bar, "log" plain lines on
   stderr (`ProgressLog`: a log file, or a remote accelerator's output), False nothing. `per_token`: also
   every scored target's nll under every point (`EvalResult.token_nll`)."""
   points = tuple(points)
@@ -186,8 +189,12 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
     raise ConfigError(f"datastore keys have dimension {external.dimension}, the model's keys {model_cfg.d_model}")
   plan = stream_plan(corpus, block_len=block_len, context_window=context_window, streams=streams,
                      long_term=long_term, d_model=model_cfg.d_model, dtype=jnp.dtype(model_cfg.dtype),
-                     max_tokens=max_tokens, break_mode=break_mode)
-  n, store = plan.num_targets, plan.store
+                     max_tokens=max_tokens, break_mode=break_mode, overlong=complete_overlong)
+  n, store = plan.scored_targets, plan.store
+  if plan.dropped_lines:
+    print(f"eval: sample_break_mode=complete dropped {plan.dropped_lines:,} lines longer than eval.block_len="
+          f"{block_len} ({plan.num_targets - n:,} of {plan.num_targets:,} tokens not scored), as fairseq's eval_lm "
+          f"does (eval.complete_overlong=drop; refuse: an error instead)", file=sys.stderr, flush=True)
   carry = model.init_carry(len(plan.schedule[0]), block_len) if stateful else None
   del model
   buckets = np.zeros(model_cfg.vocab_size, np.int32) if word_buckets_V is None else np.asarray(word_buckets_V)
@@ -196,7 +203,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   bucket_totals = np.zeros((len(points), n_buckets))
   bucket_counts = np.zeros(n_buckets)
   hits = np.zeros(len(knn.RETRIEVAL_KS), np.int64)
-  token_nll = np.full((len(points), n), np.nan, np.float32) if per_token else None
+  token_nll = np.full((len(points), plan.num_targets), np.nan, np.float32) if per_token else None
   search_s0 = external.search_seconds if external is not None else 0.0
   on_device = isinstance(external, exact_memory.DeviceDatastore)
   scales = exact_scales(points)
@@ -234,6 +241,8 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
     if log is not None:
       log.step(step + 1)
   seconds = time.perf_counter() - t0
+  if token_nll is not None and n < plan.num_targets:  # only the scored targets (dropped lines have none)
+    token_nll = token_nll[:, np.concatenate([np.arange(w.score_start, w.end) for w in plan.wins])]
   is_bytes = corpus.vocab.kind == "bytes"
   scores = [Score(p, float(t / max(n, 1)), n, seconds, is_bytes) for p, t in zip(points, totals)]
   with np.errstate(invalid="ignore", divide="ignore"):

@@ -92,7 +92,8 @@ def long_term_block(store: long_memory.Store, queries_SxQxD, targets_SxQ, doc_Sx
   original layout: end = the window's first scored token, span = mem_size (the last mem_size scored tokens;
   the window's context tokens are among them). disjoint: end = the window's start (tokens from there on are
   the window's own, seen as local memory), span = mem_size + context_window - the window's context length
-  (= mem_size whenever the window has its full context)."""
+  (= mem_size whenever the window has its full context). Either span stops at the window's store start
+  (`StreamPlan.store_start`: after a line complete mode dropped, the store starts afresh, as the original's)."""
   doc_q, doc_m = (doc_SxQ, store.doc) if long_term.reset_at_documents else (0, 0)
   query = _meta(targets_SxQ, order=store_end_S[:, None], doc=doc_q)
   mem = _meta(store.targets, order=store.pos, doc=doc_m)
@@ -124,6 +125,11 @@ class StreamPlan:
   block_len: int  # L: model input length
   long_term: StoreSpec
   context_window: int
+  store_start: np.ndarray  # [windows] where each window's long-term store begins: the score start of the first
+  #   window after the last dropped line (complete mode, `data.complete_windows`; the original clears its store
+  #   there: "Memory doesn't match. Clear!"), else 0
+  scored_targets: int  # targets the windows score: num_targets minus those of dropped lines
+  dropped_lines: int  # lines longer than block_len that complete mode dropped
 
   def batch(self, corpus: data.Corpus, step: int) -> dict:
     """Host arrays of step `step`: inputs / targets [S, L]; start, offset (score_start - start), qstart (the
@@ -145,28 +151,43 @@ class StreamPlan:
     prev = self.schedule[step - 1] if step else np.full_like(idx, -1)
     reset = (prev < 0) | (idx != prev + 1)
     return {"inputs": inputs, "targets": targets, "start": start, "offset": offset, "qstart": qstart, "reset": reset,
-            **self._store_view(start, offset),
+            **self._store_view(start, offset, self.store_start[np.maximum(idx, 0)]),
             "own": (qpos >= (start + offset)[:, None]) & (qpos < ends[:, None]),
             "doc_q": (np.searchsorted(self.doc_starts, qpos, side="right") - 1).astype(np.int32),
             "score": self.score[step], "insert": idx >= 0}
 
-  def _store_view(self, start, offset) -> dict:
+  def _store_view(self, start, offset, store_start) -> dict:
+    # the span never reaches before the window's store start (a no-op without dropped lines: positions >= 0)
     if self.long_term.layout == "original":
-      return {"store_end": start + offset, "span": np.full_like(start, self.long_term.mem_size)}
-    return {"store_end": start, "span": self.long_term.reach(self.context_window) - offset}
+      end = start + offset
+      return {"store_end": end, "span": np.minimum(self.long_term.mem_size, end - store_start).astype(np.int32)}
+    span = np.minimum(self.long_term.reach(self.context_window) - offset, np.maximum(start - store_start, 0))
+    return {"store_end": start, "span": span.astype(np.int32)}
 
 
 def stream_plan(corpus: data.Corpus, *, block_len: int, context_window: int, streams: int,
                 long_term: StoreSpec, d_model: int, dtype, max_tokens: int = 0,
-                break_mode: str = "none") -> StreamPlan:
+                break_mode: str = "none", overlong: str = "drop") -> StreamPlan:
+  """`overlong`: complete mode's lines longer than block_len, dropped as fairseq's eval_lm or refused
+  (`data.complete_windows`)."""
   n = len(corpus) if not max_tokens else min(max_tokens, len(corpus))
-  wins = data.eval_windows(corpus, n, block_len, context_window, break_mode)
+  wins = data.eval_windows(corpus, n, block_len, context_window, break_mode, overlong)
+  score_start = np.array([w.score_start for w in wins], np.int64)
+  end = np.array([w.end for w in wins], np.int64)
+  gap = np.concatenate([[True], score_start[1:] != end[:-1]])  # a window right after dropped lines
+  store_start = np.where(gap, score_start, 0)
+  store_start[0] = 0
+  store_start = np.maximum.accumulate(store_start)
+  dropped = 0
+  if break_mode == "complete" and end.sum() - score_start.sum() < n:
+    dropped = int((data.line_lengths(np.asarray(corpus.tokens[:n]), corpus.vocab.eos) > block_len).sum())
   reach = long_term.reach(context_window)  # warm-up windows and store slots: what the store must still hold
   schedule, score = data.stream_schedule(wins, corpus.doc_starts, streams, long_term.mem_size,
-                                         long_term.reset_at_documents, context_window=reach - long_term.mem_size)
+                                         long_term.reset_at_documents, context_window=reach - long_term.mem_size,
+                                         store_starts=np.unique(store_start))
   q = block_len - context_window
   if break_mode == "complete":  # blocks of whole lines: up to block_len scored tokens (a long line)
     q = max(w.end - w.score_start for w in wins)
   store = long_memory.empty(streams, long_memory.capacity(reach, 0, q), d_model, dtype)
   return StreamPlan(n, wins, schedule, score, q, store, np.asarray(corpus.doc_starts, np.int64), block_len,
-                    long_term, context_window)
+                    long_term, context_window, store_start, int((end - score_start).sum()), dropped)
