@@ -43,7 +43,8 @@ def test_train_then_eval_cli(trained):
 
 def test_unknown_config_field(trained):
   _, _, cfg, work = trained
-  line = _one_error_line(run_cli("trime_jax.launch.train", f"--config={cfg}", f"--workdir={work}x", "--config.train.num_stpes=3"))
+  line = _one_error_line(run_cli("trime_jax.launch.train", f"--config={cfg}", f"--workdir={work}x",
+                                 "--config.train.num_stpes=3"))
   assert "num_stpes" in line and "num_steps" in line
   assert "'num_stpes' Did you mean" in line  # the field quoted once, no stray quote
 
@@ -55,7 +56,8 @@ def test_missing_and_empty_data(trained):
   assert "not found" in line
   empty = tmp / "empty.bin"
   empty.write_bytes(b"")
-  line = _one_error_line(run_cli("trime_jax.launch.train", f"--config={cfg}", f"--workdir={tmp}/e", f"--config.data.path={empty}"))
+  line = _one_error_line(run_cli("trime_jax.launch.train", f"--config={cfg}", f"--workdir={tmp}/e",
+                                 f"--config.data.path={empty}"))
   assert "empty" in line
 
 
@@ -88,9 +90,9 @@ def test_datastore_and_external_memory_eval_cli(trained):
               "--index=flat")
   assert r.returncode == 0, r.stderr[-3000:]
   out = tmp / "ext.json"
-  r = run_cli("trime_jax.launch.eval_ext", f"--config={cfg}", f"--checkpoint={work}/export", f"--config.eval.datastore={ds}",
-              "--config.eval.knn_k=16", "--config.eval.tune=True", "--config.eval.split=test",
-              "--throughput_tokens=256", f"--output={out}")
+  r = run_cli("trime_jax.launch.eval_ext", f"--config={cfg}", f"--checkpoint={work}/export",
+              f"--config.eval.datastore={ds}", "--config.eval.knn_k=16", "--config.eval.tune=True",
+              "--config.eval.split=test", "--throughput_tokens=256", f"--output={out}")
   assert r.returncode == 0, r.stderr[-3000:]
   res = json.loads(out.read_text())
   assert {row["family"] for row in res["rows"]} == {"none", "cache", "trime_local", "trime", "interp", "knnlm",

@@ -103,4 +103,5 @@ def test_docs_wt_configs_validate_and_hold_out_the_same_domain():
   for name in ("trime_jax.configs.docs_wt", "trime_jax.configs.docs_wt_long", "trime_jax.configs.docs_wt_ext"):
     assert cfgs[name].data.exclude_packages == held_out and cfgs[name].data.only_packages == ()
     assert cfgs[name].train.num_steps * cfgs[name].train.batch_size * cfgs[name].data.segment_len == 4_915_200
-  assert (cfgs["trime_jax.configs.docs_wt_long"].trime.memory, cfgs["trime_jax.configs.docs_wt_ext"].trime.memory) == ("long", "ext")
+  assert (cfgs["trime_jax.configs.docs_wt_long"].trime.memory,
+          cfgs["trime_jax.configs.docs_wt_ext"].trime.memory) == ("long", "ext")

@@ -127,7 +127,8 @@ def test_training_writes_tensorboard_scalars_and_a_profile_trace(tmp_path):
   dev = [m for m in lines if m.get("split") == "dev"]
   tb = scalars(work / "tb")
   # tensorboardX keeps only [-/\w.] in tags: "trime_local(tau=1)_ppl" shows as "trime_local_tau_1__ppl".
-  assert set(tb) == {f"train/{k}" for k in ("loss", "ce_nll", "trime_nll", "ppl", "lr", "grad_norm", "tokens_per_s")} | {
+  assert set(tb) == {f"train/{k}" for k in ("loss", "ce_nll", "trime_nll", "ppl", "lr", "grad_norm",
+                                            "tokens_per_s")} | {
       "dev/none_ppl", "dev/trime_local_tau_1__ppl"}
   for key in ("loss", "ce_nll", "trime_nll", "lr", "grad_norm"):  # float32 copies of metrics.jsonl
     assert [s for s, _ in tb[f"train/{key}"]] == [m["step"] for m in train] == [1, 2, 3, 4]

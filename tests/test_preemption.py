@@ -45,8 +45,8 @@ def _train_cli(cfg, work, out_dir):
   """`python -m trime_jax.launch.train` in the background; stdout/stderr to files (a full pipe would block it)."""
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   out, err = open(out_dir / "stdout.txt", "w"), open(out_dir / "stderr.txt", "w")
-  return subprocess.Popen([sys.executable, "-m", "trime_jax.launch.train", f"--config={cfg}", f"--workdir={work}"], cwd=REPO,
-                          env=env, stdout=out, stderr=err)
+  return subprocess.Popen([sys.executable, "-m", "trime_jax.launch.train", f"--config={cfg}", f"--workdir={work}"],
+                          cwd=REPO, env=env, stdout=out, stderr=err)
 
 
 def _wait_for_step(work, proc, step, timeout=240):

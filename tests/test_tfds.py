@@ -140,17 +140,18 @@ def test_tfds_errors_are_one_line(tmp_path, monkeypatch):
 
 @needs_wt2
 def test_prepare_data_cli(tmp_path):
-  """`python -m trime_jax.launch.prepare_data` builds from a manual dir and names the splits; a bad dir is one error line."""
+  """`python -m trime_jax.launch.prepare_data` builds from a manual dir and names the splits; a bad dir is one error
+  line."""
   import subprocess
 
   env = {**os.environ, "PYTHONPATH": corpora.REPO_ROOT}
-  r = subprocess.run([sys.executable, "-m", "trime_jax.launch.prepare_data", "--corpus=tfds:wikitext2", f"--manual_dir={WT2}",
-                      f"--data_dir={tmp_path}"], capture_output=True, text=True, env=env, cwd=corpora.REPO_ROOT,
-                     timeout=300)
+  r = subprocess.run([sys.executable, "-m", "trime_jax.launch.prepare_data", "--corpus=tfds:wikitext2",
+                      f"--manual_dir={WT2}", f"--data_dir={tmp_path}"], capture_output=True, text=True, env=env,
+                     cwd=corpora.REPO_ROOT, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]
   assert "wikitext2 test: 62 articles" in r.stdout and "wikitext2 validation: 60 articles" in r.stdout
   assert "--config.data.corpus=tfds:wikitext2" in r.stdout
-  r = subprocess.run([sys.executable, "-m", "trime_jax.launch.prepare_data", "--corpus=enwik8", f"--manual_dir={tmp_path}/no",
-                      f"--data_dir={tmp_path}"], capture_output=True, text=True, env=env, cwd=corpora.REPO_ROOT,
-                     timeout=300)
+  r = subprocess.run([sys.executable, "-m", "trime_jax.launch.prepare_data", "--corpus=enwik8",
+                      f"--manual_dir={tmp_path}/no", f"--data_dir={tmp_path}"], capture_output=True, text=True, env=env,
+                     cwd=corpora.REPO_ROOT, timeout=300)
   assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: manual dir for enwik8 not found")

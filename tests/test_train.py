@@ -247,7 +247,8 @@ def test_workdir_config_json_with_an_unknown_field_is_refused(corpus, tmp_path):
   stored = json.loads(cfg.to_json_best_effort())
   stored["train"]["lerning_rate"] = 1.0
   (work / "config.json").write_text(json.dumps(stored))
-  with pytest.raises(ckpt.CheckpointError, match=r"config.json has field .*train.lerning_rate \(train.learning_rate\?\)"):
+  with pytest.raises(ckpt.CheckpointError,
+                     match=r"config.json has field .*train.lerning_rate \(train.learning_rate\?\)"):
     ckpt.check_resume_config(str(work), cfg)
 
 
