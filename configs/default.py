@@ -122,6 +122,10 @@ def get_config():
   e.context_window = 128  # C: tokens of each block that are context only (scored: L_eval - C)
   e.sample_break_mode = "none"  # fairseq --sample-break-mode of the scored blocks: none (L_eval - C tokens each)
   #   | complete (whole lines, at most L_eval - C tokens unless one line is longer; context fills up to L_eval)
+  e.complete_overlong = "drop"  # complete mode, a line longer than L_eval: drop (the original's default, as
+  #   fairseq eval_lm's ignore_invalid_inputs: its tokens are not scored, the next block's context comes from the
+  #   last block fed and the long-term store is cleared there; one line says how many lines / tokens; the default
+  #   because a paper config reproduces the original's numbers) | refuse (an error naming the line, ours)
   e.batch_size = 8  # blocks per forward pass
   e.memory = "local"  # none | local (earlier tokens of the block) | cache (continuous-cache baseline)
   e.temperature = 1.0  # τ on memory logits (memory=local)

@@ -87,7 +87,7 @@ def test_complete_windows_refuse_what_fairseq_would_feed_differently():
   vocab = D.Vocab(["</s>", "<unk>", "a"])
   long_line = D.Corpus.from_docs([np.array([2] * 20 + [0])], vocab, "long")
   with pytest.raises(D.ConfigError, match="line 0 has 21 tokens, more than eval.block_len=16"):
-    D.eval_windows(long_line, len(long_line), 16, 8, "complete")
+    D.eval_windows(long_line, len(long_line), 16, 8, "complete", overlong="refuse")  # the default drops it
   no_lines = D.Corpus.from_docs([np.array([2] * 20)], vocab, "bytes")
   with pytest.raises(D.ConfigError, match="needs `</s>` line ends"):
     D.eval_windows(no_lines, len(no_lines), 16, 8, "complete")

@@ -38,6 +38,7 @@ def validate_config(config) -> None:
   _choice(d.segmentation, data.SEGMENTATIONS, "data.segmentation")
   _choice(config.eval.memory, tuple(evaluate.EVAL_MEMORIES), "eval.memory")
   _choice(config.eval.get("sample_break_mode", "none"), data.BREAK_MODES, "eval.sample_break_mode")
+  _choice(config.eval.get("complete_overlong", "drop"), data.COMPLETE_OVERLONG, "eval.complete_overlong")
   for name, v in [("train.batch_size", train_cfg.batch_size), ("train.grad_accum", train_cfg.grad_accum),
                   ("train.num_steps", train_cfg.num_steps), ("data.segment_len", d.segment_len),
                   ("trime.consecutive_segments", t.consecutive_segments)]:
