@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from trime_jax import loss
+from trime_jax import layers, loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,12 +135,8 @@ def sru_recurrence(u_BxLxDx3, x_BxLxD, weight_c_2xD, bias_2xD, c0_BxD, mask_BxD=
   return jnp.moveaxis(h, 0, 1), c_last
 
 
-def _xavier():
-  return nnx.initializers.xavier_uniform()
-
-
 def _scaled_xavier(scale):
-  base = _xavier()
+  base = layers.xavier()
   return lambda key, shape, dtype=jnp.float32: base(key, shape, dtype) * scale
 
 
@@ -151,14 +147,14 @@ class Transform(nnx.Module):
     d, p = cfg.d_model, cfg.attn_dim
     dtype = jnp.dtype(cfg.dtype)
     self.num_heads = cfg.num_heads
-    self.linear1 = nnx.Linear(d, p, use_bias=False, kernel_init=_xavier(), dtype=dtype, rngs=rngs)
-    self.linear2 = nnx.Linear(p, 2 * p, use_bias=False, kernel_init=_xavier(), dtype=dtype, rngs=rngs) \
+    self.linear1 = nnx.Linear(d, p, use_bias=False, kernel_init=layers.xavier(), dtype=dtype, rngs=rngs)
+    self.linear2 = nnx.Linear(p, 2 * p, use_bias=False, kernel_init=layers.xavier(), dtype=dtype, rngs=rngs) \
         if attention else None
     # The reference scales W3 by √(1 - dropout) (dropout sits right before it).
     self.linear3 = nnx.Linear(p, 3 * d, use_bias=False, kernel_init=_scaled_xavier((1 - cfg.dropout) ** 0.5),
                               dtype=dtype, rngs=rngs)
     self.alpha = nnx.Param(jnp.zeros((1,), jnp.float32)) if attention else None
-    self.norm = nnx.LayerNorm(p, epsilon=1e-5, rngs=rngs) if cfg.attn_layer_norm else None
+    self.norm = layers.layer_norm(p, rngs) if cfg.attn_layer_norm else None
     self.dropout = nnx.Dropout(cfg.dropout)
     self.attn_dropout = nnx.Dropout(cfg.attention_dropout)
 
@@ -198,7 +194,7 @@ class SRUppLayer(nnx.Module):
     self.weight_c = nnx.Param(jax.random.uniform(rngs.params(), (2, d), jnp.float32, -cfg.weight_c_init,
                                                  cfg.weight_c_init))  # [v_f; v_r]
     self.bias = nnx.Param(jnp.stack([jnp.zeros((d,)), jnp.full((d,), cfg.highway_bias)]).astype(jnp.float32))
-    self.norm = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs) if cfg.layer_norm else None
+    self.norm = layers.layer_norm(d, rngs) if cfg.layer_norm else None
     self.normalize_memory = cfg.normalize_memory
     self.rate = 0.0 if last else cfg.dropout  # the reference: no dropout on the last layer's c
 
