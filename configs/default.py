@@ -72,7 +72,7 @@ def get_config():
   t.consecutive_layout = "stream"  # stream (original: runs of the concatenated stream, memory crosses
   #   documents, read in order) | packed (same unpadded runs, a token's memory is its own document only)
   t.drop_local_prob = 0.9  # p: chance a batch drops local memory (memory=ext), drawn per batch from the seed
-  t.temperature = 1.0  # temperature on memory logits during training
+  t.tau = 1.0  # τ on memory similarities g·g_j/√D during training
   t.stop_gradient_memory = False  # ablation "w/o back-prop to memory": no gradient into memory keys
   t.ce_warmup_steps = -1  # updates trained with plain CE first; -1: 5% of train.num_steps (the paper)
   t.memory_chunk = 0  # blockwise loss: memory tokens per chunk; 0 = derived from a 64 MiB block budget
@@ -128,7 +128,7 @@ def get_config():
   #   because a paper config reproduces the original's numbers) | refuse (an error naming the line, ours)
   e.batch_size = 8  # blocks per forward pass
   e.memory = "local"  # none | local (earlier tokens of the block) | cache (continuous-cache baseline)
-  e.temperature = 1.0  # τ on memory logits (memory=local)
+  e.tau = 1.0  # τ on memory similarities g·g_j/√D at test time (every TRIME family: local, long-term, external)
   e.cache_lambda = 0.1  # λ of the continuous cache: (1-λ)·p_LM + λ·p_cache
   e.cache_theta = 1.0  # θ of the continuous cache: p_cache ∝ Σ exp(θ · g·g_j / √D)
   e.tune = False  # grid-search τ (local) or λ, θ (cache) on this split and report the best
@@ -155,7 +155,7 @@ def get_config():
   e.knn_gpu = False  # move the FAISS index to GPU 0 (needs a GPU build of faiss; faiss-cpu says so clearly)
   e.datastore_on_device = False  # exact external memory: every datastore key on the devices (sharded over all of
   #   them), no FAISS top-K; needs the keys to fit in the devices' combined memory (docs/sharded_memory.md)
-  e.knn_temperature = 1.0  # τ′ of P′ in the interpolation (Appendix A), on g·g_j/√D: original --interp-temp = √D·τ′
+  e.tau_prime = 1.0  # τ′ of P′ in the interpolation (Appendix A), on g·g_j/√D: original --interp-temp = √D·τ′
   e.interp_memory = "external"  # P′ over: external (top-K retrieved only, the original release) | all (local +
   #   long-term + retrieved, the paper's text)
   e.knn_lambda = 0.3  # λ of (1-λ)·P + λ·P′ (TrimeLM_ext) and of kNN-LM's (1-λ)·p_LM + λ·p_kNN

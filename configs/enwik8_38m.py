@@ -67,7 +67,7 @@ def get_config():
   c.eval.block_len = 512  # model input at evaluation
   c.eval.context_window = 432  # scored bytes per block: 80 (the paper's evaluation segment length)
   c.eval.batch_size = 16  # blocks per forward
-  c.eval.temperature = 1.10  # --softmax-temp (TrimeLM_long; TrimeLM: 1.05)
+  c.eval.tau = 1.10  # --softmax-temp (TrimeLM_long; TrimeLM: 1.05)
   c.eval.mem_size = 24_576  # --mem-size 24576 (eval.long_term_layout="original", the default)
   c.eval.reset_at_documents = False  # one stream
   return c

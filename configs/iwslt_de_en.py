@@ -29,7 +29,7 @@ def get_config():
   c.model.update(d_model=512, num_heads=4, d_ff=1024, encoder_layers=6, decoder_layers=6, dropout=0.3,
                  share_all_embeddings=False, share_decoder_embeddings=True, encoder_normalize_before=False,
                  decoder_normalize_before=True, key_type="final")
-  c.trime.update(memory="ext", batching="bm25", temperature=10.0, memory_topk=8, ce_warmup_steps=5500)
+  c.trime.update(memory="ext", batching="bm25", tau=10.0, memory_topk=8, ce_warmup_steps=5500)
   c.train.update(num_steps=56_000, learning_rate=5e-4, warmup_steps=4000, weight_decay=1e-4, adam_b2=0.98,
                  label_smoothing=0.0, eval_every=1000, checkpoint_every=1000, eval_max_pairs=0)
   c.lock()

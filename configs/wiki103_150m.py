@@ -73,7 +73,7 @@ def get_config():
   c.eval.block_len = 150  # model input at evaluation
   c.eval.context_window = 86  # scored tokens per block: 64 (the paper's evaluation segment length)
   c.eval.batch_size = 16  # blocks per forward
-  c.eval.temperature = 1.07  # --softmax-temp (TrimeLM_long; TrimeLM: 1.03)
+  c.eval.tau = 1.07  # --softmax-temp (TrimeLM_long; TrimeLM: 1.03)
   c.eval.mem_size = 15_000  # --mem-size 15000 (eval.long_term_layout="original", the default)
   c.eval.reset_at_documents = False  # the original's store never resets at documents
   return c

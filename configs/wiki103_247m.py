@@ -71,10 +71,10 @@ def get_config():
   c.eval.sample_break_mode = "complete"  # --sample-break-mode complete (every released 247M evaluation)
   c.eval.batch_size = 1  # blocks per forward
   # Evaluation as released (run_pretrained_models.md). TrimeLM: --use-local --softmax-temp 1.17. TrimeLM_long:
-  # --softmax-temp 1.22 --mem-size 12288 -> eval.temperature=1.22, eval.mem_size=12288 (the original store
+  # --softmax-temp 1.22 --mem-size 12288 -> eval.tau=1.22, eval.mem_size=12288 (the original store
   # layout, the default), reset_at_documents=False. TrimeLM_ext: --softmax-temp 1.25, the same store, K=1024,
-  # --probe 32, --interp-temp 10.5 --lmbda 0.3 -> eval.knn_temperature=10.5/√1024=0.328, eval.knn_lambda=0.3.
-  c.eval.temperature = 1.17  # --softmax-temp (TrimeLM)
+  # --probe 32, --interp-temp 10.5 --lmbda 0.3 -> eval.tau_prime=10.5/√1024=0.328, eval.knn_lambda=0.3.
+  c.eval.tau = 1.17  # --softmax-temp (TrimeLM)
   c.eval.reset_at_documents = False  # the original's store never resets at documents
   c.eval.knn_k = 1024  # --k
   c.eval.datastore_entries = "original"  # eval_lm.py --save-knnlm-dstore's windows (one per batch here: the first
@@ -82,6 +82,6 @@ def get_config():
   c.eval.datastore_key_dtype = "float16"  # --dstore-fp16
   c.eval.nprobe = 32  # --probe
   c.eval.interp_memory = "external"  # --use-interp: P′ over the retrieved top-K only
-  c.eval.knn_temperature = 10.5 / 32  # --interp-temp 10.5 in our units (τ′_original = √D · τ′, D = 1024)
+  c.eval.tau_prime = 10.5 / 32  # --interp-temp 10.5 in our units (τ′_original = √D · τ′, D = 1024)
   c.eval.knn_lambda = 0.3  # --lmbda
   return c

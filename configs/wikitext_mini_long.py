@@ -21,5 +21,5 @@ def get_config():
   c.trime.batch_plan = "runs/plans/wikitext_mini_long"  # relative to the repo root
   c.trime.consecutive_segments = 4  # m: up to 4 × 256 = 1,024 tokens of memory per run in training
   c.eval.mem_size = 8192  # long-term memory at evaluation: whole articles (dev optimum, docs/long_memory.md)
-  c.eval.temperature = 1.25  # τ tuned on dev for the 1000-update model with long-term memory
+  c.eval.tau = 1.25  # τ tuned on dev for the 1000-update model with long-term memory
   return c

@@ -101,6 +101,7 @@ for m in ('model', 'knn_mt', 'trime', 'trime_interp'):
   table)  # the issue-15 table (markdown) from the test decodes' JSON files
     $PYBIN - "$OUT" <<'PY'
 import json, os, sys
+from trime_jax.mt.decode import Distribution
 out = sys.argv[1]
 rows = [("vanilla", "model", "Transformer (vanilla)"), ("vanilla", "knn_mt", "vanilla + kNN-MT"),
         ("trime_bm25", "model", "TrimeMT_ext (BM25 batches), model alone"),
@@ -125,10 +126,10 @@ for name, mode, label in rows:
     print(f"| {label} | (not run) | | |")
     continue
   r = json.load(open(path))
-  s = r["setting"]
-  how = {"model": "beam 4", "knn_mt": f"K {s['k']}, T {s['temperature']:g}, λ {s['lam']:g}",
-         "trime": f"K {s['k']}, τ {s['tau']:g}" + (f", λ {s['interp_lambda']:g}, τ′ {s['interp_tau']:g}"
-                                                   if s["interp_lambda"] else "")}[s["mode"]]
+  s = Distribution.from_setting(r["setting"])  # also reads settings written before the renames of issue 34
+  how = {"model": "beam 4", "knn_mt": f"K {s.k}, T {s.knn_mt_temperature:g}, λ {s.knn_lambda:g}",
+         "trime": f"K {s.k}, τ {s.tau:g}" + (f", λ {s.knn_lambda:g}, τ′ {s.tau_prime:g}" if s.knn_lambda else "")
+         }[s.mode]
   print(f"| {label} | {r['bleu']:.2f} | {r['sentences_per_s']:.1f} | {how} |")
 PY
     ;;

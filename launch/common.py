@@ -111,20 +111,89 @@ def print_help(module: str, full: bool = False) -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+# Command-line flags renamed for one name per quantity (issue 34): old -> new. The one table of renamed flags
+# (config fields: runtime.workdir.RENAMED_FIELDS). A program that defines the new flag and not the old one
+# refuses the old with one line naming the new (translate's --temperature was kNN-MT's T; generate's
+# --temperature is the sampling temperature, still defined there).
+RENAMED_FLAGS = {"interp_tau": "tau_prime", "interp_lambda": "knn_lambda", "lambda": "knn_lambda",
+                 "temperature": "knn_mt_temperature"}
+
+
+def renamed_argument(argv) -> str:
+  """The one-line error for the first argument of `argv` that uses a retired name (a flag of RENAMED_FLAGS this
+  program no longer defines, or a `--config.x.y` override of a field in RENAMED_FIELDS), else ""."""
+  from absl import flags
+
+  from trime_jax.runtime.workdir import RENAMED_FIELDS, renamed_field_message
+
+  for arg in argv[1:]:
+    if arg == "--":
+      break
+    if not arg.startswith("-"):
+      continue
+    name = arg.lstrip("-").partition("=")[0]
+    new = RENAMED_FLAGS.get(name)
+    if new and name not in flags.FLAGS and new in flags.FLAGS:
+      return f"--{name} is now --{new}"
+    if name.startswith("config.") and "config" in flags.FLAGS and name[len("config."):] in RENAMED_FIELDS:
+      return renamed_field_message(name[len("config."):])
+  return ""
+
+
+def renamed_field_refused(e: BaseException) -> str:
+  """The rename's one line when `e` is a locked config refusing a field of RENAMED_FIELDS (a --config file that
+  still sets `c.eval.temperature = ...`), else "". The refusing section is found in the traceback (its keys say
+  whether it is `trime` or `eval`: both had a `temperature`)."""
+  from ml_collections import ConfigDict
+
+  from trime_jax.configs import default
+  from trime_jax.runtime.workdir import RENAMED_FIELDS, renamed_field_message
+
+  seen, todo = set(), [e]
+  while todo:
+    x = todo.pop()
+    if x is None or id(x) in seen:
+      continue
+    seen.add(id(x))
+    todo += [x.__cause__, x.__context__] + [a for a in x.args if isinstance(a, BaseException)]
+    tb = x.__traceback__
+    while tb is not None:
+      frame_locals = tb.tb_frame.f_locals if tb.tb_frame.f_code.co_name == "__setitem__" else {}
+      fields, key = frame_locals.get("self"), frame_locals.get("key")
+      tb = tb.tb_next
+      if not isinstance(fields, ConfigDict) or not isinstance(key, str):
+        continue
+      olds = [old for old in RENAMED_FIELDS if old.split(".")[1] == key]
+      if olds:  # the section whose fields overlap the refusing one's most
+        sections = default.get_config()
+        overlap = lambda old: len(set(fields.keys()) & set(sections[old.split(".")[0]].keys()))
+        return renamed_field_message(max(olds, key=overlap))
+  return ""
+
+
 def _parse_flags(argv, module: str = "__main__"):
   """absl flag parsing, but a bad flag or config override (typo in --config.x.y) is one line, not a traceback;
-  --help prints the module's docstring and flags and exits 0."""
+  a flag or config field under a retired name is one line naming the new one; --help prints the module's
+  docstring and flags and exits 0."""
   from absl import flags
 
   wanted = _help_requested(argv)
   if wanted:
     print_help(module, full=wanted == "full")
     sys.exit(0)
+  renamed = renamed_argument(argv)
+  if renamed:
+    print(f"error: {renamed}", file=sys.stderr, flush=True)
+    sys.exit(2)
   try:
     argv = _config_argv(argv)
     sys.argv[:] = argv  # ml_collections reads the --config.x.y overrides from sys.argv
-    return flags.FLAGS(argv)
+    out = flags.FLAGS(argv)
   except Exception as e:  # noqa: BLE001 - every parse failure is a usage error
+    renamed = renamed_field_refused(e)
+    if renamed:
+      print(f"error: {renamed}", file=sys.stderr, flush=True)
+      sys.exit(2)
     inner = e
     while inner.args and isinstance(inner.args[0], BaseException):
       inner = inner.args[0]
@@ -133,6 +202,27 @@ def _parse_flags(argv, module: str = "__main__"):
     kind = "" if any(isinstance(x, TrimeError) for x in chain) else "bad command-line flag: "
     print(f"error: {kind}{_one_line(e)}", file=sys.stderr, flush=True)
     sys.exit(2)
+  renamed = _renamed_in_config_file()
+  if renamed:
+    print(f"error: {renamed}", file=sys.stderr, flush=True)
+    sys.exit(2)
+  return out
+
+
+def _renamed_in_config_file() -> str:
+  """The rename's one line when the loaded `--config` holds a field under a name RENAMED_FIELDS retired (an
+  unlocked config file added it; nothing would read it), else "". A locked config refuses such a field while
+  the flags are parsed (`renamed_field_refused`); a file that could not be read is left to run_main."""
+  from absl import flags
+  from ml_collections import ConfigDict
+
+  from trime_jax.runtime.workdir import renamed_field_message, renamed_fields_in
+
+  config = flags.FLAGS["config"].value if "config" in flags.FLAGS else None
+  if not isinstance(config, ConfigDict):  # none, or config_flags' stand-in for a file it could not read
+    return ""
+  old = renamed_fields_in(config)
+  return renamed_field_message(old[0]) if old else ""
 
 
 def quiet_libraries(record) -> bool:

@@ -1,6 +1,6 @@
 """`make demo`: vanilla LM vs TrimeLM on Python standard-library sources (no download, CPU, minutes).
 
-Trains both models with the same budget (configs/demo.py), tunes the evaluation temperature τ (TrimeLM) and
+Trains both models with the same budget (configs/demo.py), tunes the evaluation τ (eval.tau, TrimeLM) and
 the continuous cache's λ, θ (vanilla) on held-out dev files, and prints one table of test bits per byte.
 Then TrimeLM writes: it continues a passage of a held-out file without and with local memory (same seed).
 

@@ -6,7 +6,7 @@
   python -m trime_jax.launch.export_config runs/mini/export     # prints that config (stored fields over the defaults)
 
 Fields the export does not have (added after it was written) keep their defaults; a field this version does not
-know (a misspelling such as `eval.tempreture` in a hand-edited config.json) is refused with the file named
+know (a misspelling such as `eval.knn_kk` in a hand-edited config.json) is refused with the file named
 (`unknown_fields`, which the launch programs also apply when `--config` is given).
 """
 
@@ -14,7 +14,7 @@ import json
 import os
 
 from trime_jax.configs import default
-from trime_jax.errors import CheckpointError
+from trime_jax.errors import CheckpointError, ConfigError
 from trime_jax.runtime import workdir
 
 
@@ -26,14 +26,15 @@ def is_mt(stored: dict) -> bool:
 
 def unknown_fields(stored: dict) -> list[str]:
   """Dotted names of the fields of `stored` that configs/default.py does not have, each with the closest known
-  name when there is one ("eval.tempreture (eval.temperature?)"): the training workdir's check, against the
+  name when there is one ("eval.knn_kk (eval.knn_k?)"): the training workdir's check, against the
   default config."""
   return workdir.unknown_fields(stored, default.get_config())
 
 
 def check_stored_config(export_dir: str, stored: dict | None = None) -> dict:
-  """The export's config.json as a dict, refused (CheckpointError naming the file) when it has fields this
-  version does not know: they would be ignored without a word. Translation exports are read by their own
+  """The export's config.json as a dict, with renamed fields under today's names (runtime.workdir.migrate_config),
+  refused (CheckpointError naming the file) when it has fields this version does not know: they would be ignored
+  without a word. Translation exports are read by their own
   schema and only parsed here."""
   path = os.path.join(export_dir, "config.json")
   if stored is None:
@@ -46,6 +47,10 @@ def check_stored_config(export_dir: str, stored: dict | None = None) -> dict:
       raise CheckpointError(f"{path} is corrupt or truncated ({e})") from None
   if not isinstance(stored, dict):
     raise CheckpointError(f"{path} is not a config (a JSON object)")
+  try:  # an export written before a field was renamed (workdir.RENAMED_FIELDS): read under today's names
+    stored = workdir.migrate_config(stored, path)
+  except ConfigError as e:
+    raise CheckpointError(str(e)) from None
   if not is_mt(stored):
     bad = unknown_fields(stored)
     if bad:

@@ -8,13 +8,13 @@
   --memory=local     + the keys of the prompt and of everything generated so far (default)
   --memory=long      + a long-term store: --memory_file=FILE (its keys are computed first)
   --memory=external  + top-K entries of a datastore (--datastore=DIR from trime_jax.launch.build_datastore, --index,
-                     --knn_k); --memory_file adds a store too; --interp_lambda / --interp_tau mix in Appendix A's P′;
+                     --knn_k); --memory_file adds a store too; --knn_lambda / --tau_prime mix in Appendix A's P′;
                      --datastore_on_device: every entry, exactly, with the keys on the devices (no index)
 
-τ defaults to the export's eval.temperature; pass the τ that trime_jax.launch.eval / trime_jax.launch.eval_ext tuned. `\\n` in
---prompt is a newline. Several --prompt / --prompt_file are generated as one batch. --trace prints, for each
-generated token, its probability, the share of it that came from memory and the three memories that gave most
-(source, share, a few tokens of their context, [their next token]).
+τ (--tau) defaults to the export's eval.tau; pass the τ that trime_jax.launch.eval / trime_jax.launch.eval_ext
+tuned. `\\n` in --prompt is a newline. Several --prompt / --prompt_file are generated as one batch. --trace
+prints, for each generated token, its probability, the share of it that came from memory and the three memories
+that gave most (source, share, a few tokens of their context, [their next token]).
 """
 
 import math
@@ -33,14 +33,14 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most probable toke
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the most probable tokens with this much mass.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _MEMORY = flags.DEFINE_enum("memory", "local", ["none", "local", "long", "external"], "Memories of the distribution.")
-_TAU = flags.DEFINE_float("tau", None, "TRIME temperature τ on memory similarities (default: eval.temperature).")
+_TAU = flags.DEFINE_float("tau", None, "τ on memory similarities g·k/√D (default: the export's eval.tau).")
 _MEMORY_FILE = flags.DEFINE_string("memory_file", "", "Text file read into the long-term store first.")
 _DATASTORE = flags.DEFINE_string("datastore", "", "Datastore directory (memory=external).")
 _INDEX = flags.DEFINE_string("index", "", "FAISS index (default <datastore>/index.faiss).")
 _KNN_K = flags.DEFINE_integer("knn_k", 1024, "Retrieved entries per generated token.")
 _NPROBE = flags.DEFINE_integer("nprobe", 32, "IVF lists searched (IVF-PQ indexes).")
-_INTERP_LAMBDA = flags.DEFINE_float("interp_lambda", 0.0, "Appendix A: (1-λ)·P_trime + λ·P′ (0: off).")
-_INTERP_TAU = flags.DEFINE_float("interp_tau", 1.0, "τ′ of P′ (on g·k/√D).")
+_KNN_LAMBDA = flags.DEFINE_float("knn_lambda", 0.0, "Appendix A: (1-λ)·P_trime + λ·P′ (0: off).")
+_TAU_PRIME = flags.DEFINE_float("tau_prime", 1.0, "τ′ of P′ (on g·k/√D).")
 _INTERP_MEMORY = flags.DEFINE_enum("interp_memory", "external", ["external", "all"], "Memories of P′.")
 _ON_DEVICE = flags.DEFINE_bool("datastore_on_device", False, "memory=external: the datastore's keys on the devices, "
                                "every entry scored exactly (no FAISS index, no K; no trace or interpolation).")
@@ -56,8 +56,8 @@ check_flag(_TOP_P, lambda v: 0 < v <= 1, "in (0, 1]")
 check_flag(_TAU, lambda v: _finite(v) and v > 0, "a number > 0")
 check_flag(_KNN_K, lambda v: v >= 1, "an integer >= 1")
 check_flag(_NPROBE, lambda v: v >= 1, "an integer >= 1 (IVF lists searched per query)")
-check_flag(_INTERP_LAMBDA, lambda v: 0 <= v < 1, "in [0, 1) (0: no interpolation)")
-check_flag(_INTERP_TAU, lambda v: _finite(v) and v > 0, "a number > 0")
+check_flag(_KNN_LAMBDA, lambda v: 0 <= v < 1, "in [0, 1) (0: no interpolation)")
+check_flag(_TAU_PRIME, lambda v: _finite(v) and v > 0, "a number > 0")
 
 
 def main(argv):
@@ -89,9 +89,9 @@ def main(argv):
   tau = gen.default_tau if _TAU.value is None else _TAU.value
   if _TAU.value is None and not (math.isfinite(tau) and tau > 0):
     # The export's own evaluation τ is broken: say so, not "--tau must be > 0" for a flag nobody passed.
-    raise ConfigError(f"{_CHECKPOINT.value}/config.json has eval.temperature={tau!r}, not a τ (> 0) to "
+    raise ConfigError(f"{_CHECKPOINT.value}/config.json has eval.tau={tau!r}, not a τ (> 0) to "
                       "generate with: pass --tau (e.g. the τ trime_jax.launch.eval tuned) or correct the file")
-  spec = G.MemorySpec(memory, tau=tau, interp_lambda=_INTERP_LAMBDA.value, interp_tau=_INTERP_TAU.value,
+  spec = G.MemorySpec(memory, tau=tau, knn_lambda=_KNN_LAMBDA.value, tau_prime=_TAU_PRIME.value,
                       interp_memory=_INTERP_MEMORY.value)
   sampling = G.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _SEED.value)
   store = external = None

@@ -2,9 +2,9 @@
 
   python -m trime_jax.launch.translate --checkpoint=runs/ui_vanilla/export --split=test --out=runs/ui_vanilla/translate
   python -m trime_jax.launch.translate --checkpoint=... --mode=knn_mt --datastore=runs/ui_vanilla/datastore \\
-      --k=16 --lambda=0.3 --temperature=10 --split=test --out=...
+      --k=16 --knn_lambda=0.3 --knn_mt_temperature=10 --split=test --out=...
   python -m trime_jax.launch.translate --checkpoint=... --mode=trime --datastore=... --k=64 --tau=1 \\
-      [--interp_lambda=0.2 --interp_tau=1] --split=test --out=...
+      [--knn_lambda=0.2 --tau_prime=1] --split=test --out=...
   python -m trime_jax.launch.translate --checkpoint=... --datastore=... --tune --out=...      # tune on valid
   python -m trime_jax.launch.translate --checkpoint=... --datastore=... --settings=<out>/tuned.json --mode=trime ...
 
@@ -35,7 +35,7 @@ _SPLIT = flags.DEFINE_enum("split", "test", ["train", "valid", "test"], "Split t
 _OUT = flags.DEFINE_string("out", None, "Output directory.")
 _MODE = flags.DEFINE_enum("mode", "model", ["model", "knn_mt", "trime", "trime_interp", "trime_best"],
                           "Next-token distribution: model | knn_mt | trime (TRIME over vocabulary + retrieved "
-                          "entries; --interp_lambda > 0 adds Appendix A's interpolation). With --settings, "
+                          "entries; --knn_lambda > 0 adds Appendix A's interpolation). With --settings, "
                           "trime_interp takes the tuned interpolated setting and trime_best the better of the two "
                           "on valid BLEU.")
 _BEAM = flags.DEFINE_integer("beam", decode.EVAL_SEARCH.beam, "Beam size (1 = greedy).")
@@ -49,11 +49,11 @@ _DATASTORE = flags.DEFINE_string("datastore", "", "Datastore directory (trime_ja
 _INDEX = flags.DEFINE_string("index", "", "FAISS index (default <datastore>/index.faiss).")
 _NPROBE = flags.DEFINE_integer("nprobe", 32, "IVF lists searched per query.")
 _K = flags.DEFINE_integer("k", 64, "Retrieved entries per query.")
-_LAMBDA = flags.DEFINE_float("lambda", 0.5, "kNN-MT: weight of p_kNN.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 10.0, "kNN-MT: T of exp(-|q - k|^2 / T).")
+_KNN_LAMBDA = flags.DEFINE_float("knn_lambda", None, "Weight λ of the retrieved distribution: kNN-MT's p_kNN "
+                                 "(default 0.5); --mode=trime: Appendix A's P′ (default 0 = no interpolation).")
+_KNN_MT_TEMPERATURE = flags.DEFINE_float("knn_mt_temperature", 10.0, "kNN-MT: T of exp(-|q - k|^2 / T).")
 _TAU = flags.DEFINE_float("tau", 1.0, "TrimeMT_ext: τ on g·k/√D.")
-_INTERP_LAMBDA = flags.DEFINE_float("interp_lambda", 0.0, "TrimeMT_ext: Appendix A's λ (0 = none).")
-_INTERP_TAU = flags.DEFINE_float("interp_tau", 1.0, "TrimeMT_ext: Appendix A's τ′.")
+_TAU_PRIME = flags.DEFINE_float("tau_prime", 1.0, "TrimeMT_ext: Appendix A's τ′.")
 _SETTINGS = flags.DEFINE_string("settings", "", "tuned.json of --tune: its setting for --mode replaces the flags.")
 _BATCH = flags.DEFINE_integer("batch_sentences", 32, "Sentences decoded together.")
 _MAX_SENTENCES = flags.DEFINE_integer("max_sentences", 0, "Translate only the first N sentences (0 = all).")
@@ -74,11 +74,10 @@ check_flag(_MAX_LEN_A, lambda v: _finite(v) and v >= 0, "a number >= 0")
 check_flag(_MAX_LEN_B, lambda v: v >= 0, "an integer >= 0")
 check_flag(_NPROBE, lambda v: v >= 1, "an integer >= 1 (IVF lists searched per query)")
 check_flag(_K, lambda v: v >= 1, "an integer >= 1")
-check_flag(_LAMBDA, lambda v: 0 <= v <= 1, "in [0, 1]")
-check_flag(_TEMPERATURE, lambda v: _finite(v) and v > 0, "a number > 0")
+check_flag(_KNN_LAMBDA, lambda v: 0 <= v <= 1, "in [0, 1] ([0, 1) with --mode=trime; 0: no interpolation)")
+check_flag(_KNN_MT_TEMPERATURE, lambda v: _finite(v) and v > 0, "a number > 0")
 check_flag(_TAU, lambda v: _finite(v) and v > 0, "a number > 0")
-check_flag(_INTERP_LAMBDA, lambda v: 0 <= v < 1, "in [0, 1) (0: no interpolation)")
-check_flag(_INTERP_TAU, lambda v: _finite(v) and v > 0, "a number > 0")
+check_flag(_TAU_PRIME, lambda v: _finite(v) and v > 0, "a number > 0")
 check_flag(_BATCH, lambda v: v >= 1, "an integer >= 1")
 check_flag(_MAX_SENTENCES, lambda v: v >= 0, "an integer >= 0 (0: every sentence)")
 check_flag(_TUNE_BEAM, lambda v: v >= 1, "an integer >= 1")
@@ -158,7 +157,7 @@ def main(argv):
     modes = tuple(_TUNE_MODES.value)
     tp = decode.tune_pass(graphdef, params, pairs, ds, index, k_max=max(decode.KS), modes=modes)
     trime_cfg = config.get("trime")
-    rows = decode.tune(tp, modes=modes, train_tau=float(trime_cfg.get("temperature", 1.0)) if trime_cfg else 1.0)
+    rows = decode.tune(tp, modes=modes, train_tau=float(trime_cfg.get("tau", 1.0)) if trime_cfg else 1.0)
     print(f"tune: one teacher-forced pass over {len(tp.targets):,} valid target tokens + {len(rows)} settings in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     tuned, table = {}, []
@@ -181,10 +180,10 @@ def main(argv):
     return
   if _MODE.value in ("trime_interp", "trime_best") and not _SETTINGS.value:
     raise ConfigError(f"--mode={_MODE.value} selects a tuned setting: give --settings=<tune out>/tuned.json "
-                      "(or --mode=trime with --interp_lambda / --interp_tau)")
+                      "(or --mode=trime with --knn_lambda / --tau_prime)")
   family = "trime" if _MODE.value.startswith("trime") else _MODE.value
-  dist = decode.Distribution(family, k=_K.value, temperature=_TEMPERATURE.value, lam=_LAMBDA.value,
-                             tau=_TAU.value, interp_lambda=_INTERP_LAMBDA.value, interp_tau=_INTERP_TAU.value)
+  dist = decode.Distribution(family, k=_K.value, knn_mt_temperature=_KNN_MT_TEMPERATURE.value,
+                             knn_lambda=_KNN_LAMBDA.value, tau=_TAU.value, tau_prime=_TAU_PRIME.value)
   if _SETTINGS.value:
     dist = decode.Distribution.from_tuned(_SETTINGS.value, _MODE.value)
   pairs = _data(_CONFIG.value, checkpoint, _SPLIT.value, vocab, _MAX_SENTENCES.value, ds)

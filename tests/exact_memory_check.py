@@ -25,10 +25,10 @@ from trime_jax import exact_memory, scoring, sharding  # noqa: E402
 N_DEV = 8
 
 
-def ref_log_probs(logits_NxV, q_NxD, k_MxD, t_M, mask_NxM, temperature):
+def ref_log_probs(logits_NxV, q_NxD, k_MxD, t_M, mask_NxM, tau):
   """float64 log P [N, V] in log space (no overflow however large the similarities)."""
   n, v = logits_NxV.shape
-  sim = q_NxD @ k_MxD.T / math.sqrt(q_NxD.shape[1]) / temperature
+  sim = q_NxD @ k_MxD.T / math.sqrt(q_NxD.shape[1]) / tau
   out = np.empty((n, v))
   for i in range(n):
     terms = [[x] for x in logits_NxV[i]]
@@ -84,25 +84,25 @@ def check():
     want = ref_log_probs(logits, q, k, t, mask, tau)
     case = {}
     for chunk in (0, 2):
-      got = scoring.sharded_memory_log_probs(logits, q, k, t, mask, mesh=mesh, temperature=tau, memory_chunk=chunk)
+      got = scoring.sharded_memory_log_probs(logits, q, k, t, mask, mesh=mesh, tau=tau, memory_chunk=chunk)
       case[f"chunk{chunk}"] = err(got, want)
     case["vs_memory_log_probs"] = err(
-        scoring.sharded_memory_log_probs(logits, q, k, t, mask, mesh=mesh, temperature=tau),
-        scoring.memory_log_probs(logits, q, k, t, mask, temperature=tau))
-    case["no_mask"] = err(scoring.sharded_memory_log_probs(logits, q, k, t, None, mesh=mesh, temperature=tau),
+        scoring.sharded_memory_log_probs(logits, q, k, t, mask, mesh=mesh, tau=tau),
+        scoring.memory_log_probs(logits, q, k, t, mask, tau=tau))
+    case["no_mask"] = err(scoring.sharded_memory_log_probs(logits, q, k, t, None, mesh=mesh, tau=tau),
                           ref_log_probs(logits, q, k, t, np.ones((n, m), bool), tau))
     case["sums_to_one"] = float(np.abs(np.exp(np.asarray(
-        scoring.sharded_memory_log_probs(logits, q, k, t, mask, mesh=mesh, temperature=tau))).sum(-1) - 1).max())
+        scoring.sharded_memory_log_probs(logits, q, k, t, mask, mesh=mesh, tau=tau))).sum(-1) - 1).max())
     case["no_memory_row_is_softmax"] = err(np.asarray(want)[2], logits[2] - np.logaddexp.reduce(logits[2]))
     # Gradients w.r.t. queries and memory keys equal the single-device function's.
-    f = lambda qq, kk: (scoring.sharded_memory_log_probs(logits, qq, kk, t, mask, mesh=mesh, temperature=tau,
+    f = lambda qq, kk: (scoring.sharded_memory_log_probs(logits, qq, kk, t, mask, mesh=mesh, tau=tau,
                                                       memory_chunk=2) * np.arange(v)).sum()
-    g = lambda qq, kk: (scoring.memory_log_probs(logits, qq, kk, t, mask, temperature=tau) * np.arange(v)).sum()
+    g = lambda qq, kk: (scoring.memory_log_probs(logits, qq, kk, t, mask, tau=tau) * np.arange(v)).sum()
     case["grad"] = max(err(a, b) for a, b in zip(jax.grad(f, (0, 1))(q, k), jax.grad(g, (0, 1))(q, k)))
     # The on-device datastore: full distribution (generation) and the evaluation's log-sum-exp terms.
     store = exact_memory.from_arrays(k, t, mesh)
     case["store_rows"] = int(store.keys.shape[0])
-    case["exact_external_log_probs"] = err(exact_memory.exact_external_log_probs(logits, q, store, temperature=tau),
+    case["exact_external_log_probs"] = err(exact_memory.exact_external_log_probs(logits, q, store, tau=tau),
                                            ref_log_probs(logits, q, k, t, np.ones((n, m), bool), tau))
     y = rng.integers(0, v, n)
     y[0] = t[0] if m != 5 else 6  # m=5: a target no memory has (empty positive sum)

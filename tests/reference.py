@@ -12,7 +12,7 @@ def logsumexp(x):
   return m + np.log(np.exp(x - m).sum())
 
 
-def distribution(logits_V, key_D, memory_keys_MxD, memory_targets_M, visible_M, temperature=1.0):
+def distribution(logits_V, key_D, memory_keys_MxD, memory_targets_M, visible_M, tau=1.0):
   """The memory-augmented next-token distribution P(·|c) [V] for one query, in float64."""
   logits = np.asarray(logits_V, np.float64)
   d = key_D.shape[-1]
@@ -20,12 +20,12 @@ def distribution(logits_V, key_D, memory_keys_MxD, memory_targets_M, visible_M, 
   scale = np.exp(-logits.max())
   for j in range(len(memory_targets_M)):
     if visible_M[j] and memory_targets_M[j] >= 0:
-      sim = float(np.dot(np.float64(key_D), np.float64(memory_keys_MxD[j]))) / np.sqrt(d) / temperature
+      sim = float(np.dot(np.float64(key_D), np.float64(memory_keys_MxD[j]))) / np.sqrt(d) / tau
       p[memory_targets_M[j]] += np.exp(sim) * scale
   return p / p.sum()
 
 
-def memory_nll(logits_NxV, keys_NxD, targets_N, mkeys_MxD, mtargets_M, mask_NxM, temperature=1.0):
+def memory_nll(logits_NxV, keys_NxD, targets_N, mkeys_MxD, mtargets_M, mask_NxM, tau=1.0):
   """nll_i = log(Σ_v e^{logit} + Σ_vis e^{sim}) - log(e^{logit_y} + Σ_{vis, x_j = y} e^{sim}); 0 for padding."""
   n = len(targets_N)
   out = np.zeros(n)
@@ -34,7 +34,7 @@ def memory_nll(logits_NxV, keys_NxD, targets_N, mkeys_MxD, mtargets_M, mask_NxM,
     y = targets_N[i]
     if y < 0:
       continue
-    sims = np.float64(mkeys_MxD) @ np.float64(keys_NxD[i]) / np.sqrt(d) / temperature
+    sims = np.float64(mkeys_MxD) @ np.float64(keys_NxD[i]) / np.sqrt(d) / tau
     vis = mask_NxM[i] & (mtargets_M >= 0)
     log_z = logsumexp(np.concatenate([logits_NxV[i], sims[vis]]))
     log_p = logsumexp(np.concatenate([[logits_NxV[i][y]], sims[vis & (mtargets_M == y)]]))
@@ -75,17 +75,17 @@ def batch_mask(memory, targets_BxL, consecutive_segments=1, drop_local=False, do
 
 
 def trime_nll(logits_BxLxV, keys_BxLxD, targets_BxL, memory, consecutive_segments=1, drop_local=False,
-              temperature=1.0, documents_BxL=None):
+              tau=1.0, documents_BxL=None):
   b, l, v = logits_BxLxV.shape
   mask = batch_mask(memory, targets_BxL, consecutive_segments, drop_local, documents_BxL)
   flat_t = targets_BxL.reshape(-1)
   flat_k = keys_BxLxD.reshape(b * l, -1)
   return memory_nll(logits_BxLxV.reshape(b * l, v), flat_k, flat_t, flat_k, flat_t, mask,
-                    temperature).reshape(b, l)
+                    tau).reshape(b, l)
 
 
 def trime_key_grad(logits_BxLxV, keys_BxLxD, targets_BxL, memory, consecutive_segments=1, drop_local=False,
-                   temperature=1.0, key_grad_rows_BxB=None, weights_BxL=None):
+                   tau=1.0, key_grad_rows_BxB=None, weights_BxL=None):
   """d Σ_i w_i·nll_i / d keys `[B, L, D]` in float64, from the analytic derivative of `trime_nll`.
 
   d nll_i / d s_ij = vis_ij·e^{s_ij}/Z_i − pos_ij·e^{s_ij}/P_i, s_ij = q_i·q_j·scale. Token t's key is query
@@ -100,7 +100,7 @@ def trime_key_grad(logits_BxLxV, keys_BxLxD, targets_BxL, memory, consecutive_se
   q = np.float64(keys_BxLxD).reshape(n, -1)
   lg = np.float64(logits_BxLxV).reshape(n, v)
   w = np.ones(n) if weights_BxL is None else np.float64(weights_BxL).reshape(-1)
-  scale = 1.0 / np.sqrt(q.shape[1]) / temperature
+  scale = 1.0 / np.sqrt(q.shape[1]) / tau
   s = q @ q.T * scale
   g = np.zeros((n, n))
   for i in range(n):

@@ -35,7 +35,7 @@ B, SEG, D = 24, 6, 8  # 3 rows per device: runs of m=2, 4, 8, 24 cross device bo
 # 2 (whole-run layout), 2-3, 3-4 and all 8 devices (own-queries layout; m=24: one run, the halo reaches past
 # row 0 from the last device); ext (drop_local is a traced argument: both values use one compilation).
 CASES = [("local", 1), ("long", 3), ("long", 2), ("long", 4), ("long", 8), ("long", 24), ("ext", 1)]
-TEMPERATURE = 0.7
+TAU = 0.7
 
 
 def _targets(rng, v):
@@ -55,7 +55,7 @@ def _max_abs(a):
   return max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(a))
 
 
-def local_only_reference(stats, keys, targets, memory, m, drop_local, temperature, documents=None):
+def local_only_reference(stats, keys, targets, memory, m, drop_local, tau, documents=None):
   """Dense single-device nll `[B, L]` where a memory on another device than the query is stop-gradiented:
   the query-memory similarity uses the live key on the same device and a detached copy across devices."""
   b, l, d = keys.shape
@@ -64,7 +64,7 @@ def local_only_reference(stats, keys, targets, memory, m, drop_local, temperatur
   mask = L.visible(flat, flat, causal, memory == "ext")
   device = flat.row // (b // N_DEV)
   q = keys.reshape(-1, d)
-  scale = 1.0 / (np.sqrt(d) * temperature)
+  scale = 1.0 / (np.sqrt(d) * tau)
   sim = jnp.where(device[:, None] == device[None, :], q @ q.T, q @ jax.lax.stop_gradient(q).T) * scale
   positive = mask & (flat.target[None, :] == flat.target[:, None])
   log_z = S.masked_logsumexp_with(stats.log_normalizer.reshape(-1), sim, mask)
@@ -107,7 +107,7 @@ def check_loss():
         continue
       f = lambda lg, ks: (sharded_loss.sharded_trime_nll(
           lg, ks, targets, mesh=mesh, memory=mem, consecutive_segments=m, drop_local=drop,
-          documents=packed(mem, docs), stop_gradient_memory=sg, temperature=TEMPERATURE, variant=var,
+          documents=packed(mem, docs), stop_gradient_memory=sg, tau=TAU, variant=var,
           memory_grad=mg, memory_chunk=5) * weights).sum()
       out.append(jax.value_and_grad(f, argnums=(0, 1))(lg, ks))
     return out
@@ -123,10 +123,10 @@ def check_loss():
       if mg == "all":
         f = lambda lg, ks: (L.trime_nll(lg, ks, targets, memory=mem, consecutive_segments=m, drop_local=drop,
                                         documents=packed(mem, docs), stop_gradient_memory=sg,
-                                        temperature=TEMPERATURE, implementation="dense") * weights).sum()
+                                        tau=TAU, implementation="dense") * weights).sum()
       else:
         f = lambda lg, ks: (local_only_reference(L.vocab_stats(lg, targets), ks, targets, mem, m, drop,
-                                                 TEMPERATURE, packed(mem, docs)) * weights).sum()
+                                                 TAU, packed(mem, docs)) * weights).sum()
       out[(mem, m, mg, sg)] = jax.value_and_grad(f, argnums=(0, 1))(lg, ks)
     return out
 
@@ -155,12 +155,12 @@ def check_loss():
   for drop in (False, True, drop_rows):
     for mg in ("all", "local_only"):
       f = lambda lg, ks, drop=drop, mg=mg: (sharded_loss.sharded_trime_nll(
-          lg, ks, targets, mesh=mesh, memory="ext", drop_local=drop, temperature=TEMPERATURE, memory_topk=3,
+          lg, ks, targets, mesh=mesh, memory="ext", drop_local=drop, tau=TAU, memory_topk=3,
           memory_grad=mg) * weights).sum()
       val, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(logits, keys)
       if mg == "all":
         r = lambda lg, ks, drop=drop: (L.trime_nll(lg, ks, targets, memory="ext", drop_local=drop,
-                                                   temperature=TEMPERATURE, memory_topk=3) * weights).sum()
+                                                   tau=TAU, memory_topk=3) * weights).sum()
         ref_val, ref_grads = jax.jit(jax.value_and_grad(r, argnums=(0, 1)))(logits, keys)
       topk.append({"drop_local": "rows" if drop is drop_rows else drop, "memory_grad": mg, "value": float(val),
                    "value_err": abs(float(val - ref_val)), "logits_grad_err": _max_err(grads[0], ref_grads[0]),
@@ -202,13 +202,13 @@ def check_group_cut(mesh, logits, keys, targets, weights, drop_rows):
   for mem, m, var, mg, g in runs:
     drop = drop_rows if mem == "ext" else False
     f = lambda lg, ks: (sharded_loss.sharded_trime_nll(
-        lg, ks, targets, mesh=mesh, memory=mem, consecutive_segments=m, drop_local=drop, temperature=TEMPERATURE,
+        lg, ks, targets, mesh=mesh, memory=mem, consecutive_segments=m, drop_local=drop, tau=TAU,
         variant=var, memory_grad=mg, memory_chunk=5, memory_grad_group_rows=g) * weights).sum()
     val, dk = jax.jit(jax.value_and_grad(f, argnums=1))(logits, keys)
     cut = ref.same_group_rows(B, g) & (device if mg == "local_only" else True)
-    want = ref.trime_key_grad(logits, keys, targets, mem, m, drop, TEMPERATURE, cut, weights)
-    uncut = ref.trime_key_grad(logits, keys, targets, mem, m, drop, TEMPERATURE, None, weights)
-    want_val = float((ref.trime_nll(logits, keys, targets, mem, m, drop, TEMPERATURE) * weights).sum())
+    want = ref.trime_key_grad(logits, keys, targets, mem, m, drop, TAU, cut, weights)
+    uncut = ref.trime_key_grad(logits, keys, targets, mem, m, drop, TAU, None, weights)
+    want_val = float((ref.trime_nll(logits, keys, targets, mem, m, drop, TAU) * weights).sum())
     out.append({"memory": mem, "m": m, "variant": var, "memory_grad": mg, "group_rows": g, "value": float(val),
                 "value_err": abs(float(val) - want_val), "keys_grad_err": float(np.abs(np.asarray(dk) - want).max()),
                 "grad_scale": float(np.abs(want).max()), "cut_vs_uncut": float(np.abs(want - uncut).max())})
@@ -233,7 +233,7 @@ def check_model():
 
   def objective(p, inputs, targets, drop, nll_fn, **kw):
     stats, keys = steps.forward(nnx.merge(graphdef, p), inputs, targets)
-    return nll_fn(stats, keys, targets, drop_local=drop, temperature=TEMPERATURE, **kw).sum()
+    return nll_fn(stats, keys, targets, drop_local=drop, tau=TAU, **kw).sum()
 
   def sharded(p, inputs, targets, drop):
     return [jax.value_and_grad(objective)(p, inputs, targets, drop, sharded_loss.sharded_trime_nll_from_vocab_stats,
@@ -355,10 +355,10 @@ def check_placed():
   mem_targets = rng.integers(-1, v, size=24).astype(np.int32)
   mask = rng.random((b, 24)) < 0.7
   kinds = [("none", 1, None, None), ("local", 1, None, None), ("long", 4, None, docs), ("ext", 1, drop, None)]
-  want = {mem: L.trime_nll(logits, keys, targets, memory=mem, consecutive_segments=m, temperature=TEMPERATURE,
+  want = {mem: L.trime_nll(logits, keys, targets, memory=mem, consecutive_segments=m, tau=TAU,
                            drop_local=False if dl is None else dl, documents=dc, implementation="dense")
           for mem, m, dl, dc in kinds}
-  want_probs = S.memory_log_probs(logits[:, 0], keys[:, 0], mem_keys, mem_targets, mask, temperature=TEMPERATURE)
+  want_probs = S.memory_log_probs(logits[:, 0], keys[:, 0], mem_keys, mem_targets, mask, tau=TAU)
   explicit = jax.make_mesh((N_DEV,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
   # Every kind and variant on the explicit mesh (where unplaced inputs fail), eager and jitted; on ours (auto
   # axes, the training path) ext's two variants jitted. (mesh, memory kinds, APIs, ways to call)
@@ -372,7 +372,7 @@ def check_placed():
       for var in ("gather", "ring"):
         for api in apis:
           def f(lg, ks, t, dl, dc, mem=mem, m=m, var=var, api=api, mesh=mesh, put=put):
-            opts = dict(mesh=mesh, memory=mem, consecutive_segments=m, temperature=TEMPERATURE, variant=var,
+            opts = dict(mesh=mesh, memory=mem, consecutive_segments=m, tau=TAU, variant=var,
                         documents=dc, drop_local=False if dl is None else dl)
             if api == "logits":
               return sharded_loss.sharded_trime_nll(lg, ks, t, **opts)
@@ -386,7 +386,7 @@ def check_placed():
                           "err": float(jnp.abs(got - want[mem]).max())})
   put = lambda x: jax.device_put(x, NamedSharding(explicit, P("data")))
   g = lambda lg, q, k, t, mk: sharded_loss.sharded_memory_log_probs(lg, q, k, t, mk, mesh=explicit,
-                                                                    temperature=TEMPERATURE)
+                                                                    tau=TAU)
   for how in ("eager", "jit"):
     got = (g if how == "eager" else jax.jit(g))(put(logits[:, 0]), put(keys[:, 0]), put(mem_keys),
                                                 put(mem_targets), put(mask))

@@ -119,7 +119,7 @@ def test_single_window_variants_match_direct_float64_computation():
   ce = -lsm[np.arange(30), tokens]
   assert res[0].nll == pytest.approx(ce.mean(), rel=1e-5)
   for r, tau in zip(res[1:3], taus):
-    want = ref.trime_nll(logits[None], keys[None], tokens[None], "local", temperature=tau)[0]
+    want = ref.trime_nll(logits[None], keys[None], tokens[None], "local", tau=tau)[0]
     assert r.nll == pytest.approx(want.mean(), rel=1e-5)
   d = keys.shape[-1]
   for r, (lam, theta) in zip(res[3:], cache):

@@ -89,7 +89,7 @@ def test_exact_external_log_probs_is_the_trime_distribution(setup):  # noqa: F81
   rng = np.random.default_rng(3)
   logits = rng.normal(size=(3, len(s["vocab"]))).astype(np.float32)
   q = rng.normal(size=(3, store.dimension)).astype(np.float32)
-  lp = np.asarray(exact_memory.exact_external_log_probs(logits, q, store, temperature=0.6))
+  lp = np.asarray(exact_memory.exact_external_log_probs(logits, q, store, tau=0.6))
   keys, values = np.asarray(s["ds"].keys, np.float64), np.asarray(s["ds"].values)
   for i in range(3):
     want = ref.distribution(logits[i], q[i], keys, values, np.ones(len(values), bool), 0.6)

@@ -236,7 +236,7 @@ def test_interp_memory_config():
   e = default.get_config().eval
   assert e.interp_memory == "external"  # the original release's P′ by default
   interp = lambda: evaluate.configured_points(e, ("interp",))[0]
-  assert interp() == evaluate.Point("interp", tau=e.temperature, tau_prime=e.knn_temperature, lam=e.knn_lambda,
+  assert interp() == evaluate.Point("interp", tau=e.tau, tau_prime=e.tau_prime, lam=e.knn_lambda,
                                     interp_memory="external")
   e.interp_memory = "all"
   assert interp().interp_memory == "all"

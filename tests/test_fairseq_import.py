@@ -512,7 +512,7 @@ def test_eval_of_import_equals_fairseq_eval_lm(torch, tmp_path, name, break_mode
                                   write_dict(tmp_path / "dict.txt"), str(tmp_path / "export"))
   root = helpers.write_wikitext_dir(tmp_path / "wiki")
   t, c, tau = SIZE["tokens_per_sample"], 16, 1.3
-  cfg = wiki_config(root, block_len=t, context_window=c, memory="local", temperature=tau, batch_size=2,
+  cfg = wiki_config(root, block_len=t, context_window=c, memory="local", tau=tau, batch_size=2,
                     sample_break_mode=break_mode)
   rows = {r["family"]: r for r in E.evaluate_checkpoint(cfg, export)["rows"]}
   stream = fairseq_encode_file(os.path.join(root, "wiki.valid.tokens"), WORDS)

@@ -25,7 +25,7 @@ WORDS = ["</s>", "<unk>", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "
 def _export(path, vocab, seed=0, surgery=None, **model):
   """A randomly initialised tiny model exported like a trained one (generation only reads the export)."""
   overrides = {"model.num_layers": 2, "model.d_model": 16, "model.num_heads": 2, "model.d_ff": 32,
-               "model.max_len": 32, "model.dropout": 0.0, "eval.temperature": 0.5,
+               "model.max_len": 32, "model.dropout": 0.0, "eval.tau": 0.5,
                **{f"model.{k}": v for k, v in model.items()}}
   cfg = tiny_config("unused.bin", **overrides)
   net = M.TransformerLM(M.ModelConfig.from_config(cfg.model, vocab_size=len(vocab)), rngs=nnx.Rngs(seed))
@@ -189,8 +189,8 @@ def test_next_token_distribution_matches_float64_numpy(lam):
   mask[2, 12:] = False  # row 2 sees no retrieved entry: the mixture falls back to P_trime
   prime = np.arange(m) >= 12
   got = G.next_token_log_probs(jnp.asarray(logits), jnp.asarray(q), jnp.asarray(keys), jnp.asarray(targets),
-                               jnp.asarray(mask), tau=0.7, prime_M=jnp.asarray(prime), interp_lambda=lam,
-                               interp_tau=0.4)
+                               jnp.asarray(mask), tau=0.7, prime_M=jnp.asarray(prime), knn_lambda=lam,
+                               tau_prime=0.4)
   for r in range(b):
     seen = np.where(mask[r], targets, -1)
     np.testing.assert_allclose(np.exp(np.asarray(got[r], np.float64)),
@@ -326,7 +326,7 @@ def test_external_datastore_generation_and_mismatch(tmp_path, byte_gen):
               np.concatenate([seq[1:], np.asarray(ds.values)[top]]), 0.5)
   np.testing.assert_allclose(out.trace[0].prob, p[out.tokens[0]], rtol=1e-4)
   mixed = byte_gen.generate(["def add(a"], max_new_tokens=5, sampling=G.Sampling(0), external=ext, trace=True,
-                            memory=G.MemorySpec("external", tau=0.5, interp_lambda=0.5, interp_tau=0.2))[0]
+                            memory=G.MemorySpec("external", tau=0.5, knn_lambda=0.5, tau_prime=0.2))[0]
   assert [s.prob for s in mixed.trace] != [s.prob for s in out.trace]
   other = G.Generator(_export(tmp_path / "other", data.Vocab.bytes(), seed=7))
   with pytest.raises(CheckpointError, match="built by another model or vocabulary.*does not match"):
@@ -350,8 +350,8 @@ def test_on_device_datastore_generation_is_every_entry_exactly(tmp_path, byte_ge
   logits, keys = _uncached(_model(byte_gen), seq)
   q = jnp.asarray(keys[-1:], jnp.float32)
   base = scoring.memory_log_weights(jnp.asarray(logits[-1:], jnp.float32), q, jnp.asarray(keys[:-1], jnp.float32),
-                                    jnp.asarray(seq[1:], jnp.int32), jnp.ones((1, len(seq) - 1), bool), temperature=0.5)
-  got = np.exp(np.asarray(exact_memory.exact_external_log_probs(base, q, device, temperature=0.5), np.float64))[0]
+                                    jnp.asarray(seq[1:], jnp.int32), jnp.ones((1, len(seq) - 1), bool), tau=0.5)
+  got = np.exp(np.asarray(exact_memory.exact_external_log_probs(base, q, device, tau=0.5), np.float64))[0]
   want = np_step(logits[-1], keys[-1], np.concatenate([keys[:-1], np.asarray(ds.keys, np.float64)]),
                  np.concatenate([seq[1:], np.asarray(ds.values)]), 0.5)
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
@@ -372,7 +372,7 @@ def test_bad_input_is_a_clear_error(byte_gen):
   with pytest.raises(ConfigError, match="top_p"):
     G.Sampling(top_p=0)
   with pytest.raises(ConfigError, match="memory=external"):
-    G.MemorySpec("local", interp_lambda=0.2)
+    G.MemorySpec("local", knn_lambda=0.2)
   with pytest.raises(ConfigError, match="max_new_tokens"):
     byte_gen.generate(["a"], max_new_tokens=0)
 

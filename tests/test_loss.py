@@ -41,17 +41,17 @@ def _batch(rng, b=6, l=7, d=5, v=6, pad=True, key_scale=3.0):
 
 
 @pytest.mark.parametrize("memory,m,drop_local", MODES)
-@pytest.mark.parametrize("temperature", [1.0, 0.37, 2.5])
+@pytest.mark.parametrize("tau", [1.0, 0.37, 2.5])
 @pytest.mark.parametrize("implementation,chunk", [("blockwise", 5), ("blockwise", 64), ("dense", None),
                                                   ("auto", None)])
-def test_trime_nll_matches_reference(memory, m, drop_local, temperature, implementation, chunk):
-  rng = np.random.default_rng(hash((memory, m, drop_local, temperature)) % 2**32)
+def test_trime_nll_matches_reference(memory, m, drop_local, tau, implementation, chunk):
+  rng = np.random.default_rng(hash((memory, m, drop_local, tau)) % 2**32)
   logits, keys, targets = _batch(rng)
   drop, docs = _opts(drop_local, *targets.shape)
-  want = ref.trime_nll(logits, keys, targets, memory, m, drop, temperature, docs)
+  want = ref.trime_nll(logits, keys, targets, memory, m, drop, tau, docs)
   with jax.enable_x64(True):
     got = loss.trime_nll(jnp.asarray(logits), jnp.asarray(keys), jnp.asarray(targets), memory=memory,
-                         consecutive_segments=m, drop_local=drop, documents=docs, temperature=temperature,
+                         consecutive_segments=m, drop_local=drop, documents=docs, tau=tau,
                          implementation=implementation, memory_chunk=chunk)
     got = np.asarray(got)
   assert got.dtype == np.float64
@@ -92,7 +92,7 @@ def test_gradients_match_finite_differences(memory, m, drop_local):
 
   with jax.enable_x64(True):
     f = lambda lg, ks: (loss.trime_nll(lg, ks, jnp.asarray(targets), memory=memory, consecutive_segments=m,
-                                       drop_local=drop, documents=docs, temperature=0.8, memory_chunk=3)
+                                       drop_local=drop, documents=docs, tau=0.8, memory_chunk=3)
                         * weights).sum()
     g_logits, g_keys = jax.grad(f, argnums=(0, 1))(jnp.asarray(logits), jnp.asarray(keys))
     g_logits, g_keys = np.asarray(g_logits), np.asarray(g_keys)
@@ -130,7 +130,7 @@ def test_gradient_into_separate_memory_keys_and_stop_gradient():
     return float((ref.memory_nll(logits, qq, t, kk, mt, mask, 1.3) * w).sum())
 
   with jax.enable_x64(True):
-    f = lambda qq, kk: (loss.memory_nll(logits, qq, t, kk, mt, mask, temperature=1.3) * w).sum()
+    f = lambda qq, kk: (loss.memory_nll(logits, qq, t, kk, mt, mask, tau=1.3) * w).sum()
     gq, gk = map(np.asarray, jax.grad(f, argnums=(0, 1))(q, k))
   eps = 1e-6
   for x, g, which in [(q, gq, 0), (k, gk, 1)]:
@@ -171,12 +171,12 @@ def test_memory_nll_matches_reference_with_padding_and_empty_rows():
   for temp in (1.0, 0.5, 3.0):
     want = ref.memory_nll(logits, q, t, k, mt, mask, temp)
     with jax.enable_x64(True):
-      got = np.asarray(loss.memory_nll(logits, q, t, k, mt, mask, temperature=temp))
+      got = np.asarray(loss.memory_nll(logits, q, t, k, mt, mask, tau=temp))
     np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-12)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_memory_log_probs_is_the_distribution(temperature):
+@pytest.mark.parametrize("tau", [1.0, 0.6])
+def test_memory_log_probs_is_the_distribution(tau):
   """Rows sum to 1, equal the float64 reference distribution, and agree with memory_nll at the targets."""
   rng = np.random.default_rng(4)
   n, mm, d, v = 9, 13, 4, 7
@@ -187,11 +187,11 @@ def test_memory_log_probs_is_the_distribution(temperature):
   mask = rng.random((n, mm)) < 0.5
   mask[1] = False
   with jax.enable_x64(True):
-    lp = np.asarray(scoring.memory_log_probs(logits, q, k, mt, mask, temperature=temperature))
-    nll = np.asarray(loss.memory_nll(logits, q, t, k, mt, mask, temperature=temperature))
+    lp = np.asarray(scoring.memory_log_probs(logits, q, k, mt, mask, tau=tau))
+    nll = np.asarray(loss.memory_nll(logits, q, t, k, mt, mask, tau=tau))
   np.testing.assert_allclose(np.exp(lp).sum(-1), 1.0, rtol=1e-12)
   for i in range(n):
-    np.testing.assert_allclose(np.exp(lp[i]), ref.distribution(logits[i], q[i], k, mt, mask[i], temperature),
+    np.testing.assert_allclose(np.exp(lp[i]), ref.distribution(logits[i], q[i], k, mt, mask[i], tau),
                                rtol=1e-10, atol=1e-14)
   np.testing.assert_allclose(-lp[np.arange(n), t], nll, rtol=1e-10, atol=1e-12)
   # float32 under jit, larger: still consistent.
@@ -200,8 +200,8 @@ def test_memory_log_probs_is_the_distribution(temperature):
   q, k = (rng.normal(size=(n, d)) * 3).astype(np.float32), (rng.normal(size=(mm, d)) * 3).astype(np.float32)
   t, mt = rng.integers(0, v, n), rng.integers(0, v, mm)
   mask = rng.random((n, mm)) < 0.3
-  lp = np.asarray(scoring.memory_log_probs(logits, q, k, mt, mask, temperature=temperature))
-  nll = np.asarray(loss.memory_nll(logits, q, t, k, mt, mask, temperature=temperature))
+  lp = np.asarray(scoring.memory_log_probs(logits, q, k, mt, mask, tau=tau))
+  nll = np.asarray(loss.memory_nll(logits, q, t, k, mt, mask, tau=tau))
   np.testing.assert_allclose(np.exp(lp).sum(-1), 1.0, rtol=1e-5)
   np.testing.assert_allclose(-lp[np.arange(n), t], nll, rtol=1e-4, atol=1e-5)
 
@@ -337,14 +337,14 @@ def test_packed_documents_cut_memory_exactly_at_boundaries():
   assert packed[2, 0] == ce[2, 0] and stream[2, 0] != ce[2, 0]
 
 
-def _topk_reference(logits, keys, targets, k, temperature):
+def _topk_reference(logits, keys, targets, k, tau):
   """float64 NumPy statement of the original TrimeMT criterion with --topk-mem k (trime_mt_loss.py): memory =
   every token of every other row (no padding); per query, the k most similar of them enter one softmax with
   the vocabulary; the target's probability sums the vocabulary term and the selected memories of that label."""
   b, l, v = logits.shape
   q, t = keys.reshape(b * l, -1), targets.reshape(-1)
   row = np.repeat(np.arange(b), l)
-  sim = q @ q.T / np.sqrt(q.shape[1]) / temperature
+  sim = q @ q.T / np.sqrt(q.shape[1]) / tau
   out = np.zeros(b * l)
   for i in range(b * l):
     if t[i] < 0:
@@ -365,11 +365,11 @@ def test_memory_topk_matches_the_original_mt_criterion(k):
   logits, keys, targets = _batch(np.random.default_rng(7))
   with jax.enable_x64(True):
     got = loss.trime_nll(jnp.asarray(logits), jnp.asarray(keys), jnp.asarray(targets), memory="ext",
-                         drop_local=True, temperature=2.0, memory_topk=k)
+                         drop_local=True, tau=2.0, memory_topk=k)
     np.testing.assert_allclose(np.asarray(got), _topk_reference(logits, keys, targets, k, 2.0), rtol=1e-10, atol=1e-10)
     if k == 1000:  # k above the memory size: the plain objective
       full = loss.trime_nll(jnp.asarray(logits), jnp.asarray(keys), jnp.asarray(targets), memory="ext",
-                            drop_local=True, temperature=2.0, implementation="dense")
+                            drop_local=True, tau=2.0, implementation="dense")
       np.testing.assert_allclose(np.asarray(got), np.asarray(full), rtol=1e-12)
     if k == 1:  # gradients reach only the memories some query selected (and the queries themselves)
       grad = jax.grad(lambda kk: loss.trime_nll(jnp.asarray(logits), kk, jnp.asarray(targets), memory="ext",
@@ -404,7 +404,7 @@ def test_memory_grad_group_rows_matches_reference(memory, m, drop_local, group_r
   with jax.enable_x64(True):
     def f(k, g):
       nll = loss.trime_nll(jnp.asarray(logits), k, jnp.asarray(targets), memory=memory, consecutive_segments=m,
-                           drop_local=drop, temperature=0.7, implementation=implementation, memory_chunk=chunk,
+                           drop_local=drop, tau=0.7, implementation=implementation, memory_chunk=chunk,
                            memory_grad_group_rows=g)
       return (nll * weights).sum(), nll
 
@@ -423,7 +423,7 @@ def test_memory_grad_group_rows_matches_reference(memory, m, drop_local, group_r
 def test_memory_grad_group_rows_spec():
   from ml_collections import ConfigDict
 
-  cfg = ConfigDict({"trime": {"memory": "ext", "consecutive_segments": 1, "temperature": 1.0,
+  cfg = ConfigDict({"trime": {"memory": "ext", "consecutive_segments": 1, "tau": 1.0,
                               "stop_gradient_memory": False, "memory_chunk": 0, "memory_grad_group_rows": 1}})
   spec = loss.ObjectiveSpec.from_config(cfg)
   assert spec.memory_grad_group_rows == 1 and spec.key_grad_group_rows == 1

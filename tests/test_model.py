@@ -257,8 +257,8 @@ ORIGINAL = {
         # the other GPUs' segments without gradient, so a key's gradient comes from its own segment's queries only
         "trime.memory_grad_group_rows": 1,
         # run_pretrained_models.md: --softmax-temp 1.17; ext: --k 1024 --probe 32 --interp-temp 10.5 --lmbda 0.3
-        "eval.temperature": 1.17, "eval.knn_k": 1024, "eval.nprobe": 32, "eval.interp_memory": "external",
-        "eval.knn_temperature": 10.5 / 32, "eval.knn_lambda": 0.3, "eval.reset_at_documents": False,
+        "eval.tau": 1.17, "eval.knn_k": 1024, "eval.nprobe": 32, "eval.interp_memory": "external",
+        "eval.tau_prime": 10.5 / 32, "eval.knn_lambda": 0.3, "eval.reset_at_documents": False,
         "eval.block_len": 3072, "eval.context_window": 2560, "eval.sample_break_mode": "complete",
     },
     # train_scripts/wiki103-150M-trime_long.sh, --arch transformer_lm_wiki103_150M
@@ -275,7 +275,7 @@ ORIGINAL = {
         "train.num_steps": 200_000, "train.learning_rate": 5e-4, "train.schedule": "inverse_sqrt",
         "train.warmup_steps": 8000,
         # run_pretrained_models.md, TrimeLM_long: --softmax-temp 1.07 --mem-size 15000 (= ours + 86 context)
-        "eval.temperature": 1.07, "eval.mem_size": 15000, "eval.long_term_layout": "original", "eval.reset_at_documents": False,
+        "eval.tau": 1.07, "eval.mem_size": 15000, "eval.long_term_layout": "original", "eval.reset_at_documents": False,
         "eval.block_len": 150, "eval.context_window": 86, "eval.sample_break_mode": "none",
     },
     # no script: paper appendix table + transformer_lm_wiki103_small_sm; optimizer details as the 150M script
@@ -305,7 +305,7 @@ ORIGINAL = {
         "train.num_steps": 400_000, "train.learning_rate": 2.5e-4,  # --max-lr 0.00025
         "train.schedule": "cosine", "train.warmup_steps": 0, "train.min_lr": 0.0,  # --lr 0.0
         # run_pretrained_models.md, TrimeLM_long: --softmax-temp 1.10 --mem-size 24576 (= ours + 432 context)
-        "eval.temperature": 1.10, "eval.mem_size": 24576, "eval.long_term_layout": "original", "eval.reset_at_documents": False,
+        "eval.tau": 1.10, "eval.mem_size": 24576, "eval.long_term_layout": "original", "eval.reset_at_documents": False,
         "eval.block_len": 512, "eval.context_window": 432, "eval.sample_break_mode": "none",
     },
 }

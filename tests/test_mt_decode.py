@@ -131,7 +131,7 @@ def _np_mem(scores_K, targets_K, v):
 @pytest.mark.parametrize("lam,temp", [(0.3, 2.0), (0.8, 10.0)])
 def test_knn_mt_distribution_matches_float64(lam, temp):
   logits, q, keys, targets, _ = _small_case()
-  got = np.asarray(decode.knn_mt_log_probs(logits, q, keys, targets, temperature=temp, lam=lam), np.float64)
+  got = np.asarray(decode.knn_mt_log_probs(logits, q, keys, targets, knn_mt_temperature=temp, knn_lambda=lam), np.float64)
   for r in range(len(q)):
     p_model = np.exp(_np_log_softmax(logits[r]))
     if (targets[r] >= 0).any():
@@ -147,8 +147,8 @@ def test_knn_mt_distribution_matches_float64(lam, temp):
 def test_trime_mt_distribution_matches_float64(tau, lam, tau_prime):
   logits, q, keys, targets, _ = _small_case(seed=1)
   d, v = q.shape[1], logits.shape[1]
-  got = np.asarray(decode.trime_log_probs(logits, q, keys, targets, tau=tau, interp_lambda=lam,
-                                          interp_tau=tau_prime), np.float64)
+  got = np.asarray(decode.trime_log_probs(logits, q, keys, targets, tau=tau, knn_lambda=lam,
+                                          tau_prime=tau_prime), np.float64)
   for r in range(len(q)):
     sim = (keys[r] @ q[r]) / math.sqrt(d)
     weights = np.exp(logits[r]).copy()
@@ -354,8 +354,8 @@ def test_translate_every_mode_and_knn_mt_recalls_training_targets(tiny):
   train, test = tiny["train"], tiny["test"]
   opts = decode.SearchOptions(beam=4, max_len_a=1.0, max_len_b=5)
   results = {}
-  for dist in [decode.Distribution("model"), decode.Distribution("knn_mt", k=4, temperature=1.0, lam=0.3),
-               decode.Distribution("trime", k=4, tau=1.0, interp_lambda=0.3, interp_tau=0.5)]:
+  for dist in [decode.Distribution("model"), decode.Distribution("knn_mt", k=4, knn_mt_temperature=1.0, knn_lambda=0.3),
+               decode.Distribution("trime", k=4, tau=1.0, knn_lambda=0.3, tau_prime=0.5)]:
     tr = decode.Translator(graphdef, params, cfg, dist=dist, datastore=ds, index=index, options=opts,
                            eos_id=vocab.eos_id)
     hyps = tr.translate(test.src, batch_sentences=4)  # the same shapes in every call: one compilation
@@ -365,7 +365,7 @@ def test_translate_every_mode_and_knn_mt_recalls_training_targets(tiny):
   assert all(0 <= b <= 100 + 1e-9 for b in results.values())
   # The training sources' decoder states are the datastore's keys: a kNN-MT dominated by p_kNN at a low
   # temperature translates them exactly as their training targets (the datastore is a translation memory).
-  tr = decode.Translator(graphdef, params, cfg, dist=decode.Distribution("knn_mt", k=4, temperature=0.01, lam=0.99),
+  tr = decode.Translator(graphdef, params, cfg, dist=decode.Distribution("knn_mt", k=4, knn_mt_temperature=0.01, knn_lambda=0.99),
                          datastore=ds, index=index, options=opts, eos_id=vocab.eos_id)
   hyps = tr.translate(train.src[:4], batch_sentences=4)
   assert [h.tokens for h in hyps] == [list(y) for y in train.tgt[:4]]
@@ -409,7 +409,7 @@ def test_cli_build_datastore_and_translate_tune(tiny):
   assert only["chosen"]["model"]["valid_nll"] == pytest.approx(tuned["chosen"]["model"]["valid_nll"], rel=1e-6)
   plain = decode.Distribution.from_tuned(str(out / "tuned.json"), "trime")
   interp = decode.Distribution.from_tuned(str(out / "tuned.json"), "trime_interp")
-  assert plain.mode == interp.mode == "trime" and plain.interp_lambda == 0 < interp.interp_lambda
+  assert plain.mode == interp.mode == "trime" and plain.knn_lambda == 0 < interp.knn_lambda
   best = max(("trime", "trime_interp"), key=lambda m: tuned["chosen"][m]["bleu"])
   assert decode.Distribution.from_tuned(str(out / "tuned.json"), "trime_best") == {
       "trime": plain, "trime_interp": interp}[best]

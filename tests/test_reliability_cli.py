@@ -184,10 +184,10 @@ def e_generate_top_p(b):
   return _generate(b, "--top_p=0"), ["--top_p must be in (0, 1]"], []
 
 
-def e_generate_bad_stored_temperature(b):  # blames the export's config.json, not --tau / --interp_tau
-  x = _copy(b, "work", "badtemp") / "export"
-  edit_json(x / "config.json", lambda c: c["eval"].update(temperature=-1.0))
-  return _generate(b, export=x), [f"{x}/config.json has eval.temperature=-1.0", "pass --tau"], [x]
+def e_generate_bad_stored_tau(b):  # blames the export's config.json, not --tau / --tau_prime
+  x = _copy(b, "work", "badtau") / "export"
+  edit_json(x / "config.json", lambda c: c["eval"].update(tau=-1.0))
+  return _generate(b, export=x), [f"{x}/config.json has eval.tau=-1.0", "pass --tau"], [x]
 
 
 def e_eval_architecture_override(b):  # 35.9: the implicit export config, then an explicit --config
@@ -202,8 +202,8 @@ def e_eval_architecture_override_explicit_config(b):
 
 def e_export_config_unknown_field(b):  # 35.10
   x = _copy(b, "work", "typo") / "export"
-  edit_json(x / "config.json", lambda c: c["eval"].update(tempreture=2.0))
-  return _case("eval", f"--checkpoint={x}"), [f"error: {x}/config.json", "eval.tempreture (eval.temperature?)"], [x]
+  edit_json(x / "config.json", lambda c: c["eval"].update(knn_kk=2))
+  return _case("eval", f"--checkpoint={x}"), [f"error: {x}/config.json", "eval.knn_kk (eval.knn_k?)"], [x]
 
 
 def e_export_config_unknown_field_explicit_config(b):
@@ -211,6 +211,28 @@ def e_export_config_unknown_field_explicit_config(b):
   edit_json(x / "config.json", lambda c: c["model"].update(num_layer=2))
   case = _case("eval", f"--config={b['cfg']}", f"--checkpoint={x}")
   return case, [f"{x}/config.json", "model.num_layer"], [x]
+
+
+def e_renamed_config_override(b):  # issue 34: an old field name is one line naming the new one
+  case = _case("eval", f"--config={b['cfg']}", f"--checkpoint={b['export']}", "--config.eval.temperature=2")
+  return case, ["error: eval.temperature is now eval.tau (τ on memory similarities)"], []
+
+
+def e_renamed_config_file_field(b):  # a config file that still sets an old name (the default config is locked)
+  path = b["tmp"] / "cases" / "old_names.py"
+  path.write_text(f"from tests.helpers import tiny_config\n\ndef get_config():\n"
+                  f"  c = tiny_config({str(b['corpus'])!r})\n  c.eval.knn_temperature = 0.5\n  return c\n")
+  case = _case("eval", f"--config={path}", f"--checkpoint={b['export']}")
+  return case, ["error: eval.knn_temperature is now eval.tau_prime (τ′ of Appendix A's P′)"], [path]
+
+
+def e_renamed_flag_generate(b):
+  return _generate(b, "--interp_tau=0.5"), ["error: --interp_tau is now --tau_prime"], []
+
+
+def e_renamed_flag_translate(b):  # translate's --temperature was kNN-MT's T (generate's is still sampling's)
+  case = _case("translate", f"--checkpoint={b['export']}", f"--out={b['tmp']}/cases/tr", "--temperature=10")
+  return case, ["error: --temperature is now --knn_mt_temperature"], []
 
 
 def e_eval_output_folder(b):  # checked before the evaluation runs
@@ -289,12 +311,13 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_build_datastore_nlist0, e_build_datastore_entries_alone, e_build_datastore_nlist_flat,
                e_import_fairseq_out_is_export, e_import_fairseq_checkpoint_folder, e_import_fairseq_text_checkpoint,
                e_translate_max_sentences, e_translate_batch_sentences, e_translate_nprobe, e_translate_tune_modes,
-               e_generate_nprobe, e_generate_top_p, e_generate_bad_stored_temperature, e_eval_architecture_override,
+               e_generate_nprobe, e_generate_top_p, e_generate_bad_stored_tau, e_eval_architecture_override,
                e_eval_architecture_override_explicit_config, e_export_config_unknown_field,
                e_export_config_unknown_field_explicit_config, e_eval_output_folder, e_eval_ext_output_folder,
                e_byte_corpus_folder, e_token_file_folder, e_make_batches_out_is_workdir,
                e_make_batches_out_other_corpus, e_batch_plan_other_corpus, e_prepare_data_manual_dir,
-               e_full_disk_output]
+               e_full_disk_output, e_renamed_config_override, e_renamed_config_file_field, e_renamed_flag_generate,
+               e_renamed_flag_translate]
 
 
 # Recovery rows: builder(b) -> (cases, check(results, b))
@@ -318,7 +341,29 @@ def r_build_datastore_overwrite(b):
                 "--index=none", "--split=dev", "--overwrite")], check
 
 
-RECOVERY_CASES = [r_split_overlap_allowed, r_build_datastore_overwrite]
+def r_export_with_old_names(b):  # issue 34: an export written before the renames evaluates and generates the same
+  x = _copy(b, "work", "old_names") / "export"
+
+  def old(c):
+    c["trime"]["temperature"] = c["trime"].pop("tau")
+    c["eval"]["temperature"] = c["eval"].pop("tau")
+    c["eval"]["knn_temperature"] = c["eval"].pop("tau_prime")
+
+  edit_json(x / "config.json", old)
+  runs = [(_case("eval", f"--checkpoint={e}", "--config.eval.max_tokens=100"),
+           _generate(b, "--temperature=0", export=e)) for e in (b["export"], x)]
+
+  def check(rs, b):
+    for r in rs:
+      assert r["rc"] == 0, r["err"][-3000:]
+    table = lambda r: [ln.rsplit("|", 2)[0] for ln in r["out"].splitlines() if ln.startswith("|")]  # not tokens/s
+    assert table(rs[0]) and table(rs[0]) == table(rs[2])  # the same numbers, to the printed digit
+    assert rs[1]["out"].split("=== prompt")[1] == rs[3]["out"].split("=== prompt")[1]
+
+  return [case for pair in runs for case in pair], check
+
+
+RECOVERY_CASES = [r_split_overlap_allowed, r_build_datastore_overwrite, r_export_with_old_names]
 
 
 @pytest.fixture(scope="module")

@@ -139,7 +139,7 @@ def test_srupp_long_loss_equals_float64_reference_with_stop_gradient_on_stale_ke
   k, pk = rng.normal(size=(b, l, d)), rng.normal(size=(b, m, d))
   t, pt = rng.integers(0, 3, (b, l)), rng.integers(0, 3, (b, m))
   t[1, 4], pt[0, 1], pt[1, :] = -1, -1, -1  # padding, and a row with no previous segment (a reset)
-  spec = L.ObjectiveSpec("long", temperature=tau)
+  spec = L.ObjectiveSpec("long", tau=tau)
   w = rng.normal(size=(b, l))
   with jax.enable_x64(True):
     def f(keys, prev):

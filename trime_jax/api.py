@@ -149,8 +149,8 @@ class Model:
 
   @property
   def default_tau(self) -> float:
-    """τ the export was evaluated with (config eval.temperature): the default of score and generate."""
-    return float(self.config.eval.temperature)
+    """τ the export was evaluated with (config eval.tau): the default of score and generate."""
+    return float(self.config.eval.tau)
 
   def tokenize(self, text: str) -> list[int]:
     """Token ids of `text` as the model reads it: its UTF-8 bytes (byte models), or its words with `</s>` at each
@@ -189,8 +189,8 @@ class Model:
 
     Each text is scored on its own (one stream starting at `</s>`), in the export's evaluation windows
     (eval.block_len, eval.context_window), with `memory` (none | local | long | external, see the module
-    docstring) at temperature `tau` (default: the export's eval.temperature). `datastore`, `k`: external memory's
-    datastore directory and entries retrieved per token (default eval.knn_k)."""
+    docstring) at τ = `tau` on memory similarities (default: the export's eval.tau). `datastore`, `k`: external
+    memory's datastore directory and entries retrieved per token (default eval.knn_k)."""
     if memory not in MEMORIES:
       raise ConfigError(f"memory must be one of {MEMORIES}, got {memory!r}")
     if (memory == "external") != (datastore is not None):
@@ -225,7 +225,8 @@ class Model:
   def generate(self, prompts, *, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
                top_k: int = 0, seed: int = 0, memory: str = "local", datastore: str | None = None,
                tau: float | None = None, k: int | None = None, trace: bool = False):
-    """Continue each prompt (a string gives one Output, a list a list): `temperature` 0 is greedy, `top_p` /
+    """Continue each prompt (a string gives one Output, a list a list): `temperature` (of sampling; 0 is greedy),
+    `tau` (τ on memory similarities, default the export's eval.tau), `top_p` /
     `top_k` filter the distribution (1.0 / 0: off), `seed` fixes the draws. `memory`: none | local | long (the
     documents in `model.memory`) | external (`datastore=DIR`, plus `model.memory` when it holds documents).
     `trace`: each Output.trace lists every token's probability and the memories that contributed most.

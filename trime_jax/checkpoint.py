@@ -314,12 +314,15 @@ def _resume_problem(workdir: str, path: str, config, new: dict):
     from trime_jax.errors import ConfigError
 
     try:
-      workdir_files.check_stored_config(path, read_json(path, "workdir config", CheckpointError), config)
+      # A config.json written before a field was renamed reads under today's names (workdir.RENAMED_FIELDS):
+      # resuming it is no config change.
+      stored = workdir_files.migrate_config(read_json(path, "workdir config", CheckpointError), path)
+      workdir_files.check_stored_config(path, stored, config)
     except ConfigError as e:
       return str(e), {}, []
   if not (resuming and os.path.exists(path)):
     return None, {}, []
-  old = _flat(read_json(path, "workdir config", CheckpointError))
+  old = _flat(stored)
   flat_new = _flat(new)
   diff = {k: [old[k], flat_new[k]] for k in sorted(old.keys() & flat_new.keys()) if old[k] != flat_new[k]}
   blocking = [k for k in diff if not k.startswith(RESUMABLE_CHANGES)]
@@ -553,7 +556,11 @@ def load_export(directory: str):
   if missing:
     raise CheckpointError(f"incomplete checkpoint export {directory}: missing {', '.join(missing)}")
   config_path = os.path.join(directory, "config.json")
-  config = ml_collections.ConfigDict(read_json(config_path, "export config", DamagedCheckpointError))
+  # An export written before a field was renamed loads under today's names (runtime.workdir.RENAMED_FIELDS).
+  from trime_jax.runtime.workdir import migrate_config
+
+  config = ml_collections.ConfigDict(migrate_config(read_json(config_path, "export config", DamagedCheckpointError),
+                                                    config_path))
   meta = read_export_meta(directory)
   vocab = read_export_vocab(directory)
   try:

@@ -177,10 +177,10 @@ def summary_blocks(lse_neg_CxSxQ, lse_pos_CxSxQ, scales) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 # Generation: the full distribution.
 # ----------------------------------------------------------------------------------------------------------
-def exact_external_log_probs(token_logits_NxV, queries_NxD, store: DeviceDatastore, *, temperature: float = 1.0,
+def exact_external_log_probs(token_logits_NxV, queries_NxD, store: DeviceDatastore, *, tau: float = 1.0,
                              memory_chunk: int = 0):
   """The TRIME next-token distribution `[N, V]` (log-probabilities) over the vocabulary and every entry of the
-  on-device datastore `store`, at temperature τ:
+  on-device datastore `store`, at τ = `tau`:
 
     P(w | c) ∝ exp(logit_w) + Σ_{j: x_j = w} exp(g(c)·k_j / √D / τ)
 
@@ -191,4 +191,4 @@ def exact_external_log_probs(token_logits_NxV, queries_NxD, store: DeviceDatasto
     raise CheckpointError(f"queries of dimension {queries_NxD.shape[-1]} cannot score a datastore of dimension "
                           f"{store.dimension}")
   return scoring.sharded_memory_log_probs(token_logits_NxV, queries_NxD, store.keys, store.targets, None, mesh=store.mesh,
-                                  temperature=temperature, axis=store.axis, memory_chunk=memory_chunk)
+                                  tau=tau, axis=store.axis, memory_chunk=memory_chunk)

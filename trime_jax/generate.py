@@ -77,20 +77,20 @@ class Sampling:
 @dataclasses.dataclass(frozen=True)
 class MemorySpec:
   kind: str = "local"  # none | local | long | external
-  tau: float | None = None  # TRIME temperature τ on memory similarities (None: the export's eval.temperature)
-  interp_lambda: float = 0.0  # external: Appendix A's λ (0 = no interpolation)
-  interp_tau: float = 1.0  # τ′ of P′
+  tau: float | None = None  # τ on memory similarities g·g_j/√D (None: the export's eval.tau)
+  knn_lambda: float = 0.0  # external: Appendix A's λ, the weight of P′ (0 = no interpolation)
+  tau_prime: float = 1.0  # τ′ of P′
   interp_memory: str = "external"  # memories of P′: "external" (retrieved only) | "all"
 
   def __post_init__(self):
     if self.kind not in MEMORIES:
       raise ConfigError(f"memory must be one of {MEMORIES}, got {self.kind!r}")
-    if (self.tau is not None and not self.tau > 0) or not self.interp_tau > 0:
-      raise ConfigError(f"tau and interp_tau must be > 0, got {self.tau}, {self.interp_tau}")
-    if not 0 <= self.interp_lambda < 1:
-      raise ConfigError(f"interp_lambda must be in [0, 1), got {self.interp_lambda}")
-    if self.interp_lambda and self.kind != "external":
-      raise ConfigError("the interpolation (interp_lambda > 0) mixes in retrieved entries: it needs memory=external")
+    if (self.tau is not None and not self.tau > 0) or not self.tau_prime > 0:
+      raise ConfigError(f"tau and tau_prime must be > 0, got {self.tau}, {self.tau_prime}")
+    if not 0 <= self.knn_lambda < 1:
+      raise ConfigError(f"knn_lambda must be in [0, 1), got {self.knn_lambda}")
+    if self.knn_lambda and self.kind != "external":
+      raise ConfigError("the interpolation (knn_lambda > 0) mixes in retrieved entries: it needs memory=external")
     if self.interp_memory not in INTERP_MEMORIES:
       raise ConfigError(f"interp_memory must be one of {INTERP_MEMORIES}, got {self.interp_memory!r}")
 
@@ -99,12 +99,12 @@ class MemorySpec:
 # The next-token distribution and sampling (pure functions; tests compare them with NumPy references)
 # ----------------------------------------------------------------------------------------------------------
 def next_token_log_probs(logits_BxV, q_BxD, mem_keys_MxD, mem_targets_M, mem_mask_BxM, *, tau: float,
-                         prime_M=None, interp_lambda: float = 0.0, interp_tau: float = 1.0):
+                         prime_M=None, knn_lambda: float = 0.0, tau_prime: float = 1.0):
   """log P [B, V] of the next token: `scoring.trime_log_probs`, every row's query against the memories its mask
-  shows (memories with target < 0 are empty slots). With interp_lambda > 0: (1-λ)·P_trime + λ·P′, P′ over the
+  shows (memories with target < 0 are empty slots). With knn_lambda > 0: (1-λ)·P_trime + λ·P′, P′ over the
   visible memories where `prime_M` is True (rows that see none keep P_trime)."""
   return scoring.trime_log_probs(logits_BxV, q_BxD, mem_keys_MxD, mem_targets_M, mem_mask_BxM, tau=tau,
-                                 prime_M=prime_M, interp_lambda=interp_lambda, interp_tau=interp_tau)
+                                 prime_M=prime_M, knn_lambda=knn_lambda, tau_prime=tau_prime)
 
 
 def filter_log_probs(log_p_BxV, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
@@ -178,7 +178,7 @@ def _next_token(graphdef, params, f_BxD, g_BxD, local_keys, local_targets, store
     mask = jnp.concatenate([m for _, _, m, _ in blocks], axis=1)
     prime = jnp.concatenate([jnp.full(t.shape, is_ext or memory.interp_memory == "all") for _, t, _, is_ext in blocks])
     log_p = next_token_log_probs(logits, q, keys, targets, mask, tau=memory.tau, prime_M=prime,
-                                 interp_lambda=memory.interp_lambda, interp_tau=memory.interp_tau)
+                                 knn_lambda=memory.knn_lambda, tau_prime=memory.tau_prime)
   tokens = sample(log_p, keys_B, sampling)
   extra = None
   if trace:
@@ -219,8 +219,8 @@ def _exact_next_token(graphdef, params, f_BxD, g_BxD, local_keys, local_targets,
     targets = jnp.concatenate([targets, store_targets])
     mask = jnp.concatenate([mask, jnp.ones((b, store_targets.shape[0]), bool)], axis=1)
   # the unnormalised TRIME weights of the local / long-term memories, to which every datastore entry is added
-  base = scoring.memory_log_weights(logits, q, keys.astype(jnp.float32), targets, mask, temperature=memory.tau)
-  log_p = exact_memory.exact_external_log_probs(base, q, device_store, temperature=memory.tau)
+  base = scoring.memory_log_weights(logits, q, keys.astype(jnp.float32), targets, mask, tau=memory.tau)
+  log_p = exact_memory.exact_external_log_probs(base, q, device_store, tau=memory.tau)
   tokens = sample(jnp.asarray(log_p), keys_B, sampling)
   local_keys, local_targets = _remember(local_keys, local_targets, g_BxD, tokens, slot_B, active_B)
   return tokens, log_p, local_keys, local_targets, None
@@ -318,7 +318,7 @@ class Generator:
       raise ConfigError(f"generation supports the transformer backbone; {checkpoint_dir} is a "
                         f"{model.cfg.backbone} model")
     self.cfg = model.cfg
-    self.default_tau = float(self.config.eval.temperature)  # the export's evaluation τ
+    self.default_tau = float(self.config.eval.tau)  # the export's evaluation τ
     self.eos = self.vocab.index.get(data.EOS)  # bytes: none (generation stops at the budget)
     self.log = log
     # The step functions, jitted with the graph bound (hashing a static graphdef costs ~1 ms per call).
@@ -431,7 +431,7 @@ class Generator:
                stop_at_eos: bool = True) -> list[Generation]:
     """Continue each prompt (a string, or a list of token ids) by up to `max_new_tokens` tokens, stopping a
     row at `</s>` (word vocabularies, `stop_at_eos`). memory: a MemorySpec (default: local; τ: the export's
-    eval.temperature unless given). `store` (memory long or external) is read, and extended with every row's
+    eval.tau unless given). `store` (memory long or external) is read, and extended with every row's
     prompt and output unless remember=False; `external` (memory external) is searched once per generated
     token."""
     memory = memory or MemorySpec("local")
@@ -450,7 +450,7 @@ class Generator:
     if memory.kind in ("none", "local"):
       store = None
     if memory.kind == "external" and isinstance(external, exact_memory.DeviceDatastore) and (
-        memory.interp_lambda or trace):
+        memory.knn_lambda or trace):
       raise ConfigError("the on-device datastore gives exact sums over every entry, not retrieved entries: the "
                         "interpolation and the retrieval trace need a FAISS index (Generator.external)")
     ids = [self.tokenize(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
@@ -582,13 +582,13 @@ class Generator:
         targets = self._memory_targets(r, seqs, cap, store, n_store, external, ext_ids)
         z = np.logaddexp.reduce(np.concatenate([logits[r], s[np.isfinite(s)] / memory.tau]))
         pos = np.flatnonzero((targets == w) & np.isfinite(s))
-        contrib = np.exp(s[pos] / memory.tau - z) * (1 - memory.interp_lambda)
-        if memory.interp_lambda and ext_ids is not None:
+        contrib = np.exp(s[pos] / memory.tau - z) * (1 - memory.knn_lambda)
+        if memory.knn_lambda and ext_ids is not None:
           first_ext = cap + n_store if memory.interp_memory == "external" else 0
           in_prime = np.isfinite(s) & (np.arange(len(s)) >= first_ext)
-          z_prime = np.logaddexp.reduce(s[in_prime] / memory.interp_tau)
-          contrib = contrib + memory.interp_lambda * np.where(
-              pos >= first_ext, np.exp(s[pos] / memory.interp_tau - z_prime), 0.0)
+          z_prime = np.logaddexp.reduce(s[in_prime] / memory.tau_prime)
+          contrib = contrib + memory.knn_lambda * np.where(
+              pos >= first_ext, np.exp(s[pos] / memory.tau_prime - z_prime), 0.0)
         share = float(contrib.sum() / max(p, 1e-300))
         for j in np.argsort(-contrib, kind="stable")[:3]:
           top.append(self._describe(pos[j], float(contrib[j] / max(p, 1e-300)), r, seqs, cap, store, n_store,

@@ -3,7 +3,7 @@
 One search per scored token (the original searched every position of each block, context included, and
 twice). The retrieved entries are scored by the index's approximate inner product or, with `exact=True`,
 re-scored exactly from the stored float16 keys. Similarities follow the training objective:
-sim = g(c)·k_j / √D (temperatures are applied by the evaluator).
+sim = g(c)·k_j / √D (τ, τ′ and θ are applied by the evaluator).
 """
 
 from __future__ import annotations

@@ -183,15 +183,15 @@ def per_query_causal(memory: str, drop_local, b: int, l: int):
 # Dense path (explicit masks).
 # ----------------------------------------------------------------------------------------------------------
 def memory_nll_from_vocab_stats(
-    stats: VocabStats, keys, targets, memory_keys, memory_targets, memory_mask, *, temperature=1.0
+    stats: VocabStats, keys, targets, memory_keys, memory_targets, memory_mask, *, tau=1.0
 ):
   """`memory_nll` with the vocabulary side given as `VocabStats` `[N]` (dense mask `[N, M]`)."""
-  scale = scoring.static_scale(keys.shape[-1], temperature)
+  scale = scoring.static_scale(keys.shape[-1], tau)
   return scoring.dense_nll(stats, keys, targets, memory_keys, memory_targets, memory_mask, scale)
 
 
-def memory_nll(token_logits, keys, targets, memory_keys, memory_targets, memory_mask, *, temperature=1.0):
-  """Negative log-likelihood `[N]` of `targets` under the memory-augmented softmax (dense mask).
+def memory_nll(token_logits, keys, targets, memory_keys, memory_targets, memory_mask, *, tau=1.0):
+  """Negative log-likelihood `[N]` of `targets` under the memory-augmented softmax at τ = `tau` (dense mask).
 
   token_logits `[N, V]`, keys `[N, D]`, targets `[N]` int, memory_keys `[M, D]`, memory_targets `[M]` int,
   memory_mask `[N, M]` bool (True: memory j is visible to query i). Memories with a negative target are
@@ -199,7 +199,7 @@ def memory_nll(token_logits, keys, targets, memory_keys, memory_targets, memory_
   """
   stats = vocab_stats(token_logits, targets)
   return memory_nll_from_vocab_stats(
-      stats, keys, targets, memory_keys, memory_targets, memory_mask, temperature=temperature
+      stats, keys, targets, memory_keys, memory_targets, memory_mask, tau=tau
   )
 
 
@@ -214,7 +214,7 @@ class ObjectiveSpec:
 
   memory: str  # none | local | long | ext (see `trime_nll`)
   consecutive_segments: int = 1  # memory="long": rows per document run
-  temperature: float = 1.0  # τ on memory logits (may be a traced scalar where the spec is not static)
+  tau: float = 1.0  # τ on memory similarities g·g_j/√D (may be a traced scalar where the spec is not static)
   stop_gradient_memory: bool = False  # no gradient into memory keys
   implementation: str = "auto"  # auto | blockwise | dense (see IMPLEMENTATIONS)
   block_elems: int = DEFAULT_BLOCK_ELEMS  # budget of one similarity block (blockwise path)
@@ -248,7 +248,7 @@ class ObjectiveSpec:
   def from_config(cls, config) -> "ObjectiveSpec":
     """From the `trime` section (memory_chunk 0 = derived from the block budget)."""
     t = config.trime
-    return cls(memory=t.memory, consecutive_segments=int(t.consecutive_segments), temperature=float(t.temperature),
+    return cls(memory=t.memory, consecutive_segments=int(t.consecutive_segments), tau=float(t.tau),
                stop_gradient_memory=bool(t.stop_gradient_memory), memory_chunk=int(t.memory_chunk) or None,
                memory_topk=int(t.get("memory_topk", 0)),
                memory_grad_group_rows=int(t.get("memory_grad_group_rows", 0)))
@@ -310,7 +310,7 @@ def trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: Objective
   causal = per_query_causal(memory, drop_local, b, l)
   cross_rows = memory == "ext"
   acc = accumulation_dtype(keys, stats.log_normalizer)
-  scale = scoring.similarity_scale(d, spec.temperature, acc)
+  scale = scoring.similarity_scale(d, spec.tau, acc)
   mem_keys = jax.lax.stop_gradient(keys) if spec.stop_gradient_memory else keys
 
   if spec.implementation == "dense" or spec.memory_topk:
@@ -352,7 +352,7 @@ def trime_nll(token_logits, keys, targets, spec: ObjectiveSpec | None = None, *,
   """TRIME negative log-likelihood `[B, L]`; the memory is the batch itself.
 
   token_logits `[B, L, V]`, keys `[B, L, D]`, targets `[B, L]` (negative = padding: never memory, nll 0).
-  `spec` (or its fields as keywords: `trime_nll(..., memory="local", temperature=0.5)`):
+  `spec` (or its fields as keywords: `trime_nll(..., memory="local", tau=0.5)`):
     memory="none":  plain cross-entropy
     memory="local": token t of segment b sees tokens j < t of segment b
     memory="long":  rows come in runs of `consecutive_segments` consecutive segments of the stream; a token

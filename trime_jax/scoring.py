@@ -172,14 +172,14 @@ def same_grad_group(query_row, memory_row, group_rows: int):
   return (m >= 0) & (q == m // group_rows)
 
 
-def static_scale(d: int, temperature):
+def static_scale(d: int, tau):
   """1 / (√d · τ) as a Python float (τ a Python number): the factor on q·k of the dense paths."""
-  return 1.0 / (math.sqrt(d) * temperature)
+  return 1.0 / (math.sqrt(d) * tau)
 
 
-def similarity_scale(d: int, temperature, dtype):
+def similarity_scale(d: int, tau, dtype):
   """1 / (√d · τ) in `dtype` (τ may be traced): the factor on q·k of the blockwise paths."""
-  return jnp.asarray(static_scale(d, 1.0), dtype) / jnp.asarray(temperature, dtype)
+  return jnp.asarray(static_scale(d, 1.0), dtype) / jnp.asarray(tau, dtype)
 
 
 def log_terms(log_normalizer, target_logit, terms):
@@ -356,7 +356,7 @@ def chunk_len(n_queries: int, n_memory: int, block_elems: int = DEFAULT_BLOCK_EL
 class MemoryBlock(NamedTuple):
   """One source of memories for queries `[..., Q]`; all fields `[..., Q, M]`."""
 
-  sim: jax.Array  # g(c)·g(c_j) / √D, before the temperature (TRIME) or θ (cache)
+  sim: jax.Array  # g(c)·g(c_j) / √D, before τ (TRIME) or θ (cache)
   visible: jax.Array  # bool: memory j is in query i's test memory
   positive: jax.Array  # bool: visible and memory j's target equals query i's target
 
@@ -369,7 +369,7 @@ def block_similarities(queries_SxQxD, keys_SxMxD):
 
 
 def trime_log_prob(log_normalizer, target_logit, blocks, tau):
-  """log P_trime(target) `[..., Q]` at temperature τ over the memories of `blocks` (vocabulary + memories)."""
+  """log P_trime(target) `[..., Q]` at τ = `tau` over the memories of `blocks` (vocabulary + memories)."""
   z, p = log_terms(log_normalizer, target_logit, [(blk.sim / tau, blk.visible, blk.positive) for blk in blocks])
   return p - z
 
@@ -433,37 +433,38 @@ def _memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_ma
   return _normalise(log_w) if normalise else log_w
 
 
-def memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask, *, temperature=1.0):
-  """The full memory-augmented distribution `[N, V]` (log-probabilities; rows sum to 1).
+def memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask, *, tau=1.0):
+  """The full memory-augmented distribution `[N, V]` (log-probabilities; rows sum to 1) at τ = `tau`.
 
   token_logits `[N, V]`, keys `[N, D]`, memory_keys `[M, D]`, memory_targets `[M]` int (negative: ignored),
   memory_mask `[N, M]` bool. exp(sim) of every visible memory is scattered into its target's vocabulary bucket
   with a jit-compiled segment sum and added to exp(logits) before normalising. The same law with the memory
   sharded over devices: `sharded_memory_log_probs`.
   """
-  scale = jnp.asarray(static_scale(keys.shape[-1], temperature), accumulation_dtype(keys))
+  scale = jnp.asarray(static_scale(keys.shape[-1], tau), accumulation_dtype(keys))
   return _memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask, scale)
 
 
-def memory_log_weights(token_logits, keys, memory_keys, memory_targets, memory_mask, *, temperature=1.0):
+def memory_log_weights(token_logits, keys, memory_keys, memory_targets, memory_mask, *, tau=1.0):
   """`memory_log_probs` before normalising: log(exp(logit_w) + Σ_{visible j, x_j = w} exp(sim_j)) `[N, V]`, as
   logits to which further memories can be added (generation adds an on-device datastore's)."""
-  scale = jnp.asarray(static_scale(keys.shape[-1], temperature), accumulation_dtype(keys))
+  scale = jnp.asarray(static_scale(keys.shape[-1], tau), accumulation_dtype(keys))
   return _memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask, scale, normalise=False)
 
 
 def trime_log_probs(logits_NxV, q_NxD, mem_keys_MxD, mem_targets_M, mem_mask_NxM, *, tau: float, prime_M=None,
-                    interp_lambda: float = 0.0, interp_tau: float = 1.0):
+                    knn_lambda: float = 0.0, tau_prime: float = 1.0):
   """log P `[N, V]`: TRIME's distribution at τ over the memories each row's mask shows (`memory_log_probs`);
-  with interp_lambda > 0 Appendix A's (1-λ)·P_trime + λ·P′, P′(w) ∝ Σ_{visible, prime, x_j = w}
-  exp(sim/τ′) over the visible memories where `prime_M` is True (rows that see none keep P_trime)."""
-  log_p = memory_log_probs(logits_NxV, q_NxD, mem_keys_MxD, mem_targets_M, mem_mask_NxM, temperature=tau)
-  if not interp_lambda:
+  with knn_lambda > 0 Appendix A's (1-λ)·P_trime + λ·P′, P′(w) ∝ Σ_{visible, prime, x_j = w}
+  exp(sim/τ′) (τ′ = `tau_prime`) over the visible memories where `prime_M` is True (rows that see none keep
+  P_trime)."""
+  log_p = memory_log_probs(logits_NxV, q_NxD, mem_keys_MxD, mem_targets_M, mem_mask_NxM, tau=tau)
+  if not knn_lambda:
     return log_p
   prime_NxM = mem_mask_NxM & prime_M[None, :] & (mem_targets_M[None, :] >= 0)
   no_vocab = jnp.full_like(logits_NxV, -jnp.inf)  # P′ is memories only
-  log_prime = memory_log_probs(no_vocab, q_NxD, mem_keys_MxD, mem_targets_M, prime_NxM, temperature=interp_tau)
-  return mix(log_p, log_prime, prime_NxM.any(-1, keepdims=True), interp_lambda)
+  log_prime = memory_log_probs(no_vocab, q_NxD, mem_keys_MxD, mem_targets_M, prime_NxM, tau=tau_prime)
+  return mix(log_p, log_prime, prime_NxM.any(-1, keepdims=True), knn_lambda)
 
 
 def on_mesh(mesh, spec, x):
@@ -497,8 +498,8 @@ def pad_memory(n: int, memory_keys, memory_targets, memory_mask=None):
 
 
 def sharded_memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask=None, *, mesh,
-                             temperature=1.0, axis: str = DATA, memory_chunk: int = 0):
-  """`memory_log_probs` with the memory sharded over `axis` of `mesh`: log-probabilities `[N, V]`.
+                             tau=1.0, axis: str = DATA, memory_chunk: int = 0):
+  """`memory_log_probs` with the memory sharded over `axis` of `mesh`: log-probabilities `[N, V]` at τ = `tau`.
 
   token_logits `[N, V]`, keys `[N, D]` (replicated: every device scores every query), memory_keys `[M, D]`,
   memory_targets `[M]` int (negative: ignored), memory_mask `[N, M]` bool or None (every memory visible).
@@ -524,7 +525,7 @@ def sharded_memory_log_probs(token_logits, keys, memory_keys, memory_targets, me
   n = mesh.shape[axis]
   memory_keys, memory_targets, memory_mask = pad_memory(n, memory_keys, memory_targets, memory_mask)
   acc = accumulation_dtype(token_logits, keys)
-  scale = similarity_scale(d, temperature, acc)
+  scale = similarity_scale(d, tau, acc)
   chunk = memory_chunk or chunk_len(n_q, memory_keys.shape[0] // n)
   return _sharded_log_probs(mesh, axis, chunk, token_logits.astype(acc), keys, memory_keys, memory_targets,
                             memory_mask, scale)

@@ -57,7 +57,7 @@ MEMORY_GRADS = ("all", "local_only")
 class _Static(NamedTuple):
   """Everything the per-device function needs that is not an array (hashable, part of the trace)."""
 
-  spec: loss.ObjectiveSpec  # its temperature travels as an array argument (it may be traced)
+  spec: loss.ObjectiveSpec  # its τ travels as an array argument (it may be traced)
   variant: str
   detach_own: bool  # stop_gradient_memory: no memory key gets gradient
   detach_remote: bool  # other devices' memories get no gradient (local_only, or stop_gradient_memory)
@@ -104,9 +104,9 @@ def sharded_trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: l
     raise ValueError(f"a global batch of {keys.shape[0]} rows does not split over the {n} devices of "
                      f"mesh axis {axis!r}")
   memory = spec.memory
-  # The temperature travels as an array (it may be traced); the static part must stay hashable.
-  static = _Static(dataclasses.replace(spec, temperature=1.0), variant, spec.stop_gradient_memory, spec.stop_gradient_memory or memory_grad == "local_only",
-                   axis, n, rows is not None)
+  # τ travels as an array (it may be traced); the static part must stay hashable.
+  static = _Static(dataclasses.replace(spec, tau=1.0), variant, spec.stop_gradient_memory,
+                   spec.stop_gradient_memory or memory_grad == "local_only", axis, n, rows is not None)
   if documents is not None and memory != "long":
     raise ValueError(f"documents restrict long-term memory (packed runs); memory={memory!r} takes none")
   b, l = targets.shape
@@ -122,7 +122,7 @@ def sharded_trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: l
   per_device = jax.shard_map(functools.partial(_device_nll, static), mesh=mesh, in_specs=specs, out_specs=rows,
                              check_vma=False)
   acc = scoring.accumulation_dtype(keys, stats.log_normalizer)
-  args = (stats.log_normalizer, stats.target_logit, keys, targets, causal, groups, jnp.asarray(spec.temperature, acc))
+  args = (stats.log_normalizer, stats.target_logit, keys, targets, causal, groups, jnp.asarray(spec.tau, acc))
   # Every input placed as its in_spec: the caller's arrays may be placed otherwise (replicated, or sharded on a
   # mesh with explicit axes), and `causal` / `groups` are built here, unplaced.
   return per_device(*(scoring.on_mesh(mesh, sp, x) for sp, x in zip(specs, args)))
@@ -145,19 +145,19 @@ def _flat(meta: TokenMeta) -> TokenMeta:
   return TokenMeta(*(x.reshape(-1) for x in meta))
 
 
-def _device_nll(st: _Static, lse_BxL, tgt_BxL, keys_BxLxD, targets_BxL, causal_BxL, groups_BxL, temperature):
+def _device_nll(st: _Static, lse_BxL, tgt_BxL, keys_BxLxD, targets_BxL, causal_BxL, groups_BxL, tau):
   b, l, d = keys_BxLxD.shape
   stats = VocabStats(lse_BxL, tgt_BxL)
   memory, m = st.spec.memory, st.spec.consecutive_segments
   docs_BxL = groups_BxL if memory == "long" else None  # document ids (all zeros: one stream)
   rows_BxL = groups_BxL if st.packed else None  # packed segments' ids
   if memory == "local" or (memory == "long" and b % m == 0):  # no memory on another device
-    spec = dataclasses.replace(st.spec, stop_gradient_memory=st.detach_own, temperature=temperature)
+    spec = dataclasses.replace(st.spec, stop_gradient_memory=st.detach_own, tau=tau)
     return loss.trime_nll_from_vocab_stats(stats, keys_BxLxD, targets_BxL, spec, documents=docs_BxL,
                                            rows=rows_BxL, row_offset=lax.axis_index(st.axis) * b)
 
   acc = scoring.accumulation_dtype(keys_BxLxD, lse_BxL)
-  scale = scoring.similarity_scale(d, temperature, acc)
+  scale = scoring.similarity_scale(d, tau, acc)
   own = lax.stop_gradient(keys_BxLxD) if st.detach_own else keys_BxLxD
   remote = lax.stop_gradient(keys_BxLxD) if st.detach_remote else keys_BxLxD
   if memory == "long":

@@ -98,7 +98,7 @@ def previous_segment_nll(stats: loss.VocabStats, keys_BxLxD, targets_BxL, prev_k
   mask = jnp.concatenate([jnp.ones((l, m), bool), jnp.tril(jnp.ones((l, l), bool), -1)], axis=1)
 
   def row(z, p, k, t, mk, mt):
-    return loss.memory_nll_from_vocab_stats(loss.VocabStats(z, p), k, t, mk, mt, mask, temperature=spec.temperature)
+    return loss.memory_nll_from_vocab_stats(loss.VocabStats(z, p), k, t, mk, mt, mask, tau=spec.tau)
 
   return jax.vmap(row)(stats.log_normalizer, stats.target_logit, keys_BxLxD, targets_BxL, mem_keys, mem_targets)
 

@@ -13,6 +13,7 @@ from trime_jax import model as model_lib
 from trime_jax import sharded_loss
 from trime_jax.errors import ConfigError
 from trime_jax.loss import MEMORY_MODES
+from trime_jax.runtime import workdir
 from trime_jax.runtime.optim import OPTIMIZERS, SCHEDULES
 
 BATCHINGS = ("random", "consecutive", "bm25")
@@ -29,7 +30,9 @@ def _choice(value, allowed, name):
 
 
 def validate_config(config) -> None:
-  """Clear errors for values a locked ConfigDict cannot catch (enums, ranges, consistency)."""
+  """Clear errors for values a locked ConfigDict cannot catch (enums, ranges, consistency; a field set under a
+  name retired by a rename, which an unlocked config would add unread)."""
+  workdir.check_no_renamed_fields(config)
   t, train_cfg, d = config.trime, config.train, config.data
   _choice(t.memory, MEMORY_MODES, "trime.memory")
   _choice(t.batching, BATCHINGS, "trime.batching")
@@ -56,8 +59,9 @@ def validate_config(config) -> None:
   if d.segment_len > config.model.max_len or config.eval.block_len > config.model.max_len:
     raise ConfigError(f"model.max_len={config.model.max_len} is shorter than data.segment_len="
                       f"{d.segment_len} or eval.block_len={config.eval.block_len}")
-  if t.temperature <= 0 or config.eval.temperature <= 0:
-    raise ConfigError("temperatures must be positive")
+  for name, value in (("trime.tau", t.tau), ("eval.tau", config.eval.tau)):
+    if not value > 0:
+      raise ConfigError(f"{name} must be > 0, got {value}")
   _choice(t.sharded_variant, sharded_loss.VARIANTS, "trime.sharded_variant")
   _choice(t.memory_grad, sharded_loss.MEMORY_GRADS, "trime.memory_grad")
   if t.get("memory_grad_group_rows", 0) < 0:
@@ -137,8 +141,8 @@ def _check_ranges(config) -> None:
   for name in ("knn_lambda", "cache_lambda"):  # interpolation weights
     if not 0.0 <= e[name] <= 1.0:
       raise ConfigError(f"eval.{name} must be in [0, 1], got {e[name]}")
-  if not e.knn_temperature > 0:
-    raise ConfigError(f"eval.knn_temperature must be > 0, got {e.knn_temperature}")
+  if not e.tau_prime > 0:
+    raise ConfigError(f"eval.tau_prime must be > 0, got {e.tau_prime}")
   _choice(e.split, corpora.SPLITS, "eval.split")
   _choice(e.interp_memory, tuple(evaluate.INTERP_MEMORIES), "eval.interp_memory")
   for name in ("dropout", "attention_dropout", "activation_dropout"):

@@ -19,7 +19,7 @@ Verified on load: the sidecar parses, the index file matches the digest the side
 the datastore's), and its dimension and count match the sidecar and the datastore.
 
 Scores are raw inner products q·k; TRIME's similarity is q·k / √D (the evaluator applies the scale and its
-temperature). IVF-PQ scores are approximate (PQ codes); `rescore` recovers the exact ones for the retrieved ids.
+τ). IVF-PQ scores are approximate (PQ codes); `rescore` recovers the exact ones for the retrieved ids.
 """
 
 from __future__ import annotations

@@ -55,13 +55,18 @@ DISPLAY_NAMES = {"tau": "tau", "tau_prime": "tau_prime", "lam": "lambda", "theta
 # ----------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Point:
-  """One family at one setting of its parameters (the others stay None)."""
+  """One family at one setting of its parameters (the others stay None).
+
+  `tau` and `tau_prime` are the config's eval.tau and eval.tau_prime. `lam` and `theta` are family-generic: the
+  family says which λ / θ a point holds (cache: eval.cache_lambda / eval.cache_theta; interp, knnlm,
+  knnlm_cache: eval.knn_lambda, the weight of the retrieved distribution, with eval.cache_theta for kNN-LM's θ;
+  kNN-MT's tuning reads θ as 1 / knn_mt_temperature)."""
 
   family: str
-  tau: float | None = None  # TRIME temperature (trime_local, trime, interp)
-  tau_prime: float | None = None  # P′ temperature (interp): P′ = p_mem at θ = 1/τ′
-  lam: float | None = None  # mixture weight λ (cache, interp, knnlm, knnlm_cache)
-  theta: float | None = None  # p_mem(θ) ∝ Σ exp(θ·sim) (cache, knnlm, knnlm_cache)
+  tau: float | None = None  # τ on memory similarities (trime_local, trime, interp): eval.tau
+  tau_prime: float | None = None  # τ′ of P′ (interp): P′ = p_mem at θ = 1/τ′; eval.tau_prime
+  lam: float | None = None  # mixture weight λ (cache: eval.cache_lambda; interp, knnlm, knnlm_cache: eval.knn_lambda)
+  theta: float | None = None  # p_mem(θ) ∝ Σ exp(θ·sim) (cache, knnlm, knnlm_cache: eval.cache_theta)
   interp_memory: str | None = None  # memories of P′ (interp): "external" | "all"
 
   def __post_init__(self):
@@ -117,10 +122,10 @@ def grid(families) -> tuple[Point, ...]:
 
 def configured_points(e, families) -> tuple[Point, ...]:
   """One point per family from the `eval` config section (no tuning)."""
-  tau, lam, theta = float(e.temperature), float(e.knn_lambda), float(e.cache_theta)
+  tau, lam, theta = float(e.tau), float(e.knn_lambda), float(e.cache_theta)
   settings = {"none": {}, "cache": dict(lam=float(e.cache_lambda), theta=theta), "trime_local": dict(tau=tau),
               "trime": dict(tau=tau), "knnlm": dict(lam=lam, theta=theta), "knnlm_cache": dict(lam=lam, theta=theta),
-              "interp": dict(tau=tau, tau_prime=float(e.knn_temperature), lam=lam, interp_memory=str(e.interp_memory))}
+              "interp": dict(tau=tau, tau_prime=float(e.tau_prime), lam=lam, interp_memory=str(e.interp_memory))}
   return tuple(Point(f, **settings[f]) for f in families)
 
 

@@ -245,9 +245,11 @@ def mt_config(config, checkpoint_dir: str):
   import ml_collections
 
   from trime_jax.mt.train import resolve_data_path
+  from trime_jax.runtime.workdir import migrate_config
 
   if not is_mt_config(config):
-    config = ml_collections.ConfigDict(ckpt.read_json(os.path.join(checkpoint_dir, "config.json"), "export config"))
+    path = os.path.join(checkpoint_dir, "config.json")
+    config = ml_collections.ConfigDict(migrate_config(ckpt.read_json(path, "export config"), path))
   resolve_data_path(config)  # a relative data.path: from the working directory, else the repository root
   return config
 

@@ -202,14 +202,14 @@ def _per_row(fn, logits_NxV, q_NxD, keys_NxKxD, targets_NxK):
   return jax.vmap(one)(logits_NxV, q_NxD, keys_NxKxD, targets_NxK)
 
 
-@functools.partial(jax.jit, static_argnames=("tau", "interp_lambda", "interp_tau"))
-def trime_log_probs(logits_NxV, q_NxD, keys_NxKxD, targets_NxK, *, tau: float, interp_lambda: float = 0.0,
-                    interp_tau: float = 1.0):
+@functools.partial(jax.jit, static_argnames=("tau", "knn_lambda", "tau_prime"))
+def trime_log_probs(logits_NxV, q_NxD, keys_NxKxD, targets_NxK, *, tau: float, knn_lambda: float = 0.0,
+                    tau_prime: float = 1.0):
   """TrimeMT_ext: log P [N, V], P(w) ∝ exp(logit_w) + Σ_{retrieved j, x_j = w} exp(q·k_j / √D / τ); with
-  interp_lambda > 0 Appendix A's (1 - λ)·P(τ) + λ·P′(τ′), P′(w) ∝ Σ_{retrieved, x_j = w} exp(q·k_j / √D / τ′).
-  Entries with target < 0 (fewer than K found) are empty."""
+  knn_lambda > 0 Appendix A's (1 - λ)·P(τ) + λ·P′(τ′), P′(w) ∝ Σ_{retrieved, x_j = w} exp(q·k_j / √D / τ′)
+  (τ′ = `tau_prime`). Entries with target < 0 (fewer than K found) are empty."""
   fn = lambda lg, q, k, t, m: scoring.trime_log_probs(
-      lg, q, k, t, m, tau=tau, prime_M=jnp.ones(t.shape, bool), interp_lambda=interp_lambda, interp_tau=interp_tau)
+      lg, q, k, t, m, tau=tau, prime_M=jnp.ones(t.shape, bool), knn_lambda=knn_lambda, tau_prime=tau_prime)
   return _per_row(fn, logits_NxV.astype(jnp.float32), q_NxD.astype(jnp.float32), keys_NxKxD.astype(jnp.float32),
                   targets_NxK)
 
@@ -223,18 +223,19 @@ def l2_as_inner_product(q_NxD, keys_NxKxD):
   return q, k
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "lam"))
-def knn_mt_log_probs(logits_NxV, q_NxD, keys_NxKxD, targets_NxK, *, temperature: float, lam: float):
-  """kNN-MT (Khandelwal et al. 2021): log[(1 - λ)·p_model + λ·p_kNN], p_kNN(w) ∝ Σ_{retrieved j, x_j = w}
-  exp(-|q - k_j|² / T) over the K retrieved entries; rows with no entry keep p_model."""
+@functools.partial(jax.jit, static_argnames=("knn_mt_temperature", "knn_lambda"))
+def knn_mt_log_probs(logits_NxV, q_NxD, keys_NxKxD, targets_NxK, *, knn_mt_temperature: float, knn_lambda: float):
+  """kNN-MT (Khandelwal et al. 2021): log[(1 - λ)·p_model + λ·p_kNN] (λ = `knn_lambda`), p_kNN(w) ∝
+  Σ_{retrieved j, x_j = w} exp(-|q - k_j|² / T) (T = `knn_mt_temperature`) over the K retrieved entries; rows
+  with no entry keep p_model."""
   logits = logits_NxV.astype(jnp.float32)
   q, k = l2_as_inner_product(q_NxD.astype(jnp.float32), keys_NxKxD.astype(jnp.float32))
-  tau = temperature / (2 * math.sqrt(q.shape[-1]))
+  tau = knn_mt_temperature / (2 * math.sqrt(q.shape[-1]))
   no_vocab = jnp.full_like(logits, -jnp.inf)  # p_kNN is memories only
-  fn = lambda lg, qq, kk, t, m: scoring.memory_log_probs(lg, qq, kk, t, m, temperature=tau)
+  fn = lambda lg, qq, kk, t, m: scoring.memory_log_probs(lg, qq, kk, t, m, tau=tau)
   log_knn = _per_row(fn, no_vocab, q, k, targets_NxK)
   has = (targets_NxK >= 0).any(-1, keepdims=True)
-  return scoring.mix(jax.nn.log_softmax(logits, -1), log_knn, has, lam)
+  return scoring.mix(jax.nn.log_softmax(logits, -1), log_knn, has, knn_lambda)
 
 
 @dataclasses.dataclass
@@ -298,16 +299,15 @@ def retrieve(ds: Datastore, index: KnnIndex, q_NxD, k: int, *, metric: str, cand
 # ----------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Distribution:
-  """The next-token law: model | knn_mt (k, temperature T, lam λ) | trime (k, tau τ, + Appendix A's
-  interp_lambda λ and interp_tau τ′; interp_lambda 0 = none)."""
+  """The next-token law: model | knn_mt (k, knn_mt_temperature T, knn_lambda λ: the weight of p_kNN) | trime
+  (k, tau τ, + Appendix A's interpolation: knn_lambda λ, the weight of P′, and tau_prime τ′; λ 0 = none)."""
 
   mode: str = "model"
   k: int = 64
-  temperature: float = 10.0
-  lam: float = 0.5
+  knn_mt_temperature: float = 10.0  # kNN-MT's T of exp(-|q - k|² / T)
+  knn_lambda: float | None = None  # weight of the retrieved distribution; None: 0.5 for knn_mt, 0 (none) for trime
   tau: float = 1.0
-  interp_lambda: float = 0.0
-  interp_tau: float = 1.0
+  tau_prime: float = 1.0
   candidates: int = 0  # knn_mt: inner-product candidates re-ranked by L2 (0: 16·k)
 
   def __post_init__(self):
@@ -315,11 +315,12 @@ class Distribution:
       raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
     if self.k < 1:
       raise ConfigError(f"k must be >= 1, got {self.k}")
-    if not (self.temperature > 0 and self.tau > 0 and self.interp_tau > 0):
-      raise ConfigError("temperature, tau and interp_tau must be > 0")
-    if not 0 <= self.lam <= 1 or not 0 <= self.interp_lambda < 1:
-      raise ConfigError(f"lambda must be in [0, 1] and interp_lambda in [0, 1), got {self.lam}, "
-                        f"{self.interp_lambda}")
+    if self.knn_lambda is None:
+      object.__setattr__(self, "knn_lambda", 0.5 if self.mode == "knn_mt" else 0.0)
+    if not (self.knn_mt_temperature > 0 and self.tau > 0 and self.tau_prime > 0):
+      raise ConfigError("knn_mt_temperature, tau and tau_prime must be > 0")
+    if not 0 <= self.knn_lambda <= 1 or (self.mode == "trime" and self.knn_lambda == 1):
+      raise ConfigError(f"knn_lambda must be in [0, 1] ([0, 1) for trime), got {self.knn_lambda}")
 
   @property
   def metric(self) -> str:
@@ -341,7 +342,24 @@ class Distribution:
     if not options:
       raise ConfigError(f"{path} has no tuned setting for mode {mode}")
     best = max(options, key=lambda m: chosen[m]["bleu"])  # ties: TRIME alone (listed first)
-    return cls(**chosen[best]["setting"])
+    return cls.from_setting(chosen[best]["setting"])
+
+  @classmethod
+  def from_setting(cls, setting: dict) -> "Distribution":
+    """A Distribution from its stored fields (`dataclasses.asdict`: tuned.json, <split>.<mode>.json's
+    "setting"). Settings written before issue 34's renames (temperature, lam, interp_lambda, interp_tau) read
+    under the new names: the λ that acted (lam for knn_mt, interp_lambda for trime) becomes knn_lambda."""
+    s = dict(setting)
+    old_lambdas = {name: s.pop(name) for name in ("lam", "interp_lambda") if name in s}
+    for old, new in (("temperature", "knn_mt_temperature"), ("interp_tau", "tau_prime")):
+      if old in s:
+        s.setdefault(new, s.pop(old))
+    if old_lambdas and "knn_lambda" not in s:
+      s["knn_lambda"] = old_lambdas.get("lam" if s.get("mode") == "knn_mt" else "interp_lambda")
+    try:
+      return cls(**s)
+    except TypeError as e:  # a field this version does not know
+      raise ConfigError(f"not a translation setting: {setting} ({e})") from None
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -410,9 +428,10 @@ class Translator:
           getattr(nb, name)[live] = getattr(found, name)
       self.search_seconds += time.perf_counter() - t0
       if d.mode == "knn_mt":
-        return np.asarray(knn_mt_log_probs(logits, g, nb.keys, nb.targets, temperature=d.temperature, lam=d.lam))
-      return np.asarray(trime_log_probs(logits, g, nb.keys, nb.targets, tau=d.tau, interp_lambda=d.interp_lambda,
-                                        interp_tau=d.interp_tau))
+        return np.asarray(knn_mt_log_probs(logits, g, nb.keys, nb.targets, knn_mt_temperature=d.knn_mt_temperature,
+                                           knn_lambda=d.knn_lambda))
+      return np.asarray(trime_log_probs(logits, g, nb.keys, nb.targets, tau=d.tau, knn_lambda=d.knn_lambda,
+                                        tau_prime=d.tau_prime))
 
     return next_log_probs
 
@@ -448,7 +467,7 @@ class Translator:
 # and every (τ, λ, T) read from that one pass (`evaluate.point_nlls`, the LM evaluator's scorer)
 # ----------------------------------------------------------------------------------------------------------
 KS = (1, 2, 4, 8, 16, 32, 64)
-KNN_T_GRID = (1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0)  # kNN-MT temperatures T of exp(-|q - k|² / T)
+KNN_T_GRID = (1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0)  # knn_mt_temperature: kNN-MT's T of exp(-|q - k|² / T)
 
 
 @dataclasses.dataclass
@@ -493,10 +512,10 @@ def _setting(point: evaluate.Point, k: int) -> Distribution:
   if point.family == "none":
     return Distribution("model")
   if point.family == "knnlm":
-    return Distribution("knn_mt", k=k, temperature=1.0 / point.theta, lam=point.lam)
+    return Distribution("knn_mt", k=k, knn_mt_temperature=1.0 / point.theta, knn_lambda=point.lam)
   if point.family == "trime":
     return Distribution("trime", k=k, tau=point.tau)
-  return Distribution("trime", k=k, tau=point.tau, interp_lambda=point.lam, interp_tau=point.tau_prime)
+  return Distribution("trime", k=k, tau=point.tau, knn_lambda=point.lam, tau_prime=point.tau_prime)
 
 
 def _nlls(tp: TunePass, points, k: int, metric: str):
@@ -513,7 +532,7 @@ def _nlls(tp: TunePass, points, k: int, metric: str):
 def tune(tp: TunePass, *, modes=("knn_mt", "trime"), ks=KS, train_tau: float = 1.0) -> list[dict]:
   """Rows {mode, k, params, nll} for every K and grid point (kNN-MT: T × λ; TRIME: τ, then Appendix A's
   λ × τ′ at each K's best τ), plus the model alone; sorted by nll within each mode. The τ grid is the LM
-  evaluator's together with it scaled by the training temperature `train_tau` (the original MT model trains at
+  evaluator's together with it scaled by the training τ `train_tau` (the original MT model trains at
   τ = 10)."""
   metric = "ip" if tp.ip.score.shape[1] else "l2"  # the model alone ignores the entries of either
   rows = [{"mode": "model", "k": 0, "setting": Distribution("model"),

@@ -376,8 +376,11 @@ def load_mt_export(directory: str):
   missing = [f for f in EXPORT_FILES if not os.path.exists(os.path.join(directory, f))]
   if missing:
     raise CheckpointError(f"incomplete MT export {directory}: missing {', '.join(missing)}")
-  config = ml_collections.ConfigDict(checkpoint.read_json(os.path.join(directory, "config.json"), "MT export config",
-                                                          DamagedCheckpointError))
+  from trime_jax.runtime.workdir import migrate_config
+
+  path = os.path.join(directory, "config.json")  # written before a field was renamed: read under today's names
+  config = ml_collections.ConfigDict(migrate_config(checkpoint.read_json(path, "MT export config",
+                                                                         DamagedCheckpointError), path))
   meta = checkpoint.read_json(os.path.join(directory, "meta.json"), "MT export meta", DamagedCheckpointError)
   if meta.get("model_family") != "mt":
     raise CheckpointError(f"{directory} is not an MT export (meta.json model_family={meta.get('model_family')!r})")

@@ -64,7 +64,7 @@ def resolve_data_path(config) -> None:
 # ----------------------------------------------------------------------------------------------------------
 def objective_spec(config) -> loss.ObjectiveSpec:
   t = config.trime
-  return loss.ObjectiveSpec(memory=t.memory, temperature=float(t.temperature),
+  return loss.ObjectiveSpec(memory=t.memory, tau=float(t.tau),
                             stop_gradient_memory=bool(t.stop_gradient_memory), memory_chunk=int(t.memory_chunk) or None,
                             memory_topk=int(t.get("memory_topk", 0)))
 
@@ -238,7 +238,8 @@ def train_and_evaluate(config, workdir: str, *, log=print) -> dict:
 def _train_and_evaluate(config, workdir: str, log) -> dict:
   cfg_path = os.path.join(workdir, "config.json")
   if os.path.exists(cfg_path):
-    old = ckpt.read_json(cfg_path, "workdir config", CheckpointError)
+    # Written before a field was renamed (workdir.RENAMED_FIELDS): today's names, so resuming is no config change.
+    old = workdir_files.migrate_config(ckpt.read_json(cfg_path, "workdir config", CheckpointError), cfg_path)
     workdir_files.check_stored_config(cfg_path, old, config)
     new = json.loads(config.to_json_best_effort())
     fixed = ("model", "data")

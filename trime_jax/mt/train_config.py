@@ -6,6 +6,7 @@ from __future__ import annotations
 from trime_jax import sharded_loss
 from trime_jax.errors import ConfigError
 from trime_jax.mt import batching
+from trime_jax.runtime import workdir
 
 MEMORIES = ("none", "ext")
 
@@ -16,6 +17,7 @@ def pack_len_of(config) -> int:
 
 
 def validate_config(config) -> None:
+  workdir.check_no_renamed_fields(config)  # a retired name (workdir.RENAMED_FIELDS) added by an unlocked config
   t, r = config.trime, config.train
   if t.memory not in MEMORIES:
     raise ConfigError(f"trime.memory must be one of {MEMORIES} for translation, got {t.memory!r}")
@@ -29,8 +31,8 @@ def validate_config(config) -> None:
     raise ConfigError("train.label_smoothing needs the full logits: set train.vocab_chunk=0")
   if int(config.data.max_tokens) < 8:
     raise ConfigError(f"data.max_tokens must be >= 8, got {config.data.max_tokens}")
-  if t.temperature <= 0:
-    raise ConfigError(f"trime.temperature must be positive, got {t.temperature}")
+  if not t.tau > 0:
+    raise ConfigError(f"trime.tau must be > 0, got {t.tau}")
   if t.memory_topk < 0:
     raise ConfigError(f"trime.memory_topk must be >= 0, got {t.memory_topk}")
   if t.sharded_variant not in sharded_loss.VARIANTS:

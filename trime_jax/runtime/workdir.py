@@ -55,6 +55,68 @@ def unknown_fields(stored: dict, known, prefix: str = "") -> list[str]:
   return out
 
 
+# Config fields renamed for one name per quantity (issue 34): old dotted name -> (new dotted name, what it is).
+# The one table of renamed fields: a stored config (a workdir's or an export's config.json, written before the
+# rename) reads under the new names (`migrate_config`, wherever a stored config is read); a config given now (a
+# --config file, a --config.x.y override, a ConfigDict built in code) that sets an old name is refused with one
+# line naming the new one (`renamed_field_message`; launch/common.py, `check_no_renamed_fields`). The language
+# model's and the translation trainer's configs share these sections.
+RENAMED_FIELDS = {
+    "trime.temperature": ("trime.tau", "τ on memory similarities during training"),
+    "eval.temperature": ("eval.tau", "τ on memory similarities"),
+    "eval.knn_temperature": ("eval.tau_prime", "τ′ of Appendix A's P′"),
+}
+
+
+def renamed_field_message(old: str) -> str:
+  """"eval.temperature is now eval.tau (τ on memory similarities)" for a field of RENAMED_FIELDS."""
+  new, what = RENAMED_FIELDS[old]
+  return f"{old} is now {new} ({what})"
+
+
+def migrate_config(stored, where: str = "the stored config"):
+  """A stored config (the dict of a config.json) with every field of RENAMED_FIELDS under its new name, in its
+  place: a copy when something was renamed, else `stored` itself (anything but a dict too). A config that holds
+  both names with different values is a ConfigError naming `where` (which one ran cannot be told)."""
+  if not isinstance(stored, dict):
+    return stored
+  out = stored
+  for old, (new, _) in RENAMED_FIELDS.items():
+    section, leaf = old.split(".")
+    new_section, new_leaf = new.split(".")
+    fields = out.get(section)
+    if section != new_section or not isinstance(fields, dict) or leaf not in fields:
+      continue
+    if new_leaf in fields and fields[new_leaf] != fields[leaf]:
+      raise ConfigError(f"{where} has both {old}={fields[leaf]!r} and {new}={fields[new_leaf]!r} ({old} is the "
+                        f"name {new} had before): remove {old}")
+    out = dict(out) if out is stored else out
+    if new_leaf in fields:  # both, with one value: the new name stays
+      out[section] = {k: v for k, v in fields.items() if k != leaf}
+    else:
+      out[section] = {(new_leaf if k == leaf else k): v for k, v in fields.items()}
+  return out
+
+
+def renamed_fields_in(config) -> list[str]:
+  """The fields of RENAMED_FIELDS that `config` (a ConfigDict or a dict) sets under their old names: an unlocked
+  config file that still assigns one adds it as a new field, which nothing would read."""
+  found = []
+  for old in RENAMED_FIELDS:
+    section, leaf = old.split(".")
+    fields = config.get(section) if hasattr(config, "get") else None
+    if fields is not None and hasattr(fields, "keys") and leaf in fields.keys():
+      found.append(old)
+  return found
+
+
+def check_no_renamed_fields(config) -> None:
+  """ConfigError (the rename's one line) when `config` sets a field under a name RENAMED_FIELDS retired."""
+  found = renamed_fields_in(config)
+  if found:
+    raise ConfigError(renamed_field_message(found[0]))
+
+
 def check_stored_config(path: str, stored: dict, config) -> None:
   """A workdir's config.json must not hold a field this config does not have: a misspelling there (an edit) would
   be ignored without a word. ConfigError naming the file and the fields."""
