@@ -3,12 +3,14 @@ trained here; scores checked against a NumPy restatement of TRIME's local-memory
 `generate.Generator` called directly, external memory with a datastore built here, and loading an original
 fairseq checkpoint through the importer."""
 
+import os
+
 import numpy as np
 import pytest
 
 import trime_jax
 from tests.helpers import tiny_config, write_text_file
-from trime_jax import generate
+from trime_jax import api, generate
 from trime_jax.errors import ConfigError
 
 TEXT = "def main(argv):\n    return argv\n"
@@ -154,20 +156,14 @@ def test_load_a_fairseq_checkpoint(tmp_path):
     trime_jax.load(ckpt_path)
 
 
-def test_readme_example_runs(model, capsys):
-  """README.md's "Python API" example, on the export trained here instead of make demo's."""
-  import os
-  import re
-
-  from tests.helpers import REPO
-
-  with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
-    section = f.read().split("## Python API\n", 1)[1]
-  code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-  assert '"runs/demo/local/export"' in code
-  try:
-    exec(code.replace('"runs/demo/local/export"', repr(model.directory)), {})  # noqa: S102 - the README's snippet
-  finally:
-    model.memory.clear()
-  printed = capsys.readouterr().out
-  assert printed.startswith("ppl ") and len(printed.splitlines()) >= 2
+def test_shipped_demo_model_loads_by_name(tmp_path, monkeypatch):
+  """`trime_jax.load("demo")` from any directory is the export shipped in trime_jax/pretrained/ (its digests are
+  verified on load); it predicts Python source far better than uniform bytes; an unknown bare name is one error."""
+  monkeypatch.chdir(tmp_path)
+  assert "demo" in api.pretrained_names()
+  model = trime_jax.load("demo")
+  assert model.directory == os.path.join(api.PRETRAINED_DIR, "demo") and model.vocab.kind == "bytes"
+  s = model.score("import os\nimport sys\n\n\ndef main(argv):\n    return 0\n", memory="local")
+  assert np.isfinite(s.log_probs).all() and s.ppl < 16, s.ppl  # uniform over 256 bytes: 256
+  with pytest.raises(ConfigError, match="neither a path nor a shipped model.*demo"):
+    trime_jax.load("no_such_model")

@@ -72,7 +72,8 @@ def test_external_memory_numbers_are_unchanged(tiny):
     rows = [r for r in rows if "family" in r]
     external = knn.ExternalMemory(tiny["ds"], checkpoint_dir=tiny["export"], k=6)
     res = evaluate.evaluate(tiny["graphdef"], tiny["params"], tiny["dev"], [_point(r) for r in rows],
-                            block_len=BLOCK, context_window=CTX, streams=2, long_term=evaluate.StoreSpec(mem_size, True, "disjoint"),
+                            block_len=BLOCK, context_window=CTX, streams=2,
+                            long_term=evaluate.StoreSpec(mem_size, True, "disjoint"),
                             external=external)
     assert {r["family"] for r in rows} == set(evaluate.FAMILIES)
     # rtol as the other pins: the jitted scoring step's fusion may move the last float32 bits (6e-8 here since the

@@ -157,10 +157,11 @@ def base(tmp_path_factory):
   work, wwork = tmp / "run", tmp / "wrun"
   cases = [
       {"module": "trime_jax.launch.train", "args": [f"--config={cfg}", f"--workdir={work}"]},
-      {"module": "trime_jax.launch.build_datastore", "args": [f"--config={cfg}", f"--checkpoint={work}/export",
-                                                    f"--out={tmp}/ds", "--split=dev"]},
-      {"module": "trime_jax.launch.make_batches", "args": [f"--config={cfg}", "--kind=consecutive", f"--out={tmp}/plan",
-                                                 "--config.trime.memory=long", "--config.trime.consecutive_segments=2"]},
+      {"module": "trime_jax.launch.build_datastore",
+       "args": [f"--config={cfg}", f"--checkpoint={work}/export", f"--out={tmp}/ds", "--split=dev"]},
+      {"module": "trime_jax.launch.make_batches",
+       "args": [f"--config={cfg}", "--kind=consecutive", f"--out={tmp}/plan", "--config.trime.memory=long",
+                "--config.trime.consecutive_segments=2"]},
   ]
   t0 = time.perf_counter()
   results = run_cases(cases, tmp / "base_out")
@@ -175,7 +176,8 @@ def base(tmp_path_factory):
   shutil.copytree(work / "export", wwork / "export")
   words = data.Vocab([f"w{i}" for i in range(256)], kind="words")
   (wwork / "export" / "vocab.json").write_text(json.dumps(words.to_json()))
-  edit_json(wwork / "export" / "meta.json", lambda m: m.update(vocab_fingerprint=words.fingerprint(), vocab_kind="words"))
+  edit_json(wwork / "export" / "meta.json", lambda m: m.update(vocab_fingerprint=words.fingerprint(),
+                                                               vocab_kind="words"))
   return {"tmp": tmp, "corpus": corpus, "cfg": cfg, "wcfg": wcfg, "work": work, "wwork": wwork, "ds": tmp / "ds",
           "plan": tmp / "plan", "wiki": wiki, "build_out": results[1]["out"]}
 
@@ -373,7 +375,8 @@ def e_export_target_other_model(b):
 
 ERROR_CASES = [e_params_flipped, e_arch_edited, _truncated("vocab.json"), _truncated("config.json"),
                _truncated("meta.json"), e_params_metadata_deleted, e_params_data_deleted, e_eval_max_tokens,
-               e_eval_batch_size, e_eval_knn_lambda, e_eval_split, e_log_every, e_num_heads, e_config_missing, e_data_dir_missing, e_non_utf8_corpus,
+               e_eval_batch_size, e_eval_knn_lambda, e_eval_split, e_log_every, e_num_heads, e_config_missing,
+               e_data_dir_missing, e_non_utf8_corpus,
                e_word_export_byte_config, e_workdir_other_seed, e_workdir_other_memory, e_batches_truncated,
                e_batch_plan_missing, e_datastore_keys_flipped, e_datastore_meta_truncated, e_datastore_meta_edited,
                e_index_flipped, e_workdir_is_file, e_workdir_missing, e_workdir_config_typo, e_export_target_other,
@@ -601,9 +604,9 @@ def results(base):
   user_files = [base["corpus"], base["cfg"], base["wcfg"], base["wiki"]]
   for build in ERROR_CASES:
     case, expect = build(base)
-    watched = [a.split("=", 1)[1] for a in case["args"] if a.startswith(("--checkpoint=", "--config.eval.datastore=",
-                                                                        "--config.data.path=", "--config.trime.batch_plan=",
-                                                                        "--workdir="))]
+    prefixes = ("--checkpoint=", "--config.eval.datastore=", "--config.data.path=", "--config.trime.batch_plan=",
+                "--workdir=")
+    watched = [a.split("=", 1)[1] for a in case["args"] if a.startswith(prefixes)]
     watched = [p for p in watched if os.path.exists(p)] + user_files
     before = tree_hashes(*watched)
     spans[build.__name__] = (len(cases), 1)

@@ -2,7 +2,8 @@
 
     import trime_jax
 
-    model = trime_jax.load("runs/mini/export")          # an export; or load("checkpoint_best.pt", dictionary="dict.txt")
+    model = trime_jax.load("runs/mini/export")    # an export; load("demo"): the byte-level model shipped in the
+                                                   # package; load("checkpoint_best.pt", dictionary="dict.txt")
     s = model.score("The album was released in the United States .", memory="local")
     s.ppl, s.tokens, s.log_probs                         # perplexity, token strings, log P(token) of each
     model.memory.add(["= Robert Boulter = Robert Boulter is an English actor ..."])  # a long-term memory
@@ -251,13 +252,33 @@ class Model:
     return out[0] if single else out
 
 
+# Models shipped inside the package (trime_jax/pretrained/NAME: an export), loaded by name from any directory.
+# demo: make demo's TrimeLM (configs/demo.py: byte-level, 3 layers, d 128, 628k parameters, 300 updates on this
+# interpreter's standard-library sources; how it was made: trime_jax/pretrained/README.md).
+PRETRAINED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pretrained")
+
+
+def pretrained_names() -> list[str]:
+  """The names `load` accepts besides paths: the exports shipped in trime_jax/pretrained/."""
+  if not os.path.isdir(PRETRAINED_DIR):
+    return []
+  return sorted(n for n in os.listdir(PRETRAINED_DIR) if os.path.isfile(os.path.join(PRETRAINED_DIR, n, "meta.json")))
+
+
 def load(path: str, *, dictionary: str | None = None, out: str | None = None, trust_pickle: bool = False,
          key_type: str = "last_ffn_input") -> Model:
-  """A Model from an export directory (`<workdir>/export`, `<workdir>/best`, a training workdir itself), or from
-  an original fairseq checkpoint (`.pt`) with its `dictionary` (dict.txt): imported with
+  """A Model from a shipped model's name (`load("demo")`, see `pretrained_names()`; a path of that name in the
+  working directory wins), an export directory (`<workdir>/export`, `<workdir>/best`, a training workdir itself),
+  or an original fairseq checkpoint (`.pt`) with its `dictionary` (dict.txt): imported with
   `fairseq_import.import_to_export` into `out` (default: a new temporary directory) first. `trust_pickle`,
   `key_type`: the importer's options (trime_jax.launch.import_fairseq's flags)."""
   path = os.fspath(path)
+  if not os.path.exists(path) and dictionary is None:
+    names = pretrained_names()
+    if path in names:
+      path = os.path.join(PRETRAINED_DIR, path)
+    elif os.sep not in path and "." not in path:  # a bare word: most likely meant as a shipped model's name
+      raise ConfigError(f"{path!r} is neither a path nor a shipped model (shipped: {', '.join(names) or 'none'})")
   if dictionary is not None or os.path.isfile(path):
     if dictionary is None:
       raise ConfigError(f"{path} is a file: a fairseq checkpoint needs its dictionary (load(path, dictionary=...))")
