@@ -13,9 +13,12 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
-from trime_jax.launch.common import run_main
+from trime_jax.launch.common import PACKAGE_ROOT, run_main
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py", "Demo config.", lock_config=True)
+# The default is the shipped file's absolute path: config_flags loads a default when the flag is defined, before
+# any --config value could be looked up, so a relative one fails outside the checkout.
+_CONFIG = config_flags.DEFINE_config_file("config", os.path.join(PACKAGE_ROOT, "configs", "demo.py"), "Demo config.",
+                                          lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "runs/demo", "Where both runs and the results table go.")
 
 

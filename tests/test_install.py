@@ -115,6 +115,10 @@ def test_commands_run_from_another_directory(installed, tmp_path):
   r = subprocess.run([str(installed / "bin" / "trime-eval"), "--checkpoint=runs/nope/export"], cwd=work, env=env,
                      capture_output=True, text=True, timeout=600)
   assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: "), r.stderr[-2000:]
+  # trime-demo's --config has a default (the shipped configs/demo.py), loaded when the flag is defined
+  r = subprocess.run([str(installed / "bin" / "trime-demo"), "--help"], cwd=work, env=env, capture_output=True,
+                     text=True, timeout=600)
+  assert r.returncode == 0 and "--workdir" in r.stdout, r.stderr[-2000:]
 
 
 def _readme_python_blocks() -> list[str]:
