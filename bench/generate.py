@@ -23,11 +23,12 @@ def _export(tmp):
   from trime_jax.configs import demo
   from trime_jax import checkpoint as ckpt
   from trime_jax import data
-  from trime_jax.model import ModelConfig, TransformerLM
+  from trime_jax import specs
+  from trime_jax.model import TransformerLM
 
   cfg = demo.get_config()
   vocab = data.Vocab.bytes()
-  net = TransformerLM(ModelConfig.from_config(cfg.model, vocab_size=len(vocab)), rngs=nnx.Rngs(0))
+  net = TransformerLM(specs.model_config(cfg, vocab_size=len(vocab)), rngs=nnx.Rngs(0))
   return ckpt.export(os.path.join(tmp, "export"), nnx.state(net, nnx.Param), cfg, vocab)
 
 

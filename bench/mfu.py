@@ -51,6 +51,7 @@ from trime_jax import data, steps
 from trime_jax import model as model_lib
 from trime_jax import train as train_lib
 from trime_jax.runtime.optim import make_optimizer
+from trime_jax import specs
 
 CONFIGS = ("wiki103_247m", "wiki103_150m", "wiki103_7m", "enwik8_38m", "docs_wt")
 DOCS_WT_VOCAB = 82_548  # docs-wt's vocabulary (docs/docs_wt.md); its config takes it from the data
@@ -203,12 +204,12 @@ def random_batch(config, a: int, b: int, l: int, seed: int = 0) -> dict:
 
 def measure(config, objective: str, rows: int, n_steps: int, warmup: int, peak):
   """One row of the table: the config's real train step at `rows` segments per device."""
-  mcfg = model_lib.model_config(config.model, vocab_size=config.model.vocab_size)
+  mcfg = specs.model_config(config, vocab_size=config.model.vocab_size)
   if not isinstance(mcfg, model_lib.ModelConfig):
     raise SystemExit(f"bench.mfu counts FLOPs of the Transformer backbone only, not {type(mcfg).__name__}")
   graphdef, params = nnx.split(model_lib.build_model(mcfg, rngs=nnx.Rngs(params=0)), nnx.Param)
   tx, _ = make_optimizer(config.train)  # train.py's optimizer (trime_jax/runtime/optim.py)
-  spec = steps.LossSpec.from_config(config)
+  spec = specs.loss_spec(config)
   memory = spec.objective.memory
   use_trime = objective == "trime"
   # train.py reports the TRIME loss beside CE whenever the config has memory; a "ce" row here is the pure CE
@@ -323,7 +324,7 @@ def main(argv=None):
     peak, peak_src = peak_tflops(dev.device_kind, config.model.dtype, args.peak_tflops)
     rows = args.rows or max(config.train.batch_size // jax.device_count(), 1)
     entry = {"peak_tflops": peak, "peak_source": peak_src, "rows": {}, "batch_search": {}}
-    mcfg = model_lib.model_config(config.model, vocab_size=config.model.vocab_size)
+    mcfg = specs.model_config(config, vocab_size=config.model.vocab_size)
     entry["num_params"] = model_lib.abstract_param_count(mcfg)
     for objective in [x for x in args.objectives.split(",") if x]:
       if objective == "trime" and config.trime.memory == "none":

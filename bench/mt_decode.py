@@ -23,6 +23,7 @@ from trime_jax.mt import data as mt_data
 from trime_jax.mt import datastore as mt_datastore
 from trime_jax.mt import decode
 from trime_jax.mt import model as mt_model
+from trime_jax import specs
 
 
 def main():
@@ -44,7 +45,7 @@ def main():
   args = ap.parse_args()
 
   graphdef, params, config, vocab = mt_model.load_mt_export(args.checkpoint)
-  cfg = mt_model.MTConfig.from_config(config.model, vocab_size=vocab.size)
+  cfg = specs.mt_model_config(config, vocab_size=vocab.size)
   ds, index = mt_datastore.open_mt_datastore(args.datastore, args.checkpoint, nprobe=args.nprobe)
   pairs = mt_data.load_parallel(mt_datastore.mt_config(None, args.checkpoint), "test", vocab)
   # evenly spaced over the test split: its length mix (a batch's search runs as long as its longest sentence)

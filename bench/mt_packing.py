@@ -22,6 +22,7 @@ from trime_jax.mt import batching
 from trime_jax.mt import data as mt_data
 from trime_jax.mt import model as mt_model
 from trime_jax.mt import train as mt_train
+from trime_jax import specs
 
 
 def main():
@@ -38,11 +39,11 @@ def main():
   pairs = mt_data.load_parallel(c, "train", vocab)
   plan = batching.make_plan(pairs, order=args.order, max_tokens=int(c.data.max_tokens), seed=0,
                             bm25_k=int(c.trime.bm25_k), bm25_backend="numba")
-  model = mt_model.build_mt_model(c, vocab.size, 0)
+  model = mt_model.build_mt_model(specs.mt_model_config(c, vocab_size=vocab.size), 0)
   graphdef, params = nnx.split(model, nnx.Param)
   tx, _ = lm_train.make_optimizer(c.train)
   state = {"step": np.int32(0), "params": params, "opt_state": tx.init(params)}
-  spec = mt_train.objective_spec(c)
+  spec = specs.objective_spec(c)
   step = jax.jit(functools.partial(mt_train.train_step, graphdef, tx, spec, True, 0, 0.0, None))
   key = jax.random.PRNGKey(0)
   picks = np.linspace(0, plan.num_batches - 1, args.batches).astype(int)

@@ -20,6 +20,7 @@ from bench.common import time_interleaved
 from trime_jax.configs import bytes_srupp, enwik8_38m, enwik8_srupp
 from trime_jax import loss, steps
 from trime_jax import model as model_lib
+from trime_jax import specs
 
 
 def _bytes(backbone):
@@ -35,7 +36,7 @@ SETTINGS = {  # name -> (srupp config, transformer config, B, L)
 
 
 def step_fns(config, b, l, m, vocab=256):
-  model = model_lib.build_model(config.model, vocab, nnx.Rngs(0))
+  model = model_lib.build_model(specs.model_config(config, vocab_size=vocab), nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)
   tx = optax.adam(1e-3)
   state = {"step": np.int32(0), "params": params, "opt_state": tx.init(params)}

@@ -136,11 +136,12 @@ def main(argv):
   del argv
   from trime_jax.errors import ConfigError
   from trime_jax.mt import datastore as mt_datastore
+  from trime_jax import specs
   from trime_jax.mt import model as mt_model
 
   checkpoint, out = _CHECKPOINT.value, _OUT.value
   graphdef, params, config, vocab = mt_model.load_mt_export(checkpoint)
-  cfg = mt_model.MTConfig.from_config(config.model, vocab_size=vocab.size)
+  cfg = specs.mt_model_config(config, vocab_size=vocab.size)
   options = decode.SearchOptions(beam=_BEAM.value, lenpen=_LENPEN.value, max_len_a=_MAX_LEN_A.value,
                                  max_len_b=_MAX_LEN_B.value)
   ds = index = None

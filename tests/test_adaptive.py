@@ -19,6 +19,7 @@ from tests import reference as ref
 from trime_jax import loss as L
 from trime_jax import model as M
 from trime_jax import steps
+from trime_jax import specs
 
 V = 50
 # name -> ModelConfig overrides. Several clusters, tied and untied weights and projections, unequal factors
@@ -395,7 +396,7 @@ def test_memory_plan_function(tmp_path):
   plans = {b: memory_plan(tiny_config(corpus, **_ADAPTIVE_OVERRIDES, **{"train.batch_size": b})) for b in (2, 8)}
   plan = plans[2]
   cfg = tiny_config(corpus, **_ADAPTIVE_OVERRIDES)
-  n = M.abstract_param_count(M.ModelConfig.from_config(cfg.model))
+  n = M.abstract_param_count(specs.model_config(cfg))
   assert plan["num_params"] == n and plan["param_bytes"] == 4 * n
   assert 2 * plan["param_bytes"] <= plan["opt_state_bytes"] < 2 * plan["param_bytes"] + 1024  # Adam mu, nu
   assert plan["temp_bytes"] > 0 and plans[8]["temp_bytes"] > plan["temp_bytes"]  # activations grow with B
@@ -430,7 +431,7 @@ def test_train_export_and_reload_an_adaptive_model(tmp_path):
                                                       "train.vocab_chunk": 50})
   out = train_and_evaluate(cfg, str(tmp_path / "run"))
   assert math.isfinite(out["train"]["loss"]) and out["num_params"] == M.abstract_param_count(
-      M.ModelConfig.from_config(cfg.model))
+      specs.model_config(cfg))
   graphdef, params, config, _, _ = ckpt.load_export(out["export"])
   model = nnx.merge(graphdef, params)
   assert model.cfg.adaptive_cutoffs == (40, 120) and model.cfg.tie_adaptive_proj

@@ -14,7 +14,8 @@ from trime_jax import data as D
 from trime_jax import steps
 from trime_jax.datastore import Datastore, KnnIndex, build, build_datastore, build_index, gpu_available, rescore
 from trime_jax.errors import CheckpointError, ConfigError, DamagedCheckpointError
-from trime_jax.model import ModelConfig, TransformerLM
+from trime_jax.model import TransformerLM
+from trime_jax import specs
 
 BLOCK, CONTEXT, BATCH = 16, 6, 3
 
@@ -31,7 +32,7 @@ def _export(directory, d_model=16, seed=0):
   c.model.num_layers, c.model.d_model, c.model.num_heads, c.model.d_ff, c.model.max_len = 1, d_model, 2, 32, 32
   c.eval.block_len, c.eval.context_window, c.eval.batch_size = BLOCK, CONTEXT, BATCH
   vocab = D.Vocab.bytes()
-  model = TransformerLM(ModelConfig.from_config(c.model, vocab_size=len(vocab)), rngs=nnx.Rngs(params=seed))
+  model = TransformerLM(specs.model_config(c, vocab_size=len(vocab)), rngs=nnx.Rngs(params=seed))
   _, params = nnx.split(model, nnx.Param)
   return ckpt.export(str(directory), params, c, vocab, extra={"step": 0})
 

@@ -16,7 +16,8 @@ from trime_jax import data as D
 from trime_jax import evaluate
 from trime_jax import knn
 from trime_jax.datastore import Datastore, build_datastore, build_index
-from trime_jax.model import ModelConfig, TransformerLM
+from trime_jax.model import TransformerLM
+from trime_jax import specs
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "eval_pins.json")
 V, DIM, BLOCK, CTX = 9, 8, 16, 8
@@ -33,7 +34,7 @@ def tiny(tmp_path_factory):
   cfg = default.get_config()
   cfg.model.num_layers, cfg.model.d_model, cfg.model.num_heads, cfg.model.d_ff = 1, DIM, 2, 16
   cfg.model.max_len, cfg.eval.block_len, cfg.eval.context_window, cfg.eval.batch_size = 32, BLOCK, CTX, 2
-  model = TransformerLM(ModelConfig.from_config(cfg.model, vocab_size=V), rngs=nnx.Rngs(7))
+  model = TransformerLM(specs.model_config(cfg, vocab_size=V), rngs=nnx.Rngs(7))
   graphdef, params = nnx.split(model, nnx.Param)
   export = ckpt.export(str(tmp / "export"), params, cfg, vocab)
   build_datastore(export, train, str(tmp / "ds"), progress=False)

@@ -14,9 +14,10 @@ from flax import nnx
 
 from tests.helpers import REPO, tiny_config, write_text_file
 from trime_jax import checkpoint, data
-from trime_jax.model import ModelConfig, build_model, model_config
+from trime_jax.model import ModelConfig, build_model
 from trime_jax.mt.model import MTConfig, TransformerMT
 from trime_jax.srupp import SRUppConfig
+from trime_jax import specs
 
 DOC = os.path.join(REPO, "docs", "export_format.md")
 
@@ -180,7 +181,7 @@ def test_loading_example_works_for_srupp(tmp_path):
   """The same snippet builds the other backbone from config.json (model.backbone)."""
   cfg = tiny_config(tmp_path / "unused.txt", **{"model.backbone": "srupp", "model.key_type": "final"})
   vocab = data.Vocab.bytes()
-  src = build_model(cfg.model, vocab_size=len(vocab), rngs=nnx.Rngs(3))
+  src = build_model(specs.model_config(cfg, vocab_size=len(vocab)), rngs=nnx.Rngs(3))
   directory = checkpoint.export(str(tmp_path / "export"), nnx.state(src, nnx.Param), cfg, vocab, extra={"step": 0})
   ns = _run_example(directory)
   assert type(ns["model"]).__name__ == "SRUppLM"
@@ -204,7 +205,7 @@ def test_digests_as_documented(trained_export):
   config = json.load(open(os.path.join(trained_export, "config.json")))
   import dataclasses
 
-  fields = {k: v for k, v in dataclasses.asdict(model_config(config["model"], meta["vocab_size"])).items()
+  fields = {k: v for k, v in dataclasses.asdict(specs.model_config(config, meta["vocab_size"])).items()
             if "dropout" not in k and not (k in checkpoint.LATER_FIELDS and v == checkpoint.LATER_FIELDS[k])}
   assert hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16] == meta["arch_digest"]
 

@@ -17,6 +17,7 @@ from trime_jax.datastore import Datastore, build_datastore, build_index
 from trime_jax.errors import CheckpointError, ConfigError
 from trime_jax.model import ModelConfig, TransformerLM
 from trime_jax.configs import default
+from trime_jax import specs
 
 BLOCK, CTX, V, DIM = 16, 8, 9, 8
 
@@ -31,7 +32,7 @@ def setup(tmp_path_factory):
   cfg = default.get_config()
   cfg.model.num_layers, cfg.model.d_model, cfg.model.num_heads, cfg.model.d_ff = 1, DIM, 2, 16
   cfg.model.max_len, cfg.eval.block_len, cfg.eval.context_window, cfg.eval.batch_size = 32, BLOCK, CTX, 2
-  model = TransformerLM(ModelConfig.from_config(cfg.model, vocab_size=V), rngs=nnx.Rngs(5))
+  model = TransformerLM(specs.model_config(cfg, vocab_size=V), rngs=nnx.Rngs(5))
   graphdef, params = nnx.split(model, nnx.Param)
   export = ckpt.export(str(tmp / "export"), params, cfg, vocab)
   build_datastore(export, train, str(tmp / "ds"), progress=False)

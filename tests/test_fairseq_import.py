@@ -30,6 +30,7 @@ from trime_jax import corpora
 from trime_jax import evaluate as E
 from trime_jax import fairseq_import as FI
 from trime_jax.model import TransformerLM
+from trime_jax import specs
 
 WORDS = ["the", ",", ".", "of", "alpha", "and", "in", "beta", "is", "a", "=", "article", "letter", "gamma",
          "first", "second", "about", "text", "some", "more", "section", "appears", "again", "once", "said", "mentions"]
@@ -347,13 +348,11 @@ def test_release_architectures_read_as_the_paper_configs(config_name, flags):
   train in bfloat16), and enwik8's vocabulary (fairseq's 208-symbol dict vs our 256 bytes)."""
   import importlib
 
-  from trime_jax.model import ModelConfig
-
   config = importlib.import_module(f"trime_jax.configs.{config_name}").get_config()
   v = 208 if config_name == "enwik8_38m" else config.model.vocab_size
   got = FI.model_config(FI.complete_flags({**flags, "knn_keytype": "last_ffn_input"}),
                         {"decoder.version": np.array([3.0])}, v)
-  want = ModelConfig.from_config(config.model, vocab_size=v)
+  want = specs.model_config(config, vocab_size=v)
   assert dataclasses.replace(got, dtype=want.dtype) == want
 
 

@@ -18,6 +18,7 @@ from trime_jax import generate as G
 from trime_jax import model as M
 from trime_jax import scoring
 from trime_jax.errors import CheckpointError, ConfigError
+from trime_jax import specs
 
 WORDS = ["</s>", "<unk>", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "to", "door", ".", ","]
 
@@ -28,7 +29,7 @@ def _export(path, vocab, seed=0, surgery=None, **model):
                "model.max_len": 32, "model.dropout": 0.0, "eval.tau": 0.5,
                **{f"model.{k}": v for k, v in model.items()}}
   cfg = tiny_config("unused.bin", **overrides)
-  net = M.TransformerLM(M.ModelConfig.from_config(cfg.model, vocab_size=len(vocab)), rngs=nnx.Rngs(seed))
+  net = M.TransformerLM(specs.model_config(cfg, vocab_size=len(vocab)), rngs=nnx.Rngs(seed))
   if surgery:
     surgery(net)
   return ckpt.export(str(path), nnx.state(net, nnx.Param), cfg, vocab)

@@ -25,8 +25,9 @@ from trime_jax import sweep
 from trime_jax.batching import consecutive
 from trime_jax.batching import plan as batch_plan
 from trime_jax.errors import ConfigError, DataError
-from trime_jax.model import ModelConfig, TransformerLM
+from trime_jax.model import TransformerLM
 from trime_jax.train import BatchSource
+from trime_jax import specs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC_LENS = [5, 40, 23, 60, 1, 17, 33]  # some shorter than one segment / one run, one a single token
@@ -294,7 +295,7 @@ class Tiny:
   def __init__(self, break_mode="none"):
     self.break_mode = break_mode
     self.corpus = _corpus() if break_mode == "none" else _lines_corpus()
-    cfg = ModelConfig.from_config(_config().model, vocab_size=len(self.corpus.vocab))
+    cfg = specs.model_config(_config(), vocab_size=len(self.corpus.vocab))
     self.model = TransformerLM(cfg, rngs=nnx.Rngs(params=3))
     self.graphdef, self.params = nnx.split(self.model, nnx.Param)
     self.wins = D.eval_windows(self.corpus, len(self.corpus), BLOCK, CONTEXT, break_mode)
@@ -445,7 +446,7 @@ def test_memory_size_sweep_table_and_plot(tmp_path):
   config = _config(**{"data.corpus": "wikitext", "data.path": str(_wiki_dir(tmp_path)), "eval.block_len": 16,
                       "eval.context_window": 8, "eval.batch_size": 2, "eval.tune": True})
   vocab = corpora.load_splits(config.data).vocab
-  model = TransformerLM(ModelConfig.from_config(config.model, vocab_size=len(vocab)), rngs=nnx.Rngs(params=0))
+  model = TransformerLM(specs.model_config(config, vocab_size=len(vocab)), rngs=nnx.Rngs(params=0))
   export = ckpt.export(str(tmp_path / "export"), nnx.split(model, nnx.Param)[1], config, vocab)
   rows = evaluate.evaluate_checkpoint(config, export, mem_sizes=[0, 16], label="tiny")["rows"]
   n = 1 + len(evaluate.TAU_GRID)

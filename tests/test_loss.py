@@ -9,6 +9,7 @@ import pytest
 
 from tests import reference as ref
 from trime_jax import loss, scoring
+from trime_jax import specs
 
 # (memory, m, variant): variant False / True = drop_local for every row; "rows" = drop_local per row (mixed);
 # "docs" = packed long-term runs whose rows hold several documents (per-token document ids).
@@ -425,7 +426,7 @@ def test_memory_grad_group_rows_spec():
 
   cfg = ConfigDict({"trime": {"memory": "ext", "consecutive_segments": 1, "tau": 1.0,
                               "stop_gradient_memory": False, "memory_chunk": 0, "memory_grad_group_rows": 1}})
-  spec = loss.ObjectiveSpec.from_config(cfg)
+  spec = specs.objective_spec(cfg)
   assert spec.memory_grad_group_rows == 1 and spec.key_grad_group_rows == 1
   assert loss.ObjectiveSpec("local", memory_grad_group_rows=1).key_grad_group_rows == 0
   assert loss.ObjectiveSpec("ext", memory_grad_group_rows=1, stop_gradient_memory=True).key_grad_group_rows == 0

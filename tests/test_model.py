@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from trime_jax import model as M
+from trime_jax import specs
 
 
 def _tiny(**kw):
@@ -106,12 +107,12 @@ PAPER_PARAMS = {"wiki103_247m": (247e6, 0.01), "wiki103_150m": (150e6, 0.01), "w
 def test_paper_configs_parameter_counts(name):
   """Real shapes via nnx.eval_shape (nothing allocated): exactly fairseq's count, and the paper's."""
   cfg = importlib.import_module(f"trime_jax.configs.{name}").get_config()
-  ours = M.abstract_param_count(M.ModelConfig.from_config(cfg.model))
+  ours = M.abstract_param_count(specs.model_config(cfg))
   assert ours == _fairseq_param_count(name)
   paper, tol = PAPER_PARAMS[name]
   assert abs(ours - paper) / paper < tol, ours
   if cfg.model.adaptive_input_factor == 4:  # factor 4 is what makes the paper's count: a full softmax is far larger
-    full = M.abstract_param_count(dataclasses.replace(M.ModelConfig.from_config(cfg.model), adaptive_input=False,
+    full = M.abstract_param_count(dataclasses.replace(specs.model_config(cfg), adaptive_input=False,
                                                       adaptive_softmax=False, tie_adaptive_proj=False))
     assert full > 1.5 * paper
 
@@ -352,7 +353,7 @@ def test_paper_configs_validate_and_build(name):
 
   cfg = importlib.import_module(f"trime_jax.configs.{name}").get_config()
   validate_config(cfg)
-  mcfg = M.ModelConfig.from_config(cfg.model)
+  mcfg = specs.model_config(cfg)
   for key, want in ORIGINAL[name].items():  # every model field of the table reaches ModelConfig
     if key.startswith("model."):
       assert getattr(mcfg, key.split(".")[1]) == want, key

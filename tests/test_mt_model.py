@@ -15,6 +15,7 @@ from trime_jax.mt import batching
 from trime_jax.mt import data as mt_data
 from trime_jax.mt import model as mt_model
 from trime_jax.mt import train as mt_train
+from trime_jax import specs
 
 V = 40
 
@@ -131,7 +132,7 @@ def test_mt_ext_loss_matches_float64_reference():
   src = [rng.integers(4, 12, n) for n in (3, 5, 2, 4)]
   tgt = [rng.integers(4, 8, n) for n in (4, 1, 3, 5)]  # few target ids: many positives across rows
   batch = mt_data.collate(src, tgt, 6, 6, rows=5)  # + one all-padding row
-  spec = mt_train.objective_spec(ml_collections.ConfigDict({"trime": {
+  spec = specs.objective_spec(ml_collections.ConfigDict({"trime": {
       "memory": "ext", "tau": 1.0, "stop_gradient_memory": False, "memory_chunk": 0}}))
   jb = {k: jnp.asarray(v) for k, v in batch.items()}
   _, ce, tr, n = nll(model, jb, spec, use_trime=True)
@@ -149,7 +150,7 @@ def test_label_smoothing_matches_fairseq_formula():
   model = tiny()
   batch, _, _ = pairs_batch(2)
   jb = {k: jnp.asarray(v) for k, v in batch.items()}
-  spec = mt_train.objective_spec(ml_collections.ConfigDict({"trime": {
+  spec = specs.objective_spec(ml_collections.ConfigDict({"trime": {
       "memory": "none", "tau": 1.0, "stop_gradient_memory": False, "memory_chunk": 0}}))
   obj, ce, _, n = nll(model, jb, spec, use_trime=False, label_smoothing=0.1)
   _, _, logits = fwd(model, jb["src"], jb["prev"])
@@ -319,7 +320,7 @@ def test_packed_rows_compute_what_padded_rows_do():
   np.testing.assert_allclose(take(f2, pos_packed), take(f1, pos_padded), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(take(g2, pos_packed), take(g1, pos_padded), rtol=1e-5, atol=1e-5)
   for topk in (0, 3):
-    spec = mt_train.objective_spec(ml_collections.ConfigDict({"trime": {
+    spec = specs.objective_spec(ml_collections.ConfigDict({"trime": {
         "memory": "ext", "tau": 10.0, "stop_gradient_memory": False, "memory_chunk": 0,
         "memory_topk": topk}}))
     obj = lambda p, b: mt_train.mt_nll(nnx.merge(graphdef, p), b, spec, use_trime=True)[0]

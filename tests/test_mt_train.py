@@ -15,6 +15,7 @@ from trime_jax.mt import batching
 from trime_jax.mt import data as mt_data
 from trime_jax.mt import model as mt_model
 from trime_jax.mt import train as mt_train
+from trime_jax import specs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,7 +58,7 @@ def test_train_resume_export_round_trip(tmp_path):
   assert mt_model.count_params(params) == out["num_params"]
   pairs = mt_data.load_parallel(config, "valid", vocab)
   # The exported parameters score valid exactly as the run's final evaluation did.
-  ev = mt_train.evaluate(graphdef, params, pairs, config, mt_train.objective_spec(config))
+  ev = mt_train.evaluate(graphdef, params, pairs, config, specs.objective_spec(config))
   assert ev == out["valid"] and np.isfinite(ev["trime_nll"]) and ev["pairs"] == len(pairs)
   # A changed export is refused.
   meta_path = os.path.join(out["export"], "meta.json")

@@ -22,7 +22,7 @@ summed loss / sample_size, as fairseq's trainer). Cases:
 
 trime-jax side: the paper config (configs/wiki103_247m.py; the `_long` / `_ext` variants as
 docs/paper_configs.md states them, long_same_device as configs/wiki103_150m.py: one run = one forward's rows)
-with the imported model, `steps.LossSpec.from_config`, `train.ce_warmup_steps` and the jitted `steps.train_step`
+with the imported model, `specs.loss_spec`, `train.ce_warmup_steps` and the jitted `steps.train_step`
 (the update's gradient captured by an optimizer that stores it). The drop-local mask is the fixture's. The
 4-GPU cases (one segment per GPU, as the 247M script) take the paper config's `trime.memory_grad_group_rows = 1`
 (key gradients only from queries of the key's own segment = GPU) and match on ONE device; in a subprocess (this
@@ -134,14 +134,14 @@ def trime_jax_step(case, fx, cfg, params, mesh=None, dtype=None):
   import jax.numpy as jnp
   from flax import nnx
 
-  from trime_jax import sharding, steps
+  from trime_jax import sharding, specs, steps
   from trime_jax import train as T
   from trime_jax.model import TransformerLM
 
   src, tgt = fx["src_tokens"].astype(np.int32), fx["target"].astype(np.int32)
   b, l = tgt.shape
   config = paper_config(case, cfg, b, l)
-  spec = steps.LossSpec.from_config(config)
+  spec = specs.loss_spec(config)
   warm = T.ce_warmup_steps(config)
   step = 0 if case == "ce_warmup" else warm  # train.py: use_trime = memory != "none" and step >= warm
   assert (case == "ce_warmup") == (step < warm)
@@ -263,7 +263,7 @@ def test_float64_agrees_to_roundoff():
   import jax.numpy as jnp
   from flax import nnx
 
-  from trime_jax import steps
+  from trime_jax import specs, steps
   from trime_jax import train as T
   from trime_jax.model import TransformerLM
 
@@ -276,7 +276,7 @@ def test_float64_agrees_to_roundoff():
     src, tgt = fx["src_tokens"].astype(np.int32), fx["target"].astype(np.int32)
     for case in ("local", "ce_warmup", "long", "ext_p0.9", "ext_p0"):
       config = paper_config(case, cfg, *tgt.shape)
-      spec = steps.LossSpec.from_config(config)
+      spec = specs.loss_spec(config)
       use_trime = case != "ce_warmup"
       drop = fx[f"{case}/drop_local"] if f"{case}/drop_local" in fx.files else np.zeros(tgt.shape[:1], bool)
       batch = {"inputs": src, "targets": tgt, "drop_local": drop}

@@ -23,6 +23,7 @@ from trime_jax import model as M
 from trime_jax.configs import default
 from trime_jax.errors import CheckpointError, ConfigError
 from trime_jax.runtime import workdir
+from trime_jax import specs
 
 TAU, TAU_PRIME, TRAIN_TAU = 0.7, 0.4, 1.3
 
@@ -48,7 +49,7 @@ def exports(tmp_path_factory):
   """(an export as written today, the same export with a config.json written before the renames)."""
   tmp = tmp_path_factory.mktemp("renames")
   cfg, vocab = _config(), data.Vocab.bytes()
-  net = M.TransformerLM(M.ModelConfig.from_config(cfg.model, vocab_size=len(vocab)), rngs=nnx.Rngs(0))
+  net = M.TransformerLM(specs.model_config(cfg, vocab_size=len(vocab)), rngs=nnx.Rngs(0))
   new = ckpt.export(str(tmp / "new"), nnx.state(net, nnx.Param), cfg, vocab)
   old = ckpt.export(str(tmp / "old"), nnx.state(net, nnx.Param), cfg, vocab)
   path = os.path.join(old, "config.json")

@@ -19,6 +19,7 @@ from trime_jax.batching import consecutive
 from trime_jax.batching import plan as batch_plan
 from trime_jax.errors import ConfigError
 from trime_jax.srupp import SRUppConfig, SRUppLM, sru_recurrence
+from trime_jax import specs
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -195,9 +196,9 @@ def test_enwik8_srupp_config_is_about_42m_parameters():
     c = enwik8_srupp.get_config(arg)
     assert c.data.segment_len == int(arg) and c.train.batch_size == 16 and c.train.num_steps == 400_000
     assert c.eval.mem_size == (6_144 if arg == "512" else 12_228)
-    n = M.abstract_param_count(M.model_config(c.model))
+    n = M.abstract_param_count(specs.model_config(c))
     assert abs(n - 42e6) / 42e6 < 0.05, n
-  tiny_s, tiny_t = (M.abstract_param_count(M.model_config(bytes_srupp.get_config(b).model))
+  tiny_s, tiny_t = (M.abstract_param_count(specs.model_config(bytes_srupp.get_config(b)))
                     for b in ("srupp", "transformer"))
   assert abs(tiny_s - tiny_t) / tiny_t < 0.1
 
@@ -229,7 +230,7 @@ def test_backbone_switch_trains_and_evaluates_srupp_long(tmp_path):
   assert resets[0].all() and np.array_equal(resets[1:], (idx[1:] != idx[:-1] + 1) | (idx[1:] < 0))
   assert not resets[1:].all()
   out = train.train_and_evaluate(config, str(tmp_path / "work"), splits=splits)
-  assert out["num_params"] == M.abstract_param_count(M.model_config(config.model, vocab_size=256))
+  assert out["num_params"] == M.abstract_param_count(specs.model_config(config, vocab_size=256))
   assert math.isfinite(out["train"]["loss"]) and out["dev"]["trime_local(tau=1)_ppl"] < 256
   res = evaluate.evaluate_checkpoint(config, out["export"])
   rows = {r["family"]: r for r in res["rows"]}

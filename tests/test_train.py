@@ -11,6 +11,7 @@ from tests.helpers import read_metrics, tiny_config, write_text_file
 from trime_jax import checkpoint as ckpt
 from trime_jax.errors import ConfigError, TrainingError
 from trime_jax.train import train_and_evaluate
+from trime_jax import specs
 
 
 @pytest.fixture(scope="module")
@@ -172,12 +173,12 @@ def _tiny_export_args():
 
   from trime_jax.configs import default
   from trime_jax import data as D
-  from trime_jax.model import ModelConfig, TransformerLM
+  from trime_jax.model import TransformerLM
 
   c = default.get_config()
   c.model.num_layers, c.model.d_model, c.model.num_heads, c.model.d_ff, c.model.max_len = 1, 16, 2, 32, 32
   vocab = D.Vocab.bytes()
-  model = TransformerLM(ModelConfig.from_config(c.model, vocab_size=len(vocab)), rngs=nnx.Rngs(params=0))
+  model = TransformerLM(specs.model_config(c, vocab_size=len(vocab)), rngs=nnx.Rngs(params=0))
   return nnx.split(model, nnx.Param)[1], c, vocab
 
 

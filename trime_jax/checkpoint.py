@@ -36,7 +36,8 @@ from flax import nnx
 
 from trime_jax import data
 from trime_jax.errors import CheckpointError, DamagedCheckpointError, TrimeError
-from trime_jax.model import build_model, count_params, model_config
+from trime_jax.model import build_model, count_params
+from trime_jax.specs import model_config
 from trime_jax.runtime.lock import DirLock
 
 EXPORT_FILES = ("config.json", "vocab.json", "meta.json", "params")
@@ -391,7 +392,7 @@ def export_target_problem(directory: str, meta: dict) -> str | None:
 
 
 def _export_meta(config, vocab: data.Vocab, extra=None) -> dict:
-  mcfg = model_config(config.model, vocab_size=len(vocab))
+  mcfg = model_config(config, vocab_size=len(vocab))
   return {"arch_digest": arch_digest(mcfg), "vocab_fingerprint": vocab.fingerprint(), "vocab_size": len(vocab),
           "vocab_kind": vocab.kind, "d_model": mcfg.d_model, "key_type": mcfg.key_type, **(extra or {})}
 
@@ -564,7 +565,7 @@ def load_export(directory: str):
   meta = read_export_meta(directory)
   vocab = read_export_vocab(directory)
   try:
-    mcfg = model_config(config.model, vocab_size=len(vocab))
+    mcfg = model_config(config, vocab_size=len(vocab))
   except (AttributeError, KeyError, TypeError, ValueError) as e:
     raise DamagedCheckpointError(f"export config {config_path} has no valid model section ({_first_line(e)})") from None
   if "arch_digest" in meta and arch_digest(mcfg) != meta["arch_digest"]:

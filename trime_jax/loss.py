@@ -8,7 +8,7 @@ log terms); this module lays a training batch out for them and owns what only tr
 * the vocabulary side as two numbers per query (`VocabStats`: `vocab_stats` from full logits,
   `chunked_vocab_stats` a running log-sum-exp over vocabulary chunks with a recomputing VJP);
 * `batch_meta` / `per_query_causal`: local, long-term and external memory as `TokenMeta` of the batch;
-* the objective's options, once (`ObjectiveSpec`, built from the config by `ObjectiveSpec.from_config`);
+* the objective's options, once (`ObjectiveSpec`; made from a config by `specs.objective_spec`);
 * `trime_nll` / `trime_nll_from_vocab_stats`, which exploit structure: local memory is block-diagonal (one
   `[L, L]` block per segment), long-term memory block-diagonal per document run, only external memory spans
   the batch. `implementation="auto"` keeps the per-group blocks for autodiff when they fit a 64 MiB budget
@@ -243,15 +243,6 @@ class ObjectiveSpec:
     if self.memory not in ("long", "ext") or self.stop_gradient_memory:
       return 0
     return self.memory_grad_group_rows
-
-  @classmethod
-  def from_config(cls, config) -> "ObjectiveSpec":
-    """From the `trime` section (memory_chunk 0 = derived from the block budget)."""
-    t = config.trime
-    return cls(memory=t.memory, consecutive_segments=int(t.consecutive_segments), tau=float(t.tau),
-               stop_gradient_memory=bool(t.stop_gradient_memory), memory_chunk=int(t.memory_chunk) or None,
-               memory_topk=int(t.get("memory_topk", 0)),
-               memory_grad_group_rows=int(t.get("memory_grad_group_rows", 0)))
 
 
 def objective_spec(spec: ObjectiveSpec | None, options: dict) -> ObjectiveSpec:

@@ -116,14 +116,6 @@ class ModelConfig:
     """(0, c_1, ..., c_k, V): band i holds words [edges[i], edges[i + 1])."""
     return (0,) + self.adaptive_cutoffs + (self.vocab_size,)
 
-  @classmethod
-  def from_config(cls, model_cfg, vocab_size: int | None = None) -> "ModelConfig":
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {k: v for k, v in dict(model_cfg).items() if k in fields}
-    if vocab_size is not None:
-      kwargs["vocab_size"] = vocab_size
-    return cls(**kwargs)
-
 
 # Shared with the translation model (trime_jax/layers.py); the names stay importable from here.
 sinusoidal_positions = layers.sinusoidal_positions
@@ -470,23 +462,12 @@ def abstract_param_count(cfg) -> int:
 BACKBONES = ("transformer", "srupp")
 
 
-def model_config(model_cfg, vocab_size: int | None = None):
-  """The backbone's config dataclass from a `config.model` section (model.backbone picks the backbone)."""
-  backbone = dict(model_cfg).get("backbone", "transformer")
-  if backbone == "transformer":
-    return ModelConfig.from_config(model_cfg, vocab_size=vocab_size)
-  if backbone == "srupp":
-    from trime_jax.srupp import SRUppConfig
-
-    return SRUppConfig.from_config(model_cfg, vocab_size=vocab_size)
-  raise ValueError(f"model.backbone must be one of {BACKBONES}, got {backbone!r}")
-
-
-def build_model(cfg, vocab_size: int | None = None, rngs: nnx.Rngs | None = None):
-  """The model of `cfg`: a backbone config dataclass (ModelConfig, SRUppConfig) or a `config.model` section
-  (then `vocab_size` gives the vocabulary, unless the section sets it)."""
+def build_model(cfg, rngs: nnx.Rngs | None = None):
+  """The model of `cfg`, a backbone config dataclass (ModelConfig, SRUppConfig; from a config:
+  `specs.model_config`)."""
   if not dataclasses.is_dataclass(cfg):
-    cfg = model_config(cfg, vocab_size=vocab_size)
+    raise TypeError(f"build_model takes a backbone config (specs.model_config(config, vocab_size)), got "
+                    f"{type(cfg).__name__}")
   rngs = rngs if rngs is not None else nnx.Rngs(0)
   if isinstance(cfg, ModelConfig):
     return TransformerLM(cfg, rngs=rngs)

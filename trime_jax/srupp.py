@@ -55,7 +55,7 @@ from trime_jax import layers, loss
 
 @dataclasses.dataclass(frozen=True)
 class SRUppConfig:
-  """Shapes and regularisation of `SRUppLM` (from `config.model`: the shared fields and the srupp_* ones)."""
+  """Shapes and regularisation of `SRUppLM` (from a config: `specs.model_config` reads `config.model`'s shared fields and the srupp_* ones)."""
 
   vocab_size: int
   num_layers: int = 4
@@ -86,20 +86,6 @@ class SRUppConfig:
       raise ValueError(f"model.srupp_attention_every must be >= 1, got {self.attention_every}")
     if self.key_type != "final":
       raise ValueError("SRU++ keys are the input of the final projection: model.key_type must be 'final'")
-
-  @classmethod
-  def from_config(cls, m, vocab_size: int | None = None) -> "SRUppConfig":
-    m = dict(m)
-    kw = dict(vocab_size=vocab_size if vocab_size is not None else m["vocab_size"], num_layers=m["num_layers"],
-              d_model=m["d_model"], attn_dim=m.get("srupp_attn_dim") or max(m["d_model"] // 4, 1),
-              num_heads=m.get("srupp_num_heads", 1), attention_every=m.get("srupp_attention_every", 1),
-              highway_bias=m.get("srupp_highway_bias", -2.0), layer_norm=m.get("srupp_layer_norm", False),
-              normalize_memory=m.get("srupp_normalize_memory", False),
-              dropout=m.get("dropout", 0.1), attention_dropout=m.get("attention_dropout", 0.0),
-              dtype=m.get("dtype", "float32"), key_type=m.get("key_type", "final"))
-    if m.get("max_len"):
-      kw["max_len"] = m["max_len"]
-    return cls(**kw)
 
   def has_attention(self, layer: int) -> bool:
     return (layer + 1) % self.attention_every == 0

@@ -42,12 +42,6 @@ class LossSpec:
     if self.memory_grad not in sharded_loss.MEMORY_GRADS:
       raise ConfigError(f"trime.memory_grad must be one of {sharded_loss.MEMORY_GRADS}, got {self.memory_grad!r}")
 
-  @classmethod
-  def from_config(cls, config) -> "LossSpec":
-    return cls(objective=loss.ObjectiveSpec.from_config(config), vocab_chunk=int(config.train.vocab_chunk),
-               sharded_variant=config.trime.get("sharded_variant", "gather"),
-               memory_grad=config.trime.get("memory_grad", "all"))
-
 
 def forward(model, inputs_BxL, targets_BxL, *, vocab_chunk=0, deterministic=True, rngs=None, criterion=False):
   """(VocabStats [B, L], keys [B, L, D]) without materialising [B, L, V] when vocab_chunk > 0. `criterion`:

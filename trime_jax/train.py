@@ -33,6 +33,7 @@ from trime_jax import distributed
 from trime_jax import evaluate
 from trime_jax import event_writer
 from trime_jax import sharding
+from trime_jax import specs
 from trime_jax import steps
 from trime_jax.batching import plan as batch_plan
 from trime_jax.runtime import workdir as workdir_files
@@ -142,9 +143,9 @@ def best_metric(config) -> str:
   return "trime_local(tau=1)_ppl" if config.trime.memory != "none" else "none_ppl"
 
 
-def build_model(config, vocab_size: int, seed: int):
-  """The model of config.model (model.backbone picks it: `model.build_model`)."""
-  return model_lib.build_model(config.model, vocab_size, nnx.Rngs(params=seed))
+def build_model(mcfg, seed: int):
+  """A fresh model of the backbone config `mcfg` (`specs.model_config`; model.backbone picks the backbone)."""
+  return model_lib.build_model(mcfg, nnx.Rngs(params=seed))
 
 
 def graphdef_stateful(graphdef, params) -> bool:
@@ -167,7 +168,7 @@ def memory_plan(config, vocab_size: int = 0) -> dict:
   validate_config(config)
   train_cfg = config.train
   vocab_size = vocab_size or config.model.vocab_size or len(corpora.load_splits(config.data).vocab)
-  mcfg = model_lib.model_config(config.model, vocab_size=vocab_size)
+  mcfg, spec = specs.model_config(config, vocab_size=vocab_size), specs.loss_spec(config)
   graphdef, params = nnx.split(nnx.eval_shape(lambda: model_lib.build_model(mcfg, rngs=nnx.Rngs(params=0))),
                                nnx.Param)
   tx, _ = make_optimizer(train_cfg)
@@ -185,7 +186,6 @@ def memory_plan(config, vocab_size: int = 0) -> dict:
     batch["reset"] = batch["drop_local"]
     state["carry"] = jax.eval_shape(lambda: steps.init_train_carry(nnx.merge(graphdef, params), rows,
                                                                    config.data.segment_len))
-  spec = steps.LossSpec.from_config(config)
   use_trime = spec.objective.memory != "none"
   fn = functools.partial(steps.train_step, graphdef, tx, spec, use_trime, use_trime)
   compiled = jax.jit(fn, donate_argnums=(0,)).lower(state, batch, jax.random.PRNGKey(0)).compile()
@@ -248,7 +248,9 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   if train_cfg.batch_size % mesh.size:
     raise ConfigError(f"train.batch_size={train_cfg.batch_size} is not divisible by the {mesh.size} devices")
 
-  model = build_model(config, len(vocab), train_cfg.seed)
+  # The typed specs, made once from the config (`specs`); the model and the loss below take only these.
+  mcfg, spec = specs.model_config(config, vocab_size=len(vocab)), specs.loss_spec(config)
+  model = build_model(mcfg, train_cfg.seed)
   graphdef, params = nnx.split(model, nnx.Param)
   tx, schedule = make_optimizer(train_cfg)
   repl, data_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh, batch_axis=1)
@@ -272,7 +274,6 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
     _log(f"resumed from step {restored_step} ({mgr.directory})")
 
   state = jax.device_put(state, repl)
-  spec = steps.LossSpec.from_config(config)
   warm = ce_warmup_steps(config)
   report_trime = spec.objective.memory != "none"
 

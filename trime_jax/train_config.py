@@ -11,6 +11,7 @@ from trime_jax import data
 from trime_jax import evaluate
 from trime_jax import model as model_lib
 from trime_jax import sharded_loss
+from trime_jax import specs
 from trime_jax.errors import ConfigError
 from trime_jax.loss import MEMORY_MODES
 from trime_jax.runtime import workdir
@@ -93,7 +94,7 @@ def _check_backbone(config) -> None:
   if m.get("key_type", "final") != "final":
     raise ConfigError("model.backbone='srupp' keys are the final projection's input: set model.key_type='final'")
   try:
-    model_lib.model_config(m, vocab_size=1)
+    specs.model_config(config, vocab_size=1)
   except ValueError as e:
     raise ConfigError(str(e)) from None
 

@@ -73,14 +73,6 @@ class MTConfig:
     if not 0 <= self.pad_id < self.vocab_size:
       raise ValueError(f"model.pad_id={self.pad_id} outside the vocabulary")
 
-  @classmethod
-  def from_config(cls, model_cfg, vocab_size: int | None = None) -> "MTConfig":
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {k: v for k, v in dict(model_cfg).items() if k in fields}
-    if vocab_size is not None:
-      kwargs["vocab_size"] = vocab_size
-    return cls(**kwargs)
-
 
 def _embedding(cfg: MTConfig, rngs):
   """fairseq Embedding: N(0, D^-1/2) with the padding row zeroed."""
@@ -348,8 +340,9 @@ def export_mt(directory: str, params, config, vocab, extra=None, *, overwrite: b
   `overwrite`."""
   from trime_jax import checkpoint
   from trime_jax import data as lm_data
+  from trime_jax import specs  # reading the stored config is the export's job, above this module's
 
-  mcfg = MTConfig.from_config(config.model, vocab_size=vocab.size)
+  mcfg = specs.mt_model_config(config, vocab_size=vocab.size)
   meta = {"params_digest": params_digest(params), "vocab_fingerprint": vocab.fingerprint(),
           "vocab_size": vocab.size, "vocab_kind": vocab.kind, "d_model": mcfg.d_model, "key_type": mcfg.key_type,
           "num_params": count_params(params), "model_family": "mt", **(extra or {})}
@@ -388,7 +381,9 @@ def load_mt_export(directory: str):
   if vocab.fingerprint() != meta["vocab_fingerprint"] or vocab.size != meta["vocab_size"]:
     raise DamagedCheckpointError(f"the vocabulary file in {directory} does not match meta.json's vocabulary "
                                  "fingerprint")
-  mcfg = MTConfig.from_config(config.model, vocab_size=vocab.size)
+  from trime_jax import specs
+
+  mcfg = specs.mt_model_config(config, vocab_size=vocab.size)
   target = nnx.eval_shape(lambda: TransformerMT(mcfg, rngs=nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(target, nnx.Param)
   abstract_params = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, abstract_params)
@@ -397,9 +392,9 @@ def load_mt_export(directory: str):
   return graphdef, params, config, vocab
 
 
-def build_mt_model(config, vocab_size: int, seed: int) -> TransformerMT:
-  return TransformerMT(MTConfig.from_config(config.model, vocab_size=vocab_size), rngs=nnx.Rngs(params=seed,
-                                                                                                 dropout=seed + 1))
+def build_mt_model(cfg: MTConfig, seed: int) -> TransformerMT:
+  """A fresh model of `cfg` (from a config: `specs.mt_model_config(config, vocab_size)`)."""
+  return TransformerMT(cfg, rngs=nnx.Rngs(params=seed, dropout=seed + 1))
 
 
 def as_numpy(tree):

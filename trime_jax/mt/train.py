@@ -38,6 +38,7 @@ from trime_jax import checkpoint as ckpt
 from trime_jax import loss
 from trime_jax import sharded_loss
 from trime_jax import sharding
+from trime_jax import specs
 from trime_jax.errors import CheckpointError, ConfigError, TrainingError
 from trime_jax.runtime import workdir as workdir_files
 from trime_jax.runtime.optim import make_optimizer
@@ -62,13 +63,6 @@ def resolve_data_path(config) -> None:
 # ----------------------------------------------------------------------------------------------------------
 # Loss
 # ----------------------------------------------------------------------------------------------------------
-def objective_spec(config) -> loss.ObjectiveSpec:
-  t = config.trime
-  return loss.ObjectiveSpec(memory=t.memory, tau=float(t.tau),
-                            stop_gradient_memory=bool(t.stop_gradient_memory), memory_chunk=int(t.memory_chunk) or None,
-                            memory_topk=int(t.get("memory_topk", 0)))
-
-
 def mt_nll(model, batch, spec: loss.ObjectiveSpec, *, use_trime: bool, vocab_chunk=0, label_smoothing=0.0,
            deterministic=True, rngs=None, mesh=None, variant="gather", memory_grad="all"):
   """Sums over the batch's valid target tokens: (objective, ce, trime, n_tokens).
@@ -262,7 +256,9 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
   r = config.train
   mesh = sharding.make_mesh(r.num_devices)
   pack_len = pack_len_of(config)
-  model = mt_model.build_mt_model(config, vocab.size, int(r.seed))
+  # The typed specs, made once from the config (`specs`); what lies below takes only these.
+  spec, mcfg = specs.objective_spec(config), specs.mt_model_config(config, vocab_size=vocab.size)
+  model = mt_model.build_mt_model(mcfg, int(r.seed))
   graphdef, params = nnx.split(model, nnx.Param)
   tx, schedule = make_optimizer(r)
   state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
@@ -275,7 +271,6 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
   if restored is not None:
     state = restored
     log(f"resumed from update {restored_step}")
-  spec = objective_spec(config)
   warm = int(config.trime.ce_warmup_steps)
   eval_spec = spec
   n_params = mt_model.count_params(params)
