@@ -463,6 +463,6 @@ def test_layering_scoring_under_loss_under_sharded_loss():
   modules = {p.stem for p in root.rglob("*.py")} | {"evaluate"}
   private = re.compile(r"\b(" + "|".join(sorted(modules)) + r")\._[a-z]\w*")
   for path in [root / "scoring.py", root / "loss.py", root / "sharded_loss.py", root / "exact_memory.py",
-               root / "generate.py", root / "mt" / "decode.py", *(root / "evaluate").glob("*.py")]:
+               *(root / "generate").glob("*.py"), root / "mt" / "decode.py", *(root / "evaluate").glob("*.py")]:
     code = path.read_text()
     assert not private.findall(code), (path, private.findall(code))

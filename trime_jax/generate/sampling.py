@@ -1,0 +1,65 @@
+"""Sampling the next token: `Sampling` (its options) and pure functions of log-probabilities (tests compare them
+with NumPy references). A key per (seed, row, step): a row's samples do not depend on its batch's other rows'
+contents, only on its index."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from trime_jax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  temperature: float = 1.0  # 0: greedy (argmax)
+  top_k: int = 0  # 0: off
+  top_p: float = 1.0  # 1: off
+  seed: int = 0
+
+  def __post_init__(self):
+    if not self.temperature >= 0:
+      raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+    if self.top_k < 0:
+      raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+    if not 0 < self.top_p <= 1:
+      raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def filter_log_probs(log_p_BxV, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+  """Log-probabilities to sample from: tempered (temperature > 0), renormalised, and -inf outside the top-k
+  and then outside the nucleus (the most probable tokens whose mass first reaches top_p). Ties at a cut are
+  kept, so the result does not depend on how a sort orders equal values."""
+  x = jax.nn.log_softmax(log_p_BxV / temperature if temperature > 0 else log_p_BxV, axis=-1)
+  if top_k and top_k < x.shape[-1]:
+    kth = jax.lax.top_k(x, top_k)[0][:, -1:]
+    x = jax.nn.log_softmax(jnp.where(x >= kth, x, -jnp.inf), axis=-1)
+  if top_p < 1.0:
+    p_sorted = -jnp.sort(-jnp.exp(x), axis=-1)
+    before = jnp.cumsum(p_sorted, axis=-1) - p_sorted  # mass of the tokens ranked above
+    cut = jnp.min(jnp.where(before < top_p, p_sorted, jnp.inf), axis=-1, keepdims=True)
+    x = jax.nn.log_softmax(jnp.where(jnp.exp(x) >= cut, x, -jnp.inf), axis=-1)
+  return x
+
+
+def sample(log_p_BxV, key_B, sampling: Sampling):
+  """[B] int32 next tokens: argmax at temperature 0, else a draw per row with its own key."""
+  if sampling.temperature == 0:
+    return jnp.argmax(log_p_BxV, axis=-1).astype(jnp.int32)
+  x = filter_log_probs(log_p_BxV, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+  return jax.vmap(jax.random.categorical)(key_B, x).astype(jnp.int32)
+
+
+def row_keys(seed: int, rows, step: int):
+  """[B] PRNG keys of (seed, row index, step)."""
+  base = jax.random.PRNGKey(seed)
+  return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(base, r), step))(jnp.asarray(rows, jnp.uint32))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def step_keys(seed, rows: int, steps: int):
+  """[steps, rows] keys: `row_keys` of every step (one dispatch for a whole call, not one per step)."""
+  return jax.vmap(lambda s: row_keys(seed, jnp.arange(rows), s))(jnp.arange(steps))
