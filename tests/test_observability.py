@@ -157,10 +157,10 @@ def test_profile_steps_parse():
 
 
 def test_progress_bar_only_where_someone_watches(capsys):
-  from trime_jax.train import _Progress
+  from trime_jax.runtime.progress import Progress
 
   for mode in ("auto", "log"):  # pytest's stderr is not a terminal: no bar, the ETA goes to the log lines
-    p = _Progress(10, 2, mode)
+    p = Progress(10, 2, mode)
     p.update(3)
     assert p.bar is None and p.eta(3) == "ETA ?"
     p.update(5)
@@ -172,7 +172,7 @@ def test_progress_bar_only_where_someone_watches(capsys):
   handler = absl_logging.get_absl_handler().python_handler
   saved, handler.stream = handler.stream, sys.stderr  # as on a terminal: absl logs to stderr
   try:
-    p = _Progress(10, 2, "bar")
+    p = Progress(10, 2, "bar")
     p.update(3)
     handler.stream.write("I1126 a log line\n")  # printed above the bar (tqdm clears and redraws it)
     p.update(4, loss="1.2345")

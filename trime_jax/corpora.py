@@ -153,7 +153,7 @@ def _wikitext2_from_tfds(cfg):
                             "layout the README describes)"))
   try:
     from trime_jax import tfds_builders
-    tfds_builders._tfds()
+    tfds_builders.import_tfds()
   except DataError:  # tensorflow-datasets not installed
     raise DataError(f"{missing}; or pip install 'trime-jax[tfds]' to download it") from None
   try:
@@ -194,7 +194,7 @@ def _reader(corpus: str):
 def _bytes(cfg, vocab):
   if not os.path.exists(resolve_path(cfg.path)):
     raise _not_found(cfg, "byte corpus", "it is one raw file (enwik8, tinyshakespeare, ...)")
-  path = data._require_file(resolve_path(cfg.path), "byte corpus")
+  path = data.require_file(resolve_path(cfg.path), "byte corpus")
   with open(path, "rb") as f:
     raw = f.read()
   fr = np.asarray(cfg.split_fractions, float)

@@ -181,7 +181,7 @@ def _atomic_npy(path: str, arr: np.ndarray) -> None:
 # ----------------------------------------------------------------------------------------------------------
 # Readers
 # ----------------------------------------------------------------------------------------------------------
-def _require_file(path: str, what: str) -> str:
+def require_file(path: str, what: str) -> str:
   if not path:
     raise DataError(f"no path given for {what}")
   if not os.path.exists(path):
@@ -201,7 +201,7 @@ def read_wikitext_articles(path: str) -> list[list[str]]:
   A new article starts at each ` = Title = ` line (section headings ` = = ... = = ` do not split); lines
   before the first title belong to the first article.
   """
-  _require_file(path, "WikiText token file")
+  require_file(path, "WikiText token file")
   articles: list[list[str]] = []
   current: list[str] = []
   with open(path, encoding="utf-8") as f:

@@ -245,7 +245,7 @@ class ObjectiveSpec:
     return self.memory_grad_group_rows
 
 
-def objective_spec(spec: ObjectiveSpec | None, options: dict) -> ObjectiveSpec:
+def resolve_spec(spec: ObjectiveSpec | None, options: dict) -> ObjectiveSpec:
   """`spec`, or one made of keyword `options` (ObjectiveSpec fields); not both."""
   if spec is None:
     return ObjectiveSpec(**options)
@@ -279,7 +279,7 @@ def trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: Objective
   `row_offset` (may be traced): global row index of row 0, for a shard of a global batch (it places the rows
   in `spec.memory_grad_group_rows`'s groups).
   """
-  spec = objective_spec(spec, options)
+  spec = resolve_spec(spec, options)
   keys, targets = jnp.asarray(keys), jnp.asarray(targets)
   stats = VocabStats(*map(jnp.asarray, stats))
   check_batch_memory(spec, keys, targets)
@@ -356,5 +356,5 @@ def trime_nll(token_logits, keys, targets, spec: ObjectiveSpec | None = None, *,
   "dense" (one full `[BL, BL]` mask; tests, small batches).
   """
   return trime_nll_from_vocab_stats(vocab_stats(token_logits, targets), keys, targets,
-                                    objective_spec(spec, options), drop_local=drop_local, documents=documents)
+                                    resolve_spec(spec, options), drop_local=drop_local, documents=documents)
 

@@ -40,11 +40,11 @@ from trime_jax.runtime import workdir as workdir_files
 from trime_jax.runtime.workdir import truncate_metrics  # noqa: F401 - also train.truncate_metrics
 from trime_jax.train_config import (BATCHINGS, CONSECUTIVE_LAYOUTS, PROGRESS, ce_warmup_steps,  # noqa: F401
                                     profile_steps, validate_config)
-# The shared runtime, under the names this module has always had (tests, launch/train.py, notebooks use them).
-from trime_jax.runtime.best import BestKeeper as _BestKeeper, host_copy as _host_copy
+# The shared runtime (trime_jax/runtime/, also mt.train's); the public names re-exported keep train.X working.
+from trime_jax.runtime.best import BestKeeper, host_copy
 from trime_jax.runtime.optim import OPTIMIZERS, SCHEDULES, make_optimizer, make_schedule  # noqa: F401
-from trime_jax.runtime.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch as _PreemptionWatch  # noqa: F401
-from trime_jax.runtime.progress import Progress as _Progress, _AboveBar, _in_notebook  # noqa: F401
+from trime_jax.runtime.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch  # noqa: F401
+from trime_jax.runtime.progress import Progress
 from trime_jax.errors import ConfigError, TrainingError
 from trime_jax import model as model_lib
 from trime_jax.model import count_params
@@ -303,13 +303,13 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   base_key = jax.random.PRNGKey(train_cfg.seed)
   t_last, tok_last = time.perf_counter(), 0
   last = {}
-  best = _BestKeeper(os.path.abspath(os.path.join(workdir, "best")), train_cfg.keep_best, best_metric(config),
+  best = BestKeeper(os.path.abspath(os.path.join(workdir, "best")), train_cfg.keep_best, best_metric(config),
                      config, vocab, {"train_fingerprint": splits.train.fingerprint()})
   trace = profile_steps(train_cfg)
   tracing = False
-  progress = _Progress(train_cfg.num_steps, start, train_cfg.progress)
+  progress = Progress(train_cfg.num_steps, start, train_cfg.progress)
   try:
-    with _PreemptionWatch(mgr) as preemption:
+    with PreemptionWatch(mgr) as preemption:
       for step in range(start, train_cfg.num_steps):
         done = step + 1
         if trace and done == trace[0]:
@@ -373,7 +373,7 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
       jax.profiler.stop_trace()
   ckpt.finish(mgr)  # the last save complete and its digest written
 
-  params = _host_copy(state["params"])
+  params = host_copy(state["params"])
   # A rerun of a finished training reuses its final dev line instead of appending a duplicate.
   final = (start == train_cfg.num_steps and _logged_eval(metrics_path, start)) or \
       _log_eval(graphdef, params, splits.dev, config, int(state["step"]), metrics_path)

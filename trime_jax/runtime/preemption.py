@@ -56,4 +56,3 @@ class PreemptionWatch:
     return self.requested or (self.mgr is not None and self.mgr.reached_preemption(step))
 
 
-_PreemptionWatch = PreemptionWatch

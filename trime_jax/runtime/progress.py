@@ -79,4 +79,3 @@ class Progress:
       self._log_handler.stream, self._log_handler = self._log_handler.stream.stream, None
 
 
-_Progress = Progress

@@ -43,7 +43,7 @@ NAMES = ("wikitext103", "wikitext2", "enwik8")
 SPLIT_NAMES = {"train": "train", "dev": "validation", "test": "test"}  # corpora.SPLITS -> TFDS split names
 
 
-def _tfds():
+def import_tfds():
   try:
     import tensorflow_datasets as tfds  # noqa: PLC0415 - optional dependency, imported when a tfds: corpus is used
   except ImportError:
@@ -54,7 +54,7 @@ def _tfds():
 def wikitext_article_lines(path: str, member: str = "") -> list[list[str]]:
   """Lines (without '\\n') of each article of a WikiText token file (or of `member` of the zip at `path`): split
   exactly where `data.read_wikitext_articles` splits (a ` = Title = ` line after some text)."""
-  data._require_file(path, "WikiText token file")
+  data.require_file(path, "WikiText token file")
   articles, current, has_text = [], [], False
   with _open_text(path, member) as f:
     for line in f:
@@ -95,7 +95,7 @@ def _builders():
   global _BUILDERS
   if _BUILDERS is not None:
     return _BUILDERS
-  tfds = _tfds()
+  tfds = import_tfds()
   from etils import epath  # noqa: PLC0415 - a tensorflow-datasets dependency
 
   _HERE = epath.Path(os.path.dirname(os.path.abspath(__file__)))
@@ -265,7 +265,7 @@ def builder(name: str, data_dir: str = "", **kwargs):
 
 def prepare(name: str, data_dir: str = "", manual_dir: str = "", **kwargs):
   """Download (or read `manual_dir`) and write the array_record files once; returns the builder."""
-  tfds = _tfds()
+  tfds = import_tfds()
   b = builder(name, data_dir, **kwargs)
   if not b.is_prepared():
     if manual_dir and not os.path.isdir(manual_dir):
