@@ -3,6 +3,15 @@
   python -m bench.mfu --tiny --out=/tmp/mfu.json                 # CPU, every config shrunk (well under a minute)
   python -m bench.mfu --configs=wiki103_247m --out=mfu.json       # an accelerator, the paper's shapes
   python -m bench.mfu --configs=wiki103_7m --max_batch            # also the largest per-device batch that fits
+  python -m bench.mfu --configs=wiki103_247m --set model.remat=block --set train.batch_size=16   # a lever
+  python -m bench.mfu --configs=wiki103_247m --set model.attention_impl=cudnn --check_attention  # GPU only
+
+`--set KEY=VALUE` (repeatable) overrides a config field after loading (and after --tiny's shrinking): the speed
+levers of issue 37 (model.attention_impl, model.remat, train.batch_size, ...; docs/performance.md). The
+settings are recorded in the JSON (`set`) and printed above the table; the speed options are then checked as
+train.py checks them, so an option this backend cannot run is one ConfigError. `--check_attention` first
+compares the config's attention_impl with XLA's on a small model of the config's width and dtype (features and
+gradients, both against a float32 reference), so a faster kernel is also seen to compute the same numbers.
 
 Per config and objective (CE, and TRIME with the config's own memory: local / long with its m / ext with its
 in-batch memory) it compiles `steps.train_step` with the config's optimizer (`runtime.optim.make_optimizer`,
@@ -35,6 +44,7 @@ count is low by the other chunks' logits (wiki103_* configs).
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import importlib
 import json
@@ -52,6 +62,7 @@ from trime_jax import model as model_lib
 from trime_jax import train as train_lib
 from trime_jax.runtime.optim import make_optimizer
 from trime_jax import specs
+from trime_jax.train_config import check_speed_options
 
 CONFIGS = ("wiki103_247m", "wiki103_150m", "wiki103_7m", "enwik8_38m", "docs_wt")
 DOCS_WT_VOCAB = 82_548  # docs-wt's vocabulary (docs/docs_wt.md); its config takes it from the data
@@ -161,6 +172,87 @@ def load_config(name: str, tiny: bool):
   return c
 
 
+def parse_set(items) -> dict:
+  """["model.remat=block", ...] -> {"model.remat": "block", ...} (values still text; `apply_set` types them)."""
+  out = {}
+  for item in items:
+    key, sep, value = item.partition("=")
+    if not sep or key.count(".") != 1:
+      raise SystemExit(f"--set takes SECTION.FIELD=VALUE (e.g. model.remat=block), got {item!r}")
+    out[key.strip()] = value.strip()
+  return out
+
+
+def _typed(text: str, current):
+  """`text` as the type of the field's current value: str as given, bool from true/false, numbers and tuples
+  as Python literals (an int given for a float field becomes a float)."""
+  if isinstance(current, str):
+    return text
+  if isinstance(current, bool):
+    if text.lower() not in ("true", "false", "1", "0"):
+      raise ValueError(f"{text!r} is not a bool")
+    return text.lower() in ("true", "1")
+  value = ast.literal_eval(text)
+  if isinstance(current, float) and isinstance(value, int):
+    return float(value)
+  if isinstance(current, tuple) and isinstance(value, list):
+    return tuple(value)
+  return value
+
+
+def apply_set(config, settings: dict):
+  """The config with `settings` ({"section.field": text}) applied; an unknown field or a value of the wrong type
+  is a SystemExit naming it."""
+  for key, text in settings.items():
+    section, field = key.split(".")
+    if section not in config or field not in config[section]:
+      raise SystemExit(f"--set {key}: no such config field")
+    try:
+      config[section][field] = _typed(text, config[section][field])
+    except (ValueError, SyntaxError, TypeError) as e:
+      raise SystemExit(f"--set {key}={text}: {e}") from None
+  return config
+
+
+def attention_agreement(mcfg, impl: str, seq_len: int, rows: int = 2, num_layers: int = 2,
+                        compiler_options=None) -> dict:
+  """Max |difference| of a small model's features f and gradients between `impl` and attention_impl="xla" (both
+  in the config's dtype, no dropout), and of each against the float32 model (the rounding a dtype alone
+  brings): a kernel that computes the same attention differs from XLA's about as much as XLA's differs from
+  float32. Small: `num_layers` blocks of the config's width and heads, a 1,000-word vocabulary, `seq_len` tokens.
+  `compiler_options`: XLA's, for the three compilations (the CPU test's: unoptimised, quicker to compile)."""
+  small = dict(vocab_size=1000, num_layers=num_layers, d_model=mcfg.d_model, num_heads=mcfg.num_heads,
+               d_ff=mcfg.d_ff, max_len=seq_len, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1000, (rows, seq_len), dtype=np.int32))
+  # The same float32 parameters for every variant (parameters stay float32 whatever the compute dtype).
+  params = nnx.state(model_lib.build_model(model_lib.ModelConfig(**small), rngs=nnx.Rngs(params=0)), nnx.Param)
+
+  def run(**kw):
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: model_lib.build_model(model_lib.ModelConfig(**small, **kw))))
+
+    def scalar(q):
+      f, _ = nnx.merge(graphdef, q).features(tokens)
+      return jnp.sum(jnp.sin(f.astype(jnp.float32))), f.astype(jnp.float32)
+
+    fn = jax.jit(jax.value_and_grad(scalar, has_aux=True)).lower(params).compile(compiler_options=compiler_options)
+    (_, f), g = fn(params)
+    return jax.device_get(f), jax.device_get(g)
+
+  ref = run(dtype="float32")
+  xla = run(dtype=mcfg.dtype)
+  other = run(dtype=mcfg.dtype, attention_impl=impl)
+
+  def gap(a, b):
+    fa, ga = a
+    fb, gb = b
+    leaves = zip(jax.tree_util.tree_leaves(ga), jax.tree_util.tree_leaves(gb))
+    grad = max(float(np.max(np.abs(x - y))) for x, y in leaves)
+    return {"features": float(np.max(np.abs(fa - fb))), "grads": grad}
+
+  return {"impl": impl, "dtype": mcfg.dtype, "seq_len": seq_len, "rows": rows, "num_layers": num_layers,
+          "impl_vs_xla": gap(other, xla), "xla_vs_float32": gap(xla, ref), "impl_vs_float32": gap(other, ref)}
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Measurements
 # ----------------------------------------------------------------------------------------------------------
@@ -237,6 +329,7 @@ def measure(config, objective: str, rows: int, n_steps: int, warmup: int, peak):
   xla = xla_raw * (a if loop_body_counted_once() else 1) if xla_raw is not None else None
   model_flops = fl["total"] * tokens
   row = {"objective": objective, "memory": memory if use_trime else "none", "rows_per_device": rows,
+         "attention_impl": mcfg.attention_impl, "remat": mcfg.remat,
          "segment_len": l, "grad_accum": a, "tokens_per_step": tokens, "dtype": mcfg.dtype,
          "compile_s": compile_s, "step_s": step_s, "step_s_all": times, "tokens_per_s": tokens / step_s,
          "flops_per_token": fl, "model_flops_per_step": model_flops, "xla_flops_per_step": xla,
@@ -305,8 +398,13 @@ def main(argv=None):
   ap.add_argument("--max_batch_limit", type=int, default=1024)
   ap.add_argument("--peak_tflops", type=float, default=0.0, help="override the device's peak (e.g. on CPU)")
   ap.add_argument("--pipeline_steps", type=int, default=20)
+  ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                  help="override a config field of every config (repeatable), e.g. model.remat=block")
+  ap.add_argument("--check_attention", action="store_true",
+                  help="first compare the config's attention_impl with XLA's on a small model (GPU levers)")
   ap.add_argument("--out", default="")
   args = ap.parse_args(argv)
+  settings = parse_set(args.set)
 
   dev = jax.devices()[0]
   print(f"backend {jax.default_backend()} | device {dev.device_kind} × {jax.device_count()} | jax {jax.__version__}")
@@ -314,18 +412,28 @@ def main(argv=None):
   print(f"XLA cost analysis counts a scan body once: {loop_body_counted_once()} (then × grad_accum)\n")
   results = {"backend": jax.default_backend(), "device_kind": dev.device_kind, "devices": jax.device_count(),
              "jax": jax.__version__, "tiny": args.tiny, "formula": FORMULA, "configs": {},
-             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv[1:]}
+             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv[1:],
+             "set": settings}
+  print(f"settings: {' '.join(f'{k}={v}' for k, v in settings.items()) if settings else 'as configured'}")
   header = ("| config | objective | B×L×A | step (s) | tokens/s | model GFLOP/token | XLA ÷ model | TFLOP/s | "
             "MFU | XLA plan GiB | TRIME÷CE |")
   print(header)
   print("|" + "---|" * (header.count("|") - 1))
   for name in [x for x in args.configs.split(",") if x]:
-    config = load_config(name, args.tiny)
+    config = apply_set(load_config(name, args.tiny), settings)
+    check_speed_options(config)  # train.py's check: an option this backend cannot run is one ConfigError
     peak, peak_src = peak_tflops(dev.device_kind, config.model.dtype, args.peak_tflops)
     rows = args.rows or max(config.train.batch_size // jax.device_count(), 1)
     entry = {"peak_tflops": peak, "peak_source": peak_src, "rows": {}, "batch_search": {}}
     mcfg = specs.model_config(config, vocab_size=config.model.vocab_size)
     entry["num_params"] = model_lib.abstract_param_count(mcfg)
+    if args.check_attention:
+      entry["attention_check"] = chk = attention_agreement(mcfg, mcfg.attention_impl,
+                                                           min(config.data.segment_len, 1024))
+      print(f"|   attention {chk['impl']} vs xla ({chk['dtype']}, {chk['num_layers']} layers × {chk['seq_len']} "
+            f"tokens): max |Δf| {chk['impl_vs_xla']['features']:.3g}, |Δgrad| {chk['impl_vs_xla']['grads']:.3g}; "
+            f"xla vs float32: {chk['xla_vs_float32']['features']:.3g}, {chk['xla_vs_float32']['grads']:.3g} |",
+            flush=True)
     for objective in [x for x in args.objectives.split(",") if x]:
       if objective == "trime" and config.trime.memory == "none":
         continue
@@ -371,4 +479,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  from trime_jax.errors import TrimeError
+
+  try:
+    main()
+  except TrimeError as e:  # a config this backend cannot run (e.g. attention_impl=cudnn on a CPU): one line
+    raise SystemExit(f"error: {e}") from None

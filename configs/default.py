@@ -53,6 +53,12 @@ def get_config():
   m.adaptive_tail_ignores_pad = True  # the original's TRIME criterion and scorer: the tail word at c_i + 1 (tail-
   #   relative index 1 = fairseq's <pad>) gets no tail term inside the TRIME softmax (F.cross_entropy's
   #   ignore_index); False: its exact probability. Plain evaluation is exact either way (model.py)
+  # Speed only (issue 37; docs/performance.md): how the Transformer is computed, not what it computes.
+  m.attention_impl = "xla"  # causal attention without dropout: xla (every backend) | cudnn (cuDNN flash kernel:
+  #   NVIDIA GPU, dtype bfloat16 / float16; attention with attention_dropout > 0 in training stays on xla)
+  m.remat = "none"  # per-block rematerialisation, memory traded for recompute, same numbers: none | block (keep
+  #   each block's input only) | dots_saveable (keep matmul outputs) | dots_with_no_batch_dims_saveable (keep the
+  #   projections' and FFN's matmul outputs, recompute attention)
   # SRU++ only (backbone=srupp; num_layers, d_model, dropout, attention_dropout, dtype are shared; keys are
   # always the final projection's input, key_type="final"):
   m.srupp_attn_dim = 0  # d': attention size (0 = d_model / 4, the paper's ratio)

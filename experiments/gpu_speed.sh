@@ -8,8 +8,11 @@
 #            # orbax-checkpoint, ml_collections; its own jax runs them), as experiments/docs_wt_device.sh
 #   there: bash experiments/gpu_speed.sh run        (device tool: carry [".gpu"], timeout_s ≈ 560)
 #            # $OUT/mfu_<config>.json and .log per config, $OUT/summary.txt (the tables), $OUT/env.txt
+#   there: bash experiments/gpu_speed.sh levers     (device tool: carry [".gpu"], timeout_s ≈ 560)
+#            # the speed levers of issue 37, each alone against the baseline, for wiki103_247m (CONFIGS=...
+#            # to change): $OUT/levers_<config>_<lever>.json and .log, $OUT/levers_summary.md (the comparison)
 #   here, to check the script's logic without a GPU:
-#          TINY=1 OUT=/tmp/gpu_speed bash experiments/gpu_speed.sh run
+#          TINY=1 OUT=/tmp/gpu_speed bash experiments/gpu_speed.sh run      (or levers)
 #            # the same loop with --tiny shapes and this checkout's .venv
 #
 # Budget: the slot is 10 minutes of device time, machine start and transfers included; the loop below gives each
@@ -20,6 +23,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+LEVER_CONFIGS=${CONFIGS:-wiki103_247m}  # levers: one config unless CONFIGS says otherwise
 CONFIGS=${CONFIGS:-"wiki103_247m wiki103_150m wiki103_7m enwik8_38m docs_wt"}
 declare -A BUDGETS=([wiki103_247m]=130 [wiki103_150m]=100 [wiki103_7m]=80 [enwik8_38m]=70 [docs_wt]=60)
 
@@ -39,6 +43,122 @@ setup() {  # there: the carried packages and a faiss stand-in (nothing here uses
   fi
 }
 
+record_env() {
+  { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+    $PYBIN -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+    git log -1 --format='commit %H %s' 2>/dev/null || true; } > "$OUT/env.txt" 2>&1
+  cat "$OUT/env.txt"
+}
+
+# Levers (issue 37; docs/performance.md "Levers prepared for the GPU"): bench.mfu arguments and XLA flags of
+# each, measured one at a time against the baseline (the config as it is). attention_impl=cudnn only changes
+# attention without dropout, and the paper configs train with attention_dropout 0.1: so the kernel is measured
+# as the pair attn_dropout0 (XLA) / cudnn_attn_dropout0, and the recipe change itself against the baseline.
+declare -A LEVER_ARGS=(
+  [baseline]=""
+  [cudnn_attn_dropout0]="--set model.attention_impl=cudnn --set model.attention_dropout=0.0 --check_attention"
+  [attn_dropout0]="--set model.attention_dropout=0.0"
+  [remat_block]="--set model.remat=block"
+  [remat_dots_no_batch]="--set model.remat=dots_with_no_batch_dims_saveable"
+  [remat_dots]="--set model.remat=dots_saveable"
+  [xla_no_triton_gemm]=""
+  [xla_latency_hiding]=""
+  # Not in the default list (two changes at once, wiki103_247m's tokens per update): remat's room for larger
+  # micro-batches, 24 rows × 1 instead of 8 rows × 3.
+  [remat_block_accum1]="--set model.remat=block --set train.batch_size=24 --set train.grad_accum=1"
+)
+declare -A LEVER_XLA=(
+  [xla_no_triton_gemm]="--xla_gpu_enable_triton_gemm=false"  # cuBLAS for every matmul, not Triton's
+  [xla_latency_hiding]="--xla_gpu_enable_latency_hiding_scheduler=true"  # overlap scheduling (mostly collectives)
+)
+# In priority order: when the budget runs out, the last ones are skipped (and say so).
+LEVERS=${LEVERS:-"baseline cudnn_attn_dropout0 attn_dropout0 remat_block remat_dots_no_batch xla_no_triton_gemm remat_dots xla_latency_hiding"}
+
+levers() {
+  # Budget: LEVER_BUDGET seconds of runs in all (default 420: the 10-minute slot less machine start, setup and
+  # transfers), shared equally by the configs. The first lever (the baseline) runs with at most BASELINE_MAX s;
+  # its wall time W (mostly compilation) predicts the others': a later lever runs when W + 10 s are left, with
+  # 1.5 W + 20 s (at most what is left) as its limit, and is skipped, saying so, otherwise. If the first run
+  # failed, W is LEVER_LIMIT (default 120 s).
+  local budget=${LEVER_BUDGET:-420} n_cfg
+  n_cfg=$(echo $LEVER_CONFIGS | wc -w)
+  local per_cfg=$(( budget / n_cfg ))
+  local flags="--objectives=${OBJECTIVES:-ce} --steps=${STEPS:-4} --warmup=2 --pipeline_steps=0"
+  if [ -n "${TINY:-}" ]; then flags="--tiny --objectives=${OBJECTIVES:-ce} --steps=1 --warmup=1 --pipeline_steps=0"; fi
+  printf 'config\tlever\trc\twall_s\tlimit_s\n' > "$OUT/levers_runs.tsv"
+  : > "$OUT/levers.txt"
+  for C in $LEVER_CONFIGS; do
+    local t_cfg need="" cap="" L
+    t_cfg=$(date +%s)
+    for L in $LEVERS; do
+      if [ -z "${LEVER_ARGS[$L]+x}" ]; then echo "unknown lever $L (known: ${!LEVER_ARGS[*]})" >&2; exit 2; fi
+      local left=$(( per_cfg - ($(date +%s) - t_cfg) )) limit
+      if [ -z "$need" ]; then limit=$(( left < ${BASELINE_MAX:-200} ? left : ${BASELINE_MAX:-200} ))
+      else limit=$(( left < cap ? left : cap )); fi
+      if [ "$left" -lt "${need:-30}" ] || [ "$limit" -lt 30 ]; then
+        echo "$C $L skipped: ${left} s left of ${per_cfg} s, a run needs ~${need:-30} s" | tee -a "$OUT/levers.txt"
+        printf '%s\t%s\tskipped\t0\t%s\n' "$C" "$L" "$left" >> "$OUT/levers_runs.tsv"
+        continue
+      fi
+      local s rc xf="${XLA_FLAGS:-}" runenv=(env)
+      # XLA flags: the lever's added to any the caller set (XLA reads a blank XLA_FLAGS as a file name: none then)
+      if [ -n "${LEVER_XLA[$L]:-}" ]; then xf="${xf:+$xf }${LEVER_XLA[$L]}"; fi
+      if [ -n "$xf" ]; then runenv=(env "XLA_FLAGS=$xf"); fi
+      s=$(date +%s)
+      # Each lever its own process: one that fails or runs out of memory leaves the others alone.
+      "${runenv[@]}" timeout --foreground -k 10 "$limit" $PYBIN -m bench.mfu \
+        --configs="$C" $flags ${LEVER_ARGS[$L]} --out="$OUT/levers_${C}_$L.json" > "$OUT/levers_${C}_$L.log" 2>&1 \
+        && rc=0 || rc=$?
+      local wall=$(( $(date +%s) - s ))
+      echo "$C $L rc=$rc wall_s=$wall limit_s=$limit" | tee -a "$OUT/levers.txt"
+      printf '%s\t%s\t%s\t%s\t%s\n' "$C" "$L" "$rc" "$wall" "$limit" >> "$OUT/levers_runs.tsv"
+      if [ "$L" = baseline ] || [ -z "$need" ]; then  # a failed first run predicts nothing: LEVER_LIMIT then
+        local w=$wall
+        if [ "$rc" != 0 ]; then w=${LEVER_LIMIT:-120}; fi
+        need=$(( w + 10 )) cap=$(( w * 3 / 2 + 20 ))
+      fi
+    done
+  done
+  $PYBIN - "$OUT" <<'PY' | tee "$OUT/levers_summary.md"
+import csv, json, os, sys
+out = sys.argv[1]
+runs = list(csv.DictReader(open(os.path.join(out, "levers_runs.tsv")), delimiter="\t"))
+print("| config | lever | objective | B×L×A | step (s) | tokens/s | MFU | vs baseline | XLA plan GiB | "
+      "device peak GiB | run |")
+print("|" + "---|" * 11)
+base = {}
+gib = lambda b: f"{b / 2**30:.2f}" if b else "n/a"
+for r in runs:
+  c, lever = r["config"], r["lever"]
+  path = os.path.join(out, f"levers_{c}_{lever}.json")
+  run = "skipped (budget)" if r["rc"] == "skipped" else f"rc {r['rc']}, {r['wall_s']} s of {r['limit_s']}"
+  entry = json.load(open(path))["configs"].get(c, {}) if os.path.exists(path) and r["rc"] != "skipped" else {}
+  if not entry.get("rows"):
+    log = os.path.join(out, f"levers_{c}_{lever}.log")
+    lines = [x.strip() for x in open(log, errors="replace")] if os.path.exists(log) else []
+    why = next((x for x in reversed(lines) if x), "") if r["rc"] != "0" else ""
+    why = "; ".join(f"{k}: {v}" for k, v in entry.get("errors", {}).items()) or why
+    print(f"| {c} | {lever} | | | | | | | | | {run}{': ' + why[:160] if why else ''} |")
+    continue
+  for obj, row in entry["rows"].items():
+    if lever == "baseline":
+      base[(c, obj)] = row["step_s"]
+    ref = base.get((c, obj))
+    vs = f"{ref / row['step_s']:.3f}×" if ref else "n/a"
+    mfu = f"{100 * row['mfu']:.1f}%" if row.get("mfu") is not None else "n/a"
+    print(f"| {c} | {lever} | {obj} | {row['rows_per_device']}×{row['segment_len']}×{row['grad_accum']} | "
+          f"{row['step_s']:.4f} | {row['tokens_per_s']:,.0f} | {mfu} | {vs} | {gib(row['xla_memory_plan_bytes'])} | "
+          f"{gib(row['device_peak_bytes_so_far'])} | {run} |")
+  chk = entry.get("attention_check")
+  if chk:
+    print(f"|   | {lever}: attention {chk['impl']} vs xla ({chk['dtype']}) | max abs Δ features "
+          f"{chk['impl_vs_xla']['features']:.3g}, grads {chk['impl_vs_xla']['grads']:.3g}; xla vs float32 "
+          f"{chk['xla_vs_float32']['features']:.3g}, {chk['xla_vs_float32']['grads']:.3g} | | | | | | | | |")
+print("\nvs baseline: baseline step time ÷ this lever's (> 1: faster). Levers are measured alone; MFU against the "
+      "table's peak.")
+PY
+}
+
 case "${1:-}" in
   prepare)
     mkdir -p .gpu/whl
@@ -50,10 +170,7 @@ case "${1:-}" in
     setup
     OUT=${OUT:-/tmp/gpu_speed_out}
     mkdir -p "$OUT"
-    { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
-      $PYBIN -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
-      git log -1 --format='commit %H %s' 2>/dev/null || true; } > "$OUT/env.txt" 2>&1
-    cat "$OUT/env.txt"
+    record_env
     FLAGS="--steps=${STEPS:-5} --warmup=2 --pipeline_steps=10"
     if [ -n "${TINY:-}" ]; then FLAGS="--tiny --steps=2 --warmup=1 --pipeline_steps=2"; fi
     if [ -n "${MAX_BATCH:-}" ]; then FLAGS="$FLAGS --max_batch"; fi
@@ -70,5 +187,13 @@ case "${1:-}" in
     echo "all configs: $(( $(date +%s) - T0 )) s" | tee -a "$OUT/summary.txt"
     cat "$OUT/summary.txt"
     ;;
-  *) echo "usage: $0 prepare | run   (env: TINY=1, OUT=dir, CONFIGS=\"...\", STEPS=n, MAX_BATCH=1)" >&2; exit 2 ;;
+  levers)
+    setup
+    OUT=${OUT:-/tmp/gpu_speed_out}
+    mkdir -p "$OUT"
+    record_env
+    levers
+    ;;
+  *) echo "usage: $0 prepare | run | levers   (env: TINY=1, OUT=dir, CONFIGS=\"...\", STEPS=n, MAX_BATCH=1;" \
+       "levers: LEVERS=\"...\", LEVER_BUDGET=s, OBJECTIVES=ce,trime)" >&2; exit 2 ;;
 esac

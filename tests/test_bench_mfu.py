@@ -1,10 +1,14 @@
 """bench.mfu at tiny shapes on CPU: the JSON it writes, and its FLOP formula against XLA's own count."""
 
+import contextlib
+import io
 import json
 
 import pytest
 
 from bench import mfu
+from trime_jax.configs import default
+from trime_jax.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -12,10 +16,16 @@ def result(tmp_path_factory):
   out = tmp_path_factory.mktemp("mfu") / "mfu.json"
   # enwik8_38m: one adaptive band = a plain full-softmax Transformer (the FLOP check) with TRIME long memory;
   # one config keeps the test near a minute on 2 shared cores (experiments/gpu_speed.sh with TINY=1 runs all
-  # five); --peak_tflops so that MFU is computed on CPU too.
-  mfu.main(["--tiny", "--configs=enwik8_38m", "--steps=2", "--warmup=1", "--pipeline_steps=2",
-            "--peak_tflops=1.0", f"--out={out}"])
-  return json.loads(out.read_text())
+  # five); --peak_tflops so that MFU is computed on CPU too. --set: m = 2 consecutive segments (tiny: 4), and
+  # the default attention kernel named explicitly (both must reach the measured step and the record).
+  stdout = io.StringIO()
+  with contextlib.redirect_stdout(stdout):
+    mfu.main(["--tiny", "--configs=enwik8_38m", "--steps=2", "--warmup=1", "--pipeline_steps=2",
+              "--peak_tflops=1.0", f"--out={out}", "--set", "trime.consecutive_segments=2",
+              "--set", "model.attention_impl=xla"])
+  result = json.loads(out.read_text())
+  result["stdout"] = stdout.getvalue()
+  return result
 
 
 def test_fields_and_ratio(result):
@@ -24,6 +34,8 @@ def test_fields_and_ratio(result):
     assert set(entry["rows"]) == {"ce", "trime"}, name
     ce, tr = entry["rows"]["ce"], entry["rows"]["trime"]
     assert tr["memory"] == "long" and tr["grad_accum"] == 2
+    l = tr["segment_len"]
+    assert tr["flops_per_token"]["memories_per_query"] == (2 - 1) * l / 2 + (l - 1) / 2  # m = 2, from --set
     assert entry["trime_over_ce"] == pytest.approx(tr["step_s"] / ce["step_s"])
     for r in (ce, tr):
       assert r["step_s"] > 0 and len(r["step_s_all"]) == 2
@@ -33,6 +45,42 @@ def test_fields_and_ratio(result):
     # the memory term is TRIME's only, and positive
     assert ce["flops_per_token"]["memory"] == 0 and tr["flops_per_token"]["memory"] > 0
     assert entry["input_pipeline"]["host_batch_s"] > 0
+
+
+def test_set_is_recorded_and_printed(result):
+  assert result["set"] == {"trime.consecutive_segments": "2", "model.attention_impl": "xla"}
+  assert "settings: trime.consecutive_segments=2 model.attention_impl=xla\n| config |" in result["stdout"]
+  for r in result["configs"]["enwik8_38m"]["rows"].values():
+    assert (r["attention_impl"], r["remat"]) == ("xla", "none")
+
+
+def test_set_types_and_refusals():
+  c = default.get_config()
+  mfu.apply_set(c, mfu.parse_set(["model.remat=block", "train.batch_size=8", "train.learning_rate=1",
+                                  "model.final_norm=false", "data.split_fractions=(0.8, 0.1, 0.1)"]))
+  assert (c.model.remat, c.train.batch_size, c.model.final_norm) == ("block", 8, False)
+  assert c.train.learning_rate == 1.0 and isinstance(c.train.learning_rate, float)
+  assert c.data.split_fractions == (0.8, 0.1, 0.1)
+  for bad, match in (["model.remat"], "SECTION.FIELD=VALUE"), (["model.rematt=block"], "no such config field"), \
+                    (["train.batch_size=eight"], "batch_size=eight"):
+    with pytest.raises(SystemExit, match=match):
+      mfu.apply_set(c, mfu.parse_set(bad))
+
+
+def test_cudnn_on_cpu_is_refused_before_compiling():
+  with pytest.raises(ConfigError, match=r"^model.attention_impl='cudnn' needs an NVIDIA GPU"):
+    mfu.main(["--tiny", "--configs=docs_wt", "--set", "model.attention_impl=cudnn", "--set", "model.dtype=bfloat16"])
+
+
+def test_attention_agreement_runs():
+  """The GPU lever check's own arithmetic, with XLA against itself on CPU: no gap; bfloat16 vs float32: some."""
+  from trime_jax.model import ModelConfig
+
+  chk = mfu.attention_agreement(ModelConfig(vocab_size=10, d_model=16, num_heads=2, d_ff=32, dtype="bfloat16"),
+                                "xla", seq_len=8, num_layers=1,
+                                compiler_options={"xla_backend_optimization_level": 0})  # compiles in ~1/5
+  assert chk["impl_vs_xla"] == {"features": 0.0, "grads": 0.0}
+  assert chk["xla_vs_float32"]["features"] > 0 and chk["impl_vs_float32"] == chk["xla_vs_float32"]
 
 
 def test_flops_formula_against_xla(result):

@@ -487,7 +487,8 @@ def params_digest(params) -> str:
 
 # ModelConfig fields added after exports existed, with the value that reproduces the behaviour from before
 # them: left out of the digest at that value, so earlier exports keep their digest (and fingerprint).
-LATER_FIELDS = {"adaptive_tail_ignores_pad": False}
+# attention_impl and remat (issue 37) say how the model is computed, not what: at their defaults they are left out.
+LATER_FIELDS = {"adaptive_tail_ignores_pad": False, "attention_impl": "xla", "remat": "none"}
 
 
 def arch_digest(mcfg) -> str:

@@ -45,15 +45,28 @@ def sinusoidal_positions(length: int, dim: int):
   return emb
 
 
+# How the causal attention without dropout runs (`model.attention_impl`): "xla" is jax's XLA path (the default,
+# every backend); "cudnn" is cuDNN's fused flash-attention kernel (NVIDIA GPUs, bfloat16 / float16 only).
+ATTENTION_IMPLS = ("xla", "cudnn")
+
+
 def attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, dropout: nnx.Dropout, *, causal: bool = False, mask_BxTxS=None,
-              deterministic: bool, rngs):
+              deterministic: bool, rngs, implementation: str = "xla"):
   """softmax(q·kᵀ/√K + mask)·v per head: [B, T, H, K]. `causal` (T = S; a query sees keys up to its own
   position) or `mask_BxTxS` (True: visible; a query whose keys are all masked averages them uniformly instead of
-  NaN). Without dropout it is XLA's fused `dot_product_attention`; attention-probability dropout needs the
-  explicit weights (masked logits -inf for causal, the float32 minimum for a mask, as each model had)."""
+  NaN). Without dropout it is jax's fused `dot_product_attention`; attention-probability dropout needs the
+  explicit weights (masked logits -inf for causal, the float32 minimum for a mask, as each model had).
+
+  `implementation` (ATTENTION_IMPLS) picks the kernel of the causal path without dropout only: cuDNN's kernel
+  draws its dropout mask from its own generator with a compile-time seed (not our key), and a boolean mask
+  stays on XLA's path."""
+  if implementation not in ATTENTION_IMPLS:
+    raise ValueError(f"attention implementation must be one of {ATTENTION_IMPLS}, got {implementation!r}")
   if deterministic or dropout.rate == 0.0:
     if causal:
-      return jax.nn.dot_product_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, is_causal=True)
+      # "xla" passes None, jax's default (its XLA path), so the default compiles to the same program as before.
+      impl = None if implementation == "xla" else implementation
+      return jax.nn.dot_product_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, is_causal=True, implementation=impl)
     return jax.nn.dot_product_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, mask=mask_BxTxS[:, None])
   head = q_BxTxHxK.shape[-1]
   logits = jnp.einsum("bthd,bshd->bhts", q_BxTxHxK, k_BxSxHxK, preferred_element_type=jnp.float32) / math.sqrt(head)

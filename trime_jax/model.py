@@ -43,9 +43,18 @@ from flax import nnx
 
 from trime_jax import layers
 from trime_jax import loss
+from trime_jax.errors import ConfigError
 
 KEY_TYPES = ("last_ffn_input", "final")
 POSITION_TYPES = ("sinusoidal", "learned")
+ATTENTION_IMPLS = layers.ATTENTION_IMPLS
+# model.remat: what each Transformer block's backward pass keeps from its forward pass, as a jax.checkpoint
+# policy. "none": no checkpoint (XLA keeps what it likes); "block": only the block's input, everything inside
+# recomputed; "dots_saveable": every matmul output kept (attention's q·kᵀ too), elementwise work recomputed;
+# "dots_with_no_batch_dims_saveable": the projections' and the FFN's outputs kept, attention recomputed.
+# Gradients are the same numbers either way (tests/test_speed_options.py); only memory and time change.
+REMAT_POLICIES = ("none", "block", "dots_saveable", "dots_with_no_batch_dims_saveable")
+CUDNN_DTYPES = ("bfloat16", "float16")  # the dtypes cuDNN's fused attention kernel takes
 
 
 FAIRSEQ_PADDING_IDX = 1  # fairseq Dictionary's <pad>: the original's criteria ignore targets equal to it
@@ -82,6 +91,8 @@ class ModelConfig:
   # probability inside the TRIME softmax is its cluster's (plain evaluation, get_log_prob, is exact). True
   # reproduces that (`vocab_stats(..., criterion=True | "both")`); False: every word its exact term.
   adaptive_tail_ignores_pad: bool = False
+  attention_impl: str = "xla"  # causal attention without dropout: xla | cudnn (flash kernel; GPU, bf16/fp16)
+  remat: str = "none"  # per-block rematerialisation (REMAT_POLICIES): memory for recomputation, same numbers
 
   def __post_init__(self):
     # JSON round trips (exported config.json) turn tuples into lists; the config must stay hashable.
@@ -110,11 +121,55 @@ class ModelConfig:
                        "adaptive_input)")
     if not 0.0 <= self.adaptive_softmax_dropout < 1.0:
       raise ValueError(f"model.adaptive_softmax_dropout must be in [0, 1), got {self.adaptive_softmax_dropout}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"model.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"model.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+    problem = cudnn_problem(self.attention_impl, self.dtype, self.d_model, self.num_heads)
+    if problem:
+      raise ValueError(problem)
 
   @property
   def band_edges(self) -> tuple:
     """(0, c_1, ..., c_k, V): band i holds words [edges[i], edges[i + 1])."""
     return (0,) + self.adaptive_cutoffs + (self.vocab_size,)
+
+
+def cudnn_problem(attention_impl: str, dtype: str, d_model: int, num_heads: int) -> str | None:
+  """Why cuDNN's flash attention cannot take this model (None: it can, or attention_impl is not "cudnn"): its
+  kernel computes in bfloat16 / float16 only, with a head dimension that is a multiple of 8, at most 256."""
+  if attention_impl != "cudnn":
+    return None
+  if dtype not in CUDNN_DTYPES:
+    return (f"model.attention_impl='cudnn' (cuDNN's flash attention) computes in {CUDNN_DTYPES} only, model.dtype "
+            f"is {dtype!r}: set model.dtype='bfloat16' or model.attention_impl='xla'")
+  head = d_model // max(num_heads, 1)
+  if head % 8 or head > 256:
+    return (f"model.attention_impl='cudnn' (cuDNN's flash attention) needs a head dimension d_model / num_heads "
+            f"that is a multiple of 8 and at most 256, got {d_model} / {num_heads} = {head}: use "
+            "model.attention_impl='xla'")
+  return None
+
+
+def _cudnn_backend() -> bool:
+  """Whether jax's default backend is a GPU (cuDNN ships with jax's CUDA plugin)."""
+  return jax.default_backend() == "gpu"
+
+
+def check_attention_backend(attention_impl: str) -> None:
+  """A ConfigError naming the field when `attention_impl` cannot run on this backend: without it, "cudnn" on a
+  CPU or TPU fails at compile time deep inside XLA."""
+  if attention_impl == "cudnn" and not _cudnn_backend():
+    raise ConfigError(f"model.attention_impl='cudnn' needs an NVIDIA GPU (cuDNN's flash attention); jax's default "
+                      f"backend is {jax.default_backend()!r}: use model.attention_impl='xla'")
+
+
+def _remat(fn, policy: str):
+  """`fn(block, x, rngs)` under nnx.remat with the named policy (REMAT_POLICIES); "none": `fn` itself."""
+  if policy == "none":
+    return fn
+  jax_policy = None if policy == "block" else getattr(jax.checkpoint_policies, policy)
+  return nnx.remat(fn, policy=jax_policy)
 
 
 # Shared with the translation model (trime_jax/layers.py); the names stay importable from here.
@@ -130,13 +185,15 @@ class CausalSelfAttention(nnx.Module):
     self.qkv = layers.linear(d, 3 * d, self.dtype, rngs)  # fused q, k, v (fairseq imports split its rows)
     self.out = layers.linear(d, d, self.dtype, rngs)
     self.attn_dropout = nnx.Dropout(cfg.attention_dropout)
+    self.attention_impl = cfg.attention_impl  # a static attribute: not a parameter, the tree is unchanged
 
   def __call__(self, x_BxLxD, *, deterministic: bool, rngs):
     b, l, d = x_BxLxD.shape
     h = self.num_heads
     qkv = self.qkv(x_BxLxD).reshape(b, l, 3, h, d // h)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, L, H, Dh]
-    y = layers.attention(q, k, v, self.attn_dropout, causal=True, deterministic=deterministic, rngs=rngs)
+    y = layers.attention(q, k, v, self.attn_dropout, causal=True, deterministic=deterministic, rngs=rngs,
+                         implementation=self.attention_impl)
     return self.out(y.reshape(b, l, d))
 
   def decode(self, x_BxTxD, k_cache_BxCxHxDh, v_cache_BxCxHxDh, pos_BxT):
@@ -151,6 +208,8 @@ class CausalSelfAttention(nnx.Module):
     k_cache = k_cache_BxCxHxDh.at[rows, pos_BxT].set(k.astype(k_cache_BxCxHxDh.dtype), mode="drop")
     v_cache = v_cache_BxCxHxDh.at[rows, pos_BxT].set(v.astype(v_cache_BxCxHxDh.dtype), mode="drop")
     seen_BxTxC = jnp.arange(k_cache.shape[1])[None, None, :] <= pos_BxT[:, :, None]
+    # Always XLA's path, whatever attention_impl: the visible keys are a per-row mask over the cache (not the
+    # T = S causal triangle cuDNN's causal mode assumes), and a step is one query per row, memory-bound anyway.
     y = jax.nn.dot_product_attention(q, k_cache, v_cache, mask=seen_BxTxC[:, None])
     return self.out(y.reshape(b, t, d)), k_cache, v_cache
 
@@ -256,6 +315,7 @@ class TransformerLM(nnx.Module):
   stateful = False  # no state across segments (see `build_model`, trime_jax/srupp.py)
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    check_attention_backend(cfg.attention_impl)  # here, not at compile time inside XLA
     self.cfg = cfg
     d = cfg.d_model
     if cfg.adaptive_input:
@@ -296,8 +356,11 @@ class TransformerLM(nnx.Module):
       x = x + sinusoidal_positions(l + offset, cfg.d_model)[None, offset:]
     x = self.embed_dropout(x.astype(dtype), deterministic=deterministic, rngs=rngs)
     ffn_in = x
+    # model.remat: each block under jax.checkpoint (its backward pass recomputes what the policy does not keep);
+    # the block's dropout keys come from `rngs` in the same order, so the numbers are those without it.
+    run = _remat(lambda block, x, rngs: block(x, deterministic=deterministic, rngs=rngs), cfg.remat)
     for block in self.blocks:
-      x, ffn_in = block(x, deterministic=deterministic, rngs=rngs)
+      x, ffn_in = run(block, x, rngs)
     # Both leave in the compute dtype (LayerNorm promotes to float32): under bfloat16 the output projection
     # and the memory similarities then run as bfloat16 products with float32 accumulation, like attention.
     f = (self.final_norm(x) if self.final_norm is not None else x).astype(dtype)

@@ -69,6 +69,7 @@ def validate_config(config) -> None:
     raise ConfigError(f"trime.memory_grad_group_rows must be >= 0, got {t.memory_grad_group_rows}")
   _choice(train_cfg.progress, PROGRESS, "train.progress")
   _check_backbone(config)
+  check_speed_options(config)
   profile_steps(train_cfg)
   _check_ranges(config)
 
@@ -97,6 +98,22 @@ def _check_backbone(config) -> None:
     specs.model_config(config, vocab_size=1)
   except ValueError as e:
     raise ConfigError(str(e)) from None
+
+
+def check_speed_options(config) -> None:
+  """model.attention_impl / model.remat (issue 37): known values, a backbone and dtype they apply to, and (cudnn) a
+  backend that has the kernel, so that a wrong choice is one line here, not an XLA traceback at compile time."""
+  m = config.model
+  impl, remat = m.get("attention_impl", "xla"), m.get("remat", "none")
+  _choice(impl, model_lib.ATTENTION_IMPLS, "model.attention_impl")
+  _choice(remat, model_lib.REMAT_POLICIES, "model.remat")
+  if m.get("backbone", "transformer") != "transformer" and (impl, remat) != ("xla", "none"):
+    raise ConfigError(f"model.attention_impl={impl!r} / model.remat={remat!r} apply to the Transformer backbone only: "
+                      f"model.backbone={m.backbone!r} needs 'xla' / 'none'")
+  problem = model_lib.cudnn_problem(impl, m.dtype, m.d_model, m.num_heads)
+  if problem:
+    raise ConfigError(problem)
+  model_lib.check_attention_backend(impl)
 
 
 def profile_steps(train_cfg) -> tuple[int, int] | None:
