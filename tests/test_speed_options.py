@@ -117,6 +117,11 @@ def test_defaults_leave_parameters_and_digests_unchanged():
   for policy in M.REMAT_POLICIES:
     other = nnx.state(M.build_model(M.ModelConfig(vocab_size=100, remat=policy), rngs=nnx.Rngs(params=0)), nnx.Param)
     assert checkpoint.params_digest(other) == checkpoint.params_digest(plain), policy  # paths, shapes and values
+    # how the model is computed is not what it computes: no other digest, no other fingerprint
+    assert checkpoint.arch_digest(M.ModelConfig(vocab_size=100, remat=policy)) == "fd658817eae06a32"
+    assert (checkpoint.arch_digest(M.ModelConfig(vocab_size=100, remat=policy, attention_impl="cudnn", dtype="bfloat16"))
+            == checkpoint.arch_digest(M.ModelConfig(vocab_size=100, dtype="bfloat16")))
+  assert all(f"model.{k}".startswith(checkpoint.RESUMABLE_CHANGES) for k in checkpoint.EXECUTION_FIELDS)
 
 
 def test_xla_is_the_previous_call():

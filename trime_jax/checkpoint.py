@@ -263,7 +263,7 @@ def _first_line(e: BaseException) -> str:
 RESUMABLE_CHANGES = ("train.num_steps", "train.log_every", "train.eval_every", "train.eval_max_tokens",
                      "train.checkpoint_every", "train.keep_checkpoints", "train.allow_config_change",
                      "train.keep_best", "train.tensorboard", "train.wandb_project", "train.progress",
-                     "train.profile_steps", "data.cache_dir", "eval.")
+                     "train.profile_steps", "data.cache_dir", "eval.", "model.attention_impl", "model.remat")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -487,14 +487,18 @@ def params_digest(params) -> str:
 
 # ModelConfig fields added after exports existed, with the value that reproduces the behaviour from before
 # them: left out of the digest at that value, so earlier exports keep their digest (and fingerprint).
-# attention_impl and remat (issue 37) say how the model is computed, not what: at their defaults they are left out.
-LATER_FIELDS = {"adaptive_tail_ignores_pad": False, "attention_impl": "xla", "remat": "none"}
+LATER_FIELDS = {"adaptive_tail_ignores_pad": False}
+# ModelConfig fields that say how the model is computed on a device, not what it computes (issue 37's speed
+# options): never part of the digest, changeable when a run resumes, and an export loads with them at these
+# defaults (a model trained with cuDNN attention or remat evaluates anywhere, e.g. on a CPU).
+EXECUTION_FIELDS = {"attention_impl": "xla", "remat": "none"}
 
 
 def arch_digest(mcfg) -> str:
   """SHA-256 (16 hex digits) of the architecture: every ModelConfig field but the dropouts (which do not change
-  what a trained model computes at evaluation). Shape-compatible edits (num_heads 4 -> 8) change it."""
-  fields = {k: v for k, v in dataclasses.asdict(mcfg).items() if "dropout" not in k
+  what a trained model computes at evaluation) and the EXECUTION_FIELDS. Shape-compatible edits (num_heads
+  4 -> 8) change it."""
+  fields = {k: v for k, v in dataclasses.asdict(mcfg).items() if "dropout" not in k and k not in EXECUTION_FIELDS
             and not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
   return hashlib.sha256(json.dumps(fields, sort_keys=True, default=list).encode()).hexdigest()[:16]
 
@@ -573,6 +577,7 @@ def load_export(directory: str):
     raise DamagedCheckpointError(
         f"{config_path} describes another architecture than the one exported (arch digest {arch_digest(mcfg)} != "
         f"meta.json's {meta['arch_digest']}): was config.json's model section edited? Restore it")
+  mcfg = dataclasses.replace(mcfg, **EXECUTION_FIELDS)  # how it trained on its device is not how it must run here
   target = nnx.eval_shape(lambda: build_model(mcfg, rngs=nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(target, nnx.Param)
   params = restore_export_params(os.path.join(directory, "params"), abstract_params, meta, "exported parameters")
