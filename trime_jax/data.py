@@ -32,7 +32,7 @@ from trime_jax.errors import ConfigError, DataError
 
 EOS = "</s>"
 UNK = "<unk>"
-_TITLE = re.compile(r"^ = [^=].* =\s*$")
+TITLE = re.compile(r"^ = [^=].* =\s*$")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -207,7 +207,7 @@ def read_wikitext_articles(path: str) -> list[list[str]]:
   with open(path, encoding="utf-8") as f:
     for line in f:
       line = line.rstrip("\n")
-      if _TITLE.match(line) and any(w != EOS for w in current):
+      if TITLE.match(line) and any(w != EOS for w in current):
         articles.append(current)
         current = []
       current.extend(line.split())

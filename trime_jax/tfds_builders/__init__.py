@@ -59,7 +59,7 @@ def wikitext_article_lines(path: str, member: str = "") -> list[list[str]]:
   with _open_text(path, member) as f:
     for line in f:
       line = line.rstrip("\n")
-      if data._TITLE.match(line) and has_text:
+      if data.TITLE.match(line) and has_text:
         articles.append(current)
         current, has_text = [], False
       current.append(line)
@@ -135,7 +135,7 @@ def _builders():
 
     def _generate_examples(self, src):
       for i, lines in enumerate(wikitext_article_lines(*src)):
-        title = next((l for l in lines if data._TITLE.match(l)), "")
+        title = next((l for l in lines if data.TITLE.match(l)), "")
         yield i, {"index": i, "title": title.strip().strip("=").strip(), "text": "\n".join(lines)}
 
   class Wikitext103(_WikiText):
