@@ -100,6 +100,30 @@ def test_config_errors(tmp_path):
     mt_train.train_and_evaluate(c, str(tmp_path / "w"))
 
 
+@pytest.mark.parametrize("field,value", [
+    ("log_every", 0), ("checkpoint_every", 0), ("optimizer", "bogus"), ("schedule", "bogus"),
+    ("learning_rate", -1.0), ("keep_checkpoints", 0), ("eval_every", -1), ("num_steps", 0),
+    ("warmup_steps", -1), ("eval_max_pairs", -1), ("stop_after", -1)])
+def test_train_section_is_checked(field, value):
+  """The shared train section (runtime.config.check_train_section) is refused by the MT validator too, naming the
+  field, before anything divides by it or trains with another optimizer (validation only, no data read)."""
+  c = ui_de_en.get_config()
+  c.train[field] = value
+  with pytest.raises(ConfigError, match=f"train.{field} must be"):
+    mt_train.validate_config(c)
+
+
+@pytest.mark.parametrize("field", ["optimizer", "schedule"])
+def test_unknown_optimizer_or_schedule_is_refused_by_the_runtime(field):
+  """runtime.optim raises on a name it does not know instead of falling through to another optimizer/schedule."""
+  from trime_jax.runtime import optim
+
+  c = ui_de_en.get_config()
+  c.train[field] = "bogus"
+  with pytest.raises(ConfigError, match=f"train.{field} must be one of"):
+    optim.make_optimizer(c.train)
+
+
 def test_target_token_budget_sets_the_run_length():
   from tests.test_mt_model import synthetic_pairs
 

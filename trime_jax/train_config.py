@@ -15,7 +15,7 @@ from trime_jax import specs
 from trime_jax.errors import ConfigError
 from trime_jax.loss import MEMORY_MODES
 from trime_jax.runtime import workdir
-from trime_jax.runtime.optim import OPTIMIZERS, SCHEDULES
+from trime_jax.runtime.config import check_train_section, choice as _choice
 
 BATCHINGS = ("random", "consecutive", "bm25")
 CONSECUTIVE_LAYOUTS = ("stream", "packed")
@@ -25,11 +25,6 @@ PROGRESS = ("auto", "bar", "log")
 # ----------------------------------------------------------------------------------------------------------
 # Config checks
 # ----------------------------------------------------------------------------------------------------------
-def _choice(value, allowed, name):
-  if value not in allowed:
-    raise ConfigError(f"{name} must be one of {allowed}, got {value!r}")
-
-
 def validate_config(config) -> None:
   """Clear errors for values a locked ConfigDict cannot catch (enums, ranges, consistency; a field set under a
   name retired by a rename, which an unlocked config would add unread)."""
@@ -37,14 +32,13 @@ def validate_config(config) -> None:
   t, train_cfg, d = config.trime, config.train, config.data
   _choice(t.memory, MEMORY_MODES, "trime.memory")
   _choice(t.batching, BATCHINGS, "trime.batching")
-  _choice(train_cfg.optimizer, OPTIMIZERS, "train.optimizer")
-  _choice(train_cfg.schedule, SCHEDULES, "train.schedule")
+  check_train_section(train_cfg)  # the section both trainers share (runtime.config)
   _choice(d.segmentation, data.SEGMENTATIONS, "data.segmentation")
   _choice(config.eval.memory, tuple(evaluate.EVAL_MEMORIES), "eval.memory")
   _choice(config.eval.get("sample_break_mode", "none"), data.BREAK_MODES, "eval.sample_break_mode")
   _choice(config.eval.get("complete_overlong", "drop"), data.COMPLETE_OVERLONG, "eval.complete_overlong")
   for name, v in [("train.batch_size", train_cfg.batch_size), ("train.grad_accum", train_cfg.grad_accum),
-                  ("train.num_steps", train_cfg.num_steps), ("data.segment_len", d.segment_len),
+                  ("data.segment_len", d.segment_len),
                   ("trime.consecutive_segments", t.consecutive_segments)]:
     if v < 1:
       raise ConfigError(f"{name} must be >= 1, got {v}")
@@ -136,26 +130,15 @@ def profile_steps(train_cfg) -> tuple[int, int] | None:
 
 
 def _check_ranges(config) -> None:
-  """Numeric fields whose bad values would otherwise fail after compilation or silently train nonsense."""
+  """The LM's numeric fields (the shared train ones: runtime.config.check_train_section) whose bad values would otherwise fail after compilation or silently train nonsense."""
   m, train_cfg, e = config.model, config.train, config.eval
-  at_least = [("train.log_every", train_cfg.log_every, 1), ("train.checkpoint_every", train_cfg.checkpoint_every, 1),
-              ("train.keep_checkpoints", train_cfg.keep_checkpoints, 1), ("train.warmup_steps", train_cfg.warmup_steps, 0),
-              ("train.eval_every", train_cfg.eval_every, 0), ("train.eval_max_tokens", train_cfg.eval_max_tokens, 0),
-              ("train.vocab_chunk", train_cfg.vocab_chunk, 0), ("train.num_devices", train_cfg.num_devices, 0),
-              ("model.num_layers", m.num_layers, 1), ("model.num_heads", m.num_heads, 1),
+  at_least = [("train.eval_max_tokens", train_cfg.eval_max_tokens, 0), ("model.num_layers", m.num_layers, 1), ("model.num_heads", m.num_heads, 1),
               ("eval.batch_size", e.batch_size, 1), ("eval.max_tokens", e.max_tokens, 0),
               ("eval.context_window", e.context_window, 0), ("eval.mem_size", e.mem_size, 0),
               ("eval.block_len", e.block_len, 1), ("eval.knn_k", e.knn_k, 1), ("eval.nprobe", e.nprobe, 1)]
   for name, value, low in at_least:
     if value < low:
       raise ConfigError(f"{name} must be >= {low}, got {value}")
-  for name, value in [("train.learning_rate", train_cfg.learning_rate), ("train.adam_eps", train_cfg.adam_eps)]:
-    if not value > 0:
-      raise ConfigError(f"{name} must be > 0, got {value}")
-  for name, value in [("train.weight_decay", train_cfg.weight_decay), ("train.clip_norm", train_cfg.clip_norm),
-                      ("train.warmup_init_lr", train_cfg.warmup_init_lr), ("train.min_lr", train_cfg.min_lr)]:
-    if value < 0:
-      raise ConfigError(f"{name} must be >= 0, got {value}")
   for name in ("knn_lambda", "cache_lambda"):  # interpolation weights
     if not 0.0 <= e[name] <= 1.0:
       raise ConfigError(f"eval.{name} must be in [0, 1], got {e[name]}")

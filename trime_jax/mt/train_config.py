@@ -7,6 +7,7 @@ from trime_jax import sharded_loss
 from trime_jax.errors import ConfigError
 from trime_jax.mt import batching
 from trime_jax.runtime import workdir
+from trime_jax.runtime.config import check_train_section
 
 MEMORIES = ("none", "ext")
 
@@ -23,6 +24,10 @@ def validate_config(config) -> None:
     raise ConfigError(f"trime.memory must be one of {MEMORIES} for translation, got {t.memory!r}")
   if t.batching not in batching.ORDERS:
     raise ConfigError(f"trime.batching must be one of {batching.ORDERS}, got {t.batching!r}")
+  check_train_section(r)  # the section both trainers share (runtime.config): optimizer, schedule, cadences, ranges
+  for name in ("eval_max_pairs", "target_token_budget", "stop_after"):  # 0: all pairs / no budget / no limit
+    if int(r.get(name, 0)) < 0:
+      raise ConfigError(f"train.{name} must be >= 0, got {r[name]}")
   if r.label_smoothing and t.memory != "none":
     raise ConfigError("train.label_smoothing is an option of the CE baseline (trime.memory=none) only")
   if not 0.0 <= r.label_smoothing < 1.0:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import optax
 
+from trime_jax.errors import ConfigError
+
 OPTIMIZERS = ("adam", "nag", "radam")
 SCHEDULES = ("inverse_sqrt", "cosine", "constant")
 
@@ -20,8 +22,10 @@ def make_schedule(train_cfg) -> optax.Schedule:
   elif train_cfg.schedule == "cosine":
     decay = optax.cosine_decay_schedule(peak, max(int(train_cfg.num_steps) - warm, 1),
                                         alpha=float(train_cfg.min_lr) / peak)
-  else:
+  elif train_cfg.schedule == "constant":
     decay = optax.constant_schedule(peak)
+  else:  # a misspelt name must not train with another schedule
+    raise ConfigError(f"train.schedule must be one of {SCHEDULES}, got {train_cfg.schedule!r}")
   return optax.join_schedules([warmup, decay], [warm]) if warm else decay
 
 
@@ -33,10 +37,12 @@ def make_optimizer(train_cfg) -> tuple[optax.GradientTransformation, optax.Sched
   elif train_cfg.optimizer == "radam":  # SRU++'s enwik8 script: RAdam, its weight decay decoupled (p -= lr·wd·p)
     opt = optax.chain(optax.scale_by_radam(b1=train_cfg.adam_b1, b2=train_cfg.adam_b2, eps=train_cfg.adam_eps),
                       optax.add_decayed_weights(train_cfg.weight_decay), optax.scale_by_learning_rate(schedule))
-  else:  # fairseq `nag`: SGD with Nesterov momentum; its weight decay is decoupled (p *= 1 - lr·wd), outside
-    # the momentum, like Adam's
+  elif train_cfg.optimizer == "nag":  # fairseq `nag`: SGD with Nesterov momentum; its weight decay is decoupled
+    # (p *= 1 - lr·wd), outside the momentum, like Adam's
     opt = optax.chain(optax.trace(decay=train_cfg.nag_momentum, nesterov=True),
                       optax.add_decayed_weights(train_cfg.weight_decay), optax.scale_by_learning_rate(schedule))
+  else:  # a misspelt name must not train with another optimizer
+    raise ConfigError(f"train.optimizer must be one of {OPTIMIZERS}, got {train_cfg.optimizer!r}")
   if train_cfg.clip_norm > 0:
     opt = optax.chain(optax.clip_by_global_norm(train_cfg.clip_norm), opt)
   return opt, schedule
