@@ -165,5 +165,6 @@ def get_config():
   e.interp_memory = "external"  # P′ over: external (top-K retrieved only, the original release) | all (local +
   #   long-term + retrieved, the paper's text)
   e.knn_lambda = 0.3  # λ of (1-λ)·P + λ·P′ (TrimeLM_ext) and of kNN-LM's (1-λ)·p_LM + λ·p_kNN
+  e.knn_theta = 1.0  # θ of kNN-LM: p_kNN ∝ Σ exp(θ · g·g_j / √D) over the retrieved (knnlm_cache: and local) keys
   c.lock()  # typos in field names are errors, in code as on the command line
   return c

@@ -248,6 +248,24 @@ def test_interp_memory_config():
     evaluate.Point("interp", tau=1.0, tau_prime=1.0, lam=0.3)
 
 
+def test_knn_theta_and_cache_theta_are_two_fields():
+  """kNN-LM's θ (eval.knn_theta) and the cache's (eval.cache_theta): one name per quantity, each read where it
+  belongs; a config stored before knn_theta existed reads θ = 1 (what eval.cache_theta's default gave it)."""
+  from trime_jax import train_config
+
+  e = default.get_config().eval
+  with e.unlocked():
+    e.knn_theta, e.cache_theta = 2.0, 3.0
+  points = dict(zip(("cache", "knnlm", "knnlm_cache"), evaluate.configured_points(e, ("cache", "knnlm", "knnlm_cache"))))
+  assert (points["cache"].theta, points["knnlm"].theta, points["knnlm_cache"].theta) == (3.0, 2.0, 2.0)
+  stored = ml_collections.ConfigDict({k: v for k, v in e.to_dict().items() if k != "knn_theta"})
+  assert evaluate.configured_points(stored, ("knnlm",))[0].theta == 1.0
+  c = default.get_config()
+  c.eval.knn_theta = 0.0
+  with pytest.raises(ConfigError, match="eval.knn_theta must be > 0"):
+    train_config.validate_config(c)
+
+
 def test_points_are_checked():
   with pytest.raises(ConfigError, match="unknown evaluation family"):
     evaluate.Point("knn")

@@ -142,8 +142,9 @@ def _check_ranges(config) -> None:
   for name in ("knn_lambda", "cache_lambda"):  # interpolation weights
     if not 0.0 <= e[name] <= 1.0:
       raise ConfigError(f"eval.{name} must be in [0, 1], got {e[name]}")
-  if not e.tau_prime > 0:
-    raise ConfigError(f"eval.tau_prime must be > 0, got {e.tau_prime}")
+  for name in ("tau_prime", "cache_theta", "knn_theta"):  # temperatures / inverse temperatures
+    if name in e and not e[name] > 0:
+      raise ConfigError(f"eval.{name} must be > 0, got {e[name]}")
   _choice(e.split, corpora.SPLITS, "eval.split")
   _choice(e.interp_memory, tuple(evaluate.INTERP_MEMORIES), "eval.interp_memory")
   for name in ("dropout", "attention_dropout", "activation_dropout"):

@@ -59,14 +59,14 @@ class Point:
 
   `tau` and `tau_prime` are the config's eval.tau and eval.tau_prime. `lam` and `theta` are family-generic: the
   family says which λ / θ a point holds (cache: eval.cache_lambda / eval.cache_theta; interp, knnlm,
-  knnlm_cache: eval.knn_lambda, the weight of the retrieved distribution, with eval.cache_theta for kNN-LM's θ;
+  knnlm_cache: eval.knn_lambda, the weight of the retrieved distribution, with eval.knn_theta for kNN-LM's θ;
   kNN-MT's tuning reads θ as 1 / knn_mt_temperature)."""
 
   family: str
   tau: float | None = None  # τ on memory similarities (trime_local, trime, interp): eval.tau
   tau_prime: float | None = None  # τ′ of P′ (interp): P′ = p_mem at θ = 1/τ′; eval.tau_prime
   lam: float | None = None  # mixture weight λ (cache: eval.cache_lambda; interp, knnlm, knnlm_cache: eval.knn_lambda)
-  theta: float | None = None  # p_mem(θ) ∝ Σ exp(θ·sim) (cache, knnlm, knnlm_cache: eval.cache_theta)
+  theta: float | None = None  # p_mem(θ) ∝ Σ exp(θ·sim) (cache: eval.cache_theta; knnlm, knnlm_cache: eval.knn_theta)
   interp_memory: str | None = None  # memories of P′ (interp): "external" | "all"
 
   def __post_init__(self):
@@ -122,9 +122,11 @@ def grid(families) -> tuple[Point, ...]:
 
 def configured_points(e, families) -> tuple[Point, ...]:
   """One point per family from the `eval` config section (no tuning)."""
-  tau, lam, theta = float(e.tau), float(e.knn_lambda), float(e.cache_theta)
-  settings = {"none": {}, "cache": dict(lam=float(e.cache_lambda), theta=theta), "trime_local": dict(tau=tau),
-              "trime": dict(tau=tau), "knnlm": dict(lam=lam, theta=theta), "knnlm_cache": dict(lam=lam, theta=theta),
+  tau, lam = float(e.tau), float(e.knn_lambda)
+  knn_theta = float(e.get("knn_theta", 1.0))  # configs stored before the field: kNN-LM's θ was eval.cache_theta's 1
+  settings = {"none": {}, "cache": dict(lam=float(e.cache_lambda), theta=float(e.cache_theta)),
+              "trime_local": dict(tau=tau), "trime": dict(tau=tau), "knnlm": dict(lam=lam, theta=knn_theta),
+              "knnlm_cache": dict(lam=lam, theta=knn_theta),
               "interp": dict(tau=tau, tau_prime=float(e.tau_prime), lam=lam, interp_memory=str(e.interp_memory))}
   return tuple(Point(f, **settings[f]) for f in families)
 
