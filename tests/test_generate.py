@@ -198,6 +198,42 @@ def test_next_token_distribution_matches_float64_numpy(lam):
                                np_step(logits[r], q[r], keys, seen, 0.7, prime, lam, 0.4), rtol=2e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("lam", [0.0, 0.3])
+def test_trace_parts_are_the_laws_terms(lam):
+  """The retrieval trace's parts of P(token) (`scoring.log_contributions`): the vocabulary's and the memories'
+  sum to exp(scoring.trime_log_probs) at the token, and each memory's part is its float64 term of the formula
+  ((1-λ)·exp(sim/τ)/Z + λ·exp(sim/τ′)/Z′ for P′ memories; λ only where a row sees a P′ memory)."""
+  rng = np.random.default_rng(7)
+  b, v, m, d = 3, 12, 20, 8
+  logits = rng.normal(size=(b, v)).astype(np.float32)
+  q = rng.normal(size=(b, d)).astype(np.float32) * 2
+  keys = rng.normal(size=(m, d)).astype(np.float32) * 2
+  targets = rng.integers(0, 4, m).astype(np.int32)  # few tokens: several memories share one
+  targets[8:10] = -1
+  mask = rng.random((b, m)) < 0.7
+  mask[2, 12:] = False  # row 2 sees no P′ memory: its parts are P_trime's
+  prime = np.arange(m) >= 12
+  tokens = np.array([targets[np.flatnonzero(mask[r] & (targets >= 0))[0]] for r in range(b)], np.int32)
+  kw = dict(tau=0.7, prime_M=jnp.asarray(prime), knn_lambda=lam, tau_prime=0.4)
+  args = (jnp.asarray(logits), jnp.asarray(q), jnp.asarray(keys), jnp.asarray(targets), jnp.asarray(mask))
+  log_p = np.asarray(scoring.trime_log_probs(*args, **kw), np.float64)
+  log_vocab, log_mem = (np.asarray(x, np.float64) for x in scoring.log_contributions(*args, jnp.asarray(tokens), **kw))
+  for r in range(b):
+    w = tokens[r]
+    np.testing.assert_allclose(np.exp(log_vocab[r]) + np.exp(log_mem[r]).sum(), np.exp(log_p[r, w]), rtol=2e-5)
+    sim = keys.astype(np.float64) @ q[r].astype(np.float64) / math.sqrt(d)
+    vis = mask[r] & (targets >= 0)
+    z = np.logaddexp.reduce(np.concatenate([logits[r].astype(np.float64), sim[vis] / 0.7]))
+    in_prime = vis & prime
+    lam_r = lam if in_prime.any() else 0.0
+    want = np.where(vis & (targets == w), (1 - lam_r) * np.exp(sim / 0.7 - z), 0.0)
+    if lam_r:
+      z_prime = np.logaddexp.reduce(sim[in_prime] / 0.4)
+      want = want + np.where(in_prime & (targets == w), lam_r * np.exp(sim / 0.4 - z_prime), 0.0)
+    np.testing.assert_allclose(np.exp(log_mem[r]), want, rtol=2e-5, atol=1e-9)
+    np.testing.assert_allclose(np.exp(log_vocab[r]), (1 - lam_r) * np.exp(logits[r, w] - z), rtol=2e-5)
+
+
 def test_a_generated_step_equals_the_numpy_restatement(byte_gen):
   """Local memory: P(token) and the share from memory of every traced step, recomputed in float64 from the
   uncached model over the whole sequence (its logits at the last position, its keys of every earlier one)."""
@@ -329,6 +365,8 @@ def test_external_datastore_generation_and_mismatch(tmp_path, byte_gen):
   mixed = byte_gen.generate(["def add(a"], max_new_tokens=5, sampling=G.Sampling(0), external=ext, trace=True,
                             memory=G.MemorySpec("external", tau=0.5, knn_lambda=0.5, tau_prime=0.2))[0]
   assert [s.prob for s in mixed.trace] != [s.prob for s in out.trace]
+  # Appendix A's mixture in the trace: the shares are the mixed law's parts of P(token).
+  assert all(0 <= s.memory_share <= 1 and sum(m.share for m in s.top) <= s.memory_share + 1e-6 for s in mixed.trace)
   other = G.Generator(_export(tmp_path / "other", data.Vocab.bytes(), seed=7))
   with pytest.raises(CheckpointError, match="built by another model or vocabulary.*does not match"):
     other.external(ds_dir, k=8)

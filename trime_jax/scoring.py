@@ -21,7 +21,8 @@ sees whom; the pieces of the equation are here, once:
                 `sharded_scaled_log_sums` (the on-device datastore)
   distribution  the full `[N, V]` law: `memory_log_probs` (a segment sum of exp(sim) into vocabulary buckets;
                 dense, or with the memory sharded over a mesh axis: `sharded_memory_log_probs`) and
-                `trime_log_probs` (+ Appendix A's interpolation, for generation and translation)
+                `trime_log_probs` (+ Appendix A's interpolation, for generation and translation); the parts
+                of one token's probability, per memory: `log_contributions` (generation's retrieval trace)
 
 Exact everywhere: masked entries are excluded from sums (no additive -10000), and both log terms always hold a
 vocabulary term, so a query with no visible memory gets the plain softmax bit for bit. This module imports
@@ -465,6 +466,37 @@ def trime_log_probs(logits_NxV, q_NxD, mem_keys_MxD, mem_targets_M, mem_mask_NxM
   no_vocab = jnp.full_like(logits_NxV, -jnp.inf)  # P′ is memories only
   log_prime = memory_log_probs(no_vocab, q_NxD, mem_keys_MxD, mem_targets_M, prime_NxM, tau=tau_prime)
   return mix(log_p, log_prime, prime_NxM.any(-1, keepdims=True), knn_lambda)
+
+
+def log_contributions(logits_NxV, q_NxD, mem_keys_MxD, mem_targets_M, mem_mask_NxM, tokens_N, *, tau: float,
+                      prime_M=None, knn_lambda: float = 0.0, tau_prime: float = 1.0):
+  """(log of the vocabulary's part `[N]`, log of each memory's part `[N, M]`) of `trime_log_probs`' P(token_n)
+  (same arguments): exp(logit_w)/Z and exp(sim_j/τ)/Z of the visible memories j with x_j = w (-inf for the
+  others), with Appendix A's λ·exp(sim_j/τ′)/Z′ added to the P′ memories' parts. The parts sum to
+  exp(trime_log_probs[n, w]): what a retrieval trace shows of which memories gave a token its mass. Z and Z′
+  are `memory_log_weights`' normalisers, the mixture is `mix`, so the parts are the law's own terms."""
+  logits = logits_NxV.astype(accumulation_dtype(logits_NxV, q_NxD))
+  d = q_NxD.shape[-1]
+  mask = mem_mask_NxM & (mem_targets_M[None, :] >= 0)
+  positive_NxM = mask & (mem_targets_M[None, :] == tokens_N[:, None])
+  acc = accumulation_dtype(q_NxD)
+
+  def parts(token_logits, vis_NxM, t):
+    # log Z from the law's own unnormalised weights; each part is its term minus log Z.
+    log_z = jax.nn.logsumexp(memory_log_weights(token_logits, q_NxD, mem_keys_MxD, mem_targets_M, vis_NxM, tau=t),
+                             axis=-1)
+    sim = similarities(q_NxD, mem_keys_MxD, jnp.asarray(static_scale(d, t), acc))
+    log_vocab = jnp.take_along_axis(token_logits, tokens_N[:, None], axis=-1)[:, 0] - log_z
+    return log_vocab, jnp.where(positive_NxM & vis_NxM, sim - log_z[:, None], -jnp.inf)
+
+  log_vocab, log_mem = parts(logits, mask, tau)
+  if not knn_lambda:
+    return log_vocab, log_mem
+  prime_NxM = mask & prime_M[None, :]
+  _, log_prime = parts(jnp.full_like(logits, -jnp.inf), prime_NxM, tau_prime)  # P′ is memories only
+  has = prime_NxM.any(-1)
+  no_prime = jnp.full_like(log_vocab, -jnp.inf)
+  return mix(log_vocab, no_prime, has, knn_lambda), mix(log_mem, log_prime, has[:, None], knn_lambda)
 
 
 def on_mesh(mesh, spec, x):

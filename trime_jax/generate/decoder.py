@@ -10,7 +10,6 @@ slots. The external search runs on the host between the two. `keys_of` keys a wh
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +43,7 @@ def _forward(graphdef, params, tokens_BxT, cache, pos_BxT, last_B):
 def _next_token(graphdef, params, f_BxD, g_BxD, local_keys, local_targets, store_keys, store_targets, ext_keys,
                 ext_targets, keys_B, slot_B, active_B, *, memory: MemorySpec, sampling: Sampling, trace: bool):
   """(tokens [B], log P [B, V], local memory with (g, token) inserted at `slot` of active rows, and for a trace
-  the logits [B, V] and memory similarities g·k/√D [B, M] (-inf: empty))."""
+  with memory the log of each memory's part of P(token) [B, M_r] in the row's slot order (-inf: no part))."""
   model = nnx.merge(graphdef, params)
   logits = model.logits(f_BxD[:, None])[:, 0].astype(jnp.float32)
   b, d = g_BxD.shape
@@ -68,19 +67,18 @@ def _next_token(graphdef, params, f_BxD, g_BxD, local_keys, local_targets, store
                                  knn_lambda=memory.knn_lambda, tau_prime=memory.tau_prime)
   tokens = sample(log_p, keys_B, sampling)
   extra = None
-  if trace:
-    sims = None
-    if memory.kind != "none":  # row views [B, M_r] of this step's memories: local slots, store, retrieved
-      hi = jax.lax.Precision.HIGHEST
-      views = [(jnp.einsum("bd,bmd->bm", q, local_keys, precision=hi), local_targets)]
-      if store_keys is not None:
-        views.append((jnp.einsum("bd,md->bm", q, store_keys.astype(jnp.float32), precision=hi),
-                      jnp.broadcast_to(store_targets, (b,) + store_targets.shape)))
-      if ext_keys is not None:
-        views.append((jnp.einsum("bd,bmd->bm", q, ext_keys.astype(jnp.float32), precision=hi), ext_targets))
-      sims = jnp.concatenate([v for v, _ in views], axis=1) / math.sqrt(d)
-      sims = jnp.where(jnp.concatenate([t for _, t in views], axis=1) >= 0, sims, -jnp.inf)
-    extra = (logits, sims)
+  if trace and memory.kind != "none":
+    # Each memory's part of P(token), from the law's own terms (`scoring.log_contributions`), as row views
+    # [B, M_r] in the trace's slot order: the row's own local slots, the store, the row's own retrieved entries.
+    _, log_mem = scoring.log_contributions(logits, q, keys, targets, mask, tokens, tau=memory.tau, prime_M=prime,
+                                           knn_lambda=memory.knn_lambda, tau_prime=memory.tau_prime)
+    rows = jnp.arange(b)
+    own_view = lambda x_BxBR: x_BxBR.reshape(b, b, -1)[rows, rows]  # row r's columns of its own block
+    n_local, n_store = local_targets.size, 0 if store_targets is None else store_targets.shape[0]
+    views = [own_view(log_mem[:, :n_local]), log_mem[:, n_local:n_local + n_store]]
+    if ext_keys is not None:
+      views.append(own_view(log_mem[:, n_local + n_store:]))
+    extra = jnp.concatenate(views, axis=1)
   local_keys, local_targets = _remember(local_keys, local_targets, g_BxD, tokens, slot_B, active_B)
   return tokens, log_p, local_keys, local_targets, extra
 
@@ -137,8 +135,8 @@ class CachedDecoder:
 
   def next_token(self, f_BxD, g_BxD, mems: Memories, keys_B, active_B, *, memory: MemorySpec,
                  sampling: Sampling, trace: bool):
-    """(tokens [B], log P [B, V], for a trace (logits, similarities) or None) of every row from f, g at its last
-    position; each active row's (g, token) goes into its next local slot of `mems`."""
+    """(tokens [B], log P [B, V], for a trace with memory each slot's log part of P(token), else None) of every
+    row from f, g at its last position; each active row's (g, token) goes into its next local slot of `mems`."""
     slot, active = jnp.asarray(mems.n_mem, jnp.int32), jnp.asarray(active_B)
     if mems.on_device:
       tokens, log_p, mems.local_keys, mems.local_targets, extra = _exact_next_token(

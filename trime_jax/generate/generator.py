@@ -182,7 +182,7 @@ class Generator:
                                                      sampling=sampling, trace=trace)
       tokens = np.asarray(tokens)
       if trace:
-        trace_step(traces, tokens, active, log_p, extra, memory, seqs, mems, self.text)
+        trace_step(traces, tokens, active, log_p, extra, seqs, mems, self.text)
       for r in np.flatnonzero(active):
         t = int(tokens[r])
         out_tokens[r].append(t)

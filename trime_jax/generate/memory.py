@@ -123,20 +123,6 @@ class Memories:
     values = np.asarray(self.external.datastore.values[np.maximum(self.ext_ids, 0)])
     self.ext_targets = jnp.asarray(np.where(self.ext_ids >= 0, values, -1).astype(np.int32))
 
-  def slot_targets(self, r: int, seqs) -> np.ndarray:
-    """[M] next token of every memory slot of row r at this step (-1: empty), in the step's order (local slots,
-    store, retrieved)."""
-    local = np.full(self.cap, -1, np.int64)
-    local[:len(seqs[r]) - 1] = seqs[r][1:]  # the sampled token is not in seqs yet
-    parts = [local]
-    if self.n_store:
-      parts.append(np.pad(self.store.tokens.astype(np.int64), (0, self.n_store - len(self.store)),
-                          constant_values=-1))
-    if self.ext_ids is not None:
-      values = self.external.datastore.values
-      parts.append(np.where(self.ext_ids[r] >= 0, np.asarray(values[np.maximum(self.ext_ids[r], 0)]), -1))
-    return np.concatenate(parts)
-
   def save_to_store(self) -> None:
     """Append every row's local memory (its prompt and output) to the long-term store."""
     lk, lt = np.asarray(self.local_keys), np.asarray(self.local_targets)

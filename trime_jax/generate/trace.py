@@ -1,6 +1,6 @@
 """The retrieval trace: for each generated token, its probability, the share of it that came from memory and the
-three memories contributing most (their source, next token and context), recomputed in float64 from the logits
-and similarities the step used."""
+three memories contributing most (their source, next token and context), read from the parts of P(token) that
+the step computed with the law itself (`scoring.log_contributions`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from trime_jax.generate.memory import Memories, MemorySpec
+from trime_jax.generate.memory import Memories
 from trime_jax.generate.text import Text
 
 TRACE_CONTEXT = 6  # words (or 3x as many bytes) of context shown per memory in a retrieval trace
@@ -34,29 +34,21 @@ class TraceStep:
     return f"{self.token!r:>14} p={self.prob:.3f} memory {self.memory_share:5.1%}" + (f"  <- {mems}" if mems else "")
 
 
-def trace_step(traces, tokens, active, log_p, extra, memory: MemorySpec, seqs, mems: Memories, text: Text) -> None:
+def trace_step(traces, tokens, active, log_p, log_parts, seqs, mems: Memories, text: Text) -> None:
   """Appends a `TraceStep` to `traces[r]` of every active row r: P(token), the share from memory and the three
-  memories contributing most, in float64 from the step's logits and similarities (`extra`)."""
-  logits, sims = (None if x is None else np.asarray(x, np.float64) for x in extra)
+  memories contributing most. `log_parts` [B, M_r] (None without memory): the log of each memory slot's part of
+  P(token) in the row's slot order, the law's own terms (`scoring.log_contributions`, computed by the step);
+  -inf for slots that gave nothing."""
   log_p = np.asarray(log_p, np.float64)
-  cap, n_store, ext_ids = mems.cap, mems.n_store, mems.ext_ids
+  log_parts = None if log_parts is None else np.asarray(log_parts, np.float64)
   for r in np.flatnonzero(active):
     w = int(tokens[r])
     p = float(np.exp(log_p[r, w]))
     top = []
     share = 0.0
-    if sims is not None:
-      s = sims[r]
-      targets = mems.slot_targets(r, seqs)
-      z = np.logaddexp.reduce(np.concatenate([logits[r], s[np.isfinite(s)] / memory.tau]))
-      pos = np.flatnonzero((targets == w) & np.isfinite(s))
-      contrib = np.exp(s[pos] / memory.tau - z) * (1 - memory.knn_lambda)
-      if memory.knn_lambda and ext_ids is not None:
-        first_ext = cap + n_store if memory.interp_memory == "external" else 0
-        in_prime = np.isfinite(s) & (np.arange(len(s)) >= first_ext)
-        z_prime = np.logaddexp.reduce(s[in_prime] / memory.tau_prime)
-        contrib = contrib + memory.knn_lambda * np.where(
-            pos >= first_ext, np.exp(s[pos] / memory.tau_prime - z_prime), 0.0)
+    if log_parts is not None:
+      pos = np.flatnonzero(np.isfinite(log_parts[r]))  # visible memories whose next token is w
+      contrib = np.exp(log_parts[r, pos])
       share = float(contrib.sum() / max(p, 1e-300))
       for j in np.argsort(-contrib, kind="stable")[:3]:
         top.append(_describe(pos[j], float(contrib[j] / max(p, 1e-300)), r, seqs, mems, text))
