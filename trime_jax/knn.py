@@ -9,11 +9,11 @@ sim = g(c)·k_j / √D (τ, τ′ and θ are applied by the evaluator).
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 import numpy as np
 
+from trime_jax import scoring
 from trime_jax.datastore import Datastore, KnnIndex, rescore
 from trime_jax.errors import CheckpointError, ConfigError
 
@@ -70,7 +70,7 @@ class ExternalMemory:
     self.queries += len(q)
     valid = ids >= 0
     targets = np.where(valid, np.asarray(self.datastore.values[np.where(valid, ids, 0)]), -1).astype(np.int32)
-    sim = np.where(valid, scores / math.sqrt(self.dimension), 0.0).astype(np.float32)
+    sim = np.where(valid, scores * scoring.static_scale(self.dimension, 1.0), 0.0).astype(np.float32)  # q·k/√D
     return Retrieved(sim, targets)
 
 

@@ -368,20 +368,27 @@ class KnnIndex:
     return scores, ids.astype(np.int64, copy=False)
 
 
-def rescore(ds: Datastore, queries_NxD, ids_NxK, *, sort: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def rescore(ds: Datastore, queries_NxD, ids_NxK, *, sort: bool = True, with_keys: bool = False):
   """Exact inner products [n, k] float32 of each query with its retrieved keys (float16 keys read back as
-  float32; -inf where ids is -1), re-sorted best first unless sort=False. Returns (scores, ids)."""
+  float32; -inf where ids is -1), re-sorted best first (stable: ties keep the index's order) unless sort=False.
+  Returns (scores, ids), and with_keys=True (scores, ids, keys): the float32 keys [n, k, D] in that order (zeros
+  where ids is -1), from the one gather the scores were computed from."""
   q = _f32(queries_NxD)
   ids = np.asarray(ids_NxK, np.int64)
   if q.ndim != 2 or q.shape[1] != ds.dimension or ids.ndim != 2 or ids.shape[0] != q.shape[0]:
     raise CheckpointError(f"queries {tuple(q.shape)} / ids {tuple(ids.shape)} do not match the datastore "
                           f"dimension {ds.dimension}")
   scores = np.empty(ids.shape, np.float32)
+  keys = np.empty(ids.shape + (ds.dimension,), np.float32) if with_keys else None
   rows = max(1, RESCORE_FLOATS // max(ids.shape[1] * ds.dimension, 1))  # bounds the gathered [rows, k, D]
   for a in range(0, len(q), rows):
-    scores[a:a + rows] = np.einsum("nd,nkd->nk", q[a:a + rows], ds.gather_keys(ids[a:a + rows]))
+    gathered = ds.gather_keys(ids[a:a + rows])
+    scores[a:a + rows] = np.einsum("nd,nkd->nk", q[a:a + rows], gathered)
+    if with_keys:
+      keys[a:a + rows] = gathered
   scores[ids < 0] = -np.inf
   if sort:
     order = np.argsort(-scores, axis=1, kind="stable")
     scores, ids = np.take_along_axis(scores, order, 1), np.take_along_axis(ids, order, 1)
-  return scores, ids
+    keys = None if keys is None else np.take_along_axis(keys, order[..., None], 1)
+  return (scores, ids, keys) if with_keys else (scores, ids)

@@ -41,7 +41,7 @@ from flax import nnx
 from trime_jax import evaluate
 from trime_jax import loss
 from trime_jax import scoring
-from trime_jax.datastore import Datastore, KnnIndex
+from trime_jax.datastore import Datastore, KnnIndex, rescore
 from trime_jax.errors import CheckpointError, ConfigError
 
 NextLogProbs = Callable[[np.ndarray, int, np.ndarray], np.ndarray]
@@ -248,7 +248,7 @@ class Neighbours:
   keys: np.ndarray | None = None  # [N, K, D] float32 (zeros where ids < 0), when asked for
 
 
-GATHER_FLOATS = 1 << 24  # float32 keys gathered at a time by `retrieve` (64 MiB)
+GATHER_FLOATS = 1 << 24  # float32 keys gathered at a time by `retrieve`'s L2 candidates (64 MiB)
 
 
 def retrieve(ds: Datastore, index: KnnIndex, q_NxD, k: int, *, metric: str, candidates: int = 0,
@@ -272,6 +272,10 @@ def retrieve(ds: Datastore, index: KnnIndex, q_NxD, k: int, *, metric: str, cand
     _, ids_all = index.search(q, c)
   finally:
     faiss.omp_set_num_threads(threads)
+  if metric == "ip":  # the index's top-k, re-scored exactly and re-sorted: the datastore's `rescore`
+    out = rescore(ds, q, ids_all, with_keys=with_keys)
+    out_score, out_ids, out_keys = out if with_keys else (*out, None)
+    return Neighbours(out_ids, _targets(ds, out_ids), out_score, out_keys)
   n = len(q)
   out_ids, out_score = np.empty((n, k), np.int64), np.empty((n, k), np.float32)
   out_keys = np.empty((n, k, ds.dimension), np.float32) if with_keys else None
@@ -279,19 +283,19 @@ def retrieve(ds: Datastore, index: KnnIndex, q_NxD, k: int, *, metric: str, cand
   for a in range(0, n, rows):
     ids = ids_all[a:a + rows]
     keys = ds.gather_keys(ids)
-    qa = q[a:a + rows]
-    if metric == "ip":
-      score = np.einsum("nd,nkd->nk", qa, keys)
-    else:
-      score = -np.sum((qa[:, None, :] - keys) ** 2, -1)
+    score = -np.sum((q[a:a + rows][:, None, :] - keys) ** 2, -1)
     score[ids < 0] = -np.inf
     order = np.argsort(-score, axis=1, kind="stable")[:, :k]
     out_ids[a:a + rows] = np.take_along_axis(ids, order, 1)
     out_score[a:a + rows] = np.take_along_axis(score, order, 1)
     if with_keys:
       out_keys[a:a + rows] = np.take_along_axis(keys, order[..., None], 1)
-  targets = np.where(out_ids >= 0, np.asarray(ds.values[np.maximum(out_ids, 0)]), -1).astype(np.int32)
-  return Neighbours(out_ids, targets, out_score, out_keys)
+  return Neighbours(out_ids, _targets(ds, out_ids), out_score, out_keys)
+
+
+def _targets(ds: Datastore, ids_NxK) -> np.ndarray:
+  """[N, K] int32 next tokens of entries `ids` (-1 where ids < 0)."""
+  return np.where(ids_NxK >= 0, np.asarray(ds.values[np.maximum(ids_NxK, 0)]), -1).astype(np.int32)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -521,7 +525,8 @@ def _setting(point: evaluate.Point, k: int) -> Distribution:
 def _nlls(tp: TunePass, points, k: int, metric: str):
   """[P] mean nll per target token of each point, with the top-k retrieved entries."""
   nb = tp.ip if metric == "ip" else tp.l2
-  sim = nb.score[:, :k] / (math.sqrt(tp.dimension) if metric == "ip" else 1.0)  # TRIME: q·k/√D; kNN: -|q-k|²
+  # TRIME: q·k/√D (the scorer's scale); kNN-MT: -|q - k|² as retrieved
+  sim = nb.score[:, :k] * (scoring.static_scale(tp.dimension, 1.0) if metric == "ip" else 1.0)
   sim = np.where(np.isfinite(sim), sim, 0.0)
   tgt = jnp.asarray(tp.targets)[None]
   blk = evaluate.external_block(jnp.asarray(sim)[None], jnp.asarray(nb.targets[:, :k])[None], tgt)
