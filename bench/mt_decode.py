@@ -22,7 +22,7 @@ import numpy as np
 from trime_jax.mt import data as mt_data
 from trime_jax.mt import datastore as mt_datastore
 from trime_jax.mt import decode
-from trime_jax.mt import model as mt_model
+from trime_jax.mt import export as mt_export
 from trime_jax import specs
 
 
@@ -44,7 +44,7 @@ def main():
   ap.add_argument("--max_len_b", type=int, default=search.max_len_b)
   args = ap.parse_args()
 
-  graphdef, params, config, vocab = mt_model.load_mt_export(args.checkpoint)
+  graphdef, params, config, vocab = mt_export.load_mt_export(args.checkpoint)
   cfg = specs.mt_model_config(config, vocab_size=vocab.size)
   ds, index = mt_datastore.open_mt_datastore(args.datastore, args.checkpoint, nprobe=args.nprobe)
   pairs = mt_data.load_parallel(mt_datastore.mt_config(None, args.checkpoint), "test", vocab)

@@ -34,7 +34,7 @@ def main():
   args = ap.parse_args()
   c = ui_de_en.get_config()
   c.trime.update(memory="ext", batching=args.order)
-  mt_train.resolve_data_path(c)
+  mt_data.resolve_data_path(c)
   vocab = mt_data.load_vocab(c)
   pairs = mt_data.load_parallel(c, "train", vocab)
   plan = batching.make_plan(pairs, order=args.order, max_tokens=int(c.data.max_tokens), seed=0,

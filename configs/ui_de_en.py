@@ -92,6 +92,8 @@ def get_config():
   r.checkpoint_every = 100
   r.keep_checkpoints = 2
   r.stop_after = 0  # stop (checkpointed, resumable) after this many updates in this invocation; 0 = no limit
+  r.allow_config_change = False  # resume a workdir whose config.json differs in fields that change training
+  #   (checkpoint.RESUMABLE_CHANGES may always change; the differences go to config_changes.jsonl)
 
   c.lock()
   return c

@@ -6,7 +6,7 @@
 
 Rerunning the same command resumes from the newest checkpoint in the workdir (`--config.train.stop_after=N`
 trains at most N updates per invocation). SIGTERM checkpoints the current update and exits with status 143.
-Exit status 0: trained, evaluated on valid and exported to <workdir>/export (trime_jax.mt.model.load_mt_export).
+Exit status 0: trained, evaluated on valid and exported to <workdir>/export (trime_jax.mt.export.load_mt_export).
 `--workdir` is required; one run per workdir (a second exits with status 2 naming the process that holds it);
 Ctrl-C exits with status 130 saying which checkpoint (if any) is on disk to resume from.
 """

@@ -137,10 +137,10 @@ def main(argv):
   from trime_jax.errors import ConfigError
   from trime_jax.mt import datastore as mt_datastore
   from trime_jax import specs
-  from trime_jax.mt import model as mt_model
+  from trime_jax.mt import export as mt_export
 
   checkpoint, out = _CHECKPOINT.value, _OUT.value
-  graphdef, params, config, vocab = mt_model.load_mt_export(checkpoint)
+  graphdef, params, config, vocab = mt_export.load_mt_export(checkpoint)
   cfg = specs.mt_model_config(config, vocab_size=vocab.size)
   options = decode.SearchOptions(beam=_BEAM.value, lenpen=_LENPEN.value, max_len_a=_MAX_LEN_A.value,
                                  max_len_b=_MAX_LEN_B.value)

@@ -191,6 +191,7 @@ def tiny(tmp_path_factory):
   from trime_jax.mt import data as mt_data
   from trime_jax.mt import datastore as mt_datastore
   from trime_jax.mt import model as mt_model
+  from trime_jax.mt import export as mt_export
 
   root = tmp_path_factory.mktemp("mt")
   vocab = mt_data.SubwordVocab(tokens=list(mt_data.SPECIALS) + WORDS)
@@ -211,7 +212,7 @@ def tiny(tmp_path_factory):
 
   def export(seed, name):
     model = mt_model.build_mt_model(specs.mt_model_config(config, vocab_size=vocab.size), seed)
-    return mt_model.export_mt(str(root / name), nnx.split(model, nnx.Param)[1], config, vocab)
+    return mt_export.export_mt(str(root / name), nnx.split(model, nnx.Param)[1], config, vocab)
 
   ckpt_dir, other = export(0, "export"), export(1, "other")
   train = pairs(0, 20, "train")
@@ -229,9 +230,9 @@ def test_cached_decoding_equals_full_prefix_decoding(tiny):
   import jax.numpy as jnp
   from flax import nnx
 
-  from trime_jax.mt import model as mt_model
+  from trime_jax.mt import export as mt_export
 
-  graphdef, params, config, vocab = mt_model.load_mt_export(tiny["ckpt"])
+  graphdef, params, config, vocab = mt_export.load_mt_export(tiny["ckpt"])
   model = nnx.merge(graphdef, params)
   rng = np.random.default_rng(5)
   beam, b, steps = 3, 2, 7
@@ -261,7 +262,7 @@ def test_mt_datastore_holds_teacher_forced_keys_and_refuses_another_model(tiny):
   from trime_jax.errors import CheckpointError
   from trime_jax.mt import data as mt_data
   from trime_jax.mt import datastore as mt_datastore
-  from trime_jax.mt import model as mt_model
+  from trime_jax.mt import export as mt_export
 
   ds, index = mt_datastore.open_mt_datastore(tiny["ds_dir"], tiny["ckpt"])
   train = tiny["train"]
@@ -270,7 +271,7 @@ def test_mt_datastore_holds_teacher_forced_keys_and_refuses_another_model(tiny):
   assert ds.count == tiny["meta"]["count"] == sum(len(y) + 1 for y in train.tgt)
   # keys: the decoder's g over [eos] + y with its source, in pair order (one batch of other shapes than the
   # builder's length-sorted batches: padding must not matter)
-  graphdef, params, _, _ = mt_model.load_mt_export(tiny["ckpt"])
+  graphdef, params, _, _ = mt_export.load_mt_export(tiny["ckpt"])
   b = mt_data.collate(train.src, train.tgt, 12, 12)
   _, g = mt_datastore.forced_forward(graphdef, params, b["src"], b["prev"])
   want_keys = np.asarray(g)[b["targets"] >= 0]  # row-major: pair by pair, position by position
@@ -347,9 +348,9 @@ def test_retrieve_matches_brute_force(tiny):
 def test_translate_every_mode_and_knn_mt_recalls_training_targets(tiny):
   from trime_jax.mt import bleu
   from trime_jax.mt import datastore as mt_datastore
-  from trime_jax.mt import model as mt_model
+  from trime_jax.mt import export as mt_export
 
-  graphdef, params, config, vocab = mt_model.load_mt_export(tiny["ckpt"])
+  graphdef, params, config, vocab = mt_export.load_mt_export(tiny["ckpt"])
   cfg = specs.mt_model_config(config, vocab_size=vocab.size)
   ds, index = mt_datastore.open_mt_datastore(tiny["ds_dir"], tiny["ckpt"])
   train, test = tiny["train"], tiny["test"]

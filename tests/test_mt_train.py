@@ -1,4 +1,5 @@
-"""End to end: TrimeMT_ext training in resumable chunks -> export -> load_mt_export; the CLI's one-line errors."""
+"""End to end: TrimeMT_ext training in resumable chunks -> export -> mt.export.load_mt_export; the CLI's
+one-line errors."""
 
 import json
 import os
@@ -10,10 +11,11 @@ import pytest
 
 from trime_jax.configs import ui_de_en
 from tests.test_mt_model import write_pairs
-from trime_jax.errors import ConfigError
+from trime_jax.errors import CheckpointError, ConfigError, DamagedCheckpointError
 from trime_jax.mt import batching
 from trime_jax.mt import data as mt_data
 from trime_jax.mt import model as mt_model
+from trime_jax.mt import export as mt_export
 from trime_jax.mt import train as mt_train
 from trime_jax import specs
 
@@ -43,6 +45,10 @@ def test_train_resume_export_round_trip(tmp_path):
   assert first["step"] == 3 and not os.path.exists(os.path.join(work, "export"))
   plan = batching.Plan.load(os.path.join(work, "plan.npz"))
   assert plan.header["shapes"] == [[12, 8]] and plan.header["order"] == "bm25"  # rows·L <= max_tokens=96
+  changed = tiny_config(tmp_path / "d")  # the LM trainer's rule (checkpoint.check_resume_config): a resumed run
+  changed.train.learning_rate = 5e-4  # whose training fields changed is refused, naming them, before any work
+  with pytest.raises(CheckpointError, match=r"holds a run with other settings \(train.learning_rate: 0.001 there"):
+    mt_train.train_and_evaluate(changed, work, log=lambda s: None)
   out = mt_train.train_and_evaluate(tiny_config(tmp_path / "d"), work, log=lambda s: None)  # resumes at 3
   assert out["step"] == 6
   lines = [json.loads(l) for l in open(os.path.join(work, "metrics.jsonl"))]
@@ -52,7 +58,7 @@ def test_train_resume_export_round_trip(tmp_path):
   dev = [l for l in lines if l.get("split") == "valid"]
   assert [l["step"] for l in dev] == [4, 6] and all(np.isfinite(l["trime_ppl"]) for l in dev)
 
-  graphdef, params, config, vocab = mt_model.load_mt_export(out["export"])
+  graphdef, params, config, vocab = mt_export.load_mt_export(out["export"])
   assert config.trime.memory == "ext" and vocab.kind == "spm"
   assert vocab.fingerprint() == mt_data.load_vocab(tiny_config(tmp_path / "d")).fingerprint()
   assert mt_model.count_params(params) == out["num_params"]
@@ -66,9 +72,9 @@ def test_train_resume_export_round_trip(tmp_path):
   meta["params_digest"] = "0" * 16
   json.dump(meta, open(meta_path, "w"))
   try:
-    mt_model.load_mt_export(out["export"])
+    mt_export.load_mt_export(out["export"])
     raise AssertionError("a damaged export must be refused")
-  except mt_model.DamagedCheckpointError as e:
+  except DamagedCheckpointError as e:
     assert "digest" in str(e)
 
 
@@ -177,7 +183,7 @@ def test_mt_workdir_lock_and_stored_config_are_checked_before_data(tmp_path):
   stored = json.loads(c.to_json_best_effort())
   stored["train"]["lerning_rate"] = 1.0
   (work / "config.json").write_text(json.dumps(stored))
-  with pytest.raises(ConfigError, match=r"config.json has field .*train.lerning_rate \(train.learning_rate\?\)"):
+  with pytest.raises(CheckpointError, match=r"config.json has field .*train.lerning_rate \(train.learning_rate\?\)"):
     mt_train.train_and_evaluate(c, str(work), log=lambda s: None)
   assert sorted(os.listdir(work)) == ["config.json"]
 

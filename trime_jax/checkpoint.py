@@ -39,6 +39,8 @@ from trime_jax.errors import CheckpointError, DamagedCheckpointError, TrimeError
 from trime_jax.model import build_model, count_params
 from trime_jax.specs import model_config
 from trime_jax.runtime.lock import DirLock
+from trime_jax.runtime import workdir as workdir_files
+from trime_jax.runtime.workdir import newest_step, step_dirs  # noqa: F401 - also checkpoint.newest_step
 
 EXPORT_FILES = ("config.json", "vocab.json", "meta.json", "params")
 
@@ -123,29 +125,17 @@ def _file_digests(step_dir: str) -> dict:
   return dict(sorted(out.items()))
 
 
-def _step_dirs(directory: str) -> list[int]:
-  """Complete step directories (orbax writes `<step>.orbax-checkpoint-tmp-*` and renames when done)."""
-  if "://" in directory or not os.path.isdir(directory):
-    return []
-  return sorted(int(n) for n in os.listdir(directory) if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
-
-
 def seal(directory: str) -> None:
   """Write `<step>/trime_digest.json` for every complete step without one (process 0; local paths only)."""
   if jax.process_index() != 0:
     return
-  for step in _step_dirs(directory):
+  for step in step_dirs(directory):
     step_dir = os.path.join(directory, str(step))
     if not os.path.exists(os.path.join(step_dir, DIGEST_FILE)):
       try:
         data.atomic_write_json(os.path.join(step_dir, DIGEST_FILE), {"step": step, "files": _file_digests(step_dir)})
       except FileNotFoundError:  # orbax deleted the step meanwhile (train.keep_checkpoints): nothing to seal
         continue
-
-
-def newest_step(directory: str):
-  """The newest complete step on disk (what a rerun resumes from when it verifies), or None."""
-  return (_step_dirs(directory) or [None])[-1]
 
 
 def verify_step(directory: str, step: int, what: str) -> None:
@@ -155,7 +145,7 @@ def verify_step(directory: str, step: int, what: str) -> None:
   path = os.path.join(step_dir, DIGEST_FILE)
   if "://" in directory or not os.path.exists(path):
     return
-  want = read_json(path, "checkpoint digest", DamagedCheckpointError).get("files", {})
+  want = data.read_json(path, "checkpoint digest", DamagedCheckpointError).get("files", {})
   have = _file_digests(step_dir)
   for rel in sorted(want.keys() | have.keys()):
     if rel not in have:
@@ -260,10 +250,13 @@ def _first_line(e: BaseException) -> str:
 
 # Fields a resumed run may change without --config.train.allow_config_change: they do not change the trained
 # parameters (logging, checkpoint cadence, evaluation, caching) or only extend the run (num_steps).
+# The translation trainer's own: eval_max_pairs (dev cadence's size), stop_after (this invocation's length),
+# target_token_budget (the run's length, like num_steps).
 RESUMABLE_CHANGES = ("train.num_steps", "train.log_every", "train.eval_every", "train.eval_max_tokens",
                      "train.checkpoint_every", "train.keep_checkpoints", "train.allow_config_change",
                      "train.keep_best", "train.tensorboard", "train.wandb_project", "train.progress",
-                     "train.profile_steps", "data.cache_dir", "eval.", "model.attention_impl", "model.remat")
+                     "train.profile_steps", "data.cache_dir", "eval.", "model.attention_impl", "model.remat",
+                     "train.eval_max_pairs", "train.stop_after", "train.target_token_budget")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -311,13 +304,12 @@ def _resume_problem(workdir: str, path: str, config, new: dict):
   ckpts = os.path.join(workdir, "checkpoints")
   resuming = os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts))
   if os.path.exists(path):  # an edited field must not be ignored silently: unknown ones are refused
-    from trime_jax.runtime import workdir as workdir_files
     from trime_jax.errors import ConfigError
 
     try:
       # A config.json written before a field was renamed reads under today's names (workdir.RENAMED_FIELDS):
       # resuming it is no config change.
-      stored = workdir_files.migrate_config(read_json(path, "workdir config", CheckpointError), path)
+      stored = workdir_files.read_stored_config(path, "workdir config", CheckpointError)
       workdir_files.check_stored_config(path, stored, config)
     except ConfigError as e:
       return str(e), {}, []
@@ -397,11 +389,12 @@ def _export_meta(config, vocab: data.Vocab, extra=None) -> dict:
           "vocab_kind": vocab.kind, "d_model": mcfg.d_model, "key_type": mcfg.key_type, **(extra or {})}
 
 
-def check_export_target(directory: str, config, vocab: data.Vocab, extra=None) -> None:
+def check_export_target(directory: str, config, vocab: data.Vocab, extra=None, *, meta=None) -> None:
   """`export`'s refusal, before the work that leads to the export (training checks its export/ and best/ up
-  front, so a run is not lost to a refused export at its end)."""
+  front, so a run is not lost to a refused export at its end). `meta`: the identity to compare when the export is
+  not the LM's (the translation trainer's: its vocabulary fingerprint); default: the LM export's."""
   directory = os.path.abspath(directory)
-  problem = export_target_problem(directory, _export_meta(config, vocab, extra))
+  problem = export_target_problem(directory, _export_meta(config, vocab, extra) if meta is None else meta)
   if problem:
     raise CheckpointError(f"export target {directory} {problem}: move it away or choose another --workdir")
 
@@ -428,7 +421,7 @@ def export(directory: str, params, config: ml_collections.ConfigDict, vocab: dat
 
 
 def write_export(directory: str, params, meta: dict, write_files, *, overwrite: bool = False) -> str:
-  """The export writer both models use (`export`, `mt.model.export_mt`): under `<directory>.lock`, refuse a
+  """The export writer both models use (`export`, `mt.export.export_mt`): under `<directory>.lock`, refuse a
   non-empty target of another kind or model (unless `overwrite`), write the parameters with orbax into
   `<directory>.tmp`, then (process 0) `write_files(tmp)` and meta.json, and rename it into place: the export is
   complete or absent. (Multi-host: a refusal on process 0 stops the others at the next collective / heartbeat.)"""
@@ -511,23 +504,12 @@ def fingerprint(directory: str) -> str:
   return f"{fp}-{meta['arch_digest']}" if "arch_digest" in meta else fp
 
 
-def read_json(path: str, what: str, error=CheckpointError):
-  """A JSON file, or `error` naming the file when it is missing, unreadable or truncated."""
-  if not os.path.exists(path):
-    raise error(f"{what} {path} is missing")
-  try:
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
-  except (ValueError, UnicodeDecodeError) as e:
-    raise error(f"{what} {path} is corrupt or truncated ({_first_line(e)})") from None
-
-
 def read_export_meta(directory: str) -> dict:
   """meta.json of an export (fingerprints, vocabulary size and kind, key dimension and type)."""
   path = os.path.join(directory, "meta.json")
   if not os.path.exists(path):
     raise CheckpointError(f"not an exported checkpoint: {path} is missing")
-  meta = read_json(path, "export meta", DamagedCheckpointError)
+  meta = data.read_json(path, "export meta", DamagedCheckpointError)
   missing = [k for k in ("params_digest", "vocab_fingerprint", "vocab_size", "d_model", "key_type") if k not in meta]
   if missing:
     raise DamagedCheckpointError(f"export meta {path} lacks {', '.join(missing)}")
@@ -540,7 +522,7 @@ def read_export_vocab(directory: str) -> data.Vocab:
   path = os.path.join(directory, "vocab.json")
   if not os.path.exists(path):
     raise CheckpointError(f"not an exported checkpoint: {path} is missing")
-  obj = read_json(path, "export vocabulary", DamagedCheckpointError)
+  obj = data.read_json(path, "export vocabulary", DamagedCheckpointError)
   try:
     vocab = data.Vocab.from_json(obj)
   except (data.DataError, KeyError, TypeError) as e:
@@ -563,10 +545,8 @@ def load_export(directory: str):
     raise CheckpointError(f"incomplete checkpoint export {directory}: missing {', '.join(missing)}")
   config_path = os.path.join(directory, "config.json")
   # An export written before a field was renamed loads under today's names (runtime.workdir.RENAMED_FIELDS).
-  from trime_jax.runtime.workdir import migrate_config
-
-  config = ml_collections.ConfigDict(migrate_config(read_json(config_path, "export config", DamagedCheckpointError),
-                                                    config_path))
+  config = ml_collections.ConfigDict(workdir_files.read_stored_config(config_path, "export config",
+                                                                      DamagedCheckpointError))
   meta = read_export_meta(directory)
   vocab = read_export_vocab(directory)
   try:

@@ -164,12 +164,27 @@ class Corpus:
 
 
 def atomic_write_json(path: str, obj) -> None:
+  """Write `obj` to `path` through a temporary file and a rename: complete or absent (both trainers' workdir and
+  export files, datastores' headers)."""
   tmp = f"{path}.tmp.{os.getpid()}"
   with open(tmp, "w") as f:
     json.dump(obj, f, indent=1)
     f.flush()
     os.fsync(f.fileno())
   os.replace(tmp, path)
+
+
+def read_json(path: str, what: str, error: type[Exception]):
+  """A JSON file (atomic_write_json's), or `error` naming `what` and the file when it is missing, unreadable or
+  truncated."""
+  if not os.path.exists(path):
+    raise error(f"{what} {path} is missing")
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except (ValueError, UnicodeDecodeError) as e:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    raise error(f"{what} {path} is corrupt or truncated ({type(e).__name__}: {first[:200]})") from None
 
 
 def _atomic_npy(path: str, arr: np.ndarray) -> None:
@@ -181,17 +196,25 @@ def _atomic_npy(path: str, arr: np.ndarray) -> None:
 # ----------------------------------------------------------------------------------------------------------
 # Readers
 # ----------------------------------------------------------------------------------------------------------
-def require_file(path: str, what: str) -> str:
+def require_file(path: str, what: str, *, example: str = "", error: type[Exception] = DataError) -> str:
+  """`path` is a readable, non-empty file (returned): else one `error` that says what it is instead (no path,
+  missing, a folder, unreadable, empty). For a folder, `example` (a file name, e.g. "dict.txt") adds which file to
+  give: one of the folder's own with that suffix when there is one."""
   if not path:
-    raise DataError(f"no path given for {what}")
+    raise error(f"no path given for {what}")
   if not os.path.exists(path):
-    raise DataError(f"{what} not found: {path}")
+    raise error(f"{what} not found: {path}")
   if os.path.isdir(path):
-    raise DataError(f"{what} {path} is a folder, not a file")
+    hint = ""
+    if example:
+      suffix = os.path.splitext(example)[1]
+      inside = sorted(n for n in os.listdir(path) if n.endswith(suffix)) if os.access(path, os.R_OK) else []
+      hint = f": give the file itself (e.g. {os.path.join(path, inside[0] if inside else example)})"
+    raise error(f"{what} {path} is a folder, not a file{hint}")
   if not os.access(path, os.R_OK):
-    raise DataError(f"{what} {path}: no permission to read it")
+    raise error(f"{what} {path}: no permission to read it")
   if os.path.isfile(path) and os.path.getsize(path) == 0:
-    raise DataError(f"{what} is empty: {path}")
+    raise error(f"{what} is empty: {path}")
   return path
 
 

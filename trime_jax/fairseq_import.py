@@ -120,21 +120,9 @@ def _torch():
   return torch
 
 
-def _require_file(path: str, what: str, example: str) -> None:
-  """`path` is a readable file: one error that says what it is instead (missing, a folder, unreadable)."""
-  if os.path.isdir(path):
-    inside = sorted(n for n in os.listdir(path) if n.endswith((".pt", ".txt")))[:3] if os.access(path, os.R_OK) else []
-    raise ImportError_(f"{what} {path} is a folder, not a file: give the file itself (e.g. "
-                       f"{os.path.join(path, inside[0] if inside else example)})")
-  if not os.path.exists(path):
-    raise ImportError_(f"{what} not found: {path}")
-  if not os.access(path, os.R_OK):
-    raise ImportError_(f"{what} {path}: no permission to read it")
-
-
 def read_dictionary(path: str) -> data.Vocab:
   """fairseq's Dictionary ids: `<s>` `<pad>` `</s>` `<unk>`, then one `<token> <count>` line each, in order."""
-  _require_file(path, "fairseq dictionary", "dict.txt")
+  data.require_file(path, "fairseq dictionary", example="dict.txt", error=ImportError_)
   tokens = list(SPECIALS)
   seen = {t: f"built-in symbol {i}" for i, t in enumerate(SPECIALS)}
   with open(path, encoding="utf-8") as f:
@@ -170,7 +158,7 @@ def _plain(obj):
 def load_checkpoint(path: str, *, trust_pickle: bool = False):
   """(flags dict, {name: float32 ndarray}) of a fairseq checkpoint, the `decoder.` prefix kept."""
   torch = _torch()
-  _require_file(path, "fairseq checkpoint", "checkpoint_best.pt")
+  data.require_file(path, "fairseq checkpoint", example="checkpoint_best.pt", error=ImportError_)
   with open(path, "rb") as f:
     magic = f.read(4)
   # torch.save writes a zip archive (PK..) or, before torch 1.6, a pickle (protocol 2+: 0x80). Anything else is

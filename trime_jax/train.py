@@ -37,6 +37,7 @@ from trime_jax import specs
 from trime_jax import steps
 from trime_jax.batching import plan as batch_plan
 from trime_jax.runtime import workdir as workdir_files
+from trime_jax.runtime.workdir import chief
 from trime_jax.runtime.workdir import truncate_metrics  # noqa: F401 - also train.truncate_metrics
 from trime_jax.train_config import (BATCHINGS, CONSECUTIVE_LAYOUTS, PROGRESS, ce_warmup_steps,  # noqa: F401
                                     profile_steps, validate_config)
@@ -124,13 +125,8 @@ class BatchSource:
 # ----------------------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------------------
-def _chief() -> bool:
-  """Process 0 writes the workdir's files and logs (every process computes; one writes)."""
-  return jax.process_index() == 0
-
-
 def _log(line: str) -> None:
-  if _chief():
+  if chief():
     from tqdm import tqdm
 
     tqdm.write(line, file=sys.stdout)  # above a progress bar, if one is drawn
@@ -229,7 +225,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
 
 
 def _train_and_evaluate(config, workdir: str, splits) -> dict:
-  if not _chief():
+  if not chief():
     logging.set_verbosity(logging.WARNING)  # INFO lines from process 0 only
   # Before any work: refuses another run's workdir, naming fields (written once the exports are checked too).
   ckpt.check_resume_config(workdir, config, write=False)
@@ -240,7 +236,7 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
                       f"{len(vocab)} tokens (set model.vocab_size=0 to take it from the data)")
   train_cfg = config.train
   identity = {"train_fingerprint": splits.train.fingerprint()}
-  if _chief():  # export/ and best/ hold this run's exports or nothing (refused now, not after training)
+  if chief():  # export/ and best/ hold this run's exports or nothing (refused now, not after training)
     for name in ("export", "best"):
       ckpt.check_export_target(os.path.join(workdir, name), config, vocab, identity)
   ckpt.check_resume_config(workdir, config)  # nothing was refused: the run starts; config.json says what ran
@@ -262,10 +258,10 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   state = jax.device_put(state, repl)
   mgr = ckpt.manager(os.path.join(workdir, "checkpoints"), train_cfg.keep_checkpoints)
   restored_step, restored = ckpt.restore_latest(mgr, ckpt.abstract(state), log=_log)
-  tb = event_writer.EventWriter(os.path.join(workdir, "tb"), enabled=_chief(), config=config)  # reads train.tensorboard
+  tb = event_writer.EventWriter(os.path.join(workdir, "tb"), enabled=chief(), config=config)  # reads train.tensorboard
   # Metric lines past the checkpoint resumed from (step 0 when there is none: a run stopped before its first
   # checkpoint) are dropped; the rerun writes them again. TensorBoard drops its events past it likewise.
-  metrics = workdir_files.MetricsFile(os.path.join(workdir, "metrics.jsonl"), enabled=_chief())
+  metrics = workdir_files.MetricsFile(os.path.join(workdir, "metrics.jsonl"), enabled=chief())
   dropped = metrics.truncate(restored_step or 0)
   if restored is not None or dropped:
     tb.restart((restored_step or 0) + 1)
@@ -400,6 +396,6 @@ def _log_eval(graphdef, params, corpus, config, step, metrics_path) -> dict:
                           streams=e.batch_size, vocab_chunk=config.train.vocab_chunk,
                           max_tokens=config.train.eval_max_tokens).scores
   out = {"step": step, "split": "dev", **{f"{x.name}_ppl": x.ppl for x in res}, "tokens": res[0].tokens}
-  workdir_files.MetricsFile(metrics_path, enabled=_chief()).write(out)
+  workdir_files.MetricsFile(metrics_path, enabled=chief()).write(out)
   _log(f"eval step {step}: " + " | ".join(f"{x.name} ppl {x.ppl:.3f}" for x in res) + f" ({res[0].tokens:,} tokens)")
   return out

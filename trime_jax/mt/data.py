@@ -160,6 +160,16 @@ class ParallelData:
     return (np.asarray([len(s) + 1 for s in self.src], np.int64), np.asarray([len(t) + 1 for t in self.tgt], np.int64))
 
 
+def resolve_data_path(config) -> None:
+  """A relative data.path is tried from the working directory, then the repository root."""
+  p = config.data.path
+  if p and not os.path.isabs(p) and not os.path.exists(p):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    alt = os.path.join(root, p)
+    if os.path.exists(alt):
+      config.data.path = alt
+
+
 def _paths(config, split: str) -> tuple[str, str]:
   d = config.data
   return (os.path.join(d.path, f"{split}.{d.src_lang}"), os.path.join(d.path, f"{split}.{d.tgt_lang}"))

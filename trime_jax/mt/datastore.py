@@ -34,7 +34,7 @@ from trime_jax import data
 from trime_jax.datastore import build as ds_build
 from trime_jax.errors import CheckpointError
 from trime_jax.mt import data as mt_data
-from trime_jax.mt import model as mt_model
+from trime_jax.mt import export as mt_export
 
 CHUNK_BATCHES = 64  # batches per persisted chunk of an MT datastore build
 
@@ -136,7 +136,7 @@ def build_mt_datastore(checkpoint_dir: str, pairs: mt_data.ParallelData, out_dir
   """Build (or resume) the datastore of `pairs` (the training split) under the MT export `checkpoint_dir` into
   `out_dir`; returns meta.json's dict. A complete datastore with the same identity is reused; a different one is
   refused. `max_chunks`: stop after that many chunks of CHUNK_BATCHES batches (incomplete; a rerun resumes)."""
-  graphdef, params, config, vocab = mt_model.load_mt_export(checkpoint_dir)
+  graphdef, params, config, vocab = mt_export.load_mt_export(checkpoint_dir)
   if pairs.vocab.fingerprint() != vocab.fingerprint():
     raise CheckpointError(f"the {pairs.split or 'given'} pairs are encoded with vocabulary "
                           f"{pairs.vocab.fingerprint()}, the checkpoint uses {vocab.fingerprint()}: encode them "
@@ -235,7 +235,7 @@ def is_mt(config, checkpoint_dir: str) -> bool:
     return True
   path = os.path.join(checkpoint_dir or "", "meta.json")
   if os.path.isfile(path):
-    return ckpt.read_json(path, "export meta").get("model_family") == "mt"
+    return data.read_json(path, "export meta", CheckpointError).get("model_family") == "mt"
   return False
 
 
@@ -244,13 +244,12 @@ def mt_config(config, checkpoint_dir: str):
   (trime_jax.launch.common's implicit export config is the LM schema and would drop the MT fields)."""
   import ml_collections
 
-  from trime_jax.mt.train import resolve_data_path
-  from trime_jax.runtime.workdir import migrate_config
+  from trime_jax.runtime.workdir import read_stored_config
 
   if not is_mt_config(config):
     path = os.path.join(checkpoint_dir, "config.json")
-    config = ml_collections.ConfigDict(migrate_config(ckpt.read_json(path, "export config"), path))
-  resolve_data_path(config)  # a relative data.path: from the working directory, else the repository root
+    config = ml_collections.ConfigDict(read_stored_config(path, "export config", CheckpointError))
+  mt_data.resolve_data_path(config)  # a relative data.path: from the working directory, else the repository root
   return config
 
 
@@ -261,7 +260,7 @@ def build_main(config, checkpoint_dir: str, out_dir: str, *, split: str = "train
   from trime_jax.datastore import Datastore, build_index
 
   config = mt_config(config, checkpoint_dir)
-  vocab = mt_model.load_mt_export(checkpoint_dir)[3]
+  vocab = mt_export.load_mt_export(checkpoint_dir)[3]
   split = {"dev": "valid"}.get(split, split)
   pairs = mt_data.load_parallel(config, split, vocab)
   build_mt_datastore(checkpoint_dir, pairs, out_dir)

@@ -20,9 +20,7 @@ Shapes in names: B batch, S source length, T target length, D model dim, V vocab
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -30,12 +28,10 @@ import numpy as np
 from flax import nnx
 
 from trime_jax import loss
-from trime_jax.errors import CheckpointError, DamagedCheckpointError
 from trime_jax import layers
 from trime_jax.layers import sinusoidal_positions
 
 KEY_TYPES = ("last_ffn_input", "final")
-EXPORT_FILES = ("config.json", "meta.json", "params")  # + the vocabulary file (SubwordVocab.FILES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,73 +319,6 @@ class TransformerMT(nnx.Module):
 
 
 count_params = layers.count_params
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Export: <dir>/{params/, config.json, meta.json, spm.model}, written to <dir>.tmp and renamed into place.
-# ----------------------------------------------------------------------------------------------------------
-def params_digest(params) -> str:
-  from trime_jax import checkpoint  # imported late: checkpoint pulls in orbax
-
-  return checkpoint.params_digest(params)
-
-
-def export_mt(directory: str, params, config, vocab, extra=None, *, overwrite: bool = False) -> str:
-  """Write params + config + the subword model + meta to `directory` atomically; returns the directory. The LM's
-  writer (`checkpoint.write_export`): one writer at a time, a target of another kind or model refused unless
-  `overwrite`."""
-  from trime_jax import checkpoint
-  from trime_jax import data as lm_data
-  from trime_jax import specs  # reading the stored config is the export's job, above this module's
-
-  mcfg = specs.mt_model_config(config, vocab_size=vocab.size)
-  meta = {"params_digest": params_digest(params), "vocab_fingerprint": vocab.fingerprint(),
-          "vocab_size": vocab.size, "vocab_kind": vocab.kind, "d_model": mcfg.d_model, "key_type": mcfg.key_type,
-          "num_params": count_params(params), "model_family": "mt", **(extra or {})}
-
-  def files(tmp):
-    vocab.save(tmp)
-    lm_data.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(config.to_json_best_effort()))
-
-  return checkpoint.write_export(directory, params, meta, files, overwrite=overwrite)
-
-
-def load_mt_export(directory: str):
-  """(graphdef, params, config, vocab) of an MT export, validated (files present, vocabulary fingerprint, the
-  parameters' files and shapes and their digest as recorded in meta.json: `checkpoint.restore_export_params`)."""
-  import ml_collections
-  import orbax.checkpoint as ocp
-
-  from trime_jax import checkpoint
-  from trime_jax.mt.data import SubwordVocab
-
-  directory = os.path.abspath(directory)
-  if not os.path.isdir(directory):
-    raise CheckpointError(f"MT export directory not found: {directory}")
-  missing = [f for f in EXPORT_FILES if not os.path.exists(os.path.join(directory, f))]
-  if missing:
-    raise CheckpointError(f"incomplete MT export {directory}: missing {', '.join(missing)}")
-  from trime_jax.runtime.workdir import migrate_config
-
-  path = os.path.join(directory, "config.json")  # written before a field was renamed: read under today's names
-  config = ml_collections.ConfigDict(migrate_config(checkpoint.read_json(path, "MT export config",
-                                                                         DamagedCheckpointError), path))
-  meta = checkpoint.read_json(os.path.join(directory, "meta.json"), "MT export meta", DamagedCheckpointError)
-  if meta.get("model_family") != "mt":
-    raise CheckpointError(f"{directory} is not an MT export (meta.json model_family={meta.get('model_family')!r})")
-  vocab = SubwordVocab.load(directory)
-  if vocab.fingerprint() != meta["vocab_fingerprint"] or vocab.size != meta["vocab_size"]:
-    raise DamagedCheckpointError(f"the vocabulary file in {directory} does not match meta.json's vocabulary "
-                                 "fingerprint")
-  from trime_jax import specs
-
-  mcfg = specs.mt_model_config(config, vocab_size=vocab.size)
-  target = nnx.eval_shape(lambda: TransformerMT(mcfg, rngs=nnx.Rngs(0)))
-  graphdef, abstract_params = nnx.split(target, nnx.Param)
-  abstract_params = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, abstract_params)
-  params = checkpoint.restore_export_params(os.path.join(directory, "params"), abstract_params, meta,
-                                            "MT export parameters")
-  return graphdef, params, config, vocab
 
 
 def build_mt_model(cfg: MTConfig, seed: int) -> TransformerMT:

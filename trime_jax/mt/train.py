@@ -8,15 +8,16 @@ loss is `sharded_loss.sharded_trime_nll_from_vocab_stats` (rows sharded over `da
 `trime.ce_warmup_steps` updates train plain CE.
 
 Shared with the LM trainer through the training runtime (`trime_jax/runtime/`): the optimizer and schedule,
-preemption (`Preempted`), the workdir's lock, config.json check, metrics truncation and atomic JSON; and
-`checkpoint.manager / save / finish / restore_latest / abstract` (step digests, fallback). Resumable: rerunning
+preemption (`Preempted`), the workdir's lock, metrics truncation; and `checkpoint.manager / save / finish /
+restore_latest / abstract` (step digests, fallback), `check_resume_config` (the stored config.json compared
+with the LM trainer's rules: train.allow_config_change) and `check_export_target`. Resumable: rerunning
 the same command continues from the newest checkpoint; the batch of update s is a function of s
 (`batching.Plan.batch_at`). SIGTERM finishes the current update, checkpoints it and raises `Preempted`. One run
 per workdir (a second raises LockedError naming the process).
 
 Writes `<workdir>/`: config.json, plan.npz (the batch plan), checkpoints/, metrics.jsonl (train lines and
 `{"split": "valid", ...}` dev lines: CE nll/ppl, and TRIME nll/ppl with in-batch memory for memory=ext), and
-`export/` (params + config + the subword model, atomic; `model.load_mt_export`).
+`export/` (params + config + the subword model, atomic; `mt.export.load_mt_export`).
 """
 
 from __future__ import annotations
@@ -39,25 +40,16 @@ from trime_jax import loss
 from trime_jax import sharded_loss
 from trime_jax import sharding
 from trime_jax import specs
-from trime_jax.errors import CheckpointError, ConfigError, TrainingError
+from trime_jax.errors import TrainingError
 from trime_jax.runtime import workdir as workdir_files
 from trime_jax.runtime.optim import make_optimizer
 from trime_jax.runtime.preemption import Preempted, PreemptionWatch
 from trime_jax.mt import batching
 from trime_jax.mt import data as mt_data
 from trime_jax.mt import model as mt_model
+from trime_jax.mt import export as mt_export
 
 from trime_jax.mt.train_config import MEMORIES, pack_len_of, validate_config  # noqa: F401 - also mt.train.*
-
-
-def resolve_data_path(config) -> None:
-  """A relative data.path is tried from the working directory, then the repository root."""
-  p = config.data.path
-  if p and not os.path.isabs(p) and not os.path.exists(p):
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    alt = os.path.join(root, p)
-    if os.path.exists(alt):
-      config.data.path = alt
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -223,33 +215,21 @@ def load_plan(workdir: str, pairs, config) -> batching.Plan:
 def train_and_evaluate(config, workdir: str, *, log=print) -> dict:
   """Train (or resume) in `workdir`, evaluate on valid, export. Returns the final metrics."""
   validate_config(config)
-  resolve_data_path(config)
+  mt_data.resolve_data_path(config)
   workdir_files.prepare(workdir)
   with workdir_files.lock(workdir):
     return _train_and_evaluate(config, workdir, log)
 
 
 def _train_and_evaluate(config, workdir: str, log) -> dict:
-  cfg_path = os.path.join(workdir, "config.json")
-  if os.path.exists(cfg_path):
-    # Written before a field was renamed (workdir.RENAMED_FIELDS): today's names, so resuming is no config change.
-    old = workdir_files.migrate_config(ckpt.read_json(cfg_path, "workdir config", CheckpointError), cfg_path)
-    workdir_files.check_stored_config(cfg_path, old, config)
-    new = json.loads(config.to_json_best_effort())
-    fixed = ("model", "data")
-    diff = [k for k in fixed if old.get(k) != new.get(k)] + [
-        f"trime.{k}" for k in ("memory", "batching") if old["trime"].get(k) != new["trime"].get(k)]
-    if diff:
-      raise ConfigError(f"{workdir} holds a run with another config ({', '.join(diff)} differ): use a new workdir")
-  workdir_files.atomic_write_json(cfg_path, json.loads(config.to_json_best_effort()))
-
+  # Before any work: refuses another run's workdir (the LM trainer's rule: an unknown field in config.json, or a
+  # resumed run whose training fields changed without train.allow_config_change), naming the fields.
+  ckpt.check_resume_config(workdir, config, write=False)
   vocab = mt_data.load_vocab(config)
   # export/ holds this run's export or nothing: refused now, not after training (checkpoint.write_export's rule).
-  problem = ckpt.export_target_problem(os.path.abspath(os.path.join(workdir, "export")),
-                                       {"vocab_fingerprint": vocab.fingerprint()})
-  if problem:
-    raise CheckpointError(f"export target {os.path.abspath(os.path.join(workdir, 'export'))} {problem}: move it "
-                          "away or choose another --workdir")
+  ckpt.check_export_target(os.path.join(workdir, "export"), config, vocab,
+                           meta={"vocab_fingerprint": vocab.fingerprint()})
+  ckpt.check_resume_config(workdir, config)  # nothing was refused: the run starts; config.json says what ran
   train_pairs = mt_data.load_parallel(config, "train", vocab)
   valid_pairs = mt_data.load_parallel(config, "valid", vocab)
   plan = load_plan(workdir, train_pairs, config)
@@ -321,7 +301,12 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
         m = jax.device_get(m)
         loss_v = float(m["loss"])
         if not math.isfinite(loss_v):
-          raise TrainingError(f"non-finite loss at update {done}")
+          ckpt.finish(mgr)  # the saves before it complete and sealed, as the LM trainer does
+          kept = mgr.latest_step()
+          where = f"the last checkpoint (update {kept}) is intact in {mgr.directory}" if kept is not None else \
+              "no checkpoint had been written yet"
+          raise TrainingError(f"non-finite loss at update {done} (updates with a non-finite loss or gradient are "
+                              f"skipped, not applied); {where}. Lower train.learning_rate or set train.clip_norm.")
         last = {"step": done, "loss": loss_v, "ce_nll": float(m["ce_nll"]), "trime_nll": float(m["trime_nll"]),
                 "grad_norm": float(m["grad_norm"]), "lr": float(schedule(step)), "objective": "trime" if use_trime
                 else "ce", "tokens_per_s": round(tok_last / step_s, 1) if step_s else None, "timed_updates": n_last,
@@ -348,8 +333,8 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
     ev = evaluate(graphdef, state["params"], valid_pairs, config, eval_spec, max_pairs=int(r.eval_max_pairs))
     if metrics.find(end, "valid") is None:  # a rerun of a finished run writes no duplicate
       metrics.write({"step": end, "split": "valid", **ev})
-  export_dir = mt_model.export_mt(os.path.join(workdir, "export"), jax.device_get(state["params"]), config, vocab,
-                                  extra={"step": end, "valid": ev, "plan": {k: plan.header[k] for k in
-                                                                            ("order", "num_batches")}})
+  export_dir = mt_export.export_mt(os.path.join(workdir, "export"), jax.device_get(state["params"]), config, vocab,
+                                   extra={"step": end, "valid": ev, "plan": {k: plan.header[k] for k in
+                                                                             ("order", "num_batches")}})
   log(f"valid: {ev}\nexported {export_dir}")
   return {"train": last, "valid": ev, "export": export_dir, "num_params": n_params, "step": end}

@@ -5,12 +5,9 @@ from __future__ import annotations
 import sys
 import time
 
-import jax
 from absl import logging
 
-
-def _chief() -> bool:
-  return jax.process_index() == 0
+from trime_jax.runtime.workdir import chief
 
 
 def _hms(seconds: float) -> str:
@@ -50,7 +47,7 @@ class Progress:
     self.total, self.bar, self.t0, self.n0 = total, None, None, start
     self._log_handler = None
     interactive = sys.stderr.isatty() or _in_notebook()
-    if _chief() and (mode == "bar" or (mode == "auto" and interactive)):
+    if chief() and (mode == "bar" or (mode == "auto" and interactive)):
       from tqdm.auto import tqdm
 
       self.bar = tqdm(total=total, initial=start, unit="update", dynamic_ncols=True, smoothing=0.05)

@@ -1,6 +1,7 @@
 """A training workdir's own files, for both trainers: the directory itself (checked, locked), the stored
-config.json (unknown fields refused), metrics.jsonl (lines past the resumed step dropped), atomic JSON, and what
-an interrupted run leaves on disk (said truthfully in the exit message)."""
+config.json (read under today's field names, unknown fields refused), metrics.jsonl (lines past the resumed step
+dropped), and what an interrupted run leaves on disk (said truthfully in the exit message; the complete checkpoint
+steps, which checkpoint.py builds on). JSON is written with data.atomic_write_json."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from trime_jax.errors import ConfigError
 from trime_jax.runtime.lock import DirLock
 
 LOCK_FILE = ".lock"
+CHECKPOINTS = "checkpoints"  # <workdir>/checkpoints: the orbax step directories
 
 
-def atomic_write_json(path: str, obj) -> None:
-  """Write `obj` to `path` through a temporary file and a rename: complete or absent (data.atomic_write_json)."""
-  data.atomic_write_json(path, obj)
+def chief() -> bool:
+  """Process 0 writes the workdir's files and logs (every process computes; one writes)."""
+  return jax.process_index() == 0
 
 
 def prepare(workdir: str) -> None:
@@ -37,7 +39,7 @@ def prepare(workdir: str) -> None:
 
 def lock(workdir: str):
   """One run per workdir (process 0 holds `<workdir>/.lock`; the other processes of a run share it)."""
-  if jax.process_index() != 0:
+  if not chief():
     return contextlib.nullcontext()
   return DirLock(os.path.join(workdir, LOCK_FILE), f"workdir {workdir}")
 
@@ -117,6 +119,13 @@ def check_no_renamed_fields(config) -> None:
     raise ConfigError(renamed_field_message(found[0]))
 
 
+def read_stored_config(path: str, what: str, error: type[Exception]) -> dict:
+  """A stored config.json (a workdir's or an export's) as a dict under today's field names (`migrate_config`):
+  `error` naming `what` and the file when it is missing or truncated; ConfigError when it holds a field under both
+  its old and new names with different values."""
+  return migrate_config(data.read_json(path, what, error), path)
+
+
 def check_stored_config(path: str, stored: dict, config) -> None:
   """A workdir's config.json must not hold a field this config does not have: a misspelling there (an edit) would
   be ignored without a word. ConfigError naming the file and the fields."""
@@ -148,13 +157,24 @@ def truncate_metrics(path: str, last_step: int) -> bool:
   return True
 
 
+def step_dirs(directory: str) -> list[int]:
+  """The complete step directories of a checkpoint directory (orbax writes `<step>.orbax-checkpoint-tmp-*` and
+  renames when done); none for a remote path. (Here, below checkpoint.py, so that `on_disk` needs nothing above.)"""
+  if "://" in directory or not os.path.isdir(directory):
+    return []
+  return sorted(int(n) for n in os.listdir(directory) if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+
+
+def newest_step(directory: str):
+  """The newest complete step on disk (what a rerun resumes from when it verifies), or None."""
+  return (step_dirs(directory) or [None])[-1]
+
+
 def on_disk(workdir: str) -> str:
   """What an interrupted run left to resume from, for its exit message (never claims a checkpoint that is not
   there)."""
-  from trime_jax import checkpoint as ckpt
-
-  directory = os.path.join(workdir, "checkpoints")
-  step = ckpt.newest_step(directory)
+  directory = os.path.join(workdir, CHECKPOINTS)
+  step = newest_step(directory)
   if step is None:
     return ("no checkpoint had been written yet: rerun the same command to start again from step 0 (this run's "
             "metrics lines are dropped then)")
