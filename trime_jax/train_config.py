@@ -130,9 +130,11 @@ def profile_steps(train_cfg) -> tuple[int, int] | None:
 
 
 def _check_ranges(config) -> None:
-  """The LM's numeric fields (the shared train ones: runtime.config.check_train_section) whose bad values would otherwise fail after compilation or silently train nonsense."""
+  """The LM's numeric fields (the shared train ones: runtime.config.check_train_section) whose bad values would
+  otherwise fail after compilation or silently train nonsense."""
   m, train_cfg, e = config.model, config.train, config.eval
-  at_least = [("train.eval_max_tokens", train_cfg.eval_max_tokens, 0), ("model.num_layers", m.num_layers, 1), ("model.num_heads", m.num_heads, 1),
+  at_least = [("train.eval_max_tokens", train_cfg.eval_max_tokens, 0), ("model.num_layers", m.num_layers, 1),
+              ("model.num_heads", m.num_heads, 1),
               ("eval.batch_size", e.batch_size, 1), ("eval.max_tokens", e.max_tokens, 0),
               ("eval.context_window", e.context_window, 0), ("eval.mem_size", e.mem_size, 0),
               ("eval.block_len", e.block_len, 1), ("eval.knn_k", e.knn_k, 1), ("eval.nprobe", e.nprobe, 1)]
