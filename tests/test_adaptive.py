@@ -221,7 +221,7 @@ def test_vocab_stats_equal_the_original_criterion(variant, vocab_chunk):
                                        targets[valid], edges)
   np.testing.assert_allclose(np.asarray(stats.log_normalizer)[valid], norm_t, rtol=1e-5, atol=2e-5)
   np.testing.assert_allclose(np.asarray(stats.target_logit)[valid], term, rtol=1e-5, atol=2e-5)
-  # The same two numbers as loss.vocab_stats of the effective logits (the evaluation path).
+  # The same two numbers as scoring.vocab_stats of the effective logits (the evaluation path).
   dense = L.vocab_stats(model.logits(f), jnp.asarray(targets))
   np.testing.assert_allclose(np.asarray(dense.log_normalizer), np.asarray(stats.log_normalizer), rtol=1e-5,
                              atol=2e-5)

@@ -289,11 +289,11 @@ def test_chunked_vocab_stats_match_full_softmax():
   wts = rng.normal(size=(3, 4))
 
   def full(h, w, bias):
-    s = loss.vocab_stats(h @ w.T + bias, t)
+    s = scoring.vocab_stats(h @ w.T + bias, t)
     return ((s.log_normalizer - s.target_logit) * wts).sum()
 
   def chunked(h, w, bias):
-    s = loss.chunked_vocab_stats(h, w, t, bias_V=bias, chunk=8)  # 37 = 4×8 + 5: a ragged last chunk
+    s = scoring.chunked_vocab_stats(h, w, t, bias_V=bias, chunk=8)  # 37 = 4×8 + 5: a ragged last chunk
     return ((s.log_normalizer - s.target_logit) * wts).sum()
 
   with jax.enable_x64(True):

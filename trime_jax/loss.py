@@ -2,11 +2,10 @@
 
     nll_i = log(Z_vocab_i + Σ_{j vis} e^{s_ij}) - log(e^{logit_i,y_i} + Σ_{j vis, x_j = y_i} e^{s_ij})
 
-The distribution and its pieces are `scoring`'s (similarities, `TokenMeta` + `visible`, the dense and blockwise
-log terms); this module lays a training batch out for them and owns what only training needs:
+The distribution and its pieces are `scoring`'s (the vocabulary side `VocabStats` / `vocab_stats` /
+`chunked_vocab_stats`, similarities, `TokenMeta` + `visible`, the dense and blockwise log terms); this module lays
+a training batch out for them and owns what only training needs:
 
-* the vocabulary side as two numbers per query (`VocabStats`: `vocab_stats` from full logits,
-  `chunked_vocab_stats` a running log-sum-exp over vocabulary chunks with a recomputing VJP);
 * `batch_meta` / `per_query_causal`: local, long-term and external memory as `TokenMeta` of the batch;
 * the objective's options, once (`ObjectiveSpec`; made from a config by `specs.objective_spec`);
 * `trime_nll` / `trime_nll_from_vocab_stats`, which exploit structure: local memory is block-diagonal (one
@@ -31,107 +30,14 @@ import jax
 import jax.numpy as jnp
 
 from trime_jax import scoring
-# The scorer's names the objective's callers use with it (model heads return VocabStats; TokenMeta + visible
-# are the objective's memory rule): defined in `scoring`, importable from here as well.
-from trime_jax.scoring import DEFAULT_BLOCK_ELEMS, TokenMeta, VocabStats, accumulation_dtype, visible
+# The scorer's names the objective's callers use with it (the vocabulary side a model head gives; TokenMeta +
+# visible are the objective's memory rule): defined in `scoring`, importable from here as well.
+from trime_jax.scoring import DEFAULT_BLOCK_ELEMS, TokenMeta, VocabStats, accumulation_dtype, visible, vocab_stats
 
 MEMORY_MODES = ("none", "local", "long", "ext")
 # auto: per-group dense blocks with plain autodiff when they fit `block_elems`, else blockwise;
 # blockwise: always the chunked custom-VJP kernel; dense: one [BL, BL] mask for the whole batch (tests).
 IMPLEMENTATIONS = ("auto", "blockwise", "dense")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Vocabulary side: two numbers per query.
-# ----------------------------------------------------------------------------------------------------------
-def _safe_targets(targets):
-  return jnp.maximum(targets, 0)
-
-
-def vocab_stats(token_logits, targets) -> VocabStats:
-  """From full logits `[..., V]` and integer targets `[...]` (negative = padding)."""
-  logits = token_logits.astype(accumulation_dtype(token_logits))
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  tgt = jnp.take_along_axis(logits, _safe_targets(targets)[..., None], axis=-1)[..., 0]
-  return VocabStats(lse, tgt)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked_logsumexp(chunk, hidden_NxD, weight_VxD, bias_V):
-  return _chunked_logsumexp_fwd(chunk, hidden_NxD, weight_VxD, bias_V)[0]
-
-
-def _vocab_chunks(chunk, weight_VxD, bias_V):
-  v = weight_VxD.shape[0]
-  n_chunks = -(-v // chunk)
-  pad = n_chunks * chunk - v
-  w = jnp.pad(weight_VxD, ((0, pad), (0, 0))).reshape(n_chunks, chunk, -1)
-  b = jnp.pad(bias_V.astype(accumulation_dtype(weight_VxD, bias_V)), (0, pad)).reshape(n_chunks, chunk)
-  real = (jnp.arange(n_chunks * chunk) < v).reshape(n_chunks, chunk)
-  return w, b, real
-
-
-def _chunk_logits(hidden_NxD, w_CxD, b_C, real_C):
-  logits = jnp.einsum("nd,cd->nc", hidden_NxD, w_CxD, preferred_element_type=b_C.dtype) + b_C
-  return jnp.where(real_C[None, :], logits, -jnp.inf)
-
-
-def _chunked_logsumexp_fwd(chunk, hidden_NxD, weight_VxD, bias_V):
-  w, b, real = _vocab_chunks(chunk, weight_VxD, bias_V)
-  n = hidden_NxD.shape[0]
-
-  def body(carry, blk):
-    m, s = carry
-    logits = _chunk_logits(hidden_NxD, *blk)
-    new_m = jnp.maximum(m, logits.max(axis=-1))
-    s = s * jnp.exp(m - new_m) + jnp.exp(logits - new_m[:, None]).sum(axis=-1)
-    return (new_m, s), None
-
-  acc = b.dtype
-  init = (jnp.full((n,), -jnp.inf, acc), jnp.zeros((n,), acc))
-  (m, s), _ = jax.lax.scan(body, init, (w, b, real))
-  lse = m + jnp.log(s)
-  return lse, (hidden_NxD, weight_VxD, bias_V, lse)
-
-
-def _chunked_logsumexp_bwd(chunk, res, g_N):
-  hidden_NxD, weight_VxD, bias_V, lse = res
-  w, b, real = _vocab_chunks(chunk, weight_VxD, bias_V)
-
-  def body(dh, blk):
-    logits = _chunk_logits(hidden_NxD, *blk)
-    p = jnp.exp(logits - lse[:, None]) * g_N[:, None]  # d lse / d logits, scaled by the cotangent
-    dh = dh + jnp.einsum("nc,cd->nd", p, blk[0].astype(p.dtype))
-    dw = jnp.einsum("nc,nd->cd", p, hidden_NxD.astype(p.dtype))
-    return dh, (dw, p.sum(axis=0))
-
-  dh, (dw, db) = jax.lax.scan(body, jnp.zeros(hidden_NxD.shape, b.dtype), (w, b, real))
-  v = weight_VxD.shape[0]
-  dw = dw.reshape(-1, weight_VxD.shape[1])[:v].astype(weight_VxD.dtype)
-  db = db.reshape(-1)[:v].astype(bias_V.dtype)
-  return dh.astype(hidden_NxD.dtype), dw, db
-
-
-_chunked_logsumexp.defvjp(_chunked_logsumexp_fwd, _chunked_logsumexp_bwd)
-
-
-def chunked_vocab_stats(hidden, weight_VxD, targets, *, bias_V=None, chunk=8192) -> VocabStats:
-  """`VocabStats` of logits = hidden · weightᵀ + bias without materialising `[N, V]`.
-
-  hidden `[..., D]`, weight `[V, D]` (the output embedding), targets `[...]`. The log-normaliser is a
-  running log-sum-exp over vocabulary chunks; its backward recomputes each chunk's logits, so peak memory is
-  `[N, chunk]`, not `[N, V]`.
-  """
-  lead = hidden.shape[:-1]
-  h = hidden.reshape(-1, hidden.shape[-1])
-  t = targets.reshape(-1)
-  bias = jnp.zeros((weight_VxD.shape[0],), accumulation_dtype(hidden, weight_VxD)) if bias_V is None else bias_V
-  chunk = int(min(chunk, weight_VxD.shape[0]))
-  lse = _chunked_logsumexp(chunk, h, weight_VxD, bias)
-  safe = _safe_targets(t)
-  acc = accumulation_dtype(hidden, weight_VxD, bias)
-  tgt = jnp.einsum("nd,nd->n", h, weight_VxD[safe], preferred_element_type=acc) + bias[safe].astype(acc)
-  return VocabStats(lse.reshape(lead), tgt.reshape(lead))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trime_jax import layers
-from trime_jax import loss
+from trime_jax import scoring
 from trime_jax.errors import ConfigError
 
 KEY_TYPES = ("last_ffn_input", "final")
@@ -463,23 +463,23 @@ class TransformerLM(nnx.Module):
     stats, crit = self._vocab_stats(f_BxLxD, targets_BxL, vocab_chunk, deterministic, rngs)
     if criterion == "both":
       return stats, crit
-    return loss.VocabStats(stats.log_normalizer, crit) if criterion else stats
+    return scoring.VocabStats(stats.log_normalizer, crit) if criterion else stats
 
   def _vocab_stats(self, f_BxLxD, targets_BxL, vocab_chunk, deterministic, rngs):
     """(VocabStats, the TRIME criterion's target logit)."""
     if not self.cfg.adaptive_softmax:
       if vocab_chunk:
         w = self.output_embedding().astype(f_BxLxD.dtype)
-        st = loss.chunked_vocab_stats(f_BxLxD, w, targets_BxL, chunk=vocab_chunk)
+        st = scoring.chunked_vocab_stats(f_BxLxD, w, targets_BxL, chunk=vocab_chunk)
       else:
-        st = loss.vocab_stats(self.logits(f_BxLxD), targets_BxL)
+        st = scoring.vocab_stats(self.logits(f_BxLxD), targets_BxL)
       return st, st.target_logit
 
     def stats(hidden, weight, t):
       if vocab_chunk:  # equal chunks of at most vocab_chunk: a 20,002-row head is not padded to 32,768
         v = weight.shape[0]
-        return loss.chunked_vocab_stats(hidden, weight, t, chunk=-(-v // -(-v // vocab_chunk)))
-      return loss.vocab_stats(jnp.einsum("nd,vd->nv", hidden, weight, preferred_element_type=jnp.float32), t)
+        return scoring.chunked_vocab_stats(hidden, weight, t, chunk=-(-v // -(-v // vocab_chunk)))
+      return scoring.vocab_stats(jnp.einsum("nd,vd->nv", hidden, weight, preferred_element_type=jnp.float32), t)
 
     cfg, lead = self.cfg, targets_BxL.shape
     drop = dict(deterministic=deterministic, rngs=rngs)
@@ -498,7 +498,7 @@ class TransformerLM(nnx.Module):
       # fairseq's padding_idx is 1: F.cross_entropy(..., ignore_index=1) drops the tail word at relative index 1
       trime_target = trime_target + jnp.where(t - lo == FAIRSEQ_PADDING_IDX, 0.0, term)
     crit = trime_target if cfg.adaptive_tail_ignores_pad else target
-    return loss.VocabStats(head.log_normalizer.reshape(lead), target.reshape(lead)), crit.reshape(lead)
+    return scoring.VocabStats(head.log_normalizer.reshape(lead), target.reshape(lead)), crit.reshape(lead)
 
   def __call__(self, tokens_BxL, *, deterministic: bool = True, rngs=None):
     f, g = self.features(tokens_BxL, deterministic=deterministic, rngs=rngs)

@@ -6,9 +6,11 @@ Training (`loss`, `sharded_loss`), evaluation (`evaluate`), generation (`generat
 datastore (`exact_memory`) and translation (`mt.decode`) differ only in where the memories come from and who
 sees whom; the pieces of the equation are here, once:
 
-  pieces        `VocabStats` (the vocabulary side: two numbers per query), `similarities` (q·k·scale, with an
-                optional cut of the memory keys' gradient), `masked_logsumexp_with`, `TokenMeta` + `visible` /
-                `positive` (who sees whom: local, long-term and external memory differ only here)
+  pieces        `VocabStats` (the vocabulary side: two numbers per query; `vocab_stats` from full logits,
+                `chunked_vocab_stats` a running log-sum-exp over vocabulary chunks with a recomputing VJP, no
+                `[N, V]`), `similarities` (q·k·scale, with an optional cut of the memory keys' gradient),
+                `masked_logsumexp_with`, `TokenMeta` + `visible` / `positive` (who sees whom: local, long-term
+                and external memory differ only here)
   log terms     (log Z, log P) per query: the TRIME nll is log Z - log P. Three implementations of one
                 quantity: dense (`log_terms` over explicit masks; `dense_nll`, `topk_dense_nll`), blockwise
                 (`memory_log_terms`: a running log-sum-exp over memory chunks under a custom VJP that
@@ -71,7 +73,6 @@ def similarity_precision(*xs):
   the float32 accumulator) and keep the fast default."""
   full = all(jnp.dtype(x.dtype).itemsize >= 4 for x in xs)
   return jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT
-
 
 
 class TokenMeta(NamedTuple):
@@ -217,6 +218,98 @@ def topk_dense_nll(stats: VocabStats, keys, targets, memory_keys, memory_targets
   log_z, log_p = log_terms(stats.log_normalizer, stats.target_logit, [(top_sim, top_mask, positive)])
   return jnp.where(targets >= 0, log_z - log_p, 0.0)
 
+
+# ----------------------------------------------------------------------------------------------------------
+# The vocabulary side: two numbers per query (`VocabStats`), from full logits or from chunks of the output layer.
+# ----------------------------------------------------------------------------------------------------------
+def _safe_targets(targets):
+  return jnp.maximum(targets, 0)
+
+
+def vocab_stats(token_logits, targets) -> VocabStats:
+  """From full logits `[..., V]` and integer targets `[...]` (negative = padding)."""
+  logits = token_logits.astype(accumulation_dtype(token_logits))
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  tgt = jnp.take_along_axis(logits, _safe_targets(targets)[..., None], axis=-1)[..., 0]
+  return VocabStats(lse, tgt)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked_logsumexp(chunk, hidden_NxD, weight_VxD, bias_V):
+  return _chunked_logsumexp_fwd(chunk, hidden_NxD, weight_VxD, bias_V)[0]
+
+
+def _vocab_chunks(chunk, weight_VxD, bias_V):
+  v = weight_VxD.shape[0]
+  n_chunks = -(-v // chunk)
+  pad = n_chunks * chunk - v
+  w = jnp.pad(weight_VxD, ((0, pad), (0, 0))).reshape(n_chunks, chunk, -1)
+  b = jnp.pad(bias_V.astype(accumulation_dtype(weight_VxD, bias_V)), (0, pad)).reshape(n_chunks, chunk)
+  real = (jnp.arange(n_chunks * chunk) < v).reshape(n_chunks, chunk)
+  return w, b, real
+
+
+def _chunk_logits(hidden_NxD, w_CxD, b_C, real_C):
+  logits = jnp.einsum("nd,cd->nc", hidden_NxD, w_CxD, preferred_element_type=b_C.dtype) + b_C
+  return jnp.where(real_C[None, :], logits, -jnp.inf)
+
+
+def _chunked_logsumexp_fwd(chunk, hidden_NxD, weight_VxD, bias_V):
+  w, b, real = _vocab_chunks(chunk, weight_VxD, bias_V)
+  n = hidden_NxD.shape[0]
+
+  def body(carry, blk):
+    m, s = carry
+    logits = _chunk_logits(hidden_NxD, *blk)
+    new_m = jnp.maximum(m, logits.max(axis=-1))
+    s = s * jnp.exp(m - new_m) + jnp.exp(logits - new_m[:, None]).sum(axis=-1)
+    return (new_m, s), None
+
+  acc = b.dtype
+  init = (jnp.full((n,), -jnp.inf, acc), jnp.zeros((n,), acc))
+  (m, s), _ = jax.lax.scan(body, init, (w, b, real))
+  lse = m + jnp.log(s)
+  return lse, (hidden_NxD, weight_VxD, bias_V, lse)
+
+
+def _chunked_logsumexp_bwd(chunk, res, g_N):
+  hidden_NxD, weight_VxD, bias_V, lse = res
+  w, b, real = _vocab_chunks(chunk, weight_VxD, bias_V)
+
+  def body(dh, blk):
+    logits = _chunk_logits(hidden_NxD, *blk)
+    p = jnp.exp(logits - lse[:, None]) * g_N[:, None]  # d lse / d logits, scaled by the cotangent
+    dh = dh + jnp.einsum("nc,cd->nd", p, blk[0].astype(p.dtype))
+    dw = jnp.einsum("nc,nd->cd", p, hidden_NxD.astype(p.dtype))
+    return dh, (dw, p.sum(axis=0))
+
+  dh, (dw, db) = jax.lax.scan(body, jnp.zeros(hidden_NxD.shape, b.dtype), (w, b, real))
+  v = weight_VxD.shape[0]
+  dw = dw.reshape(-1, weight_VxD.shape[1])[:v].astype(weight_VxD.dtype)
+  db = db.reshape(-1)[:v].astype(bias_V.dtype)
+  return dh.astype(hidden_NxD.dtype), dw, db
+
+
+_chunked_logsumexp.defvjp(_chunked_logsumexp_fwd, _chunked_logsumexp_bwd)
+
+
+def chunked_vocab_stats(hidden, weight_VxD, targets, *, bias_V=None, chunk=8192) -> VocabStats:
+  """`VocabStats` of logits = hidden · weightᵀ + bias without materialising `[N, V]`.
+
+  hidden `[..., D]`, weight `[V, D]` (the output embedding), targets `[...]`. The log-normaliser is a
+  running log-sum-exp over vocabulary chunks; its backward recomputes each chunk's logits, so peak memory is
+  `[N, chunk]`, not `[N, V]`.
+  """
+  lead = hidden.shape[:-1]
+  h = hidden.reshape(-1, hidden.shape[-1])
+  t = targets.reshape(-1)
+  bias = jnp.zeros((weight_VxD.shape[0],), accumulation_dtype(hidden, weight_VxD)) if bias_V is None else bias_V
+  chunk = int(min(chunk, weight_VxD.shape[0]))
+  lse = _chunked_logsumexp(chunk, h, weight_VxD, bias)
+  safe = _safe_targets(t)
+  acc = accumulation_dtype(hidden, weight_VxD, bias)
+  tgt = jnp.einsum("nd,nd->n", h, weight_VxD[safe], preferred_element_type=acc) + bias[safe].astype(acc)
+  return VocabStats(lse.reshape(lead), tgt.reshape(lead))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -134,7 +134,7 @@ def sharded_trime_nll(token_logits, keys, targets, spec: loss.ObjectiveSpec | No
   `[B, L, D]`, targets `[B, L]`, rows sharded over `axis`. Equals `trime_nll` on the same global batch (with
   memory_grad="all"); see `sharded_trime_nll_from_vocab_stats` for the options."""
   return sharded_trime_nll_from_vocab_stats(
-      loss.vocab_stats(token_logits, targets), keys, targets, loss.resolve_spec(spec, options), mesh=mesh,
+      scoring.vocab_stats(token_logits, targets), keys, targets, loss.resolve_spec(spec, options), mesh=mesh,
       drop_local=drop_local, documents=documents, variant=variant, memory_grad=memory_grad, axis=axis)
 
 

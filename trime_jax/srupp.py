@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from trime_jax import layers, loss
+from trime_jax import layers, scoring
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,10 +271,10 @@ class SRUppLM(nnx.Module):
     """As `TransformerLM.vocab_stats` (a full softmax: the criterion's target term is the model's own)."""
     del deterministic, rngs
     if vocab_chunk:
-      st = loss.chunked_vocab_stats(f_BxLxD, self.output_embedding().astype(f_BxLxD.dtype), targets_BxL,
+      st = scoring.chunked_vocab_stats(f_BxLxD, self.output_embedding().astype(f_BxLxD.dtype), targets_BxL,
                                     bias_V=self.out_bias[...], chunk=vocab_chunk)
     else:
-      st = loss.vocab_stats(self.logits(f_BxLxD), targets_BxL)
+      st = scoring.vocab_stats(self.logits(f_BxLxD), targets_BxL)
     return (st, st.target_logit) if criterion == "both" else st
 
   def __call__(self, tokens_BxL, *, deterministic: bool = True, rngs=None):

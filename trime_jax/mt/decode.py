@@ -39,7 +39,6 @@ import numpy as np
 from flax import nnx
 
 from trime_jax import evaluate
-from trime_jax import loss
 from trime_jax import scoring
 from trime_jax.datastore import Datastore, KnnIndex, rescore
 from trime_jax.errors import CheckpointError, ConfigError
@@ -478,7 +477,7 @@ KNN_T_GRID = (1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0)  # knn_mt_temperature:
 class TunePass:
   """What one teacher-forced pass over the valid targets keeps (M target tokens)."""
 
-  stats: loss.VocabStats  # [M]
+  stats: scoring.VocabStats  # [M]
   targets: np.ndarray  # [M]
   ip: Neighbours  # top-max(K) by inner product (no keys)
   l2: Neighbours  # top-max(K) by L2 (no keys)
@@ -497,7 +496,7 @@ def tune_pass(graphdef, params, pairs, ds, index, *, k_max: int = 64, batch_toke
     t = batch["targets"]
     sel = t >= 0
     logits, g, t = np.asarray(logits)[sel], np.asarray(g)[sel], t[sel]
-    st = loss.vocab_stats(jnp.asarray(logits), jnp.asarray(t))
+    st = scoring.vocab_stats(jnp.asarray(logits), jnp.asarray(t))
     stats.append((np.asarray(st.log_normalizer), np.asarray(st.target_logit)))
     targets.append(t)
     empty = lambda dtype: np.zeros((len(t), 0), dtype)
@@ -507,7 +506,7 @@ def tune_pass(graphdef, params, pairs, ds, index, *, k_max: int = 64, batch_toke
               if "knn_mt" in modes else none)
   cat = lambda xs, f: np.concatenate([getattr(x, f) for x in xs])
   nb = lambda xs: Neighbours(cat(xs, "ids"), cat(xs, "targets"), cat(xs, "score"))
-  return TunePass(loss.VocabStats(jnp.asarray(np.concatenate([s[0] for s in stats])),
+  return TunePass(scoring.VocabStats(jnp.asarray(np.concatenate([s[0] for s in stats])),
                                   jnp.asarray(np.concatenate([s[1] for s in stats]))),
                   np.concatenate(targets), nb(ip), nb(l2), ds.dimension)
 
@@ -530,7 +529,7 @@ def _nlls(tp: TunePass, points, k: int, metric: str):
   sim = np.where(np.isfinite(sim), sim, 0.0)
   tgt = jnp.asarray(tp.targets)[None]
   blk = evaluate.external_block(jnp.asarray(sim)[None], jnp.asarray(nb.targets[:, :k])[None], tgt)
-  stats = loss.VocabStats(tp.stats.log_normalizer[None], tp.stats.target_logit[None])
+  stats = scoring.VocabStats(tp.stats.log_normalizer[None], tp.stats.target_logit[None])
   return np.asarray(evaluate.point_nlls(stats, tgt, [], blk, points)).reshape(len(points), -1).mean(-1)
 
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from trime_jax import loss
+from trime_jax import scoring
 from trime_jax import layers
 from trime_jax.layers import sinusoidal_positions
 
@@ -304,12 +304,12 @@ class TransformerMT(nnx.Module):
     w = self.output_embedding().astype(f_xD.dtype)
     return jnp.einsum("...d,vd->...v", f_xD, w, preferred_element_type=jnp.float32)
 
-  def vocab_stats(self, f, targets, *, vocab_chunk=0, deterministic=True, rngs=None) -> loss.VocabStats:
+  def vocab_stats(self, f, targets, *, vocab_chunk=0, deterministic=True, rngs=None) -> scoring.VocabStats:
     """log Σ_v exp(f·W_v) and f·W_target (chunked over the vocabulary when vocab_chunk > 0)."""
     del deterministic, rngs  # no dropout on the output layer
     if vocab_chunk:
-      return loss.chunked_vocab_stats(f, self.output_embedding().astype(f.dtype), targets, chunk=vocab_chunk)
-    return loss.vocab_stats(self.logits(f), targets)
+      return scoring.chunked_vocab_stats(f, self.output_embedding().astype(f.dtype), targets, chunk=vocab_chunk)
+    return scoring.vocab_stats(self.logits(f), targets)
 
   def __call__(self, src_BxS, prev_BxT, *, deterministic: bool = True, rngs=None):
     """(logits `[B, T, V]`, g `[B, T, D]`)."""
