@@ -436,33 +436,3 @@ def test_memory_grad_group_rows_spec():
     loss.trime_nll_from_vocab_stats(loss.VocabStats(jnp.zeros((2, 3)), jnp.zeros((2, 3))), jnp.zeros((2, 3, 4)),
                                     jnp.zeros((2, 3), jnp.int32), memory="ext", memory_grad_group_rows=1,
                                     rows=jnp.zeros((2, 3), jnp.int32))
-
-
-def test_layering_scoring_under_loss_under_sharded_loss():
-  """Every arrow points down: scoring imports nothing of the package but the mesh axis name, loss only scoring
-  (no lazy import of sharded_loss: no circle), sharded_loss only loss / scoring / sharding; and no module of
-  the package reaches another's private names (`module._name`)."""
-  import ast
-  import pathlib
-  import re
-
-  root = pathlib.Path(loss.__file__).parent
-
-  def package_imports(path):
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):  # imports inside functions count too
-      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trime_jax"):
-        out |= {node.module} if node.module != "trime_jax" else {f"trime_jax.{a.name}" for a in node.names}
-      elif isinstance(node, ast.Import):
-        out |= {a.name for a in node.names if a.name.startswith("trime_jax")}
-    return out
-
-  assert package_imports(root / "scoring.py") == {"trime_jax.sharding"}
-  assert package_imports(root / "loss.py") == {"trime_jax.scoring"}
-  assert package_imports(root / "sharded_loss.py") <= {"trime_jax.loss", "trime_jax.scoring", "trime_jax.sharding"}
-  modules = {p.stem for p in root.rglob("*.py")} | {"evaluate"}
-  private = re.compile(r"\b(" + "|".join(sorted(modules)) + r")\._[a-z]\w*")
-  for path in [root / "scoring.py", root / "loss.py", root / "sharded_loss.py", root / "exact_memory.py",
-               *(root / "generate").glob("*.py"), root / "mt" / "decode.py", *(root / "evaluate").glob("*.py")]:
-    code = path.read_text()
-    assert not private.findall(code), (path, private.findall(code))
