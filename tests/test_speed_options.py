@@ -183,3 +183,22 @@ def test_srupp_refuses_the_options():
               "eval.context_window": 0})
   with pytest.raises(ConfigError, match=r"Transformer backbone only"):
     validate_config(c)
+
+
+def test_an_export_trained_with_speed_options_loads_without_them(tmp_path):
+  """The options say how a model ran where it trained: its export loads anywhere with them at their defaults
+  (a config.json that says cudnn / remat keeps its digest and evaluates on this CPU)."""
+  import json
+  import shutil
+
+  from trime_jax import api
+
+  directory = tmp_path / "demo"
+  shutil.copytree(f"{api.PRETRAINED_DIR}/demo", directory)
+  config = json.loads((directory / "config.json").read_text())
+  config["model"]["remat"] = "block"  # (attention_impl=cudnn needs a bfloat16 model; the demo is float32)
+  (directory / "config.json").write_text(json.dumps(config))
+  graphdef, params, *_ = checkpoint.load_export(str(directory))  # the arch digest check passes: not part of it
+  model = nnx.merge(graphdef, params)
+  assert (model.cfg.remat, model.cfg.attention_impl) == ("none", "xla")
+  assert checkpoint.fingerprint(str(directory)) == checkpoint.fingerprint(f"{api.PRETRAINED_DIR}/demo")

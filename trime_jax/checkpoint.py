@@ -557,7 +557,9 @@ def load_export(directory: str):
     raise DamagedCheckpointError(
         f"{config_path} describes another architecture than the one exported (arch digest {arch_digest(mcfg)} != "
         f"meta.json's {meta['arch_digest']}): was config.json's model section edited? Restore it")
-  mcfg = dataclasses.replace(mcfg, **EXECUTION_FIELDS)  # how it trained on its device is not how it must run here
+  # how it trained on its device is not how it must run here (the backbones that have the fields: SRU++ has none)
+  own = {f.name for f in dataclasses.fields(mcfg)}
+  mcfg = dataclasses.replace(mcfg, **{k: v for k, v in EXECUTION_FIELDS.items() if k in own})
   target = nnx.eval_shape(lambda: build_model(mcfg, rngs=nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(target, nnx.Param)
   params = restore_export_params(os.path.join(directory, "params"), abstract_params, meta, "exported parameters")
