@@ -4,6 +4,7 @@
 #
 #   bash experiments/docs_wt.sh plans            # consecutive (TrimeLM_long) and BM25 (TrimeLM_ext) batch plans
 #   bash experiments/docs_wt.sh train NAME       # NAME: vanilla | local | long | ext | ext_random | ext_stopgrad
+#                                                #   (issue 38: ext_p05 / ext_p099, TrimeLM_ext with p = 0.5 / 0.99)
 #                                                #   one chunk of at most CHUNK seconds (default 1800); rerun the
 #                                                #   same command to continue (it resumes from the last checkpoint)
 #   bash experiments/docs_wt.sh datastore NAME   # keys of every training token (~16M), IVF-PQ index
@@ -18,22 +19,57 @@
 #                                                #   DATASTORES=ds: evaluate only the whole training one)
 #   bash experiments/docs_wt.sh exact NAME       # (an accelerator) every training key on the device, exact scores
 #
-# SEED=1 repeats under runs/docs_wt_s1. Commit commands and results, never checkpoints.
+#   bash experiments/docs_wt.sh dir              # prints this STEPS / SEED's directory (runs/docs_wt_12k_s1, ...)
+#
+# SEED=1 repeats under runs/docs_wt_s1 (the BM25 models read their seed's own plan, runs/plans/docs_wt_bm25_s1;
+# `SEED=1 ... plans` writes it). Commit commands and results, never checkpoints.
+#
+# STEPS (issue 38; default 1200, the budget above; 1200 passes no flag, so every earlier command is unchanged):
+# STEPS=12000 trains under runs/docs_wt_12k[_sSEED] (STEPS=N: runs/docs_wt_<N/1000>k if a multiple of 1,000,
+# else runs/docs_wt_<N>u), every other command (datastore, eval, ...) reads that directory. The schedule is
+# re-sized with the run (experiments/docs_wt_long_plan.md says why):
+#   - inverse-sqrt kept (the paper's schedule for its 7M model), peak 1e-3 kept (the 1,200-update models').
+#     After the warm-up lr(t) = 1e-3 * sqrt(W / t), so the warm-up W is the schedule's only length. It is
+#     WARMUP=STEPS/10 by default (1,200 at 12,000): the 1,200-update schedule stretched ten times, every
+#     milestone at the same fraction of the run (peak at 10%, the end at 0.32 of the peak, 3.2e-4) and the CE
+#     warm-up (trime.ce_warmup_steps=-1: 5%, 600 updates) inside the LR warm-up as before, so the longer
+#     models differ from the old ones in the number of updates only. W = 120 kept would end at 1.0e-4 (a
+#     different shape, not just a longer run); WARMUP=480 is the paper's fraction (8,000 of 200,000: 4%, ending
+#     at 2.0e-4, its TRIME loss starting after the LR peak as in the paper).
+#   - EVAL_EVERY=STEPS/20 (600: 20 points of the dev curve on the first 50,000 dev tokens, ~2 s each on an
+#     H200), CKPT_EVERY=500 (a killed chunk loses at most 500 updates; SIGTERM checkpoints at once anyway).
+#   - the batch plans need nothing: a plan holds one epoch and training past its end reads the next epoch
+#     (batching/plan.py: epoch e = micro-batch // num_batches; BM25 batches in a new seeded order each epoch,
+#     the consecutive stream in stored order every epoch, as the original's --keep-order); 12,000 updates are
+#     2.76 epochs of the 4,349 batches.
+#   - dropout 0.1 and everything else as the 1,200-update configs (`best/` keeps the lowest-dev-perplexity
+#     parameters in case the longer run over-fits).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYBIN=${PYBIN:-.venv/bin/python}
 PY="nice -n 10 $PYBIN -m"
 SEED=${SEED:-0}
-OUT=runs/docs_wt$([ "$SEED" = 0 ] || echo "_s$SEED")
+STEPS=${STEPS:-1200}
+if [ "$STEPS" = 1200 ]; then TAG=""
+elif [ $((STEPS % 1000)) = 0 ]; then TAG="_$((STEPS / 1000))k"
+else TAG="_${STEPS}u"; fi
+OUT=runs/docs_wt$TAG$([ "$SEED" = 0 ] || echo "_s$SEED")
 S="--config.train.seed=$SEED"
 CHUNK=${CHUNK:-1800}
+SCHED=""  # 1200: the configs' own schedule (no flag), as every 1,200-update result was made
+if [ "$STEPS" != 1200 ]; then
+  WARMUP=${WARMUP:-$((STEPS / 10))}; EVAL_EVERY=${EVAL_EVERY:-$((STEPS / 20))}; CKPT_EVERY=${CKPT_EVERY:-500}
+  SCHED="--config.train.num_steps=$STEPS --config.train.warmup_steps=$WARMUP --config.train.eval_every=$EVAL_EVERY"
+  SCHED="$SCHED --config.train.checkpoint_every=$CKPT_EVERY"
+fi
+BM25_PLAN=runs/plans/docs_wt_bm25$([ "$SEED" = 0 ] || echo "_s$SEED")  # Algorithm 1's packing depends on the seed
 
 config_of() {
   case "$1" in
     vanilla|local) echo configs/docs_wt.py ;;
     long) echo configs/docs_wt_long.py ;;
-    ext|ext_random|ext_stopgrad) echo configs/docs_wt_ext.py ;;
-    *) echo "NAME: vanilla | local | long | ext | ext_random | ext_stopgrad" >&2; exit 2 ;;
+    ext|ext_random|ext_stopgrad|ext_p05|ext_p099) echo configs/docs_wt_ext.py ;;
+    *) echo "NAME: vanilla | local | long | ext | ext_random | ext_stopgrad | ext_p05 | ext_p099" >&2; exit 2 ;;
   esac
 }
 overrides_of() {
@@ -41,21 +77,32 @@ overrides_of() {
     vanilla) echo "--config.trime.memory=none" ;;
     ext_random) echo "--config.trime.batching=random" ;;
     ext_stopgrad) echo "--config.trime.stop_gradient_memory=True" ;;
+    ext_p05) echo "--config.trime.drop_local_prob=0.5" ;;  # issue 38: the drop-local probability p (0.9 as
+    ext_p099) echo "--config.trime.drop_local_prob=0.99" ;;  #   published) at 0.5 and 0.99
     *) echo "" ;;
+  esac
+}
+plan_of() {  # the BM25 models of SEED != 0 read their seed's plan (seed 0: the config's runs/plans/docs_wt_bm25)
+  case "$1" in
+    ext|ext_stopgrad|ext_p05|ext_p099) [ "$SEED" = 0 ] || echo "--config.trime.batch_plan=$BM25_PLAN" ;;
   esac
 }
 
 case "${1:-}" in
-  plans)
-    $PY trime_jax.launch.make_batches --config=configs/docs_wt_long.py --kind=consecutive --out=runs/plans/docs_wt_long $S
-    $PY trime_jax.launch.make_batches --config=configs/docs_wt_ext.py --kind=bm25 --out=runs/plans/docs_wt_bm25 $S
+  plans)  # the consecutive stream plan does not depend on the seed (never shuffled): SEED != 0 writes BM25 only
+    [ "$SEED" != 0 ] || \
+      $PY trime_jax.launch.make_batches --config=configs/docs_wt_long.py --kind=consecutive --out=runs/plans/docs_wt_long $S
+    $PY trime_jax.launch.make_batches --config=configs/docs_wt_ext.py --kind=bm25 --out=$BM25_PLAN $S
     ;;
+  dir) echo "$OUT" ;;
   train)
     NAME=$2; CFG=$(config_of "$NAME")
     # A chunk ends with SIGTERM after $CHUNK s: training checkpoints at once and the rerun resumes.
-    rc=0; timeout --signal=TERM "$CHUNK" $PY trime_jax.launch.train --config=$CFG --workdir=$OUT/$NAME $S \
-      $(overrides_of "$NAME") ${TRAIN_FLAGS:-} || rc=$?
-    if [ "$rc" = 124 ] || [ "$rc" = 143 ]; then echo "chunk over: rerun 'bash $0 train $NAME' to continue"; exit 0; fi
+    rc=0; timeout --signal=TERM "$CHUNK" $PY trime_jax.launch.train --config=$CFG --workdir=$OUT/$NAME $S $SCHED \
+      $(overrides_of "$NAME") $(plan_of "$NAME") ${TRAIN_FLAGS:-} || rc=$?
+    if [ "$rc" = 124 ] || [ "$rc" = 143 ]; then
+      ENVS="$([ "$STEPS" = 1200 ] || echo "STEPS=$STEPS ")$([ "$SEED" = 0 ] || echo "SEED=$SEED ")"
+      echo "chunk over: rerun '${ENVS}bash $0 train $NAME' to continue"; exit 0; fi
     exit $rc
     ;;
   datastore)
@@ -121,6 +168,6 @@ case "${1:-}" in
       --config.eval.split=test --output=$OUT/$NAME/eval_exact.json
     ;;
   *) echo "usage: $0 plans | train NAME | datastore NAME | partial NAME | eval NAME | eval_ext NAME | sizes NAME | domain NAME" \
-       "| exact NAME" >&2
+       "| exact NAME | dir" >&2
      exit 2 ;;
 esac

@@ -17,6 +17,18 @@
 #   here:  bash experiments/docs_wt_device.sh unpack PART...
 #            # joins the parts (in name order) and unpacks the exports and logs into runs/docs_wt[_s1]/NAME
 #
+# Issue 38 (12,000-update models; experiments/docs_wt_long_plan.md has the arithmetic and the job lists):
+#   there: STEPS=12000 bash experiments/docs_wt_device.sh train "vanilla:0 ext:0"
+#            # the same, each job `STEPS=12000 SEED=s experiments/docs_wt.sh train NAME` (runs/docs_wt_12k[_sS],
+#            # the schedule docs_wt.sh derives from STEPS), CHUNK 530 s by default (call it with timeout_s=600);
+#            # the returned tar is xz-compressed (PACK=xz, the default unless STEPS=1200) and also holds
+#            # device_jobs.txt's per-job rates; a job that has not finished sends back its logs only (its
+#            # checkpoint, 60.3 MiB with Adam's moments, can travel in neither direction: every model must finish
+#            # within one call). EVAL=1: after its training each job also runs `docs_wt.sh eval NAME` (table 1's
+#            # rows without a datastore, MEM_SIZES) while the chunk lasts; eval.json comes back with the logs.
+#            # EXPORTS=0: no export/ in the returned tar (logs, metrics, eval.json only: for runs whose
+#            # parameters need not come back, so more than two jobs fit a call); BEST=1: best/ too.
+#
 # Budget (2026-11-27, one H200, 900 s of device time for the session): a call returns at most 64 MiB, i.e. four
 # parts (~2.7 exports of 21 MB). Training four models at once took 190 s, the whole first call 390 s of device
 # time (start and transfers included); the second call that fetched the last two parts ran 0.3 s but cost 328 s.
@@ -63,18 +75,42 @@ corpora.load_splits(docs_wt.get_config().data)"  # encodes the corpus once (as a
     ;;
   train)
     JOBS=$2
+    STEPS=${STEPS:-1200}
+    if [ "$STEPS" = 1200 ]; then CHUNK=${CHUNK:-420}; CKPT="--config.train.checkpoint_every=400"; PACK=${PACK:-tar}
+    else  # checkpoints cannot leave the machine (60 MiB each): few saves (SIGTERM at the chunk's end saves anyway)
+      CHUNK=${CHUNK:-530}; CKPT=""; PACK=${PACK:-xz}; export CKPT_EVERY=${CKPT_EVERY:-4000}; fi
     setup
     T0=$(date +%s)
+    echo "$(date -u +%FT%TZ) STEPS=$STEPS CHUNK=$CHUNK jobs: $JOBS" | tee -a runs/device_jobs.txt
     PIDS=""
     for JOB in $JOBS; do
-      NAME=${JOB%:*}; SEED=${JOB#*:}; DIR=runs/docs_wt$([ "$SEED" = 0 ] || echo "_s$SEED")
+      NAME=${JOB%:*}; SEED=${JOB#*:}; DIR=$(STEPS=$STEPS SEED=$SEED bash experiments/docs_wt.sh dir)
       mkdir -p $DIR/$NAME
       ( START=$(date +%s)
-        FLAGS="--config.train.checkpoint_every=400 ${EXTRA_FLAGS:-}"
-        SEED=$SEED PYBIN=$PYBIN CHUNK=${CHUNK:-420} TRAIN_FLAGS="$FLAGS" \
-          bash experiments/docs_wt.sh train $NAME > $DIR/$NAME/train.log 2>&1 && RC=0 || RC=$?
+        FLAGS="$CKPT ${EXTRA_FLAGS:-}"
+        STEPS=$STEPS SEED=$SEED PYBIN=$PYBIN CHUNK=$CHUNK TRAIN_FLAGS="$FLAGS" \
+          bash experiments/docs_wt.sh train $NAME >> $DIR/$NAME/train.log 2>&1 && RC=0 || RC=$?
         E=$([ -d $DIR/$NAME/export ] && echo yes || echo no)
-        echo "$JOB rc=$RC wall_s=$(( $(date +%s) - START )) exported=$E" \
+        # the last logged update, the median training rate of its log lines, the last dev line
+        LAST=$($PYBIN - $DIR/$NAME/metrics.jsonl <<'PYEOF' 2>/dev/null || true
+import json, statistics, sys
+rows = [json.loads(x) for x in open(sys.argv[1]) if x.strip()]
+tr = [r for r in rows if "tokens_per_s" in r]
+dev = [r for r in rows if r.get("split") == "dev"]
+ppl = " ".join(f"{k}={v:.2f}" for k, v in dev[-1].items() if k.endswith("_ppl")) if dev else ""
+rate = statistics.median(r["tokens_per_s"] for r in tr[2:]) if len(tr) > 2 else 0
+print(f"step={tr[-1]['step'] if tr else 0} median_tokens_per_s={rate:.0f} dev@{dev[-1]['step'] if dev else '-'}: {ppl}")
+PYEOF
+)
+        if [ "${EVAL:-0}" = 1 ] && [ "$E" = yes ]; then  # table 1 without a datastore, in the time left
+          LEFT=$(( CHUNK - ($(date +%s) - START) ))
+          if [ $LEFT -gt 30 ]; then
+            STEPS=$STEPS SEED=$SEED PYBIN=$PYBIN timeout $LEFT bash experiments/docs_wt.sh eval $NAME \
+              > $DIR/$NAME/eval.log 2>&1 && EV=0 || EV=$?
+          else EV=skipped; fi
+          LAST="$LAST eval=$EV"
+        fi
+        echo "$JOB rc=$RC wall_s=$(( $(date +%s) - START )) exported=$E $LAST" \
           | tee -a runs/device_jobs.txt ) &
       PIDS="$PIDS $!"
     done
@@ -82,33 +118,48 @@ corpora.load_splits(docs_wt.get_config().data)"  # encodes the corpus once (as a
     echo "all jobs: $(( $(date +%s) - T0 )) s" | tee -a runs/device_jobs.txt
     nvidia-smi --query-gpu=name --format=csv,noheader >> runs/device_jobs.txt || true
     rm -rf runs/device_parts && mkdir -p runs/device_parts
-    FILES=""  # this call's jobs only (an export carried in for `exact` stays out), in JOBS order
-    for JOB in $JOBS; do
-      DIR=runs/docs_wt$([ "${JOB#*:}" = 0 ] || echo "_s${JOB#*:}")/${JOB%:*}
-      for F in export metrics.jsonl train.log config.json; do [ -e $DIR/$F ] && FILES="$FILES $DIR/$F"; done
+    FILES=""  # this call's jobs only (an export carried in for `exact` stays out), in JOBS order; an unfinished
+    for JOB in $JOBS; do  # job has no export/: its logs come back, its checkpoints/ do not
+      DIR=$(STEPS=$STEPS SEED=${JOB#*:} bash experiments/docs_wt.sh dir)/${JOB%:*}
+      for F in $([ "${EXPORTS:-1}" = 0 ] || echo export) metrics.jsonl train.log config.json eval.json eval.log \
+               ${BEST:+best}; do
+        [ -e $DIR/$F ] && FILES="$FILES $DIR/$F"; done
     done
-    tar -cf - runs/device_jobs.txt $FILES | split -b 15m -d -a 2 - runs/device_parts/exports.tar.
+    # A call returns at most 8 files of at most 16 MiB, 64 MiB together: 1,200-update parts stay 15 MiB (as before);
+    # the 12,000-update ones are 16,000 KiB (four hold 62.5 MiB: two exports of 21.2 MiB with room, three only
+    # if xz gets them under 60.7 MiB — it took a float32 export from 22.2 MB to 21.2 MB here).
+    if [ "$PACK" = xz ]; then  # float32 parameters: xz gains ~4%, the logs and headers much more
+      tar -cf - runs/device_jobs.txt $FILES | xz -T0 -6 | split -b 16000k -d -a 2 - runs/device_parts/exports.txz.
+    else
+      tar -cf - runs/device_jobs.txt $FILES | split -b 15m -d -a 2 - runs/device_parts/exports.tar.
+    fi
     ls -la runs/device_parts
-    if [ -n "${OUT:-}" ]; then cp $(ls runs/device_parts/* | head -4) "$OUT"/; fi
+    N=$(ls runs/device_parts | wc -l)
+    [ "$N" -le 4 ] || echo "WARNING: $N parts, only the first 4 come back in this call (64 MiB): the last jobs'" \
+      "exports are cut; train fewer jobs per call (or EXPORTS=0: logs and eval.json only)"
+    if [ -n "${OUT:-}" ]; then cp $(ls runs/device_parts/* | head -4) runs/device_jobs.txt "$OUT"/; fi
     ;;
   exact)  # there: experiments/docs_wt.sh exact NAME for each NAME at once; results and logs copied to $OUT
-    setup
+    setup   # (STEPS=12000: runs/docs_wt_12k/NAME/export, carried)
+    D=$(STEPS=${STEPS:-1200} SEED=0 bash experiments/docs_wt.sh dir)
     for NAME in $2; do
-      ( PYBIN=$PYBIN bash experiments/docs_wt.sh exact $NAME > runs/docs_wt/$NAME/exact.log 2>&1 && RC=0 || RC=$?
+      ( STEPS=${STEPS:-1200} PYBIN=$PYBIN bash experiments/docs_wt.sh exact $NAME > $D/$NAME/exact.log 2>&1 \
+          && RC=0 || RC=$?
         echo "$NAME rc=$RC" ) &
     done
     wait
     for NAME in $2; do
-      cp runs/docs_wt/$NAME/exact.log "$OUT"/exact_$NAME.log || true
-      cp runs/docs_wt/$NAME/eval_exact.json "$OUT"/eval_exact_$NAME.json || true
+      cp $D/$NAME/exact.log "$OUT"/exact_$NAME.log || true
+      cp $D/$NAME/eval_exact.json "$OUT"/eval_exact_$NAME.json || true
     done
     ;;
-  unpack)
+  unpack)  # exports.tar.NN or (STEPS != 1200) exports.txz.NN parts; tar finds the compression itself
     shift
     for f in "$@"; do echo "$(basename "$f") $f"; done | sort | cut -d' ' -f2 | xargs cat > /tmp/docs_wt_exports.tar
     tar -xf /tmp/docs_wt_exports.tar
     tar -tf /tmp/docs_wt_exports.tar | grep -E "/export/$|device_jobs" || true
     rm /tmp/docs_wt_exports.tar
+    cat runs/device_jobs.txt >> runs/device_jobs_all.txt  # every call's record (each call's file is its own)
     ;;
   *) echo "usage: $0 prepare | train JOBS | exact NAMES | unpack PARTS..." >&2; exit 2 ;;
 esac
