@@ -297,7 +297,9 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
        f"CE warm-up {warm} updates | devices {mesh.size}")
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   base_key = jax.random.PRNGKey(train_cfg.seed)
-  t_last, tok_last = time.perf_counter(), 0
+  # Each update's token count stays on the device until a log line needs it: reading it every update
+  # (int(m["tokens"])) made the host wait for the update to finish before preparing the next batch.
+  t_last, tokens_since_log = time.perf_counter(), []
   last = {}
   best = BestKeeper(os.path.abspath(os.path.join(workdir, "best")), train_cfg.keep_best, best_metric(config),
                      config, vocab, {"train_fingerprint": splits.train.fingerprint()})
@@ -315,7 +317,7 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
         local = source(step, rows)
         batch = {k: distributed.global_array(batch_sh[k], v, global_shapes[k]) for k, v in local.items()}
         state, m = step_fn(use_trime)(state, batch, jax.random.fold_in(base_key, step))
-        tok_last += int(m["tokens"])
+        tokens_since_log.append(m["tokens"])
         if tracing and done == trace[1]:
           jax.block_until_ready(state)
           jax.profiler.stop_trace()
@@ -323,14 +325,14 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
           logging.info("profile of updates %d-%d written to %s", *trace, os.path.join(workdir, "profile"))
         progress.update(done)
         if done % train_cfg.log_every == 0 or done == train_cfg.num_steps:
-          m = jax.device_get(m)
+          m, tok_last = jax.device_get(m), int(np.sum(jax.device_get(tokens_since_log)))
           now = time.perf_counter()
           rec = {"step": done, "objective": "trime" if use_trime else "ce", "loss": float(m["loss"]),
                  "ce_nll": float(m["ce_nll"]), "trime_nll": float(m["trime_nll"]),
                  "ppl": math.exp(min(float(m["ce_nll"]), 50.0)), "grad_norm": float(m["grad_norm"]),
                  "lr": float(schedule(step)), "tokens_per_s": tok_last / (now - t_last),
                  "skipped": int(m["skipped"])}
-          t_last, tok_last = now, 0
+          t_last, tokens_since_log = now, []
           if not math.isfinite(rec["loss"]):
             ckpt.finish(mgr)
             kept = mgr.latest_step()
