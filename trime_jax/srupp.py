@@ -155,15 +155,14 @@ class Transform(nnx.Module):
       q = z.reshape(b, l, h, p // h)
       k = k.reshape(b, mlen + l, h, p // h)
       v = v.reshape(b, mlen + l, h, p // h)
-      logits = jnp.einsum("blhd,bmhd->bhlm", q, k, preferred_element_type=jnp.float32) / math.sqrt(p // h)
       j = jnp.arange(mlen + l)[None, :]
       see = j <= jnp.arange(l)[:, None] + mlen  # causal in the segment, the whole memory
       see = jnp.broadcast_to(see, (b, l, mlen + l))
       if mlen:  # a reset row has no memory
         see = see & ((j >= mlen)[None] | valid_B[:, None, None])
-      probs = jax.nn.softmax(jnp.where(see[:, None], logits, -jnp.inf), axis=-1)
-      probs = self.attn_dropout(probs, deterministic=deterministic, rngs=rngs).astype(v.dtype)
-      a = jnp.einsum("bhlm,bmhd->blhd", probs, v).reshape(b, l, p)
+      # every query sees at least itself, so the mask never empties a row
+      a = layers.attention(q, k, v, self.attn_dropout, mask_BxTxS=see, deterministic=deterministic,
+                           rngs=rngs).reshape(b, l, p)
       z = a * self.alpha[...].astype(a.dtype) + z
     if self.norm is not None:
       z = self.norm(z).astype(x_BxLxD.dtype)
