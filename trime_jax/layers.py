@@ -34,6 +34,16 @@ def layer_norm(d: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
   return nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
 
 
+# Where a model's keys are read: the input of the last layer's feed-forward (the paper's and kNN-LM's) or the
+# final layer's output.
+KEY_TYPES = ("last_ffn_input", "final")
+
+
+def embedding_init(dim: int):
+  """fairseq's embedding initialiser (normal, std dim^-1/2), for embeddings and untied output matrices."""
+  return nnx.initializers.normal(dim**-0.5)
+
+
 def sinusoidal_positions(length: int, dim: int):
   """fairseq's sinusoidal embedding: [sin | cos] halves, frequencies 10000^(-i/(half-1))."""
   half = dim // 2

@@ -45,7 +45,7 @@ from trime_jax import layers
 from trime_jax import scoring
 from trime_jax.errors import ConfigError
 
-KEY_TYPES = ("last_ffn_input", "final")
+KEY_TYPES = layers.KEY_TYPES
 POSITION_TYPES = ("sinusoidal", "learned")
 ATTENTION_IMPLS = layers.ATTENTION_IMPLS
 # model.remat: what each Transformer block's backward pass keeps from its forward pass, as a jax.checkpoint
@@ -259,7 +259,7 @@ class AdaptiveInput(nnx.Module):
     dims = [band_dim(d, cfg.adaptive_input_factor, i) for i in range(len(edges) - 1)]
     # fairseq: embeddings N(0, dim^-1/2), projections Xavier-uniform (no bias).
     self.embeddings = nnx.List([
-        nnx.Embed(edges[i + 1] - edges[i], dim, embedding_init=nnx.initializers.normal(dim**-0.5), rngs=rngs)
+        nnx.Embed(edges[i + 1] - edges[i], dim, embedding_init=layers.embedding_init(dim), rngs=rngs)
         for i, dim in enumerate(dims)])
     self.projections = nnx.List([nnx.Linear(dim, d, use_bias=False, kernel_init=_xavier(), dtype=self.dtype,
                                             rngs=rngs) for dim in dims])
@@ -321,18 +321,18 @@ class TransformerLM(nnx.Module):
     if cfg.adaptive_input:
       self.adaptive_embed = AdaptiveInput(cfg, rngs=rngs)
     else:
-      self.embed = nnx.Embed(cfg.vocab_size, d, embedding_init=nnx.initializers.normal(d**-0.5), rngs=rngs)
+      self.embed = nnx.Embed(cfg.vocab_size, d, embedding_init=layers.embedding_init(d), rngs=rngs)
     if cfg.positions == "learned":  # rows below the offset are never read (fairseq's padding rows)
       self.pos_embed = nnx.Embed(cfg.max_len + cfg.position_offset, d,
-                                 embedding_init=nnx.initializers.normal(d**-0.5), rngs=rngs)
+                                 embedding_init=layers.embedding_init(d), rngs=rngs)
     self.embed_dropout = nnx.Dropout(cfg.dropout)
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     # No final LayerNorm at all (no parameters) when off, like fairseq's `layer_norm = None`.
-    self.final_norm = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs) if cfg.final_norm else None
+    self.final_norm = layers.layer_norm(d, rngs) if cfg.final_norm else None
     if cfg.adaptive_softmax:
       self.adaptive_softmax = AdaptiveSoftmax(cfg, rngs=rngs)
     elif not cfg.tie_embeddings:
-      self.output = nnx.Param(nnx.initializers.normal(d**-0.5)(rngs.params(), (cfg.vocab_size, d)))
+      self.output = nnx.Param(layers.embedding_init(d)(rngs.params(), (cfg.vocab_size, d)))
 
   def output_embedding(self):
     """The `[V, D]` output matrix W of logits = f · Wᵀ (the input embedding when tied); full softmax only."""

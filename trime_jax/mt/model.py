@@ -31,7 +31,7 @@ from trime_jax import scoring
 from trime_jax import layers
 from trime_jax.layers import sinusoidal_positions
 
-KEY_TYPES = ("last_ffn_input", "final")
+KEY_TYPES = layers.KEY_TYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +73,7 @@ class MTConfig:
 def _embedding(cfg: MTConfig, rngs):
   """fairseq Embedding: N(0, D^-1/2) with the padding row zeroed."""
   d = cfg.d_model
-  e = nnx.Embed(cfg.vocab_size, d, embedding_init=nnx.initializers.normal(d**-0.5), rngs=rngs)
+  e = nnx.Embed(cfg.vocab_size, d, embedding_init=layers.embedding_init(d), rngs=rngs)
   e.embedding[...] = e.embedding[...].at[cfg.pad_id].set(0.0)
   return e
 
@@ -208,7 +208,7 @@ class TransformerMT(nnx.Module):
     self.encoder_norm = ln(cfg.encoder_normalize_before)
     self.decoder_norm = ln(cfg.decoder_normalize_before)
     if not cfg.share_decoder_embeddings and not cfg.share_all_embeddings:
-      self.output = nnx.Param(nnx.initializers.normal(d**-0.5)(rngs.params(), (cfg.vocab_size, d)))
+      self.output = nnx.Param(layers.embedding_init(d)(rngs.params(), (cfg.vocab_size, d)))
 
   def output_embedding(self):
     """The `[V, D]` output matrix (the decoder input embedding when shared)."""
