@@ -37,6 +37,7 @@ from flax import nnx
 
 from trime_jax import checkpoint as ckpt
 from trime_jax import loss
+from trime_jax import scoring
 from trime_jax import sharded_loss
 from trime_jax import sharding
 from trime_jax import specs
@@ -71,7 +72,7 @@ def mt_nll(model, batch, spec: loss.ObjectiveSpec, *, use_trime: bool, vocab_chu
   ntok = valid.sum()
   if label_smoothing:  # fairseq label_smoothed_nll_loss: (1 - ε - ε_i)·nll + ε_i·Σ_v -log p_v, ε_i = ε/(V-1)
     logits = model.logits(f)
-    stats = loss.vocab_stats(logits, targets)
+    stats = scoring.vocab_stats(logits, targets)
     v = logits.shape[-1]
     nll = stats.log_normalizer - stats.target_logit
     smooth = v * stats.log_normalizer - logits.sum(-1)
