@@ -17,7 +17,7 @@ from flax import nnx
 
 from bench.common import time_interleaved
 from trime_jax.configs import ui_de_en
-from trime_jax import train as lm_train
+from trime_jax.runtime.optim import make_optimizer
 from trime_jax.mt import batching
 from trime_jax.mt import data as mt_data
 from trime_jax.mt import model as mt_model
@@ -41,7 +41,7 @@ def main():
                             bm25_k=int(c.trime.bm25_k), bm25_backend="numba")
   model = mt_model.build_mt_model(specs.mt_model_config(c, vocab_size=vocab.size), 0)
   graphdef, params = nnx.split(model, nnx.Param)
-  tx, _ = lm_train.make_optimizer(c.train)
+  tx, _ = make_optimizer(c.train)
   state = {"step": np.int32(0), "params": params, "opt_state": tx.init(params)}
   spec = specs.objective_spec(c)
   step = jax.jit(functools.partial(mt_train.train_step, graphdef, tx, spec, True, 0, 0.0, None))

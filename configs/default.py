@@ -119,6 +119,8 @@ def get_config():
   r.wandb_project = ""  # W&B project (non-empty: scalars, config go there too; pip install "trime-jax[wandb]")
   r.progress = "auto"  # auto (tqdm bar on a terminal or in a notebook, else ETA in the log lines) | bar | log
   r.profile_steps = ""  # "FIRST,LAST" (or "STEP"): jax.profiler trace of those updates to <workdir>/profile
+  r.stop_after = 0  # stop (checkpointed, resumable) after this many updates in this invocation; 0 = no limit
+  #   (a run longer than one time slot: rerun the same command to continue)
   r.allow_config_change = False  # resume a workdir whose config.json differs in fields that change training
   #   (model, data, seed, memory, ...): False refuses, naming them; True continues (recorded in config_changes.jsonl)
 

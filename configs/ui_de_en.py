@@ -91,6 +91,12 @@ def get_config():
   r.eval_max_pairs = 1000  # dev pairs scored by evaluations (0 = all)
   r.checkpoint_every = 100
   r.keep_checkpoints = 2
+  r.keep_best = True  # also export the parameters with the lowest valid perplexity (ce_ppl: the model's own
+  #   distribution, which every decoding mode starts from) to <workdir>/best, evaluated every eval_every and at the end
+  r.tensorboard = True  # event files in <workdir>/tb: losses, lr, grad norm, tokens/s, valid ppl, config, hparams
+  r.wandb_project = ""  # W&B project (non-empty: scalars and config go there too; pip install "trime-jax[wandb]")
+  r.progress = "auto"  # auto (tqdm bar on a terminal or in a notebook, else ETA in the log lines) | bar | log
+  r.profile_steps = ""  # "FIRST,LAST" (or "STEP"): jax.profiler trace of those updates to <workdir>/profile
   r.stop_after = 0  # stop (checkpointed, resumable) after this many updates in this invocation; 0 = no limit
   r.allow_config_change = False  # resume a workdir whose config.json differs in fields that change training
   #   (checkpoint.RESUMABLE_CHANGES may always change; the differences go to config_changes.jsonl)

@@ -98,7 +98,8 @@ rows = [json.loads(x) for x in open(sys.argv[1]) if x.strip()]
 tr = [r for r in rows if "tokens_per_s" in r]
 dev = [r for r in rows if r.get("split") == "dev"]
 ppl = " ".join(f"{k}={v:.2f}" for k, v in dev[-1].items() if k.endswith("_ppl")) if dev else ""
-rate = statistics.median(r["tokens_per_s"] for r in tr[2:]) if len(tr) > 2 else 0
+timed = [r["tokens_per_s"] for r in tr if r["tokens_per_s"] is not None]  # null: the interval only compiled
+rate = statistics.median(timed) if timed else 0
 print(f"step={tr[-1]['step'] if tr else 0} median_tokens_per_s={rate:.0f} dev@{dev[-1]['step'] if dev else '-'}: {ppl}")
 PYEOF
 )

@@ -208,3 +208,39 @@ def test_mt_export_target_of_another_kind_is_refused_before_training(tmp_path):
   with pytest.raises(CheckpointError, match=f"export target {work / 'export'} holds 1 file that is not an export"):
     mt_train.train_and_evaluate(tiny_config(tmp_path / "d"), str(work), log=lambda s: None)
   assert not (work / "checkpoints").exists() and (work / "export" / "notes.txt").read_text() == "mine\n"
+
+
+def test_translation_trains_in_the_shared_loop(tmp_path):
+  """The translation trainer runs the LM trainer's loop (runtime.loop): TensorBoard scalars, the best valid export
+  (train.keep_best, by ce_ppl), the final valid metrics in the export's meta.json, and a non-finite loss stops the
+  run with the LM trainer's error."""
+  from tests.test_observability import scalars
+  from trime_jax.errors import TrainingError
+
+  write_pairs(tmp_path / "d", WDE * 3, WEN * 3)
+  work = tmp_path / "run"
+  c = tiny_config(tmp_path / "d")
+  c.train.eval_every = 2
+  out = mt_train.train_and_evaluate(c, str(work), log=lambda s: None)
+  lines = [json.loads(l) for l in open(work / "metrics.jsonl")]
+  train = [l for l in lines if "split" not in l]
+  valid = [l for l in lines if l.get("split") == "valid"]
+  assert [l["step"] for l in valid] == [2, 4, 6]
+  assert [l["target_tokens_seen"] for l in train] == sorted(l["target_tokens_seen"] for l in train)
+  tb = scalars(work / "tb")
+  assert [s for s, _ in tb["train/loss"]] == [l["step"] for l in train]
+  np.testing.assert_array_equal([v for _, v in tb["train/loss"]], np.float32([l["loss"] for l in train]))
+  for key in ("ce_ppl", "trime_ppl"):
+    assert tb[f"valid/{key}"] == [(l["step"], np.float32(l[key])) for l in valid]
+  best = json.load(open(work / "best" / "meta.json"))
+  i = int(np.argmin([l["ce_ppl"] for l in valid]))
+  assert best["best_metric"] == "ce_ppl" and best["dev_ppl"] == valid[i]["ce_ppl"] and best["step"] == valid[i]["step"]
+  graphdef, params, config, vocab = mt_export.load_mt_export(str(work / "best"))  # a complete, checked export
+  assert json.load(open(os.path.join(out["export"], "meta.json")))["valid"] == out["valid"] == {
+      k: v for k, v in valid[-1].items() if k not in ("step", "split")}
+
+  c = tiny_config(tmp_path / "d")
+  c.train.update(learning_rate=float("inf"), warmup_steps=0)
+  with pytest.raises(TrainingError, match="non-finite loss at update 2 .*no checkpoint had been written yet"):
+    mt_train.train_and_evaluate(c, str(tmp_path / "nan"), log=lambda s: None)
+  assert not os.path.exists(tmp_path / "nan" / "export")

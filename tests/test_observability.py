@@ -145,7 +145,7 @@ def test_training_writes_tensorboard_scalars_and_a_profile_trace(tmp_path):
 
 def test_profile_steps_parse():
   from trime_jax.configs import default
-  from trime_jax.train import profile_steps
+  from trime_jax.runtime.config import profile_steps
 
   r = default.get_config().train
   assert profile_steps(r) is None

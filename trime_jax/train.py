@@ -14,10 +14,7 @@ schedule, preemption, progress, best-export keeping); the config checks in `trim
 from __future__ import annotations
 
 import functools
-import math
 import os
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -31,26 +28,21 @@ from trime_jax import corpora
 from trime_jax import data
 from trime_jax import distributed
 from trime_jax import evaluate
-from trime_jax import event_writer
 from trime_jax import sharding
 from trime_jax import specs
 from trime_jax import steps
 from trime_jax.batching import plan as batch_plan
+from trime_jax.train_config import ce_warmup_steps, validate_config
+# The shared runtime (trime_jax/runtime/, also mt.train's): the workdir, the loop, the optimizer, progress lines.
+from trime_jax.runtime import loop
 from trime_jax.runtime import workdir as workdir_files
+from trime_jax.runtime.optim import make_optimizer
+from trime_jax.runtime.progress import say
 from trime_jax.runtime.workdir import chief
-from trime_jax.runtime.workdir import truncate_metrics  # noqa: F401 - also train.truncate_metrics
-from trime_jax.train_config import (BATCHINGS, CONSECUTIVE_LAYOUTS, PROGRESS, ce_warmup_steps,  # noqa: F401
-                                    profile_steps, validate_config)
-# The shared runtime (trime_jax/runtime/, also mt.train's); the public names re-exported keep train.X working.
-from trime_jax.runtime.best import BestKeeper, host_copy
-from trime_jax.runtime.optim import OPTIMIZERS, SCHEDULES, make_optimizer, make_schedule  # noqa: F401
-from trime_jax.runtime.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch  # noqa: F401
-from trime_jax.runtime.progress import Progress
-from trime_jax.errors import ConfigError, TrainingError
+from trime_jax.errors import ConfigError
 from trime_jax import model as model_lib
 from trime_jax.model import count_params
 
-TB_TRAIN_SCALARS = ("loss", "ce_nll", "trime_nll", "ppl", "lr", "grad_norm", "tokens_per_s")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -125,12 +117,7 @@ class BatchSource:
 # ----------------------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------------------
-def _log(line: str) -> None:
-  if chief():
-    from tqdm import tqdm
-
-    tqdm.write(line, file=sys.stdout)  # above a progress bar, if one is drawn
-    sys.stdout.flush()
+_log = say  # a line on stdout from process 0, above the progress bar
 
 
 def best_metric(config) -> str:
@@ -249,155 +236,81 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   model = build_model(mcfg, train_cfg.seed)
   graphdef, params = nnx.split(model, nnx.Param)
   tx, schedule = make_optimizer(train_cfg)
-  repl, data_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh, batch_axis=1)
+  repl = sharding.replicated(mesh)
   # Placed before restoring: the abstract state then carries the mesh shardings, so orbax restores onto
   # every host's devices (multi-host) instead of one default device.
   state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
   if model.stateful:  # per-row state across segments: saved with the checkpoints, so a resume continues it
     state["carry"] = steps.init_train_carry(model, train_cfg.batch_size, config.data.segment_len)
   state = jax.device_put(state, repl)
-  mgr = ckpt.manager(os.path.join(workdir, "checkpoints"), train_cfg.keep_checkpoints)
-  restored_step, restored = ckpt.restore_latest(mgr, ckpt.abstract(state), log=_log)
-  tb = event_writer.EventWriter(os.path.join(workdir, "tb"), enabled=chief(), config=config)  # reads train.tensorboard
-  # Metric lines past the checkpoint resumed from (step 0 when there is none: a run stopped before its first
-  # checkpoint) are dropped; the rerun writes them again. TensorBoard drops its events past it likewise.
-  metrics = workdir_files.MetricsFile(os.path.join(workdir, "metrics.jsonl"), enabled=chief())
-  dropped = metrics.truncate(restored_step or 0)
-  if restored is not None or dropped:
-    tb.restart((restored_step or 0) + 1)
-  if restored is not None:
-    state = restored
-    _log(f"resumed from step {restored_step} ({mgr.directory})")
-
-  state = jax.device_put(state, repl)
-  warm = ce_warmup_steps(config)
-  report_trime = spec.objective.memory != "none"
-
-  batch_sh = {"inputs": data_sh, "targets": data_sh, "drop_local": data_sh, "documents": data_sh, "reset": data_sh}
-
-  @functools.lru_cache(maxsize=None)
-  def step_fn(use_trime: bool):
-    # On a >1-device mesh the TRIME loss inside is the sharded one (explicit collectives over `data`).
-    fn = functools.partial(steps.train_step, graphdef, tx, spec, use_trime, report_trime, mesh=mesh)
-    in_batch = {k: batch_sh[k] for k in batch_keys}
-    return jax.jit(fn, in_shardings=(repl, in_batch, repl), out_shardings=(repl, repl), donate_argnums=(0,))
-
-  source = BatchSource(splits.train, config)
-  # Each process loads only the rows its own devices hold (all of them when there is one process).
-  tokens_shape = (train_cfg.grad_accum, train_cfg.batch_size, config.data.segment_len)
-  global_shapes = {"inputs": tokens_shape, "targets": tokens_shape, "drop_local": tokens_shape[:2],
-                   "documents": tokens_shape, "reset": tokens_shape[:2]}
-  batch_keys = ("inputs", "targets", "drop_local") + (("documents",) if source.with_documents else ()) + \
-      (("reset",) if source.with_reset else ())
-  rows = distributed.process_rows(data_sh, tokens_shape, axis=1)
+  task = LMTask(config, splits, graphdef, tx, spec, mesh)
   n_params = count_params(params)
-  start = int(state["step"])
   _log(f"model: {n_params:,} parameters | vocab {len(vocab):,} | train tokens {len(splits.train):,} | "
-       f"{len(source.segments):,} segments of {config.data.segment_len} | memory={spec.objective.memory} | "
-       f"CE warm-up {warm} updates | devices {mesh.size}")
-  metrics_path = os.path.join(workdir, "metrics.jsonl")
-  base_key = jax.random.PRNGKey(train_cfg.seed)
-  # Each update's token count stays on the device until a log line needs it: reading it every update
-  # (int(m["tokens"])) made the host wait for the update to finish before preparing the next batch.
-  t_last, tokens_since_log = time.perf_counter(), []
-  last = {}
-  best = BestKeeper(os.path.abspath(os.path.join(workdir, "best")), train_cfg.keep_best, best_metric(config),
-                     config, vocab, {"train_fingerprint": splits.train.fingerprint()})
-  trace = profile_steps(train_cfg)
-  tracing = False
-  progress = Progress(train_cfg.num_steps, start, train_cfg.progress)
-  try:
-    with PreemptionWatch(mgr) as preemption:
-      for step in range(start, train_cfg.num_steps):
-        done = step + 1
-        if trace and done == trace[0]:
-          jax.profiler.start_trace(os.path.join(workdir, "profile"))
-          tracing = True
-        use_trime = spec.objective.memory != "none" and step >= warm
-        local = source(step, rows)
-        batch = {k: distributed.global_array(batch_sh[k], v, global_shapes[k]) for k, v in local.items()}
-        state, m = step_fn(use_trime)(state, batch, jax.random.fold_in(base_key, step))
-        tokens_since_log.append(m["tokens"])
-        if tracing and done == trace[1]:
-          jax.block_until_ready(state)
-          jax.profiler.stop_trace()
-          tracing = False
-          logging.info("profile of updates %d-%d written to %s", *trace, os.path.join(workdir, "profile"))
-        progress.update(done)
-        if done % train_cfg.log_every == 0 or done == train_cfg.num_steps:
-          m, tok_last = jax.device_get(m), int(np.sum(jax.device_get(tokens_since_log)))
-          now = time.perf_counter()
-          rec = {"step": done, "objective": "trime" if use_trime else "ce", "loss": float(m["loss"]),
-                 "ce_nll": float(m["ce_nll"]), "trime_nll": float(m["trime_nll"]),
-                 "ppl": math.exp(min(float(m["ce_nll"]), 50.0)), "grad_norm": float(m["grad_norm"]),
-                 "lr": float(schedule(step)), "tokens_per_s": tok_last / (now - t_last),
-                 "skipped": int(m["skipped"])}
-          t_last, tokens_since_log = now, []
-          if not math.isfinite(rec["loss"]):
-            ckpt.finish(mgr)
-            kept = mgr.latest_step()
-            where = f"the last checkpoint (step {kept}) is intact in {mgr.directory}" if kept is not None else \
-                "no checkpoint had been written yet"
-            raise TrainingError(f"non-finite loss at step {done} (updates with a non-finite loss or gradient "
-                                f"are skipped, not applied); {where}. Lower train.learning_rate or enable "
-                                "clipping.")
-          metrics.write(rec)
-          _log(f"step {done:>6}/{train_cfg.num_steps} [{rec['objective']:>5}] loss {rec['loss']:.4f}"
-               f" | ce {rec['ce_nll']:.4f} | trime {rec['trime_nll']:.4f} | lr {rec['lr']:.2e}"
-               f" | |g| {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {progress.eta(done)}")
-          tb.scalars(done, {f"train/{k}": rec[k] for k in TB_TRAIN_SCALARS})
-          progress.update(done, loss=f"{rec['loss']:.4f}")
-          last = rec
-        if train_cfg.eval_every and done % train_cfg.eval_every == 0 and done != train_cfg.num_steps:
-          dev = _log_eval(graphdef, state["params"], splits.dev, config, done, metrics_path)
-          tb.scalars(done, {f"dev/{k}": v for k, v in dev.items() if k.endswith("_ppl")})
-          best.update(done, state["params"], dev)
-        saved = done % train_cfg.checkpoint_every == 0 or done == train_cfg.num_steps
-        if saved:
-          ckpt.save(mgr, done, state)
-          logging.info("checkpoint of update %d: saving to %s", done, mgr.directory)
-        if preemption.reached(done) and done < train_cfg.num_steps:
-          if not saved:
-            ckpt.save(mgr, done, state)
-          ckpt.finish(mgr)
-          logging.info("preemption signal: checkpoint of update %d saved, stopping", done)
-          raise Preempted(done, mgr.directory)
-  except BaseException:
-    tb.close()
-    raise
-  finally:
-    progress.close()
-    if tracing:
-      jax.profiler.stop_trace()
-  ckpt.finish(mgr)  # the last save complete and its digest written
-
-  params = host_copy(state["params"])
-  # A rerun of a finished training reuses its final dev line instead of appending a duplicate.
-  final = (start == train_cfg.num_steps and _logged_eval(metrics_path, start)) or \
-      _log_eval(graphdef, params, splits.dev, config, int(state["step"]), metrics_path)
-  export_dir = os.path.abspath(os.path.join(workdir, "export"))
-  ckpt.export(export_dir, params, config, vocab,  # every process: orbax synchronises them
-              extra={"step": int(state["step"]), "train_fingerprint": splits.train.fingerprint()})
-  _log(f"exported {export_dir}")
-  best.update(int(state["step"]), params, final)
-  tb.scalars(int(state["step"]), {f"dev/{k}": v for k, v in final.items() if k.endswith("_ppl")})
-  tb.close()
-  return {"train": last, "dev": final, "export": export_dir, "num_params": n_params}
+       f"{len(task.source.segments):,} segments of {config.data.segment_len} | memory={spec.objective.memory} | "
+       f"CE warm-up {task.warm} updates | devices {mesh.size}")
+  out = loop.run(task, state, loop.LoopSpec.from_train(train_cfg), workdir, schedule=schedule, config=config,
+                 place=lambda s: jax.device_put(s, repl), log=_log)
+  return {**out, "num_params": n_params}
 
 
-def _logged_eval(metrics_path: str, step: int) -> dict | None:
-  """The dev-evaluation line of `step` in metrics.jsonl, if there is one."""
-  return workdir_files.MetricsFile(metrics_path).find(step, "dev")
+class LMTask(loop.Task):
+  """The language model's part of the training loop (`runtime.loop`): batches of segments placed on the mesh
+  (each process loads only its rows), the train step (the sharded TRIME loss on a >1-device mesh), dev
+  perplexity without memory and, for TRIME models, with local memory at τ=1, and `checkpoint.export`."""
 
+  eval_split = "dev"
 
-def _log_eval(graphdef, params, corpus, config, step, metrics_path) -> dict:
-  """Dev perplexity during training: vanilla scoring and, for TRIME models, local memory at τ=1."""
-  e = config.eval
-  points = (evaluate.NONE,) + ((evaluate.Point("trime_local", tau=1.0),) if config.trime.memory != "none" else ())
-  res = evaluate.evaluate(graphdef, params, corpus, points, block_len=e.block_len, context_window=e.context_window,
-                          streams=e.batch_size, vocab_chunk=config.train.vocab_chunk,
-                          max_tokens=config.train.eval_max_tokens).scores
-  out = {"step": step, "split": "dev", **{f"{x.name}_ppl": x.ppl for x in res}, "tokens": res[0].tokens}
-  workdir_files.MetricsFile(metrics_path, enabled=chief()).write(out)
-  _log(f"eval step {step}: " + " | ".join(f"{x.name} ppl {x.ppl:.3f}" for x in res) + f" ({res[0].tokens:,} tokens)")
-  return out
+  def __init__(self, config, splits, graphdef, tx, spec, mesh):
+    self.config, self.splits, self.graphdef, self.tx, self.spec, self.mesh = config, splits, graphdef, tx, spec, mesh
+    self.best_metric = best_metric(config)
+    self.warm = ce_warmup_steps(config)
+    self.report_trime = spec.objective.memory != "none"
+    self.source = BatchSource(splits.train, config)
+    data_sh = sharding.batch_sharding(mesh, batch_axis=1)
+    train_cfg = config.train
+    tokens_shape = (train_cfg.grad_accum, train_cfg.batch_size, config.data.segment_len)
+    self.keys = ("inputs", "targets", "drop_local") + (("documents",) if self.source.with_documents else ()) + \
+        (("reset",) if self.source.with_reset else ())
+    self.shardings = {k: data_sh for k in self.keys}
+    shapes = {"inputs": tokens_shape, "targets": tokens_shape, "drop_local": tokens_shape[:2],
+              "documents": tokens_shape, "reset": tokens_shape[:2]}
+    self.global_shapes = {k: shapes[k] for k in self.keys}
+    # Each process loads only the rows its own devices hold (all of them when there is one process).
+    self.rows = distributed.process_rows(data_sh, tokens_shape, axis=1)
+    self._fns = {}
+
+  def objective(self, step: int) -> str:
+    return "trime" if self.report_trime and step >= self.warm else "ce"
+
+  def step_fn(self, objective: str):
+    if objective not in self._fns:
+      # On a >1-device mesh the TRIME loss inside is the sharded one (explicit collectives over `data`).
+      fn = functools.partial(steps.train_step, self.graphdef, self.tx, self.spec, objective == "trime",
+                             self.report_trime, mesh=self.mesh)
+      repl = sharding.replicated(self.mesh)
+      self._fns[objective] = jax.jit(fn, in_shardings=(repl, self.shardings, repl), out_shardings=(repl, repl),
+                                     donate_argnums=(0,))
+    return self._fns[objective]
+
+  def batch(self, step: int) -> dict:
+    local = self.source(step, self.rows)
+    return {k: distributed.global_array(self.shardings[k], v, self.global_shapes[k]) for k, v in local.items()}
+
+  def evaluate(self, step: int, params) -> dict:
+    """Dev perplexity during training: vanilla scoring and, for TRIME models, local memory at τ=1."""
+    del step
+    e, train_cfg = self.config.eval, self.config.train
+    points = (evaluate.NONE,) + ((evaluate.Point("trime_local", tau=1.0),) if self.report_trime else ())
+    res = evaluate.evaluate(self.graphdef, params, self.splits.dev, points, block_len=e.block_len,
+                            context_window=e.context_window, streams=e.batch_size, vocab_chunk=train_cfg.vocab_chunk,
+                            max_tokens=train_cfg.eval_max_tokens).scores
+    return {**{f"{x.name}_ppl": x.ppl for x in res}, "tokens": res[0].tokens}
+
+  def describe_eval(self, dev: dict) -> str:
+    return " | ".join(f"{k[:-4]} ppl {v:.3f}" for k, v in dev.items() if k.endswith("_ppl")) + \
+        f" ({dev['tokens']:,} tokens)"
+
+  def export(self, directory: str, params, extra: dict) -> str:
+    # every process: orbax synchronises them
+    return ckpt.export(directory, params, self.config, self.splits.vocab,
+                       extra={**extra, "train_fingerprint": self.splits.train.fingerprint()})

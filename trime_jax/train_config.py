@@ -19,7 +19,6 @@ from trime_jax.runtime.config import check_train_section, choice as _choice
 
 BATCHINGS = ("random", "consecutive", "bm25")
 CONSECUTIVE_LAYOUTS = ("stream", "packed")
-PROGRESS = ("auto", "bar", "log")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -61,10 +60,8 @@ def validate_config(config) -> None:
   _choice(t.memory_grad, sharded_loss.MEMORY_GRADS, "trime.memory_grad")
   if t.get("memory_grad_group_rows", 0) < 0:
     raise ConfigError(f"trime.memory_grad_group_rows must be >= 0, got {t.memory_grad_group_rows}")
-  _choice(train_cfg.progress, PROGRESS, "train.progress")
   _check_backbone(config)
   check_speed_options(config)
-  profile_steps(train_cfg)
   _check_ranges(config)
 
 
@@ -108,25 +105,6 @@ def check_speed_options(config) -> None:
   if problem:
     raise ConfigError(problem)
   model_lib.check_attention_backend(impl)
-
-
-def profile_steps(train_cfg) -> tuple[int, int] | None:
-  """`train.profile_steps` as (first, last) updates to trace, 1-based and inclusive like the log lines'
-  numbers ("10,12": updates 10, 11 and 12; "10": update 10 only), or None when it is empty."""
-  text = str(train_cfg.profile_steps).strip()
-  if not text:
-    return None
-  try:
-    parts = [int(x) for x in text.split(",")]
-  except ValueError:
-    parts = []
-  if len(parts) not in (1, 2):
-    raise ConfigError(f"train.profile_steps must be 'FIRST,LAST' or 'STEP' (update numbers), got {text!r}")
-  first, last = parts[0], parts[-1]
-  if not 1 <= first <= last <= train_cfg.num_steps:
-    raise ConfigError(f"train.profile_steps={text!r} must satisfy 1 <= first <= last <= train.num_steps="
-                      f"{train_cfg.num_steps}")
-  return first, last
 
 
 def _check_ranges(config) -> None:

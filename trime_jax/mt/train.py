@@ -7,17 +7,19 @@ local or long-term memory). Padding targets are -1: never scored, never memory. 
 loss is `sharded_loss.sharded_trime_nll_from_vocab_stats` (rows sharded over `data`). The first
 `trime.ce_warmup_steps` updates train plain CE.
 
-Shared with the LM trainer through the training runtime (`trime_jax/runtime/`): the optimizer and schedule,
-preemption (`Preempted`), the workdir's lock, metrics truncation; and `checkpoint.manager / save / finish /
-restore_latest / abstract` (step digests, fallback), `check_resume_config` (the stored config.json compared
-with the LM trainer's rules: train.allow_config_change) and `check_export_target`. Resumable: rerunning
-the same command continues from the newest checkpoint; the batch of update s is a function of s
-(`batching.Plan.batch_at`). SIGTERM finishes the current update, checkpoints it and raises `Preempted`. One run
-per workdir (a second raises LockedError naming the process).
+The loop is the LM trainer's (`runtime.loop.run`, with `MTTask` below): resuming from the newest checkpoint
+(rerunning the same command continues; the batch of update s is a function of s, `batching.Plan.batch_at`),
+metrics lines, TensorBoard / W&B, the progress bar, profiling, SIGTERM (checkpoint, then `Preempted`), a
+non-finite loss (`TrainingError`), best-export keeping (`train.keep_best`, by valid ce_ppl), `train.stop_after`,
+the final evaluation and the export. Also shared: the optimizer and schedule, the workdir's lock,
+`checkpoint.check_resume_config` (the stored config.json compared with the LM trainer's rules:
+train.allow_config_change) and `check_export_target`. One run per workdir (a second raises LockedError naming
+the process).
 
 Writes `<workdir>/`: config.json, plan.npz (the batch plan), checkpoints/, metrics.jsonl (train lines and
-`{"split": "valid", ...}` dev lines: CE nll/ppl, and TRIME nll/ppl with in-batch memory for memory=ext), and
-`export/` (params + config + the subword model, atomic; `mt.export.load_mt_export`).
+`{"split": "valid", ...}` dev lines: CE nll/ppl, and TRIME nll/ppl with in-batch memory for memory=ext), tb/,
+`export/` (params + config + the subword model, atomic; `mt.export.load_mt_export`) and, with train.keep_best,
+`best/` (the same layout).
 """
 
 from __future__ import annotations
@@ -41,16 +43,16 @@ from trime_jax import scoring
 from trime_jax import sharded_loss
 from trime_jax import sharding
 from trime_jax import specs
-from trime_jax.errors import TrainingError
+from trime_jax.runtime import loop
 from trime_jax.runtime import workdir as workdir_files
 from trime_jax.runtime.optim import make_optimizer
-from trime_jax.runtime.preemption import Preempted, PreemptionWatch
+from trime_jax.runtime.progress import say
 from trime_jax.mt import batching
 from trime_jax.mt import data as mt_data
 from trime_jax.mt import model as mt_model
 from trime_jax.mt import export as mt_export
 
-from trime_jax.mt.train_config import MEMORIES, pack_len_of, validate_config  # noqa: F401 - also mt.train.*
+from trime_jax.mt.train_config import pack_len_of, validate_config
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -213,7 +215,7 @@ def load_plan(workdir: str, pairs, config) -> batching.Plan:
   return plan
 
 
-def train_and_evaluate(config, workdir: str, *, log=print) -> dict:
+def train_and_evaluate(config, workdir: str, *, log=say) -> dict:
   """Train (or resume) in `workdir`, evaluate on valid, export. Returns the final metrics."""
   validate_config(config)
   mt_data.resolve_data_path(config)
@@ -227,115 +229,81 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
   # resumed run whose training fields changed without train.allow_config_change), naming the fields.
   ckpt.check_resume_config(workdir, config, write=False)
   vocab = mt_data.load_vocab(config)
-  # export/ holds this run's export or nothing: refused now, not after training (checkpoint.write_export's rule).
-  ckpt.check_export_target(os.path.join(workdir, "export"), config, vocab,
-                           meta={"vocab_fingerprint": vocab.fingerprint()})
+  # export/ and best/ hold this run's exports or nothing: refused now, not after training.
+  for name in ("export", "best"):
+    ckpt.check_export_target(os.path.join(workdir, name), config, vocab, meta={"vocab_fingerprint": vocab.fingerprint()})
   ckpt.check_resume_config(workdir, config)  # nothing was refused: the run starts; config.json says what ran
   train_pairs = mt_data.load_parallel(config, "train", vocab)
   valid_pairs = mt_data.load_parallel(config, "valid", vocab)
   plan = load_plan(workdir, train_pairs, config)
   r = config.train
   mesh = sharding.make_mesh(r.num_devices)
-  pack_len = pack_len_of(config)
   # The typed specs, made once from the config (`specs`); what lies below takes only these.
   spec, mcfg = specs.objective_spec(config), specs.mt_model_config(config, vocab_size=vocab.size)
   model = mt_model.build_mt_model(mcfg, int(r.seed))
   graphdef, params = nnx.split(model, nnx.Param)
   tx, schedule = make_optimizer(r)
   state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
-  mgr = ckpt.manager(os.path.join(workdir, "checkpoints"), int(r.keep_checkpoints))
-  restored_step, restored = ckpt.restore_latest(mgr, ckpt.abstract(state), log=log)
-  metrics_path = os.path.join(workdir, "metrics.jsonl")
-  # Lines past the checkpoint resumed from (step 0 without one: stopped before the first) are written again.
-  metrics = workdir_files.MetricsFile(metrics_path)
-  metrics.truncate(restored_step or 0)
-  if restored is not None:
-    state = restored
-    log(f"resumed from update {restored_step}")
-  warm = int(config.trime.ce_warmup_steps)
-  eval_spec = spec
+  task = MTTask(config, graphdef, spec, mesh, plan, train_pairs, valid_pairs, vocab)
   n_params = mt_model.count_params(params)
   log(f"mt model: {n_params:,} parameters | vocab {vocab.size:,} ({vocab.kind}) | train pairs {len(train_pairs):,} | "
       f"{plan.num_batches:,} batches/epoch ({config.trime.batching}, shapes {plan.header['shapes']}) | "
-      f"memory={spec.memory} | CE warm-up {warm} | devices {mesh.size}")
+      f"memory={spec.memory} | CE warm-up {task.warm} | devices {mesh.size}")
   if "neighbour_in_batch" in plan.header:
     log(f"bm25 plan: top-k neighbours in the same batch {plan.header['neighbour_in_batch']:.1%} "
         f"(random batches {plan.header['neighbour_in_batch_random']:.1%})")
+  out = loop.run(task, state, loop.LoopSpec.from_train(r, total=task.total), workdir, schedule=schedule,
+                 config=config, log=log)
+  return {**out, "num_params": n_params}
 
-  train_json = json.dumps(json.loads(r.to_json_best_effort()), sort_keys=True)
-  t = config.trime
-  sharded = (mesh, str(t.sharded_variant), str(t.memory_grad)) if mesh.size > 1 else None
-  step_fn = lambda use_trime: _step_fn(graphdef, train_json, spec, use_trime, sharded)
 
-  base_key = jax.random.PRNGKey(int(r.seed))
-  start = int(state["step"])
-  tokens_of = plan_target_tokens(train_pairs, plan)
-  total = total_updates(plan, tokens_of, int(r.num_steps), int(r.get("target_token_budget", 0)))
-  seen = sum(int(tokens_of[plan.batch_at(s)]) for s in range(start))  # target tokens trained on so far
-  stop = total if not r.stop_after else min(total, start + int(r.stop_after))
-  last, tok_last, n_last = {}, 0, 0
-  # Throughput excludes updates that compiled a new (objective, shape) program: timed per update (the CPU and
-  # accelerator backends both run asynchronously, so each update is waited for; it costs no throughput).
-  compiled, step_s, compile_s = set(), 0.0, 0.0
-  with PreemptionWatch(mgr) as preemption:
-    for step in range(start, stop):
-      use_trime = spec.memory != "none" and step >= warm
-      b = batching.collate_batch(train_pairs, plan, plan.batch_at(step), pack_len=pack_len)
-      if mesh.size > 1 and b["src"].shape[0] % mesh.size:  # rows must split over the devices
-        pad = mesh.size - b["src"].shape[0] % mesh.size
-        b = {k: np.pad(v, ((0, pad), (0, 0)), constant_values=(-1 if k == "targets" else 0)) for k, v in b.items()}
-      t0 = time.perf_counter()
-      state, m = step_fn(use_trime)(state, b, jax.random.fold_in(base_key, step))
-      jax.block_until_ready(m["loss"])
-      dt = time.perf_counter() - t0
-      done = step + 1
-      seen += int(tokens_of[plan.batch_at(step)])
-      key = (use_trime, b["src"].shape)
-      if key in compiled:
-        step_s += dt
-        tok_last += int((b["targets"] >= 0).sum())
-        n_last += 1
-      else:
-        compiled.add(key)
-        compile_s += dt
-      if done % int(r.log_every) == 0 or done == stop:
-        m = jax.device_get(m)
-        loss_v = float(m["loss"])
-        if not math.isfinite(loss_v):
-          ckpt.finish(mgr)  # the saves before it complete and sealed, as the LM trainer does
-          kept = mgr.latest_step()
-          where = f"the last checkpoint (update {kept}) is intact in {mgr.directory}" if kept is not None else \
-              "no checkpoint had been written yet"
-          raise TrainingError(f"non-finite loss at update {done} (updates with a non-finite loss or gradient are "
-                              f"skipped, not applied); {where}. Lower train.learning_rate or set train.clip_norm.")
-        last = {"step": done, "loss": loss_v, "ce_nll": float(m["ce_nll"]), "trime_nll": float(m["trime_nll"]),
-                "grad_norm": float(m["grad_norm"]), "lr": float(schedule(step)), "objective": "trime" if use_trime
-                else "ce", "tokens_per_s": round(tok_last / step_s, 1) if step_s else None, "timed_updates": n_last,
-                "compile_s": round(compile_s, 1), "target_tokens_seen": seen, "skipped": int(m["skipped"])}
-        metrics.write(last)
-        log(f"update {done}: loss {loss_v:.4f} ce {last['ce_nll']:.4f} trime {last['trime_nll']:.4f} "
-            f"lr {last['lr']:.2e} {last['tokens_per_s'] or 0:.0f} target tok/s (+{compile_s:.0f} s compiling)")
-        tok_last, n_last, step_s = 0, 0, 0.0
-      if r.eval_every and done % int(r.eval_every) == 0 and done < total:
-        ev = evaluate(graphdef, state["params"], valid_pairs, config, eval_spec, max_pairs=int(r.eval_max_pairs))
-        metrics.write({"step": done, "split": "valid", **ev})
-        log(f"valid at {done}: {ev}")
-      preempted = preemption.reached(done)
-      if done % int(r.checkpoint_every) == 0 or done == stop or preempted:
-        ckpt.save(mgr, done, state)
-      if preempted and done < total:
-        ckpt.finish(mgr)
-        raise Preempted(done, mgr.directory)
-    ckpt.finish(mgr)  # the last save complete and its digest written
-    end = int(state["step"])
-    if end < total:
-      log(f"stopped after update {end} (train.stop_after={r.stop_after}); rerun to continue")
-      return {"train": last, "step": end}
-    ev = evaluate(graphdef, state["params"], valid_pairs, config, eval_spec, max_pairs=int(r.eval_max_pairs))
-    if metrics.find(end, "valid") is None:  # a rerun of a finished run writes no duplicate
-      metrics.write({"step": end, "split": "valid", **ev})
-  export_dir = mt_export.export_mt(os.path.join(workdir, "export"), jax.device_get(state["params"]), config, vocab,
-                                   extra={"step": end, "valid": ev, "plan": {k: plan.header[k] for k in
-                                                                             ("order", "num_batches")}})
-  log(f"valid: {ev}\nexported {export_dir}")
-  return {"train": last, "valid": ev, "export": export_dir, "num_params": n_params, "step": end}
+class MTTask(loop.Task):
+  """Translation's part of the training loop (`runtime.loop`): the plan's batches (a function of the update),
+  padded to split over the devices; the update of `train_step`; valid CE (and TRIME with in-batch memory) nll and
+  perplexity; `mt.export.export_mt`. The run ends at train.num_steps or when train.target_token_budget target
+  tokens were trained on (`total_updates`); train lines add target_tokens_seen."""
+
+  eval_split = "valid"
+  best_metric = "ce_ppl"  # the model's own distribution: every decoding mode (beam, kNN-MT, TRIME) starts from it
+
+  def __init__(self, config, graphdef, spec, mesh, plan, train_pairs, valid_pairs, vocab):
+    self.config, self.graphdef, self.spec, self.mesh, self.plan = config, graphdef, spec, mesh, plan
+    self.train_pairs, self.valid_pairs, self.vocab = train_pairs, valid_pairs, vocab
+    r, t = config.train, config.trime
+    self.warm = int(t.ce_warmup_steps)
+    self.pack_len = pack_len_of(config)
+    tokens_of = plan_target_tokens(train_pairs, plan)
+    self.total = total_updates(plan, tokens_of, int(r.num_steps), int(r.get("target_token_budget", 0)))
+    # Target tokens trained on after each update (the plan fixes every batch).
+    self.seen = np.cumsum([int(tokens_of[plan.batch_at(s)]) for s in range(self.total)])
+    self.train_json = json.dumps(json.loads(r.to_json_best_effort()), sort_keys=True)
+    self.sharded = (mesh, str(t.sharded_variant), str(t.memory_grad)) if mesh.size > 1 else None
+
+  def objective(self, step: int) -> str:
+    return "trime" if self.spec.memory != "none" and step >= self.warm else "ce"
+
+  def step_fn(self, objective: str):
+    return _step_fn(self.graphdef, self.train_json, self.spec, objective == "trime", self.sharded)
+
+  def batch(self, step: int) -> dict:
+    b = batching.collate_batch(self.train_pairs, self.plan, self.plan.batch_at(step), pack_len=self.pack_len)
+    if self.mesh.size > 1 and b["src"].shape[0] % self.mesh.size:  # rows must split over the devices
+      pad = self.mesh.size - b["src"].shape[0] % self.mesh.size
+      b = {k: np.pad(v, ((0, pad), (0, 0)), constant_values=(-1 if k == "targets" else 0)) for k, v in b.items()}
+    return b
+
+  def evaluate(self, step: int, params) -> dict:
+    del step
+    return evaluate(self.graphdef, params, self.valid_pairs, self.config, self.spec,
+                    max_pairs=int(self.config.train.eval_max_pairs))
+
+  def describe_eval(self, dev: dict) -> str:
+    return " | ".join(f"{k} {v:.3f}" for k, v in dev.items() if k.endswith(("_nll", "_ppl"))) + \
+        f" ({dev['tokens']:,} target tokens, {dev['pairs']:,} pairs)"
+
+  def export(self, directory: str, params, extra: dict) -> str:
+    return mt_export.export_mt(directory, params, self.config, self.vocab,
+                               extra={**extra, "plan": {k: self.plan.header[k] for k in ("order", "num_batches")}})
+
+  def record(self, done: int) -> dict:
+    return {"target_tokens_seen": int(self.seen[done - 1])}

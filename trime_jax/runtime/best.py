@@ -10,18 +10,16 @@ import jax
 import numpy as np
 from absl import logging
 
-from trime_jax import checkpoint as ckpt
 
 
 class BestKeeper:
-  """Exports the parameters with the lowest dev perplexity so far to `directory` (same layout as
-  `<workdir>/export`, meta.json adds step, best_metric and dev_ppl). The best so far is read back from
-  meta.json, so a resumed run keeps comparing against it; runs are deterministic, so a best written past
-  the resumed checkpoint is the state the resumed run reaches again."""
+  """Exports the parameters with the lowest dev perplexity so far to `directory` with the task's `export(directory,
+  params, extra)` (the layout of `<workdir>/export`; meta.json adds step, best_metric and dev_ppl). The best so
+  far is read back from meta.json, so a resumed run keeps comparing against it; runs are deterministic, so a best
+  written past the resumed checkpoint is the state the resumed run reaches again."""
 
-  def __init__(self, directory: str, enabled: bool, metric: str, config, vocab, extra: dict):
-    self.directory, self.enabled, self.metric = directory, enabled, metric
-    self.config, self.vocab, self.extra = config, vocab, extra
+  def __init__(self, directory: str, enabled: bool, metric: str, export):
+    self.directory, self.enabled, self.metric, self.export = directory, enabled, metric, export
     self.ppl = math.inf
     meta = os.path.join(directory, "meta.json")
     if enabled and os.path.exists(meta):
@@ -32,8 +30,7 @@ class BestKeeper:
     ppl = dev.get(self.metric, math.nan)
     if not (self.enabled and ppl < self.ppl):  # NaN never wins
       return
-    ckpt.export(self.directory, host_copy(params), self.config, self.vocab,
-                extra={**self.extra, "step": step, "best_metric": self.metric, "dev_ppl": ppl})
+    self.export(self.directory, host_copy(params), {"step": step, "best_metric": self.metric, "dev_ppl": ppl})
     self.ppl = ppl
     logging.info("best dev %s %.4f at update %d: exported to %s", self.metric, ppl, step, self.directory)
 

@@ -10,6 +10,15 @@ from absl import logging
 from trime_jax.runtime.workdir import chief
 
 
+def say(line: str) -> None:
+  """A log line on stdout from process 0, printed above the progress bar when one is drawn."""
+  if chief():
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()
+
+
 def _hms(seconds: float) -> str:
   seconds = int(round(seconds))
   return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
