@@ -6,7 +6,8 @@
 
 Rerunning the same command resumes from the newest checkpoint in the workdir (`--config.train.stop_after=N`
 trains at most N updates per invocation). SIGTERM checkpoints the current update and exits with status 143.
-Exit status 0: trained, evaluated on valid and exported to <workdir>/export (trime_jax.mt.export.load_mt_export).
+Exit status 0: trained, evaluated on valid and exported to <workdir>/export (trime_jax.mt.export.load_mt_export);
+with train.keep_best, the lowest-valid-perplexity parameters to <workdir>/best. TensorBoard: <workdir>/tb.
 `--workdir` is required; one run per workdir (a second exits with status 2 naming the process that holds it);
 Ctrl-C exits with status 130 saying which checkpoint (if any) is on disk to resume from.
 """
@@ -36,7 +37,7 @@ def main(argv):
     raise ConfigError("--workdir is required: the run directory for checkpoints, metrics.jsonl and export/ "
                       "(e.g. --workdir=runs/ui_vanilla); rerunning with the same --workdir resumes")
   try:
-    train_and_evaluate(_CONFIG.value, workdir, log=lambda s: print(s, flush=True))
+    train_and_evaluate(_CONFIG.value, workdir)  # lines on stdout from process 0, above a progress bar
   except Preempted as e:
     print(e, file=sys.stderr, flush=True)
     sys.exit(PREEMPTED_EXIT_CODE)
