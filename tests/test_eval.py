@@ -108,7 +108,7 @@ def test_single_window_variants_match_direct_float64_computation():
   (graphdef, params), model = _tiny_model()
   taus, cache = (0.7, 1.0), ((0.2, 0.5), (0.05, 2.0))
   points = [evaluate.NONE] + [evaluate.Point("trime_local", tau=t) for t in taus] + [
-      evaluate.Point("cache", lam=lam, theta=theta) for lam, theta in cache]
+      evaluate.Point("cache", cache_lambda=lam, cache_theta=theta) for lam, theta in cache]
   res = evaluate.evaluate(graphdef, params, corpus, points, block_len=32, context_window=0, streams=2).scores
   assert [r.tokens for r in res] == [30] * 5
 

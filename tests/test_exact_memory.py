@@ -41,10 +41,11 @@ def eight_devices():
 
 def _points(tau=0.8, tau_prime=2.0, lam_i=0.3, lam_k=0.25, theta=1.5):
   P = evaluate.Point
-  return [evaluate.NONE, P("cache", lam=lam_k, theta=theta), P("trime_local", tau=tau), P("trime", tau=tau),
-          P("interp", tau=tau, tau_prime=tau_prime, lam=lam_i, interp_memory="all"),
-          P("interp", tau=tau, tau_prime=tau_prime, lam=lam_i, interp_memory="external"),
-          P("knnlm", lam=lam_k, theta=theta), P("knnlm_cache", lam=lam_k, theta=theta)]
+  return [evaluate.NONE, P("cache", cache_lambda=lam_k, cache_theta=theta), P("trime_local", tau=tau),
+          P("trime", tau=tau),
+          P("interp", tau=tau, tau_prime=tau_prime, knn_lambda=lam_i, interp_memory="all"),
+          P("interp", tau=tau, tau_prime=tau_prime, knn_lambda=lam_i, interp_memory="external"),
+          P("knnlm", knn_lambda=lam_k, knn_theta=theta), P("knnlm_cache", knn_lambda=lam_k, knn_theta=theta)]
 
 
 def test_on_device_exact_equals_faiss_flat_with_k_the_datastore_and_brute_force(setup):  # noqa: F811
@@ -53,8 +54,8 @@ def test_on_device_exact_equals_faiss_flat_with_k_the_datastore_and_brute_force(
   assert store.count == len(s["train"]) and store.k == store.count
   np.testing.assert_array_equal(np.asarray(store.keys), np.asarray(s["ds"].keys))
   # Several settings per family: the exact path sums at every scale the points read (1/τ, 1/τ′, θ).
-  points = _points() + [evaluate.Point("trime", tau=2.5), evaluate.Point("knnlm", lam=0.4, theta=0.3),
-                        evaluate.Point("interp", tau=1.3, tau_prime=0.5, lam=0.2, interp_memory="external")]
+  points = _points() + [evaluate.Point("trime", tau=2.5), evaluate.Point("knnlm", knn_lambda=0.4, knn_theta=0.3),
+                        evaluate.Point("interp", tau=1.3, tau_prime=0.5, knn_lambda=0.2, interp_memory="external")]
   run = lambda ext, streams: evaluate.evaluate(s["graphdef"], s["params"], s["dev"], points, block_len=BLOCK,
                                                context_window=CTX, streams=streams, external=ext)
   exact = run(store, 2)
@@ -139,8 +140,9 @@ def test_on_device_exact_with_local_families_at_scales_no_external_family_reads(
   s = setup
   store = exact_memory.load_datastore(s["ds"], sharding.make_mesh(1))
   P = evaluate.Point
-  points = [evaluate.NONE, P("trime_local", tau=0.7), P("cache", lam=0.3, theta=1.1), P("trime", tau=2.5),
-            P("interp", tau=2.5, tau_prime=0.5, lam=0.2, interp_memory="all"), P("knnlm", lam=0.4, theta=0.3)]
+  points = [evaluate.NONE, P("trime_local", tau=0.7), P("cache", cache_lambda=0.3, cache_theta=1.1), P("trime", tau=2.5),
+            P("interp", tau=2.5, tau_prime=0.5, knn_lambda=0.2, interp_memory="all"),
+            P("knnlm", knn_lambda=0.4, knn_theta=0.3)]
   assert 1 / 0.7 not in evaluate.exact_scales(points) and 1.1 not in evaluate.exact_scales(points)
   run = lambda ext: evaluate.evaluate(s["graphdef"], s["params"], s["dev"], points, block_len=BLOCK,
                                       context_window=CTX, streams=2, external=ext)

@@ -91,10 +91,11 @@ def test_external_memory_equals_brute_force_over_the_whole_datastore(setup):
   ext = knn.ExternalMemory(str(s["tmp"] / "ds"), checkpoint_dir=s["export"], k=10_000)
   assert ext.k == len(s["train"])  # K covers the datastore
   P = evaluate.Point
-  v = [evaluate.NONE, P("cache", lam=lam_k, theta=theta), P("trime_local", tau=tau), P("trime", tau=tau),
-       P("interp", tau=tau, tau_prime=tau_prime, lam=lam_i, interp_memory="all"),
-       P("interp", tau=tau, tau_prime=tau_prime, lam=lam_i, interp_memory="external"),
-       P("knnlm", lam=lam_k, theta=theta), P("knnlm_cache", lam=lam_k, theta=theta)]
+  v = [evaluate.NONE, P("cache", cache_lambda=lam_k, cache_theta=theta), P("trime_local", tau=tau),
+       P("trime", tau=tau),
+       P("interp", tau=tau, tau_prime=tau_prime, knn_lambda=lam_i, interp_memory="all"),
+       P("interp", tau=tau, tau_prime=tau_prime, knn_lambda=lam_i, interp_memory="external"),
+       P("knnlm", knn_lambda=lam_k, knn_theta=theta), P("knnlm_cache", knn_lambda=lam_k, knn_theta=theta)]
   res = evaluate.evaluate(s["graphdef"], s["params"], s["dev"], v, block_len=BLOCK, context_window=CTX, streams=2,
                           external=ext)
   want, hits = _brute_force(s, tau, tau_prime, lam_i, lam_k, theta)
@@ -214,8 +215,8 @@ def test_both_interpolation_memories_with_top_k_and_long_term_memory_equal_brute
   ext = knn.ExternalMemory(str(s["tmp"] / "ds"), checkpoint_dir=s["export"], k=k)
   assert ext.k == k < len(s["train"]) // 5  # top-K of a larger datastore
   P = evaluate.Point
-  interp = [P("interp", tau=tau, tau_prime=tau_prime, lam=lam, interp_memory=m) for m in ("external", "all")]
-  v = [evaluate.NONE, P("trime", tau=tau), P("knnlm", lam=lam, theta=1 / tau_prime)] + interp
+  interp = [P("interp", tau=tau, tau_prime=tau_prime, knn_lambda=lam, interp_memory=m) for m in ("external", "all")]
+  v = [evaluate.NONE, P("trime", tau=tau), P("knnlm", knn_lambda=lam, knn_theta=1 / tau_prime)] + interp
   assert [p.name for p in interp] == ["interp(tau=0.8,tau_prime=0.5,lambda=0.35,interp_memory=external)",
                                       "interp(tau=0.8,tau_prime=0.5,lambda=0.35,interp_memory=all)"]
   long_term = evaluate.StoreSpec(mem_size, reset_at_documents, "disjoint")
@@ -237,7 +238,7 @@ def test_interp_memory_config():
   e = default.get_config().eval
   assert e.interp_memory == "external"  # the original release's P′ by default
   interp = lambda: evaluate.configured_points(e, ("interp",))[0]
-  assert interp() == evaluate.Point("interp", tau=e.tau, tau_prime=e.tau_prime, lam=e.knn_lambda,
+  assert interp() == evaluate.Point("interp", tau=e.tau, tau_prime=e.tau_prime, knn_lambda=e.knn_lambda,
                                     interp_memory="external")
   e.interp_memory = "all"
   assert interp().interp_memory == "all"
@@ -245,7 +246,7 @@ def test_interp_memory_config():
   with pytest.raises(ConfigError, match="interp_memory"):
     interp()
   with pytest.raises(ConfigError, match="interp_memory"):
-    evaluate.Point("interp", tau=1.0, tau_prime=1.0, lam=0.3)
+    evaluate.Point("interp", tau=1.0, tau_prime=1.0, knn_lambda=0.3)
 
 
 def test_knn_theta_and_cache_theta_are_two_fields():
@@ -257,9 +258,9 @@ def test_knn_theta_and_cache_theta_are_two_fields():
   with e.unlocked():
     e.knn_theta, e.cache_theta = 2.0, 3.0
   points = dict(zip(("cache", "knnlm", "knnlm_cache"), evaluate.configured_points(e, ("cache", "knnlm", "knnlm_cache"))))
-  assert (points["cache"].theta, points["knnlm"].theta, points["knnlm_cache"].theta) == (3.0, 2.0, 2.0)
+  assert (points["cache"].cache_theta, points["knnlm"].knn_theta, points["knnlm_cache"].knn_theta) == (3.0, 2.0, 2.0)
   stored = ml_collections.ConfigDict({k: v for k, v in e.to_dict().items() if k != "knn_theta"})
-  assert evaluate.configured_points(stored, ("knnlm",))[0].theta == 1.0
+  assert evaluate.configured_points(stored, ("knnlm",))[0].knn_theta == 1.0
   c = default.get_config()
   c.eval.knn_theta = 0.0
   with pytest.raises(ConfigError, match="eval.knn_theta must be > 0"):
@@ -269,12 +270,14 @@ def test_knn_theta_and_cache_theta_are_two_fields():
 def test_points_are_checked():
   with pytest.raises(ConfigError, match="unknown evaluation family"):
     evaluate.Point("knn")
-  with pytest.raises(ConfigError, match="theta"):
-    evaluate.Point("cache", lam=0.1)  # θ missing
+  with pytest.raises(ConfigError, match="cache_theta"):
+    evaluate.Point("cache", cache_lambda=0.1)  # θ missing
   with pytest.raises(ConfigError, match="tau"):
-    evaluate.Point("knnlm", lam=0.1, theta=1.0, tau=1.0)  # a parameter the family does not have
+    evaluate.Point("knnlm", knn_lambda=0.1, knn_theta=1.0, tau=1.0)  # a parameter the family does not have
+  with pytest.raises(ConfigError, match="knn_theta"):
+    evaluate.Point("knnlm", knn_lambda=0.1, cache_theta=1.0)  # the cache's θ is not kNN-LM's
   with pytest.raises(ConfigError, match="λ"):
-    evaluate.Point("cache", lam=1.0, theta=1.0)
+    evaluate.Point("cache", cache_lambda=1.0, cache_theta=1.0)
   with pytest.raises(ConfigError, match="> 0"):
     evaluate.Point("trime", tau=0.0)
   with pytest.raises(ConfigError, match="mem_size"):

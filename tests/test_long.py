@@ -270,7 +270,7 @@ BLOCK, CONTEXT = 16, 8
 TAUS = (0.4, 1.0)
 CACHE = ((0.2, 0.5), (0.3, 2.0))
 POINTS = ((evaluate.NONE,) + tuple(evaluate.Point("trime_local", tau=t) for t in TAUS)
-          + tuple(evaluate.Point("cache", lam=lam, theta=theta) for lam, theta in CACHE))
+          + tuple(evaluate.Point("cache", cache_lambda=lam, cache_theta=theta) for lam, theta in CACHE))
 
 
 def _lines_corpus(seed=4):
@@ -439,6 +439,18 @@ def test_stream_schedule_scores_every_window_once(streams, mem_size, reset):
       if reset:
         lo = max(lo, corpus.doc_starts[doc[wins[k].score_start]])
       assert wins[run[0]].score_start <= lo or run[0] == 0
+
+
+def test_sweep_table_reads_rows_written_before_the_config_names():
+  """Rows of --output files written while evaluate.Point's λ / θ were the family-generic `lam` / `theta` read as
+  rows with the config's names (cache_lambda, cache_theta, knn_lambda, knn_theta) do: --include keeps working."""
+  new = [{"family": "cache", "params": {"cache_lambda": 0.3, "cache_theta": 1.0}, "nll": 1.0, "ppl": 2.0},
+         {"family": "knnlm", "params": {"knn_lambda": 0.25, "knn_theta": 0.5}, "nll": 1.0, "ppl": 2.0}]
+  old = [{"family": "cache", "params": {"lam": 0.3, "theta": 1.0}, "nll": 1.0, "ppl": 2.0},
+         {"family": "knnlm", "params": {"lam": 0.25, "theta": 0.5}, "nll": 1.0, "ppl": 2.0}]
+  assert sweep.sweep_table(old) == sweep.sweep_table(new)
+  assert "2.000 (lambda=0.3,theta=1)" in sweep.sweep_table(new) and "(lambda=0.25,theta=0.5)" in sweep.sweep_table(new)
+  assert evaluate.Point("knnlm", knn_lambda=0.25, knn_theta=0.5).name == "knnlm(lambda=0.25,theta=0.5)"
 
 
 def test_memory_size_sweep_table_and_plot(tmp_path):

@@ -247,10 +247,10 @@ def test_datastore_holds_the_originals_entries(datastore_fp32):
 # original mode -> the trime-jax point that reproduces it (τ′ and θ in our units: sim = g·g_j/√D, D = 64)
 EXT_POINTS = {
     "ext_flat_noint_T1.0_mem512": E.Point("trime", tau=1.0),
-    "ext_flat_T1.0_mem512_it10.5_l0.3": E.Point("interp", tau=1.0, tau_prime=10.5 / math.sqrt(64), lam=0.3,
+    "ext_flat_T1.0_mem512_it10.5_l0.3": E.Point("interp", tau=1.0, tau_prime=10.5 / math.sqrt(64), knn_lambda=0.3,
                                                 interp_memory="external"),
     # eval_lm.py --knnlm --lmbda 0.25 --softmax-temp 1 (IndexFlatIP, --no-load-keys): p_kNN ∝ exp(g·k_j / 1)
-    "knnlm_flat_k1024_l0.25": E.Point("knnlm", lam=0.25, theta=math.sqrt(64)),
+    "knnlm_flat_k1024_l0.25": E.Point("knnlm", knn_lambda=0.25, knn_theta=math.sqrt(64)),
 }
 
 

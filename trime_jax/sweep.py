@@ -24,10 +24,16 @@ def sweep_best(rows: list[dict]) -> dict:
   return best
 
 
+# Rows written before evaluate.Point's fields were named as the eval config's (cache_lambda, cache_theta,
+# knn_lambda, knn_theta) carry the family-generic keys lam and theta in `params`: --include files still read.
+_OLD_DISPLAY_NAMES = {"lam": "lambda", "theta": "theta"}
+
+
 def _params_text(row: dict) -> str:
   """The tuned parameters of a row, e.g. 'tau=1.25' (rows carry them typed: `params`)."""
   fmt = lambda v: v if isinstance(v, str) else f"{v:g}"
-  return ",".join(f"{evaluate.DISPLAY_NAMES[k]}={fmt(v)}" for k, v in row.get("params", {}).items())
+  names = {**_OLD_DISPLAY_NAMES, **evaluate.DISPLAY_NAMES}
+  return ",".join(f"{names[k]}={fmt(v)}" for k, v in row.get("params", {}).items())
 
 
 def sweep_table(rows: list[dict]) -> str:

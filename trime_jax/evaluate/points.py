@@ -27,10 +27,11 @@ from trime_jax.errors import ConfigError
 
 FAMILIES = ("none", "cache", "trime_local", "trime", "interp", "knnlm", "knnlm_cache")
 EXTERNAL_FAMILIES = ("trime", "interp", "knnlm", "knnlm_cache")
-# The parameters of each family, in display order (Point fields).
-FAMILY_PARAMS = {"none": (), "cache": ("lam", "theta"), "trime_local": ("tau",), "trime": ("tau",),
-                 "interp": ("tau", "tau_prime", "lam", "interp_memory"), "knnlm": ("lam", "theta"),
-                 "knnlm_cache": ("lam", "theta")}
+# The parameters of each family, in display order (Point fields, named as the eval config's fields).
+FAMILY_PARAMS = {"none": (), "cache": ("cache_lambda", "cache_theta"), "trime_local": ("tau",), "trime": ("tau",),
+                 "interp": ("tau", "tau_prime", "knn_lambda", "interp_memory"), "knnlm": ("knn_lambda", "knn_theta"),
+                 "knnlm_cache": ("knn_lambda", "knn_theta")}
+PARAMS = ("tau", "tau_prime", "cache_lambda", "cache_theta", "knn_lambda", "knn_theta", "interp_memory")
 # Memory of the interpolation's P′: the original release's (top-K retrieved only) | the paper's text (all memories).
 INTERP_MEMORIES = ("external", "all")
 # trime_jax.launch.eval's eval.memory: which family (besides `none`) it scores.
@@ -43,10 +44,13 @@ TAU_GRID = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0)
 TAU_PRIME_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)
 LAMBDA_GRID = (0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75)
 THETA_GRID = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
-GRIDS = {"tau": TAU_GRID, "tau_prime": TAU_PRIME_GRID, "lam": LAMBDA_GRID, "theta": THETA_GRID,
-         "interp_memory": INTERP_MEMORIES}
-DISPLAY_NAMES = {"tau": "tau", "tau_prime": "tau_prime", "lam": "lambda", "theta": "theta",
-                 "interp_memory": "interp_memory"}
+GRIDS = {"tau": TAU_GRID, "tau_prime": TAU_PRIME_GRID, "cache_lambda": LAMBDA_GRID, "cache_theta": THETA_GRID,
+         "knn_lambda": LAMBDA_GRID, "knn_theta": THETA_GRID, "interp_memory": INTERP_MEMORIES}
+# A parameter's name in a point's `name` (the result rows' "variant", printed tables, the docs' tables), e.g.
+# cache(lambda=0.3,theta=1), knnlm(lambda=0.3,theta=1): the family says which λ / θ, as in every result written
+# so far (kept so that old and new results compare by variant).
+DISPLAY_NAMES = {"tau": "tau", "tau_prime": "tau_prime", "cache_lambda": "lambda", "cache_theta": "theta",
+                 "knn_lambda": "lambda", "knn_theta": "theta", "interp_memory": "interp_memory"}
 
 
 
@@ -57,32 +61,34 @@ DISPLAY_NAMES = {"tau": "tau", "tau_prime": "tau_prime", "lam": "lambda", "theta
 class Point:
   """One family at one setting of its parameters (the others stay None).
 
-  `tau` and `tau_prime` are the config's eval.tau and eval.tau_prime. `lam` and `theta` are family-generic: the
-  family says which λ / θ a point holds (cache: eval.cache_lambda / eval.cache_theta; interp, knnlm,
-  knnlm_cache: eval.knn_lambda, the weight of the retrieved distribution, with eval.knn_theta for kNN-LM's θ;
-  kNN-MT's tuning reads θ as 1 / knn_mt_temperature)."""
+  Each field is the `eval` config field of the same name: cache points hold eval.cache_lambda and
+  eval.cache_theta; interp, knnlm and knnlm_cache points hold eval.knn_lambda (the weight of the retrieved
+  distribution), knnlm and knnlm_cache also eval.knn_theta (kNN-MT's tuning reads it as 1 / knn_mt_temperature)."""
 
   family: str
   tau: float | None = None  # τ on memory similarities (trime_local, trime, interp): eval.tau
   tau_prime: float | None = None  # τ′ of P′ (interp): P′ = p_mem at θ = 1/τ′; eval.tau_prime
-  lam: float | None = None  # mixture weight λ (cache: eval.cache_lambda; interp, knnlm, knnlm_cache: eval.knn_lambda)
-  theta: float | None = None  # p_mem(θ) ∝ Σ exp(θ·sim) (cache: eval.cache_theta; knnlm, knnlm_cache: eval.knn_theta)
+  cache_lambda: float | None = None  # the cache's mixture weight λ (cache): eval.cache_lambda
+  cache_theta: float | None = None  # the cache's p_mem(θ) ∝ Σ exp(θ·sim) (cache): eval.cache_theta
+  knn_lambda: float | None = None  # weight λ of the retrieved distribution (interp, knnlm, knnlm_cache): eval.knn_lambda
+  knn_theta: float | None = None  # kNN-LM's p_mem(θ) ∝ Σ exp(θ·sim) (knnlm, knnlm_cache): eval.knn_theta
   interp_memory: str | None = None  # memories of P′ (interp): "external" | "all"
 
   def __post_init__(self):
     if self.family not in FAMILIES:
       raise ConfigError(f"unknown evaluation family {self.family!r}: one of {FAMILIES}")
     needed = FAMILY_PARAMS[self.family]
-    for name in ("tau", "tau_prime", "lam", "theta", "interp_memory"):
+    for name in PARAMS:
       value = getattr(self, name)
       if (value is None) == (name in needed):
         raise ConfigError(f"{self.family} points take {needed or 'no parameters'}; {name}={value!r}")
     if self.interp_memory is not None and self.interp_memory not in INTERP_MEMORIES:
       raise ConfigError(f"interp_memory (eval.interp_memory) must be one of {INTERP_MEMORIES}, "
                         f"got {self.interp_memory!r}")
-    if self.lam is not None and not 0.0 < self.lam < 1.0:
-      raise ConfigError(f"λ of {self.family} must be in (0, 1), got {self.lam}")
-    for name in ("tau", "tau_prime", "theta"):
+    for name in ("cache_lambda", "knn_lambda"):
+      if getattr(self, name) is not None and not 0.0 < getattr(self, name) < 1.0:
+        raise ConfigError(f"λ ({name}) of {self.family} must be in (0, 1), got {getattr(self, name)}")
+    for name in ("tau", "tau_prime", "cache_theta", "knn_theta"):
       if getattr(self, name) is not None and not getattr(self, name) > 0:
         raise ConfigError(f"{name} of {self.family} must be > 0, got {getattr(self, name)}")
 
@@ -122,12 +128,13 @@ def grid(families) -> tuple[Point, ...]:
 
 def configured_points(e, families) -> tuple[Point, ...]:
   """One point per family from the `eval` config section (no tuning)."""
-  tau, lam = float(e.tau), float(e.knn_lambda)
+  tau, knn_lambda = float(e.tau), float(e.knn_lambda)
   knn_theta = float(e.get("knn_theta", 1.0))  # configs stored before the field: kNN-LM's θ was eval.cache_theta's 1
-  settings = {"none": {}, "cache": dict(lam=float(e.cache_lambda), theta=float(e.cache_theta)),
-              "trime_local": dict(tau=tau), "trime": dict(tau=tau), "knnlm": dict(lam=lam, theta=knn_theta),
-              "knnlm_cache": dict(lam=lam, theta=knn_theta),
-              "interp": dict(tau=tau, tau_prime=float(e.tau_prime), lam=lam, interp_memory=str(e.interp_memory))}
+  knn = dict(knn_lambda=knn_lambda, knn_theta=knn_theta)
+  settings = {"none": {}, "cache": dict(cache_lambda=float(e.cache_lambda), cache_theta=float(e.cache_theta)),
+              "trime_local": dict(tau=tau), "trime": dict(tau=tau), "knnlm": knn, "knnlm_cache": knn,
+              "interp": dict(tau=tau, tau_prime=float(e.tau_prime), knn_lambda=knn_lambda,
+                             interp_memory=str(e.interp_memory))}
   return tuple(Point(f, **settings[f]) for f in families)
 
 
@@ -155,7 +162,7 @@ def exact_scales(points) -> tuple:
     if pt.family == "interp":
       out.add(1.0 / pt.tau_prime)
     if pt.family in ("knnlm", "knnlm_cache"):
-      out.add(pt.theta)
+      out.add(pt.knn_theta)
   return tuple(sorted(out))
 
 
@@ -197,11 +204,12 @@ def point_nlls(stats, targets, local_blocks, ext_block, points):
       lt = once(("trime", "all", pt.tau), lambda: log_p_trime(blocks_of("all", 1.0 / pt.tau), pt.tau))
       lm, has = once(("mem", pt.interp_memory, 1.0 / pt.tau_prime),
                      lambda: scoring.log_p_mem(blocks_of(pt.interp_memory, 1.0 / pt.tau_prime), 1.0 / pt.tau_prime, targets))
-      lp = scoring.mix(lt, lm, has, pt.lam)
+      lp = scoring.mix(lt, lm, has, pt.knn_lambda)
     else:  # cache | knnlm | knnlm_cache: the model mixed with a memory-only distribution at θ
       which = {"cache": "local", "knnlm": "external", "knnlm_cache": "all"}[pt.family]
-      lm, has = once(("mem", which, pt.theta), lambda: scoring.log_p_mem(blocks_of(which, pt.theta), pt.theta, targets))
-      lp = scoring.mix(log_p_vocab, lm, has, pt.lam)
+      lam, theta = (pt.cache_lambda, pt.cache_theta) if pt.family == "cache" else (pt.knn_lambda, pt.knn_theta)
+      lm, has = once(("mem", which, theta), lambda: scoring.log_p_mem(blocks_of(which, theta), theta, targets))
+      lp = scoring.mix(log_p_vocab, lm, has, lam)
     out.append(-lp)
   return jnp.where(targets >= 0, jnp.stack(out), 0.0)
 

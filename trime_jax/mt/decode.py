@@ -515,10 +515,10 @@ def _setting(point: evaluate.Point, k: int) -> Distribution:
   if point.family == "none":
     return Distribution("model")
   if point.family == "knnlm":
-    return Distribution("knn_mt", k=k, knn_mt_temperature=1.0 / point.theta, knn_lambda=point.lam)
+    return Distribution("knn_mt", k=k, knn_mt_temperature=1.0 / point.knn_theta, knn_lambda=point.knn_lambda)
   if point.family == "trime":
     return Distribution("trime", k=k, tau=point.tau)
-  return Distribution("trime", k=k, tau=point.tau, knn_lambda=point.lam, tau_prime=point.tau_prime)
+  return Distribution("trime", k=k, tau=point.tau, knn_lambda=point.knn_lambda, tau_prime=point.tau_prime)
 
 
 def _nlls(tp: TunePass, points, k: int, metric: str):
@@ -545,7 +545,8 @@ def tune(tp: TunePass, *, modes=("knn_mt", "trime"), ks=KS, train_tau: float = 1
     if k > tp.ip.score.shape[1] and k > tp.l2.score.shape[1]:
       continue
     if "knn_mt" in modes:
-      pts = [evaluate.Point("knnlm", lam=lam, theta=1.0 / t) for t in KNN_T_GRID for lam in evaluate.LAMBDA_GRID]
+      pts = [evaluate.Point("knnlm", knn_lambda=lam, knn_theta=1.0 / t)
+             for t in KNN_T_GRID for lam in evaluate.LAMBDA_GRID]
       rows += [{"mode": "knn_mt", "k": k, "setting": _setting(p, k), "nll": float(v)}
                for p, v in zip(pts, _nlls(tp, pts, k, "l2"))]
     if "trime" in modes:
@@ -554,7 +555,7 @@ def tune(tp: TunePass, *, modes=("knn_mt", "trime"), ks=KS, train_tau: float = 1
       nll = _nlls(tp, pts, k, "ip")
       rows += [{"mode": "trime", "k": k, "setting": _setting(p, k), "nll": float(v)} for p, v in zip(pts, nll)]
       tau = pts[int(np.argmin(nll))].tau
-      pts = [evaluate.Point("interp", tau=tau, tau_prime=tp_, lam=lam, interp_memory="external")
+      pts = [evaluate.Point("interp", tau=tau, tau_prime=tp_, knn_lambda=lam, interp_memory="external")
              for tp_ in evaluate.TAU_PRIME_GRID for lam in evaluate.LAMBDA_GRID]
       rows += [{"mode": "trime_interp", "k": k, "setting": _setting(p, k), "nll": float(v)}
                for p, v in zip(pts, _nlls(tp, pts, k, "ip"))]
