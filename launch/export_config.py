@@ -10,7 +10,6 @@ know (a misspelling such as `eval.knn_kk` in a hand-edited config.json) is refus
 (`unknown_fields`, which the launch programs also apply when `--config` is given).
 """
 
-import json
 import os
 
 from trime_jax.configs import default
@@ -37,20 +36,16 @@ def check_stored_config(export_dir: str, stored: dict | None = None) -> dict:
   without a word. Translation exports are read by their own
   schema and only parsed here."""
   path = os.path.join(export_dir, "config.json")
-  if stored is None:
-    if not os.path.isfile(path):
-      raise CheckpointError(f"no stored config: {path} not found (give --config, or an export directory)")
-    try:
-      with open(path) as f:
-        stored = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-      raise CheckpointError(f"{path} is corrupt or truncated ({e})") from None
+  try:  # the one stored-config reader: missing / truncated files named; renamed fields under today's names
+    if stored is None:
+      stored = workdir.read_stored_config(path, "stored config (give --config, or an export directory):",
+                                          CheckpointError)
+    elif isinstance(stored, dict):
+      stored = workdir.migrate_config(stored, path)
+  except ConfigError as e:  # a field under both its old and new names, with different values
+    raise CheckpointError(str(e)) from None
   if not isinstance(stored, dict):
     raise CheckpointError(f"{path} is not a config (a JSON object)")
-  try:  # an export written before a field was renamed (workdir.RENAMED_FIELDS): read under today's names
-    stored = workdir.migrate_config(stored, path)
-  except ConfigError as e:
-    raise CheckpointError(str(e)) from None
   if not is_mt(stored):
     bad = unknown_fields(stored)
     if bad:
