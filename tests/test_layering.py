@@ -25,6 +25,7 @@ FLOORS = {
     "trime_jax.event_writer": 0, "trime_jax.long_memory": 0, "trime_jax.layers": 0, "trime_jax.corpora": 0,
     "trime_jax.tfds_builders": 0, "trime_jax.batching": 0, "trime_jax.runtime.lock": 0, "trime_jax.mt.data": 0,
     "trime_jax.mt.bleu": 0, "trime_jax.mt.batching": 0, "trime_jax.configs": 0,
+    "trime_jax.mt.decode.beam": 0,  # beam search over a callback: NumPy only (the rest of mt.decode is on 4)
     # 1: the scorer: TRIME's equation and its pieces
     "trime_jax.scoring": 1,
     # 2: objectives (a batch as its own memory) and models (tokens -> vocab stats and keys)

@@ -1,7 +1,8 @@
 """Decoding for translation, one job per module (every public name re-exported: `decode.X`):
 
-  search.py         greedy and beam search over a next-token callback (fairseq's SequenceGenerator semantics):
-                    SearchOptions, EVAL_SEARCH, Hypothesis, beam_search, greedy, search
+  beam.py           greedy and beam search over a next-token callback (fairseq's SequenceGenerator semantics):
+                    SearchOptions, EVAL_SEARCH, Hypothesis, beam_search, greedy, search (plain NumPy; not named
+                    search.py: the package's `search` is the function, which would hide a submodule so named)
   distributions.py  the next-token laws over retrieved entries, from the LM's scorer: trime_log_probs
                     (TrimeMT_ext, Appendix A's interpolation), knn_mt_log_probs (kNN-MT), Distribution (which law)
   retrieval.py      the top-K datastore entries of decoder queries by exact inner product or L2: Neighbours,
@@ -9,15 +10,14 @@
   translator.py     Translator: an MT export's cached decoder + search + a Distribution (+ a datastore)
   tuning.py         one teacher-forced pass over valid (tune_pass) and every K / τ / λ / T read from it (tune)
 
-The arrows point down this list's dependencies: translator uses search, distributions and retrieval; tuning
-uses distributions and retrieval (and `evaluate`'s public points); search knows no model.
+The arrows point down this list's dependencies: translator uses beam, distributions and retrieval; tuning
+uses distributions and retrieval (and `evaluate`'s public points); beam knows no model.
 """
 
+from trime_jax.mt.decode.beam import EVAL_SEARCH, Hypothesis, NextLogProbs, SearchOptions, beam_search, greedy, search
 from trime_jax.mt.decode.distributions import (MODES, Distribution, knn_mt_log_probs, l2_as_inner_product,
                                                trime_log_probs)
 from trime_jax.mt.decode.retrieval import GATHER_FLOATS, Neighbours, retrieve
-from trime_jax.mt.decode.search import (EVAL_SEARCH, Hypothesis, NextLogProbs, SearchOptions, beam_search, greedy,
-                                        search)
 from trime_jax.mt.decode.translator import Translator
 from trime_jax.mt.decode.tuning import KNN_T_GRID, KS, TunePass, tune, tune_pass
 

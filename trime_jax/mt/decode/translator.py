@@ -16,7 +16,7 @@ from flax import nnx
 from trime_jax.errors import CheckpointError, ConfigError
 from trime_jax.mt.decode.distributions import Distribution, knn_mt_log_probs, trime_log_probs
 from trime_jax.mt.decode.retrieval import Neighbours, retrieve
-from trime_jax.mt.decode.search import Hypothesis, SearchOptions, search
+from trime_jax.mt.decode.beam import Hypothesis, SearchOptions, search
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
