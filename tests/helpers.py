@@ -138,3 +138,18 @@ def run_cli_cases(driver_module: str, cases: list, out_dir, timeout: int) -> lis
   assert r.returncode == 0, r.stderr[-3000:]
   with open(os.path.join(out_dir, "results.json")) as f:
     return json.load(f)
+
+
+def grad_capture():
+  """An optimizer whose state is the gradient it was given (no update): train_step's gradient, exactly."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  def init(params):
+    return {"g": jax.tree_util.tree_map(jnp.zeros_like, params)}
+
+  def update(grads, state, params=None):
+    return jax.tree_util.tree_map(jnp.zeros_like, grads), {"g": grads}
+
+  return optax.GradientTransformation(init, update)

@@ -113,27 +113,13 @@ def paper_config(case, cfg, batch_size, seq_len):
   return c
 
 
-def grad_capture():
-  """An optimizer whose state is the gradient it was given (no update): train_step's gradient, exactly."""
-  import jax
-  import jax.numpy as jnp
-  import optax
-
-  def init(params):
-    return {"g": jax.tree_util.tree_map(jnp.zeros_like, params)}
-
-  def update(grads, state, params=None):
-    return jax.tree_util.tree_map(jnp.zeros_like, grads), {"g": grads}
-
-  return optax.GradientTransformation(init, update)
-
-
 def trime_jax_step(case, fx, cfg, params, mesh=None, dtype=None):
   """(metrics, {our parameter path: gradient}) of one `steps.train_step` under the case's paper config."""
   import jax
   import jax.numpy as jnp
   from flax import nnx
 
+  from tests.helpers import grad_capture  # here, not at the top: a subprocess runs this file as a script
   from trime_jax import sharding, specs, steps
   from trime_jax import train as T
   from trime_jax.model import TransformerLM

@@ -6,7 +6,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -15,6 +14,7 @@ from trime_jax import model as M
 from trime_jax.configs import default
 from trime_jax.errors import ConfigError
 from trime_jax.train_config import validate_config
+from tests.helpers import grad_capture
 
 B, L, A = 4, 16, 2  # rows, segment length, micro-batches (the step's lax.scan)
 # XLA's CPU backend spends ~15 s optimising one tiny step with dropout (its random bits); unoptimised it compiles
@@ -35,18 +35,6 @@ def tiny(**overrides):
     section, field = key.split(".")
     c[section][field] = value
   return c
-
-
-def grad_capture():
-  """An optimizer whose state is the gradient it was given (no update): train_step's gradient, exactly."""
-
-  def init(params):
-    return {"g": jax.tree_util.tree_map(jnp.zeros_like, params)}
-
-  def update(grads, state, params=None):
-    return jax.tree_util.tree_map(jnp.zeros_like, grads), {"g": grads}
-
-  return optax.GradientTransformation(init, update)
 
 
 def step_result(config):
