@@ -21,7 +21,7 @@ from flax import nnx
 
 def _export(tmp):
   from trime_jax.configs import demo
-  from trime_jax import checkpoint as ckpt
+  from trime_jax import exports
   from trime_jax import data
   from trime_jax import specs
   from trime_jax.model import TransformerLM
@@ -29,7 +29,7 @@ def _export(tmp):
   cfg = demo.get_config()
   vocab = data.Vocab.bytes()
   net = TransformerLM(specs.model_config(cfg, vocab_size=len(vocab)), rngs=nnx.Rngs(0))
-  return ckpt.export(os.path.join(tmp, "export"), nnx.state(net, nnx.Param), cfg, vocab)
+  return exports.export(os.path.join(tmp, "export"), nnx.state(net, nnx.Param), cfg, vocab)
 
 
 def main():

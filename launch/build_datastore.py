@@ -74,7 +74,7 @@ def _check_flags(out: str) -> None:
 
 def main(argv):
   del argv
-  from trime_jax import checkpoint as ckpt
+  from trime_jax import exports
   from trime_jax import evaluate
   from trime_jax.datastore import Datastore, build_datastore, build_index, subset_datastore
   from trime_jax.runtime.lock import DirLock
@@ -91,7 +91,7 @@ def main(argv):
     return
   config, checkpoint, out = validated(_CONFIG.value), _CHECKPOINT.value, _OUT.value
   check_export(config, checkpoint)
-  splits = evaluate.load_eval_data(config, ckpt.read_export_vocab(checkpoint))
+  splits = evaluate.load_eval_data(config, exports.read_export_vocab(checkpoint))
   _check_flags(out)
   corpus = splits.get(_SPLIT.value)
   e = config.eval

@@ -506,10 +506,10 @@ def check_split_overlap(config, checkpoint: str, allow: bool = False) -> None:
   meta = _datastore_meta(e.datastore)
   if not meta.get("corpus_fingerprint"):
     return
-  from trime_jax import checkpoint as ckpt
+  from trime_jax import exports
   from trime_jax import evaluate
 
-  splits = evaluate.load_eval_data(config, ckpt.read_export_vocab(checkpoint))
+  splits = evaluate.load_eval_data(config, exports.read_export_vocab(checkpoint))
   scored = [(e.split, f"scores (eval.split={e.split})")]
   if e.tune and e.split != "dev":
     scored.append(("dev", "tunes on (eval.tune=True tunes on dev)"))

@@ -422,7 +422,7 @@ def test_train_export_and_reload_an_adaptive_model(tmp_path):
   """A few training steps (CE warm-up, then TRIME) with dropout in the adaptive softmax, then the export
   loads back (config.json turns the cutoffs into a list) and scores the same as the trained parameters."""
   from tests.helpers import tiny_config, write_text_file
-  from trime_jax import checkpoint as ckpt
+  from trime_jax import exports
   from trime_jax.train import train_and_evaluate
 
   corpus = tmp_path / "corpus.txt"
@@ -432,7 +432,7 @@ def test_train_export_and_reload_an_adaptive_model(tmp_path):
   out = train_and_evaluate(cfg, str(tmp_path / "run"))
   assert math.isfinite(out["train"]["loss"]) and out["num_params"] == M.abstract_param_count(
       specs.model_config(cfg))
-  graphdef, params, config, _, _ = ckpt.load_export(out["export"])
+  graphdef, params, config, _, _ = exports.load_export(out["export"])
   model = nnx.merge(graphdef, params)
   assert model.cfg.adaptive_cutoffs == (40, 120) and model.cfg.tie_adaptive_proj
   tokens = jnp.asarray(np.random.default_rng(8).integers(0, 256, (2, 17)))

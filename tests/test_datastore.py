@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from trime_jax.configs import default
-from trime_jax import checkpoint as ckpt
+from trime_jax import exports
 from trime_jax import data as D
 from trime_jax import steps
 from trime_jax.datastore import Datastore, KnnIndex, build, build_datastore, build_index, gpu_available, rescore
@@ -34,7 +34,7 @@ def _export(directory, d_model=16, seed=0):
   vocab = D.Vocab.bytes()
   model = TransformerLM(specs.model_config(c, vocab_size=len(vocab)), rngs=nnx.Rngs(params=seed))
   _, params = nnx.split(model, nnx.Param)
-  return ckpt.export(str(directory), params, c, vocab, extra={"step": 0})
+  return exports.export(str(directory), params, c, vocab, extra={"step": 0})
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def setup(tmp_path_factory):
 
 def _expected_keys(export_dir, corpus):
   """The keys the model computes for every target, with evaluation's windows (steps.forward, float32)."""
-  graphdef, params, _, _, _ = ckpt.load_export(export_dir)
+  graphdef, params, _, _, _ = exports.load_export(export_dir)
   wins = D.windows(len(corpus), BLOCK, CONTEXT)
   inputs, targets, scored = D.window_batch(corpus, wins, BLOCK)
   keys = jax.jit(lambda p, i, t: steps.forward(nnx.merge(graphdef, p), i, t)[1])(params, inputs, targets)
@@ -66,7 +66,7 @@ def test_contents_equal_model_keys(setup):
   np.testing.assert_allclose(np.asarray(ds.keys, np.float32), expected, rtol=2e-3, atol=2e-3)
   m = ds.meta
   assert (m["block_len"], m["context_window"], m["corpus_fingerprint"]) == (BLOCK, CONTEXT, corpus.fingerprint())
-  assert m["checkpoint_fingerprint"] == ckpt.fingerprint(setup["export"])
+  assert m["checkpoint_fingerprint"] == exports.fingerprint(setup["export"])
 
 
 def _same_files(a, b):

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from trime_jax.configs import default
-from trime_jax import checkpoint as ckpt
+from trime_jax import exports
 from trime_jax import data as D
 from trime_jax import evaluate
 from trime_jax import knn
@@ -36,7 +36,7 @@ def tiny(tmp_path_factory):
   cfg.model.max_len, cfg.eval.block_len, cfg.eval.context_window, cfg.eval.batch_size = 32, BLOCK, CTX, 2
   model = TransformerLM(specs.model_config(cfg, vocab_size=V), rngs=nnx.Rngs(7))
   graphdef, params = nnx.split(model, nnx.Param)
-  export = ckpt.export(str(tmp / "export"), params, cfg, vocab)
+  export = exports.export(str(tmp / "export"), params, cfg, vocab)
   build_datastore(export, train, str(tmp / "ds"), progress=False)
   build_index(Datastore(str(tmp / "ds")), kind="flat", progress=False)
   return dict(graphdef=graphdef, params=params, dev=dev, export=export, ds=str(tmp / "ds"))

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from tests.helpers import REPO, tiny_config, write_text_file
-from trime_jax import checkpoint, data
+from trime_jax import data, exports
 from trime_jax.model import ModelConfig, build_model
 from trime_jax.mt.model import MTConfig, TransformerMT
 from trime_jax.srupp import SRUppConfig
@@ -166,7 +166,7 @@ def test_files_and_meta_fields_of_a_trained_export(trained_export):
 def test_loading_example_restores_the_trained_parameters(trained_export):
   ns = _run_example(trained_export)
   model, meta = ns["model"], ns["meta"]
-  graphdef, params, config, vocab, _ = checkpoint.load_export(trained_export)
+  graphdef, params, config, vocab, _ = exports.load_export(trained_export)
   ref = nnx.merge(graphdef, params)
   for (pa, a), (pb, b) in zip(jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)),
                               jax.tree_util.tree_leaves_with_path(params)):
@@ -182,7 +182,7 @@ def test_loading_example_works_for_srupp(tmp_path):
   cfg = tiny_config(tmp_path / "unused.txt", **{"model.backbone": "srupp", "model.key_type": "final"})
   vocab = data.Vocab.bytes()
   src = build_model(specs.model_config(cfg, vocab_size=len(vocab)), rngs=nnx.Rngs(3))
-  directory = checkpoint.export(str(tmp_path / "export"), nnx.state(src, nnx.Param), cfg, vocab, extra={"step": 0})
+  directory = exports.export(str(tmp_path / "export"), nnx.state(src, nnx.Param), cfg, vocab, extra={"step": 0})
   ns = _run_example(directory)
   assert type(ns["model"]).__name__ == "SRUppLM"
   np.testing.assert_array_equal(np.asarray(ns["logits"]), np.asarray(src(jax.numpy.array([[1, 2, 3]]))[0]))
@@ -206,8 +206,8 @@ def test_digests_as_documented(trained_export):
   import dataclasses
 
   fields = {k: v for k, v in dataclasses.asdict(specs.model_config(config, meta["vocab_size"])).items()
-            if "dropout" not in k and k not in checkpoint.EXECUTION_FIELDS
-            and not (k in checkpoint.LATER_FIELDS and v == checkpoint.LATER_FIELDS[k])}
+            if "dropout" not in k and k not in exports.EXECUTION_FIELDS
+            and not (k in exports.LATER_FIELDS and v == exports.LATER_FIELDS[k])}
   assert hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16] == meta["arch_digest"]
 
   tokens = json.load(open(os.path.join(trained_export, "vocab.json")))["tokens"]
@@ -215,7 +215,7 @@ def test_digests_as_documented(trained_export):
   for t in tokens:
     h.update(t.encode("utf-8", "surrogatepass") + b"\0")
   assert h.hexdigest()[:16] == meta["vocab_fingerprint"]
-  assert checkpoint.fingerprint(trained_export) == \
+  assert exports.fingerprint(trained_export) == \
       f"{meta['vocab_fingerprint']}-{meta['params_digest']}-{meta['arch_digest']}"
 
 

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from tests import reference as ref
-from trime_jax import checkpoint as ckpt
+from trime_jax import exports
 from trime_jax import data as D
 from trime_jax import evaluate
 from trime_jax import knn
@@ -34,7 +34,7 @@ def setup(tmp_path_factory):
   cfg.model.max_len, cfg.eval.block_len, cfg.eval.context_window, cfg.eval.batch_size = 32, BLOCK, CTX, 2
   model = TransformerLM(specs.model_config(cfg, vocab_size=V), rngs=nnx.Rngs(5))
   graphdef, params = nnx.split(model, nnx.Param)
-  export = ckpt.export(str(tmp / "export"), params, cfg, vocab)
+  export = exports.export(str(tmp / "export"), params, cfg, vocab)
   build_datastore(export, train, str(tmp / "ds"), progress=False)
   ds = Datastore(str(tmp / "ds"))
   build_index(ds, kind="flat", progress=False)
@@ -158,7 +158,7 @@ def test_mismatches_are_clear_errors(setup, tmp_path):
                       external=ext)
   cfg = s["cfg"].copy_and_resolve_references()
   cfg.model.d_model = 2 * DIM
-  export = ckpt.export(str(tmp_path / "other"), params, cfg, s["vocab"])
+  export = exports.export(str(tmp_path / "other"), params, cfg, s["vocab"])
   with pytest.raises(CheckpointError):
     knn.ExternalMemory(str(s["tmp"] / "ds"), checkpoint_dir=export, k=4)
 

@@ -25,7 +25,7 @@ from flax import nnx
 
 from trime_jax.configs import default
 from tests import helpers
-from trime_jax import checkpoint as ckpt
+from trime_jax import exports
 from trime_jax import corpora
 from trime_jax import evaluate as E
 from trime_jax import fairseq_import as FI
@@ -548,7 +548,7 @@ def test_datastore_of_import_has_fairseqs_keys(torch, tmp_path):
   export, imp = FI.import_to_export(write_checkpoint(torch, tmp_path / "c.pt", "wiki103"),
                                     write_dict(tmp_path / "dict.txt"), str(tmp_path / "export"))
   root = helpers.write_wikitext_dir(tmp_path / "wiki")
-  corpus = E.load_eval_data(wiki_config(root), ckpt.read_export_vocab(export)).train
+  corpus = E.load_eval_data(wiki_config(root), exports.read_export_vocab(export)).train
   t, c = SIZE["tokens_per_sample"], 16
   build_datastore(export, corpus, str(tmp_path / "ds"), block_len=t, context_window=c, batch_size=2,
                   progress=False)
@@ -663,7 +663,7 @@ def test_cli_import_then_launch_eval(torch, tmp_path):
            helpers.REPO)
   assert r.returncode == 0, r.stderr[-2000:]
   assert "adaptive_softmax=True" in r.stdout and "wrote" in r.stdout
-  meta = ckpt.read_export_meta(str(tmp_path / "export"))
+  meta = exports.read_export_meta(str(tmp_path / "export"))
   assert meta["fairseq_arch"] == "transformer_lm_wiki103" and meta["vocab_size"] == V
   root = helpers.write_wikitext_dir(tmp_path / "wiki")
   t, c = SIZE["tokens_per_sample"], 12

@@ -4,15 +4,13 @@ long-term store, an external datastore, bad input, and the CLI once."""
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from tests.helpers import run_cli, tiny_config
-from trime_jax import checkpoint as ckpt
-from trime_jax import data
+from trime_jax import data, exports
 from trime_jax.datastore import Datastore
 from trime_jax import generate as G
 from trime_jax import model as M
@@ -32,7 +30,7 @@ def _export(path, vocab, seed=0, surgery=None, **model):
   net = M.TransformerLM(specs.model_config(cfg, vocab_size=len(vocab)), rngs=nnx.Rngs(seed))
   if surgery:
     surgery(net)
-  return ckpt.export(str(path), nnx.state(net, nnx.Param), cfg, vocab)
+  return exports.export(str(path), nnx.state(net, nnx.Param), cfg, vocab)
 
 
 @pytest.fixture(scope="module")

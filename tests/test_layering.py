@@ -33,8 +33,9 @@ FLOORS = {
     "trime_jax.srupp": 2, "trime_jax.mt.model": 2,
     # 3: specs from configs, the run's files (checkpoints, exports, workdirs), memory sources (datastores, the
     #    FAISS index, a datastore on the devices), the optimizer
-    "trime_jax.specs": 3, "trime_jax.checkpoint": 3, "trime_jax.runtime": 3, "trime_jax.datastore": 3,
+    "trime_jax.specs": 3, "trime_jax.checkpoint": 3, "trime_jax.exports": 3, "trime_jax.runtime": 3, "trime_jax.datastore": 3,
     "trime_jax.knn": 3, "trime_jax.exact_memory": 3, "trime_jax.fairseq_import": 3, "trime_jax.mt.export": 3,
+    "trime_jax.mt.decode.retrieval": 3,  # top-K datastore entries for translation: a memory source like knn
     # 4: drivers: training, test time, generation, translation
     "trime_jax.train_config": 4, "trime_jax.train": 4, "trime_jax.evaluate": 4, "trime_jax.generate": 4,
     "trime_jax.mt.train_config": 4, "trime_jax.mt.train": 4, "trime_jax.mt.decode": 4, "trime_jax.mt.datastore": 4,

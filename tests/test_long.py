@@ -15,7 +15,7 @@ from flax import nnx
 
 from trime_jax.configs import default
 from tests import reference as ref
-from trime_jax import checkpoint as ckpt
+from trime_jax import exports
 from trime_jax import corpora
 from trime_jax import data as D
 from trime_jax import evaluate
@@ -459,7 +459,7 @@ def test_memory_size_sweep_table_and_plot(tmp_path):
                       "eval.context_window": 8, "eval.batch_size": 2, "eval.tune": True})
   vocab = corpora.load_splits(config.data).vocab
   model = TransformerLM(specs.model_config(config, vocab_size=len(vocab)), rngs=nnx.Rngs(params=0))
-  export = ckpt.export(str(tmp_path / "export"), nnx.split(model, nnx.Param)[1], config, vocab)
+  export = exports.export(str(tmp_path / "export"), nnx.split(model, nnx.Param)[1], config, vocab)
   rows = evaluate.evaluate_checkpoint(config, export, mem_sizes=[0, 16], label="tiny")["rows"]
   n = 1 + len(evaluate.TAU_GRID)
   assert [r["mem_size"] for r in rows] == [0] * n + [16] * n

@@ -137,11 +137,11 @@ def test_target_token_budget_sets_the_run_length():
   plan = batching.make_plan(pairs, order="random", max_tokens=128, seed=2)
   tokens_of = mt_train.plan_target_tokens(pairs, plan)
   assert tokens_of.sum() == sum(len(t) + 1 for t in pairs.tgt)
-  assert mt_train.total_updates(plan, tokens_of, 50, 0) == 50
-  n = mt_train.total_updates(plan, tokens_of, 10_000, 1000)
-  seen = np.cumsum([tokens_of[plan.batch_at(s)] for s in range(n)])
+  assert len(mt_train.target_tokens_seen(plan, tokens_of, 50, 0)) == 50
+  seen = mt_train.target_tokens_seen(plan, tokens_of, 10_000, 1000)
+  assert seen.tolist() == np.cumsum([tokens_of[plan.batch_at(s)] for s in range(len(seen))]).tolist()
   assert seen[-1] >= 1000 > seen[-2]
-  assert mt_train.total_updates(plan, tokens_of, 3, 10**9) == 3  # num_steps stays the cap
+  assert len(mt_train.target_tokens_seen(plan, tokens_of, 3, 10**9)) == 3  # num_steps stays the cap
 
 
 def test_packed_training_equals_padded_training(tmp_path):

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from trime_jax.configs import default
-from trime_jax import checkpoint as ckpt
+from trime_jax import exports
 from trime_jax import evaluate as E
 from trime_jax import fairseq_import as FI
 
@@ -116,7 +116,7 @@ def _export(name: str, out: str):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
   out = tmp_path_factory.mktemp("oracle_exports")
-  return {name: ckpt.load_export(_export(name, str(out / name))) for name in CHECKPOINTS}
+  return {name: exports.load_export(_export(name, str(out / name))) for name in CHECKPOINTS}
 
 
 @pytest.fixture(scope="module")

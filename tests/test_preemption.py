@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers import REPO, config_file, read_metrics, tiny_config, write_text_file
 from tests.test_observability import read_events, scalars
-from trime_jax import checkpoint as ckpt
+from trime_jax import checkpoint as ckpt, exports
 from trime_jax.runtime.preemption import PREEMPTED_EXIT_CODE
 from trime_jax.train import train_and_evaluate
 
@@ -42,7 +42,7 @@ def _without_timing(lines):
 
 
 def _leaves(export_dir):
-  return jax.tree_util.tree_leaves(ckpt.load_export(str(export_dir))[1])
+  return jax.tree_util.tree_leaves(exports.load_export(str(export_dir))[1])
 
 
 def _train_cli(cfg, work, out_dir):
@@ -77,7 +77,7 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_bit_identically(corpus
   assert "Traceback" not in stderr
   stopped = int(re.search(r"preempted: checkpoint of update (\d+) saved", stderr).group(1))
   assert SIGNAL_AFTER <= stopped < RUN["train.num_steps"]
-  assert ckpt.read_export_meta(str(work / "best"))["step"] == 50
+  assert exports.read_export_meta(str(work / "best"))["step"] == 50
   assert ckpt.manager(str(work / "checkpoints"), 2).all_steps() == [stopped]  # saved at the current update
   assert [m["step"] for m in read_metrics(work) if "loss" in m][-1] == stopped
   # Observability of a CLI run, checked here to spare a subprocess: our absl INFO lines on, orbax's per-save
@@ -105,7 +105,7 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_bit_identically(corpus
     np.testing.assert_array_equal(x, y)
   for x, y in zip(_leaves(straight / "best"), _leaves(work / "best"), strict=True):
     np.testing.assert_array_equal(x, y)
-  best_a, best_b = (ckpt.read_export_meta(str(w / "best")) for w in (straight, work))
+  best_a, best_b = (exports.read_export_meta(str(w / "best")) for w in (straight, work))
   assert (best_a["step"], best_a["dev_ppl"]) == (best_b["step"], best_b["dev_ppl"])
 
 
@@ -131,7 +131,7 @@ def test_best_export_holds_the_update_with_the_lowest_dev_perplexity(corpus, tmp
   dev = {m["step"]: m["trime_local(tau=1)_ppl"] for m in read_metrics(work) if m.get("split") == "dev"}
   assert sorted(dev) == [2, 4, 6, 8]
   best_step = min(dev, key=dev.get)
-  meta = ckpt.read_export_meta(str(work / "best"))
+  meta = exports.read_export_meta(str(work / "best"))
   assert meta["step"] == best_step and meta["dev_ppl"] == dev[best_step]
   assert meta["best_metric"] == "trime_local(tau=1)_ppl"
   # Its parameters are those of the orbax checkpoint of that update, and evaluation can load it.
@@ -139,7 +139,7 @@ def test_best_export_holds_the_update_with_the_lowest_dev_perplexity(corpus, tmp
   for x, y in zip(_leaves(work / "best"), jax.tree_util.tree_leaves(saved["params"]), strict=True):
     np.testing.assert_array_equal(x, y)
   assert best_step == 4 and dev[8] > dev[best_step]  # the export is the last update, the best one is not
-  assert ckpt.read_export_meta(str(work / "export"))["step"] == 8
+  assert exports.read_export_meta(str(work / "export"))["step"] == 8
 
 
 def test_keep_best_and_tensorboard_off_write_neither(corpus, tmp_path):

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from tests.helpers import tiny_config
-from trime_jax import checkpoint as ckpt
+from trime_jax import checkpoint as ckpt, exports
 from trime_jax import data
 from trime_jax import model as M
 from trime_jax.configs import default
@@ -45,13 +45,13 @@ def _config():
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory):
+def new_and_old_export(tmp_path_factory):
   """(an export as written today, the same export with a config.json written before the renames)."""
   tmp = tmp_path_factory.mktemp("renames")
   cfg, vocab = _config(), data.Vocab.bytes()
   net = M.TransformerLM(specs.model_config(cfg, vocab_size=len(vocab)), rngs=nnx.Rngs(0))
-  new = ckpt.export(str(tmp / "new"), nnx.state(net, nnx.Param), cfg, vocab)
-  old = ckpt.export(str(tmp / "old"), nnx.state(net, nnx.Param), cfg, vocab)
+  new = exports.export(str(tmp / "new"), nnx.state(net, nnx.Param), cfg, vocab)
+  old = exports.export(str(tmp / "old"), nnx.state(net, nnx.Param), cfg, vocab)
   path = os.path.join(old, "config.json")
   with open(path) as f:
     stored = json.load(f)
@@ -76,13 +76,13 @@ def test_migrate_config_renames_in_place():
     workdir.migrate_config({"eval": {"temperature": 1.5, "tau": 2.0}}, "x/config.json")
 
 
-def test_export_written_before_the_renames_loads_and_scores_the_same(exports):
+def test_export_written_before_the_renames_loads_and_scores_the_same(new_and_old_export):
   from trime_jax import api
   from trime_jax import generate
   from trime_jax.launch import export_config
 
-  new, old = exports
-  config = ckpt.load_export(old)[2]
+  new, old = new_and_old_export
+  config = exports.load_export(old)[2]
   assert (config.eval.tau, config.eval.tau_prime, config.trime.tau) == (TAU, TAU_PRIME, TRAIN_TAU)
   assert "temperature" not in config.eval and "knn_temperature" not in config.eval
   implicit = export_config.get_config(old)  # what `--checkpoint=EXPORT` evaluates with

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trime_jax import checkpoint, layers, specs, steps
+from trime_jax import checkpoint, exports, layers, specs, steps
 from trime_jax import model as M
 from trime_jax.configs import default
 from trime_jax.errors import ConfigError
@@ -99,17 +99,17 @@ def test_defaults_leave_parameters_and_digests_unchanged():
   mcfg = specs.model_config(default.get_config(), vocab_size=100)
   assert (mcfg.attention_impl, mcfg.remat) == ("xla", "none")
   # Digests pinned before the fields were added (an export's fingerprint includes them).
-  assert checkpoint.arch_digest(M.ModelConfig(vocab_size=100)) == "fd658817eae06a32"
-  assert checkpoint.arch_digest(specs.model_config(default.get_config(), vocab_size=1000)) == "f6c81c19f239f5e2"
+  assert exports.arch_digest(M.ModelConfig(vocab_size=100)) == "fd658817eae06a32"
+  assert exports.arch_digest(specs.model_config(default.get_config(), vocab_size=1000)) == "f6c81c19f239f5e2"
   plain = nnx.state(M.build_model(mcfg, rngs=nnx.Rngs(params=0)), nnx.Param)
   for policy in M.REMAT_POLICIES:
     other = nnx.state(M.build_model(M.ModelConfig(vocab_size=100, remat=policy), rngs=nnx.Rngs(params=0)), nnx.Param)
-    assert checkpoint.params_digest(other) == checkpoint.params_digest(plain), policy  # paths, shapes and values
+    assert exports.params_digest(other) == exports.params_digest(plain), policy  # paths, shapes and values
     # how the model is computed is not what it computes: no other digest, no other fingerprint
-    assert checkpoint.arch_digest(M.ModelConfig(vocab_size=100, remat=policy)) == "fd658817eae06a32"
-    assert (checkpoint.arch_digest(M.ModelConfig(vocab_size=100, remat=policy, attention_impl="cudnn", dtype="bfloat16"))
-            == checkpoint.arch_digest(M.ModelConfig(vocab_size=100, dtype="bfloat16")))
-  assert all(f"model.{k}".startswith(checkpoint.RESUMABLE_CHANGES) for k in checkpoint.EXECUTION_FIELDS)
+    assert exports.arch_digest(M.ModelConfig(vocab_size=100, remat=policy)) == "fd658817eae06a32"
+    assert (exports.arch_digest(M.ModelConfig(vocab_size=100, remat=policy, attention_impl="cudnn", dtype="bfloat16"))
+            == exports.arch_digest(M.ModelConfig(vocab_size=100, dtype="bfloat16")))
+  assert all(f"model.{k}".startswith(checkpoint.RESUMABLE_CHANGES) for k in exports.EXECUTION_FIELDS)
 
 
 def test_xla_is_the_previous_call():
@@ -186,7 +186,7 @@ def test_an_export_trained_with_speed_options_loads_without_them(tmp_path):
   config = json.loads((directory / "config.json").read_text())
   config["model"]["remat"] = "block"  # (attention_impl=cudnn needs a bfloat16 model; the demo is float32)
   (directory / "config.json").write_text(json.dumps(config))
-  graphdef, params, *_ = checkpoint.load_export(str(directory))  # the arch digest check passes: not part of it
+  graphdef, params, *_ = exports.load_export(str(directory))  # the arch digest check passes: not part of it
   model = nnx.merge(graphdef, params)
   assert (model.cfg.remat, model.cfg.attention_impl) == ("none", "xla")
-  assert checkpoint.fingerprint(str(directory)) == checkpoint.fingerprint(f"{api.PRETRAINED_DIR}/demo")
+  assert exports.fingerprint(str(directory)) == exports.fingerprint(f"{api.PRETRAINED_DIR}/demo")

@@ -2,7 +2,6 @@
 segments, the backbone switch through training and evaluation."""
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -238,10 +237,10 @@ def test_backbone_switch_trains_and_evaluates_srupp_long(tmp_path):
   assert all(math.isfinite(r["nll"]) for r in rows.values())
   # The evaluator threads the carry along a stream: 6 windows of 32 in one stream score exactly what one pass
   # over the 192 tokens at once scores.
-  from trime_jax import checkpoint as ckpt
+  from trime_jax import exports
   from trime_jax import data as D
 
-  graphdef, params, _, _, _ = ckpt.load_export(out["export"])
+  graphdef, params, _, _, _ = exports.load_export(out["export"])
   windowed = evaluate.evaluate(graphdef, params, splits.dev, (evaluate.NONE,), block_len=32, context_window=0,
                                streams=1, max_tokens=192).scores[0]
   inputs, targets, _ = D.window_batch(splits.dev, D.eval_windows(splits.dev, 192, 192, 0, "none"), 192)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import read_metrics, tiny_config, write_text_file
-from trime_jax import checkpoint as ckpt
+from trime_jax import checkpoint as ckpt, exports
 from trime_jax.errors import ConfigError, TrainingError
 from trime_jax.train import train_and_evaluate
 from trime_jax import specs
@@ -46,8 +46,8 @@ def test_resume_continues_identically(corpus, tmp_path):
   b = _train_lines(tmp_path / "resumed")
   assert [m["step"] for m in b] == list(range(1, 7))  # metrics past the checkpoint were not duplicated
   assert [m["loss"] for m in a] == [m["loss"] for m in b]
-  pa = ckpt.load_export(str(tmp_path / "straight" / "export"))[1]
-  pb = ckpt.load_export(str(tmp_path / "resumed" / "export"))[1]
+  pa = exports.load_export(str(tmp_path / "straight" / "export"))[1]
+  pb = exports.load_export(str(tmp_path / "resumed" / "export"))[1]
   for x, y in zip(jax.tree_util.tree_leaves(pa), jax.tree_util.tree_leaves(pb)):
     np.testing.assert_array_equal(x, y)
 
@@ -219,24 +219,24 @@ def test_export_refuses_another_kind_or_model_unless_overwrite(tmp_path):
   target.mkdir()
   (target / "notes.txt").write_text("mine")
   with pytest.raises(CheckpointError, match="not an export .*notes.txt"):
-    ckpt.export(str(target), params, cfg, vocab)
+    exports.export(str(target), params, cfg, vocab)
   assert os.listdir(target) == ["notes.txt"]  # untouched
-  ckpt.export(str(target), params, cfg, vocab, extra={"train_fingerprint": "a"}, overwrite=True)
-  assert ckpt.read_export_meta(str(target))["train_fingerprint"] == "a"
-  ckpt.export(str(target), params, cfg, vocab, extra={"train_fingerprint": "a", "step": 5})  # same model: fine
+  exports.export(str(target), params, cfg, vocab, extra={"train_fingerprint": "a"}, overwrite=True)
+  assert exports.read_export_meta(str(target))["train_fingerprint"] == "a"
+  exports.export(str(target), params, cfg, vocab, extra={"train_fingerprint": "a", "step": 5})  # same model: fine
   with pytest.raises(CheckpointError, match="another model .*train_fingerprint 'a' there, 'b' now"):
-    ckpt.export(str(target), params, cfg, vocab, extra={"train_fingerprint": "b"})
+    exports.export(str(target), params, cfg, vocab, extra={"train_fingerprint": "b"})
   with cfg.unlocked():
     cfg.model.num_heads = 4  # same shapes, another architecture
   with pytest.raises(CheckpointError, match="another model .*arch_digest"):
-    ckpt.export(str(target), params, cfg, vocab, extra={"train_fingerprint": "a"})
+    exports.export(str(target), params, cfg, vocab, extra={"train_fingerprint": "a"})
   holder = _hold(str(target) + ".lock")
   try:
     with pytest.raises(LockedError, match=f"export directory {target} is in use by process {holder.pid}"):
-      ckpt.export(str(target), params, cfg, vocab, extra={"train_fingerprint": "a"}, overwrite=True)
+      exports.export(str(target), params, cfg, vocab, extra={"train_fingerprint": "a"}, overwrite=True)
   finally:
     _release(holder)
-  assert ckpt.read_export_meta(str(target))["step"] == 5
+  assert exports.read_export_meta(str(target))["step"] == 5
 
 
 def test_workdir_config_json_with_an_unknown_field_is_refused(corpus, tmp_path):

@@ -11,7 +11,7 @@
     out.text
     trime_jax.train(config, "runs/x")                    # = trime_jax.train.train_and_evaluate(config, "runs/x")
 
-Everything here wraps the library's own functions: `checkpoint.load_export`, `fairseq_import.import_to_export`,
+Everything here wraps the library's own functions: `exports.load_export`, `fairseq_import.import_to_export`,
 `evaluate.evaluate` (scoring: the evaluator's windows and memories, per token) and `generate.Generator`
 (generation: its key/value-cache decoder and sampling). The memories are the evaluator's and the generator's:
 
@@ -31,7 +31,7 @@ import tempfile
 
 import numpy as np
 
-from trime_jax import checkpoint, data, evaluate
+from trime_jax import data, evaluate, exports
 from trime_jax.errors import ConfigError
 
 MEMORIES = ("none", "local", "long", "external")
@@ -121,7 +121,7 @@ class Model:
 
   def __init__(self, directory: str):
     self.directory = os.path.abspath(directory)
-    self.graphdef, self.params, self.config, self.vocab, self.meta = checkpoint.load_export(self.directory)
+    self.graphdef, self.params, self.config, self.vocab, self.meta = exports.load_export(self.directory)
     self.memory = Memory(self)
     self.stateful = bool(getattr(self.nnx_model, "stateful", False))  # SRU++: state carried across windows
     self._generator = None

@@ -1,25 +1,14 @@
-"""Orbax checkpoints for training (save / restore / resume) and the exported model that evaluation loads.
+"""Orbax checkpoints for training: save (asynchronous, a full disk as one line), per-step digests, restore
+(verified; a damaged newest step is moved aside and the previous one used), and the resume-config check.
 
-Export layout (`<workdir>/export/`):
-  params/       orbax StandardCheckpointer tree of the model parameters
-  config.json   the full training config
-  vocab.json    the vocabulary (tokens + fingerprint)
-  meta.json     fingerprints and shapes: what evaluation and datastores check against
-The export is written to a temporary directory and renamed into place, so it is complete or absent.
-
-Verified on every load: the JSON files parse, vocab.json matches meta.json's vocabulary fingerprint,
-config.json's architecture matches meta.json's `arch_digest`, the stored parameter shapes match the
-architecture, and the restored parameters' bytes match `params_digest` (a flipped byte is refused, not
-evaluated). Training checkpoints are checked the same way (files present, shapes, readable) and against the
-digest written beside each step once it is complete (`<step>/trime_digest.json`: SHA-256 of every file); a
-damaged newest checkpoint is moved aside to `<workdir>/checkpoints_damaged/` and training resumes from the
-previous one. `export` refuses a non-empty target that is not an export of the same model (architecture,
-vocabulary, training data) unless `overwrite=True`, and holds `<export>.lock` while it writes.
+Training checkpoints are checked (files present, shapes, readable) and against the digest written beside each
+step once it is complete (`<step>/trime_digest.json`: SHA-256 of every file); a damaged newest checkpoint is
+moved aside to `<workdir>/checkpoints_damaged/` and training resumes from the previous one.
+The exported model that evaluation loads (`<workdir>/export/`) is `trime_jax.exports`'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import hashlib
 import json
@@ -32,18 +21,12 @@ import ml_collections
 from absl import logging as absl_logging
 import numpy as np
 import orbax.checkpoint as ocp
-from flax import nnx
 
 from trime_jax import data
-from trime_jax.errors import CheckpointError, DamagedCheckpointError, TrimeError
-from trime_jax.model import build_model, count_params
-from trime_jax.specs import model_config
-from trime_jax.runtime.lock import DirLock
+from trime_jax.distributed import sync_processes
+from trime_jax.errors import CheckpointError, DamagedCheckpointError, TrimeError, first_line
 from trime_jax.runtime import workdir as workdir_files
 from trime_jax.runtime.workdir import newest_step, step_dirs  # noqa: F401 - also checkpoint.newest_step
-
-EXPORT_FILES = ("config.json", "vocab.json", "meta.json", "params")
-
 
 def manager(directory: str, keep: int) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
@@ -74,7 +57,7 @@ def _no_space(mgr, step, e) -> DiskFullError:
   where = (f"the newest complete checkpoint is step {kept}" if kept is not None else
            "no complete checkpoint is on disk yet (the rerun starts from step 0)")
   return DiskFullError(f"no space left writing the checkpoint of update {step} to {mgr.directory} "
-                       f"({_first_line(e)}); {where}: free space and rerun the same command to resume")
+                       f"({first_line(e)}); {where}: free space and rerun the same command to resume")
 
 
 def save(mgr: ocp.CheckpointManager, step: int, state) -> None:
@@ -168,7 +151,7 @@ def restore_latest(mgr: ocp.CheckpointManager, abstract_state, log=print):
     path = os.path.join(str(mgr.directory), str(step), "default")
     try:
       verify_step(str(mgr.directory), step, f"checkpoint at step {step} in {mgr.directory}")
-      state = _restore_checked(path, abstract_state, f"checkpoint at step {step} in {mgr.directory}",
+      state = restore_checked(path, abstract_state, f"checkpoint at step {step} in {mgr.directory}",
                                lambda: mgr.restore(step, args=ocp.args.StandardRestore(abstract_state)))
     except DamagedCheckpointError as e:
       prev = steps[i + 1] if i + 1 < len(steps) else None
@@ -194,7 +177,7 @@ def _move_aside(directory: str, step: int) -> str:
     os.makedirs(dest_root, exist_ok=True)
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(os.path.join(directory, str(step)), dest)
-  _sync(f"move_aside:{step}")
+  sync_processes(f"move_aside:{step}")
   return dest
 
 
@@ -208,7 +191,7 @@ def _leaf_specs(tree) -> list:
   return sorted((tuple(int(d) for d in x.shape), str(np.dtype(x.dtype))) for x in leaves if hasattr(x, "shape"))
 
 
-def _restore_checked(path: str, abstract_tree, what: str, restore):
+def restore_checked(path: str, abstract_tree, what: str, restore):
   """`restore()` after checking the files at `path`: DamagedCheckpointError for missing or unreadable files;
   a failed restore is CheckpointError when the stored shapes differ from `abstract_tree`'s (another model or
   optimizer), else damaged data files."""
@@ -227,7 +210,7 @@ def _restore_checked(path: str, abstract_tree, what: str, restore):
     stored = getattr(meta, "item_metadata", meta)
     stored = getattr(stored, "tree", stored)
   except Exception as e:  # noqa: BLE001 - any unreadable metadata means damaged files
-    raise DamagedCheckpointError(f"{what} is damaged: its metadata cannot be read ({_first_line(e)})") from None
+    raise DamagedCheckpointError(f"{what} is damaged: its metadata cannot be read ({first_line(e)})") from None
   if stored is None:
     raise DamagedCheckpointError(f"{what} is damaged: its metadata ({path}/_METADATA) cannot be read")
   have, want = _leaf_specs(stored), _leaf_specs(abstract_tree)
@@ -239,13 +222,7 @@ def _restore_checked(path: str, abstract_tree, what: str, restore):
                   f"{len(have)} arrays stored vs {len(want)} expected")
       raise CheckpointError(f"{what} does not match this config's model/optimizer ({diff}); use a fresh "
                             "workdir") from None
-    raise DamagedCheckpointError(f"{what} is damaged: a data file cannot be read ({_first_line(e)})") from None
-
-
-def _first_line(e: BaseException) -> str:
-  text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-  text = text.split(" See full TensorStore details")[0]  # the rest is a bound-method repr
-  return f"{type(e).__name__}: {text[:200]}"
+    raise DamagedCheckpointError(f"{what} is damaged: a data file cannot be read ({first_line(e)})") from None
 
 
 # Fields a resumed run may change without --config.train.allow_config_change: they do not change the trained
@@ -330,237 +307,3 @@ def _resume_problem(workdir: str, path: str, config, new: dict):
 
 def abstract(tree):
   return jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, tree)
-
-
-def _sync(name: str) -> None:
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-
-    multihost_utils.sync_global_devices(name)
-
-
-def replace_directory(tmp: str, directory: str) -> None:
-  """Move the finished `tmp` to `directory`, replacing an older one: a reader sees the old or the new one."""
-  if os.path.exists(directory):
-    old = directory + ".old"
-    shutil.rmtree(old, ignore_errors=True)
-    os.replace(directory, old)
-    os.replace(tmp, directory)
-    shutil.rmtree(old, ignore_errors=True)
-  else:
-    os.replace(tmp, directory)
-
-
-# What makes an export "the same model" for `export`'s refusal: re-exporting a training run (a rerun, a longer
-# run, a new best) keeps these; another model, vocabulary or training corpus changes one of them.
-IDENTITY_FIELDS = ("arch_digest", "vocab_fingerprint", "train_fingerprint")
-
-
-def export_target_problem(directory: str, meta: dict) -> str | None:
-  """Why writing an export with `meta` to `directory` would replace something else (None: absent, empty, or an
-  export of the same model)."""
-  if not os.path.lexists(directory):
-    return None
-  if not os.path.isdir(directory):
-    return "is a file"
-  names = sorted(os.listdir(directory))
-  if not names:
-    return None
-  try:
-    with open(os.path.join(directory, "meta.json"), encoding="utf-8") as f:
-      there = json.load(f)
-  except (OSError, ValueError, UnicodeDecodeError):
-    there = None
-  if not isinstance(there, dict) or "params_digest" not in there:
-    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-    many = len(names) != 1
-    return f"holds {len(names)} file{'s' if many else ''} that {'are' if many else 'is'} not an export ({shown})"
-  # (Exports from before arch_digest lack it: compared on the other fields.)
-  differ = [k for k in IDENTITY_FIELDS if there.get(k) != meta.get(k) and not (k == "arch_digest" and k not in there)]
-  if differ:
-    shown = ", ".join(f"{k} {there.get(k)!r} there, {meta.get(k)!r} now" for k in differ)
-    return f"holds an export of another model ({shown})"
-  return None
-
-
-def _export_meta(config, vocab: data.Vocab, extra=None) -> dict:
-  mcfg = model_config(config, vocab_size=len(vocab))
-  return {"arch_digest": arch_digest(mcfg), "vocab_fingerprint": vocab.fingerprint(), "vocab_size": len(vocab),
-          "vocab_kind": vocab.kind, "d_model": mcfg.d_model, "key_type": mcfg.key_type, **(extra or {})}
-
-
-def check_export_target(directory: str, config, vocab: data.Vocab, extra=None, *, meta=None) -> None:
-  """`export`'s refusal, before the work that leads to the export (training checks its export/ and best/ up
-  front, so a run is not lost to a refused export at its end). `meta`: the identity to compare when the export is
-  not the LM's (the translation trainer's: its vocabulary fingerprint); default: the LM export's."""
-  directory = os.path.abspath(directory)
-  problem = export_target_problem(directory, _export_meta(config, vocab, extra) if meta is None else meta)
-  if problem:
-    raise CheckpointError(f"export target {directory} {problem}: move it away or choose another --workdir")
-
-
-def export(directory: str, params, config: ml_collections.ConfigDict, vocab: data.Vocab, extra=None, *,
-           overwrite: bool = False) -> str:
-  """Write params + config + vocab + meta to `directory` atomically; returns the directory.
-
-  A non-empty `directory` that is not an export of the same model (IDENTITY_FIELDS: architecture, vocabulary,
-  training data) is refused (CheckpointError naming what is there) unless `overwrite`; one writer at a time
-  (`<directory>.lock`, LockedError naming the holder). Multi-host: every process calls this with the same
-  (replicated, host-copied) params; orbax writes them once and synchronises the processes, process 0 checks,
-  writes the JSON files and renames the directory."""
-  chief = jax.process_index() == 0
-  meta = {} if not chief else {  # process 0 writes the files
-      "params_digest": params_digest(params), **_export_meta(config, vocab, extra),
-      "num_params": count_params(params)}
-
-  def files(tmp):
-    data.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(config.to_json_best_effort()))
-    data.atomic_write_json(os.path.join(tmp, "vocab.json"), vocab.to_json())
-
-  return write_export(directory, params, meta, files, overwrite=overwrite)
-
-
-def write_export(directory: str, params, meta: dict, write_files, *, overwrite: bool = False) -> str:
-  """The export writer both models use (`export`, `mt.export.export_mt`): under `<directory>.lock`, refuse a
-  non-empty target of another kind or model (unless `overwrite`), write the parameters with orbax into
-  `<directory>.tmp`, then (process 0) `write_files(tmp)` and meta.json, and rename it into place: the export is
-  complete or absent. (Multi-host: a refusal on process 0 stops the others at the next collective / heartbeat.)"""
-  directory = os.path.abspath(directory)
-  tmp = directory + ".tmp"
-  chief = jax.process_index() == 0
-  lock = DirLock(directory + ".lock", f"export directory {directory}") if chief else _null()
-  with lock:
-    if chief:
-      problem = None if overwrite else export_target_problem(directory, meta)
-      if problem:
-        raise CheckpointError(f"export target {directory} {problem}: choose another directory, or overwrite it "
-                              "explicitly (checkpoint.export(..., overwrite=True); the CLIs' --overwrite)")
-      shutil.rmtree(tmp, ignore_errors=True)
-      os.makedirs(tmp)
-    _sync("export:start")
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(os.path.join(tmp, "params"), params)
-    ckptr.wait_until_finished()
-    if chief:
-      write_files(tmp)
-      data.atomic_write_json(os.path.join(tmp, "meta.json"), meta)
-      replace_directory(tmp, directory)
-    _sync("export:done")
-  return directory
-
-
-def _null():
-  import contextlib
-
-  return contextlib.nullcontext()
-
-
-def restore_export_params(params_dir: str, abstract_params, meta: dict, what: str):
-  """An export's parameters, restored after the file checks (`_restore_checked`) and compared with meta.json's
-  `params_digest`: DamagedCheckpointError naming `params_dir` when the bytes changed after export."""
-  params = _restore_checked(params_dir, abstract_params, f"{what} {params_dir}",
-                            lambda: ocp.StandardCheckpointer().restore(params_dir, abstract_params))
-  digest = params_digest(params)
-  if digest != meta["params_digest"]:
-    raise DamagedCheckpointError(
-        f"{what} {params_dir} are damaged: their digest {digest} != meta.json's params_digest "
-        f"{meta['params_digest']} (the files changed after export); re-export by rerunning training in its workdir")
-  return params
-
-
-def params_digest(params) -> str:
-  """SHA-256 (16 hex digits) of every parameter's path, shape, dtype and bytes."""
-  h = hashlib.sha256()
-  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-    arr = np.asarray(jax.device_get(leaf))
-    h.update(f"{jax.tree_util.keystr(path)}:{arr.shape}:{arr.dtype}".encode())
-    h.update(np.ascontiguousarray(arr).tobytes())
-  return h.hexdigest()[:16]
-
-
-# ModelConfig fields added after exports existed, with the value that reproduces the behaviour from before
-# them: left out of the digest at that value, so earlier exports keep their digest (and fingerprint).
-LATER_FIELDS = {"adaptive_tail_ignores_pad": False}
-# ModelConfig fields that say how the model is computed on a device, not what it computes (issue 37's speed
-# options): never part of the digest, changeable when a run resumes, and an export loads with them at these
-# defaults (a model trained with cuDNN attention or remat evaluates anywhere, e.g. on a CPU).
-EXECUTION_FIELDS = {"attention_impl": "xla", "remat": "none"}
-
-
-def arch_digest(mcfg) -> str:
-  """SHA-256 (16 hex digits) of the architecture: every ModelConfig field but the dropouts (which do not change
-  what a trained model computes at evaluation) and the EXECUTION_FIELDS. Shape-compatible edits (num_heads
-  4 -> 8) change it."""
-  fields = {k: v for k, v in dataclasses.asdict(mcfg).items() if "dropout" not in k and k not in EXECUTION_FIELDS
-            and not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
-  return hashlib.sha256(json.dumps(fields, sort_keys=True, default=list).encode()).hexdigest()[:16]
-
-
-def fingerprint(directory: str) -> str:
-  """Identifies an exported checkpoint (datastores and indexes built from it record it): the vocabulary, a
-  digest of the parameters and (exports since arch_digest) of the architecture."""
-  meta = read_export_meta(directory)
-  fp = f"{meta['vocab_fingerprint']}-{meta['params_digest']}"
-  return f"{fp}-{meta['arch_digest']}" if "arch_digest" in meta else fp
-
-
-def read_export_meta(directory: str) -> dict:
-  """meta.json of an export (fingerprints, vocabulary size and kind, key dimension and type)."""
-  path = os.path.join(directory, "meta.json")
-  if not os.path.exists(path):
-    raise CheckpointError(f"not an exported checkpoint: {path} is missing")
-  meta = data.read_json(path, "export meta", DamagedCheckpointError)
-  missing = [k for k in ("params_digest", "vocab_fingerprint", "vocab_size", "d_model", "key_type") if k not in meta]
-  if missing:
-    raise DamagedCheckpointError(f"export meta {path} lacks {', '.join(missing)}")
-  return meta
-
-
-def read_export_vocab(directory: str) -> data.Vocab:
-  """vocab.json of an export, checked against its meta.json (without loading the parameters)."""
-  meta = read_export_meta(directory)
-  path = os.path.join(directory, "vocab.json")
-  if not os.path.exists(path):
-    raise CheckpointError(f"not an exported checkpoint: {path} is missing")
-  obj = data.read_json(path, "export vocabulary", DamagedCheckpointError)
-  try:
-    vocab = data.Vocab.from_json(obj)
-  except (data.DataError, KeyError, TypeError) as e:
-    raise DamagedCheckpointError(f"export vocabulary {path} is damaged: {e}") from None
-  if vocab.fingerprint() != meta["vocab_fingerprint"] or len(vocab) != meta["vocab_size"]:
-    raise CheckpointError(
-        f"vocabulary mismatch in {directory}: vocab.json has {len(vocab)} tokens (fingerprint "
-        f"{vocab.fingerprint()}), the checkpoint was trained with {meta['vocab_size']} "
-        f"(fingerprint {meta['vocab_fingerprint']})")
-  return vocab
-
-
-def load_export(directory: str):
-  """(graphdef, params, config, vocab, meta) from an export directory, validated."""
-  directory = os.path.abspath(directory)  # orbax wants absolute paths
-  if not os.path.isdir(directory):
-    raise CheckpointError(f"checkpoint directory not found: {directory}")
-  missing = [f for f in EXPORT_FILES if not os.path.exists(os.path.join(directory, f))]
-  if missing:
-    raise CheckpointError(f"incomplete checkpoint export {directory}: missing {', '.join(missing)}")
-  config_path = os.path.join(directory, "config.json")
-  # An export written before a field was renamed loads under today's names (runtime.workdir.RENAMED_FIELDS).
-  config = ml_collections.ConfigDict(workdir_files.read_stored_config(config_path, "export config",
-                                                                      DamagedCheckpointError))
-  meta = read_export_meta(directory)
-  vocab = read_export_vocab(directory)
-  try:
-    mcfg = model_config(config, vocab_size=len(vocab))
-  except (AttributeError, KeyError, TypeError, ValueError) as e:
-    raise DamagedCheckpointError(f"export config {config_path} has no valid model section ({_first_line(e)})") from None
-  if "arch_digest" in meta and arch_digest(mcfg) != meta["arch_digest"]:
-    raise DamagedCheckpointError(
-        f"{config_path} describes another architecture than the one exported (arch digest {arch_digest(mcfg)} != "
-        f"meta.json's {meta['arch_digest']}): was config.json's model section edited? Restore it")
-  # how it trained on its device is not how it must run here (the backbones that have the fields: SRU++ has none)
-  own = {f.name for f in dataclasses.fields(mcfg)}
-  mcfg = dataclasses.replace(mcfg, **{k: v for k, v in EXECUTION_FIELDS.items() if k in own})
-  target = nnx.eval_shape(lambda: build_model(mcfg, rngs=nnx.Rngs(0)))
-  graphdef, abstract_params = nnx.split(target, nnx.Param)
-  params = restore_export_params(os.path.join(directory, "params"), abstract_params, meta, "exported parameters")
-  return graphdef, params, config, vocab, meta

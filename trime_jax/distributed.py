@@ -48,6 +48,14 @@ def initialize_from_env() -> bool:
   return False
 
 
+def sync_processes(name: str) -> None:
+  """A barrier across the processes of a multi-host run (named, so a mismatch is visible); nothing on one."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
+
+
 def process_rows(sharding: jax.sharding.Sharding, global_shape, axis: int) -> np.ndarray:
   """Sorted global indices along `axis` of the rows this process's devices hold under `sharding`.
 

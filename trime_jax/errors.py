@@ -23,3 +23,10 @@ class TrainingError(TrimeError):
 
 class DamagedCheckpointError(CheckpointError):
   """A checkpoint, export, datastore or index whose files are missing, truncated or changed after writing."""
+
+
+def first_line(e: BaseException) -> str:
+  """`Type: first line` of an exception from a library (orbax, TensorStore), for an error that fits on one line."""
+  text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+  text = text.split(" See full TensorStore details")[0]  # the rest is a bound-method repr
+  return f"{type(e).__name__}: {text[:200]}"

@@ -3,7 +3,7 @@
     python -m trime_jax.launch.import_fairseq --checkpoint=PATH/checkpoint_best.pt --dict=PATH/dict.txt --out=DIR
 
 The export is the one `trime_jax.launch.eval`, `trime_jax.launch.eval_ext` and `trime_jax.launch.build_datastore` read
-(`checkpoint.export`).
+(`exports.export`).
 What the import reads (docs/paper_models.md, "Importing the original checkpoints"):
 
   * the model's flags: `args` (an argparse.Namespace, the release's fairseq) or `cfg["model"]` (newer fairseq),
@@ -526,7 +526,7 @@ def import_to_export(checkpoint: str, dict_path: str, out: str, *, key_type: str
   replaces the whole directory."""
   import inspect
 
-  from trime_jax import checkpoint as ckpt
+  from trime_jax import exports
 
   if os.path.lexists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
     raise ImportError_(f"{out} already exists and is not empty: the import would replace it; choose another "
@@ -536,5 +536,5 @@ def import_to_export(checkpoint: str, dict_path: str, out: str, *, key_type: str
   config = export_config(imp.cfg, imp.flags, dtype=dtype)
   extra = {"step": 0, "imported_from": os.path.abspath(checkpoint), "fairseq_arch": imp.flags.get("arch") or
            imp.flags.get("_name"), "fairseq_dict": os.path.abspath(dict_path)}
-  kwargs = {"overwrite": overwrite} if "overwrite" in inspect.signature(ckpt.export).parameters else {}
-  return ckpt.export(out, imp.params, config, imp.vocab, extra=extra, **kwargs), imp
+  kwargs = {"overwrite": overwrite} if "overwrite" in inspect.signature(exports.export).parameters else {}
+  return exports.export(out, imp.params, config, imp.vocab, extra=extra, **kwargs), imp

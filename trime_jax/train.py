@@ -23,7 +23,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from trime_jax import checkpoint as ckpt
+from trime_jax import checkpoint as ckpt, exports
 from trime_jax import corpora
 from trime_jax import data
 from trime_jax import distributed
@@ -225,7 +225,7 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   identity = {"train_fingerprint": splits.train.fingerprint()}
   if chief():  # export/ and best/ hold this run's exports or nothing (refused now, not after training)
     for name in ("export", "best"):
-      ckpt.check_export_target(os.path.join(workdir, name), config, vocab, identity)
+      exports.check_export_target(os.path.join(workdir, name), config, vocab, identity)
   ckpt.check_resume_config(workdir, config)  # nothing was refused: the run starts; config.json says what ran
   mesh = sharding.make_mesh(train_cfg.num_devices)
   if train_cfg.batch_size % mesh.size:
@@ -256,7 +256,7 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
 class LMTask(loop.Task):
   """The language model's part of the training loop (`runtime.loop`): batches of segments placed on the mesh
   (each process loads only its rows), the train step (the sharded TRIME loss on a >1-device mesh), dev
-  perplexity without memory and, for TRIME models, with local memory at τ=1, and `checkpoint.export`."""
+  perplexity without memory and, for TRIME models, with local memory at τ=1, and `exports.export`."""
 
   eval_split = "dev"
 
@@ -312,5 +312,5 @@ class LMTask(loop.Task):
 
   def export(self, directory: str, params, extra: dict) -> str:
     # every process: orbax synchronises them
-    return ckpt.export(directory, params, self.config, self.splits.vocab,
+    return exports.export(directory, params, self.config, self.splits.vocab,
                        extra={**extra, "train_fingerprint": self.splits.train.fingerprint()})

@@ -38,13 +38,11 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from trime_jax import checkpoint as ckpt
-from trime_jax import data
+from trime_jax import data, exports
 from trime_jax.errors import CheckpointError, ConfigError, DamagedCheckpointError
 from trime_jax.runtime.lock import DirLock
 
@@ -175,8 +173,8 @@ def _check_meta(directory: str, meta: dict, **want) -> None:
 
 def _check_meta_checkpoint(directory: str, meta: dict, checkpoint_dir: str) -> None:
   """The datastore must have been built by this exported model (same weights, vocabulary, key space)."""
-  cmeta = ckpt.read_export_meta(checkpoint_dir)
-  _check_meta(directory, meta, checkpoint_fingerprint=ckpt.fingerprint(checkpoint_dir),
+  cmeta = exports.read_export_meta(checkpoint_dir)
+  _check_meta(directory, meta, checkpoint_fingerprint=exports.fingerprint(checkpoint_dir),
               vocab_fingerprint=cmeta["vocab_fingerprint"], dimension=int(cmeta["d_model"]),
               key_type=cmeta["key_type"])
 
@@ -429,7 +427,7 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
     raise ConfigError(f"datastore key dtype must be one of {KEY_DTYPES}, got {key_dtype!r}")
   if entries not in ENTRIES:
     raise ConfigError(f"datastore entries must be one of {ENTRIES}, got {entries!r}")
-  graphdef, params, config, vocab, cmeta = ckpt.load_export(checkpoint_dir)
+  graphdef, params, config, vocab, cmeta = exports.load_export(checkpoint_dir)
   if config.model.get("backbone", "transformer") != "transformer":  # keys here come from independent windows
     raise ConfigError(f"datastores are built with the transformer backbone; {checkpoint_dir} is a "
                       f"{config.model.backbone} model, whose keys depend on the state carried along the stream")
@@ -458,7 +456,7 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
   per_chunk = batch_size * max(1, -(-chunk_tokens // (batch_size * stride)))  # windows per chunk
 
   identity = {"format": FORMAT, "count": n, "dimension": dim, "key_dtype": key_dtype, "value_dtype": "int32",
-              "checkpoint_fingerprint": ckpt.fingerprint(checkpoint_dir), "vocab_fingerprint": vocab.fingerprint(),
+              "checkpoint_fingerprint": exports.fingerprint(checkpoint_dir), "vocab_fingerprint": vocab.fingerprint(),
               "corpus_fingerprint": corpus.fingerprint(), "key_type": cmeta["key_type"],
               "block_len": block_len, "context_window": context_window,
               **({"first_position": base} if entries == "original" else {})}

@@ -10,9 +10,9 @@ import os
 
 import numpy as np
 
-from trime_jax import checkpoint as ckpt
 from trime_jax import corpora
 from trime_jax import exact_memory
+from trime_jax import exports
 from trime_jax import knn
 from trime_jax.errors import CheckpointError, ConfigError
 from trime_jax.evaluate.driver import EvalResult, evaluate
@@ -82,7 +82,7 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
   retrieval accuracy, frequency-bucket perplexities and (if `throughput_tokens`) throughput with vs without
   external memory."""
   checkpoint_dir = os.path.abspath(checkpoint_dir)
-  graphdef, params, train_config, vocab, _ = ckpt.load_export(checkpoint_dir)
+  graphdef, params, train_config, vocab, _ = exports.load_export(checkpoint_dir)
   splits = load_eval_data(config, vocab)
   e = config.eval
   families = families_of(e, external_memory)

@@ -10,8 +10,7 @@ from typing import Callable
 import numpy as np
 from flax import nnx
 
-from trime_jax import checkpoint as ckpt
-from trime_jax import data
+from trime_jax import data, exports
 from trime_jax import exact_memory
 from trime_jax import knn
 from trime_jax.errors import CheckpointError, ConfigError
@@ -40,7 +39,7 @@ class Generator:
 
   def __init__(self, checkpoint_dir: str, *, log: Callable[[str], None] = _stderr):
     self.checkpoint_dir = checkpoint_dir
-    self.graphdef, self.params, self.config, self.vocab, self.meta = ckpt.load_export(checkpoint_dir)
+    self.graphdef, self.params, self.config, self.vocab, self.meta = exports.load_export(checkpoint_dir)
     model = nnx.merge(self.graphdef, self.params)
     if getattr(model, "stateful", False):  # the key/value-cache decoder is the Transformer's
       raise ConfigError(f"generation supports the transformer backbone; {checkpoint_dir} is a "

@@ -29,8 +29,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from trime_jax import checkpoint as ckpt
-from trime_jax import data
+from trime_jax import data, exports
 from trime_jax.datastore import build as ds_build
 from trime_jax.errors import CheckpointError
 from trime_jax.mt import data as mt_data
@@ -141,12 +140,12 @@ def build_mt_datastore(checkpoint_dir: str, pairs: mt_data.ParallelData, out_dir
     raise CheckpointError(f"the {pairs.split or 'given'} pairs are encoded with vocabulary "
                           f"{pairs.vocab.fingerprint()}, the checkpoint uses {vocab.fingerprint()}: encode them "
                           "with the checkpoint's vocabulary")
-  cmeta = ckpt.read_export_meta(checkpoint_dir)
+  cmeta = exports.read_export_meta(checkpoint_dir)
   counts = np.asarray([len(y) + 1 for y in pairs.tgt], np.int64)
   offsets = np.concatenate([[0], np.cumsum(counts)])
   n, dim = int(offsets[-1]), int(cmeta["d_model"])
   identity = {"format": ds_build.FORMAT, "count": n, "dimension": dim, "key_dtype": "float16",
-              "value_dtype": "int32", "checkpoint_fingerprint": ckpt.fingerprint(checkpoint_dir),
+              "value_dtype": "int32", "checkpoint_fingerprint": exports.fingerprint(checkpoint_dir),
               "vocab_fingerprint": vocab.fingerprint(), "corpus_fingerprint": corpus_fingerprint(pairs.src, pairs.tgt),
               "key_type": cmeta["key_type"], "block_len": 0, "context_window": 0}
   writer = ds_build.DatastoreWriter(out_dir, identity)

@@ -1,5 +1,5 @@
 """The translation model's export: `<dir>/{params/, config.json, meta.json, the subword model}`, written with the
-LM's writer (`checkpoint.write_export`: to `<dir>.tmp`, renamed into place, one writer at a time) and read back
+LM's writer (`exports.write_export`: to `<dir>.tmp`, renamed into place, one writer at a time) and read back
 checked (`load_mt_export`). Above the model (`mt.model` knows neither checkpoints nor configs): a ConfigDict is
 turned into the model's typed spec here (`specs.mt_model_config`)."""
 
@@ -13,8 +13,8 @@ import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from trime_jax import checkpoint
 from trime_jax import data as lm_data
+from trime_jax import exports
 from trime_jax import specs
 from trime_jax.errors import CheckpointError, DamagedCheckpointError
 from trime_jax.mt.data import SubwordVocab
@@ -26,10 +26,10 @@ EXPORT_FILES = ("config.json", "meta.json", "params")  # + the vocabulary file (
 
 def export_mt(directory: str, params, config, vocab, extra=None, *, overwrite: bool = False) -> str:
   """Write params + config + the subword model + meta to `directory` atomically; returns the directory. The LM's
-  writer (`checkpoint.write_export`): one writer at a time, a target of another kind or model refused unless
+  writer (`exports.write_export`): one writer at a time, a target of another kind or model refused unless
   `overwrite`."""
   mcfg = specs.mt_model_config(config, vocab_size=vocab.size)
-  meta = {"params_digest": checkpoint.params_digest(params), "vocab_fingerprint": vocab.fingerprint(),
+  meta = {"params_digest": exports.params_digest(params), "vocab_fingerprint": vocab.fingerprint(),
           "vocab_size": vocab.size, "vocab_kind": vocab.kind, "d_model": mcfg.d_model, "key_type": mcfg.key_type,
           "num_params": count_params(params), "model_family": "mt", **(extra or {})}
 
@@ -37,12 +37,12 @@ def export_mt(directory: str, params, config, vocab, extra=None, *, overwrite: b
     vocab.save(tmp)
     lm_data.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(config.to_json_best_effort()))
 
-  return checkpoint.write_export(directory, params, meta, files, overwrite=overwrite)
+  return exports.write_export(directory, params, meta, files, overwrite=overwrite)
 
 
 def load_mt_export(directory: str):
   """(graphdef, params, config, vocab) of an MT export, validated (files present, vocabulary fingerprint, the
-  parameters' files and shapes and their digest as recorded in meta.json: `checkpoint.restore_export_params`)."""
+  parameters' files and shapes and their digest as recorded in meta.json: `exports.restore_export_params`)."""
   directory = os.path.abspath(directory)
   if not os.path.isdir(directory):
     raise CheckpointError(f"MT export directory not found: {directory}")
@@ -62,6 +62,6 @@ def load_mt_export(directory: str):
   target = nnx.eval_shape(lambda: TransformerMT(mcfg, rngs=nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(target, nnx.Param)
   abstract_params = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, abstract_params)
-  params = checkpoint.restore_export_params(os.path.join(directory, "params"), abstract_params, meta,
+  params = exports.restore_export_params(os.path.join(directory, "params"), abstract_params, meta,
                                             "MT export parameters")
   return graphdef, params, config, vocab

@@ -37,7 +37,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from trime_jax import checkpoint as ckpt
+from trime_jax import checkpoint as ckpt, exports
 from trime_jax import loss
 from trime_jax import scoring
 from trime_jax import sharded_loss
@@ -180,18 +180,18 @@ def plan_target_tokens(pairs, plan: batching.Plan) -> np.ndarray:
   return np.add.reduceat(per_pair[plan.indices], plan.offsets[:-1])
 
 
-def total_updates(plan: batching.Plan, tokens_of: np.ndarray, num_steps: int, budget: int) -> int:
-  """The run's length: num_steps, or fewer when `train.target_token_budget` (> 0) is reached first — the first
-  update after which the target tokens trained on reach the budget (deterministic: the plan fixes every batch).
-  Equal target-token budgets compare objectives whose batches pad differently (BM25 batches mix lengths)."""
-  if budget <= 0:
-    return num_steps
-  seen = 0
+def target_tokens_seen(plan: batching.Plan, tokens_of: np.ndarray, num_steps: int, budget: int) -> np.ndarray:
+  """[updates] int64: the target tokens trained on after each update of the run. Its length is the run's length:
+  num_steps, or fewer when `train.target_token_budget` (> 0) is reached first — the first update after which the
+  target tokens trained on reach the budget (deterministic: the plan fixes every batch). Equal target-token
+  budgets compare objectives whose batches pad differently (BM25 batches mix lengths)."""
+  seen, total = [], 0
   for s in range(num_steps):
-    seen += int(tokens_of[plan.batch_at(s)])
-    if seen >= budget:
-      return s + 1
-  return num_steps
+    total += int(tokens_of[plan.batch_at(s)])
+    seen.append(total)
+    if 0 < budget <= total:
+      break
+  return np.asarray(seen, np.int64)
 
 
 def load_plan(workdir: str, pairs, config) -> batching.Plan:
@@ -231,7 +231,7 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
   vocab = mt_data.load_vocab(config)
   # export/ and best/ hold this run's exports or nothing: refused now, not after training.
   for name in ("export", "best"):
-    ckpt.check_export_target(os.path.join(workdir, name), config, vocab, meta={"vocab_fingerprint": vocab.fingerprint()})
+    exports.check_export_target(os.path.join(workdir, name), config, vocab, meta={"vocab_fingerprint": vocab.fingerprint()})
   ckpt.check_resume_config(workdir, config)  # nothing was refused: the run starts; config.json says what ran
   train_pairs = mt_data.load_parallel(config, "train", vocab)
   valid_pairs = mt_data.load_parallel(config, "valid", vocab)
@@ -261,7 +261,7 @@ class MTTask(loop.Task):
   """Translation's part of the training loop (`runtime.loop`): the plan's batches (a function of the update),
   padded to split over the devices; the update of `train_step`; valid CE (and TRIME with in-batch memory) nll and
   perplexity; `mt.export.export_mt`. The run ends at train.num_steps or when train.target_token_budget target
-  tokens were trained on (`total_updates`); train lines add target_tokens_seen."""
+  tokens were trained on (`target_tokens_seen`); train lines add target_tokens_seen."""
 
   eval_split = "valid"
   best_metric = "ce_ppl"  # the model's own distribution: every decoding mode (beam, kNN-MT, TRIME) starts from it
@@ -272,10 +272,9 @@ class MTTask(loop.Task):
     r, t = config.train, config.trime
     self.warm = int(t.ce_warmup_steps)
     self.pack_len = pack_len_of(config)
-    tokens_of = plan_target_tokens(train_pairs, plan)
-    self.total = total_updates(plan, tokens_of, int(r.num_steps), int(r.get("target_token_budget", 0)))
-    # Target tokens trained on after each update (the plan fixes every batch).
-    self.seen = np.cumsum([int(tokens_of[plan.batch_at(s)]) for s in range(self.total)])
+    self.seen = target_tokens_seen(plan, plan_target_tokens(train_pairs, plan), int(r.num_steps),
+                                   int(r.get("target_token_budget", 0)))
+    self.total = len(self.seen)
     self.train_json = json.dumps(json.loads(r.to_json_best_effort()), sort_keys=True)
     self.sharded = (mesh, str(t.sharded_variant), str(t.memory_grad)) if mesh.size > 1 else None
 
