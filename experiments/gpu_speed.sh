@@ -46,6 +46,9 @@ setup() {  # there: the carried packages and a faiss stand-in (nothing here uses
 record_env() {
   { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
     $PYBIN -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+    # for experiments/orig_gpu_speed.sh (the original needs PyTorch with CUDA and a compiler there)
+    $PYBIN -c "import sys, torch; print(sys.version.split()[0], 'torch', torch.__version__, torch.cuda.is_available())" \
+      2>&1 | tail -1; command -v g++ || echo "g++: none"
     git log -1 --format='commit %H %s' 2>/dev/null || true; } > "$OUT/env.txt" 2>&1
   cat "$OUT/env.txt"
 }
