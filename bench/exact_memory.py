@@ -8,6 +8,7 @@ One step = the external-memory work of one evaluation step of `--queries` scored
   faiss_flat   IndexFlatIP top-K search (exact, K best) + the K next tokens, on the host
   faiss_ivfpq  IVF-PQ top-K search at nprobe (kNN-LM's index: nlist <= 4096, 64 sub-quantizers x 8 bits,
                clamped for small stores as `build_index` does; trained on <= 65,536 keys) + the K next tokens
+  faiss_*_gpu  (--faiss_gpu) the same index on GPU 0, as `eval.knn_gpu` loads it (`KnnIndex.to_gpu`)
   on_device    `exact_memory.external_log_terms`: every key, sharded over n (virtual CPU) devices, log-sum-exp at
                `--scales` scales (3 = one configured trime / interp / knnlm point each; the tuning grid reads 21)
 Keys are random float16 [M, D] (the datastore dtype); the search only depends on sizes. The top-K paths leave
@@ -62,7 +63,7 @@ def _median(fn, repeats):
   return statistics.median(times)
 
 
-def measure(size, dim, queries, k, nprobe, n_scales, device_counts, repeats, tmp):
+def measure(size, dim, queries, k, nprobe, n_scales, device_counts, repeats, tmp, faiss_gpu=False):
   rng = np.random.default_rng(0)
   keys = rng.normal(size=(size, dim)).astype(np.float16)
   values = rng.integers(0, 50_000, size).astype(np.int32)
@@ -79,7 +80,12 @@ def measure(size, dim, queries, k, nprobe, n_scales, device_counts, repeats, tmp
       _, ids = idx.search(q, kk)
       return values[np.maximum(ids, 0)]
 
-    rows.append((f"faiss_{kind}", 1, _median(search, repeats), size * (dim * 4 if kind == "flat" else 72)))
+    nbytes = size * (dim * 4 if kind == "flat" else 72)
+    rows.append((f"faiss_{kind}", 1, _median(search, repeats), nbytes))
+    if faiss_gpu:  # the same index moved to GPU 0 as `eval.knn_gpu` moves it (KnnIndex.to_gpu)
+      idx.to_gpu(0)
+      rows.append((f"faiss_{kind}_gpu", 1, _median(search, repeats), nbytes))
+    del idx
   scales = tuple(float(x) for x in np.linspace(0.5, 2.0, n_scales))
   for n in device_counts:
     store = exact_memory.from_arrays(keys, values, sharding.make_mesh(n))
@@ -119,9 +125,14 @@ def main():
   p.add_argument("--scales", type=int, default=3)
   p.add_argument("--devices", default="1,8")
   p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--faiss_gpu", action="store_true",
+                 help="also each FAISS index moved to GPU 0 (a GPU build of faiss; JAX_PLATFORMS=cuda for on_device)")
   a = p.parse_args()
+  if a.faiss_gpu and not faiss_index.gpu_available():
+    print(f"error: --faiss_gpu: this faiss ({faiss.__version__}) has no GPU support or sees no GPU", file=sys.stderr)
+    sys.exit(2)
   device_counts = [int(x) for x in a.devices.split(",")]
-  print(f"jax {jax.__version__}, {jax.device_count()} cpu devices, {os.cpu_count()} cores (load average "
+  print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, {os.cpu_count()} cores (load average "
         f"{os.getloadavg()[0]:.1f}), faiss {faiss.__version__} ({faiss.omp_get_max_threads()} threads), D={a.dim}, "
         f"{a.queries} queries per step, K={a.k}, nprobe={a.nprobe}, {a.scales} scales, median of {a.repeats}\n")
   print("| datastore keys | path | devices | ms / step | queries / s | memory (MiB; per device for on_device) |")
@@ -129,7 +140,7 @@ def main():
   with tempfile.TemporaryDirectory() as tmp:
     for size in (int(s) for s in a.sizes.split(",")):
       for name, n, sec, nbytes in measure(size, a.dim, a.queries, a.k, a.nprobe, a.scales, device_counts,
-                                          a.repeats, tmp):
+                                          a.repeats, tmp, faiss_gpu=a.faiss_gpu):
         print(f"| {size:,} | {name} | {n} | {sec * 1e3:,.1f} | {a.queries / sec:,.0f} | {nbytes / 2**20:,.1f} |",
               flush=True)
   print()

@@ -190,6 +190,39 @@ case "${1:-}" in
     echo "all configs: $(( $(date +%s) - T0 )) s" | tee -a "$OUT/summary.txt"
     cat "$OUT/summary.txt"
     ;;
+  prepare_faiss)  # issue 37's GPU FAISS: PyPI's GPU build for CUDA 12 (48 MB; it links the nvidia-cublas-cu12 /
+    # nvidia-cuda-runtime-cu12 libraries a pip-installed CUDA jax brings). Carry [".gpu/whl", ".gpu/faiss"] only:
+    # with .gpu/orig the carry would pass the device tool's 64 MiB.
+    mkdir -p .gpu/faiss
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --platform manylinux2014_x86_64 -d .gpu/faiss faiss-gpu-cu12==1.14.1.post1
+    du -sh .gpu/faiss
+    ;;
+  faiss)  # there: bench.exact_memory at docs-wt's datastore sizes (D = 128, up to 17.8M keys), 1,024 queries a step
+    # (the eval config's 8 x 128), K = 1,024, nprobe = 32: FAISS flat / IVF-PQ on the host CPUs and on the GPU, and
+    # the exact on-device path on the GPU. Random keys: the search cost depends on the sizes only.
+    OUT=${OUT:-/tmp/gpu_speed_out}
+    mkdir -p "$OUT"
+    PYBIN=${PYBIN:-python3}
+    export PYTHONPATH=/tmp/site:$PWD
+    if ! $PYBIN -c "import flax, optax, orbax.checkpoint, ml_collections" 2>/dev/null; then
+      $PYBIN -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
+    fi
+    if ! $PYBIN -c "import faiss" 2>/dev/null; then
+      $PYBIN -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/faiss/*.whl
+    fi
+    # The wheel finds CUDA's libraries next to itself (site-packages/nvidia/...); here they are where jax's are.
+    NV=$($PYBIN -c "import nvidia, os; print(list(nvidia.__path__)[0])" 2>/dev/null || true)
+    if [ -n "$NV" ]; then
+      export LD_LIBRARY_PATH="$NV/cublas/lib:$NV/cuda_runtime/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    fi
+    record_env
+    { $PYBIN -c "import faiss; print('faiss', faiss.__version__, 'gpus', faiss.get_num_gpus())" 2>&1 | tail -1
+      echo "nvidia libraries: ${NV:-not pip-installed}"; } | tee -a "$OUT/env.txt"
+    JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} timeout --foreground -k 10 "${FAISS_LIMIT:-420}" $PYBIN -m bench.exact_memory \
+      --sizes="${SIZES:-1048576,4194304,17825792}" --dim=128 --queries=1024 --k=1024 --nprobe=32 --devices=1 \
+      --repeats=3 ${FAISS_GPU_FLAG---faiss_gpu} 2>&1 | tee "$OUT/faiss.log"
+    ;;
   levers)
     setup
     OUT=${OUT:-/tmp/gpu_speed_out}
@@ -197,6 +230,6 @@ case "${1:-}" in
     record_env
     levers
     ;;
-  *) echo "usage: $0 prepare | run | levers   (env: TINY=1, OUT=dir, CONFIGS=\"...\", STEPS=n, MAX_BATCH=1;" \
+  *) echo "usage: $0 prepare | prepare_faiss | run | levers | faiss   (env: TINY=1, OUT=dir, CONFIGS=\"...\", STEPS=n, MAX_BATCH=1;" \
        "levers: LEVERS=\"...\", LEVER_BUDGET=s, OBJECTIVES=ce,trime)" >&2; exit 2 ;;
 esac
