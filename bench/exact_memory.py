@@ -85,7 +85,7 @@ def measure(size, dim, queries, k, nprobe, n_scales, device_counts, repeats, tmp
     if faiss_gpu:  # the same index moved to GPU 0 as `eval.knn_gpu` moves it (KnnIndex.to_gpu)
       idx.to_gpu(0)
       rows.append((f"faiss_{kind}_gpu", 1, _median(search, repeats), nbytes))
-    del idx
+    idx = None  # frees the index (host and GPU) before the next one is built
   scales = tuple(float(x) for x in np.linspace(0.5, 2.0, n_scales))
   for n in device_counts:
     store = exact_memory.from_arrays(keys, values, sharding.make_mesh(n))
