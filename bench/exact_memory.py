@@ -91,7 +91,7 @@ def measure(size, dim, queries, k, nprobe, n_scales, device_counts, repeats, tmp
     store = exact_memory.from_arrays(keys, values, sharding.make_mesh(n))
     step = lambda: jax.block_until_ready(exact_memory.external_log_terms(q, y, store, scales))
     rows.append(("on_device", n, _median(step, repeats), exact_memory.device_bytes(size, dim, n)))
-    del store
+    store = None  # frees the device copy before the next mesh
   return rows
 
 
