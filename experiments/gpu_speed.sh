@@ -45,10 +45,10 @@ setup() {  # there: the carried packages and a faiss stand-in (nothing here uses
 
 record_env() {
   { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
-    $PYBIN -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+    $PYBIN -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" || true
     # for experiments/orig_gpu_speed.sh (the original needs PyTorch with CUDA and a compiler there)
     $PYBIN -c "import sys, torch; print(sys.version.split()[0], 'torch', torch.__version__, torch.cuda.is_available())" \
-      2>&1 | tail -1; command -v g++ || echo "g++: none"
+      2>&1 | tail -1 || true; command -v g++ || echo "g++: none"
     git log -1 --format='commit %H %s' 2>/dev/null || true; } > "$OUT/env.txt" 2>&1
   cat "$OUT/env.txt"
 }
@@ -217,7 +217,7 @@ case "${1:-}" in
       export LD_LIBRARY_PATH="$NV/cublas/lib:$NV/cuda_runtime/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     fi
     record_env
-    { $PYBIN -c "import faiss; print('faiss', faiss.__version__, 'gpus', faiss.get_num_gpus())" 2>&1 | tail -1
+    { $PYBIN -c "import faiss; print('faiss', faiss.__version__, 'gpus', faiss.get_num_gpus())" 2>&1 | tail -1 || true
       echo "nvidia libraries: ${NV:-not pip-installed}"; } | tee -a "$OUT/env.txt"
     JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} timeout --foreground -k 10 "${FAISS_LIMIT:-420}" $PYBIN -m bench.exact_memory \
       --sizes="${SIZES:-1048576,4194304,17825792}" --dim=128 --queries=1024 --k=1024 --nprobe=32 --devices=1 \

@@ -96,8 +96,8 @@ setup_there() {  # the GPU machine: its python; the original unpacked and its tw
   if [ -n "${TINY:-}" ]; then PYBIN=$ORIG_VENV_PY; fi
   WORK=${WORK:-/tmp/orig_speed_src}
   { date -u; $PYBIN --version
-    $PYBIN -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())" 2>&1 | tail -1
-    $PYBIN -c "import numpy; print('numpy', numpy.__version__)" 2>&1 | tail -1
+    $PYBIN -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())" 2>&1 | tail -1 || true
+    $PYBIN -c "import numpy; print('numpy', numpy.__version__)" 2>&1 | tail -1 || true
     $PYBIN -c "import sysconfig, os; h = sysconfig.get_paths()['include']; print('Python.h', os.path.exists(os.path.join(h, 'Python.h')), h)"
     (command -v g++ && g++ --version | head -1) || echo "g++: none"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: none"
@@ -191,7 +191,7 @@ run_there() {
   # Ours at the same shapes (the machine's jax; experiments/gpu_speed.sh's packages).
   local ours_budget=${OURS_BUDGET:-200} t1
   t1=$(date +%s)
-  if [ -z "${TINY:-}" ]; then
+  if [ -z "${TINY:-}" ] && [ "${OURS:-1}" = 1 ]; then
     export PYTHONPATH=/tmp/site:/tmp/stub:$REPO
     if ! python3 -c "import flax, optax, orbax.checkpoint, ml_collections" 2>/dev/null; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
@@ -199,9 +199,10 @@ run_there() {
     mkdir -p /tmp/stub
     python3 -c "import faiss" 2>/dev/null || printf 'def __getattr__(name):\n  raise ImportError("faiss: not on this machine")\n' > /tmp/stub/faiss.py
   fi
-  local ours_py=python3 tinyflag=""
+  local ours_py=python3 tinyflag="" ours_models=$MODELS
   if [ -n "${TINY:-}" ]; then ours_py=.venv/bin/python; tinyflag="--tiny"; fi
-  for m in $MODELS; do
+  if [ "${OURS:-1}" = 0 ]; then ours_models=""; fi  # OURS=0: the original only
+  for m in $ours_models; do
     local left=$(( ours_budget - ($(date +%s) - t1) ))
     if [ "$left" -lt 30 ]; then echo "ours $m skipped: budget" | tee -a "$OUT/orig_runs.txt"; continue; fi
     local rc
@@ -217,6 +218,6 @@ run_there() {
 case "${1:-}" in
   prepare) prepare ;;
   run) run_there ;;
-  *) echo "usage: $0 prepare | run   (env: TINY=1, OUT=dir, MODELS=\"247m 150m 7m\", CRITERIA=..., UPDATES=n)" >&2
+  *) echo "usage: $0 prepare | run   (env: TINY=1, OUT=dir, MODELS=\"247m 150m 7m\", CRITERIA=..., UPDATES=n, OURS=0)" >&2
      exit 2 ;;
 esac
