@@ -191,12 +191,12 @@ case "${1:-}" in
     cat "$OUT/summary.txt"
     ;;
   prepare_faiss)  # issue 37's GPU FAISS: PyPI's GPU build for CUDA 12 (48 MB; it links the nvidia-cublas-cu12 /
-    # nvidia-cuda-runtime-cu12 libraries a pip-installed CUDA jax brings). Carry [".gpu/whl", ".gpu/faiss"] only:
-    # with .gpu/orig the carry would pass the device tool's 64 MiB.
-    mkdir -p .gpu/faiss
+    # nvidia-cuda-runtime-cu12 libraries a pip-installed CUDA jax brings). Kept out of .gpu/ so that the other
+    # scripts' carry [".gpu"] stays under the device tool's 64 MiB; this one carries [".gpu/whl", ".gpu_faiss"].
+    mkdir -p .gpu_faiss
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-      --platform manylinux2014_x86_64 -d .gpu/faiss faiss-gpu-cu12==1.14.1.post1
-    du -sh .gpu/faiss
+      --platform manylinux2014_x86_64 -d .gpu_faiss faiss-gpu-cu12==1.14.1.post1
+    du -sh .gpu_faiss
     ;;
   faiss)  # there: bench.exact_memory at docs-wt's datastore sizes (D = 128, up to 17.8M keys), 1,024 queries a step
     # (the eval config's 8 x 128), K = 1,024, nprobe = 32: FAISS flat / IVF-PQ on the host CPUs and on the GPU, and
@@ -209,7 +209,7 @@ case "${1:-}" in
       $PYBIN -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
     fi
     if ! $PYBIN -c "import faiss" 2>/dev/null; then
-      $PYBIN -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/faiss/*.whl
+      $PYBIN -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu_faiss/*.whl
     fi
     # The wheel finds CUDA's libraries next to itself (site-packages/nvidia/...); here they are where jax's are.
     NV=$($PYBIN -c "import nvidia, os; print(list(nvidia.__path__)[0])" 2>/dev/null || true)
