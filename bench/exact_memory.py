@@ -8,7 +8,9 @@ One step = the external-memory work of one evaluation step of `--queries` scored
   faiss_flat   IndexFlatIP top-K search (exact, K best) + the K next tokens, on the host
   faiss_ivfpq  IVF-PQ top-K search at nprobe (kNN-LM's index: nlist <= 4096, 64 sub-quantizers x 8 bits,
                clamped for small stores as `build_index` does; trained on <= 65,536 keys) + the K next tokens
-  faiss_*_gpu  (--faiss_gpu) the same index on GPU 0, as `eval.knn_gpu` loads it (`KnnIndex.to_gpu`)
+  faiss_*_gpu  (--faiss_gpu) the same index on GPU 0, as `eval.knn_gpu` loads it (`KnnIndex.to_gpu`); its
+               "agrees" column: the share of its top-K ids that the same index on the host also returns (float16
+               lookup tables on the GPU shift a few near-ties; a wrong answer would show as a small share)
   on_device    `exact_memory.external_log_terms`: every key, sharded over n (virtual CPU) devices, log-sum-exp at
                `--scales` scales (3 = one configured trime / interp / knnlm point each; the tuning grid reads 21)
 Keys are random float16 [M, D] (the datastore dtype); the search only depends on sizes. The top-K paths leave
@@ -70,7 +72,6 @@ def measure(size, dim, queries, k, nprobe, n_scales, device_counts, repeats, tmp
   q = rng.normal(size=(queries, dim)).astype(np.float32)
   y = rng.integers(0, 50_000, queries).astype(np.int32)
   kk = min(k, size)
-  rows = []
   for kind in ("flat", "ivfpq"):
     idx = faiss_index.build_index(_Synthetic(keys, tmp), os.path.join(tmp, f"{kind}.faiss"), kind=kind,
                                   train_size=65_536, progress=False)
@@ -81,18 +82,23 @@ def measure(size, dim, queries, k, nprobe, n_scales, device_counts, repeats, tmp
       return values[np.maximum(ids, 0)]
 
     nbytes = size * (dim * 4 if kind == "flat" else 72)
-    rows.append((f"faiss_{kind}", 1, _median(search, repeats), nbytes))
+    yield f"faiss_{kind}", 1, _median(search, repeats), nbytes, None
     if faiss_gpu:  # the same index moved to GPU 0 as `eval.knn_gpu` moves it (KnnIndex.to_gpu)
+      host_ids = idx.search(q, kk)[1]
       idx.to_gpu(0)
-      rows.append((f"faiss_{kind}_gpu", 1, _median(search, repeats), nbytes))
+      yield f"faiss_{kind}_gpu", 1, _median(search, repeats), nbytes, _overlap(idx.search(q, kk)[1], host_ids)
     idx = None  # frees the index (host and GPU) before the next one is built
   scales = tuple(float(x) for x in np.linspace(0.5, 2.0, n_scales))
   for n in device_counts:
     store = exact_memory.from_arrays(keys, values, sharding.make_mesh(n))
     step = lambda: jax.block_until_ready(exact_memory.external_log_terms(q, y, store, scales))
-    rows.append(("on_device", n, _median(step, repeats), exact_memory.device_bytes(size, dim, n)))
+    yield "on_device", n, _median(step, repeats), exact_memory.device_bytes(size, dim, n), None
     store = None  # frees the device copy before the next mesh
-  return rows
+
+
+def _overlap(ids_NxK, reference_NxK):
+  """The share of the top-K ids in `ids_NxK` that the same query's `reference_NxK` row also holds."""
+  return float(np.mean([np.isin(a, b).mean() for a, b in zip(ids_NxK, reference_NxK)]))
 
 
 def wiki103_table():
@@ -135,14 +141,15 @@ def main():
   print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, {os.cpu_count()} cores (load average "
         f"{os.getloadavg()[0]:.1f}), faiss {faiss.__version__} ({faiss.omp_get_max_threads()} threads), D={a.dim}, "
         f"{a.queries} queries per step, K={a.k}, nprobe={a.nprobe}, {a.scales} scales, median of {a.repeats}\n")
-  print("| datastore keys | path | devices | ms / step | queries / s | memory (MiB; per device for on_device) |")
-  print("|---:|---|---:|---:|---:|---:|")
+  print("| datastore keys | path | devices | ms / step | queries / s | memory (MiB; per device for on_device) "
+        "| agrees with the host index |")
+  print("|---:|---|---:|---:|---:|---:|---:|")
   with tempfile.TemporaryDirectory() as tmp:
     for size in (int(s) for s in a.sizes.split(",")):
-      for name, n, sec, nbytes in measure(size, a.dim, a.queries, a.k, a.nprobe, a.scales, device_counts,
-                                          a.repeats, tmp, faiss_gpu=a.faiss_gpu):
-        print(f"| {size:,} | {name} | {n} | {sec * 1e3:,.1f} | {a.queries / sec:,.0f} | {nbytes / 2**20:,.1f} |",
-              flush=True)
+      for name, n, sec, nbytes, agrees in measure(size, a.dim, a.queries, a.k, a.nprobe, a.scales, device_counts,
+                                                  a.repeats, tmp, faiss_gpu=a.faiss_gpu):
+        print(f"| {size:,} | {name} | {n} | {sec * 1e3:,.1f} | {a.queries / sec:,.0f} | {nbytes / 2**20:,.1f} | "
+              f"{'' if agrees is None else f'{agrees:.4f}'} |", flush=True)
   print()
   print(wiki103_table())
 

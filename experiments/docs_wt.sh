@@ -18,6 +18,8 @@
 #                                                #   (DOMAIN_MATCHED=1: the training one cut to the kernel one's size;
 #                                                #   DATASTORES=ds: evaluate only the whole training one)
 #   bash experiments/docs_wt.sh exact NAME       # (an accelerator) every training key on the device, exact scores
+#   bash experiments/docs_wt.sh ext3 NAME        # (an accelerator) IVF-PQ on the CPUs / on the GPU / exact on the
+#                                                #   device: tokens/s and perplexity on the same test tokens
 #
 #   bash experiments/docs_wt.sh dir              # prints this STEPS / SEED's directory (runs/docs_wt_12k_s1, ...)
 #
@@ -64,6 +66,9 @@ if [ "$STEPS" != 1200 ]; then
 fi
 BM25_PLAN=runs/plans/docs_wt_bm25$([ "$SEED" = 0 ] || echo "_s$SEED")  # Algorithm 1's packing depends on the seed
 
+ds_complete() {  # a finished datastore build in $1 (meta.json's `complete`)
+  $PYBIN -c "import json, sys; sys.exit(not json.load(open(sys.argv[1])).get('complete'))" "$1/meta.json" 2>/dev/null
+}
 config_of() {
   case "$1" in
     vanilla|local) echo configs/docs_wt.py ;;
@@ -167,7 +172,47 @@ case "${1:-}" in
       --config.eval.datastore=$OUT/$NAME/ds_exact --config.eval.datastore_on_device=True --config.eval.tune=True \
       --config.eval.split=test --output=$OUT/$NAME/eval_exact.json
     ;;
+  ext3)  # issue 37 (an accelerator): external memory three ways over the same keys and test tokens, each at the
+    #       config's own (untuned) points with tokens/s with vs without the datastore (--throughput_tokens):
+    #       ivfpq_cpu (FAISS IVF-PQ searched on the host CPUs), ivfpq_gpu (the same index on the GPU:
+    #       eval.knn_gpu), exact (every key scored on the device: eval.datastore_on_device). The datastore is the
+    #       full one `datastore NAME` builds (same index; reused when present); ENTRIES=N: the first N entries
+    #       only (a partial build cut to N, its own index: a quick check of the path). EXT3_TOKENS test tokens
+    #       (default 32,768), MODES (default all three), then experiments/ext3_table.py writes ext3.md.
+    #       EXT3_INDEX=none (no FAISS on the machine: `exact` only) builds the keys alone, in ds_exact as `exact`.
+    NAME=$2; CFG=$(config_of "$NAME"); T=${EXT3_TOKENS:-32768}; IDX=${EXT3_INDEX:-ivfpq}
+    B="--config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.batch_size=32"  # windows are independent: same keys
+    if [ -n "${ENTRIES:-}" ]; then
+      DS=$OUT/$NAME/ds_$ENTRIES
+      if ! ds_complete $DS; then
+        $PY trime_jax.launch.build_datastore $B --out=$OUT/$NAME/ds --stop_at_tokens=$ENTRIES
+        $PY trime_jax.launch.build_datastore $B --out=$DS --subset_of=$OUT/$NAME/ds --entries=$ENTRIES --index=$IDX \
+          --nlist=1024 --pq_m=16
+      fi
+    else
+      DS=$OUT/$NAME/$([ "$IDX" = none ] && echo ds_exact || echo ds)
+      if [ "$IDX" = none ] && ds_complete $DS; then :
+      elif [ "$IDX" != none ] && [ -f $DS/index.faiss ]; then :  # built before (a rebuild would redo the index)
+      else timeout ${BUILD_S:-900} $PY trime_jax.launch.build_datastore $B --out=$DS --index=$IDX --nlist=4096 --pq_m=16
+      fi
+    fi
+    for MODE in ${MODES:-ivfpq_cpu ivfpq_gpu exact}; do
+      case $MODE in
+        ivfpq_cpu) F="" ;;
+        ivfpq_gpu) F="--config.eval.knn_gpu=True" ;;
+        exact) F="--config.eval.datastore_on_device=True" ;;
+        *) echo "MODES: ivfpq_cpu | ivfpq_gpu | exact" >&2; exit 2 ;;
+      esac
+      rm -f $OUT/$NAME/ext3_$MODE.json  # a stale result must not stand in for this run's
+      S0=$(date +%s)
+      timeout ${EVAL_S:-300} $PY trime_jax.launch.eval_ext --config=$CFG --checkpoint=$OUT/$NAME/export \
+        --config.eval.datastore=$DS --config.eval.split=test --config.eval.max_tokens=$T --throughput_tokens=$T $F \
+        --output=$OUT/$NAME/ext3_$MODE.json > $OUT/$NAME/ext3_$MODE.log 2>&1 && RC=0 || RC=$?
+      echo "ext3 $NAME $MODE rc=$RC wall_s=$(( $(date +%s) - S0 ))" | tee -a $OUT/$NAME/ext3_runs.txt
+    done
+    $PYBIN experiments/ext3_table.py $OUT/$NAME | tee $OUT/$NAME/ext3.md
+    ;;
   *) echo "usage: $0 plans | train NAME | datastore NAME | partial NAME | eval NAME | eval_ext NAME | sizes NAME | domain NAME" \
-       "| exact NAME | dir" >&2
+       "| exact NAME | ext3 NAME | dir" >&2
      exit 2 ;;
 esac

@@ -154,6 +154,21 @@ PYEOF
       cp $D/$NAME/eval_exact.json "$OUT"/eval_exact_$NAME.json || true
     done
     ;;
+  ext3)  # there: experiments/docs_wt.sh ext3 NAME (issue 37's three external-memory searches) for one NAME.
+    #      carry [".gpu/whl", ".gpu/cache", "runs/docs_wt[_12k]/NAME/export"] (~57 MB with the tree: no room for
+    #      .gpu_faiss, 23 MB), right after a `gpu_speed.sh faiss` call on the same warm machine, which left the GPU
+    #      FAISS in /tmp (faiss_gpu_env.sh): without it there is no FAISS at all and only `exact` runs.
+    setup
+    source experiments/faiss_gpu_env.sh  # FAISS_GPU_READY; its PYTHONPATH entry comes before the faiss stub's
+    D=$(STEPS=${STEPS:-1200} SEED=0 bash experiments/docs_wt.sh dir)
+    if [ -d /tmp/faiss_gpu_site/faiss ]; then M="ivfpq_cpu"; [ "$FAISS_GPU_READY" = 1 ] && M="$M ivfpq_gpu"; M="$M exact"
+    else M="exact"; export EXT3_INDEX=none; fi
+    MODES=${MODES:-$M} STEPS=${STEPS:-1200} PYBIN=$PYBIN bash experiments/docs_wt.sh ext3 "$2" || true
+    for f in ext3.md ext3_runs.txt ext3_ivfpq_cpu.json ext3_ivfpq_gpu.json ext3_exact.json; do
+      cp "$D/$2/$f" "$OUT"/ 2>/dev/null || true
+    done
+    tar -C "$D/$2" -czf "$OUT/ext3_logs.tgz" $(cd "$D/$2" && ls ext3_*.log ds/*.json 2>/dev/null) || true
+    ;;
   unpack)  # exports.tar.NN or (STEPS != 1200) exports.txz.NN parts; tar finds the compression itself
     shift
     for f in "$@"; do echo "$(basename "$f") $f"; done | sort | cut -d' ' -f2 | xargs cat > /tmp/docs_wt_exports.tar
@@ -162,5 +177,5 @@ PYEOF
     rm /tmp/docs_wt_exports.tar
     cat runs/device_jobs.txt >> runs/device_jobs_all.txt  # every call's record (each call's file is its own)
     ;;
-  *) echo "usage: $0 prepare | train JOBS | exact NAMES | unpack PARTS..." >&2; exit 2 ;;
+  *) echo "usage: $0 prepare | train JOBS | exact NAMES | ext3 NAME | unpack PARTS..." >&2; exit 2 ;;
 esac

@@ -11,6 +11,11 @@
 #   there: bash experiments/gpu_speed.sh levers     (device tool: carry [".gpu"], timeout_s ≈ 560)
 #            # the speed levers of issue 37, each alone against the baseline, for wiki103_247m (CONFIGS=...
 #            # to change): $OUT/levers_<config>_<lever>.json and .log, $OUT/levers_summary.md (the comparison)
+#   there: bash experiments/gpu_speed.sh eval       (device tool: carry [".gpu"], timeout_s ≈ 560)
+#            # bench.eval_speed per config: evaluation tokens/s (local; long-term at the paper's store size) and
+#            # the datastore key pass: $OUT/eval_<config>.json and .log, $OUT/eval_summary.txt
+#   there: bash experiments/gpu_speed.sh faiss      (device tool: carry [".gpu/whl", ".gpu_faiss"], timeout_s ≈ 560)
+#            # GPU FAISS vs CPU FAISS vs exact on-device search at docs-wt's sizes (prepare_faiss here first)
 #   here, to check the script's logic without a GPU:
 #          TINY=1 OUT=/tmp/gpu_speed bash experiments/gpu_speed.sh run      (or levers)
 #            # the same loop with --tiny shapes and this checkout's .venv
@@ -190,38 +195,62 @@ case "${1:-}" in
     echo "all configs: $(( $(date +%s) - T0 )) s" | tee -a "$OUT/summary.txt"
     cat "$OUT/summary.txt"
     ;;
-  prepare_faiss)  # issue 37's GPU FAISS: PyPI's GPU build for CUDA 12 (48 MB; it links the nvidia-cublas-cu12 /
-    # nvidia-cuda-runtime-cu12 libraries a pip-installed CUDA jax brings). Kept out of .gpu/ so that the other
-    # scripts' carry [".gpu"] stays under the device tool's 64 MiB; this one carries [".gpu/whl", ".gpu_faiss"].
+  prepare_faiss)  # issue 37's GPU FAISS. The registry's GPU builds are for CUDA 12 only (faiss-gpu-cu12; faiss-gpu-cuvs
+    # is 119 MB), and the GPU image is CUDA 13. The CUDA 12 runtime is carried (nvidia-cuda-runtime-cu12, 3 MiB;
+    # the CUDA 13 driver runs CUDA 12 programs); cuBLAS 12 (554 MiB) cannot be, so experiments/cublas12_shim.c
+    # (built there) forwards FAISS's eight cuBLAS calls to the machine's cuBLAS 13. Both wheels unpacked into one
+    # folder (pip install --target's layout, CUDA's headers and static libraries left out) and xz-compressed:
+    # 23 MB, against 48 MB as a wheel, so that the tracked tree (~18 MB) + .gpu/whl + this pass the device
+    # tool's 64 MiB. Kept out of .gpu/: the other scripts carry [".gpu"] (36 MB).
+    T=$(mktemp -d)
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux2014_x86_64 -d "$T/whl" faiss-gpu-cu12==1.14.1.post1 nvidia-cuda-runtime-cu12==12.9.79
+    mkdir -p "$T/site"
+    for W in "$T"/whl/*.whl; do python3 -m zipfile -e "$W" "$T/site"; done
+    rm -rf "$T/site/nvidia/cuda_runtime/include" "$T"/site/nvidia/cuda_runtime/lib/*.a
     mkdir -p .gpu_faiss
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-      --platform manylinux2014_x86_64 -d .gpu_faiss faiss-gpu-cu12==1.14.1.post1
-    du -sh .gpu_faiss
+    rm -f .gpu_faiss/*.whl  # the wheel this subcommand kept before
+    tar -C "$T/site" -cf - . | xz -9e -T2 > .gpu_faiss/faiss_gpu_cu12_site.tar.xz
+    rm -rf "$T"
+    du -sh .gpu_faiss/*
     ;;
-  faiss)  # there: bench.exact_memory at docs-wt's datastore sizes (D = 128, up to 17.8M keys), 1,024 queries a step
-    # (the eval config's 8 x 128), K = 1,024, nprobe = 32: FAISS flat / IVF-PQ on the host CPUs and on the GPU, and
-    # the exact on-device path on the GPU. Random keys: the search cost depends on the sizes only.
+  faiss)  # there (carry [".gpu/whl", ".gpu_faiss"]): bench.exact_memory at docs-wt's datastore sizes (D = 128, up
+    # to 17.8M keys), 1,024 queries a step (the eval config's 8 x 128), K = 1,024, nprobe = 32: FAISS flat / IVF-PQ
+    # on the host CPUs and on the GPU (with the share of its answers the host index agrees with), and the exact
+    # on-device path on the GPU. Random keys: the search cost depends on the sizes only.
     OUT=${OUT:-/tmp/gpu_speed_out}
     mkdir -p "$OUT"
     PYBIN=${PYBIN:-python3}
     export PYTHONPATH=/tmp/site:$PWD
+    source experiments/faiss_gpu_env.sh  # FAISS_GPU_READY, FAISS_GPU_WHY; PYTHONPATH, LD_LIBRARY_PATH
     if ! $PYBIN -c "import flax, optax, orbax.checkpoint, ml_collections" 2>/dev/null; then
       $PYBIN -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
     fi
-    if ! $PYBIN -c "import faiss" 2>/dev/null; then
-      $PYBIN -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu_faiss/*.whl
-    fi
-    # The wheel finds CUDA's libraries next to itself (site-packages/nvidia/...); here they are where jax's are.
-    NV=$($PYBIN -c "import nvidia, os; print(list(nvidia.__path__)[0])" 2>/dev/null || true)
-    if [ -n "$NV" ]; then
-      export LD_LIBRARY_PATH="$NV/cublas/lib:$NV/cuda_runtime/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    fi
     record_env
-    { $PYBIN -c "import faiss; print('faiss', faiss.__version__, 'gpus', faiss.get_num_gpus())" 2>&1 | tail -1 || true
-      echo "nvidia libraries: ${NV:-not pip-installed}"; } | tee -a "$OUT/env.txt"
+    echo "GPU FAISS: ready=$FAISS_GPU_READY; $FAISS_GPU_WHY" | tee -a "$OUT/env.txt"
     JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} timeout --foreground -k 10 "${FAISS_LIMIT:-420}" $PYBIN -m bench.exact_memory \
       --sizes="${SIZES:-1048576,4194304,17825792}" --dim=128 --queries=1024 --k=1024 --nprobe=32 --devices=1 \
-      --repeats=3 ${FAISS_GPU_FLAG---faiss_gpu} 2>&1 | tee "$OUT/faiss.log"
+      --repeats=3 ${FAISS_GPU_FLAG-$([ "$FAISS_GPU_READY" = 1 ] && echo --faiss_gpu)} 2>&1 | tee "$OUT/faiss.log"
+    ;;
+  eval)  # there (carry [".gpu"] or [".gpu/whl"]): bench.eval_speed at the paper configs' evaluation shapes:
+    # launch.eval's tokens/s with local memory and with the long-term store of the paper's size, and the datastore
+    # key pass, on a randomly initialised model and a synthetic corpus (the cost depends on the shapes only). One
+    # process per config, EVAL_BUDGET seconds each (default 100; 247M: 160).
+    setup
+    OUT=${OUT:-/tmp/gpu_speed_out}
+    mkdir -p "$OUT"
+    record_env
+    EFLAGS="--tokens=${EVAL_TOKENS:-65536}"
+    if [ -n "${TINY:-}" ]; then EFLAGS="--tiny"; fi
+    for C in ${EVAL_CONFIGS:-wiki103_247m wiki103_150m enwik8_38m docs_wt}; do
+      B=${EVAL_BUDGET:-$([ "$C" = wiki103_247m ] && echo 160 || echo 100)}
+      S=$(date +%s)
+      timeout --foreground -k 10 "$B" $PYBIN -m bench.eval_speed --configs="$C" $EFLAGS --out="$OUT/eval_$C.json" \
+        > "$OUT/eval_$C.log" 2>&1 && RC=0 || RC=$?
+      echo "$C rc=$RC wall_s=$(( $(date +%s) - S )) budget_s=$B" | tee -a "$OUT/eval_summary.txt"
+      grep '^| [a-z]' "$OUT/eval_$C.log" | grep -v '^| config' >> "$OUT/eval_summary.txt" || tail -3 "$OUT/eval_$C.log" >> "$OUT/eval_summary.txt"
+    done
+    cat "$OUT/eval_summary.txt"
     ;;
   levers)
     setup
@@ -230,6 +259,6 @@ case "${1:-}" in
     record_env
     levers
     ;;
-  *) echo "usage: $0 prepare | prepare_faiss | run | levers | faiss   (env: TINY=1, OUT=dir, CONFIGS=\"...\", STEPS=n, MAX_BATCH=1;" \
+  *) echo "usage: $0 prepare | prepare_faiss | run | levers | faiss | eval   (env: TINY=1, OUT=dir, CONFIGS=\"...\", STEPS=n, MAX_BATCH=1;" \
        "levers: LEVERS=\"...\", LEVER_BUDGET=s, OBJECTIVES=ce,trime)" >&2; exit 2 ;;
 esac

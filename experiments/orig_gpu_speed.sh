@@ -6,9 +6,11 @@
 #
 #   here:  bash experiments/orig_gpu_speed.sh prepare
 #            .gpu/orig/src.tar.gz   the original's source as checked out for the oracle (ORIG, default
-#                                   /work/orig/TRIME: shared/oracle/commands.sh makes it), its Cython extensions as
-#                                   the C++ files Cython wrote there (so the GPU machine needs a compiler, not
-#                                   Cython), and the NumPy-alias fix below (COMPAT)
+#                                   /work/orig/TRIME: shared/oracle/commands.sh makes it) with the NumPy-alias fix
+#                                   below (COMPAT). Its two Cython extensions are compiled there: translated from
+#                                   the .pyx by that machine's Cython against its NumPy (the GPU image has NumPy
+#                                   2.5, whose headers the C++ that Cython wrote here against NumPy 1.23 does not
+#                                   compile with), or, without Cython there, from that carried C++
 #            .gpu/orig/data-bin/    real text: docs-wt train's first TRAIN_LINES lines, binarized by the original's
 #                                   preprocess.py with a dictionary of WikiText-103's size (docs-wt's types by
 #                                   frequency, then unused filler words up to 267,735 entries with fairseq's four
@@ -122,10 +124,24 @@ setup_there() {  # the GPU machine: its python; the original unpacked and its tw
   (cd "$WORK" && $PYBIN - > "$OUT/orig_build.log" 2>&1 <<'PY') || { echo "the original's extensions did not build:"; tail -5 "$OUT/orig_build.log"; return 1; }
 import numpy
 from setuptools import Extension, setup
-ext = [Extension(f"fairseq.data.{m}", [f"fairseq/data/{m}.cpp"], language="c++", include_dirs=[numpy.get_include()],
-                 extra_compile_args=["-std=c++11", "-O3"]) for m in ("data_utils_fast", "token_block_utils_fast")]
-setup(name="fairseq_ext", ext_modules=ext, script_args=["build_ext", "--inplace", "-q"])
+mods = ("data_utils_fast", "token_block_utils_fast")
+def ext(m, suffix):
+  return Extension(f"fairseq.data.{m}", [f"fairseq/data/{m}.{suffix}"], language="c++",
+                   include_dirs=[numpy.get_include()], extra_compile_args=["-std=c++11", "-O3"])
+# The carried C++ was written by Cython against the oracle's NumPy 1.23 and does not compile against NumPy 2's
+# headers (PyArray_Descr lost its public `subarray` field). Where this Python has Cython, the .pyx files are
+# translated again here, against this machine's NumPy; otherwise the carried C++ is used (NumPy 1.x only).
+try:
+  from Cython.Build import cythonize
+except ImportError:
+  print(f"no Cython here: the carried C++ files (NumPy {numpy.__version__})")
+  exts = [ext(m, "cpp") for m in mods]
+else:
+  print(f"the .pyx files translated by Cython here, against NumPy {numpy.__version__}")
+  exts = cythonize([ext(m, "pyx") for m in mods], force=True, quiet=True)
+setup(name="fairseq_ext", ext_modules=exts, script_args=["build_ext", "--inplace", "-q"])
 PY
+  head -1 "$OUT/orig_build.log"  # which C++ was compiled
 }
 
 orig_flags() {  # model criterion -> the original's train.py flags (see the header)
