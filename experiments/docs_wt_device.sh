@@ -163,7 +163,9 @@ PYEOF
     D=$(STEPS=${STEPS:-1200} SEED=0 bash experiments/docs_wt.sh dir)
     if [ -d /tmp/faiss_gpu_site/faiss ]; then M="ivfpq_cpu"; [ "$FAISS_GPU_READY" = 1 ] && M="$M ivfpq_gpu"; M="$M exact"
     else M="exact"; export EXT3_INDEX=none; fi
-    MODES=${MODES:-$M} STEPS=${STEPS:-1200} PYBIN=$PYBIN bash experiments/docs_wt.sh ext3 "$2" || true
+    # limits that fit a 600-s call: the key pass ~70 s on the H200 (2026-11-27) + the index; each search mode
+    MODES=${MODES:-$M} STEPS=${STEPS:-1200} PYBIN=$PYBIN BUILD_S=${BUILD_S:-300} EVAL_S=${EVAL_S:-150} \
+      bash experiments/docs_wt.sh ext3 "$2" || true
     for f in ext3.md ext3_runs.txt ext3_ivfpq_cpu.json ext3_ivfpq_gpu.json ext3_exact.json; do
       cp "$D/$2/$f" "$OUT"/ 2>/dev/null || true
     done
