@@ -120,10 +120,15 @@ case "${1:-}" in
     $PY trime_jax.launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds --stop_at_tokens=$MAX
     ;;
   eval)  # test perplexities without the datastore, tuned on dev: none and the model's test-time memory (local
-    #       + long-term, sizes MEM_SIZES; the vanilla model: the continuous cache over the same sizes)
+    #       + long-term, sizes MEM_SIZES; the vanilla model: the continuous cache over the same sizes).
+    #       RESET=1 / RESET=0: the long-term store per document / across documents (eval.reset_at_documents; by
+    #       default the config's: per document in docs_wt.py, across in _long / _ext), results in
+    #       eval_reset1.json / eval_reset0.json
     NAME=$2; CFG=$(config_of "$NAME"); MEM=$([ "$NAME" = vanilla ] && echo cache || echo local)
+    R=""; [ -z "${RESET:-}" ] || R="--config.eval.reset_at_documents=$([ "$RESET" = 1 ] && echo True || echo False)"
     $PY trime_jax.launch.eval --config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.tune=True --config.eval.split=test \
-      --config.eval.memory=$MEM --mem_sizes=${MEM_SIZES:-0,2048,8192} --label=$NAME --output=$OUT/$NAME/eval.json
+      --config.eval.memory=$MEM --mem_sizes=${MEM_SIZES:-0,2048,8192} --label=$NAME $R \
+      --output=$OUT/$NAME/eval${RESET:+_reset$RESET}.json
     ;;
   eval_ext)  # + the full datastore (kNN-LM families, TrimeLM_ext, interpolation), tuned on dev; MEM_SIZE=0: the
     #          long-term memory off (TrimeLM_ext without long-term memory), results in eval_ext_mem0.json

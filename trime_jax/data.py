@@ -28,7 +28,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from trime_jax.errors import ConfigError, DataError
+from trime_jax.errors import ConfigError, DataError, first_line
 
 EOS = "</s>"
 UNK = "<unk>"
@@ -183,8 +183,7 @@ def read_json(path: str, what: str, error: type[Exception]):
     with open(path, encoding="utf-8") as f:
       return json.load(f)
   except (ValueError, UnicodeDecodeError) as e:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    raise error(f"{what} {path} is corrupt or truncated ({type(e).__name__}: {first[:200]})") from None
+    raise error(f"{what} {path} is corrupt or truncated ({first_line(e)})") from None
 
 
 def _atomic_npy(path: str, arr: np.ndarray) -> None:

@@ -30,7 +30,7 @@ import os
 import numpy as np
 
 from trime_jax import data
-from trime_jax.errors import CheckpointError
+from trime_jax.errors import CheckpointError, first_line
 from trime_jax.model import ModelConfig
 
 SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")  # fairseq Dictionary(): bos, pad, eos, unk = 0, 1, 2, 3
@@ -173,12 +173,11 @@ def load_checkpoint(path: str, *, trust_pickle: bool = False):
       torch.serialization.add_safe_globals([argparse.Namespace])
       state = torch.load(path, map_location="cpu", weights_only=True)
   except Exception as e:  # noqa: BLE001 - torch raises many types; one line says which file and why
-    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
     # Only a refused global (weights_only) is what --trust_pickle changes; a damaged file stays damaged.
     refused = "weights_only" in str(e) or "Unsupported global" in str(e) or "GLOBAL" in str(e)
     hint = (" (if it holds other Python objects and you trust the file: --trust_pickle)"
             if refused and not trust_pickle else "")
-    raise ImportError_(f"cannot read {path} as a torch checkpoint: {first}{hint}") from None
+    raise ImportError_(f"cannot read {path} as a torch checkpoint: {first_line(e)}{hint}") from None
   if not isinstance(state, dict) or "model" not in state:
     raise ImportError_(f"{path} is not a fairseq checkpoint: no 'model' state dict")
   flags = _plain(state.get("args"))

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from trime_jax import data
 from trime_jax.datastore.build import Datastore, file_digest
-from trime_jax.errors import CheckpointError, ConfigError, DamagedCheckpointError
+from trime_jax.errors import CheckpointError, ConfigError, DamagedCheckpointError, first_line
 
 FORMAT = "trime-faiss-index/1"
 KINDS = ("auto", "flat", "ivfpq")
@@ -253,7 +253,7 @@ def _read_trained_ivfpq(path: str, d: int):
   try:
     index = faiss.read_index(path)  # already the concrete class (downcast_index would drop the owning proxy)
   except RuntimeError as e:
-    raise ConfigError(f"trained index {path} cannot be read by faiss ({str(e).splitlines()[0][:200]})") from None
+    raise ConfigError(f"trained index {path} cannot be read by faiss ({first_line(e)})") from None
   problems = []
   if not isinstance(index, faiss.IndexIVFPQ):
     problems.append(f"it is an {type(index).__name__}, not an IndexIVFPQ")
@@ -316,7 +316,7 @@ class KnnIndex:
     try:
       index = faiss.read_index(path)
     except RuntimeError as e:
-      raise DamagedCheckpointError(f"FAISS index {path} cannot be read ({str(e).splitlines()[0][:200]}); "
+      raise DamagedCheckpointError(f"FAISS index {path} cannot be read ({first_line(e)}); "
                                    "rebuild it") from None
     if index.d != info["dimension"] or index.ntotal != info["count"]:
       raise CheckpointError(f"FAISS index {path} holds {index.ntotal} × {index.d} keys, its sidecar says "

@@ -28,7 +28,7 @@ import os
 
 import numpy as np
 
-from trime_jax.errors import ConfigError, DataError
+from trime_jax.errors import ConfigError, DataError, first_line
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 SPECIALS = ("<pad>", "<unk>", "<s>", "</s>")
@@ -115,7 +115,7 @@ class SubwordVocab:
         with open(bpe_path, encoding="utf-8") as f:
           return cls(tokens=json.load(f)["tokens"])
     except (RuntimeError, ValueError, KeyError, TypeError) as e:
-      raise DataError(f"damaged vocabulary file in {directory}: {str(e).splitlines()[0]}") from None
+      raise DataError(f"damaged vocabulary file in {directory}: {first_line(e)}") from None
     raise DataError(f"no vocabulary in {directory} (expected {' or '.join(cls.FILES.values())})")
 
 
@@ -137,7 +137,7 @@ def train_sentencepiece(lines, vocab_size: int, model_type: str = "unigram") -> 
         character_coverage=1.0, pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS, num_threads=1,
         input_sentence_size=0, shuffle_input_sentence=False, hard_vocab_limit=False, minloglevel=2)
   except RuntimeError as e:
-    raise DataError(f"sentencepiece training failed: {str(e).splitlines()[0]}") from None
+    raise DataError(f"sentencepiece training failed: {first_line(e)}") from None
   return SubwordVocab(spm_proto=model.getvalue())
 
 

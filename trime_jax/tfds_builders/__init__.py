@@ -30,7 +30,7 @@ import zipfile
 import numpy as np
 
 from trime_jax import data
-from trime_jax.errors import DataError
+from trime_jax.errors import DataError, first_line
 
 # Public sources of the released files (the original s3 bucket now answers 403; its owner serves them here).
 WIKITEXT_URLS = {"wikitext103": "https://wikitext.smerity.com/wikitext-103-v1.zip",
@@ -242,7 +242,7 @@ def _download(dl_manager, url: str) -> str:
   try:
     return str(dl_manager.download(url))
   except Exception as e:  # noqa: BLE001 - offline, DNS, HTTP errors all mean: use a manual dir
-    raise DataError(f"could not download {url} ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+    raise DataError(f"could not download {url} ({first_line(e)}); "
                     "offline, put the released file(s) in a directory and set data.path to it") from None
 
 
