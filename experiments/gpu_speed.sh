@@ -71,6 +71,11 @@ declare -A LEVER_ARGS=(
   [remat_dots]="--set model.remat=dots_saveable"
   [xla_no_triton_gemm]=""
   [xla_latency_hiding]=""
+  # The chunked vocabulary path: wiki103_* configs compute the adaptive head and tails (or the full softmax) in
+  # chunks of 16,384 words, a scan of small matmuls (the 207,735-word tail of the 247M model in 13). An H200 holds
+  # the whole [rows, V_i] logits of one micro-batch (3,072 x 207,735 x 4 B = 2.5 GB): no chunks, or larger ones.
+  [vocab_chunk_0]="--set train.vocab_chunk=0"
+  [vocab_chunk_64k]="--set train.vocab_chunk=65536"
   # Not in the default list (two changes at once, wiki103_247m's tokens per update): remat's room for larger
   # micro-batches, 24 rows × 1 instead of 8 rows × 3.
   [remat_block_accum1]="--set model.remat=block --set train.batch_size=24 --set train.grad_accum=1"
@@ -80,7 +85,7 @@ declare -A LEVER_XLA=(
   [xla_latency_hiding]="--xla_gpu_enable_latency_hiding_scheduler=true"  # overlap scheduling (mostly collectives)
 )
 # In priority order: when the budget runs out, the last ones are skipped (and say so).
-LEVERS=${LEVERS:-"baseline cudnn_attn_dropout0 attn_dropout0 remat_block remat_dots_no_batch xla_no_triton_gemm remat_dots xla_latency_hiding"}
+LEVERS=${LEVERS:-"baseline vocab_chunk_0 cudnn_attn_dropout0 attn_dropout0 vocab_chunk_64k remat_block remat_dots_no_batch xla_no_triton_gemm remat_dots xla_latency_hiding"}
 
 levers() {
   # Budget: LEVER_BUDGET seconds of runs in all (default 420: the 10-minute slot less machine start, setup and
