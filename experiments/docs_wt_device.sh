@@ -169,7 +169,7 @@ PYEOF
     for f in ext3.md ext3_runs.txt ext3_ivfpq_cpu.json ext3_ivfpq_gpu.json ext3_exact.json; do
       cp "$D/$2/$f" "$OUT"/ 2>/dev/null || true
     done
-    tar -C "$D/$2" -czf "$OUT/ext3_logs.tgz" $(cd "$D/$2" && ls ext3_*.log ds/*.json 2>/dev/null) || true
+    tar -C "$D/$2" -czf "$OUT/ext3_logs.tgz" $(cd "$D/$2" && ls ext3_*.log ds*/*.json 2>/dev/null) || true
     ;;
   unpack)  # exports.tar.NN or (STEPS != 1200) exports.txz.NN parts; tar finds the compression itself
     shift
