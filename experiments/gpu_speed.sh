@@ -172,6 +172,25 @@ print("\nvs baseline: baseline step time ÷ this lever's (> 1: faster). Levers a
 PY
 }
 
+# One benchmark process per config (one that fails, or runs out of memory or time, leaves the others alone, and
+# the device's peak-memory counter is its own): MODULE FLAGS PREFIX SUMMARY BUDGET_FN CONFIGS. Writes
+# $OUT/PREFIX_<config>.json / .log and appends each config's table rows (or its last lines) to $OUT/SUMMARY.
+per_config() {
+  local module=$1 flags=$2 prefix=$3 summary=$4 budget_fn=$5 configs=$6 C B S RC T0
+  T0=$(date +%s)
+  for C in $configs; do
+    B=$($budget_fn "$C")
+    S=$(date +%s)
+    # --foreground: the benchmark gets the signal itself; -k: SIGKILL 10 s later if it ignores SIGTERM
+    timeout --foreground -k 10 "$B" $PYBIN -m "$module" --configs="$C" $flags --out="$OUT/${prefix}_$C.json" \
+      > "$OUT/${prefix}_$C.log" 2>&1 && RC=0 || RC=$?
+    echo "$C rc=$RC wall_s=$(( $(date +%s) - S )) budget_s=$B" | tee -a "$OUT/$summary"
+    grep '^|' "$OUT/${prefix}_$C.log" >> "$OUT/$summary" || tail -5 "$OUT/${prefix}_$C.log" >> "$OUT/$summary"
+  done
+  echo "all configs: $(( $(date +%s) - T0 )) s" | tee -a "$OUT/$summary"
+  cat "$OUT/$summary"
+}
+
 case "${1:-}" in
   prepare)
     mkdir -p .gpu/whl
@@ -187,18 +206,8 @@ case "${1:-}" in
     FLAGS="--steps=${STEPS:-5} --warmup=2 --pipeline_steps=10"
     if [ -n "${TINY:-}" ]; then FLAGS="--tiny --steps=2 --warmup=1 --pipeline_steps=2"; fi
     if [ -n "${MAX_BATCH:-}" ]; then FLAGS="$FLAGS --max_batch"; fi
-    T0=$(date +%s)
-    for C in $CONFIGS; do
-      B=${BUDGETS[$C]:-60}
-      S=$(date +%s)
-      # --foreground: the benchmark gets the signal itself; -k: SIGKILL 10 s later if it ignores SIGTERM
-      timeout --foreground -k 10 "$B" $PYBIN -m bench.mfu --configs="$C" $FLAGS --out="$OUT/mfu_$C.json" \
-        > "$OUT/mfu_$C.log" 2>&1 && RC=0 || RC=$?
-      echo "$C rc=$RC wall_s=$(( $(date +%s) - S )) budget_s=$B" | tee -a "$OUT/summary.txt"
-      grep '^|' "$OUT/mfu_$C.log" >> "$OUT/summary.txt" || tail -5 "$OUT/mfu_$C.log" >> "$OUT/summary.txt"
-    done
-    echo "all configs: $(( $(date +%s) - T0 )) s" | tee -a "$OUT/summary.txt"
-    cat "$OUT/summary.txt"
+    mfu_budget() { echo "${BUDGETS[$1]:-60}"; }
+    per_config bench.mfu "$FLAGS" mfu summary.txt mfu_budget "$CONFIGS"
     ;;
   prepare_faiss)  # issue 37's GPU FAISS. The registry's GPU builds are for CUDA 12 only (faiss-gpu-cu12; faiss-gpu-cuvs
     # is 119 MB), and the GPU image is CUDA 13. The CUDA 12 runtime is carried (nvidia-cuda-runtime-cu12, 3 MiB;
@@ -247,15 +256,9 @@ case "${1:-}" in
     record_env
     EFLAGS="--tokens=${EVAL_TOKENS:-65536}"
     if [ -n "${TINY:-}" ]; then EFLAGS="--tiny"; fi
-    for C in ${EVAL_CONFIGS:-wiki103_247m wiki103_150m enwik8_38m docs_wt}; do
-      B=${EVAL_BUDGET:-$([ "$C" = wiki103_247m ] && echo 160 || echo 100)}
-      S=$(date +%s)
-      timeout --foreground -k 10 "$B" $PYBIN -m bench.eval_speed --configs="$C" $EFLAGS --out="$OUT/eval_$C.json" \
-        > "$OUT/eval_$C.log" 2>&1 && RC=0 || RC=$?
-      echo "$C rc=$RC wall_s=$(( $(date +%s) - S )) budget_s=$B" | tee -a "$OUT/eval_summary.txt"
-      grep '^| [a-z]' "$OUT/eval_$C.log" | grep -v '^| config' >> "$OUT/eval_summary.txt" || tail -3 "$OUT/eval_$C.log" >> "$OUT/eval_summary.txt"
-    done
-    cat "$OUT/eval_summary.txt"
+    eval_budget() { echo "${EVAL_BUDGET:-$([ "$1" = wiki103_247m ] && echo 160 || echo 100)}"; }
+    per_config bench.eval_speed "$EFLAGS" eval eval_summary.txt eval_budget \
+      "${EVAL_CONFIGS:-wiki103_247m wiki103_150m enwik8_38m docs_wt}"
     ;;
   levers)
     setup
