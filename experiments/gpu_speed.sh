@@ -172,6 +172,13 @@ print("\nvs baseline: baseline step time ÷ this lever's (> 1: faster). Levers a
 PY
 }
 
+begin_there() {  # the packages, $OUT and the environment record
+  setup
+  OUT=${OUT:-/tmp/gpu_speed_out}
+  mkdir -p "$OUT"
+  record_env
+}
+
 # One benchmark process per config (one that fails, or runs out of memory or time, leaves the others alone, and
 # the device's peak-memory counter is its own): MODULE FLAGS PREFIX SUMMARY BUDGET_FN CONFIGS. Writes
 # $OUT/PREFIX_<config>.json / .log and appends each config's table rows (or its last lines) to $OUT/SUMMARY.
@@ -199,10 +206,7 @@ case "${1:-}" in
     du -sh .gpu/whl
     ;;
   run)
-    setup
-    OUT=${OUT:-/tmp/gpu_speed_out}
-    mkdir -p "$OUT"
-    record_env
+    begin_there
     FLAGS="--steps=${STEPS:-5} --warmup=2 --pipeline_steps=10"
     if [ -n "${TINY:-}" ]; then FLAGS="--tiny --steps=2 --warmup=1 --pipeline_steps=2"; fi
     if [ -n "${MAX_BATCH:-}" ]; then FLAGS="$FLAGS --max_batch"; fi
@@ -250,10 +254,7 @@ case "${1:-}" in
     # launch.eval's tokens/s with local memory and with the long-term store of the paper's size, and the datastore
     # key pass, on a randomly initialised model and a synthetic corpus (the cost depends on the shapes only). One
     # process per config, EVAL_BUDGET seconds each (default 100; 247M: 160).
-    setup
-    OUT=${OUT:-/tmp/gpu_speed_out}
-    mkdir -p "$OUT"
-    record_env
+    begin_there
     EFLAGS="--tokens=${EVAL_TOKENS:-65536}"
     if [ -n "${TINY:-}" ]; then EFLAGS="--tiny"; fi
     eval_budget() { echo "${EVAL_BUDGET:-$([ "$1" = wiki103_247m ] && echo 160 || echo 100)}"; }
@@ -261,10 +262,7 @@ case "${1:-}" in
       "${EVAL_CONFIGS:-wiki103_247m wiki103_150m enwik8_38m docs_wt}"
     ;;
   levers)
-    setup
-    OUT=${OUT:-/tmp/gpu_speed_out}
-    mkdir -p "$OUT"
-    record_env
+    begin_there
     levers
     ;;
   *) echo "usage: $0 prepare | prepare_faiss | run | levers | faiss | eval   (env: TINY=1, OUT=dir, CONFIGS=\"...\", STEPS=n, MAX_BATCH=1;" \
