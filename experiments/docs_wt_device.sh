@@ -123,7 +123,7 @@ PYEOF
     for JOB in $JOBS; do  # job has no export/: its logs come back, its checkpoints/ do not
       DIR=$(STEPS=$STEPS SEED=${JOB#*:} bash experiments/docs_wt.sh dir)/${JOB%:*}
       for F in $([ "${EXPORTS:-1}" = 0 ] || echo export) metrics.jsonl train.log config.json eval.json eval.log \
-               ${BEST:+best}; do
+               eval_reset0.json eval_reset1.json ${BEST:+best}; do  # eval_reset*: EVAL=1 with RESET=0 / 1
         [ -e $DIR/$F ] && FILES="$FILES $DIR/$F"; done
     done
     # A call returns at most 8 files of at most 16 MiB, 64 MiB together: 1,200-update parts stay 15 MiB (as before);
