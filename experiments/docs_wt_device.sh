@@ -161,7 +161,7 @@ PYEOF
     setup
     source experiments/faiss_gpu_env.sh  # FAISS_GPU_READY; its PYTHONPATH entry comes before the faiss stub's
     D=$(STEPS=${STEPS:-1200} SEED=0 bash experiments/docs_wt.sh dir)
-    if [ -d /tmp/faiss_gpu_site/faiss ]; then M="ivfpq_cpu"; [ "$FAISS_GPU_READY" = 1 ] && M="$M ivfpq_gpu"; M="$M exact"
+    if [ -d "$FAISS_SITE/faiss" ]; then M="ivfpq_cpu"; [ "$FAISS_GPU_READY" = 1 ] && M="$M ivfpq_gpu"; M="$M exact"
     else M="exact"; export EXT3_INDEX=none; fi
     # limits that fit a 600-s call: the key pass ~70 s on the H200 (2026-11-27) + the index; each search mode
     MODES=${MODES:-$M} STEPS=${STEPS:-1200} PYBIN=$PYBIN BUILD_S=${BUILD_S:-300} EVAL_S=${EVAL_S:-150} \

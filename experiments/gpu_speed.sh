@@ -236,16 +236,9 @@ case "${1:-}" in
     # to 17.8M keys), 1,024 queries a step (the eval config's 8 x 128), K = 1,024, nprobe = 32: FAISS flat / IVF-PQ
     # on the host CPUs and on the GPU (with the share of its answers the host index agrees with), and the exact
     # on-device path on the GPU. Random keys: the search cost depends on the sizes only.
-    OUT=${OUT:-/tmp/gpu_speed_out}
-    mkdir -p "$OUT"
-    PYBIN=${PYBIN:-python3}
-    export PYTHONPATH=/tmp/site:$PWD
-    source experiments/faiss_gpu_env.sh  # FAISS_GPU_READY, FAISS_GPU_WHY; PYTHONPATH, LD_LIBRARY_PATH
-    if ! $PYBIN -c "import flax, optax, orbax.checkpoint, ml_collections" 2>/dev/null; then
-      $PYBIN -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
-    fi
-    record_env
-    echo "GPU FAISS: ready=$FAISS_GPU_READY; $FAISS_GPU_WHY" | tee -a "$OUT/env.txt"
+    begin_there
+    source experiments/faiss_gpu_env.sh  # FAISS_GPU_READY, FAISS_GPU_WHY; its PYTHONPATH entry before the stub's
+    echo "GPU FAISS: ready=$FAISS_GPU_READY; $FAISS_GPU_WHY" >> "$OUT/env.txt"
     JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} timeout --foreground -k 10 "${FAISS_LIMIT:-420}" $PYBIN -m bench.exact_memory \
       --sizes="${SIZES:-1048576,4194304,17825792}" --dim=128 --queries=1024 --k=1024 --nprobe=32 --devices=1 \
       --repeats=3 ${FAISS_GPU_FLAG-$([ "$FAISS_GPU_READY" = 1 ] && echo --faiss_gpu)} 2>&1 | tee "$OUT/faiss.log"
