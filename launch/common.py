@@ -247,11 +247,26 @@ def _raised_in_orbax(record) -> bool:
   return False
 
 
+def _event_file_write_failed(exc) -> bool:
+  """A full disk or file size limit met by tensorboardX's own writer thread, or by the close it registers with
+  atexit: the training's next flush of the event file (event_writer, every logged update) raises the same error
+  in the main thread, which the CLI reports as its one line with the folder's path."""
+  if not (isinstance(exc, OSError) and exc.errno in (_errno.ENOSPC, _errno.EDQUOT, _errno.EFBIG)):
+    return False
+  tb = exc.__traceback__
+  while tb is not None:
+    if f"{os.sep}tensorboardX{os.sep}" in tb.tb_frame.f_code.co_filename:
+      return True
+    tb = tb.tb_next
+  return False
+
+
 def _quiet_closed_loop(default_hook):
   """An exception hook that drops "Event loop is closed" from orbax's asyncio loops: after a failed read
   (a damaged checkpoint, reported and handled), TensorStore completes the remaining reads on its own threads
   and calls back into the loop orbax already closed, and orbax's unawaited read coroutines are finalised with
-  the read's exception. Every other exception goes to `default_hook`."""
+  the read's exception. It also drops tensorboardX's copies of a failed event-file write
+  (_event_file_write_failed). Every other exception goes to `default_hook`."""
 
   def hook(*args):
     exc = args[0].exc_value if len(args) == 1 else args[1]
@@ -260,6 +275,8 @@ def _quiet_closed_loop(default_hook):
     code = getattr(getattr(args[0], "object", None), "cr_code", None) if len(args) == 1 else None
     if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
       return None  # the same failed read, finalised later as one of orbax's abandoned read coroutines
+    if _event_file_write_failed(exc):
+      return None
     return default_hook(*args)
 
   return hook
@@ -280,7 +297,9 @@ def os_error_line(e: OSError) -> str:
   hint = {_errno.ENOSPC: "free space and rerun the same command", _errno.EDQUOT: "free space (quota) and rerun",
           _errno.EACCES: "check the path's permissions", _errno.EPERM: "check the path's permissions",
           _errno.EROFS: "write to another location", _errno.EISDIR: "give a file, not a folder",
-          _errno.ENOTDIR: "a part of the path is a file, not a folder"}.get(e.errno, "")
+          _errno.ENOTDIR: "a part of the path is a file, not a folder",
+          _errno.EFBIG: "a file size limit (ulimit -f) was reached: raise it and rerun the same command"}.get(
+              e.errno, "")
   return f"{what}: {path}" + (f" ({hint})" if hint else "")
 
 

@@ -12,6 +12,7 @@ Biases.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
@@ -43,6 +44,18 @@ def config_text(config) -> str:
   return "```\n" + body + "\n```"
 
 
+@contextlib.contextmanager
+def _names_path(logdir: str):
+  """tensorboardX's writes raise OSError without a file name (a full disk, a file size limit): name the event
+  folder, so the CLIs' one error line says where."""
+  try:
+    yield
+  except OSError as e:
+    if e.filename is not None or not e.errno:
+      raise
+    raise OSError(e.errno, os.strerror(e.errno), os.path.abspath(logdir)) from e
+
+
 class EventWriter:
   """Scalars (and, given the config, config text and hyperparameters) to TensorBoard and optionally W&B.
 
@@ -52,6 +65,7 @@ class EventWriter:
   def __init__(self, logdir: str, enabled: bool = True, config=None):
     self._tb = self._wandb = None
     self._hparams = None
+    self._logdir = logdir
     if not enabled:
       return
     train = config.get("train", {}) if config is not None else {}
@@ -66,18 +80,20 @@ class EventWriter:
     if config is not None and self._tb is not None:
       from tensorboardX.summary import hparams
 
-      self._tb.add_text("config", config_text(config), 0)
-      # Only the session start: without an experiment summary TensorBoard's HParams tab takes the metrics from
-      # the run's scalar tags, so nothing here has to know which dev metrics training will log.
-      _, start, self._hparams = hparams(flat_hparams(config), {})
-      self._tb.file_writer.add_summary(start)
-      self._tb.flush()
+      with _names_path(logdir):
+        self._tb.add_text("config", config_text(config), 0)
+        # Only the session start: without an experiment summary TensorBoard's HParams tab takes the metrics from
+        # the run's scalar tags, so nothing here has to know which dev metrics training will log.
+        _, start, self._hparams = hparams(flat_hparams(config), {})
+        self._tb.file_writer.add_summary(start)
+        self._tb.flush()
 
   def scalars(self, step: int, values: dict[str, float]) -> None:
     if self._tb is not None:
-      for tag, v in values.items():
-        self._tb.add_scalar(tag, float(v), int(step))
-      self._tb.flush()
+      with _names_path(self._logdir):
+        for tag, v in values.items():
+          self._tb.add_scalar(tag, float(v), int(step))
+        self._tb.flush()
     if self._wandb is not None:
       self._wandb.log({k: float(v) for k, v in values.items()}, step=int(step))
 
@@ -88,15 +104,17 @@ class EventWriter:
     if self._tb is not None:
       from tensorboardX.proto.event_pb2 import Event, SessionLog
 
-      self._tb.file_writer.add_event(Event(step=int(step), session_log=SessionLog(status=SessionLog.START)))
-      self._tb.flush()
+      with _names_path(self._logdir):
+        self._tb.file_writer.add_event(Event(step=int(step), session_log=SessionLog(status=SessionLog.START)))
+        self._tb.flush()
 
   def close(self) -> None:
     if self._tb is not None:
-      if self._hparams is not None:
-        self._tb.file_writer.add_summary(self._hparams)  # the HParams session's end (status: success)
-      self._tb.close()
-      self._tb = None
+      tb, self._tb = self._tb, None
+      with _names_path(self._logdir):
+        if self._hparams is not None:
+          tb.file_writer.add_summary(self._hparams)  # the HParams session's end (status: success)
+        tb.close()
     if self._wandb is not None:
       self._wandb.finish()
       self._wandb = None
