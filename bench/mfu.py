@@ -253,6 +253,47 @@ def attention_agreement(mcfg, impl: str, seq_len: int, rows: int = 2, num_layers
           "impl_vs_xla": gap(other, xla), "xla_vs_float32": gap(xla, ref), "impl_vs_float32": gap(other, ref)}
 
 
+def flash_agreement(mcfg, seq_len: int, rows: int = 1) -> dict:
+  """model.attention_impl="pallas" at the config's heads, head dimension, dtype and attention dropout, on one
+  layer's q, k, v: max |difference| of the kernels' output and q / k / v gradients (the config's dtype) from the
+  materialised attention with the kernels' own dropout mask in float32, beside the same reference evaluated on
+  inputs rounded to the dtype (the rounding the dtype alone brings), and each path's forward + backward time.
+  Without a GPU the kernels run in Pallas's interpreter (the CPU test's tiny shapes)."""
+  from trime_jax import flash_attention as fa
+
+  heads, rate, dtype = mcfg.num_heads, mcfg.attention_dropout, jnp.dtype(mcfg.dtype)
+  shape = (rows, seq_len, heads, mcfg.d_model // heads)
+  q, k, v, w = (jax.random.normal(jax.random.PRNGKey(i), shape, jnp.float32) for i in range(4))
+  key = jax.random.PRNGKey(4)
+  keep = fa.dropout_keep_mask(fa.head_seeds(key, rows, heads), seq_len, rate)
+  interpret = jax.default_backend() != "gpu"
+
+  def grads(attend, cast):
+    def loss(q, k, v):
+      return jnp.sum(attend(q, k, v).astype(jnp.float32) * w)
+
+    fn = jax.jit(jax.value_and_grad(lambda q, k, v: loss(q, k, v), argnums=(0, 1, 2)))
+    args = [x.astype(cast) for x in (q, k, v)]
+    jax.block_until_ready(fn(*args))
+    t = time.perf_counter()
+    out = jax.block_until_ready(jax.jit(attend)(*args)), jax.block_until_ready(fn(*args))[1]
+    return out, time.perf_counter() - t
+
+  ref, _ = grads(lambda q, k, v: fa.reference_attention(q, k, v, keep, rate), jnp.float32)
+  rounded, t_mat = grads(lambda q, k, v: fa.reference_attention(q, k, v, keep, rate), dtype)
+  kernel, t_kernel = grads(lambda q, k, v: fa.causal_attention(q, k, v, rate=rate, key=key, interpret=interpret),
+                           dtype)
+
+  def gap(a, b):
+    (fa_, ga), (fb, gb) = a, b
+    return {"output": float(jnp.max(jnp.abs(fa_.astype(jnp.float32) - fb))),
+            "grads": max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y))) for x, y in zip(ga, gb))}
+
+  return {"impl": "pallas", "dtype": mcfg.dtype, "shape_BxTxHxK": list(shape), "rate": rate,
+          "kernel_vs_float32": gap(kernel, ref), "rounded_inputs_vs_float32": gap(rounded, ref),
+          "kernel_s": t_kernel, "materialised_float32_s": t_mat, "interpreted": interpret}
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Measurements
 # ----------------------------------------------------------------------------------------------------------
@@ -427,7 +468,15 @@ def main(argv=None):
     entry = {"peak_tflops": peak, "peak_source": peak_src, "rows": {}, "batch_search": {}}
     mcfg = specs.model_config(config, vocab_size=config.model.vocab_size)
     entry["num_params"] = model_lib.abstract_param_count(mcfg)
-    if args.check_attention:
+    if args.check_attention and mcfg.attention_impl == "pallas":  # its kernels run in training with dropout only
+      entry["attention_check"] = chk = flash_agreement(mcfg, min(config.data.segment_len, 1024))
+      print(f"|   attention pallas ({chk['dtype']}, B×T×H×K {chk['shape_BxTxHxK']}, dropout {chk['rate']}) vs the "
+            f"materialised float32 with its mask: max |Δout| {chk['kernel_vs_float32']['output']:.3g}, |Δgrad| "
+            f"{chk['kernel_vs_float32']['grads']:.3g}; inputs rounded to {chk['dtype']} alone: "
+            f"{chk['rounded_inputs_vs_float32']['output']:.3g}, {chk['rounded_inputs_vs_float32']['grads']:.3g}; "
+            f"forward+backward {chk['kernel_s'] * 1e3:.2f} ms vs materialised {chk['materialised_float32_s'] * 1e3:.2f}"
+            " ms |", flush=True)
+    elif args.check_attention:
       entry["attention_check"] = chk = attention_agreement(mcfg, mcfg.attention_impl,
                                                            min(config.data.segment_len, 1024))
       print(f"|   attention {chk['impl']} vs xla ({chk['dtype']}, {chk['num_layers']} layers × {chk['seq_len']} "

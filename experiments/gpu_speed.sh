@@ -64,6 +64,9 @@ record_env() {
 # as the pair attn_dropout0 (XLA) / cudnn_attn_dropout0, and the recipe change itself against the baseline.
 declare -A LEVER_ARGS=(
   [baseline]=""
+  # Our flash kernels with the dropout inside (trime_jax/flash_attention.py): the paper recipe as it is, no
+  # [B, H, L, L] weights; --check_attention first compares them with the materialised float32 attention.
+  [pallas_attn]="--set model.attention_impl=pallas --check_attention"
   [cudnn_attn_dropout0]="--set model.attention_impl=cudnn --set model.attention_dropout=0.0 --check_attention"
   [attn_dropout0]="--set model.attention_dropout=0.0"
   [remat_block]="--set model.remat=block"
@@ -85,7 +88,7 @@ declare -A LEVER_XLA=(
   [xla_latency_hiding]="--xla_gpu_enable_latency_hiding_scheduler=true"  # overlap scheduling (mostly collectives)
 )
 # In priority order: when the budget runs out, the last ones are skipped (and say so).
-LEVERS=${LEVERS:-"baseline vocab_chunk_0 cudnn_attn_dropout0 attn_dropout0 vocab_chunk_64k remat_block remat_dots_no_batch xla_no_triton_gemm remat_dots xla_latency_hiding"}
+LEVERS=${LEVERS:-"baseline pallas_attn vocab_chunk_0 cudnn_attn_dropout0 attn_dropout0 vocab_chunk_64k remat_block remat_dots_no_batch xla_no_triton_gemm remat_dots xla_latency_hiding"}
 
 levers() {
   # Budget: LEVER_BUDGET seconds of runs in all (default 420: the 10-minute slot less machine start, setup and

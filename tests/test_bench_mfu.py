@@ -83,6 +83,22 @@ def test_attention_agreement_runs():
   assert chk["xla_vs_float32"]["features"] > 0 and chk["impl_vs_float32"] == chk["xla_vs_float32"]
 
 
+def test_flash_agreement_runs():
+  """The "pallas" lever's check on CPU (the kernels interpreted): in float32 the kernels equal the materialised
+  attention with their mask; in bfloat16 they differ by about what rounding the inputs alone does."""
+  from trime_jax.model import ModelConfig
+
+  for dtype in ("float32", "bfloat16"):
+    chk = mfu.flash_agreement(ModelConfig(vocab_size=10, d_model=32, num_heads=2, attention_dropout=0.1,
+                                          dtype=dtype), seq_len=32)
+    assert chk["interpreted"] and chk["shape_BxTxHxK"] == [1, 32, 2, 16] and chk["rate"] == 0.1
+    if dtype == "float32":
+      assert chk["rounded_inputs_vs_float32"] == {"output": 0.0, "grads": 0.0}
+      assert chk["kernel_vs_float32"]["output"] < 1e-5 and chk["kernel_vs_float32"]["grads"] < 1e-4, chk
+    else:
+      assert 0 < chk["kernel_vs_float32"]["output"] < 10 * chk["rounded_inputs_vs_float32"]["output"], chk
+
+
 def test_flops_formula_against_xla(result):
   """For a plain Transformer (enwik8 tiny: full softmax over 256 bytes, one adaptive-input band) XLA's count
   is the formula's plus what the formula leaves out on purpose (masked attention entries: ~1/2 of the

@@ -22,7 +22,7 @@ SOURCES = ("trime_jax", "launch", "configs", "bench")
 FLOORS = {
     # 0: plain utilities (no model, no objective): errors, readers and vocabularies, meshes, files, configs
     "trime_jax.errors": 0, "trime_jax.sharding": 0, "trime_jax.data": 0, "trime_jax.distributed": 0,
-    "trime_jax.event_writer": 0, "trime_jax.long_memory": 0, "trime_jax.layers": 0, "trime_jax.corpora": 0,
+    "trime_jax.event_writer": 0, "trime_jax.long_memory": 0, "trime_jax.layers": 0, "trime_jax.flash_attention": 0, "trime_jax.corpora": 0,
     "trime_jax.tfds_builders": 0, "trime_jax.batching": 0, "trime_jax.runtime.lock": 0, "trime_jax.mt.data": 0,
     "trime_jax.mt.bleu": 0, "trime_jax.mt.batching": 0, "trime_jax.configs": 0,
     "trime_jax.mt.decode.beam": 0,  # beam search over a callback: NumPy only (the rest of mt.decode is on 4)

@@ -158,7 +158,7 @@ def test_cudnn_on_cpu_is_one_config_error():
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("model.attention_impl", "flash", r"^model.attention_impl must be one of \('xla', 'cudnn'\)"),
+    ("model.attention_impl", "flash", r"^model.attention_impl must be one of \('xla', 'cudnn', 'pallas'\)"),
     ("model.remat", "full", r"^model.remat must be one of \('none', 'block'"),
 ])
 def test_unknown_values_are_refused(field, value, match):

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trime_jax import flash_attention
+
 
 def xavier():
   """fairseq's Linear initialiser (Xavier uniform)."""
@@ -55,9 +57,21 @@ def sinusoidal_positions(length: int, dim: int):
   return emb
 
 
-# How the causal attention without dropout runs (`model.attention_impl`): "xla" is jax's XLA path (the default,
-# every backend); "cudnn" is cuDNN's fused flash-attention kernel (NVIDIA GPUs, bfloat16 / float16 only).
-ATTENTION_IMPLS = ("xla", "cudnn")
+# How causal self-attention runs (`model.attention_impl`): "xla" is jax's XLA path (the default, every backend);
+# "cudnn" is cuDNN's fused flash-attention kernel for the calls without dropout (NVIDIA GPUs, bfloat16 / float16
+# only); "pallas" is our flash kernel with attention dropout inside it (flash_attention.py: NVIDIA GPUs), for the
+# training calls that have dropout, XLA's path for the others.
+ATTENTION_IMPLS = ("xla", "cudnn", "pallas")
+
+
+def dropout_key(dropout: nnx.Dropout, rngs):
+  """The random key nnx.Dropout would draw for this call (the same stream: `rngs` or the module's own)."""
+  stream = rngs if rngs is not None else dropout.rngs
+  if isinstance(stream, nnx.Rngs):
+    return stream[dropout.rng_collection]()
+  if isinstance(stream, nnx.RngStream):
+    return stream()
+  return stream
 
 
 def attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, dropout: nnx.Dropout, *, causal: bool = False, mask_BxTxS=None,
@@ -67,15 +81,21 @@ def attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, dropout: nnx.Dropout, *, causal: 
   NaN). Without dropout it is jax's fused `dot_product_attention`; attention-probability dropout needs the
   explicit weights (masked logits -inf for causal, the float32 minimum for a mask, as each model had).
 
-  `implementation` (ATTENTION_IMPLS) picks the kernel of the causal path without dropout only: cuDNN's kernel
-  draws its dropout mask from its own generator with a compile-time seed (not our key), and a boolean mask
-  stays on XLA's path."""
+  `implementation` (ATTENTION_IMPLS) picks the kernel of the causal path: "cudnn" without dropout only (cuDNN's
+  kernel draws its dropout mask from its own generator with a compile-time seed, not our key), "pallas" with
+  dropout only (its mask is a hash of a seed drawn from `rngs`, so another random stream than nnx.Dropout's); a
+  boolean mask stays on XLA's path."""
   if implementation not in ATTENTION_IMPLS:
     raise ValueError(f"attention implementation must be one of {ATTENTION_IMPLS}, got {implementation!r}")
-  if deterministic or dropout.rate == 0.0:
+  dropping = not deterministic and dropout.rate > 0.0
+  if implementation == "pallas" and causal and dropping:
+    return flash_attention.causal_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, rate=dropout.rate,
+                                            key=dropout_key(dropout, rngs),
+                                            interpret=jax.default_backend() != "gpu")  # CPU: the tests only
+  if not dropping:
     if causal:
-      # "xla" passes None, jax's default (its XLA path), so the default compiles to the same program as before.
-      impl = None if implementation == "xla" else implementation
+      # "xla" (and "pallas", without dropout) pass None, jax's default (its XLA path): the same program as before.
+      impl = "cudnn" if implementation == "cudnn" else None
       return jax.nn.dot_product_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, is_causal=True, implementation=impl)
     return jax.nn.dot_product_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, mask=mask_BxTxS[:, None])
   head = q_BxTxHxK.shape[-1]

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trime_jax import flash_attention
 from trime_jax import layers
 from trime_jax import scoring
 from trime_jax.errors import ConfigError
@@ -91,7 +92,8 @@ class ModelConfig:
   # probability inside the TRIME softmax is its cluster's (plain evaluation, get_log_prob, is exact). True
   # reproduces that (`vocab_stats(..., criterion=True | "both")`); False: every word its exact term.
   adaptive_tail_ignores_pad: bool = False
-  attention_impl: str = "xla"  # causal attention without dropout: xla | cudnn (flash kernel; GPU, bf16/fp16)
+  # causal attention: xla | cudnn (flash kernel without dropout; GPU, bf16/fp16) | pallas (ours, with dropout; GPU)
+  attention_impl: str = "xla"
   remat: str = "none"  # per-block rematerialisation (REMAT_POLICIES): memory for recomputation, same numbers
 
   def __post_init__(self):
@@ -125,7 +127,7 @@ class ModelConfig:
       raise ValueError(f"model.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"model.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
-    problem = cudnn_problem(self.attention_impl, self.dtype, self.d_model, self.num_heads)
+    problem = attention_impl_problem(self.attention_impl, self.dtype, self.d_model, self.num_heads)
     if problem:
       raise ValueError(problem)
 
@@ -135,15 +137,20 @@ class ModelConfig:
     return (0,) + self.adaptive_cutoffs + (self.vocab_size,)
 
 
-def cudnn_problem(attention_impl: str, dtype: str, d_model: int, num_heads: int) -> str | None:
-  """Why cuDNN's flash attention cannot take this model (None: it can, or attention_impl is not "cudnn"): its
-  kernel computes in bfloat16 / float16 only, with a head dimension that is a multiple of 8, at most 256."""
+def attention_impl_problem(attention_impl: str, dtype: str, d_model: int, num_heads: int) -> str | None:
+  """Why the chosen fused attention kernel cannot take this model (None: it can, or attention_impl is "xla"):
+  cuDNN's computes in bfloat16 / float16 only, with a head dimension that is a multiple of 8, at most 256; ours
+  ("pallas", Triton tiles) needs a head dimension that is a power of two of at least 16."""
+  head = d_model // max(num_heads, 1)
+  if attention_impl == "pallas":
+    problem = flash_attention.shape_problem(16, head)
+    return (f"model.attention_impl='pallas' (our flash attention with dropout) needs {problem}: use "
+            "model.attention_impl='xla'") if problem else None
   if attention_impl != "cudnn":
     return None
   if dtype not in CUDNN_DTYPES:
     return (f"model.attention_impl='cudnn' (cuDNN's flash attention) computes in {CUDNN_DTYPES} only, model.dtype "
             f"is {dtype!r}: set model.dtype='bfloat16' or model.attention_impl='xla'")
-  head = d_model // max(num_heads, 1)
   if head % 8 or head > 256:
     return (f"model.attention_impl='cudnn' (cuDNN's flash attention) needs a head dimension d_model / num_heads "
             f"that is a multiple of 8 and at most 256, got {d_model} / {num_heads} = {head}: use "
@@ -152,16 +159,17 @@ def cudnn_problem(attention_impl: str, dtype: str, d_model: int, num_heads: int)
 
 
 def _cudnn_backend() -> bool:
-  """Whether jax's default backend is a GPU (cuDNN ships with jax's CUDA plugin)."""
+  """Whether jax's default backend is a GPU (cuDNN ships with jax's CUDA plugin; Triton, for Pallas, too)."""
   return jax.default_backend() == "gpu"
 
 
 def check_attention_backend(attention_impl: str) -> None:
   """A ConfigError naming the field when `attention_impl` cannot run on this backend: without it, "cudnn" on a
-  CPU or TPU fails at compile time deep inside XLA."""
-  if attention_impl == "cudnn" and not _cudnn_backend():
-    raise ConfigError(f"model.attention_impl='cudnn' needs an NVIDIA GPU (cuDNN's flash attention); jax's default "
-                      f"backend is {jax.default_backend()!r}: use model.attention_impl='xla'")
+  CPU or TPU fails at compile time deep inside XLA, and "pallas" would run Pallas's interpreter (tests only)."""
+  what = {"cudnn": "cuDNN's flash attention", "pallas": "our flash attention with dropout, Pallas on Triton"}
+  if attention_impl in what and not _cudnn_backend():
+    raise ConfigError(f"model.attention_impl={attention_impl!r} needs an NVIDIA GPU ({what[attention_impl]}); "
+                      f"jax's default backend is {jax.default_backend()!r}: use model.attention_impl='xla'")
 
 
 def _remat(fn, policy: str):

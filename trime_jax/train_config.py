@@ -9,6 +9,7 @@ import math
 from trime_jax import corpora
 from trime_jax import data
 from trime_jax import evaluate
+from trime_jax import flash_attention
 from trime_jax import model as model_lib
 from trime_jax import sharded_loss
 from trime_jax import specs
@@ -101,9 +102,14 @@ def check_speed_options(config) -> None:
   if m.get("backbone", "transformer") != "transformer" and (impl, remat) != ("xla", "none"):
     raise ConfigError(f"model.attention_impl={impl!r} / model.remat={remat!r} apply to the Transformer backbone only: "
                       f"model.backbone={m.backbone!r} needs 'xla' / 'none'")
-  problem = model_lib.cudnn_problem(impl, m.dtype, m.d_model, m.num_heads)
+  problem = model_lib.attention_impl_problem(impl, m.dtype, m.d_model, m.num_heads)
   if problem:
     raise ConfigError(problem)
+  if impl == "pallas":
+    problem = flash_attention.shape_problem(config.data.segment_len, m.d_model // m.num_heads)
+    if problem:
+      raise ConfigError(f"model.attention_impl='pallas' (our flash attention with dropout) needs {problem}: "
+                        "change data.segment_len or use model.attention_impl='xla'")
   model_lib.check_attention_backend(impl)
 
 

@@ -1,0 +1,139 @@
+"""trime_jax.flash_attention (model.attention_impl="pallas"): the Pallas kernels, run here by Pallas's interpreter,
+against the materialised attention with the same dropout mask (float32, forward and every gradient), the mask's
+statistics, and the model's wiring. The kernels' speed is a GPU measurement (bench.mfu, docs/performance.md)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from trime_jax import flash_attention as fa
+from trime_jax import layers
+from trime_jax import model as M
+from trime_jax.errors import ConfigError
+from trime_jax.train_config import validate_config
+from tests.test_speed_options import tiny
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+  """Tiles of 16 so that a 64-token sequence has 4 × 4 of them: the online softmax crosses tiles, the causal
+  bounds skip some, and the backward loops start at the diagonal."""
+  monkeypatch.setattr(fa, "BLOCK_Q", 16)
+  monkeypatch.setattr(fa, "BLOCK_K", 32)  # the forward's key tiles differ from its query tiles
+  monkeypatch.setattr(fa, "BLOCK_BWD", 16)
+
+
+def _qkv(shape, seed=0):
+  return [jax.random.normal(jax.random.PRNGKey(seed + i), shape, jnp.float32) for i in range(3)]
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.1, 0.5])
+@pytest.mark.parametrize("shape", [(2, 64, 2, 16), (1, 32, 3, 32)])
+def test_kernels_equal_the_materialised_attention(small_tiles, rate, shape):
+  q, k, v = _qkv(shape)
+  key = jax.random.PRNGKey(7)
+  keep = fa.dropout_keep_mask(fa.head_seeds(key, shape[0], shape[2]), shape[1], rate)
+  w = jax.random.normal(jax.random.PRNGKey(9), shape)  # a loss that weighs every output differently
+
+  def loss(fn):
+    return lambda q, k, v: jnp.sum(fn(q, k, v) * w)
+
+  kernel = lambda q, k, v: fa.causal_attention(q, k, v, rate=rate, key=key, interpret=True)
+  reference = lambda q, k, v: fa.reference_attention(q, k, v, keep, rate)
+  np.testing.assert_allclose(kernel(q, k, v), reference(q, k, v), atol=2e-6, rtol=1e-5)
+  got = jax.grad(loss(kernel), argnums=(0, 1, 2))(q, k, v)
+  want = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
+  for g, r, name in zip(got, want, "qkv"):
+    np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-4, err_msg=f"d{name}")
+  if rate == 0.0:  # no dropout: jax's own attention
+    np.testing.assert_allclose(kernel(q, k, v), jax.nn.dot_product_attention(q, k, v, is_causal=True), atol=2e-6)
+
+
+def test_the_mask_is_a_fair_dropout_mask():
+  rate, t = 0.1, 512
+  seeds = fa.head_seeds(jax.random.PRNGKey(0), 2, 4)
+  keep = np.asarray(fa.dropout_keep_mask(seeds, t, rate))  # [2, 4, 512, 512]: 2.1M draws
+  n = keep.size
+  assert abs(keep.mean() - (1 - rate)) < 5 * np.sqrt(rate * (1 - rate) / n), keep.mean()
+  # per row and per column about as often (no position is favoured), and heads / rows unrelated
+  assert abs(keep.mean(axis=(0, 1, 2)) - (1 - rate)).max() < 0.05
+  assert abs(keep.mean(axis=(0, 1, 3)) - (1 - rate)).max() < 0.05
+  flat = keep.reshape(8, -1).astype(np.float64)
+  corr = np.corrcoef(flat)[~np.eye(8, dtype=bool)]
+  assert abs(corr).max() < 0.01, corr  # 262k draws each: chance correlations are ~0.002
+  neighbours = np.corrcoef(flat[0, :-1], flat[0, 1:])[0, 1]
+  assert abs(neighbours) < 0.01, neighbours
+  # the same seeds give the same mask (the backward pass relies on it), other seeds another one
+  np.testing.assert_array_equal(keep, fa.dropout_keep_mask(seeds, t, rate))
+  other = np.asarray(fa.dropout_keep_mask(fa.head_seeds(jax.random.PRNGKey(1), 2, 4), t, rate))
+  assert (other != keep).mean() > 0.15  # two independent masks differ in 2·p·(1-p) = 18% of places
+
+
+def test_shapes_the_kernels_refuse():
+  q, k, v = _qkv((1, 24, 2, 16))
+  with pytest.raises(ValueError, match="multiple of 16"):
+    fa.causal_attention(q, k, v, rate=0.1, key=jax.random.PRNGKey(0), interpret=True)
+  q, k, v = _qkv((1, 32, 2, 24))
+  with pytest.raises(ValueError, match="power of two"):
+    fa.causal_attention(q, k, v, rate=0.1, key=jax.random.PRNGKey(0), interpret=True)
+  q, k, v = _qkv((1, 32, 2, 16))
+  with pytest.raises(ValueError, match="random key"):
+    fa.causal_attention(q, k, v, rate=0.1, interpret=True)
+
+
+def test_the_model_calls_the_kernel_in_training_with_dropout_only(monkeypatch, small_tiles):
+  """"pallas": the kernel for the training calls with attention dropout (at the config's rate, with a key of the
+  dropout stream), XLA's path for evaluation; and a training forward and backward through the kernels equal the
+  materialised attention with the kernels' own mask."""
+  calls = []
+  real = fa.causal_attention
+
+  def spy(q, k, v, *, rate, key, interpret):
+    calls.append((rate, jnp.shape(key), interpret))
+    return real(q, k, v, rate=rate, key=key, interpret=interpret)
+
+  monkeypatch.setattr(fa, "causal_attention", spy)
+  monkeypatch.setattr(M, "_cudnn_backend", lambda: True)  # the backend check; the kernels run interpreted here
+  cfg = dict(vocab_size=20, num_layers=2, d_model=32, num_heads=2, d_ff=32, max_len=32, attention_dropout=0.1,
+             dropout=0.0, activation_dropout=0.0)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 20, (2, 32)), jnp.int32)
+  pallas = M.build_model(M.ModelConfig(**cfg, attention_impl="pallas"), rngs=nnx.Rngs(params=0))
+  xla = M.build_model(M.ModelConfig(**cfg), rngs=nnx.Rngs(params=0))
+  f_eval, _ = pallas.features(tokens)
+  assert calls == []  # evaluation: XLA's path, the same numbers as "xla"
+  np.testing.assert_array_equal(f_eval, xla.features(tokens)[0])
+  f_train, _ = pallas.features(tokens, deterministic=False, rngs=nnx.Rngs(dropout=3))
+  assert [c[0] for c in calls] == [0.1, 0.1] and all(c[2] for c in calls)  # one per layer, interpreted on CPU
+  assert np.isfinite(np.asarray(f_train)).all()
+  assert not np.allclose(f_train, f_eval)  # dropout acted
+  again, _ = pallas.features(tokens, deterministic=False, rngs=nnx.Rngs(dropout=3))
+  np.testing.assert_array_equal(again, f_train)  # the same dropout stream, the same masks
+
+  # The kernel inside the model equals the materialised attention with its own mask (same key per layer).
+  def materialised(q, k, v, dropout, *, causal, deterministic, rngs, implementation, mask_BxTxS=None):
+    key = layers.dropout_key(dropout, rngs)
+    keep = fa.dropout_keep_mask(fa.head_seeds(key, q.shape[0], q.shape[2]), q.shape[1], dropout.rate)
+    return fa.reference_attention(q, k, v, keep, dropout.rate)
+
+  real_attention = layers.attention
+  monkeypatch.setattr(layers, "attention", materialised)
+  want, _ = pallas.features(tokens, deterministic=False, rngs=nnx.Rngs(dropout=3))
+  monkeypatch.setattr(layers, "attention", real_attention)
+  np.testing.assert_allclose(f_train, want, atol=2e-5)
+
+
+def test_pallas_is_refused_where_it_cannot_run():
+  with pytest.raises(ConfigError, match=r"^model.attention_impl='pallas' needs an NVIDIA GPU .* 'cpu'"):
+    validate_config(tiny(**{"model.attention_impl": "pallas", "model.num_heads": 2}))
+  with pytest.raises(ConfigError, match=r"^model.attention_impl='pallas' needs an NVIDIA GPU"):
+    M.build_model(M.ModelConfig(vocab_size=20, attention_impl="pallas"))
+  # wiki103_150m's heads: 410 / 10 = 41 dimensions
+  with pytest.raises(ConfigError, match=r"power of two of at least 16 \(d_model / num_heads = 41\)"):
+    validate_config(tiny(**{"model.attention_impl": "pallas", "model.d_model": 410, "model.num_heads": 10}))
+  with pytest.raises(ConfigError, match=r"multiple of 16 .*got 24.*data.segment_len"):
+    validate_config(tiny(**{"model.attention_impl": "pallas", "model.num_heads": 2, "data.segment_len": 24,
+                            "model.max_len": 24}))
