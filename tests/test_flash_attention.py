@@ -137,3 +137,24 @@ def test_pallas_is_refused_where_it_cannot_run():
   with pytest.raises(ConfigError, match=r"multiple of 16 .*got 24.*data.segment_len"):
     validate_config(tiny(**{"model.attention_impl": "pallas", "model.num_heads": 2, "data.segment_len": 24,
                             "model.max_len": 24}))
+
+
+def test_the_kernels_lower_to_triton_for_a_gpu():
+  """Without a GPU the kernels' Triton lowering still runs: jax.export for the CUDA platform turns each kernel
+  into Triton IR (the step that fails on an operation Pallas's Triton backend lacks). Triton's own compilation
+  to GPU code happens on a GPU only (bench.mfu's pallas_attn lever)."""
+  from jax import export
+
+  shape = jax.ShapeDtypeStruct((1, 256, 8, 128), jnp.bfloat16)  # the 247M model's heads, bfloat16
+  key = jax.random.PRNGKey(0)
+
+  def loss(q, k, v):
+    return jnp.sum(fa.causal_attention(q, k, v, rate=0.1, key=key).astype(jnp.float32))
+
+  triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+  exported = export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
+                           disabled_checks=[triton])(shape, shape, shape)
+  text = exported.mlir_module()
+  for name in ("trime_flash_forward", "trime_flash_dkdv", "trime_flash_dq"):
+    assert f'name = "{name}"' in text, name
+  assert text.count("__gpu$xla.gpu.triton") == 3
