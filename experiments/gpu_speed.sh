@@ -67,6 +67,7 @@ declare -A LEVER_ARGS=(
   # Our flash kernels with the dropout inside (trime_jax/flash_attention.py): the paper recipe as it is, no
   # [B, H, L, L] weights; --check_attention first compares them with the materialised float32 attention.
   [pallas_attn]="--set model.attention_impl=pallas --check_attention"
+  [pallas_attn_small_tiles]="--set model.attention_impl=pallas"  # its tiles: LEVER_ENV
   [cudnn_attn_dropout0]="--set model.attention_impl=cudnn --set model.attention_dropout=0.0 --check_attention"
   [attn_dropout0]="--set model.attention_dropout=0.0"
   [remat_block]="--set model.remat=block"
@@ -83,12 +84,17 @@ declare -A LEVER_ARGS=(
   # micro-batches, 24 rows × 1 instead of 8 rows × 3.
   [remat_block_accum1]="--set model.remat=block --set train.batch_size=24 --set train.grad_accum=1"
 )
+# Environment of a lever's run: the flash kernels' tiles (trime_jax/flash_attention.py; defaults q=128, k=64,
+# bwd=64, 8 warps at head dimension 128), smaller against register pressure.
+declare -A LEVER_ENV=(
+  [pallas_attn_small_tiles]="TRIME_FLASH_TILES=q=64,k=64,bwd=32,warps=4"
+)
 declare -A LEVER_XLA=(
   [xla_no_triton_gemm]="--xla_gpu_enable_triton_gemm=false"  # cuBLAS for every matmul, not Triton's
   [xla_latency_hiding]="--xla_gpu_enable_latency_hiding_scheduler=true"  # overlap scheduling (mostly collectives)
 )
 # In priority order: when the budget runs out, the last ones are skipped (and say so).
-LEVERS=${LEVERS:-"baseline pallas_attn vocab_chunk_0 cudnn_attn_dropout0 attn_dropout0 vocab_chunk_64k remat_block remat_dots_no_batch xla_no_triton_gemm remat_dots xla_latency_hiding"}
+LEVERS=${LEVERS:-"baseline pallas_attn vocab_chunk_0 pallas_attn_small_tiles cudnn_attn_dropout0 attn_dropout0 vocab_chunk_64k remat_block remat_dots_no_batch xla_no_triton_gemm remat_dots xla_latency_hiding"}
 
 levers() {
   # Budget: LEVER_BUDGET seconds of runs in all (default 420: the 10-minute slot less machine start, setup and
@@ -120,6 +126,7 @@ levers() {
       # XLA flags: the lever's added to any the caller set (XLA reads a blank XLA_FLAGS as a file name: none then)
       if [ -n "${LEVER_XLA[$L]:-}" ]; then xf="${xf:+$xf }${LEVER_XLA[$L]}"; fi
       if [ -n "$xf" ]; then runenv=(env "XLA_FLAGS=$xf"); fi
+      if [ -n "${LEVER_ENV[$L]:-}" ]; then runenv+=("${LEVER_ENV[$L]}"); fi
       s=$(date +%s)
       # Each lever its own process: one that fails or runs out of memory leaves the others alone.
       "${runenv[@]}" timeout --foreground -k 10 "$limit" $PYBIN -m bench.mfu \

@@ -22,9 +22,7 @@ from tests.test_speed_options import tiny
 def small_tiles(monkeypatch):
   """Tiles of 16 so that a 64-token sequence has 4 × 4 of them: the online softmax crosses tiles, the causal
   bounds skip some, and the backward loops start at the diagonal."""
-  monkeypatch.setattr(fa, "BLOCK_Q", 16)
-  monkeypatch.setattr(fa, "BLOCK_K", 32)  # the forward's key tiles differ from its query tiles
-  monkeypatch.setattr(fa, "BLOCK_BWD", 16)
+  monkeypatch.setenv("TRIME_FLASH_TILES", "q=16,k=32,bwd=16")  # the forward's key tiles differ from its query tiles
 
 
 def _qkv(shape, seed=0):
@@ -51,6 +49,14 @@ def test_kernels_equal_the_materialised_attention(small_tiles, rate, shape):
     np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-4, err_msg=f"d{name}")
   if rate == 0.0:  # no dropout: jax's own attention
     np.testing.assert_allclose(kernel(q, k, v), jax.nn.dot_product_attention(q, k, v, is_causal=True), atol=2e-6)
+
+
+def test_bad_tiles_are_one_error(monkeypatch):
+  q, k, v = _qkv((1, 32, 2, 16))
+  for bad in ("q=24", "q=8", "x=16", "k=", "warps=3"):
+    monkeypatch.setenv("TRIME_FLASH_TILES", bad)
+    with pytest.raises(ValueError, match=r"^TRIME_FLASH_TILES="):
+      fa.causal_attention(q, k, v, rate=0.1, key=jax.random.PRNGKey(0), interpret=True)
 
 
 def test_the_mask_is_a_fair_dropout_mask():
@@ -126,7 +132,7 @@ def test_the_model_calls_the_kernel_in_training_with_dropout_only(monkeypatch, s
   np.testing.assert_allclose(f_train, want, atol=2e-5)
 
 
-def test_pallas_is_refused_where_it_cannot_run():
+def test_pallas_is_refused_where_it_cannot_run(monkeypatch):
   with pytest.raises(ConfigError, match=r"^model.attention_impl='pallas' needs an NVIDIA GPU .* 'cpu'"):
     validate_config(tiny(**{"model.attention_impl": "pallas", "model.num_heads": 2}))
   with pytest.raises(ConfigError, match=r"^model.attention_impl='pallas' needs an NVIDIA GPU"):
@@ -137,6 +143,11 @@ def test_pallas_is_refused_where_it_cannot_run():
   with pytest.raises(ConfigError, match=r"multiple of 16 .*got 24.*data.segment_len"):
     validate_config(tiny(**{"model.attention_impl": "pallas", "model.num_heads": 2, "data.segment_len": 24,
                             "model.max_len": 24}))
+  # a GPU, but more than one device: the kernels are not partitioned over a mesh
+  monkeypatch.setattr(M, "_cudnn_backend", lambda: True)
+  monkeypatch.setattr(jax, "device_count", lambda: 2)
+  with pytest.raises(ConfigError, match=r"^model.attention_impl='pallas' runs on one device for now \(2 here"):
+    validate_config(tiny(**{"model.attention_impl": "pallas", "model.num_heads": 2}))
 
 
 def test_the_kernels_lower_to_triton_for_a_gpu():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +37,27 @@ def _pallas():
   return pl, plgpu
 
 
-# Tile sizes (query rows x key columns). Triton wants powers of two, at least 16. Not yet tuned on a GPU.
-BLOCK_Q, BLOCK_K = 64, 64
+# Tile sizes (query rows x key columns) and Triton warps per tile. Powers of two, at least 16. Not yet tuned on a
+# GPU: FlashAttention-2's Triton settings for head dimension 128 (forward 128 x 64, backward 64 x 64, 8 warps;
+# 4 warps at head dimension 64 or less). TRIME_FLASH_TILES="q=128,k=64,bwd=64,warps=8" overrides them (for
+# tuning on a GPU: bench.mfu reads it at trace time; warps=0 keeps the head-dimension rule).
+BLOCK_Q, BLOCK_K = 128, 64
 BLOCK_BWD = 64  # the backward kernels' tiles (query rows = key columns)
+WARPS = 0  # 0: 4 warps at head dimension <= 64, else 8
+
+
+def _tiles() -> dict:
+  """{"q", "k", "bwd", "warps"}: the module's tiles, with TRIME_FLASH_TILES's overrides."""
+  tiles = {"q": BLOCK_Q, "k": BLOCK_K, "bwd": BLOCK_BWD, "warps": WARPS}
+  spec = os.environ.get("TRIME_FLASH_TILES", "").strip()
+  for item in filter(None, (x.strip() for x in spec.split(","))):
+    name, _, value = item.partition("=")
+    if name not in tiles or not value.isdigit() or (name != "warps" and int(value) < 16) or (
+        int(value) & (int(value) - 1)):
+      raise ValueError(f"TRIME_FLASH_TILES={spec!r}: expected q=, k=, bwd= (powers of two >= 16) and warps= "
+                       f"(a power of two, or 0), got {item!r}")
+    tiles[name] = int(value)
+  return tiles
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked tile gives 0, not NaN
 _LOG2E = math.log2(math.e)
 _KEEP_BITS = 24  # the hash's top 24 bits against the rate: keep probability exact to 2^-24
@@ -189,11 +208,11 @@ def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _compiler_params(interpret: bool):
+def _compiler_params(interpret: bool, head_dim: int, warps: int):
   _, plgpu = _pallas()
   if interpret:
     return None
-  return plgpu.CompilerParams(num_warps=4, num_stages=2)
+  return plgpu.CompilerParams(num_warps=warps or (4 if head_dim <= 64 else 8), num_stages=2)
 
 
 def _specs(seq_len, head_dim, block, grid_order):
@@ -215,7 +234,8 @@ def _specs(seq_len, head_dim, block, grid_order):
 def _forward(q, k, v, seeds, rate, interpret):
   pl, _ = _pallas()
   batch, seq_len, heads, head_dim = q.shape
-  bq, bk = _block(seq_len, BLOCK_Q), _block(seq_len, BLOCK_K)
+  tiles = _tiles()
+  bq, bk = _block(seq_len, tiles["q"]), _block(seq_len, tiles["k"])
   tile, whole, seed = _specs(seq_len, head_dim, bq, "qbh")
   kernel = functools.partial(_forward_kernel, scale=1.0 / math.sqrt(head_dim), rate=rate, block_k=bk,
                              seq_len=seq_len)
@@ -225,7 +245,8 @@ def _forward(q, k, v, seeds, rate, interpret):
       out_specs=[tile, pl.BlockSpec((None, None, bq), lambda t, b, h: (b, h, t))],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((batch, heads, seq_len), jnp.float32)],
-      compiler_params=_compiler_params(interpret), interpret=interpret, name="trime_flash_forward",
+      compiler_params=_compiler_params(interpret, head_dim, tiles["warps"]), interpret=interpret,
+      name="trime_flash_forward",
   )(seeds, q, k, v)
 
 
@@ -246,11 +267,13 @@ def _flash_bwd(rate, interpret, residuals, do):
   scale = 1.0 / math.sqrt(head_dim)
   # rowsum(dO ∘ O) = rowsum(dP ∘ P) of the softmax's backward, dropout included (O = (P ∘ Z) V).
   delta = jnp.einsum("bthk,bthk->bht", o.astype(jnp.float32), do.astype(jnp.float32))
-  b = _block(seq_len, BLOCK_BWD)
+  tiles = _tiles()
+  b = _block(seq_len, tiles["bwd"])
   tile, whole, seed = _specs(seq_len, head_dim, b, "bht")
   row = pl.BlockSpec((None, None, seq_len), lambda bi, h, t: (bi, h, 0))
   args = (seeds, q, k, v, do, lse, delta)
-  common = dict(grid=(batch, heads, seq_len // b), compiler_params=_compiler_params(interpret), interpret=interpret)
+  params = _compiler_params(interpret, head_dim, tiles["warps"])
+  common = dict(grid=(batch, heads, seq_len // b), compiler_params=params, interpret=interpret)
   dk, dv = pl.pallas_call(
       functools.partial(_dkdv_kernel, scale=scale, rate=rate, block_q=b, seq_len=seq_len),
       in_specs=[seed, whole, tile, tile, whole, row, row], out_specs=[tile, tile],

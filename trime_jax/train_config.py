@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import jax
+
 from trime_jax import corpora
 from trime_jax import data
 from trime_jax import evaluate
@@ -111,6 +113,10 @@ def check_speed_options(config) -> None:
       raise ConfigError(f"model.attention_impl='pallas' (our flash attention with dropout) needs {problem}: "
                         "change data.segment_len or use model.attention_impl='xla'")
   model_lib.check_attention_backend(impl)
+  if impl == "pallas" and jax.device_count() > 1:
+    # A Pallas call has no partitioning rule: XLA would gather every row's q, k, v onto each device.
+    raise ConfigError(f"model.attention_impl='pallas' runs on one device for now ({jax.device_count()} here: its "
+                      "kernels are not partitioned over a mesh): use model.attention_impl='xla'")
 
 
 def _check_ranges(config) -> None:
