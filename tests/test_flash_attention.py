@@ -15,7 +15,7 @@ from trime_jax import layers
 from trime_jax import model as M
 from trime_jax.errors import ConfigError
 from trime_jax.train_config import validate_config
-from tests.test_speed_options import tiny
+from tests.test_speed_options import step_result, tiny
 
 
 @pytest.fixture
@@ -130,6 +130,40 @@ def test_the_model_calls_the_kernel_in_training_with_dropout_only(monkeypatch, s
   want, _ = pallas.features(tokens, deterministic=False, rngs=nnx.Rngs(dropout=3))
   monkeypatch.setattr(layers, "attention", real_attention)
   np.testing.assert_allclose(f_train, want, atol=2e-5)
+
+
+def _materialised_with_the_kernels_mask(real):
+  """layers.attention with its training calls (causal, dropout) replaced by the materialised attention under the
+  mask the kernels would draw from the same dropout stream."""
+
+  def attention(q, k, v, dropout, *, causal=False, mask_BxTxS=None, deterministic, rngs, implementation="xla"):
+    if not (causal and not deterministic and dropout.rate > 0.0):
+      return real(q, k, v, dropout, causal=causal, mask_BxTxS=mask_BxTxS, deterministic=deterministic, rngs=rngs,
+                  implementation=implementation)
+    key = layers.dropout_key(dropout, rngs)
+    keep = fa.dropout_keep_mask(fa.head_seeds(key, q.shape[0], q.shape[2]), q.shape[1], dropout.rate)
+    return fa.reference_attention(q, k, v, keep, dropout.rate).astype(q.dtype)
+
+  return attention
+
+
+@pytest.mark.parametrize("remat", ["none", "block"])
+def test_a_train_step_through_the_kernels_equals_the_materialised_one(monkeypatch, remat):
+  """The real steps.train_step (TRIME local loss, two micro-batches in its scan, every dropout on; with and
+  without remat) through the kernels: the same loss and gradients as through the materialised attention with
+  the kernels' masks. The custom VJP, the key drawn from the dropout stream and the recomputation all agree."""
+  monkeypatch.setattr(M, "_cudnn_backend", lambda: True)
+  got_metrics, got_grads = step_result(tiny(**{"model.attention_impl": "pallas", "model.num_heads": 2,
+                                               "model.remat": remat}))
+  monkeypatch.setattr(layers, "attention", _materialised_with_the_kernels_mask(layers.attention))
+  want_metrics, want_grads = step_result(tiny(**{"model.num_heads": 2, "model.remat": remat}))
+  assert float(want_metrics["loss"]) > 0 and int(got_metrics["skipped"]) == 0
+  for k in ("loss", "ce_nll", "trime_nll"):
+    np.testing.assert_allclose(got_metrics[k], want_metrics[k], rtol=1e-5, err_msg=k)
+  got, want = jax.tree_util.tree_leaves_with_path(got_grads), jax.tree_util.tree_leaves_with_path(want_grads)
+  assert [p for p, _ in got] == [p for p, _ in want]
+  for (path, g), (_, w) in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
 def test_pallas_is_refused_where_it_cannot_run(monkeypatch):
