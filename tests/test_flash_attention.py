@@ -184,13 +184,15 @@ def test_pallas_is_refused_where_it_cannot_run(monkeypatch):
     validate_config(tiny(**{"model.attention_impl": "pallas", "model.num_heads": 2}))
 
 
-def test_the_kernels_lower_to_triton_for_a_gpu():
+@pytest.mark.parametrize("seq_len", [3072, 48])
+def test_the_kernels_lower_to_triton_for_a_gpu(seq_len):
   """Without a GPU the kernels' Triton lowering still runs: jax.export for the CUDA platform turns each kernel
-  into Triton IR (the step that fails on an operation Pallas's Triton backend lacks). Triton's own compilation
-  to GPU code happens on a GPU only (bench.mfu's pallas_attn lever)."""
+  into Triton IR (the step that fails on an operation Pallas's Triton backend lacks, or on a tile that is not a
+  power of two: 48 tokens once made 48-row tiles). Triton's own compilation to GPU code happens on a GPU only
+  (bench.mfu's pallas_attn lever)."""
   from jax import export
 
-  shape = jax.ShapeDtypeStruct((1, 256, 8, 128), jnp.bfloat16)  # the 247M model's heads, bfloat16
+  shape = jax.ShapeDtypeStruct((1, seq_len, 8, 128), jnp.bfloat16)  # the 247M model's heads, bfloat16
   key = jax.random.PRNGKey(0)
 
   def loss(q, k, v):

@@ -108,7 +108,8 @@ def shape_problem(seq_len: int, head_dim: int) -> str | None:
 
 
 def _block(seq_len: int, want: int) -> int:
-  b = min(want, seq_len)
+  """The largest power of two <= `want` dividing `seq_len` (a multiple of 16): Triton's tiles are powers of two."""
+  b = 1 << (min(want, seq_len).bit_length() - 1)
   while seq_len % b:
     b //= 2
   return b
