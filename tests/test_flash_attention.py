@@ -18,11 +18,12 @@ from trime_jax.train_config import validate_config
 from tests.test_speed_options import step_result, tiny
 
 
-@pytest.fixture
-def small_tiles(monkeypatch):
-  """Tiles of 16 so that a 64-token sequence has 4 × 4 of them: the online softmax crosses tiles, the causal
-  bounds skip some, and the backward loops start at the diagonal."""
-  monkeypatch.setenv("TRIME_FLASH_TILES", "q=16,k=32,bwd=16")  # the forward's key tiles differ from its query tiles
+@pytest.fixture(params=["q=16,k=32,bwd=16", "q=32,k=16,bwd=16"])
+def small_tiles(monkeypatch, request):
+  """Small tiles so that a 64-token sequence has several: the online softmax crosses tiles, the causal bounds
+  skip some, the backward loops start at the diagonal; the forward's key tiles larger, then smaller, than its
+  query tiles."""
+  monkeypatch.setenv("TRIME_FLASH_TILES", request.param)
 
 
 def _qkv(shape, seed=0):
@@ -30,7 +31,7 @@ def _qkv(shape, seed=0):
 
 
 @pytest.mark.parametrize("rate", [0.0, 0.1, 0.5])
-@pytest.mark.parametrize("shape", [(2, 64, 2, 16), (1, 32, 3, 32)])
+@pytest.mark.parametrize("shape", [(2, 64, 2, 16), (1, 32, 3, 32), (1, 48, 1, 16)])  # 48: tiles of 16
 def test_kernels_equal_the_materialised_attention(small_tiles, rate, shape):
   q, k, v = _qkv(shape)
   key = jax.random.PRNGKey(7)
@@ -53,10 +54,28 @@ def test_kernels_equal_the_materialised_attention(small_tiles, rate, shape):
 
 def test_bad_tiles_are_one_error(monkeypatch):
   q, k, v = _qkv((1, 32, 2, 16))
-  for bad in ("q=24", "q=8", "x=16", "k=", "warps=3"):
+  for bad in ("q=24", "q=8", "q=512", "x=16", "k=", "warps=3", "warps=64"):
     monkeypatch.setenv("TRIME_FLASH_TILES", bad)
     with pytest.raises(ValueError, match=r"^TRIME_FLASH_TILES="):
       fa.causal_attention(q, k, v, rate=0.1, key=jax.random.PRNGKey(0), interpret=True)
+
+
+def test_the_dropout_key_is_the_one_nnx_dropout_draws():
+  """layers.dropout_key takes what nnx.Dropout would take from the same stream (so the other dropout layers see
+  the same keys whichever attention runs): the same key gives nnx.Dropout's mask, and one draw each."""
+  x = jnp.ones((4, 64))
+  drop = nnx.Dropout(0.5)
+  want = drop(x, deterministic=False, rngs=nnx.Rngs(dropout=5))
+  rngs = nnx.Rngs(dropout=5)
+  key = layers.dropout_key(drop, rngs)
+  np.testing.assert_array_equal(jnp.where(jax.random.bernoulli(key, 0.5, x.shape), x / 0.5, 0.0), want)
+  used = nnx.Rngs(dropout=5)
+  drop(x, deterministic=False, rngs=used)
+  assert int(rngs.dropout.count[...]) == int(used.dropout.count[...]) == 1
+  # the module's own stream when the call passes none
+  own_want = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=5))(x, deterministic=False)
+  own_key = layers.dropout_key(nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=5)), None)
+  np.testing.assert_array_equal(jnp.where(jax.random.bernoulli(own_key, 0.5, x.shape), x / 0.5, 0.0), own_want)
 
 
 def test_the_mask_is_a_fair_dropout_mask():
@@ -112,8 +131,12 @@ def test_the_model_calls_the_kernel_in_training_with_dropout_only(monkeypatch, s
   f_eval, _ = pallas.features(tokens)
   assert calls == []  # evaluation: XLA's path, the same numbers as "xla"
   np.testing.assert_array_equal(f_eval, xla.features(tokens)[0])
-  f_train, _ = pallas.features(tokens, deterministic=False, rngs=nnx.Rngs(dropout=3))
+  stream = nnx.Rngs(dropout=3)
+  f_train, _ = pallas.features(tokens, deterministic=False, rngs=stream)
   assert [c[0] for c in calls] == [0.1, 0.1] and all(c[2] for c in calls)  # one per layer, interpreted on CPU
+  xla_stream = nnx.Rngs(dropout=3)
+  xla.features(tokens, deterministic=False, rngs=xla_stream)
+  assert int(stream.dropout.count[...]) == int(xla_stream.dropout.count[...]) == 2  # a key per layer, as XLA's
   assert np.isfinite(np.asarray(f_train)).all()
   assert not np.allclose(f_train, f_eval)  # dropout acted
   again, _ = pallas.features(tokens, deterministic=False, rngs=nnx.Rngs(dropout=3))
@@ -177,6 +200,12 @@ def test_pallas_is_refused_where_it_cannot_run(monkeypatch):
   with pytest.raises(ConfigError, match=r"multiple of 16 .*got 24.*data.segment_len"):
     validate_config(tiny(**{"model.attention_impl": "pallas", "model.num_heads": 2, "data.segment_len": 24,
                             "model.max_len": 24}))
+  with pytest.raises(ConfigError):  # a config error, not a division by zero
+    validate_config(tiny(**{"model.attention_impl": "pallas", "model.num_heads": 0}))
+  monkeypatch.setenv("TRIME_FLASH_TILES", "q=48")
+  with pytest.raises(ConfigError, match=r"^TRIME_FLASH_TILES='q=48'"):
+    validate_config(tiny(**{"model.attention_impl": "pallas", "model.num_heads": 2}))
+  monkeypatch.delenv("TRIME_FLASH_TILES")
   # a GPU, but more than one device: the kernels are not partitioned over a mesh
   monkeypatch.setattr(M, "_cudnn_backend", lambda: True)
   monkeypatch.setattr(jax, "device_count", lambda: 2)

@@ -39,25 +39,37 @@ def _pallas():
 
 # Tile sizes (query rows x key columns) and Triton warps per tile. Powers of two, at least 16. Not yet tuned on a
 # GPU: FlashAttention-2's Triton settings for head dimension 128 (forward 128 x 64, backward 64 x 64, 8 warps;
-# 4 warps at head dimension 64 or less). TRIME_FLASH_TILES="q=128,k=64,bwd=64,warps=8" overrides them (for
-# tuning on a GPU: bench.mfu reads it at trace time; warps=0 keeps the head-dimension rule).
+# 4 warps at head dimension 64 or less, or for tiles under 64 rows). TRIME_FLASH_TILES="q=128,k=64,bwd=64,warps=8"
+# overrides them (for tuning on a GPU; read when the kernels are traced; warps=0 keeps the rule).
 BLOCK_Q, BLOCK_K = 128, 64
 BLOCK_BWD = 64  # the backward kernels' tiles (query rows = key columns)
-WARPS = 0  # 0: 4 warps at head dimension <= 64, else 8
+WARPS = 0  # 0: 8 warps at head dimension > 64 with tiles of >= 64 rows, else 4
 
 
-def _tiles() -> dict:
-  """{"q", "k", "bwd", "warps"}: the module's tiles, with TRIME_FLASH_TILES's overrides."""
-  tiles = {"q": BLOCK_Q, "k": BLOCK_K, "bwd": BLOCK_BWD, "warps": WARPS}
+def tiles() -> dict:
+  """{"q", "k", "bwd", "warps"}: the module's tiles, with TRIME_FLASH_TILES's overrides (checked: a ValueError
+  naming the variable; train_config checks it before anything is compiled)."""
+  out = {"q": BLOCK_Q, "k": BLOCK_K, "bwd": BLOCK_BWD, "warps": WARPS}
   spec = os.environ.get("TRIME_FLASH_TILES", "").strip()
   for item in filter(None, (x.strip() for x in spec.split(","))):
     name, _, value = item.partition("=")
-    if name not in tiles or not value.isdigit() or (name != "warps" and int(value) < 16) or (
-        int(value) & (int(value) - 1)):
-      raise ValueError(f"TRIME_FLASH_TILES={spec!r}: expected q=, k=, bwd= (powers of two >= 16) and warps= "
-                       f"(a power of two, or 0), got {item!r}")
-    tiles[name] = int(value)
-  return tiles
+    n = int(value) if value.isdigit() else -1
+    ok = n >= 0 and not n & (n - 1) and (n <= 32 if name == "warps" else 16 <= n <= 256)
+    if name not in out or not ok:
+      raise ValueError(f"TRIME_FLASH_TILES={spec!r}: expected q=, k=, bwd= (powers of two from 16 to 256) and "
+                       f"warps= (0, or a power of two up to 32), got {item!r}")
+    out[name] = n
+  return out
+
+
+def unavailable() -> str | None:
+  """Why this jax cannot build the kernels (None: it can): Pallas's Triton backend, deprecated in jax 0.11 in
+  favour of Mosaic GPU, may be gone from a later jax."""
+  try:
+    _pallas()
+  except ImportError as e:
+    return f"this jax ({jax.__version__}) has no Pallas Triton backend ({e})"
+  return None
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked tile gives 0, not NaN
 _LOG2E = math.log2(math.e)
 _KEEP_BITS = 24  # the hash's top 24 bits against the rate: keep probability exact to 2^-24
@@ -209,11 +221,13 @@ def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _compiler_params(interpret: bool, head_dim: int, warps: int):
+def _compiler_params(interpret: bool, head_dim: int, tile: int, warps: int):
+  """Triton's settings: `warps` if set, else 8 for tiles of at least 64 rows at head dimension > 64, else 4
+  (16-row tiles of a 48-token sequence do not need 8)."""
   _, plgpu = _pallas()
   if interpret:
     return None
-  return plgpu.CompilerParams(num_warps=warps or (4 if head_dim <= 64 else 8), num_stages=2)
+  return plgpu.CompilerParams(num_warps=warps or (8 if head_dim > 64 and tile >= 64 else 4), num_stages=2)
 
 
 def _specs(seq_len, head_dim, block, grid_order):
@@ -235,8 +249,8 @@ def _specs(seq_len, head_dim, block, grid_order):
 def _forward(q, k, v, seeds, rate, interpret):
   pl, _ = _pallas()
   batch, seq_len, heads, head_dim = q.shape
-  tiles = _tiles()
-  bq, bk = _block(seq_len, tiles["q"]), _block(seq_len, tiles["k"])
+  tile_sizes = tiles()
+  bq, bk = _block(seq_len, tile_sizes["q"]), _block(seq_len, tile_sizes["k"])
   tile, whole, seed = _specs(seq_len, head_dim, bq, "qbh")
   kernel = functools.partial(_forward_kernel, scale=1.0 / math.sqrt(head_dim), rate=rate, block_k=bk,
                              seq_len=seq_len)
@@ -246,7 +260,7 @@ def _forward(q, k, v, seeds, rate, interpret):
       out_specs=[tile, pl.BlockSpec((None, None, bq), lambda t, b, h: (b, h, t))],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((batch, heads, seq_len), jnp.float32)],
-      compiler_params=_compiler_params(interpret, head_dim, tiles["warps"]), interpret=interpret,
+      compiler_params=_compiler_params(interpret, head_dim, max(bq, bk), tile_sizes["warps"]), interpret=interpret,
       name="trime_flash_forward",
   )(seeds, q, k, v)
 
@@ -268,12 +282,12 @@ def _flash_bwd(rate, interpret, residuals, do):
   scale = 1.0 / math.sqrt(head_dim)
   # rowsum(dO ∘ O) = rowsum(dP ∘ P) of the softmax's backward, dropout included (O = (P ∘ Z) V).
   delta = jnp.einsum("bthk,bthk->bht", o.astype(jnp.float32), do.astype(jnp.float32))
-  tiles = _tiles()
-  b = _block(seq_len, tiles["bwd"])
+  tile_sizes = tiles()
+  b = _block(seq_len, tile_sizes["bwd"])
   tile, whole, seed = _specs(seq_len, head_dim, b, "bht")
   row = pl.BlockSpec((None, None, seq_len), lambda bi, h, t: (bi, h, 0))
   args = (seeds, q, k, v, do, lse, delta)
-  params = _compiler_params(interpret, head_dim, tiles["warps"])
+  params = _compiler_params(interpret, head_dim, b, tile_sizes["warps"])
   common = dict(grid=(batch, heads, seq_len // b), compiler_params=params, interpret=interpret)
   dk, dv = pl.pallas_call(
       functools.partial(_dkdv_kernel, scale=scale, rate=rate, block_q=b, seq_len=seq_len),

@@ -108,11 +108,18 @@ def check_speed_options(config) -> None:
   if problem:
     raise ConfigError(problem)
   if impl == "pallas":
-    problem = flash_attention.shape_problem(config.data.segment_len, m.d_model // m.num_heads)
+    problem = flash_attention.shape_problem(config.data.segment_len, m.d_model // max(m.num_heads, 1))
     if problem:
       raise ConfigError(f"model.attention_impl='pallas' (our flash attention with dropout) needs {problem}: "
                         "change data.segment_len or use model.attention_impl='xla'")
+    try:
+      flash_attention.tiles()
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
   model_lib.check_attention_backend(impl)
+  if impl == "pallas" and flash_attention.unavailable():
+    raise ConfigError(f"model.attention_impl='pallas': {flash_attention.unavailable()}: use model.attention_impl="
+                      "'xla' (or a jax that has it)")
   if impl == "pallas" and jax.device_count() > 1:
     # A Pallas call has no partitioning rule: XLA would gather every row's q, k, v onto each device.
     raise ConfigError(f"model.attention_impl='pallas' runs on one device for now ({jax.device_count()} here: its "
