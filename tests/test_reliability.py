@@ -569,7 +569,7 @@ def r_interrupted():
   return build, check
 
 
-# A file-size limit (RLIMIT_FSIZE, like a small filesystem) that the checkpoint's largest data file exceeds.
+# A file-size limit (RLIMIT_FSIZE, like a small filesystem; r_training_disk_full sets it).
 _SMALL_DISK = ("import resource, signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
                "resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n")
 

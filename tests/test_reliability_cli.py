@@ -307,6 +307,21 @@ def e_full_disk_output(b):  # full disk while writing the results: one line, exi
   return case, ["No space left on device", "full.json", "free space"], []
 
 
+def e_make_batches_disk_full(b):  # NumPy's short write (no errno) of a full disk: one line, nothing left behind
+  out = f"{b['tmp']}/cases/plan_full"
+  setup = ("import numpy\n_save = numpy.save\n"
+           "def _short(path, *a, **k):\n"
+           "  if str(path).endswith('batches.npy'):\n"
+           "    open(path, 'wb').write(b'x' * 10)\n"
+           "    raise OSError('1000 requested and 234 written')\n"
+           "  return _save(path, *a, **k)\n"
+           "numpy.save = _short\n")
+  case = _case("make_batches", f"--config={b['cfg']}", "--kind=consecutive", f"--out={out}",
+               "--config.trime.memory=long", "--config.trime.consecutive_segments=2", setup=setup)
+  return case, ["no space left writing the batch plan", out, "1000 requested and 234 written",
+                "nothing was written", "rerun the same command"], []
+
+
 ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise, e_build_datastore_out_is_export, e_build_datastore_other_identity,
                e_build_datastore_nlist0, e_build_datastore_entries_alone, e_build_datastore_nlist_flat,
                e_import_fairseq_out_is_export, e_import_fairseq_checkpoint_folder, e_import_fairseq_text_checkpoint,
@@ -316,7 +331,7 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_export_config_unknown_field_explicit_config, e_eval_output_folder, e_eval_ext_output_folder,
                e_byte_corpus_folder, e_token_file_folder, e_make_batches_out_is_workdir,
                e_make_batches_out_other_corpus, e_batch_plan_other_corpus, e_prepare_data_manual_dir,
-               e_full_disk_output, e_renamed_config_override, e_renamed_config_file_field, e_renamed_flag_generate,
+               e_full_disk_output, e_make_batches_disk_full, e_renamed_config_override, e_renamed_config_file_field, e_renamed_flag_generate,
                e_renamed_flag_translate]
 
 
@@ -385,6 +400,12 @@ def results(base):
   print(f"\n{len(cases)} CLI cases in {time.perf_counter() - t0:.1f} s: "
         + ", ".join(f"{c['module'].split('.')[1]} {r['seconds']:.1f}" for c, r in zip(cases, out)))
   return out, rows
+
+
+def test_a_plan_that_did_not_fit_leaves_nothing(results, base):
+  """e_make_batches_disk_full's short write: neither the plan nor its temporary directory stays on disk."""
+  out = base["tmp"] / "cases" / "plan_full"
+  assert not out.exists() and not (base["tmp"] / "cases" / "plan_full.tmp").exists()
 
 
 @pytest.mark.parametrize("build", ERROR_CASES, ids=lambda f: f.__name__)

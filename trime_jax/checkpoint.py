@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 
 from trime_jax import data
 from trime_jax.distributed import sync_processes
-from trime_jax.errors import CheckpointError, DamagedCheckpointError, TrimeError, first_line
+from trime_jax.errors import CheckpointError, DamagedCheckpointError, DiskFullError, first_line
 from trime_jax.runtime import workdir as workdir_files
 from trime_jax.runtime.workdir import newest_step, step_dirs  # noqa: F401 - also checkpoint.newest_step
 
@@ -32,10 +32,6 @@ def manager(directory: str, keep: int) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
   path = directory if "://" in directory else os.path.abspath(directory)  # gs://... passes through to orbax
   return ocp.CheckpointManager(path, options=options)
-
-
-class DiskFullError(TrimeError):
-  """Writing a checkpoint or export failed for lack of space (or a file size / quota limit)."""
 
 
 # How orbax / TensorStore report a full disk: an OSError's errno, or a TensorStore status in the message.

@@ -21,6 +21,11 @@ class TrainingError(TrimeError):
   """Training cannot continue (e.g. a non-finite loss)."""
 
 
+class DiskFullError(TrimeError):
+  """Writing a checkpoint, export, batch plan or other output failed for lack of space (or a file size / quota
+  limit)."""
+
+
 class DamagedCheckpointError(CheckpointError):
   """A checkpoint, export, datastore or index whose files are missing, truncated or changed after writing."""
 

@@ -19,13 +19,14 @@ Files are written to a temporary directory and renamed, so a plan is complete or
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 
 import numpy as np
 
-from trime_jax.errors import DataError
+from trime_jax.errors import DataError, DiskFullError
 
 FORMAT = "trime-batch-plan/1"
 
@@ -88,10 +89,20 @@ def save(directory: str, header: dict, batches: np.ndarray) -> str:
   directory = os.path.abspath(directory)
   tmp = directory + ".tmp"
   shutil.rmtree(tmp, ignore_errors=True)
-  os.makedirs(tmp)
-  np.save(os.path.join(tmp, "batches.npy"), batches)
-  with open(os.path.join(tmp, "plan.json"), "w") as f:
-    json.dump(header, f, indent=1)
+  try:
+    os.makedirs(tmp)
+    np.save(os.path.join(tmp, "batches.npy"), batches)
+    with open(os.path.join(tmp, "plan.json"), "w") as f:
+      json.dump(header, f, indent=1)
+  except OSError as e:
+    # NumPy's short write (a full disk, a file size limit) is an OSError without errno: "N requested and M written".
+    if e.errno not in (None, errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+      raise
+    shutil.rmtree(tmp, ignore_errors=True)
+    what = os.strerror(e.errno) if e.errno else str(e)
+    size = f"{batches.nbytes / 2**20:,.1f} MiB" if batches.nbytes >= 2**20 else f"{batches.nbytes / 2**10:,.1f} KiB"
+    raise DiskFullError(f"no space left writing the batch plan {directory} ({what}); nothing was written: free "
+                        f"space (the plan needs {size}) and rerun the same command") from None
   if os.path.exists(directory):
     shutil.rmtree(directory)
   os.replace(tmp, directory)
