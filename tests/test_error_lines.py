@@ -31,3 +31,34 @@ def test_damaged_subword_vocabulary_is_one_line(tmp_path, content, error):
     SubwordVocab.load(str(tmp_path))
   assert str(e.value).startswith(f"damaged vocabulary file in {tmp_path}: {error}")
   assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("failure", ["enospc", "short_write", "interrupt"])
+def test_an_atomic_write_that_fails_leaves_nothing_and_names_the_file(tmp_path, monkeypatch, failure):
+  """data.atomic_write_json / _atomic_npy (exports, workdir files, eval --output, corpus caches): a write that
+  fails removes its temporary file, leaves the target absent, and an OSError of the disk names the target (a
+  failed write() names no file, and NumPy's short write has no errno: found with a file size limit on eval)."""
+  import errno
+  import json
+  import os
+
+  import numpy as np
+
+  def fail(*a, **k):
+    if failure == "enospc":
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if failure == "short_write":
+      raise OSError("1000 requested and 234 written")
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(json, "dump", fail)
+  monkeypatch.setattr(np, "save", lambda path, *a, **k: (open(path, "wb").write(b"x"), fail()))
+  for write, target in ((lambda p: data.atomic_write_json(p, {"a": 1}), tmp_path / "rows.json"),
+                        (lambda p: data._atomic_npy(p, np.zeros(3)), tmp_path / "tokens.npy")):
+    with pytest.raises(KeyboardInterrupt if failure == "interrupt" else OSError) as e:
+      write(str(target))
+    assert os.listdir(tmp_path) == []  # no target, no temporary file
+    if failure != "interrupt":
+      assert e.value.errno == errno.ENOSPC and e.value.filename == str(target), e.value
+      if failure == "short_write":
+        assert "1000 requested and 234 written" in e.value.strerror

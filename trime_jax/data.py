@@ -18,7 +18,9 @@ datastore builder both read a split through them (`windows`, `window_batch`, `st
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -163,15 +165,33 @@ class Corpus:
     return cls(tokens, starts, vocab, name)
 
 
+@contextlib.contextmanager
+def _written_whole_or_not_at_all(tmp: str, path: str):
+  """Around writing `tmp` and renaming it to `path`: on any failure (an interrupt too) the temporary file is
+  removed, and an OSError of the disk names `path` (a failed write() names no file; NumPy's short write has no
+  errno either: "N requested and M written", which a full disk or a file size limit causes)."""
+  try:
+    yield
+  except BaseException as e:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    if isinstance(e, OSError) and e.filename in (None, tmp):
+      if not e.errno:
+        raise OSError(errno.ENOSPC, f"the disk took only part of the file ({e})", path) from e
+      raise OSError(e.errno, os.strerror(e.errno), path) from e
+    raise
+
+
 def atomic_write_json(path: str, obj) -> None:
   """Write `obj` to `path` through a temporary file and a rename: complete or absent (both trainers' workdir and
   export files, datastores' headers)."""
   tmp = f"{path}.tmp.{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=1)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  with _written_whole_or_not_at_all(tmp, path):
+    with open(tmp, "w") as f:
+      json.dump(obj, f, indent=1)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def read_json(path: str, what: str, error: type[Exception]):
@@ -188,8 +208,9 @@ def read_json(path: str, what: str, error: type[Exception]):
 
 def _atomic_npy(path: str, arr: np.ndarray) -> None:
   tmp = f"{path}.tmp.{os.getpid()}.npy"
-  np.save(tmp, arr)
-  os.replace(tmp, path)
+  with _written_whole_or_not_at_all(tmp, path):
+    np.save(tmp, arr)
+    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------------------
