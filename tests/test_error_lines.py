@@ -62,3 +62,34 @@ def test_an_atomic_write_that_fails_leaves_nothing_and_names_the_file(tmp_path, 
       assert e.value.errno == errno.ENOSPC and e.value.filename == str(target), e.value
       if failure == "short_write":
         assert "1000 requested and 234 written" in e.value.strerror
+
+
+def test_a_metrics_line_the_disk_refuses_is_taken_back_out(tmp_path, monkeypatch):
+  """runtime.workdir.MetricsFile: the disk takes part of a line, then refuses the rest (a file size limit, a full
+  disk): the part is removed, so the resume's reader sees whole lines only, and the error names the file."""
+  import errno
+  import io
+
+  from trime_jax.runtime import workdir
+
+  path = tmp_path / "metrics.jsonl"
+  metrics = workdir.MetricsFile(str(path))
+  metrics.write({"step": 1, "loss": 2.5})
+  before = path.read_bytes()
+
+  class Filling(io.FileIO):  # takes 7 bytes of the next line, then EFBIG
+    taken = 0
+
+    def write(self, b):
+      if Filling.taken >= 7:
+        raise OSError(errno.EFBIG, "File too large")
+      Filling.taken += 7
+      return super().write(bytes(b)[:7])
+
+  monkeypatch.setattr(workdir, "open", lambda p, mode, buffering: Filling(p, mode), raising=False)
+  with pytest.raises(OSError) as e:
+    metrics.write({"step": 2, "loss": 1.5})
+  assert e.value.errno == errno.EFBIG and e.value.filename == str(path)
+  assert path.read_bytes() == before
+  monkeypatch.undo()
+  assert metrics.rows() == [{"step": 1, "loss": 2.5}]

@@ -6,6 +6,7 @@ steps, which checkpoint.py builds on). JSON is written with data.atomic_write_js
 from __future__ import annotations
 
 import contextlib
+import errno
 import difflib
 import json
 import os
@@ -190,9 +191,24 @@ class MetricsFile:
     self.path, self.enabled = path, enabled
 
   def write(self, record: dict) -> None:
-    if self.enabled:
-      with open(self.path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    """Append one line. A write the disk refuses (full, a file size limit) takes the part it wrote back out, so
+    no half line trips the resume's reader, and raises an OSError naming the file (write() names none)."""
+    if not self.enabled:
+      return
+    data = (json.dumps(record) + "\n").encode()
+    with open(self.path, "ab", buffering=0) as f:  # unbuffered: nothing left to flush when the file closes
+      start = f.seek(0, os.SEEK_END)
+      try:
+        view = memoryview(data)
+        while view:
+          n = f.write(view)  # a regular file may take part of it, then refuse the rest
+          if not n:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+          view = view[n:]
+      except OSError as e:
+        with contextlib.suppress(OSError):
+          f.truncate(start)
+        raise OSError(e.errno, os.strerror(e.errno) if e.errno else str(e), self.path) from e
 
   def rows(self) -> list[dict]:
     if not os.path.exists(self.path):
