@@ -124,10 +124,7 @@ def translate_split(translator, pairs, vocab, out_dir, name, extra):
             "retrieval_seconds": round(translator.search_seconds, 3), "beam": translator.options.beam,
             "lenpen": translator.options.lenpen, **extra}
   os.makedirs(out_dir, exist_ok=True)
-  tmp = os.path.join(out_dir, f".{name}.hyp.tmp")
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.write("".join(t.replace("\n", " ") + "\n" for t in text))
-  os.replace(tmp, os.path.join(out_dir, f"{name}.hyp"))
+  lm_data.atomic_write_text(os.path.join(out_dir, f"{name}.hyp"), "".join(t.replace("\n", " ") + "\n" for t in text))
   lm_data.atomic_write_json(os.path.join(out_dir, f"{name}.json"), result)
   return result
 

@@ -35,9 +35,10 @@ def test_damaged_subword_vocabulary_is_one_line(tmp_path, content, error):
 
 @pytest.mark.parametrize("failure", ["enospc", "short_write", "interrupt"])
 def test_an_atomic_write_that_fails_leaves_nothing_and_names_the_file(tmp_path, monkeypatch, failure):
-  """data.atomic_write_json / _atomic_npy (exports, workdir files, eval --output, corpus caches): a write that
-  fails removes its temporary file, leaves the target absent, and an OSError of the disk names the target (a
-  failed write() names no file, and NumPy's short write has no errno: found with a file size limit on eval)."""
+  """data.atomic_write_json / atomic_write_text / _atomic_npy (exports, workdir files, eval --output,
+  translations, corpus caches): a write that fails removes its temporary file, leaves the target absent, and an
+  OSError of the disk names the target (a failed write() names no file, and NumPy's short write has no errno:
+  found with a file size limit on eval)."""
   import errno
   import json
   import os
@@ -51,10 +52,26 @@ def test_an_atomic_write_that_fails_leaves_nothing_and_names_the_file(tmp_path, 
       raise OSError("1000 requested and 234 written")
     raise KeyboardInterrupt
 
+  class FailingText:  # a text file whose write() fails as `failure` says
+    def __init__(self, path, *a, **k):
+      self.f = open(path, *a, **k)
+
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *exc):
+      self.f.close()
+
+    def write(self, text):
+      self.f.write(text[:1])
+      fail()
+
   monkeypatch.setattr(json, "dump", fail)
   monkeypatch.setattr(np, "save", lambda path, *a, **k: (open(path, "wb").write(b"x"), fail()))
+  monkeypatch.setattr(data, "open", FailingText, raising=False)  # atomic_write_text's (json's write is json.dump)
   for write, target in ((lambda p: data.atomic_write_json(p, {"a": 1}), tmp_path / "rows.json"),
-                        (lambda p: data._atomic_npy(p, np.zeros(3)), tmp_path / "tokens.npy")):
+                        (lambda p: data._atomic_npy(p, np.zeros(3)), tmp_path / "tokens.npy"),
+                        (lambda p: data.atomic_write_text(p, "a translation\n"), tmp_path / "test.hyp")):
     with pytest.raises(KeyboardInterrupt if failure == "interrupt" else OSError) as e:
       write(str(target))
     assert os.listdir(tmp_path) == []  # no target, no temporary file

@@ -206,6 +206,17 @@ def read_json(path: str, what: str, error: type[Exception]):
     raise error(f"{what} {path} is corrupt or truncated ({first_line(e)})") from None
 
 
+def atomic_write_text(path: str, text: str) -> None:
+  """`text` to `path` (UTF-8) through a temporary file and a rename, as atomic_write_json (translations)."""
+  tmp = f"{path}.tmp.{os.getpid()}"
+  with _written_whole_or_not_at_all(tmp, path):
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def _atomic_npy(path: str, arr: np.ndarray) -> None:
   tmp = f"{path}.tmp.{os.getpid()}.npy"
   with _written_whole_or_not_at_all(tmp, path):
