@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from trime_jax.errors import TrimeError
+from trime_jax.errors import NO_SPACE_ERRNOS, TrimeError, is_no_space
 
 
 def _one_line(e: BaseException) -> str:
@@ -251,7 +251,7 @@ def _event_file_write_failed(exc) -> bool:
   """A full disk or file size limit met by tensorboardX's own writer thread, or by the close it registers with
   atexit: the training's next flush of the event file (event_writer, every logged update) raises the same error
   in the main thread, which the CLI reports as its one line with the folder's path."""
-  if not (isinstance(exc, OSError) and exc.errno in (_errno.ENOSPC, _errno.EDQUOT, _errno.EFBIG)):
+  if not is_no_space(exc):
     return False
   tb = exc.__traceback__
   while tb is not None:
@@ -286,8 +286,8 @@ def _quiet_closed_loop(default_hook):
 # permission, a full disk or quota, a read-only file system, a file too large for the limit.
 import errno as _errno
 
-ENVIRONMENT_ERRNOS = (_errno.EISDIR, _errno.ENOTDIR, _errno.EACCES, _errno.EPERM, _errno.ENOSPC, _errno.EDQUOT,
-                      _errno.EROFS, _errno.EFBIG, _errno.ENOENT, _errno.EEXIST, _errno.ENAMETOOLONG)
+ENVIRONMENT_ERRNOS = NO_SPACE_ERRNOS + (_errno.EISDIR, _errno.ENOTDIR, _errno.EACCES, _errno.EPERM, _errno.EROFS,
+                                      _errno.ENOENT, _errno.EEXIST, _errno.ENAMETOOLONG)
 
 
 def os_error_line(e: OSError) -> str:

@@ -9,7 +9,6 @@ The exported model that evaluation loads (`<workdir>/export/`) is `trime_jax.exp
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -24,7 +23,7 @@ import orbax.checkpoint as ocp
 
 from trime_jax import data
 from trime_jax.distributed import sync_processes
-from trime_jax.errors import CheckpointError, DamagedCheckpointError, DiskFullError, first_line
+from trime_jax.errors import CheckpointError, DamagedCheckpointError, DiskFullError, first_line, is_no_space
 from trime_jax.runtime import workdir as workdir_files
 from trime_jax.runtime.workdir import newest_step, step_dirs  # noqa: F401 - also checkpoint.newest_step
 
@@ -40,7 +39,7 @@ _NO_SPACE = ("RESOURCE_EXHAUSTED", "No space left", "Disk quota exceeded", "File
 
 def _is_no_space(e: BaseException) -> bool:
   while e is not None:
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    if is_no_space(e):
       return True
     if any(t in str(e) for t in _NO_SPACE):
       return True

@@ -1,5 +1,16 @@
 """User-facing errors: the CLIs print these as one line (`error: ...`) instead of a traceback."""
 
+import errno
+
+# The errnos of a write that did not fit: a full disk, a quota, a file size limit (ulimit -f). Every writer that
+# turns these into DiskFullError / CheckpointError, and the CLIs' one-line hint, read this one tuple.
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def is_no_space(e: BaseException) -> bool:
+  """An OSError whose errno says the write did not fit (NO_SPACE_ERRNOS)."""
+  return isinstance(e, OSError) and e.errno in NO_SPACE_ERRNOS
+
 
 class TrimeError(Exception):
   """Base class for errors caused by input (data, configs, checkpoints), not by bugs."""

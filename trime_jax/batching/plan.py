@@ -19,14 +19,13 @@ Files are written to a temporary directory and renamed, so a plan is complete or
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
 
 import numpy as np
 
-from trime_jax.errors import DataError, DiskFullError
+from trime_jax.errors import DataError, DiskFullError, is_no_space
 
 FORMAT = "trime-batch-plan/1"
 
@@ -96,7 +95,7 @@ def save(directory: str, header: dict, batches: np.ndarray) -> str:
       json.dump(header, f, indent=1)
   except OSError as e:
     # NumPy's short write (a full disk, a file size limit) is an OSError without errno: "N requested and M written".
-    if e.errno not in (None, errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+    if e.errno is not None and not is_no_space(e):
       raise
     shutil.rmtree(tmp, ignore_errors=True)
     what = os.strerror(e.errno) if e.errno else str(e)

@@ -43,7 +43,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from trime_jax import data, exports
-from trime_jax.errors import CheckpointError, ConfigError, DamagedCheckpointError
+from trime_jax.errors import CheckpointError, ConfigError, DamagedCheckpointError, is_no_space
 from trime_jax.runtime.lock import DirLock
 
 FORMAT = "trime-datastore/1"
@@ -80,9 +80,6 @@ def file_digest(path: str, full_bytes: int = FULL_DIGEST_BYTES, blocks: int = 10
   return h.hexdigest()[:16]
 
 
-NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-
-
 def _reserve(path: str) -> None:
   """Allocate a file's blocks (posix_fallocate), so running out of space is an OSError here, not a SIGBUS later."""
   if hasattr(os, "posix_fallocate"):
@@ -95,7 +92,7 @@ def _no_space_is_an_error(out_dir: str, count: int, dimension: int):
   try:
     yield
   except OSError as e:
-    if e.errno not in NO_SPACE:
+    if not is_no_space(e):
       raise
     meta = _read_meta(out_dir) or {}
     raise CheckpointError(
