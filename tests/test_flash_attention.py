@@ -142,44 +142,57 @@ def test_the_model_calls_the_kernel_in_training_with_dropout_only(monkeypatch, s
   again, _ = pallas.features(tokens, deterministic=False, rngs=nnx.Rngs(dropout=3))
   np.testing.assert_array_equal(again, f_train)  # the same dropout stream, the same masks
 
-  # The kernel inside the model equals the materialised attention with its own mask (same key per layer).
-  def materialised(q, k, v, dropout, *, causal, deterministic, rngs, implementation, mask_BxTxS=None):
-    key = layers.dropout_key(dropout, rngs)
-    keep = fa.dropout_keep_mask(fa.head_seeds(key, q.shape[0], q.shape[2]), q.shape[1], dropout.rate)
-    return fa.reference_attention(q, k, v, keep, dropout.rate)
-
-  real_attention = layers.attention
-  monkeypatch.setattr(layers, "attention", materialised)
-  want, _ = pallas.features(tokens, deterministic=False, rngs=nnx.Rngs(dropout=3))
-  monkeypatch.setattr(layers, "attention", real_attention)
+  # The kernel inside the model equals XLA's materialised attention with the kernel's masks (same key per layer).
+  hashed = M.build_model(M.ModelConfig(**cfg, attention_dropout_mask="hash"), rngs=nnx.Rngs(params=0))
+  want, _ = hashed.features(tokens, deterministic=False, rngs=nnx.Rngs(dropout=3))
   np.testing.assert_allclose(f_train, want, atol=2e-5)
 
 
-def _materialised_with_the_kernels_mask(real):
-  """layers.attention with its training calls (causal, dropout) replaced by the materialised attention under the
-  mask the kernels would draw from the same dropout stream."""
-
-  def attention(q, k, v, dropout, *, causal=False, mask_BxTxS=None, deterministic, rngs, implementation="xla"):
-    if not (causal and not deterministic and dropout.rate > 0.0):
-      return real(q, k, v, dropout, causal=causal, mask_BxTxS=mask_BxTxS, deterministic=deterministic, rngs=rngs,
-                  implementation=implementation)
-    key = layers.dropout_key(dropout, rngs)
-    keep = fa.dropout_keep_mask(fa.head_seeds(key, q.shape[0], q.shape[2]), q.shape[1], dropout.rate)
-    return fa.reference_attention(q, k, v, keep, dropout.rate).astype(q.dtype)
-
-  return attention
+@pytest.mark.parametrize("causal", [True, False])
+def test_xla_with_the_hash_mask_draws_the_kernels_masks(causal):
+  """model.attention_dropout_mask="hash": XLA's path drops exactly the probabilities the kernels drop (the same
+  key from the dropout stream, the same seeds and counters), in the causal path and with a boolean mask of T
+  queries by S keys (T != S: the counter's stride is S); a key per call, as nnx.Dropout draws; "nnx" unchanged."""
+  b, t, h, d, rate = 2, 16, 2, 16, 0.25
+  s = t if causal else 24
+  q = jax.random.normal(jax.random.PRNGKey(0), (b, t, h, d))
+  k, v = (jax.random.normal(jax.random.PRNGKey(i), (b, s, h, d)) for i in (1, 2))
+  mask = None if causal else jax.random.bernoulli(jax.random.PRNGKey(3), 0.7, (b, t, s)).at[:, :, 0].set(True)
+  call = lambda how, rngs: layers.attention(q, k, v, nnx.Dropout(rate), causal=causal, mask_BxTxS=mask,
+                                            deterministic=False, rngs=rngs, dropout_mask=how)
+  stream = nnx.Rngs(dropout=5)
+  got = call("hash", stream)
+  assert int(stream.dropout.count[...]) == 1
+  keep = fa.dropout_keep_mask(fa.head_seeds(nnx.Rngs(dropout=5).dropout(), b, h), t, rate, num_keys=s)
+  assert keep.shape == (b, h, t, s)
+  logits = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(d)
+  visible = jnp.tril(jnp.ones((t, s), bool)) if causal else mask[:, None]
+  probs = jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1)
+  want = jnp.einsum("bhts,bshd->bthd", jnp.where(keep, probs / (1 - rate), 0.0), v)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  if causal:
+    np.testing.assert_allclose(got, fa.causal_attention(q, k, v, rate=rate, key=nnx.Rngs(dropout=5).dropout(),
+                                                        interpret=True), atol=1e-5)
+  nnx_out = call("nnx", nnx.Rngs(dropout=5))
+  assert not np.allclose(nnx_out, got)  # another random stream
+  np.testing.assert_array_equal(nnx_out, layers.attention(q, k, v, nnx.Dropout(rate), causal=causal,
+                                                          mask_BxTxS=mask, deterministic=False,
+                                                          rngs=nnx.Rngs(dropout=5)))  # the default
+  with pytest.raises(ValueError, match=r"dropout mask must be one of \('nnx', 'hash'\)"):
+    call("philox", nnx.Rngs(dropout=5))
 
 
 @pytest.mark.parametrize("remat", ["none", "block"])
-def test_a_train_step_through_the_kernels_equals_the_materialised_one(monkeypatch, remat):
+def test_a_train_step_through_the_kernels_equals_xla_with_their_masks(monkeypatch, remat):
   """The real steps.train_step (TRIME local loss, two micro-batches in its scan, every dropout on; with and
-  without remat) through the kernels: the same loss and gradients as through the materialised attention with
-  the kernels' masks. The custom VJP, the key drawn from the dropout stream and the recomputation all agree."""
+  without remat) through the kernels: the same loss and gradients as XLA's materialised attention with the
+  kernels' hash masks (model.attention_dropout_mask="hash"). The custom VJP, the key drawn from the dropout
+  stream and the recomputation all agree, and a run may switch between the two."""
   monkeypatch.setattr(M, "_cudnn_backend", lambda: True)
   got_metrics, got_grads = step_result(tiny(**{"model.attention_impl": "pallas", "model.num_heads": 2,
                                                "model.remat": remat}))
-  monkeypatch.setattr(layers, "attention", _materialised_with_the_kernels_mask(layers.attention))
-  want_metrics, want_grads = step_result(tiny(**{"model.num_heads": 2, "model.remat": remat}))
+  want_metrics, want_grads = step_result(tiny(**{"model.num_heads": 2, "model.remat": remat,
+                                                 "model.attention_dropout_mask": "hash"}))
   assert float(want_metrics["loss"]) > 0 and int(got_metrics["skipped"]) == 0
   for k in ("loss", "ce_nll", "trime_nll"):
     np.testing.assert_allclose(got_metrics[k], want_metrics[k], rtol=1e-5, err_msg=k)

@@ -227,7 +227,8 @@ def restore_checked(path: str, abstract_tree, what: str, restore):
 RESUMABLE_CHANGES = ("train.num_steps", "train.log_every", "train.eval_every", "train.eval_max_tokens",
                      "train.checkpoint_every", "train.keep_checkpoints", "train.allow_config_change",
                      "train.keep_best", "train.tensorboard", "train.wandb_project", "train.progress",
-                     "train.profile_steps", "data.cache_dir", "eval.", "model.attention_impl", "model.remat",
+                     "train.profile_steps", "data.cache_dir", "eval.", "model.attention_impl",
+                     "model.attention_dropout_mask", "model.remat",
                      "train.eval_max_pairs", "train.stop_after", "train.target_token_budget")
 
 

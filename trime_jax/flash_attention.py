@@ -9,8 +9,9 @@ sequence and layer, written and read several times forward and backward. These k
 
 The dropout mask is a function of (seed of the batch row and head, query position, key position): a counter-based
 hash (one round of the lowbias32 integer finaliser over the position's counter, keyed by the seed), so the
-backward pass recomputes exactly the mask of the forward pass, and `dropout_keep_mask` (plain jax) reproduces it
-for the tests. It keeps a probability with chance 1 - rate (to 2⁻²⁴) and scales it by 1 / (1 - rate), as
+backward pass recomputes exactly the mask of the forward pass, and `dropout_keep_mask` (plain jax) reproduces it:
+for the tests, and for XLA's path with `model.attention_dropout_mask="hash"`, which thereby draws the same masks
+as these kernels (the two implementations are interchangeable within a run). It keeps a probability with chance 1 - rate (to 2⁻²⁴) and scales it by 1 / (1 - rate), as
 nnx.Dropout does, but from another random stream than nnx.Dropout's (same distribution, other draws).
 
 Off GPUs the kernels run in Pallas's interpreter (`interpret=True`): exact and slow, for the tests only; the model
@@ -91,17 +92,23 @@ def _mix32(x):
 
 
 def _keep(seed, rows, cols, seq_len: int, rate: float):
-  """[len(rows), len(cols)] bool: which attention probabilities survive dropout, for one (batch row, head)."""
+  """[len(rows), len(cols)] bool: which attention probabilities survive dropout, for one (batch row, head);
+  `seq_len` is the row stride of the counter (the number of keys)."""
   counter = rows[:, None] * jnp.int32(seq_len) + cols[None, :]  # distinct for seq_len < 65,536
   bits = _mix32((counter * _int32(0x9E3779B1)) ^ seed)  # the odd multiply spreads neighbours before the seed
   threshold = int(round(rate * (1 << _KEEP_BITS)))
   return lax.shift_right_logical(bits, jnp.int32(32 - _KEEP_BITS)) >= jnp.int32(threshold)
 
 
-def dropout_keep_mask(seeds_BxH, seq_len: int, rate: float):
-  """[B, H, T, T] bool: the kernels' dropout mask, in plain jax (for references and tests)."""
-  pos = jnp.arange(seq_len, dtype=jnp.int32)
-  per_head = lambda s: _keep(s, pos, pos, seq_len, rate)
+def dropout_keep_mask(seeds_BxH, seq_len: int, rate: float, num_keys: int | None = None):
+  """[B, H, T, S] bool: the kernels' dropout mask in plain jax, T = seq_len queries by S = num_keys keys (default
+  T). XLA's path draws it with `model.attention_dropout_mask="hash"` (layers.attention), and the tests compare the
+  kernels with it. For T = S it is the kernels' mask; T · S must stay below 2³² (distinct counters)."""
+  num_keys = seq_len if num_keys is None else num_keys
+  if seq_len * num_keys > 2**32:
+    raise ValueError(f"the hash dropout mask needs queries x keys <= 2^32, got {seq_len} x {num_keys}")
+  rows, cols = jnp.arange(seq_len, dtype=jnp.int32), jnp.arange(num_keys, dtype=jnp.int32)
+  per_head = lambda s: _keep(s, rows, cols, num_keys, rate)
   return jax.vmap(jax.vmap(per_head))(seeds_BxH)
 
 

@@ -49,6 +49,7 @@ from trime_jax.errors import ConfigError
 KEY_TYPES = layers.KEY_TYPES
 POSITION_TYPES = ("sinusoidal", "learned")
 ATTENTION_IMPLS = layers.ATTENTION_IMPLS
+DROPOUT_MASKS = layers.DROPOUT_MASKS
 # model.remat: what each Transformer block's backward pass keeps from its forward pass, as a jax.checkpoint
 # policy. "none": no checkpoint (XLA keeps what it likes); "block": only the block's input, everything inside
 # recomputed; "dots_saveable": every matmul output kept (attention's q·kᵀ too), elementwise work recomputed;
@@ -94,6 +95,8 @@ class ModelConfig:
   adaptive_tail_ignores_pad: bool = False
   # causal attention: xla | cudnn (flash kernel without dropout; GPU, bf16/fp16) | pallas (ours, with dropout; GPU)
   attention_impl: str = "xla"
+  # XLA's attention-dropout mask: nnx (nnx.Dropout's random bits) | hash (the pallas kernels' counter hash)
+  attention_dropout_mask: str = "nnx"
   remat: str = "none"  # per-block rematerialisation (REMAT_POLICIES): memory for recomputation, same numbers
 
   def __post_init__(self):
@@ -125,6 +128,9 @@ class ModelConfig:
       raise ValueError(f"model.adaptive_softmax_dropout must be in [0, 1), got {self.adaptive_softmax_dropout}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"model.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+    if self.attention_dropout_mask not in DROPOUT_MASKS:
+      raise ValueError(f"model.attention_dropout_mask must be one of {DROPOUT_MASKS}, got "
+                       f"{self.attention_dropout_mask!r}")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"model.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
     problem = attention_impl_problem(self.attention_impl, self.dtype, self.d_model, self.num_heads)
@@ -193,7 +199,8 @@ class CausalSelfAttention(nnx.Module):
     self.qkv = layers.linear(d, 3 * d, self.dtype, rngs)  # fused q, k, v (fairseq imports split its rows)
     self.out = layers.linear(d, d, self.dtype, rngs)
     self.attn_dropout = nnx.Dropout(cfg.attention_dropout)
-    self.attention_impl = cfg.attention_impl  # a static attribute: not a parameter, the tree is unchanged
+    self.attention_impl = cfg.attention_impl  # static attributes: not parameters, the tree is unchanged
+    self.attention_dropout_mask = cfg.attention_dropout_mask
 
   def __call__(self, x_BxLxD, *, deterministic: bool, rngs):
     b, l, d = x_BxLxD.shape
@@ -201,7 +208,7 @@ class CausalSelfAttention(nnx.Module):
     qkv = self.qkv(x_BxLxD).reshape(b, l, 3, h, d // h)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, L, H, Dh]
     y = layers.attention(q, k, v, self.attn_dropout, causal=True, deterministic=deterministic, rngs=rngs,
-                         implementation=self.attention_impl)
+                         implementation=self.attention_impl, dropout_mask=self.attention_dropout_mask)
     return self.out(y.reshape(b, l, d))
 
   def decode(self, x_BxTxD, k_cache_BxCxHxDh, v_cache_BxCxHxDh, pos_BxT):
