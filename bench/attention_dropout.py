@@ -1,5 +1,5 @@
-"""Attention-dropout masks on XLA's path: nnx.Dropout's random bits ÷ the counter hash (model.attention_dropout_mask),
-one causal attention forward and backward, same run.
+"""Attention-dropout masks on XLA's path: nnx.Dropout's random bits ÷ the counter hash (model.dropout_mask), one
+causal attention forward and backward, same run.
 
   python -m bench.attention_dropout [--heads=8 --head_dim=128 --seq=512 --batch=1 --rate=0.1 --repeats=5]
 
@@ -9,7 +9,7 @@ the weighted sum, and the gradients of q, k and v. Three variants: no dropout (t
 dot_product_attention, XLA's path, which `layers.attention` takes without dropout; what a mask adds is roughly the
 difference), nnx (jax's default PRNG, threefry), hash. On a CPU this measures the mask's arithmetic against the
 rest of a materialised attention; on a GPU the balance of arithmetic and memory traffic differs, which is what
-the `attn_dropout_hash` lever of experiments/gpu_speed.sh measures on the whole train step.
+the `dropout_hash` lever of experiments/gpu_speed.sh measures on the whole train step.
 """
 
 import argparse
@@ -29,8 +29,8 @@ def _step(how: str, rate: float, shape):
   q, k, v, w = (jax.random.normal(jax.random.PRNGKey(i), shape, jnp.float32) for i in range(4))
 
   def loss(q, k, v, key):
-    out = layers.attention(q, k, v, nnx.Dropout(rate), causal=True, deterministic=rate == 0.0,
-                           rngs=nnx.Rngs(dropout=key), dropout_mask=how)
+    out = layers.attention(q, k, v, layers.Dropout(rate, mask=how), causal=True, deterministic=rate == 0.0,
+                           rngs=nnx.Rngs(dropout=key))
     return jnp.sum(out * w)
 
   fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))

@@ -57,9 +57,9 @@ def get_config():
   m.attention_impl = "xla"  # causal attention: xla (every backend) | cudnn (cuDNN's flash kernel, for the calls
   #   without dropout: NVIDIA GPU, dtype bfloat16 / float16) | pallas (our flash kernel with the dropout inside,
   #   for the training calls with attention dropout: one NVIDIA GPU, head dimension a power of two >= 16)
-  m.attention_dropout_mask = "nnx"  # how xla's path draws the attention-dropout mask: nnx (nnx.Dropout: jax's
-  #   random bits) | hash (the pallas kernel's counter hash of a seed per row and head: fused integer ops, no
-  #   random-bit generator, and the same masks as pallas draws). Same distribution, other draws
+  m.dropout_mask = "nnx"  # how every dropout draws its mask: nnx (nnx.Dropout: jax's random bits, threefry) |
+  #   hash (the pallas kernel's counter hash: a few fused integer ops per element, no random-bit generator; the
+  #   attention's are the masks pallas draws). Same distribution, other draws
   m.remat = "none"  # per-block rematerialisation, memory traded for recompute, same numbers: none | block (keep
   #   each block's input only) | dots_saveable (keep matmul outputs) | dots_with_no_batch_dims_saveable (keep the
   #   projections' and FFN's matmul outputs, recompute attention)

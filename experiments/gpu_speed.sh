@@ -68,9 +68,11 @@ declare -A LEVER_ARGS=(
   # [B, H, L, L] weights; --check_attention first compares them with the materialised float32 attention.
   [pallas_attn]="--set model.attention_impl=pallas --check_attention"
   [pallas_attn_small_tiles]="--set model.attention_impl=pallas"  # its tiles: LEVER_ENV
-  # XLA's path with the kernels' hash mask in place of nnx.Dropout's random bits (threefry): the paper recipe,
-  # the [B, H, L, L] weights as before, the mask a few fused integer operations per element.
-  [attn_dropout_hash]="--set model.attention_dropout_mask=hash"
+  # Every dropout's mask from the kernels' counter hash in place of nnx.Dropout's random bits (threefry): the
+  # paper recipe, XLA's [B, H, L, L] weights as before, each mask a few fused integer operations per element;
+  # then the same with the kernels (their attention masks are the hash's, the other dropouts hashed too).
+  [dropout_hash]="--set model.dropout_mask=hash"
+  [pallas_dropout_hash]="--set model.attention_impl=pallas --set model.dropout_mask=hash"
   [cudnn_attn_dropout0]="--set model.attention_impl=cudnn --set model.attention_dropout=0.0 --check_attention"
   [attn_dropout0]="--set model.attention_dropout=0.0"
   [remat_block]="--set model.remat=block"
@@ -97,7 +99,7 @@ declare -A LEVER_XLA=(
   [xla_latency_hiding]="--xla_gpu_enable_latency_hiding_scheduler=true"  # overlap scheduling (mostly collectives)
 )
 # In priority order: when the budget runs out, the last ones are skipped (and say so).
-LEVERS=${LEVERS:-"baseline pallas_attn attn_dropout_hash vocab_chunk_0 pallas_attn_small_tiles cudnn_attn_dropout0 attn_dropout0 vocab_chunk_64k remat_block remat_dots_no_batch xla_no_triton_gemm remat_dots xla_latency_hiding"}
+LEVERS=${LEVERS:-"baseline pallas_attn dropout_hash pallas_dropout_hash vocab_chunk_0 pallas_attn_small_tiles cudnn_attn_dropout0 attn_dropout0 vocab_chunk_64k remat_block remat_dots_no_batch xla_no_triton_gemm remat_dots xla_latency_hiding"}
 
 levers() {
   # Budget: LEVER_BUDGET seconds of runs in all (default 420: the 10-minute slot less machine start, setup and

@@ -143,25 +143,25 @@ def test_the_model_calls_the_kernel_in_training_with_dropout_only(monkeypatch, s
   np.testing.assert_array_equal(again, f_train)  # the same dropout stream, the same masks
 
   # The kernel inside the model equals XLA's materialised attention with the kernel's masks (same key per layer).
-  hashed = M.build_model(M.ModelConfig(**cfg, attention_dropout_mask="hash"), rngs=nnx.Rngs(params=0))
+  hashed = M.build_model(M.ModelConfig(**cfg, dropout_mask="hash"), rngs=nnx.Rngs(params=0))
   want, _ = hashed.features(tokens, deterministic=False, rngs=nnx.Rngs(dropout=3))
   np.testing.assert_allclose(f_train, want, atol=2e-5)
 
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_xla_with_the_hash_mask_draws_the_kernels_masks(causal):
-  """model.attention_dropout_mask="hash": XLA's path drops exactly the probabilities the kernels drop (the same
-  key from the dropout stream, the same seeds and counters), in the causal path and with a boolean mask of T
-  queries by S keys (T != S: the counter's stride is S); a key per call, as nnx.Dropout draws; "nnx" unchanged."""
+  """model.dropout_mask="hash": XLA's attention drops exactly the probabilities the kernels drop (the same key
+  from the dropout stream, the same seeds and counters), in the causal path and with a boolean mask of T queries
+  by S keys (T != S: the counter's stride is S); a key per call, as nnx.Dropout draws; "nnx" unchanged."""
   b, t, h, d, rate = 2, 16, 2, 16, 0.25
   s = t if causal else 24
   q = jax.random.normal(jax.random.PRNGKey(0), (b, t, h, d))
   k, v = (jax.random.normal(jax.random.PRNGKey(i), (b, s, h, d)) for i in (1, 2))
   mask = None if causal else jax.random.bernoulli(jax.random.PRNGKey(3), 0.7, (b, t, s)).at[:, :, 0].set(True)
-  call = lambda how, rngs: layers.attention(q, k, v, nnx.Dropout(rate), causal=causal, mask_BxTxS=mask,
-                                            deterministic=False, rngs=rngs, dropout_mask=how)
+  call = lambda dropout, rngs: layers.attention(q, k, v, dropout, causal=causal, mask_BxTxS=mask,
+                                                deterministic=False, rngs=rngs)
   stream = nnx.Rngs(dropout=5)
-  got = call("hash", stream)
+  got = call(layers.Dropout(rate, mask="hash"), stream)
   assert int(stream.dropout.count[...]) == 1
   keep = fa.dropout_keep_mask(fa.head_seeds(nnx.Rngs(dropout=5).dropout(), b, h), t, rate, num_keys=s)
   assert keep.shape == (b, h, t, s)
@@ -173,26 +173,48 @@ def test_xla_with_the_hash_mask_draws_the_kernels_masks(causal):
   if causal:
     np.testing.assert_allclose(got, fa.causal_attention(q, k, v, rate=rate, key=nnx.Rngs(dropout=5).dropout(),
                                                         interpret=True), atol=1e-5)
-  nnx_out = call("nnx", nnx.Rngs(dropout=5))
+  nnx_out = call(layers.Dropout(rate), nnx.Rngs(dropout=5))
   assert not np.allclose(nnx_out, got)  # another random stream
-  np.testing.assert_array_equal(nnx_out, layers.attention(q, k, v, nnx.Dropout(rate), causal=causal,
-                                                          mask_BxTxS=mask, deterministic=False,
-                                                          rngs=nnx.Rngs(dropout=5)))  # the default
+  np.testing.assert_array_equal(nnx_out, call(nnx.Dropout(rate), nnx.Rngs(dropout=5)))  # "nnx" is nnx.Dropout
+
+
+@pytest.mark.parametrize("shape", [(3, 40, 50), (64, 96), (1000,), (2, 3, 8, 8)])
+def test_hash_dropout_of_any_array(shape):
+  """layers.Dropout(mask="hash") on any shape: keeps with chance 1 - rate, scales by 1 / (1 - rate) as
+  nnx.Dropout does, draws one key of the same stream per call, is the identity when deterministic, and the same
+  masks again from the same stream; on [B, H, T, S] its masks are the kernels' (hash_keep_mask)."""
+  rate = 0.3
+  x = jnp.ones(shape, jnp.float32) * 2.0
+  drop = layers.Dropout(rate, mask="hash")
+  stream, nnx_stream = nnx.Rngs(dropout=1), nnx.Rngs(dropout=1)
+  y = np.asarray(drop(x, deterministic=False, rngs=stream))
+  nnx.Dropout(rate)(x, deterministic=False, rngs=nnx_stream)
+  assert int(stream.dropout.count[...]) == int(nnx_stream.dropout.count[...]) == 1
+  assert set(np.unique(y)) <= {0.0, np.float32(2.0 / (1 - rate))}
+  kept = (y != 0).mean()
+  assert abs(kept - (1 - rate)) < 4 * np.sqrt(rate * (1 - rate) / y.size), kept
+  np.testing.assert_array_equal(y, drop(x, deterministic=False, rngs=nnx.Rngs(dropout=1)))
+  np.testing.assert_array_equal(drop(x, deterministic=True, rngs=nnx.Rngs(dropout=1)), x)
+  key = nnx.Rngs(dropout=1).dropout()
+  np.testing.assert_array_equal(y != 0, fa.hash_keep_mask(key, shape, rate))
+  if len(shape) == 4:
+    np.testing.assert_array_equal(fa.hash_keep_mask(key, shape, rate),
+                                  fa.dropout_keep_mask(fa.head_seeds(key, *shape[:2]), shape[2], rate))
   with pytest.raises(ValueError, match=r"dropout mask must be one of \('nnx', 'hash'\)"):
-    call("philox", nnx.Rngs(dropout=5))
+    layers.Dropout(rate, mask="philox")
 
 
 @pytest.mark.parametrize("remat", ["none", "block"])
 def test_a_train_step_through_the_kernels_equals_xla_with_their_masks(monkeypatch, remat):
   """The real steps.train_step (TRIME local loss, two micro-batches in its scan, every dropout on; with and
   without remat) through the kernels: the same loss and gradients as XLA's materialised attention with the
-  kernels' hash masks (model.attention_dropout_mask="hash"). The custom VJP, the key drawn from the dropout
-  stream and the recomputation all agree, and a run may switch between the two."""
+  kernels' hash masks (model.dropout_mask="hash", every other dropout hashed on both sides). The custom VJP, the
+  key drawn from the dropout stream and the recomputation all agree, and a run may switch between the two."""
   monkeypatch.setattr(M, "_cudnn_backend", lambda: True)
   got_metrics, got_grads = step_result(tiny(**{"model.attention_impl": "pallas", "model.num_heads": 2,
-                                               "model.remat": remat}))
+                                               "model.remat": remat, "model.dropout_mask": "hash"}))
   want_metrics, want_grads = step_result(tiny(**{"model.num_heads": 2, "model.remat": remat,
-                                                 "model.attention_dropout_mask": "hash"}))
+                                                 "model.dropout_mask": "hash"}))
   assert float(want_metrics["loss"]) > 0 and int(got_metrics["skipped"]) == 0
   for k in ("loss", "ce_nll", "trime_nll"):
     np.testing.assert_allclose(got_metrics[k], want_metrics[k], rtol=1e-5, err_msg=k)

@@ -97,7 +97,7 @@ def test_remat_with_the_fused_attention_path():
 def test_defaults_leave_parameters_and_digests_unchanged():
   """Exports depend on the parameter tree and on arch_digest: both as before the options existed."""
   mcfg = specs.model_config(default.get_config(), vocab_size=100)
-  assert (mcfg.attention_impl, mcfg.attention_dropout_mask, mcfg.remat) == ("xla", "nnx", "none")
+  assert (mcfg.attention_impl, mcfg.dropout_mask, mcfg.remat) == ("xla", "nnx", "none")
   # Digests pinned before the fields were added (an export's fingerprint includes them).
   assert exports.arch_digest(M.ModelConfig(vocab_size=100)) == "fd658817eae06a32"
   assert exports.arch_digest(specs.model_config(default.get_config(), vocab_size=1000)) == "f6c81c19f239f5e2"
@@ -109,7 +109,10 @@ def test_defaults_leave_parameters_and_digests_unchanged():
     assert exports.arch_digest(M.ModelConfig(vocab_size=100, remat=policy)) == "fd658817eae06a32"
     assert (exports.arch_digest(M.ModelConfig(vocab_size=100, remat=policy, attention_impl="cudnn", dtype="bfloat16"))
             == exports.arch_digest(M.ModelConfig(vocab_size=100, dtype="bfloat16")))
-  assert exports.arch_digest(M.ModelConfig(vocab_size=100, attention_dropout_mask="hash")) == "fd658817eae06a32"
+  assert exports.arch_digest(M.ModelConfig(vocab_size=100, dropout_mask="hash")) == "fd658817eae06a32"
+  hashed = nnx.state(M.build_model(M.ModelConfig(vocab_size=100, dropout_mask="hash"), rngs=nnx.Rngs(params=0)),
+                     nnx.Param)
+  assert exports.params_digest(hashed) == exports.params_digest(plain)
   assert all(f"model.{k}".startswith(checkpoint.RESUMABLE_CHANGES) for k in exports.EXECUTION_FIELDS)
 
 
@@ -161,14 +164,14 @@ def test_cudnn_on_cpu_is_one_config_error():
 @pytest.mark.parametrize("field,value,match", [
     ("model.attention_impl", "flash", r"^model.attention_impl must be one of \('xla', 'cudnn', 'pallas'\)"),
     ("model.remat", "full", r"^model.remat must be one of \('none', 'block'"),
-    ("model.attention_dropout_mask", "philox", r"^model.attention_dropout_mask must be one of \('nnx', 'hash'\)"),
+    ("model.dropout_mask", "philox", r"^model.dropout_mask must be one of \('nnx', 'hash'\)"),
 ])
 def test_unknown_values_are_refused(field, value, match):
   with pytest.raises(ConfigError, match=match):
     validate_config(tiny(**{field: value}))
 
 
-@pytest.mark.parametrize("field,value", [("model.remat", "block"), ("model.attention_dropout_mask", "hash")])
+@pytest.mark.parametrize("field,value", [("model.remat", "block"), ("model.dropout_mask", "hash")])
 def test_srupp_refuses_the_options(field, value):
   c = tiny(**{"model.backbone": "srupp", "model.key_type": "final", field: value, "eval.context_window": 0})
   with pytest.raises(ConfigError, match=r"Transformer backbone only"):

@@ -9,9 +9,9 @@ sequence and layer, written and read several times forward and backward. These k
 
 The dropout mask is a function of (seed of the batch row and head, query position, key position): a counter-based
 hash (one round of the lowbias32 integer finaliser over the position's counter, keyed by the seed), so the
-backward pass recomputes exactly the mask of the forward pass, and `dropout_keep_mask` (plain jax) reproduces it:
-for the tests, and for XLA's path with `model.attention_dropout_mask="hash"`, which thereby draws the same masks
-as these kernels (the two implementations are interchangeable within a run). It keeps a probability with chance 1 - rate (to 2⁻²⁴) and scales it by 1 / (1 - rate), as
+backward pass recomputes exactly the mask of the forward pass, and `hash_keep_mask` (plain jax) reproduces it:
+for the tests, and for every dropout of a model with `model.dropout_mask="hash"` (layers.Dropout), whose XLA
+attention thereby draws the same masks as these kernels (the two implementations are interchangeable in a run). It keeps a probability with chance 1 - rate (to 2⁻²⁴) and scales it by 1 / (1 - rate), as
 nnx.Dropout does, but from another random stream than nnx.Dropout's (same distribution, other draws).
 
 Off GPUs the kernels run in Pallas's interpreter (`interpret=True`): exact and slow, for the tests only; the model
@@ -102,14 +102,25 @@ def _keep(seed, rows, cols, seq_len: int, rate: float):
 
 def dropout_keep_mask(seeds_BxH, seq_len: int, rate: float, num_keys: int | None = None):
   """[B, H, T, S] bool: the kernels' dropout mask in plain jax, T = seq_len queries by S = num_keys keys (default
-  T). XLA's path draws it with `model.attention_dropout_mask="hash"` (layers.attention), and the tests compare the
-  kernels with it. For T = S it is the kernels' mask; T · S must stay below 2³² (distinct counters)."""
+  T), for the tests' references. T · S must stay below 2³² (distinct counters)."""
   num_keys = seq_len if num_keys is None else num_keys
   if seq_len * num_keys > 2**32:
-    raise ValueError(f"the hash dropout mask needs queries x keys <= 2^32, got {seq_len} x {num_keys}")
+    raise ValueError(f"the hash dropout mask needs a last two dimensions of <= 2^32 elements, got {seq_len} x "
+                     f"{num_keys}")
   rows, cols = jnp.arange(seq_len, dtype=jnp.int32), jnp.arange(num_keys, dtype=jnp.int32)
-  per_head = lambda s: _keep(s, rows, cols, num_keys, rate)
-  return jax.vmap(jax.vmap(per_head))(seeds_BxH)
+  return _keep(jnp.asarray(seeds_BxH)[..., None, None], rows, cols, num_keys, rate)
+
+
+def hash_keep_mask(key, shape, rate: float):
+  """bool `shape`: the hash dropout mask of any array (`model.dropout_mask="hash"`, layers.Dropout): a seed per
+  index of the leading dimensions (drawn from `key`), a counter over the last two. For attention probabilities
+  [B, H, T, S] that is exactly the kernels' mask (a seed per batch row and head, the counter query · S + key), so
+  XLA's path and "pallas" drop the same probabilities; a 1-D array counts as one row."""
+  shape = tuple(shape)
+  if len(shape) < 2:
+    return hash_keep_mask(key, (1,) + shape, rate).reshape(shape)
+  seeds = lax.bitcast_convert_type(jax.random.bits(key, shape[:-2], jnp.uint32), jnp.int32)
+  return dropout_keep_mask(seeds, shape[-2], rate, num_keys=shape[-1])
 
 
 def head_seeds(key, batch: int, heads: int):

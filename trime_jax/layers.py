@@ -17,6 +17,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from flax import nnx
 
 from trime_jax import flash_attention
@@ -62,12 +63,34 @@ def sinusoidal_positions(length: int, dim: int):
 # only); "pallas" is our flash kernel with attention dropout inside it (flash_attention.py: NVIDIA GPUs), for the
 # training calls that have dropout, XLA's path for the others.
 ATTENTION_IMPLS = ("xla", "cudnn", "pallas")
-# How XLA's path draws the attention-dropout mask (`model.attention_dropout_mask`): "nnx" is nnx.Dropout's (jax's
-# random bits from the key: threefry by default), "hash" the flash kernels' counter-based hash of a per-(row, head)
-# seed (flash_attention.dropout_keep_mask): a few integer operations per element that XLA fuses into the softmax,
-# no random-bit generator, and the same masks as "pallas" draws. Both keep with chance 1 - rate and scale by
-# 1 / (1 - rate); they differ in which draws, not in distribution.
+# How dropout draws its masks (`model.dropout_mask`, layers.Dropout): "nnx" is nnx.Dropout's (jax's random bits
+# from the key: threefry by default), "hash" the flash kernels' counter hash (flash_attention.hash_keep_mask): a
+# few integer operations per element that XLA fuses into the neighbouring elementwise work, no random-bit
+# generator, and for attention probabilities the same masks as "pallas" draws. Both keep with chance 1 - rate and
+# scale by 1 / (1 - rate); they differ in which draws, not in distribution.
 DROPOUT_MASKS = ("nnx", "hash")
+
+
+class Dropout(nnx.Dropout):
+  """nnx.Dropout whose mask is drawn as `mask` says (DROPOUT_MASKS). The key comes from the same stream in the
+  same order either way (`dropout_key`), so the two differ in the masks only; no parameters, the tree is
+  nnx.Dropout's."""
+
+  def __init__(self, rate: float, *, mask: str = "nnx", rngs=None):
+    if mask not in DROPOUT_MASKS:
+      raise ValueError(f"dropout mask must be one of {DROPOUT_MASKS}, got {mask!r}")
+    super().__init__(rate, rngs=rngs)
+    self.mask = mask  # static
+
+  def __call__(self, inputs, *, deterministic: bool | None = None, rngs=None):
+    deterministic = self.deterministic if deterministic is None else deterministic
+    if self.mask == "nnx" or deterministic or not 0.0 < self.rate < 1.0:
+      return super().__call__(inputs, deterministic=deterministic, rngs=rngs)
+    key = dropout_key(self, rngs)
+    if key is None:
+      raise ValueError("layers.Dropout needs a random key: pass `rngs` or give the module `rngs`")
+    keep = flash_attention.hash_keep_mask(key, jnp.shape(inputs), self.rate)
+    return lax.select(keep, inputs / (1.0 - self.rate), jnp.zeros_like(inputs))  # as nnx.Dropout scales
 
 
 def dropout_key(dropout: nnx.Dropout, rngs):
@@ -81,7 +104,7 @@ def dropout_key(dropout: nnx.Dropout, rngs):
 
 
 def attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, dropout: nnx.Dropout, *, causal: bool = False, mask_BxTxS=None,
-              deterministic: bool, rngs, implementation: str = "xla", dropout_mask: str = "nnx"):
+              deterministic: bool, rngs, implementation: str = "xla"):
   """softmax(q·kᵀ/√K + mask)·v per head: [B, T, H, K]. `causal` (T = S; a query sees keys up to its own
   position) or `mask_BxTxS` (True: visible; a query whose keys are all masked averages them uniformly instead of
   NaN). Without dropout it is jax's fused `dot_product_attention`; attention-probability dropout needs the
@@ -90,12 +113,10 @@ def attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, dropout: nnx.Dropout, *, causal: 
   `implementation` (ATTENTION_IMPLS) picks the kernel of the causal path: "cudnn" without dropout only (cuDNN's
   kernel draws its dropout mask from its own generator with a compile-time seed, not our key), "pallas" with
   dropout only (its mask is a hash of a seed drawn from `rngs`, so another random stream than nnx.Dropout's); a
-  boolean mask stays on XLA's path. `dropout_mask` (DROPOUT_MASKS) picks how XLA's path draws its dropout mask;
-  "pallas" always draws the hash mask."""
+  boolean mask stays on XLA's path. XLA's path draws `dropout`'s own masks (layers.Dropout with mask "hash": the
+  ones "pallas" draws); "pallas" always draws the hash masks."""
   if implementation not in ATTENTION_IMPLS:
     raise ValueError(f"attention implementation must be one of {ATTENTION_IMPLS}, got {implementation!r}")
-  if dropout_mask not in DROPOUT_MASKS:
-    raise ValueError(f"attention dropout mask must be one of {DROPOUT_MASKS}, got {dropout_mask!r}")
   dropping = not deterministic and dropout.rate > 0.0
   if implementation == "pallas" and causal and dropping:
     return flash_attention.causal_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, rate=dropout.rate,
@@ -114,14 +135,7 @@ def attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, dropout: nnx.Dropout, *, causal: 
     logits = jnp.where(jnp.tril(jnp.ones((t, s), bool)), logits, -jnp.inf)
   else:
     logits = jnp.where(mask_BxTxS[:, None], logits, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v_BxSxHxK.dtype)
-  if dropout_mask == "hash":
-    b, h, t, s = probs.shape
-    seeds = flash_attention.head_seeds(dropout_key(dropout, rngs), b, h)
-    keep = flash_attention.dropout_keep_mask(seeds, t, dropout.rate, num_keys=s)
-    probs = jnp.where(keep, probs / (1.0 - dropout.rate), jnp.zeros_like(probs))  # as nnx.Dropout scales
-  else:
-    probs = dropout(probs, deterministic=False, rngs=rngs)
+  probs = dropout(jax.nn.softmax(logits, axis=-1).astype(v_BxSxHxK.dtype), deterministic=False, rngs=rngs)
   return jnp.einsum("bhts,bshd->bthd", probs, v_BxSxHxK)
 
 

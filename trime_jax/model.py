@@ -95,8 +95,8 @@ class ModelConfig:
   adaptive_tail_ignores_pad: bool = False
   # causal attention: xla | cudnn (flash kernel without dropout; GPU, bf16/fp16) | pallas (ours, with dropout; GPU)
   attention_impl: str = "xla"
-  # XLA's attention-dropout mask: nnx (nnx.Dropout's random bits) | hash (the pallas kernels' counter hash)
-  attention_dropout_mask: str = "nnx"
+  # how every dropout draws its mask: nnx (nnx.Dropout's random bits) | hash (the pallas kernels' counter hash)
+  dropout_mask: str = "nnx"
   remat: str = "none"  # per-block rematerialisation (REMAT_POLICIES): memory for recomputation, same numbers
 
   def __post_init__(self):
@@ -128,9 +128,8 @@ class ModelConfig:
       raise ValueError(f"model.adaptive_softmax_dropout must be in [0, 1), got {self.adaptive_softmax_dropout}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"model.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
-    if self.attention_dropout_mask not in DROPOUT_MASKS:
-      raise ValueError(f"model.attention_dropout_mask must be one of {DROPOUT_MASKS}, got "
-                       f"{self.attention_dropout_mask!r}")
+    if self.dropout_mask not in DROPOUT_MASKS:
+      raise ValueError(f"model.dropout_mask must be one of {DROPOUT_MASKS}, got {self.dropout_mask!r}")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"model.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
     problem = attention_impl_problem(self.attention_impl, self.dtype, self.d_model, self.num_heads)
@@ -198,9 +197,8 @@ class CausalSelfAttention(nnx.Module):
     self.dtype = jnp.dtype(cfg.dtype)
     self.qkv = layers.linear(d, 3 * d, self.dtype, rngs)  # fused q, k, v (fairseq imports split its rows)
     self.out = layers.linear(d, d, self.dtype, rngs)
-    self.attn_dropout = nnx.Dropout(cfg.attention_dropout)
-    self.attention_impl = cfg.attention_impl  # static attributes: not parameters, the tree is unchanged
-    self.attention_dropout_mask = cfg.attention_dropout_mask
+    self.attn_dropout = layers.Dropout(cfg.attention_dropout, mask=cfg.dropout_mask)
+    self.attention_impl = cfg.attention_impl  # a static attribute: not a parameter, the tree is unchanged
 
   def __call__(self, x_BxLxD, *, deterministic: bool, rngs):
     b, l, d = x_BxLxD.shape
@@ -208,7 +206,7 @@ class CausalSelfAttention(nnx.Module):
     qkv = self.qkv(x_BxLxD).reshape(b, l, 3, h, d // h)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, L, H, Dh]
     y = layers.attention(q, k, v, self.attn_dropout, causal=True, deterministic=deterministic, rngs=rngs,
-                         implementation=self.attention_impl, dropout_mask=self.attention_dropout_mask)
+                         implementation=self.attention_impl)
     return self.out(y.reshape(b, l, d))
 
   def decode(self, x_BxTxD, k_cache_BxCxHxDh, v_cache_BxCxHxDh, pos_BxT):
@@ -240,8 +238,8 @@ class Block(nnx.Module):
     dtype = jnp.dtype(cfg.dtype)
     self.fc1 = layers.linear(d, cfg.d_ff, dtype, rngs)  # the block's own fc1 / fc2 (fairseq's names), no sub-module
     self.fc2 = layers.linear(cfg.d_ff, d, dtype, rngs)
-    self.dropout = nnx.Dropout(cfg.dropout)
-    self.act_dropout = nnx.Dropout(cfg.activation_dropout)
+    self.dropout = layers.Dropout(cfg.dropout, mask=cfg.dropout_mask)
+    self.act_dropout = layers.Dropout(cfg.activation_dropout, mask=cfg.dropout_mask)
 
   def __call__(self, x, *, deterministic: bool, rngs):
     drop = dict(deterministic=deterministic, rngs=rngs)
@@ -314,7 +312,7 @@ class AdaptiveSoftmax(nnx.Module):
         [nnx.Param(xavier(rngs.params(), (dim, d)).T) for dim in dims])  # [D, dim_i], Linear(D, dim_i)ᵀ
     self.tail_out = None if tied else nnx.List(
         [nnx.Param(xavier(rngs.params(), (edges[i + 2] - edges[i + 1], dim))) for i, dim in enumerate(dims)])
-    self.dropout = nnx.Dropout(cfg.adaptive_softmax_dropout)
+    self.dropout = layers.Dropout(cfg.adaptive_softmax_dropout, mask=cfg.dropout_mask)
 
 
 class KVCache(NamedTuple):
@@ -340,7 +338,7 @@ class TransformerLM(nnx.Module):
     if cfg.positions == "learned":  # rows below the offset are never read (fairseq's padding rows)
       self.pos_embed = nnx.Embed(cfg.max_len + cfg.position_offset, d,
                                  embedding_init=layers.embedding_init(d), rngs=rngs)
-    self.embed_dropout = nnx.Dropout(cfg.dropout)
+    self.embed_dropout = layers.Dropout(cfg.dropout, mask=cfg.dropout_mask)
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     # No final LayerNorm at all (no parameters) when off, like fairseq's `layer_norm = None`.
     self.final_norm = layers.layer_norm(d, rngs) if cfg.final_norm else None

@@ -95,17 +95,17 @@ def _check_backbone(config) -> None:
 
 
 def check_speed_options(config) -> None:
-  """model.attention_impl / attention_dropout_mask / remat (issue 37): known values, a backbone and dtype they
+  """model.attention_impl / dropout_mask / remat (issue 37): known values, a backbone and dtype they
   apply to, and (cudnn, pallas) a backend that has the kernel, so that a wrong choice is one line here, not an XLA
   traceback at compile time."""
   m = config.model
   impl, remat = m.get("attention_impl", "xla"), m.get("remat", "none")
-  mask = m.get("attention_dropout_mask", "nnx")
+  mask = m.get("dropout_mask", "nnx")
   _choice(impl, model_lib.ATTENTION_IMPLS, "model.attention_impl")
-  _choice(mask, model_lib.DROPOUT_MASKS, "model.attention_dropout_mask")
+  _choice(mask, model_lib.DROPOUT_MASKS, "model.dropout_mask")
   _choice(remat, model_lib.REMAT_POLICIES, "model.remat")
   if m.get("backbone", "transformer") != "transformer" and (impl, mask, remat) != ("xla", "nnx", "none"):
-    raise ConfigError(f"model.attention_impl={impl!r} / model.attention_dropout_mask={mask!r} / model.remat="
+    raise ConfigError(f"model.attention_impl={impl!r} / model.dropout_mask={mask!r} / model.remat="
                       f"{remat!r} apply to the Transformer backbone only: model.backbone={m.backbone!r} needs "
                       "'xla' / 'nnx' / 'none'")
   problem = model_lib.attention_impl_problem(impl, m.dtype, m.d_model, m.num_heads)
