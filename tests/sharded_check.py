@@ -274,10 +274,16 @@ def check_train(workdir):
           "8dev_gather": {"train.num_devices": 8, "trime.sharded_variant": "gather"},
           "8dev_ring": {"train.num_devices": 8, "trime.sharded_variant": "ring"},
           "8dev_local_only": {"train.num_devices": 8, "trime.memory_grad": "local_only"}}
+  # Every dropout on, hash masks (model.dropout_mask): a seed per leading index and a counter per position, so the
+  # masks do not depend on how the batch is split over devices.
+  hashed = {"model.dropout": 0.1, "model.attention_dropout": 0.1, "model.activation_dropout": 0.1,
+            "model.dropout_mask": "hash"}
+  runs["1dev_dropout_hash"] = {"train.num_devices": 1, **hashed}
+  runs["8dev_dropout_hash"] = {"train.num_devices": 8, "trime.sharded_variant": "ring", **hashed}
   out = {}
   for name, overrides in runs.items():
     run_dir = os.path.join(workdir, name)
-    train_and_evaluate(tiny_config(corpus, **common, **overrides), run_dir)
+    train_and_evaluate(tiny_config(corpus, **{**common, **overrides}), run_dir)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
       lines = [json.loads(line) for line in f if line.strip()]
     out[name] = [x for x in lines if "loss" in x]  # training lines (not the dev evaluation)

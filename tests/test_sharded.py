@@ -177,7 +177,8 @@ def test_parameter_gradients_through_the_model_match(checks):
 
 def test_training_on_8_devices_matches_1_device_step_for_step(checks):
   """`train_and_evaluate` (ext memory, drop-local draws, 2 micro-batches) on 8 devices: the metrics of every
-  step match the 1-device run for gather and ring; local_only (the original's gradients) does not."""
+  step match the 1-device run for gather and ring, and with every dropout on through hash masks; local_only (the
+  original's gradients) does not."""
   result = checks("train")
   assert result["devices"] == 8
   runs = result["runs"]
@@ -188,6 +189,14 @@ def test_training_on_8_devices_matches_1_device_step_for_step(checks):
     for a, b in zip(base, runs[name]):
       for key in ("loss", "ce_nll", "trime_nll", "grad_norm"):
         assert b[key] == pytest.approx(a[key], rel=2e-5), (name, key, a, b)
+  # Every dropout on with hash masks: 8 devices draw the 1-device run's masks (the same losses step for step),
+  # and the masks acted (not the dropout-free losses).
+  hashed, hashed8 = runs["1dev_dropout_hash"], runs["8dev_dropout_hash"]
+  assert [m["step"] for m in hashed8] == [1, 2, 3]
+  for a, b in zip(hashed, hashed8):
+    for key in ("loss", "ce_nll", "trime_nll", "grad_norm"):
+      assert b[key] == pytest.approx(a[key], rel=2e-5), ("8dev_dropout_hash", key, a, b)
+  assert abs(hashed[0]["loss"] - base[0]["loss"]) > 1e-4 * base[0]["loss"]
   # Same first loss (same parameters), different gradients: proof the sharded loss is what is trained.
   lo = runs["8dev_local_only"]
   assert lo[0]["loss"] == pytest.approx(base[0]["loss"], rel=2e-5)
