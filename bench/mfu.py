@@ -25,8 +25,9 @@ Model FLOPs per trained token (forward + backward = 3 × forward; a multiply-add
   6 · N_mm                      N_mm: parameters used in matmuls per token: per layer 4·D² (q, k, v, out) +
                                 2·D·F (FFN); adaptive input: Σ_i dim_i·D (every band's projection runs for
                                 every token here); output layer: full softmax V·D, adaptive softmax
-                                (c_1 + k)·D head + Σ_i (D·dim_i + V_i·dim_i) tails (every tail runs for every
-                                token here). Embedding lookups, biases, LayerNorms, softmaxes: not counted.
+                                (c_1 + k)·D head + r · Σ_i (D·dim_i + V_i·dim_i) tails (every tail runs for
+                                every token, r = 1, unless model.adaptive_tail_rows = r < 1: then a tail runs for
+                                r of the rows). Embedding lookups, biases, LayerNorms, softmaxes: not counted.
   + 12 · n_layers · D · ctx     causal attention: QKᵀ and AV, 2·D each per visible key, ×3; ctx = (L+1)/2 keys
                                 seen on average (masked-out keys are not counted, though XLA computes them)
   + 6 · D · M                   TRIME only: the memory similarities g·g_j (2·D forward, 4·D backward: dq, dk)
@@ -57,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bench.common import zipf_tokens
 from trime_jax import data, steps
 from trime_jax import model as model_lib
 from trime_jax import train as train_lib
@@ -90,7 +92,7 @@ PEAKS_TFLOPS = (
 FORMULA = ("model FLOPs/token = 6·N_mm + 12·n_layers·D·(L+1)/2 [causal attention] + 6·D·M [TRIME memory "
            "similarities; M: local (L-1)/2, long (m-1)·L/2+(L-1)/2, ext (B-1)·L+(1-p)·(L-1)/2]; N_mm = "
            "n_layers·(4·D²+2·D·F) + adaptive-input projections Σ dim_i·D + output layer (V·D, or adaptive head "
-           "(c_1+k)·D + tails Σ D·dim_i+V_i·dim_i)")
+           "(c_1+k)·D + r·tails Σ D·dim_i+V_i·dim_i, r = model.adaptive_tail_rows)")
 
 
 def peak_tflops(device_kind: str, dtype: str, override: float = 0.0):
@@ -116,7 +118,8 @@ def matmul_params(mcfg) -> dict:
     k = len(edges) - 2
     tails = sum(model_lib.band_dim(d, mcfg.adaptive_softmax_factor, i + 1) * (d + edges[i + 2] - edges[i + 1])
                 for i in range(k))
-    parts["softmax"] = (edges[1] + k) * d + tails
+    # model.adaptive_tail_rows = r < 1: a tail runs for ceil(r · rows) rows (its own, gathered), not every row
+    parts["softmax"] = (edges[1] + k) * d + tails * min(1.0, getattr(mcfg, "adaptive_tail_rows", 1.0))
   else:
     parts["softmax"] = mcfg.vocab_size * d
   return parts
@@ -326,7 +329,7 @@ def _device_peak():
 
 def random_batch(config, a: int, b: int, l: int, seed: int = 0) -> dict:
   rng = np.random.default_rng(seed)
-  tokens = rng.integers(0, config.model.vocab_size, (a, b, l + 1), dtype=np.int32)
+  tokens = zipf_tokens(rng, config.model.vocab_size, (a, b, l + 1))  # text-like band shares (bench.common)
   t = config.trime
   drop = rng.random((a, b)) < t.drop_local_prob if t.memory == "ext" else np.zeros((a, b), bool)
   batch = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "drop_local": drop}

@@ -63,6 +63,9 @@ def get_config():
   m.remat = "none"  # per-block rematerialisation, memory traded for recompute, same numbers: none | block (keep
   #   each block's input only) | dots_saveable (keep matmul outputs) | dots_with_no_batch_dims_saveable (keep the
   #   projections' and FFN's matmul outputs, recompute attention)
+  m.adaptive_tail_rows = 1.0  # adaptive softmax, same numbers: 1.0 computes every tail for every row (static
+  #   shapes); r < 1 computes tail i only for the rows whose targets are in it, as the original does, up to
+  #   ceil(r x rows) of a micro-batch (a batch with more takes the every-row path). One device for now
   # SRU++ only (backbone=srupp; num_layers, d_model, dropout, attention_dropout, dtype are shared; keys are
   # always the final projection's input, key_type="final"):
   m.srupp_attn_dim = 0  # d': attention size (0 = d_model / 4, the paper's ratio)

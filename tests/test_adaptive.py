@@ -439,3 +439,77 @@ def test_train_export_and_reload_an_adaptive_model(tmp_path):
   stats, _ = steps.forward(model, tokens[:, :-1], tokens[:, 1:], vocab_chunk=50)
   dense = L.vocab_stats(model(tokens[:, :-1])[0], tokens[:, 1:])
   np.testing.assert_allclose(np.asarray(stats.target_logit), np.asarray(dense.target_logit), rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("variant", ["tied_proj", "tied_3_clusters", "untied", "softmax_only"])
+@pytest.mark.parametrize("rows", [0.05, 0.7])
+@pytest.mark.parametrize("vocab_chunk", [0, 7])
+def test_tail_rows_only_give_the_same_numbers_and_gradients(variant, rows, vocab_chunk):
+  """model.adaptive_tail_rows < 1 (the original's way: a tail for the rows whose targets are in it): the same
+  norm_t, target terms (the model's and the criterion's) and gradients in every parameter and feature as every
+  row's tails, through both branches: 0.05 (capacity 2 of 36 rows, fewer than any tail has: every row) and 0.7
+  (capacity 26: the tail rows gathered), padding included."""
+  rng = np.random.default_rng(4)
+  t = rng.integers(0, V, (2, 18))
+  t[1, -3:] = -1
+  f = jnp.asarray(_features(rng, 36, scale=2.0).reshape(2, 18, 16))
+  cap = int(np.ceil(rows * t.size))
+  band = sum((t >= c).astype(int) for c in VARIANTS[variant]["adaptive_cutoffs"])
+  counts = [int((band == i + 1).sum()) for i in range(len(VARIANTS[variant]["adaptive_cutoffs"]))]
+  assert all(c > cap for c in counts) if rows < 0.1 else all(0 < c <= cap for c in counts), (counts, cap)
+
+  def value_and_grads(tail_rows):
+    graphdef, params = nnx.split(_model(variant, seed=5, adaptive_tail_rows=tail_rows), nnx.Param)
+
+    def objective(p, f):
+      stats, crit = nnx.merge(graphdef, p).vocab_stats(f, jnp.asarray(t), vocab_chunk=vocab_chunk,
+                                                       criterion="both")
+      w = jnp.arange(t.size, dtype=jnp.float32).reshape(t.shape) / t.size  # every row weighed differently
+      return jnp.sum(w * (stats.target_logit - stats.log_normalizer + 0.5 * crit)), (stats, crit)
+
+    (value, aux), grads = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(params, f)
+    return value, aux, grads
+
+  want, (want_stats, want_crit), want_grads = value_and_grads(1.0)
+  got, (got_stats, got_crit), got_grads = value_and_grads(rows)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  for a, b in [(got_stats.log_normalizer, want_stats.log_normalizer), (got_stats.target_logit,
+                                                                       want_stats.target_logit), (got_crit, want_crit)]:
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  leaves = jax.tree_util.tree_leaves_with_path(got_grads)
+  assert [p for p, _ in leaves] == [p for p, _ in jax.tree_util.tree_leaves_with_path(want_grads)]
+  for (path, g), w in zip(leaves, jax.tree_util.tree_leaves(want_grads)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_tail_rows_only_with_dropout_draw_the_same_keys():
+  """In training the tails' dropout keys are drawn before the branch, from the same stream positions as the
+  every-row path draws them (the gathered rows' masks are other draws of the same distribution)."""
+  rng = np.random.default_rng(7)
+  t = jnp.asarray(rng.integers(0, V, (1, 20)))
+  f = _features(rng, 20).reshape(1, 20, 16)
+  counts = []
+  for rows in (1.0, 0.8):
+    stream = nnx.Rngs(dropout=3)
+    model = _model("tied_3_clusters", seed=6, adaptive_softmax_dropout=0.5, adaptive_tail_rows=rows)
+    out = model.vocab_stats(f, t, deterministic=False, rngs=stream)
+    assert np.isfinite(np.asarray(out.target_logit)).all()
+    counts.append(int(stream.dropout.count[...]))
+  assert counts[0] == counts[1] == 4  # the input's dropout and one per tail
+
+
+def test_tail_rows_config_checks(monkeypatch):
+  from trime_jax.errors import ConfigError
+  from trime_jax.train_config import validate_config
+  from tests.test_speed_options import tiny
+
+  with pytest.raises(ValueError, match=r"model.adaptive_tail_rows must be in \(0, 1\], got 0.0"):
+    _cfg(adaptive_tail_rows=0.0)
+  with pytest.raises(ConfigError, match=r"applies to the Transformer's adaptive softmax only"):
+    validate_config(tiny(**{"model.adaptive_tail_rows": 0.5}))
+  adaptive = {"model.adaptive_input": True, "model.adaptive_softmax": True, "model.adaptive_cutoffs": (16, 32),
+              "model.adaptive_tail_rows": 0.5}
+  validate_config(tiny(**adaptive))
+  monkeypatch.setattr(jax, "device_count", lambda: 8)
+  with pytest.raises(ConfigError, match=r"^model.adaptive_tail_rows < 1 runs on one device for now \(8 here"):
+    validate_config(tiny(**adaptive))

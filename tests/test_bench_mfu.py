@@ -122,6 +122,21 @@ def test_formula_by_hand():
   assert f["total"] == 6 * n_mm + f["attention"] + 6 * 8 * 11
 
 
+def test_formula_adaptive_by_hand():
+  """N_mm of an adaptive model written out (D = 16, cutoffs 10 / 30 of V = 50, factor 2: tails of 8 and 4
+  dimensions), every tail for every row, then for a quarter of the rows (model.adaptive_tail_rows)."""
+  from trime_jax.model import ModelConfig
+
+  kw = dict(vocab_size=50, num_layers=1, d_model=16, num_heads=2, d_ff=32, adaptive_input=True,
+            adaptive_softmax=True, adaptive_cutoffs=(10, 30), adaptive_input_factor=2.0,
+            adaptive_softmax_factor=2.0)
+  layers, proj, head = 4 * 256 + 2 * 16 * 32, (16 + 8 + 4) * 16, (10 + 2) * 16
+  tails = 8 * (16 + 20) + 4 * (16 + 20)
+  assert mfu.matmul_params(ModelConfig(**kw)) == {"layers": layers, "adaptive_input_proj": proj,
+                                                  "softmax": head + tails}
+  assert mfu.matmul_params(ModelConfig(**kw, adaptive_tail_rows=0.25))["softmax"] == head + tails / 4
+
+
 def test_peak_table():
   assert mfu.peak_tflops("NVIDIA H100 80GB HBM3", "bfloat16")[0] == 989.4
   assert mfu.peak_tflops("NVIDIA H100 PCIe", "bfloat16")[0] == 756.0

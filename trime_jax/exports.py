@@ -183,7 +183,7 @@ LATER_FIELDS = {"adaptive_tail_ignores_pad": False}
 # ModelConfig fields that say how the model is computed on a device, not what it computes (issue 37's speed
 # options): never part of the digest, changeable when a run resumes, and an export loads with them at these
 # defaults (a model trained with cuDNN attention or remat evaluates anywhere, e.g. on a CPU).
-EXECUTION_FIELDS = {"attention_impl": "xla", "dropout_mask": "nnx", "remat": "none"}
+EXECUTION_FIELDS = {"attention_impl": "xla", "dropout_mask": "nnx", "remat": "none", "adaptive_tail_rows": 1.0}
 
 
 def arch_digest(mcfg) -> str:

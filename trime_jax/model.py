@@ -40,6 +40,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from trime_jax import flash_attention
 from trime_jax import layers
@@ -98,6 +99,9 @@ class ModelConfig:
   # how every dropout draws its mask: nnx (nnx.Dropout's random bits) | hash (the pallas kernels' counter hash)
   dropout_mask: str = "nnx"
   remat: str = "none"  # per-block rematerialisation (REMAT_POLICIES): memory for recomputation, same numbers
+  # Adaptive softmax, the target terms of tail i: 1.0 computes the tail for every row (static shapes); r < 1 for
+  # the rows whose targets are in tail i only, up to ceil(r · rows) of them (more in a batch: every row). Exact.
+  adaptive_tail_rows: float = 1.0
 
   def __post_init__(self):
     # JSON round trips (exported config.json) turn tuples into lists; the config must stay hashable.
@@ -132,6 +136,8 @@ class ModelConfig:
       raise ValueError(f"model.dropout_mask must be one of {DROPOUT_MASKS}, got {self.dropout_mask!r}")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"model.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+    if not 0.0 < self.adaptive_tail_rows <= 1.0:
+      raise ValueError(f"model.adaptive_tail_rows must be in (0, 1], got {self.adaptive_tail_rows}")
     problem = attention_impl_problem(self.attention_impl, self.dtype, self.d_model, self.num_heads)
     if problem:
       raise ValueError(problem)
@@ -442,6 +448,39 @@ class TransformerLM(nnx.Module):
     h = jnp.einsum("nd,de->ne", f_NxD, proj, preferred_element_type=jnp.float32).astype(f_NxD.dtype)
     return self.adaptive_softmax.dropout(h, **drop), out
 
+  def _tail_term(self, f_NxD, t_N, in_tail_N, i, stats, deterministic, rngs):
+    """[N] log p(target | tail i) for the rows whose targets are in tail i (in_tail), 0 elsewhere.
+
+    model.adaptive_tail_rows = 1: tail i for every row (static shapes; tails are D/factor^i wide). r < 1: as the
+    original computes it, for the tail's rows only: the first C = ceil(r · N) of them gathered (jnp.nonzero with a
+    static size), their terms scattered back; a batch with more than C tail rows takes the every-row branch
+    (lax.cond), so the value is the same either way. The tail's dropout key is drawn before the branch (the same
+    key, the same stream position as the every-row path draws it); the gathered rows' masks differ from the
+    every-row path's (other positions), with the same distribution."""
+    n = t_N.shape[0]
+    rate = self.adaptive_softmax.dropout.rate
+    key = None if deterministic or rate == 0.0 else layers.dropout_key(self.adaptive_softmax.dropout, rngs)
+    drop = dict(deterministic=key is None, rngs=key)
+
+    def every_row(_):
+      h, out = self._tail_hidden(f_NxD, i, drop)
+      tail = stats(h, out, t_N)
+      return jnp.where(in_tail_N, tail.target_logit - tail.log_normalizer, 0.0)
+
+    cap = math.ceil(self.cfg.adaptive_tail_rows * n)
+    if cap >= n:
+      return every_row(None)
+
+    def tail_rows_only(_):
+      rows = jnp.nonzero(in_tail_N, size=cap, fill_value=0)[0]  # [C]: the tail's rows, then row 0 as filler
+      real = jnp.arange(cap) < jnp.sum(in_tail_N)
+      h, out = self._tail_hidden(f_NxD[rows], i, drop)
+      tail = stats(h, out, t_N[rows])
+      term = jnp.where(real, tail.target_logit - tail.log_normalizer, 0.0)
+      return jnp.zeros((n,), term.dtype).at[rows].add(term)  # a filler adds 0 to row 0
+
+    return lax.cond(jnp.sum(in_tail_N) <= cap, tail_rows_only, every_row, None)
+
   def _band(self, targets):
     """Band index of each target (0: shortlist, i: tail cluster i - 1); padding (< 0) counts as band 0."""
     return sum((targets >= c).astype(jnp.int32) for c in self.cfg.adaptive_cutoffs)
@@ -504,9 +543,8 @@ class TransformerLM(nnx.Module):
     target = trime_target = head.target_logit
     for i in range(len(cfg.adaptive_cutoffs)):
       lo, hi = cfg.band_edges[i + 1], cfg.band_edges[i + 2]
-      h, out = self._tail_hidden(f, i, drop)
-      tail = stats(h, out, jnp.clip(t - lo, 0, hi - lo - 1))
-      term = jnp.where(band == i + 1, tail.target_logit - tail.log_normalizer, 0.0)
+      term = self._tail_term(f, t, band == i + 1, i, lambda h, out, t_tail: stats(h, out, jnp.clip(
+          t_tail - lo, 0, hi - lo - 1)), deterministic, rngs)
       target = target + term
       # fairseq's padding_idx is 1: F.cross_entropy(..., ignore_index=1) drops the tail word at relative index 1
       trime_target = trime_target + jnp.where(t - lo == FAIRSEQ_PADDING_IDX, 0.0, term)

@@ -124,6 +124,16 @@ def check_speed_options(config) -> None:
   if impl == "pallas" and flash_attention.unavailable():
     raise ConfigError(f"model.attention_impl='pallas': {flash_attention.unavailable()}: use model.attention_impl="
                       "'xla' (or a jax that has it)")
+  tail_rows = m.get("adaptive_tail_rows", 1.0)
+  if not 0.0 < tail_rows <= 1.0:
+    raise ConfigError(f"model.adaptive_tail_rows must be in (0, 1], got {tail_rows}")
+  if tail_rows < 1.0 and not (m.get("backbone", "transformer") == "transformer" and m.get("adaptive_softmax")):
+    raise ConfigError(f"model.adaptive_tail_rows={tail_rows} applies to the Transformer's adaptive softmax only "
+                      "(model.adaptive_softmax is off): leave it at 1.0")
+  if tail_rows < 1.0 and jax.device_count() > 1:
+    # jnp.nonzero over rows sharded across a mesh is a global operation: the gather would cross devices.
+    raise ConfigError(f"model.adaptive_tail_rows < 1 runs on one device for now ({jax.device_count()} here): "
+                      "leave it at 1.0")
   if impl == "pallas" and jax.device_count() > 1:
     # A Pallas call has no partitioning rule: XLA would gather every row's q, k, v onto each device.
     raise ConfigError(f"model.attention_impl='pallas' runs on one device for now ({jax.device_count()} here: its "
