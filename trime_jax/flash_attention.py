@@ -11,8 +11,9 @@ The dropout mask is a function of (seed of the batch row and head, query positio
 hash (one round of the lowbias32 integer finaliser over the position's counter, keyed by the seed), so the
 backward pass recomputes exactly the mask of the forward pass, and `hash_keep_mask` (plain jax) reproduces it:
 for the tests, and for every dropout of a model with `model.dropout_mask="hash"` (layers.Dropout), whose XLA
-attention thereby draws the same masks as these kernels (the two implementations are interchangeable in a run). It keeps a probability with chance 1 - rate (to 2⁻²⁴) and scales it by 1 / (1 - rate), as
-nnx.Dropout does, but from another random stream than nnx.Dropout's (same distribution, other draws).
+attention thereby draws the same masks as these kernels (the two implementations are interchangeable in a run).
+It keeps a probability with chance 1 - rate (to 2⁻²⁴) and scales it by 1 / (1 - rate), as nnx.Dropout does, but
+from another random stream than nnx.Dropout's (same distribution, other draws).
 
 Off GPUs the kernels run in Pallas's interpreter (`interpret=True`): exact and slow, for the tests only; the model
 refuses "pallas" on other backends (model.check_attention_backend).
@@ -105,8 +106,8 @@ def dropout_keep_mask(seeds_BxH, seq_len: int, rate: float, num_keys: int | None
   T), for the tests' references. T · S must stay below 2³² (distinct counters)."""
   num_keys = seq_len if num_keys is None else num_keys
   if seq_len * num_keys > 2**32:
-    raise ValueError(f"the hash dropout mask needs a last two dimensions of <= 2^32 elements, got {seq_len} x "
-                     f"{num_keys}")
+    raise ValueError(f"the hash dropout mask needs at most 2^32 elements in its last two dimensions, got "
+                     f"{seq_len} x {num_keys}")
   rows, cols = jnp.arange(seq_len, dtype=jnp.int32), jnp.arange(num_keys, dtype=jnp.int32)
   return _keep(jnp.asarray(seeds_BxH)[..., None, None], rows, cols, num_keys, rate)
 
@@ -119,13 +120,12 @@ def hash_keep_mask(key, shape, rate: float):
   shape = tuple(shape)
   if len(shape) < 2:
     return hash_keep_mask(key, (1,) + shape, rate).reshape(shape)
-  seeds = lax.bitcast_convert_type(jax.random.bits(key, shape[:-2], jnp.uint32), jnp.int32)
-  return dropout_keep_mask(seeds, shape[-2], rate, num_keys=shape[-1])
+  return dropout_keep_mask(head_seeds(key, *shape[:-2]), shape[-2], rate, num_keys=shape[-1])
 
 
-def head_seeds(key, batch: int, heads: int):
-  """[B, H] int32: an independent seed per batch row and head, from a jax random key."""
-  return lax.bitcast_convert_type(jax.random.bits(key, (batch, heads), jnp.uint32), jnp.int32)
+def head_seeds(key, *lead: int):
+  """int32 `lead` ([B, H] for the kernels): an independent seed per index, from a jax random key."""
+  return lax.bitcast_convert_type(jax.random.bits(key, lead, jnp.uint32), jnp.int32)
 
 
 def shape_problem(seq_len: int, head_dim: int) -> str | None:
