@@ -358,6 +358,28 @@ def run_main(main):
   app.run(wrapped, flags_parser=functools.partial(_parse_flags, module=main.__module__))
 
 
+def train_in_workdir(train_and_evaluate, config, workdir: str | None, example: str) -> None:
+  """The training CLIs' common end (train, train_mt): `train_and_evaluate(config, workdir)` with the exit codes
+  their docstrings promise: a missing --workdir is one `error:` line (exit 2; `example` is shown as the fix),
+  a preemption exits with PREEMPTED_EXIT_CODE (143) after its checkpoint, Ctrl-C with 130 naming what is on disk
+  to resume from."""
+  from trime_jax.errors import ConfigError
+  from trime_jax.runtime.preemption import PREEMPTED_EXIT_CODE, Preempted
+  from trime_jax.runtime.workdir import on_disk
+
+  if not workdir:
+    raise ConfigError("--workdir is required: the run directory for checkpoints, metrics.jsonl and export/ "
+                      f"(e.g. --workdir={example}); rerunning with the same --workdir resumes")
+  try:
+    train_and_evaluate(config, workdir)  # lines on stdout from process 0, above a progress bar
+  except Preempted as e:
+    print(e, file=sys.stderr, flush=True)
+    sys.exit(PREEMPTED_EXIT_CODE)
+  except KeyboardInterrupt:
+    print(f"interrupted: {on_disk(workdir)}", file=sys.stderr, flush=True)
+    sys.exit(130)
+
+
 def validated(config):
   """`config` after train.validate_config (enums and ranges, eval's included): the evaluation CLIs check a config
   up front like training does, before loading a checkpoint or compiling anything."""

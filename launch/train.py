@@ -15,12 +15,10 @@ any) is on disk to resume from.
 compiled plan of one train step at the configured batch) and exits without training.
 """
 
-import sys
-
 from absl import flags
 from ml_collections import config_flags
 
-from trime_jax.launch.common import run_main
+from trime_jax.launch.common import run_main, train_in_workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics.jsonl, export/); required "
@@ -31,29 +29,13 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv):
   del argv
-  from trime_jax.runtime.preemption import PREEMPTED_EXIT_CODE, Preempted
   from trime_jax.train import format_memory_plan, memory_plan, train_and_evaluate
 
   config = _CONFIG.value
   if _DRY_RUN.value:
     print(format_memory_plan(memory_plan(config)), flush=True)
     return
-  workdir = _WORKDIR.value
-  if not workdir:
-    from trime_jax.errors import ConfigError
-
-    raise ConfigError("--workdir is required: the run directory for checkpoints, metrics.jsonl and export/ "
-                      "(e.g. --workdir=runs/mini); rerunning with the same --workdir resumes")
-  try:
-    train_and_evaluate(config, workdir)
-  except Preempted as e:
-    print(e, file=sys.stderr, flush=True)
-    sys.exit(PREEMPTED_EXIT_CODE)
-  except KeyboardInterrupt:
-    from trime_jax.runtime.workdir import on_disk
-
-    print(f"interrupted: {on_disk(workdir)}", file=sys.stderr, flush=True)
-    sys.exit(130)
+  train_in_workdir(train_and_evaluate, config, _WORKDIR.value, example="runs/mini")
 
 
 if __name__ == "__main__":

@@ -12,12 +12,10 @@ with train.keep_best, the lowest-valid-perplexity parameters to <workdir>/best. 
 Ctrl-C exits with status 130 saying which checkpoint (if any) is on disk to resume from.
 """
 
-import sys
-
 from absl import flags
 from ml_collections import config_flags
 
-from trime_jax.launch.common import run_main
+from trime_jax.launch.common import run_main, train_in_workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/ui_de_en.py, configs/iwslt_de_en.py).",
                                           lock_config=True)
@@ -27,23 +25,9 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv):
   del argv
-  from trime_jax.errors import ConfigError
   from trime_jax.mt.train import train_and_evaluate
-  from trime_jax.runtime.preemption import PREEMPTED_EXIT_CODE, Preempted
-  from trime_jax.runtime.workdir import on_disk
 
-  workdir = _WORKDIR.value
-  if not workdir:
-    raise ConfigError("--workdir is required: the run directory for checkpoints, metrics.jsonl and export/ "
-                      "(e.g. --workdir=runs/ui_vanilla); rerunning with the same --workdir resumes")
-  try:
-    train_and_evaluate(_CONFIG.value, workdir)  # lines on stdout from process 0, above a progress bar
-  except Preempted as e:
-    print(e, file=sys.stderr, flush=True)
-    sys.exit(PREEMPTED_EXIT_CODE)
-  except KeyboardInterrupt:
-    print(f"interrupted: {on_disk(workdir)}", file=sys.stderr, flush=True)
-    sys.exit(130)
+  train_in_workdir(train_and_evaluate, _CONFIG.value, _WORKDIR.value, example="runs/ui_vanilla")
 
 
 if __name__ == "__main__":
