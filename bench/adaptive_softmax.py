@@ -31,6 +31,8 @@ VARIANTS = {  # name -> (model overrides, vocab_chunk)
     "adaptive, chunks of ≤ 16,384": (ADAPTIVE, 16_384),
     "adaptive, dense head and tails": (ADAPTIVE, 0),
     "adaptive, dense, tails for their rows only (r = 0.25)": (dict(ADAPTIVE, adaptive_tail_rows=0.25), 0),
+    "adaptive, chunks of ≤ 16,384, tails for their rows only (r = 0.25)": (dict(ADAPTIVE, adaptive_tail_rows=0.25),
+                                                                           16_384),
 }
 
 

@@ -498,6 +498,34 @@ def test_tail_rows_only_with_dropout_draw_the_same_keys():
   assert counts[0] == counts[1] == 4  # the input's dropout and one per tail
 
 
+@pytest.mark.parametrize("vocab_chunk", [0, 2400])
+def test_tail_rows_only_shrink_the_memory_plan(vocab_chunk):
+  """XLA's plan of a gradient with r = 0.25 holds about a quarter of the tails' logits: a static plan must fit
+  whichever lax.cond branch runs, so the every-row fallback computes its tails in chunks of r · (vocab_chunk or
+  V_i) words. Without that, the fallback's [N, V_i] logits (and its residuals, zero-filled when the gathered
+  branch runs) made the plan larger than r = 1's. Targets are an argument, so the branch is not decided at
+  compile time."""
+  n, v = 1024, 6000
+
+  def temp_bytes(rows):
+    model = M.TransformerLM(M.ModelConfig(vocab_size=v, num_layers=1, d_model=32, num_heads=2, d_ff=32, max_len=n,
+                                          dropout=0.0, adaptive_input=True, adaptive_softmax=True,
+                                          adaptive_cutoffs=(200, 1000), adaptive_input_factor=1.0,
+                                          adaptive_softmax_factor=1.0, adaptive_tail_rows=rows), rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def objective(p, f, t):
+      stats = nnx.merge(graphdef, p).vocab_stats(f, t, vocab_chunk=vocab_chunk)
+      return jnp.sum(stats.target_logit - stats.log_normalizer)
+
+    args = (params, jax.ShapeDtypeStruct((1, n, 32), jnp.float32), jax.ShapeDtypeStruct((1, n), jnp.int32))
+    compiled = jax.jit(jax.grad(objective, argnums=(0, 1))).lower(*args).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  every_row, quarter = temp_bytes(1.0), temp_bytes(0.25)
+  assert quarter < every_row / 2, (quarter, every_row)
+
+
 def test_tail_rows_config_checks(monkeypatch):
   from trime_jax.errors import ConfigError
   from trime_jax.train_config import validate_config

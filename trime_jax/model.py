@@ -448,7 +448,7 @@ class TransformerLM(nnx.Module):
     h = jnp.einsum("nd,de->ne", f_NxD, proj, preferred_element_type=jnp.float32).astype(f_NxD.dtype)
     return self.adaptive_softmax.dropout(h, **drop), out
 
-  def _tail_term(self, f_NxD, t_N, in_tail_N, i, stats, deterministic, rngs):
+  def _tail_term(self, f_NxD, t_N, in_tail_N, i, stats, vocab_chunk, deterministic, rngs):
     """[N] log p(target | tail i) for the rows whose targets are in tail i (in_tail), 0 elsewhere.
 
     model.adaptive_tail_rows = 1: tail i for every row (static shapes; tails are D/factor^i wide). r < 1: as the
@@ -456,30 +456,37 @@ class TransformerLM(nnx.Module):
     static size), their terms scattered back; a batch with more than C tail rows takes the every-row branch
     (lax.cond), so the value is the same either way. The tail's dropout key is drawn before the branch (the same
     key, the same stream position as the every-row path draws it); the gathered rows' masks differ from the
-    every-row path's (other positions), with the same distribution."""
+    every-row path's (other positions), with the same distribution.
+
+    `stats(h, out, t_N, chunk)`: the tail's VocabStats over vocabulary chunks of `chunk` words (0: one matmul).
+    A static memory plan must hold whichever branch may run, so the every-row branch takes chunks of
+    ~r · (vocab_chunk or V_i) words: [N, r · chunk] blocks, the size of the gathered branch's [C, chunk], instead of
+    [N, V_i] logits that would cancel the option's memory saving (tests/test_adaptive.py measures the plan)."""
     n = t_N.shape[0]
     rate = self.adaptive_softmax.dropout.rate
     key = None if deterministic or rate == 0.0 else layers.dropout_key(self.adaptive_softmax.dropout, rngs)
     drop = dict(deterministic=key is None, rngs=key)
 
-    def every_row(_):
+    def every_row(chunk):
       h, out = self._tail_hidden(f_NxD, i, drop)
-      tail = stats(h, out, t_N)
+      tail = stats(h, out, t_N, chunk)
       return jnp.where(in_tail_N, tail.target_logit - tail.log_normalizer, 0.0)
 
     cap = math.ceil(self.cfg.adaptive_tail_rows * n)
     if cap >= n:
-      return every_row(None)
+      return every_row(vocab_chunk)
 
     def tail_rows_only(_):
       rows = jnp.nonzero(in_tail_N, size=cap, fill_value=0)[0]  # [C]: the tail's rows, then row 0 as filler
       real = jnp.arange(cap) < jnp.sum(in_tail_N)
       h, out = self._tail_hidden(f_NxD[rows], i, drop)
-      tail = stats(h, out, t_N[rows])
+      tail = stats(h, out, t_N[rows], vocab_chunk)
       term = jnp.where(real, tail.target_logit - tail.log_normalizer, 0.0)
       return jnp.zeros((n,), term.dtype).at[rows].add(term)  # a filler adds 0 to row 0
 
-    return lax.cond(jnp.sum(in_tail_N) <= cap, tail_rows_only, every_row, None)
+    v_i = self.cfg.band_edges[i + 2] - self.cfg.band_edges[i + 1]
+    bounded_chunk = max(1, (vocab_chunk or v_i) * cap // n)
+    return lax.cond(jnp.sum(in_tail_N) <= cap, tail_rows_only, lambda _: every_row(bounded_chunk), None)
 
   def _band(self, targets):
     """Band index of each target (0: shortlist, i: tail cluster i - 1); padding (< 0) counts as band 0."""
@@ -527,10 +534,10 @@ class TransformerLM(nnx.Module):
         st = scoring.vocab_stats(self.logits(f_BxLxD), targets_BxL)
       return st, st.target_logit
 
-    def stats(hidden, weight, t):
-      if vocab_chunk:  # equal chunks of at most vocab_chunk: a 20,002-row head is not padded to 32,768
+    def stats(hidden, weight, t, chunk=vocab_chunk):
+      if chunk:  # equal chunks of at most `chunk`: a 20,002-row head is not padded to 32,768
         v = weight.shape[0]
-        return scoring.chunked_vocab_stats(hidden, weight, t, chunk=-(-v // -(-v // vocab_chunk)))
+        return scoring.chunked_vocab_stats(hidden, weight, t, chunk=-(-v // -(-v // chunk)))
       return scoring.vocab_stats(jnp.einsum("nd,vd->nv", hidden, weight, preferred_element_type=jnp.float32), t)
 
     cfg, lead = self.cfg, targets_BxL.shape
@@ -543,8 +550,8 @@ class TransformerLM(nnx.Module):
     target = trime_target = head.target_logit
     for i in range(len(cfg.adaptive_cutoffs)):
       lo, hi = cfg.band_edges[i + 1], cfg.band_edges[i + 2]
-      term = self._tail_term(f, t, band == i + 1, i, lambda h, out, t_tail: stats(h, out, jnp.clip(
-          t_tail - lo, 0, hi - lo - 1)), deterministic, rngs)
+      term = self._tail_term(f, t, band == i + 1, i, lambda h, out, t_tail, chunk, lo=lo, hi=hi: stats(
+          h, out, jnp.clip(t_tail - lo, 0, hi - lo - 1), chunk), vocab_chunk, deterministic, rngs)
       target = target + term
       # fairseq's padding_idx is 1: F.cross_entropy(..., ignore_index=1) drops the tail word at relative index 1
       trime_target = trime_target + jnp.where(t - lo == FAIRSEQ_PADDING_IDX, 0.0, term)
