@@ -88,6 +88,9 @@ declare -A LEVER_ARGS=(
   # the whole [rows, V_i] logits of one micro-batch (3,072 x 207,735 x 4 B = 2.5 GB): no chunks, or larger ones.
   [vocab_chunk_0]="--set train.vocab_chunk=0"
   [vocab_chunk_64k]="--set train.vocab_chunk=65536"
+  # Both: a quarter of the rows through each tail in one matmul ([768, 207,735] logits at 3,072 rows, 0.6 GB);
+  # the every-row fallback keeps to blocks of that size (model._tail_term), so the plan stays small.
+  [tail_rows_025_vocab_chunk_0]="--set model.adaptive_tail_rows=0.25 --set train.vocab_chunk=0"
   # Not in the default list (two changes at once, wiki103_247m's tokens per update): remat's room for larger
   # micro-batches, 24 rows × 1 instead of 8 rows × 3.
   [remat_block_accum1]="--set model.remat=block --set train.batch_size=24 --set train.grad_accum=1"
@@ -102,7 +105,7 @@ declare -A LEVER_XLA=(
   [xla_latency_hiding]="--xla_gpu_enable_latency_hiding_scheduler=true"  # overlap scheduling (mostly collectives)
 )
 # In priority order: when the budget runs out, the last ones are skipped (and say so).
-LEVERS=${LEVERS:-"baseline pallas_attn dropout_hash tail_rows_025 pallas_dropout_hash vocab_chunk_0 pallas_attn_small_tiles cudnn_attn_dropout0 attn_dropout0 vocab_chunk_64k remat_block remat_dots_no_batch xla_no_triton_gemm remat_dots xla_latency_hiding"}
+LEVERS=${LEVERS:-"baseline pallas_attn dropout_hash tail_rows_025 pallas_dropout_hash vocab_chunk_0 tail_rows_025_vocab_chunk_0 pallas_attn_small_tiles cudnn_attn_dropout0 attn_dropout0 vocab_chunk_64k remat_block remat_dots_no_batch xla_no_triton_gemm remat_dots xla_latency_hiding"}
 
 levers() {
   # Budget: LEVER_BUDGET seconds of runs in all (default 420: the 10-minute slot less machine start, setup and
