@@ -84,7 +84,7 @@ def get_config():
   t.consecutive_segments = 1  # m: consecutive segments per run in a batch (memory=long)
   t.consecutive_layout = "stream"  # stream (original: runs of the concatenated stream, memory crosses
   #   documents, read in order) | packed (same unpadded runs, a token's memory is its own document only)
-  t.drop_local_prob = 0.9  # p: chance a batch drops local memory (memory=ext), drawn per batch from the seed
+  t.drop_local_prob = 0.9  # p: chance a segment's local memory is dropped (memory=ext); one draw per segment and update
   t.tau = 1.0  # τ on memory similarities g·g_j/√D during training
   t.stop_gradient_memory = False  # ablation "w/o back-prop to memory": no gradient into memory keys
   t.ce_warmup_steps = -1  # updates trained with plain CE first; -1: 5% of train.num_steps (the paper)
