@@ -20,7 +20,7 @@
 # Issue 38 (12,000-update models; experiments/docs_wt_long_plan.md has the arithmetic and the job lists):
 #   there: STEPS=12000 bash experiments/docs_wt_device.sh train "vanilla:0 ext:0"
 #            # the same, each job `STEPS=12000 SEED=s experiments/docs_wt.sh train NAME` (runs/docs_wt_12k[_sS],
-#            # the schedule docs_wt.sh derives from STEPS), CHUNK 530 s by default (call it with timeout_s=600);
+#            # the schedule docs_wt.sh derives from STEPS), CHUNK: until 530 s after the call began (timeout_s=600);
 #            # the returned tar is xz-compressed (PACK=xz, the default unless STEPS=1200) and also holds
 #            # device_jobs.txt's per-job rates; a job that has not finished sends back its logs only (its
 #            # checkpoint, 60.3 MiB with Adam's moments, can travel in neither direction: every model must finish
@@ -35,6 +35,7 @@
 # So: one call per ~2–3 models, or train and evaluate there. `exact` beside `train` in one call works (setup runs
 # once), but its evaluation over 17.8M keys did not finish within 270 s.
 set -euo pipefail
+T_START=$(date +%s)  # the call's start: the 12,000-update chunk is measured from here (setup included)
 cd "$(dirname "$0")/.."
 
 setup() {  # there: packages, the faiss stand-in and the corpus cache; once per machine (a warm machine keeps /tmp)
@@ -78,8 +79,11 @@ corpora.load_splits(docs_wt.get_config().data)"  # encodes the corpus once (as a
     STEPS=${STEPS:-1200}
     if [ "$STEPS" = 1200 ]; then CHUNK=${CHUNK:-420}; CKPT="--config.train.checkpoint_every=400"; PACK=${PACK:-tar}
     else  # checkpoints cannot leave the machine (60 MiB each): few saves (SIGTERM at the chunk's end saves anyway)
-      CHUNK=${CHUNK:-530}; CKPT=""; PACK=${PACK:-xz}; export CKPT_EVERY=${CKPT_EVERY:-4000}; fi
+      CKPT=""; PACK=${PACK:-xz}; export CKPT_EVERY=${CKPT_EVERY:-4000}; fi
     setup
+    # 12,000 updates: the chunk ends 530 s after the call began, whatever setup took, leaving ~60 s of a 600-s call
+    # for the SIGTERM checkpoint, the exports and their xz
+    if [ "$STEPS" != 1200 ]; then CHUNK=${CHUNK:-$(( 530 - ($(date +%s) - T_START) ))}; fi
     T0=$(date +%s)
     echo "$(date -u +%FT%TZ) STEPS=$STEPS CHUNK=$CHUNK jobs: $JOBS" | tee -a runs/device_jobs.txt
     PIDS=""
@@ -112,7 +116,8 @@ PYEOF
           LAST="$LAST eval=$EV"
         fi
         echo "$JOB rc=$RC wall_s=$(( $(date +%s) - START )) exported=$E $LAST" \
-          | tee -a runs/device_jobs.txt ) &
+          | tee -a runs/device_jobs.txt
+        if [ -n "${OUT:-}" ]; then cp runs/device_jobs.txt "$OUT"/; fi ) &  # each job's line, should the call be cut
       PIDS="$PIDS $!"
     done
     wait $PIDS || true
@@ -144,8 +149,9 @@ PYEOF
     setup   # (STEPS=12000: runs/docs_wt_12k/NAME/export, carried)
     D=$(STEPS=${STEPS:-1200} SEED=0 bash experiments/docs_wt.sh dir)
     for NAME in $2; do
-      ( STEPS=${STEPS:-1200} PYBIN=$PYBIN bash experiments/docs_wt.sh exact $NAME > $D/$NAME/exact.log 2>&1 \
-          && RC=0 || RC=$?
+      # the whole process group stopped at EXACT_LIMIT s, so the copies below run inside a 600-s call
+      ( STEPS=${STEPS:-1200} PYBIN=$PYBIN timeout -k 10 ${EXACT_LIMIT:-540} bash experiments/docs_wt.sh exact $NAME \
+          > $D/$NAME/exact.log 2>&1 && RC=0 || RC=$?
         echo "$NAME rc=$RC" ) &
     done
     wait
@@ -163,9 +169,10 @@ PYEOF
     D=$(STEPS=${STEPS:-1200} SEED=0 bash experiments/docs_wt.sh dir)
     if [ -d "$FAISS_SITE/faiss" ]; then M="ivfpq_cpu"; [ "$FAISS_GPU_READY" = 1 ] && M="$M ivfpq_gpu"; M="$M exact"
     else M="exact"; export EXT3_INDEX=none; fi
-    # limits that fit a 600-s call: the key pass ~70 s on the H200 (2026-11-27) + the index; each search mode
-    MODES=${MODES:-$M} STEPS=${STEPS:-1200} PYBIN=$PYBIN BUILD_S=${BUILD_S:-300} EVAL_S=${EVAL_S:-150} \
-      bash experiments/docs_wt.sh ext3 "$2" || true
+    # limits that fit a 600-s call: the key pass ~70 s on the H200 (2026-11-27) + the index (BUILD_S), each search
+    # mode EVAL_S (250 + 3 x 90 s), and the whole at EXT3_LIMIT s, so that the copies below always run
+    MODES=${MODES:-$M} STEPS=${STEPS:-1200} PYBIN=$PYBIN BUILD_S=${BUILD_S:-250} EVAL_S=${EVAL_S:-90} \
+      timeout -k 10 ${EXT3_LIMIT:-540} bash experiments/docs_wt.sh ext3 "$2" || true
     for f in ext3.md ext3_runs.txt ext3_ivfpq_cpu.json ext3_ivfpq_gpu.json ext3_exact.json; do
       cp "$D/$2/$f" "$OUT"/ 2>/dev/null || true
     done

@@ -3,12 +3,16 @@
 # prepare_faiss` for why it is carried this way). Unpacks .gpu_faiss/faiss_gpu_cu12_site.tar.xz into $FAISS_SITE
 # once per machine (a warm machine keeps /tmp, so a later call that does not carry .gpu_faiss still finds it),
 # builds experiments/cublas12_shim.c, finds the machine's cuBLAS 13, and exports PYTHONPATH / LD_LIBRARY_PATH.
-# Sets FAISS_GPU_READY=1 when faiss imports and sees a GPU, else 0 with the reason in FAISS_GPU_WHY.
+# Sets FAISS_GPU_READY=1 when faiss imports and sees a GPU, else 0 with the reason in FAISS_GPU_WHY. Sourced
+# under `set -e`: every step that can fail is tested, so a failure here leaves the CPU FAISS and exact runs to go on.
 FAISS_SITE=${FAISS_SITE:-/tmp/faiss_gpu_site}
 FAISS_SHIM=${FAISS_SHIM:-/tmp/cublas12_shim}
 FAISS_GPU_READY=0 FAISS_GPU_WHY=""
 if [ ! -d "$FAISS_SITE/faiss" ] && [ -f .gpu_faiss/faiss_gpu_cu12_site.tar.xz ]; then
-  mkdir -p "$FAISS_SITE" && tar -C "$FAISS_SITE" -xJf .gpu_faiss/faiss_gpu_cu12_site.tar.xz
+  mkdir -p "$FAISS_SITE"
+  if ! tar -C "$FAISS_SITE" -xJf .gpu_faiss/faiss_gpu_cu12_site.tar.xz; then
+    rm -rf "$FAISS_SITE/faiss"  # a broken unpack counts as none (below)
+  fi
 fi
 if [ ! -d "$FAISS_SITE/faiss" ]; then
   FAISS_GPU_WHY="no GPU FAISS on this machine: carry .gpu_faiss (experiments/gpu_speed.sh prepare_faiss), or call right after a call that did"
@@ -16,9 +20,13 @@ elif ! command -v gcc > /dev/null; then
   FAISS_GPU_WHY="no C compiler (gcc) to build experiments/cublas12_shim.c"
 else
   mkdir -p "$FAISS_SHIM"
-  gcc -O2 -shared -fPIC -Wl,-soname,libcublas.so.12 -Wl,--version-script=experiments/cublas12_shim.map \
-    -o "$FAISS_SHIM/libcublas.so.12" experiments/cublas12_shim.c -ldl
-  gcc -O2 -shared -fPIC -Wl,-soname,libcublasLt.so.12 -o "$FAISS_SHIM/libcublasLt.so.12" -x c /dev/null  # NEEDED only
+  if ! gcc -O2 -shared -fPIC -Wl,-soname,libcublas.so.12 -Wl,--version-script=experiments/cublas12_shim.map \
+         -o "$FAISS_SHIM/libcublas.so.12" experiments/cublas12_shim.c -ldl \
+     || ! gcc -O2 -shared -fPIC -Wl,-soname,libcublasLt.so.12 -o "$FAISS_SHIM/libcublasLt.so.12" -x c /dev/null; then
+    FAISS_GPU_WHY="experiments/cublas12_shim.c did not build (gcc's messages above)"  # libcublasLt: NEEDED only
+  fi
+fi
+if [ -d "$FAISS_SITE/faiss" ] && [ -z "$FAISS_GPU_WHY" ]; then
   # The machine's cuBLAS 13: a pip package's (nvidia/.../lib, as jax-cuda13 and torch cu130 bring it) or CUDA's own
   CUBLAS13=$(${PYBIN:-python3} - <<'PY'
 import glob, os, site, sys
@@ -28,7 +36,7 @@ hits = [h for r in roots if os.path.isdir(os.path.join(r, "nvidia"))
 hits += glob.glob("/usr/local/cuda*/lib64/libcublas.so.13*") + glob.glob("/usr/local/cuda*/targets/*/lib/libcublas.so.13*")
 print(min(hits, key=len) if hits else "")
 PY
-)
+) || CUBLAS13=""
   export CUBLAS_SHIM_TARGET=$CUBLAS13  # empty: the loader's search path
   export _FAISS_WHEEL_DISABLE_CUDA_PRELOAD=1  # the wheel would look for nvidia-cublas-cu12's files
   export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX would otherwise take 75% of the GPU before FAISS asks

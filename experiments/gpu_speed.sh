@@ -6,19 +6,21 @@
 #   here:  bash experiments/gpu_speed.sh prepare
 #            # .gpu/whl (git-ignored): the pinned pure-Python packages the bare machine lacks (flax, optax,
 #            # orbax-checkpoint, ml_collections; its own jax runs them), as experiments/docs_wt_device.sh
-#   there: bash experiments/gpu_speed.sh run        (device tool: carry [".gpu"], timeout_s ≈ 560)
-#            # $OUT/mfu_<config>.json and .log per config, $OUT/summary.txt (the tables), $OUT/env.txt
-#   there: bash experiments/gpu_speed.sh levers     (device tool: carry [".gpu"], timeout_s ≈ 560)
+#   there: bash experiments/gpu_speed.sh run        (device tool: carry [".gpu/whl"], timeout_s ≈ 560)
+#            # $OUT/summary.txt (the tables), $OUT/env.txt, $OUT/raw.tgz (mfu_<config>.json and .log per config)
+#   there: bash experiments/gpu_speed.sh levers     (device tool: carry [".gpu/whl"], timeout_s ≈ 560)
 #            # the speed levers of issue 37, each alone against the baseline, for wiki103_247m (CONFIGS=...
-#            # to change): $OUT/levers_<config>_<lever>.json and .log, $OUT/levers_summary.md (the comparison)
-#   there: bash experiments/gpu_speed.sh eval       (device tool: carry [".gpu"], timeout_s ≈ 560)
+#            # to change): $OUT/levers_summary.md (the comparison), levers.txt, raw.tgz (each run's .json, .log)
+#   there: bash experiments/gpu_speed.sh eval       (device tool: carry [".gpu/whl"], timeout_s ≈ 560)
 #            # bench.eval_speed per config: evaluation tokens/s (local; long-term at the paper's store size) and
-#            # the datastore key pass: $OUT/eval_<config>.json and .log, $OUT/eval_summary.txt
+#            # the datastore key pass: $OUT/eval_summary.txt, $OUT/raw.tgz (eval_<config>.json and .log)
 #   there: bash experiments/gpu_speed.sh faiss      (device tool: carry [".gpu/whl", ".gpu_faiss"], timeout_s ≈ 560)
 #            # GPU FAISS vs CPU FAISS vs exact on-device search at docs-wt's sizes (prepare_faiss here first)
 #   here, to check the script's logic without a GPU:
 #          TINY=1 OUT=/tmp/gpu_speed bash experiments/gpu_speed.sh run      (or levers)
 #            # the same loop with --tiny shapes and this checkout's .venv
+# $OUT receives at most five files (the device tool returns eight): the summaries, and every run's files in
+# raw.tgz, re-packed after each run (experiments/device_out.sh; `tar -xzf raw.tgz` unpacks them).
 #
 # Budget: the slot is 10 minutes of device time, machine start and transfers included; the loop below gives each
 # config its own wall-clock limit (BUDGETS, seconds; 440 s in all), after which that config's process is killed
@@ -27,6 +29,8 @@
 # largest per-device batch (each size compiles again: give it a slot of its own, with fewer configs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source experiments/device_out.sh
+DEVICE_OUT_FILES="env.txt summary.txt levers_summary.md levers.txt eval_summary.txt faiss.log"
 
 LEVER_CONFIGS=${CONFIGS:-wiki103_247m}  # levers: one config unless CONFIGS says otherwise
 CONFIGS=${CONFIGS:-"wiki103_247m wiki103_150m wiki103_7m enwik8_38m docs_wt"}
@@ -146,6 +150,7 @@ levers() {
       local wall=$(( $(date +%s) - s ))
       echo "$C $L rc=$rc wall_s=$wall limit_s=$limit" | tee -a "$OUT/levers.txt"
       printf '%s\t%s\t%s\t%s\t%s\n' "$C" "$L" "$rc" "$wall" "$limit" >> "$OUT/levers_runs.tsv"
+      device_out_sync
       if [ "$L" = baseline ] || [ -z "$need" ]; then  # a failed first run predicts nothing: LEVER_LIMIT then
         local w=$wall
         if [ "$rc" != 0 ]; then w=${LEVER_LIMIT:-120}; fi
@@ -193,11 +198,12 @@ print("\nvs baseline: baseline step time ÷ this lever's (> 1: faster). Levers a
 PY
 }
 
-begin_there() {  # the packages, $OUT and the environment record
+begin_there() {  # the packages, $OUT (a scratch folder from here on; device_out.sh) and the environment record
   setup
-  OUT=${OUT:-/tmp/gpu_speed_out}
-  mkdir -p "$OUT"
+  device_out_begin /tmp/gpu_speed_out
+  trap device_out_sync EXIT
   record_env
+  device_out_sync
 }
 
 # One benchmark process per config (one that fails, or runs out of memory or time, leaves the others alone, and
@@ -214,6 +220,7 @@ per_config() {
       > "$OUT/${prefix}_$C.log" 2>&1 && RC=0 || RC=$?
     echo "$C rc=$RC wall_s=$(( $(date +%s) - S )) budget_s=$B" | tee -a "$OUT/$summary"
     grep '^|' "$OUT/${prefix}_$C.log" >> "$OUT/$summary" || tail -5 "$OUT/${prefix}_$C.log" >> "$OUT/$summary"
+    device_out_sync
   done
   echo "all configs: $(( $(date +%s) - T0 )) s" | tee -a "$OUT/$summary"
   cat "$OUT/$summary"
@@ -240,7 +247,7 @@ case "${1:-}" in
     # (built there) forwards FAISS's eight cuBLAS calls to the machine's cuBLAS 13. Both wheels unpacked into one
     # folder (pip install --target's layout, CUDA's headers and static libraries left out) and xz-compressed:
     # 23 MB, against 48 MB as a wheel, so that the tracked tree (~18 MB) + .gpu/whl + this pass the device
-    # tool's 64 MiB. Kept out of .gpu/: the other scripts carry [".gpu"] (36 MB).
+    # tool's 64 MiB. Kept out of .gpu/: the other scripts carry .gpu/whl (and .gpu/cache, .gpu/orig).
     T=$(mktemp -d)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux2014_x86_64 -d "$T/whl" faiss-gpu-cu12==1.14.1.post1 nvidia-cuda-runtime-cu12==12.9.79
@@ -264,7 +271,7 @@ case "${1:-}" in
       --sizes="${SIZES:-1048576,4194304,17825792}" --dim=128 --queries=1024 --k=1024 --nprobe=32 --devices=1 \
       --repeats=3 ${FAISS_GPU_FLAG-$([ "$FAISS_GPU_READY" = 1 ] && echo --faiss_gpu)} 2>&1 | tee "$OUT/faiss.log"
     ;;
-  eval)  # there (carry [".gpu"] or [".gpu/whl"]): bench.eval_speed at the paper configs' evaluation shapes:
+  eval)  # there (carry [".gpu/whl"]): bench.eval_speed at the paper configs' evaluation shapes:
     # launch.eval's tokens/s with local memory and with the long-term store of the paper's size, and the datastore
     # key pass, on a randomly initialised model and a synthetic corpus (the cost depends on the shapes only). One
     # process per config, EVAL_BUDGET seconds each (default 100; 247M: 160).

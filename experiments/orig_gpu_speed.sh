@@ -17,10 +17,14 @@
 #                                   specials), so every model has the paper's shapes and the adaptive softmax sees
 #                                   real word frequencies (the original computes a tail only for the targets in it)
 #          (and experiments/gpu_speed.sh prepare: .gpu/whl, the packages bench.mfu needs there)
-#   there: bash experiments/orig_gpu_speed.sh run     (device tool: carry [".gpu"], timeout_s ≈ 560)
+#   there: bash experiments/orig_gpu_speed.sh run     (device tool: carry [".gpu/whl", ".gpu/orig"], timeout_s ≈ 560)
 #            $OUT/orig_env.txt          python, torch, CUDA, compiler: why the original can or cannot run
-#            $OUT/orig_<model>_<crit>.log   each original run's log; $OUT/ours_<model>.json / .log: bench.mfu
+#            $OUT/orig_runs.txt         one line per run (rc, wall time)
 #            $OUT/orig_vs_ours.md       the table: tokens/s of each, and ours ÷ original
+#            $OUT/raw.tgz               every file: each original run's log orig_<model>_<crit>.log, bench.mfu's
+#                                       ours_<model>.json / .log (re-packed after each run: experiments/device_out.sh)
+#          One deadline for the whole command (DEADLINE s from its start, default 530): the original's runs end
+#          OURS_BUDGET (default 200) s before it, ours at it, so the table is written inside a 560-s call.
 #   here, the logic without a GPU (the oracle's CPU venv, tiny models, no --fp16):
 #          TINY=1 OUT=/tmp/orig_speed bash experiments/orig_gpu_speed.sh run
 #
@@ -43,8 +47,11 @@
 # np.float64 / np.int64 in their place (the dtypes the aliases meant), in the source copy only. Nothing else of
 # the original is changed.
 set -euo pipefail
+T_START=$(date +%s)
 cd "$(dirname "$0")/.."
 REPO=$PWD
+source experiments/device_out.sh
+DEVICE_OUT_FILES="orig_env.txt orig_unavailable.txt orig_runs.txt orig_vs_ours.md"
 ORIG=${ORIG:-/work/orig/TRIME}
 ORIG_VENV_PY=${ORIG_VENV_PY:-$(dirname "$ORIG")/venv/bin/python}
 TRAIN_LINES=${TRAIN_LINES:-200000}  # ~3.3M tokens of docs-wt train: more than 40 updates of any model read
@@ -184,16 +191,17 @@ ours_args() {  # model -> bench.mfu arguments at the original's per-GPU shape
 }
 
 run_there() {
-  OUT=${OUT:-/tmp/orig_speed_out}
-  mkdir -p "$OUT"
+  device_out_begin /tmp/orig_speed_out
+  trap device_out_sync EXIT
   local ok=1
   setup_there || ok=0
-  local budget=${ORIG_BUDGET:-300} t0 m c
-  t0=$(date +%s)
+  device_out_sync
+  local deadline=$(( T_START + ${DEADLINE:-530} )) ours_budget=${OURS_BUDGET:-200} m c
+  local orig_end=$(( deadline - ours_budget ))  # the original's runs stop here, whatever setup took
   if [ "$ok" = 1 ]; then
     for m in $MODELS; do
       for c in $CRITERIA; do
-        local left=$(( budget - ($(date +%s) - t0) ))
+        local left=$(( orig_end - $(date +%s) ))
         if [ "$left" -lt 30 ]; then echo "orig $m $c skipped: budget" | tee -a "$OUT/orig_runs.txt"; continue; fi
         local s rc
         s=$(date +%s)
@@ -201,12 +209,11 @@ run_there() {
         (cd "$WORK" && timeout --foreground -k 10 "$left" $PYBIN train.py $(orig_flags "$m" "$c")) \
           > "$OUT/orig_${m}_${c}.log" 2>&1 && rc=0 || rc=$?
         echo "orig $m $c rc=$rc wall_s=$(( $(date +%s) - s ))" | tee -a "$OUT/orig_runs.txt"
+        device_out_sync
       done
     done
   fi
-  # Ours at the same shapes (the machine's jax; experiments/gpu_speed.sh's packages).
-  local ours_budget=${OURS_BUDGET:-200} t1
-  t1=$(date +%s)
+  # Ours at the same shapes (the machine's jax; experiments/gpu_speed.sh's packages), until the deadline.
   if [ -z "${TINY:-}" ] && [ "${OURS:-1}" = 1 ]; then
     export PYTHONPATH=/tmp/site:/tmp/stub:$REPO
     if ! python3 -c "import flax, optax, orbax.checkpoint, ml_collections" 2>/dev/null; then
@@ -219,7 +226,7 @@ run_there() {
   if [ -n "${TINY:-}" ]; then ours_py=.venv/bin/python; tinyflag="--tiny"; fi
   if [ "${OURS:-1}" = 0 ]; then ours_models=""; fi  # OURS=0: the original only
   for m in $ours_models; do
-    local left=$(( ours_budget - ($(date +%s) - t1) ))
+    local left=$(( deadline - $(date +%s) ))
     if [ "$left" -lt 30 ]; then echo "ours $m skipped: budget" | tee -a "$OUT/orig_runs.txt"; continue; fi
     local rc
     # shellcheck disable=SC2046
@@ -227,13 +234,15 @@ run_there() {
       --set trime.memory=local --steps=${OURS_STEPS:-5} --warmup=2 --pipeline_steps=0 --out="$OUT/ours_$m.json" \
       > "$OUT/ours_$m.log" 2>&1 && rc=0 || rc=$?
     echo "ours $m rc=$rc" | tee -a "$OUT/orig_runs.txt"
+    device_out_sync
   done
   $ours_py experiments/orig_gpu_speed_table.py "$OUT" | tee "$OUT/orig_vs_ours.md"
+  device_out_sync
 }
 
 case "${1:-}" in
   prepare) prepare ;;
   run) run_there ;;
-  *) echo "usage: $0 prepare | run   (env: TINY=1, OUT=dir, MODELS=\"247m 150m 7m\", CRITERIA=..., UPDATES=n, OURS=0)" >&2
+  *) echo "usage: $0 prepare | run   (env: TINY=1, OUT=dir, MODELS=\"247m 150m 7m\", CRITERIA=..., UPDATES=n, OURS=0, DEADLINE=s, OURS_BUDGET=s)" >&2
      exit 2 ;;
 esac
