@@ -63,6 +63,24 @@ def err(a, b):
   return float(np.abs(a[f] - b[f]).max()) if f.any() else 0.0
 
 
+class _RecordedDatastore:
+  """A `Datastore` stand-in over arrays that records the rows of every key read."""
+
+  def __init__(self, keys, values):
+    self.count, self.dimension, self.key_reads = len(values), keys.shape[1], []
+    self.values = values
+    outer = self
+
+    class Keys:
+      shape, dtype = keys.shape, keys.dtype
+
+      def __getitem__(self, sl):
+        outer.key_reads.append(len(range(*sl.indices(len(keys)))))
+        return keys[sl]
+
+    self.keys = Keys()
+
+
 def check():
   jax.config.update("jax_enable_x64", True)
   mesh = sharding.make_mesh(N_DEV)
@@ -102,6 +120,16 @@ def check():
     # The on-device datastore: full distribution (generation) and the evaluation's log-sum-exp terms.
     store = exact_memory.from_arrays(k, t, mesh)
     case["store_rows"] = int(store.keys.shape[0])
+    # The datastore loader: each device's rows streamed from the file in chunks (here of 2 rows), placed as
+    # from_arrays places them, and no read larger than a chunk.
+    recorded = _RecordedDatastore(k, t)
+    loaded = exact_memory.load_datastore(recorded, mesh, chunk_bytes=2 * d * 8)
+    case["load_same_placement"] = bool(loaded.keys.sharding.is_equivalent_to(store.keys.sharding, 2)
+                                       and loaded.targets.sharding.is_equivalent_to(store.targets.sharding, 1))
+    case["load_equal"] = bool(np.array_equal(np.asarray(loaded.keys), np.asarray(store.keys))
+                              and np.array_equal(np.asarray(loaded.targets), np.asarray(store.targets))
+                              and loaded.count == store.count)
+    case["load_largest_key_read"] = max(recorded.key_reads)
     case["exact_external_log_probs"] = err(exact_memory.exact_external_log_probs(logits, q, store, tau=tau),
                                            ref_log_probs(logits, q, k, t, np.ones((n, m), bool), tau))
     y = rng.integers(0, v, n)

@@ -120,7 +120,7 @@ def test_sharded_distribution_equals_float64_reference_on_8_devices(eight_device
   """float64, 8 devices: memory of 21 (padded to 24), 5 (three devices hold padding only) and 40 entries with
   whole shards invisible (by mask, by padding targets) and similarities in the hundreds; chunked and not; with
   and without a mask; a query with no visible memory; gradients; the on-device datastore's full distribution
-  and the evaluation's log-sum-exp terms (an empty positive sum included)."""
+  and the evaluation's log-sum-exp terms (an empty positive sum included); the datastore loader's placement."""
   r = eight_devices()
   assert r["devices"] == 8
   assert (r["m21"]["store_rows"], r["m5"]["store_rows"], r["m40"]["store_rows"]) == (24, 8, 40)
@@ -130,6 +130,9 @@ def test_sharded_distribution_equals_float64_reference_on_8_devices(eight_device
     for name in ("chunk0", "chunk2", "vs_memory_log_probs", "no_mask", "exact_external_log_probs", "grad",
                  "no_memory_row_is_softmax", "sums_to_one"):
       assert c[name] <= 1e-12, (m, name, c)
+    # The loader streams: a device's rows (3, 1, 5) come in reads of at most the 2-row chunk.
+    assert c["load_same_placement"] and c["load_equal"], (m, c)
+    assert c["load_largest_key_read"] == (1 if m == "m5" else 2), (m, c)
     for name in ("log_terms_chunk0", "log_terms_chunk3"):  # values up to ~|4 · sim| of several hundred
       assert c[name] <= 1e-11, (m, name, c)
 

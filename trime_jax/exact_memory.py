@@ -20,6 +20,7 @@ combined with one `pmax` and one `psum`); this module owns the datastore on the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -33,6 +34,8 @@ from trime_jax.errors import CheckpointError, ConfigError
 
 # Share of a device's memory the datastore may take (the rest: the model, activations, similarity blocks).
 MAX_MEMORY_SHARE = 0.8
+# Host memory a datastore load holds at once: one chunk of one device's rows, read from the memmap.
+LOAD_CHUNK_BYTES = 256 * 2**20
 
 
 def device_bytes(count: int, dimension: int, devices: int, key_bytes: int = 2) -> int:
@@ -83,10 +86,12 @@ class DeviceDatastore:
     return out
 
 
-def load_datastore(ds: Datastore | str, mesh=None, *, axis: str = sharding.DATA, dtype=None) -> DeviceDatastore:
-  """Put a datastore on the devices of `mesh` (default: all devices), each device reading only its own rows
-  from the memory-mapped file. Raises ConfigError when the keys would not fit (devices that report their
-  memory: GPUs, TPUs)."""
+def load_datastore(ds: Datastore | str, mesh=None, *, axis: str = sharding.DATA, dtype=None,
+                   chunk_bytes: int = LOAD_CHUNK_BYTES) -> DeviceDatastore:
+  """Put a datastore on the devices of `mesh` (default: all devices), each device's rows read from the
+  memory-mapped file in chunks of at most `chunk_bytes` of host memory (a 100M-key float16 datastore of
+  1,024 dimensions is 211 GB: neither it nor one device's share is ever a host array). Raises ConfigError
+  when the keys would not fit (devices that report their memory: GPUs, TPUs)."""
   ds = Datastore(ds) if isinstance(ds, str) else ds
   mesh = mesh if mesh is not None else sharding.make_mesh(0)
   n = int(mesh.shape[axis])
@@ -98,21 +103,40 @@ def load_datastore(ds: Datastore | str, mesh=None, *, axis: str = sharding.DATA,
         f"eval.datastore_on_device: the datastore ({ds.count:,} keys x {ds.dimension} {dtype.name}) needs "
         f"{need / 2**30:.2f} GiB per device on {n} devices, more than {MAX_MEMORY_SHARE:.0%} of a device's "
         f"{limit / 2**30:.2f} GiB: use more devices or FAISS top-K (eval.datastore_on_device=False)")
-  per = -(-ds.count // n)
-  rows = per * n
-
-  def read(arr, fill, index):
-    sl = index[0]
-    lo, hi = sl.start or 0, rows if sl.stop is None else sl.stop
-    got = np.asarray(arr[min(lo, ds.count):min(hi, ds.count)])
-    pad = [(0, hi - lo - len(got))] + [(0, 0)] * (got.ndim - 1)
-    return np.pad(got, pad, constant_values=fill)[(slice(None),) + tuple(index[1:])]
-
-  keys = jax.make_array_from_callback((rows, ds.dimension), NamedSharding(mesh, P(axis, None)),
-                                      lambda idx: read(ds.keys, 0, idx).astype(dtype))
-  targets = jax.make_array_from_callback((rows,), NamedSharding(mesh, P(axis)),
-                                         lambda idx: read(ds.values, -1, idx).astype(np.int32))
+  rows = -(-ds.count // n) * n
+  keys = rows_to_devices(ds.keys, ds.count, rows, 0, dtype, NamedSharding(mesh, P(axis, None)), chunk_bytes)
+  targets = rows_to_devices(ds.values, ds.count, rows, -1, np.int32, NamedSharding(mesh, P(axis)), chunk_bytes)
   return DeviceDatastore(keys, targets, ds.count, mesh, axis)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_rows(buf, part, start):
+  return jax.lax.dynamic_update_slice_in_dim(buf, part, start, 0)
+
+
+def rows_to_devices(src, count: int, rows: int, fill, dtype, row_sharding: NamedSharding,
+                    chunk_bytes: int = LOAD_CHUNK_BYTES) -> jax.Array:
+  """A `[rows, ...]` array placed by `row_sharding` (rows split over one mesh axis, the rest whole) whose row r
+  is `src[r]` for r < `count` and `fill` after: each addressable device's rows are written into a buffer on that
+  device one chunk of at most `chunk_bytes` at a time (`src` is read by slices, e.g. a memmap), so the host
+  holds one chunk, not the array or a device's shard (`jax.make_array_from_callback` would hold every shard's
+  host copy until one transfer at the end)."""
+  dtype = np.dtype(dtype)
+  shape = (rows,) + tuple(src.shape[1:])
+  row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize)
+  step = max(1, int(chunk_bytes) // row_bytes)
+  shards = []
+  for device, index in row_sharding.addressable_devices_indices_map(shape).items():
+    if any(sl != slice(None) for sl in index[1:]):
+      raise ValueError(f"rows_to_devices splits rows only, not {row_sharding.spec}")
+    lo, hi = index[0].start or 0, rows if index[0].stop is None else index[0].stop
+    buf = jnp.full((hi - lo,) + shape[1:], fill, dtype, device=device)
+    for start in range(lo, min(hi, count), step):
+      part = np.asarray(src[start:min(start + step, hi, count)]).astype(dtype, copy=False)
+      buf = _write_rows(buf, jax.device_put(part, device), np.int32(start - lo))
+      del part
+    shards.append(buf)
+  return jax.make_array_from_single_device_arrays(shape, row_sharding, shards)
 
 
 def from_arrays(keys_MxD, targets_M, mesh, *, axis: str = sharding.DATA) -> DeviceDatastore:
