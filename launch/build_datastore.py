@@ -113,9 +113,14 @@ def main(argv):
     # The searches trime_jax.launch.eval_ext will run: one per scored token of dev (tuning) and test.
     cap = e.max_tokens or None
     queries = sum(min(len(splits.get(s)), cap or len(splits.get(s))) for s in ("dev", "test"))
-    with DirLock(os.path.abspath(out).rstrip(os.sep) + ".lock", f"datastore {out}"):  # as the build's lock
-      build_index(Datastore(out), kind=_INDEX.value, nlist=_NLIST.value, pq_m=_PQ_M.value, queries=queries,
-                  k=e.knn_k, nprobe=e.nprobe, trained_index=_TRAINED_INDEX.value or None)
+    try:
+      with DirLock(os.path.abspath(out).rstrip(os.sep) + ".lock", f"datastore {out}"):  # as the build's lock
+        build_index(Datastore(out), kind=_INDEX.value, nlist=_NLIST.value, pq_m=_PQ_M.value, queries=queries,
+                    k=e.knn_k, nprobe=e.nprobe, trained_index=_TRAINED_INDEX.value or None)
+    except KeyboardInterrupt:
+      print(f"interrupted: the index of {out} keeps its trained quantizers and the keys added so far "
+            f"(index.faiss.trained / .partial); rerun the same command to resume", file=sys.stderr, flush=True)
+      sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -91,3 +91,97 @@ def test_an_unusable_trained_index_is_one_clear_error(store, tmp_path, case, mes
   with pytest.raises(ConfigError, match=message):
     build_index(ds, out, trained_index=path, progress=False)
   assert not os.path.exists(out)
+
+
+_REAL_ADD = faiss.IndexIVFPQ.add
+
+
+class _Interrupt:
+  """faiss.IndexIVFPQ's `add` that raises KeyboardInterrupt (Ctrl-C between two adds) after `after` calls;
+  counts the keys every call adds."""
+
+  def __init__(self, monkeypatch, after=None):
+    self.calls, self.after, real = [], after, _REAL_ADD
+
+    def add(index, x):
+      if self.after is not None and len(self.calls) == self.after:
+        raise KeyboardInterrupt
+      self.calls.append(len(x))
+      return real(index, x)
+
+    monkeypatch.setattr(faiss.IndexIVFPQ, "add", add)
+
+
+def test_an_interrupted_ivfpq_build_resumes_without_retraining_to_the_uninterrupted_index(store, tmp_path,
+                                                                                         monkeypatch, capsys):
+  ds, keys = store
+  out = str(tmp_path / "index.faiss")
+  kw = dict(kind="ivfpq", nlist=16, pq_m=4, pq_bits=6, save_every_s=0.0)  # adds of N / 20 = 200 keys
+  hook = _Interrupt(monkeypatch, after=3)
+  with pytest.raises(KeyboardInterrupt):
+    build_index(ds, out, **kw)
+  assert hook.calls == [200] * 3 and not os.path.exists(out) and not os.path.exists(out + ".json")
+  state = json.load(open(out + ".partial.json"))
+  assert state["ntotal"] == 600 and state["belongs_to"]["datastore_fingerprint"] == ds.fingerprint
+  trained = faiss.read_index(out + ".trained")
+  assert trained.is_trained and trained.ntotal == 0
+  # The rerun: no training, only the 3,400 keys not yet added.
+  hook = _Interrupt(monkeypatch)
+  monkeypatch.setattr(faiss.IndexIVFPQ, "train", lambda *a: pytest.fail("the resumed build trained again"))
+  capsys.readouterr()
+  built = build_index(ds, out, **kw)
+  assert "600 of 4,000 keys already added" in capsys.readouterr().out
+  assert hook.calls == [200] * 17 and built.index.ntotal == N
+  assert not any(os.path.exists(out + s) for s in (".partial", ".partial.json", ".trained", ".trained.json"))
+  trained.add(keys)  # the same quantizers, every key in one go
+  queries = keys[:64] + 0.01
+  trained.nprobe = 8
+  want = trained.search(queries, 10)
+  got = KnnIndex.load(out, datastore=ds).search(queries, 10, nprobe=8)
+  np.testing.assert_array_equal(got[1], want[1])
+  np.testing.assert_array_equal(got[0], want[0])
+
+
+def test_a_trained_state_is_reused_and_one_of_other_parameters_is_not(store, tmp_path, monkeypatch, capsys):
+  ds, _ = store
+  out = str(tmp_path / "index.faiss")
+  kw = dict(kind="ivfpq", nlist=16, pq_m=4, pq_bits=6, save_every_s=1e9)
+  _Interrupt(monkeypatch, after=0)  # Ctrl-C before the first add: only the trained state
+  with pytest.raises(KeyboardInterrupt):
+    build_index(ds, out, **kw)
+  assert os.path.exists(out + ".trained") and not os.path.exists(out + ".partial")
+  # Other parameters (nlist 8): the state is said to be ignored and the build trains its own.
+  trains = []
+  real_train = faiss.IndexIVFPQ.train
+  monkeypatch.setattr(faiss.IndexIVFPQ, "train", lambda index, x: trains.append(len(x)) or real_train(index, x))
+  _Interrupt(monkeypatch, after=0)
+  capsys.readouterr()
+  with pytest.raises(KeyboardInterrupt):
+    build_index(ds, out, **dict(kw, nlist=8))
+  assert "ignoring" in capsys.readouterr().out and trains == [N]
+  assert json.load(open(out + ".trained.json"))["belongs_to"]["nlist"] == 8
+  # The same parameters as the state now on disk: reused, not retrained, and the build finishes.
+  _Interrupt(monkeypatch)
+  built = build_index(ds, out, **dict(kw, nlist=8))
+  assert "trained quantizers, no keys yet" in capsys.readouterr().out and trains == [N]
+  assert built.info["nlist"] == 8 and built.index.ntotal == N and not os.path.exists(out + ".trained")
+
+
+def test_a_damaged_partial_state_is_not_used(store, tmp_path, monkeypatch, capsys):
+  ds, _ = store
+  out = str(tmp_path / "index.faiss")
+  kw = dict(kind="ivfpq", nlist=16, pq_m=4, pq_bits=6, save_every_s=0.0)
+  _Interrupt(monkeypatch, after=2)
+  with pytest.raises(KeyboardInterrupt):
+    build_index(ds, out, **kw)
+  with open(out + ".partial", "r+b") as f:  # a byte flipped inside the saved index
+    f.seek(os.path.getsize(out + ".partial") // 2)
+    b = f.read(1)
+    f.seek(-1, 1)
+    f.write(bytes([b[0] ^ 0xFF]))
+  hook = _Interrupt(monkeypatch)
+  capsys.readouterr()
+  built = build_index(ds, out, **kw)
+  printed = capsys.readouterr().out
+  assert "ignoring" in printed and "damaged" in printed and "trained quantizers" in printed
+  assert sum(hook.calls) == N and built.index.ntotal == N

@@ -2,7 +2,8 @@
 
 Files: `<path>` (faiss.write_index) and `<path>.json` (format, index_type, metric, dimension, count,
 datastore_fingerprint, the IVF-PQ parameters actually used, timings). The sidecar is written last, so an index
-without one is incomplete and refused.
+without one is incomplete and refused. While a build runs (it resumes): `<path>.trained` and `<path>.partial`
+(`build_index`).
 
   build_index(ds, path=None, kind="auto", queries=Q, k=K, nprobe=P, ...)
                                                    auto: the cheaper of exact IndexFlatIP and IVF-PQ
@@ -53,6 +54,9 @@ FLAT_MACS_PER_S = 1.6e9
 KMEANS_MACS_PER_S = 3.6e9
 KMEANS_ITERS = 25  # faiss Clustering's default niter
 PQ_MAX_POINTS_PER_CENTROID = 256  # faiss Clustering's default: PQ k-means samples at most 256 · 2^bits points
+# Resumable index builds (`build_index`): the trained empty index and the keys added so far, beside the index.
+TRAINED, PARTIAL = ".trained", ".partial"
+SAVE_EVERY_S = 1800.0  # adding 100M keys takes hours on a CPU; a save of the partial index costs a write of it
 HEARTBEAT_S = 30.0  # an index being trained says every this many seconds how long it has taken and should take
 
 
@@ -167,7 +171,7 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
                 nprobe: int = 32,
                 nlist: int = 4096, pq_m: int = 64, pq_bits: int = 8, train_size: int = 1_000_000,
                 add_chunk: int = 1 << 20, seed: int = 0, progress: bool = True,
-                trained_index: str | None = None) -> "KnnIndex":
+                trained_index: str | None = None, save_every_s: float = SAVE_EVERY_S) -> "KnnIndex":
   """Build, save (`path`, default `<datastore>/index.faiss`) and return an inner-product index over `ds.keys`.
 
   IVF-PQ parameters are clamped for small stores: nlist ≤ train_points / 39, pq_m the largest divisor of D
@@ -177,6 +181,14 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
   `knn.index.ip.trained` the original release's build_dstore.py writes). Its coarse centroids and PQ codebooks
   are used as they are and only the keys are added, so the index equals one built by that code from the same
   keys: k-means and PQ training are not reproducible across faiss versions, adding is. Implies kind="ivfpq".
+
+  Resumable (WikiText-103's 100M keys take hours to add on a CPU): the trained, empty IVF-PQ index is kept as
+  `<path>.trained` as soon as it is trained, and the keys added so far as `<path>.partial` every `save_every_s`
+  seconds of adding and on Ctrl-C; each with a sidecar naming the datastore and parameters it belongs to. A
+  rerun with the same datastore and parameters continues from the furthest of them (the result is the index
+  a build without the interruption makes from those quantizers: ids are sequential and adding is
+  deterministic); state of another datastore or other parameters is never used (said, then replaced). Both
+  files are removed once the index is written.
   """
   if kind not in KINDS:
     raise ConfigError(f"index kind must be one of {KINDS}, got {kind!r}")
@@ -193,43 +205,63 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
       print(f"index: auto chose {why}", flush=True)
   info = {"format": FORMAT, "index_type": kind, "metric": "inner_product", "dimension": d, "count": n,
           "datastore_fingerprint": ds.fingerprint, "datastore": ds.directory}
+  say = (lambda msg: print(f"index: {msg}", flush=True)) if progress else (lambda msg: None)
   t0 = time.perf_counter()
+  index = None
   if kind == "flat":
-    index = faiss.IndexFlatIP(d)
+    belongs = dict(info)
+    index = _first_state(path, (PARTIAL,), belongs, say)
+    index = faiss.IndexFlatIP(d) if index is None else index
     info["train_seconds"] = 0.0
   elif trained_index:
-    index = _read_trained_ivfpq(trained_index, d)
-    info.update(nlist=int(index.nlist), pq_m=int(index.pq.M), pq_bits=int(index.pq.nbits), train_seconds=0.0,
+    trained = _read_trained_ivfpq(trained_index, d)
+    info.update(nlist=int(trained.nlist), pq_m=int(trained.pq.M), pq_bits=int(trained.pq.nbits), train_seconds=0.0,
                 trained_from=os.path.abspath(trained_index), trained_digest=file_digest(trained_index))
-    if progress:
-      print(f"index: IVF-PQ (nlist={index.nlist}, m={index.pq.M}, bits={index.pq.nbits}) trained by "
-            f"{trained_index}; adding {n:,} keys", flush=True)
+    belongs = dict(info)
+    index = _first_state(path, (PARTIAL,), belongs, say)
+    if index is None:
+      index = trained
+      say(f"IVF-PQ (nlist={trained.nlist}, m={trained.pq.M}, bits={trained.pq.nbits}) trained by {trained_index}; "
+          f"adding {n:,} keys")
   else:
     n_train = min(n, int(train_size))
     nlist_used = max(1, min(int(nlist), n_train // MIN_POINTS_PER_CENTROID))
     m_used = _largest_divisor_at_most(d, int(pq_m))
     bits_used = _pq_bits(pq_bits, n_train)
-    quantizer = faiss.IndexFlatIP(d)
-    index = faiss.IndexIVFPQ(quantizer, d, nlist_used, m_used, bits_used, faiss.METRIC_INNER_PRODUCT)
-    sample = np.sort(np.random.default_rng(seed).choice(n, size=n_train, replace=False))
-    train = _f32(ds.keys[sample])
-    est = ivfpq_build_seconds(n, d, nlist=nlist_used, pq_m=m_used, pq_bits=bits_used, train_size=train_size)
-    if progress:
-      print(f"index: training IVF-PQ (nlist={nlist_used}, m={m_used}, bits={bits_used}) on {n_train:,} keys: "
-            f"estimated ~{_dur(est['coarse'] + est['pq'])} (coarse k-means ~{_dur(est['coarse'])}, product "
-            f"quantizer ~{_dur(est['pq'])}), then ~{_dur(est['add'])} to add the keys", flush=True)
-    with _Heartbeat("training IVF-PQ", est["coarse"] + est["pq"], enabled=progress):
-      index.train(train)
-    del train
-    info.update(nlist=nlist_used, pq_m=m_used, pq_bits=bits_used, train_size=n_train, seed=seed,
-                train_seconds=round(time.perf_counter() - t0, 3))
+    info.update(nlist=nlist_used, pq_m=m_used, pq_bits=bits_used, train_size=n_train, seed=seed)
+    belongs = dict(info)
+    index = _first_state(path, (PARTIAL, TRAINED), belongs, say)
+    if index is None:
+      quantizer = faiss.IndexFlatIP(d)
+      index = faiss.IndexIVFPQ(quantizer, d, nlist_used, m_used, bits_used, faiss.METRIC_INNER_PRODUCT)
+      sample = np.sort(np.random.default_rng(seed).choice(n, size=n_train, replace=False))
+      train = _f32(ds.keys[sample])
+      est = ivfpq_build_seconds(n, d, nlist=nlist_used, pq_m=m_used, pq_bits=bits_used, train_size=train_size)
+      say(f"training IVF-PQ (nlist={nlist_used}, m={m_used}, bits={bits_used}) on {n_train:,} keys: "
+          f"estimated ~{_dur(est['coarse'] + est['pq'])} (coarse k-means ~{_dur(est['coarse'])}, product "
+          f"quantizer ~{_dur(est['pq'])}), then ~{_dur(est['add'])} to add the keys")
+      with _Heartbeat("training IVF-PQ", est["coarse"] + est["pq"], enabled=progress):
+        index.train(train)
+      del train
+      _save_state(index, path + TRAINED, belongs)
+    info["train_seconds"] = round(time.perf_counter() - t0, 3)
   t1 = time.perf_counter()
   # Keys are added in chunks of at most 1/20 of the store, so the bar (keys, rate, ETA) moves on small stores too.
   step = max(1, min(int(add_chunk), -(-n // 20)))
-  with tqdm(total=n, desc="index add", unit="key", unit_scale=True, disable=not progress) as bar:
-    for a in range(0, n, step):
-      index.add(_f32(ds.keys[a:a + step]))  # ids are sequential: id = datastore row
-      bar.update(min(step, n - a))
+  done = saved = int(index.ntotal)
+  last_save = time.monotonic()
+  try:
+    with tqdm(total=n, initial=done, desc="index add", unit="key", unit_scale=True, disable=not progress) as bar:
+      for a in range(done, n, step):
+        index.add(_f32(ds.keys[a:a + step]))  # ids are sequential: id = datastore row
+        bar.update(min(step, n - a))
+        if index.ntotal < n and time.monotonic() - last_save >= save_every_s:
+          _save_state(index, path + PARTIAL, belongs)
+          saved, last_save = int(index.ntotal), time.monotonic()
+  except KeyboardInterrupt:
+    if index.ntotal > saved:  # an interrupt lands between two adds (faiss holds the interpreter while adding)
+      _save_state(index, path + PARTIAL, belongs)
+    raise
   if index.ntotal != n:
     raise CheckpointError(f"index holds {index.ntotal} keys after adding {n}")
   info["add_seconds"] = round(time.perf_counter() - t1, 3)
@@ -241,9 +273,60 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
   os.replace(tmp, path)
   info["file_digest"] = file_digest(path)
   data.atomic_write_json(_sidecar(path), info)
-  if progress:
-    print(f"index: {kind} over {n:,} × {d} keys in {info['build_seconds']:.1f} s -> {path}", flush=True)
+  for state in (path + PARTIAL, path + TRAINED):
+    _remove_state(state)
+  say(f"{kind} over {n:,} × {d} keys in {info['build_seconds']:.1f} s -> {path}")
   return KnnIndex(index, info, path)
+
+
+def _save_state(index, state: str, belongs: dict) -> None:
+  """`index` as the resumable state file `state` (whole or absent: sidecar removed first, written last)."""
+  _remove_state(state)
+  tmp = f"{state}.tmp.{os.getpid()}"
+  faiss.write_index(index, tmp)
+  os.replace(tmp, state)
+  data.atomic_write_json(_sidecar(state), {"belongs_to": belongs, "ntotal": int(index.ntotal),
+                                            "file_digest": file_digest(state)})
+
+
+def _remove_state(state: str) -> None:
+  for f in (_sidecar(state), state):
+    if os.path.exists(f):
+      os.remove(f)
+
+
+def _first_state(path: str, suffixes, belongs: dict, say):
+  """The first usable state among `path + suffix` (the furthest first), or None."""
+  for suffix in suffixes:
+    index = _resume_state(path + suffix, belongs, say)
+    if index is not None:
+      return index
+  return None
+
+
+def _resume_state(state: str, belongs: dict, say):
+  """The index saved in `state` if its sidecar says it belongs to this build (`belongs`: datastore and
+  parameters) and the file is intact, else None (a state of another build or a damaged one is said and
+  ignored; the next save replaces it)."""
+  if not os.path.exists(state) and not os.path.exists(_sidecar(state)):
+    return None
+  try:
+    with open(_sidecar(state)) as f:
+      meta = json.load(f)
+    if meta.get("belongs_to") != belongs:
+      say(f"ignoring {state}: left by a build of other keys or parameters; this build replaces it")
+      return None
+    if file_digest(state) != meta.get("file_digest"):
+      raise ValueError("its digest differs from its sidecar's")
+    index = faiss.read_index(state)
+    if int(index.ntotal) != int(meta["ntotal"]) or index.d != belongs["dimension"]:
+      raise ValueError(f"it holds {index.ntotal} keys of dimension {index.d}, its sidecar says {meta['ntotal']}")
+  except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
+    say(f"ignoring {state}: unreadable or damaged ({first_line(e)}); this build replaces it")
+    return None
+  say(f"resuming from {state}: " + (f"{index.ntotal:,} of {belongs['count']:,} keys already added"
+                                    if index.ntotal else "trained quantizers, no keys yet"))
+  return index
 
 
 def _read_trained_ivfpq(path: str, d: int):
