@@ -51,6 +51,26 @@ def test_wikitext_splits_and_cache_are_memory_mapped(tmp_path):
   assert set(np.unique(c.test.tokens)) <= {0, 1, 2}
 
 
+def test_a_checkpoints_vocabulary_reuses_the_training_cache_when_it_is_the_built_one(tmp_path, monkeypatch):
+  """Training caches the corpus under a key without a vocabulary; evaluation and datastore builds pass the
+  checkpoint's. When that is the vocabulary the data built, the training cache is read (nothing encoded again,
+  no second copy); another vocabulary gets its own encoding and cache."""
+  root = write_wikitext_dir(tmp_path / "wt")
+  cfg = _wiki_cfg(root, cache_dir=str(tmp_path / "cache"))
+  trained = corpora.load_splits(cfg)
+  monkeypatch.setitem(corpora._READERS, "wikitext", lambda *a: pytest.fail("encoded again"))
+  again = corpora.load_splits(cfg, vocab=D.Vocab(list(trained.vocab.tokens)))
+  assert isinstance(again.test.tokens, np.memmap) and os.listdir(tmp_path / "cache") == [
+      corpora._cache_key(cfg, None)]
+  for s in ("train", "dev", "test"):
+    assert getattr(again, s).fingerprint() == getattr(trained, s).fingerprint()
+  monkeypatch.undo()
+  small = D.Vocab(["</s>", "<unk>", "Alpha"])
+  other = corpora.load_splits(cfg, vocab=small)
+  assert other.vocab.fingerprint() == small.fingerprint() and len(os.listdir(tmp_path / "cache")) == 2
+  assert set(np.unique(other.test.tokens)) <= {0, 1, 2}
+
+
 def test_byte_corpus_and_stdlib_demo_corpus(tmp_path):
   path = write_text_file(tmp_path / "text.bin", 10_000)
   cfg = _wiki_cfg(path, corpus="bytes", split_fractions=(0.9, 0.05, 0.05))

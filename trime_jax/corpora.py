@@ -235,9 +235,21 @@ def load_splits(cfg, vocab: data.Vocab | None = None) -> Splits:
   if reader is not _tfds and cfg.corpus != "stdlib" and not cfg.path:  # a tfds: corpus downloads without a path
     raise ConfigError(f"data.path is required for corpus {cfg.corpus!r}")
   cache = os.path.join(resolve_path(cfg.cache_dir), _cache_key(cfg, vocab)) if cfg.cache_dir else ""
+  out = None
   if cache and os.path.exists(os.path.join(cache, "COMPLETE")):
     out = {s: data.Corpus.load(os.path.join(cache, s), f"{cfg.corpus}:{s}") for s in SPLITS}
-  else:
+  elif cache and vocab is not None:
+    # Evaluation and datastore builds pass the checkpoint's vocabulary; training passed none and cached the
+    # corpus encoded with the vocabulary built from it. When that is the given one, the ids are the same: use
+    # that cache (memory-mapped) instead of encoding 103M tokens again into a second copy.
+    built = os.path.join(resolve_path(cfg.cache_dir), _cache_key(cfg, None))
+    if os.path.exists(os.path.join(built, "COMPLETE")):
+      train = data.Corpus.load(os.path.join(built, "train"), f"{cfg.corpus}:train")
+      if train.vocab.fingerprint() == vocab.fingerprint():
+        cache = built
+        out = {s: train if s == "train" else data.Corpus.load(os.path.join(built, s), f"{cfg.corpus}:{s}")
+               for s in SPLITS}
+  if out is None:
     out = reader(cfg, vocab)
     if cache:
       for s, c in out.items():
