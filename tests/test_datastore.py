@@ -345,3 +345,13 @@ def test_a_second_build_of_the_same_directory_is_refused_while_one_runs(setup, t
     holder.wait()
   meta = build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, progress=False)  # lock released
   assert meta["complete"] and not os.path.exists(out + ".lock")
+
+
+@pytest.mark.parametrize("key_dtype,mib", [("float16", "8.0"), ("float32", "12.0")])
+def test_disk_full_states_the_size_of_the_keys_dtype(tmp_path, key_dtype, mib):
+  """The full-disk error names the space the files need: 2^20 keys x 2 dims of the build's key dtype + int32s."""
+  import errno
+
+  with pytest.raises(CheckpointError, match=rf"the files need {mib} MiB"):
+    with build._no_space_is_an_error(str(tmp_path), 1 << 20, 2, np.dtype(key_dtype).itemsize):
+      raise OSError(errno.ENOSPC, "No space left on device")

@@ -88,7 +88,7 @@ def _reserve(path: str) -> None:
 
 
 @contextlib.contextmanager
-def _no_space_is_an_error(out_dir: str, count: int, dimension: int):
+def _no_space_is_an_error(out_dir: str, count: int, dimension: int, key_bytes: int = 2):
   try:
     yield
   except OSError as e:
@@ -99,7 +99,7 @@ def _no_space_is_an_error(out_dir: str, count: int, dimension: int):
         f"{'file size limit reached' if e.errno == errno.EFBIG else 'no space left'} for datastore {out_dir} "
         f"({os.strerror(e.errno)}{': ' + str(e.filename) if e.filename else ''}); "
         f"{meta.get('tokens_done', 0):,} of {count:,} tokens are saved: free space (the files need "
-        f"{count * (dimension * 2 + 4) / 2**20:,.1f} MiB) and rerun the same command to resume") from None
+        f"{count * (dimension * key_bytes + 4) / 2**20:,.1f} MiB) and rerun the same command to resume") from None
 
 
 def _chunk_digest(keys, values, a: int, b: int) -> str:
@@ -207,7 +207,8 @@ class DatastoreWriter:
     return bool(self.meta and self.meta.get("complete"))
 
   def no_space_is_an_error(self):
-    return _no_space_is_an_error(self.out_dir, self.identity["count"], self.identity["dimension"])
+    return _no_space_is_an_error(self.out_dir, self.identity["count"], self.identity["dimension"],
+                                 np.dtype(self.identity["key_dtype"]).itemsize)
 
   def open(self, *, verify_chunks: bool = False, **fields):
     """(keys [N, D], values [N]) memmaps; a fresh build's meta.json gets `fields` and tokens_done = 0.
