@@ -185,3 +185,17 @@ def test_a_damaged_partial_state_is_not_used(store, tmp_path, monkeypatch, capsy
   printed = capsys.readouterr().out
   assert "ignoring" in printed and "damaged" in printed and "trained quantizers" in printed
   assert sum(hook.calls) == N and built.index.ntotal == N
+
+
+def test_a_flat_index_larger_than_the_machines_memory_is_refused_before_anything_is_read(store, tmp_path,
+                                                                                       monkeypatch):
+  from trime_jax.datastore import index as I
+
+  ds, _ = store
+  monkeypatch.setattr(I, "host_memory_bytes", lambda: N * D * 4 - 1)
+  out = str(tmp_path / "index.faiss")
+  with pytest.raises(ConfigError, match=r"exact \(flat\) index of 4,000 x 16 keys .* --index=ivfpq"):
+    build_index(ds, out, kind="flat", progress=False)
+  assert not os.listdir(tmp_path)
+  monkeypatch.setattr(I, "host_memory_bytes", lambda: N * D * 4)
+  assert build_index(ds, out, kind="flat", progress=False).index.ntotal == N

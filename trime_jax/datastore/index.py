@@ -154,6 +154,11 @@ def gpu_available() -> bool:
           and faiss.get_num_gpus() > 0)
 
 
+def host_memory_bytes() -> int:
+  """This machine's physical memory."""
+  return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
 def _sidecar(path: str) -> str:
   return path + ".json"
 
@@ -203,6 +208,10 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
                              train_size=train_size, exact_max_floats=exact_max_floats)
     if progress:
       print(f"index: auto chose {why}", flush=True)
+  if kind == "flat" and n * d * 4 > host_memory_bytes():  # asked for by name: auto never picks it at this size
+    raise ConfigError(f"an exact (flat) index of {n:,} x {d} keys holds {n * d * 4 / 2**30:,.1f} GiB of float32 "
+                      f"keys in memory, more than this machine's {host_memory_bytes() / 2**30:,.1f} GiB: use "
+                      "--index=ivfpq (or auto), or eval.datastore_on_device=True to score every key on accelerators")
   info = {"format": FORMAT, "index_type": kind, "metric": "inner_product", "dimension": d, "count": n,
           "datastore_fingerprint": ds.fingerprint, "datastore": ds.directory}
   say = (lambda msg: print(f"index: {msg}", flush=True)) if progress else (lambda msg: None)
