@@ -134,7 +134,7 @@ class Corpus:
   def fingerprint(self) -> str:
     h = hashlib.sha256(self.vocab.fingerprint().encode())
     h.update(np.asarray(self.doc_starts, np.int64).tobytes())
-    h.update(np.ascontiguousarray(self.tokens).tobytes())
+    h.update(np.ascontiguousarray(self.tokens))  # hashed in place (a memmap: no 413-MB copy at WikiText-103)
     return h.hexdigest()[:16]
 
   @classmethod
