@@ -71,6 +71,28 @@ def test_a_checkpoints_vocabulary_reuses_the_training_cache_when_it_is_the_built
   assert set(np.unique(other.test.tokens)) <= {0, 1, 2}
 
 
+def test_wikitext_is_read_one_article_at_a_time_with_the_same_errors(tmp_path):
+  """The streaming reader gives read_wikitext_articles' articles, and a bad file is still one DataError naming
+  the file (and the line of a non-UTF-8 byte), whichever split it is."""
+  path = tmp_path / "wiki.train.tokens"
+  path.write_text(WIKI_SAMPLE)
+  stream = D.iter_wikitext_articles(str(path))
+  assert next(stream)[:3] == ["</s>", "=", "Alpha"] and [next(stream), *stream] == D.read_wikitext_articles(
+      str(path))[1:]
+  root = write_wikitext_dir(tmp_path / "wt")
+  raw = (root / "wiki.test.tokens").read_bytes().split(b"\n")
+  raw[3] += b" caf\xe9"
+  (root / "wiki.test.tokens").write_bytes(b"\n".join(raw))
+  with pytest.raises(DataError, match=r"wiki.test.tokens, line 4: not UTF-8"):
+    corpora.load_splits(_wiki_cfg(root))
+  (root / "wiki.test.tokens").write_text("\n \n\n")
+  with pytest.raises(DataError, match=r"has no text: .*wiki.test.tokens"):
+    corpora.load_splits(_wiki_cfg(root))
+  os.remove(root / "wiki.test.tokens")
+  with pytest.raises(DataError, match=r"WikiText token file not found: .*wiki.test.tokens"):
+    corpora.load_splits(_wiki_cfg(root))
+
+
 def test_byte_corpus_and_stdlib_demo_corpus(tmp_path):
   path = write_text_file(tmp_path / "text.bin", 10_000)
   cfg = _wiki_cfg(path, corpus="bytes", split_fractions=(0.9, 0.05, 0.05))

@@ -62,8 +62,16 @@ def _not_found(cfg, what: str, needs: str) -> DataError:
 
 def _read_articles(path: str):
   """data.read_wikitext_articles, with the file and line of non-UTF-8 bytes in the error."""
+  return list(_iter_articles(path))
+
+
+def _iter_articles(path: str, keep=None):
+  """data.iter_wikitext_articles (only the articles whose index is in `keep`, if given), with the file and line
+  of non-UTF-8 bytes in the error."""
   try:
-    return data.read_wikitext_articles(path)
+    for i, article in enumerate(data.iter_wikitext_articles(path)):
+      if keep is None or i in keep:
+        yield article
   except UnicodeDecodeError as e:
     with open(path, "rb") as f:
       for lineno, line in enumerate(f, 1):
@@ -89,12 +97,17 @@ def _wikitext(cfg, vocab):
   if not os.path.isdir(root):
     raise _not_found(cfg, "WikiText directory", "it needs wiki.train.tokens, wiki.valid.tokens and wiki.test.tokens")
   files = {"train": "wiki.train.tokens", "dev": "wiki.valid.tokens", "test": "wiki.test.tokens"}
-  articles = {s: _read_articles(os.path.join(root, f)) for s, f in files.items()}
+  paths = {s: data.require_file(os.path.join(root, f), "WikiText token file") for s, f in files.items()}
+  keep = {s: None for s in paths}
   if cfg.get("only_packages") or cfg.get("exclude_packages"):
-    articles = select_packages(articles, os.path.join(root, "docs.tsv"), tuple(cfg.get("only_packages", ())),
-                               tuple(cfg.get("exclude_packages", ())))
-  vocab = vocab or data.Vocab.build(articles["train"], cfg.vocab_min_count)
-  return {s: _encode_word_docs(a, vocab, f"{cfg.corpus}:{s}") for s, a in articles.items()}
+    counts = {s: sum(1 for _ in _iter_articles(p)) for s, p in paths.items()}
+    keep = {s: set(k) for s, k in package_selection(counts, os.path.join(root, "docs.tsv"),
+                                                     tuple(cfg.get("only_packages", ())),
+                                                     tuple(cfg.get("exclude_packages", ()))).items()}
+  # Articles are read one at a time, twice for train (count, then encode): never all as word lists (WikiText-103's
+  # training split would be ~5.5 GB of them; its int32 ids are 413 MB).
+  vocab = vocab or data.Vocab.build(_iter_articles(paths["train"], keep["train"]), cfg.vocab_min_count)
+  return {s: _encode_word_docs(_iter_articles(p, keep[s]), vocab, f"{cfg.corpus}:{s}") for s, p in paths.items()}
 
 
 TSV_SPLITS = {"train": "train", "dev": "valid", "test": "test"}
@@ -104,6 +117,12 @@ def select_packages(articles: dict, tsv_path: str, only: tuple = (), exclude: tu
   """The documents of each split whose source package (docs.tsv: split, doc_index, package, title — the
   docs-wt layout) is in `only` (if given) and not in `exclude`. The vocabulary is built afterwards, from the
   kept training documents only (a held-out domain's words are not in it)."""
+  keep = package_selection({s: len(docs) for s, docs in articles.items()}, tsv_path, only, exclude)
+  return {s: [articles[s][i] for i in k] for s, k in keep.items()}
+
+
+def package_selection(num_docs: dict, tsv_path: str, only: tuple = (), exclude: tuple = ()) -> dict:
+  """{split: the indices of the documents `select_packages` keeps}, for splits of `num_docs[split]` documents."""
   if not os.path.isfile(tsv_path):
     raise DataError(f"data.only_packages / exclude_packages need a docs.tsv beside the token files: {tsv_path} "
                     f"not found")
@@ -120,16 +139,16 @@ def select_packages(articles: dict, tsv_path: str, only: tuple = (), exclude: tu
       raise ConfigError(f"data.{name}: unknown package(s) {unknown}; {tsv_path} lists {len(known)}: "
                         f"{', '.join(known[:6])}, ...")
   out = {}
-  for split, docs in articles.items():
+  for split, n in num_docs.items():
     pkg = {int(r["doc_index"]): r["package"] for r in rows if r["split"] == TSV_SPLITS[split]}
-    if sorted(pkg) != list(range(len(docs))):
+    if sorted(pkg) != list(range(n)):
       raise DataError(f"{tsv_path} lists {len(pkg)} {TSV_SPLITS[split]} documents, the token file has "
-                      f"{len(docs)}: the table is not this corpus's")
-    keep = [i for i in range(len(docs)) if (not only or pkg[i] in only) and pkg[i] not in exclude]
+                      f"{n}: the table is not this corpus's")
+    keep = [i for i in range(n) if (not only or pkg[i] in only) and pkg[i] not in exclude]
     if not keep:
       raise DataError(f"no {split} documents left after data.only_packages={list(only)} / "
                       f"exclude_packages={list(exclude)}")
-    out[split] = [docs[i] for i in keep]
+    out[split] = keep
   return out
 
 

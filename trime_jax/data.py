@@ -26,7 +26,7 @@ import json
 import os
 import re
 import sysconfig
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -253,24 +253,31 @@ def read_wikitext_articles(path: str) -> list[list[str]]:
   """Articles of a WikiText token file as word lists, `</s>` appended at every line end.
 
   A new article starts at each ` = Title = ` line (section headings ` = = ... = = ` do not split); lines
-  before the first title belong to the first article.
+  before the first title belong to the first article. All of them at once: `iter_wikitext_articles` reads one
+  at a time (WikiText-103's training split as word lists is ~5.5 GB).
   """
+  return list(iter_wikitext_articles(path))
+
+
+def iter_wikitext_articles(path: str) -> Iterator[list[str]]:
+  """`read_wikitext_articles(path)`, one article at a time (the file is read as it is consumed)."""
   require_file(path, "WikiText token file")
-  articles: list[list[str]] = []
   current: list[str] = []
+  text = False  # any word besides </s> so far
   with open(path, encoding="utf-8") as f:
     for line in f:
       line = line.rstrip("\n")
       if TITLE.match(line) and any(w != EOS for w in current):
-        articles.append(current)
+        yield current
         current = []
-      current.extend(line.split())
+      words = line.split()
+      text = text or bool(words)
+      current.extend(words)
       current.append(EOS)
-  if current:
-    articles.append(current)
-  if not any(w != EOS for a in articles for w in a):
+  if not text:
     raise DataError(f"WikiText token file has no text: {path}")
-  return articles
+  if current:
+    yield current
 
 
 def split_articles(n: int, fractions: Sequence[float], seed: int = 0) -> list[np.ndarray]:
