@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from trime_jax.errors import NO_SPACE_ERRNOS, TrimeError, is_no_space
+from trime_jax.errors import NO_SPACE_ERRNOS, CheckpointError, TrimeError, is_no_space
 
 
 def _one_line(e: BaseException) -> str:
@@ -34,6 +34,37 @@ def resolve_config_path(value: str) -> str:
     if os.path.isfile(candidate):
       return candidate + sep + arg
   return value
+
+
+def _checkpoint_argv(argv: list[str]) -> list[str]:
+  """argv with a `--checkpoint` value read as `trime_jax.load` reads a path (`api.export_path`): a shipped
+  model's name, a training workdir (its export/), or the path as given. A `--checkpoint` that does not exist
+  is one error here when no `--config` is given (the export's stored config would be the config): otherwise the
+  program's reader refuses it."""
+  from absl import flags
+
+  if "checkpoint" not in flags.FLAGS:
+    return argv
+  from trime_jax.api import export_path
+
+  out, at, prefix, has_config = list(argv), -1, "", False
+  for i, arg in enumerate(out[1:], 1):
+    if arg == "--":
+      break
+    name, eq, _ = arg.lstrip("-").partition("=")
+    has_config = has_config or name == "config"
+    if name == "checkpoint":
+      at, prefix = (i, arg[:arg.index("=") + 1]) if eq else (i + 1 if i + 1 < len(out) else -1, "")
+  if at < 0:
+    return out
+  value = out[at][len(prefix):]
+  if not value:
+    return out
+  resolved = export_path(value)
+  if not os.path.exists(resolved) and not has_config and "config" in flags.FLAGS:
+    raise CheckpointError(f"checkpoint directory not found: {os.path.abspath(resolved)}")
+  out[at] = prefix + resolved
+  return out
 
 
 def _config_argv(argv: list[str]) -> list[str]:
@@ -186,7 +217,7 @@ def _parse_flags(argv, module: str = "__main__"):
     print(f"error: {renamed}", file=sys.stderr, flush=True)
     sys.exit(2)
   try:
-    argv = _config_argv(argv)
+    argv = _config_argv(_checkpoint_argv(argv))
     sys.argv[:] = argv  # ml_collections reads the --config.x.y overrides from sys.argv
     out = flags.FLAGS(argv)
   except Exception as e:  # noqa: BLE001 - every parse failure is a usage error

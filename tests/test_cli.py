@@ -103,3 +103,21 @@ def test_datastore_and_external_memory_eval_cli(trained):
   assert res["throughput"]["ratio"] > 0 and "top-K retrieval accuracy" in r.stdout
   line = _one_error_line(run_cli("trime_jax.launch.eval_ext", f"--config={cfg}", f"--checkpoint={work}/export"))
   assert "eval.datastore" in line
+
+
+def test_checkpoint_is_read_as_load_reads_a_path(trained, tmp_path):
+  """--checkpoint takes what trime_jax.load takes: a training workdir (its export/) and a shipped model's
+  name; one that does not exist is that one line even without --config (it used to be "--checkpoint needs
+  --config" from eval and absl's "--config must have a value" from eval_ext and build_datastore)."""
+  tmp, _, cfg, work = trained
+  r = run_cli("trime_jax.launch.eval", f"--config={cfg}", f"--checkpoint={work}", "--config.eval.max_tokens=200")
+  assert r.returncode == 0 and "| none" in r.stdout, r.stderr[-3000:]
+  r = run_cli("trime_jax.launch.generate", "--checkpoint=demo", "--prompt=def f", "--max_new_tokens=3")
+  assert r.returncode == 0 and "=== prompt 1" in r.stdout, r.stderr[-3000:]
+  missing = tmp_path / "runs" / "nope" / "export"
+  for module, extra in (("eval", ()), ("eval_ext", ()), ("build_datastore", (f"--out={tmp_path}/ds",))):
+    line = _one_error_line(run_cli(f"trime_jax.launch.{module}", f"--checkpoint={missing}", *extra))
+    assert line == f"error: checkpoint directory not found: {missing}", (module, line)
+  line = _one_error_line(run_cli("trime_jax.launch.eval", "--checkpoint=demo2"))
+  assert "'demo2' is neither a path nor a shipped model (shipped: demo)" in line
+  assert not os.path.exists(tmp_path / "ds")

@@ -273,12 +273,6 @@ def load(path: str, *, dictionary: str | None = None, out: str | None = None, tr
   `fairseq_import.import_to_export` into `out` (default: a new temporary directory) first. `trust_pickle`,
   `key_type`: the importer's options (trime_jax.launch.import_fairseq's flags)."""
   path = os.fspath(path)
-  if not os.path.exists(path) and dictionary is None:
-    names = pretrained_names()
-    if path in names:
-      path = os.path.join(PRETRAINED_DIR, path)
-    elif os.sep not in path and "." not in path:  # a bare word: most likely meant as a shipped model's name
-      raise ConfigError(f"{path!r} is neither a path nor a shipped model (shipped: {', '.join(names) or 'none'})")
   if dictionary is not None or os.path.isfile(path):
     if dictionary is None:
       raise ConfigError(f"{path} is a file: a fairseq checkpoint needs its dictionary (load(path, dictionary=...))")
@@ -286,10 +280,26 @@ def load(path: str, *, dictionary: str | None = None, out: str | None = None, tr
 
     out = out or tempfile.mkdtemp(prefix="trime_jax_import_")
     path, _ = fairseq_import.import_to_export(path, dictionary, out, key_type=key_type, trust_pickle=trust_pickle)
-  elif not os.path.exists(os.path.join(path, "meta.json")) and os.path.exists(os.path.join(path, "export",
-                                                                                             "meta.json")):
-    path = os.path.join(path, "export")  # a training workdir
-  return Model(path)
+  return Model(export_path(path))
+
+
+def export_path(path: str) -> str:
+  """The export directory `path` names, as `load` and every CLI's `--checkpoint` read it: a shipped model's
+  name (unless a path of that name exists), a training workdir (its `export/`), or `path` itself (an export, a
+  file, or a path that does not exist, left for the reader to refuse). A bare word that is neither a path nor
+  a shipped model: one ConfigError listing the shipped ones."""
+  path = os.fspath(path)
+  if not os.path.exists(path):
+    names = pretrained_names()
+    if path in names:
+      return os.path.join(PRETRAINED_DIR, path)
+    if os.sep not in path and "." not in path:  # a bare word: most likely meant as a shipped model's name
+      raise ConfigError(f"{path!r} is neither a path nor a shipped model (shipped: {', '.join(names) or 'none'})")
+    return path
+  if os.path.isdir(path) and not os.path.exists(os.path.join(path, "meta.json")) and os.path.exists(
+      os.path.join(path, "export", "meta.json")):
+    return os.path.join(path, "export")  # a training workdir
+  return path
 
 
 def train(config, workdir: str, **kwargs) -> dict:
