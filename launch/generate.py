@@ -83,6 +83,14 @@ def main(argv):
     raise ConfigError(f"--datastore is read with --memory=external, not {memory}")
   if memory == "external" and not _DATASTORE.value:
     raise ConfigError("--memory=external needs --datastore (build one with `python -m trime_jax.launch.build_datastore`)")
+  if _ON_DEVICE.value and memory != "external":
+    raise ConfigError(f"--datastore_on_device puts --datastore on the devices: use --memory=external, not {memory}")
+  if _ON_DEVICE.value and (_TRACE.value or _KNN_LAMBDA.value or _INDEX.value):
+    # Refused before the keys are loaded (a 17.8M-key datastore takes minutes), not after.
+    given = [f for f, on in (("--trace", _TRACE.value), ("--knn_lambda", _KNN_LAMBDA.value), ("--index", _INDEX.value))
+             if on]
+    raise ConfigError(f"--datastore_on_device gives exact sums over every entry, not retrieved entries: "
+                      f"{', '.join(given)} need a FAISS index (drop --datastore_on_device)")
 
   check_export(None, _CHECKPOINT.value)  # a config.json field this version does not know: refused
   gen = G.Generator(_CHECKPOINT.value)
