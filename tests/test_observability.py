@@ -222,3 +222,19 @@ def test_log_filter_quietens_orbax_and_faiss_info_only():
   assert not quiet_libraries(logged)
   logged.exc_info = raised_in(os.path.join(os.sep, "repo", "trime_jax", "train.py"))
   assert quiet_libraries(logged)  # any other exception is kept
+
+
+def test_tensorboard_tags_are_cleaned_as_tensorboardx_would_without_its_log_line(tmp_path, caplog):
+  import logging
+
+  import tensorboardX.summary as S
+
+  from trime_jax.event_writer import EventWriter, tensorboard_tag
+
+  for name in ("dev/trime_local(tau=1)_ppl", "/train/loss", "dev/cache(lambda=0.6,theta=1.5)_ppl", "a b*c"):
+    assert tensorboard_tag(name) == S._clean_tag(name)
+  with caplog.at_level(logging.INFO):
+    w = EventWriter(str(tmp_path / "tb"))
+    w.scalars(3, {"dev/trime_local(tau=1)_ppl": 12.5})
+    w.close()
+  assert not [r for r in caplog.records if "is illegal" in r.getMessage()]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import uuid
 
 
@@ -56,6 +57,16 @@ def _names_path(logdir: str):
     raise OSError(e.errno, os.strerror(e.errno), os.path.abspath(logdir)) from e
 
 
+_INVALID_TAG = re.compile(r"[^-/\w.]")
+
+
+def tensorboard_tag(name: str) -> str:
+  """`name` as TensorBoard keeps it (tensorboardX's rule: characters outside [-/\\w.] become _, no leading /),
+  cleaned here so that tensorboardX does not log a line per metric and dev evaluation
+  ("Summary name dev/trime_local(tau=1)_ppl is illegal"). W&B keeps the names as they are."""
+  return _INVALID_TAG.sub("_", name).lstrip("/")
+
+
 class EventWriter:
   """Scalars (and, given the config, config text and hyperparameters) to TensorBoard and optionally W&B.
 
@@ -92,7 +103,7 @@ class EventWriter:
     if self._tb is not None:
       with _names_path(self._logdir):
         for tag, v in values.items():
-          self._tb.add_scalar(tag, float(v), int(step))
+          self._tb.add_scalar(tensorboard_tag(tag), float(v), int(step))
         self._tb.flush()
     if self._wandb is not None:
       self._wandb.log({k: float(v) for k, v in values.items()}, step=int(step))
