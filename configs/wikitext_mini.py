@@ -3,12 +3,14 @@ a small word-level model that trains in minutes on 2 CPU cores. Memory effects h
 within an article and across similar articles."""
 
 from trime_jax.configs import default
+from trime_jax.corpora import WIKITEXT_MINI_PATH
 
 
 def get_config():
   c = default.get_config()
   c.data.corpus = "wikitext_mini"  # valid + test articles of WikiText-2, split by article
-  c.data.path = "../shared/data/wikitext-2"  # relative to the repo root (CI has ../shared beside it)
+  c.data.path = WIKITEXT_MINI_PATH  # ../shared/data/wikitext-2, relative to the repo root (CI has ../shared
+  #                                  beside it); where it is missing, TFDS's WikiText-2 (another path: an error)
   c.data.split_fractions = (0.8, 0.1, 0.1)  # 98 / 12 / 12 articles (~375k / 35k / 52k tokens)
   c.data.vocab_min_count = 3  # ~9.5k words; rarer training words -> <unk> (keeps the softmax CPU-sized)
   c.data.segment_len = 256  # L

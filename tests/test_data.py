@@ -93,6 +93,24 @@ def test_wikitext_is_read_one_article_at_a_time_with_the_same_errors(tmp_path):
     corpora.load_splits(_wiki_cfg(root))
 
 
+def test_wikitext_mini_falls_back_to_tfds_only_from_its_own_default_path(tmp_path, monkeypatch):
+  """A mistyped data.path is an error naming it, not a silent download of TFDS's copy; the config's own
+  ../shared path (a clone without shared/) still falls back."""
+  from trime_jax.configs import wikitext_mini
+
+  calls = []
+  monkeypatch.setattr(corpora, "_wikitext2_from_tfds", lambda cfg: pytest.fail("TFDS fallback for a path of its own"))
+  cfg = wikitext_mini.get_config().data
+  cfg.path = str(tmp_path / "no_such_wt2")
+  with pytest.raises(DataError, match=r"WikiText-2 directory \(wikitext_mini\) not found: data.path=.*no_such_wt2"):
+    corpora.load_splits(cfg)
+  assert calls == []
+  cfg.path = corpora.WIKITEXT_MINI_PATH
+  monkeypatch.setattr(corpora, "resolve_path", lambda p: str(tmp_path / "elsewhere") if p else p)
+  monkeypatch.setattr(corpora, "_wikitext2_from_tfds", lambda cfg: calls.append(cfg.path) or [["a", "</s>"]] * 30)
+  assert len(corpora.load_splits(cfg).train) > 0 and calls == [corpora.WIKITEXT_MINI_PATH]
+
+
 def test_byte_corpus_and_stdlib_demo_corpus(tmp_path):
   path = write_text_file(tmp_path / "text.bin", 10_000)
   cfg = _wiki_cfg(path, corpus="bytes", split_fractions=(0.9, 0.05, 0.05))

@@ -152,12 +152,18 @@ def package_selection(num_docs: dict, tsv_path: str, only: tuple = (), exclude: 
   return out
 
 
+# configs/wikitext_mini.py's data.path: where it is missing (a clone without ../shared), TFDS's WikiText-2 stands in.
+WIKITEXT_MINI_PATH = "../shared/data/wikitext-2"
+
+
 def _wikitext_mini(cfg, vocab):
   root = resolve_path(cfg.path)
   if os.path.isdir(root):
     articles = []
     for fn in ("wiki.valid.tokens", "wiki.test.tokens"):
       articles += _read_articles(os.path.join(root, fn))
+  elif cfg.path and cfg.path != WIKITEXT_MINI_PATH:  # a path someone gave: not silently another copy of the data
+    raise _not_found(cfg, "WikiText-2 directory (wikitext_mini)", "it needs wiki.valid.tokens and wiki.test.tokens")
   else:  # a fresh clone without ../shared: the same articles from TFDS's WikiText-2 (downloaded once)
     articles = _wikitext2_from_tfds(cfg)
   parts = data.split_articles(len(articles), cfg.split_fractions, cfg.split_seed)
