@@ -469,6 +469,10 @@ def test_memory_size_sweep_table_and_plot(tmp_path):
   assert sum("<- best" in r["variant"] for r in rows) == 2 and all(r["model"] == "tiny" for r in rows)
   best = [r for r in rows if r.get("best")]
   assert [r["nll"] for r in best] == [min(r["nll"] for r in rows[1:n]), min(r["nll"] for r in rows[n + 1:])]
+  printed = evaluate.format_table(rows).splitlines()  # the per-row table of launch.eval: sizes told apart
+  assert printed[0].startswith("| mem_size | variant") and printed[2].startswith("| 0 ") and printed[-1].startswith(
+      "| 16 ")
+  assert not evaluate.format_table(rows[:n]).startswith("| mem_size")  # one size: no column
   table = sweep.sweep_table(rows)
   assert "| tiny | TRIME (local + long-term) |" in table and "| tiny | none |" in table
   assert f"(tau={best[1]['params']['tau']:g})" in table  # the tuned parameter, from the rows' typed params
