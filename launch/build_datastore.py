@@ -5,7 +5,8 @@
 
 The model and vocabulary come from the checkpoint; `--config` supplies the data and the evaluation windows
 (eval.block_len, eval.context_window, eval.batch_size). Rerunning the same command resumes an interrupted
-datastore build; a complete one is reused and only the index is rebuilt.
+datastore build; a complete one is reused, and so is a complete index of it with the same parameters (other
+parameters: the index is built again).
 
 Translation (a config with task="mt", or an MT export): the teacher-forced decoder keys of every target token of
 the training pairs (trime_jax/mt/datastore.py), same files and index; --split=train|dev|test (dev = valid).
@@ -116,7 +117,7 @@ def main(argv):
     try:
       with DirLock(os.path.abspath(out).rstrip(os.sep) + ".lock", f"datastore {out}"):  # as the build's lock
         build_index(Datastore(out), kind=_INDEX.value, nlist=_NLIST.value, pq_m=_PQ_M.value, queries=queries,
-                    k=e.knn_k, nprobe=e.nprobe, trained_index=_TRAINED_INDEX.value or None)
+                    k=e.knn_k, nprobe=e.nprobe, trained_index=_TRAINED_INDEX.value or None, reuse=True)
     except KeyboardInterrupt:
       print(f"interrupted: the index of {out} keeps its trained quantizers and the keys added so far "
             f"(index.faiss.trained / .partial); rerun the same command to resume", file=sys.stderr, flush=True)

@@ -199,3 +199,29 @@ def test_a_flat_index_larger_than_the_machines_memory_is_refused_before_anything
   assert not os.listdir(tmp_path)
   monkeypatch.setattr(I, "host_memory_bytes", lambda: N * D * 4)
   assert build_index(ds, out, kind="flat", progress=False).index.ntotal == N
+
+
+def test_reuse_keeps_an_intact_index_of_the_same_parameters_and_rebuilds_anything_else(store, tmp_path,
+                                                                                      monkeypatch, capsys):
+  ds, _ = store
+  out = str(tmp_path / "index.faiss")
+  kw = dict(kind="ivfpq", nlist=16, pq_m=4, pq_bits=6, reuse=True)
+  first = build_index(ds, out, **kw)
+  hook = _Interrupt(monkeypatch)
+  capsys.readouterr()
+  again = build_index(ds, out, **kw)  # the rerun of the same command: nothing trained or added
+  assert hook.calls == [] and "kept" in capsys.readouterr().out
+  assert again.info == first.info
+  other = build_index(ds, out, **dict(kw, nlist=8))  # other parameters: built again
+  assert "other nlist" in capsys.readouterr().out and sum(hook.calls) == N and other.info["nlist"] == 8
+  with open(out, "r+b") as f:  # damaged: built again
+    f.seek(100)
+    b = f.read(1)
+    f.seek(100)
+    f.write(bytes([b[0] ^ 0xFF]))
+  hook.calls.clear()
+  build_index(ds, out, **dict(kw, nlist=8))
+  assert "cannot be kept" in capsys.readouterr().out and sum(hook.calls) == N
+  hook.calls.clear()
+  build_index(ds, out, **dict(kw, nlist=8, reuse=False))  # the library's default: build what was asked
+  assert sum(hook.calls) == N

@@ -176,7 +176,8 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
                 nprobe: int = 32,
                 nlist: int = 4096, pq_m: int = 64, pq_bits: int = 8, train_size: int = 1_000_000,
                 add_chunk: int = 1 << 20, seed: int = 0, progress: bool = True,
-                trained_index: str | None = None, save_every_s: float = SAVE_EVERY_S) -> "KnnIndex":
+                trained_index: str | None = None, save_every_s: float = SAVE_EVERY_S,
+                reuse: bool = False) -> "KnnIndex":
   """Build, save (`path`, default `<datastore>/index.faiss`) and return an inner-product index over `ds.keys`.
 
   IVF-PQ parameters are clamped for small stores: nlist ≤ train_points / 39, pq_m the largest divisor of D
@@ -194,6 +195,9 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
   a build without the interruption makes from those quantizers: ids are sequential and adding is
   deterministic); state of another datastore or other parameters is never used (said, then replaced). Both
   files are removed once the index is written.
+
+  reuse=True (the CLI's): an intact index already at `path` over this datastore with these parameters is
+  returned as it is (said) instead of being built again; anything else at `path` is rebuilt.
   """
   if kind not in KINDS:
     raise ConfigError(f"index kind must be one of {KINDS}, got {kind!r}")
@@ -219,6 +223,8 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
   index = None
   if kind == "flat":
     belongs = dict(info)
+    if reuse and (kept := _complete_index(path, belongs, ds, say)) is not None:
+      return kept
     index = _first_state(path, (PARTIAL,), belongs, say)
     index = faiss.IndexFlatIP(d) if index is None else index
     info["train_seconds"] = 0.0
@@ -227,6 +233,8 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
     info.update(nlist=int(trained.nlist), pq_m=int(trained.pq.M), pq_bits=int(trained.pq.nbits), train_seconds=0.0,
                 trained_from=os.path.abspath(trained_index), trained_digest=file_digest(trained_index))
     belongs = dict(info)
+    if reuse and (kept := _complete_index(path, belongs, ds, say)) is not None:
+      return kept
     index = _first_state(path, (PARTIAL,), belongs, say)
     if index is None:
       index = trained
@@ -239,6 +247,8 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
     bits_used = _pq_bits(pq_bits, n_train)
     info.update(nlist=nlist_used, pq_m=m_used, pq_bits=bits_used, train_size=n_train, seed=seed)
     belongs = dict(info)
+    if reuse and (kept := _complete_index(path, belongs, ds, say)) is not None:
+      return kept
     index = _first_state(path, (PARTIAL, TRAINED), belongs, say)
     if index is None:
       quantizer = faiss.IndexFlatIP(d)
@@ -286,6 +296,23 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
     _remove_state(state)
   say(f"{kind} over {n:,} × {d} keys in {info['build_seconds']:.1f} s -> {path}")
   return KnnIndex(index, info, path)
+
+
+def _complete_index(path: str, belongs: dict, ds: Datastore, say):
+  """The intact index at `path` if it was built over `ds` with the parameters of `belongs`, else None."""
+  if not os.path.exists(path):
+    return None
+  try:
+    index = KnnIndex.load(path, datastore=ds)
+  except (CheckpointError, OSError) as e:
+    say(f"{path} cannot be kept ({first_line(e)}): building it again")
+    return None
+  differ = sorted(k for k, v in belongs.items() if k != "datastore" and index.info.get(k) != v)
+  if differ:
+    say(f"{path} was built with other {', '.join(differ)}: building it again")
+    return None
+  say(f"{path} already holds this datastore's keys with these parameters: kept (delete it to build it again)")
+  return index
 
 
 def _save_state(index, state: str, belongs: dict) -> None:
