@@ -466,7 +466,9 @@ def test_memory_size_sweep_table_and_plot(tmp_path):
   assert [r["family"] for r in rows[:n]] == ["none"] + ["trime_local"] * (n - 1)
   assert rows[1]["variant"].startswith("trime_local(") and rows[n + 1]["params"] == {"tau": evaluate.TAU_GRID[0]}
   assert rows[1]["nll"] != pytest.approx(rows[n + 1]["nll"], rel=1e-4)  # the store changes the numbers
-  assert sum("<- best" in r["variant"] for r in rows) == 2 and all(r["model"] == "tiny" for r in rows)
+  assert sum(bool(r.get("best")) for r in rows) == 2 and all(r["model"] == "tiny" for r in rows)
+  assert not any("<-" in r["variant"] for r in rows)  # the rows' variant is the point's name; tables mark the best
+  assert sum("<- best" in line for line in evaluate.format_table(rows).splitlines()) == 2
   best = [r for r in rows if r.get("best")]
   assert [r["nll"] for r in best] == [min(r["nll"] for r in rows[1:n]), min(r["nll"] for r in rows[n + 1:])]
   printed = evaluate.format_table(rows).splitlines()  # the per-row table of launch.eval: sizes told apart

@@ -5,6 +5,7 @@ one `driver.evaluate` per long-term memory size, and the result rows (`format_ta
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 
@@ -47,9 +48,7 @@ def _rows(result: EvalResult, *, split: str, mem_size: int, layout: str, best: d
     if dev_best is not None:
       row["dev_ppl"] = dev_best[s.point.group].ppl
     if best is not None and s.point.family != "none" and best[s.point.group] is s:
-      row["best"] = True
-      if len(result.scores) > len(best):  # a grid: mark its best points
-        row["variant"] += "  <- best"
+      row["best"] = True  # format_table marks it where its group had a choice (a grid)
     if label:
       row["model"] = label
     rows.append(row)
@@ -165,7 +164,12 @@ def format_table(rows: list[dict], columns=("variant", "ppl", "bpc", "nll", "tok
       return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}" if abs(v) < 10 else f"{v:.2f}"
     return f"{v:,}" if isinstance(v, int) else str(v)
 
-  cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+  # A tuned grid's best point per (family, memory size), as the rows' "best" says; a group of one is not marked.
+  group = lambda r: (r.get("model"), r.get("family"), r.get("interp_memory"), r.get("mem_size"))
+  sizes = collections.Counter(group(r) for r in rows)
+  shown = [dict(r, variant=f"{r['variant']}  <- best") if r.get("best") and sizes[group(r)] > 1
+           and not str(r.get("variant", "")).endswith("<- best") else r for r in rows]
+  cells = [[fmt(r.get(c, "")) for c in cols] for r in shown]
   widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
   lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths)) + " |",
            "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
