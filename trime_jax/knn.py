@@ -83,7 +83,10 @@ def retrieval_hits(retrieved_targets_NxK, targets_N, ks=RETRIEVAL_KS) -> np.ndar
 
 def frequency_buckets(train_tokens, vocab_size: int) -> np.ndarray:
   """[V] bucket index (into FREQ_BUCKETS) of every word, by its count in the training split."""
-  counts = np.bincount(np.asarray(train_tokens), minlength=vocab_size)
+  counts = np.zeros(vocab_size, np.int64)
+  step = 1 << 24  # np.bincount casts to intp: by chunks, not a 64-bit copy of the whole training split
+  for a in range(0, len(train_tokens), step):
+    counts += np.bincount(np.asarray(train_tokens[a:a + step]), minlength=vocab_size)
   bucket = np.zeros(vocab_size, np.int32)
   for i, (lo, hi, _) in enumerate(FREQ_BUCKETS):
     sel = np.ones(vocab_size, bool)
