@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from trime_jax.errors import NO_SPACE_ERRNOS, CheckpointError, TrimeError, is_no_space
+from trime_jax.errors import NO_SPACE_ERRNOS, CheckpointError, ConfigError, TrimeError, is_no_space
 
 
 def _one_line(e: BaseException) -> str:
@@ -60,7 +60,12 @@ def _checkpoint_argv(argv: list[str]) -> list[str]:
   value = out[at][len(prefix):]
   if not value:
     return out
-  resolved = export_path(value)
+  try:
+    resolved = export_path(value)
+  except ConfigError:  # a bare word that is no shipped model: said here where an export's config is expected
+    if "config" not in flags.FLAGS:  # generate, import_fairseq (a .pt): their own readers say what is missing
+      return out
+    raise
   if not os.path.exists(resolved) and not has_config and "config" in flags.FLAGS:
     raise CheckpointError(f"checkpoint directory not found: {os.path.abspath(resolved)}")
   out[at] = prefix + resolved
