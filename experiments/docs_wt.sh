@@ -151,7 +151,7 @@ case "${1:-}" in
     #        documents (ds_kernel) vs one of the training corpus: the whole one (ds) or, DOMAIN_MATCHED=1, its first N
     #        entries with N = the kernel datastore's size (ds_matched: the two differ in domain only; a partial build
     #        of ds suffices). Both size-matched indexes: IVF-PQ, 1,024 lists, 16 × 8 bits. MEM_SIZE: the long-term
-    #        memory (as for eval_ext); a rerun reuses the finished datastores (only their indexes are rebuilt).
+    #        memory (as for eval_ext); a rerun reuses the finished datastores and their indexes (same parameters).
     NAME=$2; CFG=$(config_of "$NAME")
     $PY trime_jax.launch.build_datastore --config=configs/docs_wt_kernel.py --checkpoint=$OUT/$NAME/export \
       --out=$OUT/$NAME/ds_kernel --index=ivfpq --nlist=1024 --pq_m=16
