@@ -1,6 +1,7 @@
 """TFDS builders (trime_jax/tfds_builders): built from manual dirs, read as array_record without TensorFlow, and
 equal to the plain readers (tokens, document boundaries, vocabulary) through `corpora.load_splits`."""
 
+import contextlib
 import functools
 import http.server
 import os
@@ -54,11 +55,24 @@ def test_wikitext2_from_shared_manual_dir_equals_plain_reader(tmp_path):
     tfds_builders.documents("wikitext2", "train", data_dir)
   with pytest.raises(DataError, match="no 'train' split"):
     corpora.load_splits(_data_cfg(corpus="tfds:wikitext2", path=WT2, tfds_data_dir=data_dir))
-  # wikitext_mini without ../shared (a fresh clone) takes the same 124 articles from the TFDS build.
-  _same_splits(corpora.load_splits(_data_cfg(corpus="wikitext_mini", path=str(tmp_path / "absent"),
-                                             tfds_data_dir=data_dir)),
-               corpora.load_splits(_data_cfg(corpus="wikitext_mini", path=WT2)))
+  # wikitext_mini without ../shared (a fresh clone: its default path missing) takes the same 124 articles from
+  # the TFDS build.
+  with _without_shared(tmp_path):
+    fallback = corpora.load_splits(_data_cfg(corpus="wikitext_mini", path=corpora.WIKITEXT_MINI_PATH,
+                                             tfds_data_dir=data_dir))
+  _same_splits(fallback, corpora.load_splits(_data_cfg(corpus="wikitext_mini", path=WT2)))
   assert not any(m == "tensorflow" or m.startswith("tensorflow.") for m in sys.modules)  # built and read without TF
+
+
+@contextlib.contextmanager
+def _without_shared(tmp_path):
+  """wikitext_mini's default data.path as on a clone without ../shared: it resolves to a folder that is not there
+  (only a missing default path falls back to TFDS; a path of one's own is an error)."""
+  real = corpora.resolve_path
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(corpora, "resolve_path", lambda p: str(tmp_path / "absent") if p == corpora.WIKITEXT_MINI_PATH
+               else real(p))
+    yield
 
 
 @needs_wt2
@@ -133,8 +147,9 @@ def test_tfds_errors_are_one_line(tmp_path, monkeypatch):
     raise DataError(f"could not download {url} (offline)")
 
   monkeypatch.setattr(tfds_builders, "_download", offline)  # no network in tests, whatever the machine has
-  with pytest.raises(DataError, match=r"not found: .*absent.*could not download https://wikitext"):
-    corpora.load_splits(_data_cfg(corpus="wikitext_mini", path=str(tmp_path / "absent"),
+  with _without_shared(tmp_path), pytest.raises(
+      DataError, match=r"not found: data.path='../shared/data/wikitext-2'.*could not download https://wikitext"):
+    corpora.load_splits(_data_cfg(corpus="wikitext_mini", path=corpora.WIKITEXT_MINI_PATH,
                                   tfds_data_dir=str(tmp_path / "t2")))
 
 

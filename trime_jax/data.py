@@ -271,7 +271,7 @@ def iter_wikitext_articles(path: str) -> Iterator[list[str]]:
         yield current
         current = []
       words = line.split()
-      text = text or bool(words)
+      text = text or any(w != EOS for w in words)
       current.extend(words)
       current.append(EOS)
   if not text:
