@@ -12,6 +12,7 @@ Translation (a config with task="mt", or an MT export): the teacher-forced decod
 the training pairs (trime_jax/mt/datastore.py), same files and index; --split=train|dev|test (dev = valid).
 """
 
+import json
 import os
 import shutil
 import sys
@@ -73,6 +74,15 @@ def _check_flags(out: str) -> None:
       os.remove(out)
 
 
+def _index_interrupted(out: str) -> None:
+  """Ctrl-C during the index build: say what it left to resume from, exit 130."""
+  from trime_jax.datastore.index import saved_state
+
+  print(f"interrupted: the index build of {out} keeps {saved_state(os.path.join(out, 'index.faiss'))}; rerun the "
+        "same command to resume", file=sys.stderr, flush=True)
+  sys.exit(130)
+
+
 def main(argv):
   del argv
   from trime_jax import exports
@@ -87,8 +97,20 @@ def main(argv):
     raise CheckpointError(f"--checkpoint={_CHECKPOINT.value}: export directory not found")
   if mt_datastore.is_mt(_CONFIG.value, _CHECKPOINT.value):  # translation: its own data and keys
     _check_flags(_OUT.value)
-    mt_datastore.build_main(_CONFIG.value, _CHECKPOINT.value, _OUT.value, split=_SPLIT.value,
-                            index_kind=_INDEX.value, nlist=_NLIST.value, pq_m=_PQ_M.value)
+    try:
+      mt_datastore.build_main(_CONFIG.value, _CHECKPOINT.value, _OUT.value, split=_SPLIT.value,
+                              index_kind=_INDEX.value, nlist=_NLIST.value, pq_m=_PQ_M.value)
+    except KeyboardInterrupt:
+      try:
+        with open(os.path.join(_OUT.value, "meta.json")) as f:
+          complete = bool(json.load(f).get("complete"))
+      except (OSError, ValueError, AttributeError):
+        complete = False
+      if complete:  # stopped in the index build
+        _index_interrupted(_OUT.value)
+      print(f"interrupted: the datastore in {_OUT.value} keeps every finished chunk; rerun the same command to "
+            "resume", file=sys.stderr, flush=True)
+      sys.exit(130)
     return
   config, checkpoint, out = validated(_CONFIG.value), _CHECKPOINT.value, _OUT.value
   check_export(config, checkpoint)
@@ -119,9 +141,7 @@ def main(argv):
         build_index(Datastore(out), kind=_INDEX.value, nlist=_NLIST.value, pq_m=_PQ_M.value, queries=queries,
                     k=e.knn_k, nprobe=e.nprobe, trained_index=_TRAINED_INDEX.value or None, reuse=True)
     except KeyboardInterrupt:
-      print(f"interrupted: the index of {out} keeps its trained quantizers and the keys added so far "
-            f"(index.faiss.trained / .partial); rerun the same command to resume", file=sys.stderr, flush=True)
-      sys.exit(130)
+      _index_interrupted(out)
 
 
 if __name__ == "__main__":

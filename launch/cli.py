@@ -23,7 +23,7 @@ def _run(module: str) -> None:
     sys.exit(2)
   from trime_jax.launch.common import run_main
 
-  run_main(mod.main)
+  run_main(mod.main, checkpoint_is_export=getattr(mod, "CHECKPOINT_IS_EXPORT", True))
 
 
 def train() -> None:

@@ -207,7 +207,7 @@ def renamed_field_refused(e: BaseException) -> str:
   return ""
 
 
-def _parse_flags(argv, module: str = "__main__"):
+def _parse_flags(argv, module: str = "__main__", checkpoint_is_export: bool = True):
   """absl flag parsing, but a bad flag or config override (typo in --config.x.y) is one line, not a traceback;
   a flag or config field under a retired name is one line naming the new one; --help prints the module's
   docstring and flags and exits 0."""
@@ -222,7 +222,7 @@ def _parse_flags(argv, module: str = "__main__"):
     print(f"error: {renamed}", file=sys.stderr, flush=True)
     sys.exit(2)
   try:
-    argv = _config_argv(_checkpoint_argv(argv))
+    argv = _config_argv(_checkpoint_argv(argv) if checkpoint_is_export else argv)
     sys.argv[:] = argv  # ml_collections reads the --config.x.y overrides from sys.argv
     out = flags.FLAGS(argv)
   except Exception as e:  # noqa: BLE001 - every parse failure is a usage error
@@ -339,9 +339,11 @@ def os_error_line(e: OSError) -> str:
   return f"{what}: {path}" + (f" ({hint})" if hint else "")
 
 
-def run_main(main):
+def run_main(main, *, checkpoint_is_export: bool = True):
   """Run an absl `main`; input errors (TrimeError) print one `error: ...` line and exit with status 2, as do
-  errors of the machine (a folder for a file, no permission, a full disk: ENVIRONMENT_ERRNOS)."""
+  errors of the machine (a folder for a file, no permission, a full disk: ENVIRONMENT_ERRNOS).
+  checkpoint_is_export: a `--checkpoint` flag names an export, read as `trime_jax.load` reads a path
+  (`_checkpoint_argv`); False where it names something else (import_fairseq: a fairseq .pt)."""
   import functools
   import threading
 
@@ -391,7 +393,8 @@ def run_main(main):
             file=sys.stderr, flush=True)
       sys.exit(130)
 
-  app.run(wrapped, flags_parser=functools.partial(_parse_flags, module=main.__module__))
+  app.run(wrapped, flags_parser=functools.partial(_parse_flags, module=main.__module__,
+                                                  checkpoint_is_export=checkpoint_is_export))
 
 
 def train_in_workdir(train_and_evaluate, config, workdir: str | None, example: str) -> None:

@@ -14,6 +14,7 @@ from absl import flags
 from trime_jax.launch.common import refuse_target, run_main
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "fairseq checkpoint (.pt) of a transformer_lm.")
+CHECKPOINT_IS_EXPORT = False  # run_main: --checkpoint is a fairseq .pt, not read as an export path
 _DICT = flags.DEFINE_string("dict", None, "fairseq dict.txt the checkpoint was trained with.")
 _OUT = flags.DEFINE_string("out", None, "Export directory to write.")
 _KEY_TYPE = flags.DEFINE_enum("key_type", "last_ffn_input", ["last_ffn_input", "final"],
@@ -50,4 +51,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  run_main(main)
+  run_main(main, checkpoint_is_export=CHECKPOINT_IS_EXPORT)

@@ -121,3 +121,8 @@ def test_checkpoint_is_read_as_load_reads_a_path(trained, tmp_path):
   line = _one_error_line(run_cli("trime_jax.launch.eval", "--checkpoint=demo2"))
   assert "'demo2' is neither a path nor a shipped model (shipped: demo)" in line
   assert not os.path.exists(tmp_path / "ds")
+  # import_fairseq's --checkpoint is a .pt: a shipped model's name is not substituted there.
+  (tmp_path / "dict.txt").write_text("hello 1\n")
+  line = _one_error_line(run_cli("trime_jax.launch.import_fairseq", "--checkpoint=demo",
+                                 f"--dict={tmp_path}/dict.txt", f"--out={tmp_path}/imported"))
+  assert line == "error: fairseq checkpoint not found: demo"

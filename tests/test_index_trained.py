@@ -123,7 +123,10 @@ def test_an_interrupted_ivfpq_build_resumes_without_retraining_to_the_uninterrup
   assert hook.calls == [200] * 3 and not os.path.exists(out) and not os.path.exists(out + ".json")
   state = json.load(open(out + ".partial.json"))
   assert state["ntotal"] == 600 and state["belongs_to"]["datastore_fingerprint"] == ds.fingerprint
-  trained = faiss.read_index(out + ".trained")
+  assert state["file"] == "index.faiss.partial.600" and sorted(os.listdir(tmp_path)) == [
+      "index.faiss.partial.600", "index.faiss.partial.json", "index.faiss.trained.0", "index.faiss.trained.json"]
+  assert state["train_seconds"] > 0 and state["add_seconds"] > 0
+  trained = faiss.read_index(out + ".trained.0")
   assert trained.is_trained and trained.ntotal == 0
   # The rerun: no training, only the 3,400 keys not yet added.
   hook = _Interrupt(monkeypatch)
@@ -132,7 +135,8 @@ def test_an_interrupted_ivfpq_build_resumes_without_retraining_to_the_uninterrup
   built = build_index(ds, out, **kw)
   assert "600 of 4,000 keys already added" in capsys.readouterr().out
   assert hook.calls == [200] * 17 and built.index.ntotal == N
-  assert not any(os.path.exists(out + s) for s in (".partial", ".partial.json", ".trained", ".trained.json"))
+  assert sorted(os.listdir(tmp_path)) == ["index.faiss", "index.faiss.json"]  # the states are gone
+  assert built.info["train_seconds"] == state["train_seconds"] and built.info["add_seconds"] > state["add_seconds"]
   trained.add(keys)  # the same quantizers, every key in one go
   queries = keys[:64] + 0.01
   trained.nprobe = 8
@@ -149,7 +153,7 @@ def test_a_trained_state_is_reused_and_one_of_other_parameters_is_not(store, tmp
   _Interrupt(monkeypatch, after=0)  # Ctrl-C before the first add: only the trained state
   with pytest.raises(KeyboardInterrupt):
     build_index(ds, out, **kw)
-  assert os.path.exists(out + ".trained") and not os.path.exists(out + ".partial")
+  assert os.path.exists(out + ".trained.json") and not os.path.exists(out + ".partial.json")
   # Other parameters (nlist 8): the state is said to be ignored and the build trains its own.
   trains = []
   real_train = faiss.IndexIVFPQ.train
@@ -164,7 +168,7 @@ def test_a_trained_state_is_reused_and_one_of_other_parameters_is_not(store, tmp
   _Interrupt(monkeypatch)
   built = build_index(ds, out, **dict(kw, nlist=8))
   assert "trained quantizers, no keys yet" in capsys.readouterr().out and trains == [N]
-  assert built.info["nlist"] == 8 and built.index.ntotal == N and not os.path.exists(out + ".trained")
+  assert built.info["nlist"] == 8 and built.index.ntotal == N and not os.path.exists(out + ".trained.json")
 
 
 def test_a_damaged_partial_state_is_not_used(store, tmp_path, monkeypatch, capsys):
@@ -174,8 +178,9 @@ def test_a_damaged_partial_state_is_not_used(store, tmp_path, monkeypatch, capsy
   _Interrupt(monkeypatch, after=2)
   with pytest.raises(KeyboardInterrupt):
     build_index(ds, out, **kw)
-  with open(out + ".partial", "r+b") as f:  # a byte flipped inside the saved index
-    f.seek(os.path.getsize(out + ".partial") // 2)
+  saved = out + ".partial.400"
+  with open(saved, "r+b") as f:  # a byte flipped inside the saved index
+    f.seek(os.path.getsize(saved) // 2)
     b = f.read(1)
     f.seek(-1, 1)
     f.write(bytes([b[0] ^ 0xFF]))
@@ -225,3 +230,43 @@ def test_reuse_keeps_an_intact_index_of_the_same_parameters_and_rebuilds_anythin
   hook.calls.clear()
   build_index(ds, out, **dict(kw, nlist=8, reuse=False))  # the library's default: build what was asked
   assert sum(hook.calls) == N
+
+
+def test_a_second_ctrl_c_while_saving_keeps_the_previous_state_and_a_failed_save_does_not_stop_the_build(
+    store, tmp_path, monkeypatch, capsys):
+  import errno
+
+  from trime_jax.datastore import index as I
+
+  ds, _ = store
+  out = str(tmp_path / "index.faiss")
+  kw = dict(kind="ivfpq", nlist=16, pq_m=4, pq_bits=6, save_every_s=1e9)  # saves only at Ctrl-C
+  _Interrupt(monkeypatch, after=3)
+  with pytest.raises(KeyboardInterrupt):
+    build_index(ds, out, **kw)
+  assert I.saved_state(out) == "600 keys added (index.faiss.partial)"
+  real_write = faiss.write_index
+
+  def write(index, path, fail=KeyboardInterrupt):
+    if ".partial." in path:
+      real_write(index, path)  # part of the file is on disk when the second Ctrl-C comes
+      raise fail
+    return real_write(index, path)
+
+  monkeypatch.setattr(faiss, "write_index", write)
+  _Interrupt(monkeypatch, after=2)  # resumed at 600, Ctrl-C at 1,000, and again while that state is written
+  with pytest.raises(KeyboardInterrupt):
+    build_index(ds, out, **kw)
+  assert json.load(open(out + ".partial.json"))["file"] == "index.faiss.partial.600"
+  assert not [f for f in os.listdir(tmp_path) if ".tmp." in f or f.endswith(".1000")]
+  # A periodic save that fails (full disk): one warning, the build goes on from the state it resumed.
+  monkeypatch.setattr(faiss, "write_index", lambda index, path: write(
+      index, path, OSError(errno.ENOSPC, "No space left on device")))
+  hook = _Interrupt(monkeypatch)
+  capsys.readouterr()
+  built = build_index(ds, out, **dict(kw, save_every_s=0.0))
+  io = capsys.readouterr()
+  assert "600 of 4,000 keys already added" in io.out and sum(hook.calls) == N - 600 and built.index.ntotal == N
+  assert io.err.count("warning: could not save the partial index") == 16  # after each add but the last
+  assert sorted(os.listdir(tmp_path)) == ["index.faiss", "index.faiss.json"]
+  assert I.saved_state(out).startswith("nothing of the index")

@@ -25,9 +25,11 @@ Scores are raw inner products q·k; TRIME's similarity is q·k / √D (the evalu
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
+import sys
 import time
 
 import faiss
@@ -220,22 +222,21 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
           "datastore_fingerprint": ds.fingerprint, "datastore": ds.directory}
   say = (lambda msg: print(f"index: {msg}", flush=True)) if progress else (lambda msg: None)
   t0 = time.perf_counter()
-  index = None
+  index, spent = None, {"train_seconds": 0.0, "add_seconds": 0.0}  # spent: carried over from resumed states
   if kind == "flat":
     belongs = dict(info)
     if reuse and (kept := _complete_index(path, belongs, ds, say)) is not None:
       return kept
-    index = _first_state(path, (PARTIAL,), belongs, say)
+    index = _first_state(path, (PARTIAL,), belongs, say, spent)
     index = faiss.IndexFlatIP(d) if index is None else index
-    info["train_seconds"] = 0.0
   elif trained_index:
     trained = _read_trained_ivfpq(trained_index, d)
-    info.update(nlist=int(trained.nlist), pq_m=int(trained.pq.M), pq_bits=int(trained.pq.nbits), train_seconds=0.0,
+    info.update(nlist=int(trained.nlist), pq_m=int(trained.pq.M), pq_bits=int(trained.pq.nbits),
                 trained_from=os.path.abspath(trained_index), trained_digest=file_digest(trained_index))
     belongs = dict(info)
     if reuse and (kept := _complete_index(path, belongs, ds, say)) is not None:
       return kept
-    index = _first_state(path, (PARTIAL,), belongs, say)
+    index = _first_state(path, (PARTIAL,), belongs, say, spent)
     if index is None:
       index = trained
       say(f"IVF-PQ (nlist={trained.nlist}, m={trained.pq.M}, bits={trained.pq.nbits}) trained by {trained_index}; "
@@ -249,7 +250,7 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
     belongs = dict(info)
     if reuse and (kept := _complete_index(path, belongs, ds, say)) is not None:
       return kept
-    index = _first_state(path, (PARTIAL, TRAINED), belongs, say)
+    index = _first_state(path, (PARTIAL, TRAINED), belongs, say, spent)
     if index is None:
       quantizer = faiss.IndexFlatIP(d)
       index = faiss.IndexIVFPQ(quantizer, d, nlist_used, m_used, bits_used, faiss.METRIC_INNER_PRODUCT)
@@ -262,9 +263,10 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
       with _Heartbeat("training IVF-PQ", est["coarse"] + est["pq"], enabled=progress):
         index.train(train)
       del train
-      _save_state(index, path + TRAINED, belongs)
-    info["train_seconds"] = round(time.perf_counter() - t0, 3)
+      spent["train_seconds"] = round(time.perf_counter() - t0, 3)
+      _save_state(index, path + TRAINED, belongs, spent)
   t1 = time.perf_counter()
+  added = lambda: dict(spent, add_seconds=round(spent["add_seconds"] + time.perf_counter() - t1, 3))
   # Keys are added in chunks of at most 1/20 of the store, so the bar (keys, rate, ETA) moves on small stores too.
   step = max(1, min(int(add_chunk), -(-n // 20)))
   done = saved = int(index.ntotal)
@@ -275,21 +277,30 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
         index.add(_f32(ds.keys[a:a + step]))  # ids are sequential: id = datastore row
         bar.update(min(step, n - a))
         if index.ntotal < n and time.monotonic() - last_save >= save_every_s:
-          _save_state(index, path + PARTIAL, belongs)
-          saved, last_save = int(index.ntotal), time.monotonic()
+          try:
+            _save_state(index, path + PARTIAL, belongs, added())
+            saved = int(index.ntotal)
+          except OSError as e:  # a full disk: the build goes on; the last good state stays
+            print(f"warning: could not save the partial index {path + PARTIAL} ({first_line(e)}); the build "
+                  "goes on, a resume would start from the last saved state", file=sys.stderr, flush=True)
+          last_save = time.monotonic()
   except KeyboardInterrupt:
     if index.ntotal > saved:  # an interrupt lands between two adds (faiss holds the interpreter while adding)
-      _save_state(index, path + PARTIAL, belongs)
+      _save_state(index, path + PARTIAL, belongs, added())  # a second Ctrl-C here keeps the previous state
     raise
   if index.ntotal != n:
     raise CheckpointError(f"index holds {index.ntotal} keys after adding {n}")
-  info["add_seconds"] = round(time.perf_counter() - t1, 3)
-  info["build_seconds"] = round(time.perf_counter() - t0, 3)
+  info.update(added())
+  info["build_seconds"] = round(info["train_seconds"] + info["add_seconds"], 3)
   if os.path.exists(_sidecar(path)):
     os.remove(_sidecar(path))  # the old sidecar must not vouch for a half-written index
   tmp = f"{path}.tmp.{os.getpid()}"
-  faiss.write_index(index, tmp)
-  os.replace(tmp, path)
+  try:
+    faiss.write_index(index, tmp)
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
   info["file_digest"] = file_digest(path)
   data.atomic_write_json(_sidecar(path), info)
   for state in (path + PARTIAL, path + TRAINED):
@@ -304,7 +315,7 @@ def _complete_index(path: str, belongs: dict, ds: Datastore, say):
     return None
   try:
     index = KnnIndex.load(path, datastore=ds)
-  except (CheckpointError, OSError) as e:
+  except (CheckpointError, OSError, KeyError, TypeError, ValueError, AttributeError) as e:
     say(f"{path} cannot be kept ({first_line(e)}): building it again")
     return None
   differ = sorted(k for k, v in belongs.items() if k != "datastore" and index.info.get(k) != v)
@@ -315,36 +326,69 @@ def _complete_index(path: str, belongs: dict, ds: Datastore, say):
   return index
 
 
-def _save_state(index, state: str, belongs: dict) -> None:
-  """`index` as the resumable state file `state` (whole or absent: sidecar removed first, written last)."""
-  _remove_state(state)
-  tmp = f"{state}.tmp.{os.getpid()}"
-  faiss.write_index(index, tmp)
-  os.replace(tmp, state)
+def saved_state(path: str) -> str:
+  """What an interrupted `build_index` of `path` left to resume from, in words."""
+  for state, what in ((path + PARTIAL, "keys added"), (path + TRAINED, "trained quantizers")):
+    try:
+      with open(_sidecar(state)) as f:
+        meta = json.load(f)
+      return (f"{meta['ntotal']:,} {what} ({os.path.basename(state)})" if meta["ntotal"] else
+              f"its {what} ({os.path.basename(state)})")
+    except (OSError, ValueError, KeyError, TypeError):
+      continue
+  return "nothing of the index (it was interrupted before the first save)"
+
+
+def _save_state(index, state: str, belongs: dict, spent: dict) -> None:
+  """`index` as the resumable state `state`: its data file `<state>.<ntotal>` written whole first, then the
+  sidecar that points at it (atomically), then the previous data file removed. Whenever this stops (a second
+  Ctrl-C, a full disk), the sidecar on disk names an intact file: the new one or the previous one."""
+  target = f"{state}.{int(index.ntotal)}"
+  tmp = f"{target}.tmp.{os.getpid()}"
+  previous = _state_file(state)
+  try:
+    faiss.write_index(index, tmp)
+    os.replace(tmp, target)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
   data.atomic_write_json(_sidecar(state), {"belongs_to": belongs, "ntotal": int(index.ntotal),
-                                            "file_digest": file_digest(state)})
+                                            "file": os.path.basename(target), "file_digest": file_digest(target),
+                                            **spent})
+  if previous and previous != target and os.path.exists(previous):
+    os.remove(previous)
+
+
+def _state_file(state: str) -> str | None:
+  """The data file the sidecar of `state` points at, or None."""
+  try:
+    with open(_sidecar(state)) as f:
+      return os.path.join(os.path.dirname(state) or ".", os.path.basename(json.load(f)["file"]))
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
 
 
 def _remove_state(state: str) -> None:
-  for f in (_sidecar(state), state):
+  """The sidecar of `state` and every data file of it (`<state>.<ntotal>`, temporaries)."""
+  for f in [_sidecar(state)] + sorted(glob.glob(glob.escape(state) + ".*")):
     if os.path.exists(f):
       os.remove(f)
 
 
-def _first_state(path: str, suffixes, belongs: dict, say):
-  """The first usable state among `path + suffix` (the furthest first), or None."""
+def _first_state(path: str, suffixes, belongs: dict, say, spent: dict):
+  """The first usable state among `path + suffix` (the furthest first), or None; `spent` takes its timings."""
   for suffix in suffixes:
-    index = _resume_state(path + suffix, belongs, say)
+    index = _resume_state(path + suffix, belongs, say, spent)
     if index is not None:
       return index
   return None
 
 
-def _resume_state(state: str, belongs: dict, say):
-  """The index saved in `state` if its sidecar says it belongs to this build (`belongs`: datastore and
-  parameters) and the file is intact, else None (a state of another build or a damaged one is said and
+def _resume_state(state: str, belongs: dict, say, spent: dict):
+  """The index saved as `state` if its sidecar says it belongs to this build (`belongs`: datastore and
+  parameters) and its file is intact, else None (a state of another build or a damaged one is said and
   ignored; the next save replaces it)."""
-  if not os.path.exists(state) and not os.path.exists(_sidecar(state)):
+  if not os.path.exists(_sidecar(state)):
     return None
   try:
     with open(_sidecar(state)) as f:
@@ -352,9 +396,12 @@ def _resume_state(state: str, belongs: dict, say):
     if meta.get("belongs_to") != belongs:
       say(f"ignoring {state}: left by a build of other keys or parameters; this build replaces it")
       return None
-    if file_digest(state) != meta.get("file_digest"):
+    file = _state_file(state)
+    if file is None or not os.path.exists(file):
+      raise ValueError(f"its file {meta.get('file')!r} is missing")
+    if file_digest(file) != meta.get("file_digest"):
       raise ValueError("its digest differs from its sidecar's")
-    index = faiss.read_index(state)
+    index = faiss.read_index(file)
     if int(index.ntotal) != int(meta["ntotal"]) or index.d != belongs["dimension"]:
       raise ValueError(f"it holds {index.ntotal} keys of dimension {index.d}, its sidecar says {meta['ntotal']}")
   except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
@@ -362,6 +409,7 @@ def _resume_state(state: str, belongs: dict, say):
     return None
   say(f"resuming from {state}: " + (f"{index.ntotal:,} of {belongs['count']:,} keys already added"
                                     if index.ntotal else "trained quantizers, no keys yet"))
+  spent.update({k: float(meta.get(k, 0.0)) for k in spent})
   return index
 
 

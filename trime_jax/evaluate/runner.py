@@ -164,10 +164,11 @@ def format_table(rows: list[dict], columns=("variant", "ppl", "bpc", "nll", "tok
       return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}" if abs(v) < 10 else f"{v:.2f}"
     return f"{v:,}" if isinstance(v, int) else str(v)
 
-  # A tuned grid's best point per (family, memory size), as the rows' "best" says; a group of one is not marked.
-  group = lambda r: (r.get("model"), r.get("family"), r.get("interp_memory"), r.get("mem_size"))
-  sizes = collections.Counter(group(r) for r in rows)
-  shown = [dict(r, variant=f"{r['variant']}  <- best") if r.get("best") and sizes[group(r)] > 1
+  # A tuned grid's best point per (family, memory size), as the rows' "best" says, where its group also holds
+  # points that were not chosen (a group of one, e.g. the test pass of the best points, is not marked).
+  group = lambda r: (r.get("model"), r.get("split"), r.get("family"), r.get("interp_memory"), r.get("mem_size"))
+  unchosen = collections.Counter(group(r) for r in rows if not r.get("best"))
+  shown = [dict(r, variant=f"{r['variant']}  <- best") if r.get("best") and unchosen[group(r)]
            and not str(r.get("variant", "")).endswith("<- best") else r for r in rows]
   cells = [[fmt(r.get(c, "")) for c in cols] for r in shown]
   widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]

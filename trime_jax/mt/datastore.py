@@ -266,4 +266,5 @@ def build_main(config, checkpoint_dir: str, out_dir: str, *, split: str = "train
   if index_kind != "none":
     # One search per beam row and output token while decoding valid and test (≈ their target tokens).
     queries = beam * sum(int(mt_data.load_parallel(config, s, vocab).lengths()[1].sum()) for s in ("valid", "test"))
-    build_index(Datastore(out_dir), kind=index_kind, nlist=nlist, pq_m=pq_m, queries=queries, k=k, nprobe=nprobe)
+    build_index(Datastore(out_dir), kind=index_kind, nlist=nlist, pq_m=pq_m, queries=queries, k=k, nprobe=nprobe,
+                reuse=True)  # the CLI's rerun keeps a complete index of the same parameters
