@@ -2,7 +2,7 @@
 
 Files: `<path>` (faiss.write_index) and `<path>.json` (format, index_type, metric, dimension, count,
 datastore_fingerprint, the IVF-PQ parameters actually used, timings). The sidecar is written last, so an index
-without one is incomplete and refused. While a build runs (it resumes): `<path>.trained` and `<path>.partial`
+without one is incomplete and refused. While a build runs (it resumes): `<path>.trained.*` and `<path>.partial.*`
 (`build_index`).
 
   build_index(ds, path=None, kind="auto", queries=Q, k=K, nprobe=P, ...)
