@@ -290,13 +290,17 @@ def test_subset_for_another_model_or_of_an_edited_build_is_refused_before_writin
 
 def test_auto_index_counts_its_build_time():
   """Issue 36.5: a tiny model's store (200k × 32 keys, dev + test = 40k searches of K=64) gets the exact index:
-  training IVF-PQ's product quantizer (m=32 k-means of 256 centroids) alone outweighs the searches it saves."""
+  training IVF-PQ's product quantizer (m=32 k-means of 256 centroids on 1-float sub-vectors) outweighs the
+  searches it saves."""
   from trime_jax.datastore.index import index_choice, ivfpq_build_seconds
 
   kind, why = index_choice(200_000, 32, 40_000, 64)
   assert kind == "flat" and "to build it" in why, why
   est = ivfpq_build_seconds(200_000, 32, nlist=4096, pq_m=32)
-  assert est["pq"] > 60 and est["total"] == pytest.approx(est["coarse"] + est["pq"] + est["add"])
+  assert est["pq"] > est["coarse"] + est["add"] and est["total"] == pytest.approx(est["coarse"] + est["pq"] + est["add"])
+  # The estimate against builds measured on this machine (docs-wt's 17.8M keys: 58 s of training, 122 s of adding).
+  big = ivfpq_build_seconds(17_809_818, 128, nlist=4096, pq_m=16)
+  assert 30 < big["coarse"] + big["pq"] < 120 and 60 < big["add"] < 250
   # A store searched far more often still gets IVF-PQ (wikitext-mini's 375k keys, 87k searches of K=1024).
   assert index_choice(375_000, 128, 87_000, 1024)[0] == "ivfpq"
 

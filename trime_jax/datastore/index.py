@@ -45,17 +45,26 @@ KINDS = ("auto", "flat", "ivfpq")
 EXACT_MAX_FLOATS = 1 << 27  # auto: exact IndexFlatIP while its float32 copy of the keys (N·D) fits 512 MiB
 MIN_POINTS_PER_CENTROID = 39  # below this faiss k-means warns that clustering is unreliable
 RESCORE_FLOATS = 1 << 22  # float32 keys gathered at a time by `rescore` (16 MiB)
-# Cost model of `index_choice`, measured with faiss-cpu on the 2-core CI machine under load (random keys): an
-# exact search scans 1.6e9 multiply-adds/s (K=16 and K=1024 alike); the coarse k-means runs at 3.6e9/s (GEMM;
-# 5.3e9 measured on an idle machine); adding assigns every key to its list at the same rate. Training the
-# product quantizer is m separate k-means of 2^bits centroids on up to 256·2^bits points, dominated by per-point
-# work, not GEMM: 1e-8 s per point, centroid and iteration for sub-vectors of 1-2 floats, 2.5e-9 s for 4
-# (measured: m=32 on D=32 took 119 s for 50k keys, m=8 took 6 s). With the kNN-LM default m=64 on D=128 that is
-# ~270 s whatever the datastore's size: the cost a tiny datastore's IVF-PQ index used to hide.
-FLAT_MACS_PER_S = 1.6e9
-KMEANS_MACS_PER_S = 3.6e9
-KMEANS_ITERS = 25  # faiss Clustering's default niter
+# Cost model of `index_choice` and of the build's stated estimate, measured 2026-12-01 with faiss-cpu 1.15.1 on
+# the 2-core machine, idle, random keys (D = 16, 32, 128): one (point, centroid) distance of the coarse k-means
+# (GEMM + argmin) takes (D + 32) / 1.18e11 s (D = 128: 9.4e10 multiply-adds/s), for 10 iterations (IndexIVF's own
+# clustering parameters) over at most 256 points per centroid (faiss subsamples); adding assigns and encodes a
+# key at (D + 25) / 8.9e10 s per centroid (coarse lists and PQ codewords; D = 128: 7.4e10/s); the product
+# quantizer's k-means, 25 iterations over at most 256 · 2^bits points, takes 1.7e-10 s per (point, centroid,
+# iteration) for sub-vectors of 2-8 floats and 1.5e-9 s for 1 float; an exact search (K = 64-1,024) takes
+# 1.1e-9 + 8.2e-12 · D s per (query, key) (D = 128: 6e10 multiply-adds/s); an IVF-PQ search 2e9 of its
+# nlist · D + nprobe · N/nlist · m operations per second. Measured: 1M keys of D = 128, nlist 1,000, m = 16
+# trained and added in 10.8 s (docs-wt's 1M-key index); 17.8M keys, nlist 4,096: 58 s of training, 122 s
+# of adding. The earlier calibration (exact 1.6e9/s, k-means 3.6e9/s over every training point, 25 iterations,
+# PQ 1e-8 s) was measured with the cores busy with other work, where faiss's OpenMP threads ran 20-60x slower,
+# and stated a 10-s build as ~15 min.
+KMEANS_MACS_PER_S, KMEANS_OVERHEAD = 1.18e11, 32  # per distance: (D + overhead) / rate
+ADD_MACS_PER_S, ADD_OVERHEAD = 8.9e10, 25
+IVF_KMEANS_ITERS = 10  # faiss IndexIVF's clustering parameters (cp.niter)
+KMEANS_MAX_POINTS_PER_CENTROID = 256  # faiss Clustering's default: k-means samples at most 256 points a centroid
+PQ_KMEANS_ITERS = 25  # faiss ProductQuantizer's cp.niter
 PQ_MAX_POINTS_PER_CENTROID = 256  # faiss Clustering's default: PQ k-means samples at most 256 · 2^bits points
+IVF_SEARCH_OPS_PER_S = 2e9
 # Resumable index builds (`build_index`): the trained empty index and the keys added so far, beside the index.
 TRAINED, PARTIAL = ".trained", ".partial"
 SAVE_EVERY_S = 1800.0  # adding 100M keys takes hours on a CPU; a save of the partial index costs a write of it
@@ -64,18 +73,25 @@ HEARTBEAT_S = 30.0  # an index being trained says every this many seconds how lo
 
 def pq_seconds_per_distance(dsub: int) -> float:
   """Seconds per (point, centroid, iteration) of one PQ sub-quantizer's k-means (see the measurements above)."""
-  return 1e-8 if dsub <= 2 else 2.5e-9 * dsub / 4
+  return 1.5e-9 if dsub <= 1 else 1.7e-10
+
+
+def flat_seconds_per_distance(d: int) -> float:
+  """Seconds per (query, key) of an exact IndexFlatIP search with a top-K heap (see the measurements above)."""
+  return 1.1e-9 + 8.2e-12 * d
 
 
 def ivfpq_build_seconds(n: int, d: int, *, nlist: int, pq_m: int, pq_bits: int = 8,
                         train_size: int = 1_000_000) -> dict:
-  """Estimated seconds of an IVF-PQ build with these (already clamped) parameters: {coarse, pq, add, total}."""
+  """Estimated seconds of an IVF-PQ build with these (already clamped) parameters on an idle 2-core machine:
+  {coarse, pq, add, total}."""
   n_train = min(n, int(train_size))
-  coarse = KMEANS_ITERS * n_train * nlist * d / KMEANS_MACS_PER_S
+  coarse = (IVF_KMEANS_ITERS * min(n_train, KMEANS_MAX_POINTS_PER_CENTROID * nlist) * nlist
+            * (d + KMEANS_OVERHEAD) / KMEANS_MACS_PER_S)
   k = 2 ** int(pq_bits)
-  pq = (pq_m * KMEANS_ITERS * min(n_train, PQ_MAX_POINTS_PER_CENTROID * k) * k
+  pq = (pq_m * PQ_KMEANS_ITERS * min(n_train, PQ_MAX_POINTS_PER_CENTROID * k) * k
         * pq_seconds_per_distance(max(1, d // max(1, pq_m))))
-  add = n * (nlist * d + k * d) / KMEANS_MACS_PER_S  # list assignment + PQ encoding of every key
+  add = n * (nlist + k) * (d + ADD_OVERHEAD) / ADD_MACS_PER_S  # list assignment + PQ encoding of every key
   return {"coarse": coarse, "pq": pq, "add": add, "total": coarse + pq + add}
 
 
@@ -92,12 +108,12 @@ def index_choice(n: int, d: int, queries: int, k: int, *, nprobe: int = 32, nlis
   nlist_used = max(1, min(int(nlist), n_train // MIN_POINTS_PER_CENTROID))
   m_used = _largest_divisor_at_most(d, int(pq_m))
   bits_used = _pq_bits(8, n_train)
-  flat_s = queries * n * d / FLAT_MACS_PER_S
+  flat_s = queries * n * flat_seconds_per_distance(d)
   build = ivfpq_build_seconds(n, d, nlist=nlist_used, pq_m=m_used, pq_bits=bits_used, train_size=train_size)
-  ivf_s = build["total"] + queries * (nlist_used * d + nprobe * n / nlist_used * m_used) / FLAT_MACS_PER_S
+  ivf_s = build["total"] + queries * (nlist_used * d + nprobe * n / nlist_used * m_used) / IVF_SEARCH_OPS_PER_S
   costs = (f"{queries:,} searches of K={k} over {n:,} × {d} keys: exact ~{_dur(flat_s)}, IVF-PQ (nlist={nlist_used},"
            f" m={m_used}, nprobe={nprobe}) ~{_dur(ivf_s)} of which ~{_dur(build['total'])} to build it, at the "
-           "2-core rates in trime_jax/datastore/index.py")
+           "idle 2-core rates in trime_jax/datastore/index.py")
   if n * d > exact_max_floats:
     return "ivfpq", f"IVF-PQ: an exact index's float32 keys ({n * d * 4 / 2**30:.1f} GiB) exceed the limit; {costs}"
   if n_train < 2 * MIN_POINTS_PER_CENTROID or nprobe * n / nlist_used < 2 * k:
