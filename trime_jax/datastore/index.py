@@ -310,13 +310,7 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
   info["build_seconds"] = round(info["train_seconds"] + info["add_seconds"], 3)
   if os.path.exists(_sidecar(path)):
     os.remove(_sidecar(path))  # the old sidecar must not vouch for a half-written index
-  tmp = f"{path}.tmp.{os.getpid()}"
-  try:
-    faiss.write_index(index, tmp)
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
+  _write_index(index, path)
   info["file_digest"] = file_digest(path)
   data.atomic_write_json(_sidecar(path), info)
   for state in (path + PARTIAL, path + TRAINED):
@@ -360,19 +354,24 @@ def _save_state(index, state: str, belongs: dict, spent: dict) -> None:
   sidecar that points at it (atomically), then the previous data file removed. Whenever this stops (a second
   Ctrl-C, a full disk), the sidecar on disk names an intact file: the new one or the previous one."""
   target = f"{state}.{int(index.ntotal)}"
-  tmp = f"{target}.tmp.{os.getpid()}"
   previous = _state_file(state)
-  try:
-    faiss.write_index(index, tmp)
-    os.replace(tmp, target)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
+  _write_index(index, target)
   data.atomic_write_json(_sidecar(state), {"belongs_to": belongs, "ntotal": int(index.ntotal),
                                             "file": os.path.basename(target), "file_digest": file_digest(target),
                                             **spent})
   if previous and previous != target and os.path.exists(previous):
     os.remove(previous)
+
+
+def _write_index(index, path: str) -> None:
+  """faiss.write_index, whole or absent: written beside `path`, then renamed; the temporary never stays."""
+  tmp = f"{path}.tmp.{os.getpid()}"
+  try:
+    faiss.write_index(index, tmp)
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
 
 
 def _state_file(state: str) -> str | None:
