@@ -74,12 +74,21 @@ def _check_flags(out: str) -> None:
       os.remove(out)
 
 
-def _index_interrupted(out: str) -> None:
-  """Ctrl-C during the index build: say what it left to resume from, exit 130."""
+def _interrupted(out: str) -> None:
+  """Ctrl-C: say what the datastore build or, once the datastore is complete, the index build left to resume
+  from; exit 130."""
   from trime_jax.datastore.index import saved_state
 
-  print(f"interrupted: the index build of {out} keeps {saved_state(os.path.join(out, 'index.faiss'))}; rerun the "
-        "same command to resume", file=sys.stderr, flush=True)
+  try:
+    with open(os.path.join(out, "meta.json")) as f:
+      complete = bool(json.load(f).get("complete"))
+  except (OSError, ValueError, AttributeError):
+    complete = False
+  if complete:
+    kept = f"the index build of {out} keeps {saved_state(os.path.join(out, 'index.faiss'))}"
+  else:
+    kept = f"the datastore in {out} keeps every finished chunk"
+  print(f"interrupted: {kept}; rerun the same command to resume", file=sys.stderr, flush=True)
   sys.exit(130)
 
 
@@ -101,16 +110,7 @@ def main(argv):
       mt_datastore.build_main(_CONFIG.value, _CHECKPOINT.value, _OUT.value, split=_SPLIT.value,
                               index_kind=_INDEX.value, nlist=_NLIST.value, pq_m=_PQ_M.value)
     except KeyboardInterrupt:
-      try:
-        with open(os.path.join(_OUT.value, "meta.json")) as f:
-          complete = bool(json.load(f).get("complete"))
-      except (OSError, ValueError, AttributeError):
-        complete = False
-      if complete:  # stopped in the index build
-        _index_interrupted(_OUT.value)
-      print(f"interrupted: the datastore in {_OUT.value} keeps every finished chunk; rerun the same command to "
-            "resume", file=sys.stderr, flush=True)
-      sys.exit(130)
+      _interrupted(_OUT.value)
     return
   config, checkpoint, out = validated(_CONFIG.value), _CHECKPOINT.value, _OUT.value
   check_export(config, checkpoint)
@@ -129,9 +129,7 @@ def main(argv):
       if not meta["complete"]:  # stopped at --stop_at_tokens: no index for an incomplete datastore
         return
   except KeyboardInterrupt:
-    print(f"interrupted: the datastore in {out} keeps every finished chunk; rerun the same command to resume",
-          file=sys.stderr, flush=True)
-    sys.exit(130)
+    _interrupted(out)
   if _INDEX.value != "none":
     # The searches trime_jax.launch.eval_ext will run: one per scored token of dev (tuning) and test.
     cap = e.max_tokens or None
@@ -141,7 +139,7 @@ def main(argv):
         build_index(Datastore(out), kind=_INDEX.value, nlist=_NLIST.value, pq_m=_PQ_M.value, queries=queries,
                     k=e.knn_k, nprobe=e.nprobe, trained_index=_TRAINED_INDEX.value or None, reuse=True)
     except KeyboardInterrupt:
-      _index_interrupted(out)
+      _interrupted(out)
 
 
 if __name__ == "__main__":

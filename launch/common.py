@@ -36,6 +36,22 @@ def resolve_config_path(value: str) -> str:
   return value
 
 
+def _flag_values(argv: list[str], name: str) -> list[tuple[int, str]]:
+  """Where `--name`'s values are in argv (before a `--`): (index of the item holding the value, the text before
+  the value in it: "--name=" or "" for `--name VALUE`), in order."""
+  found = []
+  for i, arg in enumerate(argv[1:], 1):
+    if arg == "--":
+      break
+    flag, eq, _ = arg.lstrip("-").partition("=")
+    if flag == name:
+      if eq:
+        found.append((i, arg[:arg.index("=") + 1]))
+      elif i + 1 < len(argv):
+        found.append((i + 1, ""))
+  return found
+
+
 def _checkpoint_argv(argv: list[str]) -> list[str]:
   """argv with a `--checkpoint` value read as `trime_jax.load` reads a path (`api.export_path`): a shipped
   model's name, a training workdir (its export/), or the path as given. A `--checkpoint` that does not exist
@@ -43,20 +59,13 @@ def _checkpoint_argv(argv: list[str]) -> list[str]:
   program's reader refuses it."""
   from absl import flags
 
-  if "checkpoint" not in flags.FLAGS:
+  found = _flag_values(argv, "checkpoint") if "checkpoint" in flags.FLAGS else []
+  if not found:
     return argv
   from trime_jax.api import export_path
 
-  out, at, prefix, has_config = list(argv), -1, "", False
-  for i, arg in enumerate(out[1:], 1):
-    if arg == "--":
-      break
-    name, eq, _ = arg.lstrip("-").partition("=")
-    has_config = has_config or name == "config"
-    if name == "checkpoint":
-      at, prefix = (i, arg[:arg.index("=") + 1]) if eq else (i + 1 if i + 1 < len(out) else -1, "")
-  if at < 0:
-    return out
+  out = list(argv)
+  at, prefix = found[-1]
   value = out[at][len(prefix):]
   if not value:
     return out
@@ -66,7 +75,7 @@ def _checkpoint_argv(argv: list[str]) -> list[str]:
     if "config" not in flags.FLAGS:  # generate, import_fairseq (a .pt): their own readers say what is missing
       return out
     raise
-  if not os.path.exists(resolved) and not has_config and "config" in flags.FLAGS:
+  if not os.path.exists(resolved) and not _flag_values(out, "config") and "config" in flags.FLAGS:
     raise CheckpointError(f"checkpoint directory not found: {os.path.abspath(resolved)}")
   out[at] = prefix + resolved
   return out
@@ -81,19 +90,13 @@ def _config_argv(argv: list[str]) -> list[str]:
 
   if "config" not in flags.FLAGS:
     return argv
-  out, config_at, checkpoint = list(argv), -1, None
-  for i, arg in enumerate(out[1:], 1):
-    if arg == "--":
-      break
-    name, eq, value = arg.lstrip("-").partition("=")
-    if name in ("config", "checkpoint") and not eq and i + 1 < len(out):
-      value = out[i + 1]
-    if name == "config":
-      config_at = i if eq else i + 1
-      out[config_at] = (arg[:arg.index("=") + 1] if eq else "") + resolve_config_path(value)
-    elif name == "checkpoint":
-      checkpoint = value
-  if config_at < 0:
+  out = list(argv)
+  configs = _flag_values(out, "config")
+  for at, prefix in configs:
+    out[at] = prefix + resolve_config_path(out[at][len(prefix):])
+  if not configs:
+    checkpoints = _flag_values(out, "checkpoint")
+    checkpoint = out[checkpoints[-1][0]][len(checkpoints[-1][1]):] if checkpoints else None
     default = (flags.FLAGS["config"].default_as_str or "").strip("'")
     default = "" if default == "None" else default
     if checkpoint and os.path.isfile(os.path.join(checkpoint, "config.json")):

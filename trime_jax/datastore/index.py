@@ -207,8 +207,9 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
   keys: k-means and PQ training are not reproducible across faiss versions, adding is. Implies kind="ivfpq".
 
   Resumable (WikiText-103's 100M keys take hours to add on a CPU): the trained, empty IVF-PQ index is kept as
-  `<path>.trained` as soon as it is trained, and the keys added so far as `<path>.partial` every `save_every_s`
-  seconds of adding and on Ctrl-C; each with a sidecar naming the datastore and parameters it belongs to. A
+  `<path>.trained.*` as soon as it is trained, and the keys added so far as `<path>.partial.*` every
+  `save_every_s` seconds of adding and on Ctrl-C; each a data file and a sidecar (`_save_state`) naming the
+  datastore and parameters it belongs to. A
   rerun with the same datastore and parameters continues from the furthest of them (the result is the index
   a build without the interruption makes from those quantizers: ids are sequential and adding is
   deterministic); state of another datastore or other parameters is never used (said, then replaced). Both
@@ -238,49 +239,42 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
           "datastore_fingerprint": ds.fingerprint, "datastore": ds.directory}
   say = (lambda msg: print(f"index: {msg}", flush=True)) if progress else (lambda msg: None)
   t0 = time.perf_counter()
-  index, spent = None, {"train_seconds": 0.0, "add_seconds": 0.0}  # spent: carried over from resumed states
-  if kind == "flat":
-    belongs = dict(info)
-    if reuse and (kept := _complete_index(path, belongs, ds, say)) is not None:
-      return kept
-    index = _first_state(path, (PARTIAL,), belongs, say, spent)
-    index = faiss.IndexFlatIP(d) if index is None else index
-  elif trained_index:
-    trained = _read_trained_ivfpq(trained_index, d)
+  spent = {"train_seconds": 0.0, "add_seconds": 0.0}  # carried over from resumed states
+  trained = _read_trained_ivfpq(trained_index, d) if trained_index else None
+  if trained is not None:
     info.update(nlist=int(trained.nlist), pq_m=int(trained.pq.M), pq_bits=int(trained.pq.nbits),
                 trained_from=os.path.abspath(trained_index), trained_digest=file_digest(trained_index))
-    belongs = dict(info)
-    if reuse and (kept := _complete_index(path, belongs, ds, say)) is not None:
-      return kept
-    index = _first_state(path, (PARTIAL,), belongs, say, spent)
-    if index is None:
-      index = trained
-      say(f"IVF-PQ (nlist={trained.nlist}, m={trained.pq.M}, bits={trained.pq.nbits}) trained by {trained_index}; "
-          f"adding {n:,} keys")
-  else:
+  elif kind == "ivfpq":
     n_train = min(n, int(train_size))
-    nlist_used = max(1, min(int(nlist), n_train // MIN_POINTS_PER_CENTROID))
-    m_used = _largest_divisor_at_most(d, int(pq_m))
-    bits_used = _pq_bits(pq_bits, n_train)
-    info.update(nlist=nlist_used, pq_m=m_used, pq_bits=bits_used, train_size=n_train, seed=seed)
-    belongs = dict(info)
-    if reuse and (kept := _complete_index(path, belongs, ds, say)) is not None:
-      return kept
-    index = _first_state(path, (PARTIAL, TRAINED), belongs, say, spent)
-    if index is None:
-      quantizer = faiss.IndexFlatIP(d)
-      index = faiss.IndexIVFPQ(quantizer, d, nlist_used, m_used, bits_used, faiss.METRIC_INNER_PRODUCT)
-      sample = np.sort(np.random.default_rng(seed).choice(n, size=n_train, replace=False))
-      train = _f32(ds.keys[sample])
-      est = ivfpq_build_seconds(n, d, nlist=nlist_used, pq_m=m_used, pq_bits=bits_used, train_size=train_size)
-      say(f"training IVF-PQ (nlist={nlist_used}, m={m_used}, bits={bits_used}) on {n_train:,} keys: "
-          f"estimated ~{_dur(est['coarse'] + est['pq'])} (coarse k-means ~{_dur(est['coarse'])}, product "
-          f"quantizer ~{_dur(est['pq'])}), then ~{_dur(est['add'])} to add the keys")
-      with _Heartbeat("training IVF-PQ", est["coarse"] + est["pq"], enabled=progress):
-        index.train(train)
-      del train
-      spent["train_seconds"] = round(time.perf_counter() - t0, 3)
-      _save_state(index, path + TRAINED, belongs, spent)
+    info.update(nlist=max(1, min(int(nlist), n_train // MIN_POINTS_PER_CENTROID)),
+                pq_m=_largest_divisor_at_most(d, int(pq_m)), pq_bits=_pq_bits(pq_bits, n_train), train_size=n_train,
+                seed=seed)
+  belongs = dict(info)  # what a kept index or a resumed state must have been built with
+  if reuse and (kept := _complete_index(path, belongs, ds, say)) is not None:
+    return kept
+  # The furthest state of this build: keys added so far, else (IVF-PQ trained here) the trained quantizers.
+  index = _first_state(path, (PARTIAL, TRAINED) if kind == "ivfpq" and trained is None else (PARTIAL,), belongs,
+                       say, spent)
+  if index is None and kind == "flat":
+    index = faiss.IndexFlatIP(d)
+  elif index is None and trained is not None:
+    index = trained
+    say(f"IVF-PQ (nlist={trained.nlist}, m={trained.pq.M}, bits={trained.pq.nbits}) trained by {trained_index}; "
+        f"adding {n:,} keys")
+  elif index is None:
+    nlist_used, m_used, bits_used, n_train = info["nlist"], info["pq_m"], info["pq_bits"], info["train_size"]
+    index = faiss.IndexIVFPQ(faiss.IndexFlatIP(d), d, nlist_used, m_used, bits_used, faiss.METRIC_INNER_PRODUCT)
+    sample = np.sort(np.random.default_rng(seed).choice(n, size=n_train, replace=False))
+    train = _f32(ds.keys[sample])
+    est = ivfpq_build_seconds(n, d, nlist=nlist_used, pq_m=m_used, pq_bits=bits_used, train_size=train_size)
+    say(f"training IVF-PQ (nlist={nlist_used}, m={m_used}, bits={bits_used}) on {n_train:,} keys: "
+        f"estimated ~{_dur(est['coarse'] + est['pq'])} (coarse k-means ~{_dur(est['coarse'])}, product "
+        f"quantizer ~{_dur(est['pq'])}), then ~{_dur(est['add'])} to add the keys")
+    with _Heartbeat("training IVF-PQ", est["coarse"] + est["pq"], enabled=progress):
+      index.train(train)
+    del train
+    spent["train_seconds"] = round(time.perf_counter() - t0, 3)
+    _save_state(index, path + TRAINED, belongs, spent)
   t1 = time.perf_counter()
   added = lambda: dict(spent, add_seconds=round(spent["add_seconds"] + time.perf_counter() - t1, 3))
   # Keys are added in chunks of at most 1/20 of the store, so the bar (keys, rate, ETA) moves on small stores too.
