@@ -64,7 +64,7 @@ case "${1:-}" in
   prepare)
     mkdir -p .gpu/whl .gpu/cache
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform any -d .gpu/whl \
-      flax==0.12.12 optax==0.2.8 orbax-checkpoint==0.12.8 ml_collections==1.1.0
+      $(grep -v '^#' experiments/device_wheels.txt)  # one list for both device scripts
     # the corpus cache docs_wt's data config reads (written by any earlier run here: plans, train)
     KEY=$(.venv/bin/python -c "from trime_jax.configs import docs_wt; from trime_jax import corpora; \
 print(corpora._cache_key(docs_wt.get_config().data, None))")

@@ -230,7 +230,7 @@ case "${1:-}" in
   prepare)
     mkdir -p .gpu/whl
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform any -d .gpu/whl \
-      flax==0.12.12 optax==0.2.8 orbax-checkpoint==0.12.8 ml_collections==1.1.0
+      $(grep -v '^#' experiments/device_wheels.txt)  # one list for both device scripts
     du -sh .gpu/whl
     ;;
   run)

@@ -2,8 +2,11 @@
 and every run's file is in raw.tgz, complete after each sync."""
 
 import os
+import re
 import subprocess
+import sys
 import tarfile
+import tomllib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,3 +34,40 @@ done
     names = {os.path.normpath(n) for n in tar.getnames()} - {"."}
     assert names == {"env.txt", "summary.txt"} | {f"run_{i}.{e}" for i in range(1, 13) for e in ("json", "log")}
     assert tar.extractfile("./run_12.log").read() == b"log 12\n"
+
+
+def _device_wheels():
+  carried, lists = [], {}
+  for line in open(os.path.join(REPO, "experiments", "device_wheels.txt")):
+    line = line.strip()
+    if line.startswith("# on-image:") or line.startswith("# not-there:"):
+      key, names = line[2:].split(":", 1)
+      lists[key] = names.split()
+    elif line and not line.startswith("#"):
+      carried.append(line.split("==")[0])
+  return carried, lists["on-image"], lists["not-there"]
+
+
+def _norm(name):
+  return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_every_dependency_reaches_the_gpu_machine_or_is_not_needed_there():
+  """A dependency added to pyproject.toml must be carried to the GPU machine or be on its image; tensorboardX,
+  added after the last device run, would have stopped every training there at its first step."""
+  with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+    deps = tomllib.load(f)["project"]["dependencies"]
+  carried, on_image, not_there = _device_wheels()
+  names = {_norm(re.split(r"[<>=!~\[ ;]", d, 1)[0]) for d in deps}
+  known = {_norm(n) for n in carried + on_image + not_there}
+  assert names <= known, f"classify in experiments/device_wheels.txt: {sorted(names - known)}"
+  assert {_norm(n) for n in carried} <= names  # nothing carried that the package does not declare
+
+
+def test_the_device_entry_points_start_without_what_is_not_there():
+  """bm25s is not on the GPU machine (faiss gets a stand-in there): the entry points the device scripts run must
+  import without it."""
+  for module in ("trime_jax.launch.train", "trime_jax.launch.eval", "trime_jax.launch.eval_ext",
+                 "trime_jax.launch.build_datastore", "bench.mfu", "bench.eval_speed"):  # one process each: absl flags
+    code = f"import sys; sys.modules['bm25s'] = None; import {module}"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
