@@ -65,14 +65,23 @@ def _median(fn, repeats):
   return statistics.median(times)
 
 
-def measure(size, dim, queries, k, nprobe, n_scales, device_counts, repeats, tmp, faiss_gpu=False):
+def faiss_version():
+  """faiss's version, or None where `import faiss` found only the GPU machine's stand-in (no FAISS there: the
+  device scripts put a module in its place whose every attribute raises ImportError)."""
+  try:
+    return faiss.__version__
+  except ImportError:
+    return None
+
+
+def measure(size, dim, queries, k, nprobe, n_scales, device_counts, repeats, tmp, faiss_gpu=False, with_faiss=True):
   rng = np.random.default_rng(0)
   keys = rng.normal(size=(size, dim)).astype(np.float16)
   values = rng.integers(0, 50_000, size).astype(np.int32)
   q = rng.normal(size=(queries, dim)).astype(np.float32)
   y = rng.integers(0, 50_000, queries).astype(np.int32)
   kk = min(k, size)
-  for kind in ("flat", "ivfpq"):
+  for kind in ("flat", "ivfpq") if with_faiss else ():
     idx = faiss_index.build_index(_Synthetic(keys, tmp), os.path.join(tmp, f"{kind}.faiss"), kind=kind,
                                   train_size=65_536, progress=False)
     idx.nprobe = nprobe
@@ -134,12 +143,15 @@ def main():
   p.add_argument("--faiss_gpu", action="store_true",
                  help="also each FAISS index moved to GPU 0 (a GPU build of faiss; JAX_PLATFORMS=cuda for on_device)")
   a = p.parse_args()
-  if a.faiss_gpu and not faiss_index.gpu_available():
-    print(f"error: --faiss_gpu: this faiss ({faiss.__version__}) has no GPU support or sees no GPU", file=sys.stderr)
+  version = faiss_version()
+  if a.faiss_gpu and (version is None or not faiss_index.gpu_available()):
+    print(f"error: --faiss_gpu: this faiss ({version or 'none'}) has no GPU support or sees no GPU", file=sys.stderr)
     sys.exit(2)
+  faiss_note = (f"faiss {version} ({faiss.omp_get_max_threads()} threads)" if version else
+                "no faiss on this machine: the exact on-device path only")
   device_counts = [int(x) for x in a.devices.split(",")]
   print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, {os.cpu_count()} cores (load average "
-        f"{os.getloadavg()[0]:.1f}), faiss {faiss.__version__} ({faiss.omp_get_max_threads()} threads), D={a.dim}, "
+        f"{os.getloadavg()[0]:.1f}), {faiss_note}, D={a.dim}, "
         f"{a.queries} queries per step, K={a.k}, nprobe={a.nprobe}, {a.scales} scales, median of {a.repeats}\n")
   print("| datastore keys | path | devices | ms / step | queries / s | memory (MiB; per device for on_device) "
         "| agrees with the host index |")
@@ -147,7 +159,8 @@ def main():
   with tempfile.TemporaryDirectory() as tmp:
     for size in (int(s) for s in a.sizes.split(",")):
       for name, n, sec, nbytes, agrees in measure(size, a.dim, a.queries, a.k, a.nprobe, a.scales, device_counts,
-                                                  a.repeats, tmp, faiss_gpu=a.faiss_gpu):
+                                                  a.repeats, tmp, faiss_gpu=a.faiss_gpu,
+                                                  with_faiss=version is not None):
         print(f"| {size:,} | {name} | {n} | {sec * 1e3:,.1f} | {a.queries / sec:,.0f} | {nbytes / 2**20:,.1f} | "
               f"{'' if agrees is None else f'{agrees:.4f}'} |", flush=True)
   print()

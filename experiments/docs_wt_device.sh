@@ -167,7 +167,7 @@ PYEOF
     setup
     source experiments/faiss_gpu_env.sh  # FAISS_GPU_READY; its PYTHONPATH entry comes before the faiss stub's
     D=$(STEPS=${STEPS:-1200} SEED=0 bash experiments/docs_wt.sh dir)
-    if [ -d "$FAISS_SITE/faiss" ]; then M="ivfpq_cpu"; [ "$FAISS_GPU_READY" = 1 ] && M="$M ivfpq_gpu"; M="$M exact"
+    if [ "$FAISS_USABLE" = 1 ]; then M="ivfpq_cpu"; [ "$FAISS_GPU_READY" = 1 ] && M="$M ivfpq_gpu"; M="$M exact"
     else M="exact"; export EXT3_INDEX=none; fi
     # The whole at EXT3_LIMIT s (default 540 of a 600-s call; in a session with less device time left: its
     # budget_left_s minus ~60), so that the table and the copies below always run: each search mode EVAL_S

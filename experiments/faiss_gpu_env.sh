@@ -3,11 +3,13 @@
 # prepare_faiss` for why it is carried this way). Unpacks .gpu_faiss/faiss_gpu_cu12_site.tar.xz into $FAISS_SITE
 # once per machine (a warm machine keeps /tmp, so a later call that does not carry .gpu_faiss still finds it),
 # builds experiments/cublas12_shim.c, finds the machine's cuBLAS 13, and exports PYTHONPATH / LD_LIBRARY_PATH.
-# Sets FAISS_GPU_READY=1 when faiss imports and sees a GPU, else 0 with the reason in FAISS_GPU_WHY. Sourced
-# under `set -e`: every step that can fail is tested, so a failure here leaves the CPU FAISS and exact runs to go on.
+# Sets FAISS_USABLE=1 when that faiss imports (the paths stay exported; else they are not, so a broken GPU build
+# cannot shadow anything) and FAISS_GPU_READY=1 when it also sees a GPU, else 0 with the reason in FAISS_GPU_WHY.
+# Sourced under `set -e`: every step that can fail is tested, so a failure here leaves the CPU FAISS (when it
+# imports) and the exact runs to go on.
 FAISS_SITE=${FAISS_SITE:-/tmp/faiss_gpu_site}
 FAISS_SHIM=${FAISS_SHIM:-/tmp/cublas12_shim}
-FAISS_GPU_READY=0 FAISS_GPU_WHY=""
+FAISS_GPU_READY=0 FAISS_USABLE=0 FAISS_GPU_WHY=""
 if [ ! -d "$FAISS_SITE/faiss" ] && [ -f .gpu_faiss/faiss_gpu_cu12_site.tar.xz ]; then
   mkdir -p "$FAISS_SITE"
   if ! tar -C "$FAISS_SITE" -xJf .gpu_faiss/faiss_gpu_cu12_site.tar.xz; then
@@ -40,14 +42,19 @@ PY
   export CUBLAS_SHIM_TARGET=$CUBLAS13  # empty: the loader's search path
   export _FAISS_WHEEL_DISABLE_CUDA_PRELOAD=1  # the wheel would look for nvidia-cublas-cu12's files
   export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX would otherwise take 75% of the GPU before FAISS asks
-  export LD_LIBRARY_PATH="$FAISS_SHIM:$FAISS_SITE/nvidia/cuda_runtime/lib${CUBLAS13:+:$(dirname "$CUBLAS13")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  export PYTHONPATH="$FAISS_SITE${PYTHONPATH:+:$PYTHONPATH}"
-  if FAISS_GPU_WHY=$(${PYBIN:-python3} -c "
+  FAISS_LD="$FAISS_SHIM:$FAISS_SITE/nvidia/cuda_runtime/lib${CUBLAS13:+:$(dirname "$CUBLAS13")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  FAISS_PP="$FAISS_SITE${PYTHONPATH:+:$PYTHONPATH}"
+  # exit 0: imports and sees a GPU; 3: imports, no GPU (the CPU indexes still run); else it does not import
+  FAISS_GPU_WHY=$(LD_LIBRARY_PATH=$FAISS_LD PYTHONPATH=$FAISS_PP ${PYBIN:-python3} -c "
 import faiss
 n = faiss.get_num_gpus()
 print(f'faiss {faiss.__version__} ({faiss.__file__}) sees {n} GPU(s); cuBLAS 13: ${CUBLAS13:-the loader path}')
-raise SystemExit(0 if n > 0 else 1)" 2>&1 | tail -1); then
-    FAISS_GPU_READY=1
+raise SystemExit(0 if n > 0 else 3)" 2>&1 | tail -1; exit "${PIPESTATUS[0]}") && RC=0 || RC=$?
+  if [ $RC = 0 ] || [ $RC = 3 ]; then
+    FAISS_USABLE=1; [ $RC = 0 ] && FAISS_GPU_READY=1
+    export LD_LIBRARY_PATH=$FAISS_LD PYTHONPATH=$FAISS_PP
+  else
+    FAISS_GPU_WHY="the GPU FAISS does not import, left out of the paths: $FAISS_GPU_WHY"
   fi
 fi
-echo "GPU FAISS: ready=$FAISS_GPU_READY; $FAISS_GPU_WHY"
+echo "GPU FAISS: ready=$FAISS_GPU_READY usable=$FAISS_USABLE; $FAISS_GPU_WHY"
