@@ -75,7 +75,8 @@ def _timed_eval(graphdef, params, corpus, points, e, long_term, tokens, warm_tok
           "ppl": {s.point.family: float(s.ppl) for s in res.scores}}
 
 
-def measure(name: str, a) -> dict:
+def measure(name: str, a, on_row=lambda out, row: None) -> dict:
+  """The config's rows; `on_row(out, row)` after each one (a run cut at its budget keeps the rows it measured)."""
   c = load_config(name, a.tiny)
   e = c.eval
   with c.unlocked():
@@ -103,13 +104,15 @@ def measure(name: str, a) -> dict:
   tau = float(e.tau)
   points = (NONE, Point("trime_local", tau=tau))
   vocab_chunk = int(c.train.get("vocab_chunk", 0))
-  rows = {}
+  rows = out["rows"] = {}
   rows["eval_local"] = _timed_eval(graphdef, params, corpus, points, e, StoreSpec(), a.tokens, warm, vocab_chunk)
+  on_row(out, "eval_local")
   mem = int(a.mem_size if a.mem_size >= 0 else e.mem_size)
   if mem:
     spec = StoreSpec(mem, bool(e.reset_at_documents), str(e.get("long_term_layout", "original")))
     rows["eval_long"] = _timed_eval(graphdef, params, corpus, points, e, spec, a.tokens, warm, vocab_chunk)
     rows["eval_long"]["mem_size"] = mem
+    on_row(out, "eval_long")
   if a.key_pass_tokens:
     with tempfile.TemporaryDirectory() as tmp:
       export_dir = exports.export(os.path.join(tmp, "export"), params, c, vocab)
@@ -125,7 +128,7 @@ def measure(name: str, a) -> dict:
       n = int(meta["tokens_done"]) - int(first["tokens_done"])
       rows["key_pass"] = {"tokens": n, "seconds": sec, "tokens_per_s": n / sec, "key_dtype": kw["key_dtype"],
                           "bytes_per_key": int(mcfg.d_model) * np.dtype(kw["key_dtype"]).itemsize}
-  out["rows"] = rows
+      on_row(out, "key_pass")
   return out
 
 
@@ -152,22 +155,32 @@ def main(argv=None):
   results = []
   print("| config | row | store | tokens | seconds | tokens / s |")
   print("|---|---|---:|---:|---:|---:|")
+
+  def write():  # after every row: a config cut at its budget (gpu_speed.sh's timeout) keeps what it measured
+    if a.out:
+      with open(a.out, "w", encoding="utf-8") as f:
+        json.dump({"device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+                   "args": vars(a), "results": results}, f, indent=1)
+
+  def on_row(out, row):
+    v = out["rows"][row]
+    store = v.get("mem_size", "") if row != "key_pass" else v["key_dtype"]
+    print(f"| {out['config']} | {row} | {store} | {v['tokens']:,} | {v['seconds']:.2f} | {v['tokens_per_s']:,.0f} |",
+          flush=True)
+    if not results or results[-1] is not out:
+      results.append(out)
+    write()
+
   for name in a.configs.split(","):
     try:
-      r = measure(name, a)
+      measure(name, a, on_row)
     except Exception as err:  # one config's failure (out of memory, say) is reported, the others still run
       print(f"| {name} | failed: {first_line(err)} | | | | |", flush=True)
-      results.append({"config": name, "error": f"{type(err).__name__}: {err}"})
-      continue
-    for row, v in r["rows"].items():
-      store = v.get("mem_size", "") if row != "key_pass" else v["key_dtype"]
-      print(f"| {name} | {row} | {store} | {v['tokens']:,} | {v['seconds']:.2f} | {v['tokens_per_s']:,.0f} |",
-            flush=True)
-    results.append(r)
-  if a.out:
-    with open(a.out, "w", encoding="utf-8") as f:
-      json.dump({"device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(),
-                 "args": vars(a), "results": results}, f, indent=1)
+      if results and results[-1].get("config") == name:  # rows measured before the failure stay
+        results[-1]["error"] = f"{type(err).__name__}: {err}"
+      else:
+        results.append({"config": name, "error": f"{type(err).__name__}: {err}"})
+      write()
 
 
 if __name__ == "__main__":

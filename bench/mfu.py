@@ -463,12 +463,18 @@ def main(argv=None):
             "MFU | XLA plan GiB | TRIME÷CE |")
   print(header)
   print("|" + "---|" * (header.count("|") - 1))
+
+  def write():  # after every row: a config cut at its budget (gpu_speed.sh's timeout) keeps what it measured
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
   for name in [x for x in args.configs.split(",") if x]:
     config = apply_set(load_config(name, args.tiny), settings)
     check_speed_options(config)  # train.py's check: an option this backend cannot run is one ConfigError
     peak, peak_src = peak_tflops(dev.device_kind, config.model.dtype, args.peak_tflops)
     rows = args.rows or max(config.train.batch_size // jax.device_count(), 1)
-    entry = {"peak_tflops": peak, "peak_source": peak_src, "rows": {}, "batch_search": {}}
+    entry = results["configs"][name] = {"peak_tflops": peak, "peak_source": peak_src, "rows": {}, "batch_search": {}}
     mcfg = specs.model_config(config, vocab_size=config.model.vocab_size)
     entry["num_params"] = model_lib.abstract_param_count(mcfg)
     if args.check_attention and mcfg.attention_impl == "pallas":  # its kernels run in training with dropout only
@@ -494,6 +500,7 @@ def main(argv=None):
       except Exception as e:  # out of memory at the config's batch (an accelerator): recorded, the rest goes on
         entry.setdefault("errors", {})[objective] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         print(f"| {name} | {objective} | {rows} rows | failed: {entry['errors'][objective]} |", flush=True)
+        write()
         continue
       entry["rows"][objective] = r
       ratio = ""
@@ -507,6 +514,7 @@ def main(argv=None):
       print(f"| {name} | {label} | {rows}×{r['segment_len']}×{r['grad_accum']} | {r['step_s']:.4f} | "
             f"{r['tokens_per_s']:,.0f} | {r['flops_per_token']['total'] / 1e9:.4f} | {xr} | "
             f"{r['achieved_tflops']:.3f} | {mfu} | {plan} | {ratio} |", flush=True)
+      write()
       if args.max_batch:
         best, why = max_batch(config, objective, rows, max(args.steps // 2, 3), 1, peak, args.max_batch_limit)
         entry["batch_search"][objective] = {"largest": best, "stop": why}
@@ -515,6 +523,7 @@ def main(argv=None):
           print(f"| {name} | {label}, largest | {best['rows_per_device']}×{best['segment_len']}×"
                 f"{best['grad_accum']} | {best['step_s']:.4f} | {best['tokens_per_s']:,.0f} | | | "
                 f"{best['achieved_tflops']:.3f} | {mfu} | | | ({why})", flush=True)
+        write()
     if args.pipeline_steps and entry["rows"]:
       entry["input_pipeline"] = p = input_pipeline(config, args.pipeline_steps,
                                                      min_tokens=100_000 if args.tiny else 2_000_000)
@@ -522,10 +531,9 @@ def main(argv=None):
       p["host_over_fastest_step"] = p["host_batch_s"] / min(r["step_s"] for r in entry["rows"].values())
       print(f"|   input pipeline | host batch {p['host_batch_s'] * 1e3:.2f} ms, device_put "
             f"{p['device_put_s'] * 1e3:.2f} ms per update (steps {slowest * 1e3:.1f} ms at most) | | | | | | | | |")
-    results["configs"][name] = entry
+    write()
   if args.out:
-    with open(args.out, "w") as f:
-      json.dump(results, f, indent=1)
+    write()
     print(f"\nwrote {args.out}")
   return results
 

@@ -42,6 +42,26 @@ def test_rows(result):
   assert local["trime_local"] != pytest.approx(long["trime_local"], rel=1e-5)
 
 
+def test_rows_measured_before_a_failure_are_kept(tmp_path, monkeypatch):
+  """A config that fails (or is cut at its budget) part-way keeps the rows it measured, in the JSON as well: the
+  JSON is rewritten after every row."""
+  out = tmp_path / "eval_speed.json"
+  written = []
+
+  def failing_key_pass(*args, **kw):
+    written.append(json.loads(out.read_text()))  # what a kill at this moment would leave
+    raise MemoryError("the key pass did not fit")
+
+  monkeypatch.setattr(eval_speed.ds_build, "build_datastore", failing_key_pass)
+  with contextlib.redirect_stdout(io.StringIO()) as stdout:
+    eval_speed.main(["--tiny", "--configs=wiki103_150m", "--tokens=256", "--mem_size=64", f"--out={out}"])
+  [entry] = json.loads(out.read_text())["results"]
+  assert set(entry["rows"]) == {"eval_local", "eval_long"} and entry["error"].startswith("MemoryError")
+  assert set(written[0]["results"][0]["rows"]) == {"eval_local", "eval_long"}
+  assert "| wiki103_150m | eval_long | 64 |" in stdout.getvalue()
+  assert "| wiki103_150m | failed: MemoryError: the key pass did not fit |" in stdout.getvalue()
+
+
 def test_synthetic_corpus():
   vocab = eval_speed.synthetic_vocab(50, "words")
   corpus = eval_speed.synthetic_corpus(vocab, 10_000, line_len=20)

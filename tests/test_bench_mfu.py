@@ -142,3 +142,21 @@ def test_peak_table():
   assert mfu.peak_tflops("NVIDIA H100 PCIe", "bfloat16")[0] == 756.0
   assert mfu.peak_tflops("TPU v5 lite", "bfloat16")[0] == 197.0
   assert mfu.peak_tflops("cpu", "float32")[0] is None
+
+
+def test_the_json_holds_each_row_as_it_is_measured(tmp_path, monkeypatch):
+  """gpu_speed.sh stops a config at its budget: the rows measured before that must already be in --out."""
+  out = tmp_path / "mfu.json"
+  measure, seen = mfu.measure, []
+
+  def measure_then_read(config, objective, *args):
+    if objective == "trime":  # what a kill while TRIME compiles would leave behind
+      seen.append(json.loads(out.read_text()))
+      raise KeyboardInterrupt
+    return measure(config, objective, *args)
+
+  monkeypatch.setattr(mfu, "measure", measure_then_read)
+  with contextlib.redirect_stdout(io.StringIO()), pytest.raises(KeyboardInterrupt):
+    mfu.main(["--tiny", "--configs=docs_wt", "--steps=1", "--warmup=1", "--pipeline_steps=0", f"--out={out}"])
+  [left] = seen
+  assert set(left["configs"]["docs_wt"]["rows"]) == {"ce"} and left["configs"]["docs_wt"]["rows"]["ce"]["step_s"] > 0
