@@ -102,9 +102,9 @@ case "${1:-}" in
   dir) echo "$OUT" ;;
   train)
     NAME=$2; CFG=$(config_of "$NAME")
-    # A chunk ends with SIGTERM after $CHUNK s: training checkpoints at once and the rerun resumes (SIGKILL 60 s
-    # later should it hang).
-    rc=0; timeout --signal=TERM -k 60 "$CHUNK" $PY trime_jax.launch.train --config=$CFG --workdir=$OUT/$NAME $S $SCHED \
+    # A chunk ends with SIGTERM after $CHUNK s: training checkpoints at once and the rerun resumes (SIGKILL
+    # KILL_AFTER s later should it hang; default 60).
+    rc=0; timeout --signal=TERM -k "${KILL_AFTER:-60}" "$CHUNK" $PY trime_jax.launch.train --config=$CFG --workdir=$OUT/$NAME $S $SCHED \
       $(overrides_of "$NAME") $(plan_of "$NAME") ${TRAIN_FLAGS:-} || rc=$?
     if [ "$rc" = 124 ] || [ "$rc" = 143 ]; then
       ENVS="$([ "$STEPS" = 1200 ] || echo "STEPS=$STEPS ")$([ "$SEED" = 0 ] || echo "SEED=$SEED ")"

@@ -72,7 +72,8 @@ print(corpora._cache_key(docs_wt.get_config().data, None))")
     [ -f "$SRC/COMPLETE" ] || .venv/bin/python -c "from trime_jax.configs import docs_wt; from trime_jax import corpora; \
 corpora.load_splits(docs_wt.get_config().data)"  # encodes the corpus once (as any training here would)
     tar -C "$SRC" -cf - . | xz -T2 -6 > .gpu/cache/docs_wt.tar.xz
-    du -sh .gpu runs/plans
+    du -sh .gpu
+    [ -d runs/plans ] && du -sh runs/plans || echo "no runs/plans yet: bash experiments/docs_wt.sh plans (the trainings read them)"
     ;;
   train)
     JOBS=$2
@@ -81,9 +82,10 @@ corpora.load_splits(docs_wt.get_config().data)"  # encodes the corpus once (as a
     else  # checkpoints cannot leave the machine (60 MiB each): few saves (SIGTERM at the chunk's end saves anyway)
       CKPT=""; PACK=${PACK:-xz}; export CKPT_EVERY=${CKPT_EVERY:-4000}; fi
     setup
-    # 12,000 updates: the chunk ends 530 s after the call began, whatever setup took, leaving ~60 s of a 600-s call
-    # for the SIGTERM checkpoint, the exports and their xz
-    if [ "$STEPS" != 1200 ]; then CHUNK=${CHUNK:-$(( 530 - ($(date +%s) - T_START) ))}; fi
+    # 12,000 updates: the chunk ends 530 s after the call began, whatever setup took, leaving ~70 s of a 600-s call
+    # for the SIGTERM checkpoint (a few seconds for these 5.6M-parameter models; SIGKILL 20 s after the SIGTERM
+    # should one hang, not 60, so that the worst case still leaves ~50 s), the exports and their xz (~45 MB)
+    if [ "$STEPS" != 1200 ]; then CHUNK=${CHUNK:-$(( 530 - ($(date +%s) - T_START) ))}; export KILL_AFTER=${KILL_AFTER:-20}; fi
     T0=$(date +%s)
     echo "$(date -u +%FT%TZ) STEPS=$STEPS CHUNK=$CHUNK jobs: $JOBS" | tee -a runs/device_jobs.txt
     PIDS=""
@@ -135,7 +137,8 @@ PYEOF
     # the 12,000-update ones are 16,000 KiB (four hold 62.5 MiB: two exports of 21.2 MiB with room, three only
     # if xz gets them under 60.7 MiB — it took a float32 export from 22.2 MB to 21.2 MB here).
     if [ "$PACK" = xz ]; then  # float32 parameters: xz gains ~4%, the logs and headers much more
-      tar -cf - runs/device_jobs.txt $FILES | xz -T0 -6 | split -b 16000k -d -a 2 - runs/device_parts/exports.txz.
+      # blocks of 4 MiB so that -T0 uses the machine's cores (-6's default block, 24 MiB, gives ~2 threads here)
+      tar -cf - runs/device_jobs.txt $FILES | xz -T0 -6 --block-size=4MiB | split -b 16000k -d -a 2 - runs/device_parts/exports.txz.
     else
       tar -cf - runs/device_jobs.txt $FILES | split -b 15m -d -a 2 - runs/device_parts/exports.tar.
     fi

@@ -19,10 +19,12 @@
 #   here, to check the script's logic without a GPU:
 #          TINY=1 OUT=/tmp/gpu_speed bash experiments/gpu_speed.sh run      (or levers)
 #            # the same loop with --tiny shapes and this checkout's .venv
-# $OUT receives at most five files (the device tool returns eight): the summaries, and every run's files in
-# raw.tgz, re-packed after each run (experiments/device_out.sh; `tar -xzf raw.tgz` unpacks them).
+# $OUT receives at most seven files (DEVICE_OUT_FILES below and raw.tgz; the device tool returns eight): the
+# summaries, and every run's files in raw.tgz, re-packed after each run (experiments/device_out.sh; `tar -xzf
+# raw.tgz` unpacks them).
 #
-# Budget: the slot is 10 minutes of device time, machine start and transfers included; the loop below gives each
+# Budget: a session has 15 minutes of device time, the machine's start (~200 s) and transfers included, and a
+# command at most 10 minutes (docs/performance.md "On accelerators" plans the slots); the loop below gives each
 # config its own wall-clock limit (BUDGETS, seconds; 440 s in all), after which that config's process is killed
 # and the next one starts (its log says how far it got; no JSON). Compiling the 247M step (16 layers, 267k-word
 # adaptive softmax) is the largest single cost, hence its share. MAX_BATCH=1 adds the doubling search for the

@@ -24,7 +24,8 @@
 #            $OUT/raw.tgz               every file: each original run's log orig_<model>_<crit>.log, bench.mfu's
 #                                       ours_<model>.json / .log (re-packed after each run: experiments/device_out.sh)
 #          One deadline for the whole command (DEADLINE s from its start, default 530): the original's runs end
-#          OURS_BUDGET (default 200) s before it, ours at it, so the table is written inside a 560-s call.
+#          OURS_BUDGET (default 300: bench.mfu compiles two objectives per model) s before it, ours at it, so the
+#          table is written inside a 560-s call; each run gets at most an equal share of its side's time left.
 #   here, the logic without a GPU (the oracle's CPU venv, tiny models, no --fp16):
 #          TINY=1 OUT=/tmp/orig_speed bash experiments/orig_gpu_speed.sh run
 #
@@ -196,12 +197,16 @@ run_there() {
   local ok=1
   setup_there || ok=0
   device_out_sync
-  local deadline=$(( T_START + ${DEADLINE:-530} )) ours_budget=${OURS_BUDGET:-200} m c
+  local deadline=$(( T_START + ${DEADLINE:-530} )) ours_budget=${OURS_BUDGET:-300} m c
   local orig_end=$(( deadline - ours_budget ))  # the original's runs stop here, whatever setup took
+  # Each run gets at most an equal share of what is left for the runs still to come (so one slow or hung run
+  # cannot starve the rest; a run that ends early leaves its time to the later ones).
+  local runs_left=$(( $(echo $MODELS | wc -w) * $(echo $CRITERIA | wc -w) ))
   if [ "$ok" = 1 ]; then
     for m in $MODELS; do
       for c in $CRITERIA; do
-        local left=$(( orig_end - $(date +%s) ))
+        local left=$(( (orig_end - $(date +%s)) / runs_left ))
+        runs_left=$(( runs_left - 1 ))
         if [ "$left" -lt 30 ]; then echo "orig $m $c skipped: budget" | tee -a "$OUT/orig_runs.txt"; continue; fi
         local s rc
         s=$(date +%s)
@@ -225,8 +230,10 @@ run_there() {
   local ours_py=python3 tinyflag="" ours_models=$MODELS
   if [ -n "${TINY:-}" ]; then ours_py=.venv/bin/python; tinyflag="--tiny"; fi
   if [ "${OURS:-1}" = 0 ]; then ours_models=""; fi  # OURS=0: the original only
+  runs_left=$(echo $ours_models | wc -w)
   for m in $ours_models; do
-    local left=$(( deadline - $(date +%s) ))
+    local left=$(( (deadline - $(date +%s)) / runs_left ))  # an equal share of the rest, as the original's
+    runs_left=$(( runs_left - 1 ))
     if [ "$left" -lt 30 ]; then echo "ours $m skipped: budget" | tee -a "$OUT/orig_runs.txt"; continue; fi
     local rc
     # shellcheck disable=SC2046
