@@ -166,6 +166,17 @@ def check_loss():
                    "value_err": abs(float(val - ref_val)), "logits_grad_err": _max_err(grads[0], ref_grads[0]),
                    "keys_grad_err": _max_err(grads[1], ref_grads[1]), "grad_scale": _max_abs(ref_grads)})
   group_cut = check_group_cut(mesh, logits, keys, targets, weights, drop_rows)
+  # A learned (traced) τ: d/dτ of the sharded loss against the dense single-device one (the blockwise kernels
+  # and the ring return the scale's cotangent; shard_map sums the devices' parts of the replicated τ).
+  tau_grad = []
+  for mem, m, var in [("long", 2, "gather"), ("long", 8, "ring"), ("ext", 1, "gather"), ("ext", 1, "ring")]:
+    f = lambda tau: (sharded_loss.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory=mem,
+                                                    consecutive_segments=m, tau=tau, variant=var,
+                                                    memory_chunk=5) * weights).sum()
+    r = lambda tau: (L.trime_nll(logits, keys, targets, memory=mem, consecutive_segments=m, tau=tau,
+                                 implementation="dense") * weights).sum()
+    got, want = float(jax.jit(jax.grad(f))(TAU)), float(jax.grad(r)(TAU))
+    tau_grad.append({"memory": mem, "m": m, "variant": var, "grad": got, "reference": want})
   try:
     sharded_loss.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory="ext", memory_topk=3, variant="ring")
     ring_topk_error = ""
@@ -184,7 +195,7 @@ def check_loss():
     ops = re.findall(r"stablehlo\.(all_gather|reduce_scatter|collective_permute|all_reduce|all_to_all)", text)
     collectives[f"{mem}/{m}/{var}/{mg}"] = sorted(set(ops))
   return {"cases": results, "collectives": collectives, "topk": topk, "ring_topk_error": ring_topk_error,
-          "group_cut": group_cut}
+          "group_cut": group_cut, "tau_grad": tau_grad}
 
 
 def check_group_cut(mesh, logits, keys, targets, weights, drop_rows):

@@ -226,3 +226,27 @@ def test_restore_without_a_target_gives_what_the_page_says(trained_export):
 
   raw = ocp.StandardCheckpointer().restore(os.path.join(trained_export, "params"))
   assert set(raw["blocks"]) == {"0"} and set(raw["embed"]["embedding"]) == {"value"}
+
+
+def test_parameters_of_another_shape_are_refused_on_export_and_on_load(trained_export, tmp_path):
+  """orbax restores whatever shapes are stored: an export whose parameters do not fit its config's model must
+  fail when written (exports.export) and, if written by other means, when loaded (load_export), with one
+  CheckpointError naming the first differing array, not later inside the model's first matmul."""
+  from trime_jax.errors import CheckpointError
+
+  _, params, config, vocab, meta = exports.load_export(trained_export)
+  wider = config.copy_and_resolve_references()
+  wider.model.d_model = 2 * int(config.model.d_model)
+  with pytest.raises(CheckpointError, match="do not match the config's model"):
+    exports.export(str(tmp_path / "refused"), params, wider, vocab)
+  assert not os.path.exists(tmp_path / "refused")
+  # The same mismatch written around export's check (write_export is the raw writer): load_export refuses it.
+  forged = str(tmp_path / "forged")
+
+  def files(tmp):
+    data.atomic_write_json(os.path.join(tmp, "config.json"), json.loads(wider.to_json_best_effort()))
+    data.atomic_write_json(os.path.join(tmp, "vocab.json"), vocab.to_json())
+
+  exports.write_export(forged, params, {k: v for k, v in meta.items() if k != "arch_digest"}, files)
+  with pytest.raises(CheckpointError, match="does not match this config's model"):
+    exports.load_export(forged)

@@ -112,6 +112,27 @@ def test_gradients_match_finite_differences(memory, m, drop_local):
   assert np.abs(g_keys).sum() > 0
 
 
+@pytest.mark.parametrize("memory,m,drop_local", MODES[1:])
+@pytest.mark.parametrize("implementation", ["dense", "blockwise"])
+def test_a_learned_tau_gets_its_gradient_on_every_path(memory, m, drop_local, implementation):
+  """τ may be traced (`ObjectiveSpec.tau`): d nll / d τ against a central difference of the float64 reference.
+  The blockwise path's custom VJP once returned no cotangent for the scale: d/dτ was silently 0 there, and
+  `implementation="auto"` picks that path by batch size."""
+  rng = np.random.default_rng(2)
+  logits, keys, targets = _batch(rng, b=6, l=3, d=3, v=4, key_scale=1.5)
+  weights = rng.normal(size=targets.shape)
+  drop, docs = _opts(drop_local, *targets.shape)
+  ref_obj = lambda tau: float((ref.trime_nll(logits, keys, targets, memory, m, drop, tau, docs) * weights).sum())
+  with jax.enable_x64(True):
+    f = lambda tau: (loss.trime_nll(jnp.asarray(logits), jnp.asarray(keys), jnp.asarray(targets), memory=memory,
+                                    consecutive_segments=m, drop_local=drop, documents=docs, tau=tau,
+                                    implementation=implementation, memory_chunk=3) * weights).sum()
+    g = float(jax.grad(f)(0.8))
+  eps = 1e-6
+  fd = (ref_obj(0.8 + eps) - ref_obj(0.8 - eps)) / (2 * eps)
+  assert g == pytest.approx(fd, rel=1e-6, abs=1e-8) and abs(fd) > 1e-3
+
+
 def test_gradient_into_separate_memory_keys_and_stop_gradient():
   """With distinct query and memory keys: blockwise d/d memory_keys matches finite differences of the
   reference; stop_gradient_memory keeps only the query-side gradient."""
@@ -317,6 +338,34 @@ def test_bad_arguments_raise_clear_errors():
     loss.trime_nll(lg, x, t, memory="ext", drop_local=jnp.zeros((3,), bool))
   with pytest.raises(ValueError, match="documents restrict long-term memory"):
     loss.trime_nll(lg, x, t, memory="ext", documents=jnp.zeros((4, 3), jnp.int32))
+  # τ ≤ 0 used to give finite wrong values (or inf, or a ZeroDivisionError); a target ≥ V NaN or a clamped id
+  for tau in (-1.0, 0.0, float("inf")):
+    with pytest.raises(ValueError, match="tau must be a positive finite number"):
+      loss.trime_nll(lg, x, t, memory="local", tau=tau)
+  with pytest.raises(ValueError, match="tau must be a positive finite number"):
+    scoring.memory_log_probs(lg[0], x[0], x[0], t[0], jnp.ones((3, 3), bool), tau=0)
+  with pytest.raises(ValueError, match=r"targets must lie in \[0, 5\)"):
+    loss.trime_nll(lg, x, t.at[1, 2].set(5), memory="local")
+  with pytest.raises(ValueError, match=r"targets must lie in \[0, 5\)"):
+    scoring.chunked_vocab_stats(x, jnp.zeros((5, 2)), t.at[0, 0].set(9), chunk=2)
+  with pytest.raises(ValueError, match=r"memory_targets must lie in \[0, 5\)"):
+    scoring.memory_log_probs(lg[0], x[0], x[0], t[0].at[0].set(5), jnp.ones((3, 3), bool))
+  with pytest.raises(ValueError, match="disagree on the leading axes"):
+    loss.trime_nll(lg[:2], x, t, memory="local")
+  with pytest.raises(ValueError, match=r"memory_mask must be bool \[N, M\]"):
+    loss.memory_nll(lg[0], x[0], t[0], x[0], t[0], jnp.ones((3, 3), jnp.int32))
+  with pytest.raises(ValueError, match=r"memory_mask must be bool \[N, M\]"):
+    loss.memory_nll(lg[0], x[0], t[0], x[0], t[0], jnp.ones((3, 2), bool))
+  # a traced τ is not checked (it is the caller's to keep positive) and still works
+  assert np.isfinite(jax.jit(lambda tau: loss.trime_nll(lg, x, t, memory="local", tau=tau).sum())(0.5))
+
+
+def test_no_memories_is_the_vocabulary_softmax():
+  """memory_nll with M = 0 memories (an empty store) used to fail in a max over an empty axis."""
+  rng = np.random.default_rng(3)
+  lg, q, t = jnp.asarray(rng.normal(size=(4, 5))), jnp.asarray(rng.normal(size=(4, 3))), jnp.arange(4)
+  nll = loss.memory_nll(lg, q, t, jnp.zeros((0, 3)), jnp.zeros((0,), jnp.int32), jnp.zeros((4, 0), bool))
+  np.testing.assert_allclose(nll, -jax.nn.log_softmax(lg)[jnp.arange(4), t], rtol=1e-6)
 
 
 def test_packed_documents_cut_memory_exactly_at_boundaries():

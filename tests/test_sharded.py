@@ -113,6 +113,14 @@ def test_memory_topk_on_8_devices_equals_trime_nll(checks):
   assert "variant='gather'" in checks("loss")["ring_topk_error"]  # the ring cannot take a global top k
 
 
+def test_a_learned_tau_gets_its_gradient_on_8_devices(checks):
+  rows = checks("loss")["tau_grad"]
+  assert {(r["memory"], r["variant"]) for r in rows} == {("long", "gather"), ("long", "ring"), ("ext", "gather"),
+                                                         ("ext", "ring")}
+  for r in rows:
+    assert abs(r["reference"]) > 1e-3 and r["grad"] == pytest.approx(r["reference"], rel=1e-9), r
+
+
 def test_local_only_cuts_exactly_the_cross_device_memory_gradients(checks):
   """memory_grad="local_only" equals a reference that stop-gradients every memory on another device than the
   query; it changes only key gradients, and only where memories cross devices."""

@@ -179,7 +179,7 @@ def _move_aside(directory: str, step: int) -> str:
 _REQUIRED = ("_METADATA", "manifest.ocdbt")  # written by orbax's StandardCheckpointer (OCDBT format)
 
 
-def _leaf_specs(tree) -> list:
+def leaf_specs(tree) -> list:
   """Sorted (shape, dtype) of every array leaf: a structure-independent summary to compare with orbax's
   metadata (whose containers are plain dicts where the live tree has nnx.State / optax tuples)."""
   leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
@@ -187,9 +187,10 @@ def _leaf_specs(tree) -> list:
 
 
 def restore_checked(path: str, abstract_tree, what: str, restore):
-  """`restore()` after checking the files at `path`: DamagedCheckpointError for missing or unreadable files;
-  a failed restore is CheckpointError when the stored shapes differ from `abstract_tree`'s (another model or
-  optimizer), else damaged data files."""
+  """`restore()` after checking the files at `path`: DamagedCheckpointError for missing or unreadable files,
+  CheckpointError when the stored shapes differ from `abstract_tree`'s (another model or optimizer; checked
+  before restoring: orbax restores stored shapes without complaint), and a failed restore is damaged data
+  files."""
   if "://" not in path:
     missing = [f for f in _REQUIRED if not os.path.exists(os.path.join(path, f))]
     if missing:
@@ -208,15 +209,15 @@ def restore_checked(path: str, abstract_tree, what: str, restore):
     raise DamagedCheckpointError(f"{what} is damaged: its metadata cannot be read ({first_line(e)})") from None
   if stored is None:
     raise DamagedCheckpointError(f"{what} is damaged: its metadata ({path}/_METADATA) cannot be read")
-  have, want = _leaf_specs(stored), _leaf_specs(abstract_tree)
+  have, want = leaf_specs(stored), leaf_specs(abstract_tree)
+  if have != want:
+    diff = next((f"{a[1]}{list(a[0])} stored vs {b[1]}{list(b[0])} expected" for a, b in zip(have, want) if a != b),
+                f"{len(have)} arrays stored vs {len(want)} expected")
+    raise CheckpointError(f"{what} does not match this config's model/optimizer ({diff}); use a fresh "
+                          "workdir") from None
   try:
     return restore()
-  except Exception as e:  # noqa: BLE001 - classified below: another model, or damaged data files
-    if have != want:
-      diff = next((f"{a[1]}{list(a[0])} stored vs {b[1]}{list(b[0])} expected" for a, b in zip(have, want) if a != b),
-                  f"{len(have)} arrays stored vs {len(want)} expected")
-      raise CheckpointError(f"{what} does not match this config's model/optimizer ({diff}); use a fresh "
-                            "workdir") from None
+  except Exception as e:  # noqa: BLE001 - the shapes matched: damaged data files
     raise DamagedCheckpointError(f"{what} is damaged: a data file cannot be read ({first_line(e)})") from None
 
 

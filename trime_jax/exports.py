@@ -33,7 +33,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from trime_jax import data
-from trime_jax.checkpoint import restore_checked
+from trime_jax.checkpoint import leaf_specs, restore_checked
 from trime_jax.distributed import sync_processes
 from trime_jax.errors import CheckpointError, DamagedCheckpointError, first_line
 from trime_jax.model import build_model, count_params
@@ -113,6 +113,15 @@ def export(directory: str, params, config: ml_collections.ConfigDict, vocab: dat
   (`<directory>.lock`, LockedError naming the holder). Multi-host: every process calls this with the same
   (replicated, host-copied) params; orbax writes them once and synchronises the processes, process 0 checks,
   writes the JSON files and renames the directory."""
+  # Parameters of another shape than the config's model would be written, then loaded into the wrong model
+  want = leaf_specs(nnx.split(nnx.eval_shape(lambda: build_model(model_config(config, vocab_size=len(vocab)),
+                                                                 rngs=nnx.Rngs(0))), nnx.Param)[1])
+  have = leaf_specs(params)
+  if have != want:
+    diff = next((f"{a[1]}{list(a[0])} given vs {b[1]}{list(b[0])} expected" for a, b in zip(have, want) if a != b),
+                f"{len(have)} arrays given vs {len(want)} expected")
+    raise CheckpointError(f"export to {directory}: the parameters do not match the config's model and vocabulary "
+                          f"({diff})")
   chief = jax.process_index() == 0
   meta = {} if not chief else {  # process 0 writes the files
       "params_digest": params_digest(params), **_export_meta(config, vocab, extra),

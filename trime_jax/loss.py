@@ -92,6 +92,13 @@ def memory_nll_from_vocab_stats(
     stats: VocabStats, keys, targets, memory_keys, memory_targets, memory_mask, *, tau=1.0
 ):
   """`memory_nll` with the vocabulary side given as `VocabStats` `[N]` (dense mask `[N, M]`)."""
+  n, m = jnp.shape(targets)[0], jnp.shape(memory_targets)[0]
+  if jnp.shape(memory_mask) != (n, m) or jnp.asarray(memory_mask).dtype != jnp.bool_:
+    raise ValueError(f"memory_mask must be bool [N, M] = [{n}, {m}] (queries x memories), got "
+                     f"{jnp.asarray(memory_mask).dtype}{list(jnp.shape(memory_mask))}")
+  if jnp.shape(keys)[0] != n or jnp.shape(memory_keys)[0] != m:
+    raise ValueError(f"keys {jnp.shape(keys)} / memory_keys {jnp.shape(memory_keys)} do not match targets [{n}] / "
+                     f"memory_targets [{m}]")
   scale = scoring.static_scale(keys.shape[-1], tau)
   return scoring.dense_nll(stats, keys, targets, memory_keys, memory_targets, memory_mask, scale)
 
@@ -142,6 +149,7 @@ class ObjectiveSpec:
       raise ValueError(f"memory_topk must be >= 0, got {self.memory_topk}")
     if self.memory_grad_group_rows < 0:
       raise ValueError(f"memory_grad_group_rows must be >= 0, got {self.memory_grad_group_rows}")
+    scoring.check_tau(self.tau)
 
   @property
   def key_grad_group_rows(self) -> int:
@@ -168,6 +176,8 @@ def check_batch_memory(spec: ObjectiveSpec, keys, targets):
     )
   if keys.shape[:2] != targets.shape:
     raise ValueError(f"keys {keys.shape} and targets {targets.shape} disagree on [B, L]")
+  if keys.ndim != 3:
+    raise ValueError(f"keys must be [B, L, D], got {keys.shape}")
 
 
 def _groups(memory: str, b: int, consecutive_segments: int) -> int:
@@ -189,6 +199,8 @@ def trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: Objective
   keys, targets = jnp.asarray(keys), jnp.asarray(targets)
   stats = VocabStats(*map(jnp.asarray, stats))
   check_batch_memory(spec, keys, targets)
+  if stats.log_normalizer.shape != targets.shape:
+    raise ValueError(f"vocabulary stats {stats.log_normalizer.shape} and targets {targets.shape} disagree on [B, L]")
   memory, consecutive_segments = spec.memory, spec.consecutive_segments
   valid = targets >= 0
   if memory == "none":

@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -123,7 +124,7 @@ def masked_logsumexp_with(first_N, scores_NxM, mask_NxM):
   the masked log-sum-exp alone, -inf where nothing is visible).
   """
   masked = jnp.where(mask_NxM, scores_NxM, -jnp.inf)
-  m = jnp.maximum(first_N, masked.max(axis=-1))
+  m = jnp.maximum(first_N, masked.max(axis=-1, initial=-jnp.inf))  # initial: M = 0 memories is no memory
   m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
   total = jnp.exp(first_N - m) + jnp.exp(masked - m[..., None]).sum(axis=-1)
   return m + jnp.log(total)
@@ -174,8 +175,34 @@ def same_grad_group(query_row, memory_row, group_rows: int):
   return (m >= 0) & (q == m // group_rows)
 
 
+def check_tau(tau):
+  """ValueError unless τ > 0 and finite, where τ is concrete (a traced τ is its caller's to keep positive): τ ≤ 0
+  gives finite but meaningless similarities, or inf / a division by zero, never an error."""
+  if isinstance(tau, jax.core.Tracer):
+    return
+  try:
+    t = float(tau)
+  except TypeError:  # not a scalar: the arithmetic below says so
+    return
+  if not (t > 0 and math.isfinite(t)):
+    raise ValueError(f"tau must be a positive finite number, got {tau!r}")
+
+
+def check_targets(targets, v: int, what: str = "targets"):
+  """ValueError unless every target is < V (negative = padding), where the targets are concrete (a traced
+  batch is not checked: the check would sync with the device). An id ≥ V would otherwise be read out of range
+  (NaN, or clamped to the last word), silently."""
+  if (isinstance(targets, jax.core.Tracer) or np.size(targets) == 0
+      or (isinstance(targets, jax.Array) and not targets.is_fully_addressable)):  # other hosts' rows: not here
+    return
+  top = int(np.max(np.asarray(targets)))  # NumPy: a jnp reduction would be traced under an enclosing jit
+  if top >= v:
+    raise ValueError(f"{what} must lie in [0, {v}) (negative: padding), got {top}")
+
+
 def static_scale(d: int, tau):
-  """1 / (√d · τ) as a Python float (τ a Python number): the factor on q·k of the dense paths."""
+  """1 / (√d · τ) as a Python float (τ a Python number > 0): the factor on q·k of the dense paths."""
+  check_tau(tau)
   return 1.0 / (math.sqrt(d) * tau)
 
 
@@ -227,7 +254,11 @@ def _safe_targets(targets):
 
 
 def vocab_stats(token_logits, targets) -> VocabStats:
-  """From full logits `[..., V]` and integer targets `[...]` (negative = padding)."""
+  """From full logits `[..., V]` and integer targets `[...]` in [0, V) (negative = padding; ≥ V: ValueError
+  where concrete)."""
+  check_targets(targets, token_logits.shape[-1])
+  if token_logits.shape[:-1] != jnp.shape(targets):
+    raise ValueError(f"logits {token_logits.shape} and targets {jnp.shape(targets)} disagree on the leading axes")
   logits = token_logits.astype(accumulation_dtype(token_logits))
   lse = jax.nn.logsumexp(logits, axis=-1)
   tgt = jnp.take_along_axis(logits, _safe_targets(targets)[..., None], axis=-1)[..., 0]
@@ -298,8 +329,9 @@ def chunked_vocab_stats(hidden, weight_VxD, targets, *, bias_V=None, chunk=8192)
 
   hidden `[..., D]`, weight `[V, D]` (the output embedding), targets `[...]`. The log-normaliser is a
   running log-sum-exp over vocabulary chunks; its backward recomputes each chunk's logits, so peak memory is
-  `[N, chunk]`, not `[N, V]`.
+  `[N, chunk]`, not `[N, V]`. Targets in [0, V) (negative = padding; ≥ V: ValueError where concrete).
   """
+  check_targets(targets, weight_VxD.shape[0])
   lead = hidden.shape[:-1]
   h = hidden.reshape(-1, hidden.shape[-1])
   t = targets.reshape(-1)
@@ -367,29 +399,33 @@ def fold_memory(chunk, q_NxD, qmeta, causal, scale, cross_rows, state, k_MxD, km
 
 def memory_grads(chunk, q_NxD, qmeta, causal, scale, cross_rows, log_z, log_p, g_z, g_p, with_dk, k_MxD, kmeta,
                  grad_group_rows: int = 0):
-  """(dq `[N, D]`, dk `[M, D]` or None) of a memory's part of (log Z, log P) under cotangents (g_z, g_p),
-  similarities recomputed chunk by chunk. grad_group_rows > 0: a key's gradient comes only from queries whose
-  `row` lies in its group of that many consecutive rows (`same_grad_group`); dq is complete either way."""
+  """(dq `[N, D]`, dk `[M, D]` or None, d scale `[]`) of a memory's part of (log Z, log P) under cotangents
+  (g_z, g_p), similarities recomputed chunk by chunk. grad_group_rows > 0: a key's gradient comes only from
+  queries whose `row` lies in its group of that many consecutive rows (`same_grad_group`); dq is complete either
+  way. d scale: so that a learned (traced) τ gets its gradient on this path as on the dense one."""
   kc, mc = chunk_memory(chunk, k_MxD, kmeta)
   acc = scale.dtype
   q32 = q_NxD.astype(acc)
   prec = similarity_precision(q_NxD, k_MxD)
 
-  def body(dq, blk):
+  def body(carry, blk):
+    dq, d_scale = carry
     s, vis, pos = block_terms(q_NxD, blk[0], qmeta, blk[1], causal, scale, cross_rows)
     # d logZ_i / d s_ij = vis·softmax weight; d logP_i / d s_ij = pos·weight within the positives.
     g = g_z[:, None] * jnp.exp(jnp.where(vis, s - log_z[:, None], -jnp.inf))
     g = g + g_p[:, None] * jnp.exp(jnp.where(pos, s - log_p[:, None], -jnp.inf))
+    d_scale = d_scale + jnp.sum(g * s)  # s_ij = scale·(q_i·k_j): d/d scale = Σ g_ij s_ij / scale (below)
     g = g * scale
     dq = dq + jnp.einsum("nc,cd->nd", g, blk[0].astype(acc), precision=prec)
     if not with_dk:
-      return dq, None
+      return (dq, d_scale), None
     if grad_group_rows > 0:
       g = jnp.where(same_grad_group(qmeta.row, blk[1].row, grad_group_rows), g, 0.0)
-    return dq, jnp.einsum("nc,nd->cd", g, q32, precision=prec)
+    return (dq, d_scale), jnp.einsum("nc,nd->cd", g, q32, precision=prec)
 
-  dq, dk = jax.lax.scan(body, jnp.zeros(q_NxD.shape, acc), (kc, mc))
-  return dq, (dk.reshape(-1, k_MxD.shape[-1])[: k_MxD.shape[0]] if with_dk else None)
+  (dq, d_scale), dk = jax.lax.scan(body, (jnp.zeros(q_NxD.shape, acc), jnp.zeros((), acc)), (kc, mc))
+  return (dq, (dk.reshape(-1, k_MxD.shape[-1])[: k_MxD.shape[0]] if with_dk else None),
+          (d_scale / scale).astype(scale.dtype))
 
 
 def vocab_stats_grads(stats: VocabStats, log_z, log_p, g_z, g_p) -> VocabStats:
@@ -428,10 +464,10 @@ def _memory_log_terms_fwd(cross_rows, chunk, grad_group_rows, q_NxD, k_MxD, qmet
 def _memory_log_terms_bwd(cross_rows, chunk, grad_group_rows, res, cotangents):
   q_NxD, k_MxD, qmeta, kmeta, causal, scale, stats, log_z, log_p = res
   g_z, g_p = cotangents
-  dq, dk = memory_grads(chunk, q_NxD, qmeta, causal, scale, cross_rows, log_z, log_p, g_z, g_p, True, k_MxD, kmeta,
-                        grad_group_rows)
+  dq, dk, d_scale = memory_grads(chunk, q_NxD, qmeta, causal, scale, cross_rows, log_z, log_p, g_z, g_p, True,
+                                 k_MxD, kmeta, grad_group_rows)
   d_stats = vocab_stats_grads(stats, log_z, log_p, g_z, g_p)
-  return dq.astype(q_NxD.dtype), dk.astype(k_MxD.dtype), None, None, None, None, d_stats
+  return dq.astype(q_NxD.dtype), dk.astype(k_MxD.dtype), None, None, None, d_scale, d_stats
 
 
 _memory_log_terms.defvjp(_memory_log_terms_fwd, _memory_log_terms_bwd)
@@ -533,8 +569,9 @@ def memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mas
   token_logits `[N, V]`, keys `[N, D]`, memory_keys `[M, D]`, memory_targets `[M]` int (negative: ignored),
   memory_mask `[N, M]` bool. exp(sim) of every visible memory is scattered into its target's vocabulary bucket
   with a jit-compiled segment sum and added to exp(logits) before normalising. The same law with the memory
-  sharded over devices: `sharded_memory_log_probs`.
+  sharded over devices: `sharded_memory_log_probs`. Memory targets ≥ V: ValueError where concrete.
   """
+  check_targets(memory_targets, token_logits.shape[-1], "memory_targets")
   scale = jnp.asarray(static_scale(keys.shape[-1], tau), accumulation_dtype(keys))
   return _memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask, scale)
 

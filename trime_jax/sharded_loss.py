@@ -342,30 +342,31 @@ def _ring_bwd(axis, n, chunk, key_grads, grad_group_rows, res, cotangents):
                                                              g_z, g_p, with_dk, k_blk, kmeta, grad_group_rows)
   src = lambda s: ((i - s) % n) * b
 
-  dq, dk = grads(key_grads != "none", k, qmeta)  # step 0: this device's own block
+  dq, dk, d_scale = grads(key_grads != "none", k, qmeta)  # step 0: this device's own block
   k_blk, t_blk = _ring_pass(axis, n, (k, targets))
 
   def step(carry, s, last=False):
     # Holds the block of device i-s and the gradient so far of block i-s+1; device i-1 sends the gradient
     # so far of block i-s, this device adds its queries' part and sends it on.
-    k_blk, t_blk, dk_acc, dq = carry
+    k_blk, t_blk, dk_acc, dq, d_scale = carry
     nxt = (k_blk, t_blk) if last else _ring_pass(axis, n, (k_blk, t_blk))
-    dq_s, dk_s = grads(travel, k_blk, _ext_meta(t_blk, src(s)))
+    dq_s, dk_s, d_scale_s = grads(travel, k_blk, _ext_meta(t_blk, src(s)))
     if travel:
       dk_acc = _ring_pass(axis, n, dk_acc) + dk_s
-    return (*nxt, dk_acc, dq + dq_s), None
+    return (*nxt, dk_acc, dq + dq_s, d_scale + d_scale_s), None
 
-  carry = (k_blk, t_blk, dk, dq)
+  carry = (k_blk, t_blk, dk, dq, d_scale)
   if n > 1:
     carry, _ = lax.scan(step, carry, jnp.arange(1, n - 1))
     carry, _ = step(carry, n - 1, last=True)
-  _, _, dk_acc, dq = carry
+  _, _, dk_acc, dq, d_scale = carry
   if travel:
     dk = _ring_pass(axis, n, dk_acc)  # the gradient of block i+1 goes to device i+1; ours arrives from i-1
   elif dk is None:
     dk = jnp.zeros(k.shape, scale.dtype)
   d_stats = scoring.vocab_stats_grads(stats, log_z, log_p, g_z, g_p)
-  return dq.astype(q.dtype), dk.astype(k.dtype), None, None, None, d_stats
+  # d_scale: this device's queries' part; scale enters shard_map replicated, so its transpose sums the parts
+  return dq.astype(q.dtype), dk.astype(k.dtype), None, None, d_scale, d_stats
 
 
 _ring_log_terms.defvjp(_ring_fwd, _ring_bwd)
