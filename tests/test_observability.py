@@ -6,6 +6,7 @@ import glob
 import json
 import logging
 import os
+import subprocess
 import sys
 import time
 
@@ -238,3 +239,14 @@ def test_tensorboard_tags_are_cleaned_as_tensorboardx_would_without_its_log_line
     w.scalars(3, {"dev/trime_local(tau=1)_ppl": 12.5})
     w.close()
   assert not [r for r in caplog.records if "is illegal" in r.getMessage()]
+
+
+def test_importing_the_library_leaves_the_logging_configuration_alone():
+  """orbax logs at import time, and a module-level logging call on a root logger without handlers runs
+  logging.basicConfig(): a user's own basicConfig afterwards would do nothing. trime_jax takes that handler back."""
+  code = ("import logging, trime_jax.api, trime_jax.mt.export, trime_jax.launch.train\n"
+          "assert logging.getLogger().handlers == [], logging.getLogger().handlers\n"
+          "logging.basicConfig(level=logging.INFO, format='mine %(message)s')\n"
+          "logging.info('configured')")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert "mine configured" in out.stderr

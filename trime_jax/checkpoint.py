@@ -13,19 +13,37 @@ import hashlib
 import json
 import os
 import shutil
+import logging
 import time
 
 import jax
 import ml_collections
 from absl import logging as absl_logging
 import numpy as np
-import orbax.checkpoint as ocp
 
 from trime_jax import data
 from trime_jax.distributed import sync_processes
 from trime_jax.errors import CheckpointError, DamagedCheckpointError, DiskFullError, first_line, is_no_space
 from trime_jax.runtime import workdir as workdir_files
 from trime_jax.runtime.workdir import newest_step, step_dirs  # noqa: F401 - also checkpoint.newest_step
+
+
+def _import_orbax():
+  """orbax.checkpoint, imported without its side effect on the user's logging: it logs at import time, and a
+  module-level logging call on a root logger without handlers runs `logging.basicConfig()`, after which the
+  user's own `logging.basicConfig(level=..., format=...)` does nothing. The handler it adds is taken back."""
+  root = logging.getLogger()
+  before = list(root.handlers)
+  import orbax.checkpoint  # noqa: PLC0415 - the guarded import itself
+
+  if not before:
+    for handler in root.handlers[:]:
+      root.removeHandler(handler)
+  return orbax.checkpoint
+
+
+ocp = _import_orbax()  # the package's one import of orbax (exports and mt.export take it from here)
+
 
 def manager(directory: str, keep: int) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)

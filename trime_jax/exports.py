@@ -29,11 +29,10 @@ import shutil
 import jax
 import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from trime_jax import data
-from trime_jax.checkpoint import leaf_specs, restore_checked
+from trime_jax.checkpoint import leaf_specs, ocp, restore_checked  # ocp: orbax, imported there
 from trime_jax.distributed import sync_processes
 from trime_jax.errors import CheckpointError, DamagedCheckpointError, first_line
 from trime_jax.model import build_model, count_params

@@ -10,11 +10,11 @@ import os
 
 import jax
 import ml_collections
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from trime_jax import data as lm_data
 from trime_jax import exports
+from trime_jax.checkpoint import ocp  # orbax, imported there
 from trime_jax import specs
 from trime_jax.errors import CheckpointError, DamagedCheckpointError
 from trime_jax.mt.data import SubwordVocab
