@@ -412,6 +412,32 @@ def test_bad_input_is_a_clear_error(byte_gen):
     G.MemorySpec("local", knn_lambda=0.2)
   with pytest.raises(ConfigError, match="max_new_tokens"):
     byte_gen.generate(["a"], max_new_tokens=0)
+  # Each wrong type is one ConfigError naming the argument, not an error deep in a jitted function
+  for call, message in [
+      (lambda: byte_gen.generate(["a"], memory="lng"), r"^memory must be one of"),
+      (lambda: byte_gen.generate(["a"], memory=3), r"^memory must be a MemorySpec or one of"),
+      (lambda: byte_gen.generate(b"abc"), r"^prompts are text: decode bytes first"),
+      (lambda: byte_gen.generate([b"abc"]), r"^prompt 0 is bytes"),
+      (lambda: byte_gen.generate([3.5]), r"^prompt 0 must be a string or a list of token ids, got float"),
+      (lambda: byte_gen.generate(["a"], max_new_tokens=2.5), r"^max_new_tokens must be an integer >= 1"),
+      (lambda: byte_gen.generate(["a"], sampling={"temperature": 0}), r"^sampling must be a generate.Sampling"),
+      (lambda: G.Sampling(seed=2**31), r"^seed must be an integer in \[-2\*\*31, 2\*\*31\)"),
+      (lambda: G.Sampling(seed=-2**31 - 1), r"^seed must be an integer"),
+      (lambda: G.Sampling(top_k=2.5), r"^top_k must be an integer >= 0"),
+      (lambda: G.Sampling(temperature="1"), r"^temperature must be a number >= 0"),
+      (lambda: G.MemorySpec("local", tau="1"), r"^tau must be a number"),
+  ]:
+    with pytest.raises(ConfigError, match=message):
+      call()
+  # a memory kind as a string is the MemorySpec of that kind; token ids (NumPy integers too) are one prompt
+  kw = dict(max_new_tokens=3, sampling=G.Sampling(0))
+  with pytest.raises(ConfigError, match="needs a long-term store"):
+    byte_gen.generate(["a"], memory="long")
+  assert byte_gen.generate(["ab"], memory="none", **kw)[0].tokens == byte_gen.generate(
+      ["ab"], memory=G.MemorySpec("none"), **kw)[0].tokens
+  ids = [np.int64(97), np.int64(98)]
+  assert [g.tokens for g in byte_gen.generate(ids, **kw)] == [byte_gen.generate(["ab"], **kw)[0].tokens]
+  assert G.Sampling(seed=2**31 - 1).seed == 2**31 - 1 and G.Sampling(seed=-2**31).seed == -2**31
 
 
 def test_cli_generates_with_a_memory_file_and_reports_errors_in_one_line(tmp_path, byte_gen):

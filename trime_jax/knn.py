@@ -9,13 +9,20 @@ sim = g(c)·k_j / √D (τ, τ′ and θ are applied by the evaluator).
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import time
+from typing import Callable
 
 import numpy as np
 
 from trime_jax import scoring
 from trime_jax.datastore import Datastore, KnnIndex, rescore
 from trime_jax.errors import CheckpointError, ConfigError
+
+# The Python API (trime_jax.api) sends ExternalMemory's line here instead of stdout (`log=logger.info`): a library
+# call should not print; the CLIs keep the default, `print_line`.
+logger = logging.getLogger(__name__)
 
 RETRIEVAL_KS = (1, 8, 64, 1024)
 # Frequency buckets of the paper's Table "bucket_ppl": occurrences of the target word in the training split.
@@ -31,11 +38,21 @@ class Retrieved:
   targets: np.ndarray  # [N, K] int32 next token of each memory (-1 where fewer than K exist)
 
 
+def print_line(msg: str) -> None:
+  """The command lines' `log`: one line on stdout, flushed (a log file shows it before a long search)."""
+  print(msg, flush=True)
+
+
 class ExternalMemory:
-  """A datastore + its FAISS index, checked against the model that queries it."""
+  """A datastore + its FAISS index, checked against the model that queries it. `log` hears one line naming the
+  index and its size (default: stdout, as the command lines show it; the Python API passes `logger.info`).
+  Paths may be strings or path-like objects."""
 
   def __init__(self, datastore_dir: str, *, index_path: str = "", checkpoint_dir: str = "", k: int = 1024,
-               nprobe: int = 32, exact: bool = False, gpu: bool = False):
+               nprobe: int = 32, exact: bool = False, gpu: bool = False,
+               log: Callable[[str], None] = print_line):
+    datastore_dir, index_path = os.fspath(datastore_dir), os.fspath(index_path)
+    checkpoint_dir = os.fspath(checkpoint_dir)
     self.datastore = Datastore(datastore_dir)
     if checkpoint_dir:
       self.datastore.check_checkpoint(checkpoint_dir)
@@ -46,9 +63,9 @@ class ExternalMemory:
     self.k = int(min(k, self.datastore.count))
     ds = self.datastore
     kind = "exact IndexFlatIP" if self.index.kind == "flat" else f"IVF-PQ (nprobe={nprobe})"
-    print(f"external memory: {kind} index {path} over {ds.count:,} × {ds.dimension} keys, K={self.k}"
-          + (f" (every search scans all {ds.count:,} keys; trime_jax.launch.build_datastore --index=ivfpq is faster)"
-             if self.index.kind == "flat" and ds.count * ds.dimension > 1 << 24 else ""), flush=True)
+    log(f"external memory: {kind} index {path} over {ds.count:,} × {ds.dimension} keys, K={self.k}"
+        + (f" (every search scans all {ds.count:,} keys; trime_jax.launch.build_datastore --index=ivfpq is faster)"
+           if self.index.kind == "flat" and ds.count * ds.dimension > 1 << 24 else ""))
     self.exact = exact
     self.search_seconds = 0.0
     self.queries = 0

@@ -38,7 +38,8 @@ The pieces, one file each (every public name is re-exported here: `generate.X`):
                 text in evaluation's windows
   text.py       `Text`: prompts <-> token ids (bytes or WikiText-style words)
   trace.py      the retrieval trace (`TraceStep`, `TraceMemory`): which memories gave the sampled token its mass
-  generator.py  `Generator`, the façade: loads the export, wires the pieces, runs the loop; `Generation`
+  generator.py  `Generator`, the façade: loads the export (or takes a caller's loaded one), wires the pieces, runs
+                the loop; `Generation`
 """
 
 from trime_jax.generate.decoder import CachedDecoder, next_token_log_probs

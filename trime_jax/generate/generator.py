@@ -4,6 +4,8 @@ the trace) into the decoding loop; `Generation`, one row's result."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import os
 import sys
 from typing import Callable
 
@@ -15,7 +17,7 @@ from trime_jax import exact_memory
 from trime_jax import knn
 from trime_jax.errors import CheckpointError, ConfigError
 from trime_jax.generate.decoder import CachedDecoder
-from trime_jax.generate.memory import LongTermMemory, Memories, MemorySpec
+from trime_jax.generate.memory import MEMORIES, LongTermMemory, Memories, MemorySpec
 from trime_jax.generate.sampling import Sampling, step_keys
 from trime_jax.generate.text import Text
 from trime_jax.generate.trace import trace_step
@@ -34,22 +36,62 @@ def _stderr(msg: str) -> None:
   print(msg, file=sys.stderr, flush=True)
 
 
-class Generator:
-  """An export loaded for generation: `generate(prompts, ...)`, `read(store, text)`, `external(...)`."""
+def _is_ids(p) -> bool:
+  """A prompt given as token ids: a 1-d integer array, or a non-empty sequence of integers."""
+  if isinstance(p, np.ndarray):
+    return p.ndim == 1 and (p.dtype.kind in "iu" or not len(p))
+  return isinstance(p, (list, tuple)) and bool(p) and all(
+      isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p)
 
-  def __init__(self, checkpoint_dir: str, *, log: Callable[[str], None] = _stderr):
+
+def _prompt_list(prompts) -> list:
+  """`prompts` as a list of prompts (each a string or token ids); anything else is one ConfigError. Bytes are
+  refused rather than read as token ids: b"abc" is far more likely undecoded text than byte ids."""
+  if isinstance(prompts, str) or _is_ids(prompts):
+    return [prompts]
+  if isinstance(prompts, (bytes, bytearray)):
+    raise ConfigError("prompts are text: decode bytes first (prompt.decode('utf-8')); token ids: a list of ints")
+  if not isinstance(prompts, (list, tuple)):
+    raise ConfigError(f"prompts must be a string, a list of token ids, or a list of those; got "
+                      f"{type(prompts).__name__}")
+  for i, p in enumerate(prompts):
+    if isinstance(p, (bytes, bytearray)):
+      raise ConfigError(f"prompt {i} is bytes: decode it first (prompt.decode('utf-8')); token ids: a list of ints")
+    if not (isinstance(p, str) or _is_ids(p) or (isinstance(p, (list, tuple)) and not p)):
+      raise ConfigError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
+  return list(prompts)
+
+
+class Generator:
+  """An export loaded for generation: `generate(prompts, ...)`, `read(store, text)`, `external(...)`.
+
+  `loaded`: the (graphdef, params, config, vocab, meta) that `exports.load_export(checkpoint_dir)` returned to
+  a caller that holds them already (the API's `Model`): used as they are, not read again, so both share one
+  copy of the parameters. `params` can be assigned (the decoder then runs the new ones, with the same graph)."""
+
+  def __init__(self, checkpoint_dir: str, *, log: Callable[[str], None] = _stderr, loaded=None):
     self.checkpoint_dir = checkpoint_dir
-    self.graphdef, self.params, self.config, self.vocab, self.meta = exports.load_export(checkpoint_dir)
-    model = nnx.merge(self.graphdef, self.params)
+    graphdef, params, self.config, self.vocab, self.meta = loaded or exports.load_export(checkpoint_dir)
+    self.graphdef = graphdef
+    model = nnx.merge(graphdef, params)
     if getattr(model, "stateful", False):  # the key/value-cache decoder is the Transformer's
       raise ConfigError(f"generation supports the transformer backbone; {checkpoint_dir} is a "
                         f"{model.cfg.backbone} model")
     self.cfg = model.cfg
-    self.decoder = CachedDecoder(self.graphdef, self.params, self.cfg)
+    self.decoder = CachedDecoder(graphdef, params, self.cfg)
     self.default_tau = float(self.config.eval.tau)  # the export's evaluation τ
     self.eos = self.vocab.index.get(data.EOS)  # bytes: none (generation stops at the budget)
     self.log = log
     self.text = Text(self.vocab, lambda msg: self.log(msg))  # through self.log: a caller may replace it
+
+  @property
+  def params(self):
+    """The parameters generation runs (the decoder's: one copy)."""
+    return self.decoder.params
+
+  @params.setter
+  def params(self, value) -> None:
+    self.decoder.params = value  # its jitted functions take the parameters as an argument: no recompilation
 
   # -- text <-> tokens, keys of text -------------------------------------------------------------------------
   def tokenize(self, text: str, what: str = "prompt") -> list[int]:
@@ -79,12 +121,12 @@ class Generator:
     return LongTermMemory(self.cfg.d_model)
 
   def external(self, datastore_dir: str, *, index_path: str = "", k: int = 1024, nprobe: int = 32,
-               gpu: bool = False) -> knn.ExternalMemory:
+               gpu: bool = False, log: Callable[[str], None] = knn.print_line) -> knn.ExternalMemory:
     """A datastore + index of this model (built by `trime_jax.launch.build_datastore`; another model's or vocabulary's
-    is refused)."""
+    is refused). `log` hears which index it searches (`knn.ExternalMemory`'s line; default: stdout)."""
     try:
       ext = knn.ExternalMemory(datastore_dir, index_path=index_path, checkpoint_dir=self.checkpoint_dir, k=k,
-                               nprobe=nprobe, gpu=gpu)
+                               nprobe=nprobe, gpu=gpu, log=log)
     except CheckpointError as e:
       if "does not match" not in str(e):
         raise
@@ -98,7 +140,7 @@ class Generator:
   def on_device(self, datastore_dir: str, mesh=None) -> exact_memory.DeviceDatastore:
     """A datastore of this model with its keys on the devices (sharded over all of them, or `mesh`'s `data`
     axis): memory=external then sums over every entry exactly instead of a FAISS top-K."""
-    ds = exact_memory.Datastore(datastore_dir)
+    ds = exact_memory.Datastore(os.fspath(datastore_dir))
     try:
       ds.check_checkpoint(self.checkpoint_dir)
     except CheckpointError as e:
@@ -115,20 +157,25 @@ class Generator:
                external: knn.ExternalMemory | exact_memory.DeviceDatastore | None = None, trace: bool = False,
                remember: bool = True,
                stop_at_eos: bool = True) -> list[Generation]:
-    """Continue each prompt (a string, or a list of token ids) by up to `max_new_tokens` tokens, stopping a
-    row at `</s>` (word vocabularies, `stop_at_eos`). memory: a MemorySpec (default: local; τ: the export's
-    eval.tau unless given). `store` (memory long or external) is read, and extended with every row's
-    prompt and output unless remember=False; `external` (memory external) is searched once per generated
-    token."""
-    memory = memory or MemorySpec("local")
+    """Continue each prompt (a string, or a list of token ids; or a list of such prompts) by up to
+    `max_new_tokens` tokens, stopping a row at `</s>` (word vocabularies, `stop_at_eos`). memory: a MemorySpec
+    or its kind as a string (none | local | long | external; default: local; τ: the export's eval.tau unless
+    given). `store` (memory long or external) is read, and extended with every row's prompt and output unless
+    remember=False; `external` (memory external) is searched once per generated token."""
+    if memory is None or isinstance(memory, str):
+      memory = MemorySpec(memory or "local")  # MemorySpec names the kinds it accepts
+    elif not isinstance(memory, MemorySpec):
+      raise ConfigError(f"memory must be a MemorySpec or one of {MEMORIES}, got {type(memory).__name__}")
+    if not isinstance(sampling, Sampling):
+      raise ConfigError(f"sampling must be a generate.Sampling, got {type(sampling).__name__}")
     if memory.tau is None:
       memory = dataclasses.replace(memory, tau=self.default_tau)
-    if isinstance(prompts, (str, np.ndarray)) or (prompts and isinstance(prompts[0], int)):
-      prompts = [prompts]
+    prompts = _prompt_list(prompts)
     if not prompts:
       raise ConfigError("no prompts given")
-    if max_new_tokens < 1:
-      raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+      raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
     if memory.kind == "long" and store is None:
       raise ConfigError("memory=long needs a long-term store (a --memory_file, or store=LongTermMemory)")
     if memory.kind == "external" and external is None:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax.numpy as jnp
 import numpy as np
@@ -32,8 +33,12 @@ class MemorySpec:
   interp_memory: str = "external"  # memories of P′: "external" (retrieved only) | "all"
 
   def __post_init__(self):
-    if self.kind not in MEMORIES:
+    if not isinstance(self.kind, str) or self.kind not in MEMORIES:
       raise ConfigError(f"memory must be one of {MEMORIES}, got {self.kind!r}")
+    for name in ("tau", "knn_lambda", "tau_prime"):  # a string would fail in a comparison below, unnamed
+      value = getattr(self, name)
+      if not (value is None and name == "tau") and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
     if (self.tau is not None and not self.tau > 0) or not self.tau_prime > 0:
       raise ConfigError(f"tau and tau_prime must be > 0, got {self.tau}, {self.tau_prime}")
     if not 0 <= self.knn_lambda < 1:

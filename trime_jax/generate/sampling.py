@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -18,15 +19,30 @@ class Sampling:
   temperature: float = 1.0  # 0: greedy (argmax)
   top_k: int = 0  # 0: off
   top_p: float = 1.0  # 1: off
-  seed: int = 0
+  seed: int = 0  # a 32-bit signed integer: the jitted key derivation takes it as int32
 
   def __post_init__(self):
-    if not self.temperature >= 0:
-      raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-    if self.top_k < 0:
-      raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-    if not 0 < self.top_p <= 1:
-      raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+    # Checked here, where every caller (the API, the CLI, a script) builds one: a wrong type would otherwise
+    # fail deep inside a jitted function, without naming the argument.
+    if not _real(self.temperature) or not self.temperature >= 0:
+      raise ConfigError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+    if not _integer(self.top_k) or self.top_k < 0:
+      raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+    if not _real(self.top_p) or not 0 < self.top_p <= 1:
+      raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+    if not _integer(self.seed) or not -2**31 <= self.seed < 2**31:
+      raise ConfigError(f"seed must be an integer in [-2**31, 2**31) (a 32-bit PRNG seed), got {self.seed!r}")
+    # plain Python numbers: the spec is a static jit argument, hashed and compared by value
+    for name, cast in (("temperature", float), ("top_k", int), ("top_p", float), ("seed", int)):
+      object.__setattr__(self, name, cast(getattr(self, name)))
+
+
+def _integer(x) -> bool:
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _real(x) -> bool:
+  return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def filter_log_probs(log_p_BxV, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
