@@ -3,15 +3,21 @@ trained here; scores checked against a NumPy restatement of TRIME's local-memory
 `generate.Generator` called directly, external memory with a datastore built here, and loading an original
 fairseq checkpoint through the importer."""
 
+import gc
+import logging
 import os
+import tempfile
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import trime_jax
 from tests.helpers import tiny_config, write_text_file
-from trime_jax import api, generate
-from trime_jax.errors import ConfigError
+from trime_jax import api, data, evaluate, exports, generate, knn, specs
+from trime_jax import model as M
+from trime_jax.errors import CheckpointError, ConfigError
 
 TEXT = "def main(argv):\n    return argv\n"
 
@@ -90,8 +96,24 @@ def test_long_term_memory_add_and_clear(model):
   model.memory.clear()
   assert len(model.memory) == 0
   np.testing.assert_allclose(model.score(text, memory="long").log_probs, local.log_probs, rtol=1e-5, atol=1e-5)
-  with pytest.raises(ConfigError, match="model.memory.add"):
-    model.generate("x", memory="long")
+  # An empty memory is local memory alone when generating too, as when scoring (it was refused before)
+  kw = dict(max_new_tokens=5, temperature=0.0)
+  assert model.generate("x = ", memory="long", **kw).ids == model.generate("x = ", memory="local", **kw).ids
+
+
+def test_memory_add_is_all_or_nothing(model):
+  with pytest.raises(ConfigError, match=r"empty \(texts\[1\]; nothing was added\)"):
+    model.memory.add(["abc", ""])
+  assert len(model.memory) == 0 and model.memory.documents == []
+  model.memory.add("def f():\n")
+  try:
+    store = model.memory.store()  # the generator's store exists: a refused add leaves it as it was too
+    before = len(store)
+    with pytest.raises(ConfigError, match="texts"):
+      model.memory.add(["x = 1\n", 3])
+    assert len(store) == before == len(model.memory)
+  finally:
+    model.memory.clear()
 
 
 def test_generate_with_simple_keywords_equals_the_generator(model):
@@ -120,7 +142,7 @@ def test_generate_with_simple_keywords_equals_the_generator(model):
     model.memory.clear()
 
 
-def test_external_memory_with_a_datastore(model, run, tmp_path):
+def test_external_memory_with_a_datastore(model, run, tmp_path, capsys, caplog):
   from trime_jax import corpora
   from trime_jax.datastore import Datastore, build_datastore, build_index
 
@@ -129,16 +151,155 @@ def test_external_memory_with_a_datastore(model, run, tmp_path):
   build_datastore(model.directory, splits.train, str(ds_dir), progress=False)
   build_index(Datastore(str(ds_dir)), kind="flat", progress=False)
   local = model.score(TEXT, memory="local")
-  ext = model.score(TEXT, memory="external", datastore=str(ds_dir), k=16)
+  capsys.readouterr()
+  with caplog.at_level(logging.INFO, logger="trime_jax.knn"):
+    ext = model.score(TEXT, memory="external", datastore=ds_dir, k=16)  # a pathlib.Path is a path too
+  # The index line is a logging record of trime_jax.knn, not a print (the command lines still print it)
+  assert capsys.readouterr().out == "" and any(
+      r.name == "trime_jax.knn" and r.getMessage().startswith("external memory: exact IndexFlatIP")
+      for r in caplog.records)
+  knn.ExternalMemory(ds_dir, checkpoint_dir=model.directory, k=16)
+  assert capsys.readouterr().out.startswith("external memory: exact IndexFlatIP")
   assert len(ext.log_probs) == len(local.log_probs) and not np.allclose(ext.log_probs, local.log_probs)
-  out = model.generate("def ", max_new_tokens=4, temperature=0.0, memory="external", datastore=str(ds_dir), k=16)
+  assert model.external(ds_dir, k=16) is model.external(str(ds_dir), k=16)
+  out = model.generate("def ", max_new_tokens=4, temperature=0.0, memory="external", datastore=ds_dir, k=16)
   gen = model.generator
   ref = gen.generate(["def "], max_new_tokens=4, sampling=generate.Sampling(temperature=0.0),
                      memory=generate.MemorySpec("external"), external=gen.external(str(ds_dir), k=16))[0]
   assert out.ids == list(ref.tokens)
+  for bad in (0, -1, 2.5):  # k is named, whatever the memory; 0 does not silently mean eval.knn_k
+    with pytest.raises(ConfigError, match=rf"^k \(datastore entries retrieved per token\).*got {bad}"):
+      model.score(TEXT, memory="external", datastore=ds_dir, k=bad)
+  # eval.knn_exact reaches the scorer as in trime_jax.launch.eval (exact re-scoring of the retrieved entries)
+  exact = trime_jax.load(model.directory)
+  exact.config.eval.knn_exact = True
+  assert exact.external(ds_dir, k=16).exact and not model.external(ds_dir, k=16).exact
+  want = evaluate.evaluate(exact.graphdef, exact.params, data.Corpus.from_docs([exact.tokenize(TEXT)], exact.vocab),
+                           [evaluate.Point("trime", tau=exact.default_tau)], block_len=exact.config.eval.block_len,
+                           context_window=exact.config.eval.context_window, streams=1,
+                           long_term=evaluate.StoreSpec(mem_size=api.STORE_ROUND),
+                           external=knn.ExternalMemory(ds_dir, k=16, exact=True), per_token=True)
+  np.testing.assert_array_equal(exact.score(TEXT, memory="external", datastore=ds_dir, k=16).log_probs,
+                                -want.token_nll[0])
 
 
-def test_load_a_fairseq_checkpoint(tmp_path):
+def test_generator_shares_the_models_parameters(run, monkeypatch):
+  """One copy of the parameters: the generator is built from the Model's (the export is not read again), and
+  parameters assigned to the Model are the ones generation runs, its long-term memory keyed again with them."""
+  m = trime_jax.load(run[1]["export"])
+
+  def no_second_load(directory):
+    raise AssertionError(f"the export was read again: {directory}")
+
+  monkeypatch.setattr(exports, "load_export", no_second_load)
+  gen = m.generator
+  assert gen.params is m.params and gen.graphdef is m.graphdef
+  doc = "def handler(request):\n    return request\n"
+  m.memory.add(doc)
+  kw = dict(max_new_tokens=5, temperature=0.0, memory="long", trace=True)
+  before = m.generate("def handler(", **kw)
+  m.params = jax.tree.map(lambda x: x * 0.5, m.params)
+  assert m.generator is gen and gen.params is m.params
+  after = m.generate("def handler(", **kw)
+  fresh = generate.Generator(m.directory, log=lambda msg: None,
+                             loaded=(m.graphdef, m.params, m.config, m.vocab, m.meta))
+  store = fresh.new_store()
+  fresh.read(store, doc)
+  ref = fresh.generate(["def handler("], max_new_tokens=5, sampling=generate.Sampling(temperature=0.0),
+                       memory=generate.MemorySpec("long"), store=store, remember=False, trace=True)[0]
+  assert after.ids == list(ref.tokens)
+  np.testing.assert_allclose([t.prob for t in after.trace], [t.prob for t in ref.trace], rtol=1e-6)
+  assert not np.allclose([t.prob for t in after.trace], [t.prob for t in before.trace], rtol=1e-3)
+
+
+def test_bad_arguments_are_one_clear_error_naming_them(model):
+  cases = [
+      (lambda: model.score(123), r"^texts must be a string or a list of strings, got int"),
+      (lambda: model.score(b"abc"), r"^texts must be text \(str\), got bytes: decode it first"),
+      (lambda: model.score(["a", b"b"]), r"^texts\[1\] must be text \(str\), got bytes"),
+      (lambda: model.memory.add(b"abc"), r"^texts must be text \(str\), got bytes"),
+      (lambda: model.generate(b"abc"), r"^prompts must be text \(str\), got bytes"),
+      (lambda: model.generate([5, 6]), r"^prompts\[0\] is an integer: prompts are text; to continue token ids"),
+      (lambda: model.tokenize(b"abc"), r"^text must be text \(str\)"),
+      (lambda: model.score(TEXT, k=0), r"^k \(datastore entries retrieved per token\) must be an integer >= 1"),
+      (lambda: model.score(TEXT, tau="1"), r"^tau must be a number > 0"),
+      (lambda: model.generate("x", seed=2**31), r"^seed must be an integer in \[-2\*\*31, 2\*\*31\)"),
+      (lambda: model.generate("x", top_k=2.5), r"^top_k must be an integer >= 0"),
+      (lambda: model.generate("x", temperature="0"), r"^temperature must be a number >= 0"),
+      (lambda: model.generate("x", max_new_tokens=2.5), r"^max_new_tokens must be an integer >= 1"),
+      (lambda: model.generate("x", k=-1), r"^k \(datastore entries retrieved per token\).*got -1"),
+      (lambda: model.generate("x", memory=["long"]), r"^memory must be one of"),
+      (lambda: model.score(TEXT, memory="external", datastore=3), r"^datastore must be a path"),
+  ]
+  for call, message in cases:
+    with pytest.raises(ConfigError, match=message):
+      call()
+  assert len(model.memory) == 0
+  # the accepted inputs: a string, a list (or tuple) of strings; the generator itself takes strings as memory
+  assert len(model.score(("x = 1\n", "y = 2\n"), memory="none")) == 2
+  out = model.generator.generate(["def "], max_new_tokens=3, memory="none", sampling=generate.Sampling(0))[0]
+  assert out.tokens == model.generate("def ", max_new_tokens=3, temperature=0.0, memory="none").ids
+
+
+WORDS = ["</s>", "<unk>", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "to", "door", ".", ","]
+LINES = ["the cat sat on the mat .", "a dog ran", "the dog ran to the door , the cat sat .", "a cat .",
+         "the mat", "on the mat the dog sat , a cat ran to a door ."]
+
+
+@pytest.fixture(scope="module")
+def word_model(tmp_path_factory):
+  """A random word-level export evaluated as the 247M config is: eval.sample_break_mode=complete."""
+  vocab = data.Vocab(WORDS)
+  cfg = tiny_config("unused.bin", **{"model.num_layers": 1, "model.d_model": 16, "model.num_heads": 2,
+                                     "model.d_ff": 32, "model.max_len": 32, "model.dropout": 0.0,
+                                     "eval.block_len": 16, "eval.context_window": 8,
+                                     "eval.sample_break_mode": "complete", "eval.tau": 0.5})
+  net = M.TransformerLM(specs.model_config(cfg, vocab_size=len(vocab)), rngs=nnx.Rngs(0))
+  return trime_jax.load(exports.export(str(tmp_path_factory.mktemp("words") / "export"),
+                                       nnx.state(net, nnx.Param), cfg, vocab))
+
+
+def _evaluated(m, ids, break_mode):
+  """Per-token log P of `ids` as trime_jax.launch.eval scores a split (local memory, one stream)."""
+  e = m.config.eval
+  result = evaluate.evaluate(m.graphdef, m.params, data.Corpus.from_docs([np.asarray(ids)], m.vocab),
+                             [evaluate.Point("trime_local", tau=m.default_tau)], block_len=e.block_len,
+                             context_window=e.context_window, streams=1, per_token=True, break_mode=break_mode)
+  return -result.token_nll[0]
+
+
+def test_score_uses_the_exports_sample_break_mode(word_model):
+  m = word_model
+  text = "\n".join(LINES) + "\n"
+  got = m.score(text, memory="local")
+  np.testing.assert_array_equal(got.log_probs, _evaluated(m, got.ids, "complete"))
+  assert not np.allclose(got.log_probs, _evaluated(m, got.ids, "none"))  # the modes' windows differ here
+  # One line without a line end: complete mode's one block, as the line with its `</s>` is scored
+  line = m.score(LINES[0], memory="local")
+  np.testing.assert_allclose(line.log_probs, _evaluated(m, m.tokenize(LINES[0] + "\n"), "complete")[:-1],
+                             rtol=1e-6, atol=1e-6)
+  # A line longer than eval.block_len is not scored, as launch eval drops it (eval.complete_overlong=drop)
+  long_line = f"{LINES[2]} {LINES[5]}"  # 25 tokens and its </s>
+  dropped = m.score(f"{LINES[1]}\n{long_line}\n{LINES[3]}\n", memory="local")
+  n1, n2 = len(m.tokenize(LINES[1])) + 1, len(m.tokenize(long_line)) + 1
+  assert n2 > m.config.eval.block_len
+  assert np.isnan(dropped.log_probs[n1:n1 + n2]).all() and np.isfinite(np.delete(dropped.log_probs,
+                                                                                 np.s_[n1:n1 + n2])).all()
+  assert dropped.nll == pytest.approx(-np.nanmean(dropped.log_probs.astype(np.float64)))
+  with pytest.raises(ConfigError, match="one line of 26 tokens"):
+    m.score(long_line + " the", memory="local")
+
+
+def test_word_model_detokenize_is_the_generators(word_model):
+  m = word_model
+  ids = m.tokenize("the cat\nzebra .")
+  assert ids == [2, 3, 0, 1, 12]
+  for seq in ([m.vocab.eos] + ids, ids + [m.vocab.eos], [m.vocab.eos, m.vocab.eos] + ids):
+    assert m.detokenize(seq) == m.generator.detokenize(seq)
+  assert m.detokenize([m.vocab.eos] + ids) == "\nthe cat\n<unk> ."
+
+
+def test_load_a_fairseq_checkpoint(tmp_path, monkeypatch):
   torch = pytest.importorskip("torch", reason="the fairseq import needs the [fairseq] extra")
   from tests.test_fairseq_import import write_checkpoint, write_dict
   from trime_jax import fairseq_import
@@ -154,6 +315,28 @@ def test_load_a_fairseq_checkpoint(tmp_path):
   assert a.tokens[:3] == ["the", "alpha", "article"] and "</s>" in a.tokens
   with pytest.raises(ConfigError, match="dictionary"):
     trime_jax.load(ckpt_path)
+  # Without out=: a temporary export that lives as long as the Model
+  tmp = tmp_path / "tmp"
+  tmp.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+  temporary = trime_jax.load(ckpt_path, dictionary=dict_path)
+  directory = temporary.directory
+  assert os.path.dirname(directory) == str(tmp) and os.path.isfile(os.path.join(directory, "meta.json"))
+  np.testing.assert_array_equal(temporary.score(text, memory="local").log_probs, a.log_probs)
+  del temporary
+  gc.collect()
+  assert not os.path.exists(directory)
+
+
+def test_a_failed_fairseq_import_leaves_no_temporary_directory(tmp_path, monkeypatch):
+  tmp = tmp_path / "tmp"
+  tmp.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+  (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+  (tmp_path / "dict.txt").write_text("the 5\n")
+  with pytest.raises(CheckpointError, match="not a torch checkpoint"):
+    trime_jax.load(tmp_path / "bad.pt", dictionary=tmp_path / "dict.txt")
+  assert os.listdir(tmp) == []
 
 
 def test_shipped_demo_model_loads_by_name(tmp_path, monkeypatch):

@@ -21,13 +21,23 @@ Everything here wraps the library's own functions: `exports.load_export`, `fairs
             windows)
   external  plus the top-K entries of a datastore (`datastore=`, built by `trime_jax.launch.build_datastore` from this
             export) and, when `model.memory` holds documents, those too
+
+Texts and prompts are strings (or lists of strings); bytes are refused, not read as token ids (decode them
+first; `model.generator.generate` takes token ids). Messages (words outside the vocabulary, which index a
+datastore is searched with, a prompt longer than the model's context) go to Python `logging`, loggers
+`trime_jax.api` and `trime_jax.knn`, not to stdout: `logging.basicConfig(level=logging.INFO)` shows them all
+(warnings show by default).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import numbers
 import os
+import shutil
 import tempfile
+import weakref
 
 import numpy as np
 
@@ -37,6 +47,66 @@ from trime_jax.errors import ConfigError
 MEMORIES = ("none", "local", "long", "external")
 STORE_ROUND = 1024  # long-term store sizes are rounded up to this, so texts of similar length share one compile
 
+logger = logging.getLogger(__name__)
+
+
+def _log(msg: str) -> None:
+  """The `log` the API gives the generator and the tokenizer: their warnings (words outside the vocabulary) as
+  logging warnings, their notes (sliding windows) as info."""
+  (logger.warning if msg.startswith("warning") else logger.info)(msg)
+
+
+def _text(value, what: str) -> str:
+  """`value` if it is a string, else one ConfigError naming the argument (bytes: decode them first)."""
+  if isinstance(value, str):
+    return value
+  if isinstance(value, (bytes, bytearray, memoryview)):
+    raise ConfigError(f"{what} must be text (str), got {type(value).__name__}: decode it first "
+                      "(e.g. value.decode('utf-8'))")
+  raise ConfigError(f"{what} must be a string, got {type(value).__name__}")
+
+
+def _texts(value, what: str) -> tuple[list[str], bool]:
+  """(the strings, whether one string was given) of a string or an iterable of strings (a list, a tuple, ...);
+  anything else (a number, bytes, token ids) is one ConfigError naming the argument."""
+  if isinstance(value, str):
+    return [value], True
+  if isinstance(value, (bytes, bytearray, memoryview)):
+    _text(value, what)  # raises
+  try:
+    items = list(value)
+  except TypeError:
+    raise ConfigError(f"{what} must be a string or a list of strings, got {type(value).__name__}") from None
+  for i, v in enumerate(items):
+    if what == "prompts" and isinstance(v, numbers.Integral) and not isinstance(v, bool):
+      raise ConfigError(f"prompts[{i}] is an integer: prompts are text; to continue token ids use "
+                        "model.generator.generate([ids], ...)")
+    _text(v, f"{what}[{i}]")
+  return items, False
+
+
+def _positive(value, what: str):
+  """`value` as a float > 0 (None stays None), else one ConfigError naming the argument."""
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+    raise ConfigError(f"{what} must be a number > 0, got {value!r}")
+  return float(value)
+
+
+def _path(value, what: str) -> str:
+  try:
+    return os.fspath(value)
+  except TypeError:
+    raise ConfigError(f"{what} must be a path (str or os.PathLike), got {type(value).__name__}") from None
+
+
+def _check_memory(memory, datastore) -> None:
+  if not isinstance(memory, str) or memory not in MEMORIES:
+    raise ConfigError(f"memory must be one of {MEMORIES}, got {memory!r}")
+  if (memory == "external") != (datastore is not None):
+    raise ConfigError("memory='external' needs datastore=DIR (and datastore= needs memory='external')")
+
 
 @dataclasses.dataclass
 class TextScore:
@@ -45,12 +115,16 @@ class TextScore:
   text: str
   tokens: list  # the token strings (bytes models: one byte each, as `<0x41>`)
   ids: np.ndarray  # int32 [n]
-  log_probs: np.ndarray  # float32 [n]: log P(token i | tokens before it, memory), natural log
+  log_probs: np.ndarray  # float32 [n]: log P(token i | tokens before it, memory), natural log; NaN where the
+  #   export's evaluation does not score a token (eval.sample_break_mode=complete drops a line longer than
+  #   eval.block_len, as fairseq's eval_lm and trime_jax.launch.eval do)
 
   @property
   def nll(self) -> float:
-    """Mean negative log-likelihood per token, in nats."""
-    return float(-np.mean(self.log_probs, dtype=np.float64)) if len(self.log_probs) else float("nan")
+    """Mean negative log-likelihood per scored token, in nats (tokens not scored, NaN, are left out as the
+    evaluation leaves them out)."""
+    scored = self.log_probs[~np.isnan(self.log_probs)]
+    return float(-np.mean(scored, dtype=np.float64)) if len(scored) else float("nan")
 
   @property
   def ppl(self) -> float:
@@ -82,18 +156,22 @@ class Memory:
     self._store = None  # generate.LongTermMemory, filled on the first generation that needs it
 
   def add(self, texts) -> int:
-    """Remember `texts` (a string or a list of strings), in order; returns the number of tokens added."""
-    texts = [texts] if isinstance(texts, str) else list(texts)
-    added = 0
-    for text in texts:
-      ids = np.asarray(self._model.tokenize(text), np.int32)
+    """Remember `texts` (a string or a list of strings), in order; returns the number of tokens added. All or
+    nothing: every text is tokenized (and keyed, once the generator's store exists) before any is stored, so
+    a refused one (empty, not a string) leaves the memory as it was."""
+    texts, _ = _texts(texts, "texts")
+    docs = []
+    for i, text in enumerate(texts):
+      ids = np.asarray(self._model._text.tokenize(text, "memory document"), np.int32)
       if not len(ids):
-        raise ConfigError("a memory document is empty")
-      self.documents.append(ids)
-      if self._store is not None:
-        self._model.generator.read(self._store, text)
-      added += len(ids)
-    return added
+        raise ConfigError("a memory document is empty" + (f" (texts[{i}]; nothing was added)" if len(texts) > 1
+                                                          else ""))
+      docs.append(ids)
+    keys = [self._model.generator.keys_of(ids.tolist()) for ids in docs] if self._store is not None else []
+    self.documents.extend(docs)
+    for k, ids in zip(keys, docs):
+      self._store.add(k, ids)
+    return int(sum(len(d) for d in docs))
 
   def clear(self) -> None:
     self.documents.clear()
@@ -106,7 +184,8 @@ class Memory:
     return np.concatenate(self.documents) if self.documents else np.zeros((0,), np.int32)
 
   def store(self):
-    """The generator's long-term store holding every document's keys (`generate.LongTermMemory`)."""
+    """The generator's long-term store holding every document's keys (`generate.LongTermMemory`; empty when
+    no document was added)."""
     if self._store is None:
       gen = self._model.generator
       store = gen.new_store()
@@ -115,13 +194,25 @@ class Memory:
       self._store = store
     return self._store
 
+  def _forget_keys(self) -> None:
+    """The model's parameters changed: the store's keys are recomputed on the next generation that needs them."""
+    self._store = None
+
 
 class Model:
-  """An exported model with the API's methods; `trime_jax.load` makes one."""
+  """An exported model with the API's methods; `trime_jax.load` makes one.
+
+  `model.params` is the one copy of the parameters that scoring and generation both run (`model.generator`
+  is built from this model's objects, not read from disk again). Assign it to change both (the long-term
+  memory's generation keys are then recomputed); arrays changed in place reach scoring and generation too,
+  but not keys the memory already computed."""
 
   def __init__(self, directory: str):
-    self.directory = os.path.abspath(directory)
-    self.graphdef, self.params, self.config, self.vocab, self.meta = exports.load_export(self.directory)
+    from trime_jax.generate.text import Text
+
+    self.directory = os.path.abspath(os.fspath(directory))
+    self.graphdef, self._params, self.config, self.vocab, self.meta = exports.load_export(self.directory)
+    self._text = Text(self.vocab, _log)  # the generator's tokenizer: one text <-> token ids for every method
     self.memory = Memory(self)
     self.stateful = bool(getattr(self.nnx_model, "stateful", False))  # SRU++: state carried across windows
     self._generator = None
@@ -133,6 +224,18 @@ class Model:
 
   # -- the pieces -------------------------------------------------------------------------------------------
   @property
+  def params(self):
+    """The exported parameters (an `nnx.State`), shared with `generator`."""
+    return self._params
+
+  @params.setter
+  def params(self, value) -> None:
+    self._params = value
+    if self._generator is not None:
+      self._generator.params = value
+    self.memory._forget_keys()
+
+  @property
   def nnx_model(self):
     """The Flax NNX module with the exported parameters."""
     from flax import nnx
@@ -141,11 +244,13 @@ class Model:
 
   @property
   def generator(self):
-    """The `generate.Generator` of this export (built on first use; the transformer backbone only)."""
+    """The `generate.Generator` of this model (built on first use from this model's graph and parameters,
+    which it shares; the transformer backbone only)."""
     if self._generator is None:
       from trime_jax import generate
 
-      self._generator = generate.Generator(self.directory, log=lambda msg: None)
+      self._generator = generate.Generator(
+          self.directory, log=_log, loaded=(self.graphdef, self.params, self.config, self.vocab, self.meta))
     return self._generator
 
   @property
@@ -155,32 +260,35 @@ class Model:
 
   def tokenize(self, text: str) -> list[int]:
     """Token ids of `text` as the model reads it: its UTF-8 bytes (byte models), or its words with `</s>` at each
-    line end (word models; words outside the vocabulary read as <unk>)."""
-    if self.vocab.kind == "bytes":
-      return list(text.encode("utf-8"))
-    ids = []
-    lines = text.split("\n")
-    for i, line in enumerate(lines):
-      ids += self.vocab.encode_words(line.split())
-      if i < len(lines) - 1:
-        ids.append(self.vocab.eos)
-    return ids
+    line end (word models; words outside the vocabulary read as <unk>, with a logging warning)."""
+    return self._text.tokenize(_text(text, "text"), "text")
 
   def detokenize(self, ids) -> str:
-    if self.vocab.kind == "bytes":
-      return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-    return " ".join(self.vocab.tokens[int(i)] for i in ids).replace(f" {data.EOS} ", "\n").replace(
-        f" {data.EOS}", "\n")
+    """The text of token ids (the generator's: `</s>` reads as a line end, wherever it is)."""
+    return self._text.detokenize(ids)
+
+  def _k(self, k) -> int:
+    """Entries retrieved per token: `k`, or the export's eval.knn_k when None."""
+    if k is None:
+      return int(self.config.eval.knn_k)
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+      raise ConfigError(f"k (datastore entries retrieved per token) must be an integer >= 1, got {k!r} "
+                        f"(None: the export's eval.knn_k, {self.config.eval.knn_k})")
+    return int(k)
 
   def external(self, datastore: str, *, k: int | None = None, index: str = ""):
-    """The datastore + FAISS index at `datastore` (`knn.ExternalMemory`, checked against this export); cached."""
+    """The datastore + FAISS index at `datastore` (`knn.ExternalMemory`, checked against this export), with the
+    export's eval.nprobe, eval.knn_exact and eval.knn_gpu as trime_jax.launch.eval uses them; cached. `k`:
+    entries retrieved per token (default eval.knn_k). Paths: strings or path-like."""
     from trime_jax import knn
 
     e = self.config.eval
-    key = (os.path.abspath(datastore), k, index)
+    datastore, index, k = _path(datastore, "datastore"), _path(index, "index"), self._k(k)
+    key = (os.path.abspath(datastore), k, os.path.abspath(index) if index else "")
     if key not in self._external:
-      self._external[key] = knn.ExternalMemory(datastore, index_path=index, checkpoint_dir=self.directory,
-                                               k=int(k or e.knn_k), nprobe=int(e.nprobe))
+      self._external[key] = knn.ExternalMemory(
+          datastore, index_path=index, checkpoint_dir=self.directory, k=k, nprobe=int(e.nprobe),
+          exact=bool(e.get("knn_exact", False)), gpu=bool(e.get("knn_gpu", False)), log=knn.logger.info)
     return self._external[key]
 
   # -- scoring ----------------------------------------------------------------------------------------------
@@ -188,37 +296,69 @@ class Model:
             k: int | None = None):
     """Per-token log-probabilities and perplexity of each text (a string gives one TextScore, a list a list).
 
-    Each text is scored on its own (one stream starting at `</s>`), in the export's evaluation windows
-    (eval.block_len, eval.context_window), with `memory` (none | local | long | external, see the module
-    docstring) at τ = `tau` on memory similarities (default: the export's eval.tau). `datastore`, `k`: external
-    memory's datastore directory and entries retrieved per token (default eval.knn_k)."""
-    if memory not in MEMORIES:
-      raise ConfigError(f"memory must be one of {MEMORIES}, got {memory!r}")
-    if (memory == "external") != (datastore is not None):
-      raise ConfigError("memory='external' needs datastore=DIR (and datastore= needs memory='external')")
-    single = isinstance(texts, str)
-    texts = [texts] if single else list(texts)
-    tau = self.default_tau if tau is None else float(tau)
+    Each text is scored on its own (one stream starting at `</s>`) as trime_jax.launch.eval scores a split,
+    with the export's evaluation settings: its windows (eval.block_len, eval.context_window,
+    eval.sample_break_mode: "complete" packs whole lines into blocks, and a line longer than eval.block_len
+    is not scored, NaN in log_probs, under eval.complete_overlong="drop", or refused under "refuse"; a text
+    without a line end is one line), eval.knn_exact / eval.nprobe for a datastore and train.vocab_chunk.
+    `memory`: none | local | long | external, see the module docstring, at τ = `tau` on memory similarities
+    (default: the export's eval.tau). `datastore`, `k`: external memory's datastore directory (a string or a
+    path) and entries retrieved per token (an integer >= 1, default eval.knn_k).
+
+    memory="long" and "external" read `model.memory`'s documents before the text (an empty memory: local
+    memory alone, plus the text's own earlier windows). The documents are encoded again for every text, as
+    if they were part of it, and every window searches a store as long as they are: the cost per text grows
+    faster than the documents' length (the shipped demo model, 2 busy CPU cores, a 50-byte text: 0.02 s
+    with no documents, 0.23 s with 2,000 memory tokens, 1.2 s with 8,000, 2.9 s with 16,000). Keep
+    model.memory to the documents the texts need. (Encoding them once would need the evaluator to start from
+    a given store, which `evaluate.evaluate` does not take.)"""
+    texts, single = _texts(texts, "texts")
+    _check_memory(memory, datastore)
+    tau = _positive(tau, "tau")
+    tau = self.default_tau if tau is None else tau
     point = {"none": evaluate.NONE, "local": evaluate.Point("trime_local", tau=tau),
              "long": evaluate.Point("trime_local", tau=tau), "external": evaluate.Point("trime", tau=tau)}[memory]
     external = self.external(datastore, k=k) if memory == "external" else None
+    if memory != "external":
+      self._k(k)  # a wrong k is refused whatever the memory
     e = self.config.eval
     block_len = min(int(e.block_len), int(self.config.model.max_len))
     context = 0 if self.stateful else min(int(e.context_window), block_len - 1)
+    # what trime_jax.evaluate.runner passes the evaluator besides the split and the points
+    break_mode = str(e.get("sample_break_mode", "none"))
+    overlong = str(e.get("complete_overlong", "drop"))
+    vocab_chunk = int(self.config.get("train", {}).get("vocab_chunk", 0))
     prefix = self.memory.tokens() if memory in ("long", "external") else np.zeros((0,), np.int32)
+    ids_of = [np.asarray(self.tokenize(text), np.int32) for text in texts]  # every text checked before scoring
+    if any(not len(ids) for ids in ids_of):
+      raise ConfigError("cannot score an empty text")
     out = []
-    for text in texts:
-      ids = np.asarray(self.tokenize(text), np.int32)
-      if not len(ids):
-        raise ConfigError("cannot score an empty text")
+    for text, ids in zip(texts, ids_of):
+      mode, ctx = break_mode, context
+      stream_len = len(prefix) + len(ids)
+      if mode == "complete" and not (ids == self.vocab.eos).any() and not (prefix == self.vocab.eos).any():
+        # One line. Complete mode feeds a line that fits in a block as one block from its first token
+        # (`data.complete_windows`): the window none mode gives it without context. `data.eval_windows`
+        # refuses a stream without `</s>` (a corpus without line ends), so that window is asked for directly.
+        if stream_len > block_len:
+          raise ConfigError(f"eval.sample_break_mode=complete: the text is one line of {stream_len} tokens (with "
+                            f"model.memory's documents), longer than eval.block_len={block_len}: trime_jax.launch.eval "
+                            f"would not score it (fairseq's eval_lm drops such lines); break it into lines")
+        mode, ctx = "none", 0
       corpus = data.Corpus.from_docs([d for d in (prefix, ids) if len(d)], self.vocab)
       mem_size = 0
       if memory in ("long", "external"):  # every earlier token of the stream fits in the store
         mem_size = -(-len(corpus) // STORE_ROUND) * STORE_ROUND
       result = evaluate.evaluate(self.graphdef, self.params, corpus, [point], block_len=block_len,
-                                 context_window=context, streams=1, long_term=evaluate.StoreSpec(mem_size=mem_size),
-                                 external=external, per_token=True)
-      log_probs = -np.asarray(result.token_nll[0][len(prefix):], np.float32)
+                                 context_window=ctx, streams=1, long_term=evaluate.StoreSpec(mem_size=mem_size),
+                                 external=external, vocab_chunk=vocab_chunk, per_token=True, break_mode=mode,
+                                 complete_overlong=overlong)
+      nll = np.asarray(result.token_nll[0], np.float32)
+      if len(nll) < len(corpus):  # lines were dropped: the evaluator lists the scored targets only, in order
+        scored = data.eval_windows(corpus, len(corpus), block_len, ctx, mode, overlong)
+        nll = np.full(len(corpus), np.nan, np.float32)
+        nll[np.concatenate([np.arange(w.score_start, w.end) for w in scored])] = result.token_nll[0]
+      log_probs = -nll[len(prefix):]
       out.append(TextScore(text, [self.vocab.tokens[i] for i in ids], ids, log_probs))
     return out[0] if single else out
 
@@ -226,28 +366,29 @@ class Model:
   def generate(self, prompts, *, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
                top_k: int = 0, seed: int = 0, memory: str = "local", datastore: str | None = None,
                tau: float | None = None, k: int | None = None, trace: bool = False):
-    """Continue each prompt (a string gives one Output, a list a list): `temperature` (of sampling; 0 is greedy),
-    `tau` (τ on memory similarities, default the export's eval.tau), `top_p` /
-    `top_k` filter the distribution (1.0 / 0: off), `seed` fixes the draws. `memory`: none | local | long (the
-    documents in `model.memory`) | external (`datastore=DIR`, plus `model.memory` when it holds documents).
-    `trace`: each Output.trace lists every token's probability and the memories that contributed most.
-    Generation does not add the prompts or outputs to `model.memory` (`model.memory.add` does)."""
+    """Continue each prompt (a string gives one Output, a list of strings a list; token ids:
+    `model.generator.generate`): `temperature` (of sampling; 0 is greedy), `tau` (τ on memory similarities,
+    default the export's eval.tau), `top_p` / `top_k` filter the distribution (1.0 / 0: off), `seed` (an
+    integer in [-2**31, 2**31)) fixes the draws. `memory`: none | local | long (the documents in
+    `model.memory`) | external (`datastore=DIR`, plus `model.memory` when it holds documents). An empty
+    `model.memory` is local memory alone, as when scoring: long-term memory adds the documents to local
+    memory, and there are none. `trace`: each Output.trace lists every token's probability and the memories
+    that contributed most. Generation does not add the prompts or outputs to `model.memory` (`model.memory.add`
+    does)."""
     from trime_jax import generate
 
-    if memory not in MEMORIES:
-      raise ConfigError(f"memory must be one of {MEMORIES}, got {memory!r}")
-    if (memory == "external") != (datastore is not None):
-      raise ConfigError("memory='external' needs datastore=DIR (and datastore= needs memory='external')")
-    if memory == "long" and not self.memory.documents:
-      raise ConfigError("memory='long' reads model.memory, which is empty: model.memory.add(texts) first")
-    single = isinstance(prompts, str)
+    prompts, single = _texts(prompts, "prompts")
+    _check_memory(memory, datastore)
+    # built before the generator, so that a wrong value is refused before anything is loaded or compiled
+    sampling = generate.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    spec = generate.MemorySpec(memory, tau=_positive(tau, "tau"))
+    external = self.external(datastore, k=k) if memory == "external" else None
+    if memory != "external":
+      self._k(k)
     gen = self.generator
-    store = self.memory.store() if memory in ("long", "external") and self.memory.documents else None
-    results = gen.generate([prompts] if single else list(prompts), max_new_tokens=max_new_tokens,
-                           sampling=generate.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
-                           memory=generate.MemorySpec(memory, tau=tau),
-                           store=store, external=self.external(datastore, k=k) if datastore else None,
-                           trace=trace, remember=False)
+    store = self.memory.store() if memory in ("long", "external") else None
+    results = gen.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling, memory=spec, store=store,
+                           external=external, trace=trace, remember=False)
     out = [Output(r.prompt, r.text, list(r.tokens), r.stopped, r.trace) for r in results]
     return out[0] if single else out
 
@@ -269,17 +410,34 @@ def load(path: str, *, dictionary: str | None = None, out: str | None = None, tr
          key_type: str = "last_ffn_input") -> Model:
   """A Model from a shipped model's name (`load("demo")`, see `pretrained_names()`; a path of that name in the
   working directory wins), an export directory (`<workdir>/export`, `<workdir>/best`, a training workdir itself),
-  or an original fairseq checkpoint (`.pt`) with its `dictionary` (dict.txt): imported with
-  `fairseq_import.import_to_export` into `out` (default: a new temporary directory) first. `trust_pickle`,
-  `key_type`: the importer's options (trime_jax.launch.import_fairseq's flags)."""
-  path = os.fspath(path)
+  or an original fairseq checkpoint (`.pt`) with its `dictionary` (dict.txt), imported with
+  `fairseq_import.import_to_export` first. Paths: strings or path-like.
+
+  The import is written to `out` when given (kept: an export like any other, e.g. to build a datastore from it
+  with `trime_jax.launch.build_datastore --checkpoint=OUT`, or to load it again without importing). Without
+  `out` it goes to a new temporary directory (`model.directory`) that lives as long as the Model: it is
+  removed when the Model is garbage-collected or Python exits, and at once if the import fails, so repeated
+  loads leave nothing behind (keep the Model, not only its `generator`, while it is in use). `trust_pickle`, `key_type`: the importer's options
+  (trime_jax.launch.import_fairseq's flags)."""
+  path = _path(path, "path")
   if dictionary is not None or os.path.isfile(path):
     if dictionary is None:
       raise ConfigError(f"{path} is a file: a fairseq checkpoint needs its dictionary (load(path, dictionary=...))")
     from trime_jax import fairseq_import
 
-    out = out or tempfile.mkdtemp(prefix="trime_jax_import_")
-    path, _ = fairseq_import.import_to_export(path, dictionary, out, key_type=key_type, trust_pickle=trust_pickle)
+    dictionary = _path(dictionary, "dictionary")
+    temporary = out is None
+    out = tempfile.mkdtemp(prefix="trime_jax_import_") if temporary else _path(out, "out")
+    try:
+      path, _ = fairseq_import.import_to_export(path, dictionary, out, key_type=key_type, trust_pickle=trust_pickle)
+      model = Model(export_path(path))
+    except BaseException:
+      if temporary:  # half an import is no use to anyone; a chosen `out` is left for its owner to look at
+        shutil.rmtree(out, ignore_errors=True)
+      raise
+    if temporary:
+      weakref.finalize(model, shutil.rmtree, out, ignore_errors=True)
+    return model
   return Model(export_path(path))
 
 
