@@ -268,7 +268,7 @@ def _evaluated(m, ids, break_mode):
   return -result.token_nll[0]
 
 
-def test_score_uses_the_exports_sample_break_mode(word_model):
+def test_score_uses_the_exports_sample_break_mode(word_model, capsys, caplog):
   m = word_model
   text = "\n".join(LINES) + "\n"
   got = m.score(text, memory="local")
@@ -280,7 +280,11 @@ def test_score_uses_the_exports_sample_break_mode(word_model):
                              rtol=1e-6, atol=1e-6)
   # A line longer than eval.block_len is not scored, as launch eval drops it (eval.complete_overlong=drop)
   long_line = f"{LINES[2]} {LINES[5]}"  # 25 tokens and its </s>
-  dropped = m.score(f"{LINES[1]}\n{long_line}\n{LINES[3]}\n", memory="local")
+  capsys.readouterr()
+  with caplog.at_level(logging.INFO, logger="trime_jax.api"):
+    dropped = m.score(f"{LINES[1]}\n{long_line}\n{LINES[3]}\n", memory="local")
+  assert "dropped" not in capsys.readouterr().err  # the API's note goes to logging, not to stderr
+  assert any("dropped 1 lines" in r.getMessage() for r in caplog.records)
   n1, n2 = len(m.tokenize(LINES[1])) + 1, len(m.tokenize(long_line)) + 1
   assert n2 > m.config.eval.block_len
   assert np.isnan(dropped.log_probs[n1:n1 + n2]).all() and np.isfinite(np.delete(dropped.log_probs,

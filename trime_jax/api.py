@@ -352,7 +352,7 @@ class Model:
       result = evaluate.evaluate(self.graphdef, self.params, corpus, [point], block_len=block_len,
                                  context_window=ctx, streams=1, long_term=evaluate.StoreSpec(mem_size=mem_size),
                                  external=external, vocab_chunk=vocab_chunk, per_token=True, break_mode=mode,
-                                 complete_overlong=overlong)
+                                 complete_overlong=overlong, log=logger.info)
       nll = np.asarray(result.token_nll[0], np.float32)
       if len(nll) < len(corpus):  # lines were dropped: the evaluator lists the scored targets only, in order
         scored = data.eval_windows(corpus, len(corpus), block_len, ctx, mode, overlong)

@@ -160,7 +160,8 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
              long_term: StoreSpec = StoreSpec(),
              external: knn.ExternalMemory | exact_memory.DeviceDatastore | None = None, vocab_chunk: int = 0,
              max_tokens: int = 0, word_buckets_V=None, progress: bool | str = False,
-             break_mode: str = "none", per_token: bool = False, complete_overlong: str = "drop") -> EvalResult:
+             break_mode: str = "none", per_token: bool = False, complete_overlong: str = "drop",
+             log=None) -> EvalResult:
   """Score `corpus` under every point in one pass: `streams` parallel streams, each with a long-term store of
   `long_term.mem_size` tokens, plus one top-K search per scored token when `external` is given (a
   `knn.ExternalMemory`), or every datastore entry (an `exact_memory.DeviceDatastore`: exact sums on device,
@@ -169,7 +170,8 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   line longer than block_len: "drop" as fairseq's eval_lm (not scored, one line on stderr says how many),
   "refuse" (a ConfigError naming it). `progress`: True a tqdm bar, "log" plain lines on
   stderr (`ProgressLog`: a log file, or a remote accelerator's output), False nothing. `per_token`: also
-  every scored target's nll under every point (`EvalResult.token_nll`)."""
+  every scored target's nll under every point (`EvalResult.token_nll`). `log(line)`: where the note on dropped
+  lines goes (default: stderr; the Python API sends it to `logging`)."""
   points = tuple(points)
   if not points:
     raise ConfigError("nothing to evaluate: no points")
@@ -192,9 +194,10 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
                      max_tokens=max_tokens, break_mode=break_mode, overlong=complete_overlong)
   n, store = plan.scored_targets, plan.store
   if plan.dropped_lines:
-    print(f"eval: sample_break_mode=complete dropped {plan.dropped_lines:,} lines longer than eval.block_len="
-          f"{block_len} ({plan.num_targets - n:,} of {plan.num_targets:,} tokens not scored), as fairseq's eval_lm "
-          f"does (eval.complete_overlong=drop; refuse: an error instead)", file=sys.stderr, flush=True)
+    (log or (lambda line: print(line, file=sys.stderr, flush=True)))(
+        f"eval: sample_break_mode=complete dropped {plan.dropped_lines:,} lines longer than eval.block_len="
+        f"{block_len} ({plan.num_targets - n:,} of {plan.num_targets:,} tokens not scored), as fairseq's eval_lm "
+        f"does (eval.complete_overlong=drop; refuse: an error instead)")
   carry = model.init_carry(len(plan.schedule[0]), block_len) if stateful else None
   del model
   buckets = np.zeros(model_cfg.vocab_size, np.int32) if word_buckets_V is None else np.asarray(word_buckets_V)
