@@ -66,7 +66,8 @@ def synthetic_vocab(size: int, kind: str) -> data.Vocab:
 def _timed_eval(graphdef, params, corpus, points, e, long_term, tokens, warm_tokens, vocab_chunk):
   run = lambda n: driver.evaluate(graphdef, params, corpus, points, block_len=e.block_len,
                                   context_window=e.context_window, streams=e.batch_size, long_term=long_term,
-                                  vocab_chunk=vocab_chunk, max_tokens=n, break_mode=e.get("sample_break_mode", "none"))
+                                  vocab_chunk=vocab_chunk, max_tokens=n, break_mode=e.get("sample_break_mode", "none"),
+                                  overlap_search=bool(e.get("overlap_search", False)))
   run(warm_tokens)  # compiles every jitted step (untimed)
   t0 = time.perf_counter()
   res = run(tokens)

@@ -186,6 +186,7 @@ case "${1:-}" in
     #       only (a partial build cut to N, its own index: a quick check of the path). EXT3_TOKENS test tokens
     #       (default 32,768), MODES (default all three), then experiments/ext3_table.py writes ext3.md.
     #       EXT3_INDEX=none (no FAISS on the machine: `exact` only) builds the keys alone, in ds_exact as `exact`.
+    #       OVERLAP_TOKENS=N (default 0: not run): then eval.overlap_search's bench on N test tokens (ext3_overlap.json).
     NAME=$2; CFG=$(config_of "$NAME"); T=${EXT3_TOKENS:-32768}; IDX=${EXT3_INDEX:-ivfpq}
     B="--config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.batch_size=32"  # windows are independent: same keys
     if [ -n "${ENTRIES:-}" ]; then
@@ -222,6 +223,15 @@ case "${1:-}" in
         --output=$OUT/$NAME/ext3_$MODE.json > $OUT/$NAME/ext3_$MODE.log 2>&1 && RC=0 || RC=$?
       echo "ext3 $NAME $MODE rc=$RC wall_s=$(( $(date +%s) - S0 ))" | tee -a $OUT/$NAME/ext3_runs.txt
     done
+    if [ "${OVERLAP_TOKENS:-0}" != 0 ] && [ -f $DS/index.faiss ]; then
+      # eval.overlap_search measured (bench/eval_overlap.py): the host IVF-PQ search with and without the next
+      # window's forward pass dispatched before it, and no datastore, interleaved on the same OVERLAP_TOKENS
+      rm -f $OUT/$NAME/ext3_overlap.json; S0=$(date +%s)
+      timeout ${EVAL_S:-300} $PY bench.eval_overlap --config=$(basename $CFG .py) --checkpoint=$OUT/$NAME/export \
+        --datastore=$DS --tokens=$OVERLAP_TOKENS --repeats=1 --out=$OUT/$NAME/ext3_overlap.json \
+        > $OUT/$NAME/ext3_overlap.log 2>&1 && RC=0 || RC=$?
+      echo "ext3 $NAME overlap rc=$RC wall_s=$(( $(date +%s) - S0 ))" | tee -a $OUT/$NAME/ext3_runs.txt
+    fi
     $PYBIN experiments/ext3_table.py $OUT/$NAME | tee $OUT/$NAME/ext3.md
     ;;
   *) echo "usage: $0 plans | train NAME | datastore NAME | partial NAME | eval NAME | eval_ext NAME | sizes NAME | domain NAME" \

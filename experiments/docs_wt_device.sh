@@ -179,10 +179,12 @@ PYEOF
     MODES=${MODES:-$M}; L=${EXT3_LIMIT:-540}; EVAL_S=${EVAL_S:-90}
     BUILD_S=${BUILD_S:-$(( L - $(echo $MODES | wc -w) * EVAL_S - 20 ))}
     echo "ext3 limits: EXT3_LIMIT=$L BUILD_S=$BUILD_S EVAL_S=$EVAL_S MODES=$MODES"
-    MODES=$MODES STEPS=${STEPS:-1200} PYBIN=$PYBIN BUILD_S=$BUILD_S EVAL_S=$EVAL_S \
+    # Last, in whatever time is left (cut by EXT3_LIMIT, it loses only itself): eval.overlap_search on the host
+    # IVF-PQ index (bench/eval_overlap.py, OVERLAP_TOKENS default 16,384; 0: not run).
+    MODES=$MODES STEPS=${STEPS:-1200} PYBIN=$PYBIN BUILD_S=$BUILD_S EVAL_S=$EVAL_S OVERLAP_TOKENS=${OVERLAP_TOKENS:-16384} \
       timeout -k 10 $L bash experiments/docs_wt.sh ext3 "$2" || true
     $PYBIN experiments/ext3_table.py "$D/$2" > "$D/$2/ext3.md" || true  # whatever finished (a cut run has no table)
-    for f in ext3.md ext3_runs.txt ext3_ivfpq_cpu.json ext3_ivfpq_gpu.json ext3_exact.json; do
+    for f in ext3.md ext3_runs.txt ext3_ivfpq_cpu.json ext3_ivfpq_gpu.json ext3_exact.json ext3_overlap.json; do
       cp "$D/$2/$f" "$OUT"/ 2>/dev/null || true
     done
     tar -C "$D/$2" -czf "$OUT/ext3_logs.tgz" $(cd "$D/$2" && ls ext3_*.log ds*/*.json 2>/dev/null) || true

@@ -1,6 +1,7 @@
 """The table of `experiments/docs_wt.sh ext3 NAME`: external memory searched three ways on the same test tokens.
 
   python experiments/ext3_table.py runs/docs_wt/ext        # reads ext3_{ivfpq_cpu,ivfpq_gpu,exact}.json there
+                                                           # (and ext3_overlap.json, if OVERLAP_TOKENS made one)
 
 Speed: tokens/s of the evaluation with the datastore and without it (the same model, local + long-term memory,
 the same tokens), their ratio (issue 37's goal: >= 0.5) and the share of the time spent searching. Agreement:
@@ -26,6 +27,7 @@ def main(directory):
         results[mode] = json.load(f)
   if not results:
     print(f"no ext3_*.json in {directory} (see ext3_runs.txt and ext3_<mode>.log there)")
+    overlap_line(directory)
     return
   print("| search | index | tokens | tokens/s with datastore | without | ratio | search share |")
   print("|---|---|---:|---:|---:|---:|---:|")
@@ -51,6 +53,22 @@ def main(directory):
     got = [x for x in vals if x is not None]
     spread = (max(got) - min(got)) / min(got) if len(got) > 1 else float("nan")
     print(f"| {v} | " + " | ".join("" if x is None else f"{x:.2f}" for x in vals) + f" | {spread:.2%} |")
+  overlap_line(directory)
+
+
+def overlap_line(directory):
+  """eval.overlap_search's bench (OVERLAP_TOKENS), when it ran: one paragraph."""
+  overlap = os.path.join(directory, "ext3_overlap.json")
+  if os.path.exists(overlap):
+    with open(overlap, encoding="utf-8") as f:
+      o = json.load(f)
+    t = o["tokens_per_s"]
+    print(f"\neval.overlap_search (bench/eval_overlap.py, {o['index']} on the host, {o['tokens']:,} tokens, "
+          f"{o['device']}): tokens/s with the datastore {t['sequential']:,.0f} sequential, {t['overlap']:,.0f} "
+          f"overlapped (x{o['overlap_speedup']:.3f}); without it {t['no_datastore_sequential']:,.0f} / "
+          f"{t['no_datastore_overlap']:,.0f} (x{o['overlap_speedup_no_datastore']:.3f}); ratio with ÷ without "
+          f"{o['ratio_to_no_datastore']['sequential']:.3f} sequential, {o['ratio_to_no_datastore']['overlap']:.3f} "
+          f"overlapped; max |nll difference| {o['max_abs_nll_diff_overlap_vs_sequential']:.1e}")
 
 
 if __name__ == "__main__":

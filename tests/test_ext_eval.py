@@ -112,6 +112,33 @@ def test_external_memory_equals_brute_force_over_the_whole_datastore(setup):
   np.testing.assert_allclose([r.nll for r in one.scores], [r.nll for r in res.scores], rtol=1e-5)
 
 
+def test_overlapped_search_scores_what_the_sequential_driver_scores(setup):
+  """eval.overlap_search dispatches the next window's forward pass before this window's search: the same
+  computations in another order, so every token's nll and every retrieval count is equal (long-term store and
+  two streams included: the store is threaded through the scoring steps, which keep their order)."""
+  s = setup
+  ext = knn.ExternalMemory(str(s["tmp"] / "ds"), k=8)
+  v = (evaluate.NONE, evaluate.Point("trime", tau=0.8), evaluate.Point("knnlm_cache", knn_lambda=0.25, knn_theta=1.0))
+  run = lambda overlap: evaluate.evaluate(s["graphdef"], s["params"], s["dev"], v, block_len=BLOCK,
+                                          context_window=CTX, streams=2, external=ext, per_token=True,
+                                          long_term=evaluate.StoreSpec(mem_size=16), overlap_search=overlap)
+  seq, over = run(False), run(True)
+  np.testing.assert_array_equal(over.token_nll, seq.token_nll)
+  np.testing.assert_array_equal(over.retrieval_hits, seq.retrieval_hits)
+  assert over.tokens == seq.tokens == len(s["dev"]) and np.isfinite(over.token_nll).all()
+
+  # bench.eval_overlap times the two orders and checks the same equality on its own
+  from bench import eval_overlap
+
+  cfg = s["cfg"].copy_and_resolve_references()
+  cfg.eval.knn_k, cfg.eval.mem_size = 8, 16
+  out = eval_overlap.run(cfg, s["export"], str(s["tmp"] / "ds"), "", tokens=len(s["dev"]), repeats=1,
+                         corpus=s["dev"])
+  assert out["max_abs_nll_diff_overlap_vs_sequential"] == 0.0 and out["tokens"] == len(s["dev"])
+  assert set(out["tokens_per_s"]) == {"sequential", "overlap", "no_datastore_sequential", "no_datastore_overlap"}
+  assert all(v > 0 for v in out["tokens_per_s"].values()) and out["k"] == 8 and out["mem_size"] == 16
+
+
 def test_grid_tuning_and_frequency_buckets(setup):
   s = setup
   ext = knn.ExternalMemory(str(s["tmp"] / "ds"), k=8)

@@ -247,6 +247,10 @@ def test_backbone_switch_trains_and_evaluates_srupp_long(tmp_path):
   stats, _ = steps.forward(nnx.merge(graphdef, params), jnp.asarray(inputs), jnp.asarray(targets))
   one_pass = float(jnp.where(targets >= 0, stats.log_normalizer - stats.target_logit, 0).sum()) / 192
   assert windowed.tokens == 192 and windowed.nll == pytest.approx(one_pass, rel=1e-5)
+  # The next window's forward pass dispatched early (eval.overlap_search) still continues the carry in order.
+  overlapped = evaluate.evaluate(graphdef, params, splits.dev, (evaluate.NONE,), block_len=32, context_window=0,
+                                 streams=1, max_tokens=192, overlap_search=True).scores[0]
+  assert overlapped.nll == windowed.nll
   with pytest.raises(ConfigError, match="context_window"):
     train.validate_config(tiny_config(corpus_path, **{"model.backbone": "srupp", "model.key_type": "final"}))
   with pytest.raises(ConfigError, match="consecutive"):

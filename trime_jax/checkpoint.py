@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
-import logging
 import time
 
 import jax
@@ -204,6 +204,15 @@ def leaf_specs(tree) -> list:
   return sorted((tuple(int(d) for d in x.shape), str(np.dtype(x.dtype))) for x in leaves if hasattr(x, "shape"))
 
 
+def specs_difference(have: list, want: list, have_word: str) -> str | None:
+  """None when two `leaf_specs` agree, else the first difference in words ("float32[8, 4] stored vs float32[8, 5]
+  expected", or the counts when one has arrays the other lacks); `have_word` names where `have` came from."""
+  if have == want:
+    return None
+  return next((f"{a[1]}{list(a[0])} {have_word} vs {b[1]}{list(b[0])} expected" for a, b in zip(have, want) if a != b),
+              f"{len(have)} arrays {have_word} vs {len(want)} expected")
+
+
 def restore_checked(path: str, abstract_tree, what: str, restore):
   """`restore()` after checking the files at `path`: DamagedCheckpointError for missing or unreadable files,
   CheckpointError when the stored shapes differ from `abstract_tree`'s (another model or optimizer; checked
@@ -227,10 +236,8 @@ def restore_checked(path: str, abstract_tree, what: str, restore):
     raise DamagedCheckpointError(f"{what} is damaged: its metadata cannot be read ({first_line(e)})") from None
   if stored is None:
     raise DamagedCheckpointError(f"{what} is damaged: its metadata ({path}/_METADATA) cannot be read")
-  have, want = leaf_specs(stored), leaf_specs(abstract_tree)
-  if have != want:
-    diff = next((f"{a[1]}{list(a[0])} stored vs {b[1]}{list(b[0])} expected" for a, b in zip(have, want) if a != b),
-                f"{len(have)} arrays stored vs {len(want)} expected")
+  diff = specs_difference(leaf_specs(stored), leaf_specs(abstract_tree), "stored")
+  if diff:
     raise CheckpointError(f"{what} does not match this config's model/optimizer ({diff}); use a fresh "
                           "workdir") from None
   try:

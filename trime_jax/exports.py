@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from trime_jax import data
-from trime_jax.checkpoint import leaf_specs, ocp, restore_checked  # ocp: orbax, imported there
+from trime_jax.checkpoint import leaf_specs, ocp, restore_checked, specs_difference  # ocp: orbax, imported there
 from trime_jax.distributed import sync_processes
 from trime_jax.errors import CheckpointError, DamagedCheckpointError, first_line
 from trime_jax.model import build_model, count_params
@@ -115,10 +115,8 @@ def export(directory: str, params, config: ml_collections.ConfigDict, vocab: dat
   # Parameters of another shape than the config's model would be written, then loaded into the wrong model
   want = leaf_specs(nnx.split(nnx.eval_shape(lambda: build_model(model_config(config, vocab_size=len(vocab)),
                                                                  rngs=nnx.Rngs(0))), nnx.Param)[1])
-  have = leaf_specs(params)
-  if have != want:
-    diff = next((f"{a[1]}{list(a[0])} given vs {b[1]}{list(b[0])} expected" for a, b in zip(have, want) if a != b),
-                f"{len(have)} arrays given vs {len(want)} expected")
+  diff = specs_difference(leaf_specs(params), want, "given")
+  if diff:
     raise CheckpointError(f"export to {directory}: the parameters do not match the config's model and vocabulary "
                           f"({diff})")
   chief = jax.process_index() == 0

@@ -161,7 +161,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
              external: knn.ExternalMemory | exact_memory.DeviceDatastore | None = None, vocab_chunk: int = 0,
              max_tokens: int = 0, word_buckets_V=None, progress: bool | str = False,
              break_mode: str = "none", per_token: bool = False, complete_overlong: str = "drop",
-             log=None) -> EvalResult:
+             log=None, overlap_search: bool = False) -> EvalResult:
   """Score `corpus` under every point in one pass: `streams` parallel streams, each with a long-term store of
   `long_term.mem_size` tokens, plus one top-K search per scored token when `external` is given (a
   `knn.ExternalMemory`), or every datastore entry (an `exact_memory.DeviceDatastore`: exact sums on device,
@@ -171,7 +171,9 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   "refuse" (a ConfigError naming it). `progress`: True a tqdm bar, "log" plain lines on
   stderr (`ProgressLog`: a log file, or a remote accelerator's output), False nothing. `per_token`: also
   every scored target's nll under every point (`EvalResult.token_nll`). `log(line)`: where the note on dropped
-  lines goes (default: stderr; the Python API sends it to `logging`)."""
+  lines goes (default: stderr; the Python API sends it to `logging`). `overlap_search`: dispatch each window's
+  forward pass before the previous window's datastore search, scoring and read-back, so that device and host
+  work at once (config eval.overlap_search; False: one step after the other; the same numbers either way)."""
   points = tuple(points)
   if not points:
     raise ConfigError("nothing to evaluate: no points")
@@ -213,12 +215,26 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   t0 = time.perf_counter()
   desc = "eval" + (" (external)" if external else "") + (f" mem={long_term.mem_size}" if long_term.mem_size else "")
   log = ProgressLog(desc, len(plan.schedule)) if progress == "log" else None
-  for step in tqdm(range(len(plan.schedule)), desc=desc, disable=progress is not True, unit="step"):
+  n_steps = len(plan.schedule)
+
+  def dispatch(step, carry):
+    """Step `step`'s host batch and its forward pass, dispatched (jax runs it asynchronously)."""
     batch = plan.batch(corpus, step)
-    out = forward_queries(graphdef, params, batch["inputs"], batch["targets"], batch["qstart"], carry,
-                          batch["reset"] if stateful else None, queries=plan.queries, vocab_chunk=vocab_chunk)
+    return batch, forward_queries(graphdef, params, batch["inputs"], batch["targets"], batch["qstart"], carry,
+                                  batch["reset"] if stateful else None, queries=plan.queries,
+                                  vocab_chunk=vocab_chunk)
+
+  pending = dispatch(0, carry)
+  for step in tqdm(range(n_steps), desc=desc, disable=progress is not True, unit="step"):
+    batch, out = pending
     keys, q_keys, q_stats, q_targets, qpos = out[:5]
     carry = out[5] if stateful else None
+    if overlap_search and step + 1 < n_steps:
+      # The next window's forward pass does not depend on this step's search or scoring (only on the carry),
+      # so the device computes it while the host searches the datastore, reads back the sums and builds the
+      # next batch below: none of these leaves the device idle. The same computations either way, in another
+      # order (tests/test_ext_eval.py, tests/test_srupp.py).
+      pending = dispatch(step + 1, carry)
     q_targets_np = np.asarray(q_targets)
     ext_sim = ext_targets = ext_exact = None
     if on_device:  # every datastore entry, on the devices (retrieval accuracy does not apply)
@@ -241,6 +257,8 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
     totals += np.asarray(sums, np.float64)
     bucket_totals += np.asarray(bucket_sums, np.float64)
     bucket_counts += np.asarray(bucket_count, np.float64)
+    if not overlap_search and step + 1 < n_steps:
+      pending = dispatch(step + 1, carry)
     if log is not None:
       log.step(step + 1)
   seconds = time.perf_counter() - t0

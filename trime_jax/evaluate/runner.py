@@ -105,7 +105,8 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
                           streams=e.batch_size, external=knn_memory, vocab_chunk=train_config.train.vocab_chunk,
                           max_tokens=e.max_tokens, word_buckets_V=buckets, progress=progress,
                           break_mode=e.get("sample_break_mode", "none"),
-                          complete_overlong=e.get("complete_overlong", "drop"))
+                          complete_overlong=e.get("complete_overlong", "drop"),
+                          overlap_search=bool(e.get("overlap_search", False)))
   out = {"checkpoint": checkpoint_dir, "split": e.split, "rows": []}
   if external_memory:
     on_device = isinstance(knn_memory, exact_memory.DeviceDatastore)
