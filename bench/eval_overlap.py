@@ -3,17 +3,16 @@
   python -m bench.eval_overlap --config=docs_wt_ext --checkpoint=runs/docs_wt/ext/export \
       --datastore=runs/docs_wt/ext/ds --tokens=32768 --out=/tmp/eval_overlap.json
 
-`evaluate.evaluate(..., overlap_search=True)` (config eval.overlap_search; off by default) dispatches each window's forward pass before the
-previous window's FAISS search and scoring, so the device computes while the host searches; False runs the
-three one after the other (the default). Without a datastore the same order hides the host's per-step work
-(the next batch, the sums it reads back) behind the device's. Both orders run the same jitted computations on
-the same inputs, so the per-token log-probabilities must be equal: this bench checks that (max |Δ nll|) and
-times four variants interleaved (`--repeats` rounds of: with the datastore sequential, overlapped; without it
-sequential, overlapped), each on the same first `--tokens` test tokens, and reports each variant's fastest
-round, the speed-ups and issue 37's ratio (tokens/s with the datastore ÷ without, goal ≥ 0.5) for each order.
-Compilation is excluded (a short untimed pass of each variant first).
-Point: TrimeLM's family `trime` (local + long-term + external memory) at the config's τ and long-term size.
-"""
+`evaluate.evaluate(..., overlap_search=True)` (config eval.overlap_search; off by default) dispatches each
+window's forward pass before the previous window's FAISS search and scoring, so the device computes while the host
+searches; False runs the three one after the other (the default). Without a datastore the same order hides the
+host's per-step work (the next batch, the sums it reads back) behind the device's. Both orders run the same jitted
+computations on the same inputs, so the per-token log-probabilities must be equal: this bench checks that (max |Δ
+nll|) and times four variants interleaved (`--repeats` rounds of: with the datastore sequential, overlapped;
+without it sequential, overlapped), each on the same first `--tokens` test tokens, and reports each variant's
+fastest round, the speed-ups and issue 37's ratio (tokens/s with the datastore ÷ without, goal ≥ 0.5) for each
+order. Compilation is excluded (a short untimed pass of each variant first). Point: TrimeLM's family `trime`
+(local + long-term + external memory) at the config's τ and long-term size."""
 
 from __future__ import annotations
 
@@ -33,7 +32,8 @@ from trime_jax.evaluate.runner import load_eval_data
 from bench.mfu import apply_set, parse_set
 
 
-def run(config, checkpoint: str, datastore: str, index: str, tokens: int, repeats: int, corpus, split: str = "") -> dict:
+def run(config, checkpoint: str, datastore: str, index: str, tokens: int, repeats: int, corpus,
+        split: str = "") -> dict:
   """The three timings on the first `tokens` targets of `corpus` (the config's eval section: windows, streams,
   τ, K, nprobe, long-term store)."""
   graphdef, params, train_config, _, _ = exports.load_export(checkpoint)

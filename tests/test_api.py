@@ -294,6 +294,23 @@ def test_score_uses_the_exports_sample_break_mode(word_model, capsys, caplog):
     m.score(long_line + " the", memory="local")
 
 
+def test_complete_mode_texts_of_short_lines_share_one_compile(word_model):
+  """Each text is its own evaluation; complete mode's query count follows the text's longest block, rounded up
+  to the stride (`evaluate.memory.QUERY_ROUND`): texts whose lines fit in the stride reuse one compile."""
+  from trime_jax.evaluate import driver
+
+  m = word_model
+  texts = [LINES[0] + "\n", f"{LINES[1]}\n{LINES[3]}\n", LINES[4] + "\n"]  # longest blocks 8, 8, 3 tokens
+  stride = m.config.eval.block_len - m.config.eval.context_window
+  assert max(len(m.tokenize(t)) for t in texts[::2]) <= stride and len(m.tokenize(texts[2])) < stride
+  m.score(texts[0], memory="local")
+  compiled = driver.forward_queries._cache_size(), driver.score_step._cache_size()
+  for text in texts[1:]:
+    got = m.score(text, memory="local")
+    np.testing.assert_array_equal(got.log_probs, _evaluated(m, got.ids, "complete"))
+  assert (driver.forward_queries._cache_size(), driver.score_step._cache_size()) == compiled
+
+
 def test_word_model_detokenize_is_the_generators(word_model):
   m = word_model
   ids = m.tokenize("the cat\nzebra .")

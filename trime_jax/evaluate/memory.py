@@ -119,7 +119,8 @@ class StreamPlan:
   wins: list
   schedule: np.ndarray  # [T, streams] window index, -1 = idle
   score: np.ndarray  # [T, streams] bool: scored (False: warm-up, insert only)
-  queries: int  # Q: scored positions per window (block_len - context_window; complete mode: its longest block)
+  queries: int  # Q: query positions per window (block_len - context_window; complete mode: its longest block,
+  #   rounded up)
   store: long_memory.Store
   doc_starts: np.ndarray
   block_len: int  # L: model input length
@@ -165,6 +166,9 @@ class StreamPlan:
     return {"store_end": start, "span": span.astype(np.int32)}
 
 
+QUERY_ROUND = 128  # complete mode's query count Q above the stride is rounded up to this (`stream_plan`)
+
+
 def stream_plan(corpus: data.Corpus, *, block_len: int, context_window: int, streams: int,
                 long_term: StoreSpec, d_model: int, dtype, max_tokens: int = 0,
                 break_mode: str = "none", overlong: str = "drop") -> StreamPlan:
@@ -187,7 +191,12 @@ def stream_plan(corpus: data.Corpus, *, block_len: int, context_window: int, str
                                          store_starts=np.unique(store_start))
   q = block_len - context_window
   if break_mode == "complete":  # blocks of whole lines: up to block_len scored tokens (a long line)
-    q = max(w.end - w.score_start for w in wins)
+    # The longest block, rounded up: to the stride S (blocks pack lines up to S tokens), above it to a multiple
+    # of QUERY_ROUND, at most block_len. The jitted steps' shapes follow Q, and the Python API scores each text
+    # on its own: texts whose lines all fit in S share one compile, longer ones a few (before: one compile per
+    # distinct longest block). Queries past a block's end are neither scored nor stored (`own`).
+    longest = max(w.end - w.score_start for w in wins)
+    q = min(block_len, max(q, -(-longest // QUERY_ROUND) * QUERY_ROUND))
   store = long_memory.empty(streams, long_memory.capacity(reach, 0, q), d_model, dtype)
   return StreamPlan(n, wins, schedule, score, q, store, np.asarray(corpus.doc_starts, np.int64), block_len,
                     long_term, context_window, store_start, int((end - score_start).sum()), dropped)
