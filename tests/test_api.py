@@ -101,6 +101,50 @@ def test_long_term_memory_add_and_clear(model):
   assert model.generate("x = ", memory="long", **kw).ids == model.generate("x = ", memory="local", **kw).ids
 
 
+def test_long_term_memory_documents_run_once_per_store_size(model, monkeypatch):
+  """score(memory="long") keeps the evaluator's state after the documents' windows: a later text runs its own
+  windows only and scores what one pass over documents + text scores; a new document or new parameters start
+  over."""
+  from trime_jax.evaluate import driver
+
+  e = model.config.eval
+  docs = ["import os\nimport sys\n" * 12, "def f(x):\n    return x\n" * 10]
+  texts = ["x = os.path\n", "def g(y):\n    return f(y)\n", "import sys\n"]
+  calls = []
+  forward = driver.forward_queries
+  monkeypatch.setattr(driver, "forward_queries", lambda *a, **k: calls.append(1) or forward(*a, **k))
+  model.memory.clear()
+  model.memory.add(docs)
+  prefix = model.memory.tokens()
+
+  def one_pass(text):  # the whole stream, nothing kept or reused
+    ids = np.asarray(model.tokenize(text), np.int32)
+    corpus = data.Corpus.from_docs([prefix, ids], model.vocab)
+    mem = -(-len(corpus) // api.STORE_ROUND) * api.STORE_ROUND
+    r = evaluate.evaluate(model.graphdef, model.params, corpus, [evaluate.Point("trime_local", tau=model.default_tau)],
+                          block_len=e.block_len, context_window=e.context_window, streams=1, per_token=True,
+                          long_term=evaluate.StoreSpec(mem_size=mem))
+    return -r.token_nll[0][len(prefix):], len(data.eval_windows(corpus, len(corpus), e.block_len, e.context_window))
+
+  windows_run = []
+  for i, text in enumerate(texts):
+    calls.clear()
+    got = model.score(text, memory="long")
+    windows_run.append(len(calls))
+    want, windows = one_pass(text)
+    np.testing.assert_array_equal(got.log_probs, want)
+    if i == 0:
+      assert windows_run[0] == windows  # the first text runs the documents' windows too
+  assert len(prefix) > 4 * e.block_len and max(windows_run[1:]) <= 2 < windows_run[0]
+  assert len(model.memory._states) == 1
+  # new content or new parameters: the documents' windows run again
+  model.memory.add("z = 0\n")
+  assert not model.memory._states
+  model.params = model.params
+  assert not model.memory._states
+  model.memory.clear()
+
+
 def test_memory_add_is_all_or_nothing(model):
   with pytest.raises(ConfigError, match=r"empty \(texts\[1\]; nothing was added\)"):
     model.memory.add(["abc", ""])
@@ -303,6 +347,11 @@ def test_complete_mode_texts_of_short_lines_share_one_compile(word_model):
   texts = [LINES[0] + "\n", f"{LINES[1]}\n{LINES[3]}\n", LINES[4] + "\n"]  # longest blocks 8, 8, 3 tokens
   stride = m.config.eval.block_len - m.config.eval.context_window
   assert max(len(m.tokenize(t)) for t in texts[::2]) <= stride and len(m.tokenize(texts[2])) < stride
+  for text in texts:  # each text's blocks fit in the stride: Q = S
+    plan = evaluate.stream_plan(data.Corpus.from_docs([np.asarray(m.tokenize(text))], m.vocab), block_len=16,
+                                context_window=8, streams=1, long_term=evaluate.StoreSpec(), d_model=16,
+                                dtype=np.float32, break_mode="complete")
+    assert plan.queries == stride
   m.score(texts[0], memory="local")
   compiled = driver.forward_queries._cache_size(), driver.score_step._cache_size()
   for text in texts[1:]:

@@ -127,6 +127,34 @@ def test_overlapped_search_scores_what_the_sequential_driver_scores(setup):
   np.testing.assert_array_equal(over.retrieval_hits, seq.retrieval_hits)
   assert over.tokens == seq.tokens == len(s["dev"]) and np.isfinite(over.token_nll).all()
 
+  # A stream started from the state its first windows left (evaluate(start=)) scores the rest as one pass does
+  prefix = 2 * BLOCK
+  kept = evaluate.evaluate(s["graphdef"], s["params"], s["dev"], v, block_len=BLOCK, context_window=CTX, streams=1,
+                           external=ext, per_token=True, long_term=evaluate.StoreSpec(mem_size=64),
+                           keep_state_before=prefix)
+  assert kept.state is not None and kept.started_at == 0 and max(w.end for w in kept.state.windows) <= prefix
+  k = len(kept.state.windows)
+  for overlap in (False, True):
+    resumed = evaluate.evaluate(s["graphdef"], s["params"], s["dev"], v, block_len=BLOCK, context_window=CTX,
+                                streams=1, external=ext, per_token=True, long_term=evaluate.StoreSpec(mem_size=64),
+                                start=kept.state, overlap_search=overlap)
+    assert resumed.started_at == k and resumed.state is None
+    skipped = kept.state.windows[-1].end
+    assert np.isnan(resumed.token_nll[:, :skipped]).all()
+    np.testing.assert_array_equal(resumed.token_nll[:, skipped:], kept.token_nll[:, skipped:])
+    assert resumed.tokens == len(s["dev"]) - skipped
+  # the state is not used up (score_step donates a copy), and a plan it does not fit runs from the start
+  again = evaluate.evaluate(s["graphdef"], s["params"], s["dev"], v, block_len=BLOCK, context_window=CTX, streams=1,
+                            external=ext, per_token=True, long_term=evaluate.StoreSpec(mem_size=128), start=kept.state)
+  assert again.started_at == 0 and np.isfinite(again.token_nll).all()
+  np.testing.assert_array_equal(evaluate.evaluate(
+      s["graphdef"], s["params"], s["dev"], v, block_len=BLOCK, context_window=CTX, streams=1, external=ext,
+      per_token=True, long_term=evaluate.StoreSpec(mem_size=64), start=kept.state).token_nll[:, skipped:],
+      kept.token_nll[:, skipped:])
+  with pytest.raises(ConfigError, match="one stream"):
+    evaluate.evaluate(s["graphdef"], s["params"], s["dev"], v, block_len=BLOCK, context_window=CTX, streams=2,
+                      external=ext, keep_state_before=prefix)
+
   # bench.eval_overlap times the two orders and checks the same equality on its own
   from bench import eval_overlap
 

@@ -251,6 +251,14 @@ def test_backbone_switch_trains_and_evaluates_srupp_long(tmp_path):
   overlapped = evaluate.evaluate(graphdef, params, splits.dev, (evaluate.NONE,), block_len=32, context_window=0,
                                  streams=1, max_tokens=192, overlap_search=True).scores[0]
   assert overlapped.nll == windowed.nll
+  # ... and a stream started from the state (store and carry) after its first two windows scores the rest alike
+  run = lambda **kw: evaluate.evaluate(graphdef, params, splits.dev, (evaluate.NONE,), block_len=32, context_window=0,
+                                       streams=1, max_tokens=192, per_token=True, **kw)
+  kept = run(keep_state_before=64)
+  assert len(kept.state.windows) == 2 and kept.state.carry is not None
+  resumed = run(start=kept.state)
+  assert resumed.started_at == 2 and resumed.tokens == 128
+  np.testing.assert_array_equal(resumed.token_nll[:, 64:], kept.token_nll[:, 64:])
   with pytest.raises(ConfigError, match="context_window"):
     train.validate_config(tiny_config(corpus_path, **{"model.backbone": "srupp", "model.key_type": "final"}))
   with pytest.raises(ConfigError, match="consecutive"):

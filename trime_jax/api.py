@@ -46,6 +46,7 @@ from trime_jax.errors import ConfigError
 
 MEMORIES = ("none", "local", "long", "external")
 STORE_ROUND = 1024  # long-term store sizes are rounded up to this, so texts of similar length share one compile
+STATES_KEPT = 4  # score(memory="long"/"external"): the memory documents' evaluated states kept (store sizes)
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,10 @@ class Memory:
     self._model = model
     self.documents: list[np.ndarray] = []  # token ids of each document, in the order added
     self._store = None  # generate.LongTermMemory, filled on the first generation that needs it
+    # score(memory="long"/"external"): the evaluator's state after the documents' windows, per store shape
+    # (evaluate.StreamState), so that each text runs its own windows only; emptied whenever the memory or the
+    # parameters change
+    self._states: dict = {}
 
   def add(self, texts) -> int:
     """Remember `texts` (a string or a list of strings), in order; returns the number of tokens added. All or
@@ -169,6 +174,7 @@ class Memory:
       docs.append(ids)
     keys = [self._model.generator.keys_of(ids.tolist()) for ids in docs] if self._store is not None else []
     self.documents.extend(docs)
+    self._states.clear()
     for k, ids in zip(keys, docs):
       self._store.add(k, ids)
     return int(sum(len(d) for d in docs))
@@ -176,6 +182,7 @@ class Memory:
   def clear(self) -> None:
     self.documents.clear()
     self._store = None
+    self._states.clear()
 
   def __len__(self) -> int:
     return int(sum(len(d) for d in self.documents))
@@ -195,8 +202,17 @@ class Memory:
     return self._store
 
   def _forget_keys(self) -> None:
-    """The model's parameters changed: the store's keys are recomputed on the next generation that needs them."""
+    """The model's parameters changed: the keys are recomputed where next needed (generation's store, scoring's
+    states)."""
     self._store = None
+    self._states.clear()
+
+  def _keep_state(self, key, state) -> None:
+    """At most STATES_KEPT states (one per store size in use), the oldest dropped first."""
+    self._states.pop(key, None)
+    self._states[key] = state
+    while len(self._states) > STATES_KEPT:
+      self._states.pop(next(iter(self._states)))
 
 
 class Model:
@@ -306,12 +322,11 @@ class Model:
     path) and entries retrieved per token (an integer >= 1, default eval.knn_k).
 
     memory="long" and "external" read `model.memory`'s documents before the text (an empty memory: local
-    memory alone, plus the text's own earlier windows). The documents are encoded again for every text, as
-    if they were part of it, and every window searches a store as long as they are: the cost per text grows
-    faster than the documents' length (the shipped demo model, 2 busy CPU cores, a 50-byte text: 0.02 s
-    with no documents, 0.23 s with 2,000 memory tokens, 1.2 s with 8,000, 2.9 s with 16,000). Keep
-    model.memory to the documents the texts need. (Encoding them once would need the evaluator to start from
-    a given store, which `evaluate.evaluate` does not take.)"""
+    memory alone, plus the text's own earlier windows), as if they were part of it. The documents' windows
+    run once per store size (the store holds every token: its size is the documents' and the text's length
+    rounded up to STORE_ROUND) and memory content: the evaluator's state after them (`evaluate.StreamState`)
+    is kept, and each later text of a similar length runs its own windows only, the same numbers as a whole
+    pass (`tests/test_api.py`). Every window still searches a store as long as the documents."""
     texts, single = _texts(texts, "texts")
     _check_memory(memory, datastore)
     tau = _positive(tau, "tau")
@@ -349,10 +364,16 @@ class Model:
       mem_size = 0
       if memory in ("long", "external"):  # every earlier token of the stream fits in the store
         mem_size = -(-len(corpus) // STORE_ROUND) * STORE_ROUND
+      key = (mem_size, mode, ctx)  # what the documents' windows and the store's shape depend on
+      reuse = memory in ("long", "external") and len(prefix) > 0
       result = evaluate.evaluate(self.graphdef, self.params, corpus, [point], block_len=block_len,
                                  context_window=ctx, streams=1, long_term=evaluate.StoreSpec(mem_size=mem_size),
                                  external=external, vocab_chunk=vocab_chunk, per_token=True, break_mode=mode,
-                                 complete_overlong=overlong, log=logger.info)
+                                 complete_overlong=overlong, log=logger.info,
+                                 start=self.memory._states.get(key) if reuse else None,
+                                 keep_state_before=len(prefix) if reuse else 0)
+      if reuse and result.state is not None:
+        self.memory._keep_state(key, result.state)
       nll = np.asarray(result.token_nll[0], np.float32)
       if len(nll) < len(corpus):  # lines were dropped: the evaluator lists the scored targets only, in order
         scored = data.eval_windows(corpus, len(corpus), block_len, ctx, mode, overlong)

@@ -49,7 +49,8 @@ from trime_jax.evaluate.points import (DISPLAY_NAMES, EVAL_MEMORIES, EXTERNAL_FA
 from trime_jax.evaluate.memory import (LONG_TERM_LAYOUTS, MEM_SIZE_AXIS_LABELS, QueryStats, StoreSpec, StreamPlan,
                                        external_block, local_block, long_term_block, mem_size_axis_label,
                                        stream_plan)
-from trime_jax.evaluate.driver import EvalResult, ProgressLog, Score, evaluate, forward_queries, score_step
+from trime_jax.evaluate.driver import (EvalResult, ProgressLog, Score, StreamState, evaluate, forward_queries,
+                                       score_step)
 from trime_jax.evaluate.runner import (evaluate_checkpoint, format_table, load_eval_data,
                                        on_device_datastore)
 from trime_jax.scoring import MemoryBlock
@@ -59,6 +60,6 @@ __all__ = [
     "LAMBDA_GRID", "NONE", "TAU_GRID", "TAU_PRIME_GRID", "THETA_GRID", "Point", "configured_points", "exact_scales",
     "families_of", "grid", "point_nlls", "tune", "LONG_TERM_LAYOUTS", "MEM_SIZE_AXIS_LABELS", "QueryStats",
     "StoreSpec", "StreamPlan", "external_block", "local_block", "long_term_block", "mem_size_axis_label",
-    "stream_plan", "EvalResult", "ProgressLog", "Score", "evaluate", "forward_queries", "score_step",
+    "stream_plan", "EvalResult", "ProgressLog", "Score", "StreamState", "evaluate", "forward_queries", "score_step",
     "evaluate_checkpoint", "format_table", "load_eval_data", "on_device_datastore", "MemoryBlock",
 ]

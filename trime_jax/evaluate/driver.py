@@ -109,6 +109,25 @@ class Score:
     return d
 
 
+@dataclasses.dataclass(frozen=True)
+class StreamState:
+  """A one-stream evaluation after its first windows: the long-term store (and a stateful model's carry) that
+  `windows` left. An evaluation of a stream that begins with the same windows (the same tokens before their
+  ends: the Python API's memory documents before each text) can start there (`evaluate(..., start=...)`)."""
+
+  windows: tuple  # the windows run (`data.Window`), in order
+  queries: int  # the plan's Q (the jitted steps' shapes)
+  store: long_memory.Store
+  carry: object = None
+
+  def fits(self, plan) -> bool:
+    """The plan begins with these windows, at the same shapes, and has windows after them."""
+    k = len(self.windows)
+    shapes = lambda tree: [(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(tree)]
+    return (plan.queries == self.queries and len(plan.wins) > k and tuple(plan.wins[:k]) == self.windows
+            and bool(plan.score[:k].all()) and shapes(plan.store) == shapes(self.store))
+
+
 @dataclasses.dataclass
 class EvalResult:
   scores: list  # [Score] per point, in the order given
@@ -121,6 +140,8 @@ class EvalResult:
   token_nll: np.ndarray | None = None  # [P, tokens] float32 nll of every scored target in stream order
   #   (`evaluate(..., per_token=True)`; complete mode's dropped lines have none), e.g. to compare with another
   #   implementation token by token
+  state: StreamState | None = None  # `evaluate(..., keep_state_before=...)`: where a later evaluation can start
+  started_at: int = 0  # windows not run because `evaluate(..., start=...)` held their state (0: from the start)
 
   @property
   def tokens(self) -> int:
@@ -161,7 +182,8 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
              external: knn.ExternalMemory | exact_memory.DeviceDatastore | None = None, vocab_chunk: int = 0,
              max_tokens: int = 0, word_buckets_V=None, progress: bool | str = False,
              break_mode: str = "none", per_token: bool = False, complete_overlong: str = "drop",
-             log=None, overlap_search: bool = False) -> EvalResult:
+             log=None, overlap_search: bool = False, start: StreamState | None = None,
+             keep_state_before: int = 0) -> EvalResult:
   """Score `corpus` under every point in one pass: `streams` parallel streams, each with a long-term store of
   `long_term.mem_size` tokens, plus one top-K search per scored token when `external` is given (a
   `knn.ExternalMemory`), or every datastore entry (an `exact_memory.DeviceDatastore`: exact sums on device,
@@ -173,7 +195,12 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   every scored target's nll under every point (`EvalResult.token_nll`). `log(line)`: where the note on dropped
   lines goes (default: stderr; the Python API sends it to `logging`). `overlap_search`: dispatch each window's
   forward pass before the previous window's datastore search, scoring and read-back, so that device and host
-  work at once (config eval.overlap_search; False: one step after the other; the same numbers either way)."""
+  work at once (config eval.overlap_search; False: one step after the other; the same numbers either way).
+
+  One stream only: `keep_state_before=P` keeps the state after the windows that end at or before target
+  position P (`EvalResult.state`); `start=` such a state skips those windows where this plan begins with them at
+  the same shapes (`StreamState.fits`; otherwise everything runs, `EvalResult.started_at` says which). The
+  skipped windows' targets are not scored: the scores and per-token nll (NaN there) cover the windows after."""
   points = tuple(points)
   if not points:
     raise ConfigError("nothing to evaluate: no points")
@@ -194,6 +221,8 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   plan = stream_plan(corpus, block_len=block_len, context_window=context_window, streams=streams,
                      long_term=long_term, d_model=model_cfg.d_model, dtype=jnp.dtype(model_cfg.dtype),
                      max_tokens=max_tokens, break_mode=break_mode, overlong=complete_overlong)
+  if (start is not None or keep_state_before) and streams != 1:
+    raise ConfigError(f"evaluate(start=, keep_state_before=) take one stream, got streams={streams}")
   n, store = plan.scored_targets, plan.store
   if plan.dropped_lines:
     (log or (lambda line: print(line, file=sys.stderr, flush=True)))(
@@ -202,6 +231,16 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
         f"does (eval.complete_overlong=drop; refuse: an error instead)")
   carry = model.init_carry(len(plan.schedule[0]), block_len) if stateful else None
   del model
+  first = 0  # the first step run
+  if start is not None and start.fits(plan):
+    first = len(start.windows)
+    store = jax.tree_util.tree_map(jnp.copy, start.store)  # score_step donates its store: the state's stays
+    carry = start.carry
+    n -= sum(w.end - w.score_start for w in plan.wins[:first])
+  keep = 0  # the state is kept after this many windows
+  if keep_state_before:
+    keep = next((i for i, w in enumerate(plan.wins) if w.end > keep_state_before), len(plan.wins))
+  state = start if first and keep == first else None
   buckets = np.zeros(model_cfg.vocab_size, np.int32) if word_buckets_V is None else np.asarray(word_buckets_V)
   n_buckets = len(knn.FREQ_BUCKETS)
   totals = np.zeros(len(points))
@@ -211,6 +250,9 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   token_nll = np.full((len(points), plan.num_targets), np.nan, np.float32) if per_token else None
   search_s0 = external.search_seconds if external is not None else 0.0
   on_device = isinstance(external, exact_memory.DeviceDatastore)
+  # Every key on the devices: the "search" is device work the host waits for, so an early forward pass would
+  # only be counted in its time (search_seconds); the steps keep their order there.
+  overlap_search = overlap_search and not on_device
   scales = exact_scales(points)
   t0 = time.perf_counter()
   desc = "eval" + (" (external)" if external else "") + (f" mem={long_term.mem_size}" if long_term.mem_size else "")
@@ -224,8 +266,8 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
                                   batch["reset"] if stateful else None, queries=plan.queries,
                                   vocab_chunk=vocab_chunk)
 
-  pending = dispatch(0, carry)
-  for step in tqdm(range(n_steps), desc=desc, disable=progress is not True, unit="step"):
+  pending = dispatch(first, carry) if first < n_steps else None
+  for step in tqdm(range(first, n_steps), desc=desc, disable=progress is not True, unit="step"):
     batch, out = pending
     keys, q_keys, q_stats, q_targets, qpos = out[:5]
     carry = out[5] if stateful else None
@@ -257,16 +299,19 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
     totals += np.asarray(sums, np.float64)
     bucket_totals += np.asarray(bucket_sums, np.float64)
     bucket_counts += np.asarray(bucket_count, np.float64)
+    if step + 1 == keep and keep > first:  # a copy: the next score_step donates this store
+      state = StreamState(tuple(plan.wins[:keep]), plan.queries, jax.tree_util.tree_map(jnp.copy, store), carry)
     if not overlap_search and step + 1 < n_steps:
       pending = dispatch(step + 1, carry)
     if log is not None:
       log.step(step + 1)
   seconds = time.perf_counter() - t0
-  if token_nll is not None and n < plan.num_targets:  # only the scored targets (dropped lines have none)
+  if token_nll is not None and plan.scored_targets < plan.num_targets:  # the scored targets (dropped lines: none)
     token_nll = token_nll[:, np.concatenate([np.arange(w.score_start, w.end) for w in plan.wins])]
   is_bytes = corpus.vocab.kind == "bytes"
   scores = [Score(p, float(t / max(n, 1)), n, seconds, is_bytes) for p, t in zip(points, totals)]
   with np.errstate(invalid="ignore", divide="ignore"):
     bucket_nll = np.where(bucket_counts > 0, bucket_totals / bucket_counts, np.nan)
   search = (external.search_seconds - search_s0) if external is not None else 0.0
-  return EvalResult(scores, bucket_nll, bucket_counts, None if on_device else hits, seconds, search, token_nll)
+  return EvalResult(scores, bucket_nll, bucket_counts, None if on_device else hits, seconds, search, token_nll,
+                    state, first)

@@ -196,7 +196,8 @@ def stream_plan(corpus: data.Corpus, *, block_len: int, context_window: int, str
     # on its own: texts whose lines all fit in S share one compile, longer ones a few (before: one compile per
     # distinct longest block). Queries past a block's end are neither scored nor stored (`own`).
     longest = max(w.end - w.score_start for w in wins)
-    q = min(block_len, max(q, -(-longest // QUERY_ROUND) * QUERY_ROUND))
+    if longest > q:
+      q = min(block_len, -(-longest // QUERY_ROUND) * QUERY_ROUND)
   store = long_memory.empty(streams, long_memory.capacity(reach, 0, q), d_model, dtype)
   return StreamPlan(n, wins, schedule, score, q, store, np.asarray(corpus.doc_starts, np.int64), block_len,
                     long_term, context_window, store_start, int((end - score_start).sum()), dropped)
