@@ -170,7 +170,8 @@ def get_config():
   e.knn_gpu = False  # move the FAISS index to GPU 0 (needs a GPU build of faiss; faiss-cpu says so clearly)
   e.overlap_search = False  # dispatch each window's forward pass before the previous window's FAISS search and
   #   host work, so the accelerator computes while the host searches (the same numbers; bench/eval_overlap.py;
-  #   on a CPU both share the cores; on a GPU not yet measured: off until it measures better there)
+  #   on a CPU both share the cores; on a GPU not yet measured: off until it measures better there; not with
+  #   eval.datastore_on_device, whose search is device work)
   e.datastore_on_device = False  # exact external memory: every datastore key on the devices (sharded over all of
   #   them), no FAISS top-K; needs the keys to fit in the devices' combined memory (docs/sharded_memory.md)
   e.tau_prime = 1.0  # τ′ of P′ in the interpolation (Appendix A), on g·g_j/√D: original --interp-temp = √D·τ′
