@@ -39,7 +39,9 @@ layout differs from it only by the duplicated context tokens (docs/long_memory.m
 The driver runs `streams` parallel streams over a stream plan (`data.stream_schedule`): the windows split into
 contiguous runs, one per stream, each with its own long-term store; a stream first re-runs (without scoring)
 the windows whose tokens its store needs. One step = the forward pass (jitted), the search (host), the
-scoring of every point (jitted). No memory, local, long-term and external memory all take this path.
+scoring of every point (jitted). No memory, local, long-term and external memory all take this path. One
+stream can keep the state its first windows left and a later pass start there (`StreamState`: the Python API
+runs its memory documents' windows once for every text scored after them).
 """
 
 from trime_jax.evaluate.points import (DISPLAY_NAMES, EVAL_MEMORIES, EXTERNAL_FAMILIES, FAMILIES, FAMILY_PARAMS,
