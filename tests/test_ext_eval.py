@@ -151,6 +151,12 @@ def test_overlapped_search_scores_what_the_sequential_driver_scores(setup):
       s["graphdef"], s["params"], s["dev"], v, block_len=BLOCK, context_window=CTX, streams=1, external=ext,
       per_token=True, long_term=evaluate.StoreSpec(mem_size=64), start=kept.state).token_nll[:, skipped:],
       kept.token_nll[:, skipped:])
+  # ... nor a corpus with other tokens in those windows (same layout)
+  tokens = np.array(s["dev"].tokens)
+  tokens[3] = (tokens[3] + 1) % 5
+  other = D.Corpus(tokens, s["dev"].doc_starts, s["vocab"], name="dev")
+  assert evaluate.evaluate(s["graphdef"], s["params"], other, v, block_len=BLOCK, context_window=CTX, streams=1,
+                           external=ext, long_term=evaluate.StoreSpec(mem_size=64), start=kept.state).started_at == 0
   with pytest.raises(ConfigError, match="one stream"):
     evaluate.evaluate(s["graphdef"], s["params"], s["dev"], v, block_len=BLOCK, context_window=CTX, streams=2,
                       external=ext, keep_state_before=prefix)

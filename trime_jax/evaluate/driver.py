@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 import sys
 import time
@@ -112,20 +113,29 @@ class Score:
 @dataclasses.dataclass(frozen=True)
 class StreamState:
   """A one-stream evaluation after its first windows: the long-term store (and a stateful model's carry) that
-  `windows` left. An evaluation of a stream that begins with the same windows (the same tokens before their
-  ends: the Python API's memory documents before each text) can start there (`evaluate(..., start=...)`)."""
+  `windows` left. An evaluation of a stream that begins with the same windows over the same tokens (the
+  Python API's memory documents before each text) can start there (`evaluate(..., start=...)`), with the
+  same parameters: that one is the caller's to keep (the API drops its states when they change)."""
 
   windows: tuple  # the windows run (`data.Window`), in order
   queries: int  # the plan's Q (the jitted steps' shapes)
+  tokens_digest: str  # of the corpus tokens up to the last window's end (every token those windows read)
+  graphdef: object  # the model's structure
   store: long_memory.Store
   carry: object = None
 
-  def fits(self, plan) -> bool:
-    """The plan begins with these windows, at the same shapes, and has windows after them."""
+  @staticmethod
+  def digest(corpus: data.Corpus, end: int) -> str:
+    return hashlib.sha256(np.ascontiguousarray(corpus.tokens[:end], np.int32).tobytes()).hexdigest()
+
+  def fits(self, plan, corpus: data.Corpus, graphdef) -> bool:
+    """The plan begins with these windows over the same tokens, at the same shapes, for the same model
+    structure, and has windows after them."""
     k = len(self.windows)
     shapes = lambda tree: [(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(tree)]
     return (plan.queries == self.queries and len(plan.wins) > k and tuple(plan.wins[:k]) == self.windows
-            and bool(plan.score[:k].all()) and shapes(plan.store) == shapes(self.store))
+            and bool(plan.score[:k].all()) and shapes(plan.store) == shapes(self.store)
+            and graphdef == self.graphdef and self.digest(corpus, self.windows[-1].end) == self.tokens_digest)
 
 
 @dataclasses.dataclass
@@ -232,7 +242,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   carry = model.init_carry(len(plan.schedule[0]), block_len) if stateful else None
   del model
   first = 0  # the first step run
-  if start is not None and start.fits(plan):
+  if start is not None and start.fits(plan, corpus, graphdef):
     first = len(start.windows)
     store = jax.tree_util.tree_map(jnp.copy, start.store)  # score_step donates its store: the state's stays
     carry = start.carry
@@ -300,7 +310,8 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
     bucket_totals += np.asarray(bucket_sums, np.float64)
     bucket_counts += np.asarray(bucket_count, np.float64)
     if step + 1 == keep and keep > first:  # a copy: the next score_step donates this store
-      state = StreamState(tuple(plan.wins[:keep]), plan.queries, jax.tree_util.tree_map(jnp.copy, store), carry)
+      state = StreamState(tuple(plan.wins[:keep]), plan.queries, StreamState.digest(corpus, plan.wins[keep - 1].end),
+                          graphdef, jax.tree_util.tree_map(jnp.copy, store), carry)
     if not overlap_search and step + 1 < n_steps:
       pending = dispatch(step + 1, carry)
     if log is not None:
