@@ -26,31 +26,29 @@ import numpy as np
 
 from trime_jax import exports, knn
 from trime_jax.evaluate import driver
-from trime_jax.evaluate.memory import StoreSpec
 from trime_jax.evaluate.points import Point
-from trime_jax.evaluate.runner import load_eval_data
+from trime_jax.evaluate.runner import evaluator_settings, load_eval_data, store_spec
 from bench.mfu import apply_set, parse_set
 
 
 def run(config, checkpoint: str, datastore: str, index: str, tokens: int, repeats: int, corpus,
         split: str = "") -> dict:
-  """The three timings on the first `tokens` targets of `corpus` (the config's eval section: windows, streams,
+  """The four timings on the first `tokens` targets of `corpus` (the config's eval section: windows, streams,
   τ, K, nprobe, long-term store)."""
   graphdef, params, train_config, _, _ = exports.load_export(checkpoint)
   e = config.eval
   ext = knn.ExternalMemory(datastore, index_path=index, checkpoint_dir=checkpoint, k=e.knn_k, nprobe=e.nprobe,
                            exact=e.knn_exact, gpu=e.knn_gpu)
-  long_term = StoreSpec(int(e.mem_size), bool(e.reset_at_documents), str(e.long_term_layout))
-  common = dict(block_len=e.block_len, context_window=e.context_window, streams=e.batch_size,
-                vocab_chunk=train_config.train.vocab_chunk, long_term=long_term,
-                break_mode=e.get("sample_break_mode", "none"), complete_overlong=e.get("complete_overlong", "drop"))
+  long_term = store_spec(e, int(e.mem_size))
+  common = evaluator_settings(e, train_config.train.vocab_chunk)  # its overlap_search is each variant's below
+  common.pop("overlap_search")
 
   def timed(overlap: bool, with_ext: bool, n: int):
     pt = Point("trime", tau=float(e.tau)) if with_ext else Point("trime_local", tau=float(e.tau))
     t0 = time.perf_counter()
     s0 = ext.search_seconds
     r = driver.evaluate(graphdef, params, corpus, (pt,), external=ext if with_ext else None, max_tokens=n,
-                        per_token=True, overlap_search=overlap, **common)
+                        per_token=True, long_term=long_term, overlap_search=overlap, **common)
     return r, time.perf_counter() - t0, ext.search_seconds - s0
 
   warm = min(tokens, 2 * e.block_len)

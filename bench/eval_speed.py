@@ -35,6 +35,7 @@ from trime_jax.datastore import build as ds_build
 from trime_jax.errors import first_line
 from trime_jax.evaluate import driver
 from trime_jax.evaluate.memory import StoreSpec
+from trime_jax.evaluate.runner import evaluator_settings, store_spec
 from trime_jax.evaluate.points import NONE, Point
 from trime_jax.model import build_model
 
@@ -64,10 +65,8 @@ def synthetic_vocab(size: int, kind: str) -> data.Vocab:
 
 
 def _timed_eval(graphdef, params, corpus, points, e, long_term, tokens, warm_tokens, vocab_chunk):
-  run = lambda n: driver.evaluate(graphdef, params, corpus, points, block_len=e.block_len,
-                                  context_window=e.context_window, streams=e.batch_size, long_term=long_term,
-                                  vocab_chunk=vocab_chunk, max_tokens=n, break_mode=e.get("sample_break_mode", "none"),
-                                  overlap_search=bool(e.get("overlap_search", False)))
+  run = lambda n: driver.evaluate(graphdef, params, corpus, points, long_term=long_term, max_tokens=n,
+                                  **evaluator_settings(e, vocab_chunk))
   run(warm_tokens)  # compiles every jitted step (untimed)
   t0 = time.perf_counter()
   res = run(tokens)
@@ -110,7 +109,7 @@ def measure(name: str, a, on_row=lambda out, row: None) -> dict:
   on_row(out, "eval_local")
   mem = int(a.mem_size if a.mem_size >= 0 else e.mem_size)
   if mem:
-    spec = StoreSpec(mem, bool(e.reset_at_documents), str(e.get("long_term_layout", "original")))
+    spec = store_spec(e, mem)
     rows["eval_long"] = _timed_eval(graphdef, params, corpus, points, e, spec, a.tokens, warm, vocab_chunk)
     rows["eval_long"]["mem_size"] = mem
     on_row(out, "eval_long")

@@ -34,6 +34,19 @@ def load_eval_data(config, vocab):
 
 
 
+def evaluator_settings(e, vocab_chunk: int) -> dict:
+  """`driver.evaluate`'s keyword arguments that come from a config's eval section (and the model's
+  train.vocab_chunk): the windows, the streams and how the steps run."""
+  return dict(block_len=e.block_len, context_window=e.context_window, streams=e.batch_size, vocab_chunk=vocab_chunk,
+              break_mode=e.get("sample_break_mode", "none"), complete_overlong=e.get("complete_overlong", "drop"),
+              overlap_search=bool(e.get("overlap_search", False)))
+
+
+def store_spec(e, mem_size: int) -> StoreSpec:
+  """The long-term store of `mem_size` tokens in the eval section's layout and document setting."""
+  return StoreSpec(mem_size, bool(e.reset_at_documents), str(e.long_term_layout))
+
+
 def _rows(result: EvalResult, *, split: str, mem_size: int, layout: str, best: dict | None, dev_best: dict | None,
           label: str) -> list[dict]:
   rows = []
@@ -101,19 +114,16 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
   sizes = [int(m) for m in mem_sizes] if mem_sizes else [int(e.mem_size)]
   if families == ("none",):
     sizes = [0]  # nothing reads the store
-  run = functools.partial(evaluate, graphdef, params, block_len=e.block_len, context_window=e.context_window,
-                          streams=e.batch_size, external=knn_memory, vocab_chunk=train_config.train.vocab_chunk,
-                          max_tokens=e.max_tokens, word_buckets_V=buckets, progress=progress,
-                          break_mode=e.get("sample_break_mode", "none"),
-                          complete_overlong=e.get("complete_overlong", "drop"),
-                          overlap_search=bool(e.get("overlap_search", False)))
+  run = functools.partial(evaluate, graphdef, params, external=knn_memory, max_tokens=e.max_tokens,
+                          word_buckets_V=buckets, progress=progress,
+                          **evaluator_settings(e, train_config.train.vocab_chunk))
   out = {"checkpoint": checkpoint_dir, "split": e.split, "rows": []}
   if external_memory:
     on_device = isinstance(knn_memory, exact_memory.DeviceDatastore)
     out.update(datastore=e.datastore, index="on_device_exact" if on_device else knn_memory.index.kind,
                k=knn_memory.k, nprobe=e.nprobe, exact=bool(e.knn_exact or on_device), mem_size=sizes[0])
   for mem_size in sizes:
-    long_term = StoreSpec(mem_size, bool(e.reset_at_documents), str(e.long_term_layout))
+    long_term = store_spec(e, mem_size)
     best = dev_best = None
     if e.tune:  # on the first eval.tune_max_tokens dev targets (0: eval.max_tokens)
       dev = run(splits.dev, points, long_term=long_term, max_tokens=int(e.get("tune_max_tokens", 0)) or e.max_tokens)
