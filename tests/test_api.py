@@ -145,6 +145,19 @@ def test_long_term_memory_documents_run_once_per_store_size(model, monkeypatch):
   model.memory.clear()
 
 
+def test_bench_score_memory_runs_the_documents_once(capsys):
+  from bench import score_memory
+  from trime_jax.evaluate import driver
+
+  forward = driver.forward_queries
+  assert score_memory.main([]) == 0
+  assert driver.forward_queries is forward  # the counting wrapper is taken back
+  rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and
+          line.split("|")[1].strip().isdigit()]
+  windows = [int(r[3]) for r in rows]
+  assert len(windows) == len(score_memory.TEXTS) and windows[0] > 10 and windows[1:] == [1] * (len(windows) - 1)
+
+
 def test_memory_add_is_all_or_nothing(model):
   with pytest.raises(ConfigError, match=r"empty \(texts\[1\]; nothing was added\)"):
     model.memory.add(["abc", ""])
