@@ -373,6 +373,75 @@ def test_complete_mode_texts_of_short_lines_share_one_compile(word_model):
   assert (driver.forward_queries._cache_size(), driver.score_step._cache_size()) == compiled
 
 
+def test_texts_plan_lays_out_each_text_as_a_corpus_of_its_own(word_model):
+  """`evaluate.texts_plan`: every text after a `</s>` of its own, its windows those of the text alone (shifted),
+  whole texts per row, the rows balanced, the first window of each text marked fresh (a carry restarts)."""
+  m = word_model
+  ids_of = [np.asarray(m.tokenize(t), np.int32) for t in (LINES[0], "\n".join(LINES) + "\n", LINES[3] + "\n",
+                                                           f"{LINES[1]}\n{LINES[4]}\n")]
+  corpus, plan, counts = evaluate.texts_plan(ids_of, m.vocab, block_len=16, context_window=8, rows=2, d_model=16,
+                                             dtype=np.float32)
+  assert plan.separators == 4 and plan.num_targets == len(corpus) == sum(map(len, ids_of)) + 4
+  assert counts == [len(ids) for ids in ids_of] and plan.scored_targets == sum(counts)
+  inputs, targets, _ = data.window_batch(corpus, plan.wins, 16)
+  k = 0
+  for ids, off in zip(ids_of, corpus.doc_starts[:-1] + 1):
+    alone = data.Corpus.from_docs([ids], m.vocab)
+    own = data.eval_windows(alone, len(ids), 16, 8)
+    a_in, a_t, _ = data.window_batch(alone, own, 16)
+    np.testing.assert_array_equal(inputs[k:k + len(own)], a_in)  # the same rows as alone: `</s>` first
+    np.testing.assert_array_equal(targets[k:k + len(own)], a_t)
+    assert [w.score_start - off for w in plan.wins[k:k + len(own)]] == [w.score_start for w in own]
+    assert plan.fresh[k] and not plan.fresh[k + 1:k + len(own)].any()
+    k += len(own)
+  assert k == len(plan.wins)
+  lanes = [[int(i) for i in plan.schedule[:, r] if i >= 0] for r in range(2)]
+  assert sorted(sum(lanes, [])) == list(range(k))
+  assert sorted(map(len, lanes)) == [3, 6]  # the 6-window text in one row, the three 1-window texts in the other
+  for lane in lanes:  # a row runs whole texts, each in order
+    for prev, cur in zip(lane, lane[1:]):
+      assert cur == prev + 1 or plan.fresh[cur]
+  assert (plan.score == (plan.schedule >= 0)).all()
+  with pytest.raises(ConfigError, match="without a long-term store"):
+    evaluate.evaluate(m.graphdef, m.params, corpus, [evaluate.NONE], block_len=16, context_window=8, streams=2,
+                      long_term=evaluate.StoreSpec(mem_size=64), plan=plan)
+
+
+def test_score_runs_many_texts_together_each_as_alone(word_model, caplog):
+  """score([...], memory none / local) runs the texts eval.batch_size at a time (one pass, a window of a
+  different text in each row) and gives each what it gives the text alone: complete mode's blocks, a one-line
+  text's block without context, a dropped long line (NaN), all in one call."""
+  m = word_model
+  long_line = f"{LINES[2]} {LINES[5]}"
+  texts = ["\n".join(LINES) + "\n", LINES[0], f"{LINES[1]}\n{long_line}\n{LINES[3]}\n", LINES[4] + "\n",
+           LINES[5], "\n".join(LINES[::-1]), LINES[1] + "\n" + LINES[2], "a cat ."]
+  assert len(texts) > int(m.config.eval.batch_size)  # rows run several texts one after another
+  for memory in ("none", "local"):
+    alone = [m.score(t, memory=memory) for t in texts]
+    with caplog.at_level(logging.INFO, logger="trime_jax.api"):
+      caplog.clear()
+      together = m.score(texts, memory=memory)
+    assert any("dropped 1 lines" in r.getMessage() and f"({len(m.tokenize(long_line)) + 1} of" in r.getMessage()
+               for r in caplog.records)  # the separators are not counted as tokens
+    for a, b in zip(alone, together):
+      np.testing.assert_array_equal(a.ids, b.ids)
+      np.testing.assert_allclose(b.log_probs, a.log_probs, rtol=1e-6, atol=1e-6)  # NaN where a.log_probs is
+  assert np.isnan(together[2].log_probs).sum() == len(m.tokenize(long_line)) + 1
+  # launch.eval's numbers, up to the float rounding of other shapes (rows, the longest block's query count)
+  np.testing.assert_allclose(together[0].log_probs, _evaluated(m, together[0].ids, "complete"), rtol=1e-6, atol=1e-6)
+
+
+def test_bench_score_texts_compares_one_call_per_text_with_one_for_all(capsys):
+  from bench import score_texts
+
+  assert score_texts.main(["--texts", "12", "--repeats", "1"]) == 0
+  out = capsys.readouterr().out
+  rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| one call")}
+  assert set(rows) == {"one call per text", "one call for all"} and "12 texts" in out
+  diff = float(out.split("largest |log P| difference ")[1].split()[0])
+  assert diff <= 1e-5
+
+
 def test_word_model_detokenize_is_the_generators(word_model):
   m = word_model
   ids = m.tokenize("the cat\nzebra .")

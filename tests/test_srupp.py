@@ -1,6 +1,7 @@
 """SRU++ backbone (trime_jax/srupp.py) and its TrimeLM_long: float64 NumPy references, state carried across
 segments, the backbone switch through training and evaluation."""
 
+import dataclasses
 import math
 
 import jax
@@ -259,6 +260,26 @@ def test_backbone_switch_trains_and_evaluates_srupp_long(tmp_path):
   resumed = run(start=kept.state)
   assert resumed.started_at == 2 and resumed.tokens == 128
   np.testing.assert_array_equal(resumed.token_nll[:, 64:], kept.token_nll[:, 64:])
+  # The Python API scores many texts in one pass, one row running several texts one after another: the carry
+  # starts afresh at each text (`StreamPlan.fresh`), so each scores what it scores alone; carried over, not.
+  import trime_jax
+
+  api_model = trime_jax.load(out["export"])
+  api_model.config.eval.batch_size = 1  # one row: every text after another
+  # longest first, as the row runs them: each text's windows right after the text before (window i + 1 after i)
+  texts = ["the first text, a few windows of 32 bytes long; " * 2, "and a second text " * 3, "a third one."]
+  alone = [api_model.score(t, memory="local") for t in texts]
+  together = api_model.score(texts, memory="local")
+  for a, b in zip(alone, together):
+    np.testing.assert_allclose(b.log_probs, a.log_probs, rtol=1e-6, atol=1e-6)
+  ids_of = [np.asarray(api_model.tokenize(t), np.int32) for t in texts]
+  corpus, text_plan, _ = evaluate.texts_plan(ids_of, api_model.vocab, block_len=32, context_window=0, rows=1,
+                                             d_model=16, dtype=jnp.float32)
+  carried = evaluate.evaluate(graphdef, params, corpus, [evaluate.Point("trime_local", tau=api_model.default_tau)],
+                              block_len=32, context_window=0, streams=1, per_token=True,
+                              plan=dataclasses.replace(text_plan, fresh=None)).token_nll[0]
+  assert (text_plan.schedule[:, 0] == np.arange(len(text_plan.wins))).all()
+  assert not np.allclose(-carried[len(ids_of[0]):], np.concatenate([s.log_probs for s in together[1:]]), atol=1e-4)
   with pytest.raises(ConfigError, match="context_window"):
     train.validate_config(tiny_config(corpus_path, **{"model.backbone": "srupp", "model.key_type": "final"}))
   with pytest.raises(ConfigError, match="consecutive"):

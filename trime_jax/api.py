@@ -321,6 +321,11 @@ class Model:
     (default: the export's eval.tau). `datastore`, `k`: external memory's datastore directory (a string or a
     path) and entries retrieved per token (an integer >= 1, default eval.knn_k).
 
+    memory="none" and "local": a list of texts runs in one pass, eval.batch_size texts at a time (each step feeds
+    a window of a different text to each row, `evaluate.texts_plan`), each scored as if alone: the same numbers
+    up to the float rounding of other shapes (`tests/test_api.py`; `python -m bench.score_texts`: 2× the texts/s
+    of one call per text on a 2-core CPU).
+
     memory="long" and "external" read `model.memory`'s documents before the text (an empty memory: local
     memory alone, plus the text's own earlier windows), as if they were part of it. The documents' windows
     run once per store size (the store holds every token: its size is the documents' and the text's length
@@ -347,41 +352,74 @@ class Model:
     ids_of = [np.asarray(self.tokenize(text), np.int32) for text in texts]  # every text checked before scoring
     if any(not len(ids) for ids in ids_of):
       raise ConfigError("cannot score an empty text")
+    # Each text's windows: complete mode, one line fitting in a block, is that block without context.
+    modes = [self._text_windows(ids, prefix, break_mode, context, block_len) for ids in ids_of]
+    if memory in ("none", "local"):  # texts share nothing: `rows` at a time, grouped by their windows' kind
+      nll_of = [None] * len(texts)
+      for mode_ctx in dict.fromkeys(modes):
+        group = [i for i, m in enumerate(modes) if m == mode_ctx]
+        got = self._score_texts([ids_of[i] for i in group], point, *mode_ctx, block_len, overlong, vocab_chunk)
+        for i, nll in zip(group, got):
+          nll_of[i] = nll
+    else:
+      nll_of = [self._score_with_memory(ids, prefix, point, *mode_ctx, block_len, overlong, vocab_chunk, external)
+                for ids, mode_ctx in zip(ids_of, modes)]
     out = []
-    for text, ids in zip(texts, ids_of):
-      mode, ctx = break_mode, context
-      stream_len = len(prefix) + len(ids)
-      if mode == "complete" and not (ids == self.vocab.eos).any() and not (prefix == self.vocab.eos).any():
-        # One line. Complete mode feeds a line that fits in a block as one block from its first token
-        # (`data.complete_windows`): the window none mode gives it without context. `data.eval_windows`
-        # refuses a stream without `</s>` (a corpus without line ends), so that window is asked for directly.
-        if stream_len > block_len:
-          raise ConfigError(f"eval.sample_break_mode=complete: the text is one line of {stream_len} tokens (with "
-                            f"model.memory's documents), longer than eval.block_len={block_len}: trime_jax.launch.eval "
-                            f"would not score it (fairseq's eval_lm drops such lines); break it into lines")
-        mode, ctx = "none", 0
-      corpus = data.Corpus.from_docs([d for d in (prefix, ids) if len(d)], self.vocab)
-      mem_size = 0
-      if memory in ("long", "external"):  # every earlier token of the stream fits in the store
-        mem_size = -(-len(corpus) // STORE_ROUND) * STORE_ROUND
-      key = (mem_size, mode, ctx)  # what the documents' windows and the store's shape depend on
-      reuse = memory in ("long", "external") and len(prefix) > 0
-      result = evaluate.evaluate(self.graphdef, self.params, corpus, [point], block_len=block_len,
-                                 context_window=ctx, streams=1, long_term=evaluate.StoreSpec(mem_size=mem_size),
-                                 external=external, vocab_chunk=vocab_chunk, per_token=True, break_mode=mode,
-                                 complete_overlong=overlong, log=logger.info,
-                                 start=self.memory._states.get(key) if reuse else None,
-                                 keep_state_before=len(prefix) if reuse else 0)
-      if reuse and result.state is not None:
-        self.memory._keep_state(key, result.state)
-      nll = np.asarray(result.token_nll[0], np.float32)
-      if len(nll) < len(corpus):  # lines were dropped: the evaluator lists the scored targets only, in order
-        scored = data.eval_windows(corpus, len(corpus), block_len, ctx, mode, overlong)
-        nll = np.full(len(corpus), np.nan, np.float32)
-        nll[np.concatenate([np.arange(w.score_start, w.end) for w in scored])] = result.token_nll[0]
-      log_probs = -nll[len(prefix):]
-      out.append(TextScore(text, [self.vocab.tokens[i] for i in ids], ids, log_probs))
+    for text, ids, (mode, ctx), nll in zip(texts, ids_of, modes, nll_of):
+      corpus_len = len(prefix) + len(ids)
+      if len(nll) < corpus_len:  # lines were dropped: the evaluator lists the scored targets only, in order
+        corpus = data.Corpus.from_docs([d for d in (prefix, ids) if len(d)], self.vocab)
+        scored = data.eval_windows(corpus, corpus_len, block_len, ctx, mode, overlong)
+        full = np.full(corpus_len, np.nan, np.float32)
+        full[np.concatenate([np.arange(w.score_start, w.end) for w in scored])] = nll
+        nll = full
+      out.append(TextScore(text, [self.vocab.tokens[i] for i in ids], ids, -nll[len(prefix):]))
     return out[0] if single else out
+
+  def _text_windows(self, ids, prefix, break_mode: str, context: int, block_len: int) -> tuple[str, int]:
+    """(break mode, context window) of one text's windows, as trime_jax.launch.eval would cut them."""
+    if break_mode == "complete" and not (ids == self.vocab.eos).any() and not (prefix == self.vocab.eos).any():
+      # One line. Complete mode feeds a line that fits in a block as one block from its first token
+      # (`data.complete_windows`): the window none mode gives it without context. `data.eval_windows`
+      # refuses a stream without `</s>` (a corpus without line ends), so that window is asked for directly.
+      stream_len = len(prefix) + len(ids)
+      if stream_len > block_len:
+        raise ConfigError(f"eval.sample_break_mode=complete: the text is one line of {stream_len} tokens (with "
+                          f"model.memory's documents), longer than eval.block_len={block_len}: trime_jax.launch.eval "
+                          f"would not score it (fairseq's eval_lm drops such lines); break it into lines")
+      return "none", 0
+    return break_mode, context
+
+  def _score_texts(self, ids_of, point, mode: str, ctx: int, block_len: int, overlong: str, vocab_chunk: int):
+    """Each text's scored targets' nll (in order), local memory only: the texts in one pass, `rows` windows of
+    different texts per step (`evaluate.texts_plan`; rows: eval.batch_size, or the power of two at or above the
+    number of texts where that is fewer, so that a few calls share a compile), each as if scored alone."""
+    rows = min(max(1, int(self.config.eval.batch_size)), 1 << (len(ids_of) - 1).bit_length())
+    cfg = self.nnx_model.cfg
+    corpus, plan, counts = evaluate.texts_plan(ids_of, self.vocab, block_len=block_len, context_window=ctx,
+                                               rows=rows, d_model=cfg.d_model, dtype=cfg.dtype, break_mode=mode,
+                                               overlong=overlong)
+    result = evaluate.evaluate(self.graphdef, self.params, corpus, [point], block_len=block_len, context_window=ctx,
+                               streams=rows, vocab_chunk=vocab_chunk, per_token=True, break_mode=mode,
+                               complete_overlong=overlong, log=logger.info, plan=plan)
+    return np.split(np.asarray(result.token_nll[0], np.float32), np.cumsum(counts)[:-1])
+
+  def _score_with_memory(self, ids, prefix, point, mode: str, ctx: int, block_len: int, overlong: str,
+                         vocab_chunk: int, external):
+    """One text's scored targets' nll after model.memory's documents (`prefix`), with a long-term store of
+    every earlier token (and `external`'s datastore): one stream, from the documents' kept state if any."""
+    corpus = data.Corpus.from_docs([d for d in (prefix, ids) if len(d)], self.vocab)
+    mem_size = -(-len(corpus) // STORE_ROUND) * STORE_ROUND  # every earlier token of the stream fits in the store
+    key = (mem_size, mode, ctx)  # what the documents' windows and the store's shape depend on
+    reuse = len(prefix) > 0
+    result = evaluate.evaluate(self.graphdef, self.params, corpus, [point], block_len=block_len, context_window=ctx,
+                               streams=1, long_term=evaluate.StoreSpec(mem_size=mem_size), external=external,
+                               vocab_chunk=vocab_chunk, per_token=True, break_mode=mode, complete_overlong=overlong,
+                               log=logger.info, start=self.memory._states.get(key) if reuse else None,
+                               keep_state_before=len(prefix) if reuse else 0)
+    if reuse and result.state is not None:
+      self.memory._keep_state(key, result.state)
+    return np.asarray(result.token_nll[0], np.float32)
 
   # -- generation -------------------------------------------------------------------------------------------
   def generate(self, prompts, *, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,

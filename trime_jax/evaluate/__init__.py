@@ -41,7 +41,9 @@ contiguous runs, one per stream, each with its own long-term store; a stream fir
 the windows whose tokens its store needs. One step = the forward pass (jitted), the search (host), the
 scoring of every point (jitted). No memory, local, long-term and external memory all take this path. One
 stream can keep the state its first windows left and a later pass start there (`StreamState`: the Python API
-runs its memory documents' windows once for every text scored after them).
+runs its memory documents' windows once for every text scored after them). Many independent texts share one
+pass through `texts_plan` (each text a corpus of its own, whole texts per row: the Python API's scoring of a
+list of texts with local memory).
 """
 
 from trime_jax.evaluate.points import (DISPLAY_NAMES, EVAL_MEMORIES, EXTERNAL_FAMILIES, FAMILIES, FAMILY_PARAMS,
@@ -50,7 +52,7 @@ from trime_jax.evaluate.points import (DISPLAY_NAMES, EVAL_MEMORIES, EXTERNAL_FA
                                        point_nlls, tune)
 from trime_jax.evaluate.memory import (LONG_TERM_LAYOUTS, MEM_SIZE_AXIS_LABELS, QueryStats, StoreSpec, StreamPlan,
                                        external_block, local_block, long_term_block, mem_size_axis_label,
-                                       stream_plan)
+                                       stream_plan, texts_plan)
 from trime_jax.evaluate.driver import (EvalResult, ProgressLog, Score, StreamState, evaluate, forward_queries,
                                        score_step)
 from trime_jax.evaluate.runner import (evaluate_checkpoint, format_table, load_eval_data,
@@ -62,6 +64,7 @@ __all__ = [
     "LAMBDA_GRID", "NONE", "TAU_GRID", "TAU_PRIME_GRID", "THETA_GRID", "Point", "configured_points", "exact_scales",
     "families_of", "grid", "point_nlls", "tune", "LONG_TERM_LAYOUTS", "MEM_SIZE_AXIS_LABELS", "QueryStats",
     "StoreSpec", "StreamPlan", "external_block", "local_block", "long_term_block", "mem_size_axis_label",
-    "stream_plan", "EvalResult", "ProgressLog", "Score", "StreamState", "evaluate", "forward_queries", "score_step",
+    "stream_plan", "texts_plan", "EvalResult", "ProgressLog", "Score", "StreamState", "evaluate", "forward_queries",
+    "score_step",
     "evaluate_checkpoint", "format_table", "load_eval_data", "on_device_datastore", "MemoryBlock",
 ]

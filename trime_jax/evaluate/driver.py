@@ -24,8 +24,8 @@ from trime_jax import knn
 from trime_jax import long_memory
 from trime_jax import steps
 from trime_jax.errors import CheckpointError, ConfigError
-from trime_jax.evaluate.memory import (QueryStats, StoreSpec, external_block, local_block, long_term_block,
-                                       stream_plan)
+from trime_jax.evaluate.memory import (QueryStats, StoreSpec, StreamPlan, external_block, local_block,
+                                       long_term_block, stream_plan)
 from trime_jax.evaluate.points import Point, exact_scales, point_nlls
 
 # ----------------------------------------------------------------------------------------------------------
@@ -193,7 +193,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
              max_tokens: int = 0, word_buckets_V=None, progress: bool | str = False,
              break_mode: str = "none", per_token: bool = False, complete_overlong: str = "drop",
              log=None, overlap_search: bool = False, start: StreamState | None = None,
-             keep_state_before: int = 0) -> EvalResult:
+             keep_state_before: int = 0, plan: StreamPlan | None = None) -> EvalResult:
   """Score `corpus` under every point in one pass: `streams` parallel streams, each with a long-term store of
   `long_term.mem_size` tokens, plus one top-K search per scored token when `external` is given (a
   `knn.ExternalMemory`), or every datastore entry (an `exact_memory.DeviceDatastore`: exact sums on device,
@@ -210,7 +210,10 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   One stream only: `keep_state_before=P` keeps the state after the windows that end at or before target
   position P (`EvalResult.state`); `start=` such a state skips those windows where this plan begins with them at
   the same shapes (`StreamState.fits`; otherwise everything runs, `EvalResult.started_at` says which). The
-  skipped windows' targets are not scored: the scores and per-token nll (NaN there) cover the windows after."""
+  skipped windows' targets are not scored: the scores and per-token nll (NaN there) cover the windows after.
+
+  `plan`: run this plan of `corpus` instead of `stream_plan`'s (`texts_plan`: many independent texts, its rows
+  in place of `streams`; local memory only: `long_term` must be empty, and `start` / `keep_state_before` unset)."""
   points = tuple(points)
   if not points:
     raise ConfigError("nothing to evaluate: no points")
@@ -228,16 +231,22 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
     raise CheckpointError(f"eval.block_len={block_len} exceeds the model's max_len={model_cfg.max_len}")
   if external is not None and external.dimension != model_cfg.d_model:
     raise ConfigError(f"datastore keys have dimension {external.dimension}, the model's keys {model_cfg.d_model}")
-  plan = stream_plan(corpus, block_len=block_len, context_window=context_window, streams=streams,
-                     long_term=long_term, d_model=model_cfg.d_model, dtype=jnp.dtype(model_cfg.dtype),
-                     max_tokens=max_tokens, break_mode=break_mode, overlong=complete_overlong)
+  if plan is None:
+    plan = stream_plan(corpus, block_len=block_len, context_window=context_window, streams=streams,
+                       long_term=long_term, d_model=model_cfg.d_model, dtype=jnp.dtype(model_cfg.dtype),
+                       max_tokens=max_tokens, break_mode=break_mode, overlong=complete_overlong)
+  elif (long_term.mem_size or start is not None or keep_state_before or plan.block_len != block_len
+        or plan.context_window != context_window or plan.num_targets != len(corpus)):
+    raise ConfigError("evaluate(plan=): a plan of this corpus at this block_len and context_window, without a "
+                      "long-term store, start= or keep_state_before=")
   if (start is not None or keep_state_before) and streams != 1:
     raise ConfigError(f"evaluate(start=, keep_state_before=) take one stream, got streams={streams}")
   n, store = plan.scored_targets, plan.store
   if plan.dropped_lines:
     (log or (lambda line: print(line, file=sys.stderr, flush=True)))(
         f"eval: sample_break_mode=complete dropped {plan.dropped_lines:,} lines longer than eval.block_len="
-        f"{block_len} ({plan.num_targets - n:,} of {plan.num_targets:,} tokens not scored), as fairseq's eval_lm "
+        f"{block_len} ({plan.num_targets - plan.separators - n:,} of {plan.num_targets - plan.separators:,} tokens "
+        f"not scored), as fairseq's eval_lm "
         f"does (eval.complete_overlong=drop; refuse: an error instead)")
   carry = model.init_carry(len(plan.schedule[0]), block_len) if stateful else None
   del model

@@ -131,6 +131,9 @@ class StreamPlan:
   #   there: "Memory doesn't match. Clear!"), else 0
   scored_targets: int  # targets the windows score: num_targets minus those of dropped lines
   dropped_lines: int  # lines longer than block_len that complete mode dropped
+  fresh: np.ndarray | None = None  # [windows] bool: a stateful model's carry starts afresh at this window even
+  #   where its stream ran the window before (`texts_plan`: the first window of each text); None: nowhere
+  separators: int = 0  # target positions no window scores by design (`texts_plan`: the `</s>` before each text)
 
   def batch(self, corpus: data.Corpus, step: int) -> dict:
     """Host arrays of step `step`: inputs / targets [S, L]; start, offset (score_start - start), qstart (the
@@ -151,6 +154,8 @@ class StreamPlan:
     # A stateful model's stream continues only from the window right before (the stream's previous step).
     prev = self.schedule[step - 1] if step else np.full_like(idx, -1)
     reset = (prev < 0) | (idx != prev + 1)
+    if self.fresh is not None:
+      reset = reset | self.fresh[np.maximum(idx, 0)]
     return {"inputs": inputs, "targets": targets, "start": start, "offset": offset, "qstart": qstart, "reset": reset,
             **self._store_view(start, offset, self.store_start[np.maximum(idx, 0)]),
             "own": (qpos >= (start + offset)[:, None]) & (qpos < ends[:, None]),
@@ -167,6 +172,21 @@ class StreamPlan:
 
 
 QUERY_ROUND = 128  # complete mode's query count Q above the stride is rounded up to this (`stream_plan`)
+
+
+def _queries(wins, block_len: int, context_window: int, break_mode: str) -> int:
+  """Q, the query positions per window: the stride S = block_len - context_window. Complete mode's blocks of
+  whole lines hold up to block_len scored tokens (a long line): there Q is the longest block, rounded up to S
+  (blocks pack lines up to S tokens), above it to a multiple of QUERY_ROUND, at most block_len. The jitted
+  steps' shapes follow Q, and the Python API scores texts on their own: texts whose lines all fit in S share
+  one compile, longer ones a few (before: one compile per distinct longest block). Queries past a block's end
+  are neither scored nor stored (`StreamPlan.batch`'s `own`)."""
+  q = block_len - context_window
+  if break_mode == "complete":
+    longest = max(w.end - w.score_start for w in wins)
+    if longest > q:
+      q = min(block_len, -(-longest // QUERY_ROUND) * QUERY_ROUND)
+  return q
 
 
 def stream_plan(corpus: data.Corpus, *, block_len: int, context_window: int, streams: int,
@@ -189,15 +209,54 @@ def stream_plan(corpus: data.Corpus, *, block_len: int, context_window: int, str
   schedule, score = data.stream_schedule(wins, corpus.doc_starts, streams, long_term.mem_size,
                                          long_term.reset_at_documents, context_window=reach - long_term.mem_size,
                                          store_starts=np.unique(store_start))
-  q = block_len - context_window
-  if break_mode == "complete":  # blocks of whole lines: up to block_len scored tokens (a long line)
-    # The longest block, rounded up: to the stride S (blocks pack lines up to S tokens), above it to a multiple
-    # of QUERY_ROUND, at most block_len. The jitted steps' shapes follow Q, and the Python API scores each text
-    # on its own: texts whose lines all fit in S share one compile, longer ones a few (before: one compile per
-    # distinct longest block). Queries past a block's end are neither scored nor stored (`own`).
-    longest = max(w.end - w.score_start for w in wins)
-    if longest > q:
-      q = min(block_len, -(-longest // QUERY_ROUND) * QUERY_ROUND)
+  q = _queries(wins, block_len, context_window, break_mode)
   store = long_memory.empty(streams, long_memory.capacity(reach, 0, q), d_model, dtype)
   return StreamPlan(n, wins, schedule, score, q, store, np.asarray(corpus.doc_starts, np.int64), block_len,
                     long_term, context_window, store_start, int((end - score_start).sum()), dropped)
+
+
+def texts_plan(texts, vocab: data.Vocab, *, block_len: int, context_window: int, rows: int, d_model: int, dtype,
+               break_mode: str = "none", overlong: str = "drop") -> tuple[data.Corpus, StreamPlan, list[int]]:
+  """Independent texts (token arrays) scored `rows` at a time, each exactly as a corpus of its own: its own
+  windows (`data.eval_windows`, starting at `</s>`), local memory only. (corpus, plan, the targets each text's
+  windows score, in text order; the evaluator's per-token nll lists them so.)
+
+  The texts are laid out one after another in `corpus`, each after a `</s>` of its own that no window scores
+  (so a text's first window reads `</s>` first, as alone; no window reaches into another text). Each row runs
+  whole texts, longest first onto the row with the fewest windows; a stateful model's carry starts afresh at
+  each text (`StreamPlan.fresh`). No long-term store: it would see the text run before in the row."""
+  if rows < 1:
+    raise ConfigError(f"rows must be >= 1, got {rows}")
+  texts = [np.asarray(t, np.int32) for t in texts]
+  if not texts or any(not len(t) for t in texts):
+    raise ConfigError("texts_plan needs texts with tokens")
+  bos = np.array([vocab.bos], np.int32)
+  corpus = data.Corpus.from_docs([np.concatenate([bos, t]) for t in texts], vocab)
+  wins, first_of, scored, dropped = [], [], [], 0
+  for t, off in zip(texts, corpus.doc_starts[:-1] + 1):  # a text's targets start after its `</s>`
+    own = data.eval_windows(data.Corpus.from_docs([t], vocab), len(t), block_len, context_window, break_mode,
+                            overlong)
+    if break_mode == "complete" and sum(w.end - w.score_start for w in own) < len(t):
+      dropped += int((data.line_lengths(t, vocab.eos) > block_len).sum())
+    shift = lambda a: int(a) + int(off)
+    first_of.append(len(wins))
+    wins += [data.Window(shift(w.start), shift(w.score_start), shift(w.end),
+                         tuple((shift(a), shift(b)) for a, b in w.context)) for w in own]
+    scored.append(sum(w.end - w.score_start for w in own))
+  bounds = first_of + [len(wins)]
+  load, lanes = np.zeros(rows, np.int64), [[] for _ in range(rows)]
+  for i in sorted(range(len(texts)), key=lambda i: bounds[i] - bounds[i + 1]):  # most windows first
+    r = int(np.argmin(load))
+    lanes[r] += range(bounds[i], bounds[i + 1])
+    load[r] += bounds[i + 1] - bounds[i]
+  schedule = np.full((int(load.max()), rows), -1, np.int64)
+  for r, lane in enumerate(lanes):
+    schedule[:len(lane), r] = lane
+  fresh = np.zeros(len(wins), bool)
+  fresh[first_of] = True
+  q = _queries(wins, block_len, context_window, break_mode)
+  store = long_memory.empty(rows, long_memory.capacity(0, 0, q), d_model, dtype)
+  plan = StreamPlan(len(corpus), wins, schedule, schedule >= 0, q, store, np.asarray(corpus.doc_starts, np.int64),
+                    block_len, StoreSpec(), context_window, np.zeros(len(wins), np.int64), int(sum(scored)),
+                    dropped, fresh, len(texts))
+  return corpus, plan, scored
