@@ -2,9 +2,12 @@
 
   python -m bench.score_texts                        # the shipped demo model, 60 lines of WikiText-2 test
   python -m bench.score_texts --texts 200 --repeats 3 --memory none
+  python -m bench.score_texts --model runs/docs_wt/ext/export --text_file ../shared/data/docs-wt/wiki.test.tokens \
+      --memory external --datastore runs/docs_wt/ext/ds_1000000 --k 1024
 
 A list of texts runs in one pass (`evaluate.texts_plan`): each step feeds a window of a different text to each
-of the rows (eval.batch_size; fewer where there are fewer texts), each text scored as if alone. One text per
+of the rows (eval.batch_size; fewer where there are fewer texts), each text scored as if alone; with external
+memory every step searches the datastore once for all its rows' tokens. One text per
 call runs one row per step, as every call did before. Both are timed after a warm-up call each (compilation not
 included), interleaved `--repeats` times; the table gives the median, and the largest difference of any
 token's log-probability between the two.
@@ -44,15 +47,19 @@ def main(argv=None) -> int:
   p.add_argument("--model", default="demo", help="a shipped model's name or an export directory")
   p.add_argument("--text_file", default=DEFAULT_TEXTS, help="WikiText-format lines to score, one text each")
   p.add_argument("--texts", type=int, default=60, help="how many lines")
-  p.add_argument("--memory", default="local", choices=("none", "local"))
+  p.add_argument("--memory", default="local", choices=("none", "local", "long", "external"),
+                 help="long / external: with model.memory empty, each text's store holds its own earlier tokens")
+  p.add_argument("--datastore", default=None, help="memory=external: a trime_jax.launch.build_datastore directory")
+  p.add_argument("--k", type=int, default=None, help="memory=external: entries retrieved per token (eval.knn_k)")
   p.add_argument("--repeats", type=int, default=3)
   a = p.parse_args(argv)
   model = trime_jax.load(a.model)
   texts = read_lines(a.text_file, a.texts)
   if not texts:
     raise SystemExit(f"error: no lines to score in {a.text_file}")
-  one_by_one = lambda: [model.score(t, memory=a.memory) for t in texts]
-  together = lambda: model.score(texts, memory=a.memory)
+  kw = dict(memory=a.memory, datastore=a.datastore, k=a.k) if a.memory == "external" else dict(memory=a.memory)
+  one_by_one = lambda: [model.score(t, **kw) for t in texts]
+  together = lambda: model.score(texts, **kw)
   warm = {"one call per text": one_by_one(), "one call for all": together()}  # compiles both
   seconds = {name: [] for name in warm}
   for _ in range(a.repeats):

@@ -236,8 +236,26 @@ def test_external_memory_with_a_datastore(model, run, tmp_path, capsys, caplog):
                            context_window=exact.config.eval.context_window, streams=1,
                            long_term=evaluate.StoreSpec(mem_size=api.STORE_ROUND),
                            external=knn.ExternalMemory(ds_dir, k=16, exact=True), per_token=True)
-  np.testing.assert_array_equal(exact.score(TEXT, memory="external", datastore=ds_dir, k=16).log_probs,
-                                -want.token_nll[0])
+  np.testing.assert_allclose(exact.score(TEXT, memory="external", datastore=ds_dir, k=16).log_probs,
+                             -want.token_nll[0], rtol=1e-6, atol=1e-6)  # the API's rows: as long as the text
+  # Several texts without memory documents run together (`evaluate.texts_plan`), long and external memory
+  # too: each text's store holds its own earlier tokens only, as when it is scored alone in a stream of its own.
+  texts = [TEXT * 6, "x = 1\n", "import os\nimport sys\n" * 5, TEXT, "def f(a, b):\n    return a + b\n" * 3]
+  e = model.config.eval
+  assert len(texts) > e.batch_size and max(len(model.tokenize(t)) for t in texts) > 2 * e.block_len
+  for memory, point, ext in (("long", evaluate.Point("trime_local", tau=model.default_tau), None),
+                             ("external", evaluate.Point("trime", tau=model.default_tau),
+                              model.external(ds_dir, k=16))):
+    together = model.score(texts, memory=memory, datastore=ds_dir if ext else None, k=16 if ext else None)
+    for text, got in zip(texts, together):
+      ids = model.tokenize(text)
+      alone = evaluate.evaluate(model.graphdef, model.params, data.Corpus.from_docs([ids], model.vocab), [point],
+                                block_len=e.block_len, context_window=e.context_window, streams=1,
+                                long_term=evaluate.StoreSpec(mem_size=api.STORE_ROUND), external=ext, per_token=True)
+      np.testing.assert_allclose(got.log_probs, -alone.token_nll[0], rtol=1e-5, atol=1e-5)  # summed in another order
+    long_texts = [s for t, s in zip(texts, together) if len(s.ids) > 2 * e.block_len]
+    assert long_texts and not np.allclose(long_texts[0].log_probs,
+                                          model.score(texts[0], memory="local").log_probs, atol=1e-3)
 
 
 def test_generator_shares_the_models_parameters(run, monkeypatch):
@@ -402,32 +420,58 @@ def test_texts_plan_lays_out_each_text_as_a_corpus_of_its_own(word_model):
     for prev, cur in zip(lane, lane[1:]):
       assert cur == prev + 1 or plan.fresh[cur]
   assert (plan.score == (plan.schedule >= 0)).all()
-  with pytest.raises(ConfigError, match="without a long-term store"):
+  with pytest.raises(ConfigError, match="without long_term="):
     evaluate.evaluate(m.graphdef, m.params, corpus, [evaluate.NONE], block_len=16, context_window=8, streams=2,
                       long_term=evaluate.StoreSpec(mem_size=64), plan=plan)
 
 
-def test_score_runs_many_texts_together_each_as_alone(word_model, caplog):
+def _scored_alone(m, text, memory):
+  """log P of each token of `text` as evaluate.evaluate scores the text as a corpus of its own (`stream_plan`,
+  rows of the full block_len), with the windows score() gives it; NaN where a dropped line is not scored."""
+  e = m.config.eval
+  ids = np.asarray(m.tokenize(text), np.int32)
+  mode, ctx = m._text_windows(ids, np.zeros(0, np.int32), e.sample_break_mode, e.context_window, e.block_len)
+  corpus = data.Corpus.from_docs([ids], m.vocab)
+  point = evaluate.NONE if memory == "none" else evaluate.Point("trime_local", tau=m.default_tau)
+  got = evaluate.evaluate(m.graphdef, m.params, corpus, [point], block_len=e.block_len, context_window=ctx,
+                          streams=1, per_token=True, break_mode=mode).token_nll[0]
+  out = np.full(len(ids), np.nan, np.float32)
+  out[np.concatenate([np.arange(w.score_start, w.end)
+                      for w in data.eval_windows(corpus, len(ids), e.block_len, ctx, mode)])] = -got
+  return out
+
+
+@pytest.mark.parametrize("query_round", [128, 4])
+def test_score_runs_many_texts_together_each_as_alone(word_model, caplog, monkeypatch, query_round):
   """score([...], memory none / local) runs the texts eval.batch_size at a time (one pass, a window of a
-  different text in each row) and gives each what it gives the text alone: complete mode's blocks, a one-line
-  text's block without context, a dropped long line (NaN), all in one call."""
+  different text in each row) and gives each what evaluate gives the text alone: complete mode's blocks, a
+  one-line text's block without context, a dropped long line (NaN), all in one call. Rows as long as the longest
+  window, rounded up (`evaluate.memory._bucket`: a power of two up to QUERY_ROUND, then its multiples; 128 and 4
+  here), shorter than eval.block_len where every text is short."""
+  from trime_jax.evaluate import memory as evaluate_memory
+
+  monkeypatch.setattr(evaluate_memory, "QUERY_ROUND", query_round)
   m = word_model
   long_line = f"{LINES[2]} {LINES[5]}"
   texts = ["\n".join(LINES) + "\n", LINES[0], f"{LINES[1]}\n{long_line}\n{LINES[3]}\n", LINES[4] + "\n",
            LINES[5], "\n".join(LINES[::-1]), LINES[1] + "\n" + LINES[2], "a cat ."]
+  short = [LINES[0], LINES[4] + "\n", "a cat .", LINES[1]]
   assert len(texts) > int(m.config.eval.batch_size)  # rows run several texts one after another
+  ids_of = [np.asarray(m.tokenize(t), np.int32) for t in short]
+  _, plan, _ = evaluate.texts_plan(ids_of, m.vocab, block_len=16, context_window=0, rows=4, d_model=16,
+                                   dtype=np.float32)
+  assert plan.block_len == 8 and plan.queries <= plan.block_len  # 7 tokens: a power of two / a multiple of 4
   for memory in ("none", "local"):
-    alone = [m.score(t, memory=memory) for t in texts]
     with caplog.at_level(logging.INFO, logger="trime_jax.api"):
       caplog.clear()
       together = m.score(texts, memory=memory)
     assert any("dropped 1 lines" in r.getMessage() and f"({len(m.tokenize(long_line)) + 1} of" in r.getMessage()
                for r in caplog.records)  # the separators are not counted as tokens
-    for a, b in zip(alone, together):
-      np.testing.assert_array_equal(a.ids, b.ids)
-      np.testing.assert_allclose(b.log_probs, a.log_probs, rtol=1e-6, atol=1e-6)  # NaN where a.log_probs is
+    for text, got in zip(texts + short, together + m.score(short, memory=memory)):
+      np.testing.assert_array_equal(got.ids, m.tokenize(text))
+      # up to the float rounding of other shapes (rows, their length, the query count); NaN where alone is
+      np.testing.assert_allclose(got.log_probs, _scored_alone(m, text, memory), rtol=1e-6, atol=1e-6)
   assert np.isnan(together[2].log_probs).sum() == len(m.tokenize(long_line)) + 1
-  # launch.eval's numbers, up to the float rounding of other shapes (rows, the longest block's query count)
   np.testing.assert_allclose(together[0].log_probs, _evaluated(m, together[0].ids, "complete"), rtol=1e-6, atol=1e-6)
 
 

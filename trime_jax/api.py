@@ -321,10 +321,11 @@ class Model:
     (default: the export's eval.tau). `datastore`, `k`: external memory's datastore directory (a string or a
     path) and entries retrieved per token (an integer >= 1, default eval.knn_k).
 
-    memory="none" and "local": a list of texts runs in one pass, eval.batch_size texts at a time (each step feeds
-    a window of a different text to each row, `evaluate.texts_plan`), each scored as if alone: the same numbers
-    up to the float rounding of other shapes (`tests/test_api.py`; `python -m bench.score_texts`: 2× the texts/s
-    of one call per text on a 2-core CPU).
+    A list of texts runs in one pass, eval.batch_size texts at a time (each step feeds a window of a different
+    text to each row, `evaluate.texts_plan`), each scored as if alone: the same numbers up to the float rounding
+    of other shapes (`tests/test_api.py`; `python -m bench.score_texts`: 2× the texts/s of one call per text on
+    a 2-core CPU). So are "long" and "external" while `model.memory` is empty (each text's store then holds
+    its own earlier tokens only); with documents in it, one text after another, as follows.
 
     memory="long" and "external" read `model.memory`'s documents before the text (an empty memory: local
     memory alone, plus the text's own earlier windows), as if they were part of it. The documents' windows
@@ -354,11 +355,17 @@ class Model:
       raise ConfigError("cannot score an empty text")
     # Each text's windows: complete mode, one line fitting in a block, is that block without context.
     modes = [self._text_windows(ids, prefix, break_mode, context, block_len) for ids in ids_of]
-    if memory in ("none", "local"):  # texts share nothing: `rows` at a time, grouped by their windows' kind
+    if not len(prefix):  # texts share nothing: `rows` at a time, grouped by their windows' kind
+      # long / external without documents: a store of each text's own earlier tokens, as long as the longest
+      mem_size = 0 if memory in ("none", "local") else -(-max(map(len, ids_of)) // STORE_ROUND) * STORE_ROUND
+      # one pass per kind of windows and row length (`evaluate.row_length`): short texts in short rows
+      kinds = [(mode, ctx, evaluate.row_length(evaluate.text_windows(ids, self.vocab, block_len, ctx, mode, overlong),
+                                               block_len)) for ids, (mode, ctx) in zip(ids_of, modes)]
       nll_of = [None] * len(texts)
-      for mode_ctx in dict.fromkeys(modes):
-        group = [i for i, m in enumerate(modes) if m == mode_ctx]
-        got = self._score_texts([ids_of[i] for i in group], point, *mode_ctx, block_len, overlong, vocab_chunk)
+      for kind in dict.fromkeys(kinds):
+        group = [i for i, k in enumerate(kinds) if k == kind]
+        got = self._score_texts([ids_of[i] for i in group], point, *kind, block_len, overlong, vocab_chunk,
+                                mem_size, external)
         for i, nll in zip(group, got):
           nll_of[i] = nll
     else:
@@ -390,34 +397,37 @@ class Model:
       return "none", 0
     return break_mode, context
 
-  def _score_texts(self, ids_of, point, mode: str, ctx: int, block_len: int, overlong: str, vocab_chunk: int):
-    """Each text's scored targets' nll (in order), local memory only: the texts in one pass, `rows` windows of
-    different texts per step (`evaluate.texts_plan`; rows: eval.batch_size, or the power of two at or above the
-    number of texts where that is fewer, so that a few calls share a compile), each as if scored alone."""
-    rows = min(max(1, int(self.config.eval.batch_size)), 1 << (len(ids_of) - 1).bit_length())
+  def _score_texts(self, ids_of, point, mode: str, ctx: int, length: int, block_len: int, overlong: str,
+                   vocab_chunk: int, mem_size: int = 0, external=None):
+    """Each text's scored targets' nll (in order): the texts in one pass, `rows` windows of different texts per
+    step in rows of `length` tokens (`evaluate.texts_plan`), each as if scored alone: local memory, with
+    `mem_size` a store of the text's own earlier tokens, with `external` a datastore. Rows: as many as hold
+    the tokens of a step of trime_jax.launch.eval (eval.batch_size × block_len), or the power of two at or above
+    the number of texts where that is fewer (few distinct shapes: a few calls share a compile)."""
+    cap = max(1, int(self.config.eval.batch_size)) * block_len // length
+    rows = min(cap, 1 << (len(ids_of) - 1).bit_length())
     cfg = self.nnx_model.cfg
     corpus, plan, counts = evaluate.texts_plan(ids_of, self.vocab, block_len=block_len, context_window=ctx,
                                                rows=rows, d_model=cfg.d_model, dtype=cfg.dtype, break_mode=mode,
-                                               overlong=overlong)
-    result = evaluate.evaluate(self.graphdef, self.params, corpus, [point], block_len=block_len, context_window=ctx,
-                               streams=rows, vocab_chunk=vocab_chunk, per_token=True, break_mode=mode,
-                               complete_overlong=overlong, log=logger.info, plan=plan)
+                                               overlong=overlong, mem_size=mem_size)
+    assert plan.block_len == length, (plan.block_len, length)
+    result = evaluate.evaluate(self.graphdef, self.params, corpus, [point], block_len=plan.block_len,
+                               context_window=ctx, streams=rows, external=external, vocab_chunk=vocab_chunk, per_token=True,
+                               break_mode=mode, complete_overlong=overlong, log=logger.info, plan=plan)
     return np.split(np.asarray(result.token_nll[0], np.float32), np.cumsum(counts)[:-1])
 
   def _score_with_memory(self, ids, prefix, point, mode: str, ctx: int, block_len: int, overlong: str,
                          vocab_chunk: int, external):
     """One text's scored targets' nll after model.memory's documents (`prefix`), with a long-term store of
     every earlier token (and `external`'s datastore): one stream, from the documents' kept state if any."""
-    corpus = data.Corpus.from_docs([d for d in (prefix, ids) if len(d)], self.vocab)
+    corpus = data.Corpus.from_docs([prefix, ids], self.vocab)
     mem_size = -(-len(corpus) // STORE_ROUND) * STORE_ROUND  # every earlier token of the stream fits in the store
     key = (mem_size, mode, ctx)  # what the documents' windows and the store's shape depend on
-    reuse = len(prefix) > 0
     result = evaluate.evaluate(self.graphdef, self.params, corpus, [point], block_len=block_len, context_window=ctx,
                                streams=1, long_term=evaluate.StoreSpec(mem_size=mem_size), external=external,
                                vocab_chunk=vocab_chunk, per_token=True, break_mode=mode, complete_overlong=overlong,
-                               log=logger.info, start=self.memory._states.get(key) if reuse else None,
-                               keep_state_before=len(prefix) if reuse else 0)
-    if reuse and result.state is not None:
+                               log=logger.info, start=self.memory._states.get(key), keep_state_before=len(prefix))
+    if result.state is not None:
       self.memory._keep_state(key, result.state)
     return np.asarray(result.token_nll[0], np.float32)
 

@@ -52,7 +52,7 @@ from trime_jax.evaluate.points import (DISPLAY_NAMES, EVAL_MEMORIES, EXTERNAL_FA
                                        point_nlls, tune)
 from trime_jax.evaluate.memory import (LONG_TERM_LAYOUTS, MEM_SIZE_AXIS_LABELS, QueryStats, StoreSpec, StreamPlan,
                                        external_block, local_block, long_term_block, mem_size_axis_label,
-                                       stream_plan, texts_plan)
+                                       row_length, stream_plan, text_windows, texts_plan)
 from trime_jax.evaluate.driver import (EvalResult, ProgressLog, Score, StreamState, evaluate, forward_queries,
                                        score_step)
 from trime_jax.evaluate.runner import (evaluate_checkpoint, format_table, load_eval_data,
@@ -64,7 +64,7 @@ __all__ = [
     "LAMBDA_GRID", "NONE", "TAU_GRID", "TAU_PRIME_GRID", "THETA_GRID", "Point", "configured_points", "exact_scales",
     "families_of", "grid", "point_nlls", "tune", "LONG_TERM_LAYOUTS", "MEM_SIZE_AXIS_LABELS", "QueryStats",
     "StoreSpec", "StreamPlan", "external_block", "local_block", "long_term_block", "mem_size_axis_label",
-    "stream_plan", "texts_plan", "EvalResult", "ProgressLog", "Score", "StreamState", "evaluate", "forward_queries",
+    "row_length", "stream_plan", "text_windows", "texts_plan", "EvalResult", "ProgressLog", "Score", "StreamState", "evaluate", "forward_queries",
     "score_step",
     "evaluate_checkpoint", "format_table", "load_eval_data", "on_device_datastore", "MemoryBlock",
 ]

@@ -213,7 +213,8 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   skipped windows' targets are not scored: the scores and per-token nll (NaN there) cover the windows after.
 
   `plan`: run this plan of `corpus` instead of `stream_plan`'s (`texts_plan`: many independent texts, its rows
-  in place of `streams`; local memory only: `long_term` must be empty, and `start` / `keep_state_before` unset)."""
+  in place of `streams` and its long-term store in place of `long_term`, which stays unset, as `start` and
+  `keep_state_before` do)."""
   points = tuple(points)
   if not points:
     raise ConfigError("nothing to evaluate: no points")
@@ -237,8 +238,10 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
                        max_tokens=max_tokens, break_mode=break_mode, overlong=complete_overlong)
   elif (long_term.mem_size or start is not None or keep_state_before or plan.block_len != block_len
         or plan.context_window != context_window or plan.num_targets != len(corpus)):
-    raise ConfigError("evaluate(plan=): a plan of this corpus at this block_len and context_window, without a "
-                      "long-term store, start= or keep_state_before=")
+    raise ConfigError("evaluate(plan=): a plan of this corpus at this block_len and context_window, without "
+                      "long_term= (the plan has its own), start= or keep_state_before=")
+  else:
+    long_term = plan.long_term
   if (start is not None or keep_state_before) and streams != 1:
     raise ConfigError(f"evaluate(start=, keep_state_before=) take one stream, got streams={streams}")
   n, store = plan.scored_targets, plan.store

@@ -215,16 +215,42 @@ def stream_plan(corpus: data.Corpus, *, block_len: int, context_window: int, str
                     long_term, context_window, store_start, int((end - score_start).sum()), dropped)
 
 
+def _bucket(n: int) -> int:
+  """A length rounded up for `texts_plan`'s shapes: to a power of two (at least 8) up to QUERY_ROUND, above it to
+  a multiple of QUERY_ROUND: at most twice the length, and few distinct shapes (compiles) over many calls."""
+  if n <= QUERY_ROUND:
+    return min(QUERY_ROUND, max(8, 1 << (n - 1).bit_length()))
+  return -(-n // QUERY_ROUND) * QUERY_ROUND
+
+
+def text_windows(ids, vocab: data.Vocab, block_len: int, context_window: int, break_mode: str = "none",
+                 overlong: str = "drop") -> list[data.Window]:
+  """The windows of one text scored as a corpus of its own (`texts_plan` shifts them into its layout)."""
+  return data.eval_windows(data.Corpus.from_docs([ids], vocab), len(ids), block_len, context_window, break_mode,
+                           overlong)
+
+
+def row_length(wins, block_len: int) -> int:
+  """The model input length `texts_plan` gives windows `wins`: the longest, rounded up (`_bucket`), at most
+  block_len. Texts grouped by it run without rows longer than they need."""
+  return min(block_len, _bucket(max(w.end - w.start for w in wins)))
+
+
 def texts_plan(texts, vocab: data.Vocab, *, block_len: int, context_window: int, rows: int, d_model: int, dtype,
-               break_mode: str = "none", overlong: str = "drop") -> tuple[data.Corpus, StreamPlan, list[int]]:
+               break_mode: str = "none", overlong: str = "drop",
+               mem_size: int = 0) -> tuple[data.Corpus, StreamPlan, list[int]]:
   """Independent texts (token arrays) scored `rows` at a time, each exactly as a corpus of its own: its own
-  windows (`data.eval_windows`, starting at `</s>`), local memory only. (corpus, plan, the targets each text's
-  windows score, in text order; the evaluator's per-token nll lists them so.)
+  windows (`data.eval_windows`, starting at `</s>`, at most `block_len` long: `plan.block_len` is the longest
+  of them, rounded up, the model's input length), local memory, and with `mem_size` a long-term store of
+  the text's own earlier scored tokens (the original layout, as `stream_plan` with that mem_size: at least
+  the longest text, so that a store holds every earlier token of its text). (corpus, plan, the targets each
+  text's windows score, in text order; the evaluator's per-token nll lists them so.)
 
   The texts are laid out one after another in `corpus`, each after a `</s>` of its own that no window scores
   (so a text's first window reads `</s>` first, as alone; no window reaches into another text). Each row runs
   whole texts, longest first onto the row with the fewest windows; a stateful model's carry starts afresh at
-  each text (`StreamPlan.fresh`). No long-term store: it would see the text run before in the row."""
+  each text (`StreamPlan.fresh`), and the store shows a query its own text's tokens only
+  (`StoreSpec.reset_at_documents`: each text is a document of `corpus`), not the texts run before it."""
   if rows < 1:
     raise ConfigError(f"rows must be >= 1, got {rows}")
   texts = [np.asarray(t, np.int32) for t in texts]
@@ -234,8 +260,7 @@ def texts_plan(texts, vocab: data.Vocab, *, block_len: int, context_window: int,
   corpus = data.Corpus.from_docs([np.concatenate([bos, t]) for t in texts], vocab)
   wins, first_of, scored, dropped = [], [], [], 0
   for t, off in zip(texts, corpus.doc_starts[:-1] + 1):  # a text's targets start after its `</s>`
-    own = data.eval_windows(data.Corpus.from_docs([t], vocab), len(t), block_len, context_window, break_mode,
-                            overlong)
+    own = text_windows(t, vocab, block_len, context_window, break_mode, overlong)
     if break_mode == "complete" and sum(w.end - w.score_start for w in own) < len(t):
       dropped += int((data.line_lengths(t, vocab.eos) > block_len).sum())
     shift = lambda a: int(a) + int(off)
@@ -254,9 +279,19 @@ def texts_plan(texts, vocab: data.Vocab, *, block_len: int, context_window: int,
     schedule[:len(lane), r] = lane
   fresh = np.zeros(len(wins), bool)
   fresh[first_of] = True
-  q = _queries(wins, block_len, context_window, break_mode)
-  store = long_memory.empty(rows, long_memory.capacity(0, 0, q), d_model, dtype)
+  if mem_size and mem_size < max(map(len, texts)):
+    raise ConfigError(f"texts_plan: mem_size={mem_size} is shorter than the longest text ({max(map(len, texts))} "
+                      f"tokens): a text's store would not hold every earlier token")
+  long_term = StoreSpec(mem_size=mem_size, reset_at_documents=bool(mem_size))
+  # Rows as long as the longest window (short texts: shorter than block_len) and Q as the longest block of
+  # scored tokens, each rounded up (`_bucket`; Q to the stride where that is less): a causal model's scores at
+  # a position do not depend on the padding after it, so the numbers stay (up to float rounding), and the cost
+  # follows the texts' lengths. A stateful model's carry continues only out of a full window, of block_len.
+  length = row_length(wins, block_len)
+  longest, stride = max(w.end - w.score_start for w in wins), block_len - context_window
+  q = min(length, min(stride, _bucket(longest)) if longest <= stride else _bucket(longest))
+  store = long_memory.empty(rows, long_memory.capacity(long_term.reach(context_window), 0, q), d_model, dtype)
   plan = StreamPlan(len(corpus), wins, schedule, schedule >= 0, q, store, np.asarray(corpus.doc_starts, np.int64),
-                    block_len, StoreSpec(), context_window, np.zeros(len(wins), np.int64), int(sum(scored)),
+                    length, long_term, context_window, np.zeros(len(wins), np.int64), int(sum(scored)),
                     dropped, fresh, len(texts))
   return corpus, plan, scored
