@@ -321,11 +321,12 @@ class Model:
     (default: the export's eval.tau). `datastore`, `k`: external memory's datastore directory (a string or a
     path) and entries retrieved per token (an integer >= 1, default eval.knn_k).
 
-    A list of texts runs in one pass, eval.batch_size texts at a time (each step feeds a window of a different
-    text to each row, `evaluate.texts_plan`), each scored as if alone: the same numbers up to the float rounding
-    of other shapes (`tests/test_api.py`; `python -m bench.score_texts`: 2× the texts/s of one call per text on
-    a 2-core CPU). So are "long" and "external" while `model.memory` is empty (each text's store then holds
-    its own earlier tokens only); with documents in it, one text after another, as follows.
+    A list of texts runs in one pass per row length (each step feeds a window of a different text to each
+    row, `evaluate.texts_plan`; rows as long as the texts' longest window, `evaluate.row_length`, not
+    eval.block_len), each scored as if alone: the same numbers up to the float rounding of other shapes
+    (`tests/test_api.py`; `python -m bench.score_texts`). So are "long" and "external" while `model.memory` is
+    empty (each text's store then holds its own earlier tokens only); with documents in it, one text after
+    another, as follows.
 
     memory="long" and "external" read `model.memory`'s documents before the text (an empty memory: local
     memory alone, plus the text's own earlier windows), as if they were part of it. The documents' windows
