@@ -433,8 +433,9 @@ def _scored_alone(m, text, memory):
   mode, ctx = m._text_windows(ids, np.zeros(0, np.int32), e.sample_break_mode, e.context_window, e.block_len)
   corpus = data.Corpus.from_docs([ids], m.vocab)
   point = evaluate.NONE if memory == "none" else evaluate.Point("trime_local", tau=m.default_tau)
+  store = evaluate.StoreSpec(mem_size=api.STORE_ROUND if memory == "long" else 0)  # long: every earlier token
   got = evaluate.evaluate(m.graphdef, m.params, corpus, [point], block_len=e.block_len, context_window=ctx,
-                          streams=1, per_token=True, break_mode=mode).token_nll[0]
+                          streams=1, long_term=store, per_token=True, break_mode=mode).token_nll[0]
   out = np.full(len(ids), np.nan, np.float32)
   out[np.concatenate([np.arange(w.score_start, w.end)
                       for w in data.eval_windows(corpus, len(ids), e.block_len, ctx, mode)])] = -got
@@ -461,18 +462,26 @@ def test_score_runs_many_texts_together_each_as_alone(word_model, caplog, monkey
   _, plan, _ = evaluate.texts_plan(ids_of, m.vocab, block_len=16, context_window=0, rows=4, d_model=16,
                                    dtype=np.float32)
   assert plan.block_len == 8 and plan.queries <= plan.block_len  # 7 tokens: a power of two / a multiple of 4
-  for memory in ("none", "local"):
+  by_memory = {}
+  for memory in ("none", "local", "long"):  # long with model.memory empty: each text's own earlier tokens
     with caplog.at_level(logging.INFO, logger="trime_jax.api"):
       caplog.clear()
-      together = m.score(texts, memory=memory)
-    assert any("dropped 1 lines" in r.getMessage() and f"({len(m.tokenize(long_line)) + 1} of" in r.getMessage()
-               for r in caplog.records)  # the separators are not counted as tokens
+      together = by_memory[memory] = m.score(texts, memory=memory)
+    # the separators are not counted as tokens, and the block length is eval.block_len, not the rows' length
+    assert any(f"dropped 1 lines longer than eval.block_len={m.config.eval.block_len} "
+               f"({len(m.tokenize(long_line)) + 1} of" in r.getMessage() for r in caplog.records)
     for text, got in zip(texts + short, together + m.score(short, memory=memory)):
       np.testing.assert_array_equal(got.ids, m.tokenize(text))
       # up to the float rounding of other shapes (rows, their length, the query count); NaN where alone is
       np.testing.assert_allclose(got.log_probs, _scored_alone(m, text, memory), rtol=1e-6, atol=1e-6)
   assert np.isnan(together[2].log_probs).sum() == len(m.tokenize(long_line)) + 1
-  np.testing.assert_allclose(together[0].log_probs, _evaluated(m, together[0].ids, "complete"), rtol=1e-6, atol=1e-6)
+  local = by_memory["local"]
+  np.testing.assert_allclose(local[0].log_probs, _evaluated(m, local[0].ids, "complete"), rtol=1e-6, atol=1e-6)
+  assert not np.allclose(by_memory["long"][0].log_probs, local[0].log_probs, atol=1e-4)  # the store is seen
+  # after the dropped line the store starts afresh, as alone (the original clears it there): the last line's
+  # scores are local memory's, not what LINES[1]'s tokens in the store would make of them
+  n3 = len(m.tokenize(LINES[3])) + 1
+  np.testing.assert_allclose(by_memory["long"][2].log_probs[-n3:], local[2].log_probs[-n3:], rtol=1e-6, atol=1e-6)
 
 
 def test_bench_score_texts_compares_one_call_per_text_with_one_for_all(capsys):

@@ -357,14 +357,17 @@ class Model:
     # Each text's windows: complete mode, one line fitting in a block, is that block without context.
     modes = [self._text_windows(ids, prefix, break_mode, context, block_len) for ids in ids_of]
     if not len(prefix):  # texts share nothing: `rows` at a time, grouped by their windows' kind
-      # long / external without documents: a store of each text's own earlier tokens, as long as the longest
-      mem_size = 0 if memory in ("none", "local") else -(-max(map(len, ids_of)) // STORE_ROUND) * STORE_ROUND
       # one pass per kind of windows and row length (`evaluate.row_length`): short texts in short rows
       kinds = [(mode, ctx, evaluate.row_length(evaluate.text_windows(ids, self.vocab, block_len, ctx, mode, overlong),
-                                               block_len)) for ids, (mode, ctx) in zip(ids_of, modes)]
+                                               block_len, self.stateful)) for ids, (mode, ctx) in zip(ids_of, modes)]
       nll_of = [None] * len(texts)
       for kind in dict.fromkeys(kinds):
         group = [i for i, k in enumerate(kinds) if k == kind]
+        # long / external without documents: a store of each text's own earlier tokens, as long as the group's
+        # longest text (rounded: similar calls share a compile)
+        mem_size = 0
+        if memory in ("long", "external"):
+          mem_size = -(-max(len(ids_of[i]) for i in group) // STORE_ROUND) * STORE_ROUND
         got = self._score_texts([ids_of[i] for i in group], point, *kind, block_len, overlong, vocab_chunk,
                                 mem_size, external)
         for i, nll in zip(group, got):
@@ -410,7 +413,7 @@ class Model:
     cfg = self.nnx_model.cfg
     corpus, plan, counts = evaluate.texts_plan(ids_of, self.vocab, block_len=block_len, context_window=ctx,
                                                rows=rows, d_model=cfg.d_model, dtype=cfg.dtype, break_mode=mode,
-                                               overlong=overlong, mem_size=mem_size)
+                                               overlong=overlong, mem_size=mem_size, stateful=self.stateful)
     assert plan.block_len == length, (plan.block_len, length)
     result = evaluate.evaluate(self.graphdef, self.params, corpus, [point], block_len=plan.block_len,
                                context_window=ctx, streams=rows, external=external, vocab_chunk=vocab_chunk, per_token=True,

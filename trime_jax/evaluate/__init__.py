@@ -42,8 +42,9 @@ the windows whose tokens its store needs. One step = the forward pass (jitted), 
 scoring of every point (jitted). No memory, local, long-term and external memory all take this path. One
 stream can keep the state its first windows left and a later pass start there (`StreamState`: the Python API
 runs its memory documents' windows once for every text scored after them). Many independent texts share one
-pass through `texts_plan` (each text a corpus of its own, whole texts per row: the Python API's scoring of a
-list of texts with local memory).
+pass through `texts_plan` (each text a corpus of its own, whole texts per row, rows as long as the texts need:
+the Python API's scoring of a list of texts, with local memory, or with a long-term store of each text's own
+earlier tokens).
 """
 
 from trime_jax.evaluate.points import (DISPLAY_NAMES, EVAL_MEMORIES, EXTERNAL_FAMILIES, FAMILIES, FAMILY_PARAMS,

@@ -212,9 +212,9 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   the same shapes (`StreamState.fits`; otherwise everything runs, `EvalResult.started_at` says which). The
   skipped windows' targets are not scored: the scores and per-token nll (NaN there) cover the windows after.
 
-  `plan`: run this plan of `corpus` instead of `stream_plan`'s (`texts_plan`: many independent texts, its rows
-  in place of `streams` and its long-term store in place of `long_term`, which stays unset, as `start` and
-  `keep_state_before` do)."""
+  `plan`: run this plan of `corpus` instead of `stream_plan`'s (`texts_plan`: many independent texts; block_len
+  its `block_len`). The plan's windows, rows and long-term store replace what `break_mode`, `complete_overlong`,
+  `max_tokens`, `streams` and `long_term` would give: `long_term`, `start` and `keep_state_before` stay unset."""
   points = tuple(points)
   if not points:
     raise ConfigError("nothing to evaluate: no points")
@@ -248,7 +248,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   if plan.dropped_lines:
     (log or (lambda line: print(line, file=sys.stderr, flush=True)))(
         f"eval: sample_break_mode=complete dropped {plan.dropped_lines:,} lines longer than eval.block_len="
-        f"{block_len} ({plan.num_targets - plan.separators - n:,} of {plan.num_targets - plan.separators:,} tokens "
+        f"{plan.cut_block_len or block_len} ({plan.num_targets - plan.separators - n:,} of {plan.num_targets - plan.separators:,} tokens "
         f"not scored), as fairseq's eval_lm "
         f"does (eval.complete_overlong=drop; refuse: an error instead)")
   carry = model.init_carry(len(plan.schedule[0]), block_len) if stateful else None

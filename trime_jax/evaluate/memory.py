@@ -134,6 +134,8 @@ class StreamPlan:
   fresh: np.ndarray | None = None  # [windows] bool: a stateful model's carry starts afresh at this window even
   #   where its stream ran the window before (`texts_plan`: the first window of each text); None: nowhere
   separators: int = 0  # target positions no window scores by design (`texts_plan`: the `</s>` before each text)
+  cut_block_len: int = 0  # the block length the windows were cut for (`texts_plan`: its block_len, which rows
+  #   shorter than it, `block_len` here, stand in for; 0: block_len)
 
   def batch(self, corpus: data.Corpus, step: int) -> dict:
     """Host arrays of step `step`: inputs / targets [S, L]; start, offset (score_start - start), qstart (the
@@ -171,6 +173,18 @@ class StreamPlan:
     return {"store_end": start, "span": span.astype(np.int32)}
 
 
+def _store_starts(wins, first: int) -> np.ndarray:
+  """[windows] where each window's long-term store begins (`StreamPlan.store_start`): `first` (the stream's
+  first target), or the score start of the first window after the last dropped line before it (complete mode:
+  the original clears its store there)."""
+  score_start = np.array([w.score_start for w in wins], np.int64)
+  end = np.array([w.end for w in wins], np.int64)
+  gap = np.concatenate([[True], score_start[1:] != end[:-1]])  # a window right after dropped lines
+  store_start = np.where(gap, score_start, first)
+  store_start[0] = first
+  return np.maximum.accumulate(store_start)
+
+
 QUERY_ROUND = 128  # complete mode's query count Q above the stride is rounded up to this (`stream_plan`)
 
 
@@ -198,10 +212,7 @@ def stream_plan(corpus: data.Corpus, *, block_len: int, context_window: int, str
   wins = data.eval_windows(corpus, n, block_len, context_window, break_mode, overlong)
   score_start = np.array([w.score_start for w in wins], np.int64)
   end = np.array([w.end for w in wins], np.int64)
-  gap = np.concatenate([[True], score_start[1:] != end[:-1]])  # a window right after dropped lines
-  store_start = np.where(gap, score_start, 0)
-  store_start[0] = 0
-  store_start = np.maximum.accumulate(store_start)
+  store_start = _store_starts(wins, 0)
   dropped = 0
   if break_mode == "complete" and end.sum() - score_start.sum() < n:
     dropped = int((data.line_lengths(np.asarray(corpus.tokens[:n]), corpus.vocab.eos) > block_len).sum())
@@ -230,21 +241,26 @@ def text_windows(ids, vocab: data.Vocab, block_len: int, context_window: int, br
                            overlong)
 
 
-def row_length(wins, block_len: int) -> int:
-  """The model input length `texts_plan` gives windows `wins`: the longest, rounded up (`_bucket`), at most
-  block_len. Texts grouped by it run without rows longer than they need."""
+def row_length(wins, block_len: int, stateful: bool = False) -> int:
+  """The model input length `texts_plan` gives one text's windows `wins`: the longest, rounded up (`_bucket`),
+  at most block_len. Texts grouped by it run without rows longer than they need. A stateful model carries its
+  state out of the row's last position, padding included (complete mode's blocks are shorter than block_len),
+  so a text of several windows keeps rows of block_len there, as alone."""
+  if stateful and len(wins) > 1:
+    return block_len
   return min(block_len, _bucket(max(w.end - w.start for w in wins)))
 
 
 def texts_plan(texts, vocab: data.Vocab, *, block_len: int, context_window: int, rows: int, d_model: int, dtype,
-               break_mode: str = "none", overlong: str = "drop",
-               mem_size: int = 0) -> tuple[data.Corpus, StreamPlan, list[int]]:
+               break_mode: str = "none", overlong: str = "drop", mem_size: int = 0,
+               stateful: bool = False) -> tuple[data.Corpus, StreamPlan, list[int]]:
   """Independent texts (token arrays) scored `rows` at a time, each exactly as a corpus of its own: its own
   windows (`data.eval_windows`, starting at `</s>`, at most `block_len` long: `plan.block_len` is the longest
   of them, rounded up, the model's input length), local memory, and with `mem_size` a long-term store of
   the text's own earlier scored tokens (the original layout, as `stream_plan` with that mem_size: at least
-  the longest text, so that a store holds every earlier token of its text). (corpus, plan, the targets each
-  text's windows score, in text order; the evaluator's per-token nll lists them so.)
+  the longest text, so that a store holds every earlier token of its text; cleared after a line complete mode
+  drops, as alone). `stateful`: the model carries a state from window to window (`row_length`). (corpus, plan,
+  the targets each text's windows score, in text order; the evaluator's per-token nll lists them so.)
 
   The texts are laid out one after another in `corpus`, each after a `</s>` of its own that no window scores
   (so a text's first window reads `</s>` first, as alone; no window reaches into another text). Each row runs
@@ -258,15 +274,18 @@ def texts_plan(texts, vocab: data.Vocab, *, block_len: int, context_window: int,
     raise ConfigError("texts_plan needs texts with tokens")
   bos = np.array([vocab.bos], np.int32)
   corpus = data.Corpus.from_docs([np.concatenate([bos, t]) for t in texts], vocab)
-  wins, first_of, scored, dropped = [], [], [], 0
+  wins, first_of, scored, dropped, store_start, length = [], [], [], 0, [], 0
   for t, off in zip(texts, corpus.doc_starts[:-1] + 1):  # a text's targets start after its `</s>`
     own = text_windows(t, vocab, block_len, context_window, break_mode, overlong)
     if break_mode == "complete" and sum(w.end - w.score_start for w in own) < len(t):
       dropped += int((data.line_lengths(t, vocab.eos) > block_len).sum())
+    length = max(length, row_length(own, block_len, stateful))
     shift = lambda a: int(a) + int(off)
     first_of.append(len(wins))
-    wins += [data.Window(shift(w.start), shift(w.score_start), shift(w.end),
-                         tuple((shift(a), shift(b)) for a, b in w.context)) for w in own]
+    own = [data.Window(shift(w.start), shift(w.score_start), shift(w.end),
+                       tuple((shift(a), shift(b)) for a, b in w.context)) for w in own]
+    wins += own
+    store_start.append(_store_starts(own, int(off)))
     scored.append(sum(w.end - w.score_start for w in own))
   bounds = first_of + [len(wins)]
   load, lanes = np.zeros(rows, np.int64), [[] for _ in range(rows)]
@@ -286,12 +305,11 @@ def texts_plan(texts, vocab: data.Vocab, *, block_len: int, context_window: int,
   # Rows as long as the longest window (short texts: shorter than block_len) and Q as the longest block of
   # scored tokens, each rounded up (`_bucket`; Q to the stride where that is less): a causal model's scores at
   # a position do not depend on the padding after it, so the numbers stay (up to float rounding), and the cost
-  # follows the texts' lengths. A stateful model's carry continues only out of a full window, of block_len.
-  length = row_length(wins, block_len)
+  # follows the texts' lengths (a stateful model's: `row_length`).
   longest, stride = max(w.end - w.score_start for w in wins), block_len - context_window
   q = min(length, min(stride, _bucket(longest)) if longest <= stride else _bucket(longest))
   store = long_memory.empty(rows, long_memory.capacity(long_term.reach(context_window), 0, q), d_model, dtype)
   plan = StreamPlan(len(corpus), wins, schedule, schedule >= 0, q, store, np.asarray(corpus.doc_starts, np.int64),
-                    length, long_term, context_window, np.zeros(len(wins), np.int64), int(sum(scored)),
-                    dropped, fresh, len(texts))
+                    length, long_term, context_window, np.concatenate(store_start), int(sum(scored)),
+                    dropped, fresh, len(texts), block_len)
   return corpus, plan, scored
