@@ -484,6 +484,26 @@ def test_score_runs_many_texts_together_each_as_alone(word_model, caplog, monkey
   np.testing.assert_allclose(by_memory["long"][2].log_probs[-n3:], local[2].log_probs[-n3:], rtol=1e-6, atol=1e-6)
 
 
+def test_score_sizes_each_length_groups_store_and_names_eval_block_len(word_model, monkeypatch, caplog):
+  """score(memory="long") with model.memory empty: one pass per row length, each with a store as long as its
+  own longest text (not the call's); a dropped line's note names eval.block_len even in rows shorter than it."""
+  m = word_model
+  calls = []
+  plan_of = evaluate.texts_plan
+  monkeypatch.setattr(evaluate, "texts_plan", lambda *a, **kw: calls.append(kw) or plan_of(*a, **kw))
+  long_text = "\n".join(LINES * 60) + "\n"  # more than STORE_ROUND tokens
+  short_dropped = f"{LINES[2]} {LINES[5]}\n{LINES[4]}\n"  # a dropped line, then a block of 3 tokens
+  with caplog.at_level(logging.INFO, logger="trime_jax.api"):
+    got = m.score([long_text, short_dropped, "a cat ."], memory="long")
+  assert len(m.tokenize(long_text)) > api.STORE_ROUND
+  mem_sizes = sorted(kw["mem_size"] for kw in calls)
+  assert len(calls) >= 2 and mem_sizes[0] == api.STORE_ROUND and mem_sizes[-1] > api.STORE_ROUND
+  assert any("longer than eval.block_len=16 " in r.getMessage() for r in caplog.records)
+  assert not any("eval.block_len=8 " in r.getMessage() for r in caplog.records)
+  n = len(m.tokenize(LINES[4])) + 1
+  assert np.isfinite(got[1].log_probs[-n:]).all() and np.isnan(got[1].log_probs[:-n]).all()
+
+
 def test_bench_score_texts_compares_one_call_per_text_with_one_for_all(capsys):
   from bench import score_texts
 
