@@ -357,9 +357,11 @@ class Model:
     # Each text's windows: complete mode, one line fitting in a block, is that block without context.
     modes = [self._text_windows(ids, prefix, break_mode, context, block_len) for ids in ids_of]
     if not len(prefix):  # texts share nothing: `rows` at a time, grouped by their windows' kind
+      wins_of = [evaluate.text_windows(ids, self.vocab, block_len, ctx, mode, overlong)
+                 for ids, (mode, ctx) in zip(ids_of, modes)]
       # one pass per kind of windows and row length (`evaluate.row_length`): short texts in short rows
-      kinds = [(mode, ctx, evaluate.row_length(evaluate.text_windows(ids, self.vocab, block_len, ctx, mode, overlong),
-                                               block_len, self.stateful)) for ids, (mode, ctx) in zip(ids_of, modes)]
+      kinds = [(mode, ctx, evaluate.row_length(wins, block_len, self.stateful)) for wins, (mode, ctx) in
+               zip(wins_of, modes)]
       nll_of = [None] * len(texts)
       for kind in dict.fromkeys(kinds):
         group = [i for i, k in enumerate(kinds) if k == kind]
@@ -368,19 +370,22 @@ class Model:
         mem_size = 0
         if memory in ("long", "external"):
           mem_size = -(-max(len(ids_of[i]) for i in group) // STORE_ROUND) * STORE_ROUND
-        got = self._score_texts([ids_of[i] for i in group], point, *kind, block_len, overlong, vocab_chunk,
-                                mem_size, external)
+        got = self._score_texts([ids_of[i] for i in group], [wins_of[i] for i in group], point, *kind, block_len,
+                                vocab_chunk, mem_size, external)
         for i, nll in zip(group, got):
           nll_of[i] = nll
     else:
       nll_of = [self._score_with_memory(ids, prefix, point, *mode_ctx, block_len, overlong, vocab_chunk, external)
                 for ids, mode_ctx in zip(ids_of, modes)]
     out = []
-    for text, ids, (mode, ctx), nll in zip(texts, ids_of, modes, nll_of):
+    for i, (text, ids, (mode, ctx), nll) in enumerate(zip(texts, ids_of, modes, nll_of)):
       corpus_len = len(prefix) + len(ids)
       if len(nll) < corpus_len:  # lines were dropped: the evaluator lists the scored targets only, in order
-        corpus = data.Corpus.from_docs([d for d in (prefix, ids) if len(d)], self.vocab)
-        scored = data.eval_windows(corpus, corpus_len, block_len, ctx, mode, overlong)
+        if len(prefix):
+          corpus = data.Corpus.from_docs([prefix, ids], self.vocab)
+          scored = data.eval_windows(corpus, corpus_len, block_len, ctx, mode, overlong)
+        else:
+          scored = wins_of[i]
         full = np.full(corpus_len, np.nan, np.float32)
         full[np.concatenate([np.arange(w.score_start, w.end) for w in scored])] = nll
         nll = full
@@ -401,10 +406,11 @@ class Model:
       return "none", 0
     return break_mode, context
 
-  def _score_texts(self, ids_of, point, mode: str, ctx: int, length: int, block_len: int, overlong: str,
+  def _score_texts(self, ids_of, wins_of, point, mode: str, ctx: int, length: int, block_len: int,
                    vocab_chunk: int, mem_size: int = 0, external=None):
-    """Each text's scored targets' nll (in order): the texts in one pass, `rows` windows of different texts per
-    step in rows of `length` tokens (`evaluate.texts_plan`), each as if scored alone: local memory, with
+    """Each text's scored targets' nll (in order): the texts (with their windows, `evaluate.text_windows`) in
+    one pass, `rows` windows of different texts per step in rows of `length` tokens (`evaluate.texts_plan`),
+    each as if scored alone: local memory, with
     `mem_size` a store of the text's own earlier tokens, with `external` a datastore. Rows: as many as hold
     the tokens of a step of trime_jax.launch.eval (eval.batch_size × block_len), or the power of two at or above
     the number of texts where that is fewer (few distinct shapes: a few calls share a compile)."""
@@ -413,11 +419,11 @@ class Model:
     cfg = self.nnx_model.cfg
     corpus, plan, counts = evaluate.texts_plan(ids_of, self.vocab, block_len=block_len, context_window=ctx,
                                                rows=rows, d_model=cfg.d_model, dtype=cfg.dtype, break_mode=mode,
-                                               overlong=overlong, mem_size=mem_size, stateful=self.stateful)
+                                               mem_size=mem_size, stateful=self.stateful, windows=wins_of)
     assert plan.block_len == length, (plan.block_len, length)
     result = evaluate.evaluate(self.graphdef, self.params, corpus, [point], block_len=plan.block_len,
-                               context_window=ctx, streams=rows, external=external, vocab_chunk=vocab_chunk, per_token=True,
-                               break_mode=mode, complete_overlong=overlong, log=logger.info, plan=plan)
+                               context_window=ctx, streams=rows, external=external, vocab_chunk=vocab_chunk,
+                               per_token=True, log=logger.info, plan=plan)
     return np.split(np.asarray(result.token_nll[0], np.float32), np.cumsum(counts)[:-1])
 
   def _score_with_memory(self, ids, prefix, point, mode: str, ctx: int, block_len: int, overlong: str,

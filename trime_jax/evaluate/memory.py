@@ -252,14 +252,15 @@ def row_length(wins, block_len: int, stateful: bool = False) -> int:
 
 
 def texts_plan(texts, vocab: data.Vocab, *, block_len: int, context_window: int, rows: int, d_model: int, dtype,
-               break_mode: str = "none", overlong: str = "drop", mem_size: int = 0,
-               stateful: bool = False) -> tuple[data.Corpus, StreamPlan, list[int]]:
+               break_mode: str = "none", overlong: str = "drop", mem_size: int = 0, stateful: bool = False,
+               windows=None) -> tuple[data.Corpus, StreamPlan, list[int]]:
   """Independent texts (token arrays) scored `rows` at a time, each exactly as a corpus of its own: its own
   windows (`data.eval_windows`, starting at `</s>`, at most `block_len` long: `plan.block_len` is the longest
   of them, rounded up, the model's input length), local memory, and with `mem_size` a long-term store of
   the text's own earlier scored tokens (the original layout, as `stream_plan` with that mem_size: at least
   the longest text, so that a store holds every earlier token of its text; cleared after a line complete mode
-  drops, as alone). `stateful`: the model carries a state from window to window (`row_length`). (corpus, plan,
+  drops, as alone). `stateful`: the model carries a state from window to window (`row_length`). `windows`:
+  each text's `text_windows` at these settings, where the caller has them already. (corpus, plan,
   the targets each text's windows score, in text order; the evaluator's per-token nll lists them so.)
 
   The texts are laid out one after another in `corpus`, each after a `</s>` of its own that no window scores
@@ -275,8 +276,9 @@ def texts_plan(texts, vocab: data.Vocab, *, block_len: int, context_window: int,
   bos = np.array([vocab.bos], np.int32)
   corpus = data.Corpus.from_docs([np.concatenate([bos, t]) for t in texts], vocab)
   wins, first_of, scored, dropped, store_start, length = [], [], [], 0, [], 0
-  for t, off in zip(texts, corpus.doc_starts[:-1] + 1):  # a text's targets start after its `</s>`
-    own = text_windows(t, vocab, block_len, context_window, break_mode, overlong)
+  for i, (t, off) in enumerate(zip(texts, corpus.doc_starts[:-1] + 1)):  # its targets start after its `</s>`
+    own = windows[i] if windows is not None else text_windows(t, vocab, block_len, context_window, break_mode,
+                                                               overlong)
     if break_mode == "complete" and sum(w.end - w.score_start for w in own) < len(t):
       dropped += int((data.line_lengths(t, vocab.eos) > block_len).sum())
     length = max(length, row_length(own, block_len, stateful))
