@@ -111,6 +111,61 @@ def test_crash_mid_chunk_resumes_to_the_same_store(setup, tmp_path, monkeypatch)
   _same_files(out, setup["out"])
 
 
+def test_a_build_stopped_after_its_last_chunk_but_before_finishing_resumes(setup, tmp_path, monkeypatch):
+  """Every chunk saved, then finish() fails (a full disk writing meta.json, a Ctrl-C): the rerun has nothing to
+  compute and finishes, although the corpus's end (tokens_done) is not a window boundary."""
+  n, stride = len(setup["corpus"]), BLOCK - CONTEXT
+  assert n % stride, "the case needs a partial last window"
+  out = str(tmp_path / "unfinished")
+  real = build.DatastoreWriter.finish
+
+  def full_disk(self):
+    raise OSError(28, "No space left on device", os.path.join(self.out_dir, "meta.json"))
+
+  monkeypatch.setattr(build.DatastoreWriter, "finish", full_disk)
+  with pytest.raises(CheckpointError, match=f"{n:,} of {n:,} tokens are saved: .* rerun the same command"):
+    build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, progress=False)
+  with open(os.path.join(out, "meta.json")) as f:
+    saved = json.load(f)
+  assert saved["tokens_done"] == n and not saved["complete"]
+  monkeypatch.setattr(build.DatastoreWriter, "finish", real)
+  keys_step = build._keys_step
+  monkeypatch.setattr(build, "_keys_step", lambda *a: pytest.fail("the rerun computed keys again"))
+  meta = build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, progress=False)
+  monkeypatch.setattr(build, "_keys_step", keys_step)
+  assert meta["complete"]
+  _same_files(out, setup["out"])
+  assert Datastore(out).fingerprint == setup["ds"].fingerprint
+
+
+def test_a_resume_with_another_batch_size_says_so_and_records_it(setup, tmp_path, capsys):
+  """Keys are computed in batches of windows: another batch size may round a float16 key differently, so the
+  files would not be byte-identical to an uninterrupted build's. The rerun warns and meta.json records it."""
+  out = str(tmp_path / "rebatched")
+  meta = build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, max_chunks=2, progress=False)
+  assert meta["batch_size"] == BATCH
+  capsys.readouterr()
+  meta = build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, batch_size=1, progress=False)
+  printed = capsys.readouterr().out
+  assert f"was started with batch size {BATCH} and resumes with 1" in printed, printed
+  assert meta["complete"] and meta["batch_size"] == BATCH and meta["resumed_batch_sizes"] == [1]
+  np.testing.assert_array_equal(Datastore(out).values, setup["ds"].values)
+  np.testing.assert_allclose(np.asarray(Datastore(out).keys, np.float32), np.asarray(setup["ds"].keys, np.float32),
+                             atol=1e-3)
+  same = build_datastore(setup["export"], setup["corpus"], str(tmp_path / "again"), chunk_tokens=100, progress=False)
+  assert "resumed_batch_sizes" not in same  # an undisturbed build records nothing
+
+
+def test_resuming_says_how_much_it_verifies_first(setup, tmp_path, capsys):
+  out = str(tmp_path / "verified")
+  meta = build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, max_chunks=2, progress=False)
+  done = meta["tokens_done"]
+  capsys.readouterr()
+  build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, progress=True)
+  mib = done * (16 * 2 + 4) / 2**30
+  assert f"checking the {done:,} saved entries ({mib:,.2f} GiB) against their digests" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("where", ["keys", "values"])
 def test_chunk_damaged_before_resume_is_recomputed(setup, tmp_path, capsys, where):
   """A committed chunk changed between a kill and the rerun (issue 35.2): the rerun finds it by its recorded
@@ -245,6 +300,27 @@ def test_subset_is_the_prefix_and_a_datastore_of_its_own(setup, tmp_path):
     subset_datastore(setup["out"], out, n - 1)
   with pytest.raises(ConfigError, match="holds"):
     subset_datastore(setup["out"], str(tmp_path / "big"), src.count + 1)
+
+
+def test_a_subset_on_a_full_disk_is_one_error_and_leaves_nothing(setup, tmp_path, monkeypatch):
+  """The subset's files have their blocks reserved before they are written: a full disk is one error (not a
+  SIGBUS halfway through a memmap write) and the half-made files are removed."""
+  real, calls = os.posix_fallocate, []
+
+  def full(fd, offset, length):
+    calls.append(length)
+    if len(calls) == 2:  # the keys fit, the values do not
+      raise OSError(28, "No space left on device")
+    return real(fd, offset, length)
+
+  monkeypatch.setattr(os, "posix_fallocate", full)
+  out = str(tmp_path / "sub_full")
+  with pytest.raises(CheckpointError, match=r"no space left for the datastore subset .* need [0-9.]+ MiB; free space"):
+    build.subset_datastore(setup["out"], out, 500)
+  assert len(calls) == 2 and os.listdir(out) == []
+  monkeypatch.setattr(os, "posix_fallocate", real)
+  meta = build.subset_datastore(setup["out"], out, 500)
+  assert meta["complete"] and Datastore(out).count == 500
 
 
 def test_subset_of_a_build_in_progress_is_the_complete_ones_prefix(setup, tmp_path):

@@ -270,3 +270,62 @@ def test_a_second_ctrl_c_while_saving_keeps_the_previous_state_and_a_failed_save
   assert io.err.count("warning: could not save the partial index") == 16  # after each add but the last
   assert sorted(os.listdir(tmp_path)) == ["index.faiss", "index.faiss.json"]
   assert I.saved_state(out).startswith("nothing of the index")
+
+
+_FSIZE_BUILD = """
+import errno, os, resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG instead of killing us
+from trime_jax.datastore import Datastore, build_index
+ds, out, limit = Datastore(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+try:
+  build_index(ds, out, kind="ivfpq", nlist=16, pq_m=4, pq_bits=6, save_every_s=0.0, progress=False)
+  print("built")
+except OSError as e:
+  print("OSError", errno.errorcode.get(e.errno), e.filename)
+"""
+
+
+def test_a_real_failed_faiss_write_is_an_oserror_periodic_saves_warn_and_the_last_good_state_stays(store, tmp_path):
+  """faiss reports a write that does not fit as a RuntimeError (no errno). A file size limit (ulimit -f: EFBIG,
+  one of the no-space errnos) makes faiss itself fail: each periodic save of the partial index that does not fit
+  is one warning and the build goes on; the final index that does not fit is an OSError naming the file (the
+  CLIs' one no-space line); the last state that fitted stays for a resume."""
+  import subprocess
+  import sys
+
+  ds, _ = store
+  out = str(tmp_path / "index.faiss")
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.getcwd()}
+  p = subprocess.run([sys.executable, "-c", _FSIZE_BUILD, ds.directory, out, "30000"], capture_output=True,
+                     text=True, env=env, timeout=300)
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert p.stdout.split() == ["OSError", "EFBIG", out], p.stdout + p.stderr[-2000:]
+  warnings = [l for l in p.stderr.splitlines() if l.startswith("warning: could not save the partial index")]
+  assert warnings and all("File too large" in l for l in warnings), p.stderr[-2000:]
+  state = json.load(open(out + ".partial.json"))
+  assert 0 < state["ntotal"] < N and os.path.exists(os.path.join(tmp_path, state["file"]))
+  assert not [f for f in os.listdir(tmp_path) if ".tmp." in f]
+  built = build_index(ds, out, kind="ivfpq", nlist=16, pq_m=4, pq_bits=6, save_every_s=0.0, progress=False)
+  assert built.index.ntotal == N  # resumed from that state without the limit
+
+
+def test_ctrl_c_whose_save_fails_still_stops_the_build_as_an_interrupt(store, tmp_path, monkeypatch, capsys):
+  ds, _ = store
+  out = str(tmp_path / "index.faiss")
+  real_write = faiss.write_index
+
+  def write(index, path):
+    if ".partial." in path:  # faiss's own message for a failed fwrite
+      raise RuntimeError(f"Error in void faiss::write_InvertedLists(...) at index_write.cpp:342: Error: 'ret == (n)' "
+                         f"failed: write error in {path}: 171 != 4096 (No space left on device)")
+    return real_write(index, path)
+
+  monkeypatch.setattr(faiss, "write_index", write)
+  _Interrupt(monkeypatch, after=3)
+  capsys.readouterr()
+  with pytest.raises(KeyboardInterrupt):
+    build_index(ds, out, kind="ivfpq", nlist=16, pq_m=4, pq_bits=6, save_every_s=1e9)
+  err = capsys.readouterr().err
+  assert "warning: could not save the partial index" in err and "No space left on device" in err, err
+  assert not os.path.exists(out + ".partial.json") and os.path.exists(out + ".trained.json")

@@ -25,6 +25,7 @@ Scores are raw inner products q·k; TRIME's similarity is q·k / √D (the evalu
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import math
@@ -38,7 +39,7 @@ from tqdm import tqdm
 
 from trime_jax import data
 from trime_jax.datastore.build import Datastore, file_digest
-from trime_jax.errors import CheckpointError, ConfigError, DamagedCheckpointError, first_line
+from trime_jax.errors import NO_SPACE_ERRNOS, CheckpointError, ConfigError, DamagedCheckpointError, first_line
 
 FORMAT = "trime-faiss-index/1"
 KINDS = ("auto", "flat", "ivfpq")
@@ -296,7 +297,11 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
           last_save = time.monotonic()
   except KeyboardInterrupt:
     if index.ntotal > saved:  # an interrupt lands between two adds (faiss holds the interpreter while adding)
-      _save_state(index, path + PARTIAL, belongs, added())  # a second Ctrl-C here keeps the previous state
+      try:
+        _save_state(index, path + PARTIAL, belongs, added())  # a second Ctrl-C here keeps the previous state
+      except OSError as e:  # a full disk: the interrupt still stops the build; the last good state stays
+        print(f"warning: could not save the partial index {path + PARTIAL} ({first_line(e)}); a resume starts "
+              "from the last saved state", file=sys.stderr, flush=True)
     raise
   if index.ntotal != n:
     raise CheckpointError(f"index holds {index.ntotal} keys after adding {n}")
@@ -358,10 +363,17 @@ def _save_state(index, state: str, belongs: dict, spent: dict) -> None:
 
 
 def _write_index(index, path: str) -> None:
-  """faiss.write_index, whole or absent: written beside `path`, then renamed; the temporary never stays."""
+  """faiss.write_index, whole or absent: written beside `path`, then renamed; the temporary never stays.
+
+  faiss reports a failed write (a full disk, a quota, a file size limit) as a RuntimeError whose text ends in
+  strerror(errno); it is raised here as the OSError it is, so callers handle it as any other failed write."""
   tmp = f"{path}.tmp.{os.getpid()}"
   try:
-    faiss.write_index(index, tmp)
+    try:
+      faiss.write_index(index, tmp)
+    except RuntimeError as e:
+      code = next((c for c in NO_SPACE_ERRNOS if os.strerror(c) in str(e)), errno.EIO)
+      raise OSError(code, os.strerror(code), path) from None
     os.replace(tmp, path)
   finally:
     if os.path.exists(tmp):
