@@ -31,7 +31,9 @@ def main(argv):
 
   from trime_jax.errors import ConfigError
 
-  config = validated(_CONFIG.value)
+  config = _CONFIG.value
+  config.trime.batching = _KIND.value  # checked as the training that reads this plan will run (its batching)
+  config = validated(config)
   out_dir = _OUT.value
   what = describe_target(out_dir)
   if what and what != "a batch plan" and not _OVERWRITE.value:  # a workdir, an export, ...: never replaced silently

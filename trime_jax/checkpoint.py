@@ -247,7 +247,8 @@ def restore_checked(path: str, abstract_tree, what: str, restore):
 
 
 # Fields a resumed run may change without --config.train.allow_config_change: they do not change the trained
-# parameters (logging, checkpoint cadence, evaluation, caching) or only extend the run (num_steps).
+# parameters (logging, checkpoint cadence, evaluation, caching) or only extend the run (num_steps, unless the
+# schedule or the CE warm-up is derived from it: _num_steps_shapes_training).
 # The translation trainer's own: eval_max_pairs (dev cadence's size), stop_after (this invocation's length),
 # target_token_budget (the run's length, like num_steps).
 RESUMABLE_CHANGES = ("train.num_steps", "train.log_every", "train.eval_every", "train.eval_max_tokens",
@@ -302,6 +303,10 @@ def _resume_problem(workdir: str, path: str, config, new: dict):
   ones)."""
   ckpts = os.path.join(workdir, "checkpoints")
   resuming = os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts))
+  # A run that stopped after a dev evaluation but before its first checkpoint leaves best/ (train.keep_best),
+  # and the next run in the workdir compares its dev perplexities with that best: it continues that run's
+  # record, so it must be the same run (a rerun of the same command is; runs are deterministic).
+  continues = resuming or any(os.path.exists(os.path.join(workdir, d, "meta.json")) for d in ("best", "export"))
   if os.path.exists(path):  # an edited field must not be ignored silently: unknown ones are refused
     from trime_jax.errors import ConfigError
 
@@ -312,19 +317,48 @@ def _resume_problem(workdir: str, path: str, config, new: dict):
       workdir_files.check_stored_config(path, stored, config)
     except ConfigError as e:
       return str(e), {}, []
-  if not (resuming and os.path.exists(path)):
+  if not continues:
     return None, {}, []
+  if not os.path.exists(path):  # nothing says what made these files: they are not taken for this run's
+    if config.train.get("allow_config_change", False):
+      return None, {}, []
+    return (f"workdir {workdir} holds a run's files (checkpoints/, best/ or export/) but no config.json, so "
+            "its settings cannot be compared with these: use another --workdir, or pass "
+            "--config.train.allow_config_change=True to continue it with these settings"), {}, ["config.json"]
   old = _flat(stored)
   flat_new = _flat(new)
   diff = {k: [old[k], flat_new[k]] for k in sorted(old.keys() & flat_new.keys()) if old[k] != flat_new[k]}
   blocking = [k for k in diff if not k.startswith(RESUMABLE_CHANGES)]
+  if "train.num_steps" in diff and (why := _num_steps_shapes_training(old, config)):
+    blocking.append("train.num_steps")  # not merely a longer run: the updates already made would differ
+    diff["train.num_steps"] = diff["train.num_steps"] + [why]
   if blocking and not config.train.get("allow_config_change", False):
-    shown = "; ".join(f"{k}: {diff[k][0]!r} there, {diff[k][1]!r} now" for k in blocking[:8])
+    shown = "; ".join(f"{k}: {diff[k][0]!r} there, {diff[k][1]!r} now" + (f" ({diff[k][2]})" if len(diff[k]) > 2
+                                                                          else "") for k in blocking[:8])
     more = f" (+{len(blocking) - 8} more)" if len(blocking) > 8 else ""
-    return (f"workdir {workdir} holds a run with other settings ({shown}{more}): use another --workdir, or pass "
+    held = "a run" if resuming else "the best/ or export/ of a run without checkpoints"
+    return (f"workdir {workdir} holds {held} with other settings ({shown}{more}): use another --workdir, or pass "
             "--config.train.allow_config_change=True to resume it with these settings (recorded in "
             "config_changes.jsonl)"), diff, blocking
   return None, diff, blocking
+
+
+def _num_steps_shapes_training(old: dict, config) -> str:
+  """Why a new train.num_steps changes the updates a run makes, not only how many (the flat stored config `old`
+  against `config`), or "" when it only extends or shortens the run: a cosine schedule's period is
+  num_steps − warm-up, and TRIME's CE warm-up defaults to 5% of num_steps (trime.ce_warmup_steps = -1)."""
+  import math
+
+  t = config.train
+  if "cosine" in (old.get("train.schedule"), t.schedule):
+    return "the cosine schedule decays over train.num_steps"
+  trime = config.get("trime")
+  if trime is not None and trime.get("memory", "none") != "none" and int(trime.get("ce_warmup_steps", 0)) < 0:
+    before = math.ceil(0.05 * int(old["train.num_steps"]))
+    after = math.ceil(0.05 * int(t.num_steps))
+    if before != after:
+      return f"the CE warm-up is 5% of train.num_steps: {before} updates there, {after} now"
+  return ""
 
 
 def abstract(tree):

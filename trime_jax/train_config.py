@@ -50,6 +50,12 @@ def validate_config(config) -> None:
   if t.batching == "consecutive" and d.segmentation != "stream":
     raise ConfigError("trime.batching='consecutive' reads runs of the concatenated stream: it needs "
                       f"data.segmentation='stream', got {d.segmentation!r}")
+  if t.memory == "long" and t.consecutive_segments > 1 and t.batching != "consecutive":
+    # the loss reads each group of m rows as one run of consecutive segments: random or BM25 rows are not
+    raise ConfigError(f"trime.memory='long' with trime.consecutive_segments={t.consecutive_segments} reads each "
+                      f"group of {t.consecutive_segments} batch rows as consecutive segments: it needs "
+                      f"trime.batching='consecutive' (a plan from launch/make_batches.py --kind=consecutive), "
+                      f"got {t.batching!r}")
   if t.memory == "long" and train_cfg.batch_size % t.consecutive_segments:
     raise ConfigError(f"train.batch_size={train_cfg.batch_size} must be a multiple of "
                       f"trime.consecutive_segments={t.consecutive_segments} for memory='long'")

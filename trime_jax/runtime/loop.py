@@ -53,7 +53,7 @@ class Task:
   def step_fn(self, objective: str):
     """The jitted update (state, batch, dropout_key) -> (state, metrics); metrics holds loss, ce_nll, trime_nll,
     grad_norm, tokens (the tokens the update trained on) and skipped (1 when a non-finite update was not
-    applied). Cache it: the loop asks for it every update."""
+    applied; a train line's `skipped` counts them since the line before). Cache it: the loop asks for it every update."""
     raise NotImplementedError
 
   def batch(self, step: int) -> dict:
@@ -108,11 +108,13 @@ class _Throughput:
   def __init__(self):
     self.seen, self.compile_s = set(), 0.0
     self._tokens, self._start, self._compiling = [], time.perf_counter(), 0.0
+    self._skipped = []  # every update's `skipped` flag since the last read (on the device until then)
 
   def run(self, key, fn, state, batch, rng):
     if key in self.seen:
       state, m = fn(state, batch, rng)
       self._tokens.append(m["tokens"])  # stays on the device: reading it here would wait for the update
+      self._skipped.append(m["skipped"])
       return state, m
     jax.block_until_ready(state)  # the updates before it finished: the clock below times this one alone
     t0 = time.perf_counter()
@@ -122,16 +124,18 @@ class _Throughput:
     self.seen.add(key)
     self.compile_s += dt
     self._compiling += dt
+    self._skipped.append(m["skipped"])
     return state, m
 
-  def read(self) -> tuple[float | None, int]:
-    """(tokens/s since the last read or None, updates timed); restarts the interval."""
+  def read(self) -> tuple[float | None, int, int]:
+    """(tokens/s since the last read or None, updates timed, updates skipped); restarts the interval."""
     now = time.perf_counter()
     timed = len(self._tokens)
     seconds = now - self._start - self._compiling
     rate = float(np.sum(jax.device_get(self._tokens))) / seconds if timed and seconds > 0 else None
-    self._tokens, self._start, self._compiling = [], now, 0.0
-    return rate, timed
+    skipped = int(np.sum(jax.device_get(self._skipped))) if self._skipped else 0
+    self._tokens, self._start, self._compiling, self._skipped = [], now, 0.0, []
+    return rate, timed, skipped
 
 
 def _shapes(batch: dict):
@@ -191,7 +195,8 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
           logging.info("profile of updates %d-%d written to %s", *spec.profile, os.path.join(workdir, "profile"))
         progress.update(done)
         if done % spec.log_every == 0 or done == stop:
-          last = _train_line(task, done, objective, jax.device_get(m), schedule(step), clock)
+          last = _train_line(task, done, objective, jax.device_get(m), schedule(_last_schedule_step(state, step)),
+                             clock)
           if not math.isfinite(last["loss"]):
             ckpt.finish(mgr)  # the saves before it complete and sealed
             kept = mgr.latest_step()
@@ -200,12 +205,18 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
             raise TrainingError(f"non-finite loss at update {done} (updates with a non-finite loss or gradient "
                                 f"are skipped, not applied); {where}. Lower train.learning_rate or set "
                                 "train.clip_norm.")
-          metrics.write(last)
+          # A stop before the end (train.stop_after) says where it stopped, but records no line off the
+          # log_every grid: the resumed run's metrics.jsonl has the uninterrupted run's lines.
+          recorded = done % spec.log_every == 0 or done == spec.total
+          if recorded:
+            metrics.write(last)
           rate = f"{last['tokens_per_s']:,.0f}" if last["tokens_per_s"] is not None else "-"
+          skips = f" | {last['skipped']} skipped (non-finite)" if last["skipped"] else ""
           log(f"step {done:>6}/{spec.total} [{objective:>5}] loss {last['loss']:.4f} | ce {last['ce_nll']:.4f}"
               f" | trime {last['trime_nll']:.4f} | lr {last['lr']:.2e} | |g| {last['grad_norm']:.3f}"
-              f" | {rate} tok/s (+{clock.compile_s:.0f} s compiling) | {progress.eta(done)}")
-          tb.scalars(done, {f"train/{k}": last[k] for k in TB_TRAIN_SCALARS if last.get(k) is not None})
+              f" | {rate} tok/s (+{clock.compile_s:.0f} s compiling){skips} | {progress.eta(done)}")
+          if recorded:
+            tb.scalars(done, {f"train/{k}": last[k] for k in TB_TRAIN_SCALARS if last.get(k) is not None})
           progress.update(done, loss=f"{last['loss']:.4f}")
         if spec.eval_every and done % spec.eval_every == 0 and done < spec.total:
           best.update(done, state["params"], evaluate(done, state["params"]))
@@ -242,10 +253,21 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
     tb.close()
 
 
+def _last_schedule_step(state, step: int) -> int:
+  """The schedule step of the last applied update: the optimizer's own count less one. A skipped update (a
+  non-finite loss or gradient: the parameters and optimizer state are kept) advances `state["step"]`, so the
+  data moves on, but not the optimizer's count, so the learning rate does not; without skips this is `step`."""
+  import optax
+
+  counts = [c for path, c in optax.tree_utils.tree_get_all_with_path(state["opt_state"], "count")
+            if getattr(path[-1], "tuple_name", "") == "ScaleByScheduleState"]
+  return max(int(jax.device_get(counts[0])) - 1, 0) if counts else step
+
+
 def _train_line(task: Task, done: int, objective: str, m: dict, lr, clock: _Throughput) -> dict:
-  rate, timed = clock.read()
+  rate, timed, skipped = clock.read()
   loss = float(m["loss"])
   return {"step": done, "objective": objective, "loss": loss, "ce_nll": float(m["ce_nll"]),
           "trime_nll": float(m["trime_nll"]), "ppl": math.exp(min(float(m["ce_nll"]), 50.0)),
           "grad_norm": float(m["grad_norm"]), "lr": float(lr), "tokens_per_s": rate, "timed_updates": timed,
-          "compile_s": round(clock.compile_s, 2), "skipped": int(m["skipped"]), **task.record(done)}
+          "compile_s": round(clock.compile_s, 2), "skipped": skipped, **task.record(done)}

@@ -1,0 +1,153 @@
+"""What a workdir's files say about the run that made them, and what a train line says about the updates: a
+best/ export left by another run is not taken over, settings a resume may change really only lengthen the run,
+skipped updates are counted and the learning rate logged is the one applied, a stop before the end writes no
+metrics line an uninterrupted run would not, and a long-memory config without consecutive batches is refused."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import read_metrics, tiny_config, write_text_file
+from trime_jax import checkpoint as ckpt
+from trime_jax import exports, steps, train
+from trime_jax.errors import CheckpointError, ConfigError
+from trime_jax.runtime.optim import make_schedule
+from trime_jax.train_config import validate_config
+
+FAST = {"trime.ce_warmup_steps": 0, "train.eval_max_tokens": 64, "eval.max_tokens": 64}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  return write_text_file(tmp_path_factory.mktemp("prov") / "text.bin", 20_000)
+
+
+def _train_lines(workdir):
+  return [m for m in read_metrics(workdir) if "loss" in m]
+
+
+def test_a_best_export_of_another_run_without_checkpoints_is_not_taken_over(corpus, tmp_path, monkeypatch):
+  """Run A stops (a crash) after a dev evaluation wrote best/ and before its first checkpoint. Another config in
+  the workdir is refused, naming the field; the same config (the rerun of A's command) continues A's record."""
+  base = dict(FAST, **{"train.num_steps": 8, "train.eval_every": 4, "train.checkpoint_every": 100})
+  workdir = str(tmp_path / "w")
+  real_batch = train.LMTask.batch
+
+  def crashing(self, step):
+    if step == 5:
+      raise RuntimeError("the node went away")
+    return real_batch(self, step)
+
+  monkeypatch.setattr(train.LMTask, "batch", crashing)
+  with pytest.raises(RuntimeError, match="node went away"):
+    train.train_and_evaluate(tiny_config(corpus, **base), workdir)
+  monkeypatch.setattr(train.LMTask, "batch", real_batch)
+  assert exports.read_export_meta(os.path.join(workdir, "best"))["step"] == 4
+  assert not [n for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.isdigit()]
+  other = tiny_config(corpus, **base, **{"train.learning_rate": 1e-5})
+  with pytest.raises(CheckpointError, match=r"holds the best/ or export/ of a run without checkpoints with other "
+                                            r"settings \(train.learning_rate: 0.003 there, 1e-05 now\)"):
+    train.train_and_evaluate(other, workdir)
+  out = train.train_and_evaluate(tiny_config(corpus, **base), workdir)  # the same run, again from update 0
+  assert out["step"] == 8
+  with open(os.path.join(workdir, "best", "config.json")) as f:
+    assert json.load(f)["train"]["learning_rate"] == 3e-3
+
+
+def test_checkpoints_without_a_config_json_are_not_resumed_with_any_config(corpus, tmp_path):
+  workdir = str(tmp_path / "w")
+  cfg = tiny_config(corpus, **FAST, **{"train.num_steps": 3})
+  train.train_and_evaluate(cfg, workdir)
+  os.remove(os.path.join(workdir, "config.json"))
+  with pytest.raises(CheckpointError, match="but no config.json, so its settings cannot be compared"):
+    train.train_and_evaluate(tiny_config(corpus, **FAST, **{"train.num_steps": 4}), workdir)
+  allowed = tiny_config(corpus, **FAST, **{"train.num_steps": 4, "train.allow_config_change": True})
+  assert train.train_and_evaluate(allowed, workdir)["step"] == 4
+
+
+@pytest.mark.parametrize("case", ["cosine", "derived_ce_warmup", "inverse_sqrt"])
+def test_a_longer_run_is_a_resumable_change_only_when_nothing_else_depends_on_num_steps(corpus, tmp_path, case):
+  """train.num_steps may grow on resume without allow_config_change when the updates already planned stay the
+  same (inverse-sqrt, an explicit CE warm-up); a cosine period or the 5%-of-num_steps CE warm-up would change."""
+  kw = {"cosine": {"train.schedule": "cosine", "trime.ce_warmup_steps": 0},
+        "derived_ce_warmup": {"trime.ce_warmup_steps": -1},  # 5% of 20 = 1 update, of 40 = 2
+        "inverse_sqrt": {"trime.ce_warmup_steps": 0}}[case]
+  short = tiny_config(corpus, **{**FAST, **kw, "train.num_steps": 20, "train.stop_after": 2})
+  workdir = str(tmp_path / case)
+  train.train_and_evaluate(short, workdir)
+  longer = tiny_config(corpus, **{**FAST, **kw, "train.num_steps": 40, "train.stop_after": 1})
+  if case == "inverse_sqrt":
+    assert train.train_and_evaluate(longer, workdir)["step"] == 3
+    return
+  why = {"cosine": "the cosine schedule decays over train.num_steps",
+         "derived_ce_warmup": "the CE warm-up is 5% of train.num_steps: 1 updates there, 2 now"}[case]
+  with pytest.raises(CheckpointError, match=rf"train.num_steps: 20 there, 40 now \({why}\)"):
+    train.train_and_evaluate(longer, workdir)
+
+
+def test_skipped_updates_are_counted_and_the_logged_rate_is_the_one_applied(corpus, tmp_path, monkeypatch):
+  """A non-finite loss at update 2 of a line every 3 updates: the update is skipped (parameters and optimizer
+  kept); the line at 3 counts it, and later lines log the learning rate the optimizer applied, which lags the
+  update count by the skipped update."""
+  real = steps.nll_sums
+
+  def poisoned(model, batch, spec, **kw):  # drop_local is unused by memory="local": it carries the poison
+    o, ce, tr, n = real(model, batch, spec, **kw)
+    return o * jnp.where(batch["drop_local"][0], jnp.nan, 1.0), ce, tr, n
+
+  real_batch = train.LMTask.batch
+
+  def batch(self, step):
+    b = real_batch(self, step)
+    if step == 1:
+      d = np.zeros(b["drop_local"].shape, bool)
+      d[0, 0] = True
+      b["drop_local"] = jnp.asarray(d)
+    return b
+
+  monkeypatch.setattr(steps, "nll_sums", poisoned)
+  monkeypatch.setattr(train.LMTask, "batch", batch)
+  cfg = tiny_config(corpus, **FAST, **{"train.num_steps": 6, "train.log_every": 3, "train.warmup_steps": 4})
+  train.train_and_evaluate(cfg, str(tmp_path / "w"))
+  lines = _train_lines(str(tmp_path / "w"))
+  assert [(m["step"], m["skipped"]) for m in lines] == [(3, 1), (6, 0)]
+  schedule = make_schedule(cfg.train)
+  # update 6 is the 5th applied: it ran at schedule step 4 (update 3, the 2nd applied, at step 1)
+  np.testing.assert_allclose([m["lr"] for m in lines], [float(schedule(1)), float(schedule(4))], rtol=1e-6)
+  assert float(schedule(4)) != float(schedule(5))  # the case tells the two apart (warm-up of 4 updates)
+
+
+def test_without_skips_the_logged_rate_is_the_schedule_at_the_update(corpus, tmp_path):
+  cfg = tiny_config(corpus, **FAST, **{"train.num_steps": 6, "train.log_every": 2, "train.warmup_steps": 4})
+  train.train_and_evaluate(cfg, str(tmp_path / "w"))
+  schedule = make_schedule(cfg.train)
+  lines = _train_lines(str(tmp_path / "w"))
+  assert [m["skipped"] for m in lines] == [0, 0, 0]
+  np.testing.assert_allclose([m["lr"] for m in lines], [float(schedule(s)) for s in (1, 3, 5)], rtol=1e-6)
+
+
+def test_a_stop_before_the_end_leaves_the_uninterrupted_runs_metrics_lines(corpus, tmp_path):
+  kw = dict(FAST, **{"train.num_steps": 6, "train.log_every": 2})
+  train.train_and_evaluate(tiny_config(corpus, **kw), str(tmp_path / "straight"))
+  stopped = str(tmp_path / "stopped")
+  assert train.train_and_evaluate(tiny_config(corpus, **kw, **{"train.stop_after": 3}), stopped)["step"] == 3
+  train.train_and_evaluate(tiny_config(corpus, **kw), stopped)
+  straight, resumed = _train_lines(str(tmp_path / "straight")), _train_lines(stopped)
+  assert [m["step"] for m in resumed] == [m["step"] for m in straight] == [2, 4, 6]
+  np.testing.assert_allclose([m["loss"] for m in resumed], [m["loss"] for m in straight], rtol=1e-6)
+
+
+def test_long_memory_over_runs_of_several_segments_needs_consecutive_batches(corpus):
+  cfg = tiny_config(corpus, **{"trime.memory": "long", "trime.consecutive_segments": 2, "data.segmentation": "stream"})
+  with pytest.raises(ConfigError, match=r"trime.memory='long' with trime.consecutive_segments=2 .* needs "
+                                        r"trime.batching='consecutive'.* got 'random'"):
+    validate_config(cfg)
+  one = tiny_config(corpus, **{"trime.memory": "long", "trime.consecutive_segments": 1})
+  validate_config(one)  # runs of one segment: nothing to be consecutive
+
+
+def test_resumable_changes_are_documented_with_their_exception():
+  assert "train.num_steps".startswith(ckpt.RESUMABLE_CHANGES)  # usually resumable; the exceptions above
