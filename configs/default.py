@@ -84,6 +84,9 @@ def get_config():
   t.consecutive_segments = 1  # m: consecutive segments per run in a batch (memory=long)
   t.consecutive_layout = "stream"  # stream (original: runs of the concatenated stream, memory crosses
   #   documents, read in order) | packed (same unpadded runs, a token's memory is its own document only)
+  t.consecutive_gpus = 1  # G: the original's GPUs an update's grad_accum micro-batches stand for (stream layout):
+  #   its --keep-order gives each GPU a contiguous shard of the runs, so an update holds G far-apart places of the
+  #   stream, F = grad_accum / G forwards each; 1: every micro-batch of an update continues the same shards
   t.drop_local_prob = 0.9  # p: chance a segment's local memory is dropped (memory=ext); one draw per segment and update
   t.tau = 1.0  # τ on memory similarities g·g_j/√D during training
   t.stop_gradient_memory = False  # ablation "w/o back-prop to memory": no gradient into memory keys

@@ -43,6 +43,8 @@ def get_config():
   c.trime.consecutive_layout = "stream"  # the original's in-order runs
   c.trime.batch_plan = "data/enwik8/plans/consecutive_512x24"  # from launch/make_batches.py
   c.trime.consecutive_segments = 24  # m: 24 × 512 = 12,288 in-batch memories
+  c.trime.consecutive_gpus = 4  # 4 GPUs (README) × --update-freq 1:
+  #   --keep-order gives each GPU a contiguous quarter of the runs
   c.trime.ce_warmup_steps = 5_496  # --ce-warmup-epoch 3: 3 × 1,832 updates (175,782 segments / 96 per update)
   c.trime.memory_grad = "local_only"  # >1 device: the original's all_gather cuts gradients into other GPUs' keys
   c.trime.memory_grad_group_rows = 0  # no cut: trime_long_loss_same_device gathers nothing, the run is one GPU's

@@ -47,6 +47,8 @@ def get_config():
   c.trime.consecutive_layout = "stream"  # the original's in-order runs (packed: memory within each document)
   c.trime.batch_plan = "data/wikitext-103/plans/consecutive_150x60"  # from launch/make_batches.py
   c.trime.consecutive_segments = 60  # m
+  c.trime.consecutive_gpus = 2  # 2 GPUs (the paper table) × --update-freq 2:
+  #   --keep-order gives each GPU a contiguous half of the runs
   c.trime.ce_warmup_steps = 8_604  # --ce-warmup-epoch 3: 3 × 2,868 updates (688,181 segments / 240 per update)
   c.trime.memory_grad = "local_only"  # >1 device: the original's all_gather cuts gradients into other GPUs' keys
   c.trime.memory_grad_group_rows = 0  # no cut: trime_long_loss_same_device gathers nothing, the run is one GPU's

@@ -130,6 +130,83 @@ def test_stream_layout_is_the_original_keep_order_iterator(num_runs, b):
       assert np.array_equal(run[:len(r)], r)
 
 
+def _original_gpu_forwards(runs, gpus, update_freq):
+  """[update][gpu] -> that GPU's forwards (each a run, [] for the iterator's fill) in the original with --keep-order
+  on `gpus` GPUs: an independent re-statement of the fork's SequentialShardedIterator (num_comb_shards=1, shard g
+  = the g-th contiguous piece of the unshuffled list) followed by fairseq's GroupedIterator(update_freq) per GPU."""
+  n = len(runs)
+  per_shard = n // gpus + (1 if n % gpus else 0)
+  out = []
+  for g in range(gpus):
+    piece = itertools.islice(runs, g * per_shard, min(n, (g + 1) * per_shard))
+    items = [item for _, item in itertools.zip_longest(range(per_shard), piece, fillvalue=[])]
+    out.append([items[i:i + update_freq] for i in range(0, len(items), update_freq)])
+  return [[out[g][u] for g in range(gpus)] for u in range(len(out[0]))]
+
+
+@pytest.mark.parametrize("num_runs,gpus,update_freq", [(8, 2, 2), (9, 2, 2), (7, 4, 1), (10, 2, 3), (3, 4, 1),
+                                                       (13, 3, 2)])
+def test_stream_layout_for_several_gpus_is_each_gpus_contiguous_shard_update_by_update(tmp_path, num_runs, gpus,
+                                                                                      update_freq):
+  """trime.consecutive_gpus = G (wiki103_150m: 2 GPUs × --update-freq 2, enwik8_38m: 4 × 1): update u trains on
+  forwards u·F … u·F + F − 1 of each GPU's contiguous shard, as the original with --keep-order does; with G = 1 an
+  update would hold A adjacent runs."""
+  m, seg_len, accum = 2, 2, gpus * update_freq
+  n_tokens = (2 * num_runs - (num_runs % 2)) * seg_len - 1
+  corpus = _corpus(lens=[n_tokens // 3, n_tokens - n_tokens // 3])
+  config = _config(**{"data.segment_len": seg_len, "trime.consecutive_segments": m, "train.batch_size": m,
+                      "train.grad_accum": accum, "trime.consecutive_gpus": gpus, "trime.batching": "consecutive",
+                      "trime.batch_plan": str(tmp_path / "plan")})
+  header, batches = consecutive.make_plan(corpus, config, progress=False)
+  assert header["num_runs"] == num_runs and (header["gpus"], header["grad_accum"]) == (gpus, accum)
+  segs = list(range(header["num_segments"]))
+  runs = [segs[i:i + m] for i in range(0, len(segs), m)]
+  want = _original_gpu_forwards(runs, gpus, update_freq)
+  assert len(batches) == len(want) * accum  # an epoch is whole updates
+  batch_plan.save(str(tmp_path / "plan"), header, batches)
+  source = BatchSource(corpus, config)
+  for u, per_gpu in enumerate(want):
+    got = source.indices(u)  # [grad_accum, batch_size]
+    for g, forwards in enumerate(per_gpu):
+      for f in range(update_freq):
+        row = got[g * update_freq + f]
+        assert [int(x) for x in row[row >= 0]] == (forwards[f] if f < len(forwards) else []), (u, g, f)
+  assert np.array_equal(np.sort(batches[batches >= 0]), np.arange(len(segs)))  # every segment once an epoch
+  # The plan is refused by a run with another GPU count (or, for G > 1, another grad_accum).
+  for other in ({"trime.consecutive_gpus": 1, "train.grad_accum": accum},
+                {"trime.consecutive_gpus": gpus, "train.grad_accum": 2 * accum}):
+    with pytest.raises(DataError, match="it was written for trime.consecutive_gpus="):
+      BatchSource(corpus, _config(**{"data.segment_len": seg_len, "trime.consecutive_segments": m,
+                                     "train.batch_size": m, "trime.batching": "consecutive",
+                                     "trime.batch_plan": str(tmp_path / "plan"), **other}))
+
+
+def test_consecutive_gpus_is_checked_with_the_batching_it_describes():
+  from trime_jax.train_config import validate_config
+
+  base = {"data.segmentation": "stream", "trime.memory": "long", "trime.consecutive_segments": 2,
+          "train.batch_size": 2, "trime.batching": "consecutive", "trime.batch_plan": "p"}
+  cases = [({"train.grad_accum": 3, "trime.consecutive_gpus": 2}, "must be >= 1 and divide train.grad_accum=3"),
+           ({"train.grad_accum": 2, "trime.consecutive_gpus": 2, "trime.consecutive_layout": "packed"},
+            "needs trime.batching='consecutive' and trime.consecutive_layout='stream'"),
+           ({"train.grad_accum": 2, "trime.consecutive_gpus": 2, "model.backbone": "srupp"},
+            "a stateful backbone")]
+  for kw, message in cases:
+    with pytest.raises(ConfigError, match=message):
+      validate_config(_config(**base, **kw))
+  with pytest.raises(ConfigError, match="must be >= 1 and divide"):
+    consecutive.make_plan(_corpus(), _config(**base, **{"train.grad_accum": 3, "trime.consecutive_gpus": 2}),
+                          progress=False)
+
+
+def test_the_paper_long_configs_shard_the_stream_as_their_gpus():
+  import importlib
+
+  for name, gpus in (("wiki103_150m", 2), ("enwik8_38m", 4)):
+    c = importlib.import_module(f"trime_jax.configs.{name}").get_config()
+    assert c.trime.consecutive_gpus == gpus and c.train.grad_accum % gpus == 0
+
+
 def test_stream_batches_continue_the_streams_across_updates(tmp_path):
   corpus = _corpus()
   config = _config(**{"trime.batching": "consecutive", "trime.batch_plan": str(tmp_path / "plan"),

@@ -39,7 +39,7 @@ from trime_jax.runtime import workdir as workdir_files
 from trime_jax.runtime.optim import make_optimizer
 from trime_jax.runtime.progress import say
 from trime_jax.runtime.workdir import chief
-from trime_jax.errors import ConfigError
+from trime_jax.errors import ConfigError, DataError
 from trime_jax import model as model_lib
 from trime_jax.model import count_params
 
@@ -66,6 +66,14 @@ class BatchSource:
                       segmentation=config.data.segmentation, batch_size=config.train.batch_size,
                       consecutive_segments=t.consecutive_segments if consecutive else None,
                       kind=t.batching, layout=t.consecutive_layout if consecutive else None)
+      if consecutive:  # a plan sharded for the original's GPUs is laid out update by update
+        made = (int(self.plan.header.get("gpus", 1)), self.plan.header.get("grad_accum"))
+        gpus, accum = int(t.get("consecutive_gpus", 1)), int(config.train.grad_accum)
+        if made[0] != gpus or (gpus > 1 and made[1] != accum):
+          raise DataError(f"batch plan {t.batch_plan} does not match this run: it was written for "
+                          f"trime.consecutive_gpus={made[0]}" + (f", train.grad_accum={made[1]}" if made[0] > 1 else "")
+                          + f"; this run has {gpus}" + (f" and {accum}" if gpus > 1 else "")
+                          + " (write its plan with trime_jax.launch.make_batches)")
     # Packed runs hold several documents; their tokens carry document ids so memory stays in the document.
     self.with_documents = t.memory == "long" and t.consecutive_layout == "packed"
     # A stateful backbone learns where a row does not continue the previous micro-batch's row.

@@ -56,6 +56,17 @@ def validate_config(config) -> None:
                       f"group of {t.consecutive_segments} batch rows as consecutive segments: it needs "
                       f"trime.batching='consecutive' (a plan from launch/make_batches.py --kind=consecutive), "
                       f"got {t.batching!r}")
+  gpus = int(t.get("consecutive_gpus", 1))
+  if gpus < 1 or train_cfg.grad_accum % gpus:
+    raise ConfigError(f"trime.consecutive_gpus={gpus} must be >= 1 and divide train.grad_accum="
+                      f"{train_cfg.grad_accum} (the GPUs an update's micro-batches stand for)")
+  if gpus > 1 and (t.batching != "consecutive" or t.consecutive_layout != "stream"):
+    raise ConfigError(f"trime.consecutive_gpus={gpus} shards the stream as the original's GPUs read it: it needs "
+                      f"trime.batching='consecutive' and trime.consecutive_layout='stream', got {t.batching!r} / "
+                      f"{t.consecutive_layout!r}")
+  if gpus > 1 and config.model.get("backbone", "transformer") == "srupp":
+    raise ConfigError(f"trime.consecutive_gpus={gpus}: a stateful backbone (SRU++) carries its state from one "
+                      "micro-batch to the next, which this order would cut at every GPU; keep it at 1")
   if t.memory == "long" and train_cfg.batch_size % t.consecutive_segments:
     raise ConfigError(f"train.batch_size={train_cfg.batch_size} must be a multiple of "
                       f"trime.consecutive_segments={t.consecutive_segments} for memory='long'")

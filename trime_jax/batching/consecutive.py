@@ -43,15 +43,29 @@ def stream_runs(num_segments: int, m: int) -> np.ndarray:
   return out.reshape(n_runs, m)
 
 
-def stream_batches(runs_Rxm: np.ndarray, streams: int) -> np.ndarray:
-  """[P, b·m] micro-batches of the original's in-order sharded iterator: P = ⌈R/b⌉, micro-batch i holds run
-  k·P + i of stream k (an all -1 run once stream k's piece is used up)."""
+def stream_batches(runs_Rxm: np.ndarray, streams: int, gpus: int = 1, accum: int = 1) -> np.ndarray:
+  """Micro-batches [N, b·m] of the original's in-order sharded iterator (SequentialShardedIterator: each GPU
+  reads a contiguous shard of the runs, in order).
+
+  gpus = 1: b = `streams` shards, P = ⌈R/b⌉ runs each; micro-batch i holds run k·P + i of shard k (an all -1
+  run once shard k is used up); N = P.
+  gpus = G > 1 (the original's GPUs an update's `accum` = A micro-batches stand for, F = A / G per GPU, its
+  --update-freq): b·G shards of P = ⌈R/(b·G)⌉ runs; micro-batch u·A + g·F + f (update u, GPU g, its f-th
+  forward) holds position u·F + f of shards g·b … g·b + b − 1; N = ⌈P/F⌉·A, so an epoch is whole updates."""
   r, m = runs_Rxm.shape
-  p = -(-r // streams)
-  padded = np.full((streams * p, m), -1, np.int64)
+  shards = streams * gpus
+  p = -(-r // shards)
+  padded = np.full((shards * p, m), -1, np.int64)
   padded[:r] = runs_Rxm
-  # padded[k·P + i] -> batch i, slot k
-  return padded.reshape(streams, p, m).transpose(1, 0, 2).reshape(p, streams * m)
+  if gpus == 1:  # padded[k·P + i] -> batch i, slot k
+    return padded.reshape(streams, p, m).transpose(1, 0, 2).reshape(p, streams * m)
+  f = accum // gpus
+  updates = -(-p // f)
+  by_position = np.full((shards, updates * f, m), -1, np.int64)
+  by_position[:, :p] = padded.reshape(shards, p, m)
+  # [g, k, u, f, m] -> [u, g, f, k, m]: update-major, then GPU, then its forward, the GPU's b shards in a row
+  x = by_position.reshape(gpus, streams, updates, f, m).transpose(2, 0, 3, 1, 4)
+  return x.reshape(updates * gpus * f, streams * m)
 
 
 def packed_batches(runs_Rxm: np.ndarray, runs_per_batch: int) -> np.ndarray:
@@ -89,10 +103,23 @@ def make_plan(corpus: data.Corpus, config, *, progress: bool = True):
   segments = data.make_segments(corpus, d.segment_len, "stream")
   runs = stream_runs(len(segments), m)
   b = b_rows // m
-  if layout == "stream":
+  gpus, accum = int(t.get("consecutive_gpus", 1)), int(r.grad_accum)
+  if gpus < 1 or accum % gpus:
+    raise ConfigError(f"trime.consecutive_gpus={gpus} must be >= 1 and divide train.grad_accum={accum}")
+  if gpus > 1 and layout != "stream":
+    raise ConfigError(f"trime.consecutive_gpus={gpus} shards the stream as the original's GPUs read it: it needs "
+                      f"trime.consecutive_layout='stream', got {layout!r}")
+  if layout == "stream" and gpus == 1:
     batches = stream_batches(runs, b)
     description = (f"stream: the {len(runs)} runs of {m} consecutive stream segments split into {b} contiguous "
                    f"streams; micro-batch i holds run k*{batches.shape[0]}+i of stream k; read in order")
+  elif layout == "stream":
+    batches = stream_batches(runs, b, gpus, accum)
+    p, f = -(-len(runs) // (b * gpus)), accum // gpus
+    description = (f"stream: the {len(runs)} runs of {m} consecutive stream segments split into {b * gpus} "
+                   f"contiguous shards of {p} runs, {b} per micro-batch, for {gpus} GPUs × {f} forwards an update "
+                   f"(grad_accum {accum}): micro-batch u*{accum}+g*{f}+i holds run s*{p}+u*{f}+i of shards "
+                   f"s = g*{b}..g*{b}+{b - 1}; read in order")
   else:
     batches = packed_batches(runs, b)
     description = (f"packed: {b} adjacent runs of {m} consecutive stream segments per micro-batch; batch order "
@@ -110,6 +137,7 @@ def make_plan(corpus: data.Corpus, config, *, progress: bool = True):
       "num_segments": len(segments),
       "num_runs": len(runs),
       "streams": b,
+      **({"gpus": gpus, "grad_accum": accum} if layout == "stream" and gpus > 1 else {}),
       "batches_per_epoch": int(batches.shape[0]),
       "real_token_fraction": real_token_fraction(segments, batches),
       "description": description,
