@@ -151,3 +151,46 @@ def test_long_memory_over_runs_of_several_segments_needs_consecutive_batches(cor
 
 def test_resumable_changes_are_documented_with_their_exception():
   assert "train.num_steps".startswith(ckpt.RESUMABLE_CHANGES)  # usually resumable; the exceptions above
+
+
+def test_a_resume_on_a_rewritten_corpus_or_batch_plan_is_refused(corpus, tmp_path):
+  """config.json names the corpus and the plan by path: rewriting either between two invocations is found by
+  <workdir>/data.json (the training split's fingerprint, the plan's digest), not trained on silently."""
+  from trime_jax.batching import consecutive
+  from trime_jax.batching import plan as batch_plan
+  from trime_jax import corpora
+
+  text = tmp_path / "text.bin"
+  text.write_bytes(open(corpus, "rb").read())
+  plan_dir = str(tmp_path / "plan")
+  kw = dict(FAST, **{"train.num_steps": 6, "train.stop_after": 3, "data.segmentation": "stream",
+                     "trime.memory": "long", "trime.consecutive_segments": 2, "trime.batching": "consecutive",
+                     "trime.batch_plan": plan_dir})
+
+  def write_plan(seed_shift=0):
+    cfg = tiny_config(str(text), **kw)
+    header, batches = consecutive.make_plan(corpora.load_splits(cfg.data).train, cfg, progress=False)
+    batch_plan.save(plan_dir, header, np.roll(batches, seed_shift, axis=0))
+
+  write_plan()
+  workdir = str(tmp_path / "w")
+  train.train_and_evaluate(tiny_config(str(text), **kw), workdir)
+  with open(os.path.join(workdir, "data.json")) as f:
+    recorded = json.load(f)
+  assert set(recorded) == {"train_fingerprint", "batch_plan_digest"} and recorded["batch_plan_digest"]
+  write_plan(seed_shift=1)  # the same corpus, its batches in another order
+  with pytest.raises(CheckpointError, match=r"was trained on other data \(batch_plan_digest: "):
+    train.train_and_evaluate(tiny_config(str(text), **kw), workdir)
+  assert train.train_and_evaluate(tiny_config(str(text), **kw, **{"train.allow_config_change": True}),
+                                  workdir)["step"] == 6  # told: goes on, and says so
+  with open(os.path.join(workdir, "config_changes.jsonl")) as f:
+    assert "batch_plan_digest" in f.read()
+  # Random batches (no plan to check the corpus against): the training split's fingerprint.
+  plain = dict(FAST, **{"train.num_steps": 6, "train.stop_after": 3})
+  workdir = str(tmp_path / "w_random")
+  train.train_and_evaluate(tiny_config(str(text), **plain), workdir)
+  data = bytearray(text.read_bytes())
+  data[:200] = data[:200][::-1]  # the corpus file rewritten in place
+  text.write_bytes(bytes(data))
+  with pytest.raises(CheckpointError, match=r"was trained on other data \(train_fingerprint: "):
+    train.train_and_evaluate(tiny_config(str(text), **plain), workdir)

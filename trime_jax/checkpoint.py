@@ -343,6 +343,49 @@ def _resume_problem(workdir: str, path: str, config, new: dict):
   return None, diff, blocking
 
 
+DATA_FILE = "data.json"  # <workdir>/data.json: what the run's batches are made of (check_resume_data)
+
+
+def check_resume_data(workdir: str, config, identity: dict) -> None:
+  """Compare `identity` (the training split's fingerprint, the batch plan's digest) with the run's
+  `<workdir>/data.json` when resuming, then write it. A difference is refused unless
+  train.allow_config_change (then appended to config_changes.jsonl): the config names the corpus and the plan by
+  path, and a file rewritten between two invocations would change the rest of the run without a word. A workdir
+  without data.json (an older version's) gets one now, unchecked. Process 0 decides; every process stops or none
+  does."""
+  path = os.path.join(workdir, DATA_FILE)
+  ckpts = os.path.join(workdir, "checkpoints")
+  problem, diff = None, {}
+  if jax.process_index() == 0:
+    resuming = os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts))
+    old = None
+    if resuming and os.path.exists(path):
+      try:
+        with open(path, encoding="utf-8") as f:
+          old = json.load(f)
+      except (OSError, ValueError, UnicodeDecodeError) as e:
+        problem = f"{path} cannot be read ({first_line(e)}): restore it or delete it to resume unchecked"
+    if isinstance(old, dict):
+      diff = {k: [old.get(k), v] for k, v in identity.items() if k in old and old[k] != v}
+    if diff and not config.train.get("allow_config_change", False):
+      shown = "; ".join(f"{k}: {a} there, {b} now" for k, (a, b) in diff.items())
+      problem = (f"workdir {workdir} was trained on other data ({shown}): the training split or the batch plan "
+                 "(trime.batch_plan) changed since the run started. Restore them, use another --workdir, or pass "
+                 "--config.train.allow_config_change=True to go on with these (recorded in config_changes.jsonl)")
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    if int(multihost_utils.broadcast_one_to_all(np.int32(problem is not None))) and problem is None:
+      problem = f"process 0 refused to resume workdir {workdir} (see its error line)"
+  if problem:
+    raise CheckpointError(problem)
+  if jax.process_index() == 0:
+    if diff:
+      with open(os.path.join(workdir, "config_changes.jsonl"), "a") as f:
+        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changes": diff, "allowed": True}) + "\n")
+    data.atomic_write_json(path, identity)
+
+
 def _num_steps_shapes_training(old: dict, config) -> str:
   """Why a new train.num_steps changes the updates a run makes, not only how many (the flat stored config `old`
   against `config`), or "" when it only extends or shortens the run: a cosine schedule's period is

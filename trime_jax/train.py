@@ -252,6 +252,10 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
     state["carry"] = steps.init_train_carry(model, train_cfg.batch_size, config.data.segment_len)
   state = jax.device_put(state, repl)
   task = LMTask(config, splits, graphdef, tx, spec, mesh)
+  # What the batches are made of: a resume must read the same training split and batch plan (config.json names
+  # only their paths; rewriting either between two invocations would silently change the rest of the run).
+  ckpt.check_resume_data(workdir, config, {"train_fingerprint": splits.train.fingerprint(),
+                                           "batch_plan_digest": task.source.plan.digest() if task.source.plan else None})
   n_params = count_params(params)
   _log(f"model: {n_params:,} parameters | vocab {len(vocab):,} | train tokens {len(splits.train):,} | "
        f"{len(task.source.segments):,} segments of {config.data.segment_len} | memory={spec.objective.memory} | "

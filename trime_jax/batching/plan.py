@@ -61,6 +61,15 @@ class BatchPlan:
     epoch, j = divmod(int(micro_index), self.num_batches)
     return np.asarray(self.batches[int(self.epoch_order(epoch)[j])])
 
+  def digest(self) -> str:
+    """SHA-256 (16 hex digits) of the header and every batch: what a resumed training compares."""
+    import hashlib
+
+    h = hashlib.sha256(json.dumps(self.header, sort_keys=True).encode())
+    for a in range(0, len(self.batches), 1 << 16):  # the memmap in pieces: no copy of a whole plan
+      h.update(np.ascontiguousarray(self.batches[a:a + (1 << 16)]).tobytes())
+    return h.hexdigest()[:16]
+
   def check(self, *, corpus_fingerprint: str, segment_len: int, segmentation: str, batch_size: int,
             consecutive_segments: int | None = None, kind: str | None = None, layout: str | None = None) -> None:
     """Clear errors when the plan was made for other data or another batch layout."""
