@@ -194,3 +194,40 @@ def test_a_resume_on_a_rewritten_corpus_or_batch_plan_is_refused(corpus, tmp_pat
   text.write_bytes(bytes(data))
   with pytest.raises(CheckpointError, match=r"was trained on other data \(train_fingerprint: "):
     train.train_and_evaluate(tiny_config(str(text), **plain), workdir)
+
+
+def test_a_best_measured_with_another_dev_protocol_is_measured_again_before_it_is_compared(corpus, tmp_path,
+                                                                                          monkeypatch):
+  """train.eval_max_tokens (and eval.*) may change on resume; the best so far was measured on another part of
+  dev, so the resumed run measures the exported best again under its own protocol before comparing with it."""
+  workdir = str(tmp_path / "w")
+  kw = dict(FAST, **{"train.num_steps": 8, "train.eval_every": 2, "train.stop_after": 4})
+  train.train_and_evaluate(tiny_config(corpus, **kw), workdir)
+  meta = exports.read_export_meta(os.path.join(workdir, "best"))
+  assert meta["dev_protocol"] == {"eval_max_tokens": 64, "block_len": 64, "context_window": 32}
+  calls, real = [], train.LMTask.evaluate_export
+
+  def remeasure(self, directory):
+    calls.append(directory)
+    got = real(self, directory)
+    calls.append(got)
+    return got
+
+  monkeypatch.setattr(train.LMTask, "evaluate_export", remeasure)
+  same = tiny_config(corpus, **dict(kw, **{"train.stop_after": 1}))
+  train.train_and_evaluate(same, workdir)  # the same protocol: nothing measured again
+  assert calls == []
+  other = tiny_config(corpus, **dict(kw, **{"train.stop_after": 1, "train.eval_max_tokens": 128}))
+  train.train_and_evaluate(other, workdir)
+  assert len(calls) == 2 and calls[0] == os.path.join(workdir, "best") and calls[1]["tokens"] == 128
+  # Update 6's dev (128 tokens) is compared with update 4's best remeasured on 128 tokens, not with its 64-token
+  # value: here it wins although it is above that value (without the remeasure best/ would have stayed at 4).
+  metric = "trime_local(tau=1)_ppl"
+  now = exports.read_export_meta(os.path.join(workdir, "best"))
+  assert now["step"] == 6 and now["dev_protocol"]["eval_max_tokens"] == 128
+  assert meta["dev_ppl"] < now["dev_ppl"] < calls[1][metric]
+  from trime_jax.runtime.best import BestKeeper
+
+  keep = lambda protocol: BestKeeper(os.path.join(workdir, "best"), True, metric, None, protocol=protocol,
+                                     remeasure=lambda d: {metric: 1234.5})
+  assert keep(now["dev_protocol"]).ppl == now["dev_ppl"] and keep(meta["dev_protocol"]).ppl == 1234.5

@@ -318,6 +318,14 @@ class LMTask(loop.Task):
                             max_tokens=train_cfg.eval_max_tokens).scores
     return {**{f"{x.name}_ppl": x.ppl for x in res}, "tokens": res[0].tokens}
 
+  def dev_protocol(self) -> dict:
+    e = self.config.eval
+    return {"eval_max_tokens": int(self.config.train.eval_max_tokens), "block_len": int(e.block_len),
+            "context_window": int(e.context_window)}
+
+  def evaluate_export(self, directory: str) -> dict:
+    return self.evaluate(0, exports.load_export(directory)[1])
+
   def describe_eval(self, dev: dict) -> str:
     return " | ".join(f"{k[:-4]} ppl {v:.3f}" for k, v in dev.items() if k.endswith("_ppl")) + \
         f" ({dev['tokens']:,} tokens)"

@@ -296,6 +296,12 @@ class MTTask(loop.Task):
     return evaluate(self.graphdef, params, self.valid_pairs, self.config, self.spec,
                     max_pairs=int(self.config.train.eval_max_pairs))
 
+  def dev_protocol(self) -> dict:
+    return {"eval_max_pairs": int(self.config.train.eval_max_pairs)}
+
+  def evaluate_export(self, directory: str) -> dict:
+    return self.evaluate(0, mt_export.load_mt_export(directory)[1])
+
   def describe_eval(self, dev: dict) -> str:
     return " | ".join(f"{k} {v:.3f}" for k, v in dev.items() if k.endswith(("_nll", "_ppl"))) + \
         f" ({dev['tokens']:,} target tokens, {dev['pairs']:,} pairs)"

@@ -18,19 +18,33 @@ class BestKeeper:
   far is read back from meta.json, so a resumed run keeps comparing against it; runs are deterministic, so a best
   written past the resumed checkpoint is the state the resumed run reaches again."""
 
-  def __init__(self, directory: str, enabled: bool, metric: str, export):
+  def __init__(self, directory: str, enabled: bool, metric: str, export, *, protocol: dict | None = None,
+               remeasure=None):
+    """`protocol`: the settings the dev perplexity depends on (how much of dev, which windows), recorded beside
+    the best. A resumed run may change them (they do not change training), and a best measured otherwise does
+    not compare: `remeasure(directory)` (the task's dev evaluation of the exported best parameters) measures it
+    again under this run's protocol, said in one line."""
     self.directory, self.enabled, self.metric, self.export = directory, enabled, metric, export
+    self.protocol = dict(protocol or {})
     self.ppl = math.inf
     meta = os.path.join(directory, "meta.json")
     if enabled and os.path.exists(meta):
       with open(meta) as f:
-        self.ppl = float(json.load(f).get("dev_ppl", math.inf))
+        stored = json.load(f)
+      self.ppl = float(stored.get("dev_ppl", math.inf))
+      before = stored.get("dev_protocol")
+      if before is not None and self.protocol and before != self.protocol and remeasure is not None:
+        again = float(remeasure(directory).get(metric, math.nan))
+        logging.info("best dev %s of update %s was measured with %s; with this run's %s it is %.4f (was %.4f)",
+                     metric, stored.get("step"), before, self.protocol, again, self.ppl)
+        self.ppl = again if math.isfinite(again) else math.inf
 
   def update(self, step: int, params, dev: dict) -> None:
     ppl = dev.get(self.metric, math.nan)
     if not (self.enabled and ppl < self.ppl):  # NaN never wins
       return
-    self.export(self.directory, host_copy(params), {"step": step, "best_metric": self.metric, "dev_ppl": ppl})
+    self.export(self.directory, host_copy(params), {"step": step, "best_metric": self.metric, "dev_ppl": ppl,
+                                                    "dev_protocol": self.protocol})
     self.ppl = ppl
     logging.info("best dev %s %.4f at update %d: exported to %s", self.metric, ppl, step, self.directory)
 

@@ -56,6 +56,15 @@ class Task:
     applied; a train line's `skipped` counts them since the line before). Cache it: the loop asks for it every update."""
     raise NotImplementedError
 
+  def dev_protocol(self) -> dict:
+    """The settings `evaluate`'s numbers depend on beyond the parameters (how much of dev, which windows): a
+    best recorded under others is measured again (`evaluate_export`) before it is compared."""
+    return {}
+
+  def evaluate_export(self, directory: str) -> dict:
+    """`evaluate` of the parameters exported to `directory` (the best so far)."""
+    raise NotImplementedError
+
   def batch(self, step: int) -> dict:
     """The batch of update `step`: a function of `step` only, so a resumed run continues exactly."""
     raise NotImplementedError
@@ -161,7 +170,8 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
     state = restored
     log(f"resumed from step {restored_step} ({mgr.directory})")
   state = place(state)
-  best = BestKeeper(os.path.abspath(os.path.join(workdir, "best")), spec.keep_best, task.best_metric, task.export)
+  best = BestKeeper(os.path.abspath(os.path.join(workdir, "best")), spec.keep_best, task.best_metric, task.export,
+                    protocol=task.dev_protocol(), remeasure=task.evaluate_export)
   split = task.eval_split
   start = int(state["step"])
   stop = spec.total if not spec.stop_after else min(spec.total, start + spec.stop_after)
