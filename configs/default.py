@@ -149,7 +149,7 @@ def get_config():
   e.tau = 1.0  # τ on memory similarities g·g_j/√D at test time (every TRIME family: local, long-term, external)
   e.cache_lambda = 0.1  # λ of the continuous cache: (1-λ)·p_LM + λ·p_cache
   e.cache_theta = 1.0  # θ of the continuous cache: p_cache ∝ Σ exp(θ · g·g_j / √D)
-  e.tune = False  # grid-search τ (local) or λ, θ (cache) on this split and report the best
+  e.tune = False  # grid-search τ (local) or λ, θ (cache) on dev, then score eval.split at the best point
   e.max_tokens = 0  # score only the first max_tokens targets (0 = the whole split)
   e.tune_max_tokens = 0  # eval.tune on the first N dev targets only (0 = as eval.max_tokens): tuning a few
   #   parameters needs less text than reporting, and with a 16M-key datastore every dev token costs a search

@@ -7,7 +7,8 @@
 The model and vocabulary come from the checkpoint; `--config` supplies the data and the `eval` section.
 With eval.tune the parameters are grid-searched on dev (split=dev: every grid point is a row, the best one
 marked; otherwise the best point is applied to eval.split). `--mem_sizes` sweeps the long-term memory size in
-one run (tokens before the window, as eval.mem_size: the original's --mem-size = this + context_window,
+one run (as eval.mem_size: with the default eval.long_term_layout='original' this is the original's --mem-size;
+with 'disjoint' it counts the tokens before the window, the original's --mem-size = this + context_window;
 docs/long_memory.md). `--include` adds the rows of earlier `--output` files to the summary table and to the
 `--plot` (perplexity vs memory size); without `--checkpoint` it only summarises and plots them.
 """
@@ -25,7 +26,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + e
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
 _OUTPUT = flags.DEFINE_string("output", "", "Optional JSON file for the results.")
 _MEM_SIZES = flags.DEFINE_list("mem_sizes", [], "Long-term memory sizes to sweep (overrides eval.mem_size): "
-                                "tokens before the window (the original's --mem-size = this + context_window).")
+                                "the original's --mem-size with eval.long_term_layout='original' (the default); "
+                                "with 'disjoint', tokens before the window (--mem-size = this + context_window).")
 _LABEL = flags.DEFINE_string("label", "", "Model name in the rows, summary table and plot.")
 _INCLUDE = flags.DEFINE_list("include", [], "Earlier --output JSON files to add to the summary and plot.")
 _ALLOW_OVERLAP = flags.DEFINE_bool("allow_split_overlap", False, "Evaluate although the data section draws the "

@@ -169,3 +169,18 @@ def test_progress_log_prints_plain_lines_with_rate_and_eta(capsys):
     log.step(done)
   lines = capsys.readouterr().err.splitlines()
   assert len(lines) == 4 and "steps/s, ETA" in lines[1] and "ETA" not in lines[3]
+
+
+def test_tuning_never_picks_a_nan_point():
+  """A diverged grid point (NaN nll) first in its group is replaced by any finite one, in `tune` and in the
+  sweep's table (found by a review: NaN < x is always False, so a NaN first point stayed)."""
+  import types
+
+  from trime_jax import sweep
+  from trime_jax.evaluate.points import tune
+
+  pts = [evaluate.Point("trime_local", tau=t) for t in (0.5, 1.0, 2.0)]
+  scores = [types.SimpleNamespace(point=p, nll=v) for p, v in zip(pts, (float("nan"), 3.0, 2.5))]
+  assert tune(types.SimpleNamespace(scores=scores))[pts[0].group].nll == 2.5
+  rows = [{"model": "m", "family": "trime_local", "mem_size": 0, "nll": v} for v in (float("nan"), 3.0, 2.5)]
+  assert sweep.sweep_best(rows)[("m", "trime_local")][0]["nll"] == 2.5

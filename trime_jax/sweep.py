@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trime_jax import evaluate
+from trime_jax.evaluate.points import _below
 
 FAMILY_NAMES = {"none": "none", "trime_local": "TRIME (local + long-term)", "cache": "continuous cache",
                 "trime": "TRIME (local + long-term + external)", "interp": "TRIME + interpolation",
@@ -19,7 +20,7 @@ def sweep_best(rows: list[dict]) -> dict:
       continue
     cell = best.setdefault((r.get("model", ""), fam), {})
     mem = r.get("mem_size", 0)
-    if mem not in cell or r["nll"] < cell[mem]["nll"]:
+    if mem not in cell or _below(float(r["nll"]), float(cell[mem]["nll"])):  # NaN never wins
       cell[mem] = r
   return best
 

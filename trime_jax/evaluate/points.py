@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import jax.numpy as jnp
 
@@ -217,11 +218,16 @@ def point_nlls(stats, targets, local_blocks, ext_block, points):
 # ----------------------------------------------------------------------------------------------------------
 # The one tuner.
 # ----------------------------------------------------------------------------------------------------------
+def _below(nll: float, best: float) -> bool:
+  """nll < best, where NaN counts as +inf: a NaN first point is replaced by any finite one."""
+  return not math.isnan(nll) and (math.isnan(best) or nll < best)
+
+
 def tune(result) -> dict:
   """{group: Score} of the lowest-nll point of each group (family; `interp`: each P′ memory) of an `EvalResult`;
-  the first of equal ones."""
+  the first of equal ones. A non-finite nll (a diverged point) never wins over a finite one."""
   best = {}
   for s in result.scores:
-    if s.point.group not in best or s.nll < best[s.point.group].nll:
+    if s.point.group not in best or _below(s.nll, best[s.point.group].nll):
       best[s.point.group] = s
   return best
