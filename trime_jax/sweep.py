@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
 from trime_jax import evaluate
-from trime_jax.evaluate.points import _below
 
 FAMILY_NAMES = {"none": "none", "trime_local": "TRIME (local + long-term)", "cache": "continuous cache",
                 "trime": "TRIME (local + long-term + external)", "interp": "TRIME + interpolation",
@@ -20,7 +21,8 @@ def sweep_best(rows: list[dict]) -> dict:
       continue
     cell = best.setdefault((r.get("model", ""), fam), {})
     mem = r.get("mem_size", 0)
-    if mem not in cell or _below(float(r["nll"]), float(cell[mem]["nll"])):  # NaN never wins
+    new, old = float(r["nll"]), float(cell[mem]["nll"]) if mem in cell else math.nan
+    if mem not in cell or (not math.isnan(new) and (math.isnan(old) or new < old)):  # NaN never wins
       cell[mem] = r
   return best
 
