@@ -188,7 +188,7 @@ def test_consecutive_gpus_is_checked_with_the_batching_it_describes():
           "train.batch_size": 2, "trime.batching": "consecutive", "trime.batch_plan": "p"}
   cases = [({"train.grad_accum": 3, "trime.consecutive_gpus": 2}, "must be >= 1 and divide train.grad_accum=3"),
            ({"train.grad_accum": 2, "trime.consecutive_gpus": 2, "trime.consecutive_layout": "packed"},
-            "needs trime.batching='consecutive' and trime.consecutive_layout='stream'"),
+            "needs trime.consecutive_layout='stream', got 'packed'"),
            ({"train.grad_accum": 2, "trime.consecutive_gpus": 2, "model.backbone": "srupp"},
             "a stateful backbone")]
   for kw, message in cases:

@@ -278,21 +278,11 @@ def check_resume_config(workdir: str, config: ml_collections.ConfigDict, *, writ
   written. `write=False` checks only (nothing on disk changes); call again with write=True when the run starts."""
   path = os.path.join(workdir, "config.json")
   new = json.loads(config.to_json_best_effort())
-  # Multi-process: process 0 decides (hosts may differ in host-local fields such as data.path) and tells the
-  # others, so that every process stops or none does.
   problem, diff, blocking = _resume_problem(workdir, path, config, new) if jax.process_index() == 0 else (None, {}, [])
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-
-    if int(multihost_utils.broadcast_one_to_all(np.int32(problem is not None))) and problem is None:
-      problem = f"process 0 refused to resume workdir {workdir} (see its error line)"
-  if problem:
-    raise CheckpointError(problem)
+  _raise_on_every_process(problem, workdir)
   if write and jax.process_index() == 0:
     if diff:
-      with open(os.path.join(workdir, "config_changes.jsonl"), "a") as f:
-        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changes": diff,
-                            "allowed": bool(blocking)}) + "\n")
+      _record_changes(workdir, diff, allowed=bool(blocking))
       print(f"config changes recorded in {os.path.join(workdir, 'config_changes.jsonl')}: "
             + ", ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in diff.items()), flush=True)
     data.atomic_write_json(path, new)
@@ -301,8 +291,7 @@ def check_resume_config(workdir: str, config: ml_collections.ConfigDict, *, writ
 def _resume_problem(workdir: str, path: str, config, new: dict):
   """check_resume_config's comparison on process 0: (the error message or None, the differences, the blocking
   ones)."""
-  ckpts = os.path.join(workdir, "checkpoints")
-  resuming = os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts))
+  resuming = _has_checkpoints(workdir)
   # A run that stopped after a dev evaluation but before its first checkpoint leaves best/ (train.keep_best),
   # and the next run in the workdir compares its dev perplexities with that best: it continues that run's
   # record, so it must be the same run (a rerun of the same command is; runs are deterministic).
@@ -354,12 +343,10 @@ def check_resume_data(workdir: str, config, identity: dict) -> None:
   without data.json (an older version's) gets one now, unchecked. Process 0 decides; every process stops or none
   does."""
   path = os.path.join(workdir, DATA_FILE)
-  ckpts = os.path.join(workdir, "checkpoints")
   problem, diff = None, {}
   if jax.process_index() == 0:
-    resuming = os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts))
     old = None
-    if resuming and os.path.exists(path):
+    if _has_checkpoints(workdir) and os.path.exists(path):
       try:
         with open(path, encoding="utf-8") as f:
           old = json.load(f)
@@ -372,6 +359,20 @@ def check_resume_data(workdir: str, config, identity: dict) -> None:
       problem = (f"workdir {workdir} was trained on other data ({shown}): the training split or the batch plan "
                  "(trime.batch_plan) changed since the run started. Restore them, use another --workdir, or pass "
                  "--config.train.allow_config_change=True to go on with these (recorded in config_changes.jsonl)")
+  _raise_on_every_process(problem, workdir)
+  if jax.process_index() == 0:
+    if diff:
+      _record_changes(workdir, diff, allowed=True)
+    data.atomic_write_json(path, identity)
+
+
+def _has_checkpoints(workdir: str) -> bool:
+  """A complete checkpoint step exists: the run resumes rather than starts."""
+  return bool(workdir_files.step_dirs(os.path.join(workdir, workdir_files.CHECKPOINTS)))
+
+
+def _raise_on_every_process(problem, workdir: str) -> None:
+  """Process 0 decided (hosts may differ in host-local fields such as data.path); every process stops or none."""
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
 
@@ -379,11 +380,11 @@ def check_resume_data(workdir: str, config, identity: dict) -> None:
       problem = f"process 0 refused to resume workdir {workdir} (see its error line)"
   if problem:
     raise CheckpointError(problem)
-  if jax.process_index() == 0:
-    if diff:
-      with open(os.path.join(workdir, "config_changes.jsonl"), "a") as f:
-        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changes": diff, "allowed": True}) + "\n")
-    data.atomic_write_json(path, identity)
+
+
+def _record_changes(workdir: str, diff: dict, allowed: bool) -> None:
+  with open(os.path.join(workdir, "config_changes.jsonl"), "a") as f:
+    f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changes": diff, "allowed": allowed}) + "\n")
 
 
 def _num_steps_shapes_training(old: dict, config) -> str:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 from trime_jax import evaluate
 
 FAMILY_NAMES = {"none": "none", "trime_local": "TRIME (local + long-term)", "cache": "continuous cache",
@@ -21,8 +19,7 @@ def sweep_best(rows: list[dict]) -> dict:
       continue
     cell = best.setdefault((r.get("model", ""), fam), {})
     mem = r.get("mem_size", 0)
-    new, old = float(r["nll"]), float(cell[mem]["nll"]) if mem in cell else math.nan
-    if mem not in cell or (not math.isnan(new) and (math.isnan(old) or new < old)):  # NaN never wins
+    if mem not in cell or evaluate.nll_improves(float(r["nll"]), float(cell[mem]["nll"])):  # NaN never wins
       cell[mem] = r
   return best
 

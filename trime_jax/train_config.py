@@ -9,6 +9,7 @@ import math
 import jax
 
 from trime_jax import corpora
+from trime_jax.batching import consecutive
 from trime_jax import data
 from trime_jax import evaluate
 from trime_jax import flash_attention
@@ -57,13 +58,10 @@ def validate_config(config) -> None:
                       f"trime.batching='consecutive' (a plan from launch/make_batches.py --kind=consecutive), "
                       f"got {t.batching!r}")
   gpus = int(t.get("consecutive_gpus", 1))
-  if gpus < 1 or train_cfg.grad_accum % gpus:
-    raise ConfigError(f"trime.consecutive_gpus={gpus} must be >= 1 and divide train.grad_accum="
-                      f"{train_cfg.grad_accum} (the GPUs an update's micro-batches stand for)")
-  if gpus > 1 and (t.batching != "consecutive" or t.consecutive_layout != "stream"):
+  consecutive.check_gpus(gpus, int(train_cfg.grad_accum), t.consecutive_layout)
+  if gpus > 1 and t.batching != "consecutive":
     raise ConfigError(f"trime.consecutive_gpus={gpus} shards the stream as the original's GPUs read it: it needs "
-                      f"trime.batching='consecutive' and trime.consecutive_layout='stream', got {t.batching!r} / "
-                      f"{t.consecutive_layout!r}")
+                      f"trime.batching='consecutive', got {t.batching!r}")
   if gpus > 1 and config.model.get("backbone", "transformer") == "srupp":
     raise ConfigError(f"trime.consecutive_gpus={gpus}: a stateful backbone (SRU++) carries its state from one "
                       "micro-batch to the next, which this order would cut at every GPU; keep it at 1")

@@ -84,6 +84,17 @@ def real_token_fraction(segments: data.Segments, batches_NxB: np.ndarray) -> flo
   return real / (rows.size * segments.seg_len)
 
 
+def check_gpus(gpus: int, accum: int, layout: str) -> None:
+  """trime.consecutive_gpus: G >= 1 GPUs sharing an update's `accum` micro-batches, F = accum / G each, in the
+  stream layout only (the original's --keep-order)."""
+  if gpus < 1 or accum % gpus:
+    raise ConfigError(f"trime.consecutive_gpus={gpus} must be >= 1 and divide train.grad_accum={accum} (the GPUs "
+                      "an update's micro-batches stand for)")
+  if gpus > 1 and layout != "stream":
+    raise ConfigError(f"trime.consecutive_gpus={gpus} shards the stream as the original's GPUs read it: it needs "
+                      f"trime.consecutive_layout='stream', got {layout!r}")
+
+
 def make_plan(corpus: data.Corpus, config, *, progress: bool = True):
   """(header, batches [num_batches, B]) for `launch/make_batches.py --kind=consecutive` (one epoch).
 
@@ -104,11 +115,7 @@ def make_plan(corpus: data.Corpus, config, *, progress: bool = True):
   runs = stream_runs(len(segments), m)
   b = b_rows // m
   gpus, accum = int(t.get("consecutive_gpus", 1)), int(r.grad_accum)
-  if gpus < 1 or accum % gpus:
-    raise ConfigError(f"trime.consecutive_gpus={gpus} must be >= 1 and divide train.grad_accum={accum}")
-  if gpus > 1 and layout != "stream":
-    raise ConfigError(f"trime.consecutive_gpus={gpus} shards the stream as the original's GPUs read it: it needs "
-                      f"trime.consecutive_layout='stream', got {layout!r}")
+  check_gpus(gpus, accum, layout)
   if layout == "stream" and gpus == 1:
     batches = stream_batches(runs, b)
     description = (f"stream: the {len(runs)} runs of {m} consecutive stream segments split into {b} contiguous "

@@ -218,7 +218,7 @@ def point_nlls(stats, targets, local_blocks, ext_block, points):
 # ----------------------------------------------------------------------------------------------------------
 # The one tuner.
 # ----------------------------------------------------------------------------------------------------------
-def _below(nll: float, best: float) -> bool:
+def nll_improves(nll: float, best: float) -> bool:
   """nll < best, where NaN counts as +inf: a NaN first point is replaced by any finite one."""
   return not math.isnan(nll) and (math.isnan(best) or nll < best)
 
@@ -228,6 +228,6 @@ def tune(result) -> dict:
   the first of equal ones. A non-finite nll (a diverged point) never wins over a finite one."""
   best = {}
   for s in result.scores:
-    if s.point.group not in best or _below(s.nll, best[s.point.group].nll):
+    if s.point.group not in best or nll_improves(s.nll, best[s.point.group].nll):
       best[s.point.group] = s
   return best
