@@ -126,6 +126,9 @@ def test_overlapped_search_scores_what_the_sequential_driver_scores(setup):
   np.testing.assert_array_equal(over.token_nll, seq.token_nll)
   np.testing.assert_array_equal(over.retrieval_hits, seq.retrieval_hits)
   assert over.tokens == seq.tokens == len(s["dev"]) and np.isfinite(over.token_nll).all()
+  # A top-8 search reports the ranks it can tell apart: no "top64" / "top1024" that would count the top 8.
+  acc = seq.retrieval_accuracy()
+  assert list(acc) == ["top1", "top8"] and 0 < acc["top1"] <= acc["top8"] <= 1
 
   # A stream started from the state its first windows left (evaluate(start=)) scores the rest as one pass does
   prefix = 2 * BLOCK
@@ -293,6 +296,13 @@ def test_both_interpolation_memories_with_top_k_and_long_term_memory_equal_brute
   short = evaluate.evaluate(s["graphdef"], s["params"], s["dev"], interp, block_len=BLOCK, context_window=CTX,
                             streams=2, external=ext)
   assert short.scores[1].nll != pytest.approx(got["interp_all"], rel=1e-4)
+
+
+def test_retrieval_ranks_are_those_a_top_k_search_tells_apart():
+  assert knn.retrieval_ks(1024) == knn.retrieval_ks(50_000) == knn.RETRIEVAL_KS == (1, 8, 64, 1024)
+  assert knn.retrieval_ks(100) == (1, 8, 64, 100) and knn.retrieval_ks(8) == (1, 8) and knn.retrieval_ks(1) == (1,)
+  hits = knn.retrieval_hits(np.array([[3, 5, 7], [1, 2, 9]]), np.array([7, 4]), knn.retrieval_ks(3))
+  np.testing.assert_array_equal(hits, [0, 1])  # (1, 3): the first query's target is third, the second's absent
 
 
 def test_interp_memory_config():

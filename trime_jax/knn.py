@@ -25,6 +25,12 @@ from trime_jax.errors import CheckpointError, ConfigError
 logger = logging.getLogger(__name__)
 
 RETRIEVAL_KS = (1, 8, 64, 1024)
+
+
+def retrieval_ks(k: int) -> tuple:
+  """The ranks of RETRIEVAL_KS that a top-`k` search can tell apart: those below `k`, then `k` itself. With
+  k = 100 a "top1024" would count the top 100 under another name, so it becomes "top100"."""
+  return tuple(sorted({min(r, int(k)) for r in RETRIEVAL_KS}))
 # Frequency buckets of the paper's Table "bucket_ppl": occurrences of the target word in the training split.
 FREQ_BUCKETS = ((10_000, None, ">10k"), (1_000, 10_000, "1k-10k"), (100, 1_000, "100-1k"), (10, 100, "10-100"),
                 (None, 10, "<=10"))

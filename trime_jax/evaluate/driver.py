@@ -143,7 +143,7 @@ class EvalResult:
   scores: list  # [Score] per point, in the order given
   bucket_nll: np.ndarray  # [P, n_buckets] mean nll per frequency bucket (nan where a bucket is empty)
   bucket_tokens: np.ndarray  # [n_buckets]
-  retrieval_hits: np.ndarray | None  # [len(knn.RETRIEVAL_KS)] scored tokens whose target is in the top-k next
+  retrieval_hits: np.ndarray | None  # [len(retrieval_ks)] scored tokens whose target is in the top-k next
   #   tokens (None: exact on-device memory, no ranking)
   seconds: float
   search_seconds: float
@@ -152,6 +152,7 @@ class EvalResult:
   #   implementation token by token
   state: StreamState | None = None  # `evaluate(..., keep_state_before=...)`: where a later evaluation can start
   started_at: int = 0  # windows not run because `evaluate(..., start=...)` held their state (0: from the start)
+  retrieval_ks: tuple = knn.RETRIEVAL_KS  # the k of each retrieval_hits entry: knn.retrieval_ks(K) of the search
 
   @property
   def tokens(self) -> int:
@@ -160,7 +161,7 @@ class EvalResult:
   def retrieval_accuracy(self) -> dict:
     if self.retrieval_hits is None:
       return {}
-    return {f"top{k}": float(h) / max(self.tokens, 1) for k, h in zip(knn.RETRIEVAL_KS, self.retrieval_hits)}
+    return {f"top{k}": float(h) / max(self.tokens, 1) for k, h in zip(self.retrieval_ks, self.retrieval_hits)}
 
 
 class ProgressLog:
@@ -268,10 +269,11 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   totals = np.zeros(len(points))
   bucket_totals = np.zeros((len(points), n_buckets))
   bucket_counts = np.zeros(n_buckets)
-  hits = np.zeros(len(knn.RETRIEVAL_KS), np.int64)
   token_nll = np.full((len(points), plan.num_targets), np.nan, np.float32) if per_token else None
   search_s0 = external.search_seconds if external is not None else 0.0
   on_device = isinstance(external, exact_memory.DeviceDatastore)
+  ks = knn.retrieval_ks(external.k) if external is not None and not on_device else knn.RETRIEVAL_KS
+  hits = np.zeros(len(ks), np.int64)
   # Every key on the devices: the "search" is device work the host waits for, so an early forward pass would
   # only be counted in its time (search_seconds); the steps keep their order there.
   overlap_search = overlap_search and not on_device
@@ -310,7 +312,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
       if scored.any():  # one search per scored token; warm-up windows only fill the store
         got = external.retrieve(np.asarray(q_keys)[scored])
         ext_sim[scored], ext_targets[scored] = got.sim, got.targets
-        hits += knn.retrieval_hits(got.targets, q_targets_np[scored])
+        hits += knn.retrieval_hits(got.targets, q_targets_np[scored], ks)
     bucket_q = buckets[np.maximum(q_targets_np, 0)]
     sums, bucket_sums, bucket_count, store, step_nll, step_pos = score_step(
         store, keys, batch["targets"], q_keys, q_stats, q_targets, qpos, batch, ext_sim, ext_targets, bucket_q,
@@ -337,4 +339,4 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
     bucket_nll = np.where(bucket_counts > 0, bucket_totals / bucket_counts, np.nan)
   search = (external.search_seconds - search_s0) if external is not None else 0.0
   return EvalResult(scores, bucket_nll, bucket_counts, None if on_device else hits, seconds, search, token_nll,
-                    state, first)
+                    state, first, ks)
