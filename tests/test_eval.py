@@ -184,3 +184,26 @@ def test_tuning_never_picks_a_nan_point():
   assert tune(types.SimpleNamespace(scores=scores))[pts[0].group].nll == 2.5
   rows = [{"model": "m", "family": "trime_local", "mem_size": 0, "nll": v} for v in (float("nan"), 3.0, 2.5)]
   assert sweep.sweep_best(rows)[("m", "trime_local")][0]["nll"] == 2.5
+
+
+def test_the_sweep_keeps_other_splits_layouts_and_interpolation_memories_apart():
+  """Rows merged with --include (a dev file beside a test file, a store per document beside one across
+  documents) and interpolation over the two P′ memories are other measurements: never one cell's candidates
+  (found by a review: the lowest nll won, so a dev number could stand in a test column)."""
+  from trime_jax import sweep
+
+  row = lambda split, reset, nll, **kw: {"model": "m", "family": "trime_local", "mem_size": 16, "split": split,
+                                         "long_term_layout": "original", "reset_at_documents": reset, "nll": nll,
+                                         "ppl": 2.0 ** nll, **kw}
+  rows = [row("test", False, 3.0), row("dev", False, 2.0), row("test", True, 2.5)]
+  best = sweep.sweep_best(rows)
+  assert {k: v[16]["nll"] for k, v in best.items()} == {
+      ("m [test, store across documents]", "trime_local"): 3.0, ("m [dev, store across documents]", "trime_local"): 2.0,
+      ("m [test, store per document]", "trime_local"): 2.5}
+  assert list(sweep.sweep_best(rows[:1])) == [("m", "trime_local")]  # one of each: the model's name alone
+  interp = [row("test", False, 3.0, family="interp", interp_memory="external"),
+            row("test", False, 2.0, family="interp", interp_memory="all")]
+  assert {k[1]: v[16]["nll"] for k, v in sweep.sweep_best(interp).items()} == {"interp[external]": 3.0,
+                                                                              "interp[all]": 2.0}
+  table = sweep.sweep_table(interp)
+  assert "(P′ over external) | 8.000" in table and "(P′ over all) | 4.000" in table

@@ -9,19 +9,49 @@ FAMILY_NAMES = {"none": "none", "trime_local": "TRIME (local + long-term)", "cac
                 "knnlm": "kNN-LM", "knnlm_cache": "kNN-LM + continuous cache"}
 
 
-def sweep_best(rows: list[dict]) -> dict:
-  """{(model, family): {mem_size: best row}}: the lowest nll per memory size (τ or λ, θ tuned on the rows'
-  split); the vanilla softmax ("none") is taken once per model, at memory size 0."""
-  best = {}
+# What sets a row's series apart besides its model and memory family: rows of another split, store layout or
+# document setting (rows merged with --include) are other measurements, never candidates for the same cell.
+_SERIES_FIELDS = ("split", "long_term_layout", "reset_at_documents")
+_SERIES_TEXT = {"long_term_layout": lambda v: f"{v} layout",
+                "reset_at_documents": lambda v: "store per document" if v else "store across documents"}
+
+
+def _group(row: dict) -> str:
+  """The row's memory family; interpolation's two P′ memories are two families (as evaluate.Point.group)."""
+  fam = row.get("family", "none")
+  return f"interp[{row['interp_memory']}]" if fam == "interp" and row.get("interp_memory") else fam
+
+
+def _series_names(rows: list[dict]) -> list[str]:
+  """Each row's series: its model, with the _SERIES_FIELDS values that differ among `rows` in brackets."""
+  varying = [f for f in _SERIES_FIELDS if len({r.get(f) for r in rows}) > 1]
+  names = []
   for r in rows:
-    fam = r.get("family", "none")
+    tags = [_SERIES_TEXT.get(f, str)(r.get(f)) for f in varying if r.get(f) is not None]
+    names.append(r.get("model", "") + (f" [{', '.join(tags)}]" if tags else ""))
+  return names
+
+
+def sweep_best(rows: list[dict]) -> dict:
+  """{(series, family): {mem_size: best row}}: the lowest nll per memory size (τ or λ, θ tuned on the rows'
+  split); the vanilla softmax ("none") is taken once per series, at memory size 0. A series is a model, told
+  apart by split, store layout and document setting where the rows hold more than one (_series_names)."""
+  best = {}
+  for r, series in zip(rows, _series_names(rows)):
+    fam = _group(r)
     if fam == "none" and r.get("mem_size", 0):
       continue
-    cell = best.setdefault((r.get("model", ""), fam), {})
+    cell = best.setdefault((series, fam), {})
     mem = r.get("mem_size", 0)
     if mem not in cell or evaluate.nll_improves(float(r["nll"]), float(cell[mem]["nll"])):  # NaN never wins
       cell[mem] = r
   return best
+
+
+def _family_name(group: str) -> str:
+  if group.startswith("interp["):
+    return f"{FAMILY_NAMES['interp']} (P′ over {group[len('interp['):-1]})"
+  return FAMILY_NAMES.get(group, group)
 
 
 # Rows written before evaluate.Point's fields were named as the eval config's (cache_lambda, cache_theta,
@@ -49,7 +79,7 @@ def sweep_table(rows: list[dict]) -> str:
     for m in sizes:
       r = cells.get(m)
       vals.append("" if r is None else f"{r[metric]:.3f}" + (f" ({_params_text(r)})" if fam != "none" else ""))
-    lines.append(f"| {model} | {FAMILY_NAMES.get(fam, fam)} | " + " | ".join(vals) + " |")
+    lines.append(f"| {model} | {_family_name(fam)} | " + " | ".join(vals) + " |")
   return "\n".join(lines)
 
 
@@ -75,7 +105,7 @@ def plot_sweep(rows: list[dict], path: str, title: str = "") -> str:
       ax.axhline(cells[0][metric], ls=":", lw=1, color=color, label=f"{prefix}no memory")
       continue
     ms = sorted(cells)
-    ax.plot([x[m] for m in ms], [cells[m][metric] for m in ms], color=color, label=prefix + FAMILY_NAMES.get(fam, fam),
+    ax.plot([x[m] for m in ms], [cells[m][metric] for m in ms], color=color, label=prefix + _family_name(fam),
             **style.get(fam, {}))
   ax.set_xticks(range(len(sizes)), [f"{m:,}" for m in sizes])
   ax.set_xlabel(evaluate.mem_size_axis_label(rows))

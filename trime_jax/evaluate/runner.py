@@ -47,12 +47,12 @@ def store_spec(e, mem_size: int) -> StoreSpec:
   return StoreSpec(mem_size, bool(e.reset_at_documents), str(e.long_term_layout))
 
 
-def _rows(result: EvalResult, *, split: str, mem_size: int, layout: str, best: dict | None, dev_best: dict | None,
+def _rows(result: EvalResult, *, split: str, long_term: StoreSpec, best: dict | None, dev_best: dict | None,
           label: str) -> list[dict]:
   rows = []
   for s in result.scores:
-    row = {**s.as_dict(), "family": s.point.family, "params": s.point.params, "mem_size": mem_size,
-           "long_term_layout": layout, "split": split,
+    row = {**s.as_dict(), "family": s.point.family, "params": s.point.params, "mem_size": long_term.mem_size,
+           "long_term_layout": long_term.layout, "reset_at_documents": long_term.reset_at_documents, "split": split,
            f"{split}_ppl": s.ppl}
     if s.point.family == "interp":
       row["interp_memory"] = s.point.interp_memory  # "external" (the original's P′) or "all" (the paper's text)
@@ -140,7 +140,7 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
         best = {s.point.group: s for s in result.scores}
     else:
       result = run(splits.get(e.split), points, long_term=long_term)
-    out["rows"] += _rows(result, split=e.split, mem_size=mem_size, layout=long_term.layout, best=best, dev_best=dev_best, label=label)
+    out["rows"] += _rows(result, split=e.split, long_term=long_term, best=best, dev_best=dev_best, label=label)
   if external_memory:  # of the last memory size
     out["retrieval_accuracy"] = result.retrieval_accuracy()
     out["search_seconds"], out["seconds"] = result.search_seconds, result.seconds
