@@ -252,6 +252,13 @@ def test_backbone_switch_trains_and_evaluates_srupp_long(tmp_path):
   overlapped = evaluate.evaluate(graphdef, params, splits.dev, (evaluate.NONE,), block_len=32, context_window=0,
                                  streams=1, max_tokens=192, overlap_search=True).scores[0]
   assert overlapped.nll == windowed.nll
+  # Two streams: the second starts afresh at its first window (no long-term store, no warm-up), so its windows
+  # score otherwise than in one stream, where they continue the carry (evaluate's docstring; a Transformer's
+  # numbers would not move, tests/test_eval.py)
+  one, two = (evaluate.evaluate(graphdef, params, splits.dev, (evaluate.NONE,), block_len=32, context_window=0,
+                                streams=n, max_tokens=192, per_token=True).token_nll[0] for n in (1, 2))
+  np.testing.assert_allclose(two[:96], one[:96], rtol=1e-6)  # the first stream: windows 0-2 as in one stream
+  assert np.abs(two[96:128] - one[96:128]).max() > 1e-3  # window 3: a fresh carry instead of windows 0-2's
   # ... and a stream started from the state (store and carry) after its first two windows scores the rest alike
   run = lambda **kw: evaluate.evaluate(graphdef, params, splits.dev, (evaluate.NONE,), block_len=32, context_window=0,
                                        streams=1, max_tokens=192, per_token=True, **kw)

@@ -198,7 +198,10 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   """Score `corpus` under every point in one pass: `streams` parallel streams, each with a long-term store of
   `long_term.mem_size` tokens, plus one top-K search per scored token when `external` is given (a
   `knn.ExternalMemory`), or every datastore entry (an `exact_memory.DeviceDatastore`: exact sums on device,
-  no retrieval accuracy). Results do not depend on `streams` (up to float rounding). `break_mode`: fairseq's
+  no retrieval accuracy). A Transformer's results do not depend on `streams` (up to float rounding): each
+  stream's warm-up windows fill its store as one stream would have. A stateful model's (SRU++) do: its carry
+  starts afresh where a stream (or its warm-up) starts, so with more streams fewer windows see a state carried
+  from the corpus start (docs/srupp.md). `break_mode`: fairseq's
   --sample-break-mode of the windows (`data.eval_windows`); `complete_overlong`: what complete mode does with a
   line longer than block_len: "drop" as fairseq's eval_lm (not scored, one line on stderr says how many),
   "refuse" (a ConfigError naming it). `progress`: True a tqdm bar, "log" plain lines on
