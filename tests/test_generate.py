@@ -151,6 +151,13 @@ def test_sampling_is_deterministic_by_seed(byte_gen):
   assert run(3) == a and run(4) != a
   greedy = byte_gen.generate(["def f(x):"], max_new_tokens=12, sampling=G.Sampling(temperature=0))[0].tokens
   assert greedy == byte_gen.generate(["def f(x):"], max_new_tokens=12, sampling=G.Sampling(0, seed=9))[0].tokens
+  # The seed derives the keys outside the jitted step: a new seed (or any greedy call) compiles nothing more
+  # (found by a review: each new seed compiled the step again)
+  step = byte_gen.decoder._next_token
+  compiled = step._cache_size()
+  assert run(5) != a and run(6) != run(5) and step._cache_size() == compiled
+  byte_gen.generate(["def f(x):"], max_new_tokens=12, sampling=G.Sampling(0, top_k=3, top_p=0.5, seed=11))
+  assert step._cache_size() == compiled
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -138,6 +138,7 @@ class CachedDecoder:
     """(tokens [B], log P [B, V], for a trace with memory each slot's log part of P(token), else None) of every
     row from f, g at its last position; each active row's (g, token) goes into its next local slot of `mems`."""
     slot, active = jnp.asarray(mems.n_mem, jnp.int32), jnp.asarray(active_B)
+    sampling = sampling.traced_part()  # static below: one compile for every seed
     if mems.on_device:
       tokens, log_p, mems.local_keys, mems.local_targets, extra = _exact_next_token(
           self.graphdef, self.params, f_BxD, g_BxD, mems.local_keys, mems.local_targets, mems.store_keys,
