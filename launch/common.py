@@ -535,11 +535,11 @@ def given_overrides(section: str) -> dict:
 
 
 def check_export(config, checkpoint: str) -> None:
-  """The export's stored config.json has no field this version does not know (launch/export_config.py), and no
+  """The export's stored config.json has no field this version does not know (exports.check_stored_config), and no
   `--config.model.X=...` differs from it: an export's architecture is fixed (evaluation, datastores and
   generation use the export's `model` section), so such an override would be ignored. Either is one error
   naming the file or the field with both values."""
-  from trime_jax.launch.export_config import check_stored_config
+  from trime_jax.exports import check_stored_config
   from trime_jax.errors import ConfigError
 
   if not checkpoint or not os.path.isfile(os.path.join(checkpoint, "config.json")):

@@ -4,6 +4,7 @@ trained here; scores checked against a NumPy restatement of TRIME's local-memory
 fairseq checkpoint through the importer."""
 
 import gc
+import json
 import logging
 import os
 import tempfile
@@ -44,6 +45,60 @@ def test_train_and_load(run, model):
   from_workdir = trime_jax.load(str(root / "run"))  # a training workdir means its export
   assert from_workdir.directory == model.directory and model.meta["step"] == 3
   assert "16,800 parameters" in repr(model) and isinstance(model, trime_jax.Model)
+
+
+def test_load_says_what_a_path_is_when_it_is_not_an_export(run, tmp_path):
+  """A step of the checkpoints, an export's params folder or file, a workdir that has not exported yet, an MT
+  export: each one line saying what it is and what to pass (found by a review: all read "incomplete export")."""
+  import shutil
+
+  root, out = run
+  work, export = root / "run", out["export"]
+  step = next(p for p in (work / "checkpoints").iterdir() if p.name.isdigit())
+  with pytest.raises(CheckpointError, match=r"is a training checkpoint \(one step of .*checkpoints\), not an export"):
+    trime_jax.load(str(step))
+  with pytest.raises(CheckpointError, match=r"is the parameters folder of the export .*: pass "):
+    trime_jax.load(os.path.join(export, "params"))
+  with pytest.raises(ConfigError, match=r"meta.json is a file of the export .*: load the folder"):
+    trime_jax.load(os.path.join(export, "meta.json"))
+  partial = tmp_path / "partial"  # training stopped before its export, a best/ kept
+  shutil.copytree(work, partial, ignore=shutil.ignore_patterns("export"))
+  shutil.copytree(export, partial / "best")
+  with pytest.raises(CheckpointError, match=r"training workdir that has not exported yet .*best holds the best "
+                                            r"parameters by dev perplexity so far: pass that$"):
+    trime_jax.load(str(partial))
+  shutil.rmtree(partial / "best")
+  with pytest.raises(CheckpointError, match=r"has not exported yet \(.*finishes\)$"):
+    trime_jax.load(str(partial))
+  mt = tmp_path / "mt"
+  shutil.copytree(export, mt)
+  meta = json.loads((mt / "meta.json").read_text())
+  (mt / "meta.json").write_text(json.dumps({**meta, "model_family": "mt"}))
+  with pytest.raises(CheckpointError, match=r"is a machine-translation export: translate with"):
+    trime_jax.load(str(mt))
+  # the importer's options for an export would be ignored
+  with pytest.raises(ConfigError, match=r"^out, key_type: options of a fairseq checkpoint's import"):
+    trime_jax.load(export, out=str(tmp_path / "x"), key_type="final")
+  assert not (tmp_path / "x").exists()
+
+
+def test_load_reads_the_stored_config_as_the_clis_do(run, tmp_path):
+  """The export's config.json as every CLI's --checkpoint reads it: a misspelt field refused (it was ignored),
+  an absent one at its default (it failed later: AttributeError)."""
+  import shutil
+
+  from trime_jax.configs import default
+
+  export = tmp_path / "export"
+  shutil.copytree(run[1]["export"], export)
+  stored = json.loads((export / "config.json").read_text())
+  (export / "config.json").write_text(json.dumps({**stored, "eval": {**stored["eval"], "tempreture": 2.0}}))
+  with pytest.raises(CheckpointError, match=r"config.json has field this version does not know: eval.tempreture"):
+    trime_jax.load(str(export))
+  del stored["eval"]["block_len"]
+  (export / "config.json").write_text(json.dumps(stored))
+  m = trime_jax.load(str(export))
+  assert m.config.eval.block_len == default.get_config().eval.block_len and m.score(TEXT).tokens
 
 
 def _reference_log_probs(model, ids, tau=None):
@@ -305,6 +360,7 @@ def test_bad_arguments_are_one_clear_error_naming_them(model):
       (lambda: model.generate("x", k=-1), r"^k \(datastore entries retrieved per token\).*got -1"),
       (lambda: model.generate("x", memory=["long"]), r"^memory must be one of"),
       (lambda: model.score(TEXT, memory="external", datastore=3), r"^datastore must be a path"),
+      (lambda: model.score("ok\udc80"), r"^the text has no UTF-8 form: character 2 \('\\udc80'\) surrogates"),
   ]
   for call, message in cases:
     with pytest.raises(ConfigError, match=message):

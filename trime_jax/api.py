@@ -227,7 +227,9 @@ class Model:
     from trime_jax.generate.text import Text
 
     self.directory = os.path.abspath(os.fspath(directory))
-    self.graphdef, self._params, self.config, self.vocab, self.meta = exports.load_export(self.directory)
+    self.graphdef, self._params, _, self.vocab, self.meta = exports.load_export(self.directory)
+    # the config every CLI runs an export with: the defaults under the stored fields, a misspelt field refused
+    self.config = exports.stored_over_defaults(self.directory)
     self._text = Text(self.vocab, _log)  # the generator's tokenizer: one text <-> token ids for every method
     self.memory = Memory(self)
     self.stateful = bool(getattr(self.nnx_model, "stateful", False))  # SRU++: state carried across windows
@@ -316,7 +318,8 @@ class Model:
     with the export's evaluation settings: its windows (eval.block_len, eval.context_window,
     eval.sample_break_mode: "complete" packs whole lines into blocks, and a line longer than eval.block_len
     is not scored, NaN in log_probs, under eval.complete_overlong="drop", or refused under "refuse"; a text
-    without a line end is one line), eval.knn_exact / eval.nprobe for a datastore and train.vocab_chunk.
+    without a line end is one line, and a text none of whose lines fits is one ConfigError, nothing of it
+    being scored), eval.knn_exact / eval.nprobe for a datastore and train.vocab_chunk.
     `memory`: none | local | long | external, see the module docstring, at τ = `tau` on memory similarities
     (default: the export's eval.tau). `datastore`, `k`: external memory's datastore directory (a string or a
     path) and entries retrieved per token (an integer >= 1, default eval.knn_k).
@@ -497,10 +500,16 @@ def load(path: str, *, dictionary: str | None = None, out: str | None = None, tr
   `out` it goes to a new temporary directory (`model.directory`) that lives as long as the Model: it is
   removed when the Model is garbage-collected or Python exits, and at once if the import fails, so repeated
   loads leave nothing behind (keep the Model, not only its `generator`, while it is in use). `trust_pickle`, `key_type`: the importer's options
-  (trime_jax.launch.import_fairseq's flags)."""
+  (trime_jax.launch.import_fairseq's flags); `out`, `trust_pickle` and `key_type` given for an export are one
+  ConfigError (they would be ignored). The export's config is read as every CLI reads it
+  (`exports.stored_over_defaults`: a field it lacks keeps its default, a field this version does not know is
+  refused)."""
   path = _path(path, "path")
   if dictionary is not None or os.path.isfile(path):
     if dictionary is None:
+      folder = os.path.dirname(os.path.abspath(path))
+      if os.path.isfile(os.path.join(folder, "meta.json")):
+        raise ConfigError(f"{path} is a file of the export {folder}: load the folder (load({folder!r}))")
       raise ConfigError(f"{path} is a file: a fairseq checkpoint needs its dictionary (load(path, dictionary=...))")
     from trime_jax import fairseq_import
 
@@ -517,6 +526,11 @@ def load(path: str, *, dictionary: str | None = None, out: str | None = None, tr
     if temporary:
       weakref.finalize(model, shutil.rmtree, out, ignore_errors=True)
     return model
+  given = [name for name, v, default in (("out", out, None), ("trust_pickle", trust_pickle, False),
+                                         ("key_type", key_type, "last_ffn_input")) if v != default]
+  if given:  # they would be ignored without a word
+    raise ConfigError(f"{', '.join(given)}: options of a fairseq checkpoint's import (load(path.pt, dictionary=...)); "
+                      f"{path} is an export, loaded as it is")
   return Model(export_path(path))
 
 

@@ -32,9 +32,9 @@ import numpy as np
 from flax import nnx
 
 from trime_jax import data
-from trime_jax.checkpoint import leaf_specs, ocp, restore_checked, specs_difference  # ocp: orbax, imported there
+from trime_jax.checkpoint import DIGEST_FILE, leaf_specs, ocp, restore_checked, specs_difference  # ocp: orbax
 from trime_jax.distributed import sync_processes
-from trime_jax.errors import CheckpointError, DamagedCheckpointError, first_line
+from trime_jax.errors import CheckpointError, ConfigError, DamagedCheckpointError, first_line
 from trime_jax.model import build_model, count_params
 from trime_jax.runtime.lock import DirLock
 from trime_jax.runtime import workdir as workdir_files
@@ -213,7 +213,7 @@ def read_export_meta(directory: str) -> dict:
   """meta.json of an export (fingerprints, vocabulary size and kind, key dimension and type)."""
   path = os.path.join(directory, "meta.json")
   if not os.path.exists(path):
-    raise CheckpointError(f"not an exported checkpoint: {path} is missing")
+    raise CheckpointError(what_else_it_is(directory) or f"not an exported checkpoint: {path} is missing")
   meta = data.read_json(path, "export meta", DamagedCheckpointError)
   missing = [k for k in ("params_digest", "vocab_fingerprint", "vocab_size", "d_model", "key_type") if k not in meta]
   if missing:
@@ -226,7 +226,7 @@ def read_export_vocab(directory: str) -> data.Vocab:
   meta = read_export_meta(directory)
   path = os.path.join(directory, "vocab.json")
   if not os.path.exists(path):
-    raise CheckpointError(f"not an exported checkpoint: {path} is missing")
+    raise CheckpointError(what_else_it_is(directory) or f"not an exported checkpoint: {path} is missing")
   obj = data.read_json(path, "export vocabulary", DamagedCheckpointError)
   try:
     vocab = data.Vocab.from_json(obj)
@@ -240,11 +240,107 @@ def read_export_vocab(directory: str) -> data.Vocab:
   return vocab
 
 
+def what_else_it_is(directory: str) -> str | None:
+  """Why `directory`, not an LM export, is something else a user may pass for one (None: nothing we know of,
+  then it is an incomplete export): a machine-translation export, a training workdir that has not exported
+  yet, one step of its checkpoints, or a folder inside an export. The one line load_export raises."""
+  join = lambda *p: os.path.join(directory, *p)
+  meta = join("meta.json")
+  if os.path.isfile(meta):
+    try:
+      with open(meta) as f:
+        family = json.load(f).get("model_family")
+    except (OSError, ValueError, AttributeError):
+      family = None
+    if family == "mt":
+      return (f"{directory} is a machine-translation export: translate with trime_jax.launch.translate "
+              "--checkpoint (Python: trime_jax.mt.export.load_mt_export)")
+    return None
+  parent = os.path.dirname(directory)
+  if os.path.isfile(os.path.join(parent, "meta.json")) and os.path.basename(directory) == "params":
+    return f"{directory} is the parameters folder of the export {parent}: pass {parent}"
+  if os.path.isfile(join(DIGEST_FILE)) or os.path.exists(join("_CHECKPOINT_METADATA")) or (
+      os.path.basename(parent) == "checkpoints" and os.path.basename(directory).isdigit()):
+    return (f"{directory} is a training checkpoint (one step of {parent}), not an export: training exports to "
+            f"{os.path.join(os.path.dirname(parent), 'export')} when it finishes (rerun its command to resume)")
+  if os.path.isdir(join("checkpoints")) or os.path.isdir(join("best")):
+    best = join("best")
+    has_best = os.path.isfile(os.path.join(best, "meta.json"))
+    return (f"{directory} is a training workdir that has not exported yet (training is still running, or "
+            "was stopped: rerun its command to resume; it exports to export/ when it finishes)"
+            + (f"; {best} holds the best parameters by dev perplexity so far: pass that" if has_best else ""))
+  return None
+
+
+def is_mt_config(stored: dict) -> bool:
+  """A translation export's stored config (its own schema, read by trime_jax.mt)."""
+  section = stored.get("data") if isinstance(stored.get("data"), dict) else {}
+  return stored.get("task") == "mt" or section.get("src_lang") is not None
+
+
+def unknown_fields(stored: dict) -> list[str]:
+  """Dotted names of the fields of `stored` that configs/default.py does not have, each with the closest known
+  name when there is one ("eval.knn_kk (eval.knn_k?)"): the training workdir's check, against the
+  default config."""
+  from trime_jax.configs import default
+
+  return workdir_files.unknown_fields(stored, default.get_config())
+
+
+def check_stored_config(export_dir: str, stored: dict | None = None) -> dict:
+  """The export's config.json as a dict, with renamed fields under today's names (runtime.workdir.migrate_config),
+  refused (CheckpointError naming the file) when it has fields this version does not know: they would be ignored
+  without a word. Translation exports are read by their own schema and only parsed here."""
+  path = os.path.join(export_dir, "config.json")
+  try:  # the one stored-config reader: missing / truncated files named; renamed fields under today's names
+    if stored is None:
+      stored = workdir_files.read_stored_config(path, "stored config (give --config, or an export directory):",
+                                                CheckpointError)
+    elif isinstance(stored, dict):
+      stored = workdir_files.migrate_config(stored, path)
+  except ConfigError as e:  # a field under both its old and new names, with different values
+    raise CheckpointError(str(e)) from None
+  if not isinstance(stored, dict):
+    raise CheckpointError(f"{path} is not a config (a JSON object)")
+  if not is_mt_config(stored):
+    bad = unknown_fields(stored)
+    if bad:
+      raise CheckpointError(f"{path} has field{'s' if len(bad) > 1 else ''} this version does not know: "
+                            f"{', '.join(bad)}; correct or remove {'them' if len(bad) > 1 else 'it'}")
+  return stored
+
+
+def _overlay(dst, src: dict) -> None:
+  for key, value in src.items():
+    if key not in dst:
+      continue  # a translation export's own fields (check_stored_config refused unknown LM fields)
+    if hasattr(dst[key], "keys") and isinstance(value, dict):
+      _overlay(dst[key], value)
+    else:
+      dst[key] = tuple(value) if isinstance(dst[key], tuple) and isinstance(value, list) else value
+
+
+def stored_over_defaults(export_dir: str) -> ml_collections.ConfigDict:
+  """The config an export runs with when no other is given (every CLI's `--checkpoint` without `--config`, and
+  `trime_jax.load`): configs/default.py with the export's stored fields over it (`check_stored_config`), so a
+  field added after the export was written keeps its default and a misspelt one is refused."""
+  from trime_jax.configs import default
+
+  stored = check_stored_config(export_dir)
+  c = default.get_config()
+  with c.unlocked():
+    _overlay(c, stored)
+  return c
+
+
 def load_export(directory: str):
   """(graphdef, params, config, vocab, meta) from an export directory, validated."""
   directory = os.path.abspath(directory)  # orbax wants absolute paths
   if not os.path.isdir(directory):
     raise CheckpointError(f"checkpoint directory not found: {directory}")
+  other = what_else_it_is(directory)
+  if other:
+    raise CheckpointError(other)
   missing = [f for f in EXPORT_FILES if not os.path.exists(os.path.join(directory, f))]
   if missing:
     raise CheckpointError(f"incomplete checkpoint export {directory}: missing {', '.join(missing)}")

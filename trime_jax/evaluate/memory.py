@@ -237,8 +237,8 @@ def _bucket(n: int) -> int:
 def text_windows(ids, vocab: data.Vocab, block_len: int, context_window: int, break_mode: str = "none",
                  overlong: str = "drop") -> list[data.Window]:
   """The windows of one text scored as a corpus of its own (`texts_plan` shifts them into its layout)."""
-  return data.eval_windows(data.Corpus.from_docs([ids], vocab), len(ids), block_len, context_window, break_mode,
-                           overlong)
+  return data.eval_windows(data.Corpus.from_docs([ids], vocab, name="the text"), len(ids), block_len, context_window,
+                           break_mode, overlong)
 
 
 def row_length(wins, block_len: int, stateful: bool = False) -> int:

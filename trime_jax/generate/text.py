@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from trime_jax import data
+from trime_jax.errors import ConfigError
 
 
 class Text:
@@ -17,7 +18,11 @@ class Text:
     """Token ids of `text`: bytes of its UTF-8, or WikiText-style words with `</s>` at each line end (the
     last line's only if the text ends with a newline). Unknown words map to <unk>, with one warning."""
     if self.vocab.kind == "bytes":
-      return list(text.encode("utf-8"))
+      try:
+        return list(text.encode("utf-8"))
+      except UnicodeEncodeError as e:  # a lone surrogate (e.g. from os.fsdecode of bad bytes): no UTF-8 for it
+        raise ConfigError(f"the {what} has no UTF-8 form: character {e.start} ({text[e.start:e.end]!r}) "
+                          f"{e.reason}") from None
     lines = text.split("\n")
     words = []
     for i, line in enumerate(lines):
