@@ -51,6 +51,27 @@ def test_wikitext_splits_and_cache_are_memory_mapped(tmp_path):
   assert set(np.unique(c.test.tokens)) <= {0, 1, 2}
 
 
+def test_a_cache_and_plans_inside_the_data_folder_are_reused(tmp_path, monkeypatch):
+  """The paper configs keep data.cache_dir and their batch plans inside data.path (data/wikitext-103/...): the
+  second run reads the first one's cache, whatever else was written beside the token files; a token file
+  changed is a new key (found by a review: every file of the folder was hashed, so each run encoded again)."""
+  root = write_wikitext_dir(tmp_path / "wt")
+  cfg = _wiki_cfg(root, cache_dir=os.path.join(root, "trime_cache"))
+  first = corpora.load_splits(cfg)
+  os.makedirs(os.path.join(root, "plans"))
+  with open(os.path.join(root, "plans", "bm25_3072x8.npz"), "wb") as f:
+    f.write(b"a plan")
+  monkeypatch.setitem(corpora._READERS, "wikitext", lambda *a: pytest.fail("encoded again"))
+  again = corpora.load_splits(cfg)
+  assert isinstance(again.train.tokens, np.memmap) and len(os.listdir(os.path.join(root, "trime_cache"))) == 1
+  assert again.train.fingerprint() == first.train.fingerprint()
+  monkeypatch.undo()
+  key = corpora._cache_key(cfg, None)
+  with open(os.path.join(root, "wiki.test.tokens"), "a") as f:
+    f.write(" = Another = \n")
+  assert corpora._cache_key(cfg, None) != key
+
+
 def test_a_checkpoints_vocabulary_reuses_the_training_cache_when_it_is_the_built_one(tmp_path, monkeypatch):
   """Training caches the corpus under a key without a vocabulary; evaluation and datastore builds pass the
   checkpoint's. When that is the vocabulary the data built, the training cache is read (nothing encoded again,

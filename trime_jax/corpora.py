@@ -237,14 +237,36 @@ def _stdlib(cfg, vocab):
 _READERS = {"wikitext": _wikitext, "wikitext_mini": _wikitext_mini, "bytes": _bytes, "stdlib": _stdlib}
 
 
+# The files a reader opens in its data.path directory: the cache key hashes these (size, mtime), not whatever
+# else the folder holds. The paper configs keep their cache and batch plans inside data.path
+# (data/wikitext-103/trime_cache, .../plans): hashing the whole folder made each cache or plan written there a
+# new key, so WikiText-103 was tokenized again on every run (found by a review).
+_READ_FILES = {"wikitext": ("wiki.train.tokens", "wiki.valid.tokens", "wiki.test.tokens", "docs.tsv"),
+               "wikitext_mini": ("wiki.valid.tokens", "wiki.test.tokens")}
+
+
+def _input_files(cfg, p: str) -> list[str]:
+  """The files under `p` (data.path) the corpus is read from: a file itself, a reader's named files, or (other
+  readers) every file of the folder outside the cache directory."""
+  if not os.path.isdir(p):
+    return [p]
+  if cfg.corpus in _READ_FILES:
+    return [os.path.join(p, fn) for fn in _READ_FILES[cfg.corpus] if os.path.isfile(os.path.join(p, fn))]
+  cache = os.path.realpath(resolve_path(cfg.cache_dir)) if cfg.cache_dir else None
+  out = []
+  for root, dirs, files in os.walk(p):
+    dirs[:] = sorted(d for d in dirs if os.path.realpath(os.path.join(root, d)) != cache)
+    out += [os.path.join(root, fn) for fn in sorted(files)]
+  return out
+
+
 def _cache_key(cfg, vocab) -> str:
   h = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode())
   p = resolve_path(cfg.path)
   if p and os.path.exists(p):
-    for root, _, files in os.walk(p) if os.path.isdir(p) else [(os.path.dirname(p), [], [os.path.basename(p)])]:
-      for fn in sorted(files):
-        st = os.stat(os.path.join(root, fn))
-        h.update(f"{fn}:{st.st_size}:{st.st_mtime_ns}".encode())
+    for path in _input_files(cfg, p):
+      st = os.stat(path)
+      h.update(f"{os.path.relpath(path, p) if path != p else os.path.basename(p)}:{st.st_size}:{st.st_mtime_ns}".encode())
   if vocab is not None:
     h.update(vocab.fingerprint().encode())
   return h.hexdigest()[:16]
