@@ -69,6 +69,24 @@ def test_contents_equal_model_keys(setup):
   assert m["checkpoint_fingerprint"] == exports.fingerprint(setup["export"])
 
 
+def test_context_positions_stay_on_the_device(setup, tmp_path, monkeypatch):
+  """Only a window's scored positions come back to the host: from the context window on for every batch after
+  the first (whose first window scores from position 0), the same keys as the whole rows gave."""
+  real, firsts = build._keys_step, []
+
+  def spy(*args, first=0, **kwargs):
+    out = real(*args, first=first, **kwargs)
+    firsts.append((first, out.shape[1]))
+    return out
+
+  monkeypatch.setattr(build, "_keys_step", spy)
+  build_datastore(setup["export"], setup["corpus"], str(tmp_path / "sliced"), chunk_tokens=100, progress=False)
+  assert firsts[0] == (0, BLOCK) and set(firsts[1:]) == {(CONTEXT, BLOCK - CONTEXT)}
+  monkeypatch.setattr(build, "_first_scored", lambda scored, context_window: 0)  # whole rows, as before
+  build_datastore(setup["export"], setup["corpus"], str(tmp_path / "whole"), chunk_tokens=100, progress=False)
+  np.testing.assert_array_equal(Datastore(str(tmp_path / "sliced")).keys, Datastore(str(tmp_path / "whole")).keys)
+
+
 def _same_files(a, b):
   for name in ("keys.npy", "values.npy"):
     with open(os.path.join(a, name), "rb") as f, open(os.path.join(b, name), "rb") as g:
@@ -95,11 +113,11 @@ def test_crash_mid_chunk_resumes_to_the_same_store(setup, tmp_path, monkeypatch)
   out = str(tmp_path / "crashed")
   real, calls = build._keys_step, []
 
-  def flaky(*args):
+  def flaky(*args, **kwargs):
     calls.append(1)
     if len(calls) == 9:  # inside the third chunk (4 forward batches per chunk of 100 tokens)
       raise KeyboardInterrupt
-    return real(*args)
+    return real(*args, **kwargs)
 
   monkeypatch.setattr(build, "_keys_step", flaky)
   with pytest.raises(KeyboardInterrupt):
@@ -130,7 +148,7 @@ def test_a_build_stopped_after_its_last_chunk_but_before_finishing_resumes(setup
   assert saved["tokens_done"] == n and not saved["complete"]
   monkeypatch.setattr(build.DatastoreWriter, "finish", real)
   keys_step = build._keys_step
-  monkeypatch.setattr(build, "_keys_step", lambda *a: pytest.fail("the rerun computed keys again"))
+  monkeypatch.setattr(build, "_keys_step", lambda *a, **k: pytest.fail("the rerun computed keys again"))
   meta = build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, progress=False)
   monkeypatch.setattr(build, "_keys_step", keys_step)
   assert meta["complete"]
