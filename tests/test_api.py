@@ -274,6 +274,10 @@ def test_external_memory_with_a_datastore(model, run, tmp_path, capsys, caplog):
   assert capsys.readouterr().out.startswith("external memory: exact IndexFlatIP")
   assert len(ext.log_probs) == len(local.log_probs) and not np.allclose(ext.log_probs, local.log_probs)
   assert model.external(ds_dir, k=16) is model.external(str(ds_dir), k=16)
+  opened = model.external(ds_dir, k=16)  # a datastore rebuilt in place (its meta.json rewritten) is opened again
+  meta_path = ds_dir / "meta.json"
+  os.utime(meta_path, ns=(meta_path.stat().st_atime_ns, meta_path.stat().st_mtime_ns + 10**9))
+  assert model.external(ds_dir, k=16) is not opened and len(model._external) == 1
   out = model.generate("def ", max_new_tokens=4, temperature=0.0, memory="external", datastore=ds_dir, k=16)
   gen = model.generator
   ref = gen.generate(["def "], max_new_tokens=4, sampling=generate.Sampling(temperature=0.0),

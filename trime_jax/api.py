@@ -302,8 +302,16 @@ class Model:
 
     e = self.config.eval
     datastore, index, k = _path(datastore, "datastore"), _path(index, "index"), self._k(k)
-    key = (os.path.abspath(datastore), k, os.path.abspath(index) if index else "")
+    def stamp(path):  # a datastore or index rebuilt in place since it was opened is opened again
+      try:
+        return os.stat(path).st_mtime_ns
+      except OSError:
+        return None
+
+    key = (os.path.abspath(datastore), k, os.path.abspath(index) if index else "",
+           stamp(os.path.join(datastore, "meta.json")), stamp(index) if index else None)
     if key not in self._external:
+      self._external = {c: v for c, v in self._external.items() if c[:3] != key[:3]}  # not the stale one
       self._external[key] = knn.ExternalMemory(
           datastore, index_path=index, checkpoint_dir=self.directory, k=k, nprobe=int(e.nprobe),
           exact=bool(e.get("knn_exact", False)), gpu=bool(e.get("knn_gpu", False)), log=knn.logger.info)
