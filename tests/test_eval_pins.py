@@ -80,4 +80,7 @@ def test_external_memory_numbers_are_unchanged(tiny):
     # rtol as the other pins: the jitted scoring step's fusion may move the last float32 bits (6e-8 here since the
     # forward also returns the TRIME criterion's target term)
     np.testing.assert_allclose([s.nll for s in res.scores], [r["nll"] for r in rows], rtol=1e-6, atol=0)
-    np.testing.assert_array_equal(res.retrieval_hits, hits)
+    # hits were pinned at RETRIEVAL_KS (1, 8, 64, 1024); a top-6 search now reports the ranks it tells apart
+    # (knn.retrieval_ks(6) = (1, 6)): the pinned top-64 / top-1024 counts were its top-6 count under other names
+    assert res.retrieval_ks == knn.retrieval_ks(6) == (1, 6) and hits[2] == hits[3]
+    np.testing.assert_array_equal(res.retrieval_hits, [hits[0], hits[3]])
