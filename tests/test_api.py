@@ -47,6 +47,14 @@ def test_train_and_load(run, model):
   assert "16,800 parameters" in repr(model) and isinstance(model, trime_jax.Model)
 
 
+def test_api_paths_expand_the_home_directory(run, monkeypatch):
+  """`~/...` is what a user types in Python as in a shell: load and Model expand it (they said "not found")."""
+  root, _ = run
+  monkeypatch.setenv("HOME", str(root))
+  assert trime_jax.load("~/run").directory == str(root / "run" / "export")
+  assert trime_jax.Model("~/run/export").directory == str(root / "run" / "export")
+
+
 def test_load_says_what_a_path_is_when_it_is_not_an_export(run, tmp_path):
   """A step of the checkpoints, an export's params folder or file, a workdir that has not exported yet, an MT
   export: each one line saying what it is and what to pass (found by a review: all read "incomplete export")."""
@@ -74,6 +82,7 @@ def test_load_says_what_a_path_is_when_it_is_not_an_export(run, tmp_path):
   shutil.copytree(export, mt)
   meta = json.loads((mt / "meta.json").read_text())
   (mt / "meta.json").write_text(json.dumps({**meta, "model_family": "mt"}))
+  (mt / "vocab.json").unlink()  # a translation export's vocabulary is its subword model's files
   with pytest.raises(CheckpointError, match=r"is a machine-translation export: translate with"):
     trime_jax.load(str(mt))
   # the importer's options for an export would be ignored

@@ -250,3 +250,38 @@ def test_parameters_of_another_shape_are_refused_on_export_and_on_load(trained_e
   exports.write_export(forged, params, {k: v for k, v in meta.items() if k != "arch_digest"}, files)
   with pytest.raises(CheckpointError, match="does not match this config's model"):
     exports.load_export(forged)
+
+
+def test_a_truncated_or_missing_parameter_file_is_named_before_orbax_reads(trained_export, tmp_path, monkeypatch):
+  """meta.json's params_files (bytes per file under params/): a truncated copy is one DamagedCheckpointError
+  naming the file, raised before orbax's restore starts (a restore that fails midway leaves its background
+  readers printing "Event loop is closed" tracebacks after the error); an export without the field (written
+  before it) still loads."""
+  import shutil
+
+  from trime_jax.errors import DamagedCheckpointError
+
+  meta = json.load(open(os.path.join(trained_export, "meta.json")))
+  params_dir = os.path.join(trained_export, "params")
+  assert meta["params_files"] == exports.params_file_sizes(params_dir) and len(meta["params_files"]) >= 3
+  copy = tmp_path / "copy"
+  shutil.copytree(trained_export, copy)
+  biggest = max(meta["params_files"], key=meta["params_files"].get)
+  with open(copy / "params" / biggest, "r+b") as f:
+    f.truncate(meta["params_files"][biggest] // 2)
+
+  def no_restore(*a, **k):
+    raise AssertionError("orbax restore reached")
+
+  with monkeypatch.context() as m:
+    m.setattr(exports.ocp.StandardCheckpointer, "restore", no_restore)
+    with pytest.raises(DamagedCheckpointError, match=rf"{re.escape(str(copy / 'params' / biggest))} has [\d,]+ "
+                                                     r"bytes, [\d,]+ when exported \(truncated"):
+      exports.load_export(str(copy))
+    os.remove(copy / "params" / biggest)
+    with pytest.raises(DamagedCheckpointError, match=rf"{re.escape(str(copy / 'params' / biggest))} is missing"):
+      exports.load_export(str(copy))
+  shutil.copy(os.path.join(params_dir, biggest), copy / "params" / biggest)
+  old = {k: v for k, v in meta.items() if k != "params_files"}
+  (copy / "meta.json").write_text(json.dumps(old))
+  assert exports.params_digest(exports.load_export(str(copy))[1]) == meta["params_digest"]

@@ -243,8 +243,16 @@ def e_params_metadata_deleted(b):
 
 def e_params_data_deleted(b):
   x = _copy(b, "work", "nodata") / "export"
-  os.remove(data_files(x / "params")[0])
-  return _eval(b, x), [str(x / "params"), "damaged", "data file"]
+  gone = data_files(x / "params")[0]
+  os.remove(gone)
+  return _eval(b, x), [str(x / "params"), "damaged", f"{gone} is missing"]
+
+
+def e_params_data_truncated(b):  # meta.json's params_files: named before orbax reads (and fails midway)
+  x = _copy(b, "work", "truncdata") / "export"
+  cut = data_files(x / "params")[0]
+  truncate(cut)
+  return _eval(b, x), [str(x / "params"), "damaged", str(cut), "truncated"]
 
 
 def e_eval_max_tokens(b):
@@ -374,7 +382,8 @@ def e_export_target_other_model(b):
 
 
 ERROR_CASES = [e_params_flipped, e_arch_edited, _truncated("vocab.json"), _truncated("config.json"),
-               _truncated("meta.json"), e_params_metadata_deleted, e_params_data_deleted, e_eval_max_tokens,
+               _truncated("meta.json"), e_params_metadata_deleted, e_params_data_deleted, e_params_data_truncated,
+               e_eval_max_tokens,
                e_eval_batch_size, e_eval_knn_lambda, e_eval_split, e_log_every, e_num_heads, e_config_missing,
                e_data_dir_missing, e_non_utf8_corpus,
                e_word_export_byte_config, e_workdir_other_seed, e_workdir_other_memory, e_batches_truncated,

@@ -88,12 +88,11 @@ def test_every_shipped_config_is_valid():
   names = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs",
                                                                            "*.py")) if not p.endswith("__init__.py"))
   assert {"default", "demo", "wikitext_mini", "wiki103_247m", "wiki103_150m", "wiki103_7m", "enwik8_38m"} <= set(names)
-  from trime_jax.mt import datastore as mt_datastore
   from trime_jax.mt import train as mt_train
 
   for name in names:  # each family by its own validator: LM configs and MT configs
     config = importlib.import_module(f"trime_jax.configs.{name}").get_config()
-    (mt_train.validate_config if mt_datastore.is_mt_config(config) else validate_config)(config)
+    (mt_train.validate_config if exports.is_mt_config(config) else validate_config)(config)
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "nag"])

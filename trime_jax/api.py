@@ -96,8 +96,9 @@ def _positive(value, what: str):
 
 
 def _path(value, what: str) -> str:
+  """`value` (str or path-like) as a str path, a leading `~` expanded as a shell does for the CLIs' flags."""
   try:
-    return os.fspath(value)
+    return os.path.expanduser(os.fspath(value))
   except TypeError:
     raise ConfigError(f"{what} must be a path (str or os.PathLike), got {type(value).__name__}") from None
 
@@ -226,10 +227,10 @@ class Model:
   def __init__(self, directory: str):
     from trime_jax.generate.text import Text
 
-    self.directory = os.path.abspath(os.fspath(directory))
-    self.graphdef, self._params, _, self.vocab, self.meta = exports.load_export(self.directory)
+    self.directory = os.path.abspath(_path(directory, "directory"))
+    self.graphdef, self._params, stored, self.vocab, self.meta = exports.load_export(self.directory)
     # the config every CLI runs an export with: the defaults under the stored fields, a misspelt field refused
-    self.config = exports.stored_over_defaults(self.directory)
+    self.config = exports.stored_over_defaults(self.directory, stored.to_dict())
     self._text = Text(self.vocab, _log)  # the generator's tokenizer: one text <-> token ids for every method
     self.memory = Memory(self)
     self.stateful = bool(getattr(self.nnx_model, "stateful", False))  # SRU++: state carried across windows
@@ -501,7 +502,7 @@ def load(path: str, *, dictionary: str | None = None, out: str | None = None, tr
   """A Model from a shipped model's name (`load("demo")`, see `pretrained_names()`; a path of that name in the
   working directory wins), an export directory (`<workdir>/export`, `<workdir>/best`, a training workdir itself),
   or an original fairseq checkpoint (`.pt`) with its `dictionary` (dict.txt), imported with
-  `fairseq_import.import_to_export` first. Paths: strings or path-like.
+  `fairseq_import.import_to_export` first. Paths: strings or path-like, `~` expanded.
 
   The import is written to `out` when given (kept: an export like any other, e.g. to build a datastore from it
   with `trime_jax.launch.build_datastore --checkpoint=OUT`, or to load it again without importing). Without

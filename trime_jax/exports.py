@@ -154,15 +154,46 @@ def write_export(directory: str, params, meta: dict, write_files, *, overwrite: 
     ckptr.wait_until_finished()
     if chief:
       write_files(tmp)
-      data.atomic_write_json(os.path.join(tmp, "meta.json"), meta)
+      data.atomic_write_json(os.path.join(tmp, "meta.json"),
+                             {**meta, "params_files": params_file_sizes(os.path.join(tmp, "params"))})
       replace_directory(tmp, directory)
     sync_processes("export:done")
   return directory
 
 
+def params_file_sizes(params_dir: str) -> dict:
+  """{path under params/: size in bytes} of every file orbax wrote (meta.json's `params_files`)."""
+  out = {}
+  for root, _, names in os.walk(params_dir):
+    for name in names:
+      path = os.path.join(root, name)
+      out[os.path.relpath(path, params_dir)] = os.path.getsize(path)
+  return dict(sorted(out.items()))
+
+
+def check_params_files(params_dir: str, meta: dict, what: str) -> None:
+  """DamagedCheckpointError naming the first parameter file that is missing or whose size differs from
+  meta.json's `params_files` (a truncated copy, a half-finished download); exports written before the field
+  are not checked here. Checked before orbax reads them: a read that fails midway leaves orbax's background
+  readers printing tracebacks after the error."""
+  want = meta.get("params_files")
+  if not isinstance(want, dict) or "://" in params_dir:
+    return
+  for rel, size in sorted(want.items()):
+    path = os.path.join(params_dir, rel)
+    if not os.path.isfile(path):
+      raise DamagedCheckpointError(f"{what} is damaged: {path} is missing")
+    have = os.path.getsize(path)
+    if have != size:
+      raise DamagedCheckpointError(f"{what} is damaged: {path} has {have:,} bytes, {size:,} when exported "
+                                   f"({'truncated' if have < size else 'grown'}: copy the export again)")
+
+
 def restore_export_params(params_dir: str, abstract_params, meta: dict, what: str):
-  """An export's parameters, restored after the file checks (`restore_checked`) and compared with meta.json's
-  `params_digest`: DamagedCheckpointError naming `params_dir` when the bytes changed after export."""
+  """An export's parameters, restored after the file checks (meta.json's `params_files`, then `restore_checked`)
+  and compared with meta.json's `params_digest`: DamagedCheckpointError naming `params_dir` when the bytes
+  changed after export."""
+  check_params_files(params_dir, meta, f"{what} {params_dir}")
   params = restore_checked(params_dir, abstract_params, f"{what} {params_dir}",
                             lambda: ocp.StandardCheckpointer().restore(params_dir, abstract_params))
   digest = params_digest(params)
@@ -272,10 +303,14 @@ def what_else_it_is(directory: str) -> str | None:
   return None
 
 
-def is_mt_config(stored: dict) -> bool:
-  """A translation export's stored config (its own schema, read by trime_jax.mt)."""
-  section = stored.get("data") if isinstance(stored.get("data"), dict) else {}
-  return stored.get("task") == "mt" or section.get("src_lang") is not None
+def is_mt_config(config) -> bool:
+  """A translation config (its own schema, read by trime_jax.mt): task="mt", or a data section with languages
+  (configs/ui_de_en.py, configs/iwslt_de_en.py). `config`: a ConfigDict, or an export's stored config.json as
+  a dict; None is no config."""
+  if config is None:
+    return False
+  section = config.get("data")
+  return config.get("task") == "mt" or (hasattr(section, "get") and section.get("src_lang") is not None)
 
 
 def unknown_fields(stored: dict) -> list[str]:
@@ -320,13 +355,14 @@ def _overlay(dst, src: dict) -> None:
       dst[key] = tuple(value) if isinstance(dst[key], tuple) and isinstance(value, list) else value
 
 
-def stored_over_defaults(export_dir: str) -> ml_collections.ConfigDict:
+def stored_over_defaults(export_dir: str, stored: dict | None = None) -> ml_collections.ConfigDict:
   """The config an export runs with when no other is given (every CLI's `--checkpoint` without `--config`, and
   `trime_jax.load`): configs/default.py with the export's stored fields over it (`check_stored_config`), so a
-  field added after the export was written keeps its default and a misspelt one is refused."""
+  field added after the export was written keeps its default and a misspelt one is refused. `stored`: the
+  export's config.json already read (load_export's config), else it is read here."""
   from trime_jax.configs import default
 
-  stored = check_stored_config(export_dir)
+  stored = check_stored_config(export_dir, stored)
   c = default.get_config()
   with c.unlocked():
     _overlay(c, stored)
@@ -338,12 +374,10 @@ def load_export(directory: str):
   directory = os.path.abspath(directory)  # orbax wants absolute paths
   if not os.path.isdir(directory):
     raise CheckpointError(f"checkpoint directory not found: {directory}")
-  other = what_else_it_is(directory)
-  if other:
-    raise CheckpointError(other)
   missing = [f for f in EXPORT_FILES if not os.path.exists(os.path.join(directory, f))]
-  if missing:
-    raise CheckpointError(f"incomplete checkpoint export {directory}: missing {', '.join(missing)}")
+  if missing:  # a translation export, a workdir, a checkpoint step... (each lacks one of the files) or a torn export
+    raise CheckpointError(what_else_it_is(directory)
+                          or f"incomplete checkpoint export {directory}: missing {', '.join(missing)}")
   config_path = os.path.join(directory, "config.json")
   # An export written before a field was renamed loads under today's names (runtime.workdir.RENAMED_FIELDS).
   config = ml_collections.ConfigDict(workdir_files.read_stored_config(config_path, "export config",

@@ -220,17 +220,9 @@ def open_mt_datastore(datastore_dir: str, checkpoint_dir: str, *, index_path: st
 # ----------------------------------------------------------------------------------------------------------
 # trime_jax.launch.build_datastore for translation
 # ----------------------------------------------------------------------------------------------------------
-def is_mt_config(config) -> bool:
-  """task="mt", or a data section with languages (configs/ui_de_en.py, configs/iwslt_de_en.py)."""
-  if config is None:
-    return False
-  data = config.get("data")
-  return config.get("task") == "mt" or (data is not None and data.get("src_lang") is not None)
-
-
 def is_mt(config, checkpoint_dir: str) -> bool:
   """A translation build: an MT config, or the checkpoint is an MT export."""
-  if is_mt_config(config):
+  if exports.is_mt_config(config):
     return True
   path = os.path.join(checkpoint_dir or "", "meta.json")
   if os.path.isfile(path):
@@ -245,7 +237,7 @@ def mt_config(config, checkpoint_dir: str):
 
   from trime_jax.runtime.workdir import read_stored_config
 
-  if not is_mt_config(config):
+  if not exports.is_mt_config(config):
     path = os.path.join(checkpoint_dir, "config.json")
     config = ml_collections.ConfigDict(read_stored_config(path, "export config", CheckpointError))
   mt_data.resolve_data_path(config)  # a relative data.path: from the working directory, else the repository root
