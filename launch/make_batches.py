@@ -7,6 +7,10 @@
 Training reads it with --config.trime.batching=<kind> --config.trime.batch_plan=<out>. A consecutive plan
 follows `trime.consecutive_layout` (stream | packed) and prints its real-token fraction (real target tokens
 over all row slots).
+
+A rerun onto the same --out keeps the plan there as it was when it computes the same plan (a training reading it
+resumes only on the same digest), and refuses another plan there (another kind, corpus, batch size, seed, ...)
+without --overwrite.
 """
 
 from absl import flags
@@ -17,8 +21,9 @@ from trime_jax.launch.common import describe_target, run_main, validated
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
 _KIND = flags.DEFINE_enum("kind", None, ["consecutive", "bm25"], "Batching method.")
 _OUT = flags.DEFINE_string("out", None, "Output plan directory.")
-_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace what --out holds when it is not a plan of the same kind "
-                               "and corpus (another plan, any other files); without it that is refused.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace what --out holds: another plan (of another kind, "
+                               "corpus or config) or any other files; without it that is refused, and the same "
+                               "plan again is kept as it was.")
 flags.mark_flags_as_required(["config", "kind", "out"])
 
 
@@ -40,18 +45,39 @@ def main(argv):
     raise ConfigError(f"--out={out_dir} already holds {what}, not a batch plan: choose another --out (or add "
                       "--overwrite to replace it)")
   splits = corpora.load_splits(config.data)
+  old = None
   if what == "a batch plan" and not _OVERWRITE.value:
-    old = batch_plan.load(out_dir).header
-    fp = splits.train.fingerprint()
-    if old.get("kind") != _KIND.value or old.get("corpus_fingerprint") != fp:
-      raise ConfigError(f"--out={out_dir} already holds a {old.get('kind')} plan of corpus "
-                        f"{old.get('corpus_name') or old.get('corpus_fingerprint')}; this one is a {_KIND.value} "
+    old = batch_plan.load(out_dir)
+    h, fp = old.header, splits.train.fingerprint()
+    if h.get("kind") != _KIND.value or h.get("corpus_fingerprint") != fp:
+      raise ConfigError(f"--out={out_dir} already holds a {h.get('kind')} plan of corpus "
+                        f"{h.get('corpus_name') or h.get('corpus_fingerprint')}; this one is a {_KIND.value} "
                         f"plan of {splits.train.name} ({fp}): choose another --out (or add --overwrite to replace "
                         "it)")
+    # What the config fixes is compared before the planning (BM25 takes minutes on a large corpus).
+    want = {"segment_len": int(config.data.segment_len), "batch_size": int(config.train.batch_size),
+            "seed": int(config.train.seed)}
+    if _KIND.value == "consecutive":
+      want.update(consecutive_segments=int(config.trime.consecutive_segments),
+                  layout=config.trime.get("consecutive_layout", "stream"))
+    differ = [f"{k} {h.get(k)!r} != {v!r}" for k, v in want.items() if h.get(k) != v]
+    if differ:
+      raise ConfigError(f"--out={out_dir} already holds another {_KIND.value} plan of this corpus ("
+                        f"{'; '.join(differ)}: that plan's != this config's), which a training may be reading: "
+                        "choose another --out (or add --overwrite to replace it)")
   planner = importlib.import_module(f"trime_jax.batching.{_KIND.value}")
   header, batches = planner.make_plan(splits.train, config, progress=True)
   header.setdefault("corpus_name", splits.train.name)  # what the fingerprint is of, for error messages
-  out = batch_plan.save(_OUT.value, header, batches)
+  if old is not None:
+    differ = batch_plan.differences(old, header, batches)
+    if not differ:  # kept as it is: a training that reads it resumes only on the same digest
+      print(f"unchanged: {out_dir} already holds this plan ({len(batches):,} batches of {batches.shape[1]} "
+            "segments); kept as it was")
+      return
+    raise ConfigError(f"--out={out_dir} already holds another {_KIND.value} plan of this corpus (it differs in "
+                      f"{'; '.join(differ[:4])}{' ...' if len(differ) > 4 else ''}), which a training may be "
+                      "reading: choose another --out (or add --overwrite to replace it)")
+  out = batch_plan.save(out_dir, header, batches)
   print(f"wrote {out}: {len(batches):,} batches of {batches.shape[1]} segments")
   if "real_token_fraction" in header:
     print(f"{header['layout']} layout: {header['num_segments']:,} segments in {header['num_runs']:,} runs of "

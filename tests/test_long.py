@@ -349,6 +349,46 @@ def test_make_batches_cli(tmp_path):
   assert f"real-token fraction {h['real_token_fraction']:.4f}" in out.stdout
 
 
+def test_make_batches_keeps_the_same_plan_and_refuses_another_without_overwrite(tmp_path):
+  """A rerun of the same command keeps plan.json and batches.npy as they are (a training that reads the plan
+  resumes only on its digest, and BM25's header records its timing); another plan over it (here another batch
+  size) is refused before planning, with the field named, unless --overwrite; --overwrite replaces a file."""
+  data = _wiki_dir(tmp_path)
+  cfg = tmp_path / "cfg.py"
+  cfg.write_text(textwrap.dedent(f"""
+      from trime_jax.configs import default
+      def get_config():
+        c = default.get_config()
+        c.data.corpus, c.data.path = "wikitext", {str(data)!r}
+        c.data.segment_len, c.data.segmentation = 8, "stream"
+        c.train.batch_size = 4
+        return c
+      """))
+  plan_dir = tmp_path / "plan"
+  args = ("trime_jax.launch.make_batches", f"--config={cfg}", "--kind=bm25", f"--out={plan_dir}")
+  first = _cli(*args)
+  assert first.returncode == 0, first.stderr
+  before = {n: (plan_dir / n).stat().st_mtime_ns for n in ("plan.json", "batches.npy")}
+  digest = batch_plan.load(str(plan_dir)).digest()
+  again = _cli(*args)
+  assert again.returncode == 0, again.stderr
+  assert f"unchanged: {plan_dir} already holds this plan" in again.stdout
+  assert {n: (plan_dir / n).stat().st_mtime_ns for n in before} == before
+  assert batch_plan.load(str(plan_dir)).digest() == digest
+  other = _cli(*args, "--config.train.batch_size=8")
+  assert other.returncode == 2 and other.stderr.strip().splitlines()[-1].startswith("error: ")
+  assert "batch_size 4 != 8" in other.stderr and "--overwrite" in other.stderr and "bm25:" not in other.stdout
+  assert batch_plan.load(str(plan_dir)).digest() == digest  # untouched
+  replaced = _cli(*args, "--config.train.batch_size=8", "--overwrite")
+  assert replaced.returncode == 0, replaced.stderr
+  assert batch_plan.load(str(plan_dir)).batch_size == 8
+  a_file = tmp_path / "a_file"
+  a_file.write_text("x")
+  onto_file = _cli("trime_jax.launch.make_batches", f"--config={cfg}", "--kind=bm25", f"--out={a_file}", "--overwrite")
+  assert onto_file.returncode == 0, onto_file.stderr
+  assert batch_plan.load(str(a_file)).batch_size == 4
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Long-term memory at evaluation
 # ----------------------------------------------------------------------------------------------------------

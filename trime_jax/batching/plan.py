@@ -89,6 +89,26 @@ class BatchPlan:
       raise DataError(f"batch plan{where} does not match this run: " + "; ".join(problems))
 
 
+# Header fields that say how long the planning took, not what the plan is: two runs of the same command differ
+# there and nowhere else.
+VOLATILE_FIELDS = ("timing",)
+
+
+def differences(plan: BatchPlan, header: dict, batches: np.ndarray) -> list[str]:
+  """What tells a newly computed plan (`header`, `batches`, as a planner returns them) from `plan` on disk:
+  header fields as "name old != new", then "the batches" when the segment indices differ; [] for the same plan
+  (VOLATILE_FIELDS aside). A rerun of make_batches keeps an identical plan as it is, since a training that reads
+  it records its digest and would not resume on a rewritten one."""
+  batches = np.asarray(batches)
+  new = {"format": FORMAT, **header, "num_batches": int(batches.shape[0]), "batch_size": int(batches.shape[1])}
+  new = json.loads(json.dumps(new))  # as plan.json would hold it (lists, not tuples)
+  out = [f"{k} {plan.header.get(k)!r} != {new.get(k)!r}" for k in sorted(set(plan.header) | set(new))
+         if k not in VOLATILE_FIELDS and plan.header.get(k) != new.get(k)]
+  if plan.batches.shape != batches.shape or not np.array_equal(plan.batches, batches):
+    out.append("the batches")
+  return out
+
+
 def save(directory: str, header: dict, batches: np.ndarray) -> str:
   batches = np.asarray(batches, np.int64)
   if batches.ndim != 2 or batches.shape[0] == 0:
@@ -111,8 +131,10 @@ def save(directory: str, header: dict, batches: np.ndarray) -> str:
     size = f"{batches.nbytes / 2**20:,.1f} MiB" if batches.nbytes >= 2**20 else f"{batches.nbytes / 2**10:,.1f} KiB"
     raise DiskFullError(f"no space left writing the batch plan {directory} ({what}); nothing was written: free "
                         f"space (the plan needs {size}) and rerun the same command") from None
-  if os.path.exists(directory):
+  if os.path.isdir(directory) and not os.path.islink(directory):
     shutil.rmtree(directory)
+  elif os.path.lexists(directory):  # a file or a link (the caller's --overwrite allowed replacing it)
+    os.remove(directory)
   os.replace(tmp, directory)
   return directory
 
