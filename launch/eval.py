@@ -46,6 +46,8 @@ def main(argv):
   # would lose the whole evaluation).
   check_output_file(_OUTPUT.value, "output")
   check_output_file(_PLOT.value, "plot")
+  if _PLOT.value:
+    sweep.check_plot_path(_PLOT.value)
   included = []
   for path in _INCLUDE.value:
     try:

@@ -608,6 +608,10 @@ def test_memory_size_sweep_table_and_plot(tmp_path):
   out = _cli("trime_jax.launch.eval", f"--include={tmp_path / 'rows.json'}", f"--plot={tmp_path / 'sweep.png'}")
   assert out.returncode == 0, out.stderr
   assert "| model |" in out.stdout and (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+  for bad, said in [("sweep.txt", "ends in .txt"), ("sweep", "has no extension")]:  # refused before any work
+    out = _cli("trime_jax.launch.eval", f"--include={tmp_path / 'rows.json'}", f"--plot={tmp_path / bad}")
+    assert out.returncode == 2 and said in out.stderr and ".png" in out.stderr, out.stderr
+    assert not (tmp_path / bad).exists() and "| model |" not in out.stdout
   # eval.tune_max_tokens: the grid is searched on the first dev targets only, the split is scored in full
   config.eval.update(split="test", tune_max_tokens=24)
   out = evaluate.evaluate_checkpoint(config, export, mem_sizes=[16])

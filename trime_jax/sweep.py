@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from trime_jax import evaluate
 
 FAMILY_NAMES = {"none": "none", "trime_local": "TRIME (local + long-term)", "cache": "continuous cache",
@@ -81,6 +83,24 @@ def sweep_table(rows: list[dict]) -> str:
       vals.append("" if r is None else f"{r[metric]:.3f}" + (f" ({_params_text(r)})" if fam != "none" else ""))
     lines.append(f"| {model} | {_family_name(fam)} | " + " | ".join(vals) + " |")
   return "\n".join(lines)
+
+
+def check_plot_path(path: str, flag: str = "plot") -> None:
+  """ConfigError unless `path` ends in an image format matplotlib writes (.png, .pdf, .svg, ...): checked before
+  an evaluation, whose plot is drawn only at its end."""
+  from trime_jax.errors import ConfigError
+
+  import matplotlib
+
+  matplotlib.use("Agg")
+  from matplotlib.figure import Figure
+
+  formats = Figure().canvas.get_supported_filetypes()
+  ext = os.path.splitext(path)[1].lstrip(".").lower()
+  if ext not in formats:
+    said = f"ends in .{ext}" if ext else "has no extension"
+    raise ConfigError(f"--{flag}={path} {said}: give an image file name ending in one of "
+                      f"{', '.join('.' + f for f in sorted(formats))} (e.g. .png)")
 
 
 def plot_sweep(rows: list[dict], path: str, title: str = "") -> str:
