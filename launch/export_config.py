@@ -2,7 +2,8 @@
 `--config`; it lives here, not in configs/, because it needs an argument).
 
   python -m trime_jax.launch.eval --checkpoint=runs/mini/export                       # uses this config implicitly
-  python -m trime_jax.launch.eval --config=launch/export_config.py:runs/mini/export --config.eval.split=test
+  python -m trime_jax.launch.eval --config=launch/export_config.py:runs/mini/export --checkpoint=runs/mini/export \\
+      --config.eval.split=test
   python -m trime_jax.launch.export_config runs/mini/export     # prints that config (stored fields over the defaults)
 
 Fields the export does not have (added after it was written) keep their defaults; a field this version does not

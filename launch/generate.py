@@ -125,8 +125,7 @@ def main(argv):
                       external=external, trace=_TRACE.value, stop_at_eos=_STOP_AT_EOS.value)
   for i, out in enumerate(outs):
     print(f"\n=== prompt {i + 1} ({len(out.tokens)} tokens, stopped at {out.stopped}) ===")
-    sep = " " if gen.vocab.kind == "words" and out.text and not out.prompt.endswith("\n") else ""
-    print(out.prompt + sep + "\u2502" + out.text)  # │ marks where the continuation starts
+    print(out.prompt + "\u2502" + out.text)  # │ marks where the continuation starts (its own space before it)
     if _TRACE.value:
       print(f"--- retrieval trace (τ={tau:g}): token, P(token), share from memory <- top memories "
             "(source share ...context[next token]) ---")

@@ -7,6 +7,7 @@ import gc
 import json
 import logging
 import os
+import shutil
 import tempfile
 
 import jax
@@ -292,6 +293,13 @@ def test_external_memory_with_a_datastore(model, run, tmp_path, capsys, caplog):
   ref = gen.generate(["def "], max_new_tokens=4, sampling=generate.Sampling(temperature=0.0),
                      memory=generate.MemorySpec("external"), external=gen.external(str(ds_dir), k=16))[0]
   assert out.ids == list(ref.tokens)
+  # index=: another index file of the same datastore (here a copy) is the one searched
+  shutil.copy(ds_dir / "index.faiss", tmp_path / "copy.faiss")
+  shutil.copy(ds_dir / "index.faiss.json", tmp_path / "copy.faiss.json")  # its sidecar (what it indexes)
+  with_index = model.score(TEXT, memory="external", datastore=ds_dir, k=16, index=tmp_path / "copy.faiss")
+  np.testing.assert_array_equal(with_index.log_probs, model.score(TEXT, memory="external", datastore=ds_dir,
+                                                                  k=16).log_probs)
+  assert any(c[2] == str(tmp_path / "copy.faiss") for c in model._external)
   for bad in (0, -1, 2.5):  # k is named, whatever the memory; 0 does not silently mean eval.knn_k
     with pytest.raises(ConfigError, match=rf"^k \(datastore entries retrieved per token\).*got {bad}"):
       model.score(TEXT, memory="external", datastore=ds_dir, k=bad)
@@ -374,6 +382,11 @@ def test_bad_arguments_are_one_clear_error_naming_them(model):
       (lambda: model.generate("x", memory=["long"]), r"^memory must be one of"),
       (lambda: model.score(TEXT, memory="external", datastore=3), r"^datastore must be a path"),
       (lambda: model.score("ok\udc80"), r"^the text has no UTF-8 form: character 2 \('\\udc80'\) surrogates"),
+      # an argument the memory would not use is refused, not ignored
+      (lambda: model.score(TEXT, memory="local", k=5), r"^k= \(datastore entries.*needs memory='external'"),
+      (lambda: model.generate("x", memory="long", k=5), r"^k= .*memory='long' retrieves nothing"),
+      (lambda: model.score(TEXT, memory="none", tau=0.5), r"^tau= .*memory='none' has none"),
+      (lambda: model.score(TEXT, index="x.faiss"), r"^index= .*needs memory='external'"),
   ]
   for call, message in cases:
     with pytest.raises(ConfigError, match=message):
@@ -383,6 +396,20 @@ def test_bad_arguments_are_one_clear_error_naming_them(model):
   assert len(model.score(("x = 1\n", "y = 2\n"), memory="none")) == 2
   out = model.generator.generate(["def "], max_new_tokens=3, memory="none", sampling=generate.Sampling(0))[0]
   assert out.tokens == model.generate("def ", max_new_tokens=3, temperature=0.0, memory="none").ids
+
+
+def test_the_default_memory_is_the_exports_own(run):
+  """memory=None: local memory for a TRIME model, the model alone for one trained without memory (a vanilla
+  export), as launch.eval scores each first."""
+  model = trime_jax.load(run[1]["export"])
+  a = model.score(TEXT)
+  np.testing.assert_array_equal(a.log_probs, model.score(TEXT, memory="local").log_probs)
+  model.config.trime.memory = "none"  # as a vanilla export's config reads
+  b = model.score(TEXT)
+  np.testing.assert_array_equal(b.log_probs, model.score(TEXT, memory="none").log_probs)
+  assert not np.allclose(a.log_probs, b.log_probs)
+  assert model.generate("def ", max_new_tokens=3, temperature=0.0).ids == model.generate(
+      "def ", max_new_tokens=3, temperature=0.0, memory="none").ids
 
 
 WORDS = ["</s>", "<unk>", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "to", "door", ".", ","]
@@ -591,6 +618,13 @@ def test_word_model_detokenize_is_the_generators(word_model):
   for seq in ([m.vocab.eos] + ids, ids + [m.vocab.eos], [m.vocab.eos, m.vocab.eos] + ids):
     assert m.detokenize(seq) == m.generator.detokenize(seq)
   assert m.detokenize([m.vocab.eos] + ids) == "\nthe cat\n<unk> ."
+  # A continuation reads on from its prompt: `prompt + text` is the whole text's detokenisation
+  text = m.generator.text
+  assert text.continuation("the cat", [4, 5]) == " sat on" and text.continuation("the cat ", [4]) == "sat"
+  assert text.continuation("the cat", [0, 4]) == "\nsat" and text.continuation("the cat\n", [4]) == "sat"
+  out = m.generate("the cat", max_new_tokens=4, temperature=0.0, memory="none")
+  shown = out.ids[:-1] if out.stopped == "eos" else out.ids
+  assert "the cat" + out.text == m.detokenize(m.tokenize("the cat") + shown)
 
 
 def test_load_a_fairseq_checkpoint(tmp_path, monkeypatch):

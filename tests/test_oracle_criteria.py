@@ -22,7 +22,7 @@ summed loss / sample_size, as fairseq's trainer). Cases:
 
 trime-jax side: the paper config (configs/wiki103_247m.py; the `_long` / `_ext` variants as
 docs/paper_configs.md states them, long_same_device as configs/wiki103_150m.py: one run = one forward's rows)
-with the imported model, `specs.loss_spec`, `train.ce_warmup_steps` and the jitted `steps.train_step`
+with the imported model, `specs.loss_spec`, `trime.ce_warmup_steps` and the jitted `steps.train_step`
 (the update's gradient captured by an optimizer that stores it). The drop-local mask is the fixture's. The
 4-GPU cases (one segment per GPU, as the 247M script) take the paper config's `trime.memory_grad_group_rows = 1`
 (key gradients only from queries of the key's own segment = GPU) and match on ONE device; in a subprocess (this

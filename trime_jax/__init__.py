@@ -70,3 +70,7 @@ def __getattr__(name):  # PEP 562: reached only for names not set yet
   if name in ("api", "train"):
     return importlib.import_module(f"trime_jax.{name}")
   raise AttributeError(f"module 'trime_jax' has no attribute {name!r}")
+
+
+def __dir__():  # the lazily loaded names too (tab completion in a notebook offers trime_jax.load)
+  return sorted(set(globals()) | set(__all__))

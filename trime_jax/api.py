@@ -103,11 +103,20 @@ def _path(value, what: str) -> str:
     raise ConfigError(f"{what} must be a path (str or os.PathLike), got {type(value).__name__}") from None
 
 
-def _check_memory(memory, datastore) -> None:
+def _check_memory(memory, datastore, k, tau, index=None) -> None:
+  """One ConfigError for a memory that is not one of MEMORIES, or an argument it would not use (a value given
+  and ignored would read as if it had been applied)."""
   if not isinstance(memory, str) or memory not in MEMORIES:
-    raise ConfigError(f"memory must be one of {MEMORIES}, got {memory!r}")
+    raise ConfigError(f"memory must be one of {MEMORIES} (or None: the export's own), got {memory!r}")
   if (memory == "external") != (datastore is not None):
     raise ConfigError("memory='external' needs datastore=DIR (and datastore= needs memory='external')")
+  if k is not None and memory != "external":
+    raise ConfigError(f"k= (datastore entries retrieved per token) needs memory='external'; memory={memory!r} "
+                      "retrieves nothing")
+  if index is not None and memory != "external":
+    raise ConfigError(f"index= (a datastore's FAISS index) needs memory='external' and datastore=; memory={memory!r}")
+  if tau is not None and memory == "none":
+    raise ConfigError("tau= (the temperature on memory similarities) needs a memory; memory='none' has none")
 
 
 @dataclasses.dataclass
@@ -138,7 +147,8 @@ class Output:
   """One prompt's continuation."""
 
   prompt: str
-  text: str  # the generated text (without the prompt)
+  text: str  # the generated text (without the prompt): `prompt + text` reads as one text (a word model's
+  #   continuation starts with a space where the prompt does not end in whitespace)
   ids: list  # its token ids
   stopped: str  # "eos" (a word model wrote </s>) | "budget" (max_new_tokens)
   trace: list  # generate.TraceStep per token when trace=True: its probability and the memories that gave most
@@ -319,8 +329,15 @@ class Model:
     return self._external[key]
 
   # -- scoring ----------------------------------------------------------------------------------------------
-  def score(self, texts, memory: str = "local", *, tau: float | None = None, datastore: str | None = None,
-            k: int | None = None):
+  def _memory(self, memory):
+    """`memory`, or when None the export's own: "none" for a model trained without memory (trime.memory=none,
+    the vanilla model, scored alone as launch.eval's first row scores it), else "local"."""
+    if memory is not None:
+      return memory
+    return "none" if str(self.config.trime.get("memory", "local")) == "none" else "local"
+
+  def score(self, texts, memory: str | None = None, *, tau: float | None = None, datastore: str | None = None,
+            k: int | None = None, index: str | None = None):
     """Per-token log-probabilities and perplexity of each text (a string gives one TextScore, a list a list).
 
     Each text is scored on its own (one stream starting at `</s>`) as trime_jax.launch.eval scores a split,
@@ -329,9 +346,12 @@ class Model:
     is not scored, NaN in log_probs, under eval.complete_overlong="drop", or refused under "refuse"; a text
     without a line end is one line, and a text none of whose lines fits is one ConfigError, nothing of it
     being scored), eval.knn_exact / eval.nprobe for a datastore and train.vocab_chunk.
-    `memory`: none | local | long | external, see the module docstring, at τ = `tau` on memory similarities
-    (default: the export's eval.tau). `datastore`, `k`: external memory's datastore directory (a string or a
-    path) and entries retrieved per token (an integer >= 1, default eval.knn_k).
+    `memory`: none | local | long | external, see the module docstring (default None: "none" for a model
+    trained without memory, "local" for a TRIME model), at τ = `tau` on memory similarities (default: the
+    export's eval.tau). `datastore`, `k`: external memory's datastore directory (a string or a path) and entries
+    retrieved per token (an integer >= 1, default eval.knn_k); `index`: its FAISS index file (default
+    `<datastore>/index.faiss`, as `Model.external`). An argument the memory would not use (k or index without
+    memory="external", tau with memory="none") is refused, not ignored.
 
     A list of texts runs in one pass per row length (each step feeds a window of a different text to each
     row, `evaluate.texts_plan`; rows as long as the texts' longest window, `evaluate.row_length`, not
@@ -347,14 +367,15 @@ class Model:
     is kept, and each later text of a similar length runs its own windows only, the same numbers as a whole
     pass (`tests/test_api.py`). Every window still searches a store as long as the documents."""
     texts, single = _texts(texts, "texts")
-    _check_memory(memory, datastore)
+    memory = self._memory(memory)
     tau = _positive(tau, "tau")
+    if k is not None:
+      self._k(k)  # a wrong k is refused as such, whatever the memory
+    _check_memory(memory, datastore, k, tau, index)
     tau = self.default_tau if tau is None else tau
     point = {"none": evaluate.NONE, "local": evaluate.Point("trime_local", tau=tau),
              "long": evaluate.Point("trime_local", tau=tau), "external": evaluate.Point("trime", tau=tau)}[memory]
-    external = self.external(datastore, k=k) if memory == "external" else None
-    if memory != "external":
-      self._k(k)  # a wrong k is refused whatever the memory
+    external = self.external(datastore, k=k, index=index or "") if memory == "external" else None
     e = self.config.eval
     block_len = min(int(e.block_len), int(self.config.model.max_len))
     context = 0 if self.stateful else min(int(e.context_window), block_len - 1)
@@ -455,27 +476,30 @@ class Model:
 
   # -- generation -------------------------------------------------------------------------------------------
   def generate(self, prompts, *, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
-               top_k: int = 0, seed: int = 0, memory: str = "local", datastore: str | None = None,
-               tau: float | None = None, k: int | None = None, trace: bool = False):
+               top_k: int = 0, seed: int = 0, memory: str | None = None, datastore: str | None = None,
+               tau: float | None = None, k: int | None = None, index: str | None = None, trace: bool = False):
     """Continue each prompt (a string gives one Output, a list of strings a list; token ids:
     `model.generator.generate`): `temperature` (of sampling; 0 is greedy), `tau` (τ on memory similarities,
     default the export's eval.tau), `top_p` / `top_k` filter the distribution (1.0 / 0: off), `seed` (an
     integer in [-2**31, 2**31)) fixes the draws. `memory`: none | local | long (the documents in
-    `model.memory`) | external (`datastore=DIR`, plus `model.memory` when it holds documents). An empty
-    `model.memory` is local memory alone, as when scoring: long-term memory adds the documents to local
+    `model.memory`) | external (`datastore=DIR`, plus `model.memory` when it holds documents); None (the
+    default) is the export's own, as in `score`; `index` as in `score`, and the same arguments are refused. An
+    empty `model.memory` is local memory alone, as when scoring: long-term memory adds the documents to local
     memory, and there are none. `trace`: each Output.trace lists every token's probability and the memories
     that contributed most. Generation does not add the prompts or outputs to `model.memory` (`model.memory.add`
     does)."""
     from trime_jax import generate
 
     prompts, single = _texts(prompts, "prompts")
-    _check_memory(memory, datastore)
+    memory = self._memory(memory)
+    tau = _positive(tau, "tau")
+    if k is not None:
+      self._k(k)
+    _check_memory(memory, datastore, k, tau, index)
     # built before the generator, so that a wrong value is refused before anything is loaded or compiled
     sampling = generate.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    spec = generate.MemorySpec(memory, tau=_positive(tau, "tau"))
-    external = self.external(datastore, k=k) if memory == "external" else None
-    if memory != "external":
-      self._k(k)
+    spec = generate.MemorySpec(memory, tau=tau)
+    external = self.external(datastore, k=k, index=index or "") if memory == "external" else None
     gen = self.generator
     store = self.memory.store() if memory in ("long", "external") else None
     results = gen.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling, memory=spec, store=store,

@@ -26,7 +26,8 @@ from trime_jax.generate.trace import trace_step
 @dataclasses.dataclass
 class Generation:
   prompt: str
-  text: str  # the generated continuation, detokenised
+  text: str  # the generated continuation, detokenised: prompt + text reads as one text (a word model's
+  #   continuation starts with a space where the prompt does not end in one)
   tokens: list  # generated token ids
   stopped: str  # "eos" | "budget"
   trace: list  # [TraceStep] when asked for
@@ -257,7 +258,8 @@ class Generator:
     results = []
     for r in range(b):
       shown = out_tokens[r][:-1] if stopped[r] == "eos" else out_tokens[r]
-      results.append(Generation(prompts[r], self.detokenize(shown), out_tokens[r], stopped[r], traces[r]))
+      results.append(Generation(prompts[r], self.text.continuation(prompts[r], shown), out_tokens[r], stopped[r],
+                                traces[r]))
     return results
 
   def _prefill(self, seqs, starts, cache_len: int):

@@ -43,6 +43,15 @@ class Text:
     words = ["\n" if self.vocab.tokens[i] == data.EOS else self.vocab.tokens[i] for i in ids]
     return " ".join(words).replace(" \n ", "\n").replace(" \n", "\n").replace("\n ", "\n")
 
+  def continuation(self, prompt: str, ids) -> str:
+    """The text of `ids` generated after `prompt`, such that `prompt + continuation` reads as one text: a word
+    model's first word is set apart from the prompt's last by a space (unless the prompt ends in whitespace or
+    the continuation starts a new line); bytes are the bytes as they come."""
+    text = self.detokenize(ids)
+    if self.vocab.kind == "words" and text and prompt and not prompt[-1].isspace() and not text.startswith("\n"):
+      return " " + text
+    return text
+
   def token_str(self, i: int) -> str:
     """One token, readable on one line."""
     return self.detokenize([i]).replace("\n", "⏎") if self.vocab.kind == "bytes" else self.vocab.tokens[i]
