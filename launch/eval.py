@@ -70,6 +70,14 @@ def main(argv):
     if _CONFIG.value is None:
       raise ConfigError("--checkpoint needs --config (the data and eval sections)")
     validated(_CONFIG.value)
+    e = _CONFIG.value.eval
+    if _MEM_SIZES.value and any(sizes) and e.memory == "none":  # nothing would read the store: one column, 0
+      raise ConfigError(f"--mem_sizes={','.join(_MEM_SIZES.value)} sweeps a long-term memory, and "
+                        "eval.memory=none scores the model alone: give --config.eval.memory=local (or cache), or "
+                        "drop --mem_sizes")
+    if e.get("datastore"):  # read by eval_ext only: said, since the rows would otherwise pass for external memory
+      print(f"note: eval.datastore={e.datastore} is not read by trime_jax.launch.eval, which scores without "
+            "external memory; trime_jax.launch.eval_ext evaluates with it", file=sys.stderr, flush=True)
     check_export(_CONFIG.value, _CHECKPOINT.value)
     check_data_split(_CONFIG.value, _CHECKPOINT.value, allow=_ALLOW_OVERLAP.value)
     rows = evaluate.evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value, mem_sizes=sizes, label=_LABEL.value,

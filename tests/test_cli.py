@@ -33,8 +33,9 @@ def test_train_then_eval_cli(trained):
   tmp, _, cfg, work = trained
   out = tmp / "eval.json"
   r = run_cli("trime_jax.launch.eval", f"--config={cfg}", f"--checkpoint={work}/export", "--config.eval.memory=cache",
-              "--config.eval.split=test", f"--output={out}")
+              "--config.eval.split=test", f"--output={out}", f"--config.eval.datastore={tmp}/no_ds")
   assert r.returncode == 0, r.stderr[-3000:]
+  assert f"note: eval.datastore={tmp}/no_ds is not read by trime_jax.launch.eval" in r.stderr  # not silently
   rows = json.loads(out.read_text())
   assert [x["variant"] for x in rows][0] == "none" and rows[1]["variant"].startswith("cache(")
   assert all(x["tokens"] > 0 and x["ppl"] > 1 and "bpc" in x for x in rows)
