@@ -492,15 +492,28 @@ def refuse_target(path: str, flag: str, wanted: str, ok=(), overwrite: bool = Fa
   return what
 
 
-def check_output_file(path: str, flag: str) -> None:
+def check_output_file(path: str, flag: str, *, json_results: bool = False) -> None:
   """An output file the program writes at the end: refused up front (before the work) when it is a folder, when
-  a folder on its way is a file, or when it cannot be created for lack of permission."""
+  a folder on its way is a file, or when it cannot be created for lack of permission. `json_results`: an
+  existing file is replaced only when it holds JSON (an earlier run's results), never a config, script or text
+  a mistyped name points at."""
+  import json
+
   from trime_jax.errors import ConfigError
 
   if not path:
     return
   if os.path.isdir(path):
     raise ConfigError(f"--{flag}={path} is a folder: give a file name (e.g. {os.path.join(path, 'results.json')})")
+  if json_results and os.path.isfile(path) and os.path.getsize(path):
+    try:
+      with open(path) as f:
+        json.load(f)
+    except (ValueError, UnicodeDecodeError):
+      raise ConfigError(f"--{flag}={path} exists and is not JSON (results of an earlier run, which would be "
+                        "replaced): it is left as it is; move it away or choose another file name") from None
+    except OSError:
+      pass  # unreadable: the permission checks below say so
   parent = os.path.dirname(os.path.abspath(path))
   probe = parent
   while not os.path.exists(probe):

@@ -44,7 +44,7 @@ def main(argv):
 
   # Everything the flags name is checked before the evaluation runs (an --output folder found only at the end
   # would lose the whole evaluation).
-  check_output_file(_OUTPUT.value, "output")
+  check_output_file(_OUTPUT.value, "output", json_results=True)
   check_output_file(_PLOT.value, "plot")
   if _PLOT.value:
     sweep.check_plot_path(_PLOT.value)

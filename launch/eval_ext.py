@@ -37,7 +37,7 @@ def main(argv):
   from trime_jax import evaluate
   from trime_jax.data import atomic_write_json
 
-  check_output_file(_OUTPUT.value, "output")  # before the evaluation, not after it
+  check_output_file(_OUTPUT.value, "output", json_results=True)  # before the evaluation, not after it
   config = validated(_CONFIG.value)
   check_export(config, _CHECKPOINT.value)
   check_data_split(config, _CHECKPOINT.value, allow=_ALLOW_OVERLAP.value)
