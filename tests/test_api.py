@@ -293,6 +293,15 @@ def test_external_memory_with_a_datastore(model, run, tmp_path, capsys, caplog):
   ref = gen.generate(["def "], max_new_tokens=4, sampling=generate.Sampling(temperature=0.0),
                      memory=generate.MemorySpec("external"), external=gen.external(str(ds_dir), k=16))[0]
   assert out.ids == list(ref.tokens)
+  # one passed for the other: each says what it is
+  with pytest.raises(CheckpointError, match=r"is a datastore \(keys of a model's tokens\), not an export"):
+    trime_jax.load(ds_dir)
+  with pytest.raises(CheckpointError, match=r"is an export \(a model\), not a datastore: build its datastore"):
+    model.score(TEXT, memory="external", datastore=model.directory)
+  no_index = tmp_path / "no_index"  # a datastore built with --index=none: how to add its index
+  shutil.copytree(ds_dir, no_index, ignore=shutil.ignore_patterns("index.faiss*"))
+  with pytest.raises(CheckpointError, match=r"has no index \(built with --index=none\?\): rerun its build_datastore"):
+    model.score(TEXT, memory="external", datastore=no_index)
   # index=: another index file of the same datastore (here a copy) is the one searched
   shutil.copy(ds_dir / "index.faiss", tmp_path / "copy.faiss")
   shutil.copy(ds_dir / "index.faiss.json", tmp_path / "copy.faiss.json")  # its sidecar (what it indexes)

@@ -274,18 +274,22 @@ def read_export_vocab(directory: str) -> data.Vocab:
 def what_else_it_is(directory: str) -> str | None:
   """Why `directory`, not an LM export, is something else a user may pass for one (None: nothing we know of,
   then it is an incomplete export): a machine-translation export, a training workdir that has not exported
-  yet, one step of its checkpoints, or a folder inside an export. The one line load_export raises."""
+  yet, one step of its checkpoints, a folder inside an export, or a datastore. The one line load_export raises."""
   join = lambda *p: os.path.join(directory, *p)
   meta = join("meta.json")
   if os.path.isfile(meta):
     try:
       with open(meta) as f:
-        family = json.load(f).get("model_family")
+        read = json.load(f)
+      family, fmt = read.get("model_family"), read.get("format", "")
     except (OSError, ValueError, AttributeError):
-      family = None
+      family = fmt = None
     if family == "mt":
       return (f"{directory} is a machine-translation export: translate with trime_jax.launch.translate "
               "--checkpoint (Python: trime_jax.mt.export.load_mt_export)")
+    if str(fmt).startswith("trime-datastore"):
+      return (f"{directory} is a datastore (keys of a model's tokens), not an export: load the model it was "
+              "built from and pass this folder as datastore= (score / generate with memory='external')")
     return None
   parent = os.path.dirname(directory)
   if os.path.isfile(os.path.join(parent, "meta.json")) and os.path.basename(directory) == "params":

@@ -68,9 +68,10 @@ def validate_config(config) -> None:
   if t.memory == "long" and train_cfg.batch_size % t.consecutive_segments:
     raise ConfigError(f"train.batch_size={train_cfg.batch_size} must be a multiple of "
                       f"trime.consecutive_segments={t.consecutive_segments} for memory='long'")
-  if d.segment_len > config.model.max_len or config.eval.block_len > config.model.max_len:
-    raise ConfigError(f"model.max_len={config.model.max_len} is shorter than data.segment_len="
-                      f"{d.segment_len} or eval.block_len={config.eval.block_len}")
+  longer = [f"{n}={v}" for n, v in (("data.segment_len", d.segment_len), ("eval.block_len", config.eval.block_len))
+            if v > config.model.max_len]
+  if longer:
+    raise ConfigError(f"model.max_len={config.model.max_len} is shorter than {' and '.join(longer)}")
   for name, value in (("trime.tau", t.tau), ("eval.tau", config.eval.tau)):
     if not value > 0:
       raise ConfigError(f"{name} must be > 0, got {value}")

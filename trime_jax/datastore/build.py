@@ -150,6 +150,10 @@ def _checked_meta(directory: str) -> dict:
     raise CheckpointError(f"no datastore in {directory}: meta.json is missing "
                           "(build one with `python -m trime_jax.launch.build_datastore`)")
   if meta.get("format") != FORMAT:
+    if "params_digest" in meta:  # an export passed where its datastore belongs
+      raise CheckpointError(f"{directory} is an export (a model), not a datastore: build its datastore with "
+                            f"`python -m trime_jax.launch.build_datastore --checkpoint={directory} --out=DIR` and "
+                            "pass DIR")
     raise CheckpointError(f"{directory}: unknown datastore format {meta.get('format')!r}")
   missing = [k for k in IDENTITY + ("fingerprint",) if k not in meta]
   if missing:

@@ -487,6 +487,11 @@ class KnnIndex:
            device: int = 0) -> "KnnIndex":
     """Read an index; with `datastore`, refuse one built over other keys. gpu=True moves it to `device`."""
     if not os.path.exists(path):
+      folder = os.path.dirname(os.path.abspath(path))
+      if os.path.isfile(os.path.join(folder, "meta.json")) and os.path.isfile(os.path.join(folder, "keys.npy")):
+        raise CheckpointError(f"FAISS index not found: {path}; the datastore in {folder} has no index (built with "
+                              "--index=none?): rerun its build_datastore command (the same flags, --subset_of and "
+                              "--entries included) with --index=auto, flat or ivfpq: its keys are reused")
       raise CheckpointError(f"FAISS index not found: {path} (build one with `python -m trime_jax.launch.build_datastore`)")
     if not os.path.exists(_sidecar(path)):
       raise CheckpointError(f"FAISS index {path} is incomplete: its sidecar {_sidecar(path)} is missing; rebuild it")

@@ -278,6 +278,7 @@ def _train_line(task: Task, done: int, objective: str, m: dict, lr, clock: _Thro
   rate, timed, skipped = clock.read()
   loss = float(m["loss"])
   return {"step": done, "objective": objective, "loss": loss, "ce_nll": float(m["ce_nll"]),
+          # ppl: of the vocabulary softmax alone (exp ce_nll), the same quantity in the CE warm-up and after it
           "trime_nll": float(m["trime_nll"]), "ppl": math.exp(min(float(m["ce_nll"]), 50.0)),
           "grad_norm": float(m["grad_norm"]), "lr": float(lr), "tokens_per_s": rate, "timed_updates": timed,
           "compile_s": round(clock.compile_s, 2), "skipped": skipped, **task.record(done)}
