@@ -233,3 +233,20 @@ def test_a_best_measured_with_another_dev_protocol_is_measured_again_before_it_i
   keep = lambda protocol: BestKeeper(os.path.join(workdir, "best"), True, metric, None, protocol=protocol,
                                      remeasure=lambda d: {metric: 1234.5})
   assert keep(now["dev_protocol"]).ppl == now["dev_ppl"] and keep(meta["dev_protocol"]).ppl == 1234.5
+
+
+def test_a_refused_run_leaves_no_workdir_it_created(tmp_path):
+  """Bad data is refused before anything is written: the workdir the run made is removed again (a mistyped
+  --workdir leaves nothing behind), and one that was there before stays."""
+  from trime_jax.errors import DataError
+
+  cfg = tiny_config(str(tmp_path / "no_such_corpus.bin"), **{"train.num_steps": 2})
+  fresh = tmp_path / "runs" / "fresh"
+  with pytest.raises((ConfigError, DataError)):
+    train.train_and_evaluate(cfg, str(fresh))
+  assert not fresh.exists() and (tmp_path / "runs").is_dir()
+  kept = tmp_path / "kept"
+  kept.mkdir()
+  with pytest.raises((ConfigError, DataError)):
+    train.train_and_evaluate(cfg, str(kept))
+  assert kept.is_dir() and not os.listdir(kept)

@@ -214,8 +214,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, split
   Raises `Preempted` after checkpointing, when SIGTERM (or a multi-host preemption notice) arrives. One run per
   workdir: a second one raises LockedError naming the process that holds it."""
   validate_config(config)
-  workdir_files.prepare(workdir)
-  with workdir_files.lock(workdir):
+  with workdir_files.run_in(workdir):
     return _train_and_evaluate(config, workdir, splits)
 
 

@@ -219,8 +219,7 @@ def train_and_evaluate(config, workdir: str, *, log=say) -> dict:
   """Train (or resume) in `workdir`, evaluate on valid, export. Returns the final metrics."""
   validate_config(config)
   mt_data.resolve_data_path(config)
-  workdir_files.prepare(workdir)
-  with workdir_files.lock(workdir):
+  with workdir_files.run_in(workdir):
     return _train_and_evaluate(config, workdir, log)
 
 

@@ -38,6 +38,25 @@ def prepare(workdir: str) -> None:
   os.makedirs(workdir, exist_ok=True)
 
 
+@contextlib.contextmanager
+def run_in(workdir: str):
+  """`prepare(workdir)`, then the run under its `lock`; a workdir this run created and a failure left empty (bad
+  data, a refused config: refused before anything was written) is removed again, so a mistyped --workdir leaves
+  nothing behind."""
+  created = not os.path.lexists(workdir)
+  prepare(workdir)
+  try:
+    with lock(workdir):
+      yield
+  except BaseException:
+    if created and chief():
+      try:
+        os.rmdir(workdir)  # only when empty (the lock file is gone with the lock)
+      except OSError:
+        pass
+    raise
+
+
 def lock(workdir: str):
   """One run per workdir (process 0 holds `<workdir>/.lock`; the other processes of a run share it)."""
   if not chief():
