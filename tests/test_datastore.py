@@ -316,6 +316,10 @@ def test_subset_is_the_prefix_and_a_datastore_of_its_own(setup, tmp_path):
   assert subset_datastore(setup["out"], out, n)["fingerprint"] == meta["fingerprint"]  # rerun: no-op
   with pytest.raises(CheckpointError, match="different datastore"):
     subset_datastore(setup["out"], out, n - 1)
+  # a plain build onto a subset: the message says how it was made
+  with pytest.raises(CheckpointError, match=rf"it is the first {n:,} entries of another datastore \(built with "
+                                            r"--subset_of and --entries\): rerun with those flags"):
+    build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, progress=False)
   with pytest.raises(ConfigError, match="holds"):
     subset_datastore(setup["out"], str(tmp_path / "big"), src.count + 1)
 

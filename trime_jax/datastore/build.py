@@ -202,7 +202,10 @@ class DatastoreWriter:
     if self.meta is not None:
       diff = [f"{k}: {self.meta.get(k)!r} there, {v!r} now" for k, v in self.identity.items() if self.meta.get(k) != v]
       if diff:
-        raise CheckpointError(f"{out_dir} holds a different datastore ({'; '.join(diff)}): choose another "
+        sub = self.meta.get("subset_of")
+        hint = (f"; it is the first {self.meta.get('count'):,} entries of another datastore (built with "
+                "--subset_of and --entries): rerun with those flags to reuse it") if sub else ""
+        raise CheckpointError(f"{out_dir} holds a different datastore ({'; '.join(diff)}){hint}: choose another "
                               "output directory, or replace it (trime_jax.launch.build_datastore --overwrite)")
     self.keys = self.values = None
 
