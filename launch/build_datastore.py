@@ -100,11 +100,15 @@ def main(argv):
   from trime_jax.runtime.lock import DirLock
   from trime_jax.mt import datastore as mt_datastore
 
-  from trime_jax.errors import CheckpointError
+  from trime_jax.errors import CheckpointError, ConfigError
 
   if not os.path.isdir(_CHECKPOINT.value):
     raise CheckpointError(f"--checkpoint={_CHECKPOINT.value}: export directory not found")
   if mt_datastore.is_mt(_CONFIG.value, _CHECKPOINT.value):  # translation: its own data and keys
+    lm_only = [f"--{h.name}" for h in (_SUBSET_OF, _ENTRIES, _STOP_AT, _TRAINED_INDEX) if h.present]
+    if lm_only:  # read by the language model's build only: refused, not ignored
+      raise ConfigError(f"{', '.join(lm_only)}: not supported for a translation datastore (the language model's "
+                        "builds only); a translation build takes --split, --index, --nlist, --pq_m, --overwrite")
     _check_flags(_OUT.value)
     try:
       mt_datastore.build_main(_CONFIG.value, _CHECKPOINT.value, _OUT.value, split=_SPLIT.value,

@@ -16,6 +16,10 @@ from trime_jax.errors import CheckpointError
 
 
 def get_config(export_dir: str = ""):
+  # A translation export's config is of another schema (configs/ui_de_en.py): said as such, not as the first
+  # field the language model's checks refuse
+  if export_dir and exports.is_mt_export(export_dir):
+    raise CheckpointError(exports.MT_EXPORT_MESSAGE.format(directory=export_dir))
   # the checks and the overlay live with the export they read: trime_jax.load applies them too
   return exports.stored_over_defaults(export_dir)
 

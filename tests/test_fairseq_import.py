@@ -609,6 +609,9 @@ def test_bad_dictionary_lines(tmp_path):
   p.write_text("the 5\n</s> 3\n")
   with pytest.raises(FI.ImportError_, match="dict.txt:2: token '</s>' repeats built-in symbol 2"):
     FI.read_dictionary(str(p))
+  p.write_bytes(b"PK\x03\x04\x80\xff\xfe binary")  # a checkpoint given as --dict: one error, not a traceback
+  with pytest.raises(FI.ImportError_, match="dict.txt:1: not UTF-8 text: a fairseq dictionary is a text file"):
+    FI.read_dictionary(str(p))
 
 
 def test_missing_and_unexplained_tensors(torch, tmp_path):

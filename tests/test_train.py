@@ -198,6 +198,9 @@ def test_workdir_lock_names_the_holder_and_is_released(corpus, tmp_path):
   with DirLock(str(work / ".lock"), "w"), DirLock(str(work / ".lock"), "w"):  # free again; reentrant in-process
     assert os.path.exists(work / ".lock")
   assert not os.path.exists(work / ".lock")
+  nested = work / "new" / "parents" / "ds.lock"  # an --out in folders not made yet: made, as for any output
+  with DirLock(str(nested), "datastore"):
+    assert nested.exists()
 
 
 def test_workdir_that_is_a_file_is_refused(corpus, tmp_path):

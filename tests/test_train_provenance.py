@@ -250,3 +250,12 @@ def test_a_refused_run_leaves_no_workdir_it_created(tmp_path):
   with pytest.raises((ConfigError, DataError)):
     train.train_and_evaluate(cfg, str(kept))
   assert kept.is_dir() and not os.listdir(kept)
+  # refused later, after config.json was written (a batch plan that is not there): the same
+  cfg = tiny_config(str(tmp_path / "corpus.bin"), **{"train.num_steps": 2, "trime.memory": "long",
+                                                     "trime.batching": "consecutive",
+                                                     "trime.consecutive_segments": 2,
+                                                     "trime.batch_plan": str(tmp_path / "no_plan")})
+  write_text_file(tmp_path / "corpus.bin", 4_000)
+  with pytest.raises((ConfigError, DataError), match="batch plan not found"):
+    train.train_and_evaluate(cfg, str(fresh))
+  assert not fresh.exists()

@@ -271,22 +271,34 @@ def read_export_vocab(directory: str) -> data.Vocab:
   return vocab
 
 
+MT_EXPORT_MESSAGE = ("{directory} is a machine-translation export: translate with trime_jax.launch.translate "
+                     "--checkpoint (Python: trime_jax.mt.export.load_mt_export)")
+
+
+def _meta_fields(directory: str) -> tuple:
+  """(model_family, format) of `directory`'s meta.json; (None, None) where there is none or it is unreadable."""
+  try:
+    with open(os.path.join(directory, "meta.json")) as f:
+      read = json.load(f)
+    return read.get("model_family"), read.get("format", "")
+  except (OSError, ValueError, AttributeError):
+    return None, None
+
+
+def is_mt_export(directory: str) -> bool:
+  """An export of the translation model (meta.json's model_family "mt")."""
+  return _meta_fields(directory)[0] == "mt"
+
+
 def what_else_it_is(directory: str) -> str | None:
   """Why `directory`, not an LM export, is something else a user may pass for one (None: nothing we know of,
   then it is an incomplete export): a machine-translation export, a training workdir that has not exported
   yet, one step of its checkpoints, a folder inside an export, or a datastore. The one line load_export raises."""
   join = lambda *p: os.path.join(directory, *p)
-  meta = join("meta.json")
-  if os.path.isfile(meta):
-    try:
-      with open(meta) as f:
-        read = json.load(f)
-      family, fmt = read.get("model_family"), read.get("format", "")
-    except (OSError, ValueError, AttributeError):
-      family = fmt = None
+  if os.path.isfile(join("meta.json")):
+    family, fmt = _meta_fields(directory)
     if family == "mt":
-      return (f"{directory} is a machine-translation export: translate with trime_jax.launch.translate "
-              "--checkpoint (Python: trime_jax.mt.export.load_mt_export)")
+      return MT_EXPORT_MESSAGE.format(directory=directory)
     if str(fmt).startswith("trime-datastore"):
       return (f"{directory} is a datastore (keys of a model's tokens), not an export: load the model it was "
               "built from and pass this folder as datastore= (score / generate with memory='external')")

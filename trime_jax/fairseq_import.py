@@ -125,17 +125,22 @@ def read_dictionary(path: str) -> data.Vocab:
   data.require_file(path, "fairseq dictionary", example="dict.txt", error=ImportError_)
   tokens = list(SPECIALS)
   seen = {t: f"built-in symbol {i}" for i, t in enumerate(SPECIALS)}
-  with open(path, encoding="utf-8") as f:
-    for n, line in enumerate(f, 1):
-      line = line.rstrip("\n")
-      idx = line.rfind(" ")
-      if idx <= 0 or not line[idx + 1:].lstrip("-").isdigit():
-        raise ImportError_(f"{path}:{n}: expected '<token> <count>', got {line[:80]!r}")
-      word = line[:idx]
-      if word in seen:  # fairseq would give it a second id and read it as the later one only
-        raise ImportError_(f"{path}:{n}: token {word!r} repeats {seen[word]}")
-      seen[word] = f"line {n}"
-      tokens.append(word)
+  n = 0
+  try:
+    with open(path, encoding="utf-8") as f:
+      for n, line in enumerate(f, 1):
+        line = line.rstrip("\n")
+        idx = line.rfind(" ")
+        if idx <= 0 or not line[idx + 1:].lstrip("-").isdigit():
+          raise ImportError_(f"{path}:{n}: expected '<token> <count>', got {line[:80]!r}")
+        word = line[:idx]
+        if word in seen:  # fairseq would give it a second id and read it as the later one only
+          raise ImportError_(f"{path}:{n}: token {word!r} repeats {seen[word]}")
+        seen[word] = f"line {n}"
+        tokens.append(word)
+  except UnicodeDecodeError:  # a binary file (the checkpoint itself, a .bin) given for the text dictionary
+    raise ImportError_(f"{path}:{n + 1}: not UTF-8 text: a fairseq dictionary is a text file of "
+                       "'<token> <count>' lines (dict.txt), not a checkpoint or binary file") from None
   return data.Vocab(tokens)
 
 

@@ -37,6 +37,7 @@ class DirLock:
     if DirLock._held.get(self.path):
       DirLock._held[self.path] += 1
       return self
+    os.makedirs(os.path.dirname(self.path), exist_ok=True)  # --out=a/new/folder: its parents, as for any output
     while True:
       fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
       try:

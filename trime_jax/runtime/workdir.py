@@ -18,6 +18,9 @@ from trime_jax.errors import ConfigError
 from trime_jax.runtime.lock import DirLock
 
 LOCK_FILE = ".lock"
+# What a run writes before its first update (checkpoint.check_resume_config / check_resume_data): a refused run
+# that created its workdir removes them with it (`run_in`)
+STARTING_FILES = ("config.json", "data.json")
 CHECKPOINTS = "checkpoints"  # <workdir>/checkpoints: the orbax step directories
 
 
@@ -40,9 +43,9 @@ def prepare(workdir: str) -> None:
 
 @contextlib.contextmanager
 def run_in(workdir: str):
-  """`prepare(workdir)`, then the run under its `lock`; a workdir this run created and a failure left empty (bad
-  data, a refused config: refused before anything was written) is removed again, so a mistyped --workdir leaves
-  nothing behind."""
+  """`prepare(workdir)`, then the run under its `lock`; a workdir this run created, when the run fails before it
+  trained (bad data, a missing batch plan, a refused config: nothing in it but the config and data records
+  written at its start), is removed again, so a mistyped --workdir or a refused run leaves nothing behind."""
   created = not os.path.lexists(workdir)
   prepare(workdir)
   try:
@@ -51,7 +54,11 @@ def run_in(workdir: str):
   except BaseException:
     if created and chief():
       try:
-        os.rmdir(workdir)  # only when empty (the lock file is gone with the lock)
+        left = os.listdir(workdir)  # the lock file is gone with the lock
+        if set(left) <= set(STARTING_FILES):
+          for name in left:
+            os.remove(os.path.join(workdir, name))
+          os.rmdir(workdir)
       except OSError:
         pass
     raise
