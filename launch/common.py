@@ -106,6 +106,7 @@ def _config_argv(argv: list[str]) -> list[str]:
   return out
 
 
+MT_COMMANDS = ("train_mt", "translate")  # their configs are the translation schema (configs/ui_de_en.py)
 HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort")
 HELPFULL_FLAGS = ("--helpfull", "-helpfull")
 
@@ -142,8 +143,9 @@ def print_help(module: str, full: bool = False) -> None:
   if not full and "config" in flags.FLAGS and "--config" not in text:
     text += "\n" + flags.FLAGS.module_help(flags.FLAGS.find_module_defining_flag("config") or key)
   head = name if prog.endswith(".py") or prog == name else f"{prog} ({name})"
+  schema = "configs/ui_de_en.py" if name.rsplit(".", 1)[-1] in MT_COMMANDS else "configs/default.py"
   tail = ("--config.SECTION.FIELD=VALUE overrides a field of the config (every field, with a comment: "
-          "configs/default.py); " if "config" in flags.FLAGS else "") + "--helpfull also lists absl's and JAX's flags."
+          f"{schema}); " if "config" in flags.FLAGS else "") + "--helpfull also lists absl's and JAX's flags."
   try:
     print(f"{head}\n\n{doc}\n\nflags:\n{text}\n\n{tail}", flush=True)
   except BrokenPipeError:  # `--help | head`
@@ -422,11 +424,21 @@ def train_in_workdir(train_and_evaluate, config, workdir: str | None, example: s
     sys.exit(130)
 
 
-def validated(config):
+def validated(config, checkpoint: str | None = None):
   """`config` after train.validate_config (enums and ranges, eval's included): the evaluation CLIs check a config
-  up front like training does, before loading a checkpoint or compiling anything."""
+  up front like training does, before loading a checkpoint or compiling anything. checkpoint: the export they
+  read, refused when it is a translation export."""
+  from trime_jax import exports
+  from trime_jax.errors import ConfigError
   from trime_jax.train import validate_config
 
+  # A translation export (and its stored config, of configs/ui_de_en.py's schema): said as such, not as the first
+  # language-model field it lacks
+  if checkpoint and exports.is_mt_export(checkpoint):
+    raise ConfigError(exports.MT_EXPORT_MESSAGE.format(directory=checkpoint))
+  if exports.is_mt_config(config):
+    raise ConfigError("--config is a translation config (configs/ui_de_en.py's schema): train it with "
+                      "trime_jax.launch.train_mt, translate with trime_jax.launch.translate")
   if config is not None:
     validate_config(config)
   return config

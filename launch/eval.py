@@ -69,7 +69,7 @@ def main(argv):
   if _CHECKPOINT.value:
     if _CONFIG.value is None:
       raise ConfigError("--checkpoint needs --config (the data and eval sections)")
-    validated(_CONFIG.value)
+    validated(_CONFIG.value, _CHECKPOINT.value)
     e = _CONFIG.value.eval
     if _MEM_SIZES.value and any(sizes) and e.memory == "none":  # nothing would read the store: one column, 0
       raise ConfigError(f"--mem_sizes={','.join(_MEM_SIZES.value)} sweeps a long-term memory, and "

@@ -38,7 +38,7 @@ def main(argv):
   from trime_jax.data import atomic_write_json
 
   check_output_file(_OUTPUT.value, "output", json_results=True)  # before the evaluation, not after it
-  config = validated(_CONFIG.value)
+  config = validated(_CONFIG.value, _CHECKPOINT.value)
   check_export(config, _CHECKPOINT.value)
   check_data_split(config, _CHECKPOINT.value, allow=_ALLOW_OVERLAP.value)
   check_split_overlap(config, _CHECKPOINT.value, allow=_ALLOW_OVERLAP.value)

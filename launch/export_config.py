@@ -11,15 +11,23 @@ know (a misspelling such as `eval.knn_kk` in a hand-edited config.json) is refus
 (`exports.check_stored_config`, which the launch programs and `trime_jax.load` also apply).
 """
 
+import os
+
 from trime_jax import exports
 from trime_jax.errors import CheckpointError
 
 
 def get_config(export_dir: str = ""):
-  # A translation export's config is of another schema (configs/ui_de_en.py): said as such, not as the first
-  # field the language model's checks refuse
+  # A translation export's config is of another schema (configs/ui_de_en.py): returned as stored, not over the
+  # language model's defaults; build_datastore reads it, the language model's programs refuse it with the
+  # export named (launch.common.validated), not with the first LM field it lacks
   if export_dir and exports.is_mt_export(export_dir):
-    raise CheckpointError(exports.MT_EXPORT_MESSAGE.format(directory=export_dir))
+    import ml_collections
+
+    from trime_jax.runtime.workdir import read_stored_config
+
+    return ml_collections.ConfigDict(read_stored_config(
+        os.path.join(export_dir, "config.json"), "export config", CheckpointError))
   # the checks and the overlay live with the export they read: trime_jax.load applies them too
   return exports.stored_over_defaults(export_dir)
 

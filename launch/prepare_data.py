@@ -36,10 +36,17 @@ def main(argv):
   data_dir = os.path.expanduser(_DATA_DIR.value) if _DATA_DIR.value else ""
   if data_dir and os.path.exists(data_dir) and not os.path.isdir(data_dir):
     raise ConfigError(f"--data_dir={_DATA_DIR.value} is a file, not a folder")
+  reused = tfds_builders.builder(name, _DATA_DIR.value).is_prepared()
   b = tfds_builders.prepare(name, _DATA_DIR.value, manual)
+  if reused:  # said: a build is never made again, whatever --manual_dir holds now
+    print(f"reused the build already in {b.data_dir} (--manual_dir is not read again; delete that folder to "
+          "rebuild)")
   unit = "chunks of 1 MiB" if name == "enwik8" else "articles"
   for split, info in sorted(b.info.splits.items()):
     print(f"{name} {split}: {info.num_examples:,} {unit}")
+  if "train" not in b.info.splits:
+    print(f"note: no train split (the source had no training file): this build serves evaluation only; for "
+          f"training, delete {b.data_dir} and rerun with the full release")
   print(f"built in {b.data_dir}; train with --config.data.corpus=tfds:{name} --config.data.path="
         + (f" --config.data.tfds_data_dir={_DATA_DIR.value}" if _DATA_DIR.value else ""))
 

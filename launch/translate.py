@@ -98,6 +98,58 @@ def _check_overlap(ds, pairs, split: str) -> None:
                         "Build the datastore from the training pairs (trime_jax.launch.build_datastore --split=train)")
 
 
+def _check_flag_combinations(out: str) -> None:
+  """Flags the run would not read are refused, not ignored (before the model is loaded): --tune reads neither
+  the split, the mode nor a distribution's flags; --settings replaces the distribution's flags; --index needs a
+  --datastore; --config must be a translation config; --out must be a folder."""
+  from trime_jax import exports
+  from trime_jax.errors import ConfigError
+
+  given = lambda *holders: [f"--{h.name}" for h in holders if h.present]
+  dist_flags = (_K, _KNN_LAMBDA, _KNN_MT_TEMPERATURE, _TAU, _TAU_PRIME)
+  if _TUNE.value:
+    unread = given(_SPLIT, _MODE, _SETTINGS, *dist_flags)
+    if unread:
+      raise ConfigError(f"{', '.join(unread)}: not read by --tune, which tunes on valid every setting of its grids "
+                        "for --tune_modes; drop them (translate with the tuned settings afterwards: --settings)")
+  else:
+    unread = given(_TUNE_BEAM, _TUNE_MODES)
+    if unread:
+      raise ConfigError(f"{', '.join(unread)}: read by --tune only")
+    unread = given(*dist_flags) if _SETTINGS.value else []
+    if unread:
+      raise ConfigError(f"{', '.join(unread)}: --settings={_SETTINGS.value} sets the distribution (its tuned setting "
+                        "for --mode); drop them, or drop --settings")
+  if _INDEX.value and not _DATASTORE.value:
+    raise ConfigError(f"--index={_INDEX.value} is a datastore's FAISS index: it needs --datastore")
+  if _CONFIG.value is not None and not exports.is_mt_config(_CONFIG.value):
+    raise ConfigError("--config is not a translation config (task='mt', e.g. configs/ui_de_en.py); without "
+                      "--config the export's own data settings are used")
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise ConfigError(f"--out={out} is a file: give an output folder")
+
+
+def _check_settings_are_this_models(path: str, params_digest, ds) -> None:
+  """A tuned.json records the model and datastore it was tuned with (since 2026-12-03; older ones are read
+  unchecked): another model's settings are refused."""
+  from trime_jax.errors import ConfigError
+
+  try:
+    with open(path) as f:
+      tuned = json.load(f)
+  except (OSError, ValueError, UnicodeDecodeError) as e:
+    raise ConfigError(f"cannot read tuned settings {path}: {e}") from None
+  if not isinstance(tuned, dict) or "chosen" not in tuned:
+    raise ConfigError(f"{path} is not a tuned.json of trime_jax.launch.translate --tune (no 'chosen' settings)")
+  if tuned.get("params_digest") and tuned["params_digest"] != params_digest:
+    raise ConfigError(f"--settings={path} was tuned for another model ({tuned.get('checkpoint', '?')}, params "
+                      f"{tuned['params_digest']}; this export's: {params_digest}): tune this one with --tune")
+  there = tuned.get("datastore_fingerprint")
+  if there and ds is not None and ds.meta.get("fingerprint") != there:
+    raise ConfigError(f"--settings={path} was tuned with another datastore (fingerprint {there}; --datastore's: "
+                      f"{ds.meta.get('fingerprint')}): tune with this one")
+
+
 def _data(config, checkpoint, split, vocab, limit, ds=None):
   from trime_jax.mt import data as mt_data
   from trime_jax.mt import datastore as mt_datastore
@@ -137,7 +189,10 @@ def main(argv):
   from trime_jax.mt import export as mt_export
 
   checkpoint, out = _CHECKPOINT.value, _OUT.value
+  _check_flag_combinations(out)
   graphdef, params, config, vocab = mt_export.load_mt_export(checkpoint)
+  with open(os.path.join(checkpoint, "meta.json")) as f:
+    params_digest = json.load(f).get("params_digest")  # what tuned.json records and --settings compares
   cfg = specs.mt_model_config(config, vocab_size=vocab.size)
   options = decode.SearchOptions(beam=_BEAM.value, lenpen=_LENPEN.value, max_len_a=_MAX_LEN_A.value,
                                  max_len_b=_MAX_LEN_B.value)
@@ -150,6 +205,13 @@ def main(argv):
   if _TUNE.value:
     if ds is None:
       raise ConfigError("--tune needs --datastore")
+    earlier = os.path.join(out, "tuned.json")
+    if os.path.isfile(earlier):  # replaced only by a tuning of the same model and datastore
+      try:
+        _check_settings_are_this_models(earlier, params_digest, ds)
+      except ConfigError as e:
+        raise ConfigError(f"--out={out} already holds tuned settings of another model or datastore ({e}); "
+                          "choose another --out") from None
     pairs = _data(_CONFIG.value, checkpoint, "valid", vocab, _MAX_SENTENCES.value, ds)
     t0 = time.perf_counter()
     modes = tuple(_TUNE_MODES.value)
@@ -172,7 +234,8 @@ def main(argv):
     from trime_jax import data as lm_data
 
     lm_data.atomic_write_json(os.path.join(out, "tuned.json"), {
-        "chosen": tuned, "nll_grid": [{**{k: v for k, v in r.items() if k != "setting"},
+        "checkpoint": os.path.abspath(checkpoint), "params_digest": params_digest,
+        "datastore_fingerprint": ds.meta.get("fingerprint"), "chosen": tuned, "nll_grid": [{**{k: v for k, v in r.items() if k != "setting"},
                                        "setting": dataclasses.asdict(r["setting"])} for r in rows]})
     print(f"tune: best settings -> {os.path.join(out, 'tuned.json')}", flush=True)
     return
@@ -183,6 +246,7 @@ def main(argv):
   dist = decode.Distribution(family, k=_K.value, knn_mt_temperature=_KNN_MT_TEMPERATURE.value,
                              knn_lambda=_KNN_LAMBDA.value, tau=_TAU.value, tau_prime=_TAU_PRIME.value)
   if _SETTINGS.value:
+    _check_settings_are_this_models(_SETTINGS.value, params_digest, ds)
     dist = decode.Distribution.from_tuned(_SETTINGS.value, _MODE.value)
   pairs = _data(_CONFIG.value, checkpoint, _SPLIT.value, vocab, _MAX_SENTENCES.value, ds)
   res = translate_split(make(dist), pairs, vocab, out, f"{_SPLIT.value}.{_MODE.value}",

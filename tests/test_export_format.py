@@ -138,7 +138,7 @@ def _loading_example() -> str:
 
 def _run_example(export_dir: str) -> dict:
   code = _loading_example()
-  assert 'export = "runs/mini/export"' in code
+  assert 'export = os.path.abspath("runs/mini/export")' in code
   ns = {}
   exec(code.replace('"runs/mini/export"', repr(export_dir)), ns)  # noqa: S102 - the documented snippet
   return ns

@@ -415,3 +415,27 @@ def test_cli_build_datastore_and_translate_tune(tiny):
   best = max(("trime", "trime_interp"), key=lambda m: tuned["chosen"][m]["bleu"])
   assert decode.Distribution.from_tuned(str(out / "tuned.json"), "trime_best") == {
       "trime": plain, "trime_interp": interp}[best]
+  # what the run would not read is refused before the model loads; another model's tuned.json too
+  assert tuned["params_digest"] == json.loads(open(os.path.join(tiny["ckpt"], "meta.json")).read())["params_digest"]
+  foreign = root / "foreign_tuned.json"
+  foreign.write_text(json.dumps({**tuned, "params_digest": "0123456789abcdef"}))
+  (root / "a_file").write_text("x")
+  base = [py, "-m", "trime_jax.launch.translate", f"--checkpoint={tiny['ckpt']}", "--beam=2", "--max_len_b=8"]
+  for extra, said in [
+      ([f"--datastore={ds2}", f"--settings={out / 'tuned.json'}", "--mode=knn_mt", "--k=2", f"--out={root / 'o1'}"],
+       "--k: --settings="),
+      ([f"--datastore={ds2}", "--tune", "--split=test", f"--out={root / 'o2'}"], "--split: not read by --tune"),
+      (["--index=x.faiss", f"--out={root / 'o3'}"], "--index=x.faiss is a datastore's FAISS index: it needs --datastore"),
+      ([f"--out={root / 'a_file'}"], "is a file: give an output folder"),
+      ([f"--datastore={ds2}", f"--settings={foreign}", "--mode=knn_mt", f"--out={root / 'o4'}"],
+       "was tuned for another model"),
+  ]:
+    proc = subprocess.run(base + extra, capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines[-1].startswith("error: ") and said in lines[-1], (extra, proc.stderr[-2000:])
+  # a language-model program given a real translation export (its stored config of the MT schema) says so
+  proc = subprocess.run([py, "-m", "trime_jax.launch.eval", f"--checkpoint={tiny['ckpt']}"], capture_output=True,
+                        text=True, cwd=repo, env=env, timeout=300)
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2 and lines[-1].startswith("error: ") and "is a machine-translation export" in lines[-1], (
+      proc.stderr[-2000:])

@@ -166,6 +166,11 @@ def test_prepare_data_cli(tmp_path):
   assert r.returncode == 0, r.stderr[-2000:]
   assert "wikitext2 test: 62 articles" in r.stdout and "wikitext2 validation: 60 articles" in r.stdout
   assert "--config.data.corpus=tfds:wikitext2" in r.stdout
+  assert "note: no train split" in r.stdout and "reused" not in r.stdout  # ../shared's WikiText-2: valid + test
+  again = subprocess.run([sys.executable, "-m", "trime_jax.launch.prepare_data", "--corpus=wikitext2",
+                          f"--manual_dir={WT2}", f"--data_dir={tmp_path}"], capture_output=True, text=True, env=env,
+                         cwd=corpora.REPO_ROOT, timeout=300)
+  assert again.returncode == 0 and "reused the build already in" in again.stdout, again.stderr[-2000:]
   r = subprocess.run([sys.executable, "-m", "trime_jax.launch.prepare_data", "--corpus=enwik8",
                       f"--manual_dir={tmp_path}/no", f"--data_dir={tmp_path}"], capture_output=True, text=True, env=env,
                      cwd=corpora.REPO_ROOT, timeout=300)

@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import logging
 import os
 
 import numpy as np
@@ -138,7 +139,12 @@ def train_sentencepiece(lines, vocab_size: int, model_type: str = "unigram") -> 
         input_sentence_size=0, shuffle_input_sentence=False, hard_vocab_limit=False, minloglevel=2)
   except RuntimeError as e:
     raise DataError(f"sentencepiece training failed: {first_line(e)}") from None
-  return SubwordVocab(spm_proto=model.getvalue())
+  vocab = SubwordVocab(spm_proto=model.getvalue())
+  if vocab.size != int(vocab_size):  # hard_vocab_limit=False: a small text gives fewer pieces than asked
+    logging.getLogger(__name__).warning(
+        f"sentencepiece: {vocab.size:,} pieces, not the data.vocab_size={int(vocab_size):,} asked for (the "
+        "training text has no more; the size is a soft limit)")
+  return vocab
 
 
 @dataclasses.dataclass
@@ -241,11 +247,12 @@ def load_parallel(config, split: str, vocab: SubwordVocab | None = None) -> Para
   vocab = vocab or load_vocab(config)
   src_text, tgt_text = read_aligned(*_paths(config, split))
   max_len = int(config.data.get("max_len", 0) or 0)
-  src, tgt, keep = [], [], []
+  src, tgt, keep, cut = [], [], [], 0
   for i, (x, y) in enumerate(zip(vocab.encode_batch(src_text), vocab.encode_batch(tgt_text))):
     if split == "train" and (not len(x) or not len(y) or (max_len and max(len(x), len(y)) + 1 > max_len)):
       continue
     if max_len:
+      cut += len(x) > max_len - 1 or len(y) > max_len - 1
       x, y = x[:max_len - 1], y[:max_len - 1]
     src.append(x)
     tgt.append(y)
@@ -253,6 +260,10 @@ def load_parallel(config, split: str, vocab: SubwordVocab | None = None) -> Para
   if not src:
     raise DataError(f"no usable sentence pairs in {split} of {config.data.path} (all empty or longer than "
                     f"data.max_len={max_len})")
+  if cut:  # said: a translation of a cut source is scored against the whole reference
+    logging.getLogger(__name__).warning(
+        f"{split}: {cut:,} of {len(src):,} pairs are longer than data.max_len={max_len} model tokens and were cut "
+        f"to {max_len - 1} tokens (the model's positions); BLEU still compares with the whole references")
   return ParallelData(src, tgt, [src_text[i] for i in keep], [tgt_text[i] for i in keep], vocab, split)
 
 

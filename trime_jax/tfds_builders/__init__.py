@@ -238,12 +238,13 @@ def _download(dl_manager, url: str) -> str:
     socket.create_connection((u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout=5).close()
   except OSError as e:
     raise DataError(f"could not download {url}: {u.hostname} is unreachable ({type(e).__name__}: {e}); offline, "
-                    "put the released file(s) in a directory and set data.path to it") from None
+                    "put the released file(s) in a directory and pass it: prepare_data --manual_dir=DIR, or "
+                    "data.path") from None
   try:
     return str(dl_manager.download(url))
   except Exception as e:  # noqa: BLE001 - offline, DNS, HTTP errors all mean: use a manual dir
-    raise DataError(f"could not download {url} ({first_line(e)}); "
-                    "offline, put the released file(s) in a directory and set data.path to it") from None
+    raise DataError(f"could not download {url} ({first_line(e)}); offline, put the released file(s) in a "
+                    "directory and pass it: prepare_data --manual_dir=DIR, or data.path") from None
 
 
 def _read_enwik8(path: str) -> bytes:
