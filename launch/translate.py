@@ -9,7 +9,8 @@
   python -m trime_jax.launch.translate --checkpoint=... --datastore=... --settings=<out>/tuned.json --mode=trime ...
 
 Writes <out>/<split>.<mode>.hyp (one detokenised hypothesis per line) and <out>/<split>.<mode>.json (BLEU,
-sacrebleu signature, sentences/s, retrieval seconds, the settings). --tune: one teacher-forced pass over the valid
+sacrebleu signature, sentences/s, retrieval seconds, the settings); those of another run (another model,
+datastore, setting or search) are replaced only with --overwrite. --tune: one teacher-forced pass over the valid
 targets retrieves the top-64 entries of every target token once (by inner product for TRIME, by L2 for kNN-MT);
 every K in {1,...,64} and every (τ, λ, T, τ′) of the grids is scored from it as valid token NLL; then beam search
 on valid runs only the --tune_beam best settings per mode, and the best valid BLEU is written to <out>/tuned.json.
@@ -58,6 +59,8 @@ _SETTINGS = flags.DEFINE_string("settings", "", "tuned.json of --tune: its setti
 _BATCH = flags.DEFINE_integer("batch_sentences", 32, "Sentences decoded together.")
 _MAX_SENTENCES = flags.DEFINE_integer("max_sentences", 0, "Translate only the first N sentences (0 = all).")
 _TUNE = flags.DEFINE_bool("tune", False, "Tune K, τ, λ, T, τ′ on valid (see the module doc).")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace <out>/<split>.<mode>.{hyp,json} of another run (another "
+                               "model, datastore, setting or search); a rerun of the same one replaces them anyway.")
 _TUNE_BEAM = flags.DEFINE_integer("tune_beam", 2, "--tune: settings per mode decoded with beam search on valid.")
 _TUNE_MODES = flags.DEFINE_list("tune_modes", ["knn_mt", "trime"], "--tune: the datastore distributions to tune "
                                 "(knn_mt, trime; trime includes Appendix A's interpolation); the model alone is "
@@ -148,6 +151,33 @@ def _check_settings_are_this_models(path: str, params_digest, ds) -> None:
   if there and ds is not None and ds.meta.get("fingerprint") != there:
     raise ConfigError(f"--settings={path} was tuned with another datastore (fingerprint {there}; --datastore's: "
                       f"{ds.meta.get('fingerprint')}): tune with this one")
+
+
+# What makes two translations of a split the same run: a rerun of it recomputes its files, another replaces them
+# only with --overwrite
+SAME_RUN_FIELDS = ("params_digest", "datastore_fingerprint", "setting", "beam", "lenpen", "max_len_a", "max_len_b",
+                   "max_sentences")
+
+
+def _check_replaces_only_the_same_run(out: str, name: str, record: dict) -> None:
+  """<out>/<name>.json of another run (its recorded SAME_RUN_FIELDS differ, or it predates them) is refused
+  without --overwrite: a translation with other settings does not silently replace an earlier result."""
+  from trime_jax.errors import ConfigError
+
+  path = os.path.join(out, f"{name}.json")
+  if _OVERWRITE.value or not os.path.lexists(path):
+    return
+  try:
+    with open(path) as f:
+      earlier = json.load(f)
+  except (OSError, ValueError, UnicodeDecodeError):
+    earlier = None
+  if isinstance(earlier, dict) and all(earlier.get(k) == record.get(k) for k in SAME_RUN_FIELDS):
+    return
+  differ = ([k for k in SAME_RUN_FIELDS if earlier.get(k) != record.get(k)] if isinstance(earlier, dict)
+            else ["not a result of trime_jax.launch.translate"])
+  raise ConfigError(f"--out={out} already holds {name}.json of another translation ({', '.join(differ)} differ): "
+                    "choose another --out, or give --overwrite to replace it")
 
 
 def _data(config, checkpoint, split, vocab, limit, ds=None):
@@ -248,9 +278,13 @@ def main(argv):
   if _SETTINGS.value:
     _check_settings_are_this_models(_SETTINGS.value, params_digest, ds)
     dist = decode.Distribution.from_tuned(_SETTINGS.value, _MODE.value)
+  name = f"{_SPLIT.value}.{_MODE.value}"
+  record = {"setting": dataclasses.asdict(dist), "params_digest": params_digest,
+            "datastore_fingerprint": ds.meta.get("fingerprint") if ds is not None else None,
+            "max_len_a": options.max_len_a, "max_len_b": options.max_len_b, "max_sentences": _MAX_SENTENCES.value}
+  _check_replaces_only_the_same_run(out, name, {**record, "beam": options.beam, "lenpen": options.lenpen})
   pairs = _data(_CONFIG.value, checkpoint, _SPLIT.value, vocab, _MAX_SENTENCES.value, ds)
-  res = translate_split(make(dist), pairs, vocab, out, f"{_SPLIT.value}.{_MODE.value}",
-                        {"setting": dataclasses.asdict(dist)})
+  res = translate_split(make(dist), pairs, vocab, out, name, record)
   print(json.dumps(res), flush=True)
 
 

@@ -439,3 +439,14 @@ def test_cli_build_datastore_and_translate_tune(tiny):
   lines = proc.stderr.strip().splitlines()
   assert proc.returncode == 2 and lines[-1].startswith("error: ") and "is a machine-translation export" in lines[-1], (
       proc.stderr[-2000:])
+  # a rerun of the same translation replaces its files; another translation into the same --out is refused
+  plain = base + ["--max_sentences=2", f"--out={root / 'o5'}"]
+  for extra in ([], []):
+    proc = subprocess.run(plain + extra, capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+  first = json.loads((root / "o5" / "test.model.json").read_text())
+  proc = subprocess.run(plain + ["--lenpen=0.5"], capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2 and "another translation (lenpen differ)" in lines[-1] and "--overwrite" in lines[-1], (
+      proc.stderr[-2000:])
+  assert json.loads((root / "o5" / "test.model.json").read_text()) == first  # untouched
