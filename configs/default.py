@@ -145,7 +145,8 @@ def get_config():
   #   last block fed and the long-term store is cleared there; one line says how many lines / tokens; the default
   #   because a paper config reproduces the original's numbers) | refuse (an error naming the line, ours)
   e.batch_size = 8  # blocks per forward pass
-  e.memory = "local"  # none | local (earlier tokens of the block) | cache (continuous-cache baseline)
+  e.memory = "local"  # launch.eval's family: none | local (earlier tokens of the block) | cache (continuous-cache
+  #   baseline); launch.eval_ext does not read it: it scores every family, external memory's and these
   e.tau = 1.0  # τ on memory similarities g·g_j/√D at test time (every TRIME family: local, long-term, external)
   e.cache_lambda = 0.1  # λ of the continuous cache: (1-λ)·p_LM + λ·p_cache
   e.cache_theta = 1.0  # θ of the continuous cache: p_cache ∝ Σ exp(θ · g·g_j / √D)

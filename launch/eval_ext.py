@@ -9,7 +9,9 @@ retrieved memories, plus the Appendix-A interpolation) and the kNN-LM baselines,
 With eval.tune the parameters of every family (τ, τ′, λ, θ) are grid-searched on dev, then applied to
 eval.split; the interpolation is tuned and reported for both P′ memories (column interp_memory), otherwise
 P′ covers eval.interp_memory ("external": the original release, default; "all": the paper's text). Prints
-the perplexity table, top-K retrieval accuracy and perplexity per frequency bucket.
+the perplexity table, top-K retrieval accuracy and perplexity per frequency bucket. Every family is scored
+(the model alone, the continuous cache, TRIME with local / long-term memory, TrimeLM_ext, its interpolation,
+kNN-LM, kNN-LM + cache): eval.memory, launch.eval's choice of one family, is not read here.
 """
 
 import os

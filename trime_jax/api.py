@@ -308,7 +308,9 @@ class Model:
   def external(self, datastore: str, *, k: int | None = None, index: str = ""):
     """The datastore + FAISS index at `datastore` (`knn.ExternalMemory`, checked against this export), with the
     export's eval.nprobe, eval.knn_exact and eval.knn_gpu as trime_jax.launch.eval uses them; cached. `k`:
-    entries retrieved per token (default eval.knn_k). Paths: strings or path-like."""
+    entries retrieved per token (default eval.knn_k). Paths: strings or path-like. Always a FAISS search: the
+    stored eval.index (a path of the machine that evaluated) is not read, `index` names the file; the exact
+    on-device memory (eval.datastore_on_device) is trime_jax.launch.eval_ext's, not the API's."""
     from trime_jax import knn
 
     e = self.config.eval
@@ -323,6 +325,9 @@ class Model:
            stamp(os.path.join(datastore, "meta.json")), stamp(index) if index else None)
     if key not in self._external:
       self._external = {c: v for c, v in self._external.items() if c[:3] != key[:3]}  # not the stale one
+      if e.get("datastore_on_device", False):
+        logger.info("the export's eval.datastore_on_device is trime_jax.launch.eval_ext's: the API searches the "
+                    "FAISS index (top-K)")
       self._external[key] = knn.ExternalMemory(
           datastore, index_path=index, checkpoint_dir=self.directory, k=k, nprobe=int(e.nprobe),
           exact=bool(e.get("knn_exact", False)), gpu=bool(e.get("knn_gpu", False)), log=knn.logger.info)
