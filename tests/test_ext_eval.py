@@ -88,8 +88,10 @@ def _key(point):
 def test_external_memory_equals_brute_force_over_the_whole_datastore(setup):
   s = setup
   tau, tau_prime, lam_i, lam_k, theta = 0.8, 2.0, 0.3, 0.25, 1.5
-  ext = knn.ExternalMemory(str(s["tmp"] / "ds"), checkpoint_dir=s["export"], k=10_000)
-  assert ext.k == len(s["train"])  # K covers the datastore
+  said = []
+  ext = knn.ExternalMemory(str(s["tmp"] / "ds"), checkpoint_dir=s["export"], k=10_000, log=said.append)
+  assert ext.k == len(s["train"])  # K covers the datastore, and its line says K was cut to it
+  assert f"K={ext.k} (K=10000 asked for, more than the datastore holds)" in said[0], said
   P = evaluate.Point
   v = [evaluate.NONE, P("cache", cache_lambda=lam_k, cache_theta=theta), P("trime_local", tau=tau),
        P("trime", tau=tau),

@@ -70,6 +70,7 @@ class ExternalMemory:
     ds = self.datastore
     kind = "exact IndexFlatIP" if self.index.kind == "flat" else f"IVF-PQ (nprobe={nprobe})"
     log(f"external memory: {kind} index {path} over {ds.count:,} × {ds.dimension} keys, K={self.k}"
+        + (f" (K={k} asked for, more than the datastore holds)" if k > self.k else "")
         + (f" (every search scans all {ds.count:,} keys; trime_jax.launch.build_datastore --index=ivfpq is faster)"
            if self.index.kind == "flat" and ds.count * ds.dimension > 1 << 24 else ""))
     self.exact = exact
