@@ -60,7 +60,8 @@ _BATCH = flags.DEFINE_integer("batch_sentences", 32, "Sentences decoded together
 _MAX_SENTENCES = flags.DEFINE_integer("max_sentences", 0, "Translate only the first N sentences (0 = all).")
 _TUNE = flags.DEFINE_bool("tune", False, "Tune K, τ, λ, T, τ′ on valid (see the module doc).")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace <out>/<split>.<mode>.{hyp,json} of another run (another "
-                               "model, datastore, setting or search); a rerun of the same one replaces them anyway.")
+                               "model, datastore, setting or search), or with --tune a tuned.json of another model "
+                               "or datastore; a rerun of the same one replaces them anyway.")
 _TUNE_BEAM = flags.DEFINE_integer("tune_beam", 2, "--tune: settings per mode decoded with beam search on valid.")
 _TUNE_MODES = flags.DEFINE_list("tune_modes", ["knn_mt", "trime"], "--tune: the datastore distributions to tune "
                                 "(knn_mt, trime; trime includes Appendix A's interpolation); the model alone is "
@@ -236,12 +237,12 @@ def main(argv):
     if ds is None:
       raise ConfigError("--tune needs --datastore")
     earlier = os.path.join(out, "tuned.json")
-    if os.path.isfile(earlier):  # replaced only by a tuning of the same model and datastore
+    if os.path.isfile(earlier) and not _OVERWRITE.value:  # replaced by a tuning of the same model and datastore
       try:
         _check_settings_are_this_models(earlier, params_digest, ds)
       except ConfigError as e:
         raise ConfigError(f"--out={out} already holds tuned settings of another model or datastore ({e}); "
-                          "choose another --out") from None
+                          "choose another --out, or give --overwrite to replace them") from None
     pairs = _data(_CONFIG.value, checkpoint, "valid", vocab, _MAX_SENTENCES.value, ds)
     t0 = time.perf_counter()
     modes = tuple(_TUNE_MODES.value)

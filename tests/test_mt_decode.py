@@ -450,3 +450,11 @@ def test_cli_build_datastore_and_translate_tune(tiny):
   assert proc.returncode == 2 and "another translation (lenpen differ)" in lines[-1] and "--overwrite" in lines[-1], (
       proc.stderr[-2000:])
   assert json.loads((root / "o5" / "test.model.json").read_text()) == first  # untouched
+  # --tune into an --out holding another model's tuned.json: refused, --overwrite named
+  (root / "o6").mkdir()
+  (root / "o6" / "tuned.json").write_text(foreign.read_text())
+  proc = subprocess.run(base + [f"--datastore={ds2}", "--tune", "--tune_beam=1", f"--out={root / 'o6'}"],
+                        capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2 and "already holds tuned settings of another model" in lines[-1], proc.stderr[-2000:]
+  assert "--overwrite" in lines[-1]
