@@ -256,6 +256,11 @@ def e_eval_mt_export(b):  # the export's stored config is of the translation sch
   return _case("eval", f"--checkpoint={mt}"), [f"{mt} is a machine-translation export", "launch.translate"], [mt]
 
 
+def e_eval_ext_mt_config(b):  # a translation config for a language model's evaluation: said as such
+  case = _case("eval_ext", "--config=configs/ui_de_en.py", f"--checkpoint={b['export']}")
+  return case, ["--config is a translation config", "launch.translate"], []
+
+
 def e_eval_mem_sizes_without_memory(b):  # a sweep nothing would read: refused, not one silent "0" column
   case = _case("eval", f"--config={b['cfg']}", f"--checkpoint={b['export']}", "--mem_sizes=0,64",
                "--config.eval.memory=none")
@@ -349,7 +354,7 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_translate_max_sentences, e_translate_batch_sentences, e_translate_nprobe, e_translate_tune_modes,
                e_generate_nprobe, e_generate_top_p, e_generate_bad_stored_tau, e_eval_architecture_override,
                e_eval_architecture_override_explicit_config, e_export_config_unknown_field,
-               e_export_config_unknown_field_explicit_config, e_eval_output_folder, e_eval_output_not_json, e_eval_mt_export, e_eval_mem_sizes_without_memory, e_eval_ext_output_folder,
+               e_export_config_unknown_field_explicit_config, e_eval_output_folder, e_eval_output_not_json, e_eval_mt_export, e_eval_ext_mt_config, e_eval_mem_sizes_without_memory, e_eval_ext_output_folder,
                e_byte_corpus_folder, e_token_file_folder, e_make_batches_out_is_workdir,
                e_make_batches_out_other_corpus, e_batch_plan_other_corpus, e_prepare_data_manual_dir,
                e_full_disk_output, e_make_batches_disk_full, e_renamed_config_override, e_renamed_config_file_field, e_renamed_flag_generate,
