@@ -176,6 +176,11 @@ def get_config():
   #   host work, so the accelerator computes while the host searches (the same numbers; bench/eval_overlap.py;
   #   on a CPU both share the cores; on a GPU not yet measured: off until it measures better there; not with
   #   eval.datastore_on_device, whose search is device work)
+  e.search_queries = 4096  # queries per FAISS search: the scored queries of ⌊4096 / (eval.batch_size × queries per
+  #   window)⌋ consecutive windows (at least one) in one call; FAISS costs 3-7× more per query in 64-query calls
+  #   than in 4,096-query ones on CPU (docs/performance.md "Queries per FAISS call"); the same neighbours up to
+  #   FAISS's rounding, which differs between its small and large calls (top-K near-ties); 0: one search per
+  #   window (before 2026-12-04)
   e.datastore_on_device = False  # exact external memory: every datastore key on the devices (sharded over all of
   #   them), no FAISS top-K; needs the keys to fit in the devices' combined memory (docs/sharded_memory.md)
   e.tau_prime = 1.0  # τ′ of P′ in the interpolation (Appendix A), on g·g_j/√D: original --interp-temp = √D·τ′

@@ -178,6 +178,40 @@ def test_overlapped_search_scores_what_the_sequential_driver_scores(setup):
   assert all(v > 0 for v in out["tokens_per_s"].values()) and out["k"] == 8 and out["mem_size"] == 16
 
 
+def test_one_search_per_group_of_windows_scores_what_one_search_per_window_scores(setup):
+  """eval.search_queries: the scored queries of ⌊search_queries / (streams × Q)⌋ consecutive steps go to one
+  search, and the steps are scored in order after it. With a search whose answer does not depend on the call,
+  every token's nll and every retrieval count equal those of one search per step, with and without
+  eval.overlap_search (two streams, warm-up windows and a long-term store included); the group's queries are
+  all searched, once. With FAISS they agree to float rounding (its exact index rounds otherwise in large calls,
+  where it computes with BLAS: bench/eval_search_calls.py)."""
+  s = setup
+  v = (evaluate.NONE, evaluate.Point("trime", tau=0.8), evaluate.Point("knnlm_cache", knn_lambda=0.25, knn_theta=1.0))
+  run = lambda ext, queries, overlap=False: evaluate.evaluate(
+      s["graphdef"], s["params"], s["dev"], v, block_len=BLOCK, context_window=CTX, streams=2, external=ext,
+      per_token=True, long_term=evaluate.StoreSpec(mem_size=16), search_queries=queries, overlap_search=overlap)
+  exact = ref.RowByRowSearch(s["ds"].keys, s["ds"].values, 8)
+  per_step = run(exact, 0)
+  per_step_calls = list(exact.calls)
+  assert len(per_step_calls) > 3 and max(per_step_calls) <= 2 * (BLOCK - CTX)
+  for queries, overlap in [(48, False), (48, True), (4096, False), (4096, True)]:
+    exact.calls.clear()
+    grouped = run(exact, queries, overlap)
+    np.testing.assert_array_equal(grouped.token_nll, per_step.token_nll)
+    np.testing.assert_array_equal(grouped.retrieval_hits, per_step.retrieval_hits)
+    assert sum(exact.calls) == sum(per_step_calls) == per_step.tokens == len(s["dev"])
+    if queries == 48:  # three steps of 2 × 8 queries a search
+      assert max(exact.calls) <= 48 and len(exact.calls) < len(per_step_calls)
+    else:
+      assert exact.calls == [len(s["dev"])]
+  faiss = knn.ExternalMemory(str(s["tmp"] / "ds"), k=8)
+  one, grouped = run(faiss, 0), run(faiss, 4096)
+  np.testing.assert_allclose(grouped.token_nll, one.token_nll, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(grouped.retrieval_hits, one.retrieval_hits)
+  with pytest.raises(ConfigError, match="eval.search_queries must be >= 0, got -1"):
+    run(faiss, -1)
+
+
 def test_grid_tuning_and_frequency_buckets(setup):
   s = setup
   ext = knn.ExternalMemory(str(s["tmp"] / "ds"), k=8)

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from trime_jax.configs import bytes_srupp, enwik8_srupp
+from tests import reference as ref
 from tests.helpers import tiny_config, write_text_file
 from trime_jax import loss as L
 from trime_jax import model as M
@@ -252,6 +253,19 @@ def test_backbone_switch_trains_and_evaluates_srupp_long(tmp_path):
   overlapped = evaluate.evaluate(graphdef, params, splits.dev, (evaluate.NONE,), block_len=32, context_window=0,
                                  streams=1, max_tokens=192, overlap_search=True).scores[0]
   assert overlapped.nll == windowed.nll
+  # One search for several windows (eval.search_queries): their forward passes run first, each continuing the
+  # carry of the one before, then the windows are scored in order: what one search per window scores.
+  cfg_m = nnx.merge(graphdef, params).cfg
+  rng = np.random.default_rng(1)
+  mem = ref.RowByRowSearch(rng.standard_normal((40, cfg_m.d_model)), rng.integers(0, cfg_m.vocab_size, 40), 8)
+  with_ext = lambda queries, overlap: evaluate.evaluate(
+      graphdef, params, splits.dev, (evaluate.Point("trime", tau=1.0),), block_len=32, context_window=0, streams=1,
+      max_tokens=192, external=mem, per_token=True, search_queries=queries, overlap_search=overlap).token_nll
+  per_window = with_ext(0, False)
+  assert len(mem.calls) == 6
+  for overlap in (False, True):
+    np.testing.assert_array_equal(with_ext(64, overlap), per_window)
+  assert mem.calls[6:] == [64, 64, 64] * 2
   # Two streams: the second starts afresh at its first window (no long-term store, no warm-up), so its windows
   # score otherwise than in one stream, where they continue the carry (evaluate's docstring; a Transformer's
   # numbers would not move, tests/test_eval.py)

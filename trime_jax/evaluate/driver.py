@@ -193,7 +193,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
              external: knn.ExternalMemory | exact_memory.DeviceDatastore | None = None, vocab_chunk: int = 0,
              max_tokens: int = 0, word_buckets_V=None, progress: bool | str = False,
              break_mode: str = "none", per_token: bool = False, complete_overlong: str = "drop",
-             log=None, overlap_search: bool = False, start: StreamState | None = None,
+             log=None, overlap_search: bool = False, search_queries: int = 4096, start: StreamState | None = None,
              keep_state_before: int = 0, plan: StreamPlan | None = None) -> EvalResult:
   """Score `corpus` under every point in one pass: `streams` parallel streams, each with a long-term store of
   `long_term.mem_size` tokens, plus one top-K search per scored token when `external` is given (a
@@ -210,6 +210,15 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   lines goes (default: stderr; the Python API sends it to `logging`). `overlap_search`: dispatch each window's
   forward pass before the previous window's datastore search, scoring and read-back, so that device and host
   work at once (config eval.overlap_search; False: one step after the other; the same numbers either way).
+  `search_queries` (config eval.search_queries): a FAISS index is searched once per group of
+  ⌊search_queries / (streams × Q)⌋ consecutive steps (at least one), with every scored query of the group: FAISS
+  costs several times more per query in calls of tens of queries than of thousands (docs/performance.md "Queries
+  per FAISS call"), and a step's keys depend only on the parameters, so the group's forward passes run first and
+  its steps are scored in order after the one search. The neighbours are FAISS's answers to the larger call:
+  faiss-cpu 1.15.1's exact IndexFlatIP computes inner products with BLAS sgemm from queries × D = 128,000 on
+  (faiss.cvar.distance_compute_blas_threshold) and with its own loop below, which round differently (~1e-5 on
+  inner products of ~50), so a near-tie at the top-K boundary can go the other way (bench/eval_search_calls.py).
+  0: one search per step. Not with `exact_memory.DeviceDatastore` (its search is device work, step by step).
 
   One stream only: `keep_state_before=P` keeps the state after the windows that end at or before target
   position P (`EvalResult.state`); `start=` such a state skips those windows where this plan begins with them at
@@ -227,6 +236,8 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
                       "(eval.datastore)")
   if streams < 1:
     raise ConfigError(f"eval.batch_size (streams) must be >= 1, got {streams}")
+  if search_queries < 0:
+    raise ConfigError(f"eval.search_queries must be >= 0, got {search_queries}")
   model = nnx.merge(graphdef, params)
   model_cfg, stateful = model.cfg, bool(getattr(model, "stateful", False))
   if stateful and context_window:
@@ -286,6 +297,11 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   log = ProgressLog(desc, len(plan.schedule)) if progress == "log" else None
   n_steps = len(plan.schedule)
 
+  # Steps per FAISS search (`search_queries`): the forward passes of a group are dispatched together, their
+  # queries searched in one call, and the steps scored in order; 1 step where nothing is searched on the host.
+  rows_q = len(plan.schedule[0]) * plan.queries
+  group_len = max(1, search_queries // rows_q) if search_queries > 0 and external is not None and not on_device else 1
+
   def dispatch(step, carry):
     """Step `step`'s host batch and its forward pass, dispatched (jax runs it asynchronously)."""
     batch = plan.batch(corpus, step)
@@ -293,46 +309,72 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
                                   batch["reset"] if stateful else None, queries=plan.queries,
                                   vocab_chunk=vocab_chunk)
 
-  pending = dispatch(first, carry) if first < n_steps else None
-  for step in tqdm(range(first, n_steps), desc=desc, disable=progress is not True, unit="step"):
-    batch, out = pending
-    keys, q_keys, q_stats, q_targets, qpos = out[:5]
-    carry = out[5] if stateful else None
-    if overlap_search and step + 1 < n_steps:
-      # The next window's forward pass does not depend on this step's search or scoring (only on the carry),
-      # so the device computes it while the host searches the datastore, reads back the sums and builds the
-      # next batch below: none of these leaves the device idle. The same computations either way, in another
-      # order (tests/test_ext_eval.py, tests/test_srupp.py).
-      pending = dispatch(step + 1, carry)
-    q_targets_np = np.asarray(q_targets)
-    ext_sim = ext_targets = ext_exact = None
+  def dispatch_group(g0, carry):
+    """The steps [g0, g0 + group_len) dispatched in order, each continuing the previous one's carry."""
+    group = []
+    for step in range(g0, min(g0 + group_len, n_steps)):
+      group.append(dispatch(step, carry))
+      carry = group[-1][1][5] if stateful else None
+    return group
+
+  def search(group):
+    """Each step's (ext_sim, ext_targets, ext_exact) [S, Q, K]: one search of the group's scored queries."""
+    nonlocal hits
+    if external is None:
+      return [(None, None, None)] * len(group)
     if on_device:  # every datastore entry, on the devices (retrieval accuracy does not apply)
-      ext_exact = external.log_terms(q_keys, q_targets, scales)
-    elif external is not None:
-      scored = batch["own"] & (q_targets_np >= 0) & batch["score"][:, None]
-      ext_sim = np.zeros(scored.shape + (external.k,), np.float32)
-      ext_targets = np.full(scored.shape + (external.k,), -1, np.int32)
-      if scored.any():  # one search per scored token; warm-up windows only fill the store
-        got = external.retrieve(np.asarray(q_keys)[scored])
-        ext_sim[scored], ext_targets[scored] = got.sim, got.targets
-        hits += knn.retrieval_hits(got.targets, q_targets_np[scored], ks)
-    bucket_q = buckets[np.maximum(q_targets_np, 0)]
-    sums, bucket_sums, bucket_count, store, step_nll, step_pos = score_step(
-        store, keys, batch["targets"], q_keys, q_stats, q_targets, qpos, batch, ext_sim, ext_targets, bucket_q,
-        ext_exact, points=points, long_term=long_term, n_buckets=n_buckets)
-    if token_nll is not None:
-      step_pos = np.asarray(step_pos)
-      token_nll[:, step_pos[step_pos >= 0]] = np.asarray(step_nll)[:, step_pos >= 0]
-    totals += np.asarray(sums, np.float64)
-    bucket_totals += np.asarray(bucket_sums, np.float64)
-    bucket_counts += np.asarray(bucket_count, np.float64)
-    if step + 1 == keep and keep > first:  # a copy: the next score_step donates this store
-      state = StreamState(tuple(plan.wins[:keep]), plan.queries, StreamState.digest(corpus, plan.wins[keep - 1].end),
-                          graphdef, jax.tree_util.tree_map(jnp.copy, store), carry)
-    if not overlap_search and step + 1 < n_steps:
-      pending = dispatch(step + 1, carry)
-    if log is not None:
-      log.step(step + 1)
+      return [(None, None, external.log_terms(out[1], out[3], scales)) for _, out in group]
+    q_targets_np = [np.asarray(out[3]) for _, out in group]
+    scored = [b["own"] & (t >= 0) & b["score"][:, None] for (b, _), t in zip(group, q_targets_np)]
+    got = None
+    if any(m.any() for m in scored):  # one search per scored token; warm-up windows only fill the store
+      got = external.retrieve(np.concatenate([np.asarray(out[1])[m] for (_, out), m in zip(group, scored)]))
+      hits += knn.retrieval_hits(got.targets, np.concatenate([t[m] for t, m in zip(q_targets_np, scored)]), ks)
+    res, a = [], 0
+    for m in scored:
+      ext_sim = np.zeros(m.shape + (external.k,), np.float32)
+      ext_targets = np.full(m.shape + (external.k,), -1, np.int32)
+      if m.any():
+        b = a + int(m.sum())
+        ext_sim[m], ext_targets[m] = got.sim[a:b], got.targets[a:b]
+        a = b
+      res.append((ext_sim, ext_targets, None))
+    return res
+
+  bar = tqdm(total=n_steps - first, desc=desc, disable=progress is not True, unit="step")
+  pending = dispatch_group(first, carry) if first < n_steps else None
+  for g0 in range(first, n_steps, group_len):
+    group = pending
+    if overlap_search and g0 + group_len < n_steps:
+      # The next group's forward passes do not depend on this group's search or scoring (only on the carry), so
+      # the device computes them while the host searches the datastore, reads back the sums and builds the next
+      # batches below: none of these leaves the device idle. The same computations either way, in another order
+      # (tests/test_ext_eval.py, tests/test_srupp.py).
+      pending = dispatch_group(g0 + group_len, group[-1][1][5] if stateful else None)
+    for i, ((batch, out), (ext_sim, ext_targets, ext_exact)) in enumerate(zip(group, search(group))):
+      step = g0 + i
+      keys, q_keys, q_stats, q_targets, qpos = out[:5]
+      carry = out[5] if stateful else None
+      bucket_q = buckets[np.maximum(np.asarray(q_targets), 0)]
+      sums, bucket_sums, bucket_count, store, step_nll, step_pos = score_step(
+          store, keys, batch["targets"], q_keys, q_stats, q_targets, qpos, batch, ext_sim, ext_targets, bucket_q,
+          ext_exact, points=points, long_term=long_term, n_buckets=n_buckets)
+      if token_nll is not None:
+        step_pos = np.asarray(step_pos)
+        token_nll[:, step_pos[step_pos >= 0]] = np.asarray(step_nll)[:, step_pos >= 0]
+      totals += np.asarray(sums, np.float64)
+      bucket_totals += np.asarray(bucket_sums, np.float64)
+      bucket_counts += np.asarray(bucket_count, np.float64)
+      if step + 1 == keep and keep > first:  # a copy: the next score_step donates this store
+        state = StreamState(tuple(plan.wins[:keep]), plan.queries,
+                            StreamState.digest(corpus, plan.wins[keep - 1].end), graphdef,
+                            jax.tree_util.tree_map(jnp.copy, store), carry)
+      bar.update(1)
+      if log is not None:
+        log.step(step + 1)
+    if not overlap_search and g0 + group_len < n_steps:
+      pending = dispatch_group(g0 + group_len, carry)
+  bar.close()
   seconds = time.perf_counter() - t0
   if token_nll is not None and plan.scored_targets < plan.num_targets:  # the scored targets (dropped lines: none)
     token_nll = token_nll[:, np.concatenate([np.arange(w.score_start, w.end) for w in plan.wins])]

@@ -39,7 +39,7 @@ def evaluator_settings(e, vocab_chunk: int) -> dict:
   train.vocab_chunk): the windows, the streams and how the steps run."""
   return dict(block_len=e.block_len, context_window=e.context_window, streams=e.batch_size, vocab_chunk=vocab_chunk,
               break_mode=e.get("sample_break_mode", "none"), complete_overlong=e.get("complete_overlong", "drop"),
-              overlap_search=bool(e.get("overlap_search", False)))
+              overlap_search=bool(e.get("overlap_search", False)), search_queries=int(e.get("search_queries", 4096)))
 
 
 def store_spec(e, mem_size: int) -> StoreSpec:
