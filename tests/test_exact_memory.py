@@ -171,6 +171,7 @@ def test_evaluate_checkpoint_with_datastore_on_device(setup, monkeypatch):  # no
   cfg.eval.datastore_on_device = False
   assert (faiss_out["index"], exact_out["index"]) == ("flat", "on_device_exact")
   assert exact_out["k"] == faiss_out["k"] == len(s["train"]) and exact_out["exact"]
+  assert (faiss_out["search_queries"], exact_out["search_queries"]) == (4096, 0)  # the on-device search: no FAISS
   assert exact_out["retrieval_accuracy"] == {} and faiss_out["retrieval_accuracy"][f"top{min(faiss_out['k'], 1024)}"] > 0
   assert [r["variant"] for r in exact_out["rows"]] == [r["variant"] for r in faiss_out["rows"]]
   np.testing.assert_allclose([r["nll"] for r in exact_out["rows"]], [r["nll"] for r in faiss_out["rows"]],

@@ -121,7 +121,8 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
   if external_memory:
     on_device = isinstance(knn_memory, exact_memory.DeviceDatastore)
     out.update(datastore=e.datastore, index="on_device_exact" if on_device else knn_memory.index.kind,
-               k=knn_memory.k, nprobe=e.nprobe, exact=bool(e.knn_exact or on_device), mem_size=sizes[0])
+               k=knn_memory.k, nprobe=e.nprobe, exact=bool(e.knn_exact or on_device), mem_size=sizes[0],
+               search_queries=0 if on_device else int(e.get("search_queries", 4096)))  # 0: no FAISS call to group
   for mem_size in sizes:
     long_term = store_spec(e, mem_size)
     best = dev_best = None
