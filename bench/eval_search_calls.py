@@ -51,9 +51,10 @@ def prepare(workdir: str, index: str) -> tuple:
         g.write(f.read())
     os.rename(corpus + ".partial", corpus)
   export = os.path.join(workdir, "export")
-  if not os.path.isdir(export):
+  if not os.path.isdir(export):  # imported beside it, then renamed: an interrupted import is not taken for one
     fairseq_import.import_to_export(os.path.join(SHARED, "oracle", "trime.pt"),
-                                    os.path.join(SHARED, "oracle", "dict.txt"), export)
+                                    os.path.join(SHARED, "oracle", "dict.txt"), export + ".partial", overwrite=True)
+    os.rename(export + ".partial", export)
   c = default.get_config()
   c.data.corpus, c.data.path = "wikitext", corpus
   splits = load_eval_data(c, exports.read_export_vocab(export))

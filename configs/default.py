@@ -172,13 +172,14 @@ def get_config():
   e.nprobe = 32  # IVF lists searched per query (IVF-PQ indexes)
   e.knn_exact = False  # re-score the retrieved entries exactly from the stored float16 keys
   e.knn_gpu = False  # move the FAISS index to GPU 0 (needs a GPU build of faiss; faiss-cpu says so clearly)
-  e.overlap_search = False  # dispatch each window's forward pass before the previous window's FAISS search and
-  #   host work, so the accelerator computes while the host searches (the same numbers; bench/eval_overlap.py;
+  e.overlap_search = False  # dispatch the next group's forward passes (one window's, or eval.search_queries's
+  #   windows') before this group's FAISS search and host work, so the accelerator computes while the host searches (the same numbers; bench/eval_overlap.py;
   #   on a CPU both share the cores; on a GPU not yet measured: off until it measures better there; not with
   #   eval.datastore_on_device, whose search is device work)
   e.search_queries = 4096  # queries per FAISS search: the scored queries of ⌊4096 / (eval.batch_size × queries per
-  #   window)⌋ consecutive windows (at least one) in one call; FAISS costs 3-7× more per query in 64-query calls
-  #   than in 4,096-query ones on CPU (docs/performance.md "Queries per FAISS call"); the same neighbours up to
+  #   window)⌋ consecutive windows (at least one) in one call; on CPU an exact FAISS search costs 4.6× (D = 64) or
+  #   12.6× (D = 1,024) more per query in 64-query calls than in 4,096-query ones, and the same below
+  #   queries × D = 128,000 (docs/performance.md "Queries per FAISS call"); the same neighbours up to
   #   FAISS's rounding, which differs between its small and large calls (top-K near-ties); 0: one search per
   #   window (before 2026-12-04)
   e.datastore_on_device = False  # exact external memory: every datastore key on the devices (sharded over all of

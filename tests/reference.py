@@ -125,17 +125,20 @@ def same_group_rows(b, group_rows):
 
 class RowByRowSearch:
   """A stand-in for `knn.ExternalMemory`: the exact top-k of (keys, values) computed query by query in float64, so
-  that its answer to a query does not depend on which other queries share the call (FAISS's does below 20
-  queries a call); `calls` records each call's number of queries."""
+  that its answer to a query does not depend on which other queries share the call (FAISS's can: its exact index
+  rounds large calls, computed with BLAS, otherwise, and by the query's row in the call); `calls` records each
+  call's number of queries. `row_noise=e` adds e × (the query's row in its call) to its inner products: a search
+  whose answer depends on the call, as such rounding does."""
 
-  def __init__(self, keys_NxD, values_N, k: int):
+  def __init__(self, keys_NxD, values_N, k: int, row_noise: float = 0.0):
     self.keys, self.values = np.asarray(keys_NxD, np.float64), np.asarray(values_N)
     self.k, self.dimension, self.search_seconds, self.calls = k, self.keys.shape[1], 0.0, []
+    self.row_noise = row_noise
 
   def retrieve(self, queries_QxD):
     from trime_jax import knn
     self.calls.append(len(queries_QxD))
-    sim = np.stack([self.keys @ q for q in np.asarray(queries_QxD, np.float64)])
+    sim = np.stack([self.keys @ q + self.row_noise * i for i, q in enumerate(np.asarray(queries_QxD, np.float64))])
     order = np.argsort(-sim, axis=1, kind="stable")[:, :self.k]
     return knn.Retrieved((np.take_along_axis(sim, order, 1) / np.sqrt(self.dimension)).astype(np.float32),
                          self.values[order].astype(np.int32))

@@ -204,6 +204,21 @@ def test_one_search_per_group_of_windows_scores_what_one_search_per_window_score
       assert max(exact.calls) <= 48 and len(exact.calls) < len(per_step_calls)
     else:
       assert exact.calls == [len(s["dev"])]
+  # A stream resumed from a kept state (start=) searches the groups its uncut run searched after that state (a
+  # group ends where the state is kept): equal bit for bit even where the search's answer depends on its call.
+  noisy = ref.RowByRowSearch(s["ds"].keys, s["ds"].values, 8, row_noise=1e-3)
+  one_stream = lambda **kw: evaluate.evaluate(
+      s["graphdef"], s["params"], s["dev"], v, block_len=BLOCK, context_window=CTX, streams=1, external=noisy,
+      per_token=True, long_term=evaluate.StoreSpec(mem_size=64), search_queries=48, **kw)  # 6 steps a search
+  kept = one_stream(keep_state_before=2 * BLOCK)
+  k = len(kept.state.windows)
+  assert k % 6 and noisy.calls[0] == sum(w.end - w.score_start for w in kept.state.windows)  # a group ends there
+  noisy.calls.clear()
+  for overlap in (False, True):
+    resumed = one_stream(start=kept.state, overlap_search=overlap)
+    assert resumed.started_at == k
+    skipped = kept.state.windows[-1].end
+    np.testing.assert_array_equal(resumed.token_nll[:, skipped:], kept.token_nll[:, skipped:])
   faiss = knn.ExternalMemory(str(s["tmp"] / "ds"), k=8)
   one, grouped = run(faiss, 0), run(faiss, 4096)
   np.testing.assert_allclose(grouped.token_nll, one.token_nll, rtol=1e-5, atol=1e-6)

@@ -207,9 +207,10 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   "refuse" (a ConfigError naming it). `progress`: True a tqdm bar, "log" plain lines on
   stderr (`ProgressLog`: a log file, or a remote accelerator's output), False nothing. `per_token`: also
   every scored target's nll under every point (`EvalResult.token_nll`). `log(line)`: where the note on dropped
-  lines goes (default: stderr; the Python API sends it to `logging`). `overlap_search`: dispatch each window's
-  forward pass before the previous window's datastore search, scoring and read-back, so that device and host
-  work at once (config eval.overlap_search; False: one step after the other; the same numbers either way).
+  lines goes (default: stderr; the Python API sends it to `logging`). `overlap_search`: dispatch the next
+  group's forward passes (a group: one step, or `search_queries`'s) before this group's datastore search, scoring
+  and read-back, so that device and host work at once (config eval.overlap_search; False: one group after the
+  other; the same numbers either way).
   `search_queries` (config eval.search_queries): a FAISS index is searched once per group of
   ⌊search_queries / (streams × Q)⌋ consecutive steps (at least one), with every scored query of the group: FAISS
   costs several times more per query in calls of tens of queries than of thousands (docs/performance.md "Queries
@@ -218,7 +219,8 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   faiss-cpu 1.15.1's exact IndexFlatIP computes inner products with BLAS sgemm from queries × D = 128,000 on
   (faiss.cvar.distance_compute_blas_threshold) and with its own loop below, which round differently (~1e-5 on
   inner products of ~50), so a near-tie at the top-K boundary can go the other way (bench/eval_search_calls.py).
-  0: one search per step. Not with `exact_memory.DeviceDatastore` (its search is device work, step by step).
+  A group also ends where `keep_state_before`'s state is kept, so that a stream resumed from it searches the same
+  groups as the uncut run after it. 0: one search per step. Not with `exact_memory.DeviceDatastore` (its search is device work, step by step).
 
   One stream only: `keep_state_before=P` keeps the state after the windows that end at or before target
   position P (`EvalResult.state`); `start=` such a state skips those windows where this plan begins with them at
@@ -309,26 +311,36 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
                                   batch["reset"] if stateful else None, queries=plan.queries,
                                   vocab_chunk=vocab_chunk)
 
-  def dispatch_group(g0, carry):
-    """The steps [g0, g0 + group_len) dispatched in order, each continuing the previous one's carry."""
-    group = []
-    for step in range(g0, min(g0 + group_len, n_steps)):
-      group.append(dispatch(step, carry))
-      carry = group[-1][1][5] if stateful else None
-    return group
+  # The groups [start, end): of group_len steps from `first` on, one ending where the state is kept, so that a
+  # stream resumed from that state (start=) searches the same groups of queries as this one after it: FAISS's
+  # rounding of a query can depend on the call it is in (docs/performance.md "Queries per FAISS call").
+  groups, g0 = [], first
+  while g0 < n_steps:
+    end = min(g0 + group_len, n_steps)
+    end = keep if g0 < keep < end else end
+    groups.append((g0, end))
+    g0 = end
 
-  def search(group):
+  def dispatch_group(g, carry):
+    """Group `g`'s steps dispatched in order, each continuing the previous one's carry."""
+    steps_g = []
+    for step in range(*groups[g]):
+      steps_g.append(dispatch(step, carry))
+      carry = steps_g[-1][1][5] if stateful else None
+    return steps_g
+
+  def search_group(steps_g):
     """Each step's (ext_sim, ext_targets, ext_exact) [S, Q, K]: one search of the group's scored queries."""
     nonlocal hits
     if external is None:
-      return [(None, None, None)] * len(group)
+      return [(None, None, None)] * len(steps_g)
     if on_device:  # every datastore entry, on the devices (retrieval accuracy does not apply)
-      return [(None, None, external.log_terms(out[1], out[3], scales)) for _, out in group]
-    q_targets_np = [np.asarray(out[3]) for _, out in group]
-    scored = [b["own"] & (t >= 0) & b["score"][:, None] for (b, _), t in zip(group, q_targets_np)]
+      return [(None, None, external.log_terms(out[1], out[3], scales)) for _, out in steps_g]
+    q_targets_np = [np.asarray(out[3]) for _, out in steps_g]
+    scored = [b["own"] & (t >= 0) & b["score"][:, None] for (b, _), t in zip(steps_g, q_targets_np)]
     got = None
     if any(m.any() for m in scored):  # one search per scored token; warm-up windows only fill the store
-      got = external.retrieve(np.concatenate([np.asarray(out[1])[m] for (_, out), m in zip(group, scored)]))
+      got = external.retrieve(np.concatenate([np.asarray(out[1])[m] for (_, out), m in zip(steps_g, scored)]))
       hits += knn.retrieval_hits(got.targets, np.concatenate([t[m] for t, m in zip(q_targets_np, scored)]), ks)
     res, a = [], 0
     for m in scored:
@@ -342,17 +354,18 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
     return res
 
   bar = tqdm(total=n_steps - first, desc=desc, disable=progress is not True, unit="step")
-  pending = dispatch_group(first, carry) if first < n_steps else None
-  for g0 in range(first, n_steps, group_len):
-    group = pending
-    if overlap_search and g0 + group_len < n_steps:
+  pending = dispatch_group(0, carry) if groups else None
+  for g, (g0, _) in enumerate(groups):
+    steps_g, pending = pending, None
+    if overlap_search and g + 1 < len(groups):
       # The next group's forward passes do not depend on this group's search or scoring (only on the carry), so
       # the device computes them while the host searches the datastore, reads back the sums and builds the next
       # batches below: none of these leaves the device idle. The same computations either way, in another order
       # (tests/test_ext_eval.py, tests/test_srupp.py).
-      pending = dispatch_group(g0 + group_len, group[-1][1][5] if stateful else None)
-    for i, ((batch, out), (ext_sim, ext_targets, ext_exact)) in enumerate(zip(group, search(group))):
-      step = g0 + i
+      pending = dispatch_group(g + 1, steps_g[-1][1][5] if stateful else None)
+    searched = search_group(steps_g)
+    for step in range(g0, g0 + len(steps_g)):
+      (batch, out), (ext_sim, ext_targets, ext_exact) = steps_g.pop(0), searched.pop(0)  # freed once scored
       keys, q_keys, q_stats, q_targets, qpos = out[:5]
       carry = out[5] if stateful else None
       bucket_q = buckets[np.maximum(np.asarray(q_targets), 0)]
@@ -372,8 +385,9 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
       bar.update(1)
       if log is not None:
         log.step(step + 1)
-    if not overlap_search and g0 + group_len < n_steps:
-      pending = dispatch_group(g0 + group_len, carry)
+    del batch, out, keys, q_keys, q_stats, q_targets, qpos, ext_sim, ext_targets, ext_exact  # before the next group
+    if not overlap_search and g + 1 < len(groups):
+      pending = dispatch_group(g + 1, carry)
   bar.close()
   seconds = time.perf_counter() - t0
   if token_nll is not None and plan.scored_targets < plan.num_targets:  # the scored targets (dropped lines: none)
