@@ -173,8 +173,8 @@ def get_config():
   e.knn_exact = False  # re-score the retrieved entries exactly from the stored float16 keys
   e.knn_gpu = False  # move the FAISS index to GPU 0 (needs a GPU build of faiss; faiss-cpu says so clearly)
   e.overlap_search = False  # dispatch the next group's forward passes (one window's, or eval.search_queries's
-  #   windows') before this group's FAISS search and host work, so the accelerator computes while the host searches (the same numbers; bench/eval_overlap.py;
-  #   on a CPU both share the cores; on a GPU not yet measured: off until it measures better there; not with
+  #   windows') before this group's FAISS search and host work, so the accelerator computes while the host
+  #   searches (the same numbers; bench/eval_overlap.py; on a CPU both share the cores; on a GPU not yet measured: off until it measures better there; not with
   #   eval.datastore_on_device, whose search is device work)
   e.search_queries = 4096  # queries per FAISS search: the scored queries of ⌊4096 / (eval.batch_size × queries per
   #   window)⌋ consecutive windows (at least one) in one call; on CPU an exact FAISS search costs 4.6× (D = 64) or

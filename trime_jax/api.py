@@ -462,7 +462,7 @@ class Model:
     result = evaluate.evaluate(self.graphdef, self.params, corpus, [point], block_len=plan.block_len,
                                context_window=ctx, streams=rows, external=external, vocab_chunk=vocab_chunk,
                                per_token=True, log=logger.info, plan=plan,
-                               search_queries=int(self.config.eval.get("search_queries", 4096)))
+                               search_queries=evaluate.search_queries_of(self.config.eval))
     return np.split(np.asarray(result.token_nll[0], np.float32), np.cumsum(counts)[:-1])
 
   def _score_with_memory(self, ids, prefix, point, mode: str, ctx: int, block_len: int, overlong: str,
@@ -476,7 +476,7 @@ class Model:
                                streams=1, long_term=evaluate.StoreSpec(mem_size=mem_size), external=external,
                                vocab_chunk=vocab_chunk, per_token=True, break_mode=mode, complete_overlong=overlong,
                                log=logger.info, start=self.memory._states.get(key), keep_state_before=len(prefix),
-                               search_queries=int(self.config.eval.get("search_queries", 4096)))
+                               search_queries=evaluate.search_queries_of(self.config.eval))
     if result.state is not None:
       self.memory._keep_state(key, result.state)
     return np.asarray(result.token_nll[0], np.float32)

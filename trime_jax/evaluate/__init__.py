@@ -57,7 +57,7 @@ from trime_jax.evaluate.memory import (LONG_TERM_LAYOUTS, MEM_SIZE_AXIS_LABELS, 
 from trime_jax.evaluate.driver import (EvalResult, ProgressLog, Score, StreamState, evaluate, forward_queries,
                                        score_step)
 from trime_jax.evaluate.runner import (evaluate_checkpoint, format_table, load_eval_data,
-                                       on_device_datastore)
+                                       on_device_datastore, search_queries_of)
 from trime_jax.scoring import MemoryBlock
 
 __all__ = [
@@ -67,5 +67,6 @@ __all__ = [
     "StoreSpec", "StreamPlan", "external_block", "local_block", "long_term_block", "mem_size_axis_label",
     "row_length", "stream_plan", "text_windows", "texts_plan", "EvalResult", "ProgressLog", "Score", "StreamState", "evaluate", "forward_queries",
     "score_step",
-    "evaluate_checkpoint", "format_table", "load_eval_data", "on_device_datastore", "MemoryBlock",
+    "evaluate_checkpoint", "format_table", "load_eval_data", "on_device_datastore", "search_queries_of",
+    "MemoryBlock",
 ]

@@ -28,6 +28,8 @@ from trime_jax.evaluate.memory import (QueryStats, StoreSpec, StreamPlan, extern
                                        long_term_block, stream_plan)
 from trime_jax.evaluate.points import Point, exact_scales, point_nlls
 
+SEARCH_QUERIES = 4096  # evaluate's search_queries (config eval.search_queries; exports before 2026-12-04 lack it)
+
 # ----------------------------------------------------------------------------------------------------------
 # The one step, in two jitted halves around the host-side search.
 # ----------------------------------------------------------------------------------------------------------
@@ -193,7 +195,8 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
              external: knn.ExternalMemory | exact_memory.DeviceDatastore | None = None, vocab_chunk: int = 0,
              max_tokens: int = 0, word_buckets_V=None, progress: bool | str = False,
              break_mode: str = "none", per_token: bool = False, complete_overlong: str = "drop",
-             log=None, overlap_search: bool = False, search_queries: int = 4096, start: StreamState | None = None,
+             log=None, overlap_search: bool = False, search_queries: int = SEARCH_QUERIES,
+             start: StreamState | None = None,
              keep_state_before: int = 0, plan: StreamPlan | None = None) -> EvalResult:
   """Score `corpus` under every point in one pass: `streams` parallel streams, each with a long-term store of
   `long_term.mem_size` tokens, plus one top-K search per scored token when `external` is given (a
@@ -220,7 +223,8 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   (faiss.cvar.distance_compute_blas_threshold) and with its own loop below, which round differently (~1e-5 on
   inner products of ~50), so a near-tie at the top-K boundary can go the other way (bench/eval_search_calls.py).
   A group also ends where `keep_state_before`'s state is kept, so that a stream resumed from it searches the same
-  groups as the uncut run after it. 0: one search per step. Not with `exact_memory.DeviceDatastore` (its search is device work, step by step).
+  groups as the uncut run after it. 0: one search per step. Not with `exact_memory.DeviceDatastore` (its search
+  is device work, step by step).
 
   One stream only: `keep_state_before=P` keeps the state after the windows that end at or before target
   position P (`EvalResult.state`); `start=` such a state skips those windows where this plan begins with them at

@@ -16,7 +16,7 @@ from trime_jax import exact_memory
 from trime_jax import exports
 from trime_jax import knn
 from trime_jax.errors import CheckpointError, ConfigError
-from trime_jax.evaluate.driver import EvalResult, evaluate
+from trime_jax.evaluate.driver import SEARCH_QUERIES, EvalResult, evaluate
 from trime_jax.evaluate.memory import StoreSpec
 from trime_jax.evaluate.points import INTERP_MEMORIES, NONE, Point, families_of, grid, configured_points, tune
 
@@ -34,12 +34,17 @@ def load_eval_data(config, vocab):
 
 
 
+def search_queries_of(e) -> int:
+  """An eval section's eval.search_queries (an export's stored config from before it existed: the default)."""
+  return int(e.get("search_queries", SEARCH_QUERIES))
+
+
 def evaluator_settings(e, vocab_chunk: int) -> dict:
   """`driver.evaluate`'s keyword arguments that come from a config's eval section (and the model's
   train.vocab_chunk): the windows, the streams and how the steps run."""
   return dict(block_len=e.block_len, context_window=e.context_window, streams=e.batch_size, vocab_chunk=vocab_chunk,
               break_mode=e.get("sample_break_mode", "none"), complete_overlong=e.get("complete_overlong", "drop"),
-              overlap_search=bool(e.get("overlap_search", False)), search_queries=int(e.get("search_queries", 4096)))
+              overlap_search=bool(e.get("overlap_search", False)), search_queries=search_queries_of(e))
 
 
 def store_spec(e, mem_size: int) -> StoreSpec:
@@ -122,7 +127,7 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
     on_device = isinstance(knn_memory, exact_memory.DeviceDatastore)
     out.update(datastore=e.datastore, index="on_device_exact" if on_device else knn_memory.index.kind,
                k=knn_memory.k, nprobe=e.nprobe, exact=bool(e.knn_exact or on_device), mem_size=sizes[0],
-               search_queries=0 if on_device else int(e.get("search_queries", 4096)))  # 0: no FAISS call to group
+               search_queries=0 if on_device else search_queries_of(e))  # 0: no FAISS call to group
   for mem_size in sizes:
     long_term = store_spec(e, mem_size)
     best = dev_best = None
