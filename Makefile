@@ -27,9 +27,7 @@ demo: $(STAMP)
 	$(PY) -m trime_jax.launch.demo --workdir=runs/demo
 
 # The whole test suite (CPU; multi-device tests use virtual CPU devices), two test files at a time (pytest-xdist):
-# 23.3 minutes on an idle 2-core machine (746 tests, 2026-11-29); 776 tests: 31.9 minutes with light jobs beside them;
-# 790 tests: 23.6 minutes, idle (2026-12-01); 870 tests: 65.6 minutes, idle, on a slower 2-core machine (2026-12-03;
-# tests/test_oracle.py is 30% of it: README); 871 tests: 40.4 minutes, idle (2026-12-04, FAISS searched 64 windows a call).
+# 871 tests, 40.4 minutes on an idle 2-core machine (2026-12-04); earlier timings: docs/performance.md.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
