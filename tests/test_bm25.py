@@ -145,6 +145,39 @@ def test_numba_backend_plan_round_trips_through_the_plan_file(corpus, tmp_path):
   np.testing.assert_array_equal(epoch0, batches[loaded.epoch_order(0)])
 
 
+def _pack_reference(nbrs, seed, groups, batch_size):
+  """Algorithm 1 with the same-document rule as bm25.pack's docstring states it, written the slow, obvious way:
+  the next segment is the first unused neighbour of the previous one whose document has no segment in the batch
+  being filled (a new batch: none), else the first such entry of the seeded permutation, else its first unused."""
+  perm = np.random.default_rng([seed, 23]).permutation(len(nbrs)).tolist()
+  order, used = [], set()
+  for i in range(len(nbrs)):
+    mates = {int(groups[x]) for x in order[i - i % batch_size:]}
+
+    def ok(y):
+      return y >= 0 and y not in used and int(groups[y]) not in mates
+
+    options = ([y for y in nbrs[order[-1]].tolist() if ok(y)] if order else []) + [y for y in perm if ok(y)]
+    c = options[0] if options else next(y for y in perm if y not in used)
+    order.append(c)
+    used.add(c)
+  return np.asarray(order)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pack_with_documents_follows_its_rule_at_batch_boundaries(seed):
+  # A neighbour whose document is in the batch just finished is allowed as the next batch's first segment (it was
+  # rejected: the finished batch's documents were still counted when that neighbour was chosen).
+  rng = np.random.default_rng(seed)
+  s, k, b = 400, 5, 8
+  groups = rng.integers(0, 40, s)
+  nbrs = np.stack([rng.choice(np.flatnonzero(groups != groups[i]), k, replace=False) for i in range(s)])
+  nbrs[rng.random(nbrs.shape) < 0.1] = -1  # missing neighbours, as neighbours() pads them
+  order = bm25.pack(nbrs, seed, groups=groups, batch_size=b)
+  np.testing.assert_array_equal(order, _pack_reference(nbrs, seed, groups, b))
+  assert sorted(order.tolist()) == list(range(s))
+
+
 def test_same_document_neighbours_can_be_excluded(corpus):
   segs = D.make_segments(corpus, SEG)
   docs = bm25.segment_token_ids(corpus, segs)
@@ -330,3 +363,28 @@ def test_plan_check_compares_layout(corpus, tmp_path):
   plan.check(**args)  # not asked: not compared
   with pytest.raises(DataError, match="layout 'stream' != 'packed'"):
     plan.check(**args, layout="packed")
+
+
+def test_training_refuses_a_plan_of_other_neighbours(corpus, tmp_path, caplog):
+  # A BM25 plan made with another k or the other same-document setting is refused by the training's batch source
+  # (it trained on what its config did not say); another seed is allowed with a warning (the plan's order).
+  from trime_jax.train import BatchSource
+
+  header, batches = _plan(corpus)  # k 20, Algorithm 1 as published, seed 0
+  path = batch_plan.save(str(tmp_path / "plan"), header, batches)
+  config = _config()
+  config.trime.batching, config.trime.batch_plan = "bm25", path
+  BatchSource(corpus, config)
+  for field, value, message in [("bm25_k", 3, "k 20 != 3"),
+                                ("bm25_exclude_same_document", True, "exclude_same_document False != True")]:
+    other = _config()
+    other.trime.batching, other.trime.batch_plan = "bm25", path
+    other.trime[field] = value
+    with pytest.raises(DataError, match=message):
+      BatchSource(corpus, other)
+  reseeded = _config(seed=5)
+  reseeded.trime.batching, reseeded.trime.batch_plan = "bm25", path
+  with caplog.at_level("WARNING"):
+    BatchSource(corpus, reseeded)
+  assert "made with seed 0" in caplog.text and "train.seed=5" in caplog.text
+

@@ -61,11 +61,22 @@ class BatchSource:
     t = config.trime
     if t.batching != "random":
       self.plan = batch_plan.load(t.batch_plan)
-      consecutive = t.batching == "consecutive"
+      consecutive, bm25 = t.batching == "consecutive", t.batching == "bm25"
+      if bm25:
+        from trime_jax.batching import bm25 as bm25_planner  # here: bm25s is imported by BM25 runs only
+      # A BM25 plan's neighbours (k, the same-document option) are what the run's config says it trained on.
       self.plan.check(corpus_fingerprint=corpus.fingerprint(), segment_len=config.data.segment_len,
                       segmentation=config.data.segmentation, batch_size=config.train.batch_size,
                       consecutive_segments=t.consecutive_segments if consecutive else None,
-                      kind=t.batching, layout=t.consecutive_layout if consecutive else None)
+                      kind=t.batching, layout=t.consecutive_layout if consecutive else None,
+                      k=int(t.get("bm25_k", bm25_planner.DEFAULT_K)) if bm25 else None,
+                      exclude_same_document=bool(t.get("bm25_exclude_same_document", False)) if bm25 else None)
+      seed = self.plan.header.get("seed")
+      if self.plan.header.get("shuffle", True) and seed is not None and int(seed) != int(config.train.seed):
+        # Allowed (one plan can serve several initialisations), but the batch order is the plan's, not the run's.
+        logging.warning("batch plan %s was made with seed %s: its batches and their order per epoch follow that "
+                        "seed; train.seed=%s seeds the model, dropout and drop-local only", t.batch_plan, seed,
+                        config.train.seed)
       if consecutive:  # a plan sharded for the original's GPUs is laid out update by update
         made = (int(self.plan.header.get("gpus", 1)), self.plan.header.get("grad_accum"))
         gpus, accum = int(t.get("consecutive_gpus", 1)), int(config.train.grad_accum)

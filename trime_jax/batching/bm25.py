@@ -165,8 +165,6 @@ def pack(neighbours_Sxk: np.ndarray, seed: int, *, groups: np.ndarray | None = N
     return not used[y] and (groups is None or int(groups[y]) not in in_batch)
 
   for i in range(s):
-    if groups is not None and batch_size and i % batch_size == 0:
-      in_batch.clear()
     if c is None:
       while used[perm[p]]:
         p += 1
@@ -179,7 +177,10 @@ def pack(neighbours_Sxk: np.ndarray, seed: int, *, groups: np.ndarray | None = N
     used[c] = True
     order[i] = c
     if groups is not None:
-      in_batch.add(int(groups[c]))
+      if batch_size and (i + 1) % batch_size == 0:
+        in_batch.clear()  # the next segment opens a new batch: cleared before its neighbour is chosen
+      else:
+        in_batch.add(int(groups[c]))
     c = next((y for y in nbrs[c].tolist() if y >= 0 and free(y)), None)
   return order
 

@@ -71,8 +71,10 @@ class BatchPlan:
     return h.hexdigest()[:16]
 
   def check(self, *, corpus_fingerprint: str, segment_len: int, segmentation: str, batch_size: int,
-            consecutive_segments: int | None = None, kind: str | None = None, layout: str | None = None) -> None:
-    """Clear errors when the plan was made for other data or another batch layout."""
+            consecutive_segments: int | None = None, kind: str | None = None, layout: str | None = None,
+            k: int | None = None, exclude_same_document: bool | None = None) -> None:
+    """Clear errors when the plan was made for other data or another batch layout (or, for BM25 plans, other
+    neighbours: `k`, `exclude_same_document`); a field passed as None is not compared."""
     h = self.header
     problems = []
     if h.get("corpus_fingerprint") != corpus_fingerprint:
@@ -81,7 +83,8 @@ class BatchPlan:
                       f"(plan) != {corpus_fingerprint} (this run's training split; write its plan with "
                       "trime_jax.launch.make_batches)")
     for name, want in [("segment_len", segment_len), ("segmentation", segmentation), ("batch_size", batch_size),
-                       ("consecutive_segments", consecutive_segments), ("kind", kind), ("layout", layout)]:
+                       ("consecutive_segments", consecutive_segments), ("kind", kind), ("layout", layout),
+                       ("k", k), ("exclude_same_document", exclude_same_document)]:
       if want is not None and h.get(name) != want:
         problems.append(f"{name} {h.get(name)!r} != {want!r}")
     if problems:
