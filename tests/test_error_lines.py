@@ -110,3 +110,38 @@ def test_a_metrics_line_the_disk_refuses_is_taken_back_out(tmp_path, monkeypatch
   assert path.read_bytes() == before
   monkeypatch.undo()
   assert metrics.rows() == [{"step": 1, "loss": 2.5}]
+
+
+@pytest.mark.parametrize("reader", ["read_json", "batch_plan", "datastore", "faiss_sidecar"])
+def test_json_of_another_kind_is_one_error_naming_the_file(tmp_path, reader):
+  # Valid JSON that is not an object (a list: not a file this project wrote) was an AttributeError traceback in
+  # the batch-plan and datastore readers (`.get` on a list).
+  import numpy as np
+
+  from trime_jax.batching import plan as batch_plan
+  from trime_jax.datastore import Datastore
+  from trime_jax.datastore import index as faiss_index
+  from trime_jax.errors import CheckpointError
+
+  if reader == "read_json":
+    path = tmp_path / "meta.json"
+    path.write_text("[1, 2]")
+    call, error = (lambda: data.read_json(str(path), "datastore metadata", DataError, fix="rebuild it")), DataError
+  elif reader == "batch_plan":
+    path = tmp_path / "plan.json"
+    path.write_text("[]")
+    np.save(tmp_path / "batches.npy", np.zeros((1, 2), np.int64))
+    call, error = (lambda: batch_plan.load(str(tmp_path))), DataError
+  elif reader == "datastore":
+    path = tmp_path / "meta.json"
+    path.write_text('"a string"')
+    call, error = (lambda: Datastore(str(tmp_path))), CheckpointError
+  else:
+    path = tmp_path / "index.faiss.json"
+    (tmp_path / "index.faiss").write_bytes(b"")
+    path.write_text("3")
+    call, error = (lambda: faiss_index.KnnIndex.load(str(tmp_path / "index.faiss"))), CheckpointError
+  with pytest.raises(error) as e:
+    call()
+  assert f"{path} holds a JSON " in str(e.value) and "not an object" in str(e.value)
+  assert "\n" not in str(e.value)

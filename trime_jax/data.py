@@ -194,16 +194,22 @@ def atomic_write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
-def read_json(path: str, what: str, error: type[Exception]):
-  """A JSON file (atomic_write_json's), or `error` naming `what` and the file when it is missing, unreadable or
-  truncated."""
+def read_json(path: str, what: str, error: type[Exception], fix: str = "") -> dict:
+  """A JSON object (atomic_write_json's), or `error` naming `what` and the file when it is missing, unreadable,
+  truncated, or valid JSON of another kind (a list, a number: not a file this project wrote); `fix` (what to do
+  about it) ends the message of a damaged file."""
   if not os.path.exists(path):
     raise error(f"{what} {path} is missing")
+  fix = f"; {fix}" if fix else ""
   try:
     with open(path, encoding="utf-8") as f:
-      return json.load(f)
+      obj = json.load(f)
   except (ValueError, UnicodeDecodeError) as e:
-    raise error(f"{what} {path} is corrupt or truncated ({first_line(e)})") from None
+    raise error(f"{what} {path} is corrupt or truncated ({first_line(e)}){fix}") from None
+  if not isinstance(obj, dict):
+    raise error(f"{what} {path} holds a JSON {type(obj).__name__}, not an object: not a file this project "
+                f"wrote{fix}")
+  return obj
 
 
 def atomic_write_text(path: str, text: str) -> None:

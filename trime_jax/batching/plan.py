@@ -25,6 +25,7 @@ import shutil
 
 import numpy as np
 
+from trime_jax import data
 from trime_jax.errors import DataError, DiskFullError, is_no_space
 
 FORMAT = "trime-batch-plan/1"
@@ -154,11 +155,7 @@ def load(directory: str) -> BatchPlan:
                     " write one with `python -m trime_jax.launch.make_batches` or set --config.trime.batch_plan)")
   if not (os.path.exists(head) and os.path.exists(arr)):
     raise DataError(f"incomplete batch plan in {directory}: needs plan.json and batches.npy")
-  try:
-    with open(head) as f:
-      header = json.load(f)
-  except (ValueError, UnicodeDecodeError) as e:
-    raise DataError(f"batch plan header {head} is corrupt or truncated ({e}); rewrite the plan") from None
+  header = data.read_json(head, "batch plan header", DataError, fix="rewrite the plan")
   if header.get("format") != FORMAT:
     raise DataError(f"{head}: unknown batch-plan format {header.get('format')!r}")
   try:

@@ -127,11 +127,7 @@ def _read_meta(directory: str) -> dict | None:
   path = _paths(directory)[0]
   if not os.path.exists(path):
     return None
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except (ValueError, UnicodeDecodeError) as e:
-    raise DamagedCheckpointError(f"datastore meta {path} is corrupt or truncated ({e})") from None
+  return data.read_json(path, "datastore meta", DamagedCheckpointError)
 
 
 def _refuse_non_datastore(out_dir: str, meta) -> None:

@@ -495,12 +495,7 @@ class KnnIndex:
       raise CheckpointError(f"FAISS index not found: {path} (build one with `python -m trime_jax.launch.build_datastore`)")
     if not os.path.exists(_sidecar(path)):
       raise CheckpointError(f"FAISS index {path} is incomplete: its sidecar {_sidecar(path)} is missing; rebuild it")
-    try:
-      with open(_sidecar(path)) as f:
-        info = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-      raise DamagedCheckpointError(f"FAISS index sidecar {_sidecar(path)} is corrupt or truncated ({e}); rebuild "
-                                   "the index") from None
+    info = data.read_json(_sidecar(path), "FAISS index sidecar", DamagedCheckpointError, fix="rebuild the index")
     if info.get("format") != FORMAT:
       raise CheckpointError(f"{_sidecar(path)}: unknown index format {info.get('format')!r}")
     if "file_digest" in info and file_digest(path) != info["file_digest"]:

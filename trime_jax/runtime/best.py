@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import os
-import json
 
 import jax
 import numpy as np
 from absl import logging
+
+from trime_jax import data
+from trime_jax.errors import DamagedCheckpointError
 
 
 
@@ -29,8 +31,8 @@ class BestKeeper:
     self.ppl = math.inf
     meta = os.path.join(directory, "meta.json")
     if enabled and os.path.exists(meta):
-      with open(meta) as f:
-        stored = json.load(f)
+      stored = data.read_json(meta, "best-by-dev export meta", DamagedCheckpointError,
+                              fix=f"restore it, or remove {directory} (its best so far is then forgotten)")
       self.ppl = float(stored.get("dev_ppl", math.inf))
       before = stored.get("dev_protocol")
       if before is not None and self.protocol and before != self.protocol and remeasure is not None:
