@@ -74,9 +74,9 @@ def _check_flags(out: str) -> None:
       os.remove(out)
 
 
-def _interrupted(out: str) -> None:
+def _interrupted(out: str, subset: bool = False) -> None:
   """Ctrl-C: say what the datastore build or, once the datastore is complete, the index build left to resume
-  from; exit 130."""
+  from (a subset copy: nothing, it restarts); exit 130."""
   from trime_jax.datastore.index import saved_state
 
   try:
@@ -86,6 +86,10 @@ def _interrupted(out: str) -> None:
     complete = False
   if complete:
     kept = f"the index build of {out} keeps {saved_state(os.path.join(out, 'index.faiss'))}"
+  elif subset:
+    print(f"interrupted: the subset copy into {out} was removed (a copy keeps nothing to resume from); rerun the "
+          "same command to copy it again", file=sys.stderr, flush=True)
+    sys.exit(130)
   else:
     kept = f"the datastore in {out} keeps every finished chunk"
   print(f"interrupted: {kept}; rerun the same command to resume", file=sys.stderr, flush=True)
@@ -133,7 +137,7 @@ def main(argv):
       if not meta["complete"]:  # stopped at --stop_at_tokens: no index for an incomplete datastore
         return
   except KeyboardInterrupt:
-    _interrupted(out)
+    _interrupted(out, subset=bool(_SUBSET_OF.value))
   if _INDEX.value != "none":
     # The searches trime_jax.launch.eval_ext will run: one per scored token of dev (tuning) and test.
     cap = e.max_tokens or None

@@ -345,6 +345,33 @@ def test_a_subset_on_a_full_disk_is_one_error_and_leaves_nothing(setup, tmp_path
   assert meta["complete"] and Datastore(out).count == 500
 
 
+def test_an_interrupted_subset_leaves_nothing_and_says_so(setup, tmp_path, monkeypatch, capsys):
+  """Ctrl-C during the copy removes its full-size files (a copy has no chunks to resume from: it held the
+  disk space and the CLI said it kept finished chunks); the CLI's message says the copy restarts."""
+  from trime_jax.launch import build_datastore as cli  # defines its absl flags: no other test imports it
+
+  real, calls = os.posix_fallocate, []
+
+  def interrupted(fd, offset, length):
+    calls.append(length)
+    if len(calls) == 2:  # Ctrl-C while the values are being reserved, the keys' file written
+      raise KeyboardInterrupt
+    return real(fd, offset, length)
+
+  monkeypatch.setattr(os, "posix_fallocate", interrupted)
+  out = str(tmp_path / "sub_int")
+  with pytest.raises(KeyboardInterrupt):
+    build.subset_datastore(setup["out"], out, 500)
+  assert len(calls) == 2 and os.listdir(out) == []
+  with pytest.raises(SystemExit) as e:
+    cli._interrupted(out, subset=True)
+  assert e.value.code == 130
+  err = capsys.readouterr().err
+  assert "subset copy" in err and "was removed" in err and "finished chunk" not in err
+  monkeypatch.setattr(os, "posix_fallocate", real)
+  assert build.subset_datastore(setup["out"], out, 500)["complete"]
+
+
 def test_subset_of_a_build_in_progress_is_the_complete_ones_prefix(setup, tmp_path):
   """A size sweep need not wait for the full build: the finished chunks of an interrupted build are final."""
   from trime_jax.datastore import subset_datastore

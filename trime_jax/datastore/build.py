@@ -603,12 +603,12 @@ def subset_datastore(source_dir: str, out_dir: str, count: int, *, checkpoint_di
         out[a:a + CHUNK_TOKENS] = arr[a:min(a + CHUNK_TOKENS, count)]
       out.flush()
       del out
-  except OSError as e:
-    if not is_no_space(e):
-      raise
+  except BaseException as e:  # a full disk, Ctrl-C, anything: the copy restarts from 0, so nothing is kept
     for path in (keys_path, values_path):  # without meta.json they are no datastore: give the space back
       with contextlib.suppress(OSError):
         os.remove(path)
+    if not (isinstance(e, OSError) and is_no_space(e)):
+      raise
     need = count * (identity["dimension"] * src_keys.dtype.itemsize + src_values.dtype.itemsize)
     raise CheckpointError(f"no space left for the datastore subset {out_dir} ({os.strerror(e.errno)}): its files "
                           f"need {need / 2**20:,.1f} MiB; free space and rerun the same command") from None
