@@ -70,6 +70,9 @@ def test_a_cache_and_plans_inside_the_data_folder_are_reused(tmp_path, monkeypat
   with open(os.path.join(root, "wiki.test.tokens"), "a") as f:
     f.write(" = Another = \n")
   assert corpora._cache_key(cfg, None) != key
+  key = corpora._cache_key(cfg, None)
+  monkeypatch.setattr(corpora, "CACHE_VERSION", corpora.CACHE_VERSION + 1)  # the readers changed: not reused
+  assert corpora._cache_key(cfg, None) != key
 
 
 def test_a_checkpoints_vocabulary_reuses_the_training_cache_when_it_is_the_built_one(tmp_path, monkeypatch):
