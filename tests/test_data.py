@@ -75,6 +75,20 @@ def test_a_cache_and_plans_inside_the_data_folder_are_reused(tmp_path, monkeypat
   assert corpora._cache_key(cfg, None) != key
 
 
+def test_a_damaged_corpus_cache_is_one_error_saying_what_to_delete(tmp_path):
+  # A cache whose token file was cut short (a crash or a copy that did not finish) was a NumPy traceback.
+  root = write_wikitext_dir(tmp_path / "wt")
+  cfg = _wiki_cfg(root, cache_dir=str(tmp_path / "cache"))
+  corpora.load_splits(cfg)
+  cache = os.path.join(tmp_path, "cache", corpora._cache_key(cfg, None))
+  tokens = os.path.join(cache, "train", "tokens.npy")
+  with open(tokens, "r+b") as f:
+    f.truncate(os.path.getsize(tokens) // 2)
+  with pytest.raises(D.DataError, match=rf"^damaged corpus cache in {cache}/train \(ValueError: .*\): delete "
+                                        rf"{cache} \(the next run encodes the corpus again\)$"):
+    corpora.load_splits(cfg)
+
+
 def test_a_checkpoints_vocabulary_reuses_the_training_cache_when_it_is_the_built_one(tmp_path, monkeypatch):
   """Training caches the corpus under a key without a vocabulary; evaluation and datastore builds pass the
   checkpoint's. When that is the vocabulary the data built, the training cache is read (nothing encoded again,

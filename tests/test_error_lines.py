@@ -67,7 +67,7 @@ def test_an_atomic_write_that_fails_leaves_nothing_and_names_the_file(tmp_path, 
       fail()
 
   monkeypatch.setattr(json, "dump", fail)
-  monkeypatch.setattr(np, "save", lambda path, *a, **k: (open(path, "wb").write(b"x"), fail()))
+  monkeypatch.setattr(np, "save", lambda file, *a, **k: (file.write(b"x"), fail()))  # _atomic_npy's open file
   monkeypatch.setattr(data, "open", FailingText, raising=False)  # atomic_write_text's (json's write is json.dump)
   for write, target in ((lambda p: data.atomic_write_json(p, {"a": 1}), tmp_path / "rows.json"),
                         (lambda p: data._atomic_npy(p, np.zeros(3)), tmp_path / "tokens.npy"),

@@ -279,6 +279,14 @@ def _cache_key(cfg, vocab) -> str:
   return h.hexdigest()[:16]
 
 
+def _load_cached(cache: str, split: str, corpus: str) -> data.Corpus:
+  """One split of a finished corpus cache (memory-mapped); a damaged one says which folder to delete."""
+  try:
+    return data.Corpus.load(os.path.join(cache, split), f"{corpus}:{split}")
+  except DataError as e:
+    raise DataError(f"{e}: delete {cache} (the next run encodes the corpus again)") from None
+
+
 def load_splits(cfg, vocab: data.Vocab | None = None) -> Splits:
   """Read `config.data` into train/dev/test corpora (encoded with `vocab` if given).
 
@@ -291,18 +299,17 @@ def load_splits(cfg, vocab: data.Vocab | None = None) -> Splits:
   cache = os.path.join(resolve_path(cfg.cache_dir), _cache_key(cfg, vocab)) if cfg.cache_dir else ""
   out = None
   if cache and os.path.exists(os.path.join(cache, "COMPLETE")):
-    out = {s: data.Corpus.load(os.path.join(cache, s), f"{cfg.corpus}:{s}") for s in SPLITS}
+    out = {s: _load_cached(cache, s, cfg.corpus) for s in SPLITS}
   elif cache and vocab is not None:
     # Evaluation and datastore builds pass the checkpoint's vocabulary; training passed none and cached the
     # corpus encoded with the vocabulary built from it. When that is the given one, the ids are the same: use
     # that cache (memory-mapped) instead of encoding 103M tokens again into a second copy.
     built = os.path.join(resolve_path(cfg.cache_dir), _cache_key(cfg, None))
     if os.path.exists(os.path.join(built, "COMPLETE")):
-      train = data.Corpus.load(os.path.join(built, "train"), f"{cfg.corpus}:train")
+      train = _load_cached(built, "train", cfg.corpus)
       if train.vocab.fingerprint() == vocab.fingerprint():
         cache = built
-        out = {s: train if s == "train" else data.Corpus.load(os.path.join(built, s), f"{cfg.corpus}:{s}")
-               for s in SPLITS}
+        out = {s: train if s == "train" else _load_cached(built, s, cfg.corpus) for s in SPLITS}
   if out is None:
     out = reader(cfg, vocab)
     if cache:

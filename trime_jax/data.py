@@ -162,6 +162,8 @@ class Corpus:
         vocab = Vocab.from_json(json.load(f))
     except FileNotFoundError as e:
       raise DataError(f"incomplete corpus cache in {directory}: {e.filename} is missing") from None
+    except (ValueError, OSError, EOFError, KeyError, TypeError, DataError) as e:  # truncated or damaged files
+      raise DataError(f"damaged corpus cache in {directory} ({first_line(e)})") from None
     return cls(tokens, starts, vocab, name)
 
 
@@ -226,7 +228,10 @@ def atomic_write_text(path: str, text: str) -> None:
 def _atomic_npy(path: str, arr: np.ndarray) -> None:
   tmp = f"{path}.tmp.{os.getpid()}.npy"
   with _written_whole_or_not_at_all(tmp, path):
-    np.save(tmp, arr)
+    with open(tmp, "wb") as f:
+      np.save(f, arr)
+      f.flush()
+      os.fsync(f.fileno())  # on disk before the rename (and the caller's COMPLETE marker) says it is whole
     os.replace(tmp, path)
 
 
