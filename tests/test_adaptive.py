@@ -313,8 +313,10 @@ def test_bfloat16_compute_still_works():
     s32, _ = steps.forward(m32, inputs, targets, vocab_chunk=chunk)
     s16, k16 = steps.forward(m16, inputs, targets, vocab_chunk=chunk)
     assert k16.dtype == jnp.bfloat16 and s16.log_normalizer.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(s16.log_normalizer), np.asarray(s32.log_normalizer), atol=0.1)
-    np.testing.assert_allclose(np.asarray(s16.target_logit), np.asarray(s32.target_logit), atol=0.1)
+    # bfloat16 keeps 8 bits of mantissa (a rounding of 0.4%, ~0.012 at these |values| <= 3); measured: 0.007 and
+    # 0.016 at most
+    np.testing.assert_allclose(np.asarray(s16.log_normalizer), np.asarray(s32.log_normalizer), atol=0.04)
+    np.testing.assert_allclose(np.asarray(s16.target_logit), np.asarray(s32.target_logit), atol=0.04)
   graphdef, params = nnx.split(m16, nnx.Param)
   batch = {"inputs": inputs, "targets": targets, "drop_local": jnp.zeros(2, bool)}
 

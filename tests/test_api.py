@@ -141,9 +141,9 @@ def test_score_none_and_local_equal_the_reference(model):
   assert isinstance(local, list) and len(local) == 2
   np.testing.assert_allclose(local[0].log_probs, _reference_log_probs(model, ids, tau=0.7), rtol=2e-5, atol=2e-5)
   assert not np.allclose(local[0].log_probs, plain.log_probs)  # the memory changes the scores
-  with pytest.raises(ConfigError):
+  with pytest.raises(ConfigError, match=r"^memory must be one of .* got 'cache'$"):
     model.score(TEXT, memory="cache")
-  with pytest.raises(ConfigError):
+  with pytest.raises(ConfigError, match=r"^memory='external' needs datastore=DIR"):
     model.score(TEXT, memory="external")  # no datastore
 
 
@@ -156,7 +156,7 @@ def test_long_term_memory_add_and_clear(model):
   assert model.memory.add([text]) == len(model.tokenize(text)) == len(model.memory)
   remembered = model.score(text, memory="long")
   assert remembered.ppl < 0.9 * local.ppl  # the text's own keys in memory make it likelier
-  with pytest.raises(ConfigError):
+  with pytest.raises(ConfigError, match=r"^a memory document is empty"):
     model.memory.add("")
   model.memory.clear()
   assert len(model.memory) == 0
@@ -639,8 +639,8 @@ def test_word_model_detokenize_is_the_generators(word_model):
 
 
 def test_load_a_fairseq_checkpoint(tmp_path, monkeypatch):
-  torch = pytest.importorskip("torch", reason="the fairseq import needs the [fairseq] extra")
-  from tests.test_fairseq_import import write_checkpoint, write_dict
+  from tests.test_fairseq_import import import_torch, write_checkpoint, write_dict
+  torch = import_torch()
   from trime_jax import fairseq_import
 
   ckpt_path = write_checkpoint(torch, tmp_path / "c.pt", "plain_shared")

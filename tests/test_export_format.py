@@ -151,11 +151,14 @@ def test_files_and_meta_fields_of_a_trained_export(trained_export):
   for name in names:
     assert f"| `{name}" in doc
   meta = json.load(open(os.path.join(trained_export, "meta.json")))
+  rows = 0
   for line in doc.split("## meta.json", 1)[1].split("## Digests", 1)[0].splitlines():
     m = re.match(r"\| `([^|]+)` \| (every export|LM exports|`<workdir>/export`) \|", line)
     if m:
+      rows += 1
       for field in re.findall(r"`([^`]+)`", m.group(1)):
         assert field in meta, field
+  assert rows >= 5, rows  # the table's rows were read (a changed layout would check nothing)
   documented = set(re.findall(r"^\| `([a-z_]+)`", doc.split("## meta.json", 1)[1], re.M))
   documented |= {"best_metric", "dev_ppl", "imported_from", "fairseq_arch", "fairseq_dict", "valid", "plan"}
   assert set(meta) <= documented, set(meta) - documented

@@ -274,7 +274,7 @@ def test_mismatches_are_clear_errors(setup, tmp_path):
   cfg = s["cfg"].copy_and_resolve_references()
   cfg.model.d_model = 2 * DIM
   export = exports.export(str(tmp_path / "other"), params, cfg, s["vocab"])
-  with pytest.raises(CheckpointError):
+  with pytest.raises(CheckpointError, match=r"does not match: checkpoint_fingerprint .*; dimension 8 \(datastore\) != 16"):
     knn.ExternalMemory(str(s["tmp"] / "ds"), checkpoint_dir=export, k=4)
 
 

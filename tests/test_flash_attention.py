@@ -235,7 +235,7 @@ def test_pallas_is_refused_where_it_cannot_run(monkeypatch):
   with pytest.raises(ConfigError, match=r"multiple of 16 .*got 24.*data.segment_len"):
     validate_config(tiny(**{"model.attention_impl": "pallas", "model.num_heads": 2, "data.segment_len": 24,
                             "model.max_len": 24}))
-  with pytest.raises(ConfigError):  # a config error, not a division by zero
+  with pytest.raises(ConfigError, match=r"^model.num_heads must be >= 1, got 0$"):  # not a division by zero
     validate_config(tiny(**{"model.attention_impl": "pallas", "model.num_heads": 0}))
   monkeypatch.setenv("TRIME_FLASH_TILES", "q=48")
   with pytest.raises(ConfigError, match=r"^TRIME_FLASH_TILES='q=48'"):

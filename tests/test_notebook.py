@@ -5,11 +5,10 @@ would have to edit, and its install cell takes a URL, a wheel or a clone."""
 import os
 import re
 
+import ipykernel  # noqa: F401  (the [test] extra installs the three: a missing one fails, not a skip)
+import nbclient
+import nbformat
 import pytest
-
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(REPO, "notebooks", "trime_jax_demo.ipynb")
@@ -100,5 +99,5 @@ def test_install_cell_takes_a_url_a_wheel_or_a_clone(tmp_path, monkeypatch):
   (clone / "pyproject.toml").write_text("")
   assert found_source() == str(clone)
   assert install_args(str(clone)) == [f"{clone}[notebook]"]
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match=r"^TRIME_JAX_SOURCE='no-such-thing' is neither a URL"):
     install_args("no-such-thing")

@@ -11,16 +11,14 @@ import zipfile
 
 import numpy as np
 import pytest
+import tensorflow_datasets  # noqa: F401  (the [test] extra installs it: a missing one fails here, not a skip)
 
-pytest.importorskip("tensorflow_datasets")
-
-from trime_jax.configs import default  # noqa: E402
-from trime_jax import corpora, tfds_builders  # noqa: E402
-from trime_jax import data as D  # noqa: E402
-from trime_jax.errors import ConfigError, DataError  # noqa: E402
+from trime_jax.configs import default
+from trime_jax import corpora, tfds_builders
+from trime_jax import data as D
+from trime_jax.errors import ConfigError, DataError
 
 WT2 = os.path.join(corpora.REPO_ROOT, "..", "shared", "data", "wikitext-2")  # valid + test files only
-needs_wt2 = pytest.mark.skipif(not os.path.isdir(WT2), reason="../shared/data/wikitext-2 not present")
 
 
 def _data_cfg(**kw):
@@ -37,7 +35,6 @@ def _same_splits(a: corpora.Splits, b: corpora.Splits):
     np.testing.assert_array_equal(x.doc_starts, y.doc_starts)
 
 
-@needs_wt2
 def test_wikitext2_from_shared_manual_dir_equals_plain_reader(tmp_path):
   """The shared dir has valid + test only: those splits are built (and equal the plain reader's articles); the
   absent train split is a clear error, not an empty split."""
@@ -75,7 +72,6 @@ def _without_shared(tmp_path):
     yield
 
 
-@needs_wt2
 def test_tfds_wikitext_corpus_equals_wikitext_reader(tmp_path, monkeypatch):
   """`data.corpus="tfds:wikitext2"` gives the `wikitext` reader's corpora (vocabulary from train, <unk> below
   min_count), from the token files or from the released zip in the manual dir, or downloaded."""
@@ -153,7 +149,6 @@ def test_tfds_errors_are_one_line(tmp_path, monkeypatch):
                                   tfds_data_dir=str(tmp_path / "t2")))
 
 
-@needs_wt2
 def test_prepare_data_cli(tmp_path):
   """`python -m trime_jax.launch.prepare_data` builds from a manual dir and names the splits; a bad dir is one error
   line."""

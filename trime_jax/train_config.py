@@ -79,9 +79,9 @@ def validate_config(config) -> None:
   _choice(t.memory_grad, sharded_loss.MEMORY_GRADS, "trime.memory_grad")
   if t.get("memory_grad_group_rows", 0) < 0:
     raise ConfigError(f"trime.memory_grad_group_rows must be >= 0, got {t.memory_grad_group_rows}")
+  _check_ranges(config)  # first: the speed options divide by model.num_heads
   _check_backbone(config)
   check_speed_options(config)
-  _check_ranges(config)
 
 
 def _check_backbone(config) -> None:
