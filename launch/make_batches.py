@@ -29,17 +29,22 @@ flags.mark_flags_as_required(["config", "kind", "out"])
 
 def main(argv):
   del argv
-  import importlib
-
-  from trime_jax import corpora
   from trime_jax.batching import plan as batch_plan
-
-  from trime_jax.errors import ConfigError
 
   config = _CONFIG.value
   config.trime.batching = _KIND.value  # checked as the training that reads this plan will run (its batching)
   config = validated(config)
-  out_dir = _OUT.value
+  with batch_plan.lock(_OUT.value):  # a second make_batches onto this --out is refused until this one ends
+    _make(config, _OUT.value)
+
+
+def _make(config, out_dir: str) -> None:
+  import importlib
+
+  from trime_jax import corpora
+  from trime_jax.batching import plan as batch_plan
+  from trime_jax.errors import ConfigError
+
   what = describe_target(out_dir)
   if what and what != "a batch plan" and not _OVERWRITE.value:  # a workdir, an export, ...: never replaced silently
     raise ConfigError(f"--out={out_dir} already holds {what}, not a batch plan: choose another --out (or add "

@@ -387,6 +387,50 @@ def test_make_batches_keeps_the_same_plan_and_refuses_another_without_overwrite(
   onto_file = _cli("trime_jax.launch.make_batches", f"--config={cfg}", "--kind=bm25", f"--out={a_file}", "--overwrite")
   assert onto_file.returncode == 0, onto_file.stderr
   assert batch_plan.load(str(a_file)).batch_size == 4
+  # One writer per --out: while another process holds the plan's lock, make_batches is refused naming it
+  holder = subprocess.Popen(
+      [sys.executable, "-c", "import sys, time\nfrom trime_jax.batching import plan\n"
+       f"with plan.lock({str(plan_dir)!r}):\n  print('held', flush=True)\n  time.sleep(60)\n"],
+      stdout=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+  try:
+    assert holder.stdout.readline().strip() == "held"
+    busy = _cli(*args, "--overwrite")
+  finally:
+    holder.kill()
+    holder.wait()
+  assert busy.returncode == 2, busy.stderr
+  assert busy.stderr.strip().splitlines()[-1].startswith(f"error: batch plan {plan_dir} is in use by process "
+                                                          f"{holder.pid} ")
+  assert batch_plan.load(str(plan_dir)).batch_size == 8  # untouched
+
+
+def test_a_plan_changed_after_it_was_written_is_refused(tmp_path):
+  """plan.json holds the SHA-256 of batches.npy's array: a file changed in place (same shape, one index
+  edited) is one DataError on load, not a training on other batches; a plan from before the checksum is still
+  read, its indices checked against num_segments; a rerun's comparison (differences) ignores the field."""
+  header = {"kind": "consecutive", "num_segments": 10, "seed": 0}
+  batches = np.arange(10, dtype=np.int64).reshape(5, 2)
+  path = batch_plan.save(str(tmp_path / "plan"), header, batches)
+  plan = batch_plan.load(path)
+  assert len(plan.header["batches_sha256"]) == 64 and not os.path.exists(path + ".lock")
+  assert batch_plan.differences(plan, header, batches) == []
+  assert batch_plan.differences(plan, header, batches[::-1]) == ["the batches"]
+  arr = np.load(os.path.join(path, "batches.npy"), mmap_mode="r+")
+  arr[2, 1] = 3  # a duplicate index, still in range: only the checksum sees it
+  arr.flush()
+  del arr
+  with pytest.raises(DataError, match=r"batches.npy does not match its checksum in plan.json .*; rewrite the plan$"):
+    batch_plan.load(path)
+  # A plan written before the checksum: read as it is, but an index beyond num_segments is refused
+  meta = json.load(open(os.path.join(path, "plan.json")))
+  del meta["batches_sha256"]
+  json.dump(meta, open(os.path.join(path, "plan.json"), "w"))
+  old = batch_plan.load(path)
+  assert batch_plan.differences(old, header, old.batches) == []
+  np.save(os.path.join(path, "batches.npy"), np.where(batches == 7, 10, batches))
+  with pytest.raises(DataError, match=r"holds segment indices in \[0, 10\], outside \[-1, 10\) \(plan.json's "
+                                      r"num_segments\); rewrite the plan$"):
+    batch_plan.load(path)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 A plan is a directory:
   plan.json     header: format, kind, corpus fingerprint, segment_len, segmentation, batch_size (rows B),
-                consecutive_segments (m), seed, num_batches, num_segments, shuffle, plus planner-specific
-                fields (e.g. layout)
+                consecutive_segments (m), seed, num_batches, num_segments, shuffle, batches_sha256 (of
+                batches.npy's array, checked on load), plus planner-specific fields (e.g. layout)
   batches.npy   int64 [num_batches, B]: segment indices per batch row (-1 = an all-padding row)
 
 Micro-batch i of training reads batch j of epoch e = i // num_batches. The planner fixes each batch's
@@ -14,7 +14,8 @@ composition; the order in which an epoch visits them is:
                             epoch (so consecutive updates never simply continue one BM25 chain);
   shuffle false             stored order every epoch (the original's --keep-order; the consecutive 'stream'
                             layout, whose batches continue the token stream).
-Files are written to a temporary directory and renamed, so a plan is complete or absent.
+Files are written to a temporary directory and renamed, so a plan is complete or absent; one writer at a time
+(`<directory>.lock` beside it, as for datastores and exports).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 
 from trime_jax import data
 from trime_jax.errors import DataError, DiskFullError, is_no_space
+from trime_jax.runtime.lock import DirLock
 
 FORMAT = "trime-batch-plan/1"
 
@@ -64,12 +66,7 @@ class BatchPlan:
 
   def digest(self) -> str:
     """SHA-256 (16 hex digits) of the header and every batch: what a resumed training compares."""
-    import hashlib
-
-    h = hashlib.sha256(json.dumps(self.header, sort_keys=True).encode())
-    for a in range(0, len(self.batches), 1 << 16):  # the memmap in pieces: no copy of a whole plan
-      h.update(np.ascontiguousarray(self.batches[a:a + (1 << 16)]).tobytes())
-    return h.hexdigest()[:16]
+    return _sha256(self.batches, json.dumps(self.header, sort_keys=True).encode())[:16]
 
   def check(self, *, corpus_fingerprint: str, segment_len: int, segmentation: str, batch_size: int,
             consecutive_segments: int | None = None, kind: str | None = None, layout: str | None = None,
@@ -93,6 +90,22 @@ class BatchPlan:
       raise DataError(f"batch plan{where} does not match this run: " + "; ".join(problems))
 
 
+def _sha256(batches: np.ndarray, prefix: bytes = b"") -> str:
+  import hashlib
+
+  h = hashlib.sha256(prefix)
+  for a in range(0, len(batches), 1 << 16):  # a memmap in pieces: no copy of a whole plan
+    h.update(np.ascontiguousarray(batches[a:a + (1 << 16)], np.int64).tobytes())
+  return h.hexdigest()
+
+
+def _full_header(header: dict, batches: np.ndarray) -> dict:
+  """The header as plan.json holds it: the planner's fields and what save adds (format, shape, checksum)."""
+  full = {"format": FORMAT, **header, "num_batches": int(batches.shape[0]), "batch_size": int(batches.shape[1]),
+          "batches_sha256": _sha256(batches)}
+  return json.loads(json.dumps(full))  # lists, not tuples
+
+
 # Header fields that say how long the planning took, not what the plan is: two runs of the same command differ
 # there and nowhere else.
 VOLATILE_FIELDS = ("timing",)
@@ -103,24 +116,39 @@ def differences(plan: BatchPlan, header: dict, batches: np.ndarray) -> list[str]
   header fields as "name old != new", then "the batches" when the segment indices differ; [] for the same plan
   (VOLATILE_FIELDS aside). A rerun of make_batches keeps an identical plan as it is, since a training that reads
   it records its digest and would not resume on a rewritten one."""
-  batches = np.asarray(batches)
-  new = {"format": FORMAT, **header, "num_batches": int(batches.shape[0]), "batch_size": int(batches.shape[1])}
-  new = json.loads(json.dumps(new))  # as plan.json would hold it (lists, not tuples)
-  out = [f"{k} {plan.header.get(k)!r} != {new.get(k)!r}" for k in sorted(set(plan.header) | set(new))
-         if k not in VOLATILE_FIELDS and plan.header.get(k) != new.get(k)]
+  batches = np.asarray(batches, np.int64)
+  new = _full_header(header, batches)
+  old = dict(plan.header)
+  if "batches_sha256" not in old:  # a plan written before the checksum: compared on the batches alone
+    new.pop("batches_sha256")
+  out = [f"{k} {old.get(k)!r} != {new.get(k)!r}" for k in sorted(set(old) | set(new))
+         if k not in VOLATILE_FIELDS and k != "batches_sha256" and old.get(k) != new.get(k)]
   if plan.batches.shape != batches.shape or not np.array_equal(plan.batches, batches):
     out.append("the batches")
   return out
 
 
 def save(directory: str, header: dict, batches: np.ndarray) -> str:
+  """Write the plan to `directory`, replacing what is there (the caller decides whether it may: make_batches'
+  --overwrite). Refused (runtime.lock.LockedError) while another process writes the same directory."""
   batches = np.asarray(batches, np.int64)
   if batches.ndim != 2 or batches.shape[0] == 0:
     raise DataError(f"a batch plan needs a non-empty [num_batches, B] array, got shape {batches.shape}")
-  header = {"format": FORMAT, **header, "num_batches": int(batches.shape[0]), "batch_size": int(batches.shape[1])}
-  directory = os.path.abspath(directory)
+  directory = os.path.abspath(directory).rstrip(os.sep)
+  with lock(directory):
+    return _save_locked(directory, _full_header(header, batches), batches)
+
+
+def lock(directory: str) -> DirLock:
+  """`with lock(directory):` one writer of the plan `directory` (`<directory>.lock`); make_batches holds it from
+  its look at what --out holds to the write, so two runs onto one --out cannot both decide to write."""
+  directory = os.path.abspath(directory).rstrip(os.sep)
+  return DirLock(directory + ".lock", f"batch plan {directory}")
+
+
+def _save_locked(directory: str, header: dict, batches: np.ndarray) -> str:
   tmp = directory + ".tmp"
-  shutil.rmtree(tmp, ignore_errors=True)
+  shutil.rmtree(tmp, ignore_errors=True)  # left by a writer that died: the lock says none is running
   try:
     os.makedirs(tmp)
     np.save(os.path.join(tmp, "batches.npy"), batches)
@@ -163,6 +191,15 @@ def load(directory: str) -> BatchPlan:
   except (ValueError, OSError, EOFError) as e:
     raise DataError(f"batch plan {arr} is corrupt or truncated ({e}); rewrite the plan") from None
   want = (header.get("num_batches"), header.get("batch_size"))
-  if batches.ndim != 2 or tuple(batches.shape) != want:
-    raise DataError(f"batch plan {arr} holds shape {tuple(batches.shape)}, plan.json says {want}; rewrite the plan")
+  if batches.ndim != 2 or tuple(batches.shape) != want or batches.dtype != np.int64:
+    raise DataError(f"batch plan {arr} holds {batches.dtype} of shape {tuple(batches.shape)}, plan.json says "
+                    f"int64 of {want}; rewrite the plan")
+  # Plans written by earlier versions have no checksum: their shape and index range are still checked.
+  if "batches_sha256" in header and _sha256(batches) != header["batches_sha256"]:
+    raise DataError(f"batch plan {arr} does not match its checksum in plan.json (the file was changed or damaged "
+                    "after it was written); rewrite the plan")
+  n = header.get("num_segments")
+  if n is not None and batches.size and not (-1 <= int(batches.min()) and int(batches.max()) < int(n)):
+    raise DataError(f"batch plan {arr} holds segment indices in [{int(batches.min())}, {int(batches.max())}], "
+                    f"outside [-1, {int(n)}) (plan.json's num_segments); rewrite the plan")
   return BatchPlan(header, batches, directory)
