@@ -214,7 +214,8 @@ def translate_split(translator, pairs, vocab, out_dir, name, extra):
 
 def main(argv):
   del argv
-  from trime_jax.errors import ConfigError
+  from trime_jax import data as lm_data
+  from trime_jax.errors import CheckpointError, ConfigError
   from trime_jax.mt import datastore as mt_datastore
   from trime_jax import specs
   from trime_jax.mt import export as mt_export
@@ -222,8 +223,9 @@ def main(argv):
   checkpoint, out = _CHECKPOINT.value, _OUT.value
   _check_flag_combinations(out)
   graphdef, params, config, vocab = mt_export.load_mt_export(checkpoint)
-  with open(os.path.join(checkpoint, "meta.json")) as f:
-    params_digest = json.load(f).get("params_digest")  # what tuned.json records and --settings compares
+  # what tuned.json records and --settings compares (load_mt_export checked the parameters against it)
+  params_digest = lm_data.read_json(os.path.join(checkpoint, "meta.json"), "MT export meta",
+                                    CheckpointError).get("params_digest")
   cfg = specs.mt_model_config(config, vocab_size=vocab.size)
   options = decode.SearchOptions(beam=_BEAM.value, lenpen=_LENPEN.value, max_len_a=_MAX_LEN_A.value,
                                  max_len_b=_MAX_LEN_B.value)
