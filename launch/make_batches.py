@@ -13,6 +13,8 @@ resumes only on the same digest), and refuses another plan there (another kind, 
 without --overwrite.
 """
 
+import contextlib
+
 from absl import flags
 from ml_collections import config_flags
 
@@ -30,11 +32,16 @@ flags.mark_flags_as_required(["config", "kind", "out"])
 def main(argv):
   del argv
   from trime_jax.batching import plan as batch_plan
+  from trime_jax.runtime.lock import UnwritableError
 
   config = _CONFIG.value
   config.trime.batching = _KIND.value  # checked as the training that reads this plan will run (its batching)
   config = validated(config)
-  with batch_plan.lock(_OUT.value):  # a second make_batches onto this --out is refused until this one ends
+  with contextlib.ExitStack() as held:
+    try:  # a second make_batches onto this --out is refused while this one runs
+      held.enter_context(batch_plan.lock(_OUT.value))
+    except UnwritableError:  # a read-only place: a rerun of the plan there only reads it (a write says why not)
+      pass
     _make(config, _OUT.value)
 
 
@@ -50,6 +57,7 @@ def _make(config, out_dir: str) -> None:
     raise ConfigError(f"--out={out_dir} already holds {what}, not a batch plan: choose another --out (or add "
                       "--overwrite to replace it)")
   splits = corpora.load_splits(config.data)
+  planner = importlib.import_module(f"trime_jax.batching.{_KIND.value}")
   old = None
   if what == "a batch plan" and not _OVERWRITE.value:
     old = batch_plan.load(out_dir)
@@ -65,12 +73,13 @@ def _make(config, out_dir: str) -> None:
     if _KIND.value == "consecutive":
       want.update(consecutive_segments=int(config.trime.consecutive_segments),
                   layout=config.trime.get("consecutive_layout", "stream"))
+    else:
+      want.update(planner.neighbour_settings(config))  # k, exclude_same_document
     differ = [f"{k} {h.get(k)!r} != {v!r}" for k, v in want.items() if h.get(k) != v]
     if differ:
       raise ConfigError(f"--out={out_dir} already holds another {_KIND.value} plan of this corpus ("
                         f"{'; '.join(differ)}: that plan's != this config's), which a training may be reading: "
                         "choose another --out (or add --overwrite to replace it)")
-  planner = importlib.import_module(f"trime_jax.batching.{_KIND.value}")
   header, batches = planner.make_plan(splits.train, config, progress=True)
   header.setdefault("corpus_name", splits.train.name)  # what the fingerprint is of, for error messages
   if old is not None:

@@ -1,6 +1,7 @@
 """Corpus readers, vocabularies, segments and batch order."""
 
 import os
+import re
 
 import ml_collections
 import numpy as np
@@ -75,7 +76,7 @@ def test_a_cache_and_plans_inside_the_data_folder_are_reused(tmp_path, monkeypat
   assert corpora._cache_key(cfg, None) != key
 
 
-def test_a_damaged_corpus_cache_is_one_error_saying_what_to_delete(tmp_path):
+def test_a_damaged_corpus_cache_is_one_error_saying_what_to_delete(tmp_path, monkeypatch):
   # A cache whose token file was cut short (a crash or a copy that did not finish) was a NumPy traceback.
   root = write_wikitext_dir(tmp_path / "wt")
   cfg = _wiki_cfg(root, cache_dir=str(tmp_path / "cache"))
@@ -84,8 +85,18 @@ def test_a_damaged_corpus_cache_is_one_error_saying_what_to_delete(tmp_path):
   tokens = os.path.join(cache, "train", "tokens.npy")
   with open(tokens, "r+b") as f:
     f.truncate(os.path.getsize(tokens) // 2)
-  with pytest.raises(D.DataError, match=rf"^damaged corpus cache in {cache}/train \(ValueError: .*\): delete "
-                                        rf"{cache} \(the next run encodes the corpus again\)$"):
+  with pytest.raises(D.DataError, match=rf"^damaged corpus cache in {re.escape(cache)}/train \(ValueError: .*\): "
+                                        rf"delete {re.escape(cache)} \(the next run encodes the corpus again\)$"):
+    corpora.load_splits(cfg)
+  # An error of the machine, not of the files (a permission, too many open files) is not called damage: deleting
+  # the cache would not help
+  import errno
+
+  def denied(*a, **k):
+    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), tokens)
+
+  monkeypatch.setattr(np, "load", denied)
+  with pytest.raises(PermissionError):
     corpora.load_splits(cfg)
 
 

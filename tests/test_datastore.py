@@ -369,6 +369,30 @@ def test_an_interrupted_subset_leaves_nothing_and_says_so(setup, tmp_path, monke
   err = capsys.readouterr().err
   assert "subset copy" in err and "was removed" in err and "finished chunk" not in err
   monkeypatch.setattr(os, "posix_fallocate", real)
+  # after the copy: Ctrl-C while digesting, a full disk while writing meta.json (the copy has just taken the
+  # space): the same, nothing left; the full disk is the subset's no-space line
+  import errno
+
+  from trime_jax import data as data_lib
+
+  real_digest = build.file_digest
+
+  def interrupt(path, *a, **k):  # the source's digests are checked too when it is opened: those pass
+    if path.startswith(out):
+      raise KeyboardInterrupt
+    return real_digest(path, *a, **k)
+
+  def full(*a, **k):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  for module, name, fail, want in [(build, "file_digest", interrupt, KeyboardInterrupt),
+                                   (data_lib, "atomic_write_json", full, CheckpointError)]:
+    with monkeypatch.context() as m:
+      m.setattr(module, name, fail)
+      with pytest.raises(want) as e:
+        build.subset_datastore(setup["out"], out, 500)
+    assert os.listdir(out) == [], name
+  assert str(e.value).startswith(f"no space left for the datastore subset {out} (No space left on device)")
   assert build.subset_datastore(setup["out"], out, 500)["complete"]
 
 

@@ -3,6 +3,7 @@
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -379,6 +380,8 @@ def test_make_batches_keeps_the_same_plan_and_refuses_another_without_overwrite(
   assert other.returncode == 2 and other.stderr.strip().splitlines()[-1].startswith("error: ")
   assert "batch_size 4 != 8" in other.stderr and "--overwrite" in other.stderr and "bm25:" not in other.stdout
   assert batch_plan.load(str(plan_dir)).digest() == digest  # untouched
+  other_k = _cli(*args, "--config.trime.bm25_k=3")  # BM25's own settings are compared before planning too
+  assert other_k.returncode == 2 and "k 20 != 3" in other_k.stderr and "bm25:" not in other_k.stdout
   replaced = _cli(*args, "--config.train.batch_size=8", "--overwrite")
   assert replaced.returncode == 0, replaced.stderr
   assert batch_plan.load(str(plan_dir)).batch_size == 8
@@ -419,7 +422,8 @@ def test_a_plan_changed_after_it_was_written_is_refused(tmp_path):
   arr[2, 1] = 3  # a duplicate index, still in range: only the checksum sees it
   arr.flush()
   del arr
-  with pytest.raises(DataError, match=r"batches.npy does not match its checksum in plan.json .*; rewrite the plan$"):
+  rewrite = re.escape(batch_plan.REWRITE) + "$"  # make_batches' --overwrite: a plain rerun reads the damaged plan
+  with pytest.raises(DataError, match=r"batches.npy does not match its checksum in plan.json .*; " + rewrite):
     batch_plan.load(path)
   # A plan written before the checksum: read as it is, but an index beyond num_segments is refused
   meta = json.load(open(os.path.join(path, "plan.json")))
@@ -429,8 +433,30 @@ def test_a_plan_changed_after_it_was_written_is_refused(tmp_path):
   assert batch_plan.differences(old, header, old.batches) == []
   np.save(os.path.join(path, "batches.npy"), np.where(batches == 7, 10, batches))
   with pytest.raises(DataError, match=r"holds segment indices in \[0, 10\], outside \[-1, 10\) \(plan.json's "
-                                      r"num_segments\); rewrite the plan$"):
+                                      r"num_segments\); " + rewrite):
     batch_plan.load(path)
+
+
+def test_a_plan_where_nothing_can_be_written_is_one_error(tmp_path, monkeypatch):
+  """A read-only location (EROFS here; this suite runs as root, which file permissions do not stop): the lock
+  file cannot be created, which is one UnwritableError naming it, not an OSError traceback; nothing written."""
+  import errno
+
+  from trime_jax.runtime.lock import UnwritableError
+
+  real_open = os.open
+
+  def read_only(path, *a, **k):
+    if str(path).endswith(".lock"):
+      raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+    return real_open(path, *a, **k)
+
+  monkeypatch.setattr(os, "open", read_only)
+  out = tmp_path / "plan"
+  with pytest.raises(UnwritableError, match=rf"^batch plan {re.escape(str(out))} cannot be written: its lock file "
+                                            rf"{re.escape(str(out))}.lock cannot be created \(Read-only file system\)"):
+    batch_plan.save(str(out), {"num_segments": 2}, np.arange(2).reshape(1, 2))
+  assert os.listdir(tmp_path) == []
 
 
 # ----------------------------------------------------------------------------------------------------------

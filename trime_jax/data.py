@@ -163,6 +163,8 @@ class Corpus:
     except FileNotFoundError as e:
       raise DataError(f"incomplete corpus cache in {directory}: {e.filename} is missing") from None
     except (ValueError, OSError, EOFError, KeyError, TypeError, DataError) as e:  # truncated or damaged files
+      if isinstance(e, OSError) and e.errno not in (None, errno.EIO, errno.EINVAL):
+        raise  # a permission, too many open files, ...: not the cache's damage (deleting it would not help)
       raise DataError(f"damaged corpus cache in {directory} ({first_line(e)})") from None
     return cls(tokens, starts, vocab, name)
 

@@ -69,8 +69,7 @@ class BatchSource:
                       segmentation=config.data.segmentation, batch_size=config.train.batch_size,
                       consecutive_segments=t.consecutive_segments if consecutive else None,
                       kind=t.batching, layout=t.consecutive_layout if consecutive else None,
-                      k=int(t.get("bm25_k", bm25_planner.DEFAULT_K)) if bm25 else None,
-                      exclude_same_document=bool(t.get("bm25_exclude_same_document", False)) if bm25 else None)
+                      **(bm25_planner.neighbour_settings(config) if bm25 else {}))
       seed = self.plan.header.get("seed")
       if self.plan.header.get("shuffle", True) and seed is not None and int(seed) != int(config.train.seed):
         # Allowed (one plan can serve several initialisations), but the batch order is the plan's, not the run's.

@@ -215,6 +215,15 @@ def same_document_pairs(batches_NxB: np.ndarray, doc_S: np.ndarray) -> float:
   return same / max(pairs, 1)
 
 
+def neighbour_settings(config) -> dict:
+  """What a BM25 plan's neighbours depend on in the config, as its header records them: `k`
+  (trime.bm25_k, else the paper's 20) and `exclude_same_document` (trime.bm25_exclude_same_document, else
+  False). make_plan writes them, make_batches compares them before planning, training refuses a plan of others."""
+  t = config.trime
+  return {"k": int(t.get("bm25_k", DEFAULT_K)),
+          "exclude_same_document": bool(t.get("bm25_exclude_same_document", False))}
+
+
 def make_plan(corpus: data.Corpus, config, *, progress: bool = True, k: int | None = None,
               backend: str = "numba"):
   """(header, batches [ceil(S / B), B] int64) for `trime.batching="bm25"` (see `batching/plan.py`).
@@ -223,7 +232,8 @@ def make_plan(corpus: data.Corpus, config, *, progress: bool = True, k: int | No
   """
   seg_len, mode = int(config.data.segment_len), config.data.segmentation
   batch_size, seed = int(config.train.batch_size), int(config.train.seed)
-  k = int(k if k is not None else config.trime.get("bm25_k", DEFAULT_K))
+  settings = neighbour_settings(config)
+  k = int(k if k is not None else settings["k"])
   if k < 1:
     raise ConfigError(f"BM25 batching needs k >= 1 neighbours, got {k}")
   if batch_size < 1:
@@ -233,7 +243,7 @@ def make_plan(corpus: data.Corpus, config, *, progress: bool = True, k: int | No
   timing = {}
   # Default: Algorithm 1 as published. Optionally neighbours come from other documents only, like the test
   # datastore (on short documents most BM25 neighbours are the same article: see the module docstring).
-  exclude_same = bool(config.trime.get("bm25_exclude_same_document", False))
+  exclude_same = settings["exclude_same_document"]
   nbrs, _ = neighbours(docs, k, backend=backend, progress=progress, timing=timing,
                        groups=segments.doc if exclude_same else None)
   t0 = time.perf_counter()

@@ -31,6 +31,8 @@ from trime_jax.errors import DataError, DiskFullError, is_no_space
 from trime_jax.runtime.lock import DirLock
 
 FORMAT = "trime-batch-plan/1"
+# What a damaged plan's error says to do (a plain rerun of make_batches reads the damaged plan and stops there).
+REWRITE = "write it again: rerun its trime_jax.launch.make_batches command with --overwrite"
 
 
 class BatchPlan:
@@ -183,23 +185,23 @@ def load(directory: str) -> BatchPlan:
                     " write one with `python -m trime_jax.launch.make_batches` or set --config.trime.batch_plan)")
   if not (os.path.exists(head) and os.path.exists(arr)):
     raise DataError(f"incomplete batch plan in {directory}: needs plan.json and batches.npy")
-  header = data.read_json(head, "batch plan header", DataError, fix="rewrite the plan")
+  header = data.read_json(head, "batch plan header", DataError, fix=REWRITE)
   if header.get("format") != FORMAT:
     raise DataError(f"{head}: unknown batch-plan format {header.get('format')!r}")
   try:
     batches = np.load(arr, mmap_mode="r")
   except (ValueError, OSError, EOFError) as e:
-    raise DataError(f"batch plan {arr} is corrupt or truncated ({e}); rewrite the plan") from None
+    raise DataError(f"batch plan {arr} is corrupt or truncated ({e}); {REWRITE}") from None
   want = (header.get("num_batches"), header.get("batch_size"))
   if batches.ndim != 2 or tuple(batches.shape) != want or batches.dtype != np.int64:
     raise DataError(f"batch plan {arr} holds {batches.dtype} of shape {tuple(batches.shape)}, plan.json says "
-                    f"int64 of {want}; rewrite the plan")
+                    f"int64 of {want}; {REWRITE}")
   # Plans written by earlier versions have no checksum: their shape and index range are still checked.
   if "batches_sha256" in header and _sha256(batches) != header["batches_sha256"]:
     raise DataError(f"batch plan {arr} does not match its checksum in plan.json (the file was changed or damaged "
-                    "after it was written); rewrite the plan")
+                    f"after it was written); {REWRITE}")
   n = header.get("num_segments")
   if n is not None and batches.size and not (-1 <= int(batches.min()) and int(batches.max()) < int(n)):
     raise DataError(f"batch plan {arr} holds segment indices in [{int(batches.min())}, {int(batches.max())}], "
-                    f"outside [-1, {int(n)}) (plan.json's num_segments); rewrite the plan")
+                    f"outside [-1, {int(n)}) (plan.json's num_segments); {REWRITE}")
   return BatchPlan(header, batches, directory)

@@ -127,13 +127,14 @@ def _read_meta(directory: str) -> dict | None:
   path = _paths(directory)[0]
   if not os.path.exists(path):
     return None
-  return data.read_json(path, "datastore meta", DamagedCheckpointError)
+  return data.read_json(path, "datastore meta", DamagedCheckpointError,
+                        fix="rebuild the datastore (trime_jax.launch.build_datastore), or use another directory")
 
 
 def _refuse_non_datastore(out_dir: str, meta) -> None:
   """An output directory whose meta.json is not a datastore's (an export's, say) is not overwritten."""
-  if meta is not None and (not isinstance(meta, dict) or meta.get("format") != FORMAT):
-    what = "an export" if isinstance(meta, dict) and "params_digest" in meta else "something else"
+  if meta is not None and meta.get("format") != FORMAT:  # (read_json refused JSON that is not an object)
+    what = "an export" if "params_digest" in meta else "something else"
     raise CheckpointError(f"{out_dir} is not a datastore: its meta.json belongs to {what}; choose another output "
                           "directory")
 
@@ -603,8 +604,14 @@ def subset_datastore(source_dir: str, out_dir: str, count: int, *, checkpoint_di
         out[a:a + CHUNK_TOKENS] = arr[a:min(a + CHUNK_TOKENS, count)]
       out.flush()
       del out
-  except BaseException as e:  # a full disk, Ctrl-C, anything: the copy restarts from 0, so nothing is kept
-    for path in (keys_path, values_path):  # without meta.json they are no datastore: give the space back
+    meta = {**identity, "fingerprint": fp, "subset_of": src_meta["fingerprint"],
+            "corpus_name": src_meta.get("corpus_name"),
+            "tokens_done": int(count), "complete": True, "build_seconds": round(time.perf_counter() - t0, 3),
+            "file_digests": {os.path.basename(p): file_digest(p) for p in (keys_path, values_path)}}
+    data.atomic_write_json(meta_path, meta)  # last: a subset without meta.json is not a datastore
+  except BaseException as e:  # a full disk, Ctrl-C, anything (the digests, meta.json included): the copy
+    # restarts from 0, so nothing is kept; meta.json first (a subset without it is no datastore), then the space
+    for path in (meta_path, keys_path, values_path):
       with contextlib.suppress(OSError):
         os.remove(path)
     if not (isinstance(e, OSError) and is_no_space(e)):
@@ -612,10 +619,5 @@ def subset_datastore(source_dir: str, out_dir: str, count: int, *, checkpoint_di
     need = count * (identity["dimension"] * src_keys.dtype.itemsize + src_values.dtype.itemsize)
     raise CheckpointError(f"no space left for the datastore subset {out_dir} ({os.strerror(e.errno)}): its files "
                           f"need {need / 2**20:,.1f} MiB; free space and rerun the same command") from None
-  meta = {**identity, "fingerprint": fp, "subset_of": src_meta["fingerprint"],
-          "corpus_name": src_meta.get("corpus_name"),
-          "tokens_done": int(count), "complete": True, "build_seconds": round(time.perf_counter() - t0, 3),
-          "file_digests": {os.path.basename(p): file_digest(p) for p in (keys_path, values_path)}}
-  data.atomic_write_json(meta_path, meta)  # last: a subset without meta.json is not a datastore
   return meta
 

@@ -9,6 +9,7 @@ clean release. Multi-process runs lock on process 0 only (every process shares t
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -20,6 +21,10 @@ from trime_jax.errors import TrimeError
 
 class LockedError(TrimeError):
   """The directory is being written by another process."""
+
+
+class UnwritableError(TrimeError):
+  """The lock file cannot be created (a read-only or foreign location): nothing can be written there."""
 
 
 class DirLock:
@@ -37,9 +42,15 @@ class DirLock:
     if DirLock._held.get(self.path):
       DirLock._held[self.path] += 1
       return self
-    os.makedirs(os.path.dirname(self.path), exist_ok=True)  # --out=a/new/folder: its parents, as for any output
     while True:
-      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)  # --out=a/new/folder: its parents, as any output
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      except (PermissionError, OSError) as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+          raise
+        raise UnwritableError(f"{self.what} cannot be written: its lock file {self.path} cannot be created "
+                              f"({os.strerror(e.errno)}); choose a writable location") from None
       try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
       except BlockingIOError:
