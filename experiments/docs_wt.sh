@@ -101,7 +101,7 @@ case "${1:-}" in
     ;;
   dir) echo "$OUT" ;;
   train)
-    NAME=$2; CFG=$(config_of "$NAME")
+    NAME=${2:?usage: $0 $1 NAME}; CFG=$(config_of "$NAME")
     # A chunk ends with SIGTERM after $CHUNK s: training checkpoints at once and the rerun resumes (SIGKILL
     # KILL_AFTER s later should it hang; default 60).
     rc=0; timeout --signal=TERM -k "${KILL_AFTER:-60}" "$CHUNK" $PY trime_jax.launch.train --config=$CFG --workdir=$OUT/$NAME $S $SCHED \
@@ -112,12 +112,12 @@ case "${1:-}" in
     exit $rc
     ;;
   datastore)
-    NAME=$2; CFG=$(config_of "$NAME")
+    NAME=${2:?usage: $0 $1 NAME}; CFG=$(config_of "$NAME")
     /usr/bin/time -v $PY trime_jax.launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds \
       --index=ivfpq --nlist=4096 --pq_m=16 2> $OUT/$NAME/ds_time.txt
     ;;
   partial)
-    NAME=$2; CFG=$(config_of "$NAME"); MAX=$(printf '%s\n' ${SIZES:-1000000 4000000} | sort -n | tail -1)
+    NAME=${2:?usage: $0 $1 NAME}; CFG=$(config_of "$NAME"); MAX=$(printf '%s\n' ${SIZES:-1000000 4000000} | sort -n | tail -1)
     $PY trime_jax.launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds --stop_at_tokens=$MAX
     ;;
   eval)  # test perplexities without the datastore, tuned on dev: none and the model's test-time memory (local
@@ -125,7 +125,7 @@ case "${1:-}" in
     #       RESET=1 / RESET=0: the long-term store per document / across documents (eval.reset_at_documents; by
     #       default the config's: per document in docs_wt.py, across in _long / _ext), results in
     #       eval_reset1.json / eval_reset0.json
-    NAME=$2; CFG=$(config_of "$NAME"); MEM=$([ "$NAME" = vanilla ] && echo cache || echo local)
+    NAME=${2:?usage: $0 $1 NAME}; CFG=$(config_of "$NAME"); MEM=$([ "$NAME" = vanilla ] && echo cache || echo local)
     R=""; [ -z "${RESET:-}" ] || R="--config.eval.reset_at_documents=$([ "$RESET" = 1 ] && echo True || echo False)"
     $PY trime_jax.launch.eval --config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.tune=True --config.eval.split=test \
       --config.eval.memory=$MEM --mem_sizes=${MEM_SIZES:-0,2048,8192} --label=$NAME $R \
@@ -133,13 +133,13 @@ case "${1:-}" in
     ;;
   eval_ext)  # + the full datastore (kNN-LM families, TrimeLM_ext, interpolation), tuned on dev; MEM_SIZE=0: the
     #          long-term memory off (TrimeLM_ext without long-term memory), results in eval_ext_mem0.json
-    NAME=$2; CFG=$(config_of "$NAME")
+    NAME=${2:?usage: $0 $1 NAME}; CFG=$(config_of "$NAME")
     $PY trime_jax.launch.eval_ext --config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.datastore=$OUT/$NAME/ds \
       --config.eval.tune=True --config.eval.split=test ${MEM_SIZE:+--config.eval.mem_size=$MEM_SIZE} \
       --output=$OUT/$NAME/eval_ext${MEM_SIZE:+_mem$MEM_SIZE}.json
     ;;
   sizes)  # table 4: datastore-size sweep (the first 1M / 4M entries of NAME's full datastore; no keys recomputed)
-    NAME=$2; CFG=$(config_of "$NAME")
+    NAME=${2:?usage: $0 $1 NAME}; CFG=$(config_of "$NAME")
     for N in ${SIZES:-1000000 4000000}; do  # SIZES="1000000": one size; the build may still be running
       $PY trime_jax.launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds_$N \
         --subset_of=$OUT/$NAME/ds --entries=$N --index=ivfpq --nlist=$((N / 1000)) --pq_m=16
@@ -152,7 +152,7 @@ case "${1:-}" in
     #        entries with N = the kernel datastore's size (ds_matched: the two differ in domain only; a partial build
     #        of ds suffices). Both size-matched indexes: IVF-PQ, 1,024 lists, 16 × 8 bits. MEM_SIZE: the long-term
     #        memory (as for eval_ext); a rerun reuses the finished datastores and their indexes (same parameters).
-    NAME=$2; CFG=$(config_of "$NAME")
+    NAME=${2:?usage: $0 $1 NAME}; CFG=$(config_of "$NAME")
     $PY trime_jax.launch.build_datastore --config=configs/docs_wt_kernel.py --checkpoint=$OUT/$NAME/export \
       --out=$OUT/$NAME/ds_kernel --index=ivfpq --nlist=1024 --pq_m=16
     TRAIN_DS=ds
@@ -171,7 +171,7 @@ case "${1:-}" in
     ;;
   exact)  # an accelerator: every training key on the device, scored exactly (eval.datastore_on_device: no FAISS,
     #        no top-K)
-    NAME=$2; CFG=$(config_of "$NAME")
+    NAME=${2:?usage: $0 $1 NAME}; CFG=$(config_of "$NAME")
     timeout ${BUILD_S:-900} $PY trime_jax.launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export \
       --out=$OUT/$NAME/ds_exact --index=none --config.eval.batch_size=32  # windows are independent: same keys
     timeout ${EVAL_S:-3600} $PY trime_jax.launch.eval_ext --config=$CFG --checkpoint=$OUT/$NAME/export \
@@ -187,7 +187,7 @@ case "${1:-}" in
     #       (default 32,768), MODES (default all three), then experiments/ext3_table.py writes ext3.md.
     #       EXT3_INDEX=none (no FAISS on the machine: `exact` only) builds the keys alone, in ds_exact as `exact`.
     #       OVERLAP_TOKENS=N (default 0: not run): then eval.overlap_search's bench on N test tokens (ext3_overlap.json).
-    NAME=$2; CFG=$(config_of "$NAME"); T=${EXT3_TOKENS:-32768}; IDX=${EXT3_INDEX:-ivfpq}
+    NAME=${2:?usage: $0 $1 NAME}; CFG=$(config_of "$NAME"); T=${EXT3_TOKENS:-32768}; IDX=${EXT3_INDEX:-ivfpq}
     B="--config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.batch_size=32"  # windows are independent: same keys
     if [ -n "${ENTRIES:-}" ]; then
       DS=$OUT/$NAME/ds_$ENTRIES

@@ -76,7 +76,7 @@ corpora.load_splits(docs_wt.get_config().data)"  # encodes the corpus once (as a
     [ -d runs/plans ] && du -sh runs/plans || echo "no runs/plans yet: bash experiments/docs_wt.sh plans (the trainings read them)"
     ;;
   train)
-    JOBS=$2
+    JOBS=${2:?usage: $0 train "NAME:SEED ..."}
     STEPS=${STEPS:-1200}
     if [ "$STEPS" = 1200 ]; then CHUNK=${CHUNK:-420}; CKPT="--config.train.checkpoint_every=400"; PACK=${PACK:-tar}
     else  # checkpoints cannot leave the machine (60 MiB each): few saves (SIGTERM at the chunk's end saves anyway)

@@ -28,7 +28,7 @@ case "${1:-}" in
     $PY trime_jax.launch.make_batches --config=$CFG --kind=bm25 --out=${PLAN}_excl $S $EXCL
     ;;
   train)
-    case "$2" in
+    case "${2:-}" in
       bm25) $PY trime_jax.launch.train --config=$CFG --workdir=$OUT/bm25 $S $ALG1 ;;             # TrimeLM_ext (Algorithm 1)
       bm25_excl) $PY trime_jax.launch.train --config=$CFG --workdir=$OUT/bm25_excl $S $EXCL ;;   # BM25, other documents only
       random) $PY trime_jax.launch.train --config=$CFG --workdir=$OUT/random $S --config.trime.batching=random ;;  # w/o BM25
@@ -40,7 +40,7 @@ case "${1:-}" in
     esac
     ;;
   eval)
-    NAME=$2
+    NAME=${2:?usage: $0 eval NAME (bm25 | bm25_excl | random | stopgrad | vanilla)}
     $PY trime_jax.launch.build_datastore --config=$CFG --checkpoint=$OUT/$NAME/export --out=$OUT/$NAME/ds --index=flat
     # every family's τ, τ′, λ, θ tuned on dev (grid), then applied to test; both are reported
     $PY trime_jax.launch.eval_ext --config=$CFG --checkpoint=$OUT/$NAME/export --config.eval.datastore=$OUT/$NAME/ds \

@@ -75,8 +75,16 @@ def _checkpoint_argv(argv: list[str]) -> list[str]:
     if "config" not in flags.FLAGS:  # generate, import_fairseq (a .pt): their own readers say what is missing
       return out
     raise
-  if not os.path.exists(resolved) and not _flag_values(out, "config") and "config" in flags.FLAGS:
-    raise CheckpointError(f"checkpoint directory not found: {os.path.abspath(resolved)}")
+  if not _flag_values(out, "config") and "config" in flags.FLAGS:  # the export's stored config is the config
+    if not os.path.exists(resolved):
+      raise CheckpointError(f"checkpoint directory not found: {os.path.abspath(resolved)}")
+    if os.path.isdir(resolved) and not os.path.isfile(os.path.join(resolved, "config.json")):
+      # A training checkpoint's step, a workdir that has not exported, a datastore: said as trime_jax.load says
+      # it (without this, the missing config was the error: "--checkpoint needs --config", or absl's own).
+      from trime_jax import exports
+
+      raise CheckpointError(exports.what_else_it_is(resolved) or f"{resolved} is not an export: it has no "
+                            "config.json (an export holds config.json, meta.json, params/ and vocab.json)")
   out[at] = prefix + resolved
   return out
 
@@ -267,12 +275,16 @@ def _renamed_in_config_file() -> str:
 
 
 def quiet_libraries(record) -> bool:
-  """Log filter: orbax logs some 40 INFO lines per checkpoint save and faiss 8 about CPU features it lacks at
-  import; keep their warnings and errors, and every other INFO line (ours). An exception raised in orbax's
+  """Log filter: orbax logs some 40 INFO lines per checkpoint save, faiss 8 about CPU features it lacks at
+  import, jax one per backend it cannot start (libtpu.so on a CPU machine); keep their warnings and errors, and
+  every other INFO line (ours). An exception raised in orbax's
   code is handed to its caller, which reports it (a damaged checkpoint: one line); the copies that orbax's
   worker threads and asyncio ("Task exception was never retrieved", for the sibling reads) log with a
   traceback are dropped."""
   if _raised_in_orbax(record):
+    return False
+  if record.levelno < 30 and record.pathname.endswith("xla_bridge.py") and str(record.msg).startswith(
+      "Unable to initialize backend"):  # jax trying a TPU on every CPU run: "Failed to open libtpu.so"
     return False
   noisy = any(f"{os.sep}{lib}{os.sep}" in record.pathname for lib in ("orbax", "faiss"))
   return record.levelno >= 30 or not noisy  # 30: WARNING

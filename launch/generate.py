@@ -85,12 +85,13 @@ def main(argv):
     raise ConfigError("--memory=external needs --datastore (build one with `python -m trime_jax.launch.build_datastore`)")
   if _ON_DEVICE.value and memory != "external":
     raise ConfigError(f"--datastore_on_device puts --datastore on the devices: use --memory=external, not {memory}")
-  if _ON_DEVICE.value and (_TRACE.value or _KNN_LAMBDA.value or _INDEX.value):
-    # Refused before the keys are loaded (a 17.8M-key datastore takes minutes), not after.
-    given = [f for f, on in (("--trace", _TRACE.value), ("--knn_lambda", _KNN_LAMBDA.value), ("--index", _INDEX.value))
-             if on]
+  given = [f"--{f.name}" for f in (_TRACE, _KNN_LAMBDA, _INDEX, _KNN_K, _NPROBE) if flags.FLAGS[f.name].present]
+  if _ON_DEVICE.value and given:
+    # Refused before the keys are loaded (a 17.8M-key datastore takes minutes), not after; a retrieval setting
+    # given with it would otherwise be silently unused.
     raise ConfigError(f"--datastore_on_device gives exact sums over every entry, not retrieved entries: "
-                      f"{', '.join(given)} need a FAISS index (drop --datastore_on_device)")
+                      f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} a FAISS index (drop "
+                      "--datastore_on_device)")
 
   check_export(None, _CHECKPOINT.value)  # a config.json field this version does not know: refused
   gen = G.Generator(_CHECKPOINT.value)

@@ -32,7 +32,8 @@ from trime_jax.mt import decode
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "MT export directory (<workdir>/export).")
 _CONFIG = config_flags.DEFINE_config_file("config", None, "An MT config (task='mt') for the data; default: the "
                                           "export's stored config.", lock_config=True)
-_SPLIT = flags.DEFINE_enum("split", "test", ["train", "valid", "test"], "Split to translate.")
+_SPLIT = flags.DEFINE_enum("split", "test", ["train", "valid", "dev", "test"],
+                           "Split to translate (dev = valid, the language models' name for it).")
 _OUT = flags.DEFINE_string("out", None, "Output directory.")
 _MODE = flags.DEFINE_enum("mode", "model", ["model", "knn_mt", "trime", "trime_interp", "trime_best"],
                           "Next-token distribution: model | knn_mt | trime (TRIME over vocabulary + retrieved "
@@ -126,6 +127,11 @@ def _check_flag_combinations(out: str) -> None:
                         "for --mode); drop them, or drop --settings")
   if _INDEX.value and not _DATASTORE.value:
     raise ConfigError(f"--index={_INDEX.value} is a datastore's FAISS index: it needs --datastore")
+  checkpoint = _CHECKPOINT.value
+  if os.path.isfile(os.path.join(checkpoint, "meta.json")) and not exports.is_mt_export(checkpoint):
+    raise ConfigError(f"--checkpoint={checkpoint} is a language-model export, not a translation one: translate "
+                      "needs an export of trime_jax.launch.train_mt (a language model is evaluated with "
+                      "trime_jax.launch.eval)")
   if _CONFIG.value is not None and not exports.is_mt_config(_CONFIG.value):
     raise ConfigError("--config is not a translation config (task='mt', e.g. configs/ui_de_en.py); without "
                       "--config the export's own data settings are used")
@@ -281,12 +287,13 @@ def main(argv):
   if _SETTINGS.value:
     _check_settings_are_this_models(_SETTINGS.value, params_digest, ds)
     dist = decode.Distribution.from_tuned(_SETTINGS.value, _MODE.value)
-  name = f"{_SPLIT.value}.{_MODE.value}"
+  split = {"dev": "valid"}.get(_SPLIT.value, _SPLIT.value)  # as build_datastore reads an MT --split
+  name = f"{split}.{_MODE.value}"
   record = {"setting": dataclasses.asdict(dist), "params_digest": params_digest,
             "datastore_fingerprint": ds.meta.get("fingerprint") if ds is not None else None,
             "max_len_a": options.max_len_a, "max_len_b": options.max_len_b, "max_sentences": _MAX_SENTENCES.value}
   _check_replaces_only_the_same_run(out, name, {**record, "beam": options.beam, "lenpen": options.lenpen})
-  pairs = _data(_CONFIG.value, checkpoint, _SPLIT.value, vocab, _MAX_SENTENCES.value, ds)
+  pairs = _data(_CONFIG.value, checkpoint, split, vocab, _MAX_SENTENCES.value, ds)
   res = translate_split(make(dist), pairs, vocab, out, name, record)
   print(json.dumps(res), flush=True)
 

@@ -461,9 +461,10 @@ def test_cli_generates_with_a_memory_file_and_reports_errors_in_one_line(tmp_pat
   assert [l for l in r.stderr.splitlines() if l.startswith("error:")] == ["error: the prompt is empty"]
   # --datastore_on_device conflicts are refused before the datastore is read (it does not even exist here).
   missing = tmp_path / "no_such_ds"
-  for extra, want in ((("--memory=external", "--trace"), "--trace need a FAISS index"),
+  for extra, want in ((("--memory=external", "--trace"), "--trace needs a FAISS index"),
                       (("--memory=external", "--knn_lambda=0.3", f"--index={missing}/index.faiss"),
                        "--knn_lambda, --index need a FAISS index"),
+                      (("--memory=external", "--knn_k=8"), "--knn_k needs a FAISS index"),  # not silently unused
                       (("--memory=local",), "use --memory=external, not local")):
     r = run_cli("trime_jax.launch.generate", f"--checkpoint={byte_gen.checkpoint_dir}", "--prompt=x",
                 "--datastore_on_device", *(() if "--memory=local" in extra else (f"--datastore={missing}",)), *extra)

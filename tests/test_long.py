@@ -674,6 +674,8 @@ def test_memory_size_sweep_table_and_plot(tmp_path):
   table = sweep.sweep_table(rows)
   assert "| tiny | TRIME (local + long-term) |" in table and "| tiny | none |" in table
   assert f"(tau={best[1]['params']['tau']:g})" in table  # the tuned parameter, from the rows' typed params
+  unlabelled = sweep.sweep_table([{k: v for k, v in r.items() if k != "model"} for r in rows])
+  assert "| (no --label) | none |" in unlabelled  # not an empty model column
   (tmp_path / "rows.json").write_text(json.dumps(rows))
   out = _cli("trime_jax.launch.eval", f"--include={tmp_path / 'rows.json'}", f"--plot={tmp_path / 'sweep.png'}")
   assert out.returncode == 0, out.stderr

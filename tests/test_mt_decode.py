@@ -450,6 +450,11 @@ def test_cli_build_datastore_and_translate_tune(tiny):
   assert proc.returncode == 2 and "another translation (lenpen differ)" in lines[-1] and "--overwrite" in lines[-1], (
       proc.stderr[-2000:])
   assert json.loads((root / "o5" / "test.model.json").read_text()) == first  # untouched
+  # --split=dev is valid (the language models' name for it, as build_datastore reads it for MT)
+  proc = subprocess.run(base + ["--max_sentences=2", "--split=dev", f"--out={root / 'o7'}"], capture_output=True,
+                        text=True, cwd=repo, env=env, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert json.loads((root / "o7" / "valid.model.json").read_text())["split"] == "valid"
   # --tune into an --out holding another model's tuned.json: refused, --overwrite named
   (root / "o6").mkdir()
   (root / "o6" / "tuned.json").write_text(foreign.read_text())

@@ -202,14 +202,20 @@ def test_progress_bar_only_where_someone_watches(capsys):
 def test_log_filter_quietens_orbax_and_faiss_info_only():
   from trime_jax.launch.common import quiet_libraries
 
-  def record(path, level):
-    return logging.LogRecord("absl", level, path, 1, "message", None, None)
+  def record(path, level, msg="message"):
+    return logging.LogRecord("absl", level, path, 1, msg, None, None)
 
   site = os.path.join(os.sep, "venv", "lib", "site-packages")
   assert not quiet_libraries(record(os.path.join(site, "orbax", "checkpoint", "checkpoint_manager.py"), logging.INFO))
   assert not quiet_libraries(record(os.path.join(site, "faiss", "loader.py"), logging.INFO))
   assert quiet_libraries(record(os.path.join(site, "orbax", "checkpoint", "checkpoint_manager.py"), logging.WARNING))
   assert quiet_libraries(record(os.path.join(os.sep, "repo", "trime_jax", "train.py"), logging.INFO))
+  # jax's attempt at a TPU on a CPU machine, at INFO: dropped; its other lines stay
+  bridge = os.path.join(site, "jax", "_src", "xla_bridge.py")
+  assert not quiet_libraries(record(bridge, logging.INFO, "Unable to initialize backend 'tpu': INTERNAL: Failed "
+                                    "to open libtpu.so"))
+  assert quiet_libraries(record(bridge, logging.INFO, "other"))
+  assert quiet_libraries(record(bridge, logging.WARNING, "Unable to initialize backend 'cuda'"))
   # orbax's worker threads log a failure with its traceback and hand it to the caller, who reports it once
   def raised_in(filename):
     code = compile("raise RuntimeError('Encountered error while reading array index')", filename, "exec")

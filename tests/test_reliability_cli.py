@@ -256,6 +256,24 @@ def e_eval_mt_export(b):  # the export's stored config is of the translation sch
   return _case("eval", f"--checkpoint={mt}"), [f"{mt} is a machine-translation export", "launch.translate"], [mt]
 
 
+def e_eval_training_checkpoint(b):  # a step of checkpoints/ is no export: said (it was "--checkpoint needs --config")
+  step = next(p for p in sorted((b["work"] / "checkpoints").iterdir()) if p.name.isdigit())
+  return _case("eval", f"--checkpoint={step}", "--config.eval.split=test"), [
+      f"{step} is a training checkpoint (one step of {b['work']}/checkpoints), not an export",
+      f"{b['work']}/export"], [step]
+
+
+def e_build_datastore_training_checkpoint(b):  # the same for build_datastore (it was absl's "--config ... None")
+  step = next(p for p in sorted((b["work"] / "checkpoints").iterdir()) if p.name.isdigit())
+  return _case("build_datastore", f"--checkpoint={step}", f"--out={b['tmp']}/cases/ds_of_step"), [
+      f"{step} is a training checkpoint", "not an export"], [step]
+
+
+def e_translate_lm_export(b):  # a language model's export: said as such (it was "--config is not a translation ...")
+  return _translate(b), [f"--checkpoint={b['export']} is a language-model export, not a translation one",
+                         "train_mt"], [b["export"]]
+
+
 def e_eval_ext_mt_config(b):  # a translation config for a language model's evaluation: said as such
   case = _case("eval_ext", "--config=configs/ui_de_en.py", f"--checkpoint={b['export']}")
   return case, ["--config is a translation config", "launch.translate"], []
@@ -354,7 +372,8 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_translate_max_sentences, e_translate_batch_sentences, e_translate_nprobe, e_translate_tune_modes,
                e_generate_nprobe, e_generate_top_p, e_generate_bad_stored_tau, e_eval_architecture_override,
                e_eval_architecture_override_explicit_config, e_export_config_unknown_field,
-               e_export_config_unknown_field_explicit_config, e_eval_output_folder, e_eval_output_not_json, e_eval_mt_export, e_eval_ext_mt_config, e_eval_mem_sizes_without_memory, e_eval_ext_output_folder,
+               e_export_config_unknown_field_explicit_config, e_eval_output_folder, e_eval_output_not_json, e_eval_mt_export, e_eval_training_checkpoint,
+               e_build_datastore_training_checkpoint, e_translate_lm_export, e_eval_ext_mt_config, e_eval_mem_sizes_without_memory, e_eval_ext_output_folder,
                e_byte_corpus_folder, e_token_file_folder, e_make_batches_out_is_workdir,
                e_make_batches_out_other_corpus, e_batch_plan_other_corpus, e_prepare_data_manual_dir,
                e_full_disk_output, e_make_batches_disk_full, e_renamed_config_override, e_renamed_config_file_field, e_renamed_flag_generate,

@@ -24,13 +24,16 @@ def _group(row: dict) -> str:
   return f"interp[{row['interp_memory']}]" if fam == "interp" and row.get("interp_memory") else fam
 
 
+NO_LABEL = "(no --label)"  # the table's model column for rows evaluated without a label (not an empty cell)
+
+
 def _series_names(rows: list[dict]) -> list[str]:
   """Each row's series: its model, with the _SERIES_FIELDS values that differ among `rows` in brackets."""
   varying = [f for f in _SERIES_FIELDS if len({r.get(f) for r in rows}) > 1]
   names = []
   for r in rows:
     tags = [_SERIES_TEXT.get(f, str)(r.get(f)) for f in varying if r.get(f) is not None]
-    names.append(r.get("model", "") + (f" [{', '.join(tags)}]" if tags else ""))
+    names.append((r.get("model") or NO_LABEL) + (f" [{', '.join(tags)}]" if tags else ""))
   return names
 
 
@@ -120,7 +123,7 @@ def plot_sweep(rows: list[dict], path: str, title: str = "") -> str:
   fig, ax = plt.subplots(figsize=(6.4, 4.2))
   for (model, fam), cells in best.items():
     color = f"C{models.index(model) % 10}"  # one colour per model, one line style per memory family
-    prefix = f"{model}: " if model else ""
+    prefix = f"{model}: " if model and model != NO_LABEL else ""
     if fam == "none":
       ax.axhline(cells[0][metric], ls=":", lw=1, color=color, label=f"{prefix}no memory")
       continue

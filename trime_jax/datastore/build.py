@@ -170,11 +170,17 @@ def _check_meta(directory: str, meta: dict, **want) -> None:
 
 
 def _check_meta_checkpoint(directory: str, meta: dict, checkpoint_dir: str) -> None:
-  """The datastore must have been built by this exported model (same weights, vocabulary, key space)."""
+  """The datastore must have been built by this exported model (same weights, vocabulary, key space): else one
+  error saying so, how to build this model's, and the fields that differ."""
   cmeta = exports.read_export_meta(checkpoint_dir)
-  _check_meta(directory, meta, checkpoint_fingerprint=exports.fingerprint(checkpoint_dir),
-              vocab_fingerprint=cmeta["vocab_fingerprint"], dimension=int(cmeta["d_model"]),
-              key_type=cmeta["key_type"])
+  try:
+    _check_meta(directory, meta, checkpoint_fingerprint=exports.fingerprint(checkpoint_dir),
+                vocab_fingerprint=cmeta["vocab_fingerprint"], dimension=int(cmeta["d_model"]),
+                key_type=cmeta["key_type"])
+  except CheckpointError as e:
+    raise CheckpointError(f"the datastore was built by another model or vocabulary than {checkpoint_dir} (build "
+                          f"this model's with trime_jax.launch.build_datastore --checkpoint={checkpoint_dir}): "
+                          f"{e}") from None
 
 
 class DatastoreWriter:

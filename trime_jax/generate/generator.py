@@ -125,15 +125,8 @@ class Generator:
                gpu: bool = False, log: Callable[[str], None] = knn.print_line) -> knn.ExternalMemory:
     """A datastore + index of this model (built by `trime_jax.launch.build_datastore`; another model's or vocabulary's
     is refused). `log` hears which index it searches (`knn.ExternalMemory`'s line; default: stdout)."""
-    try:
-      ext = knn.ExternalMemory(datastore_dir, index_path=index_path, checkpoint_dir=self.checkpoint_dir, k=k,
-                               nprobe=nprobe, gpu=gpu, log=log)
-    except CheckpointError as e:
-      if "does not match" not in str(e):
-        raise
-      raise CheckpointError(f"the datastore was built by another model or vocabulary than {self.checkpoint_dir} "
-                            "(build one with trime_jax.launch.build_datastore --checkpoint=that export): "
-                            f"{e}") from None
+    ext = knn.ExternalMemory(datastore_dir, index_path=index_path, checkpoint_dir=self.checkpoint_dir, k=k,
+                             nprobe=nprobe, gpu=gpu, log=log)  # another model's datastore: one error saying so
     if ext.dimension != self.cfg.d_model:
       raise CheckpointError(f"datastore keys have dimension {ext.dimension}, the model's keys {self.cfg.d_model}")
     return ext
@@ -142,12 +135,7 @@ class Generator:
     """A datastore of this model with its keys on the devices (sharded over all of them, or `mesh`'s `data`
     axis): memory=external then sums over every entry exactly instead of a FAISS top-K."""
     ds = exact_memory.Datastore(os.fspath(datastore_dir))
-    try:
-      ds.check_checkpoint(self.checkpoint_dir)
-    except CheckpointError as e:
-      raise CheckpointError(f"the datastore was built by another model or vocabulary than {self.checkpoint_dir} "
-                            "(build one with trime_jax.launch.build_datastore --checkpoint=that export): "
-                            f"{e}") from None
+    ds.check_checkpoint(self.checkpoint_dir)
     if ds.dimension != self.cfg.d_model:
       raise CheckpointError(f"datastore keys have dimension {ds.dimension}, the model's keys {self.cfg.d_model}")
     return exact_memory.load_datastore(ds, mesh)

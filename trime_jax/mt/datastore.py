@@ -207,11 +207,7 @@ def open_mt_datastore(datastore_dir: str, checkpoint_dir: str, *, index_path: st
   from trime_jax.datastore import Datastore, KnnIndex
 
   ds = Datastore(datastore_dir)
-  try:
-    ds.check_checkpoint(checkpoint_dir)
-  except CheckpointError as e:
-    raise CheckpointError(f"the datastore was built by another model or vocabulary than {checkpoint_dir} "
-                          f"(build one with trime_jax.launch.build_datastore --checkpoint=that export): {e}") from None
+  ds.check_checkpoint(checkpoint_dir)  # another model's datastore: one error saying so
   index = KnnIndex.load(index_path or os.path.join(datastore_dir, "index.faiss"), datastore=ds, nprobe=nprobe,
                         gpu=gpu)
   return ds, index
