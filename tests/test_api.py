@@ -308,7 +308,20 @@ def test_external_memory_with_a_datastore(model, run, tmp_path, capsys, caplog):
   with_index = model.score(TEXT, memory="external", datastore=ds_dir, k=16, index=tmp_path / "copy.faiss")
   np.testing.assert_array_equal(with_index.log_probs, model.score(TEXT, memory="external", datastore=ds_dir,
                                                                   k=16).log_probs)
-  assert any(c[2] == str(tmp_path / "copy.faiss") for c in model._external)
+  assert any(c[1] == str(tmp_path / "copy.faiss") for c in model._external)
+  # a k sweep opens the datastore and its index once: each k shares them
+  k4, k8 = model.external(ds_dir, k=4), model.external(ds_dir, k=8)
+  assert (k4.k, k8.k) == (4, 8) and k4.index is k8.index and k4.datastore is k8.datastore
+  assert sum(c[:2] == (str(ds_dir), "") for c in model._external) == 1
+  # index= a folder: said, with the file it may have meant
+  with pytest.raises(CheckpointError, match=rf"^FAISS index {ds_dir} is a folder: give the index file \({ds_dir}/index.faiss\)"):
+    model.score(TEXT, memory="external", datastore=ds_dir, index=ds_dir)
+  # parameters assigned after loading: the export's datastore no longer holds this model's keys, which is said
+  changed = trime_jax.load(model.directory)
+  changed.params = jax.tree_util.tree_map(lambda x: x * 1.01, changed.params)
+  with caplog.at_level(logging.WARNING, logger="trime_jax.api"):
+    changed.score(TEXT, memory="external", datastore=ds_dir, k=16)
+  assert any("model.params was assigned" in r.getMessage() for r in caplog.records)
   for bad in (0, -1, 2.5):  # k is named, whatever the memory; 0 does not silently mean eval.knn_k
     with pytest.raises(ConfigError, match=rf"^k \(datastore entries retrieved per token\).*got {bad}"):
       model.score(TEXT, memory="external", datastore=ds_dir, k=bad)
@@ -382,10 +395,21 @@ def test_bad_arguments_are_one_clear_error_naming_them(model):
       (lambda: model.generate([5, 6]), r"^prompts\[0\] is an integer: prompts are text; to continue token ids"),
       (lambda: model.tokenize(b"abc"), r"^text must be text \(str\)"),
       (lambda: model.score(TEXT, k=0), r"^k \(datastore entries retrieved per token\) must be an integer >= 1"),
-      (lambda: model.score(TEXT, tau="1"), r"^tau must be a number > 0"),
+      (lambda: model.score(TEXT, tau="1"), r"^tau must be a finite number > 0"),
+      (lambda: model.score(TEXT, tau=float("inf")), r"^tau must be a finite number > 0, got inf"),
+      (lambda: model.generate("x", tau=float("inf")), r"^tau must be a finite number > 0, got inf"),
+      (lambda: model.generate("x", temperature=float("inf")), r"^temperature must be a finite number >= 0"),
+      (lambda: model.generate("x", trace="no"), r"^trace must be True or False, got 'no'"),
+      (lambda: model.score({"ab": 1}), r"^texts must be a string or a list of strings, got dict"),
+      (lambda: model.memory.add({"a"}), r"^texts must be a string or a list of strings, got set"),
+      (lambda: model.detokenize([-1]), rf"^ids must be integers in \[0, {len(model.vocab)}\) .*got -1"),
+      (lambda: model.detokenize([1.5]), r"^ids must be integers .*got 1.5"),
+      (lambda: model.detokenize([len(model.vocab)]), rf"^ids must be integers .*got {len(model.vocab)}"),
+      (lambda: model.detokenize("the"), r"^ids must be a sequence of token ids \(integers\), got str"),
+      (lambda: model.detokenize(5), r"^ids must be a sequence of token ids \(integers\), got int"),
       (lambda: model.generate("x", seed=2**31), r"^seed must be an integer in \[-2\*\*31, 2\*\*31\)"),
       (lambda: model.generate("x", top_k=2.5), r"^top_k must be an integer >= 0"),
-      (lambda: model.generate("x", temperature="0"), r"^temperature must be a number >= 0"),
+      (lambda: model.generate("x", temperature="0"), r"^temperature must be a finite number >= 0"),
       (lambda: model.generate("x", max_new_tokens=2.5), r"^max_new_tokens must be an integer >= 1"),
       (lambda: model.generate("x", k=-1), r"^k \(datastore entries retrieved per token\).*got -1"),
       (lambda: model.generate("x", memory=["long"]), r"^memory must be one of"),
@@ -654,6 +678,19 @@ def test_load_a_fairseq_checkpoint(tmp_path, monkeypatch):
   assert a.tokens[:3] == ["the", "alpha", "article"] and "</s>" in a.tokens
   with pytest.raises(ConfigError, match="dictionary"):
     trime_jax.load(ckpt_path)
+  # the import's options: checked as given, before the checkpoint is read
+  for kwargs, said in [(dict(trust_pickle="no"), r"^trust_pickle must be True or False, got 'no'"),
+                       (dict(out=""), r"^out= is empty"), (dict(key_type="bogus"), r"^key_type must be one of")]:
+    with pytest.raises(ConfigError, match=said):
+      trime_jax.load(ckpt_path, dictionary=dict_path, **kwargs)
+  with pytest.raises(ConfigError, match=r"^dictionary= is for a fairseq checkpoint \(a .pt file\); .* is a folder"):
+    trime_jax.load(ref_dir, dictionary=dict_path)
+  with pytest.raises(ConfigError, match=r"^overwrite: options of a fairseq checkpoint's import"):
+    trime_jax.load(ref_dir, overwrite=True)
+  with pytest.raises(CheckpointError, match=r"overwrite=True"):  # the same out= again: refused, then replaced
+    trime_jax.load(ckpt_path, dictionary=dict_path, out=str(tmp_path / "imported"))
+  again = trime_jax.load(ckpt_path, dictionary=dict_path, out=str(tmp_path / "imported"), overwrite=True)
+  np.testing.assert_array_equal(again.score(text, memory="local").log_probs, a.log_probs)
   # Without out=: a temporary export that lives as long as the Model
   tmp = tmp_path / "tmp"
   tmp.mkdir()
@@ -689,3 +726,4 @@ def test_shipped_demo_model_loads_by_name(tmp_path, monkeypatch):
   assert np.isfinite(s.log_probs).all() and s.ppl < 16, s.ppl  # uniform over 256 bytes: 256
   with pytest.raises(ConfigError, match="neither a path nor a shipped model.*demo"):
     trime_jax.load("no_such_model")
+  assert trime_jax.load("demo/").directory == model.directory  # a trailing slash, as a shell completes it

@@ -431,7 +431,8 @@ def test_bad_input_is_a_clear_error(byte_gen):
       (lambda: G.Sampling(seed=2**31), r"^seed must be an integer in \[-2\*\*31, 2\*\*31\)"),
       (lambda: G.Sampling(seed=-2**31 - 1), r"^seed must be an integer"),
       (lambda: G.Sampling(top_k=2.5), r"^top_k must be an integer >= 0"),
-      (lambda: G.Sampling(temperature="1"), r"^temperature must be a number >= 0"),
+      (lambda: G.Sampling(temperature="1"), r"^temperature must be a finite number >= 0"),
+      (lambda: G.Sampling(temperature=float("inf")), r"^temperature must be a finite number >= 0"),
       (lambda: G.MemorySpec("local", tau="1"), r"^tau must be a number"),
   ]:
     with pytest.raises(ConfigError, match=message):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import numbers
 import os
 import shutil
@@ -74,6 +75,8 @@ def _texts(value, what: str) -> tuple[list[str], bool]:
     return [value], True
   if isinstance(value, (bytes, bytearray, memoryview)):
     _text(value, what)  # raises
+  if isinstance(value, (dict, set, frozenset)):  # a dict's keys, a set's order: not what was meant as texts
+    raise ConfigError(f"{what} must be a string or a list of strings, got {type(value).__name__}")
   try:
     items = list(value)
   except TypeError:
@@ -87,12 +90,21 @@ def _texts(value, what: str) -> tuple[list[str], bool]:
 
 
 def _positive(value, what: str):
-  """`value` as a float > 0 (None stays None), else one ConfigError naming the argument."""
+  """`value` as a finite float > 0 (None stays None), else one ConfigError naming the argument (τ = inf would
+  weigh every memory entry exp(0) alike: no temperature means that)."""
   if value is None:
     return None
-  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
-    raise ConfigError(f"{what} must be a number > 0, got {value!r}")
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (value > 0 and math.isfinite(value)):
+    raise ConfigError(f"{what} must be a finite number > 0, got {value!r}")
   return float(value)
+
+
+def _flag(value, what: str) -> bool:
+  """`value` if it is True or False, else one ConfigError: a string such as "no" is true in Python, and some of
+  these switches (trust_pickle: unpickling runs the file's code) must not be turned on by accident."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise ConfigError(f"{what} must be True or False, got {value!r}")
+  return bool(value)
 
 
 def _path(value, what: str) -> str:
@@ -246,6 +258,7 @@ class Model:
     self.stateful = bool(getattr(self.nnx_model, "stateful", False))  # SRU++: state carried across windows
     self._generator = None
     self._external = {}
+    self._params_assigned = False
 
   def __repr__(self) -> str:
     return (f"trime_jax.Model({self.directory!r}: {self.meta['num_params']:,} parameters, "
@@ -260,6 +273,7 @@ class Model:
   @params.setter
   def params(self, value) -> None:
     self._params = value
+    self._params_assigned = True  # no longer the export's: a datastore of the export's keys is said to differ
     if self._generator is not None:
       self._generator.params = value
     self.memory._forget_keys()
@@ -293,8 +307,15 @@ class Model:
     return self._text.tokenize(_text(text, "text"), "text")
 
   def detokenize(self, ids) -> str:
-    """The text of token ids (the generator's: `</s>` reads as a line end, wherever it is)."""
-    return self._text.detokenize(ids)
+    """The text of token ids (the generator's: `</s>` reads as a line end, wherever it is): integers in
+    [0, vocabulary size), else one ConfigError (a negative id would read the vocabulary from its end)."""
+    if isinstance(ids, (str, bytes, numbers.Number)) or not hasattr(ids, "__iter__"):
+      raise ConfigError(f"ids must be a sequence of token ids (integers), got {type(ids).__name__}")
+    ids = list(ids)
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < len(self.vocab)]
+    if bad:
+      raise ConfigError(f"ids must be integers in [0, {len(self.vocab)}) (the vocabulary), got {bad[0]!r}")
+    return self._text.detokenize([int(i) for i in ids])
 
   def _k(self, k) -> int:
     """Entries retrieved per token: `k`, or the export's eval.knn_k when None."""
@@ -321,17 +342,22 @@ class Model:
       except OSError:
         return None
 
-    key = (os.path.abspath(datastore), k, os.path.abspath(index) if index else "",
+    # One open datastore + index per path, whatever k (a k sweep must not hold a copy of the index per k)
+    key = (os.path.abspath(datastore), os.path.abspath(index) if index else "",
            stamp(os.path.join(datastore, "meta.json")), stamp(index) if index else None)
     if key not in self._external:
-      self._external = {c: v for c, v in self._external.items() if c[:3] != key[:3]}  # not the stale one
+      self._external = {c: v for c, v in self._external.items() if c[:2] != key[:2]}  # not the stale one
       if e.get("datastore_on_device", False):
         logger.info("the export's eval.datastore_on_device is trime_jax.launch.eval_ext's: the API searches the "
                     "FAISS index (top-K)")
       self._external[key] = knn.ExternalMemory(
           datastore, index_path=index, checkpoint_dir=self.directory, k=k, nprobe=int(e.nprobe),
           exact=bool(e.get("knn_exact", False)), gpu=bool(e.get("knn_gpu", False)), log=knn.logger.info)
-    return self._external[key]
+    if self._params_assigned:
+      logger.warning("warning: model.params was assigned: the datastore %s holds keys of the exported parameters, "
+                     "which the model's queries no longer are (build a datastore of the new parameters: export "
+                     "them, then trime_jax.launch.build_datastore)", datastore)
+    return self._external[key].with_k(k)
 
   # -- scoring ----------------------------------------------------------------------------------------------
   def _memory(self, memory):
@@ -500,6 +526,7 @@ class Model:
     prompts, single = _texts(prompts, "prompts")
     memory = self._memory(memory)
     tau = _positive(tau, "tau")
+    trace = _flag(trace, "trace")
     if k is not None:
       self._k(k)
     _check_memory(memory, datastore, k, tau, index)
@@ -529,7 +556,7 @@ def pretrained_names() -> list[str]:
 
 
 def load(path: str, *, dictionary: str | None = None, out: str | None = None, trust_pickle: bool = False,
-         key_type: str = "last_ffn_input") -> Model:
+         key_type: str = "last_ffn_input", overwrite: bool = False) -> Model:
   """A Model from a shipped model's name (`load("demo")`, see `pretrained_names()`; a path of that name in the
   working directory wins), an export directory (`<workdir>/export`, `<workdir>/best`, a training workdir itself),
   or an original fairseq checkpoint (`.pt`) with its `dictionary` (dict.txt), imported with
@@ -539,13 +566,18 @@ def load(path: str, *, dictionary: str | None = None, out: str | None = None, tr
   with `trime_jax.launch.build_datastore --checkpoint=OUT`, or to load it again without importing). Without
   `out` it goes to a new temporary directory (`model.directory`) that lives as long as the Model: it is
   removed when the Model is garbage-collected or Python exits, and at once if the import fails, so repeated
-  loads leave nothing behind (keep the Model, not only its `generator`, while it is in use). `trust_pickle`, `key_type`: the importer's options
-  (trime_jax.launch.import_fairseq's flags); `out`, `trust_pickle` and `key_type` given for an export are one
-  ConfigError (they would be ignored). The export's config is read as every CLI reads it
+  loads leave nothing behind (keep the Model, not only its `generator`, while it is in use); a non-empty `out`
+  is refused unless `overwrite=True`. `trust_pickle` (True or False: unpickling runs the file's code),
+  `key_type`: the importer's options (trime_jax.launch.import_fairseq's flags); `out`, `overwrite`,
+  `trust_pickle` and `key_type` given for an export are one ConfigError (they would be ignored). The export's config is read as every CLI reads it
   (`exports.stored_over_defaults`: a field it lacks keeps its default, a field this version does not know is
   refused)."""
   path = _path(path, "path")
+  trust_pickle, overwrite = _flag(trust_pickle, "trust_pickle"), _flag(overwrite, "overwrite")
   if dictionary is not None or os.path.isfile(path):
+    if os.path.isdir(path):  # an export (or a shipped model's folder) given a dictionary
+      raise ConfigError(f"dictionary= is for a fairseq checkpoint (a .pt file); {path} is a folder: "
+                        f"load({path!r}) without it")
     if dictionary is None:
       folder = os.path.dirname(os.path.abspath(path))
       if os.path.isfile(os.path.join(folder, "meta.json")):
@@ -554,10 +586,19 @@ def load(path: str, *, dictionary: str | None = None, out: str | None = None, tr
     from trime_jax import fairseq_import
 
     dictionary = _path(dictionary, "dictionary")
+    if not dictionary:
+      raise ConfigError("dictionary= is empty: give the checkpoint's dict.txt")
+    from trime_jax.model import KEY_TYPES
+
+    if key_type not in KEY_TYPES:  # before the checkpoint is read: the user's argument, not the file's
+      raise ConfigError(f"key_type must be one of {KEY_TYPES}, got {key_type!r}")
     temporary = out is None
     out = tempfile.mkdtemp(prefix="trime_jax_import_") if temporary else _path(out, "out")
+    if not out:  # "" would write the import into (over) the working directory
+      raise ConfigError("out= is empty: give the directory to write the imported export to (or None: a temporary one)")
     try:
-      path, _ = fairseq_import.import_to_export(path, dictionary, out, key_type=key_type, trust_pickle=trust_pickle)
+      path, _ = fairseq_import.import_to_export(path, dictionary, out, key_type=key_type, trust_pickle=trust_pickle,
+                                                overwrite=overwrite)
       model = Model(export_path(path))
     except BaseException:
       if temporary:  # half an import is no use to anyone; a chosen `out` is left for its owner to look at
@@ -566,7 +607,8 @@ def load(path: str, *, dictionary: str | None = None, out: str | None = None, tr
     if temporary:
       weakref.finalize(model, shutil.rmtree, out, ignore_errors=True)
     return model
-  given = [name for name, v, default in (("out", out, None), ("trust_pickle", trust_pickle, False),
+  given = [name for name, v, default in (("out", out, None), ("overwrite", overwrite, False),
+                                         ("trust_pickle", trust_pickle, False),
                                          ("key_type", key_type, "last_ffn_input")) if v != default]
   if given:  # they would be ignored without a word
     raise ConfigError(f"{', '.join(given)}: options of a fairseq checkpoint's import (load(path.pt, dictionary=...)); "
@@ -578,12 +620,12 @@ def export_path(path: str) -> str:
   """The export directory `path` names, as `load` and every CLI's `--checkpoint` read it: a shipped model's
   name (unless a path of that name exists), a training workdir (its `export/`), or `path` itself (an export, a
   file, or a path that does not exist, left for the reader to refuse). A bare word that is neither a path nor
-  a shipped model: one ConfigError listing the shipped ones."""
-  path = os.fspath(path)
+  a shipped model: one ConfigError listing the shipped ones. `~` is expanded; "demo/" is "demo"."""
+  path = _path(path, "path")
   if not os.path.exists(path):
     names = pretrained_names()
-    if path in names:
-      return os.path.join(PRETRAINED_DIR, path)
+    if path.rstrip(os.sep) in names:
+      return os.path.join(PRETRAINED_DIR, path.rstrip(os.sep))
     if os.sep not in path and "." not in path:  # a bare word: most likely meant as a shipped model's name
       raise ConfigError(f"{path!r} is neither a path nor a shipped model (shipped: {', '.join(names) or 'none'})")
     return path

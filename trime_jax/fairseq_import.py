@@ -180,7 +180,7 @@ def load_checkpoint(path: str, *, trust_pickle: bool = False):
   except Exception as e:  # noqa: BLE001 - torch raises many types; one line says which file and why
     # Only a refused global (weights_only) is what --trust_pickle changes; a damaged file stays damaged.
     refused = "weights_only" in str(e) or "Unsupported global" in str(e) or "GLOBAL" in str(e)
-    hint = (" (if it holds other Python objects and you trust the file: --trust_pickle)"
+    hint = (" (if it holds other Python objects and you trust the file: --trust_pickle, or trust_pickle=True)"
             if refused and not trust_pickle else "")
     raise ImportError_(f"cannot read {path} as a torch checkpoint: {first_line(e)}{hint}") from None
   if not isinstance(state, dict) or "model" not in state:

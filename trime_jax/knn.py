@@ -8,6 +8,7 @@ sim = g(c)·k_j / √D (τ, τ′ and θ are applied by the evaluator).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -80,6 +81,18 @@ class ExternalMemory:
   @property
   def dimension(self) -> int:
     return self.datastore.dimension
+
+  def with_k(self, k: int) -> "ExternalMemory":
+    """This datastore and index (shared, not opened again) retrieving `k` entries per query (at most the
+    datastore's count), with search counters of its own; `self` when that is its K already."""
+    if k < 1:
+      raise ConfigError(f"eval.knn_k must be >= 1, got {k}")
+    k = int(min(k, self.datastore.count))
+    if k == self.k:
+      return self
+    other = copy.copy(self)
+    other.k, other.search_seconds, other.queries = k, 0.0, 0
+    return other
 
   def retrieve(self, queries_NxD) -> Retrieved:
     q = np.ascontiguousarray(np.asarray(queries_NxD, np.float32))

@@ -493,6 +493,10 @@ class KnnIndex:
                               "--index=none?): rerun its build_datastore command (the same flags, --subset_of and "
                               "--entries included) with --index=auto, flat or ivfpq: its keys are reused")
       raise CheckpointError(f"FAISS index not found: {path} (build one with `python -m trime_jax.launch.build_datastore`)")
+    if os.path.isdir(path):
+      inside = os.path.join(path, "index.faiss")
+      raise CheckpointError(f"FAISS index {path} is a folder: give the index file"
+                            + (f" ({inside})" if os.path.isfile(inside) else ""))
     if not os.path.exists(_sidecar(path)):
       raise CheckpointError(f"FAISS index {path} is incomplete: its sidecar {_sidecar(path)} is missing; rebuild it")
     info = data.read_json(_sidecar(path), "FAISS index sidecar", DamagedCheckpointError, fix="rebuild the index")

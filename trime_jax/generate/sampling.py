@@ -24,8 +24,8 @@ class Sampling:
   def __post_init__(self):
     # Checked here, where every caller (the API, the CLI, a script) builds one: a wrong type would otherwise
     # fail deep inside a jitted function, without naming the argument.
-    if not _real(self.temperature) or not self.temperature >= 0:
-      raise ConfigError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+    if not _real(self.temperature) or not 0 <= self.temperature < float("inf"):  # inf: uniform noise
+      raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
     if not _integer(self.top_k) or self.top_k < 0:
       raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
     if not _real(self.top_p) or not 0 < self.top_p <= 1:
