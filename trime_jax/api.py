@@ -514,7 +514,8 @@ class Model:
     """Continue each prompt (a string gives one Output, a list of strings a list; token ids:
     `model.generator.generate`): `temperature` (of sampling; 0 is greedy), `tau` (τ on memory similarities,
     default the export's eval.tau), `top_p` / `top_k` filter the distribution (1.0 / 0: off), `seed` (an
-    integer in [-2**31, 2**31)) fixes the draws. `memory`: none | local | long (the documents in
+    integer in [-2**31, 2**31)) fixes the draws (per row: a prompt sampled at another position of the list, or
+    alone, draws other numbers; greedy decoding does not depend on it). `memory`: none | local | long (the documents in
     `model.memory`) | external (`datastore=DIR`, plus `model.memory` when it holds documents); None (the
     default) is the export's own, as in `score`; `index` as in `score`, and the same arguments are refused. An
     empty `model.memory` is local memory alone, as when scoring: long-term memory adds the documents to local
