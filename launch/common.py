@@ -283,8 +283,8 @@ def quiet_libraries(record) -> bool:
   traceback are dropped."""
   if _raised_in_orbax(record):
     return False
-  if record.levelno < 30 and record.pathname.endswith("xla_bridge.py") and str(record.msg).startswith(
-      "Unable to initialize backend"):  # jax trying a TPU on every CPU run: "Failed to open libtpu.so"
+  if record.levelno < 30 and record.pathname.endswith("xla_bridge.py") and str(record.getMessage()).startswith(
+      "Unable to initialize backend 'tpu'"):  # jax trying a TPU on every CPU run: "Failed to open libtpu.so"
     return False
   noisy = any(f"{os.sep}{lib}{os.sep}" in record.pathname for lib in ("orbax", "faiss"))
   return record.levelno >= 30 or not noisy  # 30: WARNING

@@ -85,7 +85,10 @@ def main(argv):
     raise ConfigError("--memory=external needs --datastore (build one with `python -m trime_jax.launch.build_datastore`)")
   if _ON_DEVICE.value and memory != "external":
     raise ConfigError(f"--datastore_on_device puts --datastore on the devices: use --memory=external, not {memory}")
-  given = [f"--{f.name}" for f in (_TRACE, _KNN_LAMBDA, _INDEX, _KNN_K, _NPROBE) if flags.FLAGS[f.name].present]
+  # --trace / --knn_lambda / --index when on (--notrace, --knn_lambda=0 ask for nothing); --knn_k / --nprobe when
+  # given at all (their defaults are numbers: given, they are meant to be applied)
+  given = [f"--{f.name}" for f in (_TRACE, _KNN_LAMBDA, _INDEX) if f.value] + [
+      f"--{f.name}" for f in (_KNN_K, _NPROBE) if flags.FLAGS[f.name].present]
   if _ON_DEVICE.value and given:
     # Refused before the keys are loaded (a 17.8M-key datastore takes minutes), not after; a retrieval setting
     # given with it would otherwise be silently unused.

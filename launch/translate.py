@@ -107,8 +107,9 @@ def _check_flag_combinations(out: str) -> None:
   """Flags the run would not read are refused, not ignored (before the model is loaded): --tune reads neither
   the split, the mode nor a distribution's flags; --settings replaces the distribution's flags; --index needs a
   --datastore; --config must be a translation config; --out must be a folder."""
+  from trime_jax import data as lm_data
   from trime_jax import exports
-  from trime_jax.errors import ConfigError
+  from trime_jax.errors import CheckpointError, ConfigError
 
   given = lambda *holders: [f"--{h.name}" for h in holders if h.present]
   dist_flags = (_K, _KNN_LAMBDA, _KNN_MT_TEMPERATURE, _TAU, _TAU_PRIME)
@@ -128,7 +129,9 @@ def _check_flag_combinations(out: str) -> None:
   if _INDEX.value and not _DATASTORE.value:
     raise ConfigError(f"--index={_INDEX.value} is a datastore's FAISS index: it needs --datastore")
   checkpoint = _CHECKPOINT.value
-  if os.path.isfile(os.path.join(checkpoint, "meta.json")) and not exports.is_mt_export(checkpoint):
+  meta_path = os.path.join(checkpoint, "meta.json")
+  meta = lm_data.read_json(meta_path, "MT export meta", CheckpointError) if os.path.isfile(meta_path) else {}
+  if meta.get("model_family") != "mt" and "params_digest" in meta:  # an export, of a language model
     raise ConfigError(f"--checkpoint={checkpoint} is a language-model export, not a translation one: translate "
                       "needs an export of trime_jax.launch.train_mt (a language model is evaluated with "
                       "trime_jax.launch.eval)")

@@ -403,10 +403,13 @@ def test_bad_arguments_are_one_clear_error_naming_them(model):
       (lambda: model.score({"ab": 1}), r"^texts must be a string or a list of strings, got dict"),
       (lambda: model.memory.add({"a"}), r"^texts must be a string or a list of strings, got set"),
       (lambda: model.detokenize([-1]), rf"^ids must be integers in \[0, {len(model.vocab)}\) .*got -1"),
-      (lambda: model.detokenize([1.5]), r"^ids must be integers .*got 1.5"),
+      (lambda: model.detokenize([1.5]), r"^ids must be a sequence of token ids \(integers\), got float64 values"),
+      (lambda: model.detokenize([True]), r"^ids must be a sequence of token ids \(integers\), got bool values"),
+      (lambda: model.detokenize([[1, 2]]), r"^ids must be a sequence .* of shape \(1, 2\)"),
       (lambda: model.detokenize([len(model.vocab)]), rf"^ids must be integers .*got {len(model.vocab)}"),
       (lambda: model.detokenize("the"), r"^ids must be a sequence of token ids \(integers\), got str"),
       (lambda: model.detokenize(5), r"^ids must be a sequence of token ids \(integers\), got int"),
+      (lambda: model.detokenize(np.int32(5)), r"^ids must be a sequence of token ids \(integers\), got int32"),
       (lambda: model.generate("x", seed=2**31), r"^seed must be an integer in \[-2\*\*31, 2\*\*31\)"),
       (lambda: model.generate("x", top_k=2.5), r"^top_k must be an integer >= 0"),
       (lambda: model.generate("x", temperature="0"), r"^temperature must be a finite number >= 0"),
@@ -425,6 +428,10 @@ def test_bad_arguments_are_one_clear_error_naming_them(model):
     with pytest.raises(ConfigError, match=message):
       call()
   assert len(model.memory) == 0
+  # detokenize takes ids as a list, a NumPy or a JAX array
+  ids = model.tokenize("def f")
+  assert model.detokenize(ids) == model.detokenize(np.asarray(ids)) == model.detokenize(jax.numpy.asarray(ids)) == (
+      "def f") and model.detokenize([]) == ""
   # the accepted inputs: a string, a list (or tuple) of strings; the generator itself takes strings as memory
   assert len(model.score(("x = 1\n", "y = 2\n"), memory="none")) == 2
   out = model.generator.generate(["def "], max_new_tokens=3, memory="none", sampling=generate.Sampling(0))[0]

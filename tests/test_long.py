@@ -401,7 +401,7 @@ def test_make_batches_keeps_the_same_plan_and_refuses_another_without_overwrite(
   finally:
     holder.kill()
     holder.wait()
-  assert busy.returncode == 2, busy.stderr
+  assert busy.returncode == 2 and "bm25:" not in busy.stdout, busy.stderr  # refused before planning, not at the write
   assert busy.stderr.strip().splitlines()[-1].startswith(f"error: batch plan {plan_dir} is in use by process "
                                                           f"{holder.pid} ")
   assert batch_plan.load(str(plan_dir)).batch_size == 8  # untouched
@@ -457,6 +457,38 @@ def test_a_plan_where_nothing_can_be_written_is_one_error(tmp_path, monkeypatch)
                                             rf"{re.escape(str(out))}.lock cannot be created \(Read-only file system\)"):
     batch_plan.save(str(out), {"num_segments": 2}, np.arange(2).reshape(1, 2))
   assert os.listdir(tmp_path) == []
+
+
+def test_another_users_lock_file_still_names_its_holder(tmp_path, monkeypatch):
+  """A lock file this process may not open for writing (another user's, 0644) is opened read-only: flock works
+  on it, so a running holder is still refused by name (not taken for a read-only location), a free one held."""
+  import errno
+  import fcntl
+
+  from trime_jax.runtime.lock import DirLock, LockedError
+
+  path = tmp_path / "plan.lock"
+  path.write_text('{"pid": 4242, "host": "elsewhere", "since": "2026-12-04T00:00:00"}')
+  real_open = os.open
+
+  def not_ours(p, flags, *a, **k):
+    if str(p) == str(path) and flags & (os.O_RDWR | os.O_WRONLY):
+      raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), p)
+    return real_open(p, flags, *a, **k)
+
+  monkeypatch.setattr(os, "open", not_ours)
+  with DirLock(str(path), "batch plan x"):  # free: held (read-only descriptor), the file's contents left as they are
+    assert json.loads(path.read_text())["pid"] == 4242
+  path.write_text('{"pid": 4242, "host": "elsewhere", "since": "2026-12-04T00:00:00"}')
+  holder = real_open(str(path), os.O_RDONLY)
+  fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the other user's run, holding it
+  try:
+    monkeypatch.setattr(DirLock, "_held", {})
+    with pytest.raises(LockedError, match=r"^batch plan x is in use by process 4242 "):
+      with DirLock(str(path), "batch plan x"):
+        pass
+  finally:
+    os.close(holder)
 
 
 # ----------------------------------------------------------------------------------------------------------

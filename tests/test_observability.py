@@ -216,6 +216,8 @@ def test_log_filter_quietens_orbax_and_faiss_info_only():
                                     "to open libtpu.so"))
   assert quiet_libraries(record(bridge, logging.INFO, "other"))
   assert quiet_libraries(record(bridge, logging.WARNING, "Unable to initialize backend 'cuda'"))
+  # on a GPU machine the reason jax fell back to the CPU: kept
+  assert quiet_libraries(record(bridge, logging.INFO, "Unable to initialize backend 'cuda': no plugin"))
   # orbax's worker threads log a failure with its traceback and hand it to the caller, who reports it once
   def raised_in(filename):
     code = compile("raise RuntimeError('Encountered error while reading array index')", filename, "exec")

@@ -309,13 +309,20 @@ class Model:
   def detokenize(self, ids) -> str:
     """The text of token ids (the generator's: `</s>` reads as a line end, wherever it is): integers in
     [0, vocabulary size), else one ConfigError (a negative id would read the vocabulary from its end)."""
-    if isinstance(ids, (str, bytes, numbers.Number)) or not hasattr(ids, "__iter__"):
+    if isinstance(ids, (str, bytes)):
       raise ConfigError(f"ids must be a sequence of token ids (integers), got {type(ids).__name__}")
-    ids = list(ids)
-    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < len(self.vocab)]
-    if bad:
-      raise ConfigError(f"ids must be integers in [0, {len(self.vocab)}) (the vocabulary), got {bad[0]!r}")
-    return self._text.detokenize([int(i) for i in ids])
+    try:
+      arr = np.asarray(ids)  # a list, a tuple, a NumPy or JAX array
+    except (TypeError, ValueError):
+      arr = None
+    if arr is None or arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+      what = type(ids).__name__ if arr is None or arr.ndim != 1 else f"{arr.dtype} values"
+      raise ConfigError(f"ids must be a sequence of token ids (integers), got {what}"
+                        + (f" of shape {arr.shape}" if arr is not None and arr.ndim != 1 else ""))
+    bad = arr[(arr < 0) | (arr >= len(self.vocab))]
+    if bad.size:
+      raise ConfigError(f"ids must be integers in [0, {len(self.vocab)}) (the vocabulary), got {int(bad[0])}")
+    return self._text.detokenize(arr.tolist())
 
   def _k(self, k) -> int:
     """Entries retrieved per token: `k`, or the export's eval.knn_k when None."""

@@ -123,7 +123,7 @@ def plot_sweep(rows: list[dict], path: str, title: str = "") -> str:
   fig, ax = plt.subplots(figsize=(6.4, 4.2))
   for (model, fam), cells in best.items():
     color = f"C{models.index(model) % 10}"  # one colour per model, one line style per memory family
-    prefix = f"{model}: " if model and model != NO_LABEL else ""
+    prefix = f"{model}: " if model and not model.startswith(NO_LABEL) else ""
     if fam == "none":
       ax.axhline(cells[0][metric], ls=":", lw=1, color=color, label=f"{prefix}no memory")
       continue

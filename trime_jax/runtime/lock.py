@@ -43,14 +43,19 @@ class DirLock:
       DirLock._held[self.path] += 1
       return self
     while True:
+      writable = True
       try:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)  # --out=a/new/folder: its parents, as any output
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-      except (PermissionError, OSError) as e:
+      except OSError as e:
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
           raise
-        raise UnwritableError(f"{self.what} cannot be written: its lock file {self.path} cannot be created "
-                              f"({os.strerror(e.errno)}); choose a writable location") from None
+        if not os.path.isfile(self.path):
+          raise UnwritableError(f"{self.what} cannot be written: its lock file {self.path} cannot be created "
+                                f"({os.strerror(e.errno)}); choose a writable location") from None
+        # Another user's lock file (or one on a read-only mount): flock works on a read-only descriptor, so a
+        # running holder is still found and named; a free lock is held without our name in it.
+        fd, writable = os.open(self.path, os.O_RDONLY), False
       try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
       except BlockingIOError:
@@ -67,10 +72,11 @@ class DirLock:
       if same:
         break
       os.close(fd)
-    os.ftruncate(fd, 0)
-    os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                             "since": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode())
-    os.fsync(fd)
+    if writable:
+      os.ftruncate(fd, 0)
+      os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                               "since": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode())
+      os.fsync(fd)
     self.fd = fd
     DirLock._held[self.path] = 1
     return self
