@@ -323,6 +323,10 @@ def test_external_memory_with_a_datastore(model, run, tmp_path, capsys, caplog):
     changed.score(TEXT, memory="external", datastore=ds_dir, k=16)
     changed.score(TEXT, memory="external", datastore=ds_dir, k=8)
   assert sum("model.params was assigned" in r.getMessage() for r in caplog.records) == 1  # once per datastore
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="trime_jax.api"):
+    model.score(TEXT, memory="external", datastore=ds_dir, k=16)  # its params reassigned as they were: no warning
+  assert not any("model.params was assigned" in r.getMessage() for r in caplog.records)
   for bad in (0, -1, 2.5):  # k is named, whatever the memory; 0 does not silently mean eval.knn_k
     with pytest.raises(ConfigError, match=rf"^k \(datastore entries retrieved per token\).*got {bad}"):
       model.score(TEXT, memory="external", datastore=ds_dir, k=bad)

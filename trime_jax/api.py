@@ -258,7 +258,7 @@ class Model:
     self.stateful = bool(getattr(self.nnx_model, "stateful", False))  # SRU++: state carried across windows
     self._generator = None
     self._external = {}
-    self._params_assigned, self._warned_params = False, set()
+    self._exported_params, self._warned_params = self._params, set()  # (model.params = model.params: the same)
 
   def __repr__(self) -> str:
     return (f"trime_jax.Model({self.directory!r}: {self.meta['num_params']:,} parameters, "
@@ -273,8 +273,7 @@ class Model:
   @params.setter
   def params(self, value) -> None:
     self._params = value
-    self._params_assigned = True  # no longer the export's: a datastore of the export's keys is said to differ
-    self._warned_params = set()
+    self._warned_params = set()  # another object than the export's: a datastore of its keys is said to differ
     if self._generator is not None:
       self._generator.params = value
     self.memory._forget_keys()
@@ -361,7 +360,7 @@ class Model:
       self._external[key] = knn.ExternalMemory(
           datastore, index_path=index, checkpoint_dir=self.directory, k=k, nprobe=int(e.nprobe),
           exact=bool(e.get("knn_exact", False)), gpu=bool(e.get("knn_gpu", False)), log=knn.logger.info)
-    if self._params_assigned and key not in self._warned_params:  # once per datastore, not at every score call
+    if self._params is not self._exported_params and key not in self._warned_params:  # once per datastore
       self._warned_params.add(key)
       logger.warning("warning: model.params was assigned: the datastore %s holds keys of the exported parameters, "
                      "which the model's queries no longer are (build a datastore of the new parameters: export "
