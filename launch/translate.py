@@ -225,6 +225,7 @@ def main(argv):
   del argv
   from trime_jax import data as lm_data
   from trime_jax.errors import CheckpointError, ConfigError
+  from trime_jax.mt import data as mt_data
   from trime_jax.mt import datastore as mt_datastore
   from trime_jax import specs
   from trime_jax.mt import export as mt_export
@@ -290,7 +291,7 @@ def main(argv):
   if _SETTINGS.value:
     _check_settings_are_this_models(_SETTINGS.value, params_digest, ds)
     dist = decode.Distribution.from_tuned(_SETTINGS.value, _MODE.value)
-  split = {"dev": "valid"}.get(_SPLIT.value, _SPLIT.value)  # as build_datastore reads an MT --split
+  split = mt_data.split_name(_SPLIT.value)  # --split=dev is valid, as build_datastore reads it
   name = f"{split}.{_MODE.value}"
   record = {"setting": dataclasses.asdict(dist), "params_digest": params_digest,
             "datastore_fingerprint": ds.meta.get("fingerprint") if ds is not None else None,

@@ -102,9 +102,8 @@ def _sha256(batches: np.ndarray, prefix: bytes = b"") -> str:
 
 
 def _full_header(header: dict, batches: np.ndarray) -> dict:
-  """The header as plan.json holds it: the planner's fields and what save adds (format, shape, checksum)."""
-  full = {"format": FORMAT, **header, "num_batches": int(batches.shape[0]), "batch_size": int(batches.shape[1]),
-          "batches_sha256": _sha256(batches)}
+  """The header as plan.json holds it, its checksum aside: the planner's fields, the format and the shape."""
+  full = {"format": FORMAT, **header, "num_batches": int(batches.shape[0]), "batch_size": int(batches.shape[1])}
   return json.loads(json.dumps(full))  # lists, not tuples
 
 
@@ -119,10 +118,8 @@ def differences(plan: BatchPlan, header: dict, batches: np.ndarray) -> list[str]
   (VOLATILE_FIELDS aside). A rerun of make_batches keeps an identical plan as it is, since a training that reads
   it records its digest and would not resume on a rewritten one."""
   batches = np.asarray(batches, np.int64)
-  new = _full_header(header, batches)
-  old = dict(plan.header)
-  if "batches_sha256" not in old:  # a plan written before the checksum: compared on the batches alone
-    new.pop("batches_sha256")
+  new, old = _full_header(header, batches), plan.header
+  # the checksum is not compared: the batches themselves are, below (a plan of earlier versions has none)
   out = [f"{k} {old.get(k)!r} != {new.get(k)!r}" for k in sorted(set(old) | set(new))
          if k not in VOLATILE_FIELDS and k != "batches_sha256" and old.get(k) != new.get(k)]
   if plan.batches.shape != batches.shape or not np.array_equal(plan.batches, batches):
@@ -138,7 +135,7 @@ def save(directory: str, header: dict, batches: np.ndarray) -> str:
     raise DataError(f"a batch plan needs a non-empty [num_batches, B] array, got shape {batches.shape}")
   directory = os.path.abspath(directory).rstrip(os.sep)
   with lock(directory):
-    return _save_locked(directory, _full_header(header, batches), batches)
+    return _save_locked(directory, {**_full_header(header, batches), "batches_sha256": _sha256(batches)}, batches)
 
 
 def lock(directory: str) -> DirLock:

@@ -34,6 +34,13 @@ from trime_jax.errors import ConfigError, DataError, first_line
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 SPECIALS = ("<pad>", "<unk>", "<s>", "</s>")
 SPLITS = ("train", "valid", "test")
+
+
+def split_name(split: str) -> str:
+  """The translation split a command's --split names: "dev" (the language models' name) is "valid"."""
+  return "valid" if split == "dev" else split
+
+
 FORMATS = ("text", "fairseq")
 
 

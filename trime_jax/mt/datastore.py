@@ -248,7 +248,7 @@ def build_main(config, checkpoint_dir: str, out_dir: str, *, split: str = "train
 
   config = mt_config(config, checkpoint_dir)
   vocab = mt_export.load_mt_export(checkpoint_dir)[3]
-  split = {"dev": "valid"}.get(split, split)
+  split = mt_data.split_name(split)
   pairs = mt_data.load_parallel(config, split, vocab)
   build_mt_datastore(checkpoint_dir, pairs, out_dir)
   if index_kind != "none":
