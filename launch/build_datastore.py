@@ -101,7 +101,7 @@ def main(argv):
   from trime_jax import exports
   from trime_jax import evaluate
   from trime_jax.datastore import Datastore, build_datastore, build_index, subset_datastore
-  from trime_jax.runtime.lock import DirLock
+  from trime_jax.runtime.lock import beside as lock_beside
   from trime_jax.mt import datastore as mt_datastore
 
   from trime_jax.errors import CheckpointError, ConfigError
@@ -143,7 +143,7 @@ def main(argv):
     cap = e.max_tokens or None
     queries = sum(min(len(splits.get(s)), cap or len(splits.get(s))) for s in ("dev", "test"))
     try:
-      with DirLock(os.path.abspath(out).rstrip(os.sep) + ".lock", f"datastore {out}"):  # as the build's lock
+      with lock_beside(out, f"datastore {out}"):  # as the build's lock
         build_index(Datastore(out), kind=_INDEX.value, nlist=_NLIST.value, pq_m=_PQ_M.value, queries=queries,
                     k=e.knn_k, nprobe=e.nprobe, trained_index=_TRAINED_INDEX.value or None, reuse=True)
     except KeyboardInterrupt:

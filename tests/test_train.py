@@ -241,6 +241,39 @@ def test_export_refuses_another_kind_or_model_unless_overwrite(tmp_path):
   assert exports.read_export_meta(str(target))["step"] == 5
 
 
+def test_a_link_and_its_target_take_one_lock(tmp_path):
+  """An output named through a symlink (or with a trailing '/') locks the directory it resolves to: a run
+  writing `target` refuses `--out=link`, for exports, datastores and batch plans alike (runtime.lock.beside).
+  An export written over a link replaces the link, and the link's target is left as it was."""
+  from trime_jax import datastore as ds
+  from trime_jax.batching import plan as batch_plan
+  from trime_jax.runtime.lock import LockedError, beside
+
+  target, link = tmp_path / "target", tmp_path / "link"
+  target.mkdir()
+  link.symlink_to(target)
+  for name in (str(link), str(link) + "/", str(target) + "/"):
+    assert beside(name, "x").path == str(target) + ".lock"
+  holder = _hold(str(target) + ".lock")
+  try:
+    params, cfg, vocab = _tiny_export_args()
+    with pytest.raises(LockedError, match=f"^export directory {link} is in use by process {holder.pid} .*"
+                                          f"lock file {target}.lock"):
+      exports.export(str(link), params, cfg, vocab)
+    with pytest.raises(LockedError, match=f"^batch plan {link} is in use by process {holder.pid} "):
+      batch_plan.save(str(link), {"num_segments": 2}, np.arange(2).reshape(1, 2))
+    with pytest.raises(LockedError, match=f"^datastore {link}/ is in use by process {holder.pid} "):
+      ds.build_datastore(str(tmp_path / "no-export"), None, str(link) + "/")
+  finally:
+    _release(holder)
+  assert os.listdir(target) == [] and sorted(os.listdir(tmp_path)) == ["link", "target"]
+  (target / "mine.txt").write_text("kept")
+  exports.export(str(link), params, cfg, vocab, overwrite=True)
+  assert not os.path.islink(link) and exports.read_export_meta(str(link))
+  assert os.listdir(target) == ["mine.txt"]
+  assert sorted(os.listdir(tmp_path)) == ["link", "target"]  # no .old / .tmp / .lock left
+
+
 def test_workdir_config_json_with_an_unknown_field_is_refused(corpus, tmp_path):
   import json
 

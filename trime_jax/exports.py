@@ -36,7 +36,7 @@ from trime_jax.checkpoint import DIGEST_FILE, leaf_specs, ocp, restore_checked, 
 from trime_jax.distributed import sync_processes
 from trime_jax.errors import CheckpointError, ConfigError, DamagedCheckpointError, first_line
 from trime_jax.model import build_model, count_params
-from trime_jax.runtime.lock import DirLock
+from trime_jax.runtime.lock import beside as lock_beside
 from trime_jax.runtime import workdir as workdir_files
 from trime_jax.specs import model_config
 
@@ -44,8 +44,12 @@ EXPORT_FILES = ("config.json", "vocab.json", "meta.json", "params")
 
 
 def replace_directory(tmp: str, directory: str) -> None:
-  """Move the finished `tmp` to `directory`, replacing an older one: a reader sees the old or the new one."""
-  if os.path.exists(directory):
+  """Move the finished `tmp` to `directory`, replacing an older one: a reader sees the old or the new one. A
+  symlink at `directory` is replaced by the new directory (its target is left as it is), as a batch plan's."""
+  if os.path.islink(directory):
+    os.remove(directory)
+    os.replace(tmp, directory)
+  elif os.path.exists(directory):
     old = directory + ".old"
     shutil.rmtree(old, ignore_errors=True)
     os.replace(directory, old)
@@ -139,7 +143,7 @@ def write_export(directory: str, params, meta: dict, write_files, *, overwrite: 
   directory = os.path.abspath(directory)
   tmp = directory + ".tmp"
   chief = jax.process_index() == 0
-  lock = DirLock(directory + ".lock", f"export directory {directory}") if chief else contextlib.nullcontext()
+  lock = lock_beside(directory, f"export directory {directory}") if chief else contextlib.nullcontext()
   with lock:
     if chief:
       problem = None if overwrite else export_target_problem(directory, meta)

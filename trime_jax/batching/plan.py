@@ -28,7 +28,7 @@ import numpy as np
 
 from trime_jax import data
 from trime_jax.errors import DataError, DiskFullError, is_no_space
-from trime_jax.runtime.lock import DirLock
+from trime_jax.runtime.lock import DirLock, beside as lock_beside
 
 FORMAT = "trime-batch-plan/1"
 # What a damaged plan's error says to do (a plain rerun of make_batches reads the damaged plan and stops there).
@@ -142,7 +142,7 @@ def lock(directory: str) -> DirLock:
   """`with lock(directory):` one writer of the plan `directory` (`<directory>.lock`); make_batches holds it from
   its look at what --out holds to the write, so two runs onto one --out cannot both decide to write."""
   directory = os.path.abspath(directory).rstrip(os.sep)
-  return DirLock(directory + ".lock", f"batch plan {directory}")
+  return lock_beside(directory, f"batch plan {directory}")
 
 
 def _save_locked(directory: str, header: dict, batches: np.ndarray) -> str:

@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from trime_jax import data, exports
 from trime_jax.errors import CheckpointError, ConfigError, DamagedCheckpointError, is_no_space
-from trime_jax.runtime.lock import DirLock
+from trime_jax.runtime.lock import beside as lock_beside
 
 FORMAT = "trime-datastore/1"
 KEY_DTYPE = np.float16  # the default (the release's --dstore-fp16); float32 on request (`build_datastore`)
@@ -422,7 +422,7 @@ def locked_out_dir(build):
   def locked(*args, **kwargs):
     import inspect
     out_dir = inspect.signature(build).bind(*args, **kwargs).arguments["out_dir"]
-    with DirLock(os.path.abspath(out_dir).rstrip(os.sep) + ".lock", f"datastore {out_dir}"):
+    with lock_beside(out_dir, f"datastore {out_dir}"):
       return build(*args, **kwargs)
 
   return locked

@@ -1,7 +1,8 @@
 """One writer per directory: an advisory lock (`fcntl.flock`) that a second run finds taken.
 
-A training workdir (`<workdir>/.lock`), an MT training workdir, and an export directory (`<export>.lock`, beside
-it, because an export is written elsewhere and renamed into place) each admit one writer. The lock file holds
+A training workdir (`<workdir>/.lock`), an MT training workdir, and an export directory, datastore or batch plan
+(`<directory>.lock`, beside it (`beside`), because each is written elsewhere and renamed into place) each admit
+one writer. Paths are resolved first: a symlink and its target are one directory with one lock. The lock file holds
 the owner's pid, host and start time, so the refusal names the process that holds it. flock is released by the
 kernel when the holder dies (kill -9 included), so a stale file never blocks a rerun; the file is removed on a
 clean release. Multi-process runs lock on process 0 only (every process shares the workdir).
@@ -36,7 +37,10 @@ class DirLock:
   _held: dict = {}  # lock path -> depth, this process
 
   def __init__(self, path: str, what: str):
-    self.path, self.what, self.fd = os.path.abspath(path), what, None
+    # The folder resolved (symlinks followed), so one file has one lock whatever the path it was named by.
+    path = os.path.abspath(path)
+    self.path = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+    self.what, self.fd = what, None
 
   def __enter__(self):
     if DirLock._held.get(self.path):
@@ -94,6 +98,14 @@ class DirLock:
         pass
       os.close(self.fd)
       self.fd = None
+
+
+def beside(directory: str, what: str) -> DirLock:
+  """The lock of an output directory that is written elsewhere and renamed into place (an export, a datastore,
+  a batch plan): `<directory>.lock` beside it. The directory's path is resolved first, so `--out=link` and
+  `--out=<link's target>` (or `dir/` and `dir`) take the same lock and cannot both write."""
+  resolved = os.path.realpath(os.path.abspath(directory).rstrip(os.sep) or os.sep)
+  return DirLock(resolved + ".lock", what)
 
 
 def _read_holder(fd: int) -> str:
