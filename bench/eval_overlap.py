@@ -1,6 +1,6 @@
 """Evaluation with a datastore, the search overlapped with the device's forward pass or not (issue 37).
 
-  python -m bench.eval_overlap --config=docs_wt_ext --checkpoint=runs/docs_wt/ext/export \
+  python -m bench.eval_overlap --config=docs_wt_ext --checkpoint=runs/docs_wt/ext/export \\
       --datastore=runs/docs_wt/ext/ds --tokens=32768 --out=/tmp/eval_overlap.json
 
 `evaluate.evaluate(..., overlap_search=True)` (config eval.overlap_search; off by default) dispatches each

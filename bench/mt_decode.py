@@ -7,7 +7,7 @@ reported with its decoder steps (a batch searches until its last sentence ends: 
 more), time per step, retrieval share (FAISS search + gathering the retrieved keys) and the ratio of sentences/s to the
 model alone's. Run it on an idle machine: the numbers are seconds.
 
-  python -m bench.mt_decode --checkpoint=runs/ui_de_en/ce_random/export --datastore=runs/ui_de_en/ce_random/ds \
+  python -m bench.mt_decode --checkpoint=runs/ui_de_en/ce_random/export --datastore=runs/ui_de_en/ce_random/ds \\
       --settings=runs/ui_de_en/ce_random/translate/tuned.json [--sentences=512 --repeats=2 --nprobe=8]
 """
 

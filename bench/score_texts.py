@@ -2,7 +2,7 @@
 
   python -m bench.score_texts                        # the shipped demo model, 60 lines of WikiText-2 test
   python -m bench.score_texts --texts 200 --repeats 3 --memory none
-  python -m bench.score_texts --model runs/docs_wt/ext/export --text_file ../shared/data/docs-wt/wiki.test.tokens \
+  python -m bench.score_texts --model runs/docs_wt/ext/export --text_file ../shared/data/docs-wt/wiki.test.tokens \\
       --memory external --datastore runs/docs_wt/ext/ds_1000000 --k 1024
 
 A list of texts runs in one pass (`evaluate.texts_plan`): each step feeds a window of a different text to each

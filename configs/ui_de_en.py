@@ -1,7 +1,7 @@
 """A CPU-sized TrimeMT / vanilla Transformer for ui-de-en (German→English UI strings, ../shared/data/ui-de-en).
 
   python -m trime_jax.launch.train_mt --config=configs/ui_de_en.py --workdir=runs/ui_vanilla                 # vanilla
-  python -m trime_jax.launch.train_mt --config=configs/ui_de_en.py --config.trime.memory=ext \
+  python -m trime_jax.launch.train_mt --config=configs/ui_de_en.py --config.trime.memory=ext \\
       --config.trime.batching=bm25 --workdir=runs/ui_trime_bm25                                    # TrimeMT_ext
   ... --config.trime.memory=ext --config.trime.batching=random                                     # random batches
 

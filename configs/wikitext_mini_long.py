@@ -4,7 +4,7 @@ split is one stream cut into runs of 4 consecutive segments (crossing article bo
 contiguous streams read in order, so consecutive batches continue both streams; no padding but the stream's
 last run (real-token fraction 0.996 here, printed by make_batches).
 
-  python -m trime_jax.launch.make_batches --config=configs/wikitext_mini_long.py --kind=consecutive \
+  python -m trime_jax.launch.make_batches --config=configs/wikitext_mini_long.py --kind=consecutive \\
       --out=runs/plans/wikitext_mini_long
   python -m trime_jax.launch.train --config=configs/wikitext_mini_long.py --workdir=runs/wikitext_mini_long
 """

@@ -635,8 +635,9 @@ def check_split_overlap(config, checkpoint: str, allow: bool = False) -> None:
     scored.append(("dev", "tunes on (eval.tune=True tunes on dev)"))
   for split, role in scored:
     if splits.get(split).fingerprint() == meta["corpus_fingerprint"]:
-      raise overlap_error(e.datastore, meta.get("corpus_name") or f"the {split} split", split, role,
-                          "Build the datastore from the training split (trime_jax.launch.build_datastore --split=train)")
+      fix = ("Evaluate another split (--config.eval.split=dev or test)" if split == "train" else
+             "Build the datastore from the training split (trime_jax.launch.build_datastore --split=train)")
+      raise overlap_error(e.datastore, meta.get("corpus_name") or f"the {split} split", split, role, fix)
 
 
 # Fields that decide which documents (or bytes) land in which split, per corpus whose splits are drawn here

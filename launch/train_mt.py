@@ -1,7 +1,7 @@
 """Train a translation model: vanilla Transformer (trime.memory=none) or TrimeMT_ext (trime.memory=ext).
 
   python -m trime_jax.launch.train_mt --config=configs/ui_de_en.py --workdir=runs/ui_vanilla
-  python -m trime_jax.launch.train_mt --config=configs/ui_de_en.py --config.trime.memory=ext \
+  python -m trime_jax.launch.train_mt --config=configs/ui_de_en.py --config.trime.memory=ext \\
       --config.trime.batching=bm25 --workdir=runs/ui_trime_bm25
 
 Rerunning the same command resumes from the newest checkpoint in the workdir (`--config.train.stop_after=N`

@@ -10,9 +10,9 @@
 
 Writes <out>/<split>.<mode>.hyp (one detokenised hypothesis per line) and <out>/<split>.<mode>.json (BLEU,
 sacrebleu signature, sentences/s, retrieval seconds, the settings); those of another run (another model,
-datastore, setting or search) are replaced only with --overwrite. --tune: one teacher-forced pass over the valid
-targets retrieves the top-64 entries of every target token once (by inner product for TRIME, by L2 for kNN-MT);
-every K in {1,...,64} and every (τ, λ, T, τ′) of the grids is scored from it as valid token NLL; then beam search
+datastore, index or nprobe, data, setting or search) are replaced only with --overwrite. --tune: one
+teacher-forced pass over the valid targets retrieves the top-64 entries of every target token once (by inner product for TRIME, by L2 for kNN-MT);
+every K in {1, 2, 4, ..., 64} and every (τ, λ, T, τ′) of the grids is scored from it as valid token NLL; then beam search
 on valid runs only the --tune_beam best settings per mode, and the best valid BLEU is written to <out>/tuned.json.
 The data comes from the export's stored config (--config=an MT config, task='mt', overrides it).
 """
@@ -61,8 +61,8 @@ _BATCH = flags.DEFINE_integer("batch_sentences", 32, "Sentences decoded together
 _MAX_SENTENCES = flags.DEFINE_integer("max_sentences", 0, "Translate only the first N sentences (0 = all).")
 _TUNE = flags.DEFINE_bool("tune", False, "Tune K, τ, λ, T, τ′ on valid (see the module doc).")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace <out>/<split>.<mode>.{hyp,json} of another run (another "
-                               "model, datastore, setting or search), or with --tune a tuned.json of another model "
-                               "or datastore; a rerun of the same one replaces them anyway.")
+                               "model, datastore, index, data, setting or search), or with --tune a tuned.json of "
+                               "another model or datastore; a rerun of the same one replaces them anyway.")
 _TUNE_BEAM = flags.DEFINE_integer("tune_beam", 2, "--tune: settings per mode decoded with beam search on valid.")
 _TUNE_MODES = flags.DEFINE_list("tune_modes", ["knn_mt", "trime"], "--tune: the datastore distributions to tune "
                                 "(knn_mt, trime; trime includes Appendix A's interpolation); the model alone is "
@@ -165,8 +165,27 @@ def _check_settings_are_this_models(path: str, params_digest, ds) -> None:
 
 # What makes two translations of a split the same run: a rerun of it recomputes its files, another replaces them
 # only with --overwrite
-SAME_RUN_FIELDS = ("params_digest", "datastore_fingerprint", "setting", "beam", "lenpen", "max_len_a", "max_len_b",
-                   "max_sentences")
+SAME_RUN_FIELDS = ("params_digest", "datastore_fingerprint", "index", "data_digest", "setting", "beam", "lenpen",
+                   "max_len_a", "max_len_b", "max_sentences")
+
+
+def _index_record(index) -> dict | None:
+  """What a translation's retrieval searched: the FAISS index's kind, file digest (its sidecar's) and nprobe
+  (another nprobe retrieves other neighbours, so other translations)."""
+  if index is None:
+    return None
+  return {"kind": index.kind, "file_digest": index.info.get("file_digest"), "nprobe": index.nprobe}
+
+
+def _data_digest(pairs) -> str:
+  """SHA-256 of the split's source and reference texts as translated (after --max_sentences): the same split
+  of other data (another --config.data.path) is another run."""
+  import hashlib
+
+  h = hashlib.sha256()
+  for src, tgt in zip(pairs.src_text, pairs.tgt_text):
+    h.update(src.encode() + b"\t" + tgt.encode() + b"\n")
+  return h.hexdigest()[:16]
 
 
 def _check_replaces_only_the_same_run(out: str, name: str, record: dict) -> None:
@@ -293,11 +312,12 @@ def main(argv):
     dist = decode.Distribution.from_tuned(_SETTINGS.value, _MODE.value)
   split = mt_data.split_name(_SPLIT.value)  # --split=dev is valid, as build_datastore reads it
   name = f"{split}.{_MODE.value}"
+  pairs = _data(_CONFIG.value, checkpoint, split, vocab, _MAX_SENTENCES.value, ds)
   record = {"setting": dataclasses.asdict(dist), "params_digest": params_digest,
             "datastore_fingerprint": ds.meta.get("fingerprint") if ds is not None else None,
+            "index": _index_record(index), "data_digest": _data_digest(pairs),
             "max_len_a": options.max_len_a, "max_len_b": options.max_len_b, "max_sentences": _MAX_SENTENCES.value}
   _check_replaces_only_the_same_run(out, name, {**record, "beam": options.beam, "lenpen": options.lenpen})
-  pairs = _data(_CONFIG.value, checkpoint, split, vocab, _MAX_SENTENCES.value, ds)
   res = translate_split(make(dist), pairs, vocab, out, name, record)
   print(json.dumps(res), flush=True)
 

@@ -450,6 +450,19 @@ def test_cli_build_datastore_and_translate_tune(tiny):
   assert proc.returncode == 2 and "another translation (lenpen differ)" in lines[-1] and "--overwrite" in lines[-1], (
       proc.stderr[-2000:])
   assert json.loads((root / "o5" / "test.model.json").read_text()) == first  # untouched
+  # ... so is one over other data (the split's texts, recorded by digest) or another search of the index
+  (root / "o5" / "test.model.json").write_text(json.dumps({**first, "data_digest": "0123456789abcdef"}))
+  proc = subprocess.run(plain, capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+  assert proc.returncode == 2 and "(data_digest differ)" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+  knn = base + [f"--datastore={ds2}", "--mode=knn_mt", "--k=2", "--max_sentences=2", f"--out={root / 'o8'}"]
+  proc = subprocess.run(knn, capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  searched = json.loads((root / "o8" / "test.knn_mt.json").read_text())
+  assert searched["index"]["nprobe"] == 32 and searched["index"]["kind"] == "flat", searched["index"]
+  assert searched["data_digest"] == first["data_digest"]
+  proc = subprocess.run(knn + ["--nprobe=8"], capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+  assert proc.returncode == 2 and "(index differ)" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+  assert json.loads((root / "o8" / "test.knn_mt.json").read_text()) == searched  # untouched
   # --split=dev is valid (the language models' name for it, as build_datastore reads it for MT)
   proc = subprocess.run(base + ["--max_sentences=2", "--split=dev", f"--out={root / 'o7'}"], capture_output=True,
                         text=True, cwd=repo, env=env, timeout=300)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -576,3 +577,22 @@ def _cli_driver(cases_path: str, out_dir: str) -> None:
 
 if __name__ == "__main__":
   _cli_driver(sys.argv[1], sys.argv[2])
+
+
+def test_split_leakage_of_the_training_split_says_to_evaluate_another(base):
+  """A datastore of the training split evaluated on the training split: the fix is another split, not 'build
+  the datastore from the training split' (which it already is); a datastore of dev / test still says that."""
+  from tests.helpers import tiny_config
+  from trime_jax import evaluate, exports
+  from trime_jax.errors import ConfigError
+  from trime_jax.launch import common
+
+  ds = _copy(b=base, what="ds", name="ds_as_train")
+  splits = evaluate.load_eval_data(tiny_config(str(base["corpus"])), exports.read_export_vocab(str(base["export"])))
+  edit_json(ds / "meta.json", lambda m: m.update(corpus_fingerprint=splits.get("train").fingerprint(),
+                                                corpus_name="bytes:train"))
+  for split, ds_dir, fix in (("train", ds, "Evaluate another split (--config.eval.split=dev or test), or pass "),
+                             ("test", base["ds"], "Build the datastore from the training split")):
+    config = tiny_config(str(base["corpus"]), **{"eval.datastore": str(ds_dir), "eval.split": split})
+    with pytest.raises(ConfigError, match=rf"^split leakage: .* built from bytes:{split}, .*{re.escape(fix)}"):
+      common.check_split_overlap(config, str(base["export"]))

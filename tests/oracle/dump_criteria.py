@@ -3,7 +3,7 @@
 Runs in the original release's environment (princeton-nlp/TRIME @ 3350ca9, fairseq fork; see
 tests/oracle/README_criteria.md), NOT in trime-jax's:
 
-    cd /work/orig/TRIME && OMP_NUM_THREADS=1 PYTHONPATH=/work/orig/TRIME \
+    cd /work/orig/TRIME && OMP_NUM_THREADS=1 PYTHONPATH=/work/orig/TRIME \\
         /work/orig/venv/bin/python /work/main/tests/oracle/dump_criteria.py /work/main/tests/fixtures/oracle
 
 Writes to OUT: criteria.npz (the cases), criteria_model.pt (the model in the release's checkpoint format:

@@ -21,12 +21,13 @@ class BestKeeper:
   written past the resumed checkpoint is the state the resumed run reaches again."""
 
   def __init__(self, directory: str, enabled: bool, metric: str, export, *, protocol: dict | None = None,
-               remeasure=None):
+               remeasure=None, split: str = "dev"):
     """`protocol`: the settings the dev perplexity depends on (how much of dev, which windows), recorded beside
     the best. A resumed run may change them (they do not change training), and a best measured otherwise does
     not compare: `remeasure(directory)` (the task's dev evaluation of the exported best parameters) measures it
     again under this run's protocol, said in one line."""
     self.directory, self.enabled, self.metric, self.export = directory, enabled, metric, export
+    self.split = split  # the task's name of its dev split in log lines ("valid" for translation)
     self.protocol = dict(protocol or {})
     self.ppl = math.inf
     meta = os.path.join(directory, "meta.json")
@@ -37,8 +38,8 @@ class BestKeeper:
       before = stored.get("dev_protocol")
       if before is not None and self.protocol and before != self.protocol and remeasure is not None:
         again = float(remeasure(directory).get(metric, math.nan))
-        logging.info("best dev %s of update %s was measured with %s; with this run's %s it is %.4f (was %.4f)",
-                     metric, stored.get("step"), before, self.protocol, again, self.ppl)
+        logging.info("best %s %s of update %s was measured with %s; with this run's %s it is %.4f (was %.4f)",
+                     split, metric, stored.get("step"), before, self.protocol, again, self.ppl)
         self.ppl = again if math.isfinite(again) else math.inf
 
   def update(self, step: int, params, dev: dict) -> None:
@@ -48,7 +49,7 @@ class BestKeeper:
     self.export(self.directory, host_copy(params), {"step": step, "best_metric": self.metric, "dev_ppl": ppl,
                                                     "dev_protocol": self.protocol})
     self.ppl = ppl
-    logging.info("best dev %s %.4f at update %d: exported to %s", self.metric, ppl, step, self.directory)
+    logging.info("best %s %s %.4f at update %d: exported to %s", self.split, self.metric, ppl, step, self.directory)
 
 
 def host_copy(tree):

@@ -171,7 +171,7 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
     log(f"resumed from step {restored_step} ({mgr.directory})")
   state = place(state)
   best = BestKeeper(os.path.abspath(os.path.join(workdir, "best")), spec.keep_best, task.best_metric, task.export,
-                    protocol=task.dev_protocol(), remeasure=task.evaluate_export)
+                    protocol=task.dev_protocol(), remeasure=task.evaluate_export, split=task.eval_split)
   split = task.eval_split
   start = int(state["step"])
   stop = spec.total if not spec.stop_after else min(spec.total, start + spec.stop_after)
