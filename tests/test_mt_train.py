@@ -237,10 +237,11 @@ def test_translation_trains_in_the_shared_loop(tmp_path):
   assert best["best_metric"] == "ce_ppl" and best["dev_ppl"] == valid[i]["ce_ppl"] and best["step"] == valid[i]["step"]
   graphdef, params, config, vocab = mt_export.load_mt_export(str(work / "best"))  # a complete, checked export
   assert json.load(open(os.path.join(out["export"], "meta.json")))["valid"] == out["valid"] == {
-      k: v for k, v in valid[-1].items() if k not in ("step", "split")}
+      k: v for k, v in valid[-1].items() if k not in ("step", "split", "dev_protocol")}
+  assert valid[-1]["dev_protocol"] == {"eval_max_pairs": 0}  # how valid was measured, in its lines
 
   c = tiny_config(tmp_path / "d")
   c.train.update(learning_rate=float("inf"), warmup_steps=0)
-  with pytest.raises(TrainingError, match="non-finite loss at update 2 .*no checkpoint had been written yet"):
-    mt_train.train_and_evaluate(c, str(tmp_path / "nan"), log=lambda s: None)
+  with pytest.raises(TrainingError, match=r"^the parameters after update \d+ are not finite .*nothing was exported"):
+    mt_train.train_and_evaluate(c, str(tmp_path / "nan"), log=lambda s: None)  # diverged at once, stopped at the end
   assert not os.path.exists(tmp_path / "nan" / "export")

@@ -65,9 +65,19 @@ def test_gradient_accumulation_matches_one_big_batch(corpus, tmp_path):
 
 
 def test_non_finite_loss_stops_with_a_clear_error(corpus, tmp_path):
+  """An infinite step size: update 1 makes the parameters infinite, every later update is non-finite and
+  skipped. Ten in a row stop training (wherever the log lines fall); a run that ends sooner exports nothing."""
+  for log_every in (1, 4):
+    cfg = tiny_config(corpus, **{"train.num_steps": 14, "train.learning_rate": float("inf"),
+                                 "train.warmup_steps": 0, "train.log_every": log_every})
+    with pytest.raises(TrainingError, match=r"^training diverged: updates 2-11 all had a non-finite loss or "
+                                            r"gradient \(10 in a row; .*the last checkpoint \(update 9, in "):
+      train_and_evaluate(cfg, str(tmp_path / f"nan{log_every}"))
   cfg = tiny_config(corpus, **{"train.num_steps": 6, "train.learning_rate": float("inf"), "train.warmup_steps": 0})
-  with pytest.raises(TrainingError, match="non-finite loss at update 2 .*no checkpoint had been written yet"):
-    train_and_evaluate(cfg, str(tmp_path / "nan"))
+  with pytest.raises(TrainingError, match=r"^the parameters after update 6 are not finite \(\d+ arrays, e\.g\. "
+                                          r".*nothing was exported"):
+    train_and_evaluate(cfg, str(tmp_path / "short"))
+  assert not os.path.exists(tmp_path / "short" / "export")
 
 
 def test_config_errors(corpus, tmp_path):
@@ -304,3 +314,14 @@ def test_step_digest_names_the_changed_file(tmp_path):
   big.write_bytes(bytes(data))
   with pytest.raises(DamagedCheckpointError, match=f"{big} changed after it was saved"):
     ckpt.verify_step(str(tmp_path / "checkpoints"), 1, "checkpoint at step 1")
+
+
+def test_an_export_killed_between_its_renames_leaves_no_old_copy_after_the_rerun(tmp_path):
+  """Killed after moving the previous export to <export>.old and before renaming the new one into place: the
+  rerun's export removes that copy once its own is in place."""
+  params, cfg, vocab = _tiny_export_args()
+  target = tmp_path / "export"
+  exports.export(str(target), params, cfg, vocab)
+  os.replace(target, str(target) + ".old")  # the state such a kill leaves
+  exports.export(str(target), params, cfg, vocab)
+  assert sorted(os.listdir(tmp_path)) == ["export"] and exports.read_export_meta(str(target))

@@ -88,6 +88,48 @@ def test_a_longer_run_is_a_resumable_change_only_when_nothing_else_depends_on_nu
     train.train_and_evaluate(longer, workdir)
 
 
+def _poison_update_2(monkeypatch):
+  """The loss of update 2 (0-based step 1) is NaN: drop_local, unused by memory="local", carries the poison."""
+  real = steps.nll_sums
+
+  def poisoned(model, batch, spec, **kw):
+    o, ce, tr, n = real(model, batch, spec, **kw)
+    return o * jnp.where(batch["drop_local"][0], jnp.nan, 1.0), ce, tr, n
+
+  real_batch = train.LMTask.batch
+
+  def batch(self, step):
+    b = real_batch(self, step)
+    if step == 1:
+      d = np.zeros(b["drop_local"].shape, bool)
+      d[0, 0] = True
+      b["drop_local"] = jnp.asarray(d)
+    return b
+
+  monkeypatch.setattr(steps, "nll_sums", poisoned)
+  monkeypatch.setattr(train.LMTask, "batch", batch)
+
+
+def test_one_skipped_update_is_counted_alike_wherever_the_lines_and_stops_fall(corpus, tmp_path, monkeypatch):
+  """One non-finite update never stops training, whatever train.log_every (its line was the one checked), and
+  its line counts it after a resume that falls between the skip and the line (the count of this invocation
+  only, before): the resumed run's train lines are the uninterrupted run's."""
+  _poison_update_2(monkeypatch)
+  kw = dict(FAST, **{"train.num_steps": 8, "train.log_every": 4})
+  train.train_and_evaluate(tiny_config(corpus, **kw), str(tmp_path / "straight"))
+  straight = _train_lines(str(tmp_path / "straight"))
+  assert [(m["step"], m["skipped"], m["skipped_total"]) for m in straight] == [(4, 1, 1), (8, 0, 1)]
+  every = _train_lines(str(tmp_path / "every")) if train.train_and_evaluate(
+      tiny_config(corpus, **dict(kw, **{"train.log_every": 1})), str(tmp_path / "every")) else None
+  assert [m["skipped"] for m in every] == [0, 1, 0, 0, 0, 0, 0, 0]
+  stopped = str(tmp_path / "stopped")  # checkpoint at 3 (train.checkpoint_every), past the skip, before the line
+  train.train_and_evaluate(tiny_config(corpus, **dict(kw, **{"train.stop_after": 3})), stopped)
+  train.train_and_evaluate(tiny_config(corpus, **kw), stopped)
+  resumed = _train_lines(stopped)
+  assert [(m["step"], m["skipped"], m["skipped_total"]) for m in resumed] == [(4, 1, 1), (8, 0, 1)]
+  np.testing.assert_allclose([m["loss"] for m in resumed], [m["loss"] for m in straight], rtol=1e-6)
+
+
 def test_skipped_updates_are_counted_and_the_logged_rate_is_the_one_applied(corpus, tmp_path, monkeypatch):
   """A non-finite loss at update 2 of a line every 3 updates: the update is skipped (parameters and optimizer
   kept); the line at 3 counts it, and later lines log the learning rate the optimizer applied, which lags the
@@ -259,3 +301,83 @@ def test_a_refused_run_leaves_no_workdir_it_created(tmp_path):
   with pytest.raises((ConfigError, DataError), match="batch plan not found"):
     train.train_and_evaluate(cfg, str(fresh))
   assert not fresh.exists()
+
+
+def test_a_refused_resume_changes_nothing_in_the_workdir(corpus, tmp_path):
+  """Resumes refused at the checkpoint (another optimizer's state layout: train.clip_norm 0 -> 1, which an
+  earlier version took for damage and moved every checkpoint aside; other shapes; fewer updates than the
+  checkpoint holds) leave config.json, config_changes.jsonl, data.json and the checkpoints as they were, so the
+  original command still resumes."""
+  from trime_jax.errors import DamagedCheckpointError
+
+  kw = dict(FAST, **{"train.num_steps": 6})
+  workdir = str(tmp_path / "w")
+  train.train_and_evaluate(tiny_config(corpus, **dict(kw, **{"train.stop_after": 3})), workdir)  # no export yet
+  records = {n: open(os.path.join(workdir, n), "rb").read() for n in ("config.json", "data.json")}
+  allow = {"train.allow_config_change": True}
+  for change, said in [({"train.clip_norm": 1.0}, r"holds another optimizer's or model's state \(\d+ arrays expected "
+                                                   r"but not stored, e\.g\. opt_state/1/0/count; .*undo that change"),
+                       ({"model.d_ff": 48}, r"does not match this config's model/optimizer \(float32\["),
+                       ({"train.num_steps": 2}, r"newest checkpoint in .* is update 3, past this run's 2 updates")]:
+    with pytest.raises(CheckpointError, match=said) as e:
+      train.train_and_evaluate(tiny_config(corpus, **{**kw, **allow, **change}), workdir)
+    assert not isinstance(e.value, DamagedCheckpointError)
+    assert {n: open(os.path.join(workdir, n), "rb").read() for n in records} == records, change
+    assert not os.path.exists(os.path.join(workdir, "config_changes.jsonl"))
+    assert os.listdir(os.path.join(workdir, "checkpoints")) == ["3"] and not os.path.exists(workdir + "/checkpoints_damaged")
+  assert train.train_and_evaluate(tiny_config(corpus, **kw), workdir)["step"] == 6
+
+
+def test_a_torn_last_metrics_line_is_dropped_and_a_damaged_one_named(corpus, tmp_path):
+  """A kill mid-write leaves a last line without its newline: the resume drops it (the rerun writes it again);
+  a line before the last that is not a record is one error naming the file and the line."""
+  from trime_jax.errors import DamagedCheckpointError
+
+  kw = dict(FAST, **{"train.num_steps": 3})
+  workdir = tmp_path / "w"
+  train.train_and_evaluate(tiny_config(corpus, **kw), str(workdir))
+  path = workdir / "metrics.jsonl"
+  whole = path.read_bytes()
+  path.write_bytes(whole[:-40])  # the final dev line, cut
+  train.train_and_evaluate(tiny_config(corpus, **dict(kw, **{"train.num_steps": 6})), str(workdir))
+  rows = [json.loads(ln) for ln in path.read_text().splitlines()]  # every line a record again
+  assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
+  lines = path.read_text().splitlines(keepends=True)
+  path.write_text("".join(lines[:2] + ['{"step": 3, "lo\n'] + lines[2:]))
+  with pytest.raises(DamagedCheckpointError, match=rf"^{path} line 3 is not a metrics record \(.*remove that line"):
+    train.train_and_evaluate(tiny_config(corpus, **dict(kw, **{"train.num_steps": 9})), str(workdir))
+
+
+def test_a_rerun_measuring_dev_otherwise_evaluates_dev_again(corpus, tmp_path):
+  """A finished run rerun with other dev settings (eval.block_len / context_window) measures dev again instead
+  of reusing the final dev line of the other settings; best/ (the same parameters) keeps its value with the
+  settings it was measured by (an earlier version re-exported it with the old value under the new settings)."""
+  kw = dict(FAST, **{"train.num_steps": 3})
+  workdir = str(tmp_path / "w")
+  train.train_and_evaluate(tiny_config(corpus, **kw), workdir)
+  again = train.train_and_evaluate(tiny_config(corpus, **dict(kw, **{"eval.block_len": 32, "eval.context_window": 16})),
+                                   workdir)
+  dev = [m for m in read_metrics(workdir) if m.get("split") == "dev"]
+  assert [(m["step"], m["dev_protocol"]["block_len"]) for m in dev] == [(3, 64), (3, 32)]
+  assert again["dev"]["none_ppl"] == dev[-1]["none_ppl"] != dev[0]["none_ppl"]
+  best = exports.read_export_meta(os.path.join(workdir, "best"))
+  assert (best["dev_protocol"]["block_len"], best["dev_ppl"]) == (64, dev[0]["trime_local(tau=1)_ppl"])
+  # the same settings again: the final line is reused, none appended
+  train.train_and_evaluate(tiny_config(corpus, **dict(kw, **{"eval.block_len": 32, "eval.context_window": 16})),
+                           workdir)
+  assert len([m for m in read_metrics(workdir) if m.get("split") == "dev"]) == 2
+
+
+def test_a_negative_seed_is_one_config_error(corpus, tmp_path):
+  with pytest.raises(ConfigError, match=r"^train.seed must be >= 0, got -1$"):
+    train.train_and_evaluate(tiny_config(corpus, **{"train.seed": -1}), str(tmp_path / "w"))
+  assert not os.path.exists(tmp_path / "w")
+
+
+def test_a_checkpoints_file_is_refused_before_training(corpus, tmp_path):
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  (workdir / "checkpoints").write_text("not a folder")
+  with pytest.raises(CheckpointError, match=r"checkpoints is a file, not the run's checkpoint folder"):
+    train.train_and_evaluate(tiny_config(corpus, **FAST), str(workdir))
+  assert not os.path.exists(workdir / "metrics.jsonl")  # refused before the first update

@@ -48,6 +48,8 @@ ocp = _import_orbax()  # the package's one import of orbax (exports and mt.expor
 def manager(directory: str, keep: int) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
   path = directory if "://" in directory else os.path.abspath(directory)  # gs://... passes through to orbax
+  if os.path.lexists(path) and not os.path.isdir(path):  # found now, not at the first save an interval later
+    raise CheckpointError(f"{path} is a file, not the run's checkpoint folder: move it away and rerun")
   return ocp.CheckpointManager(path, options=options)
 
 
@@ -204,6 +206,38 @@ def leaf_specs(tree) -> list:
   return sorted((tuple(int(d) for d in x.shape), str(np.dtype(x.dtype))) for x in leaves if hasattr(x, "shape"))
 
 
+def _key_name(key) -> str:
+  for attr in ("key", "idx", "name"):  # DictKey / FlattenedIndexKey, SequenceKey, GetAttrKey
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def leaf_paths(tree) -> list:
+  """Sorted (path, shape, dtype) of every array leaf, the path in a form both trees share: "opt_state/0/mu/embed/
+  embedding" for the live tree's `['opt_state'][0].mu['embed']['embedding']` and for orbax's metadata, whose
+  tuples are lists, whose attributes are dict keys and whose nnx variables hold their array under 'value'
+  (dropped on both sides)."""
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
+  return sorted(("/".join(n for n in map(_key_name, path) if n != "value"), tuple(int(d) for d in x.shape),
+                 str(np.dtype(x.dtype))) for path, x in flat if hasattr(x, "shape"))
+
+
+def layout_difference(have: list, want: list) -> str | None:
+  """None when two `leaf_paths` agree, else where they part, in words (the arrays may all have the same shapes
+  and still lie elsewhere: an optimizer wrapped in one more transformation, such as gradient clipping)."""
+  if have == want:
+    return None
+  extra = sorted(set(have) - set(want))
+  missing = sorted(set(want) - set(have))
+  said = []
+  if missing:
+    said.append(f"{len(missing)} arrays expected but not stored, e.g. {missing[0][0]}")
+  if extra:
+    said.append(f"{len(extra)} stored but not expected, e.g. {extra[0][0]}")
+  return "; ".join(said) or "the arrays are stored in another order"
+
+
 def specs_difference(have: list, want: list, have_word: str) -> str | None:
   """None when two `leaf_specs` agree, else the first difference in words ("float32[8, 4] stored vs float32[8, 5]
   expected", or the counts when one has arrays the other lacks); `have_word` names where `have` came from."""
@@ -240,6 +274,13 @@ def restore_checked(path: str, abstract_tree, what: str, restore):
   if diff:
     raise CheckpointError(f"{what} does not match this config's model/optimizer ({diff}); use a fresh "
                           "workdir") from None
+  # The same shapes laid out otherwise (train.clip_norm 0 <-> > 0 adds or removes a transformation of the
+  # optimizer): another optimizer's state, which orbax cannot restore into this one. Not damage.
+  diff = layout_difference(leaf_paths(stored), leaf_paths(abstract_tree))
+  if diff:
+    raise CheckpointError(f"{what} holds another optimizer's or model's state ({diff}): the change of config "
+                          "(an optimizer setting such as train.clip_norm, or the model's structure) cannot resume "
+                          "it; undo that change, or use a fresh workdir") from None
   try:
     return restore()
   except Exception as e:  # noqa: BLE001 - the shapes matched: damaged data files
@@ -335,13 +376,13 @@ def _resume_problem(workdir: str, path: str, config, new: dict):
 DATA_FILE = "data.json"  # <workdir>/data.json: what the run's batches are made of (check_resume_data)
 
 
-def check_resume_data(workdir: str, config, identity: dict) -> None:
+def check_resume_data(workdir: str, config, identity: dict, *, write: bool = True) -> None:
   """Compare `identity` (the training split's fingerprint, the batch plan's digest) with the run's
   `<workdir>/data.json` when resuming, then write it. A difference is refused unless
   train.allow_config_change (then appended to config_changes.jsonl): the config names the corpus and the plan by
   path, and a file rewritten between two invocations would change the rest of the run without a word. A workdir
   without data.json (an older version's) gets one now, unchecked. Process 0 decides; every process stops or none
-  does."""
+  does. `write=False` checks only (nothing on disk changes); call again with write=True when the run starts."""
   path = os.path.join(workdir, DATA_FILE)
   problem, diff = None, {}
   if jax.process_index() == 0:
@@ -360,7 +401,7 @@ def check_resume_data(workdir: str, config, identity: dict) -> None:
                  "(trime.batch_plan) changed since the run started. Restore them, use another --workdir, or pass "
                  "--config.train.allow_config_change=True to go on with these (recorded in config_changes.jsonl)")
   _raise_on_every_process(problem, workdir)
-  if jax.process_index() == 0:
+  if write and jax.process_index() == 0:
     if diff:
       _record_changes(workdir, diff, allowed=True)
     data.atomic_write_json(path, identity)

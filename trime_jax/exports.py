@@ -57,6 +57,9 @@ def replace_directory(tmp: str, directory: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
   else:
     os.replace(tmp, directory)
+    # A writer killed between its two renames above left the previous export at .old (and none at `directory`):
+    # the new one is in place now, so that copy goes.
+    shutil.rmtree(directory + ".old", ignore_errors=True)
 
 
 # What makes an export "the same model" for `export`'s refusal: re-exporting a training run (a rerun, a longer

@@ -243,7 +243,6 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   if chief():  # export/ and best/ hold this run's exports or nothing (refused now, not after training)
     for name in ("export", "best"):
       exports.check_export_target(os.path.join(workdir, name), config, vocab, identity)
-  ckpt.check_resume_config(workdir, config)  # nothing was refused: the run starts; config.json says what ran
   mesh = sharding.make_mesh(train_cfg.num_devices)
   if train_cfg.batch_size % mesh.size:
     raise ConfigError(f"train.batch_size={train_cfg.batch_size} is not divisible by the {mesh.size} devices")
@@ -263,14 +262,20 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   task = LMTask(config, splits, graphdef, tx, spec, mesh)
   # What the batches are made of: a resume must read the same training split and batch plan (config.json names
   # only their paths; rewriting either between two invocations would silently change the rest of the run).
-  ckpt.check_resume_data(workdir, config, {"train_fingerprint": splits.train.fingerprint(),
-                                           "batch_plan_digest": task.source.plan.digest() if task.source.plan else None})
+  data_identity = {"train_fingerprint": splits.train.fingerprint(),
+                   "batch_plan_digest": task.source.plan.digest() if task.source.plan else None}
+  ckpt.check_resume_data(workdir, config, data_identity, write=False)
+
+  def starting():  # nothing was refused and the checkpoint restored: the run starts; config.json says what ran
+    ckpt.check_resume_config(workdir, config)
+    ckpt.check_resume_data(workdir, config, data_identity)
+
   n_params = count_params(params)
   _log(f"model: {n_params:,} parameters | vocab {len(vocab):,} | train tokens {len(splits.train):,} | "
        f"{len(task.source.segments):,} segments of {config.data.segment_len} | memory={spec.objective.memory} | "
        f"CE warm-up {task.warm} updates | devices {mesh.size}")
   out = loop.run(task, state, loop.LoopSpec.from_train(train_cfg), workdir, schedule=schedule, config=config,
-                 place=lambda s: jax.device_put(s, repl), log=_log)
+                 place=lambda s: jax.device_put(s, repl), log=_log, starting=starting)
   return {**out, "num_params": n_params}
 
 

@@ -231,7 +231,6 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
   # export/ and best/ hold this run's exports or nothing: refused now, not after training.
   for name in ("export", "best"):
     exports.check_export_target(os.path.join(workdir, name), config, vocab, meta={"vocab_fingerprint": vocab.fingerprint()})
-  ckpt.check_resume_config(workdir, config)  # nothing was refused: the run starts; config.json says what ran
   train_pairs = mt_data.load_parallel(config, "train", vocab)
   valid_pairs = mt_data.load_parallel(config, "valid", vocab)
   plan = load_plan(workdir, train_pairs, config)
@@ -251,8 +250,9 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
   if "neighbour_in_batch" in plan.header:
     log(f"bm25 plan: top-k neighbours in the same batch {plan.header['neighbour_in_batch']:.1%} "
         f"(random batches {plan.header['neighbour_in_batch_random']:.1%})")
+  # Once the checkpoint is restored (nothing was refused), the run starts: config.json says what ran.
   out = loop.run(task, state, loop.LoopSpec.from_train(r, total=task.total), workdir, schedule=schedule,
-                 config=config, log=log)
+                 config=config, log=log, starting=lambda: ckpt.check_resume_config(workdir, config))
   return {**out, "num_params": n_params}
 
 

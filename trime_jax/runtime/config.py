@@ -26,7 +26,7 @@ def check_train_section(train_cfg) -> None:
               ("train.keep_checkpoints", train_cfg.keep_checkpoints, 1),
               ("train.warmup_steps", train_cfg.warmup_steps, 0), ("train.eval_every", train_cfg.eval_every, 0),
               ("train.vocab_chunk", train_cfg.vocab_chunk, 0), ("train.num_devices", train_cfg.num_devices, 0),
-              ("train.stop_after", train_cfg.stop_after, 0)]
+              ("train.stop_after", train_cfg.stop_after, 0), ("train.seed", train_cfg.seed, 0)]
   for name, value, low in at_least:
     if value < low:
       raise ConfigError(f"{name} must be >= {low}, got {value}")

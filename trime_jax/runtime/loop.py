@@ -6,7 +6,8 @@ the updates (CE for the task's warm-up, then TRIME), a metrics line every `train
 `<workdir>/metrics.jsonl`, TensorBoard / W&B; process 0 only), the progress bar and ETA, a jax.profiler trace
 (`train.profile_steps`), a dev evaluation every `train.eval_every` updates with best-export keeping
 (`train.keep_best`), checkpoints every `train.checkpoint_every` updates, SIGTERM / preemption (checkpoint, then
-`Preempted`), a non-finite loss (`TrainingError`, the last checkpoint intact), `train.stop_after` (stop
+`Preempted`), non-finite updates (skipped; `TrainingError` after MAX_SKIPS_IN_A_ROW in a row, or when the final
+parameters are not finite: nothing is exported), `train.stop_after` (stop
 checkpointed after that many updates of this invocation), and at the end the final dev evaluation and the export.
 
 The task owns what differs: its batches, its jitted update, its dev evaluation and its export format.
@@ -29,7 +30,7 @@ from absl import logging
 
 from trime_jax import checkpoint as ckpt
 from trime_jax import event_writer
-from trime_jax.errors import TrainingError
+from trime_jax.errors import CheckpointError, TrainingError
 from trime_jax.runtime import workdir as workdir_files
 from trime_jax.runtime.best import BestKeeper, host_copy
 from trime_jax.runtime.config import profile_steps
@@ -53,7 +54,8 @@ class Task:
   def step_fn(self, objective: str):
     """The jitted update (state, batch, dropout_key) -> (state, metrics); metrics holds loss, ce_nll, trime_nll,
     grad_norm, tokens (the tokens the update trained on) and skipped (1 when a non-finite update was not
-    applied; a train line's `skipped` counts them since the line before). Cache it: the loop asks for it every update."""
+    applied; a train line's `skipped` counts them since the line before, `skipped_total` since the run began).
+    Cache it: the loop asks for it every update."""
     raise NotImplementedError
 
   def dev_protocol(self) -> dict:
@@ -136,28 +138,51 @@ class _Throughput:
     self._skipped.append(m["skipped"])
     return state, m
 
-  def read(self) -> tuple[float | None, int, int]:
-    """(tokens/s since the last read or None, updates timed, updates skipped); restarts the interval."""
+  def read(self) -> tuple[float | None, int, list]:
+    """(tokens/s since the last read or None, updates timed, each update's skipped flag in order); restarts the
+    interval."""
     now = time.perf_counter()
     timed = len(self._tokens)
     seconds = now - self._start - self._compiling
     rate = float(np.sum(jax.device_get(self._tokens))) / seconds if timed and seconds > 0 else None
-    skipped = int(np.sum(jax.device_get(self._skipped))) if self._skipped else 0
+    flags = [int(f) for f in jax.device_get(self._skipped)]
     self._tokens, self._start, self._compiling, self._skipped = [], now, 0.0, []
-    return rate, timed, skipped
+    return rate, timed, flags
+
+
+# Updates skipped in a row (a non-finite loss or gradient each) after which training stops: one such update
+# (a bad batch, a transient overflow) is skipped and training goes on; a run of them is divergence. Counted
+# from the flags of every update, so where the log lines fall (train.log_every, train.stop_after) does not
+# decide it; a resumed run counts from its first update.
+MAX_SKIPS_IN_A_ROW = 10
+
+
+def skipped_so_far(state) -> int | None:
+  """Updates skipped since the run began: the updates made (`state["step"]`) less those the optimizer applied
+  (its schedule count), exact across resumes; None for an optimizer without a schedule count."""
+  applied = _applied_updates(state)
+  return None if applied is None else int(jax.device_get(state["step"])) - applied
 
 
 def _shapes(batch: dict):
   return tuple(sorted((k, tuple(np.shape(v))) for k, v in batch.items()))
 
 
-def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, place=lambda s: s, log=say) -> dict:
+def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, place=lambda s: s, log=say,
+        starting=lambda: None) -> dict:
   """Train `state` ({"step", "params", "opt_state", ...}, freshly initialised) in `workdir` with `task`, resuming
   from the newest checkpoint there. Returns {"train": last train line, eval_split: final dev metrics, "export":
   directory, "step": updates done}; only {"train", "step"} when `train.stop_after` ended this invocation early.
-  `place` puts a state on the task's devices (called on the restored state); `config` goes to TensorBoard."""
+  `place` puts a state on the task's devices (called on the restored state); `config` goes to TensorBoard.
+  `starting()` writes the run's records (config.json, ...): called once the checkpoint is restored and nothing
+  was refused, so a refused run leaves the workdir's records as they were."""
   mgr = ckpt.manager(os.path.join(workdir, workdir_files.CHECKPOINTS), spec.keep_checkpoints)
   restored_step, restored = ckpt.restore_latest(mgr, ckpt.abstract(state), log=log)
+  if restored_step is not None and restored_step > spec.total:
+    raise CheckpointError(f"the newest checkpoint in {mgr.directory} is update {restored_step}, past this run's "
+                          f"{spec.total} updates (train.num_steps; translation: train.target_token_budget): give "
+                          f"train.num_steps={restored_step} or more to export or continue it, or use a fresh workdir")
+  starting()
   chief = workdir_files.chief()
   tb = event_writer.EventWriter(os.path.join(workdir, "tb"), enabled=chief, config=config)
   # Metric lines past the checkpoint resumed from (step 0 when there is none: a run stopped before its first
@@ -170,8 +195,9 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
     state = restored
     log(f"resumed from step {restored_step} ({mgr.directory})")
   state = place(state)
+  protocol = task.dev_protocol()  # how dev is measured: recorded in dev lines and beside the best
   best = BestKeeper(os.path.abspath(os.path.join(workdir, "best")), spec.keep_best, task.best_metric, task.export,
-                    protocol=task.dev_protocol(), remeasure=task.evaluate_export, split=task.eval_split)
+                    protocol=protocol, remeasure=task.evaluate_export, split=task.eval_split)
   split = task.eval_split
   start = int(state["step"])
   stop = spec.total if not spec.stop_after else min(spec.total, start + spec.stop_after)
@@ -179,10 +205,20 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
   clock = _Throughput()
   progress = Progress(spec.total, start, spec.progress)
   last, tracing = {}, False
+  # A train line's `skipped`: the updates skipped since the line before, from the run's exact count (the line
+  # before may be an earlier invocation's: its `skipped_total`); `in_a_row`: the current run of skipped updates.
+  kept_lines = [r for r in metrics.rows() if r.get("split") is None and "loss" in r]
+  if not kept_lines:
+    skipped_before = 0
+  elif "skipped_total" in kept_lines[-1]:
+    skipped_before = kept_lines[-1]["skipped_total"]
+  else:  # an earlier version's lines: counted from the checkpoint resumed from, as they were
+    skipped_before = skipped_so_far(state) or 0
+  in_a_row = 0
 
   def evaluate(done: int, params) -> dict:
     dev = task.evaluate(done, params)
-    metrics.write({"step": done, "split": split, **dev})
+    metrics.write({"step": done, "split": split, **dev, "dev_protocol": protocol})
     log(f"{split} at update {done}: {task.describe_eval(dev)}")
     tb.scalars(done, {f"{split}/{k}": v for k, v in dev.items() if k.endswith("_ppl")})
     return dev
@@ -205,20 +241,29 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
           logging.info("profile of updates %d-%d written to %s", *spec.profile, os.path.join(workdir, "profile"))
         progress.update(done)
         if done % spec.log_every == 0 or done == stop:
+          rate, timed, flags = clock.read()
+          for i, flag in enumerate(flags):
+            in_a_row = in_a_row + 1 if flag else 0
+            if in_a_row >= MAX_SKIPS_IN_A_ROW:
+              ckpt.finish(mgr)  # the saves before it complete and sealed
+              kept = mgr.latest_step()
+              where = (f"the last checkpoint (update {kept}, in {mgr.directory}) holds the parameters of the last "
+                       "update applied" if kept is not None else "no checkpoint had been written yet")
+              at = done - len(flags) + i + 1
+              raise TrainingError(f"training diverged: updates {at - in_a_row + 1}-{at} all had a non-finite loss "
+                                  f"or gradient ({MAX_SKIPS_IN_A_ROW} in a row; such updates are skipped, not "
+                                  f"applied); {where}. Lower train.learning_rate or set train.clip_norm.")
+          total = skipped_so_far(state)
+          skipped = (total - skipped_before) if total is not None else sum(flags)
           last = _train_line(task, done, objective, jax.device_get(m), schedule(_last_schedule_step(state, step)),
-                             clock)
-          if not math.isfinite(last["loss"]):
-            ckpt.finish(mgr)  # the saves before it complete and sealed
-            kept = mgr.latest_step()
-            where = f"the last checkpoint (update {kept}) is intact in {mgr.directory}" if kept is not None else \
-                "no checkpoint had been written yet"
-            raise TrainingError(f"non-finite loss at update {done} (updates with a non-finite loss or gradient "
-                                f"are skipped, not applied); {where}. Lower train.learning_rate or set "
-                                "train.clip_norm.")
+                             rate, timed, skipped, clock)
           # A stop before the end (train.stop_after) says where it stopped, but records no line off the
           # log_every grid: the resumed run's metrics.jsonl has the uninterrupted run's lines.
           recorded = done % spec.log_every == 0 or done == spec.total
           if recorded:
+            if total is not None:
+              last["skipped_total"] = total
+              skipped_before = total
             metrics.write(last)
           rate = f"{last['tokens_per_s']:,.0f}" if last["tokens_per_s"] is not None else "-"
           skips = f" | {last['skipped']} skipped (non-finite)" if last["skipped"] else ""
@@ -246,10 +291,17 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
       log(f"stopped after update {end} (train.stop_after={spec.stop_after}); rerun the same command to continue")
       return {"train": last, "step": end}
     params = host_copy(state["params"])
-    # A rerun of a finished run reuses its final dev line instead of appending a duplicate.
+    bad = [jax.tree_util.keystr(path) for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+           if not np.isfinite(np.asarray(x)).all()]
+    if bad:  # diverged in fewer than MAX_SKIPS_IN_A_ROW updates before the end (or an infinite step size)
+      raise TrainingError(f"the parameters after update {end} are not finite ({len(bad)} arrays, e.g. {bad[0]}); "
+                          "nothing was exported. Lower train.learning_rate or set train.clip_norm, and train in a "
+                          f"fresh workdir (the checkpoints in {mgr.directory} hold these parameters).")
+    # A rerun of a finished run reuses its final dev line instead of appending a duplicate, if it was measured
+    # the same way (eval settings may change on a rerun: then dev is measured again, as the best is).
     final = metrics.find(end, split) if start == end else None
-    if final is not None:
-      final = {k: v for k, v in final.items() if k not in ("step", "split")}
+    if final is not None and final.get("dev_protocol") == protocol:
+      final = {k: v for k, v in final.items() if k not in ("step", "split", "dev_protocol")}
     else:
       final = evaluate(end, params)
     export_dir = task.export(os.path.abspath(os.path.join(workdir, "export")), params, {"step": end, split: final})
@@ -263,19 +315,25 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
     tb.close()
 
 
-def _last_schedule_step(state, step: int) -> int:
-  """The schedule step of the last applied update: the optimizer's own count less one. A skipped update (a
-  non-finite loss or gradient: the parameters and optimizer state are kept) advances `state["step"]`, so the
-  data moves on, but not the optimizer's count, so the learning rate does not; without skips this is `step`."""
+def _applied_updates(state) -> int | None:
+  """The optimizer's own count of applied updates (its schedule state's), or None without one."""
   import optax
 
   counts = [c for path, c in optax.tree_utils.tree_get_all_with_path(state["opt_state"], "count")
             if getattr(path[-1], "tuple_name", "") == "ScaleByScheduleState"]
-  return max(int(jax.device_get(counts[0])) - 1, 0) if counts else step
+  return int(jax.device_get(counts[0])) if counts else None
 
 
-def _train_line(task: Task, done: int, objective: str, m: dict, lr, clock: _Throughput) -> dict:
-  rate, timed, skipped = clock.read()
+def _last_schedule_step(state, step: int) -> int:
+  """The schedule step of the last applied update: the optimizer's own count less one. A skipped update (a
+  non-finite loss or gradient: the parameters and optimizer state are kept) advances `state["step"]`, so the
+  data moves on, but not the optimizer's count, so the learning rate does not; without skips this is `step`."""
+  applied = _applied_updates(state)
+  return max(applied - 1, 0) if applied is not None else step
+
+
+def _train_line(task: Task, done: int, objective: str, m: dict, lr, rate, timed: int, skipped: int,
+                clock: _Throughput) -> dict:
   loss = float(m["loss"])
   return {"step": done, "objective": objective, "loss": loss, "ce_nll": float(m["ce_nll"]),
           # ppl: of the vocabulary softmax alone (exp ce_nll), the same quantity in the CE warm-up and after it

@@ -165,15 +165,43 @@ def check_stored_config(path: str, stored: dict, config) -> None:
                       "come from --config; config.json records them)")
 
 
+def read_metric_lines(path: str) -> list[tuple[str, dict]]:
+  """(line, record) of every line of a metrics.jsonl. A last line that is not a complete JSON object is a
+  write cut short (a kill, a crash, a copy that stopped) and is left out; one before it is damage, one error
+  naming the file and line."""
+  from trime_jax.errors import DamagedCheckpointError
+
+  try:
+    with open(path, encoding="utf-8") as f:
+      lines = [ln for ln in f if ln.strip()]
+  except (OSError, UnicodeDecodeError) as e:
+    raise DamagedCheckpointError(f"{path} cannot be read ({e}): restore it, or remove it (the run's earlier "
+                                 "metric lines are then lost)") from None
+  out = []
+  for i, ln in enumerate(lines):
+    try:
+      record = json.loads(ln)
+      if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    except ValueError as e:
+      if i == len(lines) - 1 and not ln.endswith("\n"):
+        break  # the line being written when the run was stopped: the rerun writes it again
+      raise DamagedCheckpointError(f"{path} line {i + 1} is not a metrics record ({e}): restore the file, or "
+                                   "remove that line") from None
+    out.append((ln if ln.endswith("\n") else ln + "\n", record))
+  return out
+
+
 def truncate_metrics(path: str, last_step: int) -> bool:
   """On resume, drop metric lines past `last_step` (the restored checkpoint, 0 when there is none): the rerun
-  produces them again. Returns whether any line was dropped."""
+  produces them again. Returns whether any line was dropped (a torn last line included)."""
   if not os.path.exists(path):
     return False
-  with open(path) as f:
-    rows = [ln for ln in f if ln.strip()]
-  keep = [ln for ln in rows if json.loads(ln).get("step", 0) <= last_step]
-  if len(keep) == len(rows):
+  with open(path, "rb") as f:
+    size = len(f.read())
+  rows = read_metric_lines(path)
+  keep = [ln for ln, record in rows if record.get("step", 0) <= last_step]
+  if len(keep) == len(rows) and sum(len(ln.encode()) for ln in keep) == size:
     return False
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
@@ -239,8 +267,7 @@ class MetricsFile:
   def rows(self) -> list[dict]:
     if not os.path.exists(self.path):
       return []
-    with open(self.path) as f:
-      return [json.loads(ln) for ln in f if ln.strip()]
+    return [record for _, record in read_metric_lines(self.path)]
 
   def find(self, step: int, split: str) -> dict | None:
     """The last `split` line of `step` (a finished run's rerun reuses it instead of writing a duplicate)."""
