@@ -134,24 +134,7 @@ def test_skipped_updates_are_counted_and_the_logged_rate_is_the_one_applied(corp
   """A non-finite loss at update 2 of a line every 3 updates: the update is skipped (parameters and optimizer
   kept); the line at 3 counts it, and later lines log the learning rate the optimizer applied, which lags the
   update count by the skipped update."""
-  real = steps.nll_sums
-
-  def poisoned(model, batch, spec, **kw):  # drop_local is unused by memory="local": it carries the poison
-    o, ce, tr, n = real(model, batch, spec, **kw)
-    return o * jnp.where(batch["drop_local"][0], jnp.nan, 1.0), ce, tr, n
-
-  real_batch = train.LMTask.batch
-
-  def batch(self, step):
-    b = real_batch(self, step)
-    if step == 1:
-      d = np.zeros(b["drop_local"].shape, bool)
-      d[0, 0] = True
-      b["drop_local"] = jnp.asarray(d)
-    return b
-
-  monkeypatch.setattr(steps, "nll_sums", poisoned)
-  monkeypatch.setattr(train.LMTask, "batch", batch)
+  _poison_update_2(monkeypatch)
   cfg = tiny_config(corpus, **FAST, **{"train.num_steps": 6, "train.log_every": 3, "train.warmup_steps": 4})
   train.train_and_evaluate(cfg, str(tmp_path / "w"))
   lines = _train_lines(str(tmp_path / "w"))
