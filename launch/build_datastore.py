@@ -49,9 +49,9 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace what --out holds (an
 flags.mark_flags_as_required(["config", "checkpoint", "out"])
 
 
-def _check_flags(out: str) -> None:
-  """Flags that contradict each other or would be ignored, and an --out that holds something else: one line
-  before any work."""
+def _check_flags(out: str, d_model: int | None = None) -> None:
+  """Flags that contradict each other or would be ignored, a --trained_index that cannot be used (keys of
+  `d_model`), and an --out that holds something else: one line before any work."""
   from trime_jax.errors import ConfigError
 
   if _SUBSET_OF.value and _ENTRIES.value < 1:
@@ -63,6 +63,13 @@ def _check_flags(out: str) -> None:
   for name in ("nlist", "pq_m"):
     if flags.FLAGS[name].present and _INDEX.value in ("flat", "none"):
       raise ConfigError(f"--{name} sets the IVF-PQ index; --index={_INDEX.value} builds none")
+  if _TRAINED_INDEX.value and _INDEX.value in ("flat", "none"):
+    raise ConfigError(f"--trained_index is an IVF-PQ index to fill; --index={_INDEX.value} builds "
+                      f"{'an exact one' if _INDEX.value == 'flat' else 'none'} (drop --index or give --index=ivfpq)")
+  if _TRAINED_INDEX.value and d_model:  # read now, not after the key pass
+    from trime_jax.datastore.index import check_trained_index
+
+    check_trained_index(_TRAINED_INDEX.value, int(d_model))
   if _SUBSET_OF.value and os.path.abspath(_SUBSET_OF.value) == os.path.abspath(out):
     raise ConfigError(f"--subset_of and --out are the same directory ({out})")
   what = refuse_target(out, "out", "a datastore", ok=("a datastore",), overwrite=_OVERWRITE.value)
@@ -98,10 +105,18 @@ def _interrupted(out: str, subset: bool = False) -> None:
 
 def main(argv):
   del argv
+  from trime_jax.runtime.lock import beside as lock_beside
+
+  # One writer of --out from the first look at it (--overwrite removes what it holds only under the lock, so
+  # never a build another process is running) to the index; the builders' own locks are the same one, reentrant.
+  with lock_beside(_OUT.value, f"datastore {_OUT.value}"):
+    _build(_OUT.value)
+
+
+def _build(out: str) -> None:
   from trime_jax import exports
   from trime_jax import evaluate
   from trime_jax.datastore import Datastore, build_datastore, build_index, subset_datastore
-  from trime_jax.runtime.lock import beside as lock_beside
   from trime_jax.mt import datastore as mt_datastore
 
   from trime_jax.errors import CheckpointError, ConfigError
@@ -113,17 +128,17 @@ def main(argv):
     if lm_only:  # read by the language model's build only: refused, not ignored
       raise ConfigError(f"{', '.join(lm_only)}: not supported for a translation datastore (the language model's "
                         "builds only); a translation build takes --split, --index, --nlist, --pq_m, --overwrite")
-    _check_flags(_OUT.value)
+    _check_flags(out)
     try:
-      mt_datastore.build_main(_CONFIG.value, _CHECKPOINT.value, _OUT.value, split=_SPLIT.value,
+      mt_datastore.build_main(_CONFIG.value, _CHECKPOINT.value, out, split=_SPLIT.value,
                               index_kind=_INDEX.value, nlist=_NLIST.value, pq_m=_PQ_M.value)
     except KeyboardInterrupt:
-      _interrupted(_OUT.value)
+      _interrupted(out)
     return
-  config, checkpoint, out = validated(_CONFIG.value), _CHECKPOINT.value, _OUT.value
+  config, checkpoint = validated(_CONFIG.value), _CHECKPOINT.value
   check_export(config, checkpoint)
   splits = evaluate.load_eval_data(config, exports.read_export_vocab(checkpoint))
-  _check_flags(out)
+  _check_flags(out, exports.read_export_meta(checkpoint).get("d_model"))
   corpus = splits.get(_SPLIT.value)
   e = config.eval
   try:
@@ -143,9 +158,8 @@ def main(argv):
     cap = e.max_tokens or None
     queries = sum(min(len(splits.get(s)), cap or len(splits.get(s))) for s in ("dev", "test"))
     try:
-      with lock_beside(out, f"datastore {out}"):  # as the build's lock
-        build_index(Datastore(out), kind=_INDEX.value, nlist=_NLIST.value, pq_m=_PQ_M.value, queries=queries,
-                    k=e.knn_k, nprobe=e.nprobe, trained_index=_TRAINED_INDEX.value or None, reuse=True)
+      build_index(Datastore(out), kind=_INDEX.value, nlist=_NLIST.value, pq_m=_PQ_M.value, queries=queries,
+                  k=e.knn_k, nprobe=e.nprobe, trained_index=_TRAINED_INDEX.value or None, reuse=True)
     except KeyboardInterrupt:
       _interrupted(out)
 

@@ -519,8 +519,9 @@ def refuse_target(path: str, flag: str, wanted: str, ok=(), overwrite: bool = Fa
 def check_output_file(path: str, flag: str, *, json_results: bool = False) -> None:
   """An output file the program writes at the end: refused up front (before the work) when it is a folder, when
   a folder on its way is a file, or when it cannot be created for lack of permission. `json_results`: an
-  existing file is replaced only when it holds JSON (an earlier run's results), never a config, script or text
-  a mistyped name points at."""
+  existing file is replaced only when it holds an earlier evaluation's results (eval's list of rows, eval_ext's
+  object with "rows"), never a config, script, text or another program's JSON (a datastore's or an export's
+  meta.json, a config.json) a mistyped name points at."""
   import json
 
   from trime_jax.errors import ConfigError
@@ -532,12 +533,18 @@ def check_output_file(path: str, flag: str, *, json_results: bool = False) -> No
   if json_results and os.path.isfile(path) and os.path.getsize(path):
     try:
       with open(path) as f:
-        json.load(f)
+        held = json.load(f)
     except (ValueError, UnicodeDecodeError):
       raise ConfigError(f"--{flag}={path} exists and is not JSON (results of an earlier run, which would be "
                         "replaced): it is left as it is; move it away or choose another file name") from None
     except OSError:
-      pass  # unreadable: the permission checks below say so
+      held = []  # unreadable: the permission checks below say so
+    results = (isinstance(held, list) and all(isinstance(r, dict) and "variant" in r for r in held)) or (
+        isinstance(held, dict) and isinstance(held.get("rows"), list))
+    if not results:
+      raise ConfigError(f"--{flag}={path} exists and is not an evaluation's results (JSON of another kind, e.g. "
+                        "a datastore's or an export's own file, which would be replaced): it is left as it is; "
+                        "move it away or choose another file name")
   parent = os.path.dirname(os.path.abspath(path))
   probe = parent
   while not os.path.exists(probe):

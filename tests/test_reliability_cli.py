@@ -250,6 +250,18 @@ def e_eval_output_not_json(b):  # a mistyped --output naming a config: left as i
   return case, [f"--output={victim} exists and is not JSON", "left as it is"], [victim]
 
 
+def e_eval_output_is_an_exports_file(b):  # JSON, but an export's own meta.json: not an earlier result, refused
+  export = _copy(b, "export", "export_as_output")
+  case = _case("eval", f"--config={b['cfg']}", f"--checkpoint={b['export']}", f"--output={export}/meta.json")
+  return case, [f"--output={export}/meta.json exists and is not an evaluation's results", "left as it is"], [export]
+
+
+def e_eval_ext_output_is_a_datastores_meta(b):  # likewise a datastore's meta.json (the datastore was lost)
+  ds = _copy(b, "ds", "ds_as_output")
+  case = _ext(b, b["ds"], "--config.eval.split=dev", f"--output={ds}/meta.json")
+  return case, [f"--output={ds}/meta.json exists and is not an evaluation's results"], [ds]
+
+
 def e_eval_mt_export(b):  # the export's stored config is of the translation schema: said as such
   mt = _copy(b, "export", "mt_export")
   meta = json.loads((mt / "meta.json").read_text())
@@ -373,7 +385,8 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_translate_max_sentences, e_translate_batch_sentences, e_translate_nprobe, e_translate_tune_modes,
                e_generate_nprobe, e_generate_top_p, e_generate_bad_stored_tau, e_eval_architecture_override,
                e_eval_architecture_override_explicit_config, e_export_config_unknown_field,
-               e_export_config_unknown_field_explicit_config, e_eval_output_folder, e_eval_output_not_json, e_eval_mt_export, e_eval_training_checkpoint,
+               e_export_config_unknown_field_explicit_config, e_eval_output_folder, e_eval_output_not_json, e_eval_output_is_an_exports_file,
+               e_eval_ext_output_is_a_datastores_meta, e_eval_mt_export, e_eval_training_checkpoint,
                e_build_datastore_training_checkpoint, e_translate_lm_export, e_eval_ext_mt_config, e_eval_mem_sizes_without_memory, e_eval_ext_output_folder,
                e_byte_corpus_folder, e_token_file_folder, e_make_batches_out_is_workdir,
                e_make_batches_out_other_corpus, e_batch_plan_other_corpus, e_prepare_data_manual_dir,
@@ -596,3 +609,35 @@ def test_split_leakage_of_the_training_split_says_to_evaluate_another(base):
     config = tiny_config(str(base["corpus"]), **{"eval.datastore": str(ds_dir), "eval.split": split})
     with pytest.raises(ConfigError, match=rf"^split leakage: .* built from bytes:{split}, .*{re.escape(fix)}"):
       common.check_split_overlap(config, str(base["export"]))
+
+
+def test_build_datastore_refuses_before_any_work_and_overwrites_only_under_the_lock(base, tmp_path):
+  """--trained_index with --index=flat / none is refused (it was obeyed as ivfpq / ignored); a missing trained
+  index is refused before the key pass (it was after it); --overwrite of a datastore another build holds is
+  refused with the datastore left as it is (it was deleted, then refused, and the other build crashed)."""
+  from tests.helpers import run_cli
+  from tests.test_train import _hold, _release
+
+  def _line(proc):
+    return one_error_line({"rc": proc.returncode, "out": proc.stdout, "err": proc.stderr})
+
+  common = [f"--config={base['cfg']}", f"--checkpoint={base['export']}"]
+  for index, said in (("flat", "builds an exact one"), ("none", "builds none")):
+    proc = run_cli("trime_jax.launch.build_datastore", *common, f"--out={tmp_path / 'a'}", f"--index={index}",
+                   f"--trained_index={tmp_path / 'x.faiss'}")
+    assert _line(proc).startswith("error: --trained_index is an IVF-PQ index to "
+                                                                    f"fill; --index={index} {said}"), proc.stderr
+  proc = run_cli("trime_jax.launch.build_datastore", *common, f"--out={tmp_path / 'b'}",
+                 f"--trained_index={tmp_path / 'nope.faiss'}")
+  assert f"trained index {tmp_path / 'nope.faiss'} is not a file" in _line(proc)
+  assert not os.path.exists(tmp_path / "b")  # refused before the key pass wrote anything
+  ds = tmp_path / "ds"
+  shutil.copytree(base["ds"], ds)
+  before = tree_hashes(ds)
+  holder = _hold(str(ds) + ".lock")
+  try:
+    proc = run_cli("trime_jax.launch.build_datastore", *common, f"--out={ds}", "--overwrite", "--index=flat")
+  finally:
+    _release(holder)
+  assert f"datastore {ds} is in use by process {holder.pid}" in _line(proc)
+  assert tree_hashes(ds) == before and "removing" not in proc.stdout

@@ -434,6 +434,12 @@ def _resume_state(state: str, belongs: dict, say, spent: dict):
   return index
 
 
+def check_trained_index(path: str, d: int) -> None:
+  """ConfigError unless `path` is a trained, empty inner-product IndexIVFPQ of dimension `d` (build_index's
+  `trained_index`): checked before a datastore build, not after its key pass."""
+  _read_trained_ivfpq(path, d)
+
+
 def _read_trained_ivfpq(path: str, d: int):
   """The trained, empty inner-product IndexIVFPQ in `path`, or one ConfigError saying what it is instead."""
   if not os.path.isfile(path):
