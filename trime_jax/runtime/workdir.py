@@ -197,8 +197,7 @@ def truncate_metrics(path: str, last_step: int) -> bool:
   produces them again. Returns whether any line was dropped (a torn last line included)."""
   if not os.path.exists(path):
     return False
-  with open(path, "rb") as f:
-    size = len(f.read())
+  size = os.path.getsize(path)
   rows = read_metric_lines(path)
   keep = [ln for ln, record in rows if record.get("step", 0) <= last_step]
   if len(keep) == len(rows) and sum(len(ln.encode()) for ln in keep) == size:
