@@ -169,12 +169,28 @@ SAME_RUN_FIELDS = ("params_digest", "datastore_fingerprint", "index", "data_dige
                    "max_len_a", "max_len_b", "max_sentences")
 
 
+# SAME_RUN_FIELDS that earlier versions of translate did not record: a result without one is compared on the
+# fields it has (the rerun records them all), not refused for a difference nobody measured
+FIELDS_SINCE_2026_12 = ("index", "data_digest")
+
+
 def _index_record(index) -> dict | None:
-  """What a translation's retrieval searched: the FAISS index's kind, file digest (its sidecar's) and nprobe
-  (another nprobe retrieves other neighbours, so other translations)."""
+  """What a translation's retrieval searched: the FAISS index's kind, file digest (its sidecar's) and, for an
+  IVF-PQ index, nprobe (another nprobe retrieves other neighbours, so other translations; an exact index searches
+  every key whatever nprobe says)."""
   if index is None:
     return None
-  return {"kind": index.kind, "file_digest": index.info.get("file_digest"), "nprobe": index.nprobe}
+  record = {"kind": index.kind, "file_digest": index.info.get("file_digest")}
+  if index.kind == "ivfpq":
+    record["nprobe"] = index.nprobe
+  return record
+
+
+def _compared(field: str, value):
+  """A recorded field as this version records it: results of 2026-12-04 recorded nprobe for an exact index too."""
+  if field == "index" and isinstance(value, dict) and value.get("kind") != "ivfpq":
+    return {k: v for k, v in value.items() if k != "nprobe"}
+  return value
 
 
 def _data_digest(pairs) -> str:
@@ -189,8 +205,9 @@ def _data_digest(pairs) -> str:
 
 
 def _check_replaces_only_the_same_run(out: str, name: str, record: dict) -> None:
-  """<out>/<name>.json of another run (its recorded SAME_RUN_FIELDS differ, or it predates them) is refused
-  without --overwrite: a translation with other settings does not silently replace an earlier result."""
+  """<out>/<name>.json of another run (a SAME_RUN_FIELDS field it records differs; not a translate result) is
+  refused without --overwrite: a translation with other settings does not silently replace an earlier result. Of
+  FIELDS_SINCE_2026_12, only those the earlier result records are compared."""
   from trime_jax.errors import ConfigError
 
   path = os.path.join(out, f"{name}.json")
@@ -201,10 +218,16 @@ def _check_replaces_only_the_same_run(out: str, name: str, record: dict) -> None
       earlier = json.load(f)
   except (OSError, ValueError, UnicodeDecodeError):
     earlier = None
-  if isinstance(earlier, dict) and all(earlier.get(k) == record.get(k) for k in SAME_RUN_FIELDS):
-    return
-  differ = ([k for k in SAME_RUN_FIELDS if earlier.get(k) != record.get(k)] if isinstance(earlier, dict)
-            else ["not a result of trime_jax.launch.translate"])
+  if isinstance(earlier, dict):
+    unrecorded = [k for k in FIELDS_SINCE_2026_12 if k not in earlier]
+    differ = [k for k in SAME_RUN_FIELDS if k not in unrecorded and _compared(k, earlier.get(k)) != record.get(k)]
+    if not differ:
+      if unrecorded:
+        print(f"translate: {path} was written by an earlier version, which did not record {', '.join(unrecorded)}; "
+              "it is the same run by every field it records, and is replaced", flush=True)
+      return
+  else:
+    differ = ["not a result of trime_jax.launch.translate"]
   raise ConfigError(f"--out={out} already holds {name}.json of another translation ({', '.join(differ)} differ): "
                     "choose another --out, or give --overwrite to replace it")
 

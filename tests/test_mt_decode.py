@@ -458,11 +458,30 @@ def test_cli_build_datastore_and_translate_tune(tiny):
   proc = subprocess.run(knn, capture_output=True, text=True, cwd=repo, env=env, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   searched = json.loads((root / "o8" / "test.knn_mt.json").read_text())
-  assert searched["index"]["nprobe"] == 32 and searched["index"]["kind"] == "flat", searched["index"]
+  assert searched["index"]["kind"] == "flat" and "nprobe" not in searched["index"], searched["index"]
   assert searched["data_digest"] == first["data_digest"]
+  # an exact index searches every key whatever --nprobe says: the same run (and so is a result of 2026-12-04,
+  # which recorded nprobe for it)
+  (root / "o8" / "test.knn_mt.json").write_text(json.dumps({**searched, "index": {**searched["index"], "nprobe": 32}}))
   proc = subprocess.run(knn + ["--nprobe=8"], capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert json.loads((root / "o8" / "test.knn_mt.json").read_text())["index"] == searched["index"]
+  # another index file is another run, and the result is left untouched
+  moved = {**searched, "index": {**searched["index"], "file_digest": "0123456789abcdef"}}
+  (root / "o8" / "test.knn_mt.json").write_text(json.dumps(moved))
+  proc = subprocess.run(knn, capture_output=True, text=True, cwd=repo, env=env, timeout=300)
   assert proc.returncode == 2 and "(index differ)" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
-  assert json.loads((root / "o8" / "test.knn_mt.json").read_text()) == searched  # untouched
+  assert json.loads((root / "o8" / "test.knn_mt.json").read_text()) == moved  # untouched
+  # a result written before translate recorded the index and the data is compared on what it records: the same
+  # command replaces it (saying so), another setting is still refused
+  older = {k: v for k, v in searched.items() if k not in ("index", "data_digest")}
+  (root / "o8" / "test.knn_mt.json").write_text(json.dumps(older))
+  proc = subprocess.run(knn, capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+  assert proc.returncode == 0 and "did not record index, data_digest" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+  assert json.loads((root / "o8" / "test.knn_mt.json").read_text())["data_digest"] == first["data_digest"]
+  (root / "o8" / "test.knn_mt.json").write_text(json.dumps(older))
+  proc = subprocess.run(knn + ["--lenpen=0.5"], capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+  assert proc.returncode == 2 and "(lenpen differ)" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
   # --split=dev is valid (the language models' name for it, as build_datastore reads it for MT)
   proc = subprocess.run(base + ["--max_sentences=2", "--split=dev", f"--out={root / 'o7'}"], capture_output=True,
                         text=True, cwd=repo, env=env, timeout=300)

@@ -350,6 +350,28 @@ def test_a_rerun_measuring_dev_otherwise_evaluates_dev_again(corpus, tmp_path):
   assert len([m for m in read_metrics(workdir) if m.get("split") == "dev"]) == 2
 
 
+def test_a_rerun_of_a_run_whose_dev_lines_predate_dev_protocol_reuses_its_final_line(corpus, tmp_path):
+  """Dev lines written before they recorded their protocol (versions before 2026-12-04) were measured under the
+  workdir's config.json: a rerun with the same settings reuses the final line (no duplicate), one with other dev
+  settings measures dev again."""
+  kw = dict(FAST, **{"train.num_steps": 3})
+  workdir = str(tmp_path / "w")
+  train.train_and_evaluate(tiny_config(corpus, **kw), workdir)
+  path = os.path.join(workdir, "metrics.jsonl")
+  with open(path) as f:
+    rows = [json.loads(ln) for ln in f]
+  older = "".join(json.dumps({k: v for k, v in r.items() if k != "dev_protocol"}) + "\n" for r in rows)
+  with open(path, "w") as f:
+    f.write(older)
+  train.train_and_evaluate(tiny_config(corpus, **kw), workdir)
+  with open(path) as f:
+    assert f.read() == older  # nothing appended
+  other = dict(kw, **{"eval.block_len": 32, "eval.context_window": 16})
+  train.train_and_evaluate(tiny_config(corpus, **other), workdir)
+  dev = [m for m in read_metrics(workdir) if m.get("split") == "dev"]
+  assert [m["step"] for m in dev] == [3, 3] and dev[-1]["dev_protocol"]["block_len"] == 32
+
+
 def test_a_negative_seed_is_one_config_error(corpus, tmp_path):
   with pytest.raises(ConfigError, match=r"^train.seed must be >= 0, got -1$"):
     train.train_and_evaluate(tiny_config(corpus, **{"train.seed": -1}), str(tmp_path / "w"))

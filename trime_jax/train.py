@@ -332,9 +332,10 @@ class LMTask(loop.Task):
                             max_tokens=train_cfg.eval_max_tokens).scores
     return {**{f"{x.name}_ppl": x.ppl for x in res}, "tokens": res[0].tokens}
 
-  def dev_protocol(self) -> dict:
-    e = self.config.eval
-    return {"eval_max_tokens": int(self.config.train.eval_max_tokens), "block_len": int(e.block_len),
+  def dev_protocol(self, config=None) -> dict:
+    config = self.config if config is None else config
+    e = config.eval
+    return {"eval_max_tokens": int(config.train.eval_max_tokens), "block_len": int(e.block_len),
             "context_window": int(e.context_window)}
 
   def evaluate_export(self, directory: str) -> dict:

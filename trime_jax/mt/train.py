@@ -295,8 +295,9 @@ class MTTask(loop.Task):
     return evaluate(self.graphdef, params, self.valid_pairs, self.config, self.spec,
                     max_pairs=int(self.config.train.eval_max_pairs))
 
-  def dev_protocol(self) -> dict:
-    return {"eval_max_pairs": int(self.config.train.eval_max_pairs)}
+  def dev_protocol(self, config=None) -> dict:
+    config = self.config if config is None else config
+    return {"eval_max_pairs": int(config.train.eval_max_pairs)}
 
   def evaluate_export(self, directory: str) -> dict:
     return self.evaluate(0, mt_export.load_mt_export(directory)[1])

@@ -30,7 +30,7 @@ from absl import logging
 
 from trime_jax import checkpoint as ckpt
 from trime_jax import event_writer
-from trime_jax.errors import CheckpointError, TrainingError
+from trime_jax.errors import CheckpointError, ConfigError, TrainingError
 from trime_jax.runtime import workdir as workdir_files
 from trime_jax.runtime.best import BestKeeper, host_copy
 from trime_jax.runtime.config import profile_steps
@@ -58,9 +58,12 @@ class Task:
     Cache it: the loop asks for it every update."""
     raise NotImplementedError
 
-  def dev_protocol(self) -> dict:
-    """The settings `evaluate`'s numbers depend on beyond the parameters (how much of dev, which windows): a
-    best recorded under others is measured again (`evaluate_export`) before it is compared."""
+  def dev_protocol(self, config=None) -> dict:
+    """The settings `evaluate`'s numbers depend on beyond the parameters (how much of dev, which windows) under
+    `config` (a ConfigDict; None: this run's): a best recorded under others is measured again
+    (`evaluate_export`) before it is compared. Given a stored config.json, the protocol of the run that wrote it
+    (dev lines of versions before 2026-12-04 do not record theirs)."""
+    del config
     return {}
 
   def evaluate_export(self, directory: str) -> dict:
@@ -182,6 +185,10 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
     raise CheckpointError(f"the newest checkpoint in {mgr.directory} is update {restored_step}, past this run's "
                           f"{spec.total} updates (train.num_steps; translation: train.target_token_budget): give "
                           f"train.num_steps={restored_step} or more to export or continue it, or use a fresh workdir")
+  # A finished run rerun: its final dev line is reused when it was measured as this run measures dev. A line of
+  # a version before dev lines recorded their protocol was measured under the config.json the last invocation
+  # wrote, read here before starting() replaces it.
+  stored_protocol = _stored_dev_protocol(task, workdir) if restored_step == spec.total else None
   starting()
   chief = workdir_files.chief()
   tb = event_writer.EventWriter(os.path.join(workdir, "tb"), enabled=chief, config=config)
@@ -300,7 +307,7 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
     # A rerun of a finished run reuses its final dev line instead of appending a duplicate, if it was measured
     # the same way (eval settings may change on a rerun: then dev is measured again, as the best is).
     final = metrics.find(end, split) if start == end else None
-    if final is not None and final.get("dev_protocol") == protocol:
+    if final is not None and final.get("dev_protocol", stored_protocol) == protocol:
       final = {k: v for k, v in final.items() if k not in ("step", "split", "dev_protocol")}
     else:
       final = evaluate(end, params)
@@ -313,6 +320,23 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
     if tracing:
       jax.profiler.stop_trace()
     tb.close()
+
+
+def _stored_dev_protocol(task: Task, workdir: str) -> dict | None:
+  """The dev protocol of the workdir's config.json (the last invocation's settings), or None when it cannot be
+  told (no or an unreadable file, a field the protocol needs missing): dev is then measured again."""
+  import ml_collections
+
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    return None
+  try:
+    stored = workdir_files.read_stored_config(path, "workdir config", CheckpointError)
+    return task.dev_protocol(ml_collections.ConfigDict(stored))
+  except (CheckpointError, ConfigError, AttributeError, KeyError, TypeError, ValueError) as e:  # measured again;
+    # starting() names a damaged or unknown config.json in its own error
+    logging.info("the dev protocol of %s cannot be read (%s): the final dev line is measured again", path, e)
+    return None
 
 
 def _applied_updates(state) -> int | None:
