@@ -316,12 +316,45 @@ def test_step_digest_names_the_changed_file(tmp_path):
     ckpt.verify_step(str(tmp_path / "checkpoints"), 1, "checkpoint at step 1")
 
 
-def test_an_export_killed_between_its_renames_leaves_no_old_copy_after_the_rerun(tmp_path):
+def test_an_export_killed_between_its_renames_is_put_back_not_lost(tmp_path):
   """Killed after moving the previous export to <export>.old and before renaming the new one into place: the
-  rerun's export removes that copy once its own is in place."""
+  previous one is put back before anything reads or replaces it. The rerun's export replaces it (no .old left);
+  an export of another model is refused as it was before the kill; a best-keeper reads the best so far from it
+  (for best/, that copy is the only one of the best: deleting it let a worse model become the best)."""
+  from trime_jax.runtime.best import BestKeeper
+
   params, cfg, vocab = _tiny_export_args()
   target = tmp_path / "export"
   exports.export(str(target), params, cfg, vocab)
   os.replace(target, str(target) + ".old")  # the state such a kill leaves
   exports.export(str(target), params, cfg, vocab)
   assert sorted(os.listdir(tmp_path)) == ["export"] and exports.read_export_meta(str(target))
+  os.replace(target, str(target) + ".old")
+  with pytest.raises(ckpt.CheckpointError, match="holds an export of another model"):
+    exports.export(str(target), params, cfg, vocab, extra={"train_fingerprint": "another corpus"})
+  assert sorted(os.listdir(tmp_path)) == ["export"] and "train_fingerprint" not in exports.read_export_meta(str(target))
+  best = tmp_path / "best"
+  exports.export(str(best), params, cfg, vocab, extra={"step": 4, "best_metric": "none_ppl", "dev_ppl": 12.5})
+  os.replace(best, str(best) + ".old")
+  written = []
+  keeper = BestKeeper(str(best), True, "none_ppl", lambda d, p, extra: written.append(extra))
+  assert keeper.ppl == 12.5 and exports.read_export_meta(str(best))["step"] == 4
+  assert not os.path.lexists(str(best) + ".old")
+  keeper.update(5, params, {"none_ppl": 13.0})  # worse than the best put back: not exported
+  assert written == []
+
+
+def test_a_link_replaced_by_an_export_is_put_back_after_a_kill_between_the_renames(tmp_path):
+  """An export over a symlink renames the link itself to <export>.old first (its target untouched): a kill
+  before the new export is in place leaves the link to be put back, not a missing export."""
+  params, cfg, vocab = _tiny_export_args()
+  target, link = tmp_path / "target", tmp_path / "link"
+  target.mkdir()
+  (target / "mine.txt").write_text("kept")
+  link.symlink_to(target)
+  os.replace(link, str(link) + ".old")  # the state a kill between the renames leaves
+  assert exports.recover_replaced(str(link)) and os.path.islink(link) and os.readlink(link) == str(target)
+  assert not exports.recover_replaced(str(link))  # nothing more to put back
+  exports.export(str(link), params, cfg, vocab, overwrite=True)
+  assert not os.path.islink(link) and exports.read_export_meta(str(link))
+  assert os.listdir(target) == ["mine.txt"] and sorted(os.listdir(tmp_path)) == ["link", "target"]

@@ -29,6 +29,7 @@ import shutil
 import jax
 import ml_collections
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from trime_jax import data
@@ -44,22 +45,39 @@ EXPORT_FILES = ("config.json", "vocab.json", "meta.json", "params")
 
 
 def replace_directory(tmp: str, directory: str) -> None:
-  """Move the finished `tmp` to `directory`, replacing an older one: a reader sees the old or the new one. A
-  symlink at `directory` is replaced by the new directory (its target is left as it is), as a batch plan's."""
-  if os.path.islink(directory):
-    os.remove(directory)
+  """Move the finished `tmp` to `directory`, replacing what is there (an older directory, or a symlink, which is
+  replaced by the new directory; its target is left as it is). Two renames: the old entry to `<directory>.old`,
+  then `tmp` to `directory`. A reader sees the old or the new one, except after a kill between the two: then the
+  old one is at `<directory>.old` and `recover_replaced` (which every writer and best-keeper calls first) puts it
+  back, so an interrupted replacement never loses the previous export (for best/, the only copy of the best)."""
+  recover_replaced(directory)
+  old = directory + ".old"
+  if os.path.lexists(directory):
+    _remove_entry(old)  # left by a kill after the second rename: `directory` is the newer
+    os.replace(directory, old)  # a symlink is renamed itself, not its target
     os.replace(tmp, directory)
-  elif os.path.exists(directory):
-    old = directory + ".old"
-    shutil.rmtree(old, ignore_errors=True)
-    os.replace(directory, old)
-    os.replace(tmp, directory)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove_entry(old)
   else:
     os.replace(tmp, directory)
-    # A writer killed between its two renames above left the previous export at .old (and none at `directory`):
-    # the new one is in place now, so that copy goes.
-    shutil.rmtree(directory + ".old", ignore_errors=True)
+
+
+def recover_replaced(directory: str) -> bool:
+  """Put back the entry `replace_directory` moved to `<directory>.old` when a kill stopped it before the new one
+  was renamed into place (`directory` absent); True when it did. Call under the directory's lock."""
+  old = directory + ".old"
+  if os.path.lexists(directory) or not os.path.lexists(old):
+    return False
+  os.replace(old, directory)
+  logging.warning("%s was being replaced when its writer stopped: the previous one (%s) is put back", directory, old)
+  return True
+
+
+def _remove_entry(path: str) -> None:
+  """Remove a directory tree or a symlink (never its target); absent is fine."""
+  if os.path.islink(path):
+    os.remove(path)
+  elif os.path.isdir(path):
+    shutil.rmtree(path)
 
 
 # What makes an export "the same model" for `export`'s refusal: re-exporting a training run (a rerun, a longer
@@ -149,6 +167,7 @@ def write_export(directory: str, params, meta: dict, write_files, *, overwrite: 
   lock = lock_beside(directory, f"export directory {directory}") if chief else contextlib.nullcontext()
   with lock:
     if chief:
+      recover_replaced(directory)  # a writer killed mid-replacement: the previous export is compared, then replaced
       problem = None if overwrite else export_target_problem(directory, meta)
       if problem:
         raise CheckpointError(f"export target {directory} {problem}: choose another directory, or overwrite it "
