@@ -49,9 +49,9 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace what --out holds (an
 flags.mark_flags_as_required(["config", "checkpoint", "out"])
 
 
-def _check_flags(out: str, d_model: int | None = None) -> None:
-  """Flags that contradict each other or would be ignored, a --trained_index that cannot be used (keys of
-  `d_model`), and an --out that holds something else: one line before any work."""
+def _check_flag_combinations(out: str) -> None:
+  """Flags that contradict each other or would be ignored: one line before anything is read or written (the
+  lock of --out makes its parent folders)."""
   from trime_jax.errors import ConfigError
 
   if _SUBSET_OF.value and _ENTRIES.value < 1:
@@ -66,12 +66,17 @@ def _check_flags(out: str, d_model: int | None = None) -> None:
   if _TRAINED_INDEX.value and _INDEX.value in ("flat", "none"):
     raise ConfigError(f"--trained_index is an IVF-PQ index to fill; --index={_INDEX.value} builds "
                       f"{'an exact one' if _INDEX.value == 'flat' else 'none'} (drop --index or give --index=ivfpq)")
+  if _SUBSET_OF.value and os.path.abspath(_SUBSET_OF.value) == os.path.abspath(out):
+    raise ConfigError(f"--subset_of and --out are the same directory ({out})")
+
+
+def _check_out(out: str, d_model: int | None = None) -> None:
+  """Under --out's lock: a --trained_index that cannot be used (keys of `d_model`) and an --out that holds
+  something else, before any work; --overwrite removes what --out holds only now."""
   if _TRAINED_INDEX.value and d_model:  # read now, not after the key pass
     from trime_jax.datastore.index import check_trained_index
 
     check_trained_index(_TRAINED_INDEX.value, int(d_model))
-  if _SUBSET_OF.value and os.path.abspath(_SUBSET_OF.value) == os.path.abspath(out):
-    raise ConfigError(f"--subset_of and --out are the same directory ({out})")
   what = refuse_target(out, "out", "a datastore", ok=("a datastore",), overwrite=_OVERWRITE.value)
   if what and _OVERWRITE.value:  # asked for; the old contents go only now, after every flag was checked
     print(f"--overwrite: removing {out} ({what})", flush=True)
@@ -107,6 +112,7 @@ def main(argv):
   del argv
   from trime_jax.runtime.lock import beside as lock_beside
 
+  _check_flag_combinations(_OUT.value)
   # One writer of --out from the first look at it (--overwrite removes what it holds only under the lock, so
   # never a build another process is running) to the index; the builders' own locks are the same one, reentrant.
   with lock_beside(_OUT.value, f"datastore {_OUT.value}"):
@@ -128,7 +134,7 @@ def _build(out: str) -> None:
     if lm_only:  # read by the language model's build only: refused, not ignored
       raise ConfigError(f"{', '.join(lm_only)}: not supported for a translation datastore (the language model's "
                         "builds only); a translation build takes --split, --index, --nlist, --pq_m, --overwrite")
-    _check_flags(out)
+    _check_out(out)
     try:
       mt_datastore.build_main(_CONFIG.value, _CHECKPOINT.value, out, split=_SPLIT.value,
                               index_kind=_INDEX.value, nlist=_NLIST.value, pq_m=_PQ_M.value)
@@ -138,7 +144,7 @@ def _build(out: str) -> None:
   config, checkpoint = validated(_CONFIG.value), _CHECKPOINT.value
   check_export(config, checkpoint)
   splits = evaluate.load_eval_data(config, exports.read_export_vocab(checkpoint))
-  _check_flags(out, exports.read_export_meta(checkpoint).get("d_model"))
+  _check_out(out, exports.read_export_meta(checkpoint).get("d_model"))
   corpus = splits.get(_SPLIT.value)
   e = config.eval
   try:

@@ -623,14 +623,15 @@ def test_build_datastore_refuses_before_any_work_and_overwrites_only_under_the_l
 
   common = [f"--config={base['cfg']}", f"--checkpoint={base['export']}"]
   for index, said in (("flat", "builds an exact one"), ("none", "builds none")):
-    proc = run_cli("trime_jax.launch.build_datastore", *common, f"--out={tmp_path / 'a'}", f"--index={index}",
-                   f"--trained_index={tmp_path / 'x.faiss'}")
+    proc = run_cli("trime_jax.launch.build_datastore", *common, f"--out={tmp_path / 'new' / 'a'}",
+                   f"--index={index}", f"--trained_index={tmp_path / 'x.faiss'}")
     assert _line(proc).startswith("error: --trained_index is an IVF-PQ index to "
                                                                     f"fill; --index={index} {said}"), proc.stderr
-  proc = run_cli("trime_jax.launch.build_datastore", *common, f"--out={tmp_path / 'b'}",
+  proc = run_cli("trime_jax.launch.build_datastore", *common, f"--out={tmp_path / 'new' / 'deeper' / 'b'}",
                  f"--trained_index={tmp_path / 'nope.faiss'}")
   assert f"trained index {tmp_path / 'nope.faiss'} is not a file" in _line(proc)
-  assert not os.path.exists(tmp_path / "b")  # refused before the key pass wrote anything
+  # refused before the key pass wrote anything, and no folder made for --out's lock is left behind
+  assert not os.path.exists(tmp_path / "new")
   ds = tmp_path / "ds"
   shutil.copytree(base["ds"], ds)
   before = tree_hashes(ds)

@@ -284,6 +284,22 @@ def test_a_link_and_its_target_take_one_lock(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["link", "target"]  # no .old / .tmp / .lock left
 
 
+def test_a_lock_refused_under_leaves_no_folder_it_made(tmp_path):
+  """The folders a lock file needed (--out=a/new/folder) are removed at its release when nothing was written in
+  them (a command refused under the lock); a folder holding the output, or anything else, stays."""
+  from trime_jax.runtime.lock import beside
+
+  (tmp_path / "had").mkdir()
+  with pytest.raises(ConfigError, match="refused"):
+    with beside(str(tmp_path / "had" / "new" / "deep" / "out"), "x"):
+      assert (tmp_path / "had" / "new" / "deep").is_dir()
+      raise ConfigError("refused")
+  assert os.listdir(tmp_path / "had") == []  # made for the lock: gone; there before: kept
+  with beside(str(tmp_path / "had" / "new" / "deep" / "out"), "x"):
+    (tmp_path / "had" / "new" / "deep" / "out").mkdir()
+  assert os.listdir(tmp_path / "had" / "new" / "deep") == ["out"]
+
+
 def test_workdir_config_json_with_an_unknown_field_is_refused(corpus, tmp_path):
   import json
 

@@ -41,6 +41,7 @@ class DirLock:
     path = os.path.abspath(path)
     self.path = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
     self.what, self.fd = what, None
+    self.created = []  # the folders __enter__ made for the lock file, outermost first (removed again if empty)
 
   def __enter__(self):
     if DirLock._held.get(self.path):
@@ -49,8 +50,10 @@ class DirLock:
     while True:
       writable = True
       try:
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)  # --out=a/new/folder: its parents, as any output
+        self._make_parents()  # --out=a/new/folder: its parents, as any output
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      except FileNotFoundError:  # a folder made here was removed by another lock's release (empty then): again
+        continue
       except OSError as e:
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
           raise
@@ -98,6 +101,22 @@ class DirLock:
         pass
       os.close(self.fd)
       self.fd = None
+    # A command refused under the lock wrote nothing: the folders made for the lock file go too (one that holds
+    # the output, or anything else, is not empty and stays)
+    for folder in reversed(self.created):
+      try:
+        os.rmdir(folder)
+      except OSError:
+        break
+    self.created = []
+
+  def _make_parents(self) -> None:
+    missing, folder = [], os.path.dirname(self.path)
+    while not os.path.isdir(folder):
+      missing.append(folder)
+      folder = os.path.dirname(folder)
+    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    self.created += [f for f in reversed(missing) if f not in self.created]
 
 
 def beside(directory: str, what: str) -> DirLock:
