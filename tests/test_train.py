@@ -66,12 +66,17 @@ def test_gradient_accumulation_matches_one_big_batch(corpus, tmp_path):
 
 def test_non_finite_loss_stops_with_a_clear_error(corpus, tmp_path):
   """An infinite step size: update 1 makes the parameters infinite, every later update is non-finite and
-  skipped. Ten in a row stop training (wherever the log lines fall); a run that ends sooner exports nothing."""
-  for log_every in (1, 4):
-    cfg = tiny_config(corpus, **{"train.num_steps": 14, "train.learning_rate": float("inf"),
-                                 "train.warmup_steps": 0, "train.log_every": log_every})
+  skipped. Ten in a row stop training within loop.SKIP_READ_LAG updates, wherever the log lines fall (a line
+  every 100 updates stopped it only at update 100); a run that ends sooner exports nothing."""
+  from trime_jax.runtime.loop import SKIP_READ_LAG
+
+  for log_every, stopped in ((1, 11), (4, 12), (100, 11 + SKIP_READ_LAG)):
+    cfg = tiny_config(corpus, **{"train.num_steps": 40, "train.learning_rate": float("inf"),
+                                 "train.warmup_steps": 0, "train.log_every": log_every,
+                                 "train.checkpoint_every": 9})
     with pytest.raises(TrainingError, match=r"^training diverged: updates 2-11 all had a non-finite loss or "
-                                            r"gradient \(10 in a row; .*the last checkpoint \(update 9, in "):
+                                            rf"gradient \(10 in a row; .*stopped at update {stopped}\); the last "
+                                            r"checkpoint \(update 9, in "):
       train_and_evaluate(cfg, str(tmp_path / f"nan{log_every}"))
   cfg = tiny_config(corpus, **{"train.num_steps": 6, "train.learning_rate": float("inf"), "train.warmup_steps": 0})
   with pytest.raises(TrainingError, match=r"^the parameters after update 6 are not finite \(\d+ arrays, e\.g\. "

@@ -158,6 +158,31 @@ class _Throughput:
 # from the flags of every update, so where the log lines fall (train.log_every, train.stop_after) does not
 # decide it; a resumed run counts from its first update.
 MAX_SKIPS_IN_A_ROW = 10
+# An update's skipped flag is read this many updates after it was dispatched (the device has finished it by
+# then, so the read does not stall the pipeline), and at every log line: a diverged run stops within this many
+# updates of its MAX_SKIPS_IN_A_ROW-th skip, whatever train.log_every.
+SKIP_READ_LAG = 4
+
+
+class _SkipWatch:
+  """The current run of skipped updates, from each update's flag (see SKIP_READ_LAG)."""
+
+  def __init__(self):
+    self.pending, self.in_a_row = [], 0  # (update, flag on the device) not read yet, oldest first
+
+  def add(self, done: int, flag, *, lag: int = SKIP_READ_LAG) -> tuple[int, int] | None:
+    """Record update `done`'s flag and read those `lag` or more updates old; (first, last) update of a run of
+    MAX_SKIPS_IN_A_ROW skipped updates when one is complete, else None."""
+    self.pending.append((done, flag))
+    ready = len(self.pending) - lag
+    if ready <= 0:
+      return None
+    read, self.pending = self.pending[:ready], self.pending[ready:]
+    for update, f in zip([u for u, _ in read], jax.device_get([f for _, f in read])):
+      self.in_a_row = self.in_a_row + 1 if int(f) else 0
+      if self.in_a_row >= MAX_SKIPS_IN_A_ROW:
+        return update - self.in_a_row + 1, update
+    return None
 
 
 def skipped_so_far(state) -> int | None:
@@ -213,7 +238,7 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
   progress = Progress(spec.total, start, spec.progress)
   last, tracing = {}, False
   # A train line's `skipped`: the updates skipped since the line before, from the run's exact count (the line
-  # before may be an earlier invocation's: its `skipped_total`); `in_a_row`: the current run of skipped updates.
+  # before may be an earlier invocation's: its `skipped_total`); `skip_watch`: the current run of skipped updates.
   kept_lines = [r for r in metrics.rows() if r.get("split") is None and "loss" in r]
   if not kept_lines:
     skipped_before = 0
@@ -221,7 +246,7 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
     skipped_before = kept_lines[-1]["skipped_total"]
   else:  # an earlier version's lines: counted from the checkpoint resumed from, as they were
     skipped_before = skipped_so_far(state) or 0
-  in_a_row = 0
+  skip_watch = _SkipWatch()
 
   def evaluate(done: int, params) -> dict:
     dev = task.evaluate(done, params)
@@ -241,25 +266,25 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
         batch = task.batch(step)
         state, m = clock.run((objective, _shapes(batch)), task.step_fn(objective), state, batch,
                              jax.random.fold_in(base_key, step))
+        logged = done % spec.log_every == 0 or done == stop
+        diverged = skip_watch.add(done, m["skipped"], lag=0 if logged else SKIP_READ_LAG)
+        if diverged:
+          ckpt.finish(mgr)  # the saves before it complete and sealed
+          kept = mgr.latest_step()
+          where = (f"the last checkpoint (update {kept}, in {mgr.directory}) holds the parameters of the last "
+                   "update applied" if kept is not None else "no checkpoint had been written yet")
+          raise TrainingError(f"training diverged: updates {diverged[0]}-{diverged[1]} all had a non-finite loss "
+                              f"or gradient ({MAX_SKIPS_IN_A_ROW} in a row; such updates are skipped, not "
+                              f"applied; stopped at update {done}); {where}. Lower train.learning_rate or set "
+                              "train.clip_norm.")
         if tracing and done == spec.profile[1]:
           jax.block_until_ready(state)
           jax.profiler.stop_trace()
           tracing = False
           logging.info("profile of updates %d-%d written to %s", *spec.profile, os.path.join(workdir, "profile"))
         progress.update(done)
-        if done % spec.log_every == 0 or done == stop:
+        if logged:
           rate, timed, flags = clock.read()
-          for i, flag in enumerate(flags):
-            in_a_row = in_a_row + 1 if flag else 0
-            if in_a_row >= MAX_SKIPS_IN_A_ROW:
-              ckpt.finish(mgr)  # the saves before it complete and sealed
-              kept = mgr.latest_step()
-              where = (f"the last checkpoint (update {kept}, in {mgr.directory}) holds the parameters of the last "
-                       "update applied" if kept is not None else "no checkpoint had been written yet")
-              at = done - len(flags) + i + 1
-              raise TrainingError(f"training diverged: updates {at - in_a_row + 1}-{at} all had a non-finite loss "
-                                  f"or gradient ({MAX_SKIPS_IN_A_ROW} in a row; such updates are skipped, not "
-                                  f"applied); {where}. Lower train.learning_rate or set train.clip_norm.")
           total = skipped_so_far(state)
           skipped = (total - skipped_before) if total is not None else sum(flags)
           last = _train_line(task, done, objective, jax.device_get(m), schedule(_last_schedule_step(state, step)),
