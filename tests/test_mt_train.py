@@ -245,3 +245,15 @@ def test_translation_trains_in_the_shared_loop(tmp_path):
   with pytest.raises(TrainingError, match=r"^the parameters after update \d+ are not finite .*nothing was exported"):
     mt_train.train_and_evaluate(c, str(tmp_path / "nan"), log=lambda s: None)  # diverged at once, stopped at the end
   assert not os.path.exists(tmp_path / "nan" / "export")
+
+
+def test_a_refused_fresh_run_leaves_no_plan_in_its_workdir(tmp_path):
+  """The batch plan is made before training's own refusals (a mesh of more devices than are visible) and saved
+  only once the run starts: a refused run leaves its workdir as it was (it left plan.npz)."""
+  write_pairs(tmp_path / "d", WDE * 3, WEN * 3)
+  work = tmp_path / "run"
+  c = tiny_config(tmp_path / "d")
+  c.train.num_devices = 999
+  with pytest.raises(ConfigError, match="train.num_devices=999 but only"):
+    mt_train.train_and_evaluate(c, str(work), log=lambda s: None)
+  assert not (work / "plan.npz").exists()

@@ -194,8 +194,9 @@ def target_tokens_seen(plan: batching.Plan, tokens_of: np.ndarray, num_steps: in
   return np.asarray(seen, np.int64)
 
 
-def load_plan(workdir: str, pairs, config) -> batching.Plan:
-  """The run's batch plan: read from <workdir>/plan.npz when it matches the config, else made and saved."""
+def load_plan(workdir: str, pairs, config) -> tuple[batching.Plan, bool]:
+  """The run's batch plan: read from <workdir>/plan.npz when it matches the config, else made; (plan, made). A
+  made plan is saved by the caller once the run starts (a refused run leaves the workdir as it was)."""
   t, d = config.trime, config.data
   want = {"order": t.batching, "seed": int(config.train.seed), "max_tokens": int(d.max_tokens),
           "max_sentences": int(d.max_sentences), "num_pairs": len(pairs)}
@@ -205,14 +206,13 @@ def load_plan(workdir: str, pairs, config) -> batching.Plan:
   if os.path.exists(path):
     plan = batching.Plan.load(path)
     if all(plan.header.get(k) == v for k, v in want.items()):
-      return plan
+      return plan, False
   t0 = time.perf_counter()
   plan = batching.make_plan(pairs, order=t.batching, max_tokens=int(d.max_tokens), seed=int(config.train.seed),
                             max_sentences=int(d.max_sentences), bm25_k=int(t.bm25_k),
                             bm25_backend=t.get("bm25_backend", "numba"))
   plan.header["plan_s"] = round(time.perf_counter() - t0, 2)
-  plan.save(path)
-  return plan
+  return plan, True
 
 
 def train_and_evaluate(config, workdir: str, *, log=say) -> dict:
@@ -233,7 +233,7 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
     exports.check_export_target(os.path.join(workdir, name), config, vocab, meta={"vocab_fingerprint": vocab.fingerprint()})
   train_pairs = mt_data.load_parallel(config, "train", vocab)
   valid_pairs = mt_data.load_parallel(config, "valid", vocab)
-  plan = load_plan(workdir, train_pairs, config)
+  plan, made = load_plan(workdir, train_pairs, config)
   r = config.train
   mesh = sharding.make_mesh(r.num_devices)
   # The typed specs, made once from the config (`specs`); what lies below takes only these.
@@ -250,9 +250,13 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
   if "neighbour_in_batch" in plan.header:
     log(f"bm25 plan: top-k neighbours in the same batch {plan.header['neighbour_in_batch']:.1%} "
         f"(random batches {plan.header['neighbour_in_batch_random']:.1%})")
-  # Once the checkpoint is restored (nothing was refused), the run starts: config.json says what ran.
+  def starting():  # the checkpoint restored and nothing refused: the run starts; config.json says what ran
+    ckpt.check_resume_config(workdir, config)
+    if made:
+      plan.save(os.path.join(workdir, "plan.npz"))
+
   out = loop.run(task, state, loop.LoopSpec.from_train(r, total=task.total), workdir, schedule=schedule,
-                 config=config, log=log, starting=lambda: ckpt.check_resume_config(workdir, config))
+                 config=config, log=log, starting=starting)
   return {**out, "num_params": n_params}
 
 
