@@ -437,6 +437,21 @@ def test_a_plan_changed_after_it_was_written_is_refused(tmp_path):
     batch_plan.load(path)
 
 
+def test_a_plan_replacement_killed_between_its_renames_keeps_the_previous_plan(tmp_path):
+  """Replacing a plan (make_batches --overwrite) moves the old one to <plan>.old, then the new one into place: a
+  kill between leaves the old one, which a reader names and the next writer puts back before it replaces it."""
+  header = {"kind": "consecutive", "num_segments": 10, "seed": 0}
+  batches = np.arange(10, dtype=np.int64).reshape(5, 2)
+  path = batch_plan.save(str(tmp_path / "plan"), header, batches)
+  os.replace(path, path + ".old")  # the state such a kill leaves
+  with pytest.raises(DataError, match=rf"^batch plan {re.escape(path)} was being replaced when its writer stopped: "
+                                      rf"the previous plan is at {re.escape(path)}.old"):
+    batch_plan.load(path)
+  batch_plan.save(path, header, batches[::-1])
+  assert sorted(os.listdir(tmp_path)) == ["plan"]
+  np.testing.assert_array_equal(batch_plan.load(path).batches, batches[::-1])
+
+
 def test_a_plan_where_nothing_can_be_written_is_one_error(tmp_path, monkeypatch):
   """A read-only location (EROFS here; this suite runs as root, which file permissions do not stop): the lock
   file cannot be created, which is one UnwritableError naming it, not an OSError traceback; nothing written."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import read_metrics, tiny_config, write_text_file
-from trime_jax import checkpoint as ckpt, exports
+from trime_jax import checkpoint as ckpt, data, exports
 from trime_jax.errors import ConfigError, TrainingError
 from trime_jax.train import train_and_evaluate
 from trime_jax import specs
@@ -374,8 +374,8 @@ def test_a_link_replaced_by_an_export_is_put_back_after_a_kill_between_the_renam
   (target / "mine.txt").write_text("kept")
   link.symlink_to(target)
   os.replace(link, str(link) + ".old")  # the state a kill between the renames leaves
-  assert exports.recover_replaced(str(link)) and os.path.islink(link) and os.readlink(link) == str(target)
-  assert not exports.recover_replaced(str(link))  # nothing more to put back
+  assert data.recover_replaced(str(link)) and os.path.islink(link) and os.readlink(link) == str(target)
+  assert not data.recover_replaced(str(link))  # nothing more to put back
   exports.export(str(link), params, cfg, vocab, overwrite=True)
   assert not os.path.islink(link) and exports.read_export_meta(str(link))
   assert os.listdir(target) == ["mine.txt"] and sorted(os.listdir(tmp_path)) == ["link", "target"]

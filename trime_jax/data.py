@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import sysconfig
 from typing import Iterable, Iterator, Sequence
 
@@ -225,6 +226,43 @@ def atomic_write_text(path: str, text: str) -> None:
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def replace_directory(tmp: str, directory: str) -> None:
+  """Move the finished `tmp` to `directory`, replacing what is there (an older directory, or a symlink, which is
+  replaced by the new directory; its target is left as it is). Two renames: the old entry to `<directory>.old`,
+  then `tmp` to `directory`. A reader sees the old or the new one, except after a kill between the two: then the
+  old one is at `<directory>.old` and `recover_replaced` (which every writer and best-keeper calls first) puts it
+  back, so an interrupted replacement never loses the previous one (for a best/ export, the only copy of the best)."""
+  recover_replaced(directory)
+  old = directory + ".old"
+  if os.path.lexists(directory):
+    _remove_entry(old)  # left by a kill after the second rename: `directory` is the newer
+    os.replace(directory, old)  # a symlink is renamed itself, not its target
+    os.replace(tmp, directory)
+    _remove_entry(old)
+  else:
+    os.replace(tmp, directory)
+
+
+def recover_replaced(directory: str) -> bool:
+  """Put back the entry `replace_directory` moved to `<directory>.old` when a kill stopped it before the new one
+  was renamed into place (`directory` absent); True when it did. Call under the directory's lock."""
+  old = directory + ".old"
+  if os.path.lexists(directory) or not os.path.lexists(old):
+    return False
+  os.replace(old, directory)
+  print(f"warning: {directory} was being replaced when its writer stopped: the previous one ({old}) is put back",
+        flush=True)
+  return True
+
+
+def _remove_entry(path: str) -> None:
+  """Remove a directory tree or a symlink (never its target); absent is fine."""
+  if os.path.islink(path):
+    os.remove(path)
+  elif os.path.isdir(path):
+    shutil.rmtree(path)
 
 
 def _atomic_npy(path: str, arr: np.ndarray) -> None:

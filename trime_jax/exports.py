@@ -29,7 +29,6 @@ import shutil
 import jax
 import ml_collections
 import numpy as np
-from absl import logging
 from flax import nnx
 
 from trime_jax import data
@@ -42,42 +41,6 @@ from trime_jax.runtime import workdir as workdir_files
 from trime_jax.specs import model_config
 
 EXPORT_FILES = ("config.json", "vocab.json", "meta.json", "params")
-
-
-def replace_directory(tmp: str, directory: str) -> None:
-  """Move the finished `tmp` to `directory`, replacing what is there (an older directory, or a symlink, which is
-  replaced by the new directory; its target is left as it is). Two renames: the old entry to `<directory>.old`,
-  then `tmp` to `directory`. A reader sees the old or the new one, except after a kill between the two: then the
-  old one is at `<directory>.old` and `recover_replaced` (which every writer and best-keeper calls first) puts it
-  back, so an interrupted replacement never loses the previous export (for best/, the only copy of the best)."""
-  recover_replaced(directory)
-  old = directory + ".old"
-  if os.path.lexists(directory):
-    _remove_entry(old)  # left by a kill after the second rename: `directory` is the newer
-    os.replace(directory, old)  # a symlink is renamed itself, not its target
-    os.replace(tmp, directory)
-    _remove_entry(old)
-  else:
-    os.replace(tmp, directory)
-
-
-def recover_replaced(directory: str) -> bool:
-  """Put back the entry `replace_directory` moved to `<directory>.old` when a kill stopped it before the new one
-  was renamed into place (`directory` absent); True when it did. Call under the directory's lock."""
-  old = directory + ".old"
-  if os.path.lexists(directory) or not os.path.lexists(old):
-    return False
-  os.replace(old, directory)
-  logging.warning("%s was being replaced when its writer stopped: the previous one (%s) is put back", directory, old)
-  return True
-
-
-def _remove_entry(path: str) -> None:
-  """Remove a directory tree or a symlink (never its target); absent is fine."""
-  if os.path.islink(path):
-    os.remove(path)
-  elif os.path.isdir(path):
-    shutil.rmtree(path)
 
 
 # What makes an export "the same model" for `export`'s refusal: re-exporting a training run (a rerun, a longer
@@ -167,7 +130,7 @@ def write_export(directory: str, params, meta: dict, write_files, *, overwrite: 
   lock = lock_beside(directory, f"export directory {directory}") if chief else contextlib.nullcontext()
   with lock:
     if chief:
-      recover_replaced(directory)  # a writer killed mid-replacement: the previous export is compared, then replaced
+      data.recover_replaced(directory)  # a writer killed mid-replacement: the previous export is compared, then replaced
       problem = None if overwrite else export_target_problem(directory, meta)
       if problem:
         raise CheckpointError(f"export target {directory} {problem}: choose another directory, or overwrite it "
@@ -182,7 +145,7 @@ def write_export(directory: str, params, meta: dict, write_files, *, overwrite: 
       write_files(tmp)
       data.atomic_write_json(os.path.join(tmp, "meta.json"),
                              {**meta, "params_files": params_file_sizes(os.path.join(tmp, "params"))})
-      replace_directory(tmp, directory)
+      data.replace_directory(tmp, directory)
     sync_processes("export:done")
   return directory
 

@@ -135,6 +135,7 @@ def save(directory: str, header: dict, batches: np.ndarray) -> str:
     raise DataError(f"a batch plan needs a non-empty [num_batches, B] array, got shape {batches.shape}")
   directory = os.path.abspath(directory).rstrip(os.sep)
   with lock(directory):
+    data.recover_replaced(directory)
     return _save_locked(directory, {**_full_header(header, batches), "batches_sha256": _sha256(batches)}, batches)
 
 
@@ -162,11 +163,9 @@ def _save_locked(directory: str, header: dict, batches: np.ndarray) -> str:
     size = f"{batches.nbytes / 2**20:,.1f} MiB" if batches.nbytes >= 2**20 else f"{batches.nbytes / 2**10:,.1f} KiB"
     raise DiskFullError(f"no space left writing the batch plan {directory} ({what}); nothing was written: free "
                         f"space (the plan needs {size}) and rerun the same command") from None
-  if os.path.isdir(directory) and not os.path.islink(directory):
-    shutil.rmtree(directory)
-  elif os.path.lexists(directory):  # a file or a link (the caller's --overwrite allowed replacing it)
+  if os.path.lexists(directory) and not os.path.isdir(directory):  # a file (the caller's --overwrite allowed it)
     os.remove(directory)
-  os.replace(tmp, directory)
+  data.replace_directory(tmp, directory)  # a kill between its renames leaves the previous plan to be put back
   return directory
 
 
@@ -177,6 +176,9 @@ def load(directory: str) -> BatchPlan:
   given, directory = directory, resolve_path(directory)
   head = os.path.join(directory, "plan.json")
   arr = os.path.join(directory, "batches.npy")
+  if directory and not os.path.lexists(directory) and os.path.isdir(directory + ".old"):
+    raise DataError(f"batch plan {directory} was being replaced when its writer stopped: the previous plan is at "
+                    f"{directory}.old; rename it back, or rerun make_batches (which puts it back first)")
   if not directory or not os.path.isdir(directory):
     raise DataError(f"batch plan not found: {given!r} (looked in {os.path.abspath(given or '.')} and the repo root;"
                     " write one with `python -m trime_jax.launch.make_batches` or set --config.trime.batch_plan)")

@@ -10,7 +10,6 @@ import numpy as np
 from absl import logging
 
 from trime_jax import data
-from trime_jax.exports import recover_replaced
 from trime_jax.errors import DamagedCheckpointError
 
 
@@ -33,7 +32,7 @@ class BestKeeper:
     self.ppl = math.inf
     meta = os.path.join(directory, "meta.json")
     if enabled:
-      recover_replaced(directory)  # a best being replaced when a run was killed: it is still the best so far
+      data.recover_replaced(directory)  # a best being replaced when a run was killed: it is still the best so far
     if enabled and os.path.exists(meta):
       stored = data.read_json(meta, "best-by-dev export meta", DamagedCheckpointError,
                               fix=f"restore it, or remove {directory} (its best so far is then forgotten)")
