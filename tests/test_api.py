@@ -484,6 +484,44 @@ def _evaluated(m, ids, break_mode):
   return -result.token_nll[0]
 
 
+@pytest.mark.parametrize("layout", ["disjoint", "original"])
+def test_score_long_uses_the_exports_long_term_layout(tmp_path, layout):
+  """score(memory="long") lays out its store as the export's eval.long_term_layout says, as launch.eval does
+  (`runner.store_spec`): with "disjoint" a window's context tokens are not in the store too (the API used the
+  original layout for every export, so a docs_wt export's long-term scores were not launch.eval's); both paths,
+  texts alone (`texts_plan`) and after model.memory's documents (one stream)."""
+  from trime_jax.evaluate.runner import store_spec
+
+  vocab = data.Vocab(WORDS)
+  cfg = tiny_config("unused.bin", **{"model.num_layers": 1, "model.d_model": 16, "model.num_heads": 2,
+                                     "model.d_ff": 32, "model.max_len": 32, "model.dropout": 0.0,
+                                     "eval.block_len": 16, "eval.context_window": 8, "eval.batch_size": 1,
+                                     "eval.tau": 0.5, "eval.long_term_layout": layout})
+  net = M.TransformerLM(specs.model_config(cfg, vocab_size=len(vocab)), rngs=nnx.Rngs(0))
+  m = trime_jax.load(exports.export(str(tmp_path / "export"), nnx.state(net, nnx.Param), cfg, vocab))
+  assert m.long_term_layout == layout
+  e, point = m.config.eval, evaluate.Point("trime_local", tau=m.default_tau)
+
+  def evaluated(docs, spec_layout):
+    corpus = data.Corpus.from_docs([np.asarray(d, np.int32) for d in docs], m.vocab)
+    spec = store_spec(e, api.STORE_ROUND) if spec_layout == layout else evaluate.StoreSpec(api.STORE_ROUND,
+                                                                                           False, spec_layout)
+    r = evaluate.evaluate(m.graphdef, m.params, corpus, [point], block_len=e.block_len,
+                          context_window=e.context_window, streams=1, per_token=True, long_term=spec)
+    return -r.token_nll[0][-len(docs[-1]):]
+
+  other = {"disjoint": "original", "original": "disjoint"}[layout]
+  text = " ".join(LINES * 2)  # several windows: the store is seen
+  alone = m.score(text, memory="long")
+  np.testing.assert_allclose(alone.log_probs, evaluated([alone.ids], layout), rtol=1e-6, atol=1e-6)
+  assert np.abs(alone.log_probs - evaluated([alone.ids], other)).max() > 1e-3  # the layouts differ here
+  m.memory.add(" ".join(LINES[::-1]))
+  after = m.score(text, memory="long")
+  docs = [m.memory.tokens(), after.ids]
+  np.testing.assert_array_equal(after.log_probs, evaluated(docs, layout))
+  assert np.abs(after.log_probs - evaluated(docs, other)).max() > 1e-3
+
+
 def test_score_uses_the_exports_sample_break_mode(word_model, capsys, caplog):
   m = word_model
   text = "\n".join(LINES) + "\n"

@@ -301,6 +301,12 @@ class Model:
     """τ the export was evaluated with (config eval.tau): the default of score and generate."""
     return float(self.config.eval.tau)
 
+  @property
+  def long_term_layout(self) -> str:
+    """How score's long-term store lays out the tokens before a window (config eval.long_term_layout, as
+    trime_jax.launch.eval reads it: "original" also holds the window's context tokens, "disjoint" does not)."""
+    return str(self.config.eval.get("long_term_layout", "original"))
+
   def tokenize(self, text: str) -> list[int]:
     """Token ids of `text` as the model reads it: its UTF-8 bytes (byte models), or its words with `</s>` at each
     line end (word models; words outside the vocabulary read as <unk>, with a logging warning)."""
@@ -491,7 +497,8 @@ class Model:
     cfg = self.nnx_model.cfg
     corpus, plan, counts = evaluate.texts_plan(ids_of, self.vocab, block_len=block_len, context_window=ctx,
                                                rows=rows, d_model=cfg.d_model, dtype=cfg.dtype, break_mode=mode,
-                                               mem_size=mem_size, stateful=self.stateful, windows=wins_of)
+                                               mem_size=mem_size, layout=self.long_term_layout,
+                                               stateful=self.stateful, windows=wins_of)
     assert plan.block_len == length, (plan.block_len, length)
     result = evaluate.evaluate(self.graphdef, self.params, corpus, [point], block_len=plan.block_len,
                                context_window=ctx, streams=rows, external=external, vocab_chunk=vocab_chunk,
@@ -507,7 +514,9 @@ class Model:
     mem_size = -(-len(corpus) // STORE_ROUND) * STORE_ROUND  # every earlier token of the stream fits in the store
     key = (mem_size, mode, ctx)  # what the documents' windows and the store's shape depend on
     result = evaluate.evaluate(self.graphdef, self.params, corpus, [point], block_len=block_len, context_window=ctx,
-                               streams=1, long_term=evaluate.StoreSpec(mem_size=mem_size), external=external,
+                               streams=1, long_term=evaluate.StoreSpec(mem_size=mem_size,
+                                                                       layout=self.long_term_layout),
+                               external=external,
                                vocab_chunk=vocab_chunk, per_token=True, break_mode=mode, complete_overlong=overlong,
                                log=logger.info, start=self.memory._states.get(key), keep_state_before=len(prefix),
                                search_queries=evaluate.search_queries_of(self.config.eval))

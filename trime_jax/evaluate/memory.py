@@ -252,12 +252,12 @@ def row_length(wins, block_len: int, stateful: bool = False) -> int:
 
 
 def texts_plan(texts, vocab: data.Vocab, *, block_len: int, context_window: int, rows: int, d_model: int, dtype,
-               break_mode: str = "none", overlong: str = "drop", mem_size: int = 0, stateful: bool = False,
-               windows=None) -> tuple[data.Corpus, StreamPlan, list[int]]:
+               break_mode: str = "none", overlong: str = "drop", mem_size: int = 0, layout: str = "original",
+               stateful: bool = False, windows=None) -> tuple[data.Corpus, StreamPlan, list[int]]:
   """Independent texts (token arrays) scored `rows` at a time, each exactly as a corpus of its own: its own
   windows (`data.eval_windows`, starting at `</s>`, at most `block_len` long: `plan.block_len` is the longest
   of them, rounded up, the model's input length), local memory, and with `mem_size` a long-term store of
-  the text's own earlier scored tokens (the original layout, as `stream_plan` with that mem_size: at least
+  the text's own earlier tokens in `layout` (`StoreSpec.layout`, as `stream_plan` with that mem_size: at least
   the longest text, so that a store holds every earlier token of its text; cleared after a line complete mode
   drops, as alone). `stateful`: the model carries a state from window to window (`row_length`). `windows`:
   each text's `text_windows` at these settings, where the caller has them already. (corpus, plan,
@@ -303,7 +303,7 @@ def texts_plan(texts, vocab: data.Vocab, *, block_len: int, context_window: int,
   if mem_size and mem_size < max(map(len, texts)):
     raise ConfigError(f"texts_plan: mem_size={mem_size} is shorter than the longest text ({max(map(len, texts))} "
                       f"tokens): a text's store would not hold every earlier token")
-  long_term = StoreSpec(mem_size=mem_size, reset_at_documents=bool(mem_size))
+  long_term = StoreSpec(mem_size=mem_size, reset_at_documents=bool(mem_size), layout=layout)
   # Rows as long as the longest window (short texts: shorter than block_len) and Q as the longest block of
   # scored tokens, each rounded up (`_bucket`; Q to the stride where that is less): a causal model's scores at
   # a position do not depend on the padding after it, so the numbers stay (up to float rounding), and the cost
