@@ -153,7 +153,8 @@ def get_config():
   e.tune = False  # grid-search τ (local) or λ, θ (cache) on dev, then score eval.split at the best point
   e.max_tokens = 0  # score only the first max_tokens targets (0 = the whole split)
   e.tune_max_tokens = 0  # eval.tune on the first N dev targets only (0 = as eval.max_tokens): tuning a few
-  #   parameters needs less text than reporting, and with a 16M-key datastore every dev token costs a search
+  #   parameters needs less text than reporting, and with a 16M-key datastore every dev token costs a search;
+  #   the split's rows (dev's too) still cover eval.max_tokens
   e.mem_size = 0  # long-term memory (TRIME and cache), in eval.long_term_layout's units; >0: batch_size parallel
   #   streams, each with its own store
   e.long_term_layout = "original"  # original: the last mem_size scored tokens before the window's first scored

@@ -735,3 +735,8 @@ def test_memory_size_sweep_table_and_plot(tmp_path):
   config.eval.update(split="test", tune_max_tokens=24)
   out = evaluate.evaluate_checkpoint(config, export, mem_sizes=[16])
   assert out["dev_tokens"] == 24 and out["rows"][0]["tokens"] > 24
+  # ... also when the split is dev: its rows cover eval.max_tokens of it, not the grid's 24 targets (they did)
+  config.eval.update(split="dev")
+  out = evaluate.evaluate_checkpoint(config, export, mem_sizes=[16])
+  assert out["dev_tokens"] == 24 and all(r["tokens"] > 24 and "dev_ppl" in r for r in out["rows"][1:])
+  assert len(out["rows"]) == 2 and out["rows"][0]["family"] == "none"  # the best point, applied

@@ -93,8 +93,9 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
   eval.datastore.
 
   With eval.tune every family's parameters are grid-searched on dev (the interpolation for both P′ memories):
-  when the split is dev the grid's rows are the result (the best of each group marked), otherwise the best
-  points are applied to the split (rows carry dev_ppl). Returns {"rows": [...], ...}: rows with family, params,
+  when the split is dev and the grid covered eval.max_tokens of it the grid's rows are the result (the best of
+  each group marked), otherwise the best points are applied to the split (rows carry dev_ppl; dev with
+  eval.tune_max_tokens: the grid on that many dev targets, the rows on eval.max_tokens). Returns {"rows": [...], ...}: rows with family, params,
   variant, nll, ppl, <split>_ppl, tokens, mem_size, split (+ model, dev_ppl, best); with external memory also
   retrieval accuracy, frequency-bucket perplexities and (if `throughput_tokens`) throughput with vs without
   external memory."""
@@ -132,10 +133,11 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
     long_term = store_spec(e, mem_size)
     best = dev_best = None
     if e.tune:  # on the first eval.tune_max_tokens dev targets (0: eval.max_tokens)
-      dev = run(splits.dev, points, long_term=long_term, max_tokens=int(e.get("tune_max_tokens", 0)) or e.max_tokens)
+      tune_cap = int(e.get("tune_max_tokens", 0)) or int(e.max_tokens)
+      dev = run(splits.dev, points, long_term=long_term, max_tokens=tune_cap)
       out["dev_tokens"] = dev.tokens
       best = tune(dev)
-      if e.split == "dev":
+      if e.split == "dev" and tune_cap == int(e.max_tokens):  # the grid covered what dev's rows report
         result = dev
       else:
         dev_best = best
