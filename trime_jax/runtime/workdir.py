@@ -45,8 +45,14 @@ def prepare(workdir: str) -> None:
 def run_in(workdir: str):
   """`prepare(workdir)`, then the run under its `lock`; a workdir this run created, when the run fails before it
   trained (bad data, a missing batch plan, a refused config: nothing in it but the config and data records
-  written at its start), is removed again, so a mistyped --workdir or a refused run leaves nothing behind."""
-  created = not os.path.lexists(workdir)
+  written at its start), is removed again with the parent folders made for it, so a mistyped --workdir or a
+  refused run leaves nothing behind."""
+  made = []  # the folders prepare makes, the workdir first, then its missing parents
+  folder = os.path.abspath(workdir)
+  while not os.path.lexists(folder):
+    made.append(folder)
+    folder = os.path.dirname(folder)
+  created = bool(made)
   prepare(workdir)
   try:
     with lock(workdir):
@@ -58,7 +64,8 @@ def run_in(workdir: str):
         if set(left) <= set(STARTING_FILES):
           for name in left:
             os.remove(os.path.join(workdir, name))
-          os.rmdir(workdir)
+          for folder in made:  # the workdir, then the parents made for it while nothing else is in them
+            os.rmdir(folder)
       except OSError:
         pass
     raise
