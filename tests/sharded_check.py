@@ -182,6 +182,18 @@ def check_loss():
     ring_topk_error = ""
   except ValueError as e:
     ring_topk_error = str(e)
+  # long memory with a top k: runs within each device's rows (m = 3) take it as trime_nll does; runs across
+  # devices (m = 4) are refused (they were scored over their whole memory, the top k silently dropped)
+  aligned = np.abs(np.asarray(sharded_loss.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory="long",
+                                                             consecutive_segments=3, memory_topk=2))
+                   - np.asarray(L.trime_nll(logits, keys, targets, memory="long", consecutive_segments=3,
+                                            memory_topk=2))).max()
+  try:
+    sharded_loss.sharded_trime_nll(logits, keys, targets, mesh=mesh, memory="long", consecutive_segments=4,
+                                   memory_topk=2)
+    long_topk_error = ""
+  except ValueError as e:
+    long_topk_error = str(e)
   # Which collectives each configuration's forward + backward contains (StableHLO before partitioning: only
   # the explicit ones of the shard_map body).
   collectives = {}
@@ -195,6 +207,7 @@ def check_loss():
     ops = re.findall(r"stablehlo\.(all_gather|reduce_scatter|collective_permute|all_reduce|all_to_all)", text)
     collectives[f"{mem}/{m}/{var}/{mg}"] = sorted(set(ops))
   return {"cases": results, "collectives": collectives, "topk": topk, "ring_topk_error": ring_topk_error,
+          "long_topk": {"aligned_err": float(aligned), "crossing_error": long_topk_error},
           "group_cut": group_cut, "tau_grad": tau_grad}
 
 

@@ -17,6 +17,7 @@ from flax import nnx
 
 from tests import reference as ref
 from trime_jax import loss as L
+from trime_jax.errors import ConfigError
 from trime_jax import model as M
 from trime_jax import steps
 from trime_jax import specs
@@ -405,6 +406,15 @@ def test_memory_plan_function(tmp_path):
   assert plan["peak_bytes"] >= plan["param_bytes"] + plan["opt_state_bytes"]
   text = format_memory_plan(plan)
   assert f"{n:,} parameters" in text and "optimizer state" in text
+  # long memory whose runs would cross devices: one clear error (it was the loss's ValueError traceback)
+  long_cfg = tiny_config(corpus, **{"trime.memory": "long", "trime.batching": "consecutive",
+                                    "trime.consecutive_segments": 4, "train.batch_size": 8,
+                                    "train.num_devices": 8})
+  with pytest.raises(ConfigError, match=r"^--dry_run plans one device's step alone, and with 8 devices each holds "
+                                        r"1 rows, so runs of trime.consecutive_segments=4 cross devices"):
+    memory_plan(long_cfg)
+  long_cfg.train.num_devices = 2  # 4 rows a device: whole runs, planned
+  assert memory_plan(long_cfg)["rows_per_device"] == 4
 
 
 def test_dry_run_cli_prints_the_plan_and_trains_nothing(tmp_path):

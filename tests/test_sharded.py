@@ -111,6 +111,9 @@ def test_memory_topk_on_8_devices_equals_trime_nll(checks):
       assert c["keys_grad_err"] > 1e-3, c  # memories on other devices get no gradient
   assert min(c["grad_scale"] for c in cases) > 0.1
   assert "variant='gather'" in checks("loss")["ring_topk_error"]  # the ring cannot take a global top k
+  long_topk = checks("loss")["long_topk"]
+  assert long_topk["aligned_err"] <= 1e-10, long_topk  # runs inside each device's rows: the top k as trime_nll
+  assert "runs that cross devices" in long_topk["crossing_error"], long_topk  # refused, not silently all memory
 
 
 def test_a_learned_tau_gets_its_gradient_on_8_devices(checks):

@@ -103,6 +103,10 @@ def sharded_trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: l
   if keys.shape[0] % n:
     raise ValueError(f"a global batch of {keys.shape[0]} rows does not split over the {n} devices of "
                      f"mesh axis {axis!r}")
+  if spec.memory == "long" and spec.memory_topk and (keys.shape[0] // n) % spec.consecutive_segments:
+    raise ValueError(f"memory_topk with memory='long' needs each device's {keys.shape[0] // n} rows to hold whole "
+                     f"runs of consecutive_segments={spec.consecutive_segments}: runs that cross devices are "
+                     "scored over their whole memory, without the top k")
   memory = spec.memory
   # τ travels as an array (it may be traced); the static part must stay hashable.
   static = _Static(dataclasses.replace(spec, tau=1.0), variant, spec.stop_gradient_memory,

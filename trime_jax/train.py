@@ -178,6 +178,13 @@ def memory_plan(config, vocab_size: int = 0) -> dict:
   if train_cfg.batch_size % devices:
     raise ConfigError(f"train.batch_size={train_cfg.batch_size} is not divisible by the {devices} devices")
   rows = train_cfg.batch_size // devices
+  m = int(config.trime.get("consecutive_segments", 1))
+  if config.trime.memory == "long" and rows % m:
+    raise ConfigError(f"--dry_run plans one device's step alone, and with {devices} devices each holds "
+                      f"{rows} rows, so runs of trime.consecutive_segments={m} cross devices: their memory comes "
+                      "from the neighbours' rows (sharded_loss's halo), which a step alone does not have. Plan "
+                      f"with --config.train.num_devices=N where train.batch_size / N is a multiple of {m} (N=1 "
+                      "plans the whole batch on one device), or measure on the devices (bench.mfu)")
   tokens = jax.ShapeDtypeStruct((train_cfg.grad_accum, rows, config.data.segment_len), jnp.int32)
   batch = {"inputs": tokens, "targets": tokens, "drop_local": jax.ShapeDtypeStruct(tokens.shape[:2], jnp.bool_)}
   if config.trime.memory == "long" and config.trime.consecutive_layout == "packed":
