@@ -258,11 +258,11 @@ def recover_replaced(directory: str) -> bool:
 
 
 def _remove_entry(path: str) -> None:
-  """Remove a directory tree or a symlink (never its target); absent is fine."""
-  if os.path.islink(path):
-    os.remove(path)
-  elif os.path.isdir(path):
+  """Remove a directory tree, a file or a symlink (never its target); absent is fine."""
+  if os.path.isdir(path) and not os.path.islink(path):
     shutil.rmtree(path)
+  elif os.path.lexists(path):
+    os.remove(path)
 
 
 def _atomic_npy(path: str, arr: np.ndarray) -> None:

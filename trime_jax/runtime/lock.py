@@ -47,13 +47,16 @@ class DirLock:
     if DirLock._held.get(self.path):
       DirLock._held[self.path] += 1
       return self
+    tries = 0
     while True:
-      writable = True
+      writable, tries = True, tries + 1
       try:
         self._make_parents()  # --out=a/new/folder: its parents, as any output
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
       except FileNotFoundError:  # a folder made here was removed by another lock's release (empty then): again
-        continue
+        if tries < 10:
+          continue
+        raise
       except OSError as e:
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
           raise
