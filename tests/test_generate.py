@@ -292,6 +292,19 @@ def test_sliding_window_equals_the_uncached_reference():
   assert out.tokens == want
 
 
+def test_a_row_ending_on_the_token_that_fills_its_window_does_not_break_the_batch(tmp_path):
+  """Row A writes </s> as the 33rd token of its 32-token window (so it is finished and did not slide), row B slides
+  later: the re-encoding of every row's window took A's 33 tokens into 32 slots (a ValueError); now each row
+  gets what it gets alone (found by a review)."""
+  gen = G.Generator(_export(tmp_path / "w", data.Vocab(WORDS)), log=lambda m: None)
+  a_prompt = "the cat sat on a mat .\n" * 3 + "the cat sat on"  # bos + 28 tokens; copies "a mat . </s>"
+  kw = dict(max_new_tokens=40, sampling=G.Sampling(0), memory=G.MemorySpec("local"))
+  a, b = gen.generate([a_prompt], **kw)[0], gen.generate(["a dog"], **kw)[0]
+  assert a.stopped == "eos" and len(gen.tokenize(a_prompt)) + 1 + len(a.tokens) == 33  # </s> fills the window
+  assert b.stopped == "budget" and len(b.tokens) == 40  # B slides after A has finished
+  assert [o.tokens for o in gen.generate([a_prompt, "a dog"], **kw)] == [a.tokens, b.tokens]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Stopping, words, memories, errors
 # ----------------------------------------------------------------------------------------------------------

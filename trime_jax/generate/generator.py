@@ -227,11 +227,13 @@ class Generator:
           active[r], stopped[r] = False, "eos"
       if not active.any() or step == max_new - 1:
         break
-      # Advance: feed every row's newest token (finished rows repeat theirs, ignored); slide full windows.
+      # Advance: feed every row's newest token (finished rows repeat theirs, ignored); slide full windows. A row
+      # that finished on the token that filled its window slides too (its outputs are ignored, but its window
+      # must fit the cache when the others' slide re-encodes every row), without a re-encoding of its own.
       for r, s in enumerate(seqs):
-        if active[r] and len(s) - starts[r] > cache_len:  # cache_len < max_len only if no row ever gets there
+        if len(s) - starts[r] > cache_len:  # cache_len < max_len only if no row ever gets there
           starts[r] = len(s) - keep
-          need_prefill = True
+          need_prefill = need_prefill or bool(active[r])
       if need_prefill:
         if not slid:
           self.log(f"note: the context reached the model's max_len={max_len} tokens: sliding window, the model "
