@@ -11,8 +11,8 @@
                      --knn_k); --memory_file adds a store too; --knn_lambda / --tau_prime mix in Appendix A's P′;
                      --datastore_on_device: every entry, exactly, with the keys on the devices (no index)
 
-τ (--tau) defaults to the export's eval.tau; pass the τ that trime_jax.launch.eval / trime_jax.launch.eval_ext
-tuned. `\\n` in --prompt is a newline. Several --prompt / --prompt_file are generated as one batch. --trace
+τ (--tau) defaults to the export's eval.tau, --tau_prime and --interp_memory to its eval.tau_prime and
+eval.interp_memory; pass the values that trime_jax.launch.eval / trime_jax.launch.eval_ext tuned. `\\n` in --prompt is a newline. Several --prompt / --prompt_file are generated as one batch. --trace
 prints, for each generated token, its probability, the share of it that came from memory and the three memories
 that gave most (source, share, a few tokens of their context, [their next token]).
 """
@@ -40,8 +40,9 @@ _INDEX = flags.DEFINE_string("index", "", "FAISS index (default <datastore>/inde
 _KNN_K = flags.DEFINE_integer("knn_k", 1024, "Retrieved entries per generated token.")
 _NPROBE = flags.DEFINE_integer("nprobe", 32, "IVF lists searched (IVF-PQ indexes).")
 _KNN_LAMBDA = flags.DEFINE_float("knn_lambda", 0.0, "Appendix A: (1-λ)·P_trime + λ·P′ (0: off).")
-_TAU_PRIME = flags.DEFINE_float("tau_prime", 1.0, "τ′ of P′ (on g·k/√D).")
-_INTERP_MEMORY = flags.DEFINE_enum("interp_memory", "external", ["external", "all"], "Memories of P′.")
+_TAU_PRIME = flags.DEFINE_float("tau_prime", None, "τ′ of P′ (on g·k/√D; default: the export's eval.tau_prime).")
+_INTERP_MEMORY = flags.DEFINE_enum("interp_memory", None, ["external", "all"],
+                                   "Memories of P′ (default: the export's eval.interp_memory).")
 _ON_DEVICE = flags.DEFINE_bool("datastore_on_device", False, "memory=external: the datastore's keys on the devices, "
                                "every entry scored exactly (no FAISS index, no K; no trace or interpolation).")
 _TRACE = flags.DEFINE_bool("trace", False, "Print a retrieval trace per generated token.")
@@ -103,8 +104,12 @@ def main(argv):
     # The export's own evaluation τ is broken: say so, not "--tau must be > 0" for a flag nobody passed.
     raise ConfigError(f"{_CHECKPOINT.value}/config.json has eval.tau={tau!r}, not a τ (> 0) to "
                       "generate with: pass --tau (e.g. the τ trime_jax.launch.eval tuned) or correct the file")
-  spec = G.MemorySpec(memory, tau=tau, knn_lambda=_KNN_LAMBDA.value, tau_prime=_TAU_PRIME.value,
-                      interp_memory=_INTERP_MEMORY.value)
+  # P′'s settings default to the export's evaluation ones, as τ does (a 247M export's tuned τ′ is 0.328, not 1)
+  e = gen.config.eval
+  tau_prime = float(e.get("tau_prime", 1.0)) if _TAU_PRIME.value is None else _TAU_PRIME.value
+  interp_memory = str(e.get("interp_memory", "external")) if _INTERP_MEMORY.value is None else _INTERP_MEMORY.value
+  spec = G.MemorySpec(memory, tau=tau, knn_lambda=_KNN_LAMBDA.value, tau_prime=tau_prime,
+                      interp_memory=interp_memory)
   sampling = G.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _SEED.value)
   store = external = None
   if _MEMORY_FILE.value:
@@ -123,7 +128,9 @@ def main(argv):
     external = gen.external(_DATASTORE.value, index_path=_INDEX.value, k=_KNN_K.value, nprobe=_NPROBE.value)
     print(f"external memory: top-{external.k} of {external.datastore.count:,} entries ({external.index.kind})",
           flush=True)
-  print(f"memory={memory} tau={tau:g} temperature={sampling.temperature:g} top_k={sampling.top_k} "
+  mixed = f" knn_lambda={spec.knn_lambda:g} tau_prime={tau_prime:g} interp_memory={interp_memory}" \
+      if spec.knn_lambda else ""
+  print(f"memory={memory} tau={tau:g}{mixed} temperature={sampling.temperature:g} top_k={sampling.top_k} "
         f"top_p={sampling.top_p:g} seed={sampling.seed}", flush=True)
   outs = gen.generate(prompts, max_new_tokens=_MAX_NEW.value, sampling=sampling, memory=spec, store=store,
                       external=external, trace=_TRACE.value, stop_at_eos=_STOP_AT_EOS.value)

@@ -385,6 +385,21 @@ def test_external_datastore_generation_and_mismatch(tmp_path, byte_gen):
   assert [s.prob for s in mixed.trace] != [s.prob for s in out.trace]
   # Appendix A's mixture in the trace: the shares are the mixed law's parts of P(token).
   assert all(0 <= s.memory_share <= 1 and sum(m.share for m in s.top) <= s.memory_share + 1e-6 for s in mixed.trace)
+  # The CLI takes τ′ from the export's eval.tau_prime when --tau_prime is not given, as τ from eval.tau (it used
+  # 1.0: a 247M export's tuned τ′ is 0.328): an export whose config says τ = 0.5, τ′ = 0.2 generates `mixed`
+  import json
+  import shutil
+
+  tuned = tmp_path / "tuned_export"
+  shutil.copytree(byte_gen.checkpoint_dir, tuned)
+  cfg = json.loads((tuned / "config.json").read_text())
+  cfg["eval"].update(tau=0.5, tau_prime=0.2)
+  (tuned / "config.json").write_text(json.dumps(cfg))
+  r = run_cli("trime_jax.launch.generate", f"--checkpoint={tuned}", "--prompt=def add(a", "--memory=external",
+              f"--datastore={ds_dir}", "--knn_k=8", "--knn_lambda=0.5", "--temperature=0", "--max_new_tokens=5")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "tau=0.5 knn_lambda=0.5 tau_prime=0.2 interp_memory=external" in r.stdout, r.stdout
+  assert "def add(a\u2502" + mixed.text in r.stdout, (mixed.text, r.stdout)
   other = G.Generator(_export(tmp_path / "other", data.Vocab.bytes(), seed=7))
   with pytest.raises(CheckpointError, match="built by another model or vocabulary.*does not match"):
     other.external(ds_dir, k=8)

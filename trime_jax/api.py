@@ -172,7 +172,10 @@ class Memory:
   Scoring with memory="long" (or "external") reads the documents before the text in one stream, as the
   evaluator's long-term memory reads the earlier part of a document: the text's queries see every document
   token's key, and its first window also reads the documents' last `eval.context_window` tokens as context.
-  Generation reads their keys into the generator's long-term store (`Generator.read`)."""
+  Generation reads each document's keys into the generator's long-term store on its own (`Generator.read`,
+  from `</s>`), and the prompt starts afresh: so with long memory, generate's law for a prompt's next token is
+  not score's at the same position (the keys and the prompt's context differ); with local and external memory
+  alone they agree."""
 
   def __init__(self, model: "Model"):
     self._model = model
