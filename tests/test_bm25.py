@@ -193,7 +193,8 @@ def test_pack_with_documents_follows_its_rule_at_batch_boundaries(seed):
   assert sorted(order.tolist()) == list(range(s))
 
 
-def test_same_document_neighbours_can_be_excluded(corpus):
+def test_same_document_neighbours_can_be_excluded():
+  corpus, topic_of_doc = _corpus(words_per_doc=170)  # 171 tokens a document: stream segments cross documents
   segs = D.make_segments(corpus, SEG)
   docs = bm25.segment_token_ids(corpus, segs)
   ids, scores = bm25.neighbours(docs, 5, backend="numpy", groups=segs.doc)
@@ -201,11 +202,23 @@ def test_same_document_neighbours_can_be_excluded(corpus):
   assert (np.diff(scores, axis=1) <= 0).all()
   every, _ = bm25.neighbours(docs, 5, backend="numpy")
   assert (segs.doc[every] == segs.doc[:, None]).any()  # without exclusion, own-document hits happen
+  # A stream segment crossing a document boundary holds two documents' tokens: it shares both (it counted as its
+  # first target's document only, so it could neighbour and join a batch of the next document's segments)
+  def touched(i):  # the documents segment i's targets lie in, from the token positions
+    return set(np.searchsorted(corpus.doc_starts, np.arange(segs.start[i], segs.start[i] + segs.length[i]),
+                               side="right") - 1)
+
+  ranges = bm25.document_ranges(corpus, segs)
+  assert [set(range(a, b + 1)) for a, b in ranges] == [touched(i) for i in range(len(segs))]
+  assert (ranges[:, 1] > ranges[:, 0]).sum() > 10  # segments that cross a boundary
+  ids, _ = bm25.neighbours(docs, 5, backend="numpy", groups=ranges)
+  assert (ids >= 0).all() and not any(touched(i) & touched(j) for i in range(len(segs)) for j in ids[i])
   # Packing: far fewer same-document batch-mates, still topically pure (other documents of the topic).
   h_ex, b_ex = _plan(corpus, exclude_same_document=True)
   h_all, _ = _plan(corpus)  # the default: Algorithm 1 as published
   assert h_ex["exclude_same_document"] and not h_all["exclude_same_document"]
   assert h_ex["same_document_pairs"] == 0.0 < h_all["same_document_pairs"]  # 36 documents: always possible
+  assert not any(touched(i) & touched(j) for row in b_ex for i in row[row >= 0] for j in row[row >= 0] if i != j)
   _, topic_of_doc = _corpus()
   topic = topic_of_doc[segs.doc]
   same = [np.mean(topic[r[r >= 0]] == np.bincount(topic[r[r >= 0]]).argmax()) for r in b_ex]
@@ -402,4 +415,13 @@ def test_training_refuses_a_plan_of_other_neighbours(corpus, tmp_path, caplog):
   with caplog.at_level("WARNING"):
     BatchSource(corpus, reseeded)
   assert "made with seed 0" in caplog.text and "train.seed=5" in caplog.text
+  # an exclusion plan of before 2026-12-06 (a segment keyed on its first target's document only): refused
+  ex_header, ex_batches = _plan(corpus, exclude_same_document=True)
+  assert ex_header["exclude_by"] == "documents_touched"
+  old = batch_plan.save(str(tmp_path / "old_plan"), {k: v for k, v in ex_header.items() if k != "exclude_by"},
+                        ex_batches)
+  excluding = _config()
+  excluding.trime.batching, excluding.trime.batch_plan, excluding.trime.bm25_exclude_same_document = "bm25", old, True
+  with pytest.raises(DataError, match="exclude_by None != 'documents_touched'.*make it again with make_batches"):
+    BatchSource(corpus, excluding)
 

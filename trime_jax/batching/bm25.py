@@ -19,9 +19,10 @@ looks like the kNN neighbours the external datastore returns at test time.
      (`batching/plan.py`), as the original's iterator did, so consecutive updates do not follow one chain.
 
 Option `trime.bm25_exclude_same_document=True` (default False) departs from the paper: neighbours and
-batch-mates come from other documents only, like the test-time datastore. On wikitext-mini (124 articles)
+batch-mates share no document, like the test-time datastore. A stream segment can hold the end of one
+document and the start of the next: it shares both (`document_ranges`). On wikitext-mini (124 articles)
 plain Algorithm 1 put 65% of batch-mate pairs in the same article, and the exclusion brought that to 0%
-(docs/external_memory.md).
+(docs/external_memory.md; measured when a segment counted as its first target's document only).
 
 Everything is deterministic from `train.seed`. The original release compared Lucene's string document ids
 with integer ids, so no neighbour ever matched an unused segment and every step fell back to a random one:
@@ -87,6 +88,25 @@ def bm25_index(docs: list[np.ndarray], *, backend: str = "numba",
   return retriever, lut
 
 
+def document_ranges(corpus: data.Corpus, segments: data.Segments) -> np.ndarray:
+  """[S, 2] int64: the first and last document each segment's targets lie in. Stream segments cross document
+  boundaries, so a segment can hold the end of one document and the start of the next (or more): it shares a
+  document with every segment whose range overlaps its own. Document segments: first = last."""
+  last = np.searchsorted(corpus.doc_starts, segments.start + np.maximum(segments.length, 1) - 1, side="right") - 1
+  return np.stack([segments.doc.astype(np.int64), np.maximum(last, segments.doc).astype(np.int64)], axis=1)
+
+
+def _ranges(groups: np.ndarray) -> np.ndarray:
+  """groups as [S, 2] document ranges: [S] (one group per segment) is the range [g, g]."""
+  groups = np.asarray(groups, np.int64)
+  return np.stack([groups, groups], axis=1) if groups.ndim == 1 else groups
+
+
+def _share(ranges_a: np.ndarray, ranges_b: np.ndarray) -> np.ndarray:
+  """Whether document ranges overlap (broadcast over the leading dimensions): the segments share a document."""
+  return (ranges_a[..., 0] <= ranges_b[..., 1]) & (ranges_b[..., 0] <= ranges_a[..., 1])
+
+
 def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_batch: int = QUERY_BATCH,
                n_threads: int = 0, progress: bool = False, timing: dict | None = None,
                groups: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -97,8 +117,9 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
   A Lucene BM25 term score is positive (idf = log(1 + (N - df + 0.5) / (df + 0.5)) > 0), so a score of 0 means
   no shared token: bm25s still returns such documents to fill its top-k, Lucene does not; they are dropped.
 
-  groups [S] (e.g. the corpus document of each segment): neighbours in the query's own group are excluded
-  too (up to `MAX_GROUP_EXTRA` extra hits are retrieved to make up for them).
+  groups [S] (e.g. the corpus document of each segment) or [S, 2] document ranges (`document_ranges`):
+  neighbours that share a group (a document) with the query are excluded too (up to `MAX_GROUP_EXTRA` extra
+  hits are retrieved to make up for them).
 
   backend: "numba" (fast, but its first call in a process JIT-compiles for 15-30 s) or "numpy".
   n_threads: 0 = every core this process may use. timing: filled with index_s, compile_s, retrieve_s.
@@ -107,7 +128,12 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
   t0 = time.perf_counter()
   s = len(docs)
   k_eff = min(k, s - 1)
-  extra = 1 if groups is None else 1 + min(int(np.bincount(groups).max()), MAX_GROUP_EXTRA)
+  if groups is not None:
+    groups = _ranges(groups)
+    touching = np.zeros(int(groups[:, 1].max()) + 2, np.int64)  # segments touching each document
+    np.add.at(touching, groups[:, 0], 1)
+    np.add.at(touching, groups[:, 1] + 1, -1)
+  extra = 1 if groups is None else 1 + min(int(np.cumsum(touching).max()), MAX_GROUP_EXTRA)
   k_ret = min(k_eff + extra, s)
   ids = np.full((s, k), -1, np.int64)
   scores = np.full((s, k), -np.inf, np.float32)
@@ -131,7 +157,7 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
     # and its group's members; keep the best k of the rest in order.
     excluded = (got == np.arange(a, b)[:, None]) | ~(sc > 0)
     if groups is not None:
-      excluded |= groups[got] == groups[a:b, None]
+      excluded |= _share(groups[got], groups[a:b, None])
     order = np.argsort(excluded, axis=1, kind="stable")[:, :k_eff]
     gone = np.take_along_axis(excluded, order, axis=1)
     ids[a:b, :k_eff] = np.where(gone, -1, np.take_along_axis(got, order, axis=1))
@@ -148,11 +174,13 @@ def pack(neighbours_Sxk: np.ndarray, seed: int, *, groups: np.ndarray | None = N
   From the current segment, go to its best neighbour not used yet; if there is none, to a random unused
   segment (the next unused entry of a seeded permutation, i.e. uniform over the unused ones).
 
-  With `groups` [S] and `batch_size`, a segment is also skipped while its group (document) already has a
-  segment in the batch being filled (positions cut every `batch_size`), so batch-mates come from other
-  documents wherever the corpus allows it.
+  With `groups` ([S], or [S, 2] document ranges: `document_ranges`) and `batch_size`, a segment is also skipped
+  while one of its documents already has a segment in the batch being filled (positions cut every
+  `batch_size`), so batch-mates come from other documents wherever the corpus allows it.
   """
   s = len(neighbours_Sxk)
+  ranges = None if groups is None else _ranges(groups)
+  docs_of = (lambda y: range(int(ranges[y, 0]), int(ranges[y, 1]) + 1)) if groups is not None else None
   perm = np.random.default_rng([seed, 23]).permutation(s)
   nbrs = np.asarray(neighbours_Sxk)
   used = np.zeros(s, bool)
@@ -162,7 +190,7 @@ def pack(neighbours_Sxk: np.ndarray, seed: int, *, groups: np.ndarray | None = N
   c = None
 
   def free(y):
-    return not used[y] and (groups is None or int(groups[y]) not in in_batch)
+    return not used[y] and (groups is None or not any(d in in_batch for d in docs_of(y)))
 
   for i in range(s):
     if c is None:
@@ -180,7 +208,7 @@ def pack(neighbours_Sxk: np.ndarray, seed: int, *, groups: np.ndarray | None = N
       if batch_size and (i + 1) % batch_size == 0:
         in_batch.clear()  # the next segment opens a new batch: cleared before its neighbour is chosen
       else:
-        in_batch.add(int(groups[c]))
+        in_batch.update(docs_of(c))
     c = next((y for y in nbrs[c].tolist() if y >= 0 and free(y)), None)
   return order
 
@@ -206,12 +234,15 @@ def neighbour_in_batch(batches_NxB: np.ndarray, neighbours_Sxk: np.ndarray) -> f
 
 
 def same_document_pairs(batches_NxB: np.ndarray, doc_S: np.ndarray) -> float:
-  """Fraction of ordered pairs of real rows in a batch that come from the same document."""
+  """Fraction of ordered pairs of real rows in a batch that share a document: `doc_S` [S] (one document per
+  segment) or [S, 2] document ranges (`document_ranges`: a stream segment holding the end of one document and
+  the start of the next shares both)."""
+  ranges = _ranges(doc_S)
   same = pairs = 0
   for row in batches_NxB:
-    d = doc_S[row[row >= 0]]
-    same += int((d[:, None] == d[None, :]).sum()) - len(d)
-    pairs += len(d) * (len(d) - 1)
+    r = ranges[row[row >= 0]]
+    same += int(_share(r[:, None], r[None, :]).sum()) - len(r)
+    pairs += len(r) * (len(r) - 1)
   return same / max(pairs, 1)
 
 
@@ -220,8 +251,12 @@ def neighbour_settings(config) -> dict:
   (trime.bm25_k, else the paper's 20) and `exclude_same_document` (trime.bm25_exclude_same_document, else
   False). make_plan writes them, make_batches compares them before planning, training refuses a plan of others."""
   t = config.trime
-  return {"k": int(t.get("bm25_k", DEFAULT_K)),
-          "exclude_same_document": bool(t.get("bm25_exclude_same_document", False))}
+  exclude = bool(t.get("bm25_exclude_same_document", False))
+  # With the exclusion, what "the same document" means: every document a segment's targets touch (plans made
+  # before 2026-12-06 keyed a segment on its first target's document only, so a stream segment holding the start
+  # of a document could be batched with that document's segments: refused, to be made again)
+  return {"k": int(t.get("bm25_k", DEFAULT_K)), "exclude_same_document": exclude,
+          **({"exclude_by": "documents_touched"} if exclude else {})}
 
 
 def make_plan(corpus: data.Corpus, config, *, progress: bool = True, k: int | None = None,
@@ -244,10 +279,11 @@ def make_plan(corpus: data.Corpus, config, *, progress: bool = True, k: int | No
   # Default: Algorithm 1 as published. Optionally neighbours come from other documents only, like the test
   # datastore (on short documents most BM25 neighbours are the same article: see the module docstring).
   exclude_same = settings["exclude_same_document"]
+  ranges = document_ranges(corpus, segments)  # every document a segment's targets touch (stream segments cross)
   nbrs, _ = neighbours(docs, k, backend=backend, progress=progress, timing=timing,
-                       groups=segments.doc if exclude_same else None)
+                       groups=ranges if exclude_same else None)
   t0 = time.perf_counter()
-  order = pack(nbrs, seed, groups=segments.doc if exclude_same else None, batch_size=batch_size)
+  order = pack(nbrs, seed, groups=ranges if exclude_same else None, batch_size=batch_size)
   batches = to_batches(order, batch_size)
   timing["pack_s"] = round(time.perf_counter() - t0, 3)
   # Throughput of indexing + retrieval + packing; the one-off numba compile is reported apart.
@@ -266,8 +302,9 @@ def make_plan(corpus: data.Corpus, config, *, progress: bool = True, k: int | No
       "shuffle": True,  # every epoch (the first included) visits the batches in a seeded permutation
       "k": k,
       "exclude_same_document": exclude_same,
-      "same_document_pairs": same_document_pairs(batches, segments.doc),
-      "same_document_pairs_random": same_document_pairs(random_batches, segments.doc),
+      **({"exclude_by": settings["exclude_by"]} if exclude_same else {}),
+      "same_document_pairs": same_document_pairs(batches, ranges),
+      "same_document_pairs_random": same_document_pairs(random_batches, ranges),
       "num_segments": len(segments),
       "padding_rows": int((batches < 0).sum()),
       "last_batch": "padded with -1 rows",
