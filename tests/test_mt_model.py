@@ -272,8 +272,16 @@ def test_token_batches_respect_budget_and_cover_every_pair_once(order):
   e0 = [plan.batch_at(s) for s in range(plan.num_batches)]
   e1 = [plan.batch_at(s) for s in range(plan.num_batches, 2 * plan.num_batches)]
   assert sorted(e0) == sorted(e1) == list(range(plan.num_batches)) and e0 != e1
-  if order == "length":  # few padded tokens: every batch holds one length bucket
+  if order == "length":  # few padded tokens: batches follow the length buckets
     assert plan.header["padded_tokens"] < 2.5 * plan.header["real_tokens"]
+    # within a bucket, fairseq's order: source length first, target length breaking its ties (it was the other
+    # way round)
+    src_len, tgt_len = pairs.lengths()
+    seq = np.asarray(plan.indices)
+    buckets = np.asarray([batching.bucket(int(n)) for n in batching.pair_lengths(src_len, tgt_len)[seq]])
+    for bk in np.unique(buckets):
+      key = np.stack([src_len[seq[buckets == bk]], tgt_len[seq[buckets == bk]]], axis=1)
+      assert all(tuple(a) <= tuple(b) for a, b in zip(key[:-1], key[1:])), bk
 
 
 def test_bm25_batches_gather_neighbours():

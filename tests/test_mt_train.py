@@ -257,3 +257,23 @@ def test_a_refused_fresh_run_leaves_no_plan_in_its_workdir(tmp_path):
   with pytest.raises(ConfigError, match="train.num_devices=999 but only"):
     mt_train.train_and_evaluate(c, str(work), log=lambda s: None)
   assert not (work / "plan.npz").exists()
+
+
+def test_a_resume_over_other_training_pairs_is_refused_and_a_plan_of_other_pairs_is_not_reused(tmp_path):
+  """The MT trainer records its training pairs' fingerprint (<workdir>/data.json, and in the batch plan): pairs
+  rewritten between two invocations are refused on resume, as the LM trainer refuses another training split (it
+  resumed on them, and reused the old plan whenever the number of pairs was the same)."""
+  from trime_jax.mt import data as mt_data
+
+  write_pairs(tmp_path / "d", WDE * 3, WEN * 3)
+  work = str(tmp_path / "run")
+  c = tiny_config(tmp_path / "d")
+  c.train.stop_after = 3
+  mt_train.train_and_evaluate(c, work, log=lambda s: None)
+  plan = batching.Plan.load(os.path.join(work, "plan.npz"))
+  vocab = mt_data.load_vocab(c)
+  assert plan.header["pairs_fingerprint"] == mt_data.load_parallel(c, "train", vocab).fingerprint()
+  write_pairs(tmp_path / "d", WDE[::-1] * 3, WEN[::-1] * 3)  # the same number of pairs, other pairs
+  with pytest.raises(CheckpointError, match=r"was trained on other data \(train_fingerprint: "):
+    mt_train.train_and_evaluate(tiny_config(tmp_path / "d"), work, log=lambda s: None)
+  assert batching.Plan.load(os.path.join(work, "plan.npz")).header == plan.header  # left as it was

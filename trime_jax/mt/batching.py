@@ -132,11 +132,13 @@ def make_plan(pairs: mt_data.ParallelData, *, order: str, max_tokens: int, seed:
   header = {"order": order, "seed": seed, "max_tokens": max_tokens, "max_sentences": max_sentences,
             "num_pairs": len(pairs)}
   if order == "length":
-    # fairseq ordered_indices: random tie-break, then sort by target and source length (stable).
+    # fairseq's LanguagePairDataset.ordered_indices: a random permutation, stably sorted by target length and
+    # then by source length, so the source length is the primary key and the target length breaks its ties.
     perm = rng.permutation(len(pairs))
-    perm = perm[np.argsort(src_len[perm], kind="stable")]
     perm = perm[np.argsort(tgt_len[perm], kind="stable")]
-    # Cut bucket by bucket so a batch never mixes buckets (each batch is full but the last of a bucket).
+    perm = perm[np.argsort(src_len[perm], kind="stable")]
+    # Buckets one after another (`cut` fills each batch to the budget, so a batch at a bucket's end may take
+    # the next bucket's first pairs, padded to its longer length).
     by_bucket = np.asarray([bucket(int(n)) for n in n_tok[perm]])
     perm = perm[np.argsort(by_bucket, kind="stable")]
     seq = perm

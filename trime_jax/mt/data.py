@@ -168,6 +168,16 @@ class ParallelData:
   def __len__(self) -> int:
     return len(self.src)
 
+  def fingerprint(self) -> str:
+    """SHA-256 (16 hex digits) of every pair's token ids, in order: what a batch plan and a resumed training
+    were made of (the same texts under another vocabulary are other ids, so another fingerprint)."""
+    h = hashlib.sha256()
+    for src, tgt in zip(self.src, self.tgt):
+      for ids in (src, tgt):
+        ids = np.asarray(ids, np.int32)
+        h.update(len(ids).to_bytes(4, "little") + ids.tobytes())
+    return h.hexdigest()[:16]
+
   def lengths(self) -> tuple[np.ndarray, np.ndarray]:
     """(source, target) lengths in model tokens: ids + eos."""
     return (np.asarray([len(s) + 1 for s in self.src], np.int64), np.asarray([len(t) + 1 for t in self.tgt], np.int64))

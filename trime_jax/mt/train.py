@@ -199,19 +199,23 @@ def load_plan(workdir: str, pairs, config) -> tuple[batching.Plan, bool]:
   made plan is saved by the caller once the run starts (a refused run leaves the workdir as it was)."""
   t, d = config.trime, config.data
   want = {"order": t.batching, "seed": int(config.train.seed), "max_tokens": int(d.max_tokens),
-          "max_sentences": int(d.max_sentences), "num_pairs": len(pairs)}
+          "max_sentences": int(d.max_sentences), "num_pairs": len(pairs), "pairs_fingerprint": pairs.fingerprint()}
   if t.batching == "bm25":
     want["k"] = int(t.bm25_k)
   path = os.path.join(workdir, "plan.npz")
   if os.path.exists(path):
     plan = batching.Plan.load(path)
-    if all(plan.header.get(k) == v for k, v in want.items()):
+    # A plan written before plans recorded their pairs' fingerprint is kept when the rest matches: a run resumed
+    # across versions goes on with its batches (its data are checked against <workdir>/data.json instead)
+    if all(plan.header.get(k) == v for k, v in want.items()
+           if k != "pairs_fingerprint" or "pairs_fingerprint" in plan.header):
       return plan, False
   t0 = time.perf_counter()
   plan = batching.make_plan(pairs, order=t.batching, max_tokens=int(d.max_tokens), seed=int(config.train.seed),
                             max_sentences=int(d.max_sentences), bm25_k=int(t.bm25_k),
                             bm25_backend=t.get("bm25_backend", "numba"))
   plan.header["plan_s"] = round(time.perf_counter() - t0, 2)
+  plan.header["pairs_fingerprint"] = want["pairs_fingerprint"]  # a plan of other pairs is not reused
   return plan, True
 
 
@@ -234,6 +238,10 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
   train_pairs = mt_data.load_parallel(config, "train", vocab)
   valid_pairs = mt_data.load_parallel(config, "valid", vocab)
   plan, made = load_plan(workdir, train_pairs, config)
+  # What the batches are made of: a resume must read the same training pairs (config.json names only their
+  # path; pairs rewritten between two invocations would silently change the rest of the run), as the LM trainer
+  data_identity = {"train_fingerprint": train_pairs.fingerprint()}
+  ckpt.check_resume_data(workdir, config, data_identity, write=False)
   r = config.train
   mesh = sharding.make_mesh(r.num_devices)
   # The typed specs, made once from the config (`specs`); what lies below takes only these.
@@ -252,6 +260,7 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
         f"(random batches {plan.header['neighbour_in_batch_random']:.1%})")
   def starting():  # the checkpoint restored and nothing refused: the run starts; config.json says what ran
     ckpt.check_resume_config(workdir, config)
+    ckpt.check_resume_data(workdir, config, data_identity)
     if made:
       plan.save(os.path.join(workdir, "plan.npz"))
 
