@@ -212,6 +212,12 @@ def test_fairseq_bpe_reader(tmp_path):
   data = mt_data.load_parallel(cfg, "test", vocab)
   assert vocab.decode(data.tgt[1]) == "save the file ."
   assert vocab.decode(data.src[0]) == "die datei öffnen"
+  # the texts (BLEU's references) lose their BPE continuations as decoded hypotheses do: a translation that
+  # decodes to the reference's ids scores 100 (it scored against "save the fi@@ le .")
+  assert data.tgt_text == ["open the file", "save the file ."] and data.src_text[0] == "die datei öffnen"
+  from trime_jax.mt import bleu
+
+  assert bleu.corpus_bleu([vocab.decode(t) for t in data.tgt], data.tgt_text)["bleu"] == pytest.approx(100.0)
   assert list(vocab.encode("unseen@@ word")) == [1, 1]
   d = tmp_path / "v"
   d.mkdir()

@@ -1,5 +1,6 @@
 """Corpus BLEU with sacrebleu (its default 13a tokenisation, exact-match, no lower-casing) on detokenised text:
-hypotheses are `SubwordVocab.decode`d model outputs, references the raw target lines."""
+hypotheses are `SubwordVocab.decode`d model outputs, references the target lines as `mt.data.load_parallel`
+reads them (raw text; fairseq-format lines without their `@@ ` BPE continuations)."""
 
 from __future__ import annotations
 

@@ -8,8 +8,10 @@ Two input formats give the same `ParallelData`:
   sampling) and caches it under `data.cache_dir` keyed by the text's digest and the options.
 * `data.format="fairseq"`: the output of fairseq's `prepare-iwslt14.sh` (`train/valid/test.{de,en}`, Moses-
   tokenised and BPE'd with `@@ ` continuations). The vocabulary is the BPE tokens themselves (joint, built
-  from train, most frequent first); detokenisation removes `@@ ` (the Moses detokeniser is not applied: BLEU on
-  this format compares tokenised text, as fairseq's --remove-bpe without --tokenizer moses does).
+  from train, most frequent first); detokenisation removes `@@ `, from the hypotheses and from the pairs'
+  texts (`ParallelData.src_text` / `tgt_text`, the BLEU references) alike (the Moses detokeniser is not applied:
+  BLEU on this format compares tokenised text, as fairseq's --remove-bpe without --tokenizer moses does, so it
+  is not the number of the original's README, which adds --tokenizer moses).
 
 Ids: pad 0, unk 1, bos 2, eos 3 in both. fairseq's conventions for a pair (x, y):
     source  = x + [eos]            (`source_tokens`)
@@ -94,8 +96,7 @@ class SubwordVocab:
         out.append(int(i))
     if self.kind == "spm":
       return self.sp.decode(out)
-    text = " ".join(self.tokens[i] for i in out)
-    return (text + " ").replace("@@ ", "").rstrip()
+    return remove_bpe(" ".join(self.tokens[i] for i in out))
 
   def piece(self, i: int) -> str:
     return self.sp.id_to_piece(int(i)) if self.kind == "spm" else self.tokens[int(i)]
@@ -253,6 +254,11 @@ def load_vocab(config) -> SubwordVocab:
   return vocab
 
 
+def remove_bpe(text: str) -> str:
+  """`text` without subword-nmt's `@@ ` continuations (fairseq's --remove-bpe)."""
+  return (text + " ").replace("@@ ", "").rstrip()
+
+
 def load_parallel(config, split: str, vocab: SubwordVocab | None = None) -> ParallelData:
   """Sentence pairs of `split` (train | valid | test), encoded with the joint vocabulary.
 
@@ -281,7 +287,10 @@ def load_parallel(config, split: str, vocab: SubwordVocab | None = None) -> Para
     logging.getLogger(__name__).warning(
         f"{split}: {cut:,} of {len(src):,} pairs are longer than data.max_len={max_len} model tokens and were cut "
         f"to {max_len - 1} tokens (the model's positions); BLEU still compares with the whole references")
-  return ParallelData(src, tgt, [src_text[i] for i in keep], [tgt_text[i] for i in keep], vocab, split)
+  # BPE'd lines (fairseq format) are the texts without their `@@ ` continuations, as hypotheses are decoded: the
+  # BLEU references (they kept them, so a perfect translation scored far below 100)
+  text = (lambda t: t) if vocab.kind == "spm" else remove_bpe
+  return ParallelData(src, tgt, [text(src_text[i]) for i in keep], [text(tgt_text[i]) for i in keep], vocab, split)
 
 
 def source_tokens(ids) -> np.ndarray:
