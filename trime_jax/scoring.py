@@ -516,7 +516,12 @@ def log_p_mem(blocks, scale, targets):
 
 
 def mix(log_p_model, log_p_memory, has_mem, lam):
-  """log((1-λ)·p_model + λ·p_mem) where a query has memory, else log p_model (any shapes that broadcast)."""
+  """log((1-λ)·p_model + λ·p_mem) where a query has memory, else log p_model (any shapes that broadcast); λ a
+  number in [0, 1] (0: the model alone, 1: the memory alone where there is memory)."""
+  if lam == 0:
+    return log_p_model
+  if lam == 1:
+    return jnp.where(has_mem, log_p_memory, log_p_model)
   mixed = jnp.logaddexp(math.log1p(-lam) + log_p_model, math.log(lam) + log_p_memory)
   return jnp.where(has_mem, mixed, log_p_model)
 
