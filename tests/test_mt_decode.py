@@ -396,6 +396,10 @@ def test_cli_build_datastore_and_translate_tune(tiny):
   tuned = json.loads((out / "tuned.json").read_text())
   assert set(tuned["chosen"]) == {"model", "knn_mt", "trime", "trime_interp"}
   assert {r["k"] for r in tuned["nll_grid"] if r["mode"] == "knn_mt"} == set(decode.KS)
+  # kNN-MT settings decode from the inner-product candidates they were tuned with (16 · max K), not 16 · K:
+  # their neighbours, so their valid nll, are the tuned ones (at K = 4 decoding re-ranked 64 candidates, the
+  # tuner 1,024)
+  assert {r["setting"]["candidates"] for r in tuned["nll_grid"] if r["mode"] == "knn_mt"} == {16 * max(decode.KS)}
   res = json.loads((out / "valid.tune.knn_mt.1.json").read_text())
   assert res["sentences"] == 4 and res["setting"] == tuned["chosen"]["knn_mt"]["setting"]
   assert 0 <= res["bleu"] <= 100 + 1e-9

@@ -26,6 +26,7 @@ class TunePass:
   ip: Neighbours  # top-max(K) by inner product (no keys)
   l2: Neighbours  # top-max(K) by L2 (no keys)
   dimension: int
+  candidates: int = 0  # the inner-product candidates l2 was re-ranked from (each K's top K by L2 among them)
 
 
 def tune_pass(graphdef, params, pairs, ds, index, *, k_max: int = 64, batch_tokens: int = 4096,
@@ -52,14 +53,15 @@ def tune_pass(graphdef, params, pairs, ds, index, *, k_max: int = 64, batch_toke
   nb = lambda xs: Neighbours(cat(xs, "ids"), cat(xs, "targets"), cat(xs, "score"))
   return TunePass(scoring.VocabStats(jnp.asarray(np.concatenate([s[0] for s in stats])),
                                   jnp.asarray(np.concatenate([s[1] for s in stats]))),
-                  np.concatenate(targets), nb(ip), nb(l2), ds.dimension)
+                  np.concatenate(targets), nb(ip), nb(l2), ds.dimension, candidates or 16 * k_max)
 
 
-def _setting(point: evaluate.Point, k: int) -> Distribution:
+def _setting(point: evaluate.Point, k: int, candidates: int = 0) -> Distribution:
   if point.family == "none":
     return Distribution("model")
-  if point.family == "knnlm":
-    return Distribution("knn_mt", k=k, knn_mt_temperature=1.0 / point.knn_theta, knn_lambda=point.knn_lambda)
+  if point.family == "knnlm":  # decoded from the candidates it was tuned with (else 16·k: other neighbours)
+    return Distribution("knn_mt", k=k, knn_mt_temperature=1.0 / point.knn_theta, knn_lambda=point.knn_lambda,
+                        candidates=candidates)
   if point.family == "trime":
     return Distribution("trime", k=k, tau=point.tau)
   return Distribution("trime", k=k, tau=point.tau, knn_lambda=point.knn_lambda, tau_prime=point.tau_prime)
@@ -91,7 +93,7 @@ def tune(tp: TunePass, *, modes=("knn_mt", "trime"), ks=KS, train_tau: float = 1
     if "knn_mt" in modes:
       pts = [evaluate.Point("knnlm", knn_lambda=lam, knn_theta=1.0 / t)
              for t in KNN_T_GRID for lam in evaluate.LAMBDA_GRID]
-      rows += [{"mode": "knn_mt", "k": k, "setting": _setting(p, k), "nll": float(v)}
+      rows += [{"mode": "knn_mt", "k": k, "setting": _setting(p, k, tp.candidates), "nll": float(v)}
                for p, v in zip(pts, _nlls(tp, pts, k, "l2"))]
     if "trime" in modes:
       taus = sorted(set(evaluate.TAU_GRID) | {t * train_tau for t in evaluate.TAU_GRID})
