@@ -36,7 +36,7 @@ def np_sru(u, x, wc, b, c0, mask=None):
     f = sig(u[:, t, :, 1] + wc[0] * c + b[0])
     r = sig(u[:, t, :, 2] + wc[1] * c + b[1])
     c = f * c + (1 - f) * u[:, t, :, 0]
-    hs.append(r * (m * c) + (1 - r) * x[:, t])
+    hs.append(x[:, t] + (c - x[:, t]) * m * r)  # h_t = x + (g(c) - x)·mask·r (sru/ops.py, the CUDA kernel)
   return np.stack(hs, 1), c
 
 
@@ -56,6 +56,10 @@ def test_scan_recurrence_equals_step_by_step_numpy_values_and_gradients():
     want_h, want_c = np_sru(*args, mask)
     np.testing.assert_allclose(np.asarray(h), want_h, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(np.asarray(c), want_c, rtol=1e-12, atol=1e-12)
+    # a dropped unit passes its input through (the reference's highway with the mask on c - x; the mask on c
+    # alone gave (1 - r)·x)
+    dropped = np.broadcast_to((mask == 0)[:, None, :], h.shape)
+    np.testing.assert_array_equal(np.asarray(h)[dropped], args[1][dropped])
 
     def objective(*a):
       h, c = sru_recurrence(*a, jnp.asarray(mask))

@@ -13,7 +13,9 @@ One layer (input x [B, L, d], hidden size d, attention size d' < d):
         f_t = σ(u_f,t + v_f ⊙ c_{t-1} + b_f)
         r_t = σ(u_r,t + v_r ⊙ c_{t-1} + b_r)
         c_t = f_t ⊙ c_{t-1} + (1 - f_t) ⊙ x̃_t
-        h_t = r_t ⊙ (m ⊙ c_t) + (1 - r_t) ⊙ x_t       (highway; m = variational dropout mask, all but the last layer)
+        h_t = x_t + m ⊙ r_t ⊙ (c_t - x_t)               (highway; m = variational dropout mask, all but the last
+                                                         layer: a dropped unit passes x_t through, as the
+                                                         reference's kernel and elementwise_recurrence_naive)
 
 The gates read c_{t-1} through vectors (v_f, v_r), so the scan carries only c [B, d]; the recurrence is not
 linear in c (c_{t-1} sits inside σ), so there is no exact associative scan: `jax.lax.scan` over time.
@@ -114,7 +116,7 @@ def sru_recurrence(u_BxLxDx3, x_BxLxD, weight_c_2xD, bias_2xD, c0_BxD, mask_BxD=
     f = jax.nn.sigmoid(u_t[..., 1] + vf * c_prev + bf)
     r = jax.nn.sigmoid(u_t[..., 2] + vr * c_prev + br)
     c = u_t[..., 0] + (c_prev - u_t[..., 0]) * f
-    h = (c * m - x_t) * r + x_t
+    h = (c - x_t) * (m * r) + x_t  # the reference's (cur - x) * mask * g2 + x
     return c, h
 
   c_last, h = jax.lax.scan(step, c0_BxD.astype(f32), (u, x))
