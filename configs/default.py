@@ -74,6 +74,8 @@ def get_config():
   m.srupp_highway_bias = -2.0  # initial reset-gate bias b_r
   m.srupp_layer_norm = False  # pre-LN of each layer's input (reference SRUpp default: off)
   m.srupp_normalize_memory = False  # with srupp_layer_norm: LN on the previous segment's inputs too (ours; reference: off)
+  m.srupp_eval_same_length = True  # evaluation: a query sees itself and the previous segment's length before it (the
+  #   reference's eval_model, same_length=True); False: the whole memory, as in training
 
   c.trime = t = ml_collections.ConfigDict()
   t.memory = "local"  # training memory: none (vanilla LM) | local | long | ext

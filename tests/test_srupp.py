@@ -90,11 +90,38 @@ def _model(**kw):
   return model
 
 
+def test_evaluation_attends_to_the_references_same_length_window():
+  """Evaluation (deterministic) masks attention as the reference's eval_model (`set_mask(mem_length,
+  same_length=True)`: -10000 on triu(1) + tril(-1 - mem_length) of a [2M, 2M] matrix, rows mem_len.., columns
+  ..mem_len + input_len): a query sees itself and the M positions before it; training sees the whole memory.
+  With eval_same_length=False, evaluation attends as training does (exports of before 2026-12-06)."""
+  from trime_jax.srupp import attention_mask
+
+  for mem, length in [(6, 6), (6, 4), (0, 6)]:  # a full segment, the short last one, the first (no memory)
+    unroll = 6
+    ones = np.ones((2 * unroll, 2 * unroll))
+    blocked = np.triu(ones, 1) + np.tril(ones, -1 - unroll)
+    want = blocked[mem:mem + length, :mem + length] == 0
+    np.testing.assert_array_equal(np.asarray(attention_mask(length, mem, same_length=True)), want)
+    np.testing.assert_array_equal(np.asarray(attention_mask(length, mem)), np.triu(ones, 1)[mem:mem + length,
+                                                                                           :mem + length] == 0)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 13, (3, 12)))
+  same, whole = _model(), _model(eval_same_length=False)
+  _, _, c = same.features_carry(tokens[:, :6], same.init_carry(3, 6))
+  _, g_same, _ = same.features_carry(tokens[:, 6:], c)
+  _, _, c = whole.features_carry(tokens[:, :6], whole.init_carry(3, 6))
+  _, g_whole, _ = whole.features_carry(tokens[:, 6:], c)
+  assert np.abs(np.asarray(g_same - g_whole)).max() > 1e-3  # the window matters
+  np.testing.assert_allclose(np.asarray(g_same[:, 0]), np.asarray(g_whole[:, 0]), rtol=1e-6, atol=1e-6)  # the
+  # first query sees the whole memory either way
+
+
 @pytest.mark.parametrize("layer_norm", [False, True])
 def test_carrying_state_across_two_segments_equals_one_pass(layer_norm):
   # With the per-layer LN the equality needs the memory normalised like the current input (normalize_memory);
-  # the reference's un-normalised memory makes the second segment differ from one pass (checked below).
-  model = _model(layer_norm=layer_norm, normalize_memory=layer_norm)
+  # the reference's un-normalised memory makes the second segment differ from one pass (checked below). One pass
+  # attends as training does: the whole memory (eval_same_length=False).
+  model = _model(layer_norm=layer_norm, normalize_memory=layer_norm, eval_same_length=False)
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 13, (3, 12)))
   f, g = model.features(tokens)
   c = model.init_carry(3, 6)
@@ -332,7 +359,8 @@ def test_reference_layer_norm_attends_to_unnormalised_memory():
   """layer_norm without normalize_memory (the reference SRUpp): the first segment is as one pass, the second
   attends to the previous inputs before the LN, so it differs from one pass (and from normalize_memory=True)."""
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 13, (3, 12)))
-  ref, ours = _model(layer_norm=True), _model(layer_norm=True, normalize_memory=True)
+  ref = _model(layer_norm=True, eval_same_length=False)  # one pass attends as training: the whole memory
+  ours = _model(layer_norm=True, normalize_memory=True, eval_same_length=False)
   f, _ = ref.features(tokens)
   f1, _, c = ref.features_carry(tokens[:, :6], ref.init_carry(3, 6))
   f2, _, _ = ref.features_carry(tokens[:, 6:], c)

@@ -210,14 +210,18 @@ LATER_FIELDS = {"adaptive_tail_ignores_pad": False}
 # options): never part of the digest, changeable when a run resumes, and an export loads with them at these
 # defaults (a model trained with cuDNN attention or remat evaluates anywhere, e.g. on a CPU).
 EXECUTION_FIELDS = {"attention_impl": "xla", "dropout_mask": "nnx", "remat": "none", "adaptive_tail_rows": 1.0}
+# ModelConfig fields that say how a trained model is evaluated (a protocol, as the dropouts say how it trains),
+# not what it is: never part of the digest, so an export's config.json may change them (SRU++'s attention span
+# at evaluation: the reference's same_length mask or the whole memory).
+PROTOCOL_FIELDS = ("eval_same_length",)
 
 
 def arch_digest(mcfg) -> str:
   """SHA-256 (16 hex digits) of the architecture: every ModelConfig field but the dropouts (which do not change
-  what a trained model computes at evaluation) and the EXECUTION_FIELDS. Shape-compatible edits (num_heads
+  what a trained model computes at evaluation), the EXECUTION_FIELDS and the PROTOCOL_FIELDS. Shape-compatible edits (num_heads
   4 -> 8) change it."""
   fields = {k: v for k, v in dataclasses.asdict(mcfg).items() if "dropout" not in k and k not in EXECUTION_FIELDS
-            and not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
+            and k not in PROTOCOL_FIELDS and not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
   return hashlib.sha256(json.dumps(fields, sort_keys=True, default=list).encode()).hexdigest()[:16]
 
 

@@ -56,6 +56,8 @@ def _srupp_config(m: dict, vocab_size):
             num_heads=m.get("srupp_num_heads", 1), attention_every=m.get("srupp_attention_every", 1),
             highway_bias=m.get("srupp_highway_bias", -2.0), layer_norm=m.get("srupp_layer_norm", False),
             normalize_memory=m.get("srupp_normalize_memory", False),
+            # absent from configs of before 2026-12-06: their exports were evaluated with the whole memory
+            eval_same_length=m.get("srupp_eval_same_length", False),
             dropout=m.get("dropout", 0.1), attention_dropout=m.get("attention_dropout", 0.0),
             dtype=m.get("dtype", "float32"), key_type=m.get("key_type", "final"))
   if m.get("max_len"):

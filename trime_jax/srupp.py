@@ -71,6 +71,11 @@ class SRUppConfig:
   normalize_memory: bool = False  # with layer_norm: the previous segment's inputs go through the LN too (ours;
   # the reference attends to them un-normalised)
   attn_layer_norm: bool = True  # post-LN inside attention / projection (reference default: on)
+  # Evaluation (deterministic calls): each query sees itself and the M positions before it (M = the memory's
+  # length, the previous segment), as the reference's eval_model (`set_mask(unroll, same_length=True)`);
+  # False: the whole memory and the segment's earlier positions, as in training. Exports of before 2026-12-06
+  # (no such field) read as False, how they were evaluated.
+  eval_same_length: bool = True
   dropout: float = 0.1
   attention_dropout: float = 0.0
   max_len: int = 1 << 20  # no positional limit; the evaluator checks block_len against it
@@ -135,6 +140,7 @@ class Transform(nnx.Module):
     d, p = cfg.d_model, cfg.attn_dim
     dtype = jnp.dtype(cfg.dtype)
     self.num_heads = cfg.num_heads
+    self.eval_same_length = cfg.eval_same_length
     self.linear1 = nnx.Linear(d, p, use_bias=False, kernel_init=layers.xavier(), dtype=dtype, rngs=rngs)
     self.linear2 = nnx.Linear(p, 2 * p, use_bias=False, kernel_init=layers.xavier(), dtype=dtype, rngs=rngs) \
         if attention else None
@@ -157,11 +163,10 @@ class Transform(nnx.Module):
       q = z.reshape(b, l, h, p // h)
       k = k.reshape(b, mlen + l, h, p // h)
       v = v.reshape(b, mlen + l, h, p // h)
-      j = jnp.arange(mlen + l)[None, :]
-      see = j <= jnp.arange(l)[:, None] + mlen  # causal in the segment, the whole memory
+      see = attention_mask(l, mlen, same_length=deterministic and self.eval_same_length)
       see = jnp.broadcast_to(see, (b, l, mlen + l))
       if mlen:  # a reset row has no memory
-        see = see & ((j >= mlen)[None] | valid_B[:, None, None])
+        see = see & ((jnp.arange(mlen + l) >= mlen)[None, None] | valid_B[:, None, None])
       # every query sees at least itself, so the mask never empties a row
       a = layers.attention(q, k, v, self.attn_dropout, mask_BxTxS=see, deterministic=deterministic,
                            rngs=rngs).reshape(b, l, p)
@@ -169,6 +174,15 @@ class Transform(nnx.Module):
     if self.norm is not None:
       z = self.norm(z).astype(x_BxLxD.dtype)
     return self.linear3(self.dropout(z, deterministic=deterministic, rngs=rngs))
+
+
+def attention_mask(length: int, mem_len: int, *, same_length: bool = False) -> jax.Array:
+  """[length, mem_len + length] bool: what each query of a segment sees of [memory; segment]. Training: causal in
+  the segment and the whole memory. same_length (the reference's evaluation, `set_mask(unroll, same_length=True)`
+  with unroll = mem_len, the previous segment's length): itself and the mem_len positions before it only."""
+  i, j = jnp.arange(length)[:, None], jnp.arange(mem_len + length)[None, :]
+  see = j <= i + mem_len
+  return see & (j >= i) if same_length and mem_len else see
 
 
 class SRUppLayer(nnx.Module):
