@@ -331,22 +331,20 @@ def test_backbone_switch_trains_and_evaluates_srupp_long(tmp_path):
                               block_len=32, context_window=0, streams=1, per_token=True,
                               plan=dataclasses.replace(text_plan, fresh=None)).token_nll[0]
   assert (text_plan.schedule[:, 0] == np.arange(len(text_plan.wins))).all()
-  # Complete mode: blocks of whole lines, shorter than block_len. The carry leaves a row at its last position,
-  # padding included, so a text of several blocks keeps rows of block_len (`evaluate.row_length`), as alone.
+  # Complete mode pads each block of whole lines: the carried state would run through the padding (it did), so a
+  # stateful model refuses it; a one-line text is one block from its first token (mode none) and still scores
   api_model.config.eval.sample_break_mode = "complete"
-  api_model.config.eval.block_len = 48  # lines of 20-27 bytes: blocks of one line, in rows of 32 if trimmed
-  lined = ["a line of twenty-six bytes\nanother line, twenty-five\nthe third, twenty bytes\n", "one line only\n",
-           "x = 1 + 2 + 3 + 4 + 5 + 6\n" * 3]
-  point = evaluate.Point("trime_local", tau=api_model.default_tau)
-  blocks = []
-  for text, got in zip(lined, api_model.score(lined, memory="local")):
-    ids = np.asarray(api_model.tokenize(text), np.int32)
-    corpus1 = D.Corpus.from_docs([ids], api_model.vocab)
-    alone = evaluate.evaluate(graphdef, params, corpus1, [point], block_len=48, context_window=0, streams=1,
-                              per_token=True, break_mode="complete").token_nll[0]
-    blocks.append([w.end - w.start for w in D.eval_windows(corpus1, len(ids), 48, 0, "complete")])
-    np.testing.assert_allclose(got.log_probs, -alone, rtol=1e-6, atol=1e-6)
-  assert max(blocks[0] + blocks[2]) <= 32 and min(map(len, blocks[::2])) > 1  # carries leave short blocks
+  api_model.config.eval.block_len = 48
+  lined = "a line of twenty-six bytes\nanother line, twenty-five\nthe third, twenty bytes\n"
+  with pytest.raises(ConfigError, match="stateful model .*complete mode pads each block.*sample_break_mode=none"):
+    api_model.score(lined, memory="local")
+  ids = np.asarray(api_model.tokenize(lined), np.int32)
+  with pytest.raises(ConfigError, match="sample_break_mode=none"):
+    evaluate.evaluate(graphdef, params, D.Corpus.from_docs([ids], api_model.vocab),
+                      [evaluate.Point("trime_local", tau=api_model.default_tau)], block_len=48, context_window=0,
+                      streams=1, break_mode="complete")
+  one = api_model.score("one line only", memory="local")
+  assert np.isfinite(one.log_probs).all()
   assert not np.allclose(-carried[len(ids_of[0]):], np.concatenate([s.log_probs for s in together[1:]]), atol=1e-4)
   with pytest.raises(ConfigError, match="context_window"):
     train.validate_config(tiny_config(corpus_path, **{"model.backbone": "srupp", "model.key_type": "final"}))

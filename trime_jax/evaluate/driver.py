@@ -24,8 +24,8 @@ from trime_jax import knn
 from trime_jax import long_memory
 from trime_jax import steps
 from trime_jax.errors import CheckpointError, ConfigError
-from trime_jax.evaluate.memory import (QueryStats, StoreSpec, StreamPlan, external_block, local_block,
-                                       long_term_block, stream_plan)
+from trime_jax.evaluate.memory import (QueryStats, StoreSpec, StreamPlan, check_break_mode_of_stateful,
+                                       external_block, local_block, long_term_block, stream_plan)
 from trime_jax.evaluate.points import Point, exact_scales, point_nlls
 
 SEARCH_QUERIES = 4096  # evaluate's search_queries (config eval.search_queries; exports before 2026-12-04 lack it)
@@ -249,6 +249,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   if stateful and context_window:
     raise ConfigError(f"a stateful model ({model_cfg.backbone}) carries its state from window to window: "
                       f"eval.context_window must be 0, got {context_window}")
+  check_break_mode_of_stateful(stateful, break_mode)
   if block_len > model_cfg.max_len:
     raise CheckpointError(f"eval.block_len={block_len} exceeds the model's max_len={model_cfg.max_len}")
   if external is not None and external.dimension != model_cfg.d_model:

@@ -241,11 +241,19 @@ def text_windows(ids, vocab: data.Vocab, block_len: int, context_window: int, br
                            break_mode, overlong)
 
 
+def check_break_mode_of_stateful(stateful: bool, break_mode: str) -> None:
+  """A stateful model (SRU++) carries its state from block to block, and complete mode pads each block of whole
+  lines: its recurrence and attention memory would run through the padding. Refused (ConfigError)."""
+  if stateful and break_mode == "complete":
+    raise ConfigError("a stateful model (SRU++) carries its state from block to block, and complete mode pads each "
+                      "block of whole lines: the state would run through the padding. Use "
+                      "eval.sample_break_mode=none")
+
+
 def row_length(wins, block_len: int, stateful: bool = False) -> int:
   """The model input length `texts_plan` gives one text's windows `wins`: the longest, rounded up (`_bucket`),
   at most block_len. Texts grouped by it run without rows longer than they need. A stateful model carries its
-  state out of the row's last position, padding included (complete mode's blocks are shorter than block_len),
-  so a text of several windows keeps rows of block_len there, as alone."""
+  state out of the row's last position, so a text of several windows keeps rows of block_len, as alone."""
   if stateful and len(wins) > 1:
     return block_len
   return min(block_len, _bucket(max(w.end - w.start for w in wins)))
@@ -270,6 +278,7 @@ def texts_plan(texts, vocab: data.Vocab, *, block_len: int, context_window: int,
   (`StoreSpec.reset_at_documents`: each text is a document of `corpus`), not the texts run before it."""
   if rows < 1:
     raise ConfigError(f"rows must be >= 1, got {rows}")
+  check_break_mode_of_stateful(stateful, break_mode)
   texts = [np.asarray(t, np.int32) for t in texts]
   if not texts or any(not len(t) for t in texts):
     raise ConfigError("texts_plan needs texts with tokens")
