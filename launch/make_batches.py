@@ -14,6 +14,7 @@ without --overwrite.
 """
 
 import contextlib
+import os
 
 from absl import flags
 from ml_collections import config_flags
@@ -40,6 +41,11 @@ def main(argv):
   with contextlib.ExitStack() as held:
     try:  # a second make_batches onto this --out is refused while this one runs
       held.enter_context(batch_plan.lock(_OUT.value))
+      # a plan whose replacement was killed between its renames is put back before --out is looked at, so it
+      # is compared as any plan there is (else a plan of other settings would replace it unasked)
+      from trime_jax import data
+
+      data.recover_replaced(os.path.abspath(_OUT.value).rstrip(os.sep))
     except UnwritableError:  # a read-only place: a rerun of the plan there only reads it (a write says why not)
       pass
     _make(config, _OUT.value)
@@ -75,6 +81,8 @@ def _make(config, out_dir: str) -> None:
                   layout=config.trime.get("consecutive_layout", "stream"))
     else:
       want.update(planner.neighbour_settings(config))  # k, exclude_same_document
+      if want["exclude_same_document"]:
+        want["exclude_by"] = planner.EXCLUDE_BY  # a plan of the earlier rule is another plan
     differ = [f"{k} {h.get(k)!r} != {v!r}" for k, v in want.items() if h.get(k) != v]
     if differ:
       raise ConfigError(f"--out={out_dir} already holds another {_KIND.value} plan of this corpus ("

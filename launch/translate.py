@@ -169,8 +169,8 @@ SAME_RUN_FIELDS = ("params_digest", "datastore_fingerprint", "index", "data_dige
                    "max_len_a", "max_len_b", "max_sentences")
 
 
-# SAME_RUN_FIELDS that earlier versions of translate did not record: a result without one is compared on the
-# fields it has (the rerun records them all), not refused for a difference nobody measured
+# SAME_RUN_FIELDS that earlier versions of translate did not record: a result without one is refused as such
+# (it may be another translation; nobody can tell), not for a difference nobody measured
 FIELDS_SINCE_2026_12 = ("index", "data_digest")
 
 
@@ -206,8 +206,8 @@ def _data_digest(pairs) -> str:
 
 def _check_replaces_only_the_same_run(out: str, name: str, record: dict) -> None:
   """<out>/<name>.json of another run (a SAME_RUN_FIELDS field it records differs; not a translate result) is
-  refused without --overwrite: a translation with other settings does not silently replace an earlier result. Of
-  FIELDS_SINCE_2026_12, only those the earlier result records are compared."""
+  refused without --overwrite: a translation with other settings does not silently replace an earlier result. One
+  that lacks a field of FIELDS_SINCE_2026_12 (an earlier version's) is refused as such: it may be another."""
   from trime_jax.errors import ConfigError
 
   path = os.path.join(out, f"{name}.json")
@@ -221,11 +221,12 @@ def _check_replaces_only_the_same_run(out: str, name: str, record: dict) -> None
   if isinstance(earlier, dict):
     unrecorded = [k for k in FIELDS_SINCE_2026_12 if k not in earlier]
     differ = [k for k in SAME_RUN_FIELDS if k not in unrecorded and _compared(k, earlier.get(k)) != record.get(k)]
-    if not differ:
-      if unrecorded:
-        print(f"translate: {path} was written by an earlier version, which did not record {', '.join(unrecorded)}; "
-              "it is the same run by every field it records, and is replaced", flush=True)
+    if not differ and not unrecorded:
       return
+    if not differ:
+      raise ConfigError(f"--out={out} already holds {name}.json written by an earlier version, which did not record "
+                        f"{', '.join(unrecorded)}: it may be another translation (another index or data). Choose "
+                        "another --out, or give --overwrite to replace it")
   else:
     differ = ["not a result of trime_jax.launch.translate"]
   raise ConfigError(f"--out={out} already holds {name}.json of another translation ({', '.join(differ)} differ): "
@@ -333,6 +334,10 @@ def main(argv):
   if _SETTINGS.value:
     _check_settings_are_this_models(_SETTINGS.value, params_digest, ds)
     dist = decode.Distribution.from_tuned(_SETTINGS.value, _MODE.value)
+    if dist.mode == "knn_mt" and not dist.candidates:  # tuned before 2026-12-06: not what was tuned
+      print(f"warning: {_SETTINGS.value} was tuned before settings recorded their L2 candidates: kNN-MT re-ranks "
+            f"16 · K = {16 * dist.k} inner-product candidates here, while the tuning re-ranked 16 · 64; tune again "
+            "to decode with the neighbours the tuning measured", flush=True)
   split = mt_data.split_name(_SPLIT.value)  # --split=dev is valid, as build_datastore reads it
   name = f"{split}.{_MODE.value}"
   pairs = _data(_CONFIG.value, checkpoint, split, vocab, _MAX_SENTENCES.value, ds)

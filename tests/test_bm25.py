@@ -422,6 +422,13 @@ def test_training_refuses_a_plan_of_other_neighbours(corpus, tmp_path, caplog):
                         ex_batches)
   excluding = _config()
   excluding.trime.batching, excluding.trime.batch_plan, excluding.trime.bm25_exclude_same_document = "bm25", old, True
-  with pytest.raises(DataError, match="exclude_by None != 'documents_touched'.*make it again with make_batches"):
+  caplog.clear()
+  with caplog.at_level("WARNING"):  # a run that trained on it resumes on its batches; a new one is told
     BatchSource(corpus, excluding)
+  assert "by each segment's first document only" in caplog.text and "make_batches --overwrite" in caplog.text
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    excluding.trime.batch_plan = batch_plan.save(str(tmp_path / "new_plan"), ex_header, ex_batches)
+    BatchSource(corpus, excluding)
+  assert "first document only" not in caplog.text
 

@@ -382,6 +382,12 @@ def test_make_batches_keeps_the_same_plan_and_refuses_another_without_overwrite(
   assert batch_plan.load(str(plan_dir)).digest() == digest  # untouched
   other_k = _cli(*args, "--config.trime.bm25_k=3")  # BM25's own settings are compared before planning too
   assert other_k.returncode == 2 and "k 20 != 3" in other_k.stderr and "bm25:" not in other_k.stdout
+  # a replacement killed between its renames left the plan at <plan>.old: put back first, so another plan is
+  # still refused (it replaced it unasked: nothing was at --out to compare)
+  os.replace(plan_dir, str(plan_dir) + ".old")
+  other = _cli(*args, "--config.train.batch_size=8")
+  assert other.returncode == 2 and "batch_size 4 != 8" in other.stderr, other.stderr
+  assert batch_plan.load(str(plan_dir)).digest() == digest and not os.path.exists(str(plan_dir) + ".old")
   replaced = _cli(*args, "--config.train.batch_size=8", "--overwrite")
   assert replaced.returncode == 0, replaced.stderr
   assert batch_plan.load(str(plan_dir)).batch_size == 8

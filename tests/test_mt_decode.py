@@ -477,16 +477,19 @@ def test_cli_build_datastore_and_translate_tune(tiny):
   proc = subprocess.run(knn, capture_output=True, text=True, cwd=repo, env=env, timeout=300)
   assert proc.returncode == 2 and "(index differ)" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
   assert json.loads((root / "o8" / "test.knn_mt.json").read_text()) == moved  # untouched
-  # a result written before translate recorded the index and the data is compared on what it records: the same
-  # command replaces it (saying so), another setting is still refused
+  # a result written before translate recorded the index and the data: refused as such (it may be another
+  # translation), not as one whose index and data "differ"; another setting is still named; --overwrite replaces it
   older = {k: v for k, v in searched.items() if k not in ("index", "data_digest")}
   (root / "o8" / "test.knn_mt.json").write_text(json.dumps(older))
   proc = subprocess.run(knn, capture_output=True, text=True, cwd=repo, env=env, timeout=300)
-  assert proc.returncode == 0 and "did not record index, data_digest" in proc.stdout, proc.stdout + proc.stderr[-2000:]
-  assert json.loads((root / "o8" / "test.knn_mt.json").read_text())["data_digest"] == first["data_digest"]
-  (root / "o8" / "test.knn_mt.json").write_text(json.dumps(older))
+  last = proc.stderr.strip().splitlines()[-1]
+  assert proc.returncode == 2 and "earlier version, which did not record index, data_digest" in last, proc.stderr
+  assert json.loads((root / "o8" / "test.knn_mt.json").read_text()) == older  # untouched
   proc = subprocess.run(knn + ["--lenpen=0.5"], capture_output=True, text=True, cwd=repo, env=env, timeout=300)
   assert proc.returncode == 2 and "(lenpen differ)" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+  proc = subprocess.run(knn + ["--overwrite"], capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert json.loads((root / "o8" / "test.knn_mt.json").read_text())["data_digest"] == first["data_digest"]
   # --split=dev is valid (the language models' name for it, as build_datastore reads it for MT)
   proc = subprocess.run(base + ["--max_sentences=2", "--split=dev", f"--out={root / 'o7'}"], capture_output=True,
                         text=True, cwd=repo, env=env, timeout=300)

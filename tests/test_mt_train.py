@@ -259,7 +259,7 @@ def test_a_refused_fresh_run_leaves_no_plan_in_its_workdir(tmp_path):
   assert not (work / "plan.npz").exists()
 
 
-def test_a_resume_over_other_training_pairs_is_refused_and_a_plan_of_other_pairs_is_not_reused(tmp_path):
+def test_a_resume_over_other_training_pairs_is_refused_and_a_plan_of_other_pairs_is_not_reused(tmp_path, monkeypatch):
   """The MT trainer records its training pairs' fingerprint (<workdir>/data.json, and in the batch plan): pairs
   rewritten between two invocations are refused on resume, as the LM trainer refuses another training split (it
   resumed on them, and reused the old plan whenever the number of pairs was the same)."""
@@ -273,6 +273,21 @@ def test_a_resume_over_other_training_pairs_is_refused_and_a_plan_of_other_pairs
   plan = batching.Plan.load(os.path.join(work, "plan.npz"))
   vocab = mt_data.load_vocab(c)
   assert plan.header["pairs_fingerprint"] == mt_data.load_parallel(c, "train", vocab).fingerprint()
+  # a lost plan made again otherwise (say, by a version that orders pairs differently) is refused too, not
+  # trained on from the resume
+  os.remove(os.path.join(work, "plan.npz"))
+  real = batching.make_plan
+
+  def reordered(*a, **k):
+    made = real(*a, **k)
+    return batching.Plan(made.indices[::-1].copy(), made.offsets, made.lengths, made.rows, made.header)
+
+  monkeypatch.setattr(batching, "make_plan", reordered)
+  with pytest.raises(CheckpointError, match=r"was trained on other data \(batch_plan_digest: "):
+    mt_train.train_and_evaluate(tiny_config(tmp_path / "d"), work, log=lambda s: None)
+  monkeypatch.setattr(batching, "make_plan", real)
+  assert not os.path.exists(os.path.join(work, "plan.npz"))  # the refused run saved none
+  plan.save(os.path.join(work, "plan.npz"))
   write_pairs(tmp_path / "d", WDE[::-1] * 3, WEN[::-1] * 3)  # the same number of pairs, other pairs
   with pytest.raises(CheckpointError, match=r"was trained on other data \(train_fingerprint: "):
     mt_train.train_and_evaluate(tiny_config(tmp_path / "d"), work, log=lambda s: None)

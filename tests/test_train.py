@@ -1,6 +1,7 @@
 """Training: the loss goes down, CE warm-up then TRIME, exact resume, accumulation, non-finite losses."""
 
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -363,6 +364,11 @@ def test_an_export_killed_between_its_renames_is_put_back_not_lost(tmp_path):
   assert not os.path.lexists(str(best) + ".old")
   keeper.update(5, params, {"none_ppl": 13.0})  # worse than the best put back: not exported
   assert written == []
+  # a kill after the new one was in place leaves the previous one at .old beside it: removed at the next look, so
+  # it is never put back over a newer best (were best/ removed later)
+  shutil.copytree(best, str(best) + ".old")
+  BestKeeper(str(best), True, "none_ppl", lambda d, p, extra: None)
+  assert sorted(os.listdir(tmp_path)) == ["best", "export"]
 
 
 def test_a_link_replaced_by_an_export_is_put_back_after_a_kill_between_the_renames(tmp_path):

@@ -370,6 +370,16 @@ def test_a_rerun_of_a_run_whose_dev_lines_predate_dev_protocol_reuses_its_final_
   train.train_and_evaluate(tiny_config(corpus, **other), workdir)
   dev = [m for m in read_metrics(workdir) if m.get("split") == "dev"]
   assert [m["step"] for m in dev] == [3, 3] and dev[-1]["dev_protocol"]["block_len"] == 32
+  # Those versions also reused the final line when a rerun changed the dev settings, and wrote the new ones to
+  # config.json: after a recorded change of an evaluation setting, config.json does not say how the line was
+  # measured, so dev is measured again
+  with open(path, "w") as f:
+    f.write(older)
+  with open(os.path.join(workdir, "config_changes.jsonl"), "a") as f:
+    f.write(json.dumps({"changes": {"eval.block_len": [64, 32]}, "allowed": False}) + "\n")
+  train.train_and_evaluate(tiny_config(corpus, **other), workdir)
+  dev = [m for m in read_metrics(workdir) if m.get("split") == "dev"]
+  assert [m["step"] for m in dev] == [3, 3] and dev[-1]["dev_protocol"]["block_len"] == 32
 
 
 def test_a_negative_seed_is_one_config_error(corpus, tmp_path):

@@ -297,7 +297,8 @@ RESUMABLE_CHANGES = ("train.num_steps", "train.log_every", "train.eval_every", "
                      "train.keep_best", "train.tensorboard", "train.wandb_project", "train.progress",
                      "train.profile_steps", "data.cache_dir", "eval.", "model.attention_impl",
                      "model.dropout_mask", "model.remat", "model.adaptive_tail_rows",
-                     "train.eval_max_pairs", "train.stop_after", "train.target_token_budget")
+                     "train.eval_max_pairs", "train.stop_after", "train.target_token_budget",
+                     "model.srupp_eval_same_length")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

@@ -247,9 +247,14 @@ def replace_directory(tmp: str, directory: str) -> None:
 
 def recover_replaced(directory: str) -> bool:
   """Put back the entry `replace_directory` moved to `<directory>.old` when a kill stopped it before the new one
-  was renamed into place (`directory` absent); True when it did. Call under the directory's lock."""
+  was renamed into place (`directory` absent); True when it did. A `.old` beside a `directory` was left by a kill
+  after the new one was in place (or while the old one was being removed): it is removed, so it is never put
+  back later over a newer one. Call under the directory's lock."""
   old = directory + ".old"
-  if os.path.lexists(directory) or not os.path.lexists(old):
+  if os.path.lexists(directory):
+    _remove_entry(old)
+    return False
+  if not os.path.lexists(old):
     return False
   os.replace(old, directory)
   print(f"warning: {directory} was being replaced when its writer stopped: the previous one ({old}) is put back",

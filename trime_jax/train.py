@@ -70,6 +70,11 @@ class BatchSource:
                       consecutive_segments=t.consecutive_segments if consecutive else None,
                       kind=t.batching, layout=t.consecutive_layout if consecutive else None,
                       **(bm25_planner.neighbour_settings(config) if bm25 else {}))
+      if bm25 and bm25_planner.old_exclusion_rule(self.plan.header):
+        logging.warning("batch plan %s excluded same-document batch-mates by each segment's first document only "
+                        "(made before 2026-12-06): a segment crossing into the next document can share a batch "
+                        "with it. A new run should use a plan made again (make_batches --overwrite); a run that "
+                        "trained on this one goes on with it", t.batch_plan)
       seed = self.plan.header.get("seed")
       if self.plan.header.get("shuffle", True) and seed is not None and int(seed) != int(config.train.seed):
         # Allowed (one plan can serve several initialisations), but the batch order is the plan's, not the run's.
@@ -342,8 +347,12 @@ class LMTask(loop.Task):
   def dev_protocol(self, config=None) -> dict:
     config = self.config if config is None else config
     e = config.eval
-    return {"eval_max_tokens": int(config.train.eval_max_tokens), "block_len": int(e.block_len),
-            "context_window": int(e.context_window)}
+    protocol = {"eval_max_tokens": int(config.train.eval_max_tokens), "block_len": int(e.block_len),
+                "context_window": int(e.context_window)}
+    if config.model.get("backbone", "transformer") == "srupp":  # its attention span at evaluation (a config of
+      # before 2026-12-06 has no field: the whole memory, as it was measured)
+      protocol["srupp_eval_same_length"] = bool(config.model.get("srupp_eval_same_length", False))
+    return protocol
 
   def evaluate_export(self, directory: str) -> dict:
     return self.evaluate(0, exports.load_export(directory)[1])

@@ -133,7 +133,10 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
     touching = np.zeros(int(groups[:, 1].max()) + 2, np.int64)  # segments touching each document
     np.add.at(touching, groups[:, 0], 1)
     np.add.at(touching, groups[:, 1] + 1, -1)
-  extra = 1 if groups is None else 1 + min(int(np.cumsum(touching).max()), MAX_GROUP_EXTRA)
+    # a segment excludes every segment touching one of its documents: at most the sum over its documents
+    upto = np.concatenate([[0], np.cumsum(np.cumsum(touching))])
+    most = int((upto[groups[:, 1] + 1] - upto[groups[:, 0]]).max())
+  extra = 1 if groups is None else 1 + min(most, MAX_GROUP_EXTRA)
   k_ret = min(k_eff + extra, s)
   ids = np.full((s, k), -1, np.int64)
   scores = np.full((s, k), -np.inf, np.float32)
@@ -251,12 +254,21 @@ def neighbour_settings(config) -> dict:
   (trime.bm25_k, else the paper's 20) and `exclude_same_document` (trime.bm25_exclude_same_document, else
   False). make_plan writes them, make_batches compares them before planning, training refuses a plan of others."""
   t = config.trime
-  exclude = bool(t.get("bm25_exclude_same_document", False))
-  # With the exclusion, what "the same document" means: every document a segment's targets touch (plans made
-  # before 2026-12-06 keyed a segment on its first target's document only, so a stream segment holding the start
-  # of a document could be batched with that document's segments: refused, to be made again)
-  return {"k": int(t.get("bm25_k", DEFAULT_K)), "exclude_same_document": exclude,
-          **({"exclude_by": "documents_touched"} if exclude else {})}
+  return {"k": int(t.get("bm25_k", DEFAULT_K)),
+          "exclude_same_document": bool(t.get("bm25_exclude_same_document", False))}
+
+
+# With the exclusion, what "the same document" means, recorded in a plan's header: every document a segment's
+# targets touch. Plans made before 2026-12-06 have no such field: they keyed a segment on its first target's
+# document only, so a stream segment holding the start of a document could be batched with that document's
+# segments. make_batches treats such a plan as another plan (--overwrite makes it again); a training reading one
+# is told so and goes on (a run that trained on it resumes on its batches).
+EXCLUDE_BY = "documents_touched"
+
+
+def old_exclusion_rule(header: dict) -> bool:
+  """A same-document-exclusion plan made with the rule of before 2026-12-06 (see EXCLUDE_BY)."""
+  return bool(header.get("exclude_same_document")) and header.get("exclude_by") != EXCLUDE_BY
 
 
 def make_plan(corpus: data.Corpus, config, *, progress: bool = True, k: int | None = None,
@@ -302,7 +314,7 @@ def make_plan(corpus: data.Corpus, config, *, progress: bool = True, k: int | No
       "shuffle": True,  # every epoch (the first included) visits the batches in a seeded permutation
       "k": k,
       "exclude_same_document": exclude_same,
-      **({"exclude_by": settings["exclude_by"]} if exclude_same else {}),
+      **({"exclude_by": EXCLUDE_BY} if exclude_same else {}),
       "same_document_pairs": same_document_pairs(batches, ranges),
       "same_document_pairs_random": same_document_pairs(random_batches, ranges),
       "num_segments": len(segments),

@@ -72,10 +72,9 @@ class BatchPlan:
 
   def check(self, *, corpus_fingerprint: str, segment_len: int, segmentation: str, batch_size: int,
             consecutive_segments: int | None = None, kind: str | None = None, layout: str | None = None,
-            k: int | None = None, exclude_same_document: bool | None = None,
-            exclude_by: str | None = None) -> None:
+            k: int | None = None, exclude_same_document: bool | None = None) -> None:
     """Clear errors when the plan was made for other data or another batch layout (or, for BM25 plans, other
-    neighbours: `k`, `exclude_same_document`, `exclude_by`); a field passed as None is not compared."""
+    neighbours: `k`, `exclude_same_document`); a field passed as None is not compared."""
     h = self.header
     problems = []
     if h.get("corpus_fingerprint") != corpus_fingerprint:
@@ -85,12 +84,9 @@ class BatchPlan:
                       "trime_jax.launch.make_batches)")
     for name, want in [("segment_len", segment_len), ("segmentation", segmentation), ("batch_size", batch_size),
                        ("consecutive_segments", consecutive_segments), ("kind", kind), ("layout", layout),
-                       ("k", k), ("exclude_same_document", exclude_same_document), ("exclude_by", exclude_by)]:
+                       ("k", k), ("exclude_same_document", exclude_same_document)]:
       if want is not None and h.get(name) != want:
         problems.append(f"{name} {h.get(name)!r} != {want!r}")
-    if exclude_by is not None and h.get("exclude_by") != exclude_by:
-      problems.append("the plan's same-document exclusion keyed a segment on its first target's document only "
-                      "(before 2026-12-06): make it again with make_batches --overwrite")
     if problems:
       where = f" {self.directory}" if self.directory else ""
       raise DataError(f"batch plan{where} does not match this run: " + "; ".join(problems))

@@ -61,6 +61,16 @@ class Plan:
   def batch(self, i: int) -> np.ndarray:
     return self.indices[self.offsets[i]:self.offsets[i + 1]]
 
+  def digest(self) -> str:
+    """SHA-256 (16 hex digits) of the batches (indices, cuts, shapes) and the epoch seed: what a resumed
+    training must read again (`<workdir>/data.json`)."""
+    import hashlib
+
+    h = hashlib.sha256(str(self.header.get("seed")).encode())
+    for a in (self.indices, self.offsets, self.lengths, self.rows):
+      h.update(np.ascontiguousarray(a, np.int64).tobytes())
+    return h.hexdigest()[:16]
+
   def as_matrix(self) -> np.ndarray:
     """[num_batches, max rows] pair indices, -1 padded (for `bm25.neighbour_in_batch`)."""
     width = int(np.diff(self.offsets).max())

@@ -240,7 +240,7 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
   plan, made = load_plan(workdir, train_pairs, config)
   # What the batches are made of: a resume must read the same training pairs (config.json names only their
   # path; pairs rewritten between two invocations would silently change the rest of the run), as the LM trainer
-  data_identity = {"train_fingerprint": train_pairs.fingerprint()}
+  data_identity = {"train_fingerprint": train_pairs.fingerprint(), "batch_plan_digest": plan.digest()}
   ckpt.check_resume_data(workdir, config, data_identity, write=False)
   r = config.train
   mesh = sharding.make_mesh(r.num_devices)

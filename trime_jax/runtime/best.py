@@ -10,6 +10,7 @@ import numpy as np
 from absl import logging
 
 from trime_jax import data
+from trime_jax.distributed import sync_processes
 from trime_jax.errors import DamagedCheckpointError
 
 
@@ -31,8 +32,11 @@ class BestKeeper:
     self.protocol = dict(protocol or {})
     self.ppl = math.inf
     meta = os.path.join(directory, "meta.json")
-    if enabled:
-      data.recover_replaced(directory)  # a best being replaced when a run was killed: it is still the best so far
+    if enabled:  # a best being replaced when a run was killed: it is still the best so far (process 0 puts it
+      # back; the others read it after)
+      if jax.process_index() == 0:
+        data.recover_replaced(directory)
+      sync_processes("best:recovered")
     if enabled and os.path.exists(meta):
       stored = data.read_json(meta, "best-by-dev export meta", DamagedCheckpointError,
                               fix=f"restore it, or remove {directory} (its best so far is then forgotten)")

@@ -20,6 +20,7 @@ reports their seconds as `compile_s`. A line whose interval held no other update
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import time
@@ -355,6 +356,19 @@ def _stored_dev_protocol(task: Task, workdir: str) -> dict | None:
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
     return None
+  # Versions before dev lines recorded their protocol also reused a final dev line when a rerun changed how dev
+  # is measured, and wrote the new settings to config.json: after any recorded change of an evaluation setting
+  # config.json may not be what the line was measured under
+  changes = os.path.join(workdir, "config_changes.jsonl")
+  if os.path.exists(changes):
+    try:
+      with open(changes, encoding="utf-8") as f:
+        changed = {k for line in f if line.strip() for k in json.loads(line).get("changes", {})}
+    except (OSError, ValueError, AttributeError) as e:
+      logging.info("%s cannot be read (%s): the final dev line is measured again", changes, e)
+      return None
+    if any(k.startswith(("eval.", "train.eval_max", "model.srupp_eval")) for k in changed):
+      return None
   try:
     stored = workdir_files.read_stored_config(path, "workdir config", CheckpointError)
     return task.dev_protocol(ml_collections.ConfigDict(stored))
