@@ -77,8 +77,8 @@ def get_config():
   c.eval.tau = 1.17  # --softmax-temp (TrimeLM)
   c.eval.reset_at_documents = False  # the original's store never resets at documents
   c.eval.knn_k = 1024  # --k
-  c.eval.datastore_entries = "original"  # eval_lm.py --save-knnlm-dstore's windows (one per batch here: the first
-  #   window is kept, the last partial one is not)
+  c.eval.datastore_entries = "original"  # eval_lm.py --save-knnlm-dstore's windows (neither the context-less first
+  #   window, which fairseq pads to block + context and skips, nor the last partial one)
   c.eval.datastore_key_dtype = "float16"  # --dstore-fp16
   c.eval.nprobe = 32  # --probe
   c.eval.interp_memory = "external"  # --use-interp: P′ over the retrieved top-K only

@@ -69,6 +69,27 @@ def test_contents_equal_model_keys(setup):
   assert m["checkpoint_fingerprint"] == exports.fingerprint(setup["export"])
 
 
+@pytest.mark.parametrize("context_window,batch_size", [(CONTEXT, 1), (CONTEXT, BATCH), (0, BATCH)])
+def test_original_entries_skip_the_first_window_as_eval_lm_does(setup, tmp_path, context_window, batch_size):
+  """entries="original" holds what fairseq's eval_lm --save-knnlm-dstore saves: with a context window, its
+  LMContextWindowDataset pads every row to S + context_window tokens, so the first (context-less) row's keys are
+  longer than S and skipped whatever the batch size (a batch of one kept it); without one, nothing is padded and
+  the first window is saved. Entries are the `all` datastore's from that position on."""
+  stride = BLOCK - context_window
+  meta = build_datastore(setup["export"], setup["corpus"], str(tmp_path / "orig"), context_window=context_window,
+                         batch_size=batch_size, chunk_tokens=100, progress=False, entries="original")
+  first = stride if context_window else 0
+  assert meta.get("first_position", 0) == first
+  full = len(setup["corpus"]) // stride * stride  # no partial last window
+  ds = Datastore(str(tmp_path / "orig"))
+  assert ds.count == full - first
+  np.testing.assert_array_equal(ds.values, setup["corpus"].tokens[first:full])
+  if context_window == CONTEXT:
+    # the `all` store's keys (float16; another batch size may round a key's last bit otherwise)
+    np.testing.assert_allclose(np.asarray(ds.keys, np.float32), np.asarray(setup["ds"].keys[first:full], np.float32),
+                               rtol=2e-3, atol=1e-4)
+
+
 def test_context_positions_stay_on_the_device(setup, tmp_path, monkeypatch):
   """Only a window's scored positions come back to the host: from the context window on for every batch after
   the first (whose first window scores from position 0), the same keys as the whole rows gave."""

@@ -54,8 +54,10 @@ FULL_DIGEST_BYTES = 1 << 30  # files up to 1 GiB are hashed whole on every load;
 CHUNK_TOKENS = 1 << 16  # scored tokens per persisted chunk (rounded to whole window batches)
 # meta.json fields that identify what a datastore holds: a resumed build must agree on all of them.
 # Which windows' targets a datastore holds (`build_datastore(entries=...)`): every target | the original's
-# `eval_lm.py --save-knnlm-dstore` (windows of exactly S = block_len - context_window scored tokens; the first
-# window too only when it is alone in its batch, since fairseq pads it to the batch's longest window).
+# `eval_lm.py --save-knnlm-dstore` (windows of exactly S = block_len - context_window scored tokens, without the
+# context-less first window when there is a context window: fairseq's LMContextWindowDataset pads every row to
+# S + context_window tokens and the first has no context, so its keys are S + context_window long, not S, and
+# eval_lm skips it ("Skipping this one") whatever the batch size; without a context window it is kept).
 ENTRIES = ("all", "original")
 # Identity fields a datastore has only when they are not the default (older datastores lack them).
 OPTIONAL_IDENTITY = ("first_position",)  # the corpus position of entry 0 (entries="original": S or 0)
@@ -468,8 +470,8 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
   base = 0  # corpus position of entry 0
   if entries == "original":
     wins = [w for w in wins if w.end - w.score_start == stride]  # no partial last window
-    if batch_size > 1 and wins and wins[0].score_start == wins[0].start:  # the context-less first window,
-      wins = wins[1:]  # padded to its batch's longest: the original's "Skipping this one"
+    if context_window > 0 and wins and wins[0].score_start == wins[0].start:  # the context-less first window:
+      wins = wins[1:]  # padded to S + context_window, the original's "Skipping this one" (any batch size)
     if not wins:
       raise ConfigError(f"entries=original: no window of {stride} scored tokens in {len(corpus):,} tokens")
     base = wins[0].score_start
