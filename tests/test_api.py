@@ -288,6 +288,10 @@ def test_external_memory_with_a_datastore(model, run, tmp_path, capsys, caplog):
   meta_path = ds_dir / "meta.json"
   os.utime(meta_path, ns=(meta_path.stat().st_atime_ns, meta_path.stat().st_mtime_ns + 10**9))
   assert model.external(ds_dir, k=16) is not opened and len(model._external) == 1
+  opened = model.external(ds_dir, k=16)  # so is one whose default index.faiss was rebuilt (it was not)
+  index_path = ds_dir / "index.faiss"
+  os.utime(index_path, ns=(index_path.stat().st_atime_ns, index_path.stat().st_mtime_ns + 10**9))
+  assert model.external(ds_dir, k=16) is not opened and len(model._external) == 1
   out = model.generate("def ", max_new_tokens=4, temperature=0.0, memory="external", datastore=ds_dir, k=16)
   gen = model.generator
   ref = gen.generate(["def "], max_new_tokens=4, sampling=generate.Sampling(temperature=0.0),

@@ -360,7 +360,7 @@ class Model:
 
     # One open datastore + index per path, whatever k (a k sweep must not hold a copy of the index per k)
     key = (os.path.abspath(datastore), os.path.abspath(index) if index else "",
-           stamp(os.path.join(datastore, "meta.json")), stamp(index) if index else None)
+           stamp(os.path.join(datastore, "meta.json")), stamp(index or os.path.join(datastore, "index.faiss")))
     if key not in self._external:
       self._external = {c: v for c, v in self._external.items() if c[:2] != key[:2]}  # not the stale one
       if e.get("datastore_on_device", False):
