@@ -280,6 +280,28 @@ def test_flat_index_is_exact(setup, tmp_path):
   np.testing.assert_array_equal(loaded.search(queries, 8)[1], ids)
 
 
+def test_a_flat_index_moves_to_a_gpu_in_float32_and_ivfpq_with_float16_tables(setup, tmp_path, monkeypatch):
+  """eval.knn_gpu: faiss's useFloat16 makes IVF-PQ's lookup tables float16 (needed at 64 sub-quantizers), but
+  on a flat index it stores the keys and casts the queries in float16: the exact index would not be exact (it
+  was set for both). faiss's GPU calls are stood in for here (this faiss is CPU-only): what each index asks."""
+  from trime_jax.datastore import index as index_mod
+
+  asked = {}
+  monkeypatch.setattr(index_mod, "gpu_available", lambda: True)
+  monkeypatch.setattr(index_mod.faiss, "StandardGpuResources", lambda: object(), raising=False)
+  monkeypatch.setattr(index_mod.faiss, "GpuClonerOptions", type("Options", (), {}), raising=False)
+
+  def to_gpu(resources, device, index, options):
+    asked[kind] = options.useFloat16
+    return index
+
+  monkeypatch.setattr(index_mod.faiss, "index_cpu_to_gpu", to_gpu, raising=False)
+  for kind in ("flat", "ivfpq"):
+    built = build_index(setup["ds"], str(tmp_path / f"{kind}.faiss"), kind=kind, nlist=4, pq_m=4, progress=False)
+    assert built.to_gpu().on_gpu
+  assert asked == {"flat": False, "ivfpq": True}
+
+
 def test_ivfpq_builds_and_searches(setup, tmp_path):
   ds = setup["ds"]
   path = str(tmp_path / "ivfpq.faiss")

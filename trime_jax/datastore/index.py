@@ -546,7 +546,9 @@ class KnnIndex:
       raise ConfigError(f"cannot move the FAISS index to a GPU: {reason}. Search it on the CPU instead.")
     self._gpu_resources = faiss.StandardGpuResources()
     options = faiss.GpuClonerOptions()
-    options.useFloat16 = True  # IVF-PQ with 64 sub-quantizers needs float16 lookup tables on GPU
+    # IVF-PQ with 64 sub-quantizers needs float16 lookup tables on a GPU; on a flat index the same option stores
+    # the keys (and casts the queries) in float16, so the exact index would no longer be exact: float32 there
+    options.useFloat16 = self.kind == "ivfpq"
     self.index = faiss.index_cpu_to_gpu(self._gpu_resources, device, self.index, options)
     self.on_gpu = True
     return self
