@@ -485,3 +485,15 @@ def test_memory_grad_group_rows_spec():
     loss.trime_nll_from_vocab_stats(loss.VocabStats(jnp.zeros((2, 3)), jnp.zeros((2, 3))), jnp.zeros((2, 3, 4)),
                                     jnp.zeros((2, 3), jnp.int32), memory="ext", memory_grad_group_rows=1,
                                     rows=jnp.zeros((2, 3), jnp.int32))
+
+
+def test_similarity_precision_is_full_whenever_an_operand_is_float32():
+  """Memory similarities are computed at full float32 precision when an operand is float32: float32 queries
+  against a float16 datastore (the exact on-device memory's default) lost their low bits to TF32 / one bfloat16
+  pass on accelerators (only float32 pairs were full); bfloat16 / float16 operands alone keep the default."""
+  x = lambda dtype: jnp.zeros((2, 4), dtype)
+  full, fast = jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT
+  assert scoring.similarity_precision(x(jnp.float32), x(jnp.float16)) == full
+  assert scoring.similarity_precision(x(jnp.float32), x(jnp.float32)) == full
+  assert scoring.similarity_precision(x(jnp.bfloat16), x(jnp.bfloat16)) == fast
+  assert scoring.similarity_precision(x(jnp.float16), x(jnp.float16)) == fast

@@ -68,11 +68,12 @@ def accumulation_dtype(*xs):
 
 
 def similarity_precision(*xs):
-  """Matmul precision of memory similarities (and their gradients): full float32 for float32 keys, since
-  the accelerators' default (TF32 on GPUs, one bfloat16 pass on TPUs) rounds similarities that reach the
-  tens by ~1e-3 relative, enough to move the loss; bfloat16 keys need nothing (their products are exact in
-  the float32 accumulator) and keep the fast default."""
-  full = all(jnp.dtype(x.dtype).itemsize >= 4 for x in xs)
+  """Matmul precision of memory similarities (and their gradients): full float32 when an operand is float32,
+  since the accelerators' default (TF32 on GPUs, one bfloat16 pass on TPUs) rounds it (similarities that reach
+  the tens move by ~1e-3 relative, enough to move the loss; float32 queries against a float16 datastore too:
+  the keys are exact in TF32, the queries are not); bfloat16 / float16 operands alone need nothing (their
+  products are exact in the float32 accumulator) and keep the fast default."""
+  full = any(jnp.dtype(x.dtype).itemsize >= 4 for x in xs)
   return jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT
 
 
