@@ -63,6 +63,10 @@ def _check_flag_combinations(out: str) -> None:
   for name in ("nlist", "pq_m"):
     if flags.FLAGS[name].present and _INDEX.value in ("flat", "none"):
       raise ConfigError(f"--{name} sets the IVF-PQ index; --index={_INDEX.value} builds none")
+  given = [f"--{name}" for name in ("nlist", "pq_m") if flags.FLAGS[name].present]
+  if _TRAINED_INDEX.value and given:  # refused, not ignored
+    raise ConfigError(f"{', '.join(given)}: --trained_index fixes the index's lists and sub-quantizers (drop "
+                      f"{'them' if len(given) > 1 else 'it'})")
   if _TRAINED_INDEX.value and _INDEX.value in ("flat", "none"):
     raise ConfigError(f"--trained_index is an IVF-PQ index to fill; --index={_INDEX.value} builds "
                       f"{'an exact one' if _INDEX.value == 'flat' else 'none'} (drop --index or give --index=ivfpq)")

@@ -627,6 +627,9 @@ def test_build_datastore_refuses_before_any_work_and_overwrites_only_under_the_l
                    f"--index={index}", f"--trained_index={tmp_path / 'x.faiss'}")
     assert _line(proc).startswith("error: --trained_index is an IVF-PQ index to "
                                                                     f"fill; --index={index} {said}"), proc.stderr
+  proc = run_cli("trime_jax.launch.build_datastore", *common, f"--out={tmp_path / 'new' / 'a'}", "--nlist=8",
+                 f"--trained_index={tmp_path / 'x.faiss'}")  # the trained index's own lists: not silently ignored
+  assert _line(proc).startswith("error: --nlist: --trained_index fixes the index's lists"), proc.stderr
   proc = run_cli("trime_jax.launch.build_datastore", *common, f"--out={tmp_path / 'new' / 'deeper' / 'b'}",
                  f"--trained_index={tmp_path / 'nope.faiss'}")
   assert f"trained index {tmp_path / 'nope.faiss'} is not a file" in _line(proc)
