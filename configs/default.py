@@ -154,6 +154,8 @@ def get_config():
   e.cache_theta = 1.0  # θ of the continuous cache: p_cache ∝ Σ exp(θ · g·g_j / √D)
   e.tune = False  # grid-search τ (local) or λ, θ (cache) on dev, then score eval.split at the best point
   e.max_tokens = 0  # score only the first max_tokens targets (0 = the whole split)
+  e.frequency_split = "dev"  # the split whose word counts group eval_ext's perplexity by frequency (the paper: the
+  #   development set; "train": the training split, as before 2026-12-06)
   e.tune_max_tokens = 0  # eval.tune on the first N dev targets only (0 = as eval.max_tokens): tuning a few
   #   parameters needs less text than reporting, and with a 16M-key datastore every dev token costs a search;
   #   the split's rows (dev's too) still cover eval.max_tokens

@@ -746,3 +746,34 @@ def test_memory_size_sweep_table_and_plot(tmp_path):
   out = evaluate.evaluate_checkpoint(config, export, mem_sizes=[16])
   assert out["dev_tokens"] == 24 and all(r["tokens"] > 24 and "dev_ppl" in r for r in out["rows"][1:])
   assert len(out["rows"]) == 2 and out["rows"][0]["family"] == "none"  # the best point, applied
+
+
+@pytest.mark.parametrize("split", ["dev", "train"])
+def test_frequency_buckets_count_words_on_the_development_set(tmp_path, split):
+  """eval_ext's perplexity by word frequency groups target words by their count on the development set, as the
+  paper does (they were counted in the training split); eval.frequency_split=train counts them there."""
+  from trime_jax import knn
+  from trime_jax.datastore import Datastore, build_datastore, build_index
+
+  data = tmp_path / "wiki"
+  data.mkdir()
+  common = "".join(f" = Article {i} = \n\n alpha beta gamma .\n" for i in range(3))
+  (data / "wiki.train.tokens").write_text(common + " delta epsilon .\n" * 12)  # delta: 12 in train, 1 in dev
+  (data / "wiki.valid.tokens").write_text(common + " delta .\n")
+  (data / "wiki.test.tokens").write_text(common + " delta epsilon .\n")
+  config = _config(**{"data.corpus": "wikitext", "data.path": str(data), "eval.block_len": 16,
+                      "eval.context_window": 8, "eval.batch_size": 1, "eval.split": "test", "eval.knn_k": 4,
+                      "eval.frequency_split": split})
+  splits = corpora.load_splits(config.data)
+  model = TransformerLM(specs.model_config(config, vocab_size=len(splits.vocab)), rngs=nnx.Rngs(params=0))
+  export = exports.export(str(tmp_path / "export"), nnx.split(model, nnx.Param)[1], config, splits.vocab)
+  build_datastore(export, splits.train, str(tmp_path / "ds"), progress=False)
+  build_index(Datastore(str(tmp_path / "ds")), kind="flat", progress=False)
+  config.eval.datastore = str(tmp_path / "ds")
+  out = evaluate.evaluate_checkpoint(config, export, external_memory=True)
+  assert out["buckets"]["frequency_split"] == split
+  by = knn.frequency_buckets(splits.get(split).tokens, len(splits.vocab))
+  want = np.bincount(by[splits.test.tokens], minlength=len(knn.FREQ_BUCKETS))
+  assert out["buckets"]["tokens"] == want.tolist()
+  delta = splits.vocab.index["delta"]
+  assert knn.FREQ_BUCKETS[by[delta]][2] == ("<=10" if split == "dev" else "10-100")  # the splits disagree on it

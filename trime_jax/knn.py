@@ -32,7 +32,8 @@ def retrieval_ks(k: int) -> tuple:
   """The ranks of RETRIEVAL_KS that a top-`k` search can tell apart: those below `k`, then `k` itself. With
   k = 100 a "top1024" would count the top 100 under another name, so it becomes "top100"."""
   return tuple(sorted({min(r, int(k)) for r in RETRIEVAL_KS}))
-# Frequency buckets of the paper's Table "bucket_ppl": occurrences of the target word in the training split.
+# Frequency buckets of the paper's Table "bucket_ppl": occurrences of the target word in the development set
+# (the paper: "according to their frequency on the development set"; eval.frequency_split picks the split).
 FREQ_BUCKETS = ((10_000, None, ">10k"), (1_000, 10_000, "1k-10k"), (100, 1_000, "100-1k"), (10, 100, "10-100"),
                 (None, 10, "<=10"))
 
@@ -118,12 +119,12 @@ def retrieval_hits(retrieved_targets_NxK, targets_N, ks=RETRIEVAL_KS) -> np.ndar
   return np.array([(first < k).sum() for k in ks], np.int64)
 
 
-def frequency_buckets(train_tokens, vocab_size: int) -> np.ndarray:
-  """[V] bucket index (into FREQ_BUCKETS) of every word, by its count in the training split."""
+def frequency_buckets(tokens, vocab_size: int) -> np.ndarray:
+  """[V] bucket index (into FREQ_BUCKETS) of every word, by its count in `tokens` (a split's)."""
   counts = np.zeros(vocab_size, np.int64)
-  step = 1 << 24  # np.bincount casts to intp: by chunks, not a 64-bit copy of the whole training split
-  for a in range(0, len(train_tokens), step):
-    counts += np.bincount(np.asarray(train_tokens[a:a + step]), minlength=vocab_size)
+  step = 1 << 24  # np.bincount casts to intp: by chunks, not a 64-bit copy of a whole training split
+  for a in range(0, len(tokens), step):
+    counts += np.bincount(np.asarray(tokens[a:a + step]), minlength=vocab_size)
   bucket = np.zeros(vocab_size, np.int32)
   for i, (lo, hi, _) in enumerate(FREQ_BUCKETS):
     sel = np.ones(vocab_size, bool)

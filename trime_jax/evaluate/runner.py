@@ -47,6 +47,15 @@ def evaluator_settings(e, vocab_chunk: int) -> dict:
               overlap_search=bool(e.get("overlap_search", False)), search_queries=search_queries_of(e))
 
 
+def frequency_split(e) -> str:
+  """The split whose word counts make the frequency buckets: eval.frequency_split (dev, the paper's; train: the
+  training split, as before 2026-12-06)."""
+  split = str(e.get("frequency_split", "dev"))
+  if split not in ("dev", "train"):
+    raise ConfigError(f"eval.frequency_split must be dev or train, got {split!r}")
+  return split
+
+
 def store_spec(e, mem_size: int) -> StoreSpec:
   """The long-term store of `mem_size` tokens in the eval section's layout and document setting."""
   return StoreSpec(mem_size, bool(e.reset_at_documents), str(e.long_term_layout))
@@ -115,7 +124,9 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
     else:
       knn_memory = knn.ExternalMemory(e.datastore, index_path=e.index, checkpoint_dir=checkpoint_dir, k=e.knn_k,
                                       nprobe=e.nprobe, exact=e.knn_exact, gpu=e.knn_gpu)
-    buckets = knn.frequency_buckets(splits.train.tokens, len(vocab)) if vocab.kind == "words" else None
+    # words by their frequency on the development set, as the paper groups them (eval.frequency_split)
+    buckets = (knn.frequency_buckets(splits.get(frequency_split(e)).tokens, len(vocab)) if vocab.kind == "words"
+               else None)
   points = grid(families) if e.tune else configured_points(e, families)
   sizes = [int(m) for m in mem_sizes] if mem_sizes else [int(e.mem_size)]
   if families == ("none",):
@@ -153,7 +164,8 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
     out["retrieval_accuracy"] = result.retrieval_accuracy()
     out["search_seconds"], out["seconds"] = result.search_seconds, result.seconds
     if buckets is not None:
-      out["buckets"] = {"names": [b[2] for b in knn.FREQ_BUCKETS], "tokens": result.bucket_tokens.tolist(),
+      out["buckets"] = {"names": [b[2] for b in knn.FREQ_BUCKETS], "frequency_split": frequency_split(e),
+                        "tokens": result.bucket_tokens.tolist(),
                         "ppl": {s.name: np.exp(result.bucket_nll[i]).tolist() for i, s in enumerate(result.scores)}}
     if throughput_tokens:
       tau = next((s.point.tau for s in result.scores if s.point.family == "trime"), 1.0)
