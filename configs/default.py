@@ -171,7 +171,7 @@ def get_config():
   e.index = ""  # FAISS index file; "" = <datastore>/index.faiss
   e.datastore_entries = "all"  # trime_jax.launch.build_datastore: all (every target of the split) | original (the release's
   #   --save-knnlm-dstore: windows of exactly block_len - context_window scored tokens, the context-less first
-  #   one only when eval.batch_size is 1; the paper configs)
+  #   one only without a context window; the paper configs)
   e.datastore_key_dtype = "float16"  # trime_jax.launch.build_datastore: float16 (the release's --dstore-fp16) | float32
   e.knn_k = 1024  # K: memories retrieved per scored token
   e.nprobe = 32  # IVF lists searched per query (IVF-PQ indexes)
