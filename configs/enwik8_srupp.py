@@ -56,8 +56,9 @@ def get_config(segment_len: str = "512"):
   c.train.learning_rate = 3e-4  # --lr
   c.train.adam_b1, c.train.adam_b2 = 0.9, 0.999  # RAdam defaults
   c.train.weight_decay = 0.1  # --weight_decay
-  c.train.schedule = "cosine"
-  c.train.warmup_steps = 16_000  # --warmup_steps (linear), then CosineAnnealingLR over max_iter
+  c.train.schedule = "torch_cosine"  # torch's CosineAnnealingLR(max_iter) stepped from update 0, the rate
+  #   overwritten during the warm-up by lr·(n+1)/W (train.warmup_init_lr is not read)
+  c.train.warmup_steps = 16_000  # --warmup_steps
   c.train.min_lr = 0.0
   c.train.clip_norm = 1.0  # --clip_grad
   c.train.log_every = 100

@@ -436,7 +436,9 @@ def _num_steps_shapes_training(old: dict, config) -> str:
   import math
 
   t = config.train
-  if "cosine" in (old.get("train.schedule"), t.schedule):
+  from trime_jax.runtime.optim import NUM_STEPS_SCHEDULES
+
+  if {old.get("train.schedule"), t.schedule} & set(NUM_STEPS_SCHEDULES):
     return "the cosine schedule decays over train.num_steps"
   trime = config.get("trime")
   if trime is not None and trime.get("memory", "none") != "none" and int(trime.get("ce_warmup_steps", 0)) < 0:

@@ -3,18 +3,36 @@ SRU++'s radam; inverse-sqrt, cosine or constant after a linear warm-up)."""
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import optax
 
 from trime_jax.errors import ConfigError
 
 OPTIMIZERS = ("adam", "nag", "radam")
-SCHEDULES = ("inverse_sqrt", "cosine", "constant")
+SCHEDULES = ("inverse_sqrt", "cosine", "constant", "torch_cosine")
+# Schedules whose shape depends on train.num_steps (a longer run is not the same run made longer)
+NUM_STEPS_SCHEDULES = ("cosine", "torch_cosine")
 
 
 def make_schedule(train_cfg) -> optax.Schedule:
-  """Linear warm-up from `warmup_init_lr` to `learning_rate`, then inverse-sqrt, cosine or constant."""
+  """Linear warm-up from `warmup_init_lr` to `learning_rate`, then inverse-sqrt, cosine or constant; or
+  "torch_cosine", the SRU++ enwik8 script's: torch's CosineAnnealingLR over all train.num_steps updates, stepped
+  from update 0, its rate overwritten during the warm-up by lr·(n+1)/W. Stepped from the rate the warm-up left,
+  the chained cosine gives update n >= W the rate lr·(1 + cos(πn/T)) / (1 + cos(π(W-1)/T)): the cosine timed
+  from update 0, scaled to meet the warm-up's end (not squeezed into the T - W updates after it)."""
   peak, warm = float(train_cfg.learning_rate), int(train_cfg.warmup_steps)
+  if train_cfg.schedule == "torch_cosine":
+    total = max(int(train_cfg.num_steps), 1)
+    meet = 1.0 + math.cos(math.pi * (warm - 1) / total) if warm else 2.0
+
+    def torch_cosine(step):
+      n = jnp.asarray(step, jnp.float32)
+      after = peak * (1.0 + jnp.cos(jnp.pi * n / total)) / meet
+      return jnp.where(n < warm, peak * (n + 1.0) / max(warm, 1), after) if warm else after
+
+    return torch_cosine
   init = float(train_cfg.warmup_init_lr) if warm else peak
   warmup = optax.linear_schedule(init, peak, max(warm, 1))
   if train_cfg.schedule == "inverse_sqrt":  # fairseq: lr · sqrt(warmup / step) after the warm-up
