@@ -30,7 +30,8 @@ def get_config():
                  share_all_embeddings=False, share_decoder_embeddings=True, encoder_normalize_before=False,
                  decoder_normalize_before=True, key_type="final")
   c.trime.update(memory="ext", batching="bm25", tau=10.0, memory_topk=8, ce_warmup_steps=5500)
-  c.train.update(num_steps=56_000, learning_rate=5e-4, warmup_steps=4000, weight_decay=1e-4, adam_b2=0.98,
-                 label_smoothing=0.0, eval_every=1000, checkpoint_every=1000, eval_max_pairs=0)
+  # warmup_init_lr 0: the command gives no --warmup-init-lr, and fairseq's inverse_sqrt then warms up from 0
+  c.train.update(num_steps=56_000, learning_rate=5e-4, warmup_steps=4000, warmup_init_lr=0.0, weight_decay=1e-4,
+                 adam_b2=0.98, label_smoothing=0.0, eval_every=1000, checkpoint_every=1000, eval_max_pairs=0)
   c.lock()
   return c
