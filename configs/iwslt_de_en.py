@@ -11,8 +11,17 @@ The original command (princeton-nlp/TRIME machine_translation/README.md):
     --criterion trime_mt_loss --label-smoothing 0.0 --max-tokens 4096 --predefined-batches bm25_batches.json
     --max-epoch 50 --dist-func ip --temp 10.0 --topk-mem 8          (4 GPUs: 4 × 4096 tokens per update)
 Vanilla baseline: --criterion label_smoothed_cross_entropy --label-smoothing 0.1 (fairseq's IWSLT recipe).
-Differences here: --ce-warmup-epoch 5 becomes trime.ce_warmup_steps (≈ 5 epochs of ~1,100 updates at 4 × 4096 tokens);
-the original's key (knn_embed) is the decoder output: model.key_type="final" below. 50 epochs ≈ 56k updates.
+Read as the original's code runs it:
+- --ce-warmup-epoch 5 never takes effect: its fairseq_cli/train.py sets the criterion's return_ce_loss per epoch,
+  then again before every batch from --ce-warmup-ratio, which the command does not give (default None: TRIME loss).
+  So TrimeMT trains with trime_mt_loss from update 1: trime.ce_warmup_steps=0.
+- The run's length is --max-epoch 50 with no --max-update: train.num_epochs=50 passes over the plan's batches
+  (their number per epoch depends on the data and the 16,384-token batches). The paper's table states 170,000
+  updates instead; train.num_steps=170_000 caps the run there.
+- Its 4 GPUs all_gather their keys: a key gets gradient only from queries of its own GPU's 4,096-token batch.
+  trime.memory_grad="local_only" does the same on 4 devices; on one device every key gets gradient from every
+  query of the 16,384-token batch (the difference is documented in docs/machine_translation.md).
+The original's key (knn_embed) is the decoder output: model.key_type="final" below.
 """
 
 from trime_jax.configs import ui_de_en
@@ -29,9 +38,10 @@ def get_config():
   c.model.update(d_model=512, num_heads=4, d_ff=1024, encoder_layers=6, decoder_layers=6, dropout=0.3,
                  share_all_embeddings=False, share_decoder_embeddings=True, encoder_normalize_before=False,
                  decoder_normalize_before=True, key_type="final")
-  c.trime.update(memory="ext", batching="bm25", tau=10.0, memory_topk=8, ce_warmup_steps=5500)
+  c.trime.update(memory="ext", batching="bm25", tau=10.0, memory_topk=8, ce_warmup_steps=0,
+                 memory_grad="local_only")
   # warmup_init_lr 0: the command gives no --warmup-init-lr, and fairseq's inverse_sqrt then warms up from 0
-  c.train.update(num_steps=56_000, learning_rate=5e-4, warmup_steps=4000, warmup_init_lr=0.0, weight_decay=1e-4,
-                 adam_b2=0.98, label_smoothing=0.0, eval_every=1000, checkpoint_every=1000, eval_max_pairs=0)
+  c.train.update(num_steps=170_000, num_epochs=50, learning_rate=5e-4, warmup_steps=4000, warmup_init_lr=0.0,
+                 weight_decay=1e-4, adam_b2=0.98, label_smoothing=0.0, eval_every=1000, checkpoint_every=1000, eval_max_pairs=0)
   c.lock()
   return c

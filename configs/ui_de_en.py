@@ -58,8 +58,8 @@ def get_config():
   t.memory_topk = 8  # only the 8 most similar in-batch memories per target token (the original's --topk-mem 8;
   #   0 = every visible memory)
   t.stop_gradient_memory = False
-  t.ce_warmup_steps = 0  # plain-CE updates before the TRIME loss (original: --ce-warmup-epoch 5 of 50;
-  #   experiments/ui_de_en.sh sets a tenth of each run)
+  t.ce_warmup_steps = 0  # plain-CE updates before the TRIME loss (the original's command passes --ce-warmup-epoch
+  #   5, which its train.py never applies: configs/iwslt_de_en.py; experiments/ui_de_en.sh sets a tenth of each run)
   t.memory_chunk = 0  # blockwise loss chunk (0: derived from the 64 MiB block budget)
   t.consecutive_segments = 1  # unused for MT (ObjectiveSpec field)
   t.sharded_variant = "gather"  # >1 device: gather | ring (trime_jax/sharded_loss.py; memory_topk needs gather)
@@ -68,7 +68,9 @@ def get_config():
 
   c.train = r = ml_collections.ConfigDict()
   r.seed = 0
-  r.num_steps = 1200  # updates (an upper bound when target_token_budget is set)
+  r.num_steps = 1200  # updates (an upper bound when target_token_budget or num_epochs is set)
+  r.num_epochs = 0  # > 0: stop after this many passes over the plan's batches, or at num_steps if that comes first
+  #   (fairseq's --max-epoch beside --max-update)
   r.target_token_budget = 0  # > 0: stop at the first update after which this many target tokens were trained on
   #   (equal budgets across objectives whose batches pad differently); 0 = train.num_steps updates
   r.optimizer = "adam"

@@ -499,3 +499,24 @@ def test_cli_generates_with_a_memory_file_and_reports_errors_in_one_line(tmp_pat
                 "--datastore_on_device", *(() if "--memory=local" in extra else (f"--datastore={missing}",)), *extra)
     errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
     assert r.returncode == 2 and len(errors) == 1 and want in errors[0], (extra, r.stderr[-2000:])
+
+
+def test_p_prime_without_a_mask_is_over_every_memory():
+  """prime_M=None (the public functions' default): Appendix A's P′ over every visible memory, the same as an
+  all-True mask (it was a TypeError)."""
+  rng = np.random.default_rng(9)
+  b, v, m, d = 2, 10, 12, 8
+  args = tuple(jnp.asarray(x) for x in (rng.normal(size=(b, v)).astype(np.float32),
+                                         rng.normal(size=(b, d)).astype(np.float32),
+                                         rng.normal(size=(m, d)).astype(np.float32),
+                                         rng.integers(0, v, m).astype(np.int32), rng.random((b, m)) < 0.8))
+  kw = dict(tau=0.7, knn_lambda=0.3, tau_prime=0.4)
+  every = jnp.ones((m,), bool)
+  np.testing.assert_array_equal(scoring.trime_log_probs(*args, **kw),
+                                scoring.trime_log_probs(*args, prime_M=every, **kw))
+  tokens = jnp.asarray(np.asarray(args[3])[:b])
+  for got, want in zip(scoring.log_contributions(*args, tokens, **kw),
+                       scoring.log_contributions(*args, tokens, prime_M=every, **kw)):
+    np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(G.next_token_log_probs(*args, **kw),
+                                G.next_token_log_probs(*args, prime_M=every, **kw))

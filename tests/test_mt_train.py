@@ -144,6 +144,37 @@ def test_target_token_budget_sets_the_run_length():
   assert len(mt_train.target_tokens_seen(plan, tokens_of, 3, 10**9)) == 3  # num_steps stays the cap
 
 
+def test_num_epochs_ends_the_run_after_that_many_passes(tmp_path):
+  """train.num_epochs (fairseq's --max-epoch): the run is that many passes over the plan's batches, or
+  train.num_steps when fewer (--max-update)."""
+  write_pairs(tmp_path / "d", WDE * 3, WEN * 3)
+  c = tiny_config(tmp_path / "d")
+  c.train.update(num_steps=100, num_epochs=2, eval_every=0, checkpoint_every=100)
+  work = str(tmp_path / "run")
+  out = mt_train.train_and_evaluate(c, work, log=lambda s: None)
+  plan = batching.Plan.load(os.path.join(work, "plan.npz"))
+  assert plan.num_batches == 2 and out["step"] == 4  # 24 pairs, 12 rows per batch: 2 batches per epoch
+  c.train.update(num_steps=3)
+  assert mt_train.run_updates(c.train, plan) == 3
+  c.train.update(num_epochs=0)
+  assert mt_train.run_updates(c.train, plan) == 3
+  c.train.update(num_epochs=-1)
+  with pytest.raises(ConfigError, match="train.num_epochs must be >= 0"):
+    mt_train.validate_config(c)
+
+
+def test_iwslt_config_is_the_original_run_as_its_code_runs_it():
+  """configs/iwslt_de_en.py: the original's train.py resets its criterion to the TRIME loss before every batch
+  unless --ce-warmup-ratio is given (so --ce-warmup-epoch 5 never applies); --max-epoch 50 (the paper's table's
+  170k updates the cap); its 4 GPUs all_gather keys without gradient (local_only); fairseq inverse_sqrt from 0."""
+  from trime_jax.configs import iwslt_de_en
+  c = iwslt_de_en.get_config()
+  assert c.trime.ce_warmup_steps == 0 and c.trime.memory_grad == "local_only"
+  assert (c.train.num_epochs, c.train.num_steps, c.train.warmup_init_lr) == (50, 170_000, 0.0)
+  assert (c.trime.tau, c.trime.memory_topk, c.data.max_tokens) == (10.0, 8, 16384)
+  mt_train.validate_config(c)
+
+
 def test_packed_training_equals_padded_training(tmp_path):
   """data.pack_len: the same plan batches, packed, train to the same losses update for update (dropout off)."""
   write_pairs(tmp_path / "d", WDE * 3, WEN * 3)

@@ -4,6 +4,7 @@ skipped updates are counted and the learning rate logged is the one applied, a s
 metrics line an uninterrupted run would not, and a long-memory config without consecutive batches is refused."""
 
 import json
+import math
 import os
 
 import jax.numpy as jnp
@@ -395,6 +396,30 @@ def test_a_checkpoints_file_is_refused_before_training(corpus, tmp_path):
   with pytest.raises(CheckpointError, match=r"checkpoints is a file, not the run's checkpoint folder"):
     train.train_and_evaluate(tiny_config(corpus, **FAST), str(workdir))
   assert not os.path.exists(workdir / "metrics.jsonl")  # refused before the first update
+
+
+def _fairseq_rate(n, warmup, warmup_init, peak, schedule, floor=0.0, period=0):
+  """fairseq's warm-up (init + n·(peak - init)/W), then its inverse_sqrt (peak·√W/√n) or its cosine (the first
+  period, t_mult 2's restarts never reached: floor + (peak - floor)(1 + cos(π(n - W)/period))/2), float64."""
+  if n < warmup:
+    return warmup_init + n * (peak - warmup_init) / warmup
+  if schedule == "inverse_sqrt":
+    return peak * math.sqrt(warmup) / math.sqrt(n)
+  return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * (n - warmup) / period))
+
+
+@pytest.mark.parametrize("name", ["wiki103_247m", "wiki103_150m"])
+def test_paper_schedules_are_fairseqs_number_for_number(name):
+  """The paper configs' rates at every kind of update, update 0 included, against fairseq's formulas
+  (--lr-period-updates 270000 = 286000 - 16000 for the 247M's cosine; inverse_sqrt from 1e-7 for the 150M)."""
+  import importlib
+  c = importlib.import_module(f"trime_jax.configs.{name}").get_config().train
+  warm, peak = int(c.warmup_steps), float(c.learning_rate)
+  steps = sorted({0, 1, 2, warm // 2, warm - 1, warm, warm + 1, 100_000, int(c.num_steps) - 1})
+  schedule = make_schedule(c)
+  want = [_fairseq_rate(n, warm, float(c.warmup_init_lr), peak, c.schedule, float(c.min_lr),
+                        int(c.num_steps) - warm) for n in steps]
+  np.testing.assert_allclose([float(schedule(n)) for n in steps], want, rtol=2e-6)
 
 
 def test_torch_cosine_is_the_srupp_scripts_schedule_step_by_step():

@@ -291,13 +291,13 @@ def restore_checked(path: str, abstract_tree, what: str, restore):
 # parameters (logging, checkpoint cadence, evaluation, caching) or only extend the run (num_steps, unless the
 # schedule or the CE warm-up is derived from it: _num_steps_shapes_training).
 # The translation trainer's own: eval_max_pairs (dev cadence's size), stop_after (this invocation's length),
-# target_token_budget (the run's length, like num_steps).
+# target_token_budget and num_epochs (the run's length, like num_steps).
 RESUMABLE_CHANGES = ("train.num_steps", "train.log_every", "train.eval_every", "train.eval_max_tokens",
                      "train.checkpoint_every", "train.keep_checkpoints", "train.allow_config_change",
                      "train.keep_best", "train.tensorboard", "train.wandb_project", "train.progress",
                      "train.profile_steps", "data.cache_dir", "eval.", "model.attention_impl",
                      "model.dropout_mask", "model.remat", "model.adaptive_tail_rows",
-                     "train.eval_max_pairs", "train.stop_after", "train.target_token_budget",
+                     "train.eval_max_pairs", "train.stop_after", "train.target_token_budget", "train.num_epochs",
                      "model.srupp_eval_same_length")
 
 

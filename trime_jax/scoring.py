@@ -589,15 +589,22 @@ def memory_log_weights(token_logits, keys, memory_keys, memory_targets, memory_m
   return _memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask, scale, normalise=False)
 
 
+def _every_memory(mem_targets_M):
+  """prime_M's default: P′ over every memory (the release takes P′ over its top-K external entries only: the
+  evaluator and the decoders pass that mask)."""
+  return jnp.ones(mem_targets_M.shape, bool)
+
+
 def trime_log_probs(logits_NxV, q_NxD, mem_keys_MxD, mem_targets_M, mem_mask_NxM, *, tau: float, prime_M=None,
                     knn_lambda: float = 0.0, tau_prime: float = 1.0):
   """log P `[N, V]`: TRIME's distribution at τ over the memories each row's mask shows (`memory_log_probs`);
   with knn_lambda > 0 Appendix A's (1-λ)·P_trime + λ·P′, P′(w) ∝ Σ_{visible, prime, x_j = w}
-  exp(sim/τ′) (τ′ = `tau_prime`) over the visible memories where `prime_M` is True (rows that see none keep
-  P_trime)."""
+  exp(sim/τ′) (τ′ = `tau_prime`) over the visible memories where `prime_M` is True (None: every memory, as
+  Appendix A states P′; rows that see none keep P_trime)."""
   log_p = memory_log_probs(logits_NxV, q_NxD, mem_keys_MxD, mem_targets_M, mem_mask_NxM, tau=tau)
   if not knn_lambda:
     return log_p
+  prime_M = _every_memory(mem_targets_M) if prime_M is None else prime_M
   prime_NxM = mem_mask_NxM & prime_M[None, :] & (mem_targets_M[None, :] >= 0)
   no_vocab = jnp.full_like(logits_NxV, -jnp.inf)  # P′ is memories only
   log_prime = memory_log_probs(no_vocab, q_NxD, mem_keys_MxD, mem_targets_M, prime_NxM, tau=tau_prime)
@@ -628,6 +635,7 @@ def log_contributions(logits_NxV, q_NxD, mem_keys_MxD, mem_targets_M, mem_mask_N
   log_vocab, log_mem = parts(logits, mask, tau)
   if not knn_lambda:
     return log_vocab, log_mem
+  prime_M = _every_memory(mem_targets_M) if prime_M is None else prime_M
   prime_NxM = mask & prime_M[None, :]
   _, log_prime = parts(jnp.full_like(logits, -jnp.inf), prime_NxM, tau_prime)  # P′ is memories only
   has = prime_NxM.any(-1)

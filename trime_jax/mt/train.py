@@ -180,11 +180,19 @@ def plan_target_tokens(pairs, plan: batching.Plan) -> np.ndarray:
   return np.add.reduceat(per_pair[plan.indices], plan.offsets[:-1])
 
 
+def run_updates(train_cfg, plan: batching.Plan) -> int:
+  """The run's length cap in updates: train.num_steps, or train.num_epochs passes over the plan's batches when
+  that is fewer (fairseq's --max-epoch with --max-update: whichever ends the run first)."""
+  epochs = int(train_cfg.get("num_epochs", 0))
+  steps = int(train_cfg.num_steps)
+  return min(steps, epochs * plan.num_batches) if epochs > 0 else steps
+
+
 def target_tokens_seen(plan: batching.Plan, tokens_of: np.ndarray, num_steps: int, budget: int) -> np.ndarray:
   """[updates] int64: the target tokens trained on after each update of the run. Its length is the run's length:
-  num_steps, or fewer when `train.target_token_budget` (> 0) is reached first — the first update after which the
-  target tokens trained on reach the budget (deterministic: the plan fixes every batch). Equal target-token
-  budgets compare objectives whose batches pad differently (BM25 batches mix lengths)."""
+  num_steps (`run_updates`), or fewer when `train.target_token_budget` (> 0) is reached first — the first update
+  after which the target tokens trained on reach the budget (deterministic: the plan fixes every batch). Equal
+  target-token budgets compare objectives whose batches pad differently (BM25 batches mix lengths)."""
   seen, total = [], 0
   for s in range(num_steps):
     total += int(tokens_of[plan.batch_at(s)])
@@ -272,8 +280,9 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
 class MTTask(loop.Task):
   """Translation's part of the training loop (`runtime.loop`): the plan's batches (a function of the update),
   padded to split over the devices; the update of `train_step`; valid CE (and TRIME with in-batch memory) nll and
-  perplexity; `mt.export.export_mt`. The run ends at train.num_steps or when train.target_token_budget target
-  tokens were trained on (`target_tokens_seen`); train lines add target_tokens_seen."""
+  perplexity; `mt.export.export_mt`. The run ends at train.num_steps, after train.num_epochs passes over the plan
+  (`run_updates`) or when train.target_token_budget target tokens were trained on (`target_tokens_seen`),
+  whichever comes first; train lines add target_tokens_seen."""
 
   eval_split = "valid"
   best_metric = "ce_ppl"  # the model's own distribution: every decoding mode (beam, kNN-MT, TRIME) starts from it
@@ -284,7 +293,7 @@ class MTTask(loop.Task):
     r, t = config.train, config.trime
     self.warm = int(t.ce_warmup_steps)
     self.pack_len = pack_len_of(config)
-    self.seen = target_tokens_seen(plan, plan_target_tokens(train_pairs, plan), int(r.num_steps),
+    self.seen = target_tokens_seen(plan, plan_target_tokens(train_pairs, plan), run_updates(r, plan),
                                    int(r.get("target_token_budget", 0)))
     self.total = len(self.seen)
     self.train_json = json.dumps(json.loads(r.to_json_best_effort()), sort_keys=True)

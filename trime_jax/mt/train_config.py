@@ -25,7 +25,7 @@ def validate_config(config) -> None:
   if t.batching not in batching.ORDERS:
     raise ConfigError(f"trime.batching must be one of {batching.ORDERS}, got {t.batching!r}")
   check_train_section(r)  # the section both trainers share (runtime.config): optimizer, schedule, cadences, ranges
-  for name in ("eval_max_pairs", "target_token_budget", "stop_after"):  # 0: all pairs / no budget / no limit
+  for name in ("eval_max_pairs", "target_token_budget", "stop_after", "num_epochs"):  # 0: all / none / no limit
     if int(r.get(name, 0)) < 0:
       raise ConfigError(f"train.{name} must be >= 0, got {r[name]}")
   if r.label_smoothing and t.memory != "none":

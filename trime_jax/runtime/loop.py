@@ -209,8 +209,9 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
   restored_step, restored = ckpt.restore_latest(mgr, ckpt.abstract(state), log=log)
   if restored_step is not None and restored_step > spec.total:
     raise CheckpointError(f"the newest checkpoint in {mgr.directory} is update {restored_step}, past this run's "
-                          f"{spec.total} updates (train.num_steps; translation: train.target_token_budget): give "
-                          f"train.num_steps={restored_step} or more to export or continue it, or use a fresh workdir")
+                          f"{spec.total} updates (train.num_steps; translation: also train.num_epochs, "
+                          f"train.target_token_budget): give train.num_steps={restored_step} or more to export or "
+                          f"continue it, or use a fresh workdir")
   # A finished run rerun: its final dev line is reused when it was measured as this run measures dev. A line of
   # a version before dev lines recorded their protocol was measured under the config.json the last invocation
   # wrote, read here before starting() replaces it.

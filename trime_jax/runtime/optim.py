@@ -34,7 +34,10 @@ def make_schedule(train_cfg) -> optax.Schedule:
 
     return torch_cosine
   init = float(train_cfg.warmup_init_lr) if warm else peak
-  warmup = optax.linear_schedule(init, peak, max(warm, 1))
+  rise = (peak - init) / max(warm, 1)
+  # fairseq's warm-up, init + n·(peak - init)/W: exact at update 0 (optax.linear_schedule computes
+  # (init - peak) + peak there, 1.19e-7 in float32 for the 247M's 1e-7 → 1.0)
+  warmup = lambda s: init + rise * jnp.minimum(jnp.asarray(s, jnp.float32), max(warm, 1))
   if train_cfg.schedule == "inverse_sqrt":  # fairseq: lr · sqrt(warmup / step) after the warm-up
     decay = lambda s: peak * jnp.sqrt(max(warm, 1) / jnp.maximum(s + max(warm, 1), 1))
   elif train_cfg.schedule == "cosine":
