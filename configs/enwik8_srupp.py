@@ -6,7 +6,9 @@ is L = 2,048 (long-term memory 12,228, the paper's number). Vanilla SRU++: `--co
 
 What the paper fixes: batch 16, 400k updates, L, the test memory, "other hyper-parameters and the optimizer as
 the SRU++ implementation's defaults". Those defaults are read from the SRU++ enwik8 script (asappresearch/sru,
-experiments/srupp_experiments/train_enwik8.py, and its README's commands, which all pass --layer_norm): RAdam,
+experiments/srupp_experiments/train_enwik8.py, and its README's commands; those pass --layer_norm on the
+3.0.0-dev-tao branch, May 2021, not on the later 3.0.0-dev / -codeclean / -apex, where the flag stays off: we
+follow the tao branch's commands, the SRU++ paper's runs, and the paper does not say which TRIME used): RAdam,
 lr 3e-4, weight decay 0.1, gradient clip 1.0, linear warm-up 16k then cosine to 0 over max_iter, dropout and
 attention dropout 0.22, highway bias -2, one head, layer norm on, attn_layer_norm on, an untied output layer.
 The script's default shape is the 108M base (d = 3,072, d' = 768, 10 layers, attention in every layer); the 42M
@@ -38,7 +40,8 @@ def get_config(segment_len: str = "512"):
   c.model.srupp_attention_every = 10  # attention in layer 10 only (see the docstring)
   c.model.srupp_num_heads = 1
   c.model.srupp_highway_bias = -2.0  # --bias
-  c.model.srupp_layer_norm = True  # --layer_norm (every command of the script's README)
+  c.model.srupp_layer_norm = True  # --layer_norm (every command of the 3.0.0-dev-tao branch's README; off in the
+  #   later 3.0.0-dev branch's commands)
   c.model.max_len = max(seg, 2048)
   c.model.dropout = 0.22  # the script's --dropout
   c.model.attention_dropout = 0.22  # --attn_dropout

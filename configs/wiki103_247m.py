@@ -58,7 +58,8 @@ def get_config():
   c.train.weight_decay = 0.0  # nag --weight-decay default 0
   c.train.clip_norm = 0.1  # --clip-norm 0.1
   c.train.schedule = "cosine"  # --lr-scheduler cosine (one period: 16k + 270k = --max-update, so --t-mult 2
-  #   and --lr-shrink 0.75 never act)
+  #   and --lr-shrink 0.75 never act). The period here is num_steps - warmup_steps (--lr-period-updates 270000
+  #   only while num_steps is 286k): a shorter num_steps re-sizes the cosine to fit the run
   c.train.warmup_steps = 16_000  # --warmup-updates 16000
   c.train.warmup_init_lr = 1e-7  # --warmup-init-lr 1e-07
   c.train.min_lr = 1e-4  # --lr 0.0001 (fairseq cosine's floor; --min-lr 1e-09 only stops training)

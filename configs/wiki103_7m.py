@@ -6,7 +6,8 @@ parameters here (a full tied softmax would have 35.9M). No script says how the 7
 configured: its flags are the 150M script's (--adaptive-input --tie-adaptive-weights, no --tie-adaptive-proj,
 softmax dropout 0) with the paper's factor 4; docs/paper_models.md.
 The original release has no 7M train script: shapes and the optimizer row come from the paper's appendix
-table; the architecture is the fork's transformer_lm_wiki103_small_sm ("7M model", 8 × 128, 4 heads), and
+table; the architecture is the fork's transformer_lm_wiki103_small_sm ("7M model without using adaptive softmax",
+8 × 128, 4 heads; adaptive here as the paper's table marks it, the only way to about 7M at 267k words), and
 what the paper leaves open (Adam betas, weight decay, seed, warm-up init) is taken from the 150M script,
 whose optimizer row in the paper is identical. docs/paper_configs.md lists each field's source.
 """
