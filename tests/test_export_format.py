@@ -288,3 +288,13 @@ def test_a_truncated_or_missing_parameter_file_is_named_before_orbax_reads(train
   old = {k: v for k, v in meta.items() if k != "params_files"}
   (copy / "meta.json").write_text(json.dumps(old))
   assert exports.params_digest(exports.load_export(str(copy))[1]) == meta["params_digest"]
+
+
+def test_loaded_parameters_live_on_the_device():
+  """load_export's parameters are device arrays, so the evaluator's and the datastore builder's jitted steps
+  do not copy the model from the host at every call (orbax restores an unsharded target as NumPy)."""
+  _, params, _, _, _ = exports.load_export(os.path.join(REPO, "trime_jax", "pretrained", "demo"))
+  leaves = jax.tree_util.tree_leaves(params)
+  assert leaves and all(isinstance(x, jax.Array) for x in leaves)
+  with jax.transfer_guard_host_to_device("disallow"):
+    jax.jit(lambda p: sum(x.sum() for x in jax.tree_util.tree_leaves(p)))(params).block_until_ready()
