@@ -4,15 +4,16 @@
       [--prompt=... | --prompt_file=FILE ...] [--max_new_tokens=64] [--temperature=0.8 --top_k=0 --top_p=0.95
       --seed=0 | --temperature=0 (greedy)] [--memory=none|local|long|external] [--tau=1.0] [--trace]
 
-  --memory=none      the model's softmax alone
-  --memory=local     + the keys of the prompt and of everything generated so far (default)
+  --memory=none      the model's softmax alone (default for a model trained without memory, trime.memory=none)
+  --memory=local     + the keys of the prompt and of everything generated so far (default otherwise)
   --memory=long      + a long-term store: --memory_file=FILE (its keys are computed first)
   --memory=external  + top-K entries of a datastore (--datastore=DIR from trime_jax.launch.build_datastore, --index,
                      --knn_k); --memory_file adds a store too; --knn_lambda / --tau_prime mix in Appendix A's P′;
                      --datastore_on_device: every entry, exactly, with the keys on the devices (no index)
 
 τ (--tau) defaults to the export's eval.tau, --tau_prime and --interp_memory to its eval.tau_prime and
-eval.interp_memory; pass the values that trime_jax.launch.eval / trime_jax.launch.eval_ext tuned. `\\n` in --prompt is a newline. Several --prompt / --prompt_file are generated as one batch. --trace
+eval.interp_memory, --knn_k and --nprobe to its eval.knn_k and eval.nprobe, and retrieved entries are scored as
+its evaluation scores them (eval.knn_exact: the index's scores, or exact from the stored keys); pass the values that trime_jax.launch.eval / trime_jax.launch.eval_ext tuned. `\\n` in --prompt is a newline. Several --prompt / --prompt_file are generated as one batch. --trace
 prints, for each generated token, its probability, the share of it that came from memory and the three memories
 that gave most (source, share, a few tokens of their context, [their next token]).
 """
@@ -25,20 +26,24 @@ from trime_jax.launch.common import check_export, check_flag, run_main
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
 _PROMPT = flags.DEFINE_multi_string("prompt", [], "A prompt (repeat for a batch); \\n is a newline.")
-_PROMPT_FILE = flags.DEFINE_multi_string("prompt_file", [], "A file whose whole text (final newlines dropped) is "
-                                         "one prompt (repeatable).")
+_PROMPT_FILE = flags.DEFINE_multi_string("prompt_file", [], "A file whose whole text is one prompt (word models: "
+                                         "final newlines dropped; repeatable).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Token budget per prompt (word models also stop at </s>).")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 = greedy.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most probable tokens (0: all).")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the most probable tokens with this much mass.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
-_MEMORY = flags.DEFINE_enum("memory", "local", ["none", "local", "long", "external"], "Memories of the distribution.")
+_MEMORY = flags.DEFINE_enum("memory", None, ["none", "local", "long", "external"],
+                            "Memories of the distribution (default: none for a model trained without memory, else "
+                            "local).")
 _TAU = flags.DEFINE_float("tau", None, "τ on memory similarities g·k/√D (default: the export's eval.tau).")
 _MEMORY_FILE = flags.DEFINE_string("memory_file", "", "Text file read into the long-term store first.")
 _DATASTORE = flags.DEFINE_string("datastore", "", "Datastore directory (memory=external).")
 _INDEX = flags.DEFINE_string("index", "", "FAISS index (default <datastore>/index.faiss).")
-_KNN_K = flags.DEFINE_integer("knn_k", 1024, "Retrieved entries per generated token.")
-_NPROBE = flags.DEFINE_integer("nprobe", 32, "IVF lists searched (IVF-PQ indexes).")
+_KNN_K = flags.DEFINE_integer("knn_k", None, "Retrieved entries per generated token (default: the export's "
+                              "eval.knn_k).")
+_NPROBE = flags.DEFINE_integer("nprobe", None, "IVF lists searched (IVF-PQ indexes; default: the export's "
+                               "eval.nprobe).")
 _KNN_LAMBDA = flags.DEFINE_float("knn_lambda", 0.0, "Appendix A: (1-λ)·P_trime + λ·P′ (0: off).")
 _TAU_PRIME = flags.DEFINE_float("tau_prime", None, "τ′ of P′ (on g·k/√D; default: the export's eval.tau_prime).")
 _INTERP_MEMORY = flags.DEFINE_enum("interp_memory", None, ["external", "all"],
@@ -67,29 +72,31 @@ def main(argv):
   from trime_jax.errors import ConfigError
 
   prompts = [p.replace("\\n", "\n") for p in _PROMPT.value]
+  files = []
   for path in _PROMPT_FILE.value:
     try:
       with open(path, encoding="utf-8") as f:
-        prompts.append(f.read().rstrip("\n"))  # a file's final newline would end the line (</s>) to continue
+        files.append(f.read())
     except (OSError, UnicodeDecodeError) as e:
       raise ConfigError(f"--prompt_file {path}: {e}") from None
-  if not prompts:
+  if not prompts and not files:
     raise ConfigError("nothing to continue: give --prompt or --prompt_file")
   memory = _MEMORY.value
+  named = memory or "the default memory (none or local)"
   if _MEMORY_FILE.value and memory not in ("long", "external"):
-    raise ConfigError(f"--memory_file fills the long-term store: use --memory=long (or external), not {memory}")
+    raise ConfigError(f"--memory_file fills the long-term store: use --memory=long (or external), not {named}")
   if memory == "long" and not _MEMORY_FILE.value:
     raise ConfigError("--memory=long needs --memory_file (the text the store holds)")
   if _DATASTORE.value and memory != "external":
-    raise ConfigError(f"--datastore is read with --memory=external, not {memory}")
+    raise ConfigError(f"--datastore is read with --memory=external, not {named}")
   if memory == "external" and not _DATASTORE.value:
     raise ConfigError("--memory=external needs --datastore (build one with `python -m trime_jax.launch.build_datastore`)")
   if _ON_DEVICE.value and memory != "external":
-    raise ConfigError(f"--datastore_on_device puts --datastore on the devices: use --memory=external, not {memory}")
+    raise ConfigError(f"--datastore_on_device puts --datastore on the devices: use --memory=external, not {named}")
   # --trace / --knn_lambda / --index when on (--notrace, --knn_lambda=0 ask for nothing); --knn_k / --nprobe when
-  # given at all (their defaults are numbers: given, they are meant to be applied)
+  # given at all (their defaults come from the export)
   given = [f"--{f.name}" for f in (_TRACE, _KNN_LAMBDA, _INDEX) if f.value] + [
-      f"--{f.name}" for f in (_KNN_K, _NPROBE) if flags.FLAGS[f.name].present]
+      f"--{f.name}" for f in (_KNN_K, _NPROBE) if f.value is not None]
   if _ON_DEVICE.value and given:
     # Refused before the keys are loaded (a 17.8M-key datastore takes minutes), not after; a retrieval setting
     # given with it would otherwise be silently unused.
@@ -99,6 +106,9 @@ def main(argv):
 
   check_export(None, _CHECKPOINT.value)  # a config.json field this version does not know: refused
   gen = G.Generator(_CHECKPOINT.value)
+  memory = memory or gen.default_memory
+  # A word model's file: its final newline would end the line (</s>) to continue; bytes are the text itself
+  prompts += [t.rstrip("\n") if gen.vocab.kind == "words" else t for t in files]
   tau = gen.default_tau if _TAU.value is None else _TAU.value
   if _TAU.value is None and not (math.isfinite(tau) and tau > 0):
     # The export's own evaluation τ is broken: say so, not "--tau must be > 0" for a flag nobody passed.
@@ -125,7 +135,10 @@ def main(argv):
     external = gen.on_device(_DATASTORE.value)
     print(f"external memory: all {external.count:,} entries, exact, on {external.devices} device(s)", flush=True)
   elif memory == "external":
-    external = gen.external(_DATASTORE.value, index_path=_INDEX.value, k=_KNN_K.value, nprobe=_NPROBE.value)
+    k = int(e.get("knn_k", 1024)) if _KNN_K.value is None else _KNN_K.value
+    nprobe = int(e.get("nprobe", 32)) if _NPROBE.value is None else _NPROBE.value
+    external = gen.external(_DATASTORE.value, index_path=_INDEX.value, k=k, nprobe=nprobe,
+                            exact=bool(e.get("knn_exact", False)), gpu=bool(e.get("knn_gpu", False)))
     print(f"external memory: top-{external.k} of {external.datastore.count:,} entries ({external.index.kind})",
           flush=True)
   mixed = f" knn_lambda={spec.knn_lambda:g} tau_prime={tau_prime:g} interp_memory={interp_memory}" \

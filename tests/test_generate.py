@@ -405,6 +405,37 @@ def test_external_datastore_generation_and_mismatch(tmp_path, byte_gen):
     other.external(ds_dir, k=8)
 
 
+def test_external_memory_is_scored_as_evaluation_scores_it(tmp_path, byte_gen):
+  """With an IVF-PQ index, generation's first-step law = the formula over the prompt's keys and the entries the
+  evaluator retrieves (`knn.ExternalMemory.retrieve`) with the similarities it uses: the index's approximate
+  scores when not exact, the stored keys' exact ones with exact (found by a review: generation always rescored
+  exactly, so a τ tuned by eval_ext on approximate scores met other similarities)."""
+  from trime_jax.datastore import build_index
+
+  ds_dir = _byte_datastore(tmp_path / "ds", byte_gen, 40)
+  ivf = str(tmp_path / "ds" / "ivfpq.faiss")
+  build_index(Datastore(ds_dir), ivf, kind="ivfpq", nlist=4, pq_m=4, pq_bits=4, progress=False)
+  seq = [byte_gen.vocab.bos] + list(b"def add(a")
+  logits, keys = _uncached(_model(byte_gen), seq)
+  local_sim = keys[:-1] @ keys[-1] / math.sqrt(keys.shape[1])
+  spec = G.MemorySpec("external", tau=0.5)
+  probs = {}
+  for exact in (False, True):
+    ext = byte_gen.external(ds_dir, index_path=ivf, k=8, nprobe=4, exact=exact, log=lambda m: None)
+    got = ext.retrieve(keys[-1:].astype(np.float32))
+    sim = np.concatenate([local_sim, got.sim[0].astype(np.float64)])
+    targets = np.concatenate([seq[1:], got.targets[0]])
+    mass = np.exp(logits[-1])
+    for s_j, t in zip(sim, targets):
+      if t >= 0:
+        mass[t] += math.exp(s_j / 0.5)
+    out = byte_gen.generate(["def add(a"], max_new_tokens=1, sampling=G.Sampling(0), memory=spec, external=ext,
+                            trace=True)[0]
+    probs[exact] = out.trace[0].prob
+    np.testing.assert_allclose(out.trace[0].prob, mass[out.tokens[0]] / mass.sum(), rtol=1e-4)
+  assert abs(probs[True] - probs[False]) > 1e-4 * probs[True]  # 4-bit PQ scores are not the exact ones
+
+
 def test_on_device_datastore_generation_is_every_entry_exactly(tmp_path, byte_gen):
   """memory=external with the datastore on the devices = FAISS flat with K = every entry (greedy tokens), and
   its first step's distribution = float64 NumPy over the prompt's keys and every datastore entry."""
@@ -520,3 +551,30 @@ def test_p_prime_without_a_mask_is_over_every_memory():
     np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(G.next_token_log_probs(*args, **kw),
                                 G.next_token_log_probs(*args, prime_M=every, **kw))
+
+
+def test_a_model_trained_without_memory_generates_without_it_by_default(tmp_path, byte_gen):
+  """The API, Generator.generate and the CLI agree on the default memory: none for an export trained with
+  trime.memory=none, local otherwise (the CLI and Generator used local for every export, mixing a memory
+  term into the vanilla model's law); a byte model's --prompt_file is the file's whole text, final newline
+  included (word models drop it: it would end the line to continue)."""
+  cfg = tiny_config("unused.bin", **{"model.num_layers": 2, "model.d_model": 16, "model.num_heads": 2,
+                                     "model.d_ff": 32, "model.max_len": 32, "model.dropout": 0.0, "eval.tau": 0.5,
+                                     "trime.memory": "none"})
+  vocab = data.Vocab.bytes()
+  net = M.TransformerLM(specs.model_config(cfg, vocab_size=len(vocab)), rngs=nnx.Rngs(0))
+  vanilla = G.Generator(exports.export(str(tmp_path / "vanilla"), nnx.state(net, nnx.Param), cfg, vocab),
+                        log=lambda m: None)
+  assert (vanilla.default_memory, byte_gen.default_memory) == ("none", "local")
+  kw = dict(max_new_tokens=6, sampling=G.Sampling(0), trace=True)
+  default = vanilla.generate(["abcabcabcab"], **kw)[0]
+  assert default.tokens == vanilla.generate(["abcabcabcab"], memory="none", **kw)[0].tokens
+  assert all(s.memory_share == 0 for s in default.trace)
+  prompt = tmp_path / "prompt.py"
+  prompt.write_text("abcabcabcab\n")
+  r = run_cli("trime_jax.launch.generate", f"--checkpoint={tmp_path / 'vanilla'}", f"--prompt_file={prompt}",
+              "--max_new_tokens=6", "--temperature=0")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "memory=none " in r.stdout
+  with_newline = vanilla.generate(["abcabcabcab\n"], memory="none", **kw)[0]
+  assert "abcabcabcab\n\u2502" + with_newline.text in r.stdout, r.stdout

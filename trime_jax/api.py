@@ -174,8 +174,11 @@ class Memory:
   token's key, and its first window also reads the documents' last `eval.context_window` tokens as context.
   Generation reads each document's keys into the generator's long-term store on its own (`Generator.read`,
   from `</s>`), and the prompt starts afresh: so with long memory, generate's law for a prompt's next token is
-  not score's at the same position (the keys and the prompt's context differ); with local and external memory
-  alone they agree."""
+  not score's at the same position (the keys and the prompt's context differ). With no, local or external
+  memory they agree over the evaluator's first window (prompt + output within its first eval.block_len -
+  eval.context_window tokens at least; the demo's first 256); past it the contexts differ: evaluation moves its
+  window by block_len - context_window tokens (context_window of context), generation slides its cache window
+  by max_len // 2 (`generate`'s docstring), and generation's local memory keeps every earlier key."""
 
   def __init__(self, model: "Model"):
     self._model = model
@@ -380,9 +383,8 @@ class Model:
   def _memory(self, memory):
     """`memory`, or when None the export's own: "none" for a model trained without memory (trime.memory=none,
     the vanilla model, scored alone as launch.eval's first row scores it), else "local"."""
-    if memory is not None:
-      return memory
-    return "none" if str(self.config.trime.get("memory", "local")) == "none" else "local"
+    from trime_jax.generate.generator import default_memory
+    return default_memory(self.config) if memory is None else memory
 
   def score(self, texts, memory: str | None = None, *, tau: float | None = None, datastore: str | None = None,
             k: int | None = None, index: str | None = None):

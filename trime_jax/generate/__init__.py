@@ -11,8 +11,9 @@ computed by `scoring.memory_log_probs` (the dense segment-sum) for one query per
   long       local + a `LongTermMemory` carried across calls (a document, a chat history: `read` fills it,
              every call appends its prompts and outputs unless remember=False), shared by all rows
   external   local (+ the long-term store if given) + the top-K entries a FAISS index retrieves from a
-             `trime_jax.launch.build_datastore` datastore, one search per generated token; their similarities are exact
-             (re-scored from the stored keys). Optionally Appendix A's interpolation
+             `trime_jax.launch.build_datastore` datastore, one search per generated token; their similarities are
+             evaluation's (`eval.knn_exact`): the index's own (IVF-PQ: approximate) scores, or with exact=True
+             re-scored from the stored keys. Optionally Appendix A's interpolation
              (1 - λ)·P_trime(τ) + λ·P′(τ′), P′(w) ∝ Σ_{retrieved, x_j = w} exp(sim / τ′).
              Or every entry of the datastore, exactly, when it is on the devices (`Generator.on_device`,
              `exact_memory.exact_external_log_probs`: no search, no K; no interpolation or trace of its entries)

@@ -33,6 +33,12 @@ class Generation:
   trace: list  # [TraceStep] when asked for
 
 
+def default_memory(config) -> str:
+  """The memory an export is used with when none is asked for: "none" for a model trained without memory
+  (trime.memory=none, the vanilla model; scored alone as launch.eval's first row scores it), else "local"."""
+  return "none" if str(config.trime.get("memory", "local")) == "none" else "local"
+
+
 def _stderr(msg: str) -> None:
   print(msg, file=sys.stderr, flush=True)
 
@@ -81,6 +87,7 @@ class Generator:
     self.cfg = model.cfg
     self.decoder = CachedDecoder(graphdef, params, self.cfg)
     self.default_tau = float(self.config.eval.tau)  # the export's evaluation τ
+    self.default_memory = default_memory(self.config)  # none for a vanilla model, else local
     self.eos = self.vocab.index.get(data.EOS)  # bytes: none (generation stops at the budget)
     self.log = log
     self.text = Text(self.vocab, lambda msg: self.log(msg))  # through self.log: a caller may replace it
@@ -122,11 +129,14 @@ class Generator:
     return LongTermMemory(self.cfg.d_model)
 
   def external(self, datastore_dir: str, *, index_path: str = "", k: int = 1024, nprobe: int = 32,
-               gpu: bool = False, log: Callable[[str], None] = knn.print_line) -> knn.ExternalMemory:
+               exact: bool = False, gpu: bool = False,
+               log: Callable[[str], None] = knn.print_line) -> knn.ExternalMemory:
     """A datastore + index of this model (built by `trime_jax.launch.build_datastore`; another model's or vocabulary's
-    is refused). `log` hears which index it searches (`knn.ExternalMemory`'s line; default: stdout)."""
+    is refused). Its entries are scored as evaluation scores them (`eval.knn_exact`): by the index's own inner
+    products, or with `exact` from the stored keys. `log` hears which index it searches (`knn.ExternalMemory`'s
+    line; default: stdout)."""
     ext = knn.ExternalMemory(datastore_dir, index_path=index_path, checkpoint_dir=self.checkpoint_dir, k=k,
-                             nprobe=nprobe, gpu=gpu, log=log)  # another model's datastore: one error saying so
+                             nprobe=nprobe, exact=exact, gpu=gpu, log=log)  # another model's datastore: one error saying so
     if ext.dimension != self.cfg.d_model:
       raise CheckpointError(f"datastore keys have dimension {ext.dimension}, the model's keys {self.cfg.d_model}")
     return ext
@@ -148,11 +158,11 @@ class Generator:
                stop_at_eos: bool = True) -> list[Generation]:
     """Continue each prompt (a string, or a list of token ids; or a list of such prompts) by up to
     `max_new_tokens` tokens, stopping a row at `</s>` (word vocabularies, `stop_at_eos`). memory: a MemorySpec
-    or its kind as a string (none | local | long | external; default: local; τ: the export's eval.tau unless
-    given). `store` (memory long or external) is read, and extended with every row's prompt and output unless
+    or its kind as a string (none | local | long | external; default: `default_memory`, none for a model trained
+    without memory, else local; τ: the export's eval.tau unless given). `store` (memory long or external) is read, and extended with every row's prompt and output unless
     remember=False; `external` (memory external) is searched once per generated token."""
     if memory is None or isinstance(memory, str):
-      memory = MemorySpec(memory or "local")  # MemorySpec names the kinds it accepts
+      memory = MemorySpec(memory or self.default_memory)  # MemorySpec names the kinds it accepts
     elif not isinstance(memory, MemorySpec):
       raise ConfigError(f"memory must be a MemorySpec or one of {MEMORIES}, got {type(memory).__name__}")
     if not isinstance(sampling, Sampling):

@@ -70,17 +70,30 @@ class LongTermMemory:
     self.tokens = np.concatenate([self.tokens, np.asarray(tokens_N, np.int32)])
 
 
-def search(external: knn.ExternalMemory, queries_BxD) -> np.ndarray:
-  """[B, K] datastore ids of each query's top-K. One thread: a few queries per step gain nothing from
-  OpenMP, and its start-up costs 4x on a busy 2-core machine (38 vs 9 ms for K=1024 over 50k keys)."""
+def search(external: knn.ExternalMemory, queries_BxD) -> tuple[np.ndarray, np.ndarray]:
+  """([B, K] the index's inner products, [B, K] datastore ids) of each query's top-K. One thread: a few queries
+  per step gain nothing from OpenMP, and its start-up costs 4x on a busy 2-core machine (38 vs 9 ms for K=1024
+  over 50k keys)."""
   import faiss
 
   threads = faiss.omp_get_max_threads()
   faiss.omp_set_num_threads(1)
   try:
-    return external.index.search(queries_BxD, external.k)[1]
+    return external.index.search(queries_BxD, external.k)
   finally:
     faiss.omp_set_num_threads(threads)
+
+
+def keys_scoring_as(keys_BxKxD, queries_BxD, scores_BxK) -> np.ndarray:
+  """Keys k′ = k + (s - q·k)·q/|q|² with q·k′ = s: each row's retrieved keys moved along its own query so that
+  the engine's exact q·k′ is the index's score s. A row sees only its own retrieved block, so this gives the
+  law of scoring with `eval.knn_exact=False` (`knn.ExternalMemory.retrieve`: the index's approximate IVF-PQ
+  scores); rows with a zero query keep their keys."""
+  q = queries_BxD.astype(np.float64)
+  k = keys_BxKxD.astype(np.float64)
+  qq = (q * q).sum(-1)[:, None]  # [B, 1]
+  gap = np.where(qq > 0, (scores_BxK - np.einsum("bkd,bd->bk", k, q)) / np.where(qq > 0, qq, 1.0), 0.0)
+  return (k + gap[..., None] * q[:, None, :]).astype(np.float32)
 
 
 class Memories:
@@ -120,11 +133,17 @@ class Memories:
     self.local_keys, self.local_targets = jnp.asarray(self.local_keys), jnp.asarray(self.local_targets)
 
   def retrieve(self, queries_BxD) -> None:
-    """This step's external entries: each row's top-K of a FAISS datastore (nothing for the other memories)."""
+    """This step's external entries: each row's top-K of a FAISS datastore (nothing for the other memories),
+    scored as evaluation scores them: exactly from the stored keys with `exact`, else by the index's own
+    (IVF-PQ: approximate) inner products (`keys_scoring_as`)."""
     if self.external is None or self.on_device:
       return
-    self.ext_ids = search(self.external, np.asarray(queries_BxD, np.float32))
-    self.ext_keys = jnp.asarray(self.external.datastore.gather_keys(self.ext_ids))
+    queries = np.asarray(queries_BxD, np.float32)
+    scores, self.ext_ids = search(self.external, queries)
+    keys = self.external.datastore.gather_keys(self.ext_ids)
+    if not self.external.exact:
+      keys = keys_scoring_as(keys, queries, np.where(self.ext_ids >= 0, scores, 0.0))
+    self.ext_keys = jnp.asarray(keys)
     values = np.asarray(self.external.datastore.values[np.maximum(self.ext_ids, 0)])
     self.ext_targets = jnp.asarray(np.where(self.ext_ids >= 0, values, -1).astype(np.int32))
 
