@@ -4,6 +4,7 @@ long-term store, an external datastore, bad input, and the CLI once."""
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -142,6 +143,16 @@ def test_top_k_top_p_masks_match_numpy(temperature, top_k, top_p):
   s = G.Sampling(temperature, top_k, top_p, seed=0)
   draws = np.asarray(G.sample(jnp.asarray(np.repeat(log_p[1:2], 400, 0)), G.row_keys(0, np.arange(400), 0), s))
   assert want[1][draws].all() and len(set(draws)) > 1
+
+
+def test_a_tiny_temperature_samples_the_most_probable_token():
+  """A subnormal temperature (1e-40) is greedy in effect: it overflowed every tempered entry to -inf, and the
+  draw was token 0 whatever the distribution (found by a review)."""
+  log_p = jax.nn.log_softmax(jnp.asarray(np.random.default_rng(3).normal(size=(4, 30)), jnp.float32) * 3)
+  filtered = G.filter_log_probs(log_p, temperature=1e-40)
+  assert np.isfinite(np.asarray(filtered)).any(axis=1).all()
+  draws = G.sample(log_p, G.row_keys(0, np.arange(4), 0), G.Sampling(1e-40))
+  np.testing.assert_array_equal(draws, np.argmax(np.asarray(log_p), axis=1))
 
 
 def test_sampling_is_deterministic_by_seed(byte_gen):

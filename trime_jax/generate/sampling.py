@@ -57,7 +57,11 @@ def filter_log_probs(log_p_BxV, *, temperature: float = 1.0, top_k: int = 0, top
   """Log-probabilities to sample from: tempered (temperature > 0), renormalised, and -inf outside the top-k
   and then outside the nucleus (the most probable tokens whose mass first reaches top_p). Ties at a cut are
   kept, so the result does not depend on how a sort orders equal values."""
-  x = jax.nn.log_softmax(log_p_BxV / temperature if temperature > 0 else log_p_BxV, axis=-1)
+  # Tempered from the row's maximum (0), by at least 1e-30 (a float32 normal): the most probable token stays
+  # finite at any temperature (a subnormal one, flushed to 0 on devices, gave NaN or -inf everywhere, and the
+  # draw was token 0)
+  top = jnp.max(log_p_BxV, axis=-1, keepdims=True)
+  x = jax.nn.log_softmax((log_p_BxV - top) / max(temperature, 1e-30) if temperature > 0 else log_p_BxV, axis=-1)
   if top_k and top_k < x.shape[-1]:
     kth = jax.lax.top_k(x, top_k)[0][:, -1:]
     x = jax.nn.log_softmax(jnp.where(x >= kth, x, -jnp.inf), axis=-1)
