@@ -25,9 +25,12 @@ Model FLOPs per trained token (forward + backward = 3 × forward; a multiply-add
   6 · N_mm                      N_mm: parameters used in matmuls per token: per layer 4·D² (q, k, v, out) +
                                 2·D·F (FFN); adaptive input: Σ_i dim_i·D (every band's projection runs for
                                 every token here); output layer: full softmax V·D, adaptive softmax
-                                (c_1 + k)·D head + r · Σ_i (D·dim_i + V_i·dim_i) tails (every tail runs for
-                                every token, r = 1, unless model.adaptive_tail_rows = r < 1: then a tail runs for
-                                r of the rows). Embedding lookups, biases, LayerNorms, softmaxes: not counted.
+                                (c_1 + k)·D head + Σ_i s_i · (D·dim_i + V_i·dim_i) tails, s_i the share of the
+                                step's targets in tail i (the model needs a tail only for its own targets, as
+                                the original's criterion computes it). MFU counts these; HFU ("hardware") counts
+                                what this code executes: every tail for every row (s_i = 1), or for r of the
+                                rows under model.adaptive_tail_rows = r < 1. Embedding lookups, biases,
+                                LayerNorms, softmaxes: not counted.
   + 12 · n_layers · D · ctx     causal attention: QKᵀ and AV, 2·D each per visible key, ×3; ctx = (L+1)/2 keys
                                 seen on average (masked-out keys are not counted, though XLA computes them)
   + 6 · D · M                   TRIME only: the memory similarities g·g_j (2·D forward, 4·D backward: dq, dk)
@@ -92,7 +95,8 @@ PEAKS_TFLOPS = (
 FORMULA = ("model FLOPs/token = 6·N_mm + 12·n_layers·D·(L+1)/2 [causal attention] + 6·D·M [TRIME memory "
            "similarities; M: local (L-1)/2, long (m-1)·L/2+(L-1)/2, ext (B-1)·L+(1-p)·(L-1)/2]; N_mm = "
            "n_layers·(4·D²+2·D·F) + adaptive-input projections Σ dim_i·D + output layer (V·D, or adaptive head "
-           "(c_1+k)·D + r·tails Σ D·dim_i+V_i·dim_i, r = model.adaptive_tail_rows)")
+           "(c_1+k)·D + Σ s_i·(D·dim_i+V_i·dim_i), s_i = share of the targets in tail i); MFU = model FLOPs/s ÷ "
+           "peak; HFU: the tails as executed (s_i = 1, or model.adaptive_tail_rows)")
 
 
 def peak_tflops(device_kind: str, dtype: str, override: float = 0.0):
@@ -106,8 +110,10 @@ def peak_tflops(device_kind: str, dtype: str, override: float = 0.0):
   return None, f"no peak known for {device_kind!r}"
 
 
-def matmul_params(mcfg) -> dict:
-  """N_mm per token by part (see the module docstring)."""
+def matmul_params(mcfg, tail_shares=None) -> dict:
+  """N_mm per token by part (see the module docstring): the model's, each adaptive-softmax tail at the share
+  of targets in it (`tail_shares`); with tail_shares None, as executed (every tail for every row, or for
+  model.adaptive_tail_rows of them)."""
   d, f, nl = mcfg.d_model, mcfg.d_ff, mcfg.num_layers
   parts = {"layers": nl * (4 * d * d + 2 * d * f)}
   edges = mcfg.band_edges
@@ -116,13 +122,24 @@ def matmul_params(mcfg) -> dict:
                                        for i in range(len(edges) - 1))
   if mcfg.adaptive_softmax:
     k = len(edges) - 2
-    tails = sum(model_lib.band_dim(d, mcfg.adaptive_softmax_factor, i + 1) * (d + edges[i + 2] - edges[i + 1])
-                for i in range(k))
-    # model.adaptive_tail_rows = r < 1: a tail runs for ceil(r · rows) rows (its own, gathered), not every row
-    parts["softmax"] = (edges[1] + k) * d + tails * min(1.0, getattr(mcfg, "adaptive_tail_rows", 1.0))
+    if tail_shares is None:  # model.adaptive_tail_rows = r < 1: a tail runs for ceil(r · rows) rows, not every row
+      tail_shares = [min(1.0, getattr(mcfg, "adaptive_tail_rows", 1.0))] * k
+    if len(tail_shares) != k:
+      raise ValueError(f"{k} adaptive-softmax tails, {len(tail_shares)} shares")
+    tails = sum(share * model_lib.band_dim(d, mcfg.adaptive_softmax_factor, i + 1)
+                * (d + edges[i + 2] - edges[i + 1]) for i, share in enumerate(tail_shares))
+    parts["softmax"] = (edges[1] + k) * d + tails
   else:
     parts["softmax"] = mcfg.vocab_size * d
   return parts
+
+
+def tail_shares_of(mcfg, targets) -> list | None:
+  """The share of `targets` in each adaptive-softmax tail band (None without an adaptive softmax)."""
+  if not mcfg.adaptive_softmax:
+    return None
+  t, edges = np.asarray(targets).reshape(-1), mcfg.band_edges
+  return [float(((t >= lo) & (t < hi)).mean()) for lo, hi in zip(edges[1:-1], edges[2:])]
 
 
 def memories_per_query(memory: str, b: int, l: int, m: int, p_drop: float) -> float:
@@ -135,8 +152,11 @@ def memories_per_query(memory: str, b: int, l: int, m: int, p_drop: float) -> fl
   return 0.0
 
 
-def flops_per_token(mcfg, l: int, objective: str, memory: str, b: int, m: int, p_drop: float) -> dict:
-  parts = matmul_params(mcfg)
+def flops_per_token(mcfg, l: int, objective: str, memory: str, b: int, m: int, p_drop: float,
+                    tail_shares=None) -> dict:
+  """Model FLOPs per token ("total"; the adaptive tails at `tail_shares`, as executed when None) and the
+  executed count ("executed_total", HFU's)."""
+  parts = matmul_params(mcfg, tail_shares)
   n_mm = sum(parts.values())
   out = {"n_mm": n_mm, "n_mm_parts": parts, "matmul": 6 * n_mm,
          "attention": 12 * mcfg.num_layers * mcfg.d_model * (l + 1) / 2}
@@ -144,6 +164,8 @@ def flops_per_token(mcfg, l: int, objective: str, memory: str, b: int, m: int, p
   out["memories_per_query"] = mem
   out["memory"] = 6 * mcfg.d_model * mem
   out["total"] = out["matmul"] + out["attention"] + out["memory"]
+  out["tail_shares"] = tail_shares
+  out["executed_total"] = out["total"] + 6 * (sum(matmul_params(mcfg).values()) - n_mm)
   return out
 
 
@@ -368,10 +390,12 @@ def measure(config, objective: str, rows: int, n_steps: int, warmup: int, peak):
   step_s = statistics.median(times)
   tokens = a * rows * l
   m = spec.objective.consecutive_segments
-  fl = flops_per_token(mcfg, l, objective, memory, rows, m, float(config.trime.drop_local_prob))
+  fl = flops_per_token(mcfg, l, objective, memory, rows, m, float(config.trime.drop_local_prob),
+                       tail_shares=tail_shares_of(mcfg, batch["targets"]))
   xla_raw = _cost_flops(compiled)
   xla = xla_raw * (a if loop_body_counted_once() else 1) if xla_raw is not None else None
   model_flops = fl["total"] * tokens
+  executed_flops = fl["executed_total"] * tokens
   row = {"objective": objective, "memory": memory if use_trime else "none", "rows_per_device": rows,
          "attention_impl": mcfg.attention_impl, "remat": mcfg.remat,
          "segment_len": l, "grad_accum": a, "tokens_per_step": tokens, "dtype": mcfg.dtype,
@@ -379,8 +403,11 @@ def measure(config, objective: str, rows: int, n_steps: int, warmup: int, peak):
          "flops_per_token": fl, "model_flops_per_step": model_flops, "xla_flops_per_step": xla,
          "xla_flops_raw": xla_raw, "xla_loop_body_counted_once": loop_body_counted_once(),
          "model_over_xla": model_flops / xla if xla else None,
+         "executed_over_xla": executed_flops / xla if xla else None,
          "achieved_tflops": model_flops / step_s / 1e12,
          "mfu": model_flops / step_s / 1e12 / peak if peak else None,
+         "executed_flops_per_step": executed_flops,
+         "hfu": executed_flops / step_s / 1e12 / peak if peak else None,
          "xla_memory_plan_bytes": _memory_plan(compiled), "device_peak_bytes_so_far": _device_peak(),
          "loss": float(metrics["loss"]), "skipped": int(metrics["skipped"])}
   return row
@@ -459,8 +486,8 @@ def main(argv=None):
              "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv[1:],
              "set": settings}
   print(f"settings: {' '.join(f'{k}={v}' for k, v in settings.items()) if settings else 'as configured'}")
-  header = ("| config | objective | B×L×A | step (s) | tokens/s | model GFLOP/token | XLA ÷ model | TFLOP/s | "
-            "MFU | XLA plan GiB | TRIME÷CE |")
+  header = ("| config | objective | B×L×A | step (s) | tokens/s | model GFLOP/token | XLA ÷ executed | TFLOP/s | "
+            "MFU | HFU | XLA plan GiB | TRIME÷CE |")
   print(header)
   print("|" + "---|" * (header.count("|") - 1))
 
@@ -508,12 +535,13 @@ def main(argv=None):
         entry["trime_over_ce"] = r["step_s"] / entry["rows"]["ce"]["step_s"]
         ratio = f"{entry['trime_over_ce']:.3f}"
       mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-      xr = f"{1 / r['model_over_xla']:.2f}" if r["model_over_xla"] else "n/a"
+      hfu = f"{100 * r['hfu']:.1f}%" if r["hfu"] is not None else "n/a"
+      xr = f"{1 / r['executed_over_xla']:.2f}" if r["executed_over_xla"] else "n/a"
       plan = f"{r['xla_memory_plan_bytes'] / 2**30:.2f}" if r["xla_memory_plan_bytes"] else "n/a"
       label = objective if objective == "ce" else f"trime ({r['memory']})"
       print(f"| {name} | {label} | {rows}×{r['segment_len']}×{r['grad_accum']} | {r['step_s']:.4f} | "
             f"{r['tokens_per_s']:,.0f} | {r['flops_per_token']['total'] / 1e9:.4f} | {xr} | "
-            f"{r['achieved_tflops']:.3f} | {mfu} | {plan} | {ratio} |", flush=True)
+            f"{r['achieved_tflops']:.3f} | {mfu} | {hfu} | {plan} | {ratio} |", flush=True)
       write()
       if args.max_batch:
         best, why = max_batch(config, objective, rows, max(args.steps // 2, 3), 1, peak, args.max_batch_limit)
@@ -522,7 +550,7 @@ def main(argv=None):
           mfu = f"{100 * best['mfu']:.1f}%" if best["mfu"] is not None else "n/a"
           print(f"| {name} | {label}, largest | {best['rows_per_device']}×{best['segment_len']}×"
                 f"{best['grad_accum']} | {best['step_s']:.4f} | {best['tokens_per_s']:,.0f} | | | "
-                f"{best['achieved_tflops']:.3f} | {mfu} | | | ({why})", flush=True)
+                f"{best['achieved_tflops']:.3f} | {mfu} | | | | ({why})", flush=True)
         write()
     if args.pipeline_steps and entry["rows"]:
       entry["input_pipeline"] = p = input_pipeline(config, args.pipeline_steps,

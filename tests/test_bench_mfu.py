@@ -4,6 +4,7 @@ import contextlib
 import io
 import json
 
+import numpy as np
 import pytest
 
 from bench import mfu
@@ -135,6 +136,17 @@ def test_formula_adaptive_by_hand():
   assert mfu.matmul_params(ModelConfig(**kw)) == {"layers": layers, "adaptive_input_proj": proj,
                                                   "softmax": head + tails}
   assert mfu.matmul_params(ModelConfig(**kw, adaptive_tail_rows=0.25))["softmax"] == head + tails / 4
+  # The model's count (MFU): each tail at the share of the targets in its band, whatever the code executes
+  # (found by a review: counting every tail for every row overstated the 150M's FLOPs 2.5 times)
+  cfg = ModelConfig(**kw)
+  targets = np.array([0, 1, 12, 29, 30, 49, 3, 5])  # 2 of 8 in band [10, 30), 2 in [30, 50)
+  shares = mfu.tail_shares_of(cfg, targets)
+  assert shares == [0.25, 0.25]
+  assert mfu.matmul_params(cfg, shares)["softmax"] == head + 8 * (16 + 20) / 4 + 4 * (16 + 20) / 4
+  f = mfu.flops_per_token(cfg, l=5, objective="ce", memory="none", b=3, m=1, p_drop=0.0, tail_shares=shares)
+  assert f["executed_total"] - f["total"] == 6 * (tails - tails / 4)
+  assert mfu.tail_shares_of(ModelConfig(vocab_size=50, num_layers=1, d_model=16, num_heads=2, d_ff=32),
+                            targets) is None
 
 
 def test_peak_table():
