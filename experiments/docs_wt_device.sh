@@ -7,6 +7,8 @@
 #            # .gpu/ (git-ignored): the pinned pure-Python packages (flax, optax, orbax-checkpoint, ml_collections;
 #            # the machine's own jax runs them), the encoded corpus cache (xz; the raw corpus in ../shared does not
 #            # travel), carried with runs/plans (the batch plans)
+#   here:  bash experiments/docs_wt_device.sh check "vanilla:0 ext:0"
+#            # before a slot: the wheels, the corpus cache and each job's batch plan are here, the carry fits
 #   there: bash experiments/docs_wt_device.sh train "vanilla:0 local:0 ..."
 #            # every NAME:SEED job at once on the one GPU (each is small; CHUNK seconds at most, then they
 #            # checkpoint and stop, as on CPU), logs and exports under runs/, then the exports as one tar split
@@ -150,7 +152,7 @@ PYEOF
     ;;
   exact)  # there: experiments/docs_wt.sh exact NAME for each NAME at once; results and logs copied to $OUT
     setup   # (STEPS=12000: runs/docs_wt_12k/NAME/export, carried)
-    D=$(STEPS=${STEPS:-1200} SEED=0 bash experiments/docs_wt.sh dir)
+    D=$(STEPS=${STEPS:-1200} SEED=${SEED:-0} bash experiments/docs_wt.sh dir)
     for NAME in $2; do
       # the whole process group stopped at EXACT_LIMIT s, so the copies below run inside a 600-s call
       ( STEPS=${STEPS:-1200} PYBIN=$PYBIN timeout -k 10 ${EXACT_LIMIT:-540} bash experiments/docs_wt.sh exact $NAME \
@@ -169,7 +171,7 @@ PYEOF
     #      FAISS in /tmp (faiss_gpu_env.sh): without it there is no FAISS at all and only `exact` runs.
     setup
     source experiments/faiss_gpu_env.sh  # FAISS_GPU_READY; its PYTHONPATH entry comes before the faiss stub's
-    D=$(STEPS=${STEPS:-1200} SEED=0 bash experiments/docs_wt.sh dir)
+    D=$(STEPS=${STEPS:-1200} SEED=${SEED:-0} bash experiments/docs_wt.sh dir)
     if [ "$FAISS_USABLE" = 1 ]; then M="ivfpq_cpu"; [ "$FAISS_GPU_READY" = 1 ] && M="$M ivfpq_gpu"; M="$M exact"
     else M="exact"; export EXT3_INDEX=none; fi
     # The whole at EXT3_LIMIT s (default 540 of a 600-s call; in a session with less device time left: its
@@ -189,6 +191,29 @@ PYEOF
     done
     tar -C "$D/$2" -czf "$OUT/ext3_logs.tgz" $(cd "$D/$2" && ls ext3_*.log ds*/*.json 2>/dev/null) || true
     ;;
+  check)  # here, before a slot: what `train JOBS` reads on the device is prepared, and the carry fits (exit 1 if not)
+    JOBS=${2:?usage: $0 check "NAME:SEED ..."}
+    BAD=0
+    for W in $(grep -v '^#' experiments/device_wheels.txt); do  # wheel file names: lower case, - as _
+      N=$(echo "${W%%==*}" | tr 'A-Z-' 'a-z_'); V=${W#*==}
+      ls .gpu/whl 2>/dev/null | tr 'A-Z' 'a-z' | grep -q "^${N}-${V}-" || { echo "missing: wheel $W (prepare)"; BAD=1; }
+    done
+    [ -f .gpu/cache/docs_wt.tar.xz ] || { echo "missing: .gpu/cache/docs_wt.tar.xz (prepare)"; BAD=1; }
+    for JOB in $JOBS; do
+      NAME=${JOB%:*}; S=${JOB#*:}
+      case "$NAME" in
+        long) P=runs/plans/docs_wt_long ;;
+        ext|ext_stopgrad|ext_p05|ext_p099) P=runs/plans/docs_wt_bm25$([ "$S" = 0 ] || echo "_s$S") ;;
+        vanilla|local|ext_random) P="" ;;
+        *) echo "unknown job name $NAME"; BAD=1; P="" ;;
+      esac
+      if [ -n "$P" ] && [ ! -f "$P/plan.json" ]; then
+        echo "missing: $P for $JOB (SEED=$S bash experiments/docs_wt.sh plans)"; BAD=1; fi
+    done
+    if [ "$BAD" = 0 ]; then bash experiments/carry_size.sh .gpu/whl .gpu/cache runs/plans || BAD=1; fi
+    [ "$BAD" = 0 ] && echo "ready: carry [\".gpu/whl\", \".gpu/cache\", \"runs/plans\"]"
+    exit $BAD
+    ;;
   unpack)  # exports.tar.NN or (STEPS != 1200) exports.txz.NN parts; tar finds the compression itself
     shift
     for f in "$@"; do echo "$(basename "$f") $f"; done | sort | cut -d' ' -f2 | xargs cat > /tmp/docs_wt_exports.tar
@@ -197,5 +222,5 @@ PYEOF
     rm /tmp/docs_wt_exports.tar
     cat runs/device_jobs.txt >> runs/device_jobs_all.txt  # every call's record (each call's file is its own)
     ;;
-  *) echo "usage: $0 prepare | train JOBS | exact NAMES | ext3 NAME | unpack PARTS..." >&2; exit 2 ;;
+  *) echo "usage: $0 prepare | check JOBS | train JOBS | exact NAMES | ext3 NAME | unpack PARTS..." >&2; exit 2 ;;
 esac

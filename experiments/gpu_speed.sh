@@ -25,7 +25,7 @@
 #
 # Budget: a session has 15 minutes of device time, the machine's start (~200 s) and transfers included, and a
 # command at most 10 minutes (docs/performance.md "On accelerators" plans the slots); the loop below gives each
-# config its own wall-clock limit (BUDGETS, seconds; 440 s in all), after which that config's process is killed
+# config its own wall-clock limit (BUDGETS, seconds; 450 s in all), after which that config's process is killed
 # and the next one starts (its log says how far it got; no JSON). Compiling the 247M step (16 layers, 267k-word
 # adaptive softmax) is the largest single cost, hence its share. MAX_BATCH=1 adds the doubling search for the
 # largest per-device batch (each size compiles again: give it a slot of its own, with fewer configs).
@@ -36,7 +36,7 @@ DEVICE_OUT_FILES="env.txt summary.txt levers_summary.md levers.txt eval_summary.
 
 LEVER_CONFIGS=${CONFIGS:-wiki103_247m}  # levers: one config unless CONFIGS says otherwise
 CONFIGS=${CONFIGS:-"wiki103_247m wiki103_150m wiki103_7m enwik8_38m docs_wt"}
-declare -A BUDGETS=([wiki103_247m]=130 [wiki103_150m]=100 [wiki103_7m]=80 [enwik8_38m]=70 [docs_wt]=60)
+declare -A BUDGETS=([wiki103_247m]=180 [wiki103_150m]=90 [wiki103_7m]=70 [enwik8_38m]=60 [docs_wt]=50)
 
 setup() {  # there: the carried packages and a faiss stand-in (nothing here uses faiss; some modules import it)
   if [ -n "${TINY:-}" ]; then PYBIN=${PYBIN:-.venv/bin/python}; return; fi

@@ -57,7 +57,7 @@ ORIG=${ORIG:-/work/orig/TRIME}
 ORIG_VENV_PY=${ORIG_VENV_PY:-$(dirname "$ORIG")/venv/bin/python}
 TRAIN_LINES=${TRAIN_LINES:-200000}  # ~3.3M tokens of docs-wt train: more than 40 updates of any model read
 WT103_DICT=267735  # fairseq's len(dictionary) for WikiText-103, the four specials included
-MODELS=${MODELS:-"247m 150m 7m"}
+MODELS=${MODELS:-"7m 150m 247m"}  # fastest first: what a fast run leaves goes to the later ones (the 247M)
 CRITERIA=${CRITERIA:-"adaptive_loss trime_loss"}
 UPDATES=${UPDATES:-30}
 

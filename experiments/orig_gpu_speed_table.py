@@ -43,6 +43,18 @@ def orig_wps(path: str):
   return best[0], best[1] - 10, ""
 
 
+def run_codes(out: str) -> dict:
+  """{(model, criterion): rc} from orig_runs.txt's "orig M C rc=N wall_s=S" lines (124/137: cut at its share)."""
+  codes = {}
+  path = os.path.join(out, "orig_runs.txt")
+  if os.path.exists(path):
+    for line in open(path, errors="replace"):
+      m = re.match(r"orig (\S+) (\S+) rc=(\d+)", line)
+      if m:
+        codes[(m.group(1), m.group(2))] = int(m.group(3))
+  return codes
+
+
 def ours_row(out: str, model: str, objective: str):
   path = os.path.join(out, f"ours_{model}.json")
   if not os.path.exists(path):
@@ -55,9 +67,15 @@ def main(out: str) -> None:
   print("| model | criterion | original wps (updates averaged) | ours tokens/s | ours ÷ original | our shape B×L×A | "
         "our MFU | note |")
   print("|" + "---|" * 8)
+  codes = run_codes(out)
   for model in MODELS:
     for crit, objective in CRITERIA.items():
       wps, n, why = orig_wps(os.path.join(out, f"orig_{model}_{crit}.log"))
+      rc = codes.get((model, crit))
+      if rc in (124, 137):  # its wps is the mean of the updates it reached before the cut
+        why = f"cut at its time share (rc={rc}): wps over {n} updates" + (f"; {why}" if why else "")
+      elif rc:
+        why = f"rc={rc}" + (f"; {why}" if why else "")
       ours = ours_row(out, model, objective)
       if wps is None and ours is None:
         continue
