@@ -108,6 +108,34 @@ def test_context_positions_stay_on_the_device(setup, tmp_path, monkeypatch):
   np.testing.assert_array_equal(Datastore(str(tmp_path / "sliced")).keys, Datastore(str(tmp_path / "whole")).keys)
 
 
+def test_the_next_batch_is_dispatched_before_the_last_one_is_read(setup, tmp_path, monkeypatch):
+  """The key pass keeps the device busy: batch i + 1 is dispatched before batch i's keys are read back (a
+  read right after each dispatch left the device idle while the host built the next batch and wrote the
+  keys); the store is the same file."""
+  real, events = build._keys_step, []
+
+  class Pending:  # what np.asarray reads: the batch's keys, logged when read
+    def __init__(self, out, i):
+      self.out, self.i = out, i
+
+    def __array__(self, dtype=None, copy=None):
+      events.append(("read", self.i))
+      return np.asarray(self.out)
+
+  def spy(*args, **kwargs):
+    i = sum(e[0] == "dispatch" for e in events)
+    events.append(("dispatch", i))
+    return Pending(real(*args, **kwargs), i)
+
+  monkeypatch.setattr(build, "_keys_step", spy)
+  out = str(tmp_path / "pipelined")
+  build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, progress=False)
+  _same_files(out, setup["out"])
+  assert events[:4] == [("dispatch", 0), ("dispatch", 1), ("read", 0), ("dispatch", 2)]
+  reads = [i for kind, i in events if kind == "read"]
+  assert reads == sorted(reads) == list(range(len(reads))) and len(reads) == len(events) // 2
+
+
 def _same_files(a, b):
   for name in ("keys.npy", "values.npy"):
     with open(os.path.join(a, name), "rb") as f, open(os.path.join(b, name), "rb") as g:

@@ -409,6 +409,16 @@ def _keys_step(graphdef, params, inputs_BxL, key_dtype="float16", first: int = 0
   return g[:, first:].astype(key_dtype)
 
 
+def _write_keys(keys, base: int, key_dtype: str, g, real: int, scored_BxL, first: int, lo: int) -> None:
+  """A key batch's scored positions (in order: consecutive target positions from corpus position `lo`) into the
+  datastore's keys, after checking they are finite."""
+  rows = np.asarray(g)[:real][scored_BxL[:real, first:]]
+  if not np.isfinite(rows).all():
+    raise CheckpointError(f"non-finite {key_dtype} keys at tokens {lo}..{lo + len(rows)}: the model's "
+                          f"keys overflow {key_dtype} or the checkpoint is broken")
+  keys[lo - base:lo - base + len(rows)] = rows
+
+
 def _first_scored(scored_BxL, context_window: int) -> int:
   """`_keys_step`'s `first`: the context window where every row scores nothing before it (a window after the
   first, in none mode), else 0. Two values: two compiles at most."""
@@ -519,19 +529,19 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
           break
         chunk = wins[c0:c0 + per_chunk]
         a, b = chunk[0].score_start, chunk[-1].end
+        pending = None  # the batch on the device: read back after the next one is dispatched (the host builds
+        # and dispatches batch i + 1 while the device computes batch i; the same keys, in the same order)
         for i in range(0, len(chunk), batch_size):
           part = chunk[i:i + batch_size]
           real = len(part)
           part = part + [part[-1]] * (batch_size - real)  # fixed shapes: repeat, then ignore
           inputs, _, scored = data.window_batch(corpus, part, block_len)
           first = _first_scored(scored[:real], context_window)
-          g = np.asarray(_keys_step(graphdef, params, inputs, key_dtype, first=first))
-          rows = g[:real][scored[:real, first:]]  # scored positions in order = consecutive target positions
-          lo = part[0].score_start
-          if not np.isfinite(rows).all():
-            raise CheckpointError(f"non-finite {key_dtype} keys at tokens {lo}..{lo + len(rows)}: the model's "
-                                  f"keys overflow {key_dtype} or the checkpoint is broken")
-          keys[lo - base:lo - base + len(rows)] = rows
+          g = _keys_step(graphdef, params, inputs, key_dtype, first=first)  # dispatched, not waited for
+          if pending is not None:
+            _write_keys(keys, base, key_dtype, *pending)
+          pending = (g, real, scored, first, part[0].score_start)
+        _write_keys(keys, base, key_dtype, *pending)
         values[a - base:b - base] = np.asarray(corpus.tokens[a:b], VALUE_DTYPE)
         built += b - a
         dt, t0 = time.perf_counter() - t0, time.perf_counter()
