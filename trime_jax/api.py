@@ -160,7 +160,8 @@ class Output:
 
   prompt: str
   text: str  # the generated text (without the prompt): `prompt + text` reads as one text (a word model's
-  #   continuation starts with a space where the prompt does not end in whitespace)
+  #   continuation starts with a space where the prompt does not end in whitespace; a byte model's is decoded as
+  #   UTF-8 with errors replaced, so a character cut by max_new_tokens shows as U+FFFD: `ids` are exact)
   ids: list  # its token ids
   stopped: str  # "eos" (a word model wrote </s>) | "budget" (max_new_tokens)
   trace: list  # generate.TraceStep per token when trace=True: its probability and the memories that gave most
