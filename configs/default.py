@@ -133,6 +133,12 @@ def get_config():
   r.profile_steps = ""  # "FIRST,LAST" (or "STEP"): jax.profiler trace of those updates to <workdir>/profile
   r.stop_after = 0  # stop (checkpointed, resumable) after this many updates in this invocation; 0 = no limit
   #   (a run longer than one time slot: rerun the same command to continue)
+  r.export_on_stop = False  # a stop before the end (train.stop_after, SIGTERM / preemption) also exports the
+  #   parameters to <workdir>/partial (meta.json: step, partial): what train.init_from starts from where a
+  #   checkpoint (parameters + optimizer moments) cannot travel to the next slot (experiments/docs_wt_long_plan.md)
+  r.init_from = ""  # an export to start from when the workdir has no checkpoint: a warm restart at its meta.json
+  #   step (schedule, CE warm-up and data order continue from there; the optimizer's moments start afresh, so the
+  #   run is not the uninterrupted one); same architecture and vocabulary, step below train.num_steps
   r.allow_config_change = False  # resume a workdir whose config.json differs in fields that change training
   #   (model, data, seed, memory, ...): False refuses, naming them; True continues (recorded in config_changes.jsonl)
 

@@ -448,3 +448,36 @@ def test_torch_cosine_is_the_srupp_scripts_schedule_step_by_step():
   np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-10)  # float32 cos near the end
   cfg.schedule = "cosine"  # the plain cosine differs: it restarts the decay at the warm-up's end
   assert abs(float(make_schedule(cfg)(total // 2)) - want[total // 2]) > 1e-3 * lr
+
+
+def test_a_warm_restart_continues_a_partial_export_at_its_update(corpus, tmp_path):
+  """train.export_on_stop exports the parameters of a stopped run to <workdir>/partial (its step recorded);
+  train.init_from starts a fresh workdir from them: the first update is the uninterrupted run's update 4 on the
+  same parameters, batch, dropout and learning rate (equal loss and lr), after which the runs differ (the
+  optimizer's moments started afresh, as documented)."""
+  base = dict(FAST, **{"train.num_steps": 6, "train.log_every": 1, "train.eval_every": 0,
+                       "train.checkpoint_every": 100, "train.keep_best": False})
+  straight = str(tmp_path / "straight")
+  train.train_and_evaluate(tiny_config(corpus, **base), straight)
+  stopped = str(tmp_path / "stopped")
+  out = train.train_and_evaluate(tiny_config(corpus, **base, **{"train.stop_after": 3,
+                                                                "train.export_on_stop": True}), stopped)
+  assert out["step"] == 3 and not os.path.exists(os.path.join(stopped, "export"))
+  meta = exports.read_export_meta(os.path.join(stopped, "partial"))
+  assert (meta["step"], meta["partial"]) == (3, True)
+  warm = str(tmp_path / "warm")
+  done = train.train_and_evaluate(tiny_config(corpus, **base, **{"train.init_from": os.path.join(stopped, "partial")}),
+                                  warm)
+  assert done["step"] == 6
+  a, b = _train_lines(straight), _train_lines(warm)
+  assert [m["step"] for m in b] == [4, 5, 6]
+  assert b[0]["loss"] == pytest.approx(a[3]["loss"], rel=1e-6) and b[0]["lr"] == pytest.approx(a[3]["lr"], rel=1e-7)
+  assert b[1]["lr"] == pytest.approx(a[4]["lr"], rel=1e-7) and b[1]["loss"] != pytest.approx(a[4]["loss"], rel=1e-6)
+  assert b[0]["skipped_total"] == 0
+  # Refused: a step at or past num_steps, another architecture
+  with pytest.raises(ConfigError, match="is not an update below train.num_steps=3"):
+    train.train_and_evaluate(tiny_config(corpus, **{**base, "train.num_steps": 3, "train.init_from":
+                                                    os.path.join(stopped, "partial")}), str(tmp_path / "x"))
+  with pytest.raises(ConfigError, match="another architecture or vocabulary"):
+    train.train_and_evaluate(tiny_config(corpus, **base, **{"model.d_ff": 48, "train.init_from":
+                                                           os.path.join(stopped, "partial")}), str(tmp_path / "y"))

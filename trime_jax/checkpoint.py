@@ -298,6 +298,7 @@ RESUMABLE_CHANGES = ("train.num_steps", "train.log_every", "train.eval_every", "
                      "train.profile_steps", "data.cache_dir", "eval.", "model.attention_impl",
                      "model.dropout_mask", "model.remat", "model.adaptive_tail_rows",
                      "train.eval_max_pairs", "train.stop_after", "train.target_token_budget", "train.num_epochs",
+                     "train.export_on_stop",
                      "model.srupp_eval_same_length")
 
 

@@ -36,7 +36,7 @@ from trime_jax.train_config import ce_warmup_steps, validate_config
 # The shared runtime (trime_jax/runtime/, also mt.train's): the workdir, the loop, the optimizer, progress lines.
 from trime_jax.runtime import loop
 from trime_jax.runtime import workdir as workdir_files
-from trime_jax.runtime.optim import make_optimizer
+from trime_jax.runtime.optim import at_update, make_optimizer
 from trime_jax.runtime.progress import say
 from trime_jax.runtime.workdir import chief
 from trime_jax.errors import ConfigError, DataError
@@ -270,6 +270,8 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
   if model.stateful:  # per-row state across segments: saved with the checkpoints, so a resume continues it
     state["carry"] = steps.init_train_carry(model, train_cfg.batch_size, config.data.segment_len)
+  if train_cfg.get("init_from"):  # a newer checkpoint in the workdir, if any, replaces this state in loop.run
+    state = warm_start(state, train_cfg, mcfg, vocab, tx, log=_log)
   state = jax.device_put(state, repl)
   task = LMTask(config, splits, graphdef, tx, spec, mesh)
   # What the batches are made of: a resume must read the same training split and batch plan (config.json names
@@ -289,6 +291,28 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   out = loop.run(task, state, loop.LoopSpec.from_train(train_cfg), workdir, schedule=schedule, config=config,
                  place=lambda s: jax.device_put(s, repl), log=_log, starting=starting)
   return {**out, "num_params": n_params}
+
+
+def warm_start(state: dict, train_cfg, mcfg, vocab, tx, *, log) -> dict:
+  """train.init_from: the initial state at the export's step (meta.json's `step`; train.export_on_stop writes
+  such exports when a run stops early) with its parameters and a fresh optimizer whose schedule continues at that
+  step (`optim.at_update`): a warm restart, the optimizer's moments lost. Refused for another architecture or
+  vocabulary, a step at or past train.num_steps, and stateful (SRU++) models, whose carry is not exported."""
+  path = train_cfg.init_from
+  if "carry" in state:
+    raise ConfigError("train.init_from: a stateful model's carry across segments is not in an export; resume it "
+                      "from its checkpoints instead")
+  _, params, _, export_vocab, meta = exports.load_export(path)
+  if meta.get("arch_digest") != exports.arch_digest(mcfg) or export_vocab.fingerprint() != vocab.fingerprint():
+    raise ConfigError(f"train.init_from={path} is an export of another architecture or vocabulary than this "
+                      "run's model")
+  step = meta.get("step")
+  if not isinstance(step, int) or not 0 <= step < int(train_cfg.num_steps):
+    raise ConfigError(f"train.init_from={path}: its meta.json step {step!r} is not an update below "
+                      f"train.num_steps={train_cfg.num_steps}")
+  log(f"warm start from {path}: the parameters of update {step}{' (a partial export)' if meta.get('partial') else ''}"
+      "; schedule, CE warm-up and data order continue from there, the optimizer's moments start afresh")
+  return {"step": jnp.int32(step), "params": params, "opt_state": at_update(tx.init(params), step)}
 
 
 class LMTask(loop.Task):

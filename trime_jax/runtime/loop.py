@@ -107,6 +107,7 @@ class LoopSpec:
   progress: str
   stop_after: int
   profile: tuple[int, int] | None
+  export_on_stop: bool = False  # a stop before the end also exports the parameters to <workdir>/partial
 
   @classmethod
   def from_train(cls, train_cfg, total: int | None = None) -> "LoopSpec":
@@ -114,7 +115,8 @@ class LoopSpec:
                log_every=int(train_cfg.log_every), eval_every=int(train_cfg.eval_every),
                checkpoint_every=int(train_cfg.checkpoint_every), keep_checkpoints=int(train_cfg.keep_checkpoints),
                keep_best=bool(train_cfg.keep_best), progress=str(train_cfg.progress),
-               stop_after=int(train_cfg.stop_after), profile=profile_steps(train_cfg))
+               stop_after=int(train_cfg.stop_after), profile=profile_steps(train_cfg),
+               export_on_stop=bool(train_cfg.get("export_on_stop", False)))
 
 
 class _Throughput:
@@ -158,6 +160,7 @@ class _Throughput:
 # (a bad batch, a transient overflow) is skipped and training goes on; a run of them is divergence. Counted
 # from the flags of every update, so where the log lines fall (train.log_every, train.stop_after) does not
 # decide it; a resumed run counts from its first update.
+PARTIAL = "partial"  # <workdir>/partial: train.export_on_stop's export of a run stopped before its end
 MAX_SKIPS_IN_A_ROW = 10
 # An update's skipped flag is read this many updates after it was dispatched (the device has finished it by
 # then, so the read does not stall the pipeline), and at every log line: a diverged run stops within this many
@@ -318,11 +321,13 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
             ckpt.save(mgr, done, state)
           ckpt.finish(mgr)
           logging.info("preemption signal: checkpoint of update %d saved, stopping", done)
+          _export_partial(task, spec, workdir, state, done, log)
           raise Preempted(done, mgr.directory)
     ckpt.finish(mgr)  # the last save complete and its digest written
     end = int(state["step"])
     if end < spec.total:
       log(f"stopped after update {end} (train.stop_after={spec.stop_after}); rerun the same command to continue")
+      _export_partial(task, spec, workdir, state, end, log)
       return {"train": last, "step": end}
     params = host_copy(state["params"])
     bad = [jax.tree_util.keystr(path) for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
@@ -377,6 +382,16 @@ def _stored_dev_protocol(task: Task, workdir: str) -> dict | None:
     # starting() names a damaged or unknown config.json in its own error
     logging.info("the dev protocol of %s cannot be read (%s): the final dev line is measured again", path, e)
     return None
+
+
+def _export_partial(task: Task, spec: LoopSpec, workdir: str, state, done: int, log) -> None:
+  """train.export_on_stop: the parameters of a run stopped at update `done` (before its end) exported to
+  <workdir>/partial (replacing an earlier stop's), meta.json recording the step: train.init_from's input."""
+  if not spec.export_on_stop:
+    return
+  directory = task.export(os.path.abspath(os.path.join(workdir, PARTIAL)), host_copy(state["params"]),
+                          {"step": done, "partial": True})
+  log(f"exported the parameters of update {done} to {directory} (train.export_on_stop)")
 
 
 def _applied_updates(state) -> int | None:

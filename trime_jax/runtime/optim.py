@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -67,3 +68,13 @@ def make_optimizer(train_cfg) -> tuple[optax.GradientTransformation, optax.Sched
   if train_cfg.clip_norm > 0:
     opt = optax.chain(optax.clip_by_global_norm(train_cfg.clip_norm), opt)
   return opt, schedule
+
+
+def at_update(opt_state, n: int):
+  """`opt_state` whose schedule counts say `n` updates were applied (the learning rate continues at update n)
+  while every other part (Adam's moments and their bias-correction count, momentum) stays as given: a warm
+  restart's fresh optimizer state (train.init_from)."""
+  def fix(s):
+    return s._replace(count=jnp.full_like(s.count, n)) if isinstance(s, optax.ScaleByScheduleState) else s
+
+  return jax.tree_util.tree_map(fix, opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
