@@ -30,6 +30,9 @@
 #            # rows without a datastore, MEM_SIZES) while the chunk lasts; eval.json comes back with the logs.
 #            # EXPORTS=0: no export/ in the returned tar (logs, metrics, eval.json only: for runs whose
 #            # parameters need not come back, so more than two jobs fit a call); BEST=1: best/ too.
+#            # A job the chunk cuts exports its parameters to partial/ (train.export_on_stop), which comes back;
+#            # INIT_FROM=1 in a later call (partial/ unpacked here and carried in) continues it from there
+#            # (train.init_from: a warm restart, the optimizer's moments start afresh; say so beside its numbers).
 #
 # Budget (2026-11-27, one H200, 900 s of device time for the session): a call returns at most 64 MiB, i.e. four
 # parts (~2.7 exports of 21 MB). Training four models at once took 190 s, the whole first call 390 s of device
@@ -81,8 +84,10 @@ corpora.load_splits(docs_wt.get_config().data)"  # encodes the corpus once (as a
     JOBS=${2:?usage: $0 train "NAME:SEED ..."}
     STEPS=${STEPS:-1200}
     if [ "$STEPS" = 1200 ]; then CHUNK=${CHUNK:-420}; CKPT="--config.train.checkpoint_every=400"; PACK=${PACK:-tar}
-    else  # checkpoints cannot leave the machine (60 MiB each): few saves (SIGTERM at the chunk's end saves anyway)
-      CKPT=""; PACK=${PACK:-xz}; export CKPT_EVERY=${CKPT_EVERY:-4000}; fi
+    else  # checkpoints cannot leave the machine (60 MiB each): few saves (SIGTERM at the chunk's end saves anyway);
+      # a job cut at the chunk's end exports its parameters to partial/ (train.export_on_stop, 21 MiB), which comes
+      # back instead of export/: a later call continues it with INIT_FROM (a warm restart, see below)
+      CKPT="--config.train.export_on_stop=True"; PACK=${PACK:-xz}; export CKPT_EVERY=${CKPT_EVERY:-4000}; fi
     setup
     # 12,000 updates: the chunk ends 530 s after the call began, whatever setup took, leaving ~70 s of a 600-s call
     # for the SIGTERM checkpoint (a few seconds for these 5.6M-parameter models; SIGKILL 20 s after the SIGTERM
@@ -95,7 +100,14 @@ corpora.load_splits(docs_wt.get_config().data)"  # encodes the corpus once (as a
       NAME=${JOB%:*}; SEED=${JOB#*:}; DIR=$(STEPS=$STEPS SEED=$SEED bash experiments/docs_wt.sh dir)
       mkdir -p $DIR/$NAME
       ( START=$(date +%s)
-        FLAGS="$CKPT ${EXTRA_FLAGS:-}"
+        # INIT_FROM=1: a job cut in an earlier call continues from the partial/ export that call brought back
+        # (unpacked here and carried in: runs/docs_wt_12k[_sS]/NAME/partial, with that call's records). Those
+        # move to NAME_upto<step> (a fresh workdir would drop their metrics), and NAME starts from its partial/.
+        WARM=""; if [ "${INIT_FROM:-0}" = 1 ] && [ -d $DIR/$NAME/partial ] && [ ! -d $DIR/$NAME/checkpoints ]; then
+          UPTO=$($PYBIN -c "import json, sys; print(json.load(open(sys.argv[1]))['step'])" $DIR/$NAME/partial/meta.json)
+          rm -rf $DIR/${NAME}_upto$UPTO && mv $DIR/$NAME $DIR/${NAME}_upto$UPTO && mkdir -p $DIR/$NAME
+          WARM="--config.train.init_from=$PWD/$DIR/${NAME}_upto$UPTO/partial"; fi
+        FLAGS="$CKPT $WARM ${EXTRA_FLAGS:-}"
         STEPS=$STEPS SEED=$SEED PYBIN=$PYBIN CHUNK=$CHUNK TRAIN_FLAGS="$FLAGS" \
           bash experiments/docs_wt.sh train $NAME >> $DIR/$NAME/train.log 2>&1 && RC=0 || RC=$?
         E=$([ -d $DIR/$NAME/export ] && echo yes || echo no)
@@ -131,7 +143,8 @@ PYEOF
     FILES=""  # this call's jobs only (an export carried in for `exact` stays out), in JOBS order; an unfinished
     for JOB in $JOBS; do  # job has no export/: its logs come back, its checkpoints/ do not
       DIR=$(STEPS=$STEPS SEED=${JOB#*:} bash experiments/docs_wt.sh dir)/${JOB%:*}
-      for F in $([ "${EXPORTS:-1}" = 0 ] || echo export) metrics.jsonl train.log config.json eval.json eval.log \
+      PART=$([ -d $DIR/export ] || echo partial)  # an unfinished job: its partial export (export_on_stop)
+      for F in $([ "${EXPORTS:-1}" = 0 ] || echo "export $PART") metrics.jsonl train.log config.json eval.json eval.log \
                eval_reset0.json eval_reset1.json ${BEST:+best}; do  # eval_reset*: EVAL=1 with RESET=0 / 1
         [ -e $DIR/$F ] && FILES="$FILES $DIR/$F"; done
     done
