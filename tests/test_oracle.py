@@ -330,7 +330,8 @@ def test_float16_datastore_every_token_equals_the_original(models, test_split, c
   the top-K sets by up to 9.7 nats on single tokens). Per token: our float32 keys are within ~1e-6 of the
   original's, so a key that close to a float16 rounding boundary rounds the other way (one float16 ulp, ~1e-3
   relative) and can move a top-K set; 84 of 120,625 tokens differ by more than 1e-4 nats here (at most 0.104),
-  so the bound is 0.1% of tokens. The perplexity: the original prints 937.09 (937.0936 before rounding). Ours
+  so the bound is 0.1% of tokens. The perplexity: the original prints 937.09 (its per-token scores give 937.0996 in float64:
+  tests/oracle/logs/dump_f.txt). Ours
   printed 937.09 on earlier machines and installations; on 2026-11-29 a fresh clone here (jax 0.10.2, numpy
   2.4.6, faiss-cpu 1.15.1, an AVX-512 Xeon) gives 937.0953, printed 937.10, the same on every rerun and with one
   thread (82 tokens over 1e-4, 84 before; whether the CPU or a package moved which value was not found). Since
