@@ -68,7 +68,9 @@ def segment_token_ids(corpus: data.Corpus, segments: data.Segments) -> list[np.n
 
 def bm25_index(docs: list[np.ndarray], *, backend: str = "numba",
                progress: bool = False) -> tuple[bm25s.BM25, np.ndarray]:
-  """(retriever, lut): a bm25s index (Lucene BM25, k1=1.5, b=0.75) of token-id documents.
+  """(retriever, lut): a bm25s index (Lucene's BM25 formula at bm25s's defaults k1=1.5, b=0.75) of token-id
+  documents. Not the original's settings: it searched text with Pyserini's LuceneSearcher (k1=0.9, b=0.4, its
+  English analyzer: stemming, stop words), so its neighbours can differ from these.
 
   bm25s uses the ids it is given as score-matrix columns, so they are first relabelled to 0..n_distinct-1
   (BM25 only compares ids: no score changes). Queries must be relabelled the same way: `lut[token_ids]`
