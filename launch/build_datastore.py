@@ -44,6 +44,8 @@ _PQ_M = flags.DEFINE_integer("pq_m", 64, "IVF-PQ sub-quantizers (clamped to a di
 _TRAINED_INDEX = flags.DEFINE_string("trained_index", "", "A trained, empty IVF-PQ faiss file (e.g. the original "
                                      "release's knn.index.ip.trained): its centroids and codebooks are used as "
                                      "they are and only the keys are added (implies --index=ivfpq).")
+_DEVICES = flags.DEFINE_integer("devices", 1, "Devices the key pass splits its forward batches over (0: all "
+                                "visible; 1: the default device).", lower_bound=0)
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace what --out holds (another datastore, an export, any "
                                "files) instead of refusing it; without it a build of the same datastore resumes.")
 flags.mark_flags_as_required(["config", "checkpoint", "out"])
@@ -158,7 +160,7 @@ def _build(out: str) -> None:
     else:
       meta = build_datastore(checkpoint, corpus, out, block_len=e.block_len, context_window=e.context_window,
                              batch_size=e.batch_size, stop_at_tokens=_STOP_AT.value or None,
-                             key_dtype=e.datastore_key_dtype, entries=e.datastore_entries)
+                             key_dtype=e.datastore_key_dtype, entries=e.datastore_entries, devices=_DEVICES.value)
       if not meta["complete"]:  # stopped at --stop_at_tokens: no index for an incomplete datastore
         return
   except KeyboardInterrupt:

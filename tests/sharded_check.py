@@ -425,8 +425,43 @@ def check_placed():
   return {"cases": cases}
 
 
+def check_datastore(workdir):
+  """The datastore key pass on 1, 8 and all (0) devices (build_datastore's `devices`; a forward batch of 6
+  windows, padded to 8 rows on the mesh): the same keys and values, and meta.json's device count."""
+  from flax import nnx
+
+  from tests.helpers import tiny_config
+  from trime_jax import data, exports, specs
+  from trime_jax import model as M
+  from trime_jax.datastore import Datastore, build_datastore
+
+  cfg = tiny_config("unused.bin", **{"model.num_layers": 1, "model.d_model": 16, "model.num_heads": 2,
+                                     "model.d_ff": 32, "model.max_len": 32, "model.dropout": 0.0,
+                                     "eval.block_len": 32, "eval.context_window": 8, "eval.batch_size": 6})
+  vocab = data.Vocab.bytes()
+  net = M.TransformerLM(specs.model_config(cfg, vocab_size=len(vocab)), rngs=nnx.Rngs(0))
+  export = exports.export(os.path.join(workdir, "ds_export"), nnx.state(net, nnx.Param), cfg, vocab)
+  tokens = np.random.default_rng(0).integers(0, 256, 3_000).astype(np.int32)
+  corpus = data.Corpus(tokens, np.array([0, len(tokens)]), vocab)
+  stores = {}
+  for n in (1, 8, 0):
+    build_datastore(export, corpus, os.path.join(workdir, f"ds_{n}"), devices=n, chunk_tokens=500, progress=False)
+    stores[n] = Datastore(os.path.join(workdir, f"ds_{n}"))
+  one = np.asarray(stores[1].keys)
+
+  def close(other):  # float16 rounding of float32 keys that differ in their last bits: 1e-3 relative (two
+    # float16 spacings), 1e-6 absolute (subnormal float16 keys near 0)
+    return bool(np.allclose(np.asarray(other, np.float32), one.astype(np.float32), rtol=1e-3, atol=1e-6))
+
+  return {"count": int(stores[1].count), "devices": {n: int(ds.meta["devices"]) for n, ds in stores.items()},
+          "keys_close": {n: close(ds.keys) for n, ds in stores.items()},
+          "keys_differing": {n: float((np.asarray(ds.keys) != one).mean()) for n, ds in stores.items()},
+          "values_equal": all(np.array_equal(ds.values, stores[1].values) for ds in stores.values())}
+
+
 if __name__ == "__main__":
   which = sys.argv[1]
   groups = {"loss": check_loss, "model": check_model, "placed": check_placed}
-  result = groups[which]() if which != "train" else check_train(sys.argv[2])
+  result = (groups[which]() if which not in ("train", "datastore")
+            else (check_train if which == "train" else check_datastore)(sys.argv[2]))
   print("RESULT " + json.dumps(result), flush=True)

@@ -35,7 +35,7 @@ def checks(tmp_path_factory):
   env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
   procs = {name: subprocess.Popen([sys.executable, os.path.join(HERE, "sharded_check.py"), name, workdir],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-           for name in ("loss", "model", "train", "placed")}
+           for name in ("loss", "model", "train", "placed", "datastore")}
   cluster = dict(env, JAX_NUM_PROCESSES="2", JAX_COORDINATOR_ADDRESS=f"localhost:{_free_port()}")
   multihost = str(tmp_path_factory.mktemp("multihost"))
   for i in range(2):
@@ -291,3 +291,13 @@ def test_mt_training_on_8_devices_matches_1_device(checks):
   np.testing.assert_allclose([v for _, v in losses["8"]], [v for _, v in losses["1"]], rtol=1e-5)
   # packed rows on 8 devices (pair ids gathered with the keys) = padded rows on 1 device
   np.testing.assert_allclose([v for _, v in losses["8packed"]], [v for _, v in losses["1"]], rtol=1e-5)
+
+
+def test_the_datastore_key_pass_splits_over_the_devices(checks):
+  """build_datastore(devices=8 / 0 = all): the forward batches split over the mesh (6 windows padded to 8 rows),
+  the same keys as on one device (rows are independent) and the same values; meta.json records the count."""
+  r = checks("datastore")
+  assert r["count"] == 3_000 and r["values_equal"]
+  assert r["devices"] == {"1": 1, "8": 8, "0": 8}
+  assert all(r["keys_close"].values()), r  # float16 keys of float32 values equal up to their last bits
+  assert all(f < 0.01 for f in r["keys_differing"].values()), r

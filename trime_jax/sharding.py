@@ -10,12 +10,12 @@ from trime_jax.errors import ConfigError
 DATA = "data"
 
 
-def make_mesh(num_devices: int = 0) -> jax.sharding.Mesh:
-  """A 1-D mesh over the first `num_devices` devices (0 = all)."""
+def make_mesh(num_devices: int = 0, what: str = "train.num_devices") -> jax.sharding.Mesh:
+  """A 1-D mesh over the first `num_devices` devices (0 = all); `what` names the setting in the error."""
   available = jax.device_count()
   n = num_devices or available
-  if n > available:
-    raise ConfigError(f"train.num_devices={n} but only {available} devices are visible")
+  if n < 0 or n > available:
+    raise ConfigError(f"{what}={n} but only {available} devices are visible")
   # Auto axes: jit propagates the batch sharding (GSPMD); the TRIME loss adds explicit collectives itself.
   return jax.make_mesh((n,), (DATA,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
 

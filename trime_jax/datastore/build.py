@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from trime_jax import data, exports
+from trime_jax import data, exports, sharding
 from trime_jax.errors import CheckpointError, ConfigError, DamagedCheckpointError, is_no_space
 from trime_jax.runtime.lock import beside as lock_beside
 
@@ -445,7 +445,7 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
                     context_window: int | None = None, batch_size: int | None = None,
                     chunk_tokens: int = CHUNK_TOKENS, max_chunks: int | None = None,
                     stop_at_tokens: int | None = None, progress: bool = True, key_dtype: str = "float16",
-                    entries: str = "all") -> dict:
+                    entries: str = "all", devices: int = 1) -> dict:
   """Build (or resume) the datastore of `corpus` under the exported model in `checkpoint_dir`.
 
   block_len / context_window / batch_size default to the checkpoint config's `eval` values. Progress is saved
@@ -455,6 +455,10 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
   open the result with `Datastore(out_dir)` once `complete` is true. `key_dtype`: float16 (the release's
   --dstore-fp16) or float32 (its default). `entries` (ENTRIES): "all" targets, entry i = position i; "original":
   the original's --save-knnlm-dstore with this batch size, entry i = position first_position + i.
+  `devices`: the key pass's forward batches split over this many devices (0: all; their windows padded to a
+  multiple of it), the parameters replicated; 1 (default) runs on the default device. Rows are independent, so
+  the keys are the same whatever the count up to float32 rounding, which moves a few float16 keys by a spacing
+  (0.03% of them on 8 CPU devices, tests/test_sharded.py); a resume with another count says so.
   """
   if key_dtype not in KEY_DTYPES:
     raise ConfigError(f"datastore key dtype must be one of {KEY_DTYPES}, got {key_dtype!r}")
@@ -468,6 +472,11 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
   block_len = int(block_len or e.block_len)
   context_window = int(e.context_window if context_window is None else context_window)
   batch_size = int(batch_size or e.batch_size)
+  mesh = sharding.make_mesh(devices, what="--devices") if devices != 1 else None
+  rows_per_forward = batch_size if mesh is None else -(-batch_size // mesh.size) * mesh.size
+  if mesh is not None:  # once: a jit argument placed otherwise would be moved at every batch
+    params = jax.device_put(params, sharding.replicated(mesh))
+  n_devices = 1 if mesh is None else mesh.size
   if block_len > config.model.max_len:
     raise ConfigError(f"block_len={block_len} exceeds the model's max_len={config.model.max_len}")
   if corpus.vocab.fingerprint() != vocab.fingerprint():
@@ -515,6 +524,12 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
             f"with {batch_size}: keys from here on may differ in their last bit from an uninterrupted build's "
             "(meta.json records both)", flush=True)
       meta["resumed_batch_sizes"] = sorted({*meta.get("resumed_batch_sizes", []), batch_size})
+    if meta.get("devices", 1) != n_devices and int(meta.get("tokens_done", 0)):
+      print(f"warning: datastore build in {out_dir} was started on {meta.get('devices', 1)} device(s) and resumes "
+            f"on {n_devices}: keys from here on may differ in their last bit from an uninterrupted build's "
+            "(meta.json records both)", flush=True)
+      meta["resumed_devices"] = sorted({*meta.get("resumed_devices", []), n_devices})
+    meta.setdefault("devices", n_devices)
 
     first_win = done // stride if done != n else len(wins)
     todo = range(first_win, len(wins), per_chunk)
@@ -534,9 +549,11 @@ def build_datastore(checkpoint_dir: str, corpus: data.Corpus, out_dir: str, *, b
         for i in range(0, len(chunk), batch_size):
           part = chunk[i:i + batch_size]
           real = len(part)
-          part = part + [part[-1]] * (batch_size - real)  # fixed shapes: repeat, then ignore
+          part = part + [part[-1]] * (rows_per_forward - real)  # fixed shapes: repeat, then ignore
           inputs, _, scored = data.window_batch(corpus, part, block_len)
           first = _first_scored(scored[:real], context_window)
+          if mesh is not None:
+            inputs = jax.device_put(inputs, sharding.batch_sharding(mesh))
           g = _keys_step(graphdef, params, inputs, key_dtype, first=first)  # dispatched, not waited for
           if pending is not None:
             _write_keys(keys, base, key_dtype, *pending)
