@@ -19,8 +19,9 @@ Read as the original's code runs it:
   (their number per epoch depends on the data and the 16,384-token batches). The paper's table states 170,000
   updates instead; train.num_steps=170_000 caps the run there.
 - Its 4 GPUs all_gather their keys: a key gets gradient only from queries of its own GPU's 4,096-token batch.
-  trime.memory_grad="local_only" does the same on 4 devices; on one device every key gets gradient from every
-  query of the 16,384-token batch (the difference is documented in docs/machine_translation.md).
+  trime.memory_grad="local_only" does the same on 4 devices, trime.memory_grad_groups=4 on one (the batch's rows
+  as 4 contiguous groups of about 4,096 tokens: ours are pieces of one BM25 chain, the original's 4 separate
+  predefined batches).
 The original's key (knn_embed) is the decoder output: model.key_type="final" below.
 """
 
@@ -39,7 +40,7 @@ def get_config():
                  share_all_embeddings=False, share_decoder_embeddings=True, encoder_normalize_before=False,
                  decoder_normalize_before=True, key_type="final")
   c.trime.update(memory="ext", batching="bm25", tau=10.0, memory_topk=8, ce_warmup_steps=0,
-                 memory_grad="local_only")
+                 memory_grad="local_only", memory_grad_groups=4)
   # warmup_init_lr 0: the command gives no --warmup-init-lr, and fairseq's inverse_sqrt then warms up from 0
   c.train.update(num_steps=170_000, num_epochs=50, learning_rate=5e-4, warmup_steps=4000, warmup_init_lr=0.0,
                  weight_decay=1e-4, adam_b2=0.98, label_smoothing=0.0, eval_every=1000, checkpoint_every=1000, eval_max_pairs=0)

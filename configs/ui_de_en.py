@@ -65,6 +65,9 @@ def get_config():
   t.sharded_variant = "gather"  # >1 device: gather | ring (trime_jax/sharded_loss.py; memory_topk needs gather)
   t.memory_grad = "all"  # >1 device: all (every memory key gets its gradient) | local_only (the original's
   #   all_gather: keys get gradient from queries on their own device only)
+  t.memory_grad_groups = 0  # one device: > 0 splits a batch's rows into this many contiguous groups, a key's
+  #   gradient from its own group's queries only (the original's GPUs, each all_gathering the others' keys
+  #   without gradient); values unchanged. 0: every query reaches every key
 
   c.train = r = ml_collections.ConfigDict()
   r.seed = 0

@@ -169,7 +169,7 @@ def test_iwslt_config_is_the_original_run_as_its_code_runs_it():
   170k updates the cap); its 4 GPUs all_gather keys without gradient (local_only); fairseq inverse_sqrt from 0."""
   from trime_jax.configs import iwslt_de_en
   c = iwslt_de_en.get_config()
-  assert c.trime.ce_warmup_steps == 0 and c.trime.memory_grad == "local_only"
+  assert c.trime.ce_warmup_steps == 0 and c.trime.memory_grad == "local_only" and c.trime.memory_grad_groups == 4
   assert (c.train.num_epochs, c.train.num_steps, c.train.warmup_init_lr) == (50, 170_000, 0.0)
   assert (c.trime.tau, c.trime.memory_topk, c.data.max_tokens) == (10.0, 8, 16384)
   mt_train.validate_config(c)
@@ -323,3 +323,51 @@ def test_a_resume_over_other_training_pairs_is_refused_and_a_plan_of_other_pairs
   with pytest.raises(CheckpointError, match=r"was trained on other data \(train_fingerprint: "):
     mt_train.train_and_evaluate(tiny_config(tmp_path / "d"), work, log=lambda s: None)
   assert batching.Plan.load(os.path.join(work, "plan.npz")).header == plan.header  # left as it was
+
+
+def test_memory_grad_groups_cut_key_gradients_between_row_groups():
+  """trime.memory_grad_groups = G on one device (the original's G GPUs all_gathering each other's keys without
+  gradient): the same loss; every parameter's gradient equals a reference that sums, per group of ceil(B / G)
+  contiguous rows, its queries' TRIME loss with the other groups' keys detached; and it differs from no cut."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from tests.test_mt_model import synthetic_pairs
+  from trime_jax import loss as L
+
+  pairs = synthetic_pairs(16, seed=3)
+  plan = batching.make_plan(pairs, order="random", max_tokens=128, seed=0)
+  batch = {k: jnp.asarray(v) for k, v in batching.collate_batch(pairs, plan, 0).items()}
+  c = tiny_config("unused", memory_topk=0)
+  c.model.dropout = 0.0
+  spec = specs.objective_spec(c)
+  model = mt_model.build_mt_model(specs.mt_model_config(c, vocab_size=len(pairs.vocab)), 0)
+  graphdef, params = nnx.split(model, nnx.Param)
+  b, groups = batch["targets"].shape[0], 3
+  assert b > groups
+  cut = -(-b // groups)
+
+  def ours(p, g):
+    return mt_train.mt_nll(nnx.merge(graphdef, p), batch, spec, use_trime=True, grad_groups=g)[0]
+
+  def reference(p):
+    m = nnx.merge(graphdef, p)
+    enc = m.encode(batch["src"])
+    f, keys = m.decode(enc, batch["src"], batch["prev"])
+    stats = m.vocab_stats(f, batch["targets"])
+    total = 0.0
+    for k in range(groups):
+      mine = (jnp.arange(b) // cut == k)[:, None]
+      seen = jnp.where(mine[..., None], keys, jax.lax.stop_gradient(keys))
+      nll = L.trime_nll_from_vocab_stats(stats, seen, batch["targets"], spec, drop_local=True)
+      total = total + jnp.where(mine, nll, 0.0).sum()
+    return total
+
+  (v_cut, g_cut), (v_ref, g_ref) = (jax.value_and_grad(ours)(params, groups), jax.value_and_grad(reference)(params))
+  v_all, g_all = jax.value_and_grad(ours)(params, 0)
+  np.testing.assert_allclose(v_cut, v_ref, rtol=1e-5)
+  np.testing.assert_allclose(v_cut, v_all, rtol=1e-5)  # values unchanged
+  for a, r in zip(jax.tree_util.tree_leaves(g_cut), jax.tree_util.tree_leaves(g_ref)):
+    np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-6)
+  assert max(float(jnp.abs(a - r).max()) for a, r in zip(jax.tree_util.tree_leaves(g_cut),
+                                                          jax.tree_util.tree_leaves(g_all))) > 1e-5

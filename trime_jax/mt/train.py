@@ -24,6 +24,7 @@ Writes `<workdir>/`: config.json, plan.npz (the batch plan), checkpoints/, metri
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -59,11 +60,13 @@ from trime_jax.mt.train_config import pack_len_of, validate_config
 # Loss
 # ----------------------------------------------------------------------------------------------------------
 def mt_nll(model, batch, spec: loss.ObjectiveSpec, *, use_trime: bool, vocab_chunk=0, label_smoothing=0.0,
-           deterministic=True, rngs=None, mesh=None, variant="gather", memory_grad="all"):
+           deterministic=True, rngs=None, mesh=None, variant="gather", memory_grad="all", grad_groups=0):
   """Sums over the batch's valid target tokens: (objective, ce, trime, n_tokens).
 
   batch: src [B, S], prev [B, T], targets [B, T] (-1 = padding). The TRIME term is computed (and reported)
-  whenever spec.memory == "ext"; it is the objective only when `use_trime`."""
+  whenever spec.memory == "ext"; it is the objective only when `use_trime`. `grad_groups` = G > 0 (one
+  device; trime.memory_grad_groups): the rows as G contiguous groups of ceil(B / G), a memory key's gradient
+  from the queries of its own group only, as the original's G GPUs all_gather their keys without gradient."""
   src, prev, targets = batch["src"], batch["prev"], batch["targets"]
   drop = dict(deterministic=deterministic, rngs=rngs)
   packed = batch.get("tgt_seg")  # packed rows (data.pack_len): pair numbers per target position
@@ -93,7 +96,9 @@ def mt_nll(model, batch, spec: loss.ObjectiveSpec, *, use_trime: bool, vocab_chu
       return sharded_loss.sharded_trime_nll_from_vocab_stats(stats, keys, targets, spec, mesh=mesh, drop_local=True,
                                                              rows=packed, variant=variant,
                                                              memory_grad=memory_grad).sum()
-    return loss.trime_nll_from_vocab_stats(stats, keys, targets, spec, drop_local=True, rows=packed).sum()
+    one = dataclasses.replace(spec, memory_grad_group_rows=-(-targets.shape[0] // grad_groups)) if grad_groups \
+        else spec
+    return loss.trime_nll_from_vocab_stats(stats, keys, targets, one, drop_local=True, rows=packed).sum()
 
   if use_trime:
     tr = trime(g)
@@ -101,9 +106,11 @@ def mt_nll(model, batch, spec: loss.ObjectiveSpec, *, use_trime: bool, vocab_chu
   return obj, ce, jax.lax.stop_gradient(trime(jax.lax.stop_gradient(g))), ntok
 
 
-def train_step(graphdef, tx, spec, use_trime, vocab_chunk, label_smoothing, sharded, state, batch, dropout_key):
+def train_step(graphdef, tx, spec, use_trime, vocab_chunk, label_smoothing, sharded, state, batch, dropout_key,
+               grad_groups=0):
   """One update on one batch; gradients of the summed objective over its target-token count (fairseq).
-  sharded: None (one device) or (mesh, variant, memory_grad) of the sharded loss."""
+  sharded: None (one device) or (mesh, variant, memory_grad) of the sharded loss; grad_groups: `mt_nll`'s (one
+  device)."""
   mesh, variant, memory_grad = sharded or (None, "gather", "all")
   params = state["params"]
 
@@ -112,7 +119,7 @@ def train_step(graphdef, tx, spec, use_trime, vocab_chunk, label_smoothing, shar
     obj, ce, tr, n = mt_nll(model, batch, spec, use_trime=use_trime, vocab_chunk=vocab_chunk,
                             label_smoothing=label_smoothing, deterministic=False,
                             rngs=nnx.Rngs(dropout=dropout_key), mesh=mesh, variant=variant,
-                            memory_grad=memory_grad)
+                            memory_grad=memory_grad, grad_groups=0 if sharded else grad_groups)
     return obj / jnp.maximum(n, 1), (ce, tr, n)
 
   (obj, (ce, tr, n)), grads = jax.value_and_grad(objective, has_aux=True)(params)
@@ -130,13 +137,13 @@ def train_step(graphdef, tx, spec, use_trime, vocab_chunk, label_smoothing, shar
 
 
 @functools.lru_cache(maxsize=16)
-def _step_fn(graphdef, train_json: str, spec, use_trime: bool, sharded):
+def _step_fn(graphdef, train_json: str, spec, use_trime: bool, sharded, grad_groups: int = 0):
   """The jitted update, cached across runs in one process (a resumed run in a notebook or a test does not
   recompile): keyed by the model graph, the train section (optimizer, schedule, smoothing) and the objective."""
   r = ml_collections.ConfigDict(json.loads(train_json))
   tx, _ = make_optimizer(r)
   fn = functools.partial(train_step, graphdef, tx, spec, use_trime, int(r.vocab_chunk), float(r.label_smoothing),
-                         sharded)
+                         sharded, grad_groups=grad_groups)
   return jax.jit(fn, donate_argnums=(0,))
 
 
@@ -298,12 +305,13 @@ class MTTask(loop.Task):
     self.total = len(self.seen)
     self.train_json = json.dumps(json.loads(r.to_json_best_effort()), sort_keys=True)
     self.sharded = (mesh, str(t.sharded_variant), str(t.memory_grad)) if mesh.size > 1 else None
+    self.grad_groups = int(t.get("memory_grad_groups", 0))
 
   def objective(self, step: int) -> str:
     return "trime" if self.spec.memory != "none" and step >= self.warm else "ce"
 
   def step_fn(self, objective: str):
-    return _step_fn(self.graphdef, self.train_json, self.spec, objective == "trime", self.sharded)
+    return _step_fn(self.graphdef, self.train_json, self.spec, objective == "trime", self.sharded, self.grad_groups)
 
   def batch(self, step: int) -> dict:
     b = batching.collate_batch(self.train_pairs, self.plan, self.plan.batch_at(step), pack_len=self.pack_len)

@@ -45,6 +45,11 @@ def validate_config(config) -> None:
   if t.memory_grad not in sharded_loss.MEMORY_GRADS:
     raise ConfigError(f"trime.memory_grad must be one of {sharded_loss.MEMORY_GRADS}, got {t.memory_grad!r}")
   pack_len = pack_len_of(config)
+  groups = int(t.get("memory_grad_groups", 0))
+  if groups < 0:
+    raise ConfigError(f"trime.memory_grad_groups must be >= 0, got {groups}")
+  if groups and pack_len:
+    raise ConfigError("trime.memory_grad_groups groups the batch's rows: not with data.pack_len (packed rows)")
   if pack_len and pack_len < int(config.data.max_len):
     raise ConfigError(f"data.pack_len={pack_len} must be 0 (no packing) or >= data.max_len={config.data.max_len}")
   if pack_len and t.sharded_variant != "gather":
