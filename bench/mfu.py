@@ -76,8 +76,10 @@ DOCS_WT_VOCAB = 82_548  # docs-wt's vocabulary (docs/docs_wt.md); its config tak
 # NVIDIA: the H100 SXM / H200 datasheets (989.4 bf16 tensor core, 66.9 fp32 non-tensor; the datasheets' 1,979
 # is with 2:4 sparsity); H100 PCIe 756 / 51; A100 312 / 19.5 (A100 datasheet). Google Cloud TPU docs (per
 # chip): v4 275, v5e 197, v5p 459, v6e 918 bf16; TPUs have no separate fp32 matmul peak (None: n/a).
-# float32 on a GPU: XLA may use TF32 tensor cores for float32 matmuls (its default precision), which run
-# faster than the fp32 peak; the paper configs are bfloat16, so this only matters for float32 models.
+# float32 on an NVIDIA GPU: XLA's default matmul precision runs float32 matmuls on TF32 tensor cores, so a
+# float32 model's MFU is taken against the dense TF32 peak (TF32_PEAKS: H100 SXM / H200 494.7, H100 PCIe 378,
+# A100 156), not the fp32 one (found by a review: docs_wt is float32); the paper configs are bfloat16.
+TF32_PEAKS = (("H100 PCIe", 378.0), ("H100", 494.7), ("H200", 494.7), ("A100", 156.0))
 PEAKS_TFLOPS = (
     ("H100 PCIe", (756.0, 51.0)),
     ("H100", (989.4, 66.9)),
@@ -103,6 +105,10 @@ def peak_tflops(device_kind: str, dtype: str, override: float = 0.0):
   """(peak TFLOP/s or None, where it came from)."""
   if override:
     return override, "--peak_tflops"
+  if dtype == "float32":
+    for key, tf32 in TF32_PEAKS:
+      if key.lower() in device_kind.lower():
+        return tf32, f"table: {key} TF32 (XLA's default precision for float32 matmuls on this GPU)"
   for key, (bf16, fp32) in PEAKS_TFLOPS:
     if key.lower() in device_kind.lower():
       peak = bf16 if dtype == "bfloat16" else fp32

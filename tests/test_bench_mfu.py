@@ -152,6 +152,7 @@ def test_formula_adaptive_by_hand():
 def test_peak_table():
   assert mfu.peak_tflops("NVIDIA H100 80GB HBM3", "bfloat16")[0] == 989.4
   assert mfu.peak_tflops("NVIDIA H100 PCIe", "bfloat16")[0] == 756.0
+  assert mfu.peak_tflops("NVIDIA H200", "float32")[0] == 494.7  # XLA's float32 matmuls run as TF32 there
   assert mfu.peak_tflops("TPU v5 lite", "bfloat16")[0] == 197.0
   assert mfu.peak_tflops("cpu", "float32")[0] is None
 
