@@ -135,10 +135,8 @@ def main(argv):
     external = gen.on_device(_DATASTORE.value)
     print(f"external memory: all {external.count:,} entries, exact, on {external.devices} device(s)", flush=True)
   elif memory == "external":
-    k = int(e.get("knn_k", 1024)) if _KNN_K.value is None else _KNN_K.value
-    nprobe = int(e.get("nprobe", 32)) if _NPROBE.value is None else _NPROBE.value
-    external = gen.external(_DATASTORE.value, index_path=_INDEX.value, k=k, nprobe=nprobe,
-                            exact=bool(e.get("knn_exact", False)), gpu=bool(e.get("knn_gpu", False)))
+    # k / nprobe: the flags, else (None) the export's, as exactness and the GPU index (G.retrieval_settings)
+    external = gen.external(_DATASTORE.value, index_path=_INDEX.value, k=_KNN_K.value, nprobe=_NPROBE.value)
     print(f"external memory: top-{external.k} of {external.datastore.count:,} entries ({external.index.kind})",
           flush=True)
   mixed = f" knn_lambda={spec.knn_lambda:g} tau_prime={tau_prime:g} interp_memory={interp_memory}" \

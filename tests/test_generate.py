@@ -447,6 +447,33 @@ def test_external_memory_is_scored_as_evaluation_scores_it(tmp_path, byte_gen):
   assert abs(probs[True] - probs[False]) > 1e-4 * probs[True]  # 4-bit PQ scores are not the exact ones
 
 
+def test_external_defaults_are_the_exports_evaluation_settings(tmp_path, byte_gen):
+  """`Generator.external` without k / nprobe / exact takes them from the export's eval (as launch.eval_ext and the
+  API do: `retrieval_settings`, one place); before, it searched with k=1024, nprobe=32, approximate scores
+  whatever the export was evaluated with."""
+  import json
+  import shutil
+
+  from trime_jax.datastore import build_index
+
+  ds_dir = _byte_datastore(tmp_path / "ds", byte_gen, 40)
+  ivf = str(tmp_path / "ds" / "ivfpq.faiss")
+  build_index(Datastore(ds_dir), ivf, kind="ivfpq", nlist=4, pq_m=4, pq_bits=4, progress=False)
+  tuned = tmp_path / "tuned_export"
+  shutil.copytree(byte_gen.checkpoint_dir, tuned)
+  cfg = json.loads((tuned / "config.json").read_text())
+  cfg["eval"].update(knn_k=6, nprobe=3, knn_exact=True)
+  (tuned / "config.json").write_text(json.dumps(cfg))
+  gen = G.Generator(str(tuned))
+  ext = gen.external(ds_dir, index_path=ivf, log=lambda m: None)
+  assert (ext.k, ext.exact, ext.index.nprobe) == (6, True, 3)
+  ext = gen.external(ds_dir, index_path=ivf, k=5, nprobe=2, exact=False, log=lambda m: None)  # arguments win
+  assert (ext.k, ext.exact, ext.index.nprobe) == (5, False, 2)
+  assert G.retrieval_settings(byte_gen.config, k=7) == {
+      "k": 7, "nprobe": int(byte_gen.config.eval.nprobe), "exact": bool(byte_gen.config.eval.get("knn_exact", False)),
+      "gpu": bool(byte_gen.config.eval.get("knn_gpu", False))}
+
+
 def test_on_device_datastore_generation_is_every_entry_exactly(tmp_path, byte_gen):
   """memory=external with the datastore on the devices = FAISS flat with K = every entry (greedy tokens), and
   its first step's distribution = float64 NumPy over the prompt's keys and every datastore entry."""

@@ -370,9 +370,9 @@ class Model:
       if e.get("datastore_on_device", False):
         logger.info("the export's eval.datastore_on_device is trime_jax.launch.eval_ext's: the API searches the "
                     "FAISS index (top-K)")
-      self._external[key] = knn.ExternalMemory(
-          datastore, index_path=index, checkpoint_dir=self.directory, k=k, nprobe=int(e.nprobe),
-          exact=bool(e.get("knn_exact", False)), gpu=bool(e.get("knn_gpu", False)), log=knn.logger.info)
+      from trime_jax.generate.generator import retrieval_settings
+      self._external[key] = knn.ExternalMemory(datastore, index_path=index, checkpoint_dir=self.directory,
+                                               log=knn.logger.info, **retrieval_settings(self.config, k=k))
     if self._params is not self._exported_params and key not in self._warned_params:  # once per datastore
       self._warned_params.add(key)
       logger.warning("warning: model.params was assigned: the datastore %s holds keys of the exported parameters, "

@@ -40,11 +40,11 @@ The pieces, one file each (every public name is re-exported here: `generate.X`):
   text.py       `Text`: prompts <-> token ids (bytes or WikiText-style words)
   trace.py      the retrieval trace (`TraceStep`, `TraceMemory`): which memories gave the sampled token its mass
   generator.py  `Generator`, the façade: loads the export (or takes a caller's loaded one), wires the pieces, runs
-                the loop; `Generation`
+                the loop; `Generation`; `retrieval_settings`, how an export's datastore is searched by default
 """
 
 from trime_jax.generate.decoder import CachedDecoder, next_token_log_probs
-from trime_jax.generate.generator import Generation, Generator
+from trime_jax.generate.generator import Generation, Generator, retrieval_settings
 from trime_jax.generate.memory import (INTERP_MEMORIES, MEMORIES, STORE_BLOCK, LongTermMemory, Memories,
                                        MemorySpec)
 from trime_jax.generate.sampling import Sampling, filter_log_probs, row_keys, sample
@@ -53,4 +53,4 @@ from trime_jax.generate.trace import TRACE_CONTEXT, TraceMemory, TraceStep
 
 __all__ = ["CachedDecoder", "Generation", "Generator", "INTERP_MEMORIES", "LongTermMemory", "MEMORIES", "Memories",
            "MemorySpec", "STORE_BLOCK", "Sampling", "TRACE_CONTEXT", "Text", "TraceMemory", "TraceStep",
-           "filter_log_probs", "next_token_log_probs", "row_keys", "sample"]
+           "filter_log_probs", "next_token_log_probs", "retrieval_settings", "row_keys", "sample"]

@@ -39,6 +39,18 @@ def default_memory(config) -> str:
   return "none" if str(config.trime.get("memory", "local")) == "none" else "local"
 
 
+def retrieval_settings(config, *, k=None, nprobe=None, exact=None, gpu=None) -> dict:
+  """How an export's datastore is searched when a caller does not say: the export's eval.knn_k, eval.nprobe,
+  eval.knn_exact and eval.knn_gpu, as trime_jax.launch.eval_ext uses them (each argument given overrides its
+  field). The one place the CLI (`launch/generate.py`), `Generator.external` and the API's `Model.external` read
+  them, so a caller of any of the three retrieves what evaluation retrieved."""
+  e = config.eval
+  return {"k": int(e.get("knn_k", 1024)) if k is None else int(k),
+          "nprobe": int(e.get("nprobe", 32)) if nprobe is None else int(nprobe),
+          "exact": bool(e.get("knn_exact", False)) if exact is None else bool(exact),
+          "gpu": bool(e.get("knn_gpu", False)) if gpu is None else bool(gpu)}
+
+
 def _stderr(msg: str) -> None:
   print(msg, file=sys.stderr, flush=True)
 
@@ -128,15 +140,17 @@ class Generator:
   def new_store(self) -> LongTermMemory:
     return LongTermMemory(self.cfg.d_model)
 
-  def external(self, datastore_dir: str, *, index_path: str = "", k: int = 1024, nprobe: int = 32,
-               exact: bool = False, gpu: bool = False,
+  def external(self, datastore_dir: str, *, index_path: str = "", k: int | None = None, nprobe: int | None = None,
+               exact: bool | None = None, gpu: bool | None = None,
                log: Callable[[str], None] = knn.print_line) -> knn.ExternalMemory:
     """A datastore + index of this model (built by `trime_jax.launch.build_datastore`; another model's or vocabulary's
-    is refused). Its entries are scored as evaluation scores them (`eval.knn_exact`): by the index's own inner
-    products, or with `exact` from the stored keys. `log` hears which index it searches (`knn.ExternalMemory`'s
-    line; default: stdout)."""
-    ext = knn.ExternalMemory(datastore_dir, index_path=index_path, checkpoint_dir=self.checkpoint_dir, k=k,
-                             nprobe=nprobe, exact=exact, gpu=gpu, log=log)  # another model's datastore: one error saying so
+    is refused). `k` (entries per token), `nprobe`, `exact`, `gpu`: None takes the export's evaluation setting
+    (`retrieval_settings`). Its entries are scored as evaluation scores them (`eval.knn_exact`): by the index's own
+    inner products, or with `exact` from the stored keys. `log` hears which index it searches
+    (`knn.ExternalMemory`'s line; default: stdout)."""
+    settings = retrieval_settings(self.config, k=k, nprobe=nprobe, exact=exact, gpu=gpu)
+    ext = knn.ExternalMemory(datastore_dir, index_path=index_path, checkpoint_dir=self.checkpoint_dir, log=log,
+                             **settings)  # another model's datastore: one error saying so
     if ext.dimension != self.cfg.d_model:
       raise CheckpointError(f"datastore keys have dimension {ext.dimension}, the model's keys {self.cfg.d_model}")
     return ext
