@@ -359,12 +359,36 @@ def check_srupp_train(workdir, corpus):
   config = tiny_config(corpus, **common)
   header, batches = consecutive.make_plan(corpora.load_splits(config.data).train, config, progress=False)
   batch_plan.save(plan_dir, header, batches)
+  from trime_jax import train as train_module
+
+  # Where the carry lives, in and out of the real step (train_state_shardings): the step_fn's outputs recorded
+  specs = set()
+  original_step_fn = train_module.LMTask.step_fn
+
+  def recording_step_fn(self, objective):
+    fn = original_step_fn(self, objective)
+
+    def step(state, batch, key):
+      for leaf in jax.tree_util.tree_leaves((state["carry"],)):
+        specs.add(("in", tuple(leaf.sharding.spec)))
+      new_state, metrics = fn(state, batch, key)
+      for leaf in jax.tree_util.tree_leaves((new_state["carry"],)):
+        specs.add(("out", tuple(leaf.sharding.spec)))
+      return new_state, metrics
+    return step
+
   losses = {}
   for n in (1, 8):
     run_dir = os.path.join(workdir, f"srupp_{n}dev")
-    train_and_evaluate(tiny_config(corpus, **common, **{"train.num_devices": n}), run_dir)
+    specs.clear()
+    train_module.LMTask.step_fn = recording_step_fn
+    try:
+      train_and_evaluate(tiny_config(corpus, **common, **{"train.num_devices": n}), run_dir)
+    finally:
+      train_module.LMTask.step_fn = original_step_fn
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
       losses[n] = [json.loads(line)["loss"] for line in f if '"loss"' in line]
+    losses[f"carry_specs_{n}"] = sorted(specs)
   return losses
 
 

@@ -280,6 +280,8 @@ def test_srupp_long_training_on_8_devices_matches_1_device(checks):
   losses = checks("train")["srupp"]
   assert len(losses["1"]) == 3
   np.testing.assert_allclose(losses["8"], losses["1"], rtol=1e-5)
+  # each device holds its own rows' carry, in and out of every step (it was replicated: gathered every step)
+  assert losses["carry_specs_8"] == [["in", ["data"]], ["out", ["data"]]]
 
 
 def test_mt_training_on_8_devices_matches_1_device(checks):

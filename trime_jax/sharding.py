@@ -27,3 +27,13 @@ def replicated(mesh) -> NamedSharding:
 def batch_sharding(mesh, batch_axis: int = 0) -> NamedSharding:
   """Shard dimension `batch_axis` over `data` (train batches are [accum, B, L]: batch_axis=1)."""
   return NamedSharding(mesh, P(*([None] * batch_axis), DATA))
+
+
+def train_state_shardings(mesh, state: dict) -> dict:
+  """Where a training state lives: the step, parameters and optimizer state replicated; a stateful model's
+  `carry` (each row's state across segments: every leaf [B, ...]) split over `data` along its rows, as the
+  batch rows it continues are (replicated, every step would gather every row's carry onto every device)."""
+  out = {k: replicated(mesh) for k in state}
+  if "carry" in state:
+    out["carry"] = batch_sharding(mesh, 0)
+  return out

@@ -264,7 +264,6 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   model = build_model(mcfg, train_cfg.seed)
   graphdef, params = nnx.split(model, nnx.Param)
   tx, schedule = make_optimizer(train_cfg)
-  repl = sharding.replicated(mesh)
   # Placed before restoring: the abstract state then carries the mesh shardings, so orbax restores onto
   # every host's devices (multi-host) instead of one default device.
   state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
@@ -272,8 +271,9 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
     state["carry"] = steps.init_train_carry(model, train_cfg.batch_size, config.data.segment_len)
   if train_cfg.get("init_from"):  # a newer checkpoint in the workdir, if any, replaces this state in loop.run
     state = warm_start(state, train_cfg, mcfg, vocab, tx, log=_log)
-  state = jax.device_put(state, repl)
-  task = LMTask(config, splits, graphdef, tx, spec, mesh)
+  state_sh = sharding.train_state_shardings(mesh, state)
+  state = jax.device_put(state, state_sh)
+  task = LMTask(config, splits, graphdef, tx, spec, mesh, state_sh)
   # What the batches are made of: a resume must read the same training split and batch plan (config.json names
   # only their paths; rewriting either between two invocations would silently change the rest of the run).
   data_identity = {"train_fingerprint": splits.train.fingerprint(),
@@ -289,7 +289,7 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
        f"{len(task.source.segments):,} segments of {config.data.segment_len} | memory={spec.objective.memory} | "
        f"CE warm-up {task.warm} updates | devices {mesh.size}")
   out = loop.run(task, state, loop.LoopSpec.from_train(train_cfg), workdir, schedule=schedule, config=config,
-                 place=lambda s: jax.device_put(s, repl), log=_log, starting=starting)
+                 place=lambda s: jax.device_put(s, state_sh), log=_log, starting=starting)
   return {**out, "num_params": n_params}
 
 
@@ -322,8 +322,10 @@ class LMTask(loop.Task):
 
   eval_split = "dev"
 
-  def __init__(self, config, splits, graphdef, tx, spec, mesh):
+  def __init__(self, config, splits, graphdef, tx, spec, mesh, state_shardings=None):
     self.config, self.splits, self.graphdef, self.tx, self.spec, self.mesh = config, splits, graphdef, tx, spec, mesh
+    # where the training state lives (`sharding.train_state_shardings`; None: all of it replicated)
+    self.state_shardings = state_shardings or sharding.replicated(mesh)
     self.best_metric = best_metric(config)
     self.warm = ce_warmup_steps(config)
     self.report_trime = spec.objective.memory != "none"
@@ -350,7 +352,8 @@ class LMTask(loop.Task):
       fn = functools.partial(steps.train_step, self.graphdef, self.tx, self.spec, objective == "trime",
                              self.report_trime, mesh=self.mesh)
       repl = sharding.replicated(self.mesh)
-      self._fns[objective] = jax.jit(fn, in_shardings=(repl, self.shardings, repl), out_shardings=(repl, repl),
+      self._fns[objective] = jax.jit(fn, in_shardings=(self.state_shardings, self.shardings, repl),
+                                     out_shardings=(self.state_shardings, repl),
                                      donate_argnums=(0,))
     return self._fns[objective]
 
