@@ -146,7 +146,7 @@ def test_mt_ext_loss_matches_float64_reference():
   np.testing.assert_allclose(float(nll(model, jb2, spec, use_trime=True)[2]), float(tr), rtol=1e-6)
 
 
-def test_label_smoothing_matches_fairseq_formula():
+def test_label_smoothing_matches_the_release_formula():
   model = tiny()
   batch, _, _ = pairs_batch(2)
   jb = {k: jnp.asarray(v) for k, v in batch.items()}
@@ -159,8 +159,9 @@ def test_label_smoothing_matches_fairseq_formula():
   ok = t >= 0
   tok_nll = -np.take_along_axis(np.asarray(lp), np.maximum(t, 0)[..., None], -1)[..., 0]
   smooth = -np.asarray(lp).sum(-1)
-  eps_i = 0.1 / (V - 1)
-  ref = ((1 - 0.1 - eps_i) * tok_nll + eps_i * smooth)[ok].sum()
+  # the release's fork (machine_translation/fairseq/criterions/label_smoothed_cross_entropy.py): ε_i = ε/V, (1-ε)·nll
+  eps_i = 0.1 / V
+  ref = ((1 - 0.1) * tok_nll + eps_i * smooth)[ok].sum()
   np.testing.assert_allclose(float(obj), ref, rtol=1e-5)
   np.testing.assert_allclose(float(ce), tok_nll[ok].sum(), rtol=1e-5)
 

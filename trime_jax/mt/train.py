@@ -75,14 +75,16 @@ def mt_nll(model, batch, spec: loss.ObjectiveSpec, *, use_trime: bool, vocab_chu
                       positions_BxT=batch.get("tgt_pos"))
   valid = targets >= 0
   ntok = valid.sum()
-  if label_smoothing:  # fairseq label_smoothed_nll_loss: (1 - ε - ε_i)·nll + ε_i·Σ_v -log p_v, ε_i = ε/(V-1)
+  if label_smoothing:  # the release's label_smoothed_nll_loss (its fairseq fork, machine_translation/fairseq/
+    # criterions/label_smoothed_cross_entropy.py): (1 - ε)·nll + ε_i·Σ_v -log p_v, ε_i = ε/V (later fairseq:
+    # (1 - ε - ε_i)·nll + ε_i·Σ_v, ε_i = ε/(V-1), which this followed until 2026-12-06)
     logits = model.logits(f)
     stats = scoring.vocab_stats(logits, targets)
     v = logits.shape[-1]
     nll = stats.log_normalizer - stats.target_logit
     smooth = v * stats.log_normalizer - logits.sum(-1)
-    eps_i = label_smoothing / (v - 1)
-    obj = jnp.where(valid, (1.0 - label_smoothing - eps_i) * nll + eps_i * smooth, 0.0).sum()
+    eps_i = label_smoothing / v
+    obj = jnp.where(valid, (1.0 - label_smoothing) * nll + eps_i * smooth, 0.0).sum()
   else:
     stats = model.vocab_stats(f, targets, vocab_chunk=vocab_chunk, **drop)
     obj = None
