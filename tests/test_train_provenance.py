@@ -6,6 +6,7 @@ metrics line an uninterrupted run would not, and a long-memory config without co
 import json
 import math
 import os
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -474,6 +475,21 @@ def test_a_warm_restart_continues_a_partial_export_at_its_update(corpus, tmp_pat
   assert b[0]["loss"] == pytest.approx(a[3]["loss"], rel=1e-6) and b[0]["lr"] == pytest.approx(a[3]["lr"], rel=1e-7)
   assert b[1]["lr"] == pytest.approx(a[4]["lr"], rel=1e-7) and b[1]["loss"] != pytest.approx(a[4]["loss"], rel=1e-6)
   assert b[0]["skipped_total"] == 0
+  # data.json records the export the warm restart started from
+  record = json.load(open(os.path.join(warm, "data.json")))["init_from"]
+  assert record == {"fingerprint": exports.fingerprint(os.path.join(stopped, "partial")), "step": 3}
+  # A warm-started run that stopped resumes from its own checkpoint, without the export (found by a review: the
+  # rerun read the export again, so it failed once the export was gone, and warm-started from a replaced one)
+  interrupted = str(tmp_path / "interrupted")
+  partial_copy = str(tmp_path / "partial_copy")
+  shutil.copytree(os.path.join(stopped, "partial"), partial_copy)
+  cfg = dict(base, **{"train.init_from": partial_copy})
+  assert train.train_and_evaluate(tiny_config(corpus, **cfg, **{"train.stop_after": 1}), interrupted)["step"] == 4
+  shutil.rmtree(partial_copy)
+  assert train.train_and_evaluate(tiny_config(corpus, **cfg), interrupted)["step"] == 6
+  c = _train_lines(interrupted)
+  assert [m["step"] for m in c] == [4, 5, 6] and c[-1]["loss"] == pytest.approx(b[-1]["loss"], rel=1e-6)
+  assert json.load(open(os.path.join(interrupted, "data.json")))["init_from"]["step"] == 3
   # Refused: a step at or past num_steps, another architecture
   with pytest.raises(ConfigError, match="is not an update below train.num_steps=3"):
     train.train_and_evaluate(tiny_config(corpus, **{**base, "train.num_steps": 3, "train.init_from":

@@ -409,6 +409,17 @@ def check_resume_data(workdir: str, config, identity: dict, *, write: bool = Tru
     data.atomic_write_json(path, identity)
 
 
+def recorded_data_identity(workdir: str) -> dict:
+  """The `<workdir>/data.json` a run wrote when it started (`check_resume_data`), or {} where there is none or it
+  cannot be read (check_resume_data says so when it compares)."""
+  try:
+    with open(os.path.join(workdir, DATA_FILE), encoding="utf-8") as f:
+      old = json.load(f)
+  except (OSError, ValueError, UnicodeDecodeError):
+    return {}
+  return old if isinstance(old, dict) else {}
+
+
 def _has_checkpoints(workdir: str) -> bool:
   """A complete checkpoint step exists: the run resumes rather than starts."""
   return bool(workdir_files.step_dirs(os.path.join(workdir, workdir_files.CHECKPOINTS)))

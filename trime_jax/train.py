@@ -269,8 +269,14 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
   if model.stateful:  # per-row state across segments: saved with the checkpoints, so a resume continues it
     state["carry"] = steps.init_train_carry(model, train_cfg.batch_size, config.data.segment_len)
-  if train_cfg.get("init_from"):  # a newer checkpoint in the workdir, if any, replaces this state in loop.run
-    state = warm_start(state, train_cfg, mcfg, vocab, tx, log=_log)
+  init_record = None
+  if train_cfg.get("init_from"):
+    if workdir_files.newest_step(os.path.join(workdir, workdir_files.CHECKPOINTS)) is None:
+      state, init_record = warm_start(state, train_cfg, mcfg, vocab, tx, log=_log)
+    else:  # a resume: its checkpoint holds the run; the export it started from is not read again (it may be gone
+      # or replaced by a later partial export), and data.json keeps the record of the one it started from
+      init_record = ckpt.recorded_data_identity(workdir).get("init_from")
+      _log(f"train.init_from={train_cfg.init_from}: not read, the run resumes from its checkpoints")
   state_sh = sharding.train_state_shardings(mesh, state)
   state = jax.device_put(state, state_sh)
   task = LMTask(config, splits, graphdef, tx, spec, mesh, state_sh)
@@ -278,6 +284,8 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   # only their paths; rewriting either between two invocations would silently change the rest of the run).
   data_identity = {"train_fingerprint": splits.train.fingerprint(),
                    "batch_plan_digest": task.source.plan.digest() if task.source.plan else None}
+  if init_record is not None:  # the export a warm restart started from (its fingerprint and update)
+    data_identity["init_from"] = init_record
   ckpt.check_resume_data(workdir, config, data_identity, write=False)
 
   def starting():  # nothing was refused and the checkpoint restored: the run starts; config.json says what ran
@@ -293,11 +301,13 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   return {**out, "num_params": n_params}
 
 
-def warm_start(state: dict, train_cfg, mcfg, vocab, tx, *, log) -> dict:
+def warm_start(state: dict, train_cfg, mcfg, vocab, tx, *, log) -> tuple[dict, dict]:
   """train.init_from: the initial state at the export's step (meta.json's `step`; train.export_on_stop writes
   such exports when a run stops early) with its parameters and a fresh optimizer whose schedule continues at that
   step (`optim.at_update`): a warm restart, the optimizer's moments lost. Refused for another architecture or
-  vocabulary, a step at or past train.num_steps, and stateful (SRU++) models, whose carry is not exported."""
+  vocabulary, a step at or past train.num_steps, and stateful (SRU++) models, whose carry is not exported.
+  Returns (state, record): record = the export's fingerprint and step, kept in the workdir's data.json. Called
+  when the workdir has no checkpoint only: a resume continues from its own checkpoints."""
   path = train_cfg.init_from
   if "carry" in state:
     raise ConfigError("train.init_from: a stateful model's carry across segments is not in an export; resume it "
@@ -312,7 +322,8 @@ def warm_start(state: dict, train_cfg, mcfg, vocab, tx, *, log) -> dict:
                       f"train.num_steps={train_cfg.num_steps}")
   log(f"warm start from {path}: the parameters of update {step}{' (a partial export)' if meta.get('partial') else ''}"
       "; schedule, CE warm-up and data order continue from there, the optimizer's moments start afresh")
-  return {"step": jnp.int32(step), "params": params, "opt_state": at_update(tx.init(params), step)}
+  record = {"fingerprint": exports.fingerprint(path), "step": step}
+  return {"step": jnp.int32(step), "params": params, "opt_state": at_update(tx.init(params), step)}, record
 
 
 class LMTask(loop.Task):
