@@ -497,3 +497,14 @@ def test_a_warm_restart_continues_a_partial_export_at_its_update(corpus, tmp_pat
   with pytest.raises(ConfigError, match="another architecture or vocabulary"):
     train.train_and_evaluate(tiny_config(corpus, **base, **{"model.d_ff": 48, "train.init_from":
                                                            os.path.join(stopped, "partial")}), str(tmp_path / "y"))
+
+
+def test_an_srupp_dev_protocol_names_its_streams(corpus):
+  """A stateful model's dev perplexity depends on how many streams share the split (each starts from an empty
+  state), so SRU++'s dev protocol holds eval.batch_size: a resume with another one measures the best again
+  instead of comparing numbers of two protocols (found by a review). A Transformer's does not depend on it."""
+  task = object.__new__(train.LMTask)
+  srupp = {"model.backbone": "srupp", "model.key_type": "final"}
+  four, eight = (tiny_config(corpus, **srupp, **{"eval.batch_size": n}) for n in (4, 8))
+  assert task.dev_protocol(four)["streams"] == 4 and task.dev_protocol(eight)["streams"] == 8
+  assert "streams" not in task.dev_protocol(tiny_config(corpus, **{"eval.batch_size": 8}))

@@ -390,6 +390,9 @@ class LMTask(loop.Task):
     if config.model.get("backbone", "transformer") == "srupp":  # its attention span at evaluation (a config of
       # before 2026-12-06 has no field: the whole memory, as it was measured)
       protocol["srupp_eval_same_length"] = bool(config.model.get("srupp_eval_same_length", False))
+      # and its streams: a stateful model's scores depend on how many streams share the dev split (each starts
+      # from an empty state; evaluate.evaluate), a Transformer's do not
+      protocol["streams"] = int(e.batch_size)
     return protocol
 
   def evaluate_export(self, directory: str) -> dict:
