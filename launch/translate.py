@@ -5,6 +5,9 @@
       --k=16 --knn_lambda=0.3 --knn_mt_temperature=10 --split=test --out=...
   python -m trime_jax.launch.translate --checkpoint=... --mode=trime --datastore=... --k=64 --tau=1 \\
       [--knn_lambda=0.2 --tau_prime=1] --split=test --out=...
+  python -m trime_jax.launch.translate --checkpoint=... --mode=trime_release --datastore=... --k=16 --tau=15 \
+      --split=test --out=...     # TrimeMT_ext as the release's decoder combines model and datastore (its README's
+                                 # k = 16, t = 15): (1 - λ)·p_model + p_kNN, λ = Z_c / (Z_t + Z_c), not normalised
   python -m trime_jax.launch.translate --checkpoint=... --datastore=... --tune --out=...      # tune on valid
   python -m trime_jax.launch.translate --checkpoint=... --datastore=... --settings=<out>/tuned.json --mode=trime ...
 
@@ -35,11 +38,12 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "An MT config (task='m
 _SPLIT = flags.DEFINE_enum("split", "test", ["train", "valid", "dev", "test"],
                            "Split to translate (dev = valid, the language models' name for it).")
 _OUT = flags.DEFINE_string("out", None, "Output directory.")
-_MODE = flags.DEFINE_enum("mode", "model", ["model", "knn_mt", "trime", "trime_interp", "trime_best"],
+_MODE = flags.DEFINE_enum("mode", "model", ["model", "knn_mt", "trime", "trime_interp", "trime_best", "trime_release"],
                           "Next-token distribution: model | knn_mt | trime (TRIME over vocabulary + retrieved "
-                          "entries; --knn_lambda > 0 adds Appendix A's interpolation). With --settings, "
-                          "trime_interp takes the tuned interpolated setting and trime_best the better of the two "
-                          "on valid BLEU.")
+                          "entries, the paper's normalised law; --knn_lambda > 0 adds Appendix A's interpolation) | "
+                          "trime_release (the release's decoder: (1 - λ)·p_model + p_kNN, λ = Z_c / (Z_t + Z_c), "
+                          "what its README's BLEU was measured with). With --settings, trime_interp takes the tuned "
+                          "interpolated setting and trime_best the better of trime / trime_interp on valid BLEU.")
 _BEAM = flags.DEFINE_integer("beam", decode.EVAL_SEARCH.beam, "Beam size (1 = greedy).")
 _LENPEN = flags.DEFINE_float("lenpen", decode.EVAL_SEARCH.lenpen,
                              "Length penalty: score / len^lenpen (the original evaluations'; fairseq default 1.0).")
@@ -64,9 +68,9 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace <out>/<split>.<mode>
                                "model, datastore, index, data, setting or search), or with --tune a tuned.json of "
                                "another model or datastore; a rerun of the same one replaces them anyway.")
 _TUNE_BEAM = flags.DEFINE_integer("tune_beam", 2, "--tune: settings per mode decoded with beam search on valid.")
-_TUNE_MODES = flags.DEFINE_list("tune_modes", ["knn_mt", "trime"], "--tune: the datastore distributions to tune "
-                                "(knn_mt, trime; trime includes Appendix A's interpolation); the model alone is "
-                                "always decoded.")
+_TUNE_MODES = flags.DEFINE_list("tune_modes", ["knn_mt", "trime", "trime_release"], "--tune: the datastore "
+                                "distributions to tune (knn_mt, trime, trime_release; trime includes Appendix A's "
+                                "interpolation); the model alone is always decoded.")
 _ALLOW_OVERLAP = flags.DEFINE_bool("allow_split_overlap", False, "Translate (or tune on) the very split the datastore "
                                    "was built from. Refused without this flag: each target token would retrieve "
                                    "itself (leakage); use it only to study that on purpose.")
@@ -86,8 +90,8 @@ check_flag(_TAU_PRIME, lambda v: _finite(v) and v > 0, "a number > 0")
 check_flag(_BATCH, lambda v: v >= 1, "an integer >= 1")
 check_flag(_MAX_SENTENCES, lambda v: v >= 0, "an integer >= 0 (0: every sentence)")
 check_flag(_TUNE_BEAM, lambda v: v >= 1, "an integer >= 1")
-check_flag(_TUNE_MODES, lambda v: bool(v) and set(v) <= {"knn_mt", "trime"},
-           "a non-empty subset of knn_mt,trime")
+check_flag(_TUNE_MODES, lambda v: bool(v) and set(v) <= {"knn_mt", "trime", "trime_release"},
+           "a non-empty subset of knn_mt,trime,trime_release")
 
 
 def _check_overlap(ds, pairs, split: str) -> None:
@@ -253,7 +257,7 @@ def translate_split(translator, pairs, vocab, out_dir, name, extra):
   t0 = time.perf_counter()
   hyps = translator.translate(pairs.src, batch_sentences=_BATCH.value)
   seconds = time.perf_counter() - t0
-  text = [vocab.decode(h.tokens) for h in hyps]
+  text = [pairs.text(h.tokens) for h in hyps]  # detokenised as the references are (Moses: the fairseq format)
   result = {**bleu.corpus_bleu(text, pairs.tgt_text), "split": pairs.split, "sentences": len(text),
             "seconds": round(seconds, 3), "sentences_per_s": round(len(text) / max(seconds, 1e-9), 3),
             "retrieval_seconds": round(translator.search_seconds, 3), "beam": translator.options.beam,
@@ -307,7 +311,7 @@ def main(argv):
     print(f"tune: one teacher-forced pass over {len(tp.targets):,} valid target tokens + {len(rows)} settings in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     tuned, table = {}, []
-    for mode in ("model", "knn_mt", "trime", "trime_interp"):
+    for mode in ("model", "knn_mt", "trime", "trime_interp", "trime_release"):
       best = [r for r in rows if r["mode"] == mode][:_TUNE_BEAM.value]
       for r in best:
         name = f"valid.tune.{mode}.{len(table)}"
@@ -328,7 +332,7 @@ def main(argv):
   if _MODE.value in ("trime_interp", "trime_best") and not _SETTINGS.value:
     raise ConfigError(f"--mode={_MODE.value} selects a tuned setting: give --settings=<tune out>/tuned.json "
                       "(or --mode=trime with --knn_lambda / --tau_prime)")
-  family = "trime" if _MODE.value.startswith("trime") else _MODE.value
+  family = "trime" if _MODE.value in ("trime", "trime_interp", "trime_best") else _MODE.value
   dist = decode.Distribution(family, k=_K.value, knn_mt_temperature=_KNN_MT_TEMPERATURE.value,
                              knn_lambda=_KNN_LAMBDA.value, tau=_TAU.value, tau_prime=_TAU_PRIME.value)
   if _SETTINGS.value:

@@ -7,11 +7,13 @@ import zlib
 
 import os
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from trime_jax.mt import decode
 from trime_jax import specs
+from trime_jax.errors import ConfigError
 
 PAD, EOS, V = 0, 1, 5  # toy vocabulary: pad, eos and three words
 
@@ -164,6 +166,58 @@ def test_trime_mt_distribution_matches_float64(tau, lam, tau_prime):
   # the memories matter where there are some, and row 2 (none retrieved) is the model alone
   assert np.abs(got[0] - _np_log_softmax(logits[0])).max() > 1e-2
   np.testing.assert_allclose(got[2], _np_log_softmax(logits[2]), atol=1e-5)
+
+
+@pytest.mark.parametrize("tau", [1.0, 15.0])
+def test_release_trime_distribution_is_the_release_decoders(tau):
+  """mode trime_release = the release's decoder, restated in float64 from its code (machine_translation/fairseq/
+  models/transformer.py, knn_lambda_type='trime': λ = exp(lse(dists / (t·√d)) - lse(lse(logits), lse(dists /
+  (t·√d)))); get_normalized_probs: p_net·(1 - λ) + knn_probs, knn_probs the softmax of the K scores scattered
+  onto their tokens): its mass is 2 - λ, not 1 (found by a review; the paper's law is `trime_log_probs`)."""
+  logits, q, keys, targets, _ = _small_case(seed=2)
+  d, v = q.shape[1], logits.shape[1]
+  got = np.asarray(decode.release_trime_log_probs(logits, q, keys, targets, tau=tau), np.float64)
+  paper = np.asarray(decode.trime_log_probs(logits, q, keys, targets, tau=tau), np.float64)
+  for r in range(len(q)):
+    p_net = np.exp(_np_log_softmax(logits[r]))
+    ok = targets[r] >= 0
+    if not ok.any():
+      np.testing.assert_allclose(got[r], np.log(p_net), atol=1e-5)  # nothing retrieved: the model alone
+      continue
+    dists = (keys[r][ok] @ q[r]) / (tau * math.sqrt(d))
+    norm_t, norm_c = np.logaddexp.reduce(logits[r]), np.logaddexp.reduce(dists)
+    lam = math.exp(norm_c - np.logaddexp(norm_t, norm_c))
+    knn_probs = np.zeros(v)
+    np.add.at(knn_probs, targets[r][ok], np.exp(dists - norm_c))
+    want = p_net * (1 - lam) + knn_probs
+    np.testing.assert_allclose(np.exp(got[r]), want, rtol=2e-5, atol=1e-7)
+    assert np.exp(got[r]).sum() == pytest.approx(2 - lam, rel=1e-5)
+    # the paper's law is the same vocabulary term with λ·knn_probs
+    np.testing.assert_allclose(np.exp(paper[r]), p_net * (1 - lam) + lam * knn_probs, rtol=2e-5, atol=1e-7)
+  with pytest.raises(ConfigError, match="no interpolation"):
+    decode.Distribution("trime_release", knn_lambda=0.3)
+
+
+def test_release_law_tuning_nll_is_its_normalised_distribution():
+  """The tuner's nll for trime_release (one K, each τ) = the mean over tokens of -log(P(target) / (2 - λ)),
+  P = `release_trime_log_probs` from the same scores."""
+  from trime_jax import scoring
+  from trime_jax.mt.decode import tuning
+
+  logits, q, keys, targets, ids = _small_case(seed=3, n=5)
+  d = q.shape[1]
+  gold = np.asarray([int(t[0]) if t[0] >= 0 else 1 for t in targets])  # a retrieved token where there is one
+  score = np.where(ids >= 0, np.einsum("nkd,nd->nk", keys, q), -np.inf).astype(np.float32)
+  stats = scoring.vocab_stats(jnp.asarray(logits, jnp.float32), jnp.asarray(gold))
+  empty = decode.Neighbours(np.zeros((5, 0), np.int64), np.zeros((5, 0), np.int32), np.zeros((5, 0), np.float32))
+  tp = tuning.TunePass(stats, gold, decode.Neighbours(ids, targets.astype(np.int32), score), empty, d)
+  taus = [0.5, 2.0]
+  got = tuning._release_nlls(tp, taus, k=ids.shape[1])
+  for tau, g in zip(taus, got):
+    lp = np.asarray(decode.release_trime_log_probs(logits, q, keys, targets, tau=tau), np.float64)
+    mass = np.exp(lp).sum(-1)
+    want = -(lp[np.arange(5), gold] - np.log(mass)).mean()
+    assert g == pytest.approx(want, rel=1e-4)
 
 
 def test_bleu_copy_is_100_and_a_known_case():
@@ -358,7 +412,8 @@ def test_translate_every_mode_and_knn_mt_recalls_training_targets(tiny):
   opts = decode.SearchOptions(beam=4, max_len_a=1.0, max_len_b=5)
   results = {}
   for dist in [decode.Distribution("model"), decode.Distribution("knn_mt", k=4, knn_mt_temperature=1.0, knn_lambda=0.3),
-               decode.Distribution("trime", k=4, tau=1.0, knn_lambda=0.3, tau_prime=0.5)]:
+               decode.Distribution("trime", k=4, tau=1.0, knn_lambda=0.3, tau_prime=0.5),
+               decode.Distribution("trime_release", k=4, tau=1.0)]:
     tr = decode.Translator(graphdef, params, cfg, dist=dist, datastore=ds, index=index, options=opts,
                            eos_id=vocab.eos_id)
     hyps = tr.translate(test.src, batch_sentences=4)  # the same shapes in every call: one compilation
@@ -394,7 +449,8 @@ def test_cli_build_datastore_and_translate_tune(tiny):
   meta = json.loads((ds2 / "meta.json").read_text())
   assert meta["complete"] and meta["count"] == tiny["meta"]["count"] and meta["task"] == "mt"
   tuned = json.loads((out / "tuned.json").read_text())
-  assert set(tuned["chosen"]) == {"model", "knn_mt", "trime", "trime_interp"}
+  assert set(tuned["chosen"]) == {"model", "knn_mt", "trime", "trime_interp", "trime_release"}
+  assert decode.Distribution.from_tuned(str(out / "tuned.json"), "trime_release").mode == "trime_release"
   assert {r["k"] for r in tuned["nll_grid"] if r["mode"] == "knn_mt"} == set(decode.KS)
   # kNN-MT settings decode from the inner-product candidates they were tuned with (16 · max K), not 16 · K:
   # their neighbours, so their valid nll, are the tuned ones (at K = 4 decoding re-ranked 64 candidates, the

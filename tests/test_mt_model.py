@@ -204,21 +204,30 @@ def test_text_reader_sentencepiece_is_reproducible_and_cached(tmp_path):
 
 def test_fairseq_bpe_reader(tmp_path):
   de = ["die dat@@ ei öff@@ nen", "die dat@@ ei spei@@ chern"]
-  en = ["open the fi@@ le", "save the fi@@ le ."]
+  en = ["open the fi@@ le", "it &apos;s the &quot; fi@@ le &quot; ."]  # Moses-tokenised and escaped, as IWSLT
   write_pairs(tmp_path / "f", de, en)
   cfg = mt_config(tmp_path / "f", fmt="fairseq")
   vocab = mt_data.load_vocab(cfg)
   assert vocab.kind == "bpe" and vocab.tokens[:4] == list(mt_data.SPECIALS)
-  assert vocab.tokens[4] in ("die", "dat@@", "ei", "the", "fi@@", "le")  # the most frequent (count 2) first
+  assert vocab.tokens[4] in ("die", "dat@@", "ei", "the", "fi@@", "le", "&quot;")  # the most frequent (count 2) first
   data = mt_data.load_parallel(cfg, "test", vocab)
-  assert vocab.decode(data.tgt[1]) == "save the file ."
+  assert vocab.decode(data.tgt[1]) == "it &apos;s the &quot; file &quot; ."
   assert vocab.decode(data.src[0]) == "die datei öffnen"
-  # the texts (BLEU's references) lose their BPE continuations as decoded hypotheses do: a translation that
-  # decodes to the reference's ids scores 100 (it scored against "save the fi@@ le .")
-  assert data.tgt_text == ["open the file", "save the file ."] and data.src_text[0] == "die datei öffnen"
+  # the texts (BLEU's references) lose their BPE continuations and Moses's tokenisation as decoded hypotheses do
+  # (`data.text`, the original's --remove-bpe --tokenizer moses): a translation that decodes to the reference's
+  # ids scores 100 (it scored against "save the fi@@ le .")
+  assert data.tgt_text == ["open the file", 'it\'s the "file".'] and data.src_text[0] == "die datei öffnen"
+  assert data.text(data.tgt[1]) == 'it\'s the "file".'
   from trime_jax.mt import bleu
 
-  assert bleu.corpus_bleu([vocab.decode(t) for t in data.tgt], data.tgt_text)["bleu"] == pytest.approx(100.0)
+  assert bleu.corpus_bleu([data.text(t) for t in data.tgt], data.tgt_text)["bleu"] == pytest.approx(100.0)
+  # BLEU is sacrebleu's 13a on the detokenised text, as the original's --scoring sacrebleu after Moses: on the
+  # escaped tokens, 13a splits `&apos;` into `& apos ;`, easy matches that raised the score (found by a review)
+  hyp, ref = "it &apos;s good .", "it &apos;s fine ."
+  want = bleu.corpus_bleu(["it's good."], ["it's fine."])["bleu"]
+  assert bleu.corpus_bleu([mt_data.moses_detokenize(hyp, "en")], [mt_data.moses_detokenize(ref, "en")])["bleu"] == \
+      pytest.approx(want)
+  assert bleu.corpus_bleu([hyp], [ref])["bleu"] > want + 10
   assert list(vocab.encode("unseen@@ word")) == [1, 1]
   d = tmp_path / "v"
   d.mkdir()

@@ -158,8 +158,8 @@ def eval_sums(graphdef, spec, vocab_chunk, params, batch):
 def evaluate(graphdef, params, pairs, config, spec, *, max_pairs=0) -> dict:
   """Dev CE nll/ppl (model alone) and, for memory=ext, TRIME nll/ppl with in-batch memory (length batches)."""
   if max_pairs and len(pairs) > max_pairs:
-    pairs = mt_data.ParallelData(pairs.src[:max_pairs], pairs.tgt[:max_pairs], pairs.src_text[:max_pairs],
-                                 pairs.tgt_text[:max_pairs], pairs.vocab, pairs.split)
+    pairs = dataclasses.replace(pairs, src=pairs.src[:max_pairs], tgt=pairs.tgt[:max_pairs],
+                                src_text=pairs.src_text[:max_pairs], tgt_text=pairs.tgt_text[:max_pairs])
   plan = batching.make_plan(pairs, order="length", max_tokens=int(config.data.max_tokens), seed=0,
                             max_sentences=int(config.data.max_sentences))
   fn = _eval_fn(graphdef, spec, int(config.train.vocab_chunk))

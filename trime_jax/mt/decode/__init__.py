@@ -4,7 +4,8 @@
                     SearchOptions, EVAL_SEARCH, Hypothesis, beam_search, greedy, search (plain NumPy; not named
                     search.py: the package's `search` is the function, which would hide a submodule so named)
   distributions.py  the next-token laws over retrieved entries, from the LM's scorer: trime_log_probs
-                    (TrimeMT_ext, Appendix A's interpolation), knn_mt_log_probs (kNN-MT), Distribution (which law)
+                    (TrimeMT_ext, Appendix A's interpolation), release_trime_log_probs (TrimeMT_ext as the
+                    release's decoder combines them), knn_mt_log_probs (kNN-MT), Distribution (which law)
   retrieval.py      the top-K datastore entries of decoder queries by exact inner product or L2: Neighbours,
                     retrieve
   translator.py     Translator: an MT export's cached decoder + search + a Distribution (+ a datastore)
@@ -16,11 +17,11 @@ uses distributions and retrieval (and `evaluate`'s public points); beam knows no
 
 from trime_jax.mt.decode.beam import EVAL_SEARCH, Hypothesis, NextLogProbs, SearchOptions, beam_search, greedy, search
 from trime_jax.mt.decode.distributions import (MODES, Distribution, knn_mt_log_probs, l2_as_inner_product,
-                                               trime_log_probs)
+                                               release_trime_log_probs, trime_log_probs)
 from trime_jax.mt.decode.retrieval import GATHER_FLOATS, Neighbours, retrieve
 from trime_jax.mt.decode.translator import Translator
 from trime_jax.mt.decode.tuning import KNN_T_GRID, KS, TunePass, tune, tune_pass
 
-__all__ = ["MODES", "Distribution", "knn_mt_log_probs", "l2_as_inner_product", "trime_log_probs", "GATHER_FLOATS",
-           "Neighbours", "retrieve", "EVAL_SEARCH", "Hypothesis", "NextLogProbs", "SearchOptions", "beam_search",
+__all__ = ["MODES", "Distribution", "knn_mt_log_probs", "l2_as_inner_product", "release_trime_log_probs",
+           "trime_log_probs", "GATHER_FLOATS", "Neighbours", "retrieve", "EVAL_SEARCH", "Hypothesis", "NextLogProbs", "SearchOptions", "beam_search",
            "greedy", "search", "Translator", "KNN_T_GRID", "KS", "TunePass", "tune", "tune_pass"]

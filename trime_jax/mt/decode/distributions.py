@@ -16,7 +16,7 @@ from trime_jax.errors import ConfigError
 
 # Both are the LM's scorer (`scoring.trime_log_probs`, `scoring.memory_log_probs`, `scoring.mix`), vmapped over
 # rows: each row sees only its own K retrieved entries.
-MODES = ("model", "knn_mt", "trime")
+MODES = ("model", "knn_mt", "trime", "trime_release")
 
 
 def _per_row(fn, logits_NxV, q_NxD, keys_NxKxD, targets_NxK):
@@ -35,6 +35,28 @@ def trime_log_probs(logits_NxV, q_NxD, keys_NxKxD, targets_NxK, *, tau: float, k
       lg, q, k, t, m, tau=tau, prime_M=jnp.ones(t.shape, bool), knn_lambda=knn_lambda, tau_prime=tau_prime)
   return _per_row(fn, logits_NxV.astype(jnp.float32), q_NxD.astype(jnp.float32), keys_NxKxD.astype(jnp.float32),
                   targets_NxK)
+
+
+@functools.partial(jax.jit, static_argnames=("tau",))
+def release_trime_log_probs(logits_NxV, q_NxD, keys_NxKxD, targets_NxK, *, tau: float):
+  """TrimeMT_ext as the release's decoder combines the model with the datastore (`knn_lambda_type='trime'`:
+  machine_translation/fairseq/models/transformer.py, `get_normalized_probs` and the λ before it), not the
+  paper's normalised law (`trime_log_probs`): λ = Z_c / (Z_t + Z_c) and
+  P(w) = (1 - λ)·p_model(w) + p_kNN(w) = exp(logit_w) / (Z_t + Z_c) + Σ_{retrieved j, x_j = w} exp(s_j) / Z_c,
+  s_j = q·k_j / √D / τ (the release's scores over t·√d), Z_t = Σ_w exp(logit_w), Z_c = Σ_j exp(s_j), p_kNN the
+  softmax over the K entries. The memory term is not multiplied by λ, so P sums to 2 - λ (the release returns
+  its log to beam search as it is; so does this); the paper's law is the same vocabulary term plus λ·p_kNN.
+  Rows with no entry keep p_model."""
+  logits = logits_NxV.astype(jnp.float32)
+  no_vocab = jnp.full_like(logits, -jnp.inf)
+  fn = lambda lg, q, k, t, m: scoring.memory_log_weights(lg, q, k, t, m, tau=tau)
+  log_mem = _per_row(fn, no_vocab, q_NxD.astype(jnp.float32), keys_NxKxD.astype(jnp.float32), targets_NxK)
+  log_zc = jax.nn.logsumexp(log_mem, -1, keepdims=True)  # [N, 1]: Σ_j exp(s_j)
+  log_zt = jax.nn.logsumexp(logits, -1, keepdims=True)
+  has = (targets_NxK >= 0).any(-1, keepdims=True)
+  safe_zc = jnp.where(has, log_zc, 0.0)
+  mixed = jnp.logaddexp(logits - jnp.logaddexp(log_zt, safe_zc), log_mem - safe_zc)
+  return jnp.where(has, mixed, logits - log_zt)
 
 
 def l2_as_inner_product(q_NxD, keys_NxKxD):
@@ -64,7 +86,9 @@ def knn_mt_log_probs(logits_NxV, q_NxD, keys_NxKxD, targets_NxK, *, knn_mt_tempe
 @dataclasses.dataclass(frozen=True)
 class Distribution:
   """The next-token law: model | knn_mt (k, knn_mt_temperature T, knn_lambda λ: the weight of p_kNN) | trime
-  (k, tau τ, + Appendix A's interpolation: knn_lambda λ, the weight of P′, and tau_prime τ′; λ 0 = none)."""
+  (k, tau τ, + Appendix A's interpolation: knn_lambda λ, the weight of P′, and tau_prime τ′; λ 0 = none) |
+  trime_release (k, tau τ: the release's decoder, `release_trime_log_probs`; its README's TrimeMT_ext command is
+  k = 16, τ = 15; no interpolation)."""
 
   mode: str = "model"
   k: int = 64
@@ -85,6 +109,9 @@ class Distribution:
       raise ConfigError("knn_mt_temperature, tau and tau_prime must be > 0")
     if not 0 <= self.knn_lambda <= 1 or (self.mode == "trime" and self.knn_lambda == 1):
       raise ConfigError(f"knn_lambda must be in [0, 1] ([0, 1) for trime), got {self.knn_lambda}")
+    if self.mode == "trime_release" and self.knn_lambda:
+      raise ConfigError("trime_release is the release's decoder, which has no interpolation: knn_lambda must be 0 "
+                        "(Appendix A's interpolation: mode trime)")
 
   @property
   def metric(self) -> str:

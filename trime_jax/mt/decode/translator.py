@@ -14,7 +14,8 @@ import numpy as np
 from flax import nnx
 
 from trime_jax.errors import CheckpointError, ConfigError
-from trime_jax.mt.decode.distributions import Distribution, knn_mt_log_probs, trime_log_probs
+from trime_jax.mt.decode.distributions import (Distribution, knn_mt_log_probs, release_trime_log_probs,
+                                               trime_log_probs)
 from trime_jax.mt.decode.retrieval import Neighbours, retrieve
 from trime_jax.mt.decode.beam import Hypothesis, SearchOptions, search
 
@@ -87,6 +88,8 @@ class Translator:
       if d.mode == "knn_mt":
         return np.asarray(knn_mt_log_probs(logits, g, nb.keys, nb.targets, knn_mt_temperature=d.knn_mt_temperature,
                                            knn_lambda=d.knn_lambda))
+      if d.mode == "trime_release":
+        return np.asarray(release_trime_log_probs(logits, g, nb.keys, nb.targets, tau=d.tau))
       return np.asarray(trime_log_probs(logits, g, nb.keys, nb.targets, tau=d.tau, knn_lambda=d.knn_lambda,
                                         tau_prime=d.tau_prime))
 

@@ -30,7 +30,7 @@ class TunePass:
 
 
 def tune_pass(graphdef, params, pairs, ds, index, *, k_max: int = 64, batch_tokens: int = 4096,
-              candidates: int = 0, modes=("knn_mt", "trime")) -> TunePass:
+              candidates: int = 0, modes=("knn_mt", "trime", "trime_release")) -> TunePass:
   """The teacher-forced pass over `pairs` (the valid split): every target token's vocabulary statistics and its
   top-`k_max` entries by inner product (TRIME) and by L2 (kNN-MT), retrieved once."""
   from trime_jax.mt import datastore as mt_datastore
@@ -46,7 +46,8 @@ def tune_pass(graphdef, params, pairs, ds, index, *, k_max: int = 64, batch_toke
     targets.append(t)
     empty = lambda dtype: np.zeros((len(t), 0), dtype)
     none = Neighbours(empty(np.int64), empty(np.int32), empty(np.float32))
-    ip.append(retrieve(ds, index, g, k_max, metric="ip", with_keys=False) if "trime" in modes else none)
+    ip.append(retrieve(ds, index, g, k_max, metric="ip", with_keys=False)
+              if {"trime", "trime_release"} & set(modes) else none)
     l2.append(retrieve(ds, index, g, k_max, metric="l2", candidates=candidates, with_keys=False)
               if "knn_mt" in modes else none)
   cat = lambda xs, f: np.concatenate([getattr(x, f) for x in xs])
@@ -79,9 +80,34 @@ def _nlls(tp: TunePass, points, k: int, metric: str):
   return np.asarray(evaluate.point_nlls(stats, tgt, [], blk, points)).reshape(len(points), -1).mean(-1)
 
 
-def tune(tp: TunePass, *, modes=("knn_mt", "trime"), ks=KS, train_tau: float = 1.0) -> list[dict]:
+def _release_nlls(tp: TunePass, taus, k: int) -> np.ndarray:
+  """[len(taus)] mean nll per target token under the release's decoder law (`release_trime_log_probs`), each
+  token's P divided by its total mass 2 - λ so that settings compare as distributions (the decoder itself uses
+  the unnormalised P; the BLEU of the valid decodes chooses among the best of these). float64."""
+  sim = np.asarray(tp.ip.score[:, :k], np.float64) * scoring.static_scale(tp.dimension, 1.0)  # q·k/√D
+  tgt = np.asarray(tp.ip.targets[:, :k])
+  valid = (tgt >= 0) & np.isfinite(sim)
+  has = valid.any(-1)
+  log_zt = np.asarray(tp.stats.log_normalizer, np.float64)
+  logit = np.asarray(tp.stats.target_logit, np.float64)
+  own = valid & (tgt == np.asarray(tp.targets)[:, None])
+  out = []
+  for tau in taus:
+    s = np.where(valid, sim / tau, -np.inf)
+    with np.errstate(divide="ignore", invalid="ignore"):
+      log_zc = np.logaddexp.reduce(s, axis=-1)
+      log_own = np.logaddexp.reduce(np.where(own, s, -np.inf), axis=-1)
+      log_all = np.logaddexp(log_zt, log_zc)
+      lam = np.exp(log_zc - log_all)
+      log_p = np.logaddexp(logit - log_all, log_own - log_zc) - np.log(2.0 - lam)
+    out.append(np.where(has, log_p, logit - log_zt))
+  return -np.stack(out).mean(-1)
+
+
+def tune(tp: TunePass, *, modes=("knn_mt", "trime", "trime_release"), ks=KS, train_tau: float = 1.0) -> list[dict]:
   """Rows {mode, k, params, nll} for every K and grid point (kNN-MT: T × λ; TRIME: τ, then Appendix A's
-  λ × τ′ at each K's best τ), plus the model alone; sorted by nll within each mode. The τ grid is the LM
+  λ × τ′ at each K's best τ; the release's TRIME decoder: τ), plus the model alone; sorted by nll within each
+  mode. The τ grid is the LM
   evaluator's together with it scaled by the training τ `train_tau` (the original MT model trains at
   τ = 10)."""
   metric = "ip" if tp.ip.score.shape[1] else "l2"  # the model alone ignores the entries of either
@@ -105,4 +131,8 @@ def tune(tp: TunePass, *, modes=("knn_mt", "trime"), ks=KS, train_tau: float = 1
              for tp_ in evaluate.TAU_PRIME_GRID for lam in evaluate.LAMBDA_GRID]
       rows += [{"mode": "trime_interp", "k": k, "setting": _setting(p, k), "nll": float(v)}
                for p, v in zip(pts, _nlls(tp, pts, k, "ip"))]
+    if "trime_release" in modes:
+      taus = sorted(set(evaluate.TAU_GRID) | {t * train_tau for t in evaluate.TAU_GRID})
+      rows += [{"mode": "trime_release", "k": k, "setting": Distribution("trime_release", k=k, tau=t), "nll": float(v)}
+               for t, v in zip(taus, _release_nlls(tp, taus, k))]
   return sorted(rows, key=lambda r: (r["mode"], r["nll"]))
