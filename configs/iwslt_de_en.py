@@ -43,6 +43,9 @@ def get_config():
                  memory_grad="local_only", memory_grad_groups=4)
   # warmup_init_lr 0: the command gives no --warmup-init-lr, and fairseq's inverse_sqrt then warms up from 0
   c.train.update(num_steps=170_000, num_epochs=50, learning_rate=5e-4, warmup_steps=4000, warmup_init_lr=0.0,
-                 weight_decay=1e-4, adam_b2=0.98, label_smoothing=0.0, eval_every=1000, checkpoint_every=1000, eval_max_pairs=0)
+                 weight_decay=1e-4, adam_b2=0.98, label_smoothing=0.0, eval_every=1000, checkpoint_every=1000, eval_max_pairs=0,
+                 # checkpoint_best.pt by valid BLEU: --eval-bleu --eval-bleu-args '{"beam": 5, "max_len_a": 1.2,
+                 # "max_len_b": 10}' --eval-bleu-detok moses --eval-bleu-remove-bpe --best-checkpoint-metric bleu
+                 best_metric="bleu")
   c.lock()
   return c

@@ -96,8 +96,11 @@ def get_config():
   r.eval_max_pairs = 1000  # dev pairs scored by evaluations (0 = all)
   r.checkpoint_every = 100
   r.keep_checkpoints = 2
-  r.keep_best = True  # also export the parameters with the lowest valid perplexity (ce_ppl: the model's own
-  #   distribution, which every decoding mode starts from) to <workdir>/best, evaluated every eval_every and at the end
+  r.keep_best = True  # also export the best parameters by valid `best_metric` to <workdir>/best, evaluated every
+  #   eval_every and at the end
+  r.best_metric = "ce_ppl"  # ce_ppl (lowest valid perplexity: the model's own distribution, which every decoding
+  #   mode starts from) | bleu (highest valid BLEU of beam-5 translations, max length 1.2·x + 10, as the original's
+  #   --eval-bleu --best-checkpoint-metric bleu; costs a beam search over the valid pairs at every evaluation)
   r.tensorboard = True  # event files in <workdir>/tb: losses, lr, grad norm, tokens/s, valid ppl, config, hparams
   r.wandb_project = ""  # W&B project (non-empty: scalars and config go there too; pip install "trime-jax[wandb]")
   r.progress = "auto"  # auto (tqdm bar on a terminal or in a notebook, else ETA in the log lines) | bar | log

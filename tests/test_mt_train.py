@@ -278,6 +278,36 @@ def test_translation_trains_in_the_shared_loop(tmp_path):
   assert not os.path.exists(tmp_path / "nan" / "export")
 
 
+def test_best_by_valid_bleu_keeps_the_highest_as_the_original(tmp_path):
+  """train.best_metric="bleu" (configs/iwslt_de_en.py: the original's --best-checkpoint-metric bleu with
+  --eval-bleu beam 5, max length 1.2·x + 10): every valid line has the BLEU of beam-search translations, best/
+  holds the parameters of the highest (ties: the first), and its BLEU is what mt.train.valid_bleu gives for those
+  parameters; the protocol names the search."""
+  import dataclasses
+
+  from trime_jax.configs import iwslt_de_en
+
+  assert iwslt_de_en.get_config().train.best_metric == "bleu"
+  write_pairs(tmp_path / "d", WDE * 3, WEN * 3)
+  work = tmp_path / "run"
+  c = tiny_config(tmp_path / "d")
+  c.train.update(eval_every=2, best_metric="bleu", learning_rate=3e-3)
+  mt_train.train_and_evaluate(c, str(work), log=lambda s: None)
+  valid = [json.loads(l) for l in open(work / "metrics.jsonl") if '"split": "valid"' in l]
+  assert [l["step"] for l in valid] == [2, 4, 6] and all(0 <= l["bleu"] <= 100 for l in valid)
+  assert valid[0]["dev_protocol"]["bleu_search"] == dataclasses.asdict(mt_train.VALID_BLEU_SEARCH)
+  best = json.load(open(work / "best" / "meta.json"))
+  i = int(np.argmax([l["bleu"] for l in valid]))
+  assert best["best_metric"] == "bleu" and (best["step"], best["dev_ppl"]) == (valid[i]["step"], valid[i]["bleu"])
+  graphdef, params, config, vocab = mt_export.load_mt_export(str(work / "best"))
+  pairs = mt_data.load_parallel(c, "valid", vocab)
+  assert mt_train.valid_bleu(graphdef, params, pairs, c, vocab) == pytest.approx(best["dev_ppl"], abs=1e-9)
+  with pytest.raises(ConfigError, match="train.best_metric must be one of"):
+    bad = tiny_config(tmp_path / "d")
+    bad.train.best_metric = "accuracy"
+    mt_train.train_and_evaluate(bad, str(tmp_path / "bad"), log=lambda s: None)
+
+
 def test_a_refused_fresh_run_leaves_no_plan_in_its_workdir(tmp_path):
   """The batch plan is made before training's own refusals (a mesh of more devices than are visible) and saved
   only once the run starts: a refused run leaves its workdir as it was (it left plan.npz)."""

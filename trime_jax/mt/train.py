@@ -49,7 +49,9 @@ from trime_jax.runtime import workdir as workdir_files
 from trime_jax.runtime.optim import make_optimizer
 from trime_jax.runtime.progress import say
 from trime_jax.mt import batching
+from trime_jax.mt import bleu
 from trime_jax.mt import data as mt_data
+from trime_jax.mt import decode
 from trime_jax.mt import model as mt_model
 from trime_jax.mt import export as mt_export
 
@@ -175,6 +177,23 @@ def evaluate(graphdef, params, pairs, config, spec, *, max_pairs=0) -> dict:
   return out
 
 
+# The original's valid translations for --best-checkpoint-metric bleu: --eval-bleu-args '{"beam": 5, "max_len_a":
+# 1.2, "max_len_b": 10}' (lenpen: fairseq's default 1), detokenised by Moses with the BPE removed (`ParallelData.text`)
+VALID_BLEU_SEARCH = decode.SearchOptions(beam=5, lenpen=1.0, max_len_a=1.2, max_len_b=10)
+
+
+def valid_bleu(graphdef, params, pairs, config, vocab, *, max_pairs=0, batch_sentences: int = 32) -> float:
+  """Corpus BLEU of beam-search translations (the model alone, `VALID_BLEU_SEARCH`) of the first `max_pairs`
+  valid pairs (0: all) against their references, as `trime_jax.launch.translate` scores a split."""
+  if max_pairs and len(pairs) > max_pairs:
+    pairs = dataclasses.replace(pairs, src=pairs.src[:max_pairs], tgt=pairs.tgt[:max_pairs],
+                                src_text=pairs.src_text[:max_pairs], tgt_text=pairs.tgt_text[:max_pairs])
+  cfg = specs.mt_model_config(config, vocab_size=vocab.size)
+  translator = decode.Translator(graphdef, params, cfg, options=VALID_BLEU_SEARCH, eos_id=vocab.eos_id)
+  hyps = translator.translate(pairs.src, batch_sentences=batch_sentences)
+  return float(bleu.corpus_bleu([pairs.text(h.tokens) for h in hyps], pairs.tgt_text)["bleu"])
+
+
 @functools.lru_cache(maxsize=8)
 def _eval_fn(graphdef, spec, vocab_chunk):
   return jax.jit(functools.partial(eval_sums, graphdef, spec, vocab_chunk))
@@ -294,10 +313,13 @@ class MTTask(loop.Task):
   whichever comes first; train lines add target_tokens_seen."""
 
   eval_split = "valid"
-  best_metric = "ce_ppl"  # the model's own distribution: every decoding mode (beam, kNN-MT, TRIME) starts from it
 
   def __init__(self, config, graphdef, spec, mesh, plan, train_pairs, valid_pairs, vocab):
     self.config, self.graphdef, self.spec, self.mesh, self.plan = config, graphdef, spec, mesh, plan
+    # train.best_metric: ce_ppl (the model's own distribution, which every decoding mode starts from) or bleu
+    # (valid BLEU of beam search, higher is better: the original's --best-checkpoint-metric bleu)
+    self.best_metric = str(config.train.get("best_metric", "ce_ppl"))
+    self.best_maximize = self.best_metric == "bleu"
     self.train_pairs, self.valid_pairs, self.vocab = train_pairs, valid_pairs, vocab
     r, t = config.train, config.trime
     self.warm = int(t.ce_warmup_steps)
@@ -324,18 +346,25 @@ class MTTask(loop.Task):
 
   def evaluate(self, step: int, params) -> dict:
     del step
-    return evaluate(self.graphdef, params, self.valid_pairs, self.config, self.spec,
-                    max_pairs=int(self.config.train.eval_max_pairs))
+    out = evaluate(self.graphdef, params, self.valid_pairs, self.config, self.spec,
+                   max_pairs=int(self.config.train.eval_max_pairs))
+    if self.best_metric == "bleu":
+      out["bleu"] = valid_bleu(self.graphdef, params, self.valid_pairs, self.config, self.vocab,
+                               max_pairs=int(self.config.train.eval_max_pairs))
+    return out
 
   def dev_protocol(self, config=None) -> dict:
     config = self.config if config is None else config
-    return {"eval_max_pairs": int(config.train.eval_max_pairs)}
+    protocol = {"eval_max_pairs": int(config.train.eval_max_pairs)}
+    if str(config.train.get("best_metric", "ce_ppl")) == "bleu":  # and how the valid translations are searched
+      protocol["bleu_search"] = dataclasses.asdict(VALID_BLEU_SEARCH)
+    return protocol
 
   def evaluate_export(self, directory: str) -> dict:
     return self.evaluate(0, mt_export.load_mt_export(directory)[1])
 
   def describe_eval(self, dev: dict) -> str:
-    return " | ".join(f"{k} {v:.3f}" for k, v in dev.items() if k.endswith(("_nll", "_ppl"))) + \
+    return " | ".join(f"{k} {v:.3f}" for k, v in dev.items() if k.endswith(("_nll", "_ppl")) or k == "bleu") + \
         f" ({dev['tokens']:,} target tokens, {dev['pairs']:,} pairs)"
 
   def export(self, directory: str, params, extra: dict) -> str:

@@ -17,6 +17,9 @@ def pack_len_of(config) -> int:
   return int(config.data.get("pack_len", 0))
 
 
+BEST_METRICS = ("ce_ppl", "bleu")  # train.best_metric: what <workdir>/best keeps (lowest ce_ppl, highest bleu)
+
+
 def validate_config(config) -> None:
   workdir.check_no_renamed_fields(config)  # a retired name (workdir.RENAMED_FIELDS) added by an unlocked config
   t, r = config.trime, config.train
@@ -28,6 +31,8 @@ def validate_config(config) -> None:
   for name in ("eval_max_pairs", "target_token_budget", "stop_after", "num_epochs"):  # 0: all / none / no limit
     if int(r.get(name, 0)) < 0:
       raise ConfigError(f"train.{name} must be >= 0, got {r[name]}")
+  if str(r.get("best_metric", "ce_ppl")) not in BEST_METRICS:
+    raise ConfigError(f"train.best_metric must be one of {BEST_METRICS}, got {r.best_metric!r}")
   if r.label_smoothing and t.memory != "none":
     raise ConfigError("train.label_smoothing is an option of the CE baseline (trime.memory=none) only")
   if not 0.0 <= r.label_smoothing < 1.0:

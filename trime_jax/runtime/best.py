@@ -1,4 +1,5 @@
-"""`train.keep_best`: the parameters with the lowest dev perplexity so far, exported beside the final ones."""
+"""`train.keep_best`: the parameters with the lowest dev perplexity (or the highest of a metric to maximise, a
+translation's valid BLEU) so far, exported beside the final ones."""
 
 from __future__ import annotations
 
@@ -22,12 +23,14 @@ class BestKeeper:
   written past the resumed checkpoint is the state the resumed run reaches again."""
 
   def __init__(self, directory: str, enabled: bool, metric: str, export, *, protocol: dict | None = None,
-               remeasure=None, split: str = "dev"):
+               remeasure=None, split: str = "dev", maximize: bool = False):
     """`protocol`: the settings the dev perplexity depends on (how much of dev, which windows), recorded beside
     the best. A resumed run may change them (they do not change training), and a best measured otherwise does
     not compare: `remeasure(directory)` (the task's dev evaluation of the exported best parameters) measures it
     again under this run's protocol, said in one line."""
     self.directory, self.enabled, self.metric, self.export = directory, enabled, metric, export
+    # maximize: a metric that is better higher (translation's valid BLEU); meta.json's `dev_ppl` then holds it too
+    self.sign = -1.0 if maximize else 1.0
     self.split = split  # the task's name of its dev split in log lines ("valid" for translation)
     self.protocol = dict(protocol or {})
     self.ppl = math.inf
@@ -40,22 +43,26 @@ class BestKeeper:
     if enabled and os.path.exists(meta):
       stored = data.read_json(meta, "best-by-dev export meta", DamagedCheckpointError,
                               fix=f"restore it, or remove {directory} (its best so far is then forgotten)")
-      self.ppl = float(stored.get("dev_ppl", math.inf))
+      stored_value = stored.get("dev_ppl")
+      if stored.get("best_metric", metric) != metric:  # ranked by another metric: not comparable, measured again
+        stored_value = remeasure(directory).get(metric, math.nan) if remeasure is not None else None
+      self.ppl = self.sign * float(stored_value) if stored_value is not None and math.isfinite(
+          float(stored_value)) else math.inf
       before = stored.get("dev_protocol")
       if before is not None and self.protocol and before != self.protocol and remeasure is not None:
         again = float(remeasure(directory).get(metric, math.nan))
         logging.info("best %s %s of update %s was measured with %s; with this run's %s it is %.4f (was %.4f)",
-                     split, metric, stored.get("step"), before, self.protocol, again, self.ppl)
-        self.ppl = again if math.isfinite(again) else math.inf
+                     split, metric, stored.get("step"), before, self.protocol, again, self.sign * self.ppl)
+        self.ppl = self.sign * again if math.isfinite(again) else math.inf
 
   def update(self, step: int, params, dev: dict) -> None:
-    ppl = dev.get(self.metric, math.nan)
-    if not (self.enabled and ppl < self.ppl):  # NaN never wins
+    value = dev.get(self.metric, math.nan)
+    if not (self.enabled and self.sign * value < self.ppl):  # NaN never wins
       return
-    self.export(self.directory, host_copy(params), {"step": step, "best_metric": self.metric, "dev_ppl": ppl,
+    self.export(self.directory, host_copy(params), {"step": step, "best_metric": self.metric, "dev_ppl": value,
                                                     "dev_protocol": self.protocol})
-    self.ppl = ppl
-    logging.info("best %s %s %.4f at update %d: exported to %s", self.split, self.metric, ppl, step, self.directory)
+    self.ppl = self.sign * value
+    logging.info("best %s %s %.4f at update %d: exported to %s", self.split, self.metric, value, step, self.directory)
 
 
 def host_copy(tree):

@@ -43,10 +43,12 @@ TB_TRAIN_SCALARS = ("loss", "ce_nll", "trime_nll", "ppl", "lr", "grad_norm", "to
 
 class Task:
   """What a trainer gives the loop. Subclasses set `eval_split` (the metrics.jsonl split of dev lines, as the
-  task's data names it) and `best_metric` (the dev metric `train.keep_best` ranks by, lower is better)."""
+  task's data names it) and `best_metric` (the dev metric `train.keep_best` ranks by, lower is better unless
+  `best_maximize`)."""
 
   eval_split = "dev"
   best_metric = ""
+  best_maximize = False
 
   def objective(self, step: int) -> str:
     """"ce" or "trime": the objective update `step` (0-based) trains."""
@@ -234,7 +236,8 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
   state = place(state)
   protocol = task.dev_protocol()  # how dev is measured: recorded in dev lines and beside the best
   best = BestKeeper(os.path.abspath(os.path.join(workdir, "best")), spec.keep_best, task.best_metric, task.export,
-                    protocol=protocol, remeasure=task.evaluate_export, split=task.eval_split)
+                    protocol=protocol, remeasure=task.evaluate_export, split=task.eval_split,
+                    maximize=task.best_maximize)
   split = task.eval_split
   start = int(state["step"])
   stop = spec.total if not spec.stop_after else min(spec.total, start + spec.stop_after)
