@@ -20,7 +20,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from trime_jax.launch.common import check_export, refuse_target, run_main, validated
+from trime_jax.launch.common import check_export, check_output_path, refuse_target, run_main, validated
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
@@ -74,6 +74,8 @@ def _check_flag_combinations(out: str) -> None:
                       f"{'an exact one' if _INDEX.value == 'flat' else 'none'} (drop --index or give --index=ivfpq)")
   if _SUBSET_OF.value and os.path.abspath(_SUBSET_OF.value) == os.path.abspath(out):
     raise ConfigError(f"--subset_of and --out are the same directory ({out})")
+  check_output_path(out, "out", reads=[("--checkpoint", _CHECKPOINT.value), ("--subset_of", _SUBSET_OF.value),
+                                       ("--trained_index", _TRAINED_INDEX.value)])
 
 
 def _check_out(out: str, d_model: int | None = None) -> None:

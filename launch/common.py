@@ -249,13 +249,26 @@ def _parse_flags(argv, module: str = "__main__", checkpoint_is_export: bool = Tr
     chain = [inner, e, e.__cause__, e.__context__]
     # An export's stored config refused while --config loads it is about the file, not a flag.
     kind = "" if any(isinstance(x, TrimeError) for x in chain) else "bad command-line flag: "
-    print(f"error: {kind}{_one_line(e)}", file=sys.stderr, flush=True)
+    raised = _config_file_error(str(e))  # the config file's own error: about the file, not a flag
+    print(f"error: {raised}" if raised else f"error: {kind}{_one_line(e)}", file=sys.stderr, flush=True)
     sys.exit(2)
   renamed = _renamed_in_config_file()
   if renamed:
     print(f"error: {renamed}", file=sys.stderr, flush=True)
     sys.exit(2)
   return out
+
+
+def _config_file_error(text: str) -> str:
+  """ml_collections' "Error whilst parsing config file: Traceback (...)" (a config file whose import or
+  get_config raised) as one line: the file and the exception it raised, without the traceback; "" otherwise."""
+  head, sep, tail = text.partition("Error whilst parsing config file:")
+  if not sep or "Traceback" not in tail:
+    return ""
+  lines = [line.strip() for line in tail.strip().splitlines() if line.strip()]
+  raised = lines[-1] if lines else "an error"
+  flag = head.strip().rstrip(":").strip()  # "flag --config=path"
+  return f"{flag.removeprefix('flag ')}: the config file raised {raised}"
 
 
 def _renamed_in_config_file() -> str:
@@ -501,6 +514,25 @@ def describe_target(path: str) -> str:
     return "a batch plan"
   shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
   return f"a folder with {len(names)} file{'s' if len(names) != 1 else ''} ({shown})"
+
+
+def check_output_path(path: str, flag: str, *, reads=()) -> None:
+  """An output folder a command will write (and with --overwrite replace): refused when it is empty (an unset
+  shell variable: "" is the working directory once made absolute, which a replacement would delete), when it is
+  the working directory or a folder holding it, and when it is, or holds, one of the command's own inputs
+  (`reads`: paths it reads, e.g. --checkpoint, the corpus, --config), whatever --overwrite says."""
+  from trime_jax.errors import ConfigError
+
+  if not str(path or "").strip():
+    raise ConfigError(f"--{flag} is empty: give the folder to write")
+  out = os.path.realpath(path)
+  inside = lambda child, parent: child == parent or child.startswith(parent.rstrip(os.sep) + os.sep)
+  if inside(os.path.realpath(os.getcwd()), out):
+    raise ConfigError(f"--{flag}={path} is the working directory or a folder holding it: give a folder of its own")
+  for name, given in reads:
+    if given and inside(os.path.realpath(given), out):
+      raise ConfigError(f"--{flag}={path} holds this command's own input {name}={given}: writing there would "
+                        f"replace what it reads; choose another --{flag}")
 
 
 def refuse_target(path: str, flag: str, wanted: str, ok=(), overwrite: bool = False) -> str:

@@ -19,7 +19,7 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
-from trime_jax.launch.common import describe_target, run_main, validated
+from trime_jax.launch.common import check_output_path, describe_target, run_main, validated
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
 _KIND = flags.DEFINE_enum("kind", None, ["consecutive", "bm25"], "Batching method.")
@@ -38,6 +38,8 @@ def main(argv):
   config = _CONFIG.value
   config.trime.batching = _KIND.value  # checked as the training that reads this plan will run (its batching)
   config = validated(config)
+  check_output_path(_OUT.value, "out", reads=[("data.path", str(config.data.get("path", "") or "")),
+                                              ("--config", config_flags.get_config_filename(flags.FLAGS["config"]))])
   with contextlib.ExitStack() as held:
     try:  # a second make_batches onto this --out is refused while this one runs
       held.enter_context(batch_plan.lock(_OUT.value))

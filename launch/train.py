@@ -18,7 +18,7 @@ compiled plan of one train step at the configured batch) and exits without train
 from absl import flags
 from ml_collections import config_flags
 
-from trime_jax.launch.common import run_main, train_in_workdir
+from trime_jax.launch.common import run_main, train_in_workdir, validated
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics.jsonl, export/); required "
@@ -31,7 +31,7 @@ def main(argv):
   del argv
   from trime_jax.train import format_memory_plan, memory_plan, train_and_evaluate
 
-  config = _CONFIG.value
+  config = validated(_CONFIG.value)  # a translation config: said as such (it was an AttributeError traceback)
   if _DRY_RUN.value:
     print(format_memory_plan(memory_plan(config)), flush=True)
     return

@@ -269,7 +269,27 @@ def translate_split(translator, pairs, vocab, out_dir, name, extra):
 
 
 def main(argv):
+  """Checks, then the translation or tuning under --out's lock: two runs into one --out would each write a .hyp
+  and a .json, and the survivors could be of two runs."""
   del argv
+  from trime_jax.errors import ConfigError
+  from trime_jax.runtime.lock import beside as lock_beside
+
+  out = _OUT.value
+  if not str(out or "").strip():
+    raise ConfigError("--out is empty: give the folder to write the translations to")
+  _check_flag_combinations(out)
+  try:  # writable before the model loads and the split is decoded, not after
+    os.makedirs(out, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(f"--out={out}: cannot create it ({os.strerror(e.errno)})") from None
+  if not os.access(out, os.W_OK | os.X_OK):
+    raise ConfigError(f"--out={out}: no permission to write in it")
+  with lock_beside(out, f"translation output --out={out}"):
+    _main(out)
+
+
+def _main(out: str) -> None:
   from trime_jax import data as lm_data
   from trime_jax.errors import CheckpointError, ConfigError
   from trime_jax.mt import data as mt_data
@@ -277,8 +297,7 @@ def main(argv):
   from trime_jax import specs
   from trime_jax.mt import export as mt_export
 
-  checkpoint, out = _CHECKPOINT.value, _OUT.value
-  _check_flag_combinations(out)
+  checkpoint = _CHECKPOINT.value
   graphdef, params, config, vocab = mt_export.load_mt_export(checkpoint)
   # what tuned.json records and --settings compares (load_mt_export checked the parameters against it)
   params_digest = lm_data.read_json(os.path.join(checkpoint, "meta.json"), "MT export meta",

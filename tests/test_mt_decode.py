@@ -559,3 +559,31 @@ def test_cli_build_datastore_and_translate_tune(tiny):
   lines = proc.stderr.strip().splitlines()
   assert proc.returncode == 2 and "already holds tuned settings of another model" in lines[-1], proc.stderr[-2000:]
   assert "--overwrite" in lines[-1]
+
+
+def test_translate_holds_its_out_and_checks_it_before_decoding(tiny, tmp_path):
+  """Two translations into one --out could leave the .hyp of one and the .json of the other: a second one is
+  refused while the first holds --out's lock; an --out that cannot be written is refused before the model loads
+  (it decoded the whole split first; found by a review); an empty --out is refused."""
+  import os
+  import subprocess
+  import sys
+
+  from trime_jax.runtime.lock import beside as lock_beside
+
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "PYTHONPATH": repo, "JAX_PLATFORMS": "cpu"}
+  run = lambda out: subprocess.run([sys.executable, "-m", "trime_jax.launch.translate", f"--checkpoint={tiny['ckpt']}",
+                                    f"--out={out}", "--beam=1", "--max_len_b=4", "--max_sentences=2"],
+                                   capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+  out = tmp_path / "held"
+  with lock_beside(str(out), "a test's hold"):
+    r = run(out)
+  assert r.returncode == 2 and "is in use by" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+  assert not (out / "test.model.json").exists()
+  r = run("")
+  assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == "error: --out is empty: give the folder to write the translations to"
+  (tmp_path / "a_file").write_text("x")  # a folder that cannot be made (as root, permissions would not stop it)
+  r = run(tmp_path / "a_file" / "x")
+  assert r.returncode == 2 and "cannot create it (Not a directory)" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+  assert run(out).returncode == 0 and (out / "test.model.json").exists()

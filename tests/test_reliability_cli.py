@@ -379,6 +379,63 @@ def e_make_batches_disk_full(b):  # NumPy's short write (no errno) of a full dis
                 "nothing was written", "rerun the same command"], []
 
 
+def e_train_workdir_is_an_export(b):  # training wrote its config.json over the export's (found by a review)
+  x = _copy(b, "work", "train_into_export") / "export"
+  case = _case("train", f"--config={b['cfg']}", f"--workdir={x}", "--config.train.num_steps=1")
+  return case, [f"--workdir={x} already holds an export, not a training run"], [x]
+
+
+def e_build_datastore_overwrite_its_own_checkpoint(b):  # --overwrite deleted the run it was reading
+  x = _copy(b, "work", "ds_over_input")
+  case = _case("build_datastore", f"--config={b['cfg']}", f"--checkpoint={x}/export", f"--out={x}", "--split=test",
+               "--overwrite")
+  return case, [f"--out={x} holds this command's own input --checkpoint={x}/export"], [x]
+
+
+def e_make_batches_overwrite_its_own_corpus(b):  # --overwrite deleted the corpus the plan was made of
+  folder = b["tmp"] / "cases" / "corpus_folder"
+  folder.mkdir(parents=True, exist_ok=True)
+  shutil.copy(b["corpus"], folder / "text.bin")
+  case = _case("make_batches", f"--config={b['cfg']}", "--kind=consecutive", f"--out={folder}", "--overwrite",
+               f"--config.data.path={folder}/text.bin", "--config.trime.memory=long",
+               "--config.trime.consecutive_segments=2")
+  return case, [f"--out={folder} holds this command's own input data.path={folder}/text.bin"], [folder]
+
+
+def e_train_translation_config(b):  # an AttributeError traceback before
+  case = _case("train", "--config=configs/ui_de_en.py", f"--workdir={b['tmp']}/cases/mt_as_lm")
+  return case, ["--config is a translation config", "train_mt"], []
+
+
+def e_train_d_model_zero(b):  # a ZeroDivisionError traceback before
+  case = _case("train", f"--config={b['cfg']}", f"--workdir={b['tmp']}/cases/d0", "--config.model.d_model=0")
+  return case, ["model.d_model must be >= 1, got 0"], []
+
+
+def e_train_clip_norm_nan(b):  # NaN passed `value < 0`: clipping silently off
+  case = _case("train", f"--config={b['cfg']}", f"--workdir={b['tmp']}/cases/nanclip", "--config.train.clip_norm=nan")
+  return case, ["train.clip_norm must be a number >= 0, got nan"], []
+
+
+def e_train_split_fractions_sum(b):  # (0.5, 0.6, 0.1) was normalised without a word
+  case = _case("train", f"--config={b['cfg']}", f"--workdir={b['tmp']}/cases/fr", "--config.data.split_fractions=0.5,0.6,0.1")
+  return case, ["data.split_fractions must be three shares in [0, 1] (train, dev, test) summing to 1"], []
+
+
+def e_config_file_raises(b):  # the config file's own exception, not a flattened traceback
+  path = b["tmp"] / "cases" / "raises.py"
+  path.parent.mkdir(exist_ok=True)
+  path.write_text('def get_config():\n  raise ValueError("boom")\n')
+  case = _case("train", f"--config={path}", f"--workdir={b['tmp']}/cases/raises")
+  return case, [f"error: --config={path}: the config file raised ValueError: boom"], [path]
+
+
+def e_generate_stored_field_of_another_type(b):  # a traceback (rc 1) from float("x") before
+  x = _copy(b, "work", "tau_str") / "export"
+  edit_json(x / "config.json", lambda c: c["eval"].update(tau="x"))
+  return _generate(b, export=x), [f"{x}/config.json: eval.tau='x' is not a float"], [x]
+
+
 ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise, e_build_datastore_out_is_export, e_build_datastore_other_identity,
                e_build_datastore_nlist0, e_build_datastore_entries_alone, e_build_datastore_nlist_flat,
                e_import_fairseq_out_is_export, e_import_fairseq_checkpoint_folder, e_import_fairseq_text_checkpoint,
@@ -391,7 +448,10 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_byte_corpus_folder, e_token_file_folder, e_make_batches_out_is_workdir,
                e_make_batches_out_other_corpus, e_batch_plan_other_corpus, e_prepare_data_manual_dir,
                e_full_disk_output, e_make_batches_disk_full, e_renamed_config_override, e_renamed_config_file_field, e_renamed_flag_generate,
-               e_renamed_flag_translate]
+               e_renamed_flag_translate, e_train_workdir_is_an_export, e_build_datastore_overwrite_its_own_checkpoint,
+               e_make_batches_overwrite_its_own_corpus, e_train_translation_config, e_train_d_model_zero,
+               e_train_clip_norm_nan, e_train_split_fractions_sum, e_config_file_raises,
+               e_generate_stored_field_of_another_type]
 
 
 # Recovery rows: builder(b) -> (cases, check(results, b))
@@ -645,3 +705,34 @@ def test_build_datastore_refuses_before_any_work_and_overwrites_only_under_the_l
     _release(holder)
   assert f"datastore {ds} is in use by process {holder.pid}" in _line(proc)
   assert tree_hashes(ds) == before and "removing" not in proc.stdout
+
+
+def test_an_empty_output_path_is_refused_not_the_working_directory(tmp_path, monkeypatch):
+  """`--out=` (an unset shell variable) is the working directory once made absolute: make_batches replaced it,
+  deleting everything in it (found by a review). The CLI check and the library's own guards refuse it; run in a
+  scratch working directory, so a regression deletes only that."""
+  from trime_jax.launch.common import check_output_path
+  from trime_jax import data
+  from trime_jax.batching import plan as batch_plan
+  from trime_jax.errors import ConfigError
+
+  here = tmp_path / "cwd"
+  (here / "mine").mkdir(parents=True)
+  (here / "mine" / "notes.txt").write_text("keep\n")
+  monkeypatch.chdir(here)
+  for bad in ("", "  "):
+    with pytest.raises(ConfigError, match="--out is empty"):
+      check_output_path(bad, "out")
+  with pytest.raises(ConfigError, match="is the working directory or a folder holding it"):
+    check_output_path(".", "out")
+  with pytest.raises(ConfigError, match="is the working directory or a folder holding it"):
+    check_output_path(str(tmp_path), "out")
+  import numpy as np
+
+  with pytest.raises(ConfigError, match="empty path"):
+    batch_plan.save("", {"kind": "consecutive"}, np.zeros((2, 2), np.int64))
+  (tmp_path / "new").mkdir()
+  with pytest.raises(ConfigError, match="refusing to replace"):
+    data.replace_directory(str(tmp_path / "new"), str(here))
+  assert (here / "mine" / "notes.txt").read_text() == "keep\n" and (tmp_path / "new").exists()
+  check_output_path(str(tmp_path / "elsewhere"), "out", reads=[("--checkpoint", str(tmp_path / "other"))])  # fine

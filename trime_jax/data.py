@@ -234,6 +234,10 @@ def replace_directory(tmp: str, directory: str) -> None:
   then `tmp` to `directory`. A reader sees the old or the new one, except after a kill between the two: then the
   old one is at `<directory>.old` and `recover_replaced` (which every writer and best-keeper calls first) puts it
   back, so an interrupted replacement never loses the previous one (for a best/ export, the only copy of the best)."""
+  here, target = os.path.realpath(os.getcwd()), os.path.realpath(directory)
+  if not str(directory).strip() or here == target or here.startswith(target.rstrip(os.sep) + os.sep):
+    # "" is the working directory once made absolute: an unset path would replace it and everything under it
+    raise ConfigError(f"refusing to replace {directory!r}: it is the working directory or a folder holding it")
   recover_replaced(directory)
   old = directory + ".old"
   if os.path.lexists(directory):

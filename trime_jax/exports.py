@@ -356,14 +356,18 @@ def check_stored_config(export_dir: str, stored: dict | None = None) -> dict:
   return stored
 
 
-def _overlay(dst, src: dict) -> None:
+def _overlay(dst, src: dict, path: str = "", prefix: str = "") -> None:
   for key, value in src.items():
     if key not in dst:
       continue  # a translation export's own fields (check_stored_config refused unknown LM fields)
     if hasattr(dst[key], "keys") and isinstance(value, dict):
-      _overlay(dst[key], value)
+      _overlay(dst[key], value, path, f"{prefix}{key}.")
     else:
-      dst[key] = tuple(value) if isinstance(dst[key], tuple) and isinstance(value, list) else value
+      try:
+        dst[key] = tuple(value) if isinstance(dst[key], tuple) and isinstance(value, list) else value
+      except (TypeError, ValueError):  # ConfigDict keeps each field's type: "x" for a float, a list for an int
+        raise CheckpointError(f"{path or 'the stored config'}: {prefix}{key}={value!r} is not a "
+                              f"{type(dst[key]).__name__} (the field's type); correct the file") from None
 
 
 def stored_over_defaults(export_dir: str, stored: dict | None = None) -> ml_collections.ConfigDict:
@@ -376,7 +380,7 @@ def stored_over_defaults(export_dir: str, stored: dict | None = None) -> ml_coll
   stored = check_stored_config(export_dir, stored)
   c = default.get_config()
   with c.unlocked():
-    _overlay(c, stored)
+    _overlay(c, stored, os.path.join(export_dir, "config.json"))
   return c
 
 
@@ -393,6 +397,7 @@ def load_export(directory: str):
   # An export written before a field was renamed loads under today's names (runtime.workdir.RENAMED_FIELDS).
   config = ml_collections.ConfigDict(workdir_files.read_stored_config(config_path, "export config",
                                                                       DamagedCheckpointError))
+  stored_over_defaults(directory, config.to_dict())  # each field of the type it has (a traceback later, else)
   meta = read_export_meta(directory)
   vocab = read_export_vocab(directory)
   try:

@@ -161,7 +161,8 @@ def _check_ranges(config) -> None:
   otherwise fail after compilation or silently train nonsense."""
   m, train_cfg, e = config.model, config.train, config.eval
   at_least = [("train.eval_max_tokens", train_cfg.eval_max_tokens, 0), ("model.num_layers", m.num_layers, 1),
-              ("model.num_heads", m.num_heads, 1),
+              ("model.num_heads", m.num_heads, 1), ("model.d_model", m.d_model, 1),
+              ("model.d_ff", m.get("d_ff", 1), 1), ("model.max_len", m.get("max_len", 1), 1),
               ("eval.batch_size", e.batch_size, 1), ("eval.max_tokens", e.max_tokens, 0),
               ("eval.context_window", e.context_window, 0), ("eval.mem_size", e.mem_size, 0),
               ("eval.block_len", e.block_len, 1), ("eval.knn_k", e.knn_k, 1), ("eval.nprobe", e.nprobe, 1),
@@ -169,6 +170,12 @@ def _check_ranges(config) -> None:
   for name, value, low in at_least:
     if value < low:
       raise ConfigError(f"{name} must be >= {low}, got {value}")
+  fractions = config.data.get("split_fractions")
+  if fractions is not None:  # train/dev/test shares: three numbers >= 0 summing to 1 (a sum of 1.2 was normalised)
+    fr = [float(x) for x in fractions]
+    if len(fr) != 3 or not all(0 <= x <= 1 for x in fr) or abs(sum(fr) - 1.0) > 1e-6:
+      raise ConfigError(f"data.split_fractions must be three shares in [0, 1] (train, dev, test) summing to 1, got "
+                        f"{tuple(fractions)}")
   for name in ("knn_lambda", "cache_lambda"):  # interpolation weights
     if not 0.0 <= e[name] <= 1.0:
       raise ConfigError(f"eval.{name} must be in [0, 1], got {e[name]}")

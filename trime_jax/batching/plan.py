@@ -27,7 +27,7 @@ import shutil
 import numpy as np
 
 from trime_jax import data
-from trime_jax.errors import DataError, DiskFullError, is_no_space
+from trime_jax.errors import ConfigError, DataError, DiskFullError, is_no_space
 from trime_jax.runtime.lock import DirLock, beside as lock_beside
 
 FORMAT = "trime-batch-plan/1"
@@ -133,6 +133,8 @@ def save(directory: str, header: dict, batches: np.ndarray) -> str:
   batches = np.asarray(batches, np.int64)
   if batches.ndim != 2 or batches.shape[0] == 0:
     raise DataError(f"a batch plan needs a non-empty [num_batches, B] array, got shape {batches.shape}")
+  if not str(directory).strip():  # "" would be the working directory, which the replacement would delete
+    raise ConfigError("a batch plan needs a directory to write, got an empty path")
   directory = os.path.abspath(directory).rstrip(os.sep)
   with lock(directory):
     data.recover_replaced(directory)

@@ -35,8 +35,8 @@ def check_train_section(train_cfg) -> None:
       raise ConfigError(f"{name} must be > 0, got {value}")
   for name, value in [("train.weight_decay", train_cfg.weight_decay), ("train.clip_norm", train_cfg.clip_norm),
                       ("train.warmup_init_lr", train_cfg.warmup_init_lr), ("train.min_lr", train_cfg.min_lr)]:
-    if value < 0:
-      raise ConfigError(f"{name} must be >= 0, got {value}")
+    if not 0 <= value < float("inf"):  # NaN too: clip_norm=nan turned clipping off silently (nan > 0 is False)
+      raise ConfigError(f"{name} must be a number >= 0, got {value}")
   choice(train_cfg.progress, PROGRESS, "train.progress")
   profile_steps(train_cfg)
 

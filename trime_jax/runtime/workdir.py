@@ -29,10 +29,41 @@ def chief() -> bool:
   return jax.process_index() == 0
 
 
+def not_a_workdir(workdir: str) -> str:
+  """What else a folder given as a workdir is ("an export", "a datastore", "a batch plan"), or "": training there
+  would write its config.json over an export's, or mix its files into a datastore or plan."""
+  import json
+
+  try:
+    names = set(os.listdir(workdir))
+  except OSError:
+    return ""
+  if {"plan.json", "batches.npy"} <= names:
+    return "a batch plan"
+  if "meta.json" in names:
+    try:
+      with open(os.path.join(workdir, "meta.json"), encoding="utf-8") as f:
+        meta = json.load(f)
+    except (OSError, ValueError, UnicodeDecodeError):
+      meta = {}
+    if isinstance(meta, dict) and str(meta.get("format", "")).startswith("trime-datastore"):
+      return "a datastore"
+    if isinstance(meta, dict) and "params_digest" in meta:
+      return "an export"
+  return ""
+
+
 def prepare(workdir: str) -> None:
-  """Create `workdir`; a path that is a file (or lies under one) is a ConfigError, not a traceback."""
+  """Create `workdir`; a path that is a file (or lies under one), an empty path, or a folder that is an export,
+  a datastore or a batch plan is a ConfigError, not a traceback or a run written over it."""
+  if not str(workdir or "").strip():
+    raise ConfigError("--workdir is empty: give a run directory")
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ConfigError(f"--workdir={workdir} is a file, not a folder: give a run directory")
+  other = not_a_workdir(workdir) if os.path.isdir(workdir) else ""
+  if other:
+    raise ConfigError(f"--workdir={workdir} already holds {other}, not a training run: give a run directory of "
+                      "its own (training would write its files, config.json first, into it)")
   probe = os.path.dirname(os.path.abspath(workdir))
   while not os.path.exists(probe):
     probe = os.path.dirname(probe)
