@@ -548,12 +548,34 @@ def refuse_target(path: str, flag: str, wanted: str, ok=(), overwrite: bool = Fa
   return what
 
 
-def check_output_file(path: str, flag: str, *, json_results: bool = False) -> None:
+def export_fingerprint(checkpoint) -> str:
+  """An export's fingerprint (exports.fingerprint) for the results it is evaluated into; "" when it cannot be
+  read (a missing or damaged export is refused with its own message by the checks after)."""
+  from trime_jax import exports
+
+  try:
+    return exports.fingerprint(checkpoint) if checkpoint else ""
+  except Exception:  # noqa: BLE001 - said by check_export
+    return ""
+
+
+def results_checkpoint(held) -> str | None:
+  """The export fingerprint an evaluation's results file records (eval: on every row; eval_ext: at the top), or
+  None for results written before 2026-12-06."""
+  rows = held if isinstance(held, list) else [held] if isinstance(held, dict) else []
+  found = {r.get("checkpoint_fingerprint") for r in rows if isinstance(r, dict)} - {None}
+  return next(iter(found)) if len(found) == 1 else None
+
+
+def check_output_file(path: str, flag: str, *, json_results: bool = False, program: str = "",
+                      checkpoint_fingerprint: str = "", overwrite: bool = False) -> None:
   """An output file the program writes at the end: refused up front (before the work) when it is a folder, when
   a folder on its way is a file, or when it cannot be created for lack of permission. `json_results`: an
   existing file is replaced only when it holds an earlier evaluation's results (eval's list of rows, eval_ext's
   object with "rows"), never a config, script, text or another program's JSON (a datastore's or an export's
-  meta.json, a config.json) a mistyped name points at."""
+  meta.json, a config.json) a mistyped name points at; and unless `overwrite` (--overwrite), only results of the
+  same `program` ("eval": a list, "eval_ext": an object) and, where the file records it, the same export
+  (`checkpoint_fingerprint`): a rerun replaces its own results, not another model's or program's."""
   import json
 
   from trime_jax.errors import ConfigError
@@ -577,6 +599,15 @@ def check_output_file(path: str, flag: str, *, json_results: bool = False) -> No
       raise ConfigError(f"--{flag}={path} exists and is not an evaluation's results (JSON of another kind, e.g. "
                         "a datastore's or an export's own file, which would be replaced): it is left as it is; "
                         "move it away or choose another file name")
+    held_program = "eval" if isinstance(held, list) else "eval_ext"
+    if program and held_program != program and not overwrite:
+      raise ConfigError(f"--{flag}={path} holds results of trime_jax.launch.{held_program}, which this "
+                        f"{program} would replace: choose another file name (or add --overwrite)")
+    there = results_checkpoint(held)
+    if checkpoint_fingerprint and there and there != checkpoint_fingerprint and not overwrite:
+      raise ConfigError(f"--{flag}={path} holds results of another export (fingerprint {there}; this one's "
+                        f"{checkpoint_fingerprint}), which would be replaced: choose another file name (or add "
+                        "--overwrite)")
   parent = os.path.dirname(os.path.abspath(path))
   probe = parent
   while not os.path.exists(probe):

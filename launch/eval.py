@@ -20,11 +20,14 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from trime_jax.launch.common import check_data_split, check_export, check_output_file, run_main, validated
+from trime_jax.launch.common import (check_data_split, check_export, check_output_file, export_fingerprint, run_main,
+                                     validated)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
 _OUTPUT = flags.DEFINE_string("output", "", "Optional JSON file for the results.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an --output file holding another export's or "
+                               "program's results (a rerun of the same evaluation replaces its own without it).")
 _MEM_SIZES = flags.DEFINE_list("mem_sizes", [], "Long-term memory sizes to sweep (overrides eval.mem_size): "
                                 "the original's --mem-size with eval.long_term_layout='original' (the default); "
                                 "with 'disjoint', tokens before the window (--mem-size = this + context_window).")
@@ -44,7 +47,9 @@ def main(argv):
 
   # Everything the flags name is checked before the evaluation runs (an --output folder found only at the end
   # would lose the whole evaluation).
-  check_output_file(_OUTPUT.value, "output", json_results=True)
+  fingerprint = export_fingerprint(_CHECKPOINT.value)
+  check_output_file(_OUTPUT.value, "output", json_results=True, program="eval", checkpoint_fingerprint=fingerprint,
+                    overwrite=_OVERWRITE.value)
   check_output_file(_PLOT.value, "plot")
   if _PLOT.value:
     sweep.check_plot_path(_PLOT.value)
@@ -85,7 +90,8 @@ def main(argv):
     print(evaluate.format_table(rows))
     if _OUTPUT.value:
       os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)
-      atomic_write_json(_OUTPUT.value, rows)  # whole or absent, even when interrupted
+      # whole or absent, even when interrupted; each row names its export, so another one's rerun is refused
+      atomic_write_json(_OUTPUT.value, [{**r, "checkpoint_fingerprint": fingerprint} for r in rows])
   elif not _INCLUDE.value:
     raise ConfigError("nothing to do: give --config and --checkpoint, or --include files to summarise")
   rows += included

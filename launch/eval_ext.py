@@ -20,12 +20,14 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from trime_jax.launch.common import (check_data_split, check_export, check_output_file, check_split_overlap, run_main,
-                           validated)
+from trime_jax.launch.common import (check_data_split, check_export, check_output_file, check_split_overlap,
+                                     export_fingerprint, run_main, validated)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
 _OUTPUT = flags.DEFINE_string("output", "", "Optional JSON file for the results.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an --output file holding another export's or "
+                               "program's results (a rerun of the same evaluation replaces its own without it).")
 _THROUGHPUT = flags.DEFINE_integer("throughput_tokens", 0, "Also time this many tokens with vs without external "
                                    "memory (0: skip).", lower_bound=0)
 _ALLOW_OVERLAP = flags.DEFINE_bool("allow_split_overlap", False, "Evaluate (or tune on) the very split the datastore "
@@ -39,7 +41,9 @@ def main(argv):
   from trime_jax import evaluate
   from trime_jax.data import atomic_write_json
 
-  check_output_file(_OUTPUT.value, "output", json_results=True)  # before the evaluation, not after it
+  fingerprint = export_fingerprint(_CHECKPOINT.value)
+  check_output_file(_OUTPUT.value, "output", json_results=True, program="eval_ext",  # before the evaluation
+                    checkpoint_fingerprint=fingerprint, overwrite=_OVERWRITE.value)
   config = validated(_CONFIG.value, _CHECKPOINT.value)
   check_export(config, _CHECKPOINT.value)
   check_data_split(config, _CHECKPOINT.value, allow=_ALLOW_OVERLAP.value)
@@ -71,7 +75,8 @@ def main(argv):
           f"ratio {t['ratio']:.3f} (search {t['search_share']:.0%} of the time)")
   if _OUTPUT.value:
     os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)
-    atomic_write_json(_OUTPUT.value, out)  # whole or absent, even when interrupted
+    # whole or absent, even when interrupted; it names its export, so another one's rerun is refused
+    atomic_write_json(_OUTPUT.value, {**out, "checkpoint_fingerprint": fingerprint})
 
 
 if __name__ == "__main__":

@@ -436,6 +436,25 @@ def e_generate_stored_field_of_another_type(b):  # a traceback (rc 1) from float
   return _generate(b, export=x), [f"{x}/config.json: eval.tau='x' is not a float"], [x]
 
 
+def _results_file(b, name, held):
+  path = b["tmp"] / "cases" / name
+  path.parent.mkdir(exist_ok=True)
+  path.write_text(json.dumps(held))
+  return path
+
+
+def e_eval_output_of_another_export(b):  # eval replaced another model's results without a word (found by a review)
+  path = _results_file(b, "other_results.json", [{"variant": "none", "checkpoint_fingerprint": "another-model"}])
+  case = _case("eval", f"--config={b['cfg']}", f"--checkpoint={b['export']}", f"--output={path}")
+  return case, [f"--output={path} holds results of another export (fingerprint another-model", "--overwrite"], [path]
+
+
+def e_eval_output_of_eval_ext(b):  # ... or eval_ext's (tuned parameters, retrieval accuracy) with eval's rows
+  path = _results_file(b, "ext_results.json", {"rows": [{"variant": "none"}], "retrieval_accuracy": {}})
+  case = _case("eval", f"--config={b['cfg']}", f"--checkpoint={b['export']}", f"--output={path}")
+  return case, [f"--output={path} holds results of trime_jax.launch.eval_ext", "--overwrite"], [path]
+
+
 ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise, e_build_datastore_out_is_export, e_build_datastore_other_identity,
                e_build_datastore_nlist0, e_build_datastore_entries_alone, e_build_datastore_nlist_flat,
                e_import_fairseq_out_is_export, e_import_fairseq_checkpoint_folder, e_import_fairseq_text_checkpoint,
@@ -451,7 +470,7 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_renamed_flag_translate, e_train_workdir_is_an_export, e_build_datastore_overwrite_its_own_checkpoint,
                e_make_batches_overwrite_its_own_corpus, e_train_translation_config, e_train_d_model_zero,
                e_train_clip_norm_nan, e_train_split_fractions_sum, e_config_file_raises,
-               e_generate_stored_field_of_another_type]
+               e_generate_stored_field_of_another_type, e_eval_output_of_another_export, e_eval_output_of_eval_ext]
 
 
 # Recovery rows: builder(b) -> (cases, check(results, b))
@@ -497,7 +516,27 @@ def r_export_with_old_names(b):  # issue 34: an export written before the rename
   return [case for pair in runs for case in pair], check
 
 
-RECOVERY_CASES = [r_split_overlap_allowed, r_build_datastore_overwrite, r_export_with_old_names]
+def r_eval_output_rerun_and_overwrite(b):
+  """A rerun of the same evaluation replaces its own results; --overwrite replaces another export's."""
+  own = b["tmp"] / "cases" / "own_results.json"
+  other = _results_file(b, "other_results_overwritten.json", [{"variant": "none", "checkpoint_fingerprint": "x"}])
+  ev = lambda out, *extra: _case("eval", f"--config={b['cfg']}", f"--checkpoint={b['export']}", f"--output={out}",
+                                 "--config.eval.max_tokens=100", *extra)
+
+  def check(rs, b):
+    from trime_jax import exports
+
+    for r in rs:
+      assert r["rc"] == 0, r["err"][-3000:]
+    fp = exports.fingerprint(str(b["export"]))
+    for path in (own, other):
+      assert {r["checkpoint_fingerprint"] for r in json.loads(path.read_text())} == {fp}
+
+  return [ev(own), ev(own), ev(other, "--overwrite")], check
+
+
+RECOVERY_CASES = [r_split_overlap_allowed, r_build_datastore_overwrite, r_export_with_old_names,
+                  r_eval_output_rerun_and_overwrite]
 
 
 @pytest.fixture(scope="module")

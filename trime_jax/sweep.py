@@ -137,6 +137,9 @@ def plot_sweep(rows: list[dict], path: str, title: str = "") -> str:
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  # whole or the old one: written beside it, then renamed over it (a kill mid-write left a torn image)
+  tmp = f"{path}.tmp{os.getpid()}"
+  fig.savefig(tmp, dpi=120, format=os.path.splitext(path)[1].lstrip(".").lower() or "png")
   plt.close(fig)
+  os.replace(tmp, path)
   return path
