@@ -414,7 +414,7 @@ def e_train_d_model_zero(b):  # a ZeroDivisionError traceback before
 
 def e_train_clip_norm_nan(b):  # NaN passed `value < 0`: clipping silently off
   case = _case("train", f"--config={b['cfg']}", f"--workdir={b['tmp']}/cases/nanclip", "--config.train.clip_norm=nan")
-  return case, ["train.clip_norm must be a number >= 0, got nan"], []
+  return case, ["train.clip_norm must be >= 0, got nan"], []
 
 
 def e_train_split_fractions_sum(b):  # (0.5, 0.6, 0.1) was normalised without a word

@@ -36,7 +36,7 @@ def check_train_section(train_cfg) -> None:
   for name, value in [("train.weight_decay", train_cfg.weight_decay), ("train.clip_norm", train_cfg.clip_norm),
                       ("train.warmup_init_lr", train_cfg.warmup_init_lr), ("train.min_lr", train_cfg.min_lr)]:
     if not 0 <= value < float("inf"):  # NaN too: clip_norm=nan turned clipping off silently (nan > 0 is False)
-      raise ConfigError(f"{name} must be a number >= 0, got {value}")
+      raise ConfigError(f"{name} must be >= 0, got {value}")
   choice(train_cfg.progress, PROGRESS, "train.progress")
   profile_steps(train_cfg)
 
