@@ -775,3 +775,31 @@ def test_an_empty_output_path_is_refused_not_the_working_directory(tmp_path, mon
     data.replace_directory(str(tmp_path / "new"), str(here))
   assert (here / "mine" / "notes.txt").read_text() == "keep\n" and (tmp_path / "new").exists()
   check_output_path(str(tmp_path / "elsewhere"), "out", reads=[("--checkpoint", str(tmp_path / "other"))])  # fine
+
+
+def test_ctrl_c_during_training_exits_130_every_time(base, tmp_path):
+  """A real SIGINT mid-training (1-3 s after the first train line): exit status 130 and the "interrupted:" line,
+  four times out of four. Before, the interpreter's teardown of JAX's native threads crashed the process in 2 of
+  4 and 2 of 6 such interrupts by hand (segmentation fault, 139; found by a review), or hung; the exit now skips
+  that teardown (`exit_now`). The crash does not come every time, so this check is probabilistic: without the fix
+  it failed once (a hang) and passed twice in three runs here."""
+  import signal
+
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  for attempt in range(4):
+    work = tmp_path / f"w{attempt}"
+    p = subprocess.Popen([sys.executable, "-m", "trime_jax.launch.train", f"--config={base['cfg']}",
+                          f"--workdir={work}", "--config.train.num_steps=100000"], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in p.stdout:  # the first train line: the run is in its loop, JAX dispatching, checkpoints saving
+      if line.startswith("step "):
+        break
+    time.sleep(1.0 + attempt % 3)
+    p.send_signal(signal.SIGINT)
+    try:
+      rest, _ = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # hung in the teardown: as wrong as a crash
+      p.kill()
+      rest = p.communicate()[0]
+    assert p.returncode == 130, (attempt, p.returncode, rest[-2000:])
+    assert "interrupted: " in rest and "Fatal Python error" not in rest, rest[-2000:]

@@ -350,6 +350,14 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
     log(f"exported {export_dir}")
     best.update(end, params, final)
     return {"train": last, split: final, "export": export_dir, "step": end}
+  except KeyboardInterrupt:
+    # Ctrl-C: the save in flight finishes before the process exits (its writer threads still running while the
+    # interpreter shut down made the exit a segmentation fault, rc 139 instead of 130, about one time in two)
+    try:
+      mgr.wait_until_finished()
+    except Exception:  # noqa: BLE001 - a save that fails now is a step on_disk does not name
+      pass
+    raise
   finally:
     progress.close()
     if tracing:
