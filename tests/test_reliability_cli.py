@@ -790,7 +790,10 @@ def test_ctrl_c_during_training_exits_130_every_time(base, tmp_path):
     work = tmp_path / f"w{attempt}"
     p = subprocess.Popen([sys.executable, "-m", "trime_jax.launch.train", f"--config={base['cfg']}",
                           f"--workdir={work}", "--config.train.num_steps=100000"], cwd=REPO, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         # a pytest-xdist worker ignores SIGINT, and a child inherits that: Python then installs
+                         # no KeyboardInterrupt handler. A shell's Ctrl-C finds the default disposition.
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in p.stdout:  # the first train line: the run is in its loop, JAX dispatching, checkpoints saving
       if line.startswith("step "):
         break
