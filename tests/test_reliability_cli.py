@@ -436,6 +436,10 @@ def e_generate_stored_field_of_another_type(b):  # a traceback (rc 1) from float
   return _generate(b, export=x), [f"{x}/config.json: eval.tau='x' is not a float"], [x]
 
 
+def e_generate_empty_checkpoint(b):  # the working directory was read as a broken export
+  return _case("generate", "--checkpoint=", "--prompt=a"), ["the checkpoint is an empty path"], []
+
+
 def _results_file(b, name, held):
   path = b["tmp"] / "cases" / name
   path.parent.mkdir(exist_ok=True)
@@ -470,7 +474,8 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_renamed_flag_translate, e_train_workdir_is_an_export, e_build_datastore_overwrite_its_own_checkpoint,
                e_make_batches_overwrite_its_own_corpus, e_train_translation_config, e_train_d_model_zero,
                e_train_clip_norm_nan, e_train_split_fractions_sum, e_config_file_raises,
-               e_generate_stored_field_of_another_type, e_eval_output_of_another_export, e_eval_output_of_eval_ext]
+               e_generate_stored_field_of_another_type, e_eval_output_of_another_export, e_eval_output_of_eval_ext,
+               e_generate_empty_checkpoint]
 
 
 # Recovery rows: builder(b) -> (cases, check(results, b))

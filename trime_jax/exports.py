@@ -386,6 +386,8 @@ def stored_over_defaults(export_dir: str, stored: dict | None = None) -> ml_coll
 
 def load_export(directory: str):
   """(graphdef, params, config, vocab, meta) from an export directory, validated."""
+  if not str(directory or "").strip():  # "" would be the working directory, read as a broken export
+    raise CheckpointError("the checkpoint is an empty path: give an export directory")
   directory = os.path.abspath(directory)  # orbax wants absolute paths
   if not os.path.isdir(directory):
     raise CheckpointError(f"checkpoint directory not found: {directory}")
