@@ -78,6 +78,9 @@ def _checkpoint_argv(argv: list[str]) -> list[str]:
   if not _flag_values(out, "config") and "config" in flags.FLAGS:  # the export's stored config is the config
     if not os.path.exists(resolved):
       raise CheckpointError(f"checkpoint directory not found: {os.path.abspath(resolved)}")
+    if not os.path.isdir(resolved):  # it was "--checkpoint needs --config", about the wrong flag
+      raise CheckpointError(f"--checkpoint={value} is a file, not an export directory (config.json, meta.json, "
+                            "params/, vocab.json)")
     if os.path.isdir(resolved) and not os.path.isfile(os.path.join(resolved, "config.json")):
       # A training checkpoint's step, a workdir that has not exported, a datastore: said as trime_jax.load says
       # it (without this, the missing config was the error: "--checkpoint needs --config", or absl's own).
@@ -402,8 +405,9 @@ def run_main(main, *, checkpoint_is_export: bool = True):
     if given:
       path = given.split(":")[0]  # config_flags accepts file.py:arg
       if not os.path.isfile(path):
-        print(f"error: --config file not found: {path} (working directory {os.getcwd()})", file=sys.stderr,
-              flush=True)
+        said = (f"--config={path} is a folder, not a config file (configs/*.py)" if os.path.isdir(path)
+                else f"--config file not found: {path} (working directory {os.getcwd()})")
+        print(f"error: {said}", file=sys.stderr, flush=True)
         sys.exit(2)
     try:
       return main(argv)

@@ -440,6 +440,17 @@ def e_generate_empty_checkpoint(b):  # the working directory was read as a broke
   return _case("generate", "--checkpoint=", "--prompt=a"), ["the checkpoint is an empty path"], []
 
 
+def e_eval_checkpoint_is_a_file(b):  # it said "--checkpoint needs --config"
+  return _case("eval", f"--checkpoint={b['corpus']}"), [f"--checkpoint={b['corpus']} is a file, not an export"], []
+
+
+def e_train_config_is_a_folder(b):  # it said "--config file not found"
+  folder = b["tmp"] / "cases" / "a_config_folder"
+  folder.mkdir(parents=True, exist_ok=True)
+  return _case("train", f"--config={folder}", f"--workdir={b['tmp']}/cases/cf"), [
+      f"--config={folder} is a folder, not a config file"], []
+
+
 def _results_file(b, name, held):
   path = b["tmp"] / "cases" / name
   path.parent.mkdir(exist_ok=True)
@@ -475,7 +486,7 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_make_batches_overwrite_its_own_corpus, e_train_translation_config, e_train_d_model_zero,
                e_train_clip_norm_nan, e_train_split_fractions_sum, e_config_file_raises,
                e_generate_stored_field_of_another_type, e_eval_output_of_another_export, e_eval_output_of_eval_ext,
-               e_generate_empty_checkpoint]
+               e_generate_empty_checkpoint, e_eval_checkpoint_is_a_file, e_train_config_is_a_folder]
 
 
 # Recovery rows: builder(b) -> (cases, check(results, b))
