@@ -253,13 +253,31 @@ def _parse_flags(argv, module: str = "__main__", checkpoint_is_export: bool = Tr
     # An export's stored config refused while --config loads it is about the file, not a flag.
     kind = "" if any(isinstance(x, TrimeError) for x in chain) else "bad command-line flag: "
     raised = _config_file_error(str(e))  # the config file's own error: about the file, not a flag
+    if not raised and "has no attribute 'get_config'" in str(e):
+      raised = (f"--config={_given_config_file(argv)}: the file has no get_config() (a config file defines "
+                "get_config() returning an ml_collections.ConfigDict, as configs/*.py)")
     print(f"error: {raised}" if raised else f"error: {kind}{_one_line(e)}", file=sys.stderr, flush=True)
     sys.exit(2)
   renamed = _renamed_in_config_file()
   if renamed:
     print(f"error: {renamed}", file=sys.stderr, flush=True)
     sys.exit(2)
+  held = flags.FLAGS["config"].value if "config" in flags.FLAGS else None
+  if isinstance(held, (dict, list, tuple, str, int, float)):  # get_config() returned something else (a traceback
+    # at the first field read, before)
+    print(f"error: --config={_given_config_file(argv)}: get_config() returned a {type(held).__name__}, not an "
+          "ml_collections.ConfigDict", file=sys.stderr, flush=True)
+    sys.exit(2)
   return out
+
+
+def _given_config_file(argv) -> str:
+  """The --config file as argv gives it (its last value), or "?"."""
+  found = _flag_values(list(argv), "config")
+  if not found:
+    return "?"
+  at, prefix = found[-1]
+  return argv[at][len(prefix):] or "?"
 
 
 def _config_file_error(text: str) -> str:

@@ -451,6 +451,25 @@ def e_train_config_is_a_folder(b):  # it said "--config file not found"
       f"--config={folder} is a folder, not a config file"], []
 
 
+def _config_text(b, name, text):
+  path = b["tmp"] / "cases" / name
+  path.parent.mkdir(exist_ok=True)
+  path.write_text(text)
+  return path
+
+
+def e_config_returns_a_dict(b):  # an AttributeError traceback at the first field read
+  path = _config_text(b, "dict_config.py", 'def get_config():\n  return {"train": {}}\n')
+  return _case("train", f"--config={path}", f"--workdir={b['tmp']}/cases/dc"), [
+      f"--config={path}: get_config() returned a dict, not an ml_collections.ConfigDict"], [path]
+
+
+def e_config_without_get_config(b):  # "bad command-line flag: module 'config_config' has no attribute ..."
+  path = _config_text(b, "no_get_config.py", "X = 1\n")
+  return _case("train", f"--config={path}", f"--workdir={b['tmp']}/cases/ng"), [
+      f"--config={path}: the file has no get_config()"], [path]
+
+
 def _results_file(b, name, held):
   path = b["tmp"] / "cases" / name
   path.parent.mkdir(exist_ok=True)
@@ -486,7 +505,8 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_make_batches_overwrite_its_own_corpus, e_train_translation_config, e_train_d_model_zero,
                e_train_clip_norm_nan, e_train_split_fractions_sum, e_config_file_raises,
                e_generate_stored_field_of_another_type, e_eval_output_of_another_export, e_eval_output_of_eval_ext,
-               e_generate_empty_checkpoint, e_eval_checkpoint_is_a_file, e_train_config_is_a_folder]
+               e_generate_empty_checkpoint, e_eval_checkpoint_is_a_file, e_train_config_is_a_folder,
+               e_config_returns_a_dict, e_config_without_get_config]
 
 
 # Recovery rows: builder(b) -> (cases, check(results, b))
