@@ -243,10 +243,7 @@ def _data(config, checkpoint, split, vocab, limit, ds=None):
 
   pairs = mt_data.load_parallel(mt_datastore.mt_config(config, checkpoint), split, vocab)
   _check_overlap(ds, pairs, split)  # the whole split: --max_sentences takes a prefix of it
-  if limit:
-    pairs = dataclasses.replace(pairs, src=pairs.src[:limit], tgt=pairs.tgt[:limit], src_text=pairs.src_text[:limit],
-                                tgt_text=pairs.tgt_text[:limit])
-  return pairs
+  return pairs.head(limit)
 
 
 def translate_split(translator, pairs, vocab, out_dir, name, extra):

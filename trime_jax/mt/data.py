@@ -204,6 +204,13 @@ class ParallelData:
   def __len__(self) -> int:
     return len(self.src)
 
+  def head(self, n: int) -> "ParallelData":
+    """The first `n` pairs (all of them when n is 0 or at least their number)."""
+    if not n or n >= len(self):
+      return self
+    return dataclasses.replace(self, src=self.src[:n], tgt=self.tgt[:n], src_text=self.src_text[:n],
+                               tgt_text=self.tgt_text[:n])
+
   def fingerprint(self) -> str:
     """SHA-256 (16 hex digits) of every pair's token ids, in order: what a batch plan and a resumed training
     were made of (the same texts under another vocabulary are other ids, so another fingerprint)."""

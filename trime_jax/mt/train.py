@@ -159,9 +159,7 @@ def eval_sums(graphdef, spec, vocab_chunk, params, batch):
 
 def evaluate(graphdef, params, pairs, config, spec, *, max_pairs=0) -> dict:
   """Dev CE nll/ppl (model alone) and, for memory=ext, TRIME nll/ppl with in-batch memory (length batches)."""
-  if max_pairs and len(pairs) > max_pairs:
-    pairs = dataclasses.replace(pairs, src=pairs.src[:max_pairs], tgt=pairs.tgt[:max_pairs],
-                                src_text=pairs.src_text[:max_pairs], tgt_text=pairs.tgt_text[:max_pairs])
+  pairs = pairs.head(max_pairs)
   plan = batching.make_plan(pairs, order="length", max_tokens=int(config.data.max_tokens), seed=0,
                             max_sentences=int(config.data.max_sentences))
   fn = _eval_fn(graphdef, spec, int(config.train.vocab_chunk))
@@ -185,9 +183,7 @@ VALID_BLEU_SEARCH = decode.SearchOptions(beam=5, lenpen=1.0, max_len_a=1.2, max_
 def valid_bleu(graphdef, params, pairs, config, vocab, *, max_pairs=0, batch_sentences: int = 32) -> float:
   """Corpus BLEU of beam-search translations (the model alone, `VALID_BLEU_SEARCH`) of the first `max_pairs`
   valid pairs (0: all) against their references, as `trime_jax.launch.translate` scores a split."""
-  if max_pairs and len(pairs) > max_pairs:
-    pairs = dataclasses.replace(pairs, src=pairs.src[:max_pairs], tgt=pairs.tgt[:max_pairs],
-                                src_text=pairs.src_text[:max_pairs], tgt_text=pairs.tgt_text[:max_pairs])
+  pairs = pairs.head(max_pairs)
   cfg = specs.mt_model_config(config, vocab_size=vocab.size)
   translator = decode.Translator(graphdef, params, cfg, options=VALID_BLEU_SEARCH, eos_id=vocab.eos_id)
   hyps = translator.translate(pairs.src, batch_sentences=batch_sentences)

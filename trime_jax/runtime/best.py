@@ -43,17 +43,19 @@ class BestKeeper:
     if enabled and os.path.exists(meta):
       stored = data.read_json(meta, "best-by-dev export meta", DamagedCheckpointError,
                               fix=f"restore it, or remove {directory} (its best so far is then forgotten)")
-      stored_value = stored.get("dev_ppl")
-      if stored.get("best_metric", metric) != metric:  # ranked by another metric: not comparable, measured again
-        stored_value = remeasure(directory).get(metric, math.nan) if remeasure is not None else None
-      self.ppl = self.sign * float(stored_value) if stored_value is not None and math.isfinite(
-          float(stored_value)) else math.inf
+      value = float(stored.get("dev_ppl", math.inf))
       before = stored.get("dev_protocol")
-      if before is not None and self.protocol and before != self.protocol and remeasure is not None:
+      other_metric = stored.get("best_metric", metric) != metric  # ranked by another metric: not comparable
+      other_protocol = before is not None and self.protocol and before != self.protocol
+      if other_metric and remeasure is None:
+        value = math.nan
+      elif (other_metric or other_protocol) and remeasure is not None:  # measured again, once
         again = float(remeasure(directory).get(metric, math.nan))
-        logging.info("best %s %s of update %s was measured with %s; with this run's %s it is %.4f (was %.4f)",
-                     split, metric, stored.get("step"), before, self.protocol, again, self.sign * self.ppl)
-        self.ppl = self.sign * again if math.isfinite(again) else math.inf
+        logging.info("best %s %s of update %s was measured with %s (%s); with this run's %s (%s) it is %.4f",
+                     split, stored.get("best_metric", metric), stored.get("step"), before, value, metric,
+                     self.protocol, again)
+        value = again
+      self.ppl = self.sign * value if math.isfinite(value) else math.inf
 
   def update(self, step: int, params, dev: dict) -> None:
     value = dev.get(self.metric, math.nan)

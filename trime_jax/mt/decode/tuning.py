@@ -111,6 +111,7 @@ def tune(tp: TunePass, *, modes=("knn_mt", "trime", "trime_release"), ks=KS, tra
   evaluator's together with it scaled by the training τ `train_tau` (the original MT model trains at
   τ = 10)."""
   metric = "ip" if tp.ip.score.shape[1] else "l2"  # the model alone ignores the entries of either
+  taus = sorted(set(evaluate.TAU_GRID) | {t * train_tau for t in evaluate.TAU_GRID})  # trime and trime_release
   rows = [{"mode": "model", "k": 0, "setting": Distribution("model"),
            "nll": float(_nlls(tp, [evaluate.NONE], 1, metric)[0])}]
   for k in ks:
@@ -122,7 +123,6 @@ def tune(tp: TunePass, *, modes=("knn_mt", "trime", "trime_release"), ks=KS, tra
       rows += [{"mode": "knn_mt", "k": k, "setting": _setting(p, k, tp.candidates), "nll": float(v)}
                for p, v in zip(pts, _nlls(tp, pts, k, "l2"))]
     if "trime" in modes:
-      taus = sorted(set(evaluate.TAU_GRID) | {t * train_tau for t in evaluate.TAU_GRID})
       pts = [evaluate.Point("trime", tau=t) for t in taus]
       nll = _nlls(tp, pts, k, "ip")
       rows += [{"mode": "trime", "k": k, "setting": _setting(p, k), "nll": float(v)} for p, v in zip(pts, nll)]
@@ -132,7 +132,6 @@ def tune(tp: TunePass, *, modes=("knn_mt", "trime", "trime_release"), ks=KS, tra
       rows += [{"mode": "trime_interp", "k": k, "setting": _setting(p, k), "nll": float(v)}
                for p, v in zip(pts, _nlls(tp, pts, k, "ip"))]
     if "trime_release" in modes:
-      taus = sorted(set(evaluate.TAU_GRID) | {t * train_tau for t in evaluate.TAU_GRID})
       rows += [{"mode": "trime_release", "k": k, "setting": Distribution("trime_release", k=k, tau=t), "nll": float(v)}
                for t, v in zip(taus, _release_nlls(tp, taus, k))]
   return sorted(rows, key=lambda r: (r["mode"], r["nll"]))
