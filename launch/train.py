@@ -8,8 +8,9 @@ and exits with status 143 (128 + SIGTERM, so schedulers see a terminated, not a 
 command then resumes exactly where it stopped. Exit status 0: trained, evaluated and exported.
 
 `--workdir` is required for training (there is no default run directory); one run per workdir: a second one
-exits with status 2 naming the process that holds it. Ctrl-C exits with status 130 saying which checkpoint (if
-any) is on disk to resume from.
+exits with status 2 naming the process that holds it. Ctrl-C stops at the end of the update in
+progress (a second one at once) and exits with status 130 saying which checkpoint (if any) is on disk to resume
+from.
 
 `--dry_run` prints the parameter count and the per-device memory plan (parameters, optimizer state, XLA's
 compiled plan of one train step at the configured batch) and exits without training.

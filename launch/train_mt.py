@@ -9,7 +9,8 @@ trains at most N updates per invocation). SIGTERM checkpoints the current update
 Exit status 0: trained, evaluated on valid and exported to <workdir>/export (trime_jax.mt.export.load_mt_export);
 with train.keep_best, the lowest-valid-perplexity parameters to <workdir>/best. TensorBoard: <workdir>/tb.
 `--workdir` is required; one run per workdir (a second exits with status 2 naming the process that holds it);
-Ctrl-C exits with status 130 saying which checkpoint (if any) is on disk to resume from.
+Ctrl-C stops at the end of the update in progress (a second one at once) and exits with status 130 saying
+which checkpoint (if any) is on disk to resume from.
 """
 
 from absl import flags

@@ -35,7 +35,7 @@ from trime_jax.errors import CheckpointError, ConfigError, TrainingError
 from trime_jax.runtime import workdir as workdir_files
 from trime_jax.runtime.best import BestKeeper, host_copy
 from trime_jax.runtime.config import profile_steps
-from trime_jax.runtime.preemption import Preempted, PreemptionWatch
+from trime_jax.runtime.preemption import InterruptWatch, Preempted, PreemptionWatch
 from trime_jax.runtime.progress import Progress, say
 
 TB_TRAIN_SCALARS = ("loss", "ce_nll", "trime_nll", "ppl", "lr", "grad_norm", "tokens_per_s")
@@ -256,16 +256,21 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
     skipped_before = skipped_so_far(state) or 0
   skip_watch = _SkipWatch()
 
+  interrupt = InterruptWatch()
+
   def evaluate(done: int, params) -> dict:
+    interrupt.check()
     dev = task.evaluate(done, params)
     metrics.write({"step": done, "split": split, **dev, "dev_protocol": protocol})
     log(f"{split} at update {done}: {task.describe_eval(dev)}")
     tb.scalars(done, {f"{split}/{k}": v for k, v in dev.items() if k.endswith("_ppl")})
     return dev
 
+  interrupt.__enter__()  # left in `finally`
   try:
     with PreemptionWatch(mgr) as preemption:
       for step in range(start, stop):
+        interrupt.check()  # a Ctrl-C during the update before: stopped here, between updates
         done = step + 1
         if spec.profile and done == spec.profile[0]:
           jax.profiler.start_trace(os.path.join(workdir, "profile"))
@@ -351,7 +356,8 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
     best.update(end, params, final)
     return {"train": last, split: final, "export": export_dir, "step": end}
   except KeyboardInterrupt:
-    # Ctrl-C: the save in flight finishes before the process exits (its writer threads still running while the
+    # Ctrl-C (raised by `interrupt` between updates, or at once by a second one): the save in flight finishes
+    # before the process exits (its writer threads still running while the
     # interpreter shut down made the exit a segmentation fault, rc 139 instead of 130, about one time in two)
     try:
       mgr.wait_until_finished()
@@ -359,6 +365,7 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
       pass
     raise
   finally:
+    interrupt.__exit__()
     progress.close()
     if tracing:
       jax.profiler.stop_trace()
