@@ -10,18 +10,23 @@ The original command (princeton-nlp/TRIME machine_translation/README.md):
     --lr-scheduler inverse_sqrt --warmup-updates 4000 --ce-warmup-epoch 5 --dropout 0.3 --weight-decay 0.0001
     --criterion trime_mt_loss --label-smoothing 0.0 --max-tokens 4096 --predefined-batches bm25_batches.json
     --max-epoch 50 --dist-func ip --temp 10.0 --topk-mem 8          (4 GPUs: 4 × 4096 tokens per update)
-Vanilla baseline: --criterion label_smoothed_cross_entropy --label-smoothing 0.1 (fairseq's IWSLT recipe).
+Vanilla baseline: --criterion label_smoothed_cross_entropy --label-smoothing 0.1 (fairseq's IWSLT recipe), no
+predefined batches: --config.trime.memory=none --config.train.label_smoothing=0.1 --config.trime.batching=length
+--config.data.batches_per_update=0.
 Read as the original's code runs it:
 - --ce-warmup-epoch 5 never takes effect: its fairseq_cli/train.py sets the criterion's return_ce_loss per epoch,
   then again before every batch from --ce-warmup-ratio, which the command does not give (default None: TRIME loss).
   So TrimeMT trains with trime_mt_loss from update 1: trime.ce_warmup_steps=0.
 - The run's length is --max-epoch 50 with no --max-update: train.num_epochs=50 passes over the plan's batches
-  (their number per epoch depends on the data and the 16,384-token batches). The paper's table states 170,000
+  (their number per epoch depends on the data: groups of 4 GPU batches). The paper's table states 170,000
   updates instead; train.num_steps=170_000 caps the run there.
-- Its 4 GPUs all_gather their keys: a key gets gradient only from queries of its own GPU's 4,096-token batch.
-  trime.memory_grad="local_only" does the same on 4 devices, trime.memory_grad_groups=4 on one (the batch's rows
-  as 4 contiguous groups of about 4,096 tokens: ours are pieces of one BM25 chain, the original's 4 separate
-  predefined batches).
+- An update is 4 GPU batches: fairseq's batch_by_size cuts the BM25 chain into batches of at most 4,096 padded
+  tokens (sizes a multiple of 8, each padded to its own longest pair), 4 consecutive ones an update, and each
+  epoch shuffles the groups of 4 (its iterator with --predefined-batches): data.batches_per_update=4. The
+  vanilla baseline (trime.batching=length) needs data.batches_per_update=0: its length-sorted batches are ours.
+- Its 4 GPUs all_gather their keys: a key gets gradient only from queries of its own GPU's batch.
+  trime.memory_grad="local_only" does the same on 4 devices, trime.memory_grad_groups=4 on one (the update's 4
+  row blocks, which are the 4 GPU batches).
 The original's key (knn_embed) is the decoder output: model.key_type="final" below.
 """
 
@@ -36,13 +41,15 @@ def get_config():
   c.data.cache_dir = ""
   c.data.max_len = 1024  # fairseq max_source/target_positions
   c.data.max_tokens = 4096 * 4  # 4 GPUs × --max-tokens 4096 per update
+  c.data.batches_per_update = 4  # as the original composes an update: 4 batch_by_size batches of 4,096 tokens
   c.model.update(d_model=512, num_heads=4, d_ff=1024, encoder_layers=6, decoder_layers=6, dropout=0.3,
                  share_all_embeddings=False, share_decoder_embeddings=True, encoder_normalize_before=False,
                  decoder_normalize_before=True, key_type="final")
   c.trime.update(memory="ext", batching="bm25", tau=10.0, memory_topk=8, ce_warmup_steps=0,
                  memory_grad="local_only", memory_grad_groups=4)
   # warmup_init_lr 0: the command gives no --warmup-init-lr, and fairseq's inverse_sqrt then warms up from 0
-  c.train.update(num_steps=170_000, num_epochs=50, learning_rate=5e-4, warmup_steps=4000, warmup_init_lr=0.0,
+  c.train.update(seed=1,  # fairseq's --seed default: the epochs' shuffles of the update groups are the original's
+                 num_steps=170_000, num_epochs=50, learning_rate=5e-4, warmup_steps=4000, warmup_init_lr=0.0,
                  weight_decay=1e-4, adam_b2=0.98, label_smoothing=0.0, eval_every=1000, checkpoint_every=1000, eval_max_pairs=0,
                  # checkpoint_best.pt by valid BLEU: --eval-bleu --eval-bleu-args '{"beam": 5, "max_len_a": 1.2,
                  # "max_len_b": 10}' --eval-bleu-detok moses --eval-bleu-remove-bpe --best-checkpoint-metric bleu

@@ -337,6 +337,29 @@ def check_mt_train(workdir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
       losses[n] = [(json.loads(line)["objective"], json.loads(line)["loss"]) for line in f
                    if '"loss"' in line and '"split"' not in line]
+  # The original's composition (data.batches_per_update=4): 4 GPU batches an update; on 4 devices with
+  # memory_grad="local_only" (each device one GPU batch, padded or packed) as on 1 with memory_grad_groups=4;
+  # on 1 device without the cut the key gradients (so the later losses) differ; on 2 devices refused
+  for name, devices, extra in [("G4_1", 1, {"trime.memory_grad_groups": 4}), ("G4_1_nocut", 1, {}),
+                               ("G4_4", 4, {"trime.memory_grad": "local_only"}),
+                               ("G4_4packed", 4, {"trime.memory_grad": "local_only", "data.pack_len": 32}),
+                               ("G4_2", 2, {"trime.memory_grad": "local_only"})]:
+    c = tiny_config(data_dir)
+    c.model.dropout = 0.0
+    c.train.update(num_steps=4, num_devices=devices, eval_every=0, learning_rate=3e-2)
+    c.data.batches_per_update = 4
+    for k, v in extra.items():
+      section, field = k.split(".")
+      c[section][field] = v
+    run_dir = os.path.join(workdir, f"mt_{name}")
+    try:
+      mt_train.train_and_evaluate(c, run_dir, log=lambda s: None)
+    except Exception as e:  # noqa: BLE001 - the refusal is the result
+      losses[name] = f"{type(e).__name__}: {e}"
+      continue
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+      losses[name] = [(json.loads(line)["objective"], json.loads(line)["loss"]) for line in f
+                      if '"loss"' in line and '"split"' not in line]
   return losses
 
 

@@ -481,10 +481,22 @@ def test_memory_grad_group_rows_spec():
   assert loss.ObjectiveSpec("ext", memory_grad_group_rows=1, stop_gradient_memory=True).key_grad_group_rows == 0
   with pytest.raises(ValueError, match="memory_grad_group_rows"):
     loss.ObjectiveSpec("ext", memory_grad_group_rows=-1)
-  with pytest.raises(ValueError, match="packed segments"):
-    loss.trime_nll_from_vocab_stats(loss.VocabStats(jnp.zeros((2, 3)), jnp.zeros((2, 3))), jnp.zeros((2, 3, 4)),
-                                    jnp.zeros((2, 3), jnp.int32), memory="ext", memory_grad_group_rows=1,
-                                    rows=jnp.zeros((2, 3), jnp.int32))
+  # packed segments (rows=): groups of memory_grad_group_rows consecutive segment ids (mt's packed GPU batches);
+  # ids equal to the layout rows cut as the layout does, and ids of one group do not cut
+  rng = np.random.default_rng(0)
+  stats = loss.VocabStats(jnp.asarray(rng.normal(size=(4, 3)) + 3, jnp.float32), jnp.asarray(rng.normal(size=(4, 3)), jnp.float32))
+  keys = jnp.asarray(rng.normal(size=(4, 3, 5)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 2, (4, 3)), jnp.int32)
+
+  def key_grad(group_rows, rows):
+    f = lambda k: loss.trime_nll_from_vocab_stats(stats, k, targets, memory="ext", memory_grad_group_rows=group_rows,
+                                                  rows=rows, implementation="dense").sum()
+    return np.asarray(jax.grad(f)(keys))
+
+  layout = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32)[:, None], (4, 3))
+  np.testing.assert_allclose(key_grad(2, layout), key_grad(2, None), rtol=1e-6)
+  np.testing.assert_allclose(key_grad(8, layout), key_grad(0, None), rtol=1e-6)
+  assert np.abs(key_grad(2, None) - key_grad(0, None)).max() > 1e-4
 
 
 def test_similarity_precision_is_full_whenever_an_operand_is_float32():

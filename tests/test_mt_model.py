@@ -315,6 +315,121 @@ def test_plan_round_trip(tmp_path):
   assert [back.batch_at(s) for s in range(20)] == [plan.batch_at(s) for s in range(20)]
 
 
+def test_fairseq_batches_are_the_originals():
+  """`batching.fairseq_batches` cuts an order as the original's batch_by_size does: its own Cython function's
+  batches on seeded random cases (lengths, token budgets, --max-sentences, size multiples 1 / 4 / 8), recorded
+  by tests/fixtures/README.md's script."""
+  import json
+
+  with open(os.path.join(os.path.dirname(__file__), "fixtures", "original_batch_by_size.json")) as f:
+    cases = json.load(f)["cases"]
+  assert len(cases) == 8
+  for c in cases:
+    ours = batching.fairseq_batches(np.asarray(c["order"]), np.asarray(c["lengths"]), c["max_tokens"],
+                                    c["multiple"], max(c["max_sentences"], 0))
+    assert [b.tolist() for b in ours] == c["batches"], c["max_tokens"]
+
+
+@pytest.mark.parametrize("order", ["random", "bm25"])
+def test_an_update_is_the_originals_gpu_batches(order):
+  """data.batches_per_update = G (configs/iwslt_de_en.py: 4): the order (the BM25 chain, the random
+  permutation) cut by fairseq's batch_by_size at max_tokens / G, G consecutive batches an update laid out as G
+  row blocks (block k = GPU k's batch: the key-gradient groups and the devices' shards), and each epoch the
+  original's shuffle of those groups (np.random.seed(seed + epoch), epochs from 1)."""
+  pairs = synthetic_pairs()
+  src_len, tgt_len = pairs.lengths()
+  n_tok = batching.pair_lengths(src_len, tgt_len)
+  plan = batching.make_plan(pairs, order=order, max_tokens=1024, seed=3, bm25_k=5, batches_per_update=4,
+                            batch_size_multiple=8)
+  assert np.array_equal(np.sort(plan.indices), np.arange(len(pairs)))
+  if order == "bm25":
+    from trime_jax.batching import bm25
+
+    nbrs, _ = bm25.neighbours([t if len(t) else np.asarray([mt_data.EOS], np.int32) for t in pairs.tgt], 5,
+                              backend="numpy")
+    assert np.array_equal(plan.indices, bm25.pack(nbrs, 3))  # the chain, kept in order
+  gpu_batches = batching.fairseq_batches(plan.indices, n_tok, 256, 8)
+  assert plan.num_batches == -(-len(gpu_batches) // 4) and plan.parts.shape == (plan.num_batches, 5)
+  for i in range(plan.num_batches):
+    members = gpu_batches[4 * i:4 * i + 4]
+    got = [plan.batch(i)[plan.parts[i, k]:plan.parts[i, k + 1]] for k in range(4)]
+    assert [g.tolist() for g in got] == [m.tolist() for m in members] + [[]] * (4 - len(members))
+    b = batching.collate_batch(pairs, plan, i)
+    r = plan.rows[i] // 4
+    assert b["targets"].shape == (plan.rows[i], plan.lengths[i]) and plan.rows[i] % 4 == 0
+    for k, m in enumerate(members):  # block k: GPU k's pairs, then empty rows
+      block = b["targets"][k * r:(k + 1) * r]
+      assert [(block[j] >= 0).sum() for j in range(r)] == [len(pairs.tgt[p]) + 1 for p in m] + [0] * (r - len(m))
+      assert all(np.array_equal(block[j][:len(pairs.tgt[p])], pairs.tgt[p]) for j, p in enumerate(m))
+  assert plan.header["original_padded_tokens"] == sum(len(m) * int(n_tok[m].max()) for m in gpu_batches)
+  for epoch in (0, 1):  # the original's iterator: groups of G batches shuffled with the global NumPy seed
+    groups = [[u] for u in range(plan.num_batches)]
+    np.random.seed(3 + epoch + 1)
+    np.random.shuffle(groups)
+    want = [g[0] for g in groups]
+    assert [plan.batch_at(epoch * plan.num_batches + s) for s in range(plan.num_batches)] == want
+  path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"plan_{os.getpid()}_{order}.npz")
+  plan.save(path)
+  back = batching.Plan.load(path)
+  os.remove(path)
+  assert np.array_equal(back.parts, plan.parts) and back.digest() == plan.digest()
+  assert plan.digest() != batching.Plan(plan.indices, plan.offsets, plan.lengths, plan.rows, plan.header).digest()
+
+
+def test_packed_gpu_batches_compute_what_padded_ones_do():
+  """data.pack_len under data.batches_per_update: each GPU batch packed in its own row block, its pair numbers
+  in the block's own span, gives the padded G-block layout's TrimeMT_ext loss and gradients with the key
+  gradient cut between GPU batches (trime.memory_grad_groups = G), with a fraction of its padded tokens."""
+  model = tiny(decoder_normalize_before=True, key_type="final", vocab_size=504)
+  pairs = synthetic_pairs(120, seed=5)
+  plan = batching.make_plan(pairs, order="random", max_tokens=4 * 160, seed=2, batches_per_update=4)
+  i = int(np.argmax(np.diff(plan.parts, axis=1).min(1)))  # an update whose 4 GPU batches all hold pairs
+  padded = batching.collate_batch(pairs, plan, i)
+  packed = batching.collate_batch(pairs, plan, i, pack_len=32, rows_multiple=2)
+  r = packed["src"].shape[0] // 4
+  span = batching.packed_group_span(packed["targets"].shape, 4)
+  assert r % 2 == 0 and span == r * 32 and packed["src"].size < padded["src"].size
+  for k in range(4):  # block k: GPU k's pairs, numbered in its own span
+    seg = packed["tgt_seg"][k * r:(k + 1) * r]
+    ids = np.unique(seg[seg > 0])
+    assert len(ids) == plan.parts[i, k + 1] - plan.parts[i, k] and ids.min() > k * span and ids.max() < (k + 1) * span
+  graphdef, params = nnx.split(model)
+  spec = specs.objective_spec(ml_collections.ConfigDict({"trime": {
+      "memory": "ext", "tau": 10.0, "stop_gradient_memory": False, "memory_chunk": 0, "memory_topk": 3}}))
+
+  def run(b, groups):
+    obj = lambda p: mt_train.mt_nll(nnx.merge(graphdef, p), b, spec, use_trime=True, grad_groups=groups)[0]
+    return jax.jit(jax.value_and_grad(obj))(params)
+
+  (v1, d1), (v2, d2) = (run({k: jnp.asarray(v) for k, v in b.items()}, 4) for b in (padded, packed))
+  _, d0 = run({k: jnp.asarray(v) for k, v in packed.items()}, 0)
+  np.testing.assert_allclose(float(v2), float(v1), rtol=1e-5)
+  for a, b in zip(jax.tree_util.tree_leaves(d1), jax.tree_util.tree_leaves(d2)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-4, atol=1e-6)
+  assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree_util.tree_leaves(d2),
+                                                         jax.tree_util.tree_leaves(d0))) > 1e-5  # the cut acts
+
+
+def test_the_originals_composition_is_refused_where_it_cannot_hold():
+  from trime_jax.configs import iwslt_de_en
+  from trime_jax.mt.train_config import validate_config
+
+  c = iwslt_de_en.get_config()
+  assert c.data.batches_per_update == 4 and c.trime.memory_grad_groups == 4 and c.train.seed == 1
+  validate_config(c)
+  for change, match in [({"trime.batching": "length", "trime.memory": "none"}, "length-sorted baseline"),
+                        ({"trime.memory_grad_groups": 2}, "the key-gradient groups are the update's batches"),
+                        ({"data.batches_per_update": -1}, "must be >= 0")]:
+    bad = iwslt_de_en.get_config()
+    for k, v in change.items():
+      section, name = k.split(".")
+      bad[section][name] = v
+    with pytest.raises(ConfigError, match=match):
+      validate_config(bad)
+  with pytest.raises(ConfigError, match="length-sorted baseline"):
+    batching.make_plan(synthetic_pairs(20), order="length", max_tokens=1024, seed=0, batches_per_update=4)
+
+
 def test_packed_rows_compute_what_padded_rows_do():
   """data.pack_len: pairs packed several to a row (attention within a pair, positions restarting) give every
   target token the f and g of the padded layout, and the TrimeMT_ext loss (top-k included) and its gradients

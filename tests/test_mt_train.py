@@ -401,3 +401,29 @@ def test_memory_grad_groups_cut_key_gradients_between_row_groups():
     np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-6)
   assert max(float(jnp.abs(a - r).max()) for a, r in zip(jax.tree_util.tree_leaves(g_cut),
                                                           jax.tree_util.tree_leaves(g_all))) > 1e-5
+
+
+@pytest.mark.parametrize("pack_len", [0, 32])
+def test_the_originals_composition_trains_and_its_plan_is_not_taken_for_ours(tmp_path, pack_len):
+  """data.batches_per_update = 2 with trime.memory_grad_groups = 2 (padded, and packed per GPU batch): a run
+  trains on updates of 2 GPU batches (plan.npz records them); a workdir's plan of one composition is not reused
+  by a config of the other (both directions: a plan written before the field is ours)."""
+  write_pairs(tmp_path / "d", WDE * 3, WEN * 3)
+  work = str(tmp_path / "run")
+  c = tiny_config(tmp_path / "d", memory_grad_groups=2)
+  c.data.update(batches_per_update=2, pack_len=pack_len)  # GPU batches of 48 tokens
+  c.train.update(num_steps=4, eval_every=0)
+  out = mt_train.train_and_evaluate(c, work, log=lambda s: None)
+  assert out["step"] == 4 and np.isfinite(out["valid"]["trime_ppl"])
+  plan = batching.Plan.load(os.path.join(work, "plan.npz"))
+  assert plan.header["batches_per_update"] == 2 and plan.parts is not None
+  pairs = mt_data.load_parallel(c, "train", mt_data.load_vocab(c))
+  gpu = batching.fairseq_batches(plan.indices, batching.pair_lengths(*pairs.lengths()), 48, 8)
+  assert len(gpu) > 2 and [len(b) for b in gpu] == np.diff(plan.parts, axis=1).reshape(-1)[:len(gpu)].tolist()
+  ours = tiny_config(tmp_path / "d")
+  again, made = mt_train.load_plan(work, pairs, c)
+  assert not made and again.digest() == plan.digest()
+  other, made = mt_train.load_plan(work, pairs, ours)
+  assert made and other.parts is None
+  other.save(os.path.join(work, "plan.npz"))
+  assert mt_train.load_plan(work, pairs, c)[1]  # ours is not reused for the original's composition

@@ -295,6 +295,19 @@ def test_mt_training_on_8_devices_matches_1_device(checks):
   np.testing.assert_allclose([v for _, v in losses["8packed"]], [v for _, v in losses["1"]], rtol=1e-5)
 
 
+def test_the_originals_gpu_batches_are_the_devices_shards(checks):
+  """data.batches_per_update=4 (configs/iwslt_de_en.py): on 4 devices with memory_grad="local_only" each device
+  holds one of the update's GPU batches, padded or packed, and trains as 1 device with memory_grad_groups=4;
+  without the cut the key gradients, and so the later losses, differ; 2 devices with local_only are refused."""
+  losses = checks("train")["mt"]
+  one = [v for _, v in losses["G4_1"]]
+  assert len(one) == 4
+  np.testing.assert_allclose([v for _, v in losses["G4_4"]], one, rtol=1e-5)
+  np.testing.assert_allclose([v for _, v in losses["G4_4packed"]], one, rtol=1e-5)
+  assert max(abs(a - b) for (_, a), b in zip(losses["G4_1_nocut"], one)) > 1e-4
+  assert losses["G4_2"].startswith("ConfigError: trime.memory_grad='local_only' cuts key gradients between devices")
+
+
 def test_the_datastore_key_pass_splits_over_the_devices(checks):
   """build_datastore(devices=8 / 0 = all): the forward batches split over the mesh (6 windows padded to 8 rows),
   the same keys as on one device (rows are independent) and the same values; meta.json records the count."""

@@ -136,7 +136,8 @@ class ObjectiveSpec:
   # one dense [N, N] block, so for batches of sentence pairs)
   memory_grad_group_rows: int = 0  # > 0: a memory key gets gradient only from queries whose batch row lies in
   # its group of this many consecutive rows of the global batch (one original GPU's segments: its all_gather
-  # detaches other GPUs' keys); values unchanged. 0: no cut. No effect on local memory (within a row)
+  # detaches other GPUs' keys); values unchanged. 0: no cut. No effect on local memory (within a row). With
+  # packed segments (rows=), groups of this many consecutive segment ids (`mt.batching.collate_batch`)
 
   def __post_init__(self):
     if self.memory not in MEMORY_MODES:
@@ -211,9 +212,7 @@ def trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: Objective
     raise ValueError(f"documents restrict long-term memory (packed runs); memory={memory!r} takes none")
   if rows is not None and jnp.ndim(drop_local):
     raise ValueError("packed rows take a scalar drop_local (per-row draws would split packed segments alike)")
-  cut = spec.key_grad_group_rows
-  if cut and rows is not None:
-    raise ValueError("memory_grad_group_rows groups layout rows; packed segments (rows=) are not supported")
+  cut = spec.key_grad_group_rows  # with rows= (packed segments): groups of that many consecutive segment ids
   meta = batch_meta(targets, memory, consecutive_segments, row_offset=row_offset, documents_BxL=documents,
                     rows_BxL=rows)
   causal = per_query_causal(memory, drop_local, b, l)

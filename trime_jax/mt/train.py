@@ -39,6 +39,7 @@ import optax
 from flax import nnx
 
 from trime_jax import checkpoint as ckpt, exports
+from trime_jax.errors import ConfigError
 from trime_jax import loss
 from trime_jax import scoring
 from trime_jax import sharded_loss
@@ -55,7 +56,7 @@ from trime_jax.mt import decode
 from trime_jax.mt import model as mt_model
 from trime_jax.mt import export as mt_export
 
-from trime_jax.mt.train_config import pack_len_of, validate_config
+from trime_jax.mt.train_config import batches_per_update_of, pack_len_of, validate_config
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -100,8 +101,11 @@ def mt_nll(model, batch, spec: loss.ObjectiveSpec, *, use_trime: bool, vocab_chu
       return sharded_loss.sharded_trime_nll_from_vocab_stats(stats, keys, targets, spec, mesh=mesh, drop_local=True,
                                                              rows=packed, variant=variant,
                                                              memory_grad=memory_grad).sum()
-    one = dataclasses.replace(spec, memory_grad_group_rows=-(-targets.shape[0] // grad_groups)) if grad_groups \
-        else spec
+    # G groups: of ceil(B / G) rows; packed (the original's composition, `batching.collate_batch`), of the G row
+    # blocks' pair-number spans
+    span = (batching.packed_group_span(targets.shape, grad_groups) if packed is not None
+            else -(-targets.shape[0] // grad_groups)) if grad_groups else 0
+    one = dataclasses.replace(spec, memory_grad_group_rows=span) if grad_groups else spec
     return loss.trime_nll_from_vocab_stats(stats, keys, targets, one, drop_local=True, rows=packed).sum()
 
   if use_trime:
@@ -230,6 +234,10 @@ def load_plan(workdir: str, pairs, config) -> tuple[batching.Plan, bool]:
   """The run's batch plan: read from <workdir>/plan.npz when it matches the config, else made; (plan, made). A
   made plan is saved by the caller once the run starts (a refused run leaves the workdir as it was)."""
   t, d = config.trime, config.data
+  per_update = batches_per_update_of(config)
+  composition = {"batches_per_update": per_update}  # 0 in a plan written before the field: ours
+  if per_update:
+    composition["batch_size_multiple"] = int(d.get("batch_size_multiple", 8))
   want = {"order": t.batching, "seed": int(config.train.seed), "max_tokens": int(d.max_tokens),
           "max_sentences": int(d.max_sentences), "num_pairs": len(pairs), "pairs_fingerprint": pairs.fingerprint()}
   if t.batching == "bm25":
@@ -240,12 +248,14 @@ def load_plan(workdir: str, pairs, config) -> tuple[batching.Plan, bool]:
     # A plan written before plans recorded their pairs' fingerprint is kept when the rest matches: a run resumed
     # across versions goes on with its batches (its data are checked against <workdir>/data.json instead)
     if all(plan.header.get(k) == v for k, v in want.items()
-           if k != "pairs_fingerprint" or "pairs_fingerprint" in plan.header):
+           if k != "pairs_fingerprint" or "pairs_fingerprint" in plan.header) and \
+        all(plan.header.get(k, 0) == v for k, v in composition.items()):
       return plan, False
   t0 = time.perf_counter()
   plan = batching.make_plan(pairs, order=t.batching, max_tokens=int(d.max_tokens), seed=int(config.train.seed),
                             max_sentences=int(d.max_sentences), bm25_k=int(t.bm25_k),
-                            bm25_backend=t.get("bm25_backend", "numba"))
+                            bm25_backend=t.get("bm25_backend", "numba"), batches_per_update=per_update,
+                            batch_size_multiple=int(d.get("batch_size_multiple", 8)))
   plan.header["plan_s"] = round(time.perf_counter() - t0, 2)
   plan.header["pairs_fingerprint"] = want["pairs_fingerprint"]  # a plan of other pairs is not reused
   return plan, True
@@ -325,6 +335,12 @@ class MTTask(loop.Task):
     self.total = len(self.seen)
     self.train_json = json.dumps(json.loads(r.to_json_best_effort()), sort_keys=True)
     self.sharded = (mesh, str(t.sharded_variant), str(t.memory_grad)) if mesh.size > 1 else None
+    if self.sharded and plan.parts is not None and str(t.memory_grad) == "local_only" \
+        and mesh.size != plan.parts.shape[1] - 1:
+      raise ConfigError(f"trime.memory_grad='local_only' cuts key gradients between devices, and the update's "
+                        f"{plan.parts.shape[1] - 1} GPU batches (data.batches_per_update) are the original's groups:"
+                        f" train on that many devices (train.num_devices), on one (trime.memory_grad_groups), or "
+                        f"with trime.memory_grad='all' ({mesh.size} devices here)")
     self.grad_groups = int(t.get("memory_grad_groups", 0))
 
   def objective(self, step: int) -> str:
@@ -334,7 +350,10 @@ class MTTask(loop.Task):
     return _step_fn(self.graphdef, self.train_json, self.spec, objective == "trime", self.sharded, self.grad_groups)
 
   def batch(self, step: int) -> dict:
-    b = batching.collate_batch(self.train_pairs, self.plan, self.plan.batch_at(step), pack_len=self.pack_len)
+    # the original's composition packed: each row block a whole number of device shards
+    per_update = len(self.plan.parts[0]) - 1 if self.plan.parts is not None else 1
+    b = batching.collate_batch(self.train_pairs, self.plan, self.plan.batch_at(step), pack_len=self.pack_len,
+                               rows_multiple=self.mesh.size // math.gcd(self.mesh.size, per_update))
     if self.mesh.size > 1 and b["src"].shape[0] % self.mesh.size:  # rows must split over the devices
       pad = self.mesh.size - b["src"].shape[0] % self.mesh.size
       b = {k: np.pad(v, ((0, pad), (0, 0)), constant_values=(-1 if k == "targets" else 0)) for k, v in b.items()}

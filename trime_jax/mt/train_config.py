@@ -17,6 +17,11 @@ def pack_len_of(config) -> int:
   return int(config.data.get("pack_len", 0))
 
 
+def batches_per_update_of(config) -> int:
+  """data.batches_per_update (0: ours, one bucketed cut an update; G: the original's G GPU batches an update)."""
+  return int(config.data.get("batches_per_update", 0))
+
+
 BEST_METRICS = ("ce_ppl", "bleu")  # train.best_metric: what <workdir>/best keeps (lowest ce_ppl, highest bleu)
 
 
@@ -41,6 +46,15 @@ def validate_config(config) -> None:
     raise ConfigError("train.label_smoothing needs the full logits: set train.vocab_chunk=0")
   if int(config.data.max_tokens) < 8:
     raise ConfigError(f"data.max_tokens must be >= 8, got {config.data.max_tokens}")
+  per_update, multiple = batches_per_update_of(config), int(config.data.get("batch_size_multiple", 8))
+  if per_update < 0 or multiple < 1:
+    raise ConfigError(f"data.batches_per_update must be >= 0 and data.batch_size_multiple >= 1, got "
+                      f"{per_update} and {multiple}")
+  if per_update and t.batching == "length":
+    raise ConfigError(batching.LENGTH_ORDER_IS_OURS)
+  if per_update and int(t.get("memory_grad_groups", 0)) not in (0, per_update):
+    raise ConfigError(f"trime.memory_grad_groups={t.memory_grad_groups} must be 0 or data.batches_per_update="
+                      f"{per_update}: the key-gradient groups are the update's batches (the original's GPUs)")
   if not t.tau > 0:
     raise ConfigError(f"trime.tau must be > 0, got {t.tau}")
   if t.memory_topk < 0:
@@ -53,8 +67,9 @@ def validate_config(config) -> None:
   groups = int(t.get("memory_grad_groups", 0))
   if groups < 0:
     raise ConfigError(f"trime.memory_grad_groups must be >= 0, got {groups}")
-  if groups and pack_len:
-    raise ConfigError("trime.memory_grad_groups groups the batch's rows: not with data.pack_len (packed rows)")
+  if groups and pack_len and not batches_per_update_of(config):
+    raise ConfigError("trime.memory_grad_groups groups the batch's rows: with data.pack_len (packed rows) only "
+                      "under data.batches_per_update (each GPU batch packed in its own row block)")
   if pack_len and pack_len < int(config.data.max_len):
     raise ConfigError(f"data.pack_len={pack_len} must be 0 (no packing) or >= data.max_len={config.data.max_len}")
   if pack_len and t.sharded_variant != "gather":
