@@ -27,18 +27,18 @@ def main():
   mt_data.resolve_data_path(c)
   pairs = mt_data.load_parallel(c, "train", mt_data.load_vocab(c))
   print(f"{len(pairs):,} training pairs")
-  for order in ("random", "bm25"):
+  for order in ("random", "bm25", "length"):
     for per_update in (0, args.per_update):
       plan = batching.make_plan(pairs, order=order, max_tokens=args.max_tokens, seed=args.seed,
                                 batches_per_update=per_update, bm25_backend="numba")
       counts = {}
-      for pack in (0, args.pack_len):
-        shapes = collections.Counter(batching.collate_batch(pairs, plan, i, pack_len=pack)["targets"].shape
-                                     for i in range(plan.num_batches))
+      for pack in (0, args.pack_len):  # the first epoch's updates
+        shapes = collections.Counter(batching.collate_update(pairs, plan, s, pack_len=pack)["targets"].shape
+                                     for s in range(plan.num_updates))
         counts[pack] = (sum(r * l * n for (r, l), n in shapes.items()), len(shapes))
       h = plan.header
-      print(f"{order:6} {'ours' if not per_update else f'G={per_update}':5} | {plan.num_batches:,} updates | "
-            f"{len(pairs) / plan.num_batches:.0f} pairs/update | padded {counts[0][0]:,} ({counts[0][1]} shapes) | "
+      print(f"{order:6} {'ours' if not per_update else f'G={per_update}':5} | {plan.num_updates:,} updates | "
+            f"{len(pairs) / plan.num_updates:.0f} pairs/update | padded {counts[0][0]:,} ({counts[0][1]} shapes) | "
             f"packed {counts[args.pack_len][0]:,} ({counts[args.pack_len][1]} shapes) | real {h['real_tokens']:,}"
             + (f" | the original's GPUs pad {h['original_padded_tokens']:,}" if per_update else ""), flush=True)
 

@@ -11,8 +11,9 @@ The original command (princeton-nlp/TRIME machine_translation/README.md):
     --criterion trime_mt_loss --label-smoothing 0.0 --max-tokens 4096 --predefined-batches bm25_batches.json
     --max-epoch 50 --dist-func ip --temp 10.0 --topk-mem 8          (4 GPUs: 4 × 4096 tokens per update)
 Vanilla baseline: --criterion label_smoothed_cross_entropy --label-smoothing 0.1 (fairseq's IWSLT recipe), no
-predefined batches: --config.trime.memory=none --config.train.label_smoothing=0.1 --config.trime.batching=length
---config.data.batches_per_update=0.
+predefined batches: --config.trime.memory=none
+--config.train.label_smoothing=0.1 --config.trime.batching=length (its length-sorted batches composed as the
+original's iterator does; packing, data.pack_len, saves most of the G-block layout's padding there).
 Read as the original's code runs it:
 - --ce-warmup-epoch 5 never takes effect: its fairseq_cli/train.py sets the criterion's return_ce_loss per epoch,
   then again before every batch from --ce-warmup-ratio, which the command does not give (default None: TRIME loss).
@@ -22,8 +23,8 @@ Read as the original's code runs it:
   updates instead; train.num_steps=170_000 caps the run there.
 - An update is 4 GPU batches: fairseq's batch_by_size cuts the BM25 chain into batches of at most 4,096 padded
   tokens (sizes a multiple of 8, each padded to its own longest pair), 4 consecutive ones an update, and each
-  epoch shuffles the groups of 4 (its iterator with --predefined-batches): data.batches_per_update=4. The
-  vanilla baseline (trime.batching=length) needs data.batches_per_update=0: its length-sorted batches are ours.
+  epoch shuffles the groups of 4 (its iterator with --predefined-batches; without, as the vanilla baseline's
+  length batches, every batch one by one): data.batches_per_update=4.
 - Its 4 GPUs all_gather their keys: a key gets gradient only from queries of its own GPU's batch.
   trime.memory_grad="local_only" does the same on 4 devices, trime.memory_grad_groups=4 on one (the update's 4
   row blocks, which are the 4 GPU batches).

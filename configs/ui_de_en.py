@@ -27,8 +27,8 @@ def get_config():
   d.max_tokens = 4096  # padded tokens per batch: rows · L <= max_tokens (fairseq --max-tokens)
   d.max_sentences = 0  # cap on rows per batch (fairseq --batch-size); 0 = none
   d.batches_per_update = 0  # 0 (ours): an update is one cut of max_tokens padded tokens at a bucketed shape. G > 0
-  #   (the original's, trime.batching bm25 | random): G batches of max_tokens / G tokens an update, one a GPU, cut
-  #   by fairseq's batch_by_size and each padded to its own longest pair (mt/batching.py)
+  #   (the original's): G batches of max_tokens / G tokens an update, one a GPU, cut by fairseq's batch_by_size,
+  #   each padded to its own longest pair, and its iterator's epoch shuffles (mt/batching.py)
   d.batch_size_multiple = 8  # with batches_per_update: batch sizes a multiple of this (--required-batch-size-multiple)
   d.pack_len = 0  # > 0: a batch's pairs packed into rows of this many tokens (attention and positions per pair,
   #   the loss's rows = pairs): the same sets of pairs and the same objective with little padding (ours; the

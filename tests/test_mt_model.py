@@ -285,8 +285,8 @@ def test_token_batches_respect_budget_and_cover_every_pair_once(order):
     assert b["src"].shape == (plan.rows[i], plan.lengths[i]) and b["src"].size <= 256
     assert (b["targets"] >= 0).sum() == sum(len(pairs.tgt[j]) + 1 for j in plan.batch(i))
   # One epoch of updates visits every batch once; the next epoch in another order.
-  e0 = [plan.batch_at(s) for s in range(plan.num_batches)]
-  e1 = [plan.batch_at(s) for s in range(plan.num_batches, 2 * plan.num_batches)]
+  e0 = [plan.update_at(s)[0] for s in range(plan.num_batches)]
+  e1 = [plan.update_at(s)[0] for s in range(plan.num_batches, 2 * plan.num_batches)]
   assert sorted(e0) == sorted(e1) == list(range(plan.num_batches)) and e0 != e1
   if order == "length":  # few padded tokens: batches follow the length buckets
     assert plan.header["padded_tokens"] < 2.5 * plan.header["real_tokens"]
@@ -312,7 +312,7 @@ def test_plan_round_trip(tmp_path):
   plan.save(str(tmp_path / "p.npz"))
   back = batching.Plan.load(str(tmp_path / "p.npz"))
   assert back.header == plan.header and np.array_equal(back.indices, plan.indices)
-  assert [back.batch_at(s) for s in range(20)] == [plan.batch_at(s) for s in range(20)]
+  assert [back.update_at(s) for s in range(20)] == [plan.update_at(s) for s in range(20)]
 
 
 def test_fairseq_batches_are_the_originals():
@@ -330,12 +330,14 @@ def test_fairseq_batches_are_the_originals():
     assert [b.tolist() for b in ours] == c["batches"], c["max_tokens"]
 
 
-@pytest.mark.parametrize("order", ["random", "bm25"])
+@pytest.mark.parametrize("order", ["random", "bm25", "length"])
 def test_an_update_is_the_originals_gpu_batches(order):
-  """data.batches_per_update = G (configs/iwslt_de_en.py: 4): the order (the BM25 chain, the random
-  permutation) cut by fairseq's batch_by_size at max_tokens / G, G consecutive batches an update laid out as G
-  row blocks (block k = GPU k's batch: the key-gradient groups and the devices' shards), and each epoch the
-  original's shuffle of those groups (np.random.seed(seed + epoch), epochs from 1)."""
+  """data.batches_per_update = G (configs/iwslt_de_en.py: 4): the order (the BM25 chain, the random permutation;
+  for length, fairseq's ordered_indices under np.random.seed(seed)) cut by fairseq's batch_by_size at
+  max_tokens / G, and the original's iterator's updates: each epoch (np.random.seed(seed + epoch), epochs from 1)
+  shuffles the groups of G consecutive predefined batches (bm25, random), or every batch one by one (length, not
+  predefined); an update is G of that order, laid out as G row blocks (block k = GPU k's batch: the key-gradient
+  groups and the devices' shards)."""
   pairs = synthetic_pairs()
   src_len, tgt_len = pairs.lengths()
   n_tok = batching.pair_lengths(src_len, tgt_len)
@@ -348,32 +350,43 @@ def test_an_update_is_the_originals_gpu_batches(order):
     nbrs, _ = bm25.neighbours([t if len(t) else np.asarray([mt_data.EOS], np.int32) for t in pairs.tgt], 5,
                               backend="numpy")
     assert np.array_equal(plan.indices, bm25.pack(nbrs, 3))  # the chain, kept in order
+  if order == "length":  # fairseq's ordered_indices: np.random.seed(seed); permutation; stable sorts
+    np.random.seed(3)
+    want = np.random.permutation(len(pairs))
+    want = want[np.argsort(tgt_len[want], kind="mergesort")]
+    assert np.array_equal(plan.indices, want[np.argsort(src_len[want], kind="mergesort")])
   gpu_batches = batching.fairseq_batches(plan.indices, n_tok, 256, 8)
-  assert plan.num_batches == -(-len(gpu_batches) // 4) and plan.parts.shape == (plan.num_batches, 5)
-  for i in range(plan.num_batches):
-    members = gpu_batches[4 * i:4 * i + 4]
-    got = [plan.batch(i)[plan.parts[i, k]:plan.parts[i, k + 1]] for k in range(4)]
-    assert [g.tolist() for g in got] == [m.tolist() for m in members] + [[]] * (4 - len(members))
-    b = batching.collate_batch(pairs, plan, i)
-    r = plan.rows[i] // 4
-    assert b["targets"].shape == (plan.rows[i], plan.lengths[i]) and plan.rows[i] % 4 == 0
-    for k, m in enumerate(members):  # block k: GPU k's pairs, then empty rows
+  assert [plan.batch(i).tolist() for i in range(plan.num_batches)] == [b.tolist() for b in gpu_batches]
+  assert plan.num_updates == -(-len(gpu_batches) // 4) == plan.header["num_updates"] and len(gpu_batches) > 8
+  assert plan.header["original_padded_tokens"] == sum(len(m) * int(n_tok[m].max()) for m in gpu_batches)
+  for epoch in (0, 1):  # the original's iterator
+    if order == "length":
+      shuffled = [[b] for b in range(plan.num_batches)]
+    else:
+      shuffled = [list(range(4 * u, min(4 * u + 4, plan.num_batches))) for u in range(plan.num_updates)]
+    np.random.seed(3 + epoch + 1)
+    np.random.shuffle(shuffled)
+    flat = [b for group in shuffled for b in group]
+    want = [flat[4 * u:4 * u + 4] for u in range(plan.num_updates)]
+    assert [plan.update_at(epoch * plan.num_updates + u) for u in range(plan.num_updates)] == want
+  for step in range(plan.num_updates):
+    members = plan.update_at(step)
+    b = batching.collate_update(pairs, plan, step)
+    rows, l = batching.update_shape(plan, members)
+    r = rows // 4
+    assert b["targets"].shape == (rows, l) and rows % 4 == 0
+    for k in range(4):  # block k: GPU k's pairs, then empty rows (all empty past the epoch's last batch)
+      m = plan.batch(members[k]).tolist() if k < len(members) else []
       block = b["targets"][k * r:(k + 1) * r]
       assert [(block[j] >= 0).sum() for j in range(r)] == [len(pairs.tgt[p]) + 1 for p in m] + [0] * (r - len(m))
       assert all(np.array_equal(block[j][:len(pairs.tgt[p])], pairs.tgt[p]) for j, p in enumerate(m))
-  assert plan.header["original_padded_tokens"] == sum(len(m) * int(n_tok[m].max()) for m in gpu_batches)
-  for epoch in (0, 1):  # the original's iterator: groups of G batches shuffled with the global NumPy seed
-    groups = [[u] for u in range(plan.num_batches)]
-    np.random.seed(3 + epoch + 1)
-    np.random.shuffle(groups)
-    want = [g[0] for g in groups]
-    assert [plan.batch_at(epoch * plan.num_batches + s) for s in range(plan.num_batches)] == want
   path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"plan_{os.getpid()}_{order}.npz")
   plan.save(path)
   back = batching.Plan.load(path)
   os.remove(path)
-  assert np.array_equal(back.parts, plan.parts) and back.digest() == plan.digest()
-  assert plan.digest() != batching.Plan(plan.indices, plan.offsets, plan.lengths, plan.rows, plan.header).digest()
+  assert back.digest() == plan.digest() and [back.update_at(s) for s in range(9)] == [plan.update_at(s) for s in range(9)]
+  ours = dict(plan.header, batches_per_update=0)
+  assert plan.digest() != batching.Plan(plan.indices, plan.offsets, plan.lengths, plan.rows, ours).digest()
 
 
 def test_packed_gpu_batches_compute_what_padded_ones_do():
@@ -383,16 +396,17 @@ def test_packed_gpu_batches_compute_what_padded_ones_do():
   model = tiny(decoder_normalize_before=True, key_type="final", vocab_size=504)
   pairs = synthetic_pairs(120, seed=5)
   plan = batching.make_plan(pairs, order="random", max_tokens=4 * 160, seed=2, batches_per_update=4)
-  i = int(np.argmax(np.diff(plan.parts, axis=1).min(1)))  # an update whose 4 GPU batches all hold pairs
-  padded = batching.collate_batch(pairs, plan, i)
-  packed = batching.collate_batch(pairs, plan, i, pack_len=32, rows_multiple=2)
+  step = next(s for s in range(plan.num_updates) if len(plan.update_at(s)) == 4)  # 4 GPU batches
+  padded = batching.collate_update(pairs, plan, step)
+  packed = batching.collate_update(pairs, plan, step, pack_len=32, rows_multiple=2)
+  members = plan.update_at(step)
   r = packed["src"].shape[0] // 4
   span = batching.packed_group_span(packed["targets"].shape, 4)
   assert r % 2 == 0 and span == r * 32 and packed["src"].size < padded["src"].size
   for k in range(4):  # block k: GPU k's pairs, numbered in its own span
     seg = packed["tgt_seg"][k * r:(k + 1) * r]
     ids = np.unique(seg[seg > 0])
-    assert len(ids) == plan.parts[i, k + 1] - plan.parts[i, k] and ids.min() > k * span and ids.max() < (k + 1) * span
+    assert len(ids) == len(plan.batch(members[k])) and ids.min() > k * span and ids.max() < (k + 1) * span
   graphdef, params = nnx.split(model)
   spec = specs.objective_spec(ml_collections.ConfigDict({"trime": {
       "memory": "ext", "tau": 10.0, "stop_gradient_memory": False, "memory_chunk": 0, "memory_topk": 3}}))
@@ -417,8 +431,7 @@ def test_the_originals_composition_is_refused_where_it_cannot_hold():
   c = iwslt_de_en.get_config()
   assert c.data.batches_per_update == 4 and c.trime.memory_grad_groups == 4 and c.train.seed == 1
   validate_config(c)
-  for change, match in [({"trime.batching": "length", "trime.memory": "none"}, "length-sorted baseline"),
-                        ({"trime.memory_grad_groups": 2}, "the key-gradient groups are the update's batches"),
+  for change, match in [({"trime.memory_grad_groups": 2}, "the key-gradient groups are the update's batches"),
                         ({"data.batches_per_update": -1}, "must be >= 0")]:
     bad = iwslt_de_en.get_config()
     for k, v in change.items():
@@ -426,8 +439,12 @@ def test_the_originals_composition_is_refused_where_it_cannot_hold():
       bad[section][name] = v
     with pytest.raises(ConfigError, match=match):
       validate_config(bad)
-  with pytest.raises(ConfigError, match="length-sorted baseline"):
-    batching.make_plan(synthetic_pairs(20), order="length", max_tokens=1024, seed=0, batches_per_update=4)
+  vanilla = iwslt_de_en.get_config()  # the vanilla baseline: length batches composed as the original's too
+  vanilla.trime.update(memory="none", batching="length")
+  vanilla.train.label_smoothing = 0.1
+  validate_config(vanilla)
+  with pytest.raises(ConfigError, match="tokens a batch is below the longest pair"):
+    batching.make_plan(synthetic_pairs(20), order="random", max_tokens=64, seed=0, batches_per_update=4)
 
 
 def test_packed_rows_compute_what_padded_rows_do():

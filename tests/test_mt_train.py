@@ -139,7 +139,7 @@ def test_target_token_budget_sets_the_run_length():
   assert tokens_of.sum() == sum(len(t) + 1 for t in pairs.tgt)
   assert len(mt_train.target_tokens_seen(plan, tokens_of, 50, 0)) == 50
   seen = mt_train.target_tokens_seen(plan, tokens_of, 10_000, 1000)
-  assert seen.tolist() == np.cumsum([tokens_of[plan.batch_at(s)] for s in range(len(seen))]).tolist()
+  assert seen.tolist() == np.cumsum([tokens_of[plan.update_at(s)[0]] for s in range(len(seen))]).tolist()
   assert seen[-1] >= 1000 > seen[-2]
   assert len(mt_train.target_tokens_seen(plan, tokens_of, 3, 10**9)) == 3  # num_steps stays the cap
 
@@ -416,14 +416,14 @@ def test_the_originals_composition_trains_and_its_plan_is_not_taken_for_ours(tmp
   out = mt_train.train_and_evaluate(c, work, log=lambda s: None)
   assert out["step"] == 4 and np.isfinite(out["valid"]["trime_ppl"])
   plan = batching.Plan.load(os.path.join(work, "plan.npz"))
-  assert plan.header["batches_per_update"] == 2 and plan.parts is not None
+  assert plan.header["batches_per_update"] == 2 and plan.per_update == 2
   pairs = mt_data.load_parallel(c, "train", mt_data.load_vocab(c))
   gpu = batching.fairseq_batches(plan.indices, batching.pair_lengths(*pairs.lengths()), 48, 8)
-  assert len(gpu) > 2 and [len(b) for b in gpu] == np.diff(plan.parts, axis=1).reshape(-1)[:len(gpu)].tolist()
+  assert len(gpu) > 2 and [len(b) for b in gpu] == plan.rows.tolist()
   ours = tiny_config(tmp_path / "d")
   again, made = mt_train.load_plan(work, pairs, c)
   assert not made and again.digest() == plan.digest()
   other, made = mt_train.load_plan(work, pairs, ours)
-  assert made and other.parts is None
+  assert made and other.per_update == 0
   other.save(os.path.join(work, "plan.npz"))
   assert mt_train.load_plan(work, pairs, c)[1]  # ours is not reused for the original's composition

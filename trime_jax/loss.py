@@ -137,7 +137,7 @@ class ObjectiveSpec:
   memory_grad_group_rows: int = 0  # > 0: a memory key gets gradient only from queries whose batch row lies in
   # its group of this many consecutive rows of the global batch (one original GPU's segments: its all_gather
   # detaches other GPUs' keys); values unchanged. 0: no cut. No effect on local memory (within a row). With
-  # packed segments (rows=), groups of this many consecutive segment ids (`mt.batching.collate_batch`)
+  # packed segments (rows=), groups of this many consecutive segment ids (`mt.batching.collate_update`)
 
   def __post_init__(self):
     if self.memory not in MEMORY_MODES:

@@ -13,17 +13,19 @@ Orders (`trime.batching`):
           token's in-batch memory holds similar translations; the chain is cut into token-budget batches.
   random  a seeded permutation cut the same way (the paper's random-batch ablation).
 The plan is fixed for a run (the original also trained on predefined batches); every epoch visits its batches
-in a seeded permutation (`batch_at`), so resuming at update s reads the same batch as an uninterrupted run.
+in a seeded permutation (`update_at`), so resuming at update s reads the same batch as an uninterrupted run.
 
 Composition of an update (`data.batches_per_update`):
-  0 (ours)   the order cut once into batches of data.max_tokens padded tokens at a bucketed shape.
+  0 (ours)   the order cut once into batches of data.max_tokens padded tokens at a bucketed shape: a batch an
+             update.
   G > 0      the original's (G GPUs, fairseq `--max-tokens` each): the order cut by fairseq's `batch_by_size`
-             (`fairseq_batches`) into batches of data.max_tokens / G tokens, each padded to its own longest
-             pair, sizes a multiple of data.batch_size_multiple; an update is G consecutive such batches (one a
-             GPU) and an epoch shuffles whole updates, as the original's iterator shuffles predefined batches
-             in groups of its GPU count. Laid out as [G · R, L]: batch k in rows [k·R, k·R + n_k) (R, L: the
-             update's largest batch and longest pair, bucketed), so G contiguous row groups — the devices'
-             shards, `trime.memory_grad_groups` — are the original's GPU batches.
+             (`fairseq_batches`) into GPU batches of data.max_tokens / G tokens, each padded to its own longest
+             pair, sizes a multiple of data.batch_size_multiple; an update is G consecutive batches of the
+             epoch's order (`Plan.update_at`), which shuffles groups of G consecutive predefined batches (bm25,
+             random) or every batch (length: fairseq's ordered_indices, not predefined), as the original's
+             iterator does. Laid out as [G · R, L] (`collate_update`): batch k in rows [k·R, k·R + n_k)
+             (R, L: the update's largest batch and longest pair, bucketed), so G contiguous row groups — the
+             devices' shards, `trime.memory_grad_groups` — are the original's GPU batches.
 """
 
 from __future__ import annotations
@@ -39,9 +41,6 @@ from trime_jax.mt import data as mt_data
 
 BUCKETS = (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 ORDERS = ("length", "bm25", "random")
-LENGTH_ORDER_IS_OURS = ("data.batches_per_update (the original's composition of an update) takes trime.batching "
-                        "bm25 or random (the original's predefined batches); the length-sorted baseline's batches "
-                        "are ours: set data.batches_per_update=0")
 
 
 def bucket(n: int) -> int:
@@ -59,21 +58,39 @@ def rows_for(length: int, max_tokens: int, max_sentences: int = 0) -> int:
 
 @dataclasses.dataclass
 class Plan:
-  """Batches of pair indices: batch i is `indices[offsets[i]:offsets[i + 1]]`, padded to `[rows[i], lengths[i]]`."""
+  """Batches of pair indices: batch i is `indices[offsets[i]:offsets[i + 1]]`, padded to `[rows[i], lengths[i]]`.
+
+  Ours (header batches_per_update 0): a batch is an update. The original's composition (G > 0): a batch is one
+  GPU's (rows = its pairs, lengths = its longest pair: the original's own padding) and an update is G of them
+  (`update_at`): G consecutive batches of the epoch's order, a shuffle of the groups of G predefined batches
+  (bm25, random) or of every batch (length batches: `regroups`)."""
 
   indices: np.ndarray  # int64 [num_pairs]
   offsets: np.ndarray  # int64 [num_batches + 1]
   lengths: np.ndarray  # int64 [num_batches]: L of the batch's shape
   rows: np.ndarray  # int64 [num_batches]
   header: dict
-  # int64 [num_batches, G + 1] or None: with data.batches_per_update = G, where the original's G GPU batches of
-  # plan batch i (an update) start and end within it (`batch(i)[parts[i, k]:parts[i, k + 1]]`)
-  parts: np.ndarray | None = None
   _order: tuple | None = dataclasses.field(default=None, repr=False, compare=False)  # (epoch, its order)
 
   @property
   def num_batches(self) -> int:
     return len(self.lengths)
+
+  @property
+  def per_update(self) -> int:
+    """G: GPU batches an update (the original's composition), 0: ours (a batch an update)."""
+    return int(self.header.get("batches_per_update", 0))
+
+  @property
+  def regroups(self) -> bool:
+    """The original's length batches: not predefined, so its iterator shuffles them one by one each epoch and
+    an update is G of that shuffle (predefined ones are shuffled in their groups of G)."""
+    return bool(self.per_update) and self.header.get("order") == "length"
+
+  @property
+  def num_updates(self) -> int:
+    """Updates an epoch (the original's iterator gives the GPUs past the last batch an empty one)."""
+    return -(-self.num_batches // self.per_update) if self.per_update else self.num_batches
 
   def batch(self, i: int) -> np.ndarray:
     return self.indices[self.offsets[i]:self.offsets[i + 1]]
@@ -84,50 +101,59 @@ class Plan:
     import hashlib
 
     h = hashlib.sha256(str(self.header.get("seed")).encode())
-    for a in (self.indices, self.offsets, self.lengths, self.rows) + (() if self.parts is None else (self.parts,)):
+    if self.per_update:  # how batches make updates (ours: one each, the digest of plans before the field)
+      h.update(f"per_update={self.per_update},regroups={self.regroups}".encode())
+    for a in (self.indices, self.offsets, self.lengths, self.rows):
       h.update(np.ascontiguousarray(a, np.int64).tobytes())
     return h.hexdigest()[:16]
 
-  def as_matrix(self) -> np.ndarray:
-    """[num_batches, max rows] pair indices, -1 padded (for `bm25.neighbour_in_batch`)."""
-    width = int(np.diff(self.offsets).max())
-    out = np.full((self.num_batches, width), -1, np.int64)
-    for i in range(self.num_batches):
-      b = self.batch(i)
-      out[i, :len(b)] = b
+  def as_matrix(self, epoch: int = 0) -> np.ndarray:
+    """[updates, max pairs] pair indices of an epoch's updates, -1 padded (for `bm25.neighbour_in_batch`: the
+    in-batch memory is the update's)."""
+    members = [np.concatenate([self.batch(b) for b in self.update_at(epoch * self.num_updates + u)])
+               for u in range(self.num_updates)]
+    out = np.full((len(members), max(len(m) for m in members)), -1, np.int64)
+    for i, m in enumerate(members):
+      out[i, :len(m)] = m
     return out
 
   def epoch_order(self, epoch: int) -> np.ndarray:
-    if self._order is None or self._order[0] != epoch:  # batch_at asks once an update: the epoch's kept
+    """The epoch's order of batches (ours: a batch an update)."""
+    if self._order is None or self._order[0] != epoch:  # update_at asks once an update: the epoch's kept
       self._order = (epoch, self._epoch_order(epoch))
     return self._order[1]
 
   def _epoch_order(self, epoch: int) -> np.ndarray:
-    if self.parts is None:
+    if not self.per_update:
       return np.random.default_rng([int(self.header["seed"]), int(epoch), 17]).permutation(self.num_batches)
-    # The original's composition: its iterator's shuffle of the predefined batches' groups, `np.random.seed(seed
-    # + epoch)` then `np.random.shuffle` (fairseq counts epochs from 1)
-    order = list(range(self.num_batches))
-    np.random.RandomState(int(self.header["seed"]) + int(epoch) + 1).shuffle(order)
-    return np.asarray(order, np.int64)
+    # The original's iterator: `np.random.seed(seed + epoch)` then `np.random.shuffle` (fairseq counts epochs
+    # from 1) of every batch, or of the groups of G consecutive predefined batches, flattened; GPU k then takes
+    # batches k, k + G, ... (so an update is G consecutive of this order: after a last, shorter group the
+    # updates straddle two groups, as the original's do)
+    g = self.per_update
+    items = [[b] for b in range(self.num_batches)] if self.regroups else \
+        [list(range(u * g, min((u + 1) * g, self.num_batches))) for u in range(self.num_updates)]
+    np.random.RandomState(int(self.header["seed"]) + int(epoch) + 1).shuffle(items)
+    return np.asarray([b for item in items for b in item], np.int64)
 
-  def batch_at(self, step: int) -> int:
-    """The plan batch that update `step` reads (epoch = step // num_batches, seeded permutation per epoch)."""
-    epoch, j = divmod(int(step), self.num_batches)
-    return int(self.epoch_order(epoch)[j])
+  def update_at(self, step: int) -> list[int]:
+    """The plan batches update `step` reads: [one] for ours; the G GPU batches (fewer at an epoch's end) for
+    the original's composition. Epoch = step // num_updates, a seeded order per epoch."""
+    epoch, j = divmod(int(step), self.num_updates)
+    order = self.epoch_order(epoch)
+    g = max(self.per_update, 1)
+    return [int(b) for b in order[j * g:(j + 1) * g]]
 
   def save(self, path: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}.npz"
-    parts = {} if self.parts is None else {"parts": self.parts}
     np.savez(tmp, indices=self.indices, offsets=self.offsets, lengths=self.lengths, rows=self.rows,
-             header=np.frombuffer(json.dumps(self.header).encode(), np.uint8), **parts)
+             header=np.frombuffer(json.dumps(self.header).encode(), np.uint8))
     os.replace(tmp, path)
 
   @classmethod
   def load(cls, path: str) -> "Plan":
     z = np.load(path)
-    return cls(z["indices"], z["offsets"], z["lengths"], z["rows"], json.loads(bytes(z["header"]).decode()),
-               z["parts"] if "parts" in z.files else None)
+    return cls(z["indices"], z["offsets"], z["lengths"], z["rows"], json.loads(bytes(z["header"]).decode()))
 
 
 def pair_lengths(src_len: np.ndarray, tgt_len: np.ndarray) -> np.ndarray:
@@ -178,32 +204,13 @@ def fairseq_batches(order: np.ndarray, n_tokens: np.ndarray, max_tokens: int, mu
   return batches
 
 
-def group_updates(batches: list[np.ndarray], n_tokens: np.ndarray, per_update: int):
-  """`per_update` consecutive batches an update (the last may have fewer: the original's iterator gives the GPUs
-  past the end an empty batch), laid out as [per_update · R, L]: (indices, offsets, lengths, rows, parts)."""
-  indices, offsets, lengths, rows, parts = [], [0], [], [], []
-  for u in range(0, len(batches), per_update):
-    group = batches[u:u + per_update]
-    sizes = [len(b) for b in group] + [0] * (per_update - len(group))
-    members = np.concatenate(group)
-    indices.append(members)
-    offsets.append(offsets[-1] + len(members))
-    lengths.append(bucket(int(n_tokens[members].max())))
-    rows.append(per_update * bucket(max(sizes)))
-    parts.append(np.concatenate([[0], np.cumsum(sizes)]))
-  as64 = lambda a: np.asarray(a, np.int64)  # noqa: E731
-  return np.concatenate(indices), as64(offsets), as64(lengths), as64(rows), as64(parts)
-
-
 def make_plan(pairs: mt_data.ParallelData, *, order: str, max_tokens: int, seed: int, max_sentences: int = 0,
               bm25_k: int = 20, bm25_backend: str = "numpy", batches_per_update: int = 0,
               batch_size_multiple: int = 8) -> Plan:
   """A batch plan over every training pair (each exactly once). batches_per_update = G > 0: the original's
-  composition (module docstring), batches of max_tokens // G tokens, max_sentences a cap per such batch."""
+  composition (module docstring), GPU batches of max_tokens // G tokens, max_sentences a cap per such batch."""
   if order not in ORDERS:
     raise ConfigError(f"trime.batching must be one of {ORDERS}, got {order!r}")
-  if batches_per_update and order == "length":
-    raise ConfigError(LENGTH_ORDER_IS_OURS)
   src_len, tgt_len = pairs.lengths()
   n_tok = pair_lengths(src_len, tgt_len)
   longest = int(n_tok.max())
@@ -220,21 +227,26 @@ def make_plan(pairs: mt_data.ParallelData, *, order: str, max_tokens: int, seed:
   if batches_per_update:
     header.update(batches_per_update=batches_per_update, batch_size_multiple=batch_size_multiple)
 
-  def compose(sequence):
+  def compose(sequence):  # (offsets, lengths, rows) of the plan's batches
     if not batches_per_update:
-      return (*cut(sequence, n_tok, max_tokens, max_sentences), None)
-    return group_updates(fairseq_batches(sequence, n_tok, per_batch, batch_size_multiple, max_sentences), n_tok,
-                         batches_per_update)[1:]
+      return cut(sequence, n_tok, max_tokens, max_sentences)
+    batches = fairseq_batches(sequence, n_tok, per_batch, batch_size_multiple, max_sentences)
+    sizes = np.asarray([len(b) for b in batches], np.int64)
+    return (np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+            np.asarray([n_tok[b].max() for b in batches], np.int64), sizes)
+
   if order == "length":
     # fairseq's LanguagePairDataset.ordered_indices: a random permutation, stably sorted by target length and
-    # then by source length, so the source length is the primary key and the target length breaks its ties.
-    perm = rng.permutation(len(pairs))
+    # then by source length, so the source length is the primary key and the target length breaks its ties
+    # (the original's composition: its permutation under np.random.seed(seed))
+    perm = np.random.RandomState(seed).permutation(len(pairs)) if batches_per_update else rng.permutation(len(pairs))
     perm = perm[np.argsort(tgt_len[perm], kind="stable")]
     perm = perm[np.argsort(src_len[perm], kind="stable")]
-    # Buckets one after another (`cut` fills each batch to the budget, so a batch at a bucket's end may take
-    # the next bucket's first pairs, padded to its longer length).
-    by_bucket = np.asarray([bucket(int(n)) for n in n_tok[perm]])
-    perm = perm[np.argsort(by_bucket, kind="stable")]
+    if not batches_per_update:
+      # Buckets one after another (`cut` fills each batch to the budget, so a batch at a bucket's end may take
+      # the next bucket's first pairs, padded to its longer length).
+      by_bucket = np.asarray([bucket(int(n)) for n in n_tok[perm]])
+      perm = perm[np.argsort(by_bucket, kind="stable")]
     seq = perm
   elif order == "bm25":
     from trime_jax.batching import bm25
@@ -246,49 +258,61 @@ def make_plan(pairs: mt_data.ParallelData, *, order: str, max_tokens: int, seed:
   else:
     seq = rng.permutation(len(pairs))
   seq = np.asarray(seq, np.int64)
-  offsets, lengths, rows, parts = compose(seq)
-  shapes = sorted({(int(r), int(l)) for r, l in zip(rows, lengths)})
-  header.update(num_batches=len(lengths), shapes=[list(x) for x in shapes],
-                padded_tokens=int((rows * lengths).sum()), real_tokens=int(n_tok.sum()))
-  if parts is not None:  # what the original's GPUs pad (each batch to its own longest pair)
-    header["original_padded_tokens"] = int(sum(
-        (parts[i, k + 1] - parts[i, k]) * n_tok[seq[offsets[i] + parts[i, k]:offsets[i] + parts[i, k + 1]]].max()
-        for i in range(len(lengths)) for k in range(batches_per_update) if parts[i, k + 1] > parts[i, k]))
-  plan = Plan(seq, offsets, lengths, rows, header, parts)
+  plan = Plan(seq, *compose(seq), header)
+  header.update(num_batches=plan.num_batches, real_tokens=int(n_tok.sum()))
+  if batches_per_update:  # the update shapes of the first epoch (of every epoch for predefined batches)
+    shapes = [update_shape(plan, plan.update_at(u)) for u in range(plan.num_updates)]
+    header.update(num_updates=plan.num_updates, original_padded_tokens=int((plan.rows * plan.lengths).sum()))
+  else:
+    shapes = list(zip(plan.rows.tolist(), plan.lengths.tolist()))
+  header.update(shapes=[list(x) for x in sorted(set(shapes))], padded_tokens=int(sum(r * l for r, l in shapes)))
   if order == "bm25":
     from trime_jax.batching import bm25
 
-    m = plan.as_matrix()
     rand_seq = np.random.default_rng([seed, 37]).permutation(len(pairs))
-    rand = Plan(rand_seq, *compose(rand_seq)[:3], header={})
-    header["neighbour_in_batch"] = bm25.neighbour_in_batch(m, nbrs)
+    rand = Plan(rand_seq, *compose(rand_seq), dict(header))
+    header["neighbour_in_batch"] = bm25.neighbour_in_batch(plan.as_matrix(), nbrs)
     header["neighbour_in_batch_random"] = bm25.neighbour_in_batch(rand.as_matrix(), nbrs)
   return plan
 
 
-def collate_batch(pairs: mt_data.ParallelData, plan: Plan, i: int, pack_len: int = 0, rows_multiple: int = 1) -> dict:
-  """Arrays of plan batch i: src/prev [rows, L] (pad 0), targets [rows, L] (pad -1); with pack_len > 0 the
-  same pairs packed into rows of pack_len tokens (`mt_data.pack`: + segments and positions).
+def update_shape(plan: Plan, members: list[int]) -> tuple[int, int]:
+  """[G · R, L] of the original's composition's update of plan batches `members` (G row blocks of R rows: R
+  and L the bucketed largest batch and longest pair)."""
+  return (plan.per_update * bucket(int(plan.rows[members].max())), bucket(int(plan.lengths[members].max())))
 
-  The original's composition (plan.parts): batch k of the update in the k-th of G equal row blocks. Packed,
-  each block packs its own pairs (rows: the fullest block's, rounded up to `rows_multiple`), and block k's pair
-  numbers lie in [k·S + 1, k·S + S) with S = block rows · pack_len (more than the pairs a block can hold), so
-  `packed_group_span` ids apart are the key-gradient groups."""
+
+def collate_batch(pairs: mt_data.ParallelData, plan: Plan, i: int, pack_len: int = 0) -> dict:
+  """Arrays of plan batch i (ours: an update): src/prev [rows, L] (pad 0), targets [rows, L] (pad -1); with
+  pack_len > 0 the same pairs packed into rows of pack_len tokens (`mt_data.pack`: + segments and positions)."""
   idx = plan.batch(i).tolist()
+  src, tgt = [pairs.src[j] for j in idx], [pairs.tgt[j] for j in idx]
+  if pack_len:
+    return mt_data.pack(src, tgt, pack_len)
+  l = int(plan.lengths[i])
+  return mt_data.collate(src, tgt, l, l, rows=int(plan.rows[i]) if not plan.per_update else None)
+
+
+def collate_update(pairs: mt_data.ParallelData, plan: Plan, step: int, pack_len: int = 0,
+                   rows_multiple: int = 1) -> dict:
+  """The arrays update `step` trains on (`collate_batch` of its batch for ours).
+
+  The original's composition: GPU batch k of the update in the k-th of G equal row blocks (`update_shape`;
+  empty rows after its pairs, an empty block for a GPU past the epoch's last batch). Packed, each block packs
+  its own pairs (rows: the fullest block's, rounded up to `rows_multiple`), and block k's pair numbers lie in
+  [k·S + 1, k·S + S) with S = block rows · pack_len (more than the pairs a block can hold), so the key-gradient
+  groups are spans of `packed_group_span` pair numbers."""
+  members = plan.update_at(step)
+  if not plan.per_update:
+    return collate_batch(pairs, plan, members[0], pack_len)
+  g = plan.per_update
+  groups = [plan.batch(b).tolist() for b in members] + [[]] * (g - len(members))
   take = lambda sel: ([pairs.src[j] for j in sel], [pairs.tgt[j] for j in sel])  # noqa: E731
-  if plan.parts is None:
-    if pack_len:
-      return mt_data.pack(*take(idx), pack_len)
-    l, r = int(plan.lengths[i]), int(plan.rows[i])
-    return mt_data.collate(*take(idx), l, l, rows=r)
-  bounds = plan.parts[i]
-  g = len(bounds) - 1
-  members = [idx[bounds[k]:bounds[k + 1]] for k in range(g)]
   if not pack_len:
-    l, r = int(plan.lengths[i]), int(plan.rows[i])
-    blocks = [mt_data.collate(*take(m), l, l, rows=r // g) for m in members]  # GPU k's pairs in rows [k·R, k·R + n_k)
+    rows, l = update_shape(plan, members)
+    blocks = [mt_data.collate(*take(m), l, l, rows=rows // g) for m in groups]
     return {name: np.concatenate([b[name] for b in blocks]) for name in blocks[0]}
-  blocks = [mt_data.pack(*take(m), pack_len, rows_multiple=1) for m in members]
+  blocks = [mt_data.pack(*take(m), pack_len, rows_multiple=1) for m in groups]
   r = -(-max(len(b["src"]) for b in blocks) // rows_multiple) * rows_multiple
   span = r * pack_len
   out = {name: [] for name in blocks[0]}
@@ -300,5 +324,5 @@ def collate_batch(pairs: mt_data.ParallelData, plan: Plan, i: int, pack_len: int
 
 
 def packed_group_span(targets_shape, groups: int) -> int:
-  """The pair-number span of one of `groups` packed row blocks (`collate_batch`): block rows · row length."""
+  """The pair-number span of one of `groups` packed row blocks (`collate_update`): block rows · row length."""
   return targets_shape[0] // groups * targets_shape[1]

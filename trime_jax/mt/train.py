@@ -8,7 +8,7 @@ loss is `sharded_loss.sharded_trime_nll_from_vocab_stats` (rows sharded over `da
 `trime.ce_warmup_steps` updates train plain CE.
 
 The loop is the LM trainer's (`runtime.loop.run`, with `MTTask` below): resuming from the newest checkpoint
-(rerunning the same command continues; the batch of update s is a function of s, `batching.Plan.batch_at`),
+(rerunning the same command continues; the batch of update s is a function of s, `batching.Plan.update_at`),
 metrics lines, TensorBoard / W&B, the progress bar, profiling, SIGTERM (checkpoint, then `Preempted`), a
 non-finite loss (`TrainingError`), best-export keeping (`train.keep_best`, by valid ce_ppl), `train.stop_after`,
 the final evaluation and the export. Also shared: the optimizer and schedule, the workdir's lock,
@@ -213,7 +213,7 @@ def run_updates(train_cfg, plan: batching.Plan) -> int:
   that is fewer (fairseq's --max-epoch with --max-update: whichever ends the run first)."""
   epochs = int(train_cfg.get("num_epochs", 0))
   steps = int(train_cfg.num_steps)
-  return min(steps, epochs * plan.num_batches) if epochs > 0 else steps
+  return min(steps, epochs * plan.num_updates) if epochs > 0 else steps
 
 
 def target_tokens_seen(plan: batching.Plan, tokens_of: np.ndarray, num_steps: int, budget: int) -> np.ndarray:
@@ -223,7 +223,7 @@ def target_tokens_seen(plan: batching.Plan, tokens_of: np.ndarray, num_steps: in
   target-token budgets compare objectives whose batches pad differently (BM25 batches mix lengths)."""
   seen, total = [], 0
   for s in range(num_steps):
-    total += int(tokens_of[plan.batch_at(s)])
+    total += int(tokens_of[plan.update_at(s)].sum())
     seen.append(total)
     if 0 < budget <= total:
       break
@@ -295,7 +295,9 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
   task = MTTask(config, graphdef, spec, mesh, plan, train_pairs, valid_pairs, vocab)
   n_params = mt_model.count_params(params)
   log(f"mt model: {n_params:,} parameters | vocab {vocab.size:,} ({vocab.kind}) | train pairs {len(train_pairs):,} | "
-      f"{plan.num_batches:,} batches/epoch ({config.trime.batching}, shapes {plan.header['shapes']}) | "
+      f"{plan.num_updates:,} updates/epoch" + (f" of {plan.per_update} GPU batches ({plan.num_batches:,} GPU batches)"
+                                                if plan.per_update else "")
+      + f" ({config.trime.batching}, shapes {plan.header['shapes']}) | "
       f"memory={spec.memory} | CE warm-up {task.warm} | devices {mesh.size}")
   if "neighbour_in_batch" in plan.header:
     log(f"bm25 plan: top-k neighbours in the same batch {plan.header['neighbour_in_batch']:.1%} "
@@ -335,10 +337,9 @@ class MTTask(loop.Task):
     self.total = len(self.seen)
     self.train_json = json.dumps(json.loads(r.to_json_best_effort()), sort_keys=True)
     self.sharded = (mesh, str(t.sharded_variant), str(t.memory_grad)) if mesh.size > 1 else None
-    if self.sharded and plan.parts is not None and str(t.memory_grad) == "local_only" \
-        and mesh.size != plan.parts.shape[1] - 1:
+    if self.sharded and plan.per_update and str(t.memory_grad) == "local_only" and mesh.size != plan.per_update:
       raise ConfigError(f"trime.memory_grad='local_only' cuts key gradients between devices, and the update's "
-                        f"{plan.parts.shape[1] - 1} GPU batches (data.batches_per_update) are the original's groups:"
+                        f"{plan.per_update} GPU batches (data.batches_per_update) are the original's groups:"
                         f" train on that many devices (train.num_devices), on one (trime.memory_grad_groups), or "
                         f"with trime.memory_grad='all' ({mesh.size} devices here)")
     self.grad_groups = int(t.get("memory_grad_groups", 0))
@@ -351,9 +352,8 @@ class MTTask(loop.Task):
 
   def batch(self, step: int) -> dict:
     # the original's composition packed: each row block a whole number of device shards
-    per_update = len(self.plan.parts[0]) - 1 if self.plan.parts is not None else 1
-    b = batching.collate_batch(self.train_pairs, self.plan, self.plan.batch_at(step), pack_len=self.pack_len,
-                               rows_multiple=self.mesh.size // math.gcd(self.mesh.size, per_update))
+    b = batching.collate_update(self.train_pairs, self.plan, step, pack_len=self.pack_len,
+                                rows_multiple=self.mesh.size // math.gcd(self.mesh.size, max(self.plan.per_update, 1)))
     if self.mesh.size > 1 and b["src"].shape[0] % self.mesh.size:  # rows must split over the devices
       pad = self.mesh.size - b["src"].shape[0] % self.mesh.size
       b = {k: np.pad(v, ((0, pad), (0, 0)), constant_values=(-1 if k == "targets" else 0)) for k, v in b.items()}

@@ -50,8 +50,6 @@ def validate_config(config) -> None:
   if per_update < 0 or multiple < 1:
     raise ConfigError(f"data.batches_per_update must be >= 0 and data.batch_size_multiple >= 1, got "
                       f"{per_update} and {multiple}")
-  if per_update and t.batching == "length":
-    raise ConfigError(batching.LENGTH_ORDER_IS_OURS)
   if per_update and int(t.get("memory_grad_groups", 0)) not in (0, per_update):
     raise ConfigError(f"trime.memory_grad_groups={t.memory_grad_groups} must be 0 or data.batches_per_update="
                       f"{per_update}: the key-gradient groups are the update's batches (the original's GPUs)")
