@@ -237,6 +237,7 @@ def _parse_flags(argv, module: str = "__main__", checkpoint_is_export: bool = Tr
   if renamed:
     print(f"error: {renamed}", file=sys.stderr, flush=True)
     sys.exit(2)
+  given = list(argv)
   try:
     argv = _config_argv(_checkpoint_argv(argv) if checkpoint_is_export else argv)
     sys.argv[:] = argv  # ml_collections reads the --config.x.y overrides from sys.argv
@@ -252,7 +253,8 @@ def _parse_flags(argv, module: str = "__main__", checkpoint_is_export: bool = Tr
     chain = [inner, e, e.__cause__, e.__context__]
     # An export's stored config refused while --config loads it is about the file, not a flag.
     kind = "" if any(isinstance(x, TrimeError) for x in chain) else "bad command-line flag: "
-    raised = _config_file_error(str(e))  # the config file's own error: about the file, not a flag
+    raised = _config_file_error(str(e)) or _unknown_override(given, inner)  # the config file's own error: about
+    # the file, not a flag; an override of a field the config lacks: which
     if not raised and "has no attribute 'get_config'" in str(e):
       raised = (f"--config={_given_config_file(argv)}: the file has no get_config() (a config file defines "
                 "get_config() returning an ml_collections.ConfigDict, as configs/*.py)")
@@ -269,6 +271,37 @@ def _parse_flags(argv, module: str = "__main__", checkpoint_is_export: bool = Tr
           "ml_collections.ConfigDict", file=sys.stderr, flush=True)
     sys.exit(2)
   return out
+
+
+def _unknown_override(argv, error) -> str:
+  """The one line for a `--config.a.b=v` override naming a field the config lacks (ml_collections' KeyError
+  said only "bad command-line flag: 'b'"): the override, the missing field, its suggestion; and when the config is
+  a translation export's (--checkpoint without --config), that the export is one. "" for any other error."""
+  if not isinstance(error, KeyError) or not error.args or not isinstance(error.args[0], str):
+    return ""
+  key, _, hint = error.args[0].partition("\n")
+  key = key.strip("'\"")
+  for arg in argv[1:]:
+    path = arg.lstrip("-").partition("=")[0]
+    parts = path.split(".")
+    if arg.startswith("--config.") and key in parts[1:]:
+      missing = ".".join(parts[1:parts.index(key, 1) + 1])
+      line = f"bad command-line flag: --{path}: the config has no field {missing}" + (f" ({hint})" if hint else "")
+      found = _flag_values(list(argv), "checkpoint")
+      if found and not _flag_values(list(argv), "config"):
+        from trime_jax import exports
+
+        from trime_jax.api import export_path
+
+        at, prefix = found[-1]
+        try:  # as --checkpoint is read: a workdir's export/, a shipped model's name
+          checkpoint = export_path(argv[at][len(prefix):]) if argv[at][len(prefix):] else ""
+        except ConfigError:
+          checkpoint = ""
+        if checkpoint and exports.is_mt_export(checkpoint):
+          line += f"; {exports.MT_EXPORT_MESSAGE.format(directory=checkpoint)}"
+      return line
+  return ""
 
 
 def _given_config_file(argv) -> str:

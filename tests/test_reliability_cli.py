@@ -269,6 +269,22 @@ def e_eval_mt_export(b):  # the export's stored config is of the translation sch
   return _case("eval", f"--checkpoint={mt}"), [f"{mt} is a machine-translation export", "launch.translate"], [mt]
 
 
+def e_eval_mt_export_with_an_override(b):  # "bad command-line flag: 'eval'" before: the override and the export
+  mt = _copy(b, "export", "mt_export_override")
+  meta = json.loads((mt / "meta.json").read_text())
+  (mt / "meta.json").write_text(json.dumps({**meta, "model_family": "mt"}))
+  config = json.loads((mt / "config.json").read_text())
+  (mt / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "eval"}))  # as MT's schema
+  return _case("eval_ext", f"--checkpoint={mt}", "--config.eval.max_tokens=100"), [
+      "bad command-line flag: --config.eval.max_tokens: the config has no field eval;",
+      f"{mt} is a machine-translation export"], [mt]
+
+
+def e_config_override_of_no_field(b):  # "bad command-line flag: 'typo'" before
+  return _case("eval", f"--config={b['cfg']}", f"--checkpoint={b['export']}", "--config.eval.typo=1"), [
+      "bad command-line flag: --config.eval.typo: the config has no field eval.typo"], []
+
+
 def e_eval_training_checkpoint(b):  # a step of checkpoints/ is no export: said (it was "--checkpoint needs --config")
   step = next(p for p in sorted((b["work"] / "checkpoints").iterdir()) if p.name.isdigit())
   return _case("eval", f"--checkpoint={step}", "--config.eval.split=test"), [
@@ -506,7 +522,8 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_train_clip_norm_nan, e_train_split_fractions_sum, e_config_file_raises,
                e_generate_stored_field_of_another_type, e_eval_output_of_another_export, e_eval_output_of_eval_ext,
                e_generate_empty_checkpoint, e_eval_checkpoint_is_a_file, e_train_config_is_a_folder,
-               e_config_returns_a_dict, e_config_without_get_config]
+               e_config_returns_a_dict, e_config_without_get_config, e_eval_mt_export_with_an_override,
+               e_config_override_of_no_field]
 
 
 # Recovery rows: builder(b) -> (cases, check(results, b))
