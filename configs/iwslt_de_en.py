@@ -10,10 +10,11 @@ The original command (princeton-nlp/TRIME machine_translation/README.md):
     --lr-scheduler inverse_sqrt --warmup-updates 4000 --ce-warmup-epoch 5 --dropout 0.3 --weight-decay 0.0001
     --criterion trime_mt_loss --label-smoothing 0.0 --max-tokens 4096 --predefined-batches bm25_batches.json
     --max-epoch 50 --dist-func ip --temp 10.0 --topk-mem 8          (4 GPUs: 4 × 4096 tokens per update)
-Vanilla baseline: --criterion label_smoothed_cross_entropy --label-smoothing 0.1 (fairseq's IWSLT recipe), no
-predefined batches: --config.trime.memory=none
---config.train.label_smoothing=0.1 --config.trime.batching=length (its length-sorted batches composed as the
-original's iterator does; packing, data.pack_len, saves most of the G-block layout's padding there).
+Vanilla baseline: the README names only --criterion label_smoothed_cross_entropy (ε 0.1 as fairseq's IWSLT
+example); read as the same 4-GPU command without --predefined-batches: --config.trime.memory=none
+--config.train.label_smoothing=0.1 --config.trime.batching=length (fairseq's length-sorted batches, composed as
+the original's iterator does; their 4 GPU batches have unrelated lengths, so the G-block layout pads ~7x what
+the original does: data.pack_len, at least data.max_len, removes that padding).
 Read as the original's code runs it:
 - --ce-warmup-epoch 5 never takes effect: its fairseq_cli/train.py sets the criterion's return_ce_loss per epoch,
   then again before every batch from --ce-warmup-ratio, which the command does not give (default None: TRIME loss).
@@ -21,7 +22,7 @@ Read as the original's code runs it:
 - The run's length is --max-epoch 50 with no --max-update: train.num_epochs=50 passes over the plan's batches
   (their number per epoch depends on the data: groups of 4 GPU batches). The paper's table states 170,000
   updates instead; train.num_steps=170_000 caps the run there.
-- An update is 4 GPU batches: fairseq's batch_by_size cuts the BM25 chain into batches of at most 4,096 padded
+- An update is 4 GPU batches: fairseq's batch_by_size cuts the BM25 chain into batches of about 4,096 padded
   tokens (sizes a multiple of 8, each padded to its own longest pair), 4 consecutive ones an update, and each
   epoch shuffles the groups of 4 (its iterator with --predefined-batches; without, as the vanilla baseline's
   length batches, every batch one by one): data.batches_per_update=4.

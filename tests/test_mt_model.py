@@ -369,17 +369,23 @@ def test_an_update_is_the_originals_gpu_batches(order):
     flat = [b for group in shuffled for b in group]
     want = [flat[4 * u:4 * u + 4] for u in range(plan.num_updates)]
     assert [plan.update_at(epoch * plan.num_updates + u) for u in range(plan.num_updates)] == want
+  assert plan.num_batches % 4  # the epoch's last update has idle GPUs
   for step in range(plan.num_updates):
     members = plan.update_at(step)
     b = batching.collate_update(pairs, plan, step)
-    rows, l = batching.update_shape(plan, members)
+    shaped = members + [0] * (4 - len(members))  # an idle GPU runs the original's dummy: the first batch
+    rows, l = batching.update_shape(plan, shaped)
     r = rows // 4
     assert b["targets"].shape == (rows, l) and rows % 4 == 0
-    for k in range(4):  # block k: GPU k's pairs, then empty rows (all empty past the epoch's last batch)
-      m = plan.batch(members[k]).tolist() if k < len(members) else []
+    for k in range(4):  # block k: GPU k's pairs, then empty rows
+      m = plan.batch(shaped[k]).tolist()
       block = b["targets"][k * r:(k + 1) * r]
       assert [(block[j] >= 0).sum() for j in range(r)] == [len(pairs.tgt[p]) + 1 for p in m] + [0] * (r - len(m))
       assert all(np.array_equal(block[j][:len(pairs.tgt[p])], pairs.tgt[p]) for j, p in enumerate(m))
+    if len(members) == 4:
+      assert "loss_mask" not in b
+    else:  # the dummy's blocks: memory only
+      assert (b["loss_mask"][:len(members) * r] == 1).all() and (b["loss_mask"][len(members) * r:] == 0).all()
   path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"plan_{os.getpid()}_{order}.npz")
   plan.save(path)
   back = batching.Plan.load(path)
@@ -422,6 +428,36 @@ def test_packed_gpu_batches_compute_what_padded_ones_do():
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-4, atol=1e-6)
   assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree_util.tree_leaves(d2),
                                                          jax.tree_util.tree_leaves(d0))) > 1e-5  # the cut acts
+
+
+def test_an_idle_gpus_dummy_batch_is_memory_only():
+  """The epoch's last update when its GPU batches do not fill the G GPUs: the original's trainer runs the idle
+  GPUs on a dummy (its first batch) with the loss ignored, but their keys are all_gathered. Here those blocks
+  (`loss_mask` 0) add memory to the other queries' TRIME softmax and nothing to the loss sums or the token
+  count, padded and packed alike."""
+  model = tiny(decoder_normalize_before=True, key_type="final", vocab_size=504)
+  pairs = synthetic_pairs(120, seed=5)
+  plan = batching.make_plan(pairs, order="random", max_tokens=4 * 160, seed=2, batches_per_update=4)
+  last = plan.num_updates - 1
+  real = plan.update_at(last)
+  assert len(real) < 4
+  graphdef, params = nnx.split(model)
+  spec = specs.objective_spec(ml_collections.ConfigDict({"trime": {
+      "memory": "ext", "tau": 10.0, "stop_gradient_memory": False, "memory_chunk": 0, "memory_topk": 0}}))
+  nll = jax.jit(lambda p, b: mt_train.mt_nll(nnx.merge(graphdef, p), b, spec, use_trime=True, grad_groups=4))
+  n_real = sum(len(pairs.tgt[j]) + 1 for i in real for j in plan.batch(i))
+  for pack_len in (0, 32):
+    b = batching.collate_update(pairs, plan, last, pack_len=pack_len)
+    without = dict(b, targets=np.where(b["loss_mask"] > 0, b["targets"], -1))  # the dummy as nothing at all
+    without.pop("loss_mask")
+    everything = {k: v for k, v in b.items() if k != "loss_mask"}  # the dummy's queries scored too
+    only_dummy = dict(b, loss_mask=1 - b["loss_mask"])
+    (tr, ce, _, n), (tr0, ce0, _, n0), (tr_all, _, _, _), (tr_d, _, _, _) = (
+        nll(params, {k: jnp.asarray(v) for k, v in x.items()}) for x in (b, without, everything, only_dummy))
+    assert int(n) == int(n0) == n_real
+    np.testing.assert_allclose(float(ce), float(ce0), rtol=1e-6)  # not scored
+    assert abs(float(tr) - float(tr0)) > 1e-2  # but memory of the real queries
+    np.testing.assert_allclose(float(tr) + float(tr_d), float(tr_all), rtol=1e-5)  # the mask selects queries only
 
 
 def test_the_originals_composition_is_refused_where_it_cannot_hold():

@@ -89,7 +89,8 @@ class Plan:
 
   @property
   def num_updates(self) -> int:
-    """Updates an epoch (the original's iterator gives the GPUs past the last batch an empty one)."""
+    """Updates an epoch (the original's iterator gives the GPUs past the last batch an empty one, which its
+    trainer replaces with a dummy: `collate_update`)."""
     return -(-self.num_batches // self.per_update) if self.per_update else self.num_batches
 
   def batch(self, i: int) -> np.ndarray:
@@ -260,7 +261,7 @@ def make_plan(pairs: mt_data.ParallelData, *, order: str, max_tokens: int, seed:
   seq = np.asarray(seq, np.int64)
   plan = Plan(seq, *compose(seq), header)
   header.update(num_batches=plan.num_batches, real_tokens=int(n_tok.sum()))
-  if batches_per_update:  # the update shapes of the first epoch (of every epoch for predefined batches)
+  if batches_per_update:  # the first epoch's update shapes
     shapes = [update_shape(plan, plan.update_at(u)) for u in range(plan.num_updates)]
     header.update(num_updates=plan.num_updates, original_padded_tokens=int((plan.rows * plan.lengths).sum()))
   else:
@@ -298,29 +299,40 @@ def collate_update(pairs: mt_data.ParallelData, plan: Plan, step: int, pack_len:
   """The arrays update `step` trains on (`collate_batch` of its batch for ours).
 
   The original's composition: GPU batch k of the update in the k-th of G equal row blocks (`update_shape`;
-  empty rows after its pairs, an empty block for a GPU past the epoch's last batch). Packed, each block packs
-  its own pairs (rows: the fullest block's, rounded up to `rows_multiple`), and block k's pair numbers lie in
-  [k·S + 1, k·S + S) with S = block rows · pack_len (more than the pairs a block can hold), so the key-gradient
-  groups are spans of `packed_group_span` pair numbers."""
+  empty rows after its pairs). A GPU past the epoch's last batch gets an empty one from the original's iterator,
+  which its trainer replaces with a dummy, the first batch (`frozen_batches[0]`), run with its loss ignored but
+  its keys all_gathered: such a block holds plan batch 0 as memory only (`loss_mask` 0 there; `mt_nll`). Packed,
+  each block packs its own pairs (rows: the fullest block's, rounded up to `rows_multiple`), and block k's pair
+  numbers lie in [k·S + 1, k·S + S) with S = block rows · pack_len, so the key-gradient groups are spans of
+  `packed_group_span` pair numbers."""
   members = plan.update_at(step)
   if not plan.per_update:
     return collate_batch(pairs, plan, members[0], pack_len)
   g = plan.per_update
-  groups = [plan.batch(b).tolist() for b in members] + [[]] * (g - len(members))
+  idle = g - len(members)
+  shaped = members + [0] * idle
+  groups = [plan.batch(b).tolist() for b in shaped]
   take = lambda sel: ([pairs.src[j] for j in sel], [pairs.tgt[j] for j in sel])  # noqa: E731
   if not pack_len:
-    rows, l = update_shape(plan, members)
+    rows, l = update_shape(plan, shaped)
     blocks = [mt_data.collate(*take(m), l, l, rows=rows // g) for m in groups]
-    return {name: np.concatenate([b[name] for b in blocks]) for name in blocks[0]}
-  blocks = [mt_data.pack(*take(m), pack_len, rows_multiple=1) for m in groups]
-  r = -(-max(len(b["src"]) for b in blocks) // rows_multiple) * rows_multiple
-  span = r * pack_len
-  out = {name: [] for name in blocks[0]}
-  for k, b in enumerate(blocks):
-    for name, a in b.items():
-      a = np.concatenate([a, np.full((r - len(a), pack_len), -1 if name == "targets" else 0, a.dtype)])
-      out[name].append(np.where(a > 0, a + k * span, 0) if name.endswith("_seg") else a)
-  return {name: np.concatenate(parts) for name, parts in out.items()}
+    out = {name: np.concatenate([b[name] for b in blocks]) for name in blocks[0]}
+  else:
+    blocks = [mt_data.pack(*take(m), pack_len, rows_multiple=1) for m in groups]
+    r = -(-max(len(b["src"]) for b in blocks) // rows_multiple) * rows_multiple
+    span = r * pack_len
+    parts = {name: [] for name in blocks[0]}
+    for k, (b, m) in enumerate(zip(blocks, groups)):
+      assert len(m) < span, (len(m), span)  # every pair takes >= 2 target positions (no empty sides in training)
+      for name, a in b.items():
+        a = np.concatenate([a, np.full((r - len(a), pack_len), -1 if name == "targets" else 0, a.dtype)])
+        parts[name].append(np.where(a > 0, a + k * span, 0) if name.endswith("_seg") else a)
+    out = {name: np.concatenate(p) for name, p in parts.items()}
+  if idle:  # the last blocks are the dummy's: memory only
+    block = out["targets"].shape[0] // g
+    out["loss_mask"] = np.ones(out["targets"].shape, np.int32)
+    out["loss_mask"][(g - idle) * block:] = 0
+  return out
 
 
 def packed_group_span(targets_shape, groups: int) -> int:

@@ -69,15 +69,18 @@ def mt_nll(model, batch, spec: loss.ObjectiveSpec, *, use_trime: bool, vocab_chu
   batch: src [B, S], prev [B, T], targets [B, T] (-1 = padding). The TRIME term is computed (and reported)
   whenever spec.memory == "ext"; it is the objective only when `use_trime`. `grad_groups` = G > 0 (one
   device; trime.memory_grad_groups): the rows as G contiguous groups of ceil(B / G), a memory key's gradient
-  from the queries of its own group only, as the original's G GPUs all_gather their keys without gradient."""
+  from the queries of its own group only, as the original's G GPUs all_gather their keys without gradient.
+  batch["loss_mask"] [B, T] (optional; `batching.collate_update`'s idle-GPU blocks): tokens where it is 0 are
+  memory only: neither scored nor counted (the original's dummy batch, whose keys the other GPUs gather)."""
   src, prev, targets = batch["src"], batch["prev"], batch["targets"]
   drop = dict(deterministic=deterministic, rngs=rngs)
   packed = batch.get("tgt_seg")  # packed rows (data.pack_len): pair numbers per target position
   enc = model.encode(src, **drop, segments_BxS=batch.get("src_seg"), positions_BxS=batch.get("src_pos"))
   f, g = model.decode(enc, src, prev, **drop, src_segments_BxS=batch.get("src_seg"), segments_BxT=packed,
                       positions_BxT=batch.get("tgt_pos"))
-  valid = targets >= 0
-  ntok = valid.sum()
+  valid = targets >= 0  # memory: every real target token
+  scored = valid if batch.get("loss_mask") is None else valid & (batch["loss_mask"] > 0)
+  ntok = scored.sum()
   if label_smoothing:  # the release's label_smoothed_nll_loss (its fairseq fork, machine_translation/fairseq/
     # criterions/label_smoothed_cross_entropy.py): (1 - ε)·nll + ε_i·Σ_v -log p_v, ε_i = ε/V (later fairseq:
     # (1 - ε - ε_i)·nll + ε_i·Σ_v, ε_i = ε/(V-1), which this followed until 2026-12-06)
@@ -87,26 +90,27 @@ def mt_nll(model, batch, spec: loss.ObjectiveSpec, *, use_trime: bool, vocab_chu
     nll = stats.log_normalizer - stats.target_logit
     smooth = v * stats.log_normalizer - logits.sum(-1)
     eps_i = label_smoothing / v
-    obj = jnp.where(valid, (1.0 - label_smoothing) * nll + eps_i * smooth, 0.0).sum()
+    obj = jnp.where(scored, (1.0 - label_smoothing) * nll + eps_i * smooth, 0.0).sum()
   else:
     stats = model.vocab_stats(f, targets, vocab_chunk=vocab_chunk, **drop)
     obj = None
-  ce = jnp.where(valid, stats.log_normalizer - stats.target_logit, 0.0).sum()
+  ce = jnp.where(scored, stats.log_normalizer - stats.target_logit, 0.0).sum()
   obj = ce if obj is None else obj
   if spec.memory == "none":
     return obj, ce, ce, ntok
 
   def trime(keys):
     if mesh is not None and mesh.size > 1:
-      return sharded_loss.sharded_trime_nll_from_vocab_stats(stats, keys, targets, spec, mesh=mesh, drop_local=True,
-                                                             rows=packed, variant=variant,
-                                                             memory_grad=memory_grad).sum()
-    # G groups: of ceil(B / G) rows; packed (the original's composition, `batching.collate_batch`), of the G row
+      nll = sharded_loss.sharded_trime_nll_from_vocab_stats(stats, keys, targets, spec, mesh=mesh, drop_local=True,
+                                                            rows=packed, variant=variant, memory_grad=memory_grad)
+      return jnp.where(scored, nll, 0.0).sum()
+    # G groups: of ceil(B / G) rows; packed (the original's composition, `batching.collate_update`), of the G row
     # blocks' pair-number spans
     span = (batching.packed_group_span(targets.shape, grad_groups) if packed is not None
             else -(-targets.shape[0] // grad_groups)) if grad_groups else 0
     one = dataclasses.replace(spec, memory_grad_group_rows=span) if grad_groups else spec
-    return loss.trime_nll_from_vocab_stats(stats, keys, targets, one, drop_local=True, rows=packed).sum()
+    return jnp.where(scored, loss.trime_nll_from_vocab_stats(stats, keys, targets, one, drop_local=True, rows=packed),
+                     0.0).sum()
 
   if use_trime:
     tr = trime(g)
