@@ -402,6 +402,28 @@ def _quiet_closed_loop(default_hook):
   return hook
 
 
+def redeliver_interrupts(default_hook):
+  """An unraisable-exception hook that delivers a dropped Ctrl-C again. Python raises SIGINT's KeyboardInterrupt
+  wherever the main thread is; inside a finaliser or a gc callback (JAX's `_xla_gc_callback` runs after every
+  collection) it cannot propagate and went to this hook, printed as "Exception ignored", and the command ran on
+  (training has its own watch, `runtime.preemption.InterruptWatch`). Here it is signalled to the main thread
+  again (`_thread.interrupt_main`) from another thread a moment later, so that it is raised once the main thread
+  is back in its own code (signalled from the hook itself, it was raised in the hook, and dropped again). Every
+  other exception goes to `default_hook`."""
+  import _thread
+  import threading
+
+  def hook(unraisable):
+    if isinstance(unraisable.exc_type, type) and issubclass(unraisable.exc_type, KeyboardInterrupt):
+      again = threading.Timer(0.05, _thread.interrupt_main)
+      again.daemon = True
+      again.start()
+      return None
+    return default_hook(unraisable)
+
+  return hook
+
+
 # OSErrors that come from the machine, not from a bug: a folder where a file belongs (or the reverse), no
 # permission, a full disk or quota, a read-only file system, a file too large for the limit.
 import errno as _errno
@@ -436,7 +458,7 @@ def run_main(main, *, checkpoint_is_export: bool = True):
   logging.set_verbosity(logging.INFO)  # train.py lowers it on processes other than 0
   logging.get_absl_handler().python_handler.addFilter(quiet_libraries)
   sys.excepthook = _quiet_closed_loop(sys.excepthook)
-  sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
+  sys.unraisablehook = redeliver_interrupts(_quiet_closed_loop(sys.unraisablehook))
   threading.excepthook = _quiet_closed_loop(threading.excepthook)
 
   def wrapped(argv):

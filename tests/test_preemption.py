@@ -191,3 +191,33 @@ def test_a_ctrl_c_that_lands_in_a_finaliser_is_not_lost():
   finally:
     sys.unraisablehook = previous_hook
     signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_dropped_in_a_finaliser_is_delivered_again_by_the_clis():
+  """The CLIs (launch.common.run_main) hook unraisable exceptions: a KeyboardInterrupt Python dropped in a
+  finaliser (JAX's gc callback for one) is signalled to the main thread again and raised in its own code, so
+  an evaluation or a datastore build stops on Ctrl-C as training does (there it was lost: the run went on)."""
+  from trime_jax.launch.common import redeliver_interrupts
+
+  class SignalsInItsFinaliser:
+    def __del__(self):
+      os.kill(os.getpid(), signal.SIGINT)
+      sum(range(1000))
+
+  others = []
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  previous_hook = sys.unraisablehook
+  sys.unraisablehook = redeliver_interrupts(lambda u: others.append(u.exc_type))
+  try:
+    with pytest.raises(KeyboardInterrupt):
+      obj = SignalsInItsFinaliser()
+      del obj  # the first KeyboardInterrupt is dropped here ...
+      deadline = time.monotonic() + 5
+      while time.monotonic() < deadline:  # ... and raised again in this loop
+        sum(range(100))
+    assert others == []
+    sys.unraisablehook(type("U", (), {"exc_type": ValueError})())  # other exceptions: the hook before
+    assert others == [ValueError]
+  finally:
+    sys.unraisablehook = previous_hook
+    signal.signal(signal.SIGINT, previous)
