@@ -45,7 +45,7 @@ def main():
   args = ap.parse_args()
 
   graphdef, params, config, vocab = mt_export.load_mt_export(args.checkpoint)
-  cfg = specs.mt_model_config(config, vocab_size=vocab.size)
+  cfg = specs.mt_model_config(config, vocab_size=vocab.size, tgt_vocab_size=vocab.target_size)
   ds, index = mt_datastore.open_mt_datastore(args.datastore, args.checkpoint, nprobe=args.nprobe)
   pairs = mt_data.load_parallel(mt_datastore.mt_config(None, args.checkpoint), "test", vocab)
   # evenly spaced over the test split: its length mix (a batch's search runs as long as its longest sentence)

@@ -39,7 +39,7 @@ def main():
   pairs = mt_data.load_parallel(c, "train", vocab)
   plan = batching.make_plan(pairs, order=args.order, max_tokens=int(c.data.max_tokens), seed=0,
                             bm25_k=int(c.trime.bm25_k), bm25_backend="numba")
-  model = mt_model.build_mt_model(specs.mt_model_config(c, vocab_size=vocab.size), 0)
+  model = mt_model.build_mt_model(specs.mt_model_config(c, vocab_size=vocab.size, tgt_vocab_size=vocab.target_size), 0)
   graphdef, params = nnx.split(model, nnx.Param)
   tx, _ = make_optimizer(c.train)
   state = {"step": np.int32(0), "params": params, "opt_state": tx.init(params)}

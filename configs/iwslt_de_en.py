@@ -1,8 +1,9 @@
 """The paper's MT setting (§5): IWSLT'14 De→En, fairseq `transformer_iwslt_de_en`, as the original TrimeMT run.
 
 Data: fairseq's examples/translation/prepare-iwslt14.sh output (`iwslt14.tokenized.de-en/{train,valid,test}.{de,en}`,
-tokenised, BPE'd with `@@ `): data.format=fairseq, the vocabulary is those BPE tokens (joint here; fairseq's
-preprocess built one dictionary per side — shared embeddings need one).
+tokenised, BPE'd with `@@ `): data.format=fairseq, the vocabulary is those BPE tokens, one dictionary per side
+as fairseq's preprocess built them (data.dictionaries="separate": the decoder's input and softmax hold the
+English tokens only).
 
 The original command (princeton-nlp/TRIME machine_translation/README.md):
   train.py data-bin/iwslt14.tokenized.de-en --arch transformer_iwslt_de_en --share-decoder-input-output-embed
@@ -39,6 +40,7 @@ def get_config():
   c = ui_de_en.get_config()
   c.unlock()
   c.data.format = "fairseq"
+  c.data.dictionaries = "separate"  # the original's preprocess (no --joined-dictionary): a dictionary per side
   c.data.path = "iwslt14.tokenized.de-en"
   c.data.cache_dir = ""
   c.data.max_len = 1024  # fairseq max_source/target_positions

@@ -17,6 +17,9 @@ def get_config():
 
   c.data = d = ml_collections.ConfigDict()
   d.format = "text"  # text (aligned raw files + project sentencepiece) | fairseq (prepare-iwslt14.sh output, BPE)
+  d.dictionaries = "joint"  # format fairseq: joint (ours: one dictionary of both sides' BPE tokens) | separate
+  #   (fairseq's preprocess without --joined-dictionary: the decoder's input and softmax hold the target side's
+  #   tokens only, padded to a multiple of 8; a token outside its side's dictionary is <unk>)
   d.path = "../shared/data/ui-de-en"  # relative paths: from the working directory, else the repository root
   d.src_lang = "de"
   d.tgt_lang = "en"

@@ -299,7 +299,7 @@ def _main(out: str) -> None:
   # what tuned.json records and --settings compares (load_mt_export checked the parameters against it)
   params_digest = lm_data.read_json(os.path.join(checkpoint, "meta.json"), "MT export meta",
                                     CheckpointError).get("params_digest")
-  cfg = specs.mt_model_config(config, vocab_size=vocab.size)
+  cfg = specs.mt_model_config(config, vocab_size=vocab.size, tgt_vocab_size=vocab.target_size)
   options = decode.SearchOptions(beam=_BEAM.value, lenpen=_LENPEN.value, max_len_a=_MAX_LEN_A.value,
                                  max_len_b=_MAX_LEN_B.value)
   ds = index = None

@@ -266,7 +266,7 @@ def tiny(tmp_path_factory):
       "max_len": 64, "share_all_embeddings": True, "decoder_normalize_before": True}})
 
   def export(seed, name):
-    model = mt_model.build_mt_model(specs.mt_model_config(config, vocab_size=vocab.size), seed)
+    model = mt_model.build_mt_model(specs.mt_model_config(config, vocab_size=vocab.size, tgt_vocab_size=vocab.target_size), seed)
     return mt_export.export_mt(str(root / name), nnx.split(model, nnx.Param)[1], config, vocab)
 
   ckpt_dir, other = export(0, "export"), export(1, "other")
@@ -406,7 +406,7 @@ def test_translate_every_mode_and_knn_mt_recalls_training_targets(tiny):
   from trime_jax.mt import export as mt_export
 
   graphdef, params, config, vocab = mt_export.load_mt_export(tiny["ckpt"])
-  cfg = specs.mt_model_config(config, vocab_size=vocab.size)
+  cfg = specs.mt_model_config(config, vocab_size=vocab.size, tgt_vocab_size=vocab.target_size)
   ds, index = mt_datastore.open_mt_datastore(tiny["ds_dir"], tiny["ckpt"])
   train, test = tiny["train"], tiny["test"]
   opts = decode.SearchOptions(beam=4, max_len_a=1.0, max_len_b=5)

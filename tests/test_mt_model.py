@@ -235,6 +235,46 @@ def test_fairseq_bpe_reader(tmp_path):
   assert mt_data.SubwordVocab.load(str(d)).fingerprint() == vocab.fingerprint()
 
 
+def test_separate_dictionaries_are_fairseqs_per_side(tmp_path):
+  """data.dictionaries="separate" (configs/iwslt_de_en.py; fairseq's preprocess without --joined-dictionary):
+  the decoder's vocabulary is the target side's dictionary (specials, target tokens by count, padded to a
+  multiple of 8 with madeupword tokens as fairseq pads it), the source-only tokens follow in the same id space;
+  each side maps a token outside its own dictionary to <unk>; the model's decoder (input and softmax) has the
+  target dictionary's rows only."""
+  de = ["die datei öffnen", "die datei speichern", "hallo Welt"]
+  en = ["open the file", "save the file", "hello Welt"]  # "Welt" on both sides, "die" only in German
+  write_pairs(tmp_path / "f", de, en)
+  (tmp_path / "f" / "test.de").write_text("file öffnen\n")  # an English-only token in a German sentence
+  (tmp_path / "f" / "test.en").write_text("open die file\n")  # a German-only token in an English sentence
+  joint = mt_data.load_vocab(mt_config(tmp_path / "f", fmt="fairseq"))
+  vocab = mt_data.load_vocab(mt_config(tmp_path / "f", fmt="fairseq", dictionaries="separate"))
+  target = vocab.tokens[:vocab.target_size]
+  assert target[:4] == list(mt_data.SPECIALS) and target[4:6] == ["file", "the"]  # count 2, then by token
+  assert set(target[4:]) == {"file", "the", "open", "save", "hello", "Welt"} | {
+      f"madeupword{i:04d}" for i in range(vocab.target_size - 10)}
+  assert vocab.target_size == 16 and vocab.target_size % 8 == 0  # 4 + 6 tokens, padded as fairseq pads
+  assert set(vocab.tokens[vocab.target_size:]) == {"die", "datei", "öffnen", "speichern", "hallo"}
+  unseen = {vocab.tokens[i] for i in vocab.source_unseen}
+  assert unseen == {"file", "the", "open", "save", "hello"} | {t for t in target if t.startswith("madeupword")}
+  test = mt_data.load_parallel(mt_config(tmp_path / "f", fmt="fairseq", dictionaries="separate"), "test", vocab)
+  assert test.src[0].tolist() == [mt_data.UNK, vocab.index["öffnen"]]  # "file" is no German token
+  assert test.tgt[0].tolist() == [vocab.index["open"], mt_data.UNK, vocab.index["file"]]  # "die" no English one
+  assert mt_data.load_parallel(mt_config(tmp_path / "f", fmt="fairseq"), "test", joint).tgt[0][1] == joint.index["die"]
+  d = tmp_path / "v"
+  d.mkdir()
+  vocab.save(str(d))
+  back = mt_data.SubwordVocab.load(str(d))
+  assert back.fingerprint() == vocab.fingerprint() != joint.fingerprint() and back.target_size == 16
+  import hashlib, json as _json
+
+  assert joint.fingerprint() == hashlib.sha256(_json.dumps(joint.tokens).encode()).hexdigest()[:16]  # as before
+  model = tiny(vocab_size=vocab.size, tgt_vocab_size=vocab.target_size)
+  assert model.tgt_embed.embedding.shape == (16, 16) and model.src_embed.embedding.shape == (vocab.size, 16)
+  src = np.asarray([[5, 6, mt_data.EOS]], np.int32)
+  _, _, logits = fwd(model, src, np.asarray([[mt_data.EOS, 4]], np.int32))
+  assert logits.shape[-1] == 16
+
+
 def test_reader_errors(tmp_path):
   write_pairs(tmp_path / "ok", DE, EN)
   with pytest.raises(DataError, match="not found"):
@@ -466,9 +506,13 @@ def test_the_originals_composition_is_refused_where_it_cannot_hold():
 
   c = iwslt_de_en.get_config()
   assert c.data.batches_per_update == 4 and c.trime.memory_grad_groups == 4 and c.train.seed == 1
+  assert c.data.dictionaries == "separate"
   validate_config(c)
   for change, match in [({"trime.memory_grad_groups": 2}, "the key-gradient groups are the update's batches"),
-                        ({"data.batches_per_update": -1}, "must be >= 0")]:
+                        ({"data.batches_per_update": -1}, "must be >= 0"),
+                        ({"data.format": "text"}, "data.dictionaries='separate' is of data.format='fairseq'"),
+                        ({"model.share_all_embeddings": True}, "needs one joint vocabulary"),
+                        ({"data.dictionaries": "per_side"}, "data.dictionaries must be one of")]:
     bad = iwslt_de_en.get_config()
     for k, v in change.items():
       section, name = k.split(".")

@@ -427,3 +427,28 @@ def test_the_originals_composition_trains_and_its_plan_is_not_taken_for_ours(tmp
   assert made and other.per_update == 0
   other.save(os.path.join(work, "plan.npz"))
   assert mt_train.load_plan(work, pairs, c)[1]  # ours is not reused for the original's composition
+
+
+def test_separate_dictionaries_train_export_and_translate(tmp_path):
+  """data.dictionaries="separate" (configs/iwslt_de_en.py) end to end: a fairseq-format run trains a decoder of
+  the target dictionary's size, exports (the vocabulary file keeps its sides), and the export builds a datastore
+  and translates with a beam of that vocabulary (trime_release over the datastore included)."""
+  write_pairs(tmp_path / "d", WDE * 3, WEN * 3)
+  c = tiny_config(tmp_path / "d")
+  c.data.update(format="fairseq", dictionaries="separate")
+  c.model.share_all_embeddings = False  # the original's: --share-decoder-input-output-embed only
+  c.train.update(num_steps=3, eval_every=0)
+  work = tmp_path / "run"
+  mt_train.train_and_evaluate(c, str(work), log=lambda s: None)
+  graphdef, params, _, vocab = mt_export.load_mt_export(str(work / "export"))
+  assert vocab.separate and vocab.target_size == 16 < vocab.size  # 4 + 8 English words, padded to 16
+  assert params["tgt_embed"]["embedding"].shape[0] == 16 and params["src_embed"]["embedding"].shape[0] == vocab.size
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  run = lambda *a: subprocess.run([sys.executable, "-m", *a], cwd=REPO, env=env, capture_output=True, text=True)
+  r = run("trime_jax.launch.build_datastore", f"--checkpoint={work}/export", f"--out={tmp_path}/ds", "--index=flat")
+  assert r.returncode == 0, r.stderr[-2000:]
+  r = run("trime_jax.launch.translate", f"--checkpoint={work}/export", f"--datastore={tmp_path}/ds", "--mode=trime_release",
+          "--k=4", f"--out={tmp_path}/tr", "--split=test", "--allow_split_overlap")
+  assert r.returncode == 0, r.stderr[-2000:]
+  hyp = (tmp_path / "tr" / "test.trime_release.hyp").read_text().splitlines()
+  assert len(hyp) == len(WDE * 3) and all(w in WEN or w == "<unk>" for line in hyp for w in line.split())

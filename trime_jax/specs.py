@@ -9,7 +9,8 @@ model, srupp, layers, mt.model) take only the typed specs and never read a confi
 * `loss_spec(config)`: `steps.LossSpec` (the objective + `train.vocab_chunk` + the sharded loss's options);
 * `model_config(config, vocab_size)`: the LM backbone's config dataclass from the `model` section
   (`model.backbone` picks `model.ModelConfig` or `srupp.SRUppConfig`);
-* `mt_model_config(config, vocab_size)`: `mt.model.MTConfig` from a translation config's `model` section.
+* `mt_model_config(config, vocab_size, tgt_vocab_size)`: `mt.model.MTConfig` from a translation config's `model`
+  section.
 
 `config` is a whole config (a ConfigDict, or the dict of a stored config.json), never a section of it.
 """
@@ -77,8 +78,12 @@ def model_config(config, vocab_size: int | None = None):
   raise ValueError(f"model.backbone must be one of {BACKBONES}, got {backbone!r}")
 
 
-def mt_model_config(config, vocab_size: int | None = None):
-  """`mt.model.MTConfig` from a translation config's `model` section."""
+def mt_model_config(config, vocab_size: int | None = None, tgt_vocab_size: int = 0):
+  """`mt.model.MTConfig` from a translation config's `model` section; tgt_vocab_size: the vocabulary's
+  `target_size` when it is smaller than the vocabulary (data.dictionaries="separate")."""
   from trime_jax.mt.model import MTConfig  # the LM's callers need not import the translation model
 
-  return _dataclass_of(MTConfig, config["model"], vocab_size)
+  cfg = _dataclass_of(MTConfig, config["model"], vocab_size)
+  if tgt_vocab_size and tgt_vocab_size != cfg.vocab_size:
+    cfg = dataclasses.replace(cfg, tgt_vocab_size=int(tgt_vocab_size))
+  return cfg

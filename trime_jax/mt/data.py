@@ -48,15 +48,23 @@ def split_name(split: str) -> str:
 
 
 FORMATS = ("text", "fairseq")
+DICTIONARIES = ("joint", "separate")  # data.dictionaries (format fairseq): one for both sides, or one per side
 
 
 class SubwordVocab:
-  """A joint subword vocabulary: a sentencepiece model (`kind="spm"`) or a fixed BPE token list (`kind="bpe"`)."""
+  """A subword vocabulary: a sentencepiece model (`kind="spm"`) or a fixed BPE token list (`kind="bpe"`).
+
+  One id space for both sides. A BPE list may hold two dictionaries in it (data.dictionaries="separate", as
+  fairseq's preprocess builds one per side): the target side's tokens are ids [0, target_size) (the decoder's
+  vocabulary, `MTConfig.tgt_vocab_size`), and `source_unseen` are ids of that range never seen on the source
+  side; `encode_target` / `encode_source` map a token outside its side's dictionary to <unk>, as fairseq
+  does."""
 
   FILES = {"spm": "spm.model", "bpe": "bpe_vocab.json"}
   pad_id, unk_id, bos_id, eos_id = PAD, UNK, BOS, EOS
 
-  def __init__(self, *, spm_proto: bytes | None = None, tokens: list[str] | None = None):
+  def __init__(self, *, spm_proto: bytes | None = None, tokens: list[str] | None = None, target_size: int = 0,
+               source_unseen=()):
     if (spm_proto is None) == (tokens is None):
       raise ValueError("SubwordVocab needs exactly one of spm_proto, tokens")
     if spm_proto is not None:
@@ -74,6 +82,27 @@ class SubwordVocab:
       self.kind, self.tokens = "bpe", list(tokens)
       self.index = {t: i for i, t in enumerate(self.tokens)}
       self.size = len(self.tokens)
+    if (target_size or source_unseen) and self.kind != "bpe":
+      raise ValueError("separate dictionaries (target_size, source_unseen) are of a BPE token list")
+    self.target_size = int(target_size) or self.size
+    if not 4 <= self.target_size <= self.size:
+      raise DataError(f"vocabulary target_size {self.target_size} outside [4, {self.size}]")
+    self.source_unseen = np.asarray(sorted(int(i) for i in source_unseen), np.int64)
+    if len(self.source_unseen) and not (self.source_unseen.min() >= 4 and self.source_unseen.max() < self.size):
+      raise DataError("vocabulary source_unseen ids outside the tokens")
+
+  @property
+  def separate(self) -> bool:
+    """Two dictionaries (data.dictionaries="separate") rather than one joint one."""
+    return self.target_size != self.size or len(self.source_unseen) > 0
+
+  def encode_target(self, ids: np.ndarray) -> np.ndarray:
+    """Target-side ids: a token outside the target dictionary is <unk>."""
+    return np.where(ids < self.target_size, ids, UNK).astype(np.int32) if self.separate else ids
+
+  def encode_source(self, ids: np.ndarray) -> np.ndarray:
+    """Source-side ids: a token never seen on the source side is <unk>."""
+    return np.where(np.isin(ids, self.source_unseen), UNK, ids).astype(np.int32) if self.separate else ids
 
   def __len__(self) -> int:
     return self.size
@@ -105,14 +134,19 @@ class SubwordVocab:
   def piece(self, i: int) -> str:
     return self.sp.id_to_piece(int(i)) if self.kind == "spm" else self.tokens[int(i)]
 
+  def _sides(self) -> dict:
+    return {"target_size": self.target_size, "source_unseen": self.source_unseen.tolist()} if self.separate else {}
+
   def fingerprint(self) -> str:
     blob = self.proto if self.kind == "spm" else json.dumps(self.tokens).encode()
+    if self.separate:  # a joint vocabulary's fingerprint is what it was before separate dictionaries
+      blob += json.dumps(self._sides()).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
   def save(self, directory: str) -> str:
     """Write the vocabulary file into `directory` (atomically); returns its path."""
     path = os.path.join(directory, self.FILES[self.kind])
-    blob = self.proto if self.kind == "spm" else json.dumps({"tokens": self.tokens}).encode()
+    blob = self.proto if self.kind == "spm" else json.dumps({"tokens": self.tokens, **self._sides()}).encode()
     _atomic_bytes(path, blob)
     return path
 
@@ -126,7 +160,9 @@ class SubwordVocab:
           return cls(spm_proto=f.read())
       if os.path.exists(bpe_path):
         with open(bpe_path, encoding="utf-8") as f:
-          return cls(tokens=json.load(f)["tokens"])
+          held = json.load(f)
+        return cls(tokens=held["tokens"], target_size=held.get("target_size", 0),
+                   source_unseen=held.get("source_unseen", ()))
     except (RuntimeError, ValueError, KeyError, TypeError) as e:
       raise DataError(f"damaged vocabulary file in {directory}: {first_line(e)}") from None
     raise DataError(f"no vocabulary in {directory} (expected {' or '.join(cls.FILES.values())})")
@@ -279,11 +315,28 @@ def load_vocab(config) -> SubwordVocab:
   src_path, tgt_path = _paths(config, "train")
   src, tgt = read_aligned(src_path, tgt_path)
   if fmt == "fairseq":
-    counts = collections.Counter(t for line in src + tgt for t in line.split())
-    for s in SPECIALS:
-      counts.pop(s, None)
-    # Most frequent first, ties by token: deterministic for a given training text.
-    return SubwordVocab(tokens=list(SPECIALS) + [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))])
+    def by_count(lines):  # most frequent first, ties by token (fairseq's Dictionary.finalize)
+      counts = collections.Counter(t for line in lines for t in line.split())
+      for s in SPECIALS:
+        counts.pop(s, None)
+      return [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+
+    dictionaries = str(d.get("dictionaries", "joint"))
+    if dictionaries not in DICTIONARIES:
+      raise ConfigError(f"data.dictionaries must be one of {DICTIONARIES}, got {dictionaries!r}")
+    if dictionaries == "joint":
+      return SubwordVocab(tokens=list(SPECIALS) + by_count(src + tgt))
+    # fairseq's preprocess without --joined-dictionary: the target side's own dictionary, padded to a multiple of
+    # 8 with madeupword tokens as fairseq pads it (real, if never target, entries of the original's softmax), then
+    # the source-only tokens, so one id space holds both
+    target = list(SPECIALS) + by_count(tgt)
+    target += [f"madeupword{i:04d}" for i in range(-len(target) % 8)]
+    seen = set(target)
+    source = by_count(src)
+    source_seen = set(source)
+    tokens = target + [t for t in source if t not in seen]
+    unseen = [i for i, t in enumerate(target) if i >= len(SPECIALS) and t not in source_seen]
+    return SubwordVocab(tokens=tokens, target_size=len(target), source_unseen=unseen)
   model_type = d.get("spm_model_type", "unigram")
   key = f"{_text_digest([src_path, tgt_path])}-{d.vocab_size}-{model_type}"
   cache = os.path.join(d.cache_dir, f"spm-{key}") if d.get("cache_dir") else None
@@ -314,6 +367,7 @@ def load_parallel(config, split: str, vocab: SubwordVocab | None = None) -> Para
   max_len = int(config.data.get("max_len", 0) or 0)
   src, tgt, keep, cut = [], [], [], 0
   for i, (x, y) in enumerate(zip(vocab.encode_batch(src_text), vocab.encode_batch(tgt_text))):
+    x, y = vocab.encode_source(x), vocab.encode_target(y)  # each side's own dictionary (separate ones)
     if split == "train" and (not len(x) or not len(y) or (max_len and max(len(x), len(y)) + 1 > max_len)):
       continue
     if max_len:

@@ -28,9 +28,10 @@ def export_mt(directory: str, params, config, vocab, extra=None, *, overwrite: b
   """Write params + config + the subword model + meta to `directory` atomically; returns the directory. The LM's
   writer (`exports.write_export`): one writer at a time, a target of another kind or model refused unless
   `overwrite`."""
-  mcfg = specs.mt_model_config(config, vocab_size=vocab.size)
+  mcfg = specs.mt_model_config(config, vocab_size=vocab.size, tgt_vocab_size=vocab.target_size)
   meta = {"params_digest": exports.params_digest(params), "vocab_fingerprint": vocab.fingerprint(),
-          "vocab_size": vocab.size, "vocab_kind": vocab.kind, "d_model": mcfg.d_model, "key_type": mcfg.key_type,
+          "vocab_size": vocab.size, "target_vocab_size": vocab.target_size, "vocab_kind": vocab.kind,
+          "d_model": mcfg.d_model, "key_type": mcfg.key_type,
           "num_params": count_params(params), "model_family": "mt", **(extra or {})}
 
   def files(tmp):
@@ -58,7 +59,7 @@ def load_mt_export(directory: str):
   if vocab.fingerprint() != meta["vocab_fingerprint"] or vocab.size != meta["vocab_size"]:
     raise DamagedCheckpointError(f"the vocabulary file in {directory} does not match meta.json's vocabulary "
                                  "fingerprint")
-  mcfg = specs.mt_model_config(config, vocab_size=vocab.size)
+  mcfg = specs.mt_model_config(config, vocab_size=vocab.size, tgt_vocab_size=vocab.target_size)
   target = nnx.eval_shape(lambda: TransformerMT(mcfg, rngs=nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(target, nnx.Param)
   abstract_params = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, abstract_params)

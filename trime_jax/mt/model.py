@@ -54,6 +54,9 @@ class MTConfig:
   encoder_normalize_before: bool = False  # pre-norm encoder (+ final LayerNorm)
   decoder_normalize_before: bool = False  # pre-norm decoder (+ final LayerNorm); the original TrimeMT: True
   position_offset: int = 2  # fairseq numbers tokens from padding_idx + 1 = 2
+  # The decoder's vocabulary (its input embedding and its softmax): ids [0, tgt_vocab_size) of the vocabulary,
+  # the target side's tokens first (data.dictionaries="separate": fairseq's dictionary per side); 0: all of it
+  tgt_vocab_size: int = 0
   key_type: str = "last_ffn_input"
   dtype: str = "float32"  # compute dtype; parameters stay float32
 
@@ -68,12 +71,21 @@ class MTConfig:
       raise ValueError("model.encoder_layers and model.decoder_layers must be >= 1")
     if not 0 <= self.pad_id < self.vocab_size:
       raise ValueError(f"model.pad_id={self.pad_id} outside the vocabulary")
+    if not (self.tgt_vocab_size == 0 or 4 <= self.tgt_vocab_size <= self.vocab_size):
+      raise ValueError(f"model.tgt_vocab_size={self.tgt_vocab_size} must be 0 or in [4, {self.vocab_size}]")
+    if self.tgt_vocab_size and self.tgt_vocab_size != self.vocab_size and self.share_all_embeddings:
+      raise ValueError("share_all_embeddings needs one vocabulary for both sides (tgt_vocab_size 0)")
+
+  @property
+  def target_vocab_size(self) -> int:
+    """The decoder's vocabulary size: its softmax's width."""
+    return self.tgt_vocab_size or self.vocab_size
 
 
-def _embedding(cfg: MTConfig, rngs):
+def _embedding(cfg: MTConfig, rngs, size: int | None = None):
   """fairseq Embedding: N(0, D^-1/2) with the padding row zeroed."""
   d = cfg.d_model
-  e = nnx.Embed(cfg.vocab_size, d, embedding_init=layers.embedding_init(d), rngs=rngs)
+  e = nnx.Embed(size or cfg.vocab_size, d, embedding_init=layers.embedding_init(d), rngs=rngs)
   e.embedding[...] = e.embedding[...].at[cfg.pad_id].set(0.0)
   return e
 
@@ -199,7 +211,7 @@ class TransformerMT(nnx.Module):
   def __init__(self, cfg: MTConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     d = cfg.d_model
-    self.tgt_embed = _embedding(cfg, rngs)
+    self.tgt_embed = _embedding(cfg, rngs, cfg.target_vocab_size)
     self.src_embed = None if cfg.share_all_embeddings else _embedding(cfg, rngs)
     self.embed_dropout = nnx.Dropout(cfg.dropout)
     self.encoder = nnx.List([EncoderLayer(cfg, rngs=rngs) for _ in range(cfg.encoder_layers)])
@@ -208,7 +220,7 @@ class TransformerMT(nnx.Module):
     self.encoder_norm = ln(cfg.encoder_normalize_before)
     self.decoder_norm = ln(cfg.decoder_normalize_before)
     if not cfg.share_decoder_embeddings and not cfg.share_all_embeddings:
-      self.output = nnx.Param(layers.embedding_init(d)(rngs.params(), (cfg.vocab_size, d)))
+      self.output = nnx.Param(layers.embedding_init(d)(rngs.params(), (cfg.target_vocab_size, d)))
 
   def output_embedding(self):
     """The `[V, D]` output matrix (the decoder input embedding when shared)."""

@@ -192,7 +192,7 @@ def valid_bleu(graphdef, params, pairs, config, vocab, *, max_pairs=0, batch_sen
   """Corpus BLEU of beam-search translations (the model alone, `VALID_BLEU_SEARCH`) of the first `max_pairs`
   valid pairs (0: all) against their references, as `trime_jax.launch.translate` scores a split."""
   pairs = pairs.head(max_pairs)
-  cfg = specs.mt_model_config(config, vocab_size=vocab.size)
+  cfg = specs.mt_model_config(config, vocab_size=vocab.size, tgt_vocab_size=vocab.target_size)
   translator = decode.Translator(graphdef, params, cfg, options=VALID_BLEU_SEARCH, eos_id=vocab.eos_id)
   hyps = translator.translate(pairs.src, batch_sentences=batch_sentences)
   return float(bleu.corpus_bleu([pairs.text(h.tokens) for h in hyps], pairs.tgt_text)["bleu"])
@@ -291,7 +291,7 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
   r = config.train
   mesh = sharding.make_mesh(r.num_devices)
   # The typed specs, made once from the config (`specs`); what lies below takes only these.
-  spec, mcfg = specs.objective_spec(config), specs.mt_model_config(config, vocab_size=vocab.size)
+  spec, mcfg = specs.objective_spec(config), specs.mt_model_config(config, vocab_size=vocab.size, tgt_vocab_size=vocab.target_size)
   model = mt_model.build_mt_model(mcfg, int(r.seed))
   graphdef, params = nnx.split(model, nnx.Param)
   tx, schedule = make_optimizer(r)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from trime_jax import sharded_loss
 from trime_jax.errors import ConfigError
 from trime_jax.mt import batching
+from trime_jax.mt import data as mt_data
 from trime_jax.runtime import workdir
 from trime_jax.runtime.config import check_train_section
 
@@ -44,6 +45,14 @@ def validate_config(config) -> None:
     raise ConfigError(f"train.label_smoothing must be in [0, 1), got {r.label_smoothing}")
   if r.label_smoothing and r.vocab_chunk:
     raise ConfigError("train.label_smoothing needs the full logits: set train.vocab_chunk=0")
+  if str(config.data.get("dictionaries", "joint")) not in mt_data.DICTIONARIES:
+    raise ConfigError(f"data.dictionaries must be one of {mt_data.DICTIONARIES}, got {config.data.dictionaries!r}")
+  if str(config.data.get("dictionaries", "joint")) == "separate":
+    if str(config.data.get("format", "text")) != "fairseq":
+      raise ConfigError("data.dictionaries='separate' is of data.format='fairseq' (BPE token lists): a "
+                        "sentencepiece model is one joint vocabulary")
+    if config.model.get("share_all_embeddings", False):
+      raise ConfigError("model.share_all_embeddings needs one joint vocabulary: data.dictionaries='joint'")
   if int(config.data.max_tokens) < 8:
     raise ConfigError(f"data.max_tokens must be >= 8, got {config.data.max_tokens}")
   per_update, multiple = batches_per_update_of(config), int(config.data.get("batch_size_multiple", 8))

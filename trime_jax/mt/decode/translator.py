@@ -114,7 +114,7 @@ class Translator:
       src_lens = [len(src_list[i]) + 1 for i in idx] + [1] * (rows - len(idx))  # fairseq's src_len counts eos
       enc = _encode(self.graphdef, self.params, jnp.asarray(src))
       hyps = search(self._callback(enc, jnp.asarray(src)), src_lens, self.options, pad_id=self.cfg.pad_id,
-                    eos_id=self.eos_id, vocab_size=self.cfg.vocab_size)
+                    eos_id=self.eos_id, vocab_size=self.cfg.target_vocab_size)
       for r, i in enumerate(idx):
         out[i] = hyps[r]
       if progress:
