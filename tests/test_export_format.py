@@ -111,10 +111,11 @@ def test_srupp_table_lists_every_parameter_with_its_shape():
 def test_mt_table_lists_every_parameter_with_its_shape():
   rows = next(v for k, v in _tables().items() if k.startswith("Translation model"))
   used = set()
-  for kw in (dict(share_decoder_embeddings=False),
+  for kw in (dict(share_decoder_embeddings=False), dict(share_decoder_embeddings=False, tgt_vocab_size=200),
              dict(share_all_embeddings=True, encoder_normalize_before=True, decoder_normalize_before=True)):
     cfg = MTConfig(vocab_size=300, d_model=64, d_ff=96, encoder_layers=2, decoder_layers=1, **kw)
-    symbols = lambda path, cfg=cfg: {"V": cfg.vocab_size, "D": cfg.d_model, "F": cfg.d_ff}
+    symbols = lambda path, cfg=cfg: {"V": cfg.vocab_size, "V_tgt": cfg.target_vocab_size, "D": cfg.d_model,
+                                     "F": cfg.d_ff}
     _check(rows, _abstract(lambda r: TransformerMT(cfg, rngs=r)), symbols, used)
   assert used == {p for p, _ in rows}, sorted({p for p, _ in rows} - used)
 

@@ -259,6 +259,7 @@ def test_separate_dictionaries_are_fairseqs_per_side(tmp_path):
   test = mt_data.load_parallel(mt_config(tmp_path / "f", fmt="fairseq", dictionaries="separate"), "test", vocab)
   assert test.src[0].tolist() == [mt_data.UNK, vocab.index["öffnen"]]  # "file" is no German token
   assert test.tgt[0].tolist() == [vocab.index["open"], mt_data.UNK, vocab.index["file"]]  # "die" no English one
+  assert test.tgt_text == ["open <<unk>> file"]  # the reference as the original prints it (escape_unk)
   assert mt_data.load_parallel(mt_config(tmp_path / "f", fmt="fairseq"), "test", joint).tgt[0][1] == joint.index["die"]
   d = tmp_path / "v"
   d.mkdir()

@@ -452,3 +452,24 @@ def test_separate_dictionaries_train_export_and_translate(tmp_path):
   assert r.returncode == 0, r.stderr[-2000:]
   hyp = (tmp_path / "tr" / "test.trime_release.hyp").read_text().splitlines()
   assert len(hyp) == len(WDE * 3) and all(w in WEN or w == "<unk>" for line in hyp for w in line.split())
+
+
+def test_a_run_stored_before_a_field_was_added_resumes_as_it_ran(tmp_path):
+  """A workdir whose config.json predates data.dictionaries / data.batches_per_update ran with one joint
+  dictionary and one bucketed batch an update: resuming it with those values goes on; with the paper config's
+  new values the refusal names the field (it was a refusal about the vocabulary or the batches)."""
+  write_pairs(tmp_path / "d", WDE * 3, WEN * 3)
+  work = tmp_path / "run"
+  c = tiny_config(tmp_path / "d")
+  c.train.stop_after = 2
+  mt_train.train_and_evaluate(c, str(work), log=lambda s: None)
+  stored = json.loads((work / "config.json").read_text())
+  for field in ("dictionaries", "batches_per_update", "batch_size_multiple"):
+    stored["data"].pop(field)
+  (work / "config.json").write_text(json.dumps(stored))
+  changed = tiny_config(tmp_path / "d", memory_grad_groups=2)
+  changed.data.batches_per_update = 2
+  with pytest.raises(CheckpointError, match=r"data.batches_per_update: 0 there, 2 now"):
+    mt_train.train_and_evaluate(changed, str(work), log=lambda s: None)
+  out = mt_train.train_and_evaluate(tiny_config(tmp_path / "d"), str(work), log=lambda s: None)  # as it ran
+  assert out["step"] == 6

@@ -359,6 +359,9 @@ def _resume_problem(workdir: str, path: str, config, new: dict):
             "--config.train.allow_config_change=True to continue it with these settings"), {}, ["config.json"]
   old = _flat(stored)
   flat_new = _flat(new)
+  for key, value in workdir_files.ADDED_FIELDS.items():  # what a config stored before the field ran with
+    if key not in old and key.rpartition(".")[0] in stored and key in flat_new:
+      old[key] = value
   diff = {k: [old[k], flat_new[k]] for k in sorted(old.keys() & flat_new.keys()) if old[k] != flat_new[k]}
   blocking = [k for k in diff if not k.startswith(RESUMABLE_CHANGES)]
   if "train.num_steps" in diff and (why := _num_steps_shapes_training(old, config)):

@@ -1,4 +1,4 @@
-"""Parallel text for translation: a joint subword vocabulary and sentence pairs.
+"""Parallel text for translation: a subword vocabulary and sentence pairs.
 
 Two input formats give the same `ParallelData`:
 
@@ -7,8 +7,10 @@ Two input formats give the same `ParallelData`:
   sentencepiece model on the training source + target text (reproducibly: fixed options, one thread, no
   sampling) and caches it under `data.cache_dir` keyed by the text's digest and the options.
 * `data.format="fairseq"`: the output of fairseq's `prepare-iwslt14.sh` (`train/valid/test.{de,en}`, Moses-
-  tokenised and BPE'd with `@@ ` continuations). The vocabulary is the BPE tokens themselves (joint, built
-  from train, most frequent first); detokenisation removes `@@ ` and then undoes Moses's tokenisation
+  tokenised and BPE'd with `@@ ` continuations). The vocabulary is the BPE tokens themselves, built from train
+  (most frequent first), one dictionary of both sides or, `data.dictionaries="separate"`, one per side as
+  fairseq's preprocess builds them (`load_vocab`); a reference's token outside the target dictionary reads
+  `<<unk>>`, as the original prints its references; detokenisation removes `@@ ` and then undoes Moses's tokenisation
   (sacremoses's MosesDetokenizer of each side's language: `&apos;` back to `'`, `it 's` to `it's`), from the
   hypotheses (`ParallelData.text`) and from the pairs' texts (`ParallelData.src_text` / `tgt_text`, the BLEU
   references) alike: the original README's `--tokenizer moses --remove-bpe --scoring sacrebleu`, so BLEU is
@@ -90,6 +92,8 @@ class SubwordVocab:
     self.source_unseen = np.asarray(sorted(int(i) for i in source_unseen), np.int64)
     if len(self.source_unseen) and not (self.source_unseen.min() >= 4 and self.source_unseen.max() < self.size):
       raise DataError("vocabulary source_unseen ids outside the tokens")
+    self._source_known = np.ones(self.size, bool)  # encode_source's lookup
+    self._source_known[self.source_unseen] = False
 
   @property
   def separate(self) -> bool:
@@ -102,7 +106,7 @@ class SubwordVocab:
 
   def encode_source(self, ids: np.ndarray) -> np.ndarray:
     """Source-side ids: a token never seen on the source side is <unk>."""
-    return np.where(np.isin(ids, self.source_unseen), UNK, ids).astype(np.int32) if self.separate else ids
+    return np.where(self._source_known[ids], ids, UNK).astype(np.int32) if self.separate else ids
 
   def __len__(self) -> int:
     return self.size
@@ -163,7 +167,7 @@ class SubwordVocab:
           held = json.load(f)
         return cls(tokens=held["tokens"], target_size=held.get("target_size", 0),
                    source_unseen=held.get("source_unseen", ()))
-    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+    except (RuntimeError, ValueError, KeyError, TypeError, DataError) as e:
       raise DataError(f"damaged vocabulary file in {directory}: {first_line(e)}") from None
     raise DataError(f"no vocabulary in {directory} (expected {' or '.join(cls.FILES.values())})")
 
@@ -307,7 +311,8 @@ def _text_digest(paths) -> str:
 
 
 def load_vocab(config) -> SubwordVocab:
-  """The joint vocabulary of `config.data` (trained on / built from the training split; cached)."""
+  """The vocabulary of `config.data` (trained on / built from the training split; cached): a joint one, or
+  (fairseq format, data.dictionaries="separate") one dictionary per side in one id space."""
   d = config.data
   fmt = d.get("format", "text")
   if fmt not in FORMATS:
@@ -355,7 +360,7 @@ def remove_bpe(text: str) -> str:
 
 
 def load_parallel(config, split: str, vocab: SubwordVocab | None = None) -> ParallelData:
-  """Sentence pairs of `split` (train | valid | test), encoded with the joint vocabulary.
+  """Sentence pairs of `split` (train | valid | test), each side encoded with its dictionary (`SubwordVocab`).
 
   Training pairs with an empty side or longer than data.max_len model tokens (ids + eos) are dropped, as
   fairseq filters its training set by max positions; valid/test keep every pair (their references stay whole)
@@ -365,11 +370,15 @@ def load_parallel(config, split: str, vocab: SubwordVocab | None = None) -> Para
   vocab = vocab or load_vocab(config)
   src_text, tgt_text = read_aligned(*_paths(config, split))
   max_len = int(config.data.get("max_len", 0) or 0)
-  src, tgt, keep, cut = [], [], [], 0
+  fairseq = str(config.data.get("format", "text")) == "fairseq"
+  src, tgt, keep, cut, refs = [], [], [], 0, []
   for i, (x, y) in enumerate(zip(vocab.encode_batch(src_text), vocab.encode_batch(tgt_text))):
     x, y = vocab.encode_source(x), vocab.encode_target(y)  # each side's own dictionary (separate ones)
     if split == "train" and (not len(x) or not len(y) or (max_len and max(len(x), len(y)) + 1 > max_len)):
       continue
+    if fairseq:  # the original's reference is its ids' string: a token outside the dictionary as `<<unk>>`
+      # (`tgt_dict.string(..., escape_unk=True)`), before BPE removal; a hypothesis's own <unk> stays `<unk>`
+      refs.append(" ".join("<<unk>>" if j == UNK else t for t, j in zip(tgt_text[i].split(), y.tolist())))
     if max_len:
       cut += len(x) > max_len - 1 or len(y) > max_len - 1
       x, y = x[:max_len - 1], y[:max_len - 1]
@@ -385,10 +394,10 @@ def load_parallel(config, split: str, vocab: SubwordVocab | None = None) -> Para
         f"to {max_len - 1} tokens (the model's positions); BLEU still compares with the whole references")
   # BPE'd lines (fairseq format) are the texts without their `@@ ` continuations and Moses's tokenisation, as
   # hypotheses are decoded (`ParallelData.text`): the BLEU references
-  fairseq = str(config.data.get("format", "text")) == "fairseq"
   src_lang, tgt_lang = (config.data.src_lang, config.data.tgt_lang) if fairseq else ("", "")
   src_line, tgt_line = text_of(vocab, src_lang), text_of(vocab, tgt_lang)
-  return ParallelData(src, tgt, [src_line(src_text[i]) for i in keep], [tgt_line(tgt_text[i]) for i in keep], vocab,
+  references = refs if fairseq else [tgt_text[i] for i in keep]
+  return ParallelData(src, tgt, [src_line(src_text[i]) for i in keep], [tgt_line(r) for r in references], vocab,
                       split, tgt_lang)
 
 

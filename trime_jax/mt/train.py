@@ -298,7 +298,8 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
   state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
   task = MTTask(config, graphdef, spec, mesh, plan, train_pairs, valid_pairs, vocab)
   n_params = mt_model.count_params(params)
-  log(f"mt model: {n_params:,} parameters | vocab {vocab.size:,} ({vocab.kind}) | train pairs {len(train_pairs):,} | "
+  log(f"mt model: {n_params:,} parameters | vocab {vocab.size:,} ({vocab.kind}"
+      + (f"; target dictionary {vocab.target_size:,}" if vocab.separate else "") + f") | train pairs {len(train_pairs):,} | "
       f"{plan.num_updates:,} updates/epoch" + (f" of {plan.per_update} GPU batches ({plan.num_batches:,} GPU batches)"
                                                 if plan.per_update else "")
       + f" ({config.trime.batching}, shapes {plan.header['shapes']}) | "

@@ -122,6 +122,15 @@ def unknown_fields(stored: dict, known, prefix: str = "") -> list[str]:
   return out
 
 
+# Config fields added after runs stored their configs, with the value that gives what a run stored without them
+# did: a stored config lacking one (in a section it has) is compared as holding it, so resuming under another
+# value is a named config change rather than a refusal about data or vocabularies.
+ADDED_FIELDS = {
+    "data.dictionaries": "joint",  # translation, fairseq format: one dictionary of both sides
+    "data.batches_per_update": 0,  # translation: one bucketed batch an update
+}
+
+
 # Config fields renamed for one name per quantity (issue 34): old dotted name -> (new dotted name, what it is).
 # The one table of renamed fields: a stored config (a workdir's or an export's config.json, written before the
 # rename) reads under the new names (`migrate_config`, wherever a stored config is read); a config given now (a
