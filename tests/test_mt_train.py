@@ -66,6 +66,17 @@ def test_train_resume_export_round_trip(tmp_path):
   # The exported parameters score valid exactly as the run's final evaluation did.
   ev = mt_train.evaluate(graphdef, params, pairs, config, specs.objective_spec(config))
   assert ev == out["valid"] and np.isfinite(ev["trime_nll"]) and ev["pairs"] == len(pairs)
+  # A config.json whose model section was edited without changing a shape (the key) is refused, as an LM
+  # export's is (arch_digest); restored, it loads.
+  config_path = os.path.join(out["export"], "config.json")
+  held = open(config_path).read()
+  edited = json.loads(held)
+  edited["model"]["key_type"] = "final" if edited["model"]["key_type"] != "final" else "last_ffn_input"
+  json.dump(edited, open(config_path, "w"))
+  with pytest.raises(DamagedCheckpointError, match="describes another architecture than the one exported"):
+    mt_export.load_mt_export(out["export"])
+  open(config_path, "w").write(held)
+  mt_export.load_mt_export(out["export"])
   # A changed export is refused.
   meta_path = os.path.join(out["export"], "meta.json")
   meta = json.load(open(meta_path))

@@ -31,7 +31,7 @@ def export_mt(directory: str, params, config, vocab, extra=None, *, overwrite: b
   mcfg = specs.mt_model_config(config, vocab_size=vocab.size, tgt_vocab_size=vocab.target_size)
   meta = {"params_digest": exports.params_digest(params), "vocab_fingerprint": vocab.fingerprint(),
           "vocab_size": vocab.size, "target_vocab_size": vocab.target_size, "vocab_kind": vocab.kind,
-          "d_model": mcfg.d_model, "key_type": mcfg.key_type,
+          "d_model": mcfg.d_model, "key_type": mcfg.key_type, "arch_digest": exports.arch_digest(mcfg),
           "num_params": count_params(params), "model_family": "mt", **(extra or {})}
 
   def files(tmp):
@@ -60,6 +60,12 @@ def load_mt_export(directory: str):
     raise DamagedCheckpointError(f"the vocabulary file in {directory} does not match meta.json's vocabulary "
                                  "fingerprint")
   mcfg = specs.mt_model_config(config, vocab_size=vocab.size, tgt_vocab_size=vocab.target_size)
+  # an edit of config.json's model section that keeps the shapes (key_type, normalisation order, positions)
+  # would load and compute something else: refused (MT exports from before 2026-12-06 lack the digest)
+  if "arch_digest" in meta and exports.arch_digest(mcfg) != meta["arch_digest"]:
+    raise DamagedCheckpointError(
+        f"{path} describes another architecture than the one exported (arch digest {exports.arch_digest(mcfg)} "
+        f"!= meta.json's {meta['arch_digest']}): was config.json's model section edited? Restore it")
   target = nnx.eval_shape(lambda: TransformerMT(mcfg, rngs=nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(target, nnx.Param)
   abstract_params = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, abstract_params)
