@@ -445,6 +445,17 @@ def os_error_line(e: OSError) -> str:
   return f"{what}: {path}" + (f" ({hint})" if hint else "")
 
 
+def _end_progress_lines() -> None:
+  """Close the progress bars an error left open (tqdm's, TFDS's among them): each ends its line, so the `error:`
+  line that follows starts a line of its own (after a bar's carriage return it was glued to the bar's text)."""
+  tqdm = sys.modules.get("tqdm")
+  for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ()) or ()):
+    try:
+      bar.close()
+    except Exception:  # noqa: BLE001 - a bar that cannot close must not hide the error line
+      pass
+
+
 def run_main(main, *, checkpoint_is_export: bool = True):
   """Run an absl `main`; input errors (TrimeError) print one `error: ...` line and exit with status 2, as do
   errors of the machine (a folder for a file, no permission, a full disk: ENVIRONMENT_ERRNOS).
@@ -485,9 +496,11 @@ def run_main(main, *, checkpoint_is_export: bool = True):
     try:
       return main(argv)
     except TrimeError as e:
+      _end_progress_lines()
       print(f"error: {e}", file=sys.stderr, flush=True)
       sys.exit(2)
     except OSError as e:  # e.g. a --config file that does not exist (config_flags loads it lazily)
+      _end_progress_lines()
       if e.errno in ENVIRONMENT_ERRNOS:
         print(f"error: {os_error_line(e)}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -496,6 +509,7 @@ def run_main(main, *, checkpoint_is_export: bool = True):
       print(f"error: {_one_line(e)}", file=sys.stderr, flush=True)
       sys.exit(2)
     except KeyboardInterrupt:  # training and datastore builds say what is on disk themselves
+      _end_progress_lines()
       print("interrupted (Ctrl-C): output files are written whole or not at all; rerun the same command",
             file=sys.stderr, flush=True)
       sys.exit(130)

@@ -304,14 +304,15 @@ def check_train(workdir):
             "model.dropout_mask": "hash"}
   runs["1dev_dropout_hash"] = {"train.num_devices": 1, **hashed}
   runs["8dev_dropout_hash"] = {"train.num_devices": 8, "trime.sharded_variant": "ring", **hashed}
-  out = {}
+  out, dev = {}, {}
   for name, overrides in runs.items():
     run_dir = os.path.join(workdir, name)
     train_and_evaluate(tiny_config(corpus, **{**common, **overrides}), run_dir)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
       lines = [json.loads(line) for line in f if line.strip()]
     out[name] = [x for x in lines if "loss" in x]  # training lines (not the dev evaluation)
-  return {"runs": out, "devices": jax.device_count(), "srupp": check_srupp_train(workdir, corpus),
+    dev[name] = [x for x in lines if "none_ppl" in x]  # the dev evaluations (on 8 devices: split over 4 of them)
+  return {"runs": out, "dev": dev, "devices": jax.device_count(), "srupp": check_srupp_train(workdir, corpus),
           "mt": check_mt_train(workdir)}
 
 
@@ -506,9 +507,112 @@ def check_datastore(workdir):
           "values_equal": all(np.array_equal(ds.values, stores[1].values) for ds in stores.values())}
 
 
+def check_eval(workdir):
+  """`evaluate` with its 8 streams split over 8 and over 4 devices (`mesh=`, eval.devices) against one device:
+  every scored token's nll under local, cache, long-term and external memory (an exact FAISS index, and the
+  datastore on the devices), an SRU++ model's carried state; where each step's arrays were and the collectives
+  XLA put in the two jitted halves; `eval_mesh` / `eval_submesh` / a mesh that does not divide the streams."""
+  from flax import nnx
+
+  from tests.helpers import tiny_config
+  from trime_jax import data, evaluate, exact_memory, exports, knn, sharding, specs
+  from trime_jax.datastore import Datastore, build_datastore, build_index
+  from trime_jax.errors import ConfigError
+  from trime_jax.evaluate import driver
+  from trime_jax.evaluate.runner import store_spec
+  from trime_jax.train import build_model
+
+  vocab = data.Vocab.bytes()
+  rng = np.random.default_rng(0)
+  docs = lambda n: [rng.integers(97, 110, int(k)).astype(np.int32) for k in rng.integers(40, 160, n)]
+  train, dev = data.Corpus.from_docs(docs(12), vocab, "train"), data.Corpus.from_docs(docs(10), vocab, "dev")
+  small = {"model.num_layers": 1, "model.d_model": 16, "model.num_heads": 2, "model.d_ff": 32, "model.max_len": 32,
+           "model.dropout": 0.0, "eval.block_len": 32, "eval.context_window": 8, "eval.batch_size": 8}
+  cfg = tiny_config("unused.bin", **small)
+  graphdef, params = nnx.split(build_model(specs.model_config(cfg, vocab_size=len(vocab)), 0), nnx.Param)
+  export = exports.export(os.path.join(workdir, "eval_export"), params, cfg, vocab)
+  ds_dir = os.path.join(workdir, "eval_ds")
+  build_datastore(export, train, ds_dir, progress=False)
+  build_index(Datastore(ds_dir), kind="flat", progress=False)
+  faiss_ext = knn.ExternalMemory(ds_dir, k=16)
+  device_ext = exact_memory.load_datastore(Datastore(ds_dir))  # on all 8 devices
+  points = (evaluate.NONE, evaluate.Point("trime_local", tau=1.0), evaluate.Point("cache", cache_lambda=0.3,
+            cache_theta=1.0), evaluate.Point("trime", tau=0.9), evaluate.Point("knnlm", knn_lambda=0.25, knn_theta=1.0))
+  meshes = {"1": None, "8": sharding.eval_mesh(8, 8), "4": sharding.eval_mesh(4, 8), "all": sharding.eval_mesh(0, 8)}
+
+  placed, collectives = {}, {}
+  originals = {"forward_queries": driver.forward_queries, "score_step": driver.score_step}
+
+  def collectives_in(name, fn, args, kwargs):  # once a run and half: the ops the compiled half communicates with
+    key = f"{current}/{name}"
+    if key not in collectives:
+      hlo = fn.lower(*args, **kwargs).compile().as_text()
+      collectives[key] = sum(len(re.findall(rf"\b{op}(-start)?\(", hlo))
+                             for op in ("all-gather", "all-to-all", "collective-permute", "all-reduce"))
+
+  def forward_spy(*args, **kwargs):
+    collectives_in("forward_queries", originals["forward_queries"], args, kwargs)
+    return originals["forward_queries"](*args, **kwargs)
+
+  def score_spy(store, keys, *args, **kwargs):  # where a step's arrays are
+    placed.setdefault(current, set()).add((len(keys.sharding.device_set), len(store.keys.sharding.device_set),
+                                           str(getattr(keys.sharding, "spec", ""))))
+    collectives_in("score_step", originals["score_step"], (store, keys) + args, kwargs)
+    return originals["score_step"](store, keys, *args, **kwargs)
+
+  def run(model_graph, model_params, corpus, mesh, **kw):
+    r = evaluate.evaluate(model_graph, model_params, corpus, kw.pop("points", points), block_len=32,
+                          context_window=kw.pop("context_window", 8), streams=8, per_token=True, mesh=mesh, **kw)
+    return r
+
+  driver.forward_queries, driver.score_step = forward_spy, score_spy
+  out = {"nll_err": {}, "ppl": {}, "tokens": {}}
+  try:
+    for case, kw in {"transformer": dict(long_term=store_spec(cfg.eval, 64), external=faiss_ext),
+                     "on_device": dict(long_term=store_spec(cfg.eval, 64), external=device_ext,
+                                       points=(evaluate.Point("trime", tau=0.9),))}.items():
+      runs = {}
+      variants = [(name, mesh, {}) for name, mesh in meshes.items()]
+      if case == "transformer":  # the next group's forward passes dispatched during this group's FAISS search
+        variants.append(("8_overlap", meshes["8"], dict(overlap_search=True, search_queries=64)))
+      for name, mesh, extra in variants:
+        current = f"{case}_{name}"
+        runs[name] = run(graphdef, params, dev, mesh, **dict(kw), **extra)
+      one = runs["1"]
+      out["nll_err"][case] = {n: float(np.nanmax(np.abs(r.token_nll - one.token_nll))) for n, r in runs.items()}
+      out["ppl"][case] = {n: [s.ppl for s in r.scores] for n, r in runs.items()}
+      out["tokens"][case] = {n: r.tokens for n, r in runs.items()}
+    # SRU++: a stateful model whose carry continues on the device that holds its stream
+    scfg = tiny_config("unused.bin", **{**small, "model.backbone": "srupp", "model.key_type": "final",
+                                       "model.srupp_attn_dim": 8, "eval.context_window": 0})
+    sgraph, sparams = nnx.split(build_model(specs.model_config(scfg, vocab_size=len(vocab)), 0), nnx.Param)
+    sruns = {}
+    for name in ("1", "8"):
+      current = f"srupp_{name}"
+      sruns[name] = run(sgraph, sparams, dev, meshes[name], context_window=0, points=points[:3])
+    out["nll_err"]["srupp"] = {"8": float(np.nanmax(np.abs(sruns["8"].token_nll - sruns["1"].token_nll)))}
+  finally:
+    driver.forward_queries, driver.score_step = originals["forward_queries"], originals["score_step"]
+  out["placed"] = {k: sorted(v) for k, v in placed.items()}
+  out["collectives"] = collectives
+  refusals = []
+  for call in (lambda: sharding.eval_mesh(8, 6), lambda: sharding.eval_mesh(9, 9), lambda: sharding.eval_mesh(-1, 8),
+               lambda: run(graphdef, params, dev, sharding.eval_mesh(3, 3), points=points[:1])):
+    try:
+      call()
+      refusals.append("")
+    except ConfigError as e:
+      refusals.append(str(e))
+  train_mesh = sharding.make_mesh(8)
+  out["submesh"] = {str(s): (lambda m: 1 if m is None else m.size)(sharding.eval_submesh(train_mesh, s))
+                    for s in (1, 3, 4, 6, 8, 12, 16)}
+  out["refusals"] = refusals
+  return out
+
+
 if __name__ == "__main__":
   which = sys.argv[1]
   groups = {"loss": check_loss, "model": check_model, "placed": check_placed}
-  result = (groups[which]() if which not in ("train", "datastore")
-            else (check_train if which == "train" else check_datastore)(sys.argv[2]))
+  with_workdir = {"train": check_train, "datastore": check_datastore, "eval": check_eval}
+  result = groups[which]() if which in groups else with_workdir[which](sys.argv[2])
   print("RESULT " + json.dumps(result), flush=True)

@@ -83,6 +83,10 @@ def test_checkpoint_vocabulary_mismatch(trained):
   assert "does not match" in line
   line = _one_error_line(run_cli("trime_jax.launch.eval", f"--config={cfg}", f"--checkpoint={tmp}/no_such_export"))
   assert "not found" in line
+  # more evaluation devices than this process has (one CPU device here)
+  line = _one_error_line(run_cli("trime_jax.launch.eval", f"--config={cfg}", f"--checkpoint={work}/export",
+                                 "--config.eval.devices=2"))
+  assert line == "error: eval.devices=2 but this process sees 1 device"
 
 
 def test_datastore_and_external_memory_eval_cli(trained):
@@ -97,6 +101,7 @@ def test_datastore_and_external_memory_eval_cli(trained):
               "--config.eval.split=test", "--throughput_tokens=256", f"--output={out}")
   assert r.returncode == 0, r.stderr[-3000:]
   res = json.loads(out.read_text())
+  assert res["devices"] == 1  # eval.devices (default 1)
   assert {row["family"] for row in res["rows"]} == {"none", "cache", "trime_local", "trime", "interp", "knnlm",
                                                     "knnlm_cache"}
   assert all(row["test_ppl"] > 1 and row["dev_ppl"] > 1 for row in res["rows"])

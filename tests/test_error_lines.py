@@ -145,3 +145,22 @@ def test_json_of_another_kind_is_one_error_naming_the_file(tmp_path, reader):
     call()
   assert f"{path} holds a JSON " in str(e.value) and "not an object" in str(e.value)
   assert "\n" not in str(e.value)
+
+
+def test_an_error_inside_a_progress_bar_starts_its_own_line():
+  """A CLI whose error is raised while a tqdm bar is drawn (a reader, an index build): the bar is closed first,
+  so `error:` starts a line instead of following the bar's carriage return."""
+  import subprocess
+  import sys
+
+  script = ("from tqdm import tqdm\n"
+            "from trime_jax.errors import DataError\n"
+            "from trime_jax.launch import common\n"
+            "def main(argv):\n"
+            "  tqdm(total=10, desc='reading').update(3)\n"
+            "  raise DataError('the split is damaged')\n"
+            "common.run_main(main)\n")
+  r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+  assert r.returncode == 2, r.stderr
+  assert "3/10" in r.stderr and "\nerror: the split is damaged\n" in r.stderr
+  assert [l for l in r.stderr.splitlines() if "error:" in l] == ["error: the split is damaged"]

@@ -35,7 +35,7 @@ def checks(tmp_path_factory):
   env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
   procs = {name: subprocess.Popen([sys.executable, os.path.join(HERE, "sharded_check.py"), name, workdir],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-           for name in ("loss", "model", "train", "placed", "datastore")}
+           for name in ("loss", "model", "train", "placed", "datastore", "eval")}
   cluster = dict(env, JAX_NUM_PROCESSES="2", JAX_COORDINATOR_ADDRESS=f"localhost:{_free_port()}")
   multihost = str(tmp_path_factory.mktemp("multihost"))
   for i in range(2):
@@ -213,6 +213,13 @@ def test_training_on_8_devices_matches_1_device_step_for_step(checks):
   assert lo[0]["loss"] == pytest.approx(base[0]["loss"], rel=2e-5)
   assert abs(lo[0]["grad_norm"] - base[0]["grad_norm"]) > 0.05 * base[0]["grad_norm"]
   assert abs(lo[-1]["loss"] - base[-1]["loss"]) > 1e-5 * base[-1]["loss"]
+  # The dev evaluations (eval.batch_size=4 streams: on 4 of the 8 devices, sharding.eval_submesh) as on 1 device
+  dev = result["dev"]
+  assert [d["step"] for d in dev["1dev"]] == [3] and [d["step"] for d in dev["8dev_ring"]] == [3]
+  a, b = dev["1dev"][0], dev["8dev_ring"][0]
+  assert sorted(k for k in a if k.endswith("_ppl")) == ["none_ppl", "trime_local(tau=1)_ppl"]
+  for key in ("none_ppl", "trime_local(tau=1)_ppl"):
+    assert b[key] == pytest.approx(a[key], rel=1e-4), (key, a, b)
 
 
 def test_two_processes_slice_batches_share_the_loss_and_checkpoint(checks):
@@ -316,3 +323,32 @@ def test_the_datastore_key_pass_splits_over_the_devices(checks):
   assert r["devices"] == {"1": 1, "8": 8, "0": 8}
   assert all(r["keys_close"].values()), r  # float16 keys of float32 values equal up to their last bits
   assert all(f < 0.01 for f in r["keys_differing"].values()), r
+
+
+def test_evaluation_splits_its_streams_over_the_devices(checks):
+  """evaluate(mesh=) (eval.devices) with 8 streams on 8, 4 and all devices: every scored token's nll as on one
+  device (local, cache, long-term, external memory from FAISS, also with eval.overlap_search, and on the devices,
+  SRU++'s carried state) to 1e-5;
+  each step's keys and store split by stream over the mesh (P('data')); neither jitted half gathers, permutes or
+  exchanges anything but the step's sums (one all-reduce); counts that do not divide the streams are refused."""
+  r = checks("eval")
+  for case, errs in r["nll_err"].items():
+    assert max(errs.values()) < 1e-5, (case, errs)
+  for case, ppls in r["ppl"].items():
+    for name, row in ppls.items():
+      np.testing.assert_allclose(row, ppls["1"], rtol=1e-5, err_msg=f"{case} {name}")
+    assert len(set(r["tokens"][case].values())) == 1 and r["tokens"][case]["1"] > 1000
+  for run, where in r["placed"].items():
+    n = {"1": 1, "4": 4, "8": 8, "all": 8, "overlap": 8}[run.rsplit("_", 1)[1]]
+    assert where == [[n, n, "P('data',)" if n > 1 else ""]], (run, where)
+  for key, count in r["collectives"].items():
+    single = key.split("/")[0].endswith("_1")
+    assert count == (0 if single or key.endswith("forward_queries") else 1), (key, count)
+  assert r["submesh"] == {"1": 1, "3": 3, "4": 4, "6": 6, "8": 8, "12": 6, "16": 8}
+  assert r["refusals"] == [
+      "eval.batch_size=6 streams do not split over eval.devices=8 devices: make it a multiple of 8 (a "
+      "Transformer's scores do not depend on the number of streams)",
+      "eval.devices=9 but this process sees 8 devices",
+      "eval.devices must be a device count >= 0 (0: all of this process's), got -1",
+      "8 evaluation streams (eval.batch_size) do not split over the mesh's 3 devices (eval.devices): make them a "
+      "multiple of 3"]

@@ -44,13 +44,13 @@ def empty(streams: int, slots: int, dim: int, dtype) -> Store:
 
 def insert(store: Store, keys_SxQxD, targets_SxQ, pos_SxQ, doc_SxQ, mask_SxQ) -> Store:
   """Append the masked queries of every stream (in order) at its head, overwriting the oldest slots."""
-  s, m = store.targets.shape
+  m = store.targets.shape[1]
   offset = jnp.cumsum(mask_SxQ, axis=1, dtype=jnp.int32) - 1
   slot = jnp.where(mask_SxQ, (store.head[:, None] + offset) % m, m)  # slot m is out of range: dropped
-  rows = jnp.arange(s)[:, None]
 
-  def put(buf, new):
-    return buf.at[rows, slot].set(new.astype(buf.dtype), mode="drop")
+  def put(buf, new):  # per stream (vmap: a scatter batched over streams, which stays on the device that holds the
+    # stream when they are split over a mesh; indices [stream, slot] made XLA gather every stream's queries)
+    return jax.vmap(lambda b, at, x: b.at[at].set(x.astype(b.dtype), mode="drop"))(buf, slot, new)
 
   return Store(put(store.keys, keys_SxQxD), put(store.targets, targets_SxQ), put(store.pos, pos_SxQ),
                put(store.doc, doc_SxQ), (store.head + mask_SxQ.sum(axis=1, dtype=jnp.int32)) % m)

@@ -37,3 +37,37 @@ def train_state_shardings(mesh, state: dict) -> dict:
   if "carry" in state:
     out["carry"] = batch_sharding(mesh, 0)
   return out
+
+
+def eval_mesh(devices: int, streams: int, what: str = "eval.devices") -> jax.sharding.Mesh | None:
+  """The mesh evaluation splits its `streams` (eval.batch_size) over: the first `devices` of this process's
+  devices (0 = all of them). None for one device: jit's default device, as the original's one GPU. Each process
+  evaluates on its own devices (its host reads every stream's scores and searches the datastore for them).
+  ConfigError when the count is not available or does not divide the streams (each device holds whole streams:
+  a stream's long-term store and state continue from step to step on the device that holds it)."""
+  local = jax.local_devices()
+  if isinstance(devices, bool) or not isinstance(devices, int) or devices < 0:
+    raise ConfigError(f"{what} must be a device count >= 0 (0: all of this process's), got {devices!r}")
+  n = devices or len(local)
+  if n > len(local):
+    raise ConfigError(f"{what}={n} but this process sees {len(local)} device{'s' if len(local) > 1 else ''}")
+  if n == 1:
+    return None
+  if streams % n:
+    raise ConfigError(f"eval.batch_size={streams} streams do not split over {what}={n} devices: make it a "
+                      f"multiple of {n} (a Transformer's scores do not depend on the number of streams)")
+  return jax.make_mesh((n,), (DATA,), axis_types=(jax.sharding.AxisType.Auto,), devices=local[:n])
+
+
+def eval_submesh(mesh: jax.sharding.Mesh, streams: int) -> jax.sharding.Mesh | None:
+  """Where training's dev evaluation runs on a training `mesh`: its first k devices, k the largest device count
+  that divides `streams` (eval.batch_size), so that no device computes another's streams again. None (jit
+  places it: replicated over the training mesh, every device computing every stream) where k is 1 or the mesh
+  spans processes (each process's host reads every score: `eval_mesh`)."""
+  devices = list(mesh.devices.flat)
+  if jax.process_count() > 1 or len(devices) == 1:
+    return None
+  k = max(d for d in range(1, len(devices) + 1) if streams % d == 0)
+  if k == 1:
+    return None
+  return jax.make_mesh((k,), (DATA,), axis_types=(jax.sharding.AxisType.Auto,), devices=devices[:k])

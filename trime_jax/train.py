@@ -373,13 +373,15 @@ class LMTask(loop.Task):
     return {k: distributed.global_array(self.shardings[k], v, self.global_shapes[k]) for k, v in local.items()}
 
   def evaluate(self, step: int, params) -> dict:
-    """Dev perplexity during training: vanilla scoring and, for TRIME models, local memory at τ=1."""
+    """Dev perplexity during training: vanilla scoring and, for TRIME models, local memory at τ=1; on a
+    multi-device mesh its streams split over as many of its devices as divide them (`sharding.eval_submesh`)."""
     del step
     e, train_cfg = self.config.eval, self.config.train
     points = (evaluate.NONE,) + ((evaluate.Point("trime_local", tau=1.0),) if self.report_trime else ())
     res = evaluate.evaluate(self.graphdef, params, self.splits.dev, points, block_len=e.block_len,
                             context_window=e.context_window, streams=e.batch_size, vocab_chunk=train_cfg.vocab_chunk,
-                            max_tokens=train_cfg.eval_max_tokens).scores
+                            max_tokens=train_cfg.eval_max_tokens,
+                            mesh=sharding.eval_submesh(self.mesh, int(e.batch_size))).scores
     return {**{f"{x.name}_ppl": x.ppl for x in res}, "tokens": res[0].tokens}
 
   def dev_protocol(self, config=None) -> dict:

@@ -11,6 +11,7 @@ import hashlib
 import math
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from trime_jax import data
 from trime_jax import exact_memory
 from trime_jax import knn
 from trime_jax import long_memory
+from trime_jax import sharding
 from trime_jax import steps
 from trime_jax.errors import CheckpointError, ConfigError
 from trime_jax.evaluate.memory import (QueryStats, StoreSpec, StreamPlan, check_break_mode_of_stateful,
@@ -79,6 +81,42 @@ def score_step(store: long_memory.Store, keys, targets, q_keys, q_stats, q_targe
   return (nll.sum(axis=(1, 2)), jnp.einsum("psq,sqb->pb", nll, onehot), onehot.sum(axis=(0, 1)), store,
           nll, jnp.where(scored, pos, -1))
 
+
+
+class Dispatched(NamedTuple):
+  """A step on its way: the host batch (numpy, read by the search), the same on the devices, the forward pass."""
+  batch: dict
+  placed: dict
+  out: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class _stream_placement:
+  """Where evaluate's arrays go over `mesh`: a stream's rows (the leading axis of every batch, store and state
+  array) on the device that holds the stream, the parameters on every device. Without a mesh (or with one
+  device) nothing is moved: jit places them as before."""
+  mesh: object
+  num_streams: int
+
+  def __post_init__(self):
+    if self.mesh is not None and self.num_streams % self.mesh.size:
+      raise ConfigError(f"{self.num_streams} evaluation streams (eval.batch_size) do not split over the mesh's "
+                        f"{self.mesh.size} devices (eval.devices): make them a multiple of {self.mesh.size}")
+
+  @property
+  def active(self) -> bool:
+    return self.mesh is not None and self.mesh.size > 1
+
+  def replicated(self, tree):
+    return jax.device_put(tree, sharding.replicated(self.mesh)) if self.active and tree is not None else tree
+
+  def streams(self, tree):
+    if not self.active or tree is None:
+      return tree
+    rows, whole = sharding.batch_sharding(self.mesh), sharding.replicated(self.mesh)
+    where = jax.tree_util.tree_map(lambda x: rows if np.ndim(x) and np.shape(x)[0] == self.num_streams else whole,
+                                   tree)
+    return jax.device_put(tree, where)  # one call for the whole tree
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -197,7 +235,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
              break_mode: str = "none", per_token: bool = False, complete_overlong: str = "drop",
              log=None, overlap_search: bool = False, search_queries: int = SEARCH_QUERIES,
              start: StreamState | None = None,
-             keep_state_before: int = 0, plan: StreamPlan | None = None) -> EvalResult:
+             keep_state_before: int = 0, plan: StreamPlan | None = None, mesh=None) -> EvalResult:
   """Score `corpus` under every point in one pass: `streams` parallel streams, each with a long-term store of
   `long_term.mem_size` tokens, plus one top-K search per scored token when `external` is given (a
   `knn.ExternalMemory`), or every datastore entry (an `exact_memory.DeviceDatastore`: exact sums on device,
@@ -233,7 +271,12 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
 
   `plan`: run this plan of `corpus` instead of `stream_plan`'s (`texts_plan`: many independent texts; block_len
   its `block_len`). The plan's windows, rows and long-term store replace what `break_mode`, `complete_overlong`,
-  `max_tokens`, `streams` and `long_term` would give: `long_term`, `start` and `keep_state_before` stay unset."""
+  `max_tokens`, `streams` and `long_term` would give: `long_term`, `start` and `keep_state_before` stay unset.
+
+  `mesh` (config eval.devices, `sharding.eval_mesh`; None: one device): the streams are split over its `data`
+  axis, each device holding whole streams (their windows, long-term stores and states) and the parameters
+  replicated, so every step's work divides among the devices with no communication but the sums' (the streams
+  must be a multiple of the device count). The same numbers as on one device, up to float rounding."""
   points = tuple(points)
   if not points:
     raise ConfigError("nothing to evaluate: no points")
@@ -275,11 +318,13 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
         f"does (eval.complete_overlong=drop; refuse: an error instead)")
   carry = model.init_carry(len(plan.schedule[0]), block_len) if stateful else None
   del model
+  place = _stream_placement(mesh, len(plan.schedule[0]))
+  params, store, carry = place.replicated(params), place.streams(store), place.streams(carry)
   first = 0  # the first step run
   if start is not None and start.fits(plan, corpus, graphdef):
     first = len(start.windows)
     store = jax.tree_util.tree_map(jnp.copy, start.store)  # score_step donates its store: the state's stays
-    carry = start.carry
+    carry = start.carry  # (one stream: on one device)
     n -= sum(w.end - w.score_start for w in plan.wins[:first])
   keep = 0  # the state is kept after this many windows
   if keep_state_before:
@@ -310,11 +355,13 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   group_len = max(1, search_queries // rows_q) if search_queries > 0 and external is not None and not on_device else 1
 
   def dispatch(step, carry):
-    """Step `step`'s host batch and its forward pass, dispatched (jax runs it asynchronously)."""
+    """Step `step`'s host batch, the same on the devices (split by stream over `mesh`), and its forward pass,
+    dispatched (jax runs it asynchronously)."""
     batch = plan.batch(corpus, step)
-    return batch, forward_queries(graphdef, params, batch["inputs"], batch["targets"], batch["qstart"], carry,
-                                  batch["reset"] if stateful else None, queries=plan.queries,
-                                  vocab_chunk=vocab_chunk)
+    placed = place.streams(batch)
+    return Dispatched(batch, placed, forward_queries(
+        graphdef, params, placed["inputs"], placed["targets"], placed["qstart"], carry,
+        placed["reset"] if stateful else None, queries=plan.queries, vocab_chunk=vocab_chunk))
 
   # The groups [start, end): of group_len steps from `first` on, one ending where the state is kept, so that a
   # stream resumed from that state (start=) searches the same groups of queries as this one after it: FAISS's
@@ -331,7 +378,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
     steps_g = []
     for step in range(*groups[g]):
       steps_g.append(dispatch(step, carry))
-      carry = steps_g[-1][1][5] if stateful else None
+      carry = steps_g[-1].out[5] if stateful else None
     return steps_g
 
   def search_group(steps_g):
@@ -340,12 +387,12 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
     if external is None:
       return [(None, None, None)] * len(steps_g)
     if on_device:  # every datastore entry, on the devices (retrieval accuracy does not apply)
-      return [(None, None, external.log_terms(out[1], out[3], scales)) for _, out in steps_g]
-    q_targets_np = [np.asarray(out[3]) for _, out in steps_g]
-    scored = [b["own"] & (t >= 0) & b["score"][:, None] for (b, _), t in zip(steps_g, q_targets_np)]
+      return [(None, None, external.log_terms(d.out[1], d.out[3], scales)) for d in steps_g]
+    q_targets_np = [np.asarray(d.out[3]) for d in steps_g]
+    scored = [d.batch["own"] & (t >= 0) & d.batch["score"][:, None] for d, t in zip(steps_g, q_targets_np)]
     got = None
     if any(m.any() for m in scored):  # one search per scored token; warm-up windows only fill the store
-      got = external.retrieve(np.concatenate([np.asarray(out[1])[m] for (_, out), m in zip(steps_g, scored)]))
+      got = external.retrieve(np.concatenate([np.asarray(d.out[1])[m] for d, m in zip(steps_g, scored)]))
       hits += knn.retrieval_hits(got.targets, np.concatenate([t[m] for t, m in zip(q_targets_np, scored)]), ks)
     res, a = [], 0
     for m in scored:
@@ -367,13 +414,14 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
       # the device computes them while the host searches the datastore, reads back the sums and builds the next
       # batches below: none of these leaves the device idle. The same computations either way, in another order
       # (tests/test_ext_eval.py, tests/test_srupp.py).
-      pending = dispatch_group(g + 1, steps_g[-1][1][5] if stateful else None)
+      pending = dispatch_group(g + 1, steps_g[-1].out[5] if stateful else None)
     searched = search_group(steps_g)
     for step in range(g0, g0 + len(steps_g)):
-      (batch, out), (ext_sim, ext_targets, ext_exact) = steps_g.pop(0), searched.pop(0)  # freed once scored
+      (_, batch, out), (ext_sim, ext_targets, ext_exact) = steps_g.pop(0), searched.pop(0)  # freed once scored
       keys, q_keys, q_stats, q_targets, qpos = out[:5]
       carry = out[5] if stateful else None
       bucket_q = buckets[np.maximum(np.asarray(q_targets), 0)]
+      ext_sim, ext_targets, bucket_q = place.streams((ext_sim, ext_targets, bucket_q))
       sums, bucket_sums, bucket_count, store, step_nll, step_pos = score_step(
           store, keys, batch["targets"], q_keys, q_stats, q_targets, qpos, batch, ext_sim, ext_targets, bucket_q,
           ext_exact, points=points, long_term=long_term, n_buckets=n_buckets)

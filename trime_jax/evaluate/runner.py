@@ -15,6 +15,7 @@ from trime_jax import corpora
 from trime_jax import exact_memory
 from trime_jax import exports
 from trime_jax import knn
+from trime_jax import sharding
 from trime_jax.errors import CheckpointError, ConfigError
 from trime_jax.evaluate.driver import SEARCH_QUERIES, EvalResult, evaluate
 from trime_jax.evaluate.memory import StoreSpec
@@ -41,10 +42,11 @@ def search_queries_of(e) -> int:
 
 def evaluator_settings(e, vocab_chunk: int) -> dict:
   """`driver.evaluate`'s keyword arguments that come from a config's eval section (and the model's
-  train.vocab_chunk): the windows, the streams and how the steps run."""
+  train.vocab_chunk): the windows, the streams, the devices they are split over and how the steps run."""
   return dict(block_len=e.block_len, context_window=e.context_window, streams=e.batch_size, vocab_chunk=vocab_chunk,
               break_mode=e.get("sample_break_mode", "none"), complete_overlong=e.get("complete_overlong", "drop"),
-              overlap_search=bool(e.get("overlap_search", False)), search_queries=search_queries_of(e))
+              overlap_search=bool(e.get("overlap_search", False)), search_queries=search_queries_of(e),
+              mesh=sharding.eval_mesh(e.get("devices", 1), int(e.batch_size)))
 
 
 def frequency_split(e) -> str:
@@ -131,10 +133,11 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
   sizes = [int(m) for m in mem_sizes] if mem_sizes else [int(e.mem_size)]
   if families == ("none",):
     sizes = [0]  # nothing reads the store
+  settings = evaluator_settings(e, train_config.train.vocab_chunk)
   run = functools.partial(evaluate, graphdef, params, external=knn_memory, max_tokens=e.max_tokens,
-                          word_buckets_V=buckets, progress=progress,
-                          **evaluator_settings(e, train_config.train.vocab_chunk))
-  out = {"checkpoint": checkpoint_dir, "split": e.split, "rows": []}
+                          word_buckets_V=buckets, progress=progress, **settings)
+  out = {"checkpoint": checkpoint_dir, "split": e.split, "rows": [],
+         "devices": 1 if settings["mesh"] is None else settings["mesh"].size}  # the streams' (eval.devices)
   if external_memory:
     on_device = isinstance(knn_memory, exact_memory.DeviceDatastore)
     out.update(datastore=e.datastore, index="on_device_exact" if on_device else knn_memory.index.kind,

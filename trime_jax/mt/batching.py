@@ -283,11 +283,15 @@ def update_shape(plan: Plan, members: list[int]) -> tuple[int, int]:
   return (plan.per_update * bucket(int(plan.rows[members].max())), bucket(int(plan.lengths[members].max())))
 
 
+def _sides(pairs: mt_data.ParallelData, idx) -> tuple[list, list]:
+  """The source and target id arrays of pairs `idx`, in that order."""
+  return [pairs.src[j] for j in idx], [pairs.tgt[j] for j in idx]
+
+
 def collate_batch(pairs: mt_data.ParallelData, plan: Plan, i: int, pack_len: int = 0) -> dict:
   """Arrays of plan batch i (ours: an update): src/prev [rows, L] (pad 0), targets [rows, L] (pad -1); with
   pack_len > 0 the same pairs packed into rows of pack_len tokens (`mt_data.pack`: + segments and positions)."""
-  idx = plan.batch(i).tolist()
-  src, tgt = [pairs.src[j] for j in idx], [pairs.tgt[j] for j in idx]
+  src, tgt = _sides(pairs, plan.batch(i).tolist())
   if pack_len:
     return mt_data.pack(src, tgt, pack_len)
   l = int(plan.lengths[i])
@@ -312,13 +316,12 @@ def collate_update(pairs: mt_data.ParallelData, plan: Plan, step: int, pack_len:
   idle = g - len(members)
   shaped = members + [0] * idle
   groups = [plan.batch(b).tolist() for b in shaped]
-  take = lambda sel: ([pairs.src[j] for j in sel], [pairs.tgt[j] for j in sel])  # noqa: E731
   if not pack_len:
     rows, l = update_shape(plan, shaped)
-    blocks = [mt_data.collate(*take(m), l, l, rows=rows // g) for m in groups]
+    blocks = [mt_data.collate(*_sides(pairs, m), l, l, rows=rows // g) for m in groups]
     out = {name: np.concatenate([b[name] for b in blocks]) for name in blocks[0]}
   else:
-    blocks = [mt_data.pack(*take(m), pack_len, rows_multiple=1) for m in groups]
+    blocks = [mt_data.pack(*_sides(pairs, m), pack_len, rows_multiple=1) for m in groups]
     r = -(-max(len(b["src"]) for b in blocks) // rows_multiple) * rows_multiple
     span = r * pack_len
     parts = {name: [] for name in blocks[0]}
