@@ -156,7 +156,7 @@ def get_config():
   e.devices = 1  # devices the streams (eval.batch_size) are split over, each device whole streams: 1 (the
   #   original's one GPU) | n (this process's first n; batch_size a multiple of n) | 0 (all of this process's);
   #   the same scores up to float rounding (ours, for a host with several accelerators; training's dev evaluation
-  #   uses the training mesh's devices without it: sharding.eval_submesh)
+  #   uses the training mesh's devices without it: LMTask.dev_streams)
   e.memory = "local"  # launch.eval's family: none | local (earlier tokens of the block) | cache (continuous-cache
   #   baseline); launch.eval_ext does not read it: it scores every family, external memory's and these
   e.tau = 1.0  # τ on memory similarities g·g_j/√D at test time (every TRIME family: local, long-term, external)

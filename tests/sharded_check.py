@@ -607,6 +607,18 @@ def check_eval(workdir):
   out["submesh"] = {str(s): (lambda m: 1 if m is None else m.size)(sharding.eval_submesh(train_mesh, s))
                     for s in (1, 3, 4, 6, 8, 12, 16)}
   out["refusals"] = refusals
+  # training's dev evaluation: (streams, devices) for eval.batch_size on the 8-device training mesh
+  from types import SimpleNamespace
+
+  from trime_jax.train import LMTask
+  dev_streams = {}
+  for stateful in (False, True):
+    for b in (1, 3, 4, 8, 12):
+      task = SimpleNamespace(config=SimpleNamespace(eval=SimpleNamespace(batch_size=b)), mesh=train_mesh,
+                             stateful=stateful)
+      streams, mesh = LMTask.dev_streams(task)
+      dev_streams[f"{'srupp' if stateful else 'transformer'}_{b}"] = [streams, 1 if mesh is None else mesh.size]
+  out["dev_streams"] = dev_streams
   return out
 
 

@@ -213,11 +213,12 @@ def test_training_on_8_devices_matches_1_device_step_for_step(checks):
   assert lo[0]["loss"] == pytest.approx(base[0]["loss"], rel=2e-5)
   assert abs(lo[0]["grad_norm"] - base[0]["grad_norm"]) > 0.05 * base[0]["grad_norm"]
   assert abs(lo[-1]["loss"] - base[-1]["loss"]) > 1e-5 * base[-1]["loss"]
-  # The dev evaluations (eval.batch_size=4 streams: on 4 of the 8 devices, sharding.eval_submesh) as on 1 device
+  # The dev evaluations (eval.batch_size=4 streams on 1 device; on 8 devices 8 streams, one each: LMTask.dev_streams)
   dev = result["dev"]
   assert [d["step"] for d in dev["1dev"]] == [3] and [d["step"] for d in dev["8dev_ring"]] == [3]
   a, b = dev["1dev"][0], dev["8dev_ring"][0]
   assert sorted(k for k in a if k.endswith("_ppl")) == ["none_ppl", "trime_local(tau=1)_ppl"]
+  assert a["tokens"] == b["tokens"] > 0
   for key in ("none_ppl", "trime_local(tau=1)_ppl"):
     assert b[key] == pytest.approx(a[key], rel=1e-4), (key, a, b)
 
@@ -345,6 +346,11 @@ def test_evaluation_splits_its_streams_over_the_devices(checks):
     single = key.split("/")[0].endswith("_1")
     assert count == (0 if single or key.endswith("forward_queries") else 1), (key, count)
   assert r["submesh"] == {"1": 1, "3": 3, "4": 4, "6": 6, "8": 8, "12": 6, "16": 8}
+  # training's dev evaluation on 8 devices: a Transformer's streams rounded up to a multiple of 8 (its scores do
+  # not depend on them), an SRU++ model's kept (part of its dev protocol) on as many devices as divide them
+  assert r["dev_streams"] == {"transformer_1": [8, 8], "transformer_3": [8, 8], "transformer_4": [8, 8],
+                              "transformer_8": [8, 8], "transformer_12": [16, 8], "srupp_1": [1, 1],
+                              "srupp_3": [3, 3], "srupp_4": [4, 4], "srupp_8": [8, 8], "srupp_12": [12, 6]}
   assert r["refusals"] == [
       "eval.batch_size=6 streams do not split over eval.devices=8 devices: make it a multiple of 8 (a "
       "Transformer's scores do not depend on the number of streams)",

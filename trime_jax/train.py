@@ -340,6 +340,7 @@ class LMTask(loop.Task):
     self.best_metric = best_metric(config)
     self.warm = ce_warmup_steps(config)
     self.report_trime = spec.objective.memory != "none"
+    self.stateful = config.model.get("backbone", "transformer") == "srupp"  # its dev scores depend on the streams
     self.source = BatchSource(splits.train, config)
     data_sh = sharding.batch_sharding(mesh, batch_axis=1)
     train_cfg = config.train
@@ -373,16 +374,27 @@ class LMTask(loop.Task):
     return {k: distributed.global_array(self.shardings[k], v, self.global_shapes[k]) for k, v in local.items()}
 
   def evaluate(self, step: int, params) -> dict:
-    """Dev perplexity during training: vanilla scoring and, for TRIME models, local memory at τ=1; on a
-    multi-device mesh its streams split over as many of its devices as divide them (`sharding.eval_submesh`)."""
+    """Dev perplexity during training: vanilla scoring and, for TRIME models, local memory at τ=1, on the
+    training mesh's devices (`dev_streams`)."""
     del step
     e, train_cfg = self.config.eval, self.config.train
     points = (evaluate.NONE,) + ((evaluate.Point("trime_local", tau=1.0),) if self.report_trime else ())
+    streams, mesh = self.dev_streams()
     res = evaluate.evaluate(self.graphdef, params, self.splits.dev, points, block_len=e.block_len,
-                            context_window=e.context_window, streams=e.batch_size, vocab_chunk=train_cfg.vocab_chunk,
-                            max_tokens=train_cfg.eval_max_tokens,
-                            mesh=sharding.eval_submesh(self.mesh, int(e.batch_size))).scores
+                            context_window=e.context_window, streams=streams, vocab_chunk=train_cfg.vocab_chunk,
+                            max_tokens=train_cfg.eval_max_tokens, mesh=mesh).scores
     return {**{f"{x.name}_ppl": x.ppl for x in res}, "tokens": res[0].tokens}
+
+  def dev_streams(self) -> tuple[int, object]:
+    """(streams, mesh) of the dev evaluation. A Transformer's scores do not depend on the number of streams, so
+    on a mesh of n devices in one process its eval.batch_size is rounded up to a multiple of n, one share per
+    device (the 247M's one stream becomes n: n× faster, no device holding more than before); a stateful model's
+    streams are part of its dev protocol and stay, split over as many devices as divide them. None: jit's
+    placement (one device; or replicated over a multi-process mesh, every device computing every stream)."""
+    streams, n = int(self.config.eval.batch_size), self.mesh.size
+    if not self.stateful and n > 1 and jax.process_count() == 1:
+      streams = -(-streams // n) * n
+    return streams, sharding.eval_submesh(self.mesh, streams)
 
   def dev_protocol(self, config=None) -> dict:
     config = self.config if config is None else config
