@@ -16,8 +16,13 @@ def make_mesh(num_devices: int = 0, what: str = "train.num_devices") -> jax.shar
   n = num_devices or available
   if n < 0 or n > available:
     raise ConfigError(f"{what}={n} but only {available} devices are visible")
-  # Auto axes: jit propagates the batch sharding (GSPMD); the TRIME loss adds explicit collectives itself.
-  return jax.make_mesh((n,), (DATA,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
+  return mesh_of(jax.devices()[:n])
+
+
+def mesh_of(devices) -> jax.sharding.Mesh:
+  """The 1-D `data` mesh over `devices`. Auto axes: jit propagates the batch sharding (GSPMD); the TRIME loss adds
+  explicit collectives itself."""
+  return jax.make_mesh((len(devices),), (DATA,), axis_types=(jax.sharding.AxisType.Auto,), devices=list(devices))
 
 
 def replicated(mesh) -> NamedSharding:
@@ -56,7 +61,7 @@ def eval_mesh(devices: int, streams: int, what: str = "eval.devices") -> jax.sha
   if streams % n:
     raise ConfigError(f"eval.batch_size={streams} streams do not split over {what}={n} devices: make it a "
                       f"multiple of {n} (a Transformer's scores do not depend on the number of streams)")
-  return jax.make_mesh((n,), (DATA,), axis_types=(jax.sharding.AxisType.Auto,), devices=local[:n])
+  return mesh_of(local[:n])
 
 
 def eval_submesh(mesh: jax.sharding.Mesh, streams: int) -> jax.sharding.Mesh | None:
@@ -70,4 +75,4 @@ def eval_submesh(mesh: jax.sharding.Mesh, streams: int) -> jax.sharding.Mesh | N
   k = max(d for d in range(1, len(devices) + 1) if streams % d == 0)
   if k == 1:
     return None
-  return jax.make_mesh((k,), (DATA,), axis_types=(jax.sharding.AxisType.Auto,), devices=devices[:k])
+  return mesh_of(devices[:k])
