@@ -304,15 +304,25 @@ def check_train(workdir):
             "model.dropout_mask": "hash"}
   runs["1dev_dropout_hash"] = {"train.num_devices": 1, **hashed}
   runs["8dev_dropout_hash"] = {"train.num_devices": 8, "trime.sharded_variant": "ring", **hashed}
-  out, dev = {}, {}
+  out, dev, dev_calls = {}, {}, {}
+  from trime_jax import evaluate as evaluate_pkg
+
+  original_evaluate = evaluate_pkg.evaluate
+
+  def recording_evaluate(*args, **kwargs):  # the streams and devices training's dev evaluation asks for
+    dev_calls.setdefault(name, []).append([kwargs["streams"], 1 if kwargs["mesh"] is None else kwargs["mesh"].size])
+    return original_evaluate(*args, **kwargs)
+
+  evaluate_pkg.evaluate = recording_evaluate
   for name, overrides in runs.items():
     run_dir = os.path.join(workdir, name)
     train_and_evaluate(tiny_config(corpus, **{**common, **overrides}), run_dir)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
       lines = [json.loads(line) for line in f if line.strip()]
     out[name] = [x for x in lines if "loss" in x]  # training lines (not the dev evaluation)
-    dev[name] = [x for x in lines if "none_ppl" in x]  # the dev evaluations (on 8 devices: split over 4 of them)
-  return {"runs": out, "dev": dev, "devices": jax.device_count(), "srupp": check_srupp_train(workdir, corpus),
+    dev[name] = [x for x in lines if "none_ppl" in x]  # the dev evaluations
+  evaluate_pkg.evaluate = original_evaluate
+  return {"runs": out, "dev": dev, "dev_calls": dev_calls, "devices": jax.device_count(), "srupp": check_srupp_train(workdir, corpus),
           "mt": check_mt_train(workdir)}
 
 

@@ -219,6 +219,8 @@ def test_training_on_8_devices_matches_1_device_step_for_step(checks):
   a, b = dev["1dev"][0], dev["8dev_ring"][0]
   assert sorted(k for k in a if k.endswith("_ppl")) == ["none_ppl", "trime_local(tau=1)_ppl"]
   assert a["tokens"] == b["tokens"] > 0
+  assert set(map(tuple, result["dev_calls"]["1dev"])) == {(4, 1)}  # [streams, devices] of each dev evaluation
+  assert set(map(tuple, result["dev_calls"]["8dev_ring"])) == {(8, 8)}
   for key in ("none_ppl", "trime_local(tau=1)_ppl"):
     assert b[key] == pytest.approx(a[key], rel=1e-4), (key, a, b)
 

@@ -417,13 +417,13 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
       pending = dispatch_group(g + 1, steps_g[-1].out[5] if stateful else None)
     searched = search_group(steps_g)
     for step in range(g0, g0 + len(steps_g)):
-      (_, batch, out), (ext_sim, ext_targets, ext_exact) = steps_g.pop(0), searched.pop(0)  # freed once scored
+      (_, placed, out), (ext_sim, ext_targets, ext_exact) = steps_g.pop(0), searched.pop(0)  # freed once scored
       keys, q_keys, q_stats, q_targets, qpos = out[:5]
       carry = out[5] if stateful else None
       bucket_q = buckets[np.maximum(np.asarray(q_targets), 0)]
       ext_sim, ext_targets, bucket_q = place.streams((ext_sim, ext_targets, bucket_q))
       sums, bucket_sums, bucket_count, store, step_nll, step_pos = score_step(
-          store, keys, batch["targets"], q_keys, q_stats, q_targets, qpos, batch, ext_sim, ext_targets, bucket_q,
+          store, keys, placed["targets"], q_keys, q_stats, q_targets, qpos, placed, ext_sim, ext_targets, bucket_q,
           ext_exact, points=points, long_term=long_term, n_buckets=n_buckets)
       if token_nll is not None:
         step_pos = np.asarray(step_pos)
@@ -438,7 +438,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
       bar.update(1)
       if log is not None:
         log.step(step + 1)
-    del batch, out, keys, q_keys, q_stats, q_targets, qpos, ext_sim, ext_targets, ext_exact  # before the next group
+    del placed, out, keys, q_keys, q_stats, q_targets, qpos, ext_sim, ext_targets, ext_exact  # before the next group
     if not overlap_search and g + 1 < len(groups):
       pending = dispatch_group(g + 1, carry)
   bar.close()
