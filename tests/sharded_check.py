@@ -629,6 +629,8 @@ def check_eval(workdir):
       streams, mesh = LMTask.dev_streams(task)
       dev_streams[f"{'srupp' if stateful else 'transformer'}_{b}"] = [streams, 1 if mesh is None else mesh.size]
   out["dev_streams"] = dev_streams
+  from trime_jax.evaluate.runner import devices_note
+  out["devices_note"] = [devices_note(None, 4), devices_note(meshes["8"], 8)]
   return out
 
 

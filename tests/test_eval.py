@@ -207,3 +207,16 @@ def test_the_sweep_keeps_other_splits_layouts_and_interpolation_memories_apart()
                                                                               "interp[all]": 2.0}
   table = sweep.sweep_table(interp)
   assert "(P′ over external) | 8.000" in table and "(P′ over all) | 4.000" in table
+
+
+def test_one_device_evaluation_says_nothing_about_devices():
+  """launch.eval's note on unused devices (`runner.devices_note`) only where the process has several (8 devices:
+  tests/test_sharded.py); and eval.devices=1 is no mesh, the driver's one-device path."""
+  import jax
+
+  from trime_jax import sharding
+  from trime_jax.evaluate.runner import devices_note
+
+  assert jax.local_device_count() == 1
+  assert devices_note(None, 8) is None
+  assert sharding.eval_mesh(1, 8) is None and sharding.eval_mesh(0, 3) is None

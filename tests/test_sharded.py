@@ -353,6 +353,10 @@ def test_evaluation_splits_its_streams_over_the_devices(checks):
   assert r["dev_streams"] == {"transformer_1": [8, 8], "transformer_3": [8, 8], "transformer_4": [8, 8],
                               "transformer_8": [8, 8], "transformer_12": [16, 8], "srupp_1": [1, 1],
                               "srupp_3": [3, 3], "srupp_4": [4, 4], "srupp_8": [8, 8], "srupp_12": [12, 6]}
+  # what launch.eval / eval_ext say when they evaluate on 1 of several devices (and not otherwise)
+  assert r["devices_note"] == ["evaluating on 1 of this process's 8 devices: --config.eval.devices=0 splits the "
+                               "streams over all of them (eval.batch_size=4 then a multiple of 8; the same scores)",
+                               None]
   assert r["refusals"] == [
       "eval.batch_size=6 streams do not split over eval.devices=8 devices: make it a multiple of 8 (a "
       "Transformer's scores do not depend on the number of streams)",

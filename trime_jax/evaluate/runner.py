@@ -9,7 +9,9 @@ import collections
 import functools
 import os
 
+import jax
 import numpy as np
+from absl import logging
 
 from trime_jax import corpora
 from trime_jax import exact_memory
@@ -47,6 +49,15 @@ def evaluator_settings(e, vocab_chunk: int) -> dict:
               break_mode=e.get("sample_break_mode", "none"), complete_overlong=e.get("complete_overlong", "drop"),
               overlap_search=bool(e.get("overlap_search", False)), search_queries=search_queries_of(e),
               mesh=sharding.eval_mesh(e.get("devices", 1), int(e.batch_size)))
+
+
+def devices_note(mesh, streams: int) -> str | None:
+  """The line that tells a user evaluating on one of several devices how to use them all (None otherwise)."""
+  n = len(jax.local_devices())
+  if mesh is not None or n == 1:
+    return None
+  return (f"evaluating on 1 of this process's {n} devices: --config.eval.devices=0 splits the streams over all of "
+          f"them (eval.batch_size={streams} then a multiple of {n}; the same scores)")
 
 
 def frequency_split(e) -> str:
@@ -134,6 +145,9 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
   if families == ("none",):
     sizes = [0]  # nothing reads the store
   settings = evaluator_settings(e, train_config.train.vocab_chunk)
+  note = devices_note(settings["mesh"], int(e.batch_size))
+  if note and progress:  # a command's run (the Python API and training's evaluations pass progress=False)
+    logging.info(note)
   run = functools.partial(evaluate, graphdef, params, external=knn_memory, max_tokens=e.max_tokens,
                           word_buckets_V=buckets, progress=progress, **settings)
   out = {"checkpoint": checkpoint_dir, "split": e.split, "rows": [],
