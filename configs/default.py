@@ -153,7 +153,8 @@ def get_config():
   #   last block fed and the long-term store is cleared there; one line says how many lines / tokens; the default
   #   because a paper config reproduces the original's numbers) | refuse (an error naming the line, ours)
   e.batch_size = 8  # blocks per forward pass
-  e.devices = 1  # devices the streams (eval.batch_size) are split over, each device whole streams: 1 (the
+  e.devices = 1  # devices the streams (eval.batch_size) are split over, each device whole streams, and the
+  #   datastore key pass's forward batches (build_datastore --devices overrides it): 1 (the
   #   original's one GPU) | n (this process's first n; batch_size a multiple of n) | 0 (all of this process's);
   #   the same scores up to float rounding (ours, for a host with several accelerators; training's dev evaluation
   #   uses the training mesh's devices without it: LMTask.dev_streams)

@@ -44,8 +44,9 @@ _PQ_M = flags.DEFINE_integer("pq_m", 64, "IVF-PQ sub-quantizers (clamped to a di
 _TRAINED_INDEX = flags.DEFINE_string("trained_index", "", "A trained, empty IVF-PQ faiss file (e.g. the original "
                                      "release's knn.index.ip.trained): its centroids and codebooks are used as "
                                      "they are and only the keys are added (implies --index=ivfpq).")
-_DEVICES = flags.DEFINE_integer("devices", 1, "Devices the key pass splits its forward batches over (0: all "
-                                "visible; 1: the default device).", lower_bound=0)
+_DEVICES = flags.DEFINE_integer("devices", None, "Devices the key pass splits its forward batches over (0: all "
+                                "visible; 1: the default device; default: the config's eval.devices, as "
+                                "evaluation).", lower_bound=0)
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace what --out holds (another datastore, an export, any "
                                "files) instead of refusing it; without it a build of the same datastore resumes.")
 flags.mark_flags_as_required(["config", "checkpoint", "out"])
@@ -128,7 +129,7 @@ def main(argv):
 
 
 def _build(out: str) -> None:
-  from trime_jax import exports
+  from trime_jax import exports, sharding
   from trime_jax import evaluate
   from trime_jax.datastore import Datastore, build_datastore, build_index, subset_datastore
   from trime_jax.mt import datastore as mt_datastore
@@ -138,7 +139,7 @@ def _build(out: str) -> None:
   if not os.path.isdir(_CHECKPOINT.value):
     raise CheckpointError(f"--checkpoint={_CHECKPOINT.value}: export directory not found")
   if mt_datastore.is_mt(_CONFIG.value, _CHECKPOINT.value):  # translation: its own data and keys
-    lm_only = [f"--{h.name}" for h in (_SUBSET_OF, _ENTRIES, _STOP_AT, _TRAINED_INDEX) if h.present]
+    lm_only = [f"--{h.name}" for h in (_SUBSET_OF, _ENTRIES, _STOP_AT, _TRAINED_INDEX, _DEVICES) if h.present]
     if lm_only:  # read by the language model's build only: refused, not ignored
       raise ConfigError(f"{', '.join(lm_only)}: not supported for a translation datastore (the language model's "
                         "builds only); a translation build takes --split, --index, --nlist, --pq_m, --overwrite")
@@ -152,9 +153,12 @@ def _build(out: str) -> None:
   config, checkpoint = validated(_CONFIG.value), _CHECKPOINT.value
   check_export(config, checkpoint)
   splits = evaluate.load_eval_data(config, exports.read_export_vocab(checkpoint))
+  e = config.eval
+  # One setting for both forward passes over a corpus, the key pass's and evaluation's (checked before --out is)
+  devices = _DEVICES.value if _DEVICES.value is not None else e.get("devices", 1)
+  sharding.make_mesh(devices, what="--devices" if _DEVICES.value is not None else "eval.devices")
   _check_out(out, exports.read_export_meta(checkpoint).get("d_model"))
   corpus = splits.get(_SPLIT.value)
-  e = config.eval
   try:
     if _SUBSET_OF.value:
       # the source may be a build in progress; it must hold this model's keys (checked before writing)
@@ -162,7 +166,7 @@ def _build(out: str) -> None:
     else:
       meta = build_datastore(checkpoint, corpus, out, block_len=e.block_len, context_window=e.context_window,
                              batch_size=e.batch_size, stop_at_tokens=_STOP_AT.value or None,
-                             key_dtype=e.datastore_key_dtype, entries=e.datastore_entries, devices=_DEVICES.value)
+                             key_dtype=e.datastore_key_dtype, entries=e.datastore_entries, devices=devices)
       if not meta["complete"]:  # stopped at --stop_at_tokens: no index for an incomplete datastore
         return
   except KeyboardInterrupt:

@@ -95,6 +95,12 @@ def test_datastore_and_external_memory_eval_cli(trained):
   r = run_cli("trime_jax.launch.build_datastore", f"--config={cfg}", f"--checkpoint={work}/export", f"--out={ds}",
               "--index=flat")
   assert r.returncode == 0, r.stderr[-3000:]
+  # the key pass's devices: --devices, else eval.devices (one setting for evaluation and the key pass)
+  for flag, said in (("--config.eval.devices=2", "eval.devices=2"), ("--devices=3", "--devices=3")):
+    line = _one_error_line(run_cli("trime_jax.launch.build_datastore", f"--config={cfg}",
+                                   f"--checkpoint={work}/export", f"--out={tmp}/ds_devices", flag))
+    assert line == f"error: {said} but only 1 devices are visible", line
+    assert not (tmp / "ds_devices").exists()  # refused before anything is written
   out = tmp / "ext.json"
   r = run_cli("trime_jax.launch.eval_ext", f"--config={cfg}", f"--checkpoint={work}/export",
               f"--config.eval.datastore={ds}", "--config.eval.knn_k=16", "--config.eval.tune=True",
