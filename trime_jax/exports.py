@@ -227,6 +227,16 @@ def arch_digest(mcfg) -> str:
   return hashlib.sha256(json.dumps(fields, sort_keys=True, default=list).encode()).hexdigest()[:16]
 
 
+def check_arch_digest(mcfg, meta: dict, config_path: str) -> None:
+  """An edit of config.json's model section that keeps the parameter shapes (num_heads, key_type, normalisation
+  order, positions) would load and compute something else: DamagedCheckpointError. Exports written before
+  arch_digest lack it and are not checked. Language-model and translation exports alike."""
+  if "arch_digest" in meta and arch_digest(mcfg) != meta["arch_digest"]:
+    raise DamagedCheckpointError(
+        f"{config_path} describes another architecture than the one exported (arch digest {arch_digest(mcfg)} != "
+        f"meta.json's {meta['arch_digest']}): was config.json's model section edited? Restore it")
+
+
 def fingerprint(directory: str) -> str:
   """Identifies an exported checkpoint (datastores and indexes built from it record it): the vocabulary, a
   digest of the parameters and (exports since arch_digest) of the architecture."""
@@ -406,10 +416,7 @@ def load_export(directory: str):
     mcfg = model_config(config, vocab_size=len(vocab))
   except (AttributeError, KeyError, TypeError, ValueError) as e:
     raise DamagedCheckpointError(f"export config {config_path} has no valid model section ({first_line(e)})") from None
-  if "arch_digest" in meta and arch_digest(mcfg) != meta["arch_digest"]:
-    raise DamagedCheckpointError(
-        f"{config_path} describes another architecture than the one exported (arch digest {arch_digest(mcfg)} != "
-        f"meta.json's {meta['arch_digest']}): was config.json's model section edited? Restore it")
+  check_arch_digest(mcfg, meta, config_path)
   # how it trained on its device is not how it must run here (the backbones that have the fields: SRU++ has none)
   own = {f.name for f in dataclasses.fields(mcfg)}
   mcfg = dataclasses.replace(mcfg, **{k: v for k, v in EXECUTION_FIELDS.items() if k in own})

@@ -66,6 +66,12 @@ def _srupp_config(m: dict, vocab_size):
   return SRUppConfig(**kw)
 
 
+def stateful_backbone(config) -> bool:
+  """Whether `config`'s backbone carries a state across segments and windows (SRU++): its batches mark where a
+  row does not continue, its dev scores depend on the number of evaluation streams."""
+  return config.model.get("backbone", "transformer") == "srupp"
+
+
 def model_config(config, vocab_size: int | None = None):
   """The LM backbone's config dataclass from `config`'s `model` section (model.backbone picks the backbone;
   `vocab_size` overrides model.vocab_size)."""

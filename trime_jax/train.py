@@ -92,7 +92,7 @@ class BatchSource:
     # Packed runs hold several documents; their tokens carry document ids so memory stays in the document.
     self.with_documents = t.memory == "long" and t.consecutive_layout == "packed"
     # A stateful backbone learns where a row does not continue the previous micro-batch's row.
-    self.with_reset = config.model.get("backbone", "transformer") == "srupp"
+    self.with_reset = specs.stateful_backbone(config)
 
   def indices(self, step: int) -> np.ndarray:
     """Segment indices [grad_accum, B] of update `step` (-1: all-padding row)."""
@@ -340,7 +340,7 @@ class LMTask(loop.Task):
     self.best_metric = best_metric(config)
     self.warm = ce_warmup_steps(config)
     self.report_trime = spec.objective.memory != "none"
-    self.stateful = config.model.get("backbone", "transformer") == "srupp"  # its dev scores depend on the streams
+    self.stateful = specs.stateful_backbone(config)  # its dev scores depend on the streams
     self.source = BatchSource(splits.train, config)
     data_sh = sharding.batch_sharding(mesh, batch_axis=1)
     train_cfg = config.train
@@ -401,7 +401,7 @@ class LMTask(loop.Task):
     e = config.eval
     protocol = {"eval_max_tokens": int(config.train.eval_max_tokens), "block_len": int(e.block_len),
                 "context_window": int(e.context_window)}
-    if config.model.get("backbone", "transformer") == "srupp":  # its attention span at evaluation (a config of
+    if specs.stateful_backbone(config):  # its attention span at evaluation (a config of
       # before 2026-12-06 has no field: the whole memory, as it was measured)
       protocol["srupp_eval_same_length"] = bool(config.model.get("srupp_eval_same_length", False))
       # and its streams: a stateful model's scores depend on how many streams share the dev split (each starts

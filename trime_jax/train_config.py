@@ -62,7 +62,7 @@ def validate_config(config) -> None:
   if gpus > 1 and t.batching != "consecutive":
     raise ConfigError(f"trime.consecutive_gpus={gpus} shards the stream as the original's GPUs read it: it needs "
                       f"trime.batching='consecutive', got {t.batching!r}")
-  if gpus > 1 and config.model.get("backbone", "transformer") == "srupp":
+  if gpus > 1 and specs.stateful_backbone(config):
     raise ConfigError(f"trime.consecutive_gpus={gpus}: a stateful backbone (SRU++) carries its state from one "
                       "micro-batch to the next, which this order would cut at every GPU; keep it at 1")
   if t.memory == "long" and train_cfg.batch_size % t.consecutive_segments:

@@ -60,12 +60,7 @@ def load_mt_export(directory: str):
     raise DamagedCheckpointError(f"the vocabulary file in {directory} does not match meta.json's vocabulary "
                                  "fingerprint")
   mcfg = specs.mt_model_config(config, vocab_size=vocab.size, tgt_vocab_size=vocab.target_size)
-  # an edit of config.json's model section that keeps the shapes (key_type, normalisation order, positions)
-  # would load and compute something else: refused (MT exports from before 2026-12-06 lack the digest)
-  if "arch_digest" in meta and exports.arch_digest(mcfg) != meta["arch_digest"]:
-    raise DamagedCheckpointError(
-        f"{path} describes another architecture than the one exported (arch digest {exports.arch_digest(mcfg)} "
-        f"!= meta.json's {meta['arch_digest']}): was config.json's model section edited? Restore it")
+  exports.check_arch_digest(mcfg, meta, path)  # (MT exports from before 2026-12-06 lack the digest)
   target = nnx.eval_shape(lambda: TransformerMT(mcfg, rngs=nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(target, nnx.Param)
   abstract_params = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, abstract_params)
