@@ -373,6 +373,22 @@ def test_every_epoch_is_shuffled_the_first_included():
     np.testing.assert_array_equal(_epoch_ids(kept, e), np.arange(n))
 
 
+def test_epochs_are_whole_updates():
+  """12 batches, 5 an update: 3 updates an epoch, the last with 2 batches and 3 all-padding micro-batches (the
+  original's GroupedIterator: a smaller last update); every epoch still visits its own permutation."""
+  plan = _toy_plan()
+  n, accum = plan.num_batches, 5
+  for e in range(3):
+    got = np.concatenate([plan.update_rows(e * 3 + u, accum) for u in range(3)])  # [15, 2]
+    assert np.all(got[n:] == -1) and np.all(got[:n] >= 0)
+    np.testing.assert_array_equal(got[:n, 0] // 2, np.random.default_rng([7, e, 11]).permutation(n))
+  # Where accum divides the batches, updates read the `rows` sequence, as before.
+  for step in (0, 5, 7):
+    np.testing.assert_array_equal(plan.update_rows(step, 4), np.stack([plan.rows(step * 4 + a) for a in range(4)]))
+  kept = _toy_plan(shuffle=False)
+  np.testing.assert_array_equal(kept.update_rows(3, 5), kept.batches[:5])  # epoch 1 starts in stored order
+
+
 def test_bm25_plan_first_epoch_does_not_follow_the_chain(corpus, tmp_path):
   header, batches = _plan(corpus)
   loaded = batch_plan.load(batch_plan.save(str(tmp_path / "plan"), header, batches))

@@ -196,11 +196,19 @@ def test_segments_cover_every_token_once_and_inputs_are_shifted(mode):
 
 
 def test_random_batches_cover_each_epoch_and_are_deterministic():
-  n, b = 10, 4
-  seen = np.concatenate([D.random_batch_indices(n, b, s, seed=3) for s in range(5)])  # 20 = 2 epochs
-  assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:]) == list(range(10))
-  assert np.array_equal(D.random_batch_indices(n, b, 2, seed=3), seen[8:12])
-  assert not np.array_equal(D.random_batch_indices(n, b, 0, seed=4), seen[:4])
+  n, b = 10, 4  # ⌈10 / 4⌉ = 3 batches an epoch, the last with 2 segments and 2 padding rows
+  batches = np.stack([D.random_batch_indices(n, b, s, seed=3) for s in range(6)])  # 2 epochs
+  for epoch in (batches[:3], batches[3:]):
+    assert sorted(epoch[epoch >= 0]) == list(range(10))
+    assert list(epoch[-1]) == list(epoch[-1][:2]) + [-1, -1] and np.all(epoch[:-1] >= 0)
+  assert not np.array_equal(batches[:3], batches[3:])  # each epoch its own permutation
+  assert np.array_equal(D.random_batch_indices(n, b, 4, seed=3), batches[4])
+  assert not np.array_equal(D.random_batch_indices(n, b, 0, seed=4), batches[0])
+  # No batch holds a segment twice, however the epoch's end falls (the old layout straddled epochs).
+  for size in (3, 7, 9, 10, 16):
+    for s in range(8):
+      rows = D.random_batch_indices(n, size, s, seed=1)
+      assert len(set(rows[rows >= 0])) == (rows >= 0).sum()
 
 
 def test_bad_data_gives_clear_errors(tmp_path):

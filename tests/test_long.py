@@ -307,6 +307,16 @@ def test_plan_errors_and_batch_source_reads_it(tmp_path):
   plan = batch_plan.load(str(tmp_path / "plan"))
   want = D.gather_segments(corpus, source.segments, np.concatenate([plan.rows(6), plan.rows(7)]))[1]
   assert np.array_equal(got["targets"].reshape(-1, 4), want)
+  # Epochs are whole updates (fairseq's): the last update of an epoch is padded, the next epoch starts afresh.
+  n = plan.num_batches
+  accum = next(a for a in range(2, n) if n % a)
+  source = BatchSource(corpus, _config(**{"trime.batching": "consecutive", "trime.batch_plan": str(tmp_path / "plan"),
+                                         "train.grad_accum": accum, "trime.consecutive_layout": "packed"}))
+  per_epoch = -(-n // accum)
+  epoch0 = np.concatenate([source.indices(s) for s in range(per_epoch)])
+  np.testing.assert_array_equal(epoch0[:n], np.stack([plan.rows(j) for j in range(n)]))
+  assert len(epoch0) - n == accum - n % accum and np.all(epoch0[n:] == -1)
+  np.testing.assert_array_equal(source.indices(per_epoch)[0], plan.rows(n))
   with pytest.raises(DataError, match="consecutive_segments"):
     BatchSource(corpus, _config(**{"trime.batching": "consecutive", "trime.batch_plan": str(tmp_path / "plan"),
                                    "trime.consecutive_segments": 2}))

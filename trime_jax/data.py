@@ -460,22 +460,22 @@ def segment_documents(corpus: Corpus, segments: Segments, idx: np.ndarray) -> np
 
 
 def random_batch_indices(num_segments: int, batch_size: int, step: int, seed: int) -> np.ndarray:
-  """Segment indices of batch `step` in an endless sequence of seeded epoch permutations.
+  """Segment indices [batch_size] of batch `step` (-1: an all-padding row) in an endless sequence of epochs.
 
-  Every segment appears once per epoch; batch `step` depends only on (seed, step), so training resumes
-  exactly. Batches straddling an epoch end take the tail of one permutation and the head of the next.
+  Epochs are whole batches, as fairseq's are: epoch e is batches e·K … e·K + K − 1, K = ⌈N / batch_size⌉, that
+  visit a seeded permutation of the N segments in order; its last batch holds the permutation's remainder and
+  all-padding rows after it (fairseq: a smaller last batch; the loss is normalised by the update's tokens, so
+  the two weigh the same). Every segment appears once per epoch and no batch holds a segment twice: a batch
+  that took the tail of one permutation and the head of the next could, and TRIME's in-batch memory would
+  then hold the segment's own copy. Batch `step` depends only on (seed, step), so training resumes exactly.
   """
   if num_segments < 1:
     raise DataError("no training segments")
-  first = step * batch_size
-  out = np.empty(batch_size, np.int64)
-  filled = 0
-  while filled < batch_size:
-    epoch, offset = divmod(first + filled, num_segments)
-    perm = np.random.default_rng([seed, epoch]).permutation(num_segments)
-    take = min(batch_size - filled, num_segments - offset)
-    out[filled:filled + take] = perm[offset:offset + take]
-    filled += take
+  per_epoch = -(-num_segments // batch_size)
+  epoch, j = divmod(int(step), per_epoch)
+  part = np.random.default_rng([seed, epoch]).permutation(num_segments)[j * batch_size:(j + 1) * batch_size]
+  out = np.full(batch_size, -1, np.int64)
+  out[:len(part)] = part
   return out
 
 

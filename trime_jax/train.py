@@ -99,7 +99,7 @@ class BatchSource:
     train_cfg = self.config.train
     micro = train_cfg.grad_accum
     if self.plan is not None:
-      return np.stack([self.plan.rows(step * micro + a) for a in range(micro)])
+      return self.plan.update_rows(step, micro)
     flat = data.random_batch_indices(len(self.segments), micro * train_cfg.batch_size, step, train_cfg.seed)
     return flat.reshape(micro, train_cfg.batch_size)
 
@@ -128,10 +128,10 @@ class BatchSource:
     """[grad_accum, B] bool: row b of micro-batch a does not hold the segment after row b of the micro-batch
     before it (a stream starts over; every row with random batching). `idx` may be a host's rows only."""
     micro = self.config.train.grad_accum
-    if self.plan is None or step * micro == 0:
+    if self.plan is None or step == 0:
       prev0 = np.full(idx.shape[1:], -2)
     else:
-      prev0 = self.plan.rows(step * micro - 1)
+      prev0 = self.plan.update_rows(step - 1, micro)[-1]
       prev0 = prev0[self._rows] if self._rows is not None else prev0
     prev = np.concatenate([prev0[None], idx[:-1]], axis=0)
     return (self.plan is None) | (idx < 0) | (prev < 0) | (idx != prev + 1)

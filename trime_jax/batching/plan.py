@@ -6,8 +6,11 @@ A plan is a directory:
                 batches.npy's array, checked on load), plus planner-specific fields (e.g. layout)
   batches.npy   int64 [num_batches, B]: segment indices per batch row (-1 = an all-padding row)
 
-Micro-batch i of training reads batch j of epoch e = i // num_batches. The planner fixes each batch's
-composition; the order in which an epoch visits them is:
+An epoch visits every batch once; it is whole updates, as fairseq's GroupedIterator makes them: with A
+micro-batches an update (train.grad_accum), epoch e is updates e·U … e·U + U − 1, U = ⌈num_batches / A⌉, and
+micro-batch a of its update u is the epoch's batch j = u·A + a, or all padding rows where j ≥ num_batches (the
+original's last update of an epoch holds fewer batches). The planner fixes each batch's composition; the order
+in which an epoch visits them is:
   shuffle true (or absent)  a seeded permutation every epoch, the first included:
                             `np.random.default_rng([seed, e, 11]).permutation(num_batches)[j]`, like the
                             original's iterator, which shuffles predefined batches with seed + epoch every
@@ -62,9 +65,24 @@ class BatchPlan:
     return cached[1]
 
   def rows(self, micro_index: int) -> np.ndarray:
-    """Segment indices [B] of global micro-batch `micro_index` (deterministic from the header's seed)."""
+    """Segment indices [B] of the `micro_index`-th batch visited, counting on over epochs (batch j of epoch
+    e = micro_index // num_batches; deterministic from the header's seed)."""
     epoch, j = divmod(int(micro_index), self.num_batches)
     return np.asarray(self.batches[int(self.epoch_order(epoch)[j])])
+
+  def update_rows(self, step: int, accum: int) -> np.ndarray:
+    """Segment indices [accum, B] of training update `step` with `accum` micro-batches an update: epochs are
+    whole updates, the last one's missing micro-batches all padding (-1) (see the module docstring). Before
+    2026-12-06 training read micro-batch step·accum + a of the `rows` sequence, so an update could hold the end
+    of one epoch and the start of the next, and later epochs started mid-update; the same where accum divides
+    num_batches."""
+    per_epoch = -(-self.num_batches // accum)
+    epoch, u = divmod(int(step), per_epoch)
+    order = self.epoch_order(epoch)
+    out = np.full((accum, self.batch_size), -1, np.int64)
+    for a, j in enumerate(range(u * accum, min((u + 1) * accum, self.num_batches))):
+      out[a] = self.batches[int(order[j])]
+    return out
 
   def digest(self) -> str:
     """SHA-256 (16 hex digits) of the header and every batch: what a resumed training compares."""
