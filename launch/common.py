@@ -253,8 +253,11 @@ def _parse_flags(argv, module: str = "__main__", checkpoint_is_export: bool = Tr
     chain = [inner, e, e.__cause__, e.__context__]
     # An export's stored config refused while --config loads it is about the file, not a flag.
     kind = "" if any(isinstance(x, TrimeError) for x in chain) else "bad command-line flag: "
-    raised = _config_file_error(str(e)) or _unknown_override(given, inner)  # the config file's own error: about
-    # the file, not a flag; an override of a field the config lacks: which
+    # A --config file that is not there (whatever else failed because of it); the config file's own error: about
+    # the file, not a flag; an override of a field the config lacks: which; a field the file sets that the
+    # config lacks: where in the file
+    raised = (_missing_config_file(_given_config_file(argv)) or _config_file_error(str(e))
+              or _unknown_override(given, inner) or _field_missing_in_file(_given_config_file(argv), chain))
     if not raised and "has no attribute 'get_config'" in str(e):
       raised = (f"--config={_given_config_file(argv)}: the file has no get_config() (a config file defines "
                 "get_config() returning an ml_collections.ConfigDict, as configs/*.py)")
@@ -302,6 +305,41 @@ def _unknown_override(argv, error) -> str:
           line += f"; {exports.MT_EXPORT_MESSAGE.format(directory=checkpoint)}"
       return line
   return ""
+
+
+def _missing_config_file(path: str) -> str:
+  """The one line for a --config path that is not a file ("" when it is one, or when none was given)."""
+  path = path.split(":")[0]  # config_flags accepts file.py:arg
+  if path in ("", "?") or os.path.isfile(path):
+    return ""
+  if os.path.isdir(path):
+    return f"--config={path} is a folder, not a config file (configs/*.py)"
+  return f"--config file not found: {path} (working directory {os.getcwd()})"
+
+
+def _field_missing_in_file(path: str, chain) -> str:
+  """The one line for a config file whose get_config() sets a field the (locked) config lacks: the file, its
+  line, the field and ml_collections' suggestion; ml_collections' own message dumped every field of the
+  section on one line. "" for any other error."""
+  import linecache
+  import re
+
+  errors = [x for x in chain if x is not None]
+  texts = [str(x) for x in errors]  # a KeyError's repr (quoted, \n escaped) or the message itself
+  found = next((m for m in (re.search(r'Key "([^"]+)" does not exist and cannot be added since the config is '
+                                      r'locked', t) for t in texts) if m), None)
+  if not found:
+    return ""
+  hint = next((m.group(0) for m in (re.search(r'Did you mean "[^"]+" instead of "[^"]+"\?', t) for t in texts)
+               if m), "")
+  where, target = "", os.path.abspath(path.split(":")[0])
+  for error in errors:  # the config file's line in a traceback that passed through it (the AttributeError's)
+    tb = error.__traceback__
+    while tb is not None:
+      if os.path.abspath(tb.tb_frame.f_code.co_filename) == target:
+        where = f" line {tb.tb_lineno} ({linecache.getline(target, tb.tb_lineno).strip()})"
+      tb = tb.tb_next
+  return f"--config={path}{where}: the config has no field {found.group(1)!r}" + (f" ({hint})" if hint else "")
 
 
 def _given_config_file(argv) -> str:
@@ -486,13 +524,10 @@ def run_main(main, *, checkpoint_is_export: bool = True):
       given = "config" in flags.FLAGS and flags.FLAGS["config"].config_filename
     except Exception:  # noqa: BLE001
       given = None
-    if given:
-      path = given.split(":")[0]  # config_flags accepts file.py:arg
-      if not os.path.isfile(path):
-        said = (f"--config={path} is a folder, not a config file (configs/*.py)" if os.path.isdir(path)
-                else f"--config file not found: {path} (working directory {os.getcwd()})")
-        print(f"error: {said}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    said = _missing_config_file(given) if given else ""
+    if said:
+      print(f"error: {said}", file=sys.stderr, flush=True)
+      sys.exit(2)
     try:
       return main(argv)
     except TrimeError as e:
@@ -748,15 +783,22 @@ def given_overrides(section: str) -> dict:
 def check_export(config, checkpoint: str) -> None:
   """The export's stored config.json has no field this version does not know (exports.check_stored_config), and no
   `--config.model.X=...` differs from it: an export's architecture is fixed (evaluation, datastores and
-  generation use the export's `model` section), so such an override would be ignored. Either is one error
-  naming the file or the field with both values."""
+  generation use the export's `model` section), so such an override would be ignored; nor is
+  `--config.data.vocab_min_count` given (the vocabulary is the export's). Each is one error naming the file or
+  the field with both values."""
   from trime_jax.exports import check_stored_config
   from trime_jax.errors import ConfigError
 
   if not checkpoint or not os.path.isfile(os.path.join(checkpoint, "config.json")):
     return  # the export's own checks report a missing export or config.json
   path = os.path.join(checkpoint, "config.json")
-  stored = check_stored_config(checkpoint).get("model", {})
+  stored_all = check_stored_config(checkpoint)
+  stored = stored_all.get("model", {})
+  data_given = given_overrides("data")
+  if "vocab_min_count" in data_given:  # the vocabulary is the export's vocab.json: the setting would be unread
+    there = stored_all.get("data", {}).get("vocab_min_count")
+    raise ConfigError(f"--config.data.vocab_min_count={data_given['vocab_min_count']}: an export's vocabulary is "
+                      f"fixed (its vocab.json; {path} has data.vocab_min_count={there!r}); drop the override")
   given = given_overrides("model")
   if not given or config is None or "model" not in config:
     return

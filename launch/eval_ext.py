@@ -63,9 +63,12 @@ def main(argv):
     print("\ntop-K retrieval accuracy: " + ", ".join(f"{k} {v:.1%}" for k, v in out["retrieval_accuracy"].items()))
   if "buckets" in out:
     b = out["buckets"]
-    rows = [{"variant": name, **{f"{n} ({int(t):,})": p for n, t, p in zip(b["names"], b["tokens"], ppl)}}
-            for name, ppl in b["ppl"].items()]
-    print("\nperplexity per frequency bucket (target's count in the training split; tokens in parentheses):")
+    # "–": no scored token's word has that count there (its perplexity would be nan)
+    rows = [{"variant": name, **{f"{n} ({int(t):,})": p if t else "–"
+                                 for n, t, p in zip(b["names"], b["tokens"], ppl)}} for name, ppl in b["ppl"].items()]
+    where = {"dev": "the dev split", "train": "the training split"}.get(b.get("frequency_split"), "the training split")
+    print(f"\nperplexity per frequency bucket (the target word's count in {where}, eval.frequency_split; scored "
+          "tokens in parentheses):")
     columns = ["variant"] + [f"{n} ({int(t):,})" for n, t in zip(b["names"], b["tokens"])]
     print(evaluate.format_table(rows, columns=columns))
   if "throughput" in out:

@@ -93,6 +93,18 @@ def main(argv):
     raise ConfigError("--memory=external needs --datastore (build one with `python -m trime_jax.launch.build_datastore`)")
   if _ON_DEVICE.value and memory != "external":
     raise ConfigError(f"--datastore_on_device puts --datastore on the devices: use --memory=external, not {named}")
+  # A setting the chosen memory would not read is refused, not ignored (as the Python API refuses it): retrieval
+  # without external memory, P′'s settings without the interpolation that uses them.
+  retrieval = [f"--{f.name}" for f in (_INDEX,) if f.value] + [
+      f"--{f.name}" for f in (_KNN_K, _NPROBE) if f.value is not None]
+  if retrieval and memory != "external":
+    raise ConfigError(f"{', '.join(retrieval)} {'sets' if len(retrieval) == 1 else 'set'} retrieval from "
+                      f"--datastore, which --memory=external reads; "
+                      + (f"--memory={memory}" if memory else named) + " retrieves nothing")
+  p_prime = [f"--{f.name}" for f in (_TAU_PRIME, _INTERP_MEMORY) if f.value is not None]
+  if p_prime and not _KNN_LAMBDA.value:
+    raise ConfigError(f"{', '.join(p_prime)} {'sets' if len(p_prime) == 1 else 'set'} Appendix A's P′, which "
+                      "only --knn_lambda > 0 mixes in (with --memory=external)")
   # --trace / --knn_lambda / --index when on (--notrace, --knn_lambda=0 ask for nothing); --knn_k / --nprobe when
   # given at all (their defaults come from the export)
   given = [f"--{f.name}" for f in (_TRACE, _KNN_LAMBDA, _INDEX) if f.value] + [
@@ -107,6 +119,9 @@ def main(argv):
   check_export(None, _CHECKPOINT.value)  # a config.json field this version does not know: refused
   gen = G.Generator(_CHECKPOINT.value)
   memory = memory or gen.default_memory
+  if _TAU.value is not None and memory == "none":
+    raise ConfigError("--tau is the temperature on memory similarities; --memory=none uses no memory"
+                      + ("" if _MEMORY.value else " (the default for this export, trained without memory)"))
   # A word model's file: its final newline would end the line (</s>) to continue; bytes are the text itself
   prompts += [t.rstrip("\n") if gen.vocab.kind == "words" else t for t in files]
   tau = gen.default_tau if _TAU.value is None else _TAU.value

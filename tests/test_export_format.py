@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 
 import jax
 import numpy as np
@@ -165,6 +166,29 @@ def test_files_and_meta_fields_of_a_trained_export(trained_export):
   assert set(meta) <= documented, set(meta) - documented
   vocab = json.load(open(os.path.join(trained_export, "vocab.json")))
   assert set(vocab) == {"kind", "fingerprint", "tokens"} and vocab["fingerprint"] == meta["vocab_fingerprint"]
+
+
+def test_stored_config_finds_the_data_from_another_directory(trained_export, tmp_path, monkeypatch):
+  """meta.json's data_path (absolute) serves when the stored data.path is relative and not found from the working
+  directory: `--checkpoint=EXPORT` without `--config` evaluates from anywhere (it looked in the working directory
+  and the repository's root only). A relative path found from here, or a recorded path that is gone, is kept."""
+  meta = json.load(open(os.path.join(trained_export, "meta.json")))
+  data_file = meta["data_path"]
+  assert os.path.isabs(data_file) and os.path.isfile(data_file)
+  export = tmp_path / "export"
+  shutil.copytree(trained_export, export)
+  config = json.load(open(export / "config.json"))
+  config["data"]["path"] = "corpus.txt"  # relative, as given in the directory the training ran in
+  (export / "config.json").write_text(json.dumps(config))
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  monkeypatch.chdir(elsewhere)
+  assert exports.stored_over_defaults(str(export)).data.path == data_file
+  (elsewhere / "corpus.txt").write_text("here")  # found from the working directory: that one is read
+  assert exports.stored_over_defaults(str(export)).data.path == "corpus.txt"
+  os.remove(elsewhere / "corpus.txt")
+  (export / "meta.json").write_text(json.dumps({**meta, "data_path": str(tmp_path / "gone.txt")}))
+  assert exports.stored_over_defaults(str(export)).data.path == "corpus.txt"  # the not-found error names it
 
 
 def test_loading_example_restores_the_trained_parameters(trained_export):

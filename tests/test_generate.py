@@ -570,6 +570,19 @@ def test_cli_generates_with_a_memory_file_and_reports_errors_in_one_line(tmp_pat
     assert r.returncode == 2 and len(errors) == 1 and want in errors[0], (extra, r.stderr[-2000:])
 
 
+def test_cli_refuses_settings_its_memory_would_not_read(byte_gen):
+  """Retrieval flags without --memory=external, P′'s without --knn_lambda, --tau with no memory: one error each
+  (they were accepted and silently unused; the Python API refuses them too)."""
+  for extra, want in ((("--memory=local", "--knn_k=5"), "--knn_k sets retrieval from --datastore"),
+                      (("--nprobe=4", "--index=x.faiss"), "--index, --nprobe set retrieval"),
+                      (("--memory=long", "--memory_file=x", "--knn_k=5"), "--memory=long retrieves nothing"),
+                      (("--memory=local", "--tau_prime=0.5"), "--tau_prime sets Appendix A's P′"),
+                      (("--memory=none", "--tau=2"), "--memory=none uses no memory")):
+    r = run_cli("trime_jax.launch.generate", f"--checkpoint={byte_gen.checkpoint_dir}", "--prompt=x", *extra)
+    errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and want in errors[0], (extra, r.stderr[-2000:])
+
+
 def test_p_prime_without_a_mask_is_over_every_memory():
   """prime_M=None (the public functions' default): Appendix A's P′ over every visible memory, the same as an
   all-True mask (it was a TypeError)."""

@@ -191,10 +191,14 @@ def test_consecutive_gpus_is_checked_with_the_batching_it_describes():
            ({"train.grad_accum": 2, "trime.consecutive_gpus": 2, "trime.consecutive_layout": "packed"},
             "needs trime.consecutive_layout='stream', got 'packed'"),
            ({"train.grad_accum": 2, "trime.consecutive_gpus": 2, "model.backbone": "srupp"},
-            "a stateful backbone")]
+            "a stateful backbone"),
+           # a Transformer's run of one segment is the segment itself: TrimeLM, not TrimeLM_long (an SRU++'s long
+           # memory is the stream's previous segment, so m = 1 is its layout)
+           ({"trime.consecutive_segments": 1}, "consecutive_segments=1 is local memory"),
+           ({"trime.consecutive_segments": 1, "trime.batching": "random"}, "consecutive_segments=1 is local memory")]
   for kw, message in cases:
     with pytest.raises(ConfigError, match=message):
-      validate_config(_config(**base, **kw))
+      validate_config(_config(**{**base, **kw}))
   with pytest.raises(ConfigError, match="must be >= 1 and divide"):
     consecutive.make_plan(_corpus(), _config(**base, **{"train.grad_accum": 3, "trime.consecutive_gpus": 2}),
                           progress=False)
@@ -733,7 +737,10 @@ def test_memory_size_sweep_table_and_plot(tmp_path):
   printed = evaluate.format_table(rows).splitlines()  # the per-row table of launch.eval: sizes told apart
   assert printed[0].startswith("| mem_size | variant") and printed[2].startswith("| 0 ") and printed[-1].startswith(
       "| 16 ")
-  assert not evaluate.format_table(rows[:n]).startswith("| mem_size")  # one size: no column
+  assert not evaluate.format_table(rows[:n]).startswith("| mem_size")  # no long-term memory: no column
+  # one size with a store: the column still says it (two runs' tables had rows of the same name, one with 16
+  # tokens of long-term memory, one without)
+  assert evaluate.format_table(rows[n:]).startswith("| mem_size") and "| 16 " in evaluate.format_table(rows[n:])
   table = sweep.sweep_table(rows)
   assert "| tiny | TRIME (local + long-term) |" in table and "| tiny | none |" in table
   assert f"(tau={best[1]['params']['tau']:g})" in table  # the tuned parameter, from the rows' typed params

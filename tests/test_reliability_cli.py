@@ -201,6 +201,11 @@ def e_eval_architecture_override_explicit_config(b):
   return case, ["--config.model.num_layers=3", "model.num_layers=1"], [b["export"]]
 
 
+def e_eval_vocabulary_override(b):  # it was read by nobody: the vocabulary is the export's vocab.json
+  case = _case("eval", f"--checkpoint={b['export']}", "--config.data.vocab_min_count=3")
+  return case, ["--config.data.vocab_min_count=3: an export's vocabulary is fixed", "drop the override"], [b["export"]]
+
+
 def e_export_config_unknown_field(b):  # 35.10
   x = _copy(b, "work", "typo") / "export"
   edit_json(x / "config.json", lambda c: c["eval"].update(knn_kk=2))
@@ -486,6 +491,19 @@ def e_config_without_get_config(b):  # "bad command-line flag: module 'config_co
       f"--config={path}: the file has no get_config()"], [path]
 
 
+def e_config_sets_a_field_it_lacks(b):  # "bad command-line flag: Key ... Other fields present: {every field}"
+  path = _config_text(b, "typo_config.py", "from trime_jax.configs import wikitext_mini\n\n\ndef get_config():\n"
+                      "  c = wikitext_mini.get_config()\n  c.train.num_stesp = 3\n  return c\n")
+  return _case("train", f"--config={path}", f"--workdir={b['tmp']}/cases/tf", "--config.train.num_steps=2"), [
+      f"--config={path} line 6 (c.train.num_stesp = 3): the config has no field 'num_stesp' (Did you mean "
+      '"num_steps" instead of "num_stesp"?)'], [path]
+
+
+def e_missing_config_with_an_override(b):  # ml_collections' "Configuration is not available because of ..."
+  return _case("train", f"--config={b['tmp']}/no_such_config.py", f"--workdir={b['tmp']}/cases/mc",
+               "--config.train.num_steps=2"), [f"--config file not found: {b['tmp']}/no_such_config.py"], []
+
+
 def _results_file(b, name, held):
   path = b["tmp"] / "cases" / name
   path.parent.mkdir(exist_ok=True)
@@ -510,7 +528,7 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_import_fairseq_out_is_export, e_import_fairseq_checkpoint_folder, e_import_fairseq_text_checkpoint,
                e_translate_max_sentences, e_translate_batch_sentences, e_translate_nprobe, e_translate_tune_modes,
                e_generate_nprobe, e_generate_top_p, e_generate_bad_stored_tau, e_eval_architecture_override,
-               e_eval_architecture_override_explicit_config, e_export_config_unknown_field,
+               e_eval_architecture_override_explicit_config, e_eval_vocabulary_override, e_export_config_unknown_field,
                e_export_config_unknown_field_explicit_config, e_eval_output_folder, e_eval_output_not_json, e_eval_output_is_an_exports_file,
                e_eval_ext_output_is_a_datastores_meta, e_eval_mt_export, e_eval_training_checkpoint,
                e_build_datastore_training_checkpoint, e_translate_lm_export, e_eval_ext_mt_config, e_eval_mem_sizes_without_memory, e_eval_ext_output_folder,
@@ -522,7 +540,8 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_train_clip_norm_nan, e_train_split_fractions_sum, e_config_file_raises,
                e_generate_stored_field_of_another_type, e_eval_output_of_another_export, e_eval_output_of_eval_ext,
                e_generate_empty_checkpoint, e_eval_checkpoint_is_a_file, e_train_config_is_a_folder,
-               e_config_returns_a_dict, e_config_without_get_config, e_eval_mt_export_with_an_override,
+               e_config_returns_a_dict, e_config_without_get_config, e_config_sets_a_field_it_lacks,
+               e_missing_config_with_an_override, e_eval_mt_export_with_an_override,
                e_config_override_of_no_field]
 
 

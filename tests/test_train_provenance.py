@@ -497,6 +497,9 @@ def test_a_warm_restart_continues_a_partial_export_at_its_update(corpus, tmp_pat
   with pytest.raises(ConfigError, match="another architecture or vocabulary"):
     train.train_and_evaluate(tiny_config(corpus, **base, **{"model.d_ff": 48, "train.init_from":
                                                            os.path.join(stopped, "partial")}), str(tmp_path / "y"))
+  with pytest.raises(CheckpointError, match=r"^train.init_from=\S+nothere: checkpoint directory not found"):
+    train.train_and_evaluate(tiny_config(corpus, **base, **{"train.init_from": str(tmp_path / "nothere")}),
+                             str(tmp_path / "z"))
 
 
 def test_an_srupp_dev_protocol_names_its_streams(corpus):

@@ -380,6 +380,32 @@ def _overlay(dst, src: dict, path: str = "", prefix: str = "") -> None:
                               f"{type(dst[key]).__name__} (the field's type); correct the file") from None
 
 
+def data_path_meta(config) -> dict:
+  """{"data_path": the training data's absolute path} for meta.json (nothing for a corpus without a path): the
+  stored config keeps data.path as given, which, when relative, names the data only from the directory the
+  training ran in (or the repository's root). Read back by `stored_over_defaults`."""
+  from trime_jax import corpora
+
+  path = str(config.data.get("path", "") or "")
+  return {"data_path": os.path.abspath(corpora.resolve_path(path))} if path else {}
+
+
+def _recorded_data_path(export_dir: str, path: str) -> str:
+  """`path` (the stored data.path), or the absolute one meta.json recorded at training (`data_path_meta`) where
+  `path` is relative, is not found from here, and the recorded one exists: an export evaluates from any
+  directory. The data is still checked against the export's fingerprints when it is read."""
+  from trime_jax import corpora
+
+  if not path or os.path.isabs(path) or os.path.exists(corpora.resolve_path(path)):
+    return path
+  try:
+    with open(os.path.join(export_dir, "meta.json"), encoding="utf-8") as f:
+      recorded = json.load(f).get("data_path")
+  except (OSError, ValueError, UnicodeDecodeError, AttributeError):  # read_export_meta says what is wrong
+    return path
+  return recorded if isinstance(recorded, str) and os.path.isabs(recorded) and os.path.exists(recorded) else path
+
+
 def stored_over_defaults(export_dir: str, stored: dict | None = None) -> ml_collections.ConfigDict:
   """The config an export runs with when no other is given (every CLI's `--checkpoint` without `--config`, and
   `trime_jax.load`): configs/default.py with the export's stored fields over it (`check_stored_config`), so a
@@ -391,6 +417,8 @@ def stored_over_defaults(export_dir: str, stored: dict | None = None) -> ml_coll
   c = default.get_config()
   with c.unlocked():
     _overlay(c, stored, os.path.join(export_dir, "config.json"))
+  if export_dir:
+    c.data.path = _recorded_data_path(export_dir, c.data.path)
   return c
 
 

@@ -39,7 +39,7 @@ from trime_jax.runtime import workdir as workdir_files
 from trime_jax.runtime.optim import at_update, make_optimizer
 from trime_jax.runtime.progress import say
 from trime_jax.runtime.workdir import chief
-from trime_jax.errors import ConfigError, DataError
+from trime_jax.errors import CheckpointError, ConfigError, DataError
 from trime_jax import model as model_lib
 from trime_jax.model import count_params
 
@@ -312,7 +312,10 @@ def warm_start(state: dict, train_cfg, mcfg, vocab, tx, *, log) -> tuple[dict, d
   if "carry" in state:
     raise ConfigError("train.init_from: a stateful model's carry across segments is not in an export; resume it "
                       "from its checkpoints instead")
-  _, params, _, export_vocab, meta = exports.load_export(path)
+  try:
+    _, params, _, export_vocab, meta = exports.load_export(path)
+  except CheckpointError as e:  # "checkpoint directory not found: ..." did not say which setting named it
+    raise type(e)(f"train.init_from={path}: {e}") from None
   if meta.get("arch_digest") != exports.arch_digest(mcfg) or export_vocab.fingerprint() != vocab.fingerprint():
     raise ConfigError(f"train.init_from={path} is an export of another architecture or vocabulary than this "
                       "run's model")
@@ -419,4 +422,5 @@ class LMTask(loop.Task):
   def export(self, directory: str, params, extra: dict) -> str:
     # every process: orbax synchronises them
     return exports.export(directory, params, self.config, self.splits.vocab,
-                       extra={**extra, "train_fingerprint": self.splits.train.fingerprint()})
+                       extra={**extra, "train_fingerprint": self.splits.train.fingerprint(),
+                              **exports.data_path_meta(self.config)})

@@ -57,6 +57,12 @@ def validate_config(config) -> None:
                       f"group of {t.consecutive_segments} batch rows as consecutive segments: it needs "
                       f"trime.batching='consecutive' (a plan from launch/make_batches.py --kind=consecutive), "
                       f"got {t.batching!r}")
+  if t.memory == "long" and t.consecutive_segments == 1 and not specs.stateful_backbone(config):
+    # a Transformer's long memory is the earlier tokens of its run of m segments: m = 1 is the segment itself
+    raise ConfigError("trime.memory='long' with trime.consecutive_segments=1 is local memory (a token's memory is "
+                      "the earlier tokens of its run of m consecutive segments, here its own segment): set "
+                      "trime.consecutive_segments to m >= 2 with trime.batching='consecutive' (TrimeLM_long), "
+                      "or trime.memory='local' (TrimeLM)")
   gpus = int(t.get("consecutive_gpus", 1))
   consecutive.check_gpus(gpus, int(train_cfg.grad_accum), t.consecutive_layout)
   if gpus > 1 and t.batching != "consecutive":

@@ -201,9 +201,9 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
 
 
 def format_table(rows: list[dict], columns=("variant", "ppl", "bpc", "nll", "tokens", "tokens_per_s")) -> str:
-  """A Markdown table of result rows; rows of several long-term memory sizes (`--mem_sizes`) get a mem_size
+  """A Markdown table of result rows; rows with a long-term memory (eval.mem_size, `--mem_sizes`) get a mem_size
   column first (a trime_local row of 8,192 tokens of long-term memory is not the one without)."""
-  if "mem_size" not in columns and len({r.get("mem_size") for r in rows}) > 1:
+  if "mem_size" not in columns and (len({r.get("mem_size") for r in rows}) > 1 or any(r.get("mem_size") for r in rows)):
     columns = ("mem_size", *columns)
   cols = [c for c in columns if any(c in r for r in rows)]
 
