@@ -95,6 +95,22 @@ def test_checkout_without_install_finds_configs_and_launch(tmp_path):
   assert r.stdout.split() == [os.path.join(REPO, "configs", "demo.py"), os.path.join(REPO, "launch", "common.py")]
 
 
+def test_another_checkout_on_the_path_takes_its_own_configs_and_launch(tmp_path):
+  """A second checkout on PYTHONPATH beside an editable install of this one (a worktree, a user's clone): its
+  trime_jax takes *its* launch/ and configs/ (the editable finder gave this checkout's, mixing two versions)."""
+  other = tmp_path / "other"
+  for pkg in ("trime_jax", "configs", "launch"):
+    shutil.copytree(os.path.join(REPO, pkg), other / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+  shutil.copy(os.path.join(REPO, "pyproject.toml"), other / "pyproject.toml")
+  code = ("import trime_jax.configs.demo, trime_jax.launch.common, trime_jax\n"
+          "print(trime_jax.__file__, trime_jax.configs.demo.__file__, trime_jax.launch.common.__file__)")
+  r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(str(other)), capture_output=True,
+                     text=True, timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.split() == [str(other / "trime_jax" / "__init__.py"), str(other / "configs" / "demo.py"),
+                              str(other / "launch" / "common.py")]
+
+
 def test_commands_run_from_another_directory(installed, tmp_path):
   """trime-train with a config named as in the repository, from a directory without it; trime-eval with no
   --config reads the export's stored config (its eval.max_tokens=96), overridden by --config.eval.split."""

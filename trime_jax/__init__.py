@@ -42,9 +42,11 @@ sys.modules[__name__].__class__ = _Package
 
 
 # configs/ and launch/ sit at the top of the repository and install inside this package (pyproject's
-# package-dir: trime_jax.configs, trime_jax.launch). An install (wheel or editable) finds them itself; a checkout
-# used without installing (PYTHONPATH=<checkout>, as experiments/*_device.sh do) finds them through this finder,
-# which is consulted last and knows only those two names.
+# package-dir: trime_jax.configs, trime_jax.launch). A wheel has them inside the package. A checkout (this package
+# beside its pyproject.toml, configs/ and launch/) takes them from beside itself through this finder, which knows
+# only those two names and is consulted first: used without installing (PYTHONPATH=<checkout>, as
+# experiments/*_device.sh do), and also where an editable install of *another* checkout is on the path, whose
+# finder would otherwise give that checkout's launch/ and configs/ with this one's trime_jax.
 _CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TOP_LEVEL = ("configs", "launch")
 
@@ -59,9 +61,12 @@ class _CheckoutFinder(importlib.abc.MetaPathFinder):
                                                   submodule_search_locations=[folder])
 
 
-if all(os.path.isfile(os.path.join(_CHECKOUT, d, "__init__.py")) for d in _TOP_LEVEL) and not any(
-    isinstance(f, _CheckoutFinder) for f in sys.meta_path):
-  sys.meta_path.append(_CheckoutFinder())
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+if (os.path.isfile(os.path.join(_CHECKOUT, "pyproject.toml"))
+    and all(os.path.isfile(os.path.join(_CHECKOUT, d, "__init__.py")) for d in _TOP_LEVEL)
+    and not any(os.path.isdir(os.path.join(_PACKAGE_DIR, d)) for d in _TOP_LEVEL)
+    and not any(isinstance(f, _CheckoutFinder) for f in sys.meta_path)):
+  sys.meta_path.insert(0, _CheckoutFinder())
 
 
 def __getattr__(name):  # PEP 562: reached only for names not set yet
