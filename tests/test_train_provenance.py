@@ -4,6 +4,7 @@ skipped updates are counted and the learning rate logged is the one applied, a s
 metrics line an uninterrupted run would not, and a long-memory config without consecutive batches is refused."""
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -14,7 +15,7 @@ import pytest
 
 from helpers import read_metrics, tiny_config, write_text_file
 from trime_jax import checkpoint as ckpt
-from trime_jax import exports, steps, train
+from trime_jax import corpora, exports, steps, train
 from trime_jax.errors import CheckpointError, ConfigError
 from trime_jax.runtime.optim import make_schedule
 from trime_jax.train_config import validate_config
@@ -203,7 +204,8 @@ def test_a_resume_on_a_rewritten_corpus_or_batch_plan_is_refused(corpus, tmp_pat
   train.train_and_evaluate(tiny_config(str(text), **kw), workdir)
   with open(os.path.join(workdir, "data.json")) as f:
     recorded = json.load(f)
-  assert set(recorded) == {"train_fingerprint", "batch_plan_digest"} and recorded["batch_plan_digest"]
+  assert set(recorded) == {"train_fingerprint", "batch_plan_digest", "epochs"} and recorded["batch_plan_digest"]
+  assert recorded["epochs"] == "whole updates"
   write_plan(seed_shift=1)  # the same corpus, its batches in another order
   with pytest.raises(CheckpointError, match=r"was trained on other data \(batch_plan_digest: "):
     train.train_and_evaluate(tiny_config(str(text), **kw), workdir)
@@ -220,6 +222,31 @@ def test_a_resume_on_a_rewritten_corpus_or_batch_plan_is_refused(corpus, tmp_pat
   text.write_bytes(bytes(data))
   with pytest.raises(CheckpointError, match=r"was trained on other data \(train_fingerprint: "):
     train.train_and_evaluate(tiny_config(str(text), **plain), workdir)
+
+
+def test_a_run_from_before_whole_epoch_updates_is_told_where_its_batches_change(corpus, tmp_path, caplog):
+  """A run whose data.json lacks "epochs" (started before 2026-12-06, when an update could straddle two epochs)
+  resumes with a warning naming the first update whose batches differ from the old order; none when its epochs
+  are whole updates anyway, or after it has been resumed once under today's layout."""
+  kw = dict(FAST, **{"train.batch_size": 64, "train.num_steps": 12, "train.stop_after": 3})
+  config = tiny_config(corpus, **kw)
+  changed_at = train.BatchSource(corpora.load_splits(config.data).train, config).first_update_of_another_layout()
+  assert changed_at is not None and 3 < changed_at < 12, changed_at  # the epoch ends inside update changed_at
+  workdir = str(tmp_path / "w")
+  train.train_and_evaluate(config, workdir)
+  path = os.path.join(workdir, "data.json")
+  old = {k: v for k, v in json.load(open(path)).items() if k != "epochs"}
+  with open(path, "w") as f:
+    json.dump(old, f)
+  with caplog.at_level(logging.WARNING):
+    train.train_and_evaluate(tiny_config(corpus, **{**kw, "train.stop_after": 2}), workdir)
+  said = [r.getMessage() for r in caplog.records if "straddle two epochs" in r.getMessage()]
+  assert len(said) == 1 and f"from update {changed_at} on" in said[0], said
+  assert json.load(open(path))["epochs"] == "whole updates"  # recorded now: the next resume says nothing
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    assert train.train_and_evaluate(tiny_config(corpus, **{**kw, "train.stop_after": 0}), workdir)["step"] == 12
+  assert not any("straddle two epochs" in r.getMessage() for r in caplog.records)
 
 
 def test_a_best_measured_with_another_dev_protocol_is_measured_again_before_it_is_compared(corpus, tmp_path,

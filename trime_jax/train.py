@@ -48,6 +48,11 @@ from trime_jax.model import count_params
 # ----------------------------------------------------------------------------------------------------------
 # Batches
 # ----------------------------------------------------------------------------------------------------------
+# What training's epochs are, recorded in data.json (absent before 2026-12-06, when an update could straddle two
+# epochs): a run resumed across the change is told from which update its batches differ.
+EPOCH_LAYOUT = "whole updates"
+
+
 class BatchSource:
   """Training batch of update `step`: inputs/targets [grad_accum, B, L], drop_local [grad_accum, B] (one draw
   per segment, memory=ext), and documents [grad_accum, B, L] for packed long-term runs."""
@@ -93,6 +98,14 @@ class BatchSource:
     self.with_documents = t.memory == "long" and t.consecutive_layout == "packed"
     # A stateful backbone learns where a row does not continue the previous micro-batch's row.
     self.with_reset = specs.stateful_backbone(config)
+
+  def first_update_of_another_layout(self) -> int | None:
+    """The first update whose batches differ from those of before 2026-12-06, when training read an endless
+    sequence of micro-batches (or segments) and an update could straddle two epochs: the first update that
+    reaches an epoch's end where an update does not divide the epoch (None where it does: nothing changed)."""
+    per_update = self.config.train.grad_accum * (1 if self.plan is not None else self.config.train.batch_size)
+    n = self.plan.num_batches if self.plan is not None else len(self.segments)
+    return None if n % per_update == 0 else n // per_update
 
   def indices(self, step: int) -> np.ndarray:
     """Segment indices [grad_accum, B] of update `step` (-1: all-padding row)."""
@@ -286,7 +299,15 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
                    "batch_plan_digest": task.source.plan.digest() if task.source.plan else None}
   if init_record is not None:  # the export a warm restart started from (its fingerprint and update)
     data_identity["init_from"] = init_record
+  data_identity["epochs"] = EPOCH_LAYOUT
   ckpt.check_resume_data(workdir, config, data_identity, write=False)
+  resumed = workdir_files.newest_step(os.path.join(workdir, workdir_files.CHECKPOINTS))
+  changed_at = task.source.first_update_of_another_layout()
+  if (resumed is not None and changed_at is not None and max(changed_at, resumed) < train_cfg.num_steps
+      and "epochs" not in ckpt.recorded_data_identity(workdir)):
+    logging.warning("this run started before 2026-12-06, when an update could straddle two epochs: from update %d "
+                    "on, its batches follow today's epochs of whole updates (the last one padded), not the order it "
+                    "would have had; the run goes on", max(changed_at, resumed))
 
   def starting():  # nothing was refused and the checkpoint restored: the run starts; config.json says what ran
     ckpt.check_resume_config(workdir, config)
