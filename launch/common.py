@@ -314,7 +314,14 @@ def _missing_config_file(path: str) -> str:
     return ""
   if os.path.isdir(path):
     return f"--config={path} is a folder, not a config file (configs/*.py)"
-  return f"--config file not found: {path} (working directory {os.getcwd()})"
+  import difflib
+
+  shipped_dir = os.path.join(PACKAGE_ROOT, "configs")
+  shipped = sorted(n[:-3] for n in os.listdir(shipped_dir) if n.endswith(".py") and not n.startswith("_")) \
+      if os.path.isdir(shipped_dir) else []
+  close = difflib.get_close_matches(os.path.basename(path).removesuffix(".py"), shipped, n=1, cutoff=0.75)
+  return (f"--config file not found: {path} (working directory {os.getcwd()})"
+          + (f"; did you mean configs/{close[0]}.py?" if close else ""))
 
 
 def _field_missing_in_file(path: str, chain) -> str:
@@ -588,10 +595,11 @@ def train_in_workdir(train_and_evaluate, config, workdir: str | None, example: s
     exit_now(130)
 
 
-def validated(config, checkpoint: str | None = None):
+def validated(config, checkpoint: str | None = None, *, training: bool = False):
   """`config` after train.validate_config (enums and ranges, eval's included): the evaluation CLIs check a config
   up front like training does, before loading a checkpoint or compiling anything. checkpoint: the export they
-  read, refused when it is a translation export."""
+  read, refused when it is a translation export. training: a config to train with (launch.train, make_batches),
+  checked as training checks it."""
   from trime_jax import exports
   from trime_jax.errors import ConfigError
   from trime_jax.train import validate_config
@@ -604,7 +612,7 @@ def validated(config, checkpoint: str | None = None):
     raise ConfigError("--config is a translation config (configs/ui_de_en.py's schema): train it with "
                       "trime_jax.launch.train_mt, translate with trime_jax.launch.translate")
   if config is not None:
-    validate_config(config)
+    validate_config(config, training=training)
   return config
 
 
@@ -795,8 +803,9 @@ def check_export(config, checkpoint: str) -> None:
   stored_all = check_stored_config(checkpoint)
   stored = stored_all.get("model", {})
   data_given = given_overrides("data")
-  if "vocab_min_count" in data_given:  # the vocabulary is the export's vocab.json: the setting would be unread
-    there = stored_all.get("data", {}).get("vocab_min_count")
+  there = stored_all.get("data", {}).get("vocab_min_count")
+  if "vocab_min_count" in data_given and config is not None and config.data.get("vocab_min_count") != there:
+    # the vocabulary is the export's vocab.json: another value would be unread (the export's own is harmless)
     raise ConfigError(f"--config.data.vocab_min_count={data_given['vocab_min_count']}: an export's vocabulary is "
                       f"fixed (its vocab.json; {path} has data.vocab_min_count={there!r}); drop the override")
   given = given_overrides("model")

@@ -37,7 +37,7 @@ def main(argv):
 
   config = _CONFIG.value
   config.trime.batching = _KIND.value  # checked as the training that reads this plan will run (its batching)
-  config = validated(config)
+  config = validated(config, training=True)
   check_output_path(_OUT.value, "out", reads=[("data.path", str(config.data.get("path", "") or "")),
                                               ("--config", config_flags.get_config_filename(flags.FLAGS["config"]))])
   with contextlib.ExitStack() as held:

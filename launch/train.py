@@ -32,7 +32,7 @@ def main(argv):
   del argv
   from trime_jax.train import format_memory_plan, memory_plan, train_and_evaluate
 
-  config = validated(_CONFIG.value)  # a translation config: said as such (it was an AttributeError traceback)
+  config = validated(_CONFIG.value, training=True)  # a translation config: said as such (it was an AttributeError traceback)
   if _DRY_RUN.value:
     print(format_memory_plan(memory_plan(config)), flush=True)
     return

@@ -102,7 +102,17 @@ def test_another_checkout_on_the_path_takes_its_own_configs_and_launch(tmp_path)
   for pkg in ("trime_jax", "configs", "launch"):
     shutil.copytree(os.path.join(REPO, pkg), other / pkg, ignore=shutil.ignore_patterns("__pycache__"))
   shutil.copy(os.path.join(REPO, "pyproject.toml"), other / "pyproject.toml")
-  code = ("import trime_jax.configs.demo, trime_jax.launch.common, trime_jax\n"
+  # An editable install's finder, as pip's gives this checkout's launch/ and configs/ (put on the path here, so
+  # the test does not depend on how this environment installed the package)
+  code = ("import importlib.abc, importlib.util, os, sys\n"
+          "class Editable(importlib.abc.MetaPathFinder):\n"
+          "  def find_spec(self, name, path=None, target=None):\n"
+          "    if name in ('trime_jax.configs', 'trime_jax.launch'):\n"
+          f"      folder = os.path.join({REPO!r}, name.split('.')[1])\n"
+          "      return importlib.util.spec_from_file_location(name, os.path.join(folder, '__init__.py'),\n"
+          "                                                    submodule_search_locations=[folder])\n"
+          "sys.meta_path.append(Editable())\n"
+          "import trime_jax.configs.demo, trime_jax.launch.common, trime_jax\n"
           "print(trime_jax.__file__, trime_jax.configs.demo.__file__, trime_jax.launch.common.__file__)")
   r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(str(other)), capture_output=True,
                      text=True, timeout=120)

@@ -230,6 +230,32 @@ def test_stream_batches_continue_the_streams_across_updates(tmp_path):
         assert nxt[k, 0] == cur[k, 0] + 3
 
 
+def test_stream_resets_at_a_padded_epoch_end(tmp_path):
+  """An epoch whose last update is padded: a stateful model's rows start over there (padding, then the next
+  epoch's first runs), and nowhere inside an epoch where a stream continues."""
+  corpus = _corpus()
+  # one segment per run, as a stateful model (SRU++) reads its streams: row k of micro-batch i + 1 continues row k
+  # of micro-batch i
+  kw = {"trime.batching": "consecutive", "trime.batch_plan": str(tmp_path / "plan"), "trime.consecutive_segments": 1,
+        "trime.memory": "local"}
+  header, batches = consecutive.make_plan(corpus, _config(**kw), progress=False)
+  batch_plan.save(str(tmp_path / "plan"), header, batches)
+  p = len(batches)
+  accum = next(a for a in range(2, p) if p % a)
+  source = BatchSource(corpus, _config(**kw, **{"train.grad_accum": accum}))
+  per_epoch = -(-p // accum)
+  for step in range(2 * per_epoch + 1):
+    idx = source.indices(step)
+    flat_before = np.concatenate([source.indices(s) for s in range(step)]) if step else np.zeros((0, idx.shape[1]))
+    prev = np.concatenate([flat_before[-1:] if step else np.full((1, idx.shape[1]), -2), idx[:-1]])
+    want = (idx < 0) | (prev < 0) | (idx != prev + 1)  # the row does not continue the micro-batch before it
+    got = source.resets(step, idx)
+    np.testing.assert_array_equal(got, want)
+    if step % per_epoch == 0:  # an epoch's first update: every row starts over
+      assert got[0].all(), (step, got)
+  assert (~source.resets(1, source.indices(1))).any()  # streams do continue inside an epoch
+
+
 @pytest.mark.parametrize("layout", ["stream", "packed"])
 def test_plan_rows_are_the_layout_of_the_long_loss(layout):
   """In a gathered batch, trime_nll(memory="long", m) lets a token see exactly the earlier tokens of its run of m

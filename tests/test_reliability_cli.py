@@ -500,8 +500,9 @@ def e_config_sets_a_field_it_lacks(b):  # "bad command-line flag: Key ... Other 
 
 
 def e_missing_config_with_an_override(b):  # ml_collections' "Configuration is not available because of ..."
-  return _case("train", f"--config={b['tmp']}/no_such_config.py", f"--workdir={b['tmp']}/cases/mc",
-               "--config.train.num_steps=2"), [f"--config file not found: {b['tmp']}/no_such_config.py"], []
+  return _case("train", f"--config={b['tmp']}/wikitext_mni.py", f"--workdir={b['tmp']}/cases/mc",
+               "--config.train.num_steps=2"), [f"--config file not found: {b['tmp']}/wikitext_mni.py",
+                                               "did you mean configs/wikitext_mini.py?"], []
 
 
 def _results_file(b, name, held):

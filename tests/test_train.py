@@ -385,3 +385,51 @@ def test_a_link_replaced_by_an_export_is_put_back_after_a_kill_between_the_renam
   exports.export(str(link), params, cfg, vocab, overwrite=True)
   assert not os.path.islink(link) and exports.read_export_meta(str(link))
   assert os.listdir(target) == ["mine.txt"] and sorted(os.listdir(tmp_path)) == ["link", "target"]
+
+
+@pytest.mark.parametrize("memory", ["local", "ext", "srupp_long"])
+def test_an_all_padding_micro_batch_changes_nothing(memory):
+  """An epoch's last update may hold all-padding micro-batches (epochs are whole updates): the update's loss and
+  every gradient are those of its real micro-batches alone, wherever the padding stands, and nothing is skipped."""
+  import functools
+
+  from flax import nnx
+
+  from tests.helpers import grad_capture
+  from trime_jax import model as model_lib
+  from trime_jax import steps
+  from trime_jax.configs import default
+
+  b, length = 4, 8
+  c = default.get_config()
+  c.model.update(vocab_size=32, num_layers=1, d_model=16, num_heads=2, d_ff=32, max_len=length, dropout=0.0,
+                 attention_dropout=0.0, activation_dropout=0.0)
+  c.data.segment_len = c.eval.block_len = length
+  c.trime.memory = "ext" if memory == "ext" else "long" if memory == "srupp_long" else "local"
+  if memory == "srupp_long":
+    c.model.backbone, c.model.key_type = "srupp", "final"
+  mcfg = specs.model_config(c)
+  graphdef, params = nnx.split(model_lib.build_model(mcfg, rngs=nnx.Rngs(params=0)), nnx.Param)
+  tx = grad_capture()
+
+  def run(batch):
+    state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
+    if memory == "srupp_long":
+      state["carry"] = steps.init_train_carry(nnx.merge(graphdef, params), b, length)
+    step = functools.partial(steps.train_step, graphdef, tx, specs.loss_spec(c), True, True)
+    new, metrics = jax.jit(step)(state, batch, jax.random.PRNGKey(3))
+    return jax.device_get(metrics), jax.device_get(new["opt_state"]["g"])
+
+  tokens = np.random.default_rng(0).integers(2, 32, (1, b, length + 1)).astype(np.int32)
+  real = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "drop_local": np.zeros((1, b), bool),
+          "reset": np.ones((1, b), bool)}
+  pad = {"inputs": np.zeros((1, b, length), np.int32), "targets": np.full((1, b, length), -1, np.int32),
+         "drop_local": np.zeros((1, b), bool), "reset": np.ones((1, b), bool)}
+  if memory != "srupp_long":
+    del real["reset"], pad["reset"]
+  alone = run(real)
+  for first, second in ((real, pad), (pad, real)):
+    metrics, grads = run({k: np.concatenate([first[k], second[k]]) for k in real})
+    assert int(metrics["skipped"]) == 0 and float(metrics["loss"]) == pytest.approx(float(alone[0]["loss"]), rel=1e-6)
+    for g, want in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(alone[1])):
+      np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-7)

@@ -4,7 +4,6 @@ skipped updates are counted and the learning rate logged is the one applied, a s
 metrics line an uninterrupted run would not, and a long-memory config without consecutive batches is refused."""
 
 import json
-import logging
 import math
 import os
 import shutil
@@ -173,7 +172,9 @@ def test_long_memory_over_runs_of_several_segments_needs_consecutive_batches(cor
                                         r"trime.batching='consecutive'.* got 'random'"):
     validate_config(cfg)
   one = tiny_config(corpus, **{"trime.memory": "long", "trime.consecutive_segments": 1})
-  validate_config(one)  # runs of one segment: nothing to be consecutive
+  with pytest.raises(ConfigError, match="consecutive_segments=1 is local memory"):  # runs of one segment: TrimeLM
+    validate_config(one)
+  validate_config(one, training=False)  # an export trained so (before the refusal) is still evaluated
 
 
 def test_resumable_changes_are_documented_with_their_exception():
@@ -224,29 +225,39 @@ def test_a_resume_on_a_rewritten_corpus_or_batch_plan_is_refused(corpus, tmp_pat
     train.train_and_evaluate(tiny_config(str(text), **plain), workdir)
 
 
-def test_a_run_from_before_whole_epoch_updates_is_told_where_its_batches_change(corpus, tmp_path, caplog):
-  """A run whose data.json lacks "epochs" (started before 2026-12-06, when an update could straddle two epochs)
-  resumes with a warning naming the first update whose batches differ from the old order; none when its epochs
-  are whole updates anyway, or after it has been resumed once under today's layout."""
-  kw = dict(FAST, **{"train.batch_size": 64, "train.num_steps": 12, "train.stop_after": 3})
+def test_a_run_begun_before_whole_epoch_updates_resumes_in_its_own_order(corpus, tmp_path, capsys):
+  """A run whose data.json has no "epochs" (begun before 2026-12-06, when an update could straddle two epochs)
+  keeps that layout when it resumes, and says so once: its updates past the epoch's end are the ones an
+  uninterrupted run of the old layout trains on, loss for loss, not today's (whole updates, the last padded)."""
+  kw = dict(FAST, **{"train.batch_size": 64, "train.num_steps": 12, "train.log_every": 1})
   config = tiny_config(corpus, **kw)
-  changed_at = train.BatchSource(corpora.load_splits(config.data).train, config).first_update_of_another_layout()
-  assert changed_at is not None and 3 < changed_at < 12, changed_at  # the epoch ends inside update changed_at
-  workdir = str(tmp_path / "w")
-  train.train_and_evaluate(config, workdir)
-  path = os.path.join(workdir, "data.json")
-  old = {k: v for k, v in json.load(open(path)).items() if k != "epochs"}
+  source = train.BatchSource(corpora.load_splits(config.data).train, config)
+  changed_at = source.first_update_of_another_layout()
+  assert changed_at is not None and 3 < changed_at < 11, changed_at  # the epoch ends inside update changed_at
+  old_source = train.BatchSource(source.corpus, config, epochs=train.EPOCHS_STRADDLING)
+  assert not np.array_equal(source.indices(changed_at), old_source.indices(changed_at))
+  assert np.array_equal(source.indices(changed_at - 1), old_source.indices(changed_at - 1))
+  whole = str(tmp_path / "whole")  # today's layout, uninterrupted
+  train.train_and_evaluate(config, whole)
+  assert json.load(open(os.path.join(whole, "data.json")))["epochs"] == "whole updates"
+  old = str(tmp_path / "old")  # begun under the old layout: stopped at update 3, its data.json as it was then
+  train.train_and_evaluate(tiny_config(corpus, **{**kw, "train.stop_after": 3}), old)
+  path = os.path.join(old, "data.json")
+  record = json.load(open(path))
+  del record["epochs"]
   with open(path, "w") as f:
-    json.dump(old, f)
-  with caplog.at_level(logging.WARNING):
-    train.train_and_evaluate(tiny_config(corpus, **{**kw, "train.stop_after": 2}), workdir)
-  said = [r.getMessage() for r in caplog.records if "straddle two epochs" in r.getMessage()]
+    json.dump(record, f)
+  capsys.readouterr()
+  train.train_and_evaluate(config, old)
+  said = [line for line in capsys.readouterr().out.splitlines() if "keeps the epoch layout it began with" in line]
   assert len(said) == 1 and f"from update {changed_at} on" in said[0], said
-  assert json.load(open(path))["epochs"] == "whole updates"  # recorded now: the next resume says nothing
-  caplog.clear()
-  with caplog.at_level(logging.WARNING):
-    assert train.train_and_evaluate(tiny_config(corpus, **{**kw, "train.stop_after": 0}), workdir)["step"] == 12
-  assert not any("straddle two epochs" in r.getMessage() for r in caplog.records)
+  assert json.load(open(path))["epochs"] == "straddling"  # recorded: later resumes keep it too
+  lines_whole, lines_old = _train_lines(whole), _train_lines(old)
+  assert [m["step"] for m in lines_old] == list(range(1, 13))
+  # the same updates up to the epoch's end, then the old layout's (other segments, so other losses)
+  for a, b in zip(lines_whole[:changed_at], lines_old[:changed_at]):
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+  assert lines_whole[changed_at]["loss"] != pytest.approx(lines_old[changed_at]["loss"], rel=1e-6)
 
 
 def test_a_best_measured_with_another_dev_protocol_is_measured_again_before_it_is_compared(corpus, tmp_path,

@@ -462,12 +462,16 @@ def segment_documents(corpus: Corpus, segments: Segments, idx: np.ndarray) -> np
 def random_batch_indices(num_segments: int, batch_size: int, step: int, seed: int) -> np.ndarray:
   """Segment indices [batch_size] of batch `step` (-1: an all-padding row) in an endless sequence of epochs.
 
-  Epochs are whole batches, as fairseq's are: epoch e is batches e·K … e·K + K − 1, K = ⌈N / batch_size⌉, that
-  visit a seeded permutation of the N segments in order; its last batch holds the permutation's remainder and
-  all-padding rows after it (fairseq: a smaller last batch; the loss is normalised by the update's tokens, so
-  the two weigh the same). Every segment appears once per epoch and no batch holds a segment twice: a batch
-  that took the tail of one permutation and the head of the next could, and TRIME's in-batch memory would
-  then hold the segment's own copy. Batch `step` depends only on (seed, step), so training resumes exactly.
+  Epochs are whole batches: epoch e is batches e·K … e·K + K − 1, K = ⌈N / batch_size⌉, that visit a seeded
+  permutation of the N segments in order; its last batch holds the permutation's remainder and all-padding rows
+  after it. So an epoch has fairseq's number of updates and the next one starts on a fresh update, as the
+  original's iterator does (its last group of batches is shorter; the loss is normalised by the update's tokens,
+  so a padded and a smaller update weigh the same). What differs from the original, as before: fairseq composes
+  its batches once and reshuffles their order each epoch, this permutes the segments each epoch. Every segment
+  appears once per epoch and no batch holds a segment twice (`random_batch_indices_straddling`, the layout
+  before 2026-12-06, could: a batch took the tail of one permutation and the head of the next, and TRIME's
+  in-batch memory then held the segment's own copy). Batch `step` depends only on (seed, step), so training
+  resumes exactly.
   """
   if num_segments < 1:
     raise DataError("no training segments")
@@ -476,6 +480,21 @@ def random_batch_indices(num_segments: int, batch_size: int, step: int, seed: in
   part = np.random.default_rng([seed, epoch]).permutation(num_segments)[j * batch_size:(j + 1) * batch_size]
   out = np.full(batch_size, -1, np.int64)
   out[:len(part)] = part
+  return out
+
+
+def random_batch_indices_straddling(num_segments: int, batch_size: int, step: int, seed: int) -> np.ndarray:
+  """The batches of `random_batch_indices` before 2026-12-06, kept for runs that started with them (a resume
+  goes on in the order it began): one endless sequence of the same seeded epoch permutations, a batch that
+  reaches an epoch's end taking the next permutation's head."""
+  if num_segments < 1:
+    raise DataError("no training segments")
+  first, out, filled = step * batch_size, np.empty(batch_size, np.int64), 0
+  while filled < batch_size:
+    epoch, offset = divmod(first + filled, num_segments)
+    take = min(batch_size - filled, num_segments - offset)
+    out[filled:filled + take] = np.random.default_rng([seed, epoch]).permutation(num_segments)[offset:offset + take]
+    filled += take
   return out
 
 

@@ -381,13 +381,13 @@ def _overlay(dst, src: dict, path: str = "", prefix: str = "") -> None:
 
 
 def data_path_meta(config) -> dict:
-  """{"data_path": the training data's absolute path} for meta.json (nothing for a corpus without a path): the
-  stored config keeps data.path as given, which, when relative, names the data only from the directory the
+  """{"data_path": the training data's absolute path} for meta.json (nothing for a corpus without a local path):
+  the stored config keeps data.path as given, which, when relative, names the data only from the directory the
   training ran in (or the repository's root). Read back by `stored_over_defaults`."""
   from trime_jax import corpora
 
-  path = str(config.data.get("path", "") or "")
-  return {"data_path": os.path.abspath(corpora.resolve_path(path))} if path else {}
+  path = corpora.resolve_path(str(config.data.get("path", "") or ""))
+  return {"data_path": os.path.abspath(path)} if path and os.path.exists(path) else {}  # a local file or folder
 
 
 def _recorded_data_path(export_dir: str, path: str) -> str:

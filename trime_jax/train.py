@@ -48,18 +48,22 @@ from trime_jax.model import count_params
 # ----------------------------------------------------------------------------------------------------------
 # Batches
 # ----------------------------------------------------------------------------------------------------------
-# What training's epochs are, recorded in data.json (absent before 2026-12-06, when an update could straddle two
-# epochs): a run resumed across the change is told from which update its batches differ.
-EPOCH_LAYOUT = "whole updates"
+# What training's epochs are, recorded in data.json. EPOCHS_WHOLE since 2026-12-06: an epoch is whole updates, its
+# last one padded. EPOCHS_STRADDLING before (data.json had no such field): updates read on through the epochs'
+# end, so one could straddle two; a run that began so resumes in that order (nothing changes under a resume).
+EPOCHS_WHOLE, EPOCHS_STRADDLING = "whole updates", "straddling"
 
 
 class BatchSource:
   """Training batch of update `step`: inputs/targets [grad_accum, B, L], drop_local [grad_accum, B] (one draw
   per segment, memory=ext), and documents [grad_accum, B, L] for packed long-term runs."""
 
-  def __init__(self, corpus: data.Corpus, config):
+  def __init__(self, corpus: data.Corpus, config, epochs: str = EPOCHS_WHOLE):
+    if epochs not in (EPOCHS_WHOLE, EPOCHS_STRADDLING):
+      raise ValueError(f"epochs must be {EPOCHS_WHOLE!r} or {EPOCHS_STRADDLING!r}, got {epochs!r}")
     self.corpus = corpus
     self.config = config
+    self.epochs = epochs
     self.segments = data.make_segments(corpus, config.data.segment_len, config.data.segmentation)
     self.plan = None
     self._rows = None  # the host's rows of the last batch read (resets compare against the same rows)
@@ -100,9 +104,8 @@ class BatchSource:
     self.with_reset = specs.stateful_backbone(config)
 
   def first_update_of_another_layout(self) -> int | None:
-    """The first update whose batches differ from those of before 2026-12-06, when training read an endless
-    sequence of micro-batches (or segments) and an update could straddle two epochs: the first update that
-    reaches an epoch's end where an update does not divide the epoch (None where it does: nothing changed)."""
+    """The first update whose batches differ between EPOCHS_WHOLE and EPOCHS_STRADDLING: the first that reaches an
+    epoch's end where an update does not divide the epoch (None where it does: the two are the same)."""
     per_update = self.config.train.grad_accum * (1 if self.plan is not None else self.config.train.batch_size)
     n = self.plan.num_batches if self.plan is not None else len(self.segments)
     return None if n % per_update == 0 else n // per_update
@@ -111,10 +114,12 @@ class BatchSource:
     """Segment indices [grad_accum, B] of update `step` (-1: all-padding row)."""
     train_cfg = self.config.train
     micro = train_cfg.grad_accum
+    straddling = self.epochs == EPOCHS_STRADDLING
     if self.plan is not None:
-      return self.plan.update_rows(step, micro)
-    flat = data.random_batch_indices(len(self.segments), micro * train_cfg.batch_size, step, train_cfg.seed)
-    return flat.reshape(micro, train_cfg.batch_size)
+      return (np.stack([self.plan.rows(step * micro + a) for a in range(micro)]) if straddling
+              else self.plan.update_rows(step, micro))
+    draw = data.random_batch_indices_straddling if straddling else data.random_batch_indices
+    return draw(len(self.segments), micro * train_cfg.batch_size, step, train_cfg.seed).reshape(micro, -1)
 
   def __call__(self, step: int, rows=None) -> dict:
     """The batch of update `step`; `rows` (global row indices, sorted): only those rows of each micro-batch
@@ -140,11 +145,10 @@ class BatchSource:
   def resets(self, step: int, idx) -> np.ndarray:
     """[grad_accum, B] bool: row b of micro-batch a does not hold the segment after row b of the micro-batch
     before it (a stream starts over; every row with random batching). `idx` may be a host's rows only."""
-    micro = self.config.train.grad_accum
     if self.plan is None or step == 0:
       prev0 = np.full(idx.shape[1:], -2)
     else:
-      prev0 = self.plan.update_rows(step - 1, micro)[-1]
+      prev0 = self.indices(step - 1)[-1]
       prev0 = prev0[self._rows] if self._rows is not None else prev0
     prev = np.concatenate([prev0[None], idx[:-1]], axis=0)
     return (self.plan is None) | (idx < 0) | (prev < 0) | (idx != prev + 1)
@@ -292,22 +296,27 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
       _log(f"train.init_from={train_cfg.init_from}: not read, the run resumes from its checkpoints")
   state_sh = sharding.train_state_shardings(mesh, state)
   state = jax.device_put(state, state_sh)
-  task = LMTask(config, splits, graphdef, tx, spec, mesh, state_sh)
+  # The epoch layout: a resume keeps the one its run began with (data.json; a run of before 2026-12-06 has none)
+  resumed = workdir_files.newest_step(os.path.join(workdir, workdir_files.CHECKPOINTS))
+  epochs = ckpt.recorded_data_identity(workdir).get("epochs", EPOCHS_STRADDLING) if resumed is not None \
+      else EPOCHS_WHOLE
+  if epochs not in (EPOCHS_WHOLE, EPOCHS_STRADDLING):
+    raise CheckpointError(f"{os.path.join(workdir, ckpt.DATA_FILE)} says epochs={epochs!r}, not an epoch layout this "
+                          f"version knows ({EPOCHS_WHOLE!r}, {EPOCHS_STRADDLING!r}): restore the file")
+  task = LMTask(config, splits, graphdef, tx, spec, mesh, state_sh, epochs=epochs)
   # What the batches are made of: a resume must read the same training split and batch plan (config.json names
   # only their paths; rewriting either between two invocations would silently change the rest of the run).
   data_identity = {"train_fingerprint": splits.train.fingerprint(),
                    "batch_plan_digest": task.source.plan.digest() if task.source.plan else None}
   if init_record is not None:  # the export a warm restart started from (its fingerprint and update)
     data_identity["init_from"] = init_record
-  data_identity["epochs"] = EPOCH_LAYOUT
+  data_identity["epochs"] = epochs
   ckpt.check_resume_data(workdir, config, data_identity, write=False)
-  resumed = workdir_files.newest_step(os.path.join(workdir, workdir_files.CHECKPOINTS))
   changed_at = task.source.first_update_of_another_layout()
-  if (resumed is not None and changed_at is not None and max(changed_at, resumed) < train_cfg.num_steps
-      and "epochs" not in ckpt.recorded_data_identity(workdir)):
-    logging.warning("this run started before 2026-12-06, when an update could straddle two epochs: from update %d "
-                    "on, its batches follow today's epochs of whole updates (the last one padded), not the order it "
-                    "would have had; the run goes on", max(changed_at, resumed))
+  if epochs == EPOCHS_STRADDLING and changed_at is not None and max(changed_at, resumed) < train_cfg.num_steps:
+    _log(f"this run began before 2026-12-06 and keeps the epoch layout it began with: its updates read on through "
+         f"an epoch's end (from update {changed_at} on, one straddles two epochs); runs begun since make each epoch "
+         f"whole updates, the last one padded")
 
   def starting():  # nothing was refused and the checkpoint restored: the run starts; config.json says what ran
     ckpt.check_resume_config(workdir, config)
@@ -357,7 +366,7 @@ class LMTask(loop.Task):
 
   eval_split = "dev"
 
-  def __init__(self, config, splits, graphdef, tx, spec, mesh, state_shardings=None):
+  def __init__(self, config, splits, graphdef, tx, spec, mesh, state_shardings=None, epochs: str = EPOCHS_WHOLE):
     self.config, self.splits, self.graphdef, self.tx, self.spec, self.mesh = config, splits, graphdef, tx, spec, mesh
     # where the training state lives (`sharding.train_state_shardings`; None: all of it replicated)
     self.state_shardings = state_shardings or sharding.replicated(mesh)
@@ -365,7 +374,7 @@ class LMTask(loop.Task):
     self.warm = ce_warmup_steps(config)
     self.report_trime = spec.objective.memory != "none"
     self.stateful = specs.stateful_backbone(config)  # its dev scores depend on the streams
-    self.source = BatchSource(splits.train, config)
+    self.source = BatchSource(splits.train, config, epochs)
     data_sh = sharding.batch_sharding(mesh, batch_axis=1)
     train_cfg = config.train
     tokens_shape = (train_cfg.grad_accum, train_cfg.batch_size, config.data.segment_len)

@@ -28,9 +28,11 @@ CONSECUTIVE_LAYOUTS = ("stream", "packed")
 # ----------------------------------------------------------------------------------------------------------
 # Config checks
 # ----------------------------------------------------------------------------------------------------------
-def validate_config(config) -> None:
+def validate_config(config, *, training: bool = True) -> None:
   """Clear errors for values a locked ConfigDict cannot catch (enums, ranges, consistency; a field set under a
-  name retired by a rename, which an unlocked config would add unread)."""
+  name retired by a rename, which an unlocked config would add unread). `training=False` (the evaluation
+  programs, an export's stored config): not the checks of how a model is to be trained, which an export made
+  before them must still pass to be evaluated."""
   workdir.check_no_renamed_fields(config)
   t, train_cfg, d = config.trime, config.train, config.data
   _choice(t.memory, MEMORY_MODES, "trime.memory")
@@ -57,7 +59,7 @@ def validate_config(config) -> None:
                       f"group of {t.consecutive_segments} batch rows as consecutive segments: it needs "
                       f"trime.batching='consecutive' (a plan from launch/make_batches.py --kind=consecutive), "
                       f"got {t.batching!r}")
-  if t.memory == "long" and t.consecutive_segments == 1 and not specs.stateful_backbone(config):
+  if training and t.memory == "long" and t.consecutive_segments == 1 and not specs.stateful_backbone(config):
     # a Transformer's long memory is the earlier tokens of its run of m segments: m = 1 is the segment itself
     raise ConfigError("trime.memory='long' with trime.consecutive_segments=1 is local memory (a token's memory is "
                       "the earlier tokens of its run of m consecutive segments, here its own segment): set "
