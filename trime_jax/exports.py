@@ -393,7 +393,7 @@ def data_path_meta(config) -> dict:
 def _recorded_data_path(export_dir: str, path: str) -> str:
   """`path` (the stored data.path), or the absolute one meta.json recorded at training (`data_path_meta`) where
   `path` is relative, is not found from here, and the recorded one exists: an export evaluates from any
-  directory. The data is still checked against the export's fingerprints when it is read."""
+  directory, on the data the training read (its splits read as from any data.path)."""
   from trime_jax import corpora
 
   if not path or os.path.isabs(path) or os.path.exists(corpora.resolve_path(path)):
