@@ -256,10 +256,11 @@ def _parse_flags(argv, module: str = "__main__", checkpoint_is_export: bool = Tr
     # A --config file that is not there (whatever else failed because of it); the config file's own error: about
     # the file, not a flag; an override of a field the config lacks: which; a field the file sets that the
     # config lacks: where in the file
-    raised = (_missing_config_file(_given_config_file(argv)) or _config_file_error(str(e))
-              or _unknown_override(given, inner) or _field_missing_in_file(_given_config_file(argv), chain))
+    config_file = _given_config_file(argv)
+    raised = (_missing_config_file(config_file) or _config_file_error(str(e)) or _unknown_override(given, inner)
+              or _field_missing_in_file(config_file, chain))
     if not raised and "has no attribute 'get_config'" in str(e):
-      raised = (f"--config={_given_config_file(argv)}: the file has no get_config() (a config file defines "
+      raised = (f"--config={config_file}: the file has no get_config() (a config file defines "
                 "get_config() returning an ml_collections.ConfigDict, as configs/*.py)")
     print(f"error: {raised}" if raised else f"error: {kind}{_one_line(e)}", file=sys.stderr, flush=True)
     sys.exit(2)

@@ -94,7 +94,8 @@ def main(argv):
   if _ON_DEVICE.value and memory != "external":
     raise ConfigError(f"--datastore_on_device puts --datastore on the devices: use --memory=external, not {named}")
   # A setting the chosen memory would not read is refused, not ignored (as the Python API refuses it): retrieval
-  # without external memory, P′'s settings without the interpolation that uses them.
+  # without external memory, P′'s settings without the interpolation that uses them. --index when on; --knn_k /
+  # --nprobe when given at all (their defaults come from the export).
   retrieval = [f"--{f.name}" for f in (_INDEX,) if f.value] + [
       f"--{f.name}" for f in (_KNN_K, _NPROBE) if f.value is not None]
   if retrieval and memory != "external":
@@ -105,10 +106,8 @@ def main(argv):
   if p_prime and not _KNN_LAMBDA.value:
     raise ConfigError(f"{', '.join(p_prime)} {'sets' if len(p_prime) == 1 else 'set'} Appendix A's P′, which "
                       "only --knn_lambda > 0 mixes in (with --memory=external)")
-  # --trace / --knn_lambda / --index when on (--notrace, --knn_lambda=0 ask for nothing); --knn_k / --nprobe when
-  # given at all (their defaults come from the export)
-  given = [f"--{f.name}" for f in (_TRACE, _KNN_LAMBDA, _INDEX) if f.value] + [
-      f"--{f.name}" for f in (_KNN_K, _NPROBE) if f.value is not None]
+  # and --trace / --knn_lambda when on (--notrace, --knn_lambda=0 ask for nothing)
+  given = [f"--{f.name}" for f in (_TRACE, _KNN_LAMBDA) if f.value] + retrieval
   if _ON_DEVICE.value and given:
     # Refused before the keys are loaded (a 17.8M-key datastore takes minutes), not after; a retrieval setting
     # given with it would otherwise be silently unused.

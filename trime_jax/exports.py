@@ -399,9 +399,8 @@ def _recorded_data_path(export_dir: str, path: str) -> str:
   if not path or os.path.isabs(path) or os.path.exists(corpora.resolve_path(path)):
     return path
   try:
-    with open(os.path.join(export_dir, "meta.json"), encoding="utf-8") as f:
-      recorded = json.load(f).get("data_path")
-  except (OSError, ValueError, UnicodeDecodeError, AttributeError):  # read_export_meta says what is wrong
+    recorded = read_export_meta(export_dir).get("data_path")
+  except CheckpointError:  # said by the export's loader, which reads it next
     return path
   return recorded if isinstance(recorded, str) and os.path.isabs(recorded) and os.path.exists(recorded) else path
 

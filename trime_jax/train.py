@@ -286,9 +286,10 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
   if model.stateful:  # per-row state across segments: saved with the checkpoints, so a resume continues it
     state["carry"] = steps.init_train_carry(model, train_cfg.batch_size, config.data.segment_len)
+  resumed = workdir_files.newest_step(os.path.join(workdir, workdir_files.CHECKPOINTS))  # None: a new run
   init_record = None
   if train_cfg.get("init_from"):
-    if workdir_files.newest_step(os.path.join(workdir, workdir_files.CHECKPOINTS)) is None:
+    if resumed is None:
       state, init_record = warm_start(state, train_cfg, mcfg, vocab, tx, log=_log)
     else:  # a resume: its checkpoint holds the run; the export it started from is not read again (it may be gone
       # or replaced by a later partial export), and data.json keeps the record of the one it started from
@@ -297,7 +298,6 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   state_sh = sharding.train_state_shardings(mesh, state)
   state = jax.device_put(state, state_sh)
   # The epoch layout: a resume keeps the one its run began with (data.json; a run of before 2026-12-06 has none)
-  resumed = workdir_files.newest_step(os.path.join(workdir, workdir_files.CHECKPOINTS))
   epochs = ckpt.recorded_data_identity(workdir).get("epochs", EPOCHS_STRADDLING) if resumed is not None \
       else EPOCHS_WHOLE
   if epochs not in (EPOCHS_WHOLE, EPOCHS_STRADDLING):
