@@ -601,6 +601,26 @@ def check_eval(workdir):
       current = f"srupp_{name}"
       sruns[name] = run(sgraph, sparams, dev, meshes[name], context_window=0, points=points[:3])
     out["nll_err"]["srupp"] = {"8": float(np.nanmax(np.abs(sruns["8"].token_nll - sruns["1"].token_nll)))}
+    # The API: Model.score's texts split over the devices (load(devices=)), each memory, against one device
+    import trime_jax
+
+    texts = ["".join(chr(c) for c in rng.integers(97, 110, int(k))) for k in (20, 45, 70, 90, 130)]
+    api = {}
+    for name, devices in (("1", 1), ("4", 4), ("all", 0)):
+      model = trime_jax.load(export, devices=devices)
+      for memory, kw in (("local", {}), ("long", {}), ("external", dict(datastore=ds_dir, k=16))):
+        current = f"api_{memory}_{name}"
+        api.setdefault(memory, {})[name] = [np.asarray(t.log_probs) for t in model.score(texts, memory, **kw)]
+    out["api_err"] = {memory: {name: max(float(np.abs(a - b).max()) for a, b in zip(got, runs["1"]))
+                               for name, got in runs.items()} for memory, runs in api.items()}
+    refused = []
+    for value in (-1, 9, 2.0):
+      try:
+        trime_jax.load(export, devices=value)
+        refused.append("")
+      except ConfigError as e:
+        refused.append(str(e))
+    out["api_refusals"] = refused
   finally:
     driver.forward_queries, driver.score_step = originals["forward_queries"], originals["score_step"]
   out["placed"] = {k: sorted(v) for k, v in placed.items()}

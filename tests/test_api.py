@@ -432,11 +432,16 @@ def test_bad_arguments_are_one_clear_error_naming_them(model):
       (lambda: model.generate("x", memory="long", k=5), r"^k= .*memory='long' retrieves nothing"),
       (lambda: model.score(TEXT, memory="none", tau=0.5), r"^tau= .*memory='none' has none"),
       (lambda: model.score(TEXT, index="x.faiss"), r"^index= .*needs memory='external'"),
+      (lambda: setattr(model, "devices", 2), r"^devices=2 but this process sees 1 device$"),
+      (lambda: setattr(model, "devices", "all"), r"^devices must be a device count >= 0 \(0: all of this"),
+      (lambda: trime_jax.load(model.directory, devices=-1), r"^devices must be a device count >= 0"),
   ]
   for call, message in cases:
     with pytest.raises(ConfigError, match=message):
       call()
   assert len(model.memory) == 0
+  # the devices score splits texts over: the export's eval.devices (1), all of them (0: the one here) alike
+  assert model.devices == 1 and trime_jax.load(model.directory, devices=0).devices == 0
   # detokenize takes ids as a list, a NumPy or a JAX array
   ids = model.tokenize("def f")
   assert model.detokenize(ids) == model.detokenize(np.asarray(ids)) == model.detokenize(jax.numpy.asarray(ids)) == (

@@ -341,6 +341,12 @@ def test_evaluation_splits_its_streams_over_the_devices(checks):
     for name, row in ppls.items():
       np.testing.assert_allclose(row, ppls["1"], rtol=1e-5, err_msg=f"{case} {name}")
     assert len(set(r["tokens"][case].values())) == 1 and r["tokens"][case]["1"] > 1000
+  # trime_jax.load(devices=N).score: the texts' rows split over N devices, the same log-probabilities
+  for memory, errs in r["api_err"].items():
+    assert set(errs) == {"1", "4", "all"} and max(errs.values()) < 1e-5, (memory, errs)
+  assert r["api_refusals"] == ["devices must be a device count >= 0 (0: all of this process's), got -1",
+                               "devices=9 but this process sees 8 devices",
+                               "devices must be a device count >= 0 (0: all of this process's), got 2.0"]
   for run, where in r["placed"].items():
     n = {"1": 1, "4": 4, "8": 8, "all": 8, "overlap": 8}[run.rsplit("_", 1)[1]]
     assert where == [[n, n, "P('data',)" if n > 1 else ""]], (run, where)

@@ -42,7 +42,7 @@ import weakref
 
 import numpy as np
 
-from trime_jax import data, evaluate, exports
+from trime_jax import data, evaluate, exports, sharding
 from trime_jax.errors import ConfigError
 
 MEMORIES = ("none", "local", "long", "external")
@@ -66,6 +66,18 @@ def _text(value, what: str) -> str:
     raise ConfigError(f"{what} must be text (str), got {type(value).__name__}: decode it first "
                       "(e.g. value.decode('utf-8'))")
   raise ConfigError(f"{what} must be a string, got {type(value).__name__}")
+
+
+def _devices(value) -> int:
+  """A device count of this process (0: all of them), else one ConfigError."""
+  import jax
+
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+    raise ConfigError(f"devices must be a device count >= 0 (0: all of this process's), got {value!r}")
+  have = len(jax.local_devices())
+  if value > have:
+    raise ConfigError(f"devices={value} but this process sees {have} device{'s' if have > 1 else ''}")
+  return int(value)
 
 
 def _texts(value, what: str) -> tuple[list[str], bool]:
@@ -253,13 +265,14 @@ class Model:
   memory's generation keys are then recomputed); arrays changed in place reach scoring and generation too,
   but not keys the memory already computed."""
 
-  def __init__(self, directory: str):
+  def __init__(self, directory: str, devices: int | None = None):
     from trime_jax.generate.text import Text
 
     self.directory = os.path.abspath(_path(directory, "directory"))
     self.graphdef, self._params, stored, self.vocab, self.meta = exports.load_export(self.directory)
     # the config every CLI runs an export with: the defaults under the stored fields, a misspelt field refused
     self.config = exports.stored_over_defaults(self.directory, stored.to_dict())
+    self.devices = int(self.config.eval.get("devices", 1)) if devices is None else devices
     self._text = Text(self.vocab, _log)  # the generator's tokenizer: one text <-> token ids for every method
     self.memory = Memory(self)
     self.stateful = bool(getattr(self.nnx_model, "stateful", False))  # SRU++: state carried across windows
@@ -302,6 +315,24 @@ class Model:
       self._generator = generate.Generator(
           self.directory, log=_log, loaded=(self.graphdef, self.params, self.config, self.vocab, self.meta))
     return self._generator
+
+  @property
+  def devices(self) -> int:
+    """How many of this process's devices `score` splits a list of texts over (0: all of them): the export's
+    eval.devices unless `load(..., devices=N)` or an assignment says otherwise. Each device scores whole texts
+    (rows of `evaluate.texts_plan`, their count rounded up to a multiple of the devices), the parameters on
+    every device, as trime_jax.launch.eval splits its streams (the same numbers up to float32 rounding). One
+    text after `model.memory`'s documents is one stream: one device. Generation runs on one device."""
+    return self._devices
+
+  @devices.setter
+  def devices(self, value) -> None:
+    self._devices = _devices(value)
+
+  def _device_count(self) -> int:
+    import jax
+
+    return self._devices or len(jax.local_devices())
 
   @property
   def default_tau(self) -> float:
@@ -500,6 +531,8 @@ class Model:
     the number of texts where that is fewer (few distinct shapes: a few calls share a compile)."""
     cap = max(1, int(self.config.eval.batch_size)) * block_len // length
     rows = min(cap, 1 << (len(ids_of) - 1).bit_length())
+    n = self._device_count()
+    rows = -(-rows // n) * n  # whole rows per device (model.devices); a row without a text scores nothing
     cfg = self.nnx_model.cfg
     corpus, plan, counts = evaluate.texts_plan(ids_of, self.vocab, block_len=block_len, context_window=ctx,
                                                rows=rows, d_model=cfg.d_model, dtype=cfg.dtype, break_mode=mode,
@@ -509,7 +542,8 @@ class Model:
     result = evaluate.evaluate(self.graphdef, self.params, corpus, [point], block_len=plan.block_len,
                                context_window=ctx, streams=rows, external=external, vocab_chunk=vocab_chunk,
                                per_token=True, log=logger.info, plan=plan,
-                               search_queries=evaluate.search_queries_of(self.config.eval))
+                               search_queries=evaluate.search_queries_of(self.config.eval),
+                               mesh=sharding.eval_mesh(n, rows, what="devices"))
     return np.split(np.asarray(result.token_nll[0], np.float32), np.cumsum(counts)[:-1])
 
   def _score_with_memory(self, ids, prefix, point, mode: str, ctx: int, block_len: int, overlong: str,
@@ -580,7 +614,7 @@ def pretrained_names() -> list[str]:
 
 
 def load(path: str, *, dictionary: str | None = None, out: str | None = None, trust_pickle: bool = False,
-         key_type: str = "last_ffn_input", overwrite: bool = False) -> Model:
+         key_type: str = "last_ffn_input", overwrite: bool = False, devices: int | None = None) -> Model:
   """A Model from a shipped model's name (`load("demo")`, see `pretrained_names()`; a path of that name in the
   working directory wins), an export directory (`<workdir>/export`, `<workdir>/best`, a training workdir itself),
   or an original fairseq checkpoint (`.pt`) with its `dictionary` (dict.txt), imported with
@@ -595,9 +629,12 @@ def load(path: str, *, dictionary: str | None = None, out: str | None = None, tr
   `key_type`: the importer's options (trime_jax.launch.import_fairseq's flags); `out`, `overwrite`,
   `trust_pickle` and `key_type` given for an export are one ConfigError (they would be ignored). The export's config is read as every CLI reads it
   (`exports.stored_over_defaults`: a field it lacks keeps its default, a field this version does not know is
-  refused)."""
+  refused). `devices`: how many of this process's devices `Model.score` splits texts over (0: all; None: the
+  export's eval.devices, 1 unless it was trained with another; `Model.devices`)."""
   path = _path(path, "path")
   trust_pickle, overwrite = _flag(trust_pickle, "trust_pickle"), _flag(overwrite, "overwrite")
+  if devices is not None:  # before an import is written: the caller's argument
+    _devices(devices)
   if dictionary is not None or os.path.isfile(path):
     if os.path.isdir(path):  # an export (or a shipped model's folder) given a dictionary
       raise ConfigError(f"dictionary= is for a fairseq checkpoint (a .pt file); {path} is a folder: "
@@ -623,7 +660,7 @@ def load(path: str, *, dictionary: str | None = None, out: str | None = None, tr
     try:
       path, _ = fairseq_import.import_to_export(path, dictionary, out, key_type=key_type, trust_pickle=trust_pickle,
                                                 overwrite=overwrite)
-      model = Model(export_path(path))
+      model = Model(export_path(path), devices=devices)
     except BaseException:
       if temporary:  # half an import is no use to anyone; a chosen `out` is left for its owner to look at
         shutil.rmtree(out, ignore_errors=True)
@@ -637,7 +674,7 @@ def load(path: str, *, dictionary: str | None = None, out: str | None = None, tr
   if given:  # they would be ignored without a word
     raise ConfigError(f"{', '.join(given)}: options of a fairseq checkpoint's import (load(path.pt, dictionary=...)); "
                       f"{path} is an export, loaded as it is")
-  return Model(export_path(path))
+  return Model(export_path(path), devices=devices)
 
 
 def export_path(path: str) -> str:
