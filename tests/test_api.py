@@ -66,6 +66,9 @@ def test_load_says_what_a_path_is_when_it_is_not_an_export(run, tmp_path):
   step = next(p for p in (work / "checkpoints").iterdir() if p.name.isdigit())
   with pytest.raises(CheckpointError, match=r"is a training checkpoint \(one step of .*checkpoints\), not an export"):
     trime_jax.load(str(step))
+  with pytest.raises(CheckpointError, match=r"checkpoints holds a training run's checkpoints, not an export: pass "
+                                            r"the run's workdir .*run \(its export/"):
+    trime_jax.load(str(work / "checkpoints"))
   with pytest.raises(CheckpointError, match=r"is the parameters folder of the export .*: pass "):
     trime_jax.load(os.path.join(export, "params"))
   with pytest.raises(ConfigError, match=r"meta.json is a file of the export .*: load the folder"):
@@ -435,6 +438,9 @@ def test_bad_arguments_are_one_clear_error_naming_them(model):
       (lambda: setattr(model, "devices", 2), r"^devices=2 but this process sees 1 device$"),
       (lambda: setattr(model, "devices", "all"), r"^devices must be a device count >= 0 \(0: all of this"),
       (lambda: trime_jax.load(model.directory, devices=-1), r"^devices must be a device count >= 0"),
+      (lambda: model.score(["x", ""]), r"^cannot score an empty text \(texts\[1\]\)$"),
+      (lambda: trime_jax.train(5, "x"), r"^config must be an ml_collections ConfigDict .* got int$"),
+      (lambda: trime_jax.train(model.config, None), r"^workdir must be a path \(str or os.PathLike\), got NoneType"),
   ]
   for call, message in cases:
     with pytest.raises(ConfigError, match=message):

@@ -342,6 +342,18 @@ def test_bad_arguments_raise_clear_errors():
   for tau in (-1.0, 0.0, float("inf")):
     with pytest.raises(ValueError, match="tau must be a positive finite number"):
       loss.trime_nll(lg, x, t, memory="local", tau=tau)
+  # an array of one τ broadcast unchecked (inf / NaN / a negative τ); a drop asked of a memory that has none
+  for tau in (np.array([0.0]), [-1.0], jnp.ones((2,))):
+    with pytest.raises(ValueError, match=r"tau must be one number, got an array of shape"):
+      loss.trime_nll(lg, x, t, memory="local", tau=tau)
+  assert np.isfinite(loss.trime_nll(lg, x, t, memory="local", tau=jnp.float32(0.5))).all()  # a JAX scalar
+  for memory in ("local", "long"):
+    with pytest.raises(ValueError, match=rf"drop_local drops ext memory's local part; memory='{memory}' has no"):
+      loss.trime_nll(lg, x, t, memory=memory, drop_local=True)
+  # trime_nll passes packed rows on as trime_nll_from_vocab_stats takes them (was a TypeError)
+  rows = jnp.zeros((4, 3), jnp.int32)
+  np.testing.assert_array_equal(loss.trime_nll(lg, x, t, memory="ext", rows=rows),
+                                loss.trime_nll_from_vocab_stats(loss.vocab_stats(lg, t), x, t, memory="ext", rows=rows))
   with pytest.raises(ValueError, match="tau must be a positive finite number"):
     scoring.memory_log_probs(lg[0], x[0], x[0], t[0], jnp.ones((3, 3), bool), tau=0)
   with pytest.raises(ValueError, match=r"targets must lie in \[0, 5\)"):

@@ -183,6 +183,11 @@ def test_srupp_long_loss_equals_float64_reference_with_stop_gradient_on_stale_ke
     np.testing.assert_allclose(np.asarray(got), np_prev_nll(lz, tp, k, t, pk, pt, tau), rtol=1e-12, atol=1e-12)
     gk, gpk = jax.grad(lambda a, c: (f(a, c) * w).sum(), argnums=(0, 1))(jnp.asarray(k), jnp.asarray(pk))
   assert np.all(np.asarray(gpk) == 0.0)  # stale keys: no gradient
+  # options this memory does not implement are refused, not ignored
+  for other in (L.ObjectiveSpec("local", tau=tau), L.ObjectiveSpec("long", tau=tau, memory_topk=1)):
+    with pytest.raises(ValueError, match=r"previous_segment_nll is a stateful model's memory='long'"):
+      steps.previous_segment_nll(L.VocabStats(jnp.asarray(lz), jnp.asarray(tp)), jnp.asarray(k), jnp.asarray(t),
+                                 jnp.asarray(pk), jnp.asarray(pt), other)
   eps, fd = 1e-6, np.zeros_like(k)
   for idx in np.ndindex(k.shape):
     kp, km = k.copy(), k.copy()

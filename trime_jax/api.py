@@ -55,7 +55,10 @@ logger = logging.getLogger(__name__)
 def _log(msg: str) -> None:
   """The `log` the API gives the generator and the tokenizer: their warnings (words outside the vocabulary) as
   logging warnings, their notes (sliding windows) as info."""
-  (logger.warning if msg.startswith("warning") else logger.info)(msg)
+  if msg.startswith("warning: "):  # the CLIs' prefix; logging names the level itself
+    logger.warning(msg[len("warning: "):])
+  else:
+    (logger.warning if msg.startswith("warning") else logger.info)(msg)
 
 
 def _text(value, what: str) -> str:
@@ -467,8 +470,9 @@ class Model:
     vocab_chunk = int(self.config.get("train", {}).get("vocab_chunk", 0))
     prefix = self.memory.tokens() if memory in ("long", "external") else np.zeros((0,), np.int32)
     ids_of = [np.asarray(self.tokenize(text), np.int32) for text in texts]  # every text checked before scoring
-    if any(not len(ids) for ids in ids_of):
-      raise ConfigError("cannot score an empty text")
+    empty = [i for i, ids in enumerate(ids_of) if not len(ids)]
+    if empty:
+      raise ConfigError("cannot score an empty text" + ("" if single else f" (texts[{empty[0]}])"))
     # Each text's windows: complete mode, one line fitting in a block, is that block without context.
     modes = [self._text_windows(ids, prefix, break_mode, context, block_len) for ids in ids_of]
     if not len(prefix):  # texts share nothing: `rows` at a time, grouped by their windows' kind
@@ -698,7 +702,17 @@ def export_path(path: str) -> str:
 
 def train(config, workdir: str, **kwargs) -> dict:
   """Train (or resume) in `workdir` and export: `trime_jax.train.train_and_evaluate(config, workdir, **kwargs)`.
-  Returns its metrics; the export is at result["export"] (`load` it)."""
+  Returns its metrics; the export is at result["export"] (`load` it). `config`: an ml_collections ConfigDict (a
+  shipped config's `get_config()`, changed as you like) or a plain dict of one (`config.to_dict()`)."""
+  import collections.abc
+
+  import ml_collections
+
   from trime_jax.train import train_and_evaluate
 
-  return train_and_evaluate(config, workdir, **kwargs)
+  if isinstance(config, collections.abc.Mapping) and not isinstance(config, ml_collections.ConfigDict):
+    config = ml_collections.ConfigDict(dict(config))
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError(f"config must be an ml_collections ConfigDict (e.g. trime_jax.configs.demo.get_config()) or "
+                      f"a dict of one, got {type(config).__name__}")
+  return train_and_evaluate(config, _path(workdir, "workdir"), **kwargs)

@@ -28,6 +28,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from trime_jax import scoring
 # The scorer's names the objective's callers use with it (the vocabulary side a model head gives; TokenMeta +
@@ -210,6 +211,9 @@ def trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: Objective
   b, l, d = keys.shape
   if documents is not None and memory != "long":
     raise ValueError(f"documents restrict long-term memory (packed runs); memory={memory!r} takes none")
+  if memory != "ext" and not isinstance(drop_local, jax.core.Tracer) and np.any(np.asarray(drop_local)):
+    # (training passes an all-False drop_local whatever the memory: only a drop asked for is refused)
+    raise ValueError(f"drop_local drops ext memory's local part; memory={memory!r} has no drop")
   if rows is not None and jnp.ndim(drop_local):
     raise ValueError("packed rows take a scalar drop_local (per-row draws would split packed segments alike)")
   cut = spec.key_grad_group_rows  # with rows= (packed segments): groups of that many consecutive segment ids
@@ -256,7 +260,7 @@ def trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: Objective
 
 
 def trime_nll(token_logits, keys, targets, spec: ObjectiveSpec | None = None, *, drop_local=False, documents=None,
-              **options):
+              rows=None, row_offset=0, **options):
   """TRIME negative log-likelihood `[B, L]`; the memory is the batch itself.
 
   token_logits `[B, L, V]`, keys `[B, L, D]`, targets `[B, L]` (negative = padding: never memory, nll 0).
@@ -270,8 +274,10 @@ def trime_nll(token_logits, keys, targets, spec: ObjectiveSpec | None = None, *,
   Gradients reach every memory key unless `stop_gradient_memory`; with `memory_grad_group_rows` = G > 0 a key
   gets gradient only from queries of rows in its group of G consecutive rows (values unchanged). `implementation`: "auto" (per-group dense
   blocks when they fit `block_elems`, else blockwise), "blockwise" (always the chunked custom-VJP kernel),
-  "dense" (one full `[BL, BL]` mask; tests, small batches).
+  "dense" (one full `[BL, BL]` mask; tests, small batches). `rows`, `row_offset`: see
+  `trime_nll_from_vocab_stats`.
   """
   return trime_nll_from_vocab_stats(vocab_stats(token_logits, targets), keys, targets,
-                                    resolve_spec(spec, options), drop_local=drop_local, documents=documents)
+                                    resolve_spec(spec, options), drop_local=drop_local, documents=documents,
+                                    rows=rows, row_offset=row_offset)
 

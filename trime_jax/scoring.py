@@ -182,9 +182,11 @@ def check_tau(tau):
   if isinstance(tau, jax.core.Tracer):
     return
   try:
-    t = float(tau)
-  except TypeError:  # not a scalar: the arithmetic below says so
-    return
+    t = np.asarray(tau, np.float64)  # a number, a NumPy or JAX scalar; an array of several is refused below
+  except (TypeError, ValueError):
+    raise ValueError(f"tau must be a positive finite number, got {tau!r}") from None
+  if t.ndim:  # [0.] or [-1.] would broadcast into every similarity unchecked (inf / NaN / a negative τ)
+    raise ValueError(f"tau must be one number, got an array of shape {t.shape}: {tau!r}")
   if not (t > 0 and math.isfinite(t)):
     raise ValueError(f"tau must be a positive finite number, got {tau!r}")
 

@@ -84,6 +84,9 @@ def previous_segment_nll(stats: loss.VocabStats, keys_BxLxD, targets_BxL, prev_k
   token of row b's previous segment (`prev_*`; target -1 = none). The previous segment's keys are stale and get
   no gradient (stop-gradient, the paper's choice for SRU++); the current ones do unless
   spec.stop_gradient_memory. Dense per row: [L, M + L] similarities per row."""
+  if spec.memory != "long" or spec.memory_topk:  # what this memory implements; another spec's would be ignored
+    raise ValueError(f"previous_segment_nll is a stateful model's memory='long' (no memory_topk); got "
+                     f"memory={spec.memory!r}, memory_topk={spec.memory_topk}")
   b, l, _ = keys_BxLxD.shape
   m = prev_keys_BxMxD.shape[1]
   cur = jax.lax.stop_gradient(keys_BxLxD) if spec.stop_gradient_memory else keys_BxLxD
