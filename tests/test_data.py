@@ -170,6 +170,9 @@ def test_byte_corpus_and_stdlib_demo_corpus(tmp_path):
   st2 = corpora.load_splits(_wiki_cfg("", corpus="stdlib", max_files=30, split_fractions=(0.8, 0.1, 0.1)))
   assert st.train.num_docs + st.dev.num_docs + st.test.num_docs == 30
   assert st.test.fingerprint() == st2.test.fingerprint()  # deterministic sample and split
+  with pytest.raises(DataError, match=r"^data.max_files=5: 5 standard-library files leave the dev split empty .*"
+                                      r"raise data.max_files$"):  # was "corpus stdlib:dev is empty"
+    corpora.load_splits(_wiki_cfg("", corpus="stdlib", max_files=5, split_fractions=(0.9, 0.05, 0.05)))
 
 
 @pytest.mark.parametrize("mode", ["stream", "document"])

@@ -231,6 +231,10 @@ def _bytes(cfg, vocab):
 def _stdlib(cfg, vocab):
   docs = data.stdlib_documents(cfg.max_files, cfg.max_bytes_per_file)
   parts = data.split_articles(len(docs), cfg.split_fractions, cfg.split_seed)
+  empty = [s for s, p in zip(SPLITS, parts) if not len(p)]
+  if empty:  # too few files for data.split_fractions to give every split one
+    raise DataError(f"data.max_files={cfg.max_files}: {len(docs)} standard-library files leave the {empty[0]} split "
+                    f"empty under data.split_fractions={tuple(cfg.split_fractions)}: raise data.max_files")
   return {s: _byte_docs([docs[i][1] for i in p], f"{cfg.corpus}:{s}") for s, p in zip(SPLITS, parts)}
 
 
