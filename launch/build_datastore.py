@@ -20,7 +20,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from trime_jax.launch.common import check_export, check_output_path, refuse_target, run_main, validated
+from trime_jax.launch.common import check_export, check_output_path, config_given, refuse_target, run_main, validated
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
@@ -139,6 +139,10 @@ def _build(out: str) -> None:
   if not os.path.isdir(_CHECKPOINT.value):
     raise CheckpointError(f"--checkpoint={_CHECKPOINT.value}: export directory not found")
   if mt_datastore.is_mt(_CONFIG.value, _CHECKPOINT.value):  # translation: its own data and keys
+    if config_given() and not exports.is_mt_config(_CONFIG.value):  # mt_config would read the export's instead
+      raise ConfigError(f"--checkpoint={_CHECKPOINT.value} is a translation export and --config (or a --config.x "
+                        "override) a language-model config: give a translation config (configs/ui_de_en.py's "
+                        "schema) or no --config (the export's own)")
     lm_only = [f"--{h.name}" for h in (_SUBSET_OF, _ENTRIES, _STOP_AT, _TRAINED_INDEX, _DEVICES) if h.present]
     if lm_only:  # read by the language model's build only: refused, not ignored
       raise ConfigError(f"{', '.join(lm_only)}: not supported for a translation datastore (the language model's "

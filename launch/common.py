@@ -775,6 +775,16 @@ def check_flag(holder, ok, what: str) -> None:
   flags.register_validator(holder.name, lambda v: v is None or ok(v), message=f"--{holder.name} must be {what}")
 
 
+def config_given() -> bool:
+  """Whether the command line gives a config of its own: a `--config` other than the export's stored one (which
+  a `--checkpoint` without `--config` reads, `_config_argv`), or a `--config.x.y=...` override."""
+  argv = sys.argv
+  for at, prefix in _flag_values(argv, "config"):
+    if not argv[at][len(prefix):].startswith(EXPORT_CONFIG + ":"):
+      return True
+  return any(a.startswith("-") and a.lstrip("-").startswith("config.") for a in argv[1:])
+
+
 def given_overrides(section: str) -> dict:
   """{field: raw value} of the `--config.<section>.<field>=...` overrides on the command line."""
   out = {}

@@ -27,7 +27,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + e
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
 _OUTPUT = flags.DEFINE_string("output", "", "Optional JSON file for the results.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an --output file holding another export's or "
-                               "program's results (a rerun of the same evaluation replaces its own without it).")
+                               "program's results, or a --plot file that is not a plot of ours (a rerun of the "
+                               "same evaluation replaces its own without it).")
 _MEM_SIZES = flags.DEFINE_list("mem_sizes", [], "Long-term memory sizes to sweep (overrides eval.mem_size): "
                                 "the original's --mem-size with eval.long_term_layout='original' (the default); "
                                 "with 'disjoint', tokens before the window (--mem-size = this + context_window).")
@@ -52,7 +53,7 @@ def main(argv):
                     overwrite=_OVERWRITE.value)
   check_output_file(_PLOT.value, "plot")
   if _PLOT.value:
-    sweep.check_plot_path(_PLOT.value)
+    sweep.check_plot_path(_PLOT.value, overwrite=_OVERWRITE.value)
   included = []
   for path in _INCLUDE.value:
     try:

@@ -780,6 +780,17 @@ def test_memory_size_sweep_table_and_plot(tmp_path):
     out = _cli("trime_jax.launch.eval", f"--include={tmp_path / 'rows.json'}", f"--plot={tmp_path / bad}")
     assert out.returncode == 2 and said in out.stderr and ".png" in out.stderr, out.stderr
     assert not (tmp_path / bad).exists() and "| model |" not in out.stdout
+  # a rerun replaces its own plot; another image a mistyped name points at is kept unless --overwrite (was replaced)
+  inc = f"--include={tmp_path / 'rows.json'}"
+  assert _cli("trime_jax.launch.eval", inc, f"--plot={tmp_path / 'sweep.png'}").returncode == 0
+  (tmp_path / "photo.png").write_bytes(b"\x89PNG precious")
+  out = _cli("trime_jax.launch.eval", inc, f"--plot={tmp_path / 'photo.png'}")
+  assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+      f"error: --plot={tmp_path / 'photo.png'} exists and is not a plot an earlier evaluation wrote (which would be "
+      "replaced): it is left as it is; move it away, choose another file name, or pass --overwrite"), out.stderr
+  assert (tmp_path / "photo.png").read_bytes() == b"\x89PNG precious" and "| model |" not in out.stdout
+  assert _cli("trime_jax.launch.eval", inc, f"--plot={tmp_path / 'photo.png'}", "--overwrite").returncode == 0
+  assert sweep.PLOT_CREATOR.encode() in (tmp_path / "photo.png").read_bytes()
   # eval.tune_max_tokens: the grid is searched on the first dev targets only, the split is scored in full
   config.eval.update(split="test", tune_max_tokens=24)
   out = evaluate.evaluate_checkpoint(config, export, mem_sizes=[16])

@@ -456,6 +456,13 @@ def test_separate_dictionaries_train_export_and_translate(tmp_path):
   assert params["tgt_embed"]["embedding"].shape[0] == 16 and params["src_embed"]["embedding"].shape[0] == vocab.size
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   run = lambda *a: subprocess.run([sys.executable, "-m", *a], cwd=REPO, env=env, capture_output=True, text=True)
+  # a language-model --config for a translation export: refused (its build read the export's config instead)
+  r = run("trime_jax.launch.build_datastore", "--config=configs/demo.py", f"--checkpoint={work}/export",
+          f"--out={tmp_path}/ds", "--index=flat")
+  assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+      f"error: --checkpoint={work}/export is a translation export and --config (or a --config.x override) a "
+      "language-model config"), r.stderr[-2000:]
+  assert not (tmp_path / "ds").exists()
   r = run("trime_jax.launch.build_datastore", f"--checkpoint={work}/export", f"--out={tmp_path}/ds", "--index=flat")
   assert r.returncode == 0, r.stderr[-2000:]
   r = run("trime_jax.launch.translate", f"--checkpoint={work}/export", f"--datastore={tmp_path}/ds", "--mode=trime_release",

@@ -88,9 +88,16 @@ def sweep_table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def check_plot_path(path: str, flag: str = "plot") -> None:
-  """ConfigError unless `path` ends in an image format matplotlib writes (.png, .pdf, .svg, ...): checked before
-  an evaluation, whose plot is drawn only at its end."""
+# What a plot of ours says it is (its metadata's Creator, in formats whose metadata matplotlib writes as text): a
+# rerun replaces its own plot, never another image a mistyped name points at (unless --overwrite).
+PLOT_CREATOR = "trime-jax memory-size sweep: trime_jax.launch.eval --plot"  # no parentheses (PDF escapes them)
+MARKED_FORMATS = ("png", "pdf", "svg", "ps", "eps")
+
+
+def check_plot_path(path: str, flag: str = "plot", overwrite: bool = False) -> None:
+  """ConfigError unless `path` ends in an image format matplotlib writes (.png, .pdf, .svg, ...), or when it is a
+  file that is not a plot of ours (`PLOT_CREATOR`) and not `overwrite`: checked before an evaluation, whose plot
+  is drawn only at its end."""
   from trime_jax.errors import ConfigError
 
   import matplotlib
@@ -104,6 +111,16 @@ def check_plot_path(path: str, flag: str = "plot") -> None:
     said = f"ends in .{ext}" if ext else "has no extension"
     raise ConfigError(f"--{flag}={path} {said}: give an image file name ending in one of "
                       f"{', '.join('.' + f for f in sorted(formats))} (e.g. .png)")
+  if overwrite or not os.path.isfile(path) or not os.path.getsize(path):
+    return
+  try:
+    with open(path, "rb") as f:
+      ours = PLOT_CREATOR.encode() in f.read(1 << 24)
+  except OSError:
+    return  # unreadable: writing it is refused where it is written, with the reason
+  if not ours:
+    raise ConfigError(f"--{flag}={path} exists and is not a plot an earlier evaluation wrote (which would be "
+                      "replaced): it is left as it is; move it away, choose another file name, or pass --overwrite")
 
 
 def plot_sweep(rows: list[dict], path: str, title: str = "") -> str:
@@ -139,7 +156,8 @@ def plot_sweep(rows: list[dict], path: str, title: str = "") -> str:
   fig.tight_layout()
   # whole or the old one: written beside it, then renamed over it (a kill mid-write left a torn image)
   tmp = f"{path}.tmp{os.getpid()}"
-  fig.savefig(tmp, dpi=120, format=os.path.splitext(path)[1].lstrip(".").lower() or "png")
+  fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
+  fig.savefig(tmp, dpi=120, format=fmt, metadata={"Creator": PLOT_CREATOR} if fmt in MARKED_FORMATS else None)
   plt.close(fig)
   os.replace(tmp, path)
   return path
