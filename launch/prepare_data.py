@@ -38,9 +38,10 @@ def main(argv):
     raise ConfigError(f"--data_dir={_DATA_DIR.value} is a file, not a folder")
   reused = tfds_builders.builder(name, _DATA_DIR.value).is_prepared()
   b = tfds_builders.prepare(name, _DATA_DIR.value, manual)
-  if reused:  # said: a build is never made again, whatever --manual_dir holds now
-    print(f"reused the build already in {b.data_dir} (--manual_dir is not read again; delete that folder to "
-          "rebuild)")
+  if reused:  # said: a build is never made again, whatever --manual_dir holds now; its files read back first
+    records = tfds_builders.check_build(name, b)
+    print(f"reused the build already in {b.data_dir} (every one of its {records:,} records read back; "
+          "--manual_dir is not read again; delete that folder to rebuild)")
   unit = "chunks of 1 MiB" if name == "enwik8" else "articles"
   for split, info in sorted(b.info.splits.items()):
     print(f"{name} {split}: {info.num_examples:,} {unit}")

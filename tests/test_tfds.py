@@ -166,6 +166,24 @@ def test_prepare_data_cli(tmp_path):
                           f"--manual_dir={WT2}", f"--data_dir={tmp_path}"], capture_output=True, text=True, env=env,
                          cwd=corpora.REPO_ROOT, timeout=300)
   assert again.returncode == 0 and "reused the build already in" in again.stdout, again.stderr[-2000:]
+  assert "(every one of its 122 records read back;" in again.stdout
+  # a damaged build (a test file cut to half): prepare_data refuses to reuse it, reading it is one DataError
+  # (it was "reused" and "built", then a Riegeli RuntimeError's traceback when read)
+  import glob
+
+  from trime_jax import tfds_builders
+  from trime_jax.errors import DataError
+
+  shard = glob.glob(os.path.join(str(tmp_path), "wikitext2", "*", "wikitext2-test.array_record*"))[0]
+  os.truncate(shard, os.path.getsize(shard) // 2)
+  again = subprocess.run([sys.executable, "-m", "trime_jax.launch.prepare_data", "--corpus=wikitext2",
+                          f"--manual_dir={WT2}", f"--data_dir={tmp_path}"], capture_output=True, text=True, env=env,
+                         cwd=corpora.REPO_ROOT, timeout=300)
+  last = again.stderr.strip().splitlines()[-1]
+  assert again.returncode == 2 and last.startswith(f"error: TFDS dataset wikitext2 in {os.path.dirname(shard)}: "), last
+  assert last.endswith("the build is damaged: delete that directory and rebuild it") and "built in" not in again.stdout
+  with pytest.raises(DataError, match=r"of test cannot be read \(RuntimeError: .*the build is damaged"):
+    tfds_builders.documents("wikitext2", "test", str(tmp_path))
   r = subprocess.run([sys.executable, "-m", "trime_jax.launch.prepare_data", "--corpus=enwik8",
                       f"--manual_dir={tmp_path}/no", f"--data_dir={tmp_path}"], capture_output=True, text=True, env=env,
                      cwd=corpora.REPO_ROOT, timeout=300)

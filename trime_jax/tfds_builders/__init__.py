@@ -284,21 +284,39 @@ def iter_documents(name: str, split: str, data_dir: str = "", manual_dir: str = 
     raise DataError(f"TFDS dataset {name} in {b.data_dir} has no {split!r} split (its source had no file for it; "
                     f"splits: {', '.join(sorted(b.info.splits))}); delete that directory and rebuild from the full "
                     "release")
-  source = b.as_data_source(split=split)
-
-  def records():
-    for i in range(len(source)):  # written unshuffled, in generation order; the stored index proves it
-      r = source[i]
-      if int(r["index"]) != i:
-        raise DataError(f"TFDS dataset {name} in {b.data_dir}: record {i} of {split} holds document "
-                        f"{int(r['index'])}; rebuild it (delete that directory)")
-      yield r
-
   if name == "enwik8":
-    yield b"".join(np.asarray(r["bytes"], np.uint8).tobytes() for r in records())
+    yield b"".join(np.asarray(r["bytes"], np.uint8).tobytes() for r in _records(name, b, split))
     return
-  for r in records():
+  for r in _records(name, b, split):
     yield article_words(_text(r["text"]))
+
+
+def _records(name: str, b, split: str):
+  """The split's records in order, each checked: readable (a truncated or altered array_record file fails
+  Riegeli's chunk hashes: one DataError, not its RuntimeError) and holding its own index."""
+  damaged = lambda where, e: DataError(
+      f"TFDS dataset {name} in {b.data_dir}: {where} cannot be read ({type(e).__name__}: "
+      f"{(str(e).splitlines() or [''])[0][:200]}); the build is damaged: delete that directory and rebuild it")
+  try:
+    source = b.as_data_source(split=split)
+    count = len(source)
+  except Exception as e:  # noqa: BLE001 (whatever the file reader raises on a damaged file)
+    raise damaged(f"the {split} split", e) from None
+  for i in range(count):  # written unshuffled, in generation order; the stored index proves it
+    try:
+      r = source[i]
+    except Exception as e:  # noqa: BLE001
+      raise damaged(f"record {i} of {split}", e) from None
+    if int(r["index"]) != i:
+      raise DataError(f"TFDS dataset {name} in {b.data_dir}: record {i} of {split} holds document "
+                      f"{int(r['index'])}; rebuild it (delete that directory)")
+    yield r
+
+
+def check_build(name: str, b) -> int:
+  """Read every record of every split of a build (a reused one is checked before it is said to be fine):
+  the records read, or one DataError naming the damage."""
+  return sum(1 for split in sorted(b.info.splits) for _ in _records(name, b, split))
 
 
 def documents(name: str, split: str, data_dir: str = "", manual_dir: str = "", **kwargs) -> list:
