@@ -70,7 +70,7 @@ def _checkpoint_argv(argv: list[str]) -> list[str]:
   if not value:
     return out
   try:
-    resolved = export_path(value)
+    resolved = export_path(value, say=lambda note: print(f"warning: {note}", file=sys.stderr))
   except ConfigError:  # a bare word that is no shipped model: said here where an export's config is expected
     if "config" not in flags.FLAGS:  # generate, import_fairseq (a .pt): their own readers say what is missing
       return out

@@ -82,6 +82,20 @@ def test_load_says_what_a_path_is_when_it_is_not_an_export(run, tmp_path):
   shutil.rmtree(partial / "best")
   with pytest.raises(CheckpointError, match=r"has not exported yet \(.*finishes\)$"):
     trime_jax.load(str(partial))
+  # a workdir whose export/ is not the run's latest: said (a kill mid-export, checkpoints past it), then loaded
+  stale = tmp_path / "stale"
+  shutil.copytree(work, stale)
+  step = json.loads((stale / "export" / "meta.json").read_text())["step"]
+  (stale / "checkpoints" / str(step + 5)).mkdir()
+  (stale / "export.tmp").mkdir()
+  said = []
+  assert trime_jax.api.export_path(str(stale), say=said.append) == str(stale / "export")
+  assert said == [f"{stale}/export holds update {step:,}, but an export into {stale}/export was interrupted "
+                  f"({stale}/export.tmp is left) and the run's checkpoints reach update {step + 5:,}: rerun the "
+                  "training command to finish and export the run (it resumes from its checkpoints); using the "
+                  "export as it is"]
+  said.clear()
+  assert trime_jax.api.export_path(str(work), say=said.append) == str(work / "export") and not said
   mt = tmp_path / "mt"
   shutil.copytree(export, mt)
   meta = json.loads((mt / "meta.json").read_text())

@@ -681,11 +681,13 @@ def load(path: str, *, dictionary: str | None = None, out: str | None = None, tr
   return Model(export_path(path), devices=devices)
 
 
-def export_path(path: str) -> str:
+def export_path(path: str, say=None) -> str:
   """The export directory `path` names, as `load` and every CLI's `--checkpoint` read it: a shipped model's
   name (unless a path of that name exists), a training workdir (its `export/`), or `path` itself (an export, a
   file, or a path that does not exist, left for the reader to refuse). A bare word that is neither a path nor
-  a shipped model: one ConfigError listing the shipped ones. `~` is expanded; "demo/" is "demo"."""
+  a shipped model: one ConfigError listing the shipped ones. `~` is expanded; "demo/" is "demo". A workdir whose
+  export/ may not be the run's latest (`exports.stale_export_note`) is said with `say` (default: a logging
+  warning)."""
   path = _path(path, "path")
   if not os.path.exists(path):
     names = pretrained_names()
@@ -696,7 +698,10 @@ def export_path(path: str) -> str:
     return path
   if os.path.isdir(path) and not os.path.exists(os.path.join(path, "meta.json")) and os.path.exists(
       os.path.join(path, "export", "meta.json")):
-    return os.path.join(path, "export")  # a training workdir
+    note = exports.stale_export_note(path)  # a training workdir: its export/, said when it is not the run's latest
+    if note:
+      (say or logger.warning)(note)
+    return os.path.join(path, "export")
   return path
 
 

@@ -150,6 +150,28 @@ def write_export(directory: str, params, meta: dict, write_files, *, overwrite: 
   return directory
 
 
+def stale_export_note(workdir: str) -> str | None:
+  """What a reader of a training workdir's export/ should know when it may not be the run's latest (None
+  otherwise): an export into it was interrupted (`export.tmp` left; export/ is the earlier one, whole), or the
+  run's checkpoints reach past the update export/ holds (training stopped before exporting again)."""
+  export_dir = os.path.join(workdir, "export")
+  try:
+    step = int(json.load(open(os.path.join(export_dir, "meta.json"))).get("step", -1))
+  except (OSError, ValueError, TypeError, AttributeError):
+    return None  # the reader says what is wrong with it
+  ckpts = os.path.join(workdir, "checkpoints")
+  newest = max((int(n) for n in (os.listdir(ckpts) if os.path.isdir(ckpts) else ()) if n.isdigit()), default=-1)
+  said = []
+  if os.path.isdir(export_dir + ".tmp"):
+    said.append(f"an export into {export_dir} was interrupted ({export_dir}.tmp is left)")
+  if step >= 0 and newest > step:
+    said.append(f"the run's checkpoints reach update {newest:,}")
+  if not said:
+    return None
+  return (f"{export_dir} holds update {step:,}, but " + " and ".join(said) + ": rerun the training command to "
+          "finish and export the run (it resumes from its checkpoints); using the export as it is")
+
+
 def params_file_sizes(params_dir: str) -> dict:
   """{path under params/: size in bytes} of every file orbax wrote (meta.json's `params_files`)."""
   out = {}
