@@ -471,9 +471,15 @@ def test_a_plan_changed_after_it_was_written_is_refused(tmp_path):
   rewrite = re.escape(batch_plan.REWRITE) + "$"  # make_batches' --overwrite: a plain rerun reads the damaged plan
   with pytest.raises(DataError, match=r"batches.npy does not match its checksum in plan.json .*; " + rewrite):
     batch_plan.load(path)
-  # A plan written before the checksum: read as it is, but an index beyond num_segments is refused
+  # an edited header (a field changed after the plan was written): refused, before the batches are read
   meta = json.load(open(os.path.join(path, "plan.json")))
-  del meta["batches_sha256"]
+  assert len(meta["header_sha256"]) == 64
+  json.dump({**meta, "seed": 1}, open(os.path.join(path, "plan.json"), "w"))
+  with pytest.raises(DataError, match=r"plan.json does not match its checksum \(the file was edited after it was "
+                                      r"written: .*\); " + rewrite):
+    batch_plan.load(path)
+  # A plan written before the checksums: read as it is, but an index beyond num_segments is refused
+  del meta["batches_sha256"], meta["header_sha256"]
   json.dump(meta, open(os.path.join(path, "plan.json"), "w"))
   old = batch_plan.load(path)
   assert batch_plan.differences(old, header, old.batches) == []

@@ -3,7 +3,9 @@
 A plan is a directory:
   plan.json     header: format, kind, corpus fingerprint, segment_len, segmentation, batch_size (rows B),
                 consecutive_segments (m), seed, num_batches, num_segments, shuffle, batches_sha256 (of
-                batches.npy's array, checked on load), plus planner-specific fields (e.g. layout)
+                batches.npy's array, checked on load), plus planner-specific fields (e.g. layout), and
+                header_sha256 (of the other fields, checked on load: an edited header is refused; since
+                2026-12-06, a plan without it is read unchecked)
   batches.npy   int64 [num_batches, B]: segment indices per batch row (-1 = an all-padding row)
 
 An epoch visits every batch once; it is whole updates, as fairseq's GroupedIterator makes them: with A
@@ -23,6 +25,7 @@ Files are written to a temporary directory and renamed, so a plan is complete or
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -111,8 +114,6 @@ class BatchPlan:
 
 
 def _sha256(batches: np.ndarray, prefix: bytes = b"") -> str:
-  import hashlib
-
   h = hashlib.sha256(prefix)
   for a in range(0, len(batches), 1 << 16):  # a memmap in pieces: no copy of a whole plan
     h.update(np.ascontiguousarray(batches[a:a + (1 << 16)], np.int64).tobytes())
@@ -128,6 +129,8 @@ def _full_header(header: dict, batches: np.ndarray) -> dict:
 # Header fields that say how long the planning took, not what the plan is: two runs of the same command differ
 # there and nowhere else.
 VOLATILE_FIELDS = ("timing",)
+# Checksums of the batches and of the header: written with a plan, compared on load, not plan content.
+CHECKSUM_FIELDS = ("batches_sha256", "header_sha256")
 
 
 def differences(plan: BatchPlan, header: dict, batches: np.ndarray) -> list[str]:
@@ -139,7 +142,7 @@ def differences(plan: BatchPlan, header: dict, batches: np.ndarray) -> list[str]
   new, old = _full_header(header, batches), plan.header
   # the checksum is not compared: the batches themselves are, below (a plan of earlier versions has none)
   out = [f"{k} {old.get(k)!r} != {new.get(k)!r}" for k in sorted(set(old) | set(new))
-         if k not in VOLATILE_FIELDS and k != "batches_sha256" and old.get(k) != new.get(k)]
+         if k not in VOLATILE_FIELDS and k not in CHECKSUM_FIELDS and old.get(k) != new.get(k)]
   if plan.batches.shape != batches.shape or not np.array_equal(plan.batches, batches):
     out.append("the batches")
   return out
@@ -156,7 +159,14 @@ def save(directory: str, header: dict, batches: np.ndarray) -> str:
   directory = os.path.abspath(directory).rstrip(os.sep)
   with lock(directory):
     data.recover_replaced(directory)
-    return _save_locked(directory, {**_full_header(header, batches), "batches_sha256": _sha256(batches)}, batches)
+    full = {**_full_header(header, batches), "batches_sha256": _sha256(batches)}
+    return _save_locked(directory, {**full, "header_sha256": _header_sha256(full)}, batches)
+
+
+def _header_sha256(header: dict) -> str:
+  """SHA-256 of plan.json's fields but itself: an edited header (e.g. "shuffle" flipped) is refused on load."""
+  rest = {k: v for k, v in header.items() if k != "header_sha256"}
+  return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
 
 
 def lock(directory: str) -> DirLock:
@@ -207,6 +217,10 @@ def load(directory: str) -> BatchPlan:
   header = data.read_json(head, "batch plan header", DataError, fix=REWRITE)
   if header.get("format") != FORMAT:
     raise DataError(f"{head}: unknown batch-plan format {header.get('format')!r}")
+  # Plans written before 2026-12-06 have no header checksum (their batches' is checked below where they have one)
+  if "header_sha256" in header and _header_sha256(header) != header["header_sha256"]:
+    raise DataError(f"batch plan header {head} does not match its checksum (the file was edited after it was "
+                    f"written: a field such as shuffle or seed changed would train on other batches); {REWRITE}")
   try:
     batches = np.load(arr, mmap_mode="r")
   except (ValueError, OSError, EOFError) as e:
