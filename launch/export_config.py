@@ -37,7 +37,11 @@ def main(argv: list[str]) -> int:
   import sys
 
   args = argv[1:]
-  if not args or args[0] in ("-h", "--help", "-help", "--helpshort", "--helpfull"):
+  if not args:  # a missing argument is bad input, as for every program (only a help flag exits 0)
+    print("error: usage: python -m trime_jax.launch.export_config EXPORT_DIR (the export whose config to print)",
+          file=sys.stderr)
+    return 2
+  if args[0] in ("-h", "--help", "-help", "--helpshort", "--helpfull"):
     try:
       print(f"trime_jax.launch.export_config\n\n{__doc__.strip()}\n\nusage: python -m trime_jax.launch.export_config EXPORT_DIR")
     except BrokenPipeError:  # `--help | head`
@@ -47,8 +51,16 @@ def main(argv: list[str]) -> int:
     print("error: usage: python -m trime_jax.launch.export_config EXPORT_DIR (one export directory, no flags)",
           file=sys.stderr)
     return 2
+  path = args[0]
+  problem = (f"export directory not found: {os.path.abspath(path)}" if not os.path.exists(path) else
+             f"{path} is a file, not an export directory" if not os.path.isdir(path) else
+             None if os.path.isfile(os.path.join(path, "config.json")) else
+             exports.what_else_it_is(path) or f"{path} is not an export: it has no config.json")
+  if problem:  # said as trime_jax.load says it (the reader's own words name a --config this program has not)
+    print(f"error: {problem}", file=sys.stderr)
+    return 2
   try:
-    print(get_config(args[0]).to_json_best_effort(indent=1))
+    print(get_config(path).to_json_best_effort(indent=1))
   except CheckpointError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

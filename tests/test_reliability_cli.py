@@ -706,6 +706,14 @@ def test_export_config_command(base, tmp_path):
   r = run(str(base["export"]))
   assert r.returncode == 0, r.stderr
   assert json.loads(r.stdout)["model"]["d_model"] == 32
+  # no argument is bad input (exit 2; it printed the usage and exited 0); what is not an export is said as such
+  r = run()
+  assert r.returncode == 2 and r.stderr == ("error: usage: python -m trime_jax.launch.export_config EXPORT_DIR (the "
+                                            "export whose config to print)\n"), r.stderr
+  r = run(str(tmp_path / "nothing"))
+  assert r.returncode == 2 and r.stderr == f"error: export directory not found: {tmp_path / 'nothing'}\n", r.stderr
+  r = run(str(base["export"] / "meta.json"))
+  assert r.returncode == 2 and r.stderr.endswith("meta.json is a file, not an export directory\n"), r.stderr
   x = tmp_path / "typo"
   shutil.copytree(base["export"], x)
   edit_json(x / "config.json", lambda c: c["eval"].update(tempreture=2.0))
