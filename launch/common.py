@@ -299,7 +299,7 @@ def _unknown_override(argv, error) -> str:
 
         at, prefix = found[-1]
         try:  # as --checkpoint is read: a workdir's export/, a shipped model's name
-          checkpoint = export_path(argv[at][len(prefix):]) if argv[at][len(prefix):] else ""
+          checkpoint = export_path(argv[at][len(prefix):], say=lambda note: None) if argv[at][len(prefix):] else ""
         except ConfigError:
           checkpoint = ""
         if checkpoint and exports.is_mt_export(checkpoint):

@@ -51,7 +51,14 @@ def main(argv: list[str]) -> int:
     print("error: usage: python -m trime_jax.launch.export_config EXPORT_DIR (one export directory, no flags)",
           file=sys.stderr)
     return 2
-  path = args[0]
+  from trime_jax.api import export_path
+  from trime_jax.errors import ConfigError
+
+  try:  # read as trime_jax.load and every --checkpoint read it: a shipped model's name, a workdir's export/
+    path = export_path(args[0], say=lambda note: print(f"warning: {note}", file=sys.stderr))
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   problem = (f"export directory not found: {os.path.abspath(path)}" if not os.path.exists(path) else
              f"{path} is a file, not an export directory" if not os.path.isdir(path) else
              None if os.path.isfile(os.path.join(path, "config.json")) else

@@ -69,6 +69,8 @@ def test_load_says_what_a_path_is_when_it_is_not_an_export(run, tmp_path):
   with pytest.raises(CheckpointError, match=r"checkpoints holds a training run's checkpoints, not an export: pass "
                                             r"the run's workdir .*run \(its export/"):
     trime_jax.load(str(work / "checkpoints"))
+  assert exports.what_else_it_is(f"{work}/checkpoints/").startswith(  # the run named, not checkpoints itself
+      f"{work}/checkpoints/ holds a training run's checkpoints, not an export: pass the run's workdir {work} (its")
   with pytest.raises(CheckpointError, match=r"is the parameters folder of the export .*: pass "):
     trime_jax.load(os.path.join(export, "params"))
   with pytest.raises(ConfigError, match=r"meta.json is a file of the export .*: load the folder"):
@@ -126,6 +128,10 @@ def test_load_reads_the_stored_config_as_the_clis_do(run, tmp_path):
   (export / "config.json").write_text(json.dumps(stored))
   m = trime_jax.load(str(export))
   assert m.config.eval.block_len == default.get_config().eval.block_len and m.score(TEXT).tokens
+  # an export's eval.devices beyond this machine's (an 8-GPU run's) is clipped to them: it loads (it was refused)
+  (export / "config.json").write_text(json.dumps({**stored, "eval": {**stored["eval"],
+                                                                    "devices": len(jax.local_devices()) + 3}}))
+  assert trime_jax.load(str(export)).devices == len(jax.local_devices())
 
 
 def _reference_log_probs(model, ids, tau=None):
@@ -449,7 +455,8 @@ def test_bad_arguments_are_one_clear_error_naming_them(model):
       (lambda: model.generate("x", memory="long", k=5), r"^k= .*memory='long' retrieves nothing"),
       (lambda: model.score(TEXT, memory="none", tau=0.5), r"^tau= .*memory='none' has none"),
       (lambda: model.score(TEXT, index="x.faiss"), r"^index= .*needs memory='external'"),
-      (lambda: setattr(model, "devices", 2), r"^devices=2 but this process sees 1 device$"),
+      (lambda: setattr(model, "devices", len(jax.local_devices()) + 1),
+       rf"^devices={len(jax.local_devices()) + 1} but this process sees {len(jax.local_devices())} device"),
       (lambda: setattr(model, "devices", "all"), r"^devices must be a device count >= 0 \(0: all of this"),
       (lambda: trime_jax.load(model.directory, devices=-1), r"^devices must be a device count >= 0"),
       (lambda: model.score(["x", ""]), r"^cannot score an empty text \(texts\[1\]\)$"),

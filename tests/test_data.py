@@ -173,6 +173,9 @@ def test_byte_corpus_and_stdlib_demo_corpus(tmp_path):
   with pytest.raises(DataError, match=r"^data.max_files=5: 5 standard-library files leave the dev split empty .*"
                                       r"raise data.max_files$"):  # was "corpus stdlib:dev is empty"
     corpora.load_splits(_wiki_cfg("", corpus="stdlib", max_files=5, split_fractions=(0.9, 0.05, 0.05)))
+  with pytest.raises(DataError, match=r"leave the dev split empty under data.split_fractions=\(0.9, 0.0, 0.1\): "
+                                      r"give it a share$"):  # more files cannot help a split without a share
+    corpora.load_splits(_wiki_cfg("", corpus="stdlib", max_files=30, split_fractions=(0.9, 0.0, 0.1)))
 
 
 @pytest.mark.parametrize("mode", ["stream", "document"])

@@ -797,6 +797,13 @@ def test_memory_size_sweep_table_and_plot(tmp_path):
   assert (tmp_path / "photo.png").read_bytes() == b"\x89PNG precious" and "| model |" not in out.stdout
   assert _cli("trime_jax.launch.eval", inc, f"--plot={tmp_path / 'photo.png'}", "--overwrite").returncode == 0
   assert sweep.PLOT_CREATOR.encode() in (tmp_path / "photo.png").read_bytes()
+  (tmp_path / "photo.jpg").write_bytes(b"jpeg")  # a format that cannot carry the mark: --overwrite only, said so
+  with pytest.raises(ConfigError, match=r"photo.jpg exists \(a .jpg image cannot record that a plot of ours wrote "
+                                        r"it: only .png, .pdf, .svg, .ps and .eps are replaced without --overwrite\)"):
+    sweep.check_plot_path(str(tmp_path / "photo.jpg"))
+  sweep.check_plot_path(str(tmp_path / "photo.jpg"), overwrite=True)
+  sweep.plot_sweep(rows, str(tmp_path / "photo.jpg"))  # unmarked formats are written without metadata=
+  assert (tmp_path / "photo.jpg").read_bytes()[:2] == b"\xff\xd8"
   # eval.tune_max_tokens: the grid is searched on the first dev targets only, the split is scored in full
   config.eval.update(split="test", tune_max_tokens=24)
   out = evaluate.evaluate_checkpoint(config, export, mem_sizes=[16])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests import reference as ref
-from trime_jax import loss, scoring
+from trime_jax import loss, scoring, sharded_loss, sharding
 from trime_jax import specs
 
 # (memory, m, variant): variant False / True = drop_local for every row; "rows" = drop_local per row (mixed);
@@ -350,6 +350,10 @@ def test_bad_arguments_raise_clear_errors():
   for memory in ("local", "long"):
     with pytest.raises(ValueError, match=rf"drop_local drops ext memory's local part; memory='{memory}' has no"):
       loss.trime_nll(lg, x, t, memory=memory, drop_local=True)
+  # (on a mesh too: the check is per_query_causal's, which the sharded loss calls; a traced drop is not read)
+  with pytest.raises(ValueError, match=r"drop_local drops ext memory's local part; memory='local' has no drop"):
+    sharded_loss.sharded_trime_nll(lg, x, t, mesh=sharding.make_mesh(1), memory="local", drop_local=True)
+  assert jax.jit(lambda d: loss.trime_nll(lg, x, t, memory="local", drop_local=d))(True).shape == (4, 3)
   # trime_nll passes packed rows on as trime_nll_from_vocab_stats takes them (was a TypeError)
   rows = jnp.zeros((4, 3), jnp.int32)
   np.testing.assert_array_equal(loss.trime_nll(lg, x, t, memory="ext", rows=rows),

@@ -714,6 +714,11 @@ def test_export_config_command(base, tmp_path):
   assert r.returncode == 2 and r.stderr == f"error: export directory not found: {tmp_path / 'nothing'}\n", r.stderr
   r = run(str(base["export"] / "meta.json"))
   assert r.returncode == 2 and r.stderr.endswith("meta.json is a file, not an export directory\n"), r.stderr
+  # read as trime_jax.load reads a path: a training workdir (its export/), a shipped model's name
+  r = run(str(base["work"]))
+  assert r.returncode == 0 and json.loads(r.stdout)["model"]["d_model"] == 32, r.stderr
+  r = run("demo")
+  assert r.returncode == 0 and json.loads(r.stdout)["data"]["corpus"] == "stdlib", r.stderr
   x = tmp_path / "typo"
   shutil.copytree(base["export"], x)
   edit_json(x / "config.json", lambda c: c["eval"].update(tempreture=2.0))

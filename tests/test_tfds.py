@@ -188,3 +188,40 @@ def test_prepare_data_cli(tmp_path):
                       f"--manual_dir={tmp_path}/no", f"--data_dir={tmp_path}"], capture_output=True, text=True, env=env,
                      cwd=corpora.REPO_ROOT, timeout=300)
   assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: manual dir for enwik8 not found")
+
+
+def test_a_damaged_record_is_said_as_damage_and_nothing_else_is():
+  """What a damaged array_record file raises (Riegeli's RuntimeError, a read's OSError) is one DataError saying
+  to rebuild; a missing module, a permission or memory is not the build's fault and passes as it is (it was
+  told to delete the build too)."""
+  from trime_jax import tfds_builders
+  from trime_jax.errors import DataError
+
+  class Source:
+    def __init__(self, error):
+      self.error = error
+
+    def __len__(self):
+      return 1
+
+    def __getitem__(self, i):
+      raise self.error
+
+  class Build:
+    data_dir = "/data/wikitext2/1.0.0"
+
+    def __init__(self, error, at_open=False):
+      self.error, self.at_open = error, at_open
+
+    def as_data_source(self, split):
+      if self.at_open:
+        raise self.error
+      return Source(self.error)
+
+  for at_open in (False, True):
+    with pytest.raises(DataError, match=r"^TFDS dataset wikitext2 in /data/wikitext2/1.0.0: .* cannot be read "
+                                        r"\(RuntimeError: Corrupted Riegeli/records file\); the build is damaged"):
+      list(tfds_builders._records("wikitext2", Build(RuntimeError("Corrupted Riegeli/records file"), at_open), "test"))
+    for error in (PermissionError(13, "Permission denied"), ImportError("no array_record"), MemoryError()):
+      with pytest.raises(type(error)):
+        list(tfds_builders._records("wikitext2", Build(error, at_open), "test"))

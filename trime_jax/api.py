@@ -71,18 +71,6 @@ def _text(value, what: str) -> str:
   raise ConfigError(f"{what} must be a string, got {type(value).__name__}")
 
 
-def _devices(value) -> int:
-  """A device count of this process (0: all of them), else one ConfigError."""
-  import jax
-
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-    raise ConfigError(f"devices must be a device count >= 0 (0: all of this process's), got {value!r}")
-  have = len(jax.local_devices())
-  if value > have:
-    raise ConfigError(f"devices={value} but this process sees {have} device{'s' if have > 1 else ''}")
-  return int(value)
-
-
 def _texts(value, what: str) -> tuple[list[str], bool]:
   """(the strings, whether one string was given) of a string or an iterable of strings (a list, a tuple, ...);
   anything else (a number, bytes, token ids) is one ConfigError naming the argument."""
@@ -275,7 +263,12 @@ class Model:
     self.graphdef, self._params, stored, self.vocab, self.meta = exports.load_export(self.directory)
     # the config every CLI runs an export with: the defaults under the stored fields, a misspelt field refused
     self.config = exports.stored_over_defaults(self.directory, stored.to_dict())
-    self.devices = int(self.config.eval.get("devices", 1)) if devices is None else devices
+    if devices is None:  # the export's eval.devices, at most this machine's (an export of an 8-GPU run loads here)
+      import jax
+
+      stored = int(self.config.eval.get("devices", 1))
+      devices = min(stored, len(jax.local_devices())) if stored else 0
+    self.devices = devices
     self._text = Text(self.vocab, _log)  # the generator's tokenizer: one text <-> token ids for every method
     self.memory = Memory(self)
     self.stateful = bool(getattr(self.nnx_model, "stateful", False))  # SRU++: state carried across windows
@@ -322,7 +315,7 @@ class Model:
   @property
   def devices(self) -> int:
     """How many of this process's devices `score` splits a list of texts over (0: all of them): the export's
-    eval.devices unless `load(..., devices=N)` or an assignment says otherwise. Each device scores whole texts
+    eval.devices (at most this process's devices) unless `load(..., devices=N)` or an assignment says otherwise. Each device scores whole texts
     (rows of `evaluate.texts_plan`, their count rounded up to a multiple of the devices), the parameters on
     every device, as trime_jax.launch.eval splits its streams (the same numbers up to float32 rounding). One
     text after `model.memory`'s documents is one stream: one device. Generation runs on one device."""
@@ -330,7 +323,7 @@ class Model:
 
   @devices.setter
   def devices(self, value) -> None:
-    self._devices = _devices(value)
+    self._devices = sharding.device_count(value, "devices")
 
   def _device_count(self) -> int:
     import jax
@@ -638,7 +631,7 @@ def load(path: str, *, dictionary: str | None = None, out: str | None = None, tr
   path = _path(path, "path")
   trust_pickle, overwrite = _flag(trust_pickle, "trust_pickle"), _flag(overwrite, "overwrite")
   if devices is not None:  # before an import is written: the caller's argument
-    _devices(devices)
+    sharding.device_count(devices, "devices")
   if dictionary is not None or os.path.isfile(path):
     if os.path.isdir(path):  # an export (or a shipped model's folder) given a dictionary
       raise ConfigError(f"dictionary= is for a fairseq checkpoint (a .pt file); {path} is a folder: "

@@ -233,8 +233,11 @@ def _stdlib(cfg, vocab):
   parts = data.split_articles(len(docs), cfg.split_fractions, cfg.split_seed)
   empty = [s for s, p in zip(SPLITS, parts) if not len(p)]
   if empty:  # too few files for data.split_fractions to give every split one
+    fractions = tuple(cfg.split_fractions)
+    fix = ("give it a share" if not fractions[SPLITS.index(empty[0])] else "raise data.max_files"
+           if len(docs) >= cfg.max_files else f"this standard library has only {len(docs)} files: give it a larger share")
     raise DataError(f"data.max_files={cfg.max_files}: {len(docs)} standard-library files leave the {empty[0]} split "
-                    f"empty under data.split_fractions={tuple(cfg.split_fractions)}: raise data.max_files")
+                    f"empty under data.split_fractions={fractions}: {fix}")
   return {s: _byte_docs([docs[i][1] for i in p], f"{cfg.corpus}:{s}") for s, p in zip(SPLITS, parts)}
 
 

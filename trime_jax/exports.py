@@ -337,10 +337,11 @@ def what_else_it_is(directory: str) -> str | None:
       os.path.basename(parent) == "checkpoints" and os.path.basename(directory).isdigit()):
     return (f"{directory} is a training checkpoint (one step of {parent}), not an export: training exports to "
             f"{os.path.join(os.path.dirname(parent), 'export')} when it finishes (rerun its command to resume)")
-  if os.path.basename(directory.rstrip(os.sep)) == "checkpoints" and any(
+  if os.path.basename(os.path.abspath(directory)) == "checkpoints" and any(
       n.isdigit() for n in (os.listdir(directory) if os.path.isdir(directory) else ())):
-    return (f"{directory} holds a training run's checkpoints, not an export: pass the run's workdir {parent} "
-            f"(its export/, written when training finishes) or {os.path.join(parent, 'best')} (the best so far)")
+    run = os.path.dirname(os.path.abspath(directory))  # (the path as given may end in "/" or be "checkpoints")
+    return (f"{directory} holds a training run's checkpoints, not an export: pass the run's workdir {run} "
+            f"(its export/, written when training finishes) or {os.path.join(run, 'best')} (the best so far)")
   if os.path.isdir(join("checkpoints")) or os.path.isdir(join("best")):
     best = join("best")
     has_best = os.path.isfile(os.path.join(best, "meta.json"))

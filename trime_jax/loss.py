@@ -79,6 +79,11 @@ def per_query_causal(memory: str, drop_local, b: int, l: int):
   `drop_local` is a bool scalar (every row) or `[B]` (one draw per segment, as the original draws once per
   forward of one segment per GPU)."""
   if memory != "ext":
+    readable = not isinstance(drop_local, jax.Array) or (  # not traced, and on this host (multi-process)
+        not isinstance(drop_local, jax.core.Tracer) and drop_local.is_fully_addressable)
+    if readable and np.any(np.asarray(drop_local)):
+      # (training passes an all-False drop_local whatever the memory: only a drop asked for is refused)
+      raise ValueError(f"drop_local drops ext memory's local part; memory={memory!r} has no drop")
     return jnp.ones((b, l), bool)
   drop = jnp.asarray(drop_local, bool)
   if drop.ndim not in (0, 1) or (drop.ndim == 1 and drop.shape[0] != b):
@@ -211,9 +216,6 @@ def trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: Objective
   b, l, d = keys.shape
   if documents is not None and memory != "long":
     raise ValueError(f"documents restrict long-term memory (packed runs); memory={memory!r} takes none")
-  if memory != "ext" and not isinstance(drop_local, jax.core.Tracer) and np.any(np.asarray(drop_local)):
-    # (training passes an all-False drop_local whatever the memory: only a drop asked for is refused)
-    raise ValueError(f"drop_local drops ext memory's local part; memory={memory!r} has no drop")
   if rows is not None and jnp.ndim(drop_local):
     raise ValueError("packed rows take a scalar drop_local (per-row draws would split packed segments alike)")
   cut = spec.key_grad_group_rows  # with rows= (packed segments): groups of that many consecutive segment ids

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -44,6 +46,17 @@ def train_state_shardings(mesh, state: dict) -> dict:
   return out
 
 
+def device_count(devices, what: str) -> int:
+  """`devices` (0: all of this process's) as an int, else one ConfigError naming `what`: not a count >= 0, or
+  more than this process sees."""
+  if isinstance(devices, bool) or not isinstance(devices, numbers.Integral) or devices < 0:
+    raise ConfigError(f"{what} must be a device count >= 0 (0: all of this process's), got {devices!r}")
+  have = len(jax.local_devices())
+  if devices > have:
+    raise ConfigError(f"{what}={devices} but this process sees {have} device{'s' if have > 1 else ''}")
+  return int(devices)
+
+
 def eval_mesh(devices: int, streams: int, what: str = "eval.devices") -> jax.sharding.Mesh | None:
   """The mesh evaluation splits its `streams` (eval.batch_size) over: the first `devices` of this process's
   devices (0 = all of them). None for one device: jit's default device, as the original's one GPU. Each process
@@ -51,11 +64,7 @@ def eval_mesh(devices: int, streams: int, what: str = "eval.devices") -> jax.sha
   ConfigError when the count is not available or does not divide the streams (each device holds whole streams:
   a stream's long-term store and state continue from step to step on the device that holds it)."""
   local = jax.local_devices()
-  if isinstance(devices, bool) or not isinstance(devices, int) or devices < 0:
-    raise ConfigError(f"{what} must be a device count >= 0 (0: all of this process's), got {devices!r}")
-  n = devices or len(local)
-  if n > len(local):
-    raise ConfigError(f"{what}={n} but this process sees {len(local)} device{'s' if len(local) > 1 else ''}")
+  n = device_count(devices, what) or len(local)
   if n == 1:
     return None
   if streams % n:

@@ -119,8 +119,11 @@ def check_plot_path(path: str, flag: str = "plot", overwrite: bool = False) -> N
   except OSError:
     return  # unreadable: writing it is refused where it is written, with the reason
   if not ours:
-    raise ConfigError(f"--{flag}={path} exists and is not a plot an earlier evaluation wrote (which would be "
-                      "replaced): it is left as it is; move it away, choose another file name, or pass --overwrite")
+    why = ("exists and is not a plot an earlier evaluation wrote" if ext in MARKED_FORMATS else
+           f"exists (a .{ext} image cannot record that a plot of ours wrote it: only .png, .pdf, .svg, .ps and .eps "
+           "are replaced without --overwrite)")
+    raise ConfigError(f"--{flag}={path} {why} (which would be replaced): it is left as it is; move it away, choose "
+                      "another file name, or pass --overwrite")
 
 
 def plot_sweep(rows: list[dict], path: str, title: str = "") -> str:
@@ -157,7 +160,8 @@ def plot_sweep(rows: list[dict], path: str, title: str = "") -> str:
   # whole or the old one: written beside it, then renamed over it (a kill mid-write left a torn image)
   tmp = f"{path}.tmp{os.getpid()}"
   fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
-  fig.savefig(tmp, dpi=120, format=fmt, metadata={"Creator": PLOT_CREATOR} if fmt in MARKED_FORMATS else None)
+  marked = {"metadata": {"Creator": PLOT_CREATOR}} if fmt in MARKED_FORMATS else {}  # (pgf takes no metadata=)
+  fig.savefig(tmp, dpi=120, format=fmt, **marked)
   plt.close(fig)
   os.replace(tmp, path)
   return path
