@@ -139,7 +139,9 @@ def _sums(stats, keys, batch, spec: LossSpec, *, use_trime, report_trime, mesh, 
   def trime(k):
     if previous is not None:  # stateful model, memory="long": current segment + the previous one's stale keys
       return previous_segment_nll(stats, k, targets, *previous, spec.objective).sum()
-    rows = dict(drop_local=batch["drop_local"], documents=batch.get("documents"))
+    # a batch carries drop_local whatever the memory; only ext memory has a drop (the loss refuses one elsewhere)
+    rows = dict(drop_local=batch["drop_local"] if spec.objective.memory == "ext" else False,
+                documents=batch.get("documents"))
     if mesh is not None and mesh.size > 1:
       return sharded_loss.sharded_trime_nll_from_vocab_stats(stats, k, targets, spec.objective, mesh=mesh,
                                                              variant=spec.sharded_variant,
