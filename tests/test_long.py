@@ -4,6 +4,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -802,6 +803,11 @@ def test_memory_size_sweep_table_and_plot(tmp_path):
                                         r"it: only .png, .pdf, .svg, .ps and .eps are replaced without --overwrite\)"):
     sweep.check_plot_path(str(tmp_path / "photo.jpg"))
   sweep.check_plot_path(str(tmp_path / "photo.jpg"), overwrite=True)
+  if shutil.which("xelatex"):  # a .pgf plot: accepted where its TeX system is, else refused before the evaluation
+    sweep.check_plot_path(str(tmp_path / "sweep.pgf"))  # (it failed after it: xelatex not found)
+  else:
+    with pytest.raises(ConfigError, match=r"sweep.pgf: a .pgf plot needs xelatex \(LaTeX\), which is not installed"):
+      sweep.check_plot_path(str(tmp_path / "sweep.pgf"))
   sweep.plot_sweep(rows, str(tmp_path / "photo.jpg"))  # unmarked formats are written without metadata=
   assert (tmp_path / "photo.jpg").read_bytes()[:2] == b"\xff\xd8"
   # eval.tune_max_tokens: the grid is searched on the first dev targets only, the split is scored in full

@@ -111,6 +111,13 @@ def check_plot_path(path: str, flag: str = "plot", overwrite: bool = False) -> N
     said = f"ends in .{ext}" if ext else "has no extension"
     raise ConfigError(f"--{flag}={path} {said}: give an image file name ending in one of "
                       f"{', '.join('.' + f for f in sorted(formats))} (e.g. .png)")
+  if ext == "pgf":  # matplotlib writes it through a TeX system: missing, the plot would fail after the evaluation
+    import shutil
+
+    tex = matplotlib.rcParams["pgf.texsystem"]
+    if not shutil.which(tex):
+      raise ConfigError(f"--{flag}={path}: a .pgf plot needs {tex} (LaTeX), which is not installed: give a .png, "
+                        ".pdf or .svg name")
   if overwrite or not os.path.isfile(path) or not os.path.getsize(path):
     return
   try:
