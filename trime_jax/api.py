@@ -266,8 +266,8 @@ class Model:
     if devices is None:  # the export's eval.devices, at most this machine's (an export of an 8-GPU run loads here)
       import jax
 
-      stored = int(self.config.eval.get("devices", 1))
-      devices = min(stored, len(jax.local_devices())) if stored else 0
+      asked = int(self.config.eval.get("devices", 1))
+      devices = min(asked, len(jax.local_devices())) if asked else 0
     self.devices = devices
     self._text = Text(self.vocab, _log)  # the generator's tokenizer: one text <-> token ids for every method
     self.memory = Memory(self)
@@ -315,9 +315,9 @@ class Model:
   @property
   def devices(self) -> int:
     """How many of this process's devices `score` splits a list of texts over (0: all of them): the export's
-    eval.devices (at most this process's devices) unless `load(..., devices=N)` or an assignment says otherwise. Each device scores whole texts
-    (rows of `evaluate.texts_plan`, their count rounded up to a multiple of the devices), the parameters on
-    every device, as trime_jax.launch.eval splits its streams (the same numbers up to float32 rounding). One
+    eval.devices (at most this process's devices) unless `load(..., devices=N)` or an assignment says otherwise.
+    Each device scores whole texts (rows of `evaluate.texts_plan`, their count rounded up to a multiple of the
+    devices), the parameters on every device, as trime_jax.launch.eval splits its streams (the same numbers up to float32 rounding). One
     text after `model.memory`'s documents is one stream: one device. Generation runs on one device."""
     return self._devices
 
