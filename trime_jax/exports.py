@@ -156,8 +156,8 @@ def stale_export_note(workdir: str) -> str | None:
   run's checkpoints reach past the update export/ holds (training stopped before exporting again)."""
   export_dir = os.path.join(workdir, "export")
   try:
-    step = int(json.load(open(os.path.join(export_dir, "meta.json"))).get("step", -1))
-  except (OSError, ValueError, TypeError, AttributeError):
+    step = int(read_export_meta(export_dir).get("step", -1))
+  except (CheckpointError, ValueError, TypeError):
     return None  # the reader says what is wrong with it
   ckpts = os.path.join(workdir, "checkpoints")
   newest = max((int(n) for n in (os.listdir(ckpts) if os.path.isdir(ckpts) else ()) if n.isdigit()), default=-1)

@@ -299,20 +299,19 @@ def _records(name: str, b, split: str):
       f"{(str(e).splitlines() or [''])[0][:200]}); the build is damaged: delete that directory and rebuild it")
   # What a damaged file raises: Riegeli's RuntimeError (chunk hashes), an OSError of the read. Not a missing
   # module, a permission (a shared read-only directory) or memory: those are not the build's fault.
-  damage = lambda e: isinstance(e, (RuntimeError, OSError)) and not isinstance(e, PermissionError)
   try:
     source = b.as_data_source(split=split)
     count = len(source)
-  except Exception as e:
-    if not damage(e):
-      raise
+  except PermissionError:
+    raise
+  except (RuntimeError, OSError) as e:
     raise damaged(f"the {split} split", e) from None
   for i in range(count):  # written unshuffled, in generation order; the stored index proves it
     try:
       r = source[i]
-    except Exception as e:
-      if not damage(e):
-        raise
+    except PermissionError:
+      raise
+    except (RuntimeError, OSError) as e:
       raise damaged(f"record {i} of {split}", e) from None
     if int(r["index"]) != i:
       raise DataError(f"TFDS dataset {name} in {b.data_dir}: record {i} of {split} holds document "
