@@ -76,18 +76,13 @@ def _checkpoint_argv(argv: list[str]) -> list[str]:
       return out
     raise
   if not _flag_values(out, "config") and "config" in flags.FLAGS:  # the export's stored config is the config
-    if not os.path.exists(resolved):
-      raise CheckpointError(f"checkpoint directory not found: {os.path.abspath(resolved)}")
-    if not os.path.isdir(resolved):  # it was "--checkpoint needs --config", about the wrong flag
-      raise CheckpointError(f"--checkpoint={value} is a file, not an export directory (config.json, meta.json, "
-                            "params/, vocab.json)")
-    if os.path.isdir(resolved) and not os.path.isfile(os.path.join(resolved, "config.json")):
-      # A training checkpoint's step, a workdir that has not exported, a datastore: said as trime_jax.load says
-      # it (without this, the missing config was the error: "--checkpoint needs --config", or absl's own).
-      from trime_jax import exports
+    # A file, a training checkpoint's step, a workdir that has not exported, a datastore: said as trime_jax.load
+    # says it (without this, the missing config was the error: "--checkpoint needs --config", or absl's own).
+    from trime_jax import exports
 
-      raise CheckpointError(exports.what_else_it_is(resolved) or f"{resolved} is not an export: it has no "
-                            "config.json (an export holds config.json, meta.json, params/ and vocab.json)")
+    problem = exports.config_dir_problem(resolved, given=f"--checkpoint={value}")
+    if problem:
+      raise CheckpointError(problem)
   out[at] = prefix + resolved
   return out
 

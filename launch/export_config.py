@@ -59,10 +59,7 @@ def main(argv: list[str]) -> int:
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  problem = (f"export directory not found: {os.path.abspath(path)}" if not os.path.exists(path) else
-             f"{path} is a file, not an export directory" if not os.path.isdir(path) else
-             None if os.path.isfile(os.path.join(path, "config.json")) else
-             exports.what_else_it_is(path) or f"{path} is not an export: it has no config.json")
+  problem = exports.config_dir_problem(path)
   if problem:  # said as trime_jax.load says it (the reader's own words name a --config this program has not)
     print(f"error: {problem}", file=sys.stderr)
     return 2

@@ -96,21 +96,103 @@ def main(workdir):
   out["restore_err"] = _shard_err(restored["w"], np.arange(12, dtype=np.float32).reshape(3, 4))
   out["restored_sharding_ok"] = restored["w"].sharding == state["w"].sharding
 
+  out["eval"] = check_eval(workdir)
+
   # End to end across both hosts: train 2 updates, resume to 3 (orbax checkpoints written by both), export.
-  # Process 0 writes metrics.jsonl; tests/test_sharded.py compares it with the 1-device run of sharded_check.
+  # Process 0 writes metrics.jsonl; tests/test_sharded.py compares it with the 1-device run of sharded_check,
+  # the dev evaluation included (each process evaluating its share of the streams).
   from tests.helpers import TRAIN_MATCH, TRAIN_MATCH_CORPUS_BYTES
+  from trime_jax import evaluate as evaluate_pkg
   from trime_jax.train import train_and_evaluate
 
   text = write_text_file(os.path.join(workdir, f"train_text{jax.process_index()}.bin"), TRAIN_MATCH_CORPUS_BYTES)
   run_dir = os.path.join(workdir, "train")
+  original_evaluate, out["dev_calls"] = evaluate_pkg.evaluate, []
+
+  def recording_evaluate(*args, **kwargs):  # the streams and devices training's dev evaluation asks for
+    out["dev_calls"].append([kwargs["streams"], 1 if kwargs["mesh"] is None else kwargs["mesh"].size])
+    return original_evaluate(*args, **kwargs)
+
+  evaluate_pkg.evaluate = recording_evaluate
   for n in (2, 3):
     train_and_evaluate(tiny_config(text, **{**TRAIN_MATCH, "train.num_devices": 8, "train.num_steps": n,
                                             "train.checkpoint_every": 1}), run_dir)
+  evaluate_pkg.evaluate = original_evaluate
   if jax.process_index() == 0:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-      out["train"] = [m for m in map(json.loads, f) if "loss" in m]
+      lines = [json.loads(line) for line in f if line.strip()]
+    out["train"] = [m for m in lines if "loss" in m]
+    out["dev"] = [m for m in lines if "none_ppl" in m]
     out["export_ok"] = os.path.exists(os.path.join(run_dir, "export", "meta.json"))
   print("RESULT " + json.dumps(out), flush=True)
+
+
+class BruteForceMemory:
+  """A datastore's exact top-K search in NumPy, standing in for a FAISS index (what `evaluate` reads of a
+  `knn.ExternalMemory`): each process searches for its own queries."""
+
+  def __init__(self, keys, values, k):
+    self.keys, self.values, self.k, self.search_seconds = keys, values, k, 0.0
+    self.dimension = keys.shape[1]
+
+  def retrieve(self, queries):
+    from trime_jax import knn, scoring
+
+    sim = np.asarray(queries, np.float32) @ self.keys.T
+    top = np.argsort(-sim, axis=1, kind="stable")[:, :self.k]
+    return knn.Retrieved((np.take_along_axis(sim, top, 1) * scoring.static_scale(self.dimension, 1.0)).astype(
+        np.float32), self.values[top].astype(np.int32))
+
+
+def check_eval(workdir):
+  """`evaluate` across the two processes (each its share of the streams, on 2 of its devices) against the same
+  evaluation computed whole on every process (3 streams: not a multiple of the processes): local, long-term
+  and external memory, the cache, per-token nll, frequency buckets and retrieval counts."""
+  from flax import nnx
+
+  from tests.helpers import tiny_config, write_text_file
+  from trime_jax import evaluate, specs
+  from trime_jax.evaluate import driver
+  from trime_jax.model import TransformerLM
+
+  text = write_text_file(os.path.join(workdir, f"eval_text{jax.process_index()}.bin"), 20_000)
+  cfg = tiny_config(text, **{"model.max_len": 32})
+  dev = corpora.load_splits(cfg.data).dev
+  model = TransformerLM(specs.model_config(cfg, vocab_size=len(dev.vocab)), rngs=nnx.Rngs(3))
+  graphdef, params = nnx.split(model, nnx.Param)
+  rng = np.random.default_rng(1)
+  ext = BruteForceMemory(rng.normal(size=(300, cfg.model.d_model)).astype(np.float32),
+                         rng.integers(0, len(dev.vocab), 300), k=16)
+  points = (evaluate.NONE, evaluate.Point("trime_local", tau=1.0), evaluate.Point("trime", tau=1.5),
+            evaluate.Point("cache", cache_lambda=0.2, cache_theta=0.5),
+            evaluate.Point("knnlm", knn_lambda=0.25, knn_theta=1.0))
+  buckets = rng.integers(0, 4, len(dev.vocab))
+  rows = []
+  original_forward = driver.forward_queries
+
+  def counting_forward(graphdef, params, inputs, *args, **kwargs):  # the rows this process computes per step
+    rows.append(int(inputs.shape[0]))
+    return original_forward(graphdef, params, inputs, *args, **kwargs)
+
+  driver.forward_queries = counting_forward
+  res = {}
+  for streams, devices in ((4, 2), (3, 1)):
+    rows.clear()
+    r = evaluate.evaluate(graphdef, params, dev, points, block_len=32, context_window=16, streams=streams,
+                          long_term=evaluate.StoreSpec(mem_size=64), external=ext, max_tokens=2_000,
+                          word_buckets_V=buckets, per_token=True, search_queries=0,
+                          mesh=sharding.eval_mesh(devices, streams))
+    res[streams] = (r, sorted(set(rows)))
+  driver.forward_queries = original_forward
+  (split, split_rows), (whole, whole_rows) = res[4], res[3]
+  return {"share": list(sharding.process_streams(4)), "rows_per_step": split_rows, "whole_rows": whole_rows,
+          "tokens": [split.tokens, whole.tokens],
+          "nll": [[s.nll for s in split.scores], [s.nll for s in whole.scores]],
+          "token_nll_err": float(np.abs(split.token_nll - whole.token_nll).max()),
+          "token_nll_nan": int(np.isnan(split.token_nll).sum()),
+          "bucket_tokens": [split.bucket_tokens.tolist(), whole.bucket_tokens.tolist()],
+          "bucket_nll_err": float(np.nanmax(np.abs(split.bucket_nll - whole.bucket_nll))),
+          "hits": [split.retrieval_hits.tolist(), whole.retrieval_hits.tolist()]}
 
 
 if __name__ == "__main__":

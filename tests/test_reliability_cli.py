@@ -711,9 +711,10 @@ def test_export_config_command(base, tmp_path):
   assert r.returncode == 2 and r.stderr == ("error: usage: python -m trime_jax.launch.export_config EXPORT_DIR (the "
                                             "export whose config to print)\n"), r.stderr
   r = run(str(tmp_path / "nothing"))
-  assert r.returncode == 2 and r.stderr == f"error: export directory not found: {tmp_path / 'nothing'}\n", r.stderr
+  assert r.returncode == 2 and r.stderr == f"error: checkpoint directory not found: {tmp_path / 'nothing'}\n", r.stderr
   r = run(str(base["export"] / "meta.json"))
-  assert r.returncode == 2 and r.stderr.endswith("meta.json is a file, not an export directory\n"), r.stderr
+  assert r.returncode == 2 and r.stderr.endswith("meta.json is a file, not an export directory (config.json, "
+                                                 "meta.json, params/, vocab.json)\n"), r.stderr
   # read as trime_jax.load reads a path: a training workdir (its export/), a shipped model's name
   r = run(str(base["work"]))
   assert r.returncode == 0 and json.loads(r.stdout)["model"]["d_model"] == 32, r.stderr

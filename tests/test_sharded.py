@@ -245,6 +245,31 @@ def test_two_processes_slice_batches_share_the_loss_and_checkpoint(checks):
   for a, b in zip(base, train):
     for key in ("loss", "ce_nll", "trime_nll", "grad_norm"):
       assert b[key] == pytest.approx(a[key], rel=2e-5), (key, a, b)
+  # Its dev evaluation: 8 streams (a multiple of the 8 devices), each process its 4 on its own 4 devices, the
+  # 1-device run's perplexities.
+  for r in results:
+    assert set(map(tuple, r["dev_calls"])) == {(8, 4)}, r["dev_calls"]
+  (a,), b = checks("train")["dev"]["1dev"], results[0]["dev"][-1]  # (the first invocation's end: update 2)
+  assert [d["step"] for d in results[0]["dev"]] == [2, 3] and a["step"] == 3
+  assert a["tokens"] == b["tokens"] > 0
+  for key in ("none_ppl", "trime_local(tau=1)_ppl"):
+    assert b[key] == pytest.approx(a[key], rel=1e-4), (key, a, b)
+
+
+def test_two_processes_split_the_evaluation_streams(checks):
+  """2 processes × 4 devices: `evaluate` with 4 streams runs 2 on each process (on 2 of its devices) and gathers
+  what equals the evaluation computed whole on each process (3 streams): every point's nll (local, long-term
+  and external memory, the cache, kNN-LM), every scored token's nll, the frequency buckets, the retrieval counts."""
+  results = [checks("process0")["eval"], checks("process1")["eval"]]
+  assert [r["share"] for r in results] == [[0, 2], [2, 4]]
+  for r in results:
+    assert r["rows_per_step"] == [2] and r["whole_rows"] == [3]  # each process computed its own 2 streams
+    assert r["tokens"][0] == r["tokens"][1] > 1_000 and r["token_nll_nan"] == 0
+    np.testing.assert_allclose(r["nll"][0], r["nll"][1], rtol=1e-5)
+    assert r["token_nll_err"] <= 1e-4, r["token_nll_err"]
+    assert r["bucket_tokens"][0] == r["bucket_tokens"][1] and r["bucket_nll_err"] <= 1e-5
+    assert r["hits"][0] == r["hits"][1] and r["hits"][0][-1] > 0
+  assert results[0]["nll"][0] == results[1]["nll"][0]  # every process returns the same gathered result
 
 
 # ----------------------------------------------------------------------------------------------------------

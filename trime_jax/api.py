@@ -529,7 +529,12 @@ class Model:
     cap = max(1, int(self.config.eval.batch_size)) * block_len // length
     rows = min(cap, 1 << (len(ids_of) - 1).bit_length())
     n = self._device_count()
-    rows = -(-rows // n) * n  # whole rows per device (model.devices); a row without a text scores nothing
+    # whole rows per device (model.devices; of every process in a run of several, each scoring its share of the
+    # rows, `evaluate`); a row without a text scores nothing
+    import jax
+
+    per = n * jax.process_count()
+    rows = -(-rows // per) * per
     cfg = self.nnx_model.cfg
     corpus, plan, counts = evaluate.texts_plan(ids_of, self.vocab, block_len=block_len, context_window=ctx,
                                                rows=rows, d_model=cfg.d_model, dtype=cfg.dtype, break_mode=mode,

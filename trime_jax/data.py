@@ -466,8 +466,13 @@ def random_batch_indices(num_segments: int, batch_size: int, step: int, seed: in
   permutation of the N segments in order; its last batch holds the permutation's remainder and all-padding rows
   after it. So an epoch has fairseq's number of updates and the next one starts on a fresh update, as the
   original's iterator does (its last group of batches is shorter; the loss is normalised by the update's tokens,
-  so a padded and a smaller update weigh the same). What differs from the original, as before: fairseq composes
-  its batches once and reshuffles their order each epoch, this permutes the segments each epoch. Every segment
+  so a padded and a smaller update weigh the same). fairseq composes its GPU batches once and reshuffles their
+  order each epoch; this permutes the segments each epoch. The two are the same draw where an original GPU batch
+  is one segment (the 247M scripts: one 3,072-token block per GPU, the update's segments gathered across GPUs
+  drawn afresh each epoch), and the loss cannot tell them apart where the memory stays inside a segment (local
+  memory: the other paper scripts' random batches); they differ for in-batch memory over GPU batches of several
+  segments (none of the paper's configs; e.g. docs-wt's random-batch TrimeLM_ext ablation after its first
+  epoch, if its 8-segment batch is read as one original GPU's). Every segment
   appears once per epoch and no batch holds a segment twice (`random_batch_indices_straddling`, the layout
   before 2026-12-06, could: a batch took the tail of one permutation and the head of the next, and TRIME's
   in-batch memory then held the segment's own copy). Batch `step` depends only on (seed, step), so training

@@ -317,6 +317,20 @@ def is_mt_export(directory: str) -> bool:
   return _meta_fields(directory)[0] == "mt"
 
 
+def config_dir_problem(path: str, given: str = "") -> str | None:
+  """Why `path` gives no export config to read (None where it does): not found, a file, or a folder without
+  config.json (what else it is: `what_else_it_is`), in the words load_export says them. `given`: how the user
+  named it (e.g. "--checkpoint=runs/x"), for the line about a file."""
+  if not os.path.exists(path):
+    return f"checkpoint directory not found: {os.path.abspath(path)}"
+  if not os.path.isdir(path):
+    return f"{given or path} is a file, not an export directory (config.json, meta.json, params/, vocab.json)"
+  if not os.path.isfile(os.path.join(path, "config.json")):
+    return what_else_it_is(path) or (f"{path} is not an export: it has no config.json (an export holds "
+                                     "config.json, meta.json, params/ and vocab.json)")
+  return None
+
+
 def what_else_it_is(directory: str) -> str | None:
   """Why `directory`, not an LM export, is something else a user may pass for one (None: nothing we know of,
   then it is an incomplete export): a machine-translation export, a training workdir that has not exported

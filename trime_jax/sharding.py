@@ -57,31 +57,66 @@ def device_count(devices, what: str) -> int:
   return int(devices)
 
 
+def process_streams(streams: int) -> tuple[int, int] | None:
+  """[lo, hi): the evaluation streams this process computes in a run of several processes, each process its
+  own contiguous share on its own devices (the scores and sums are gathered at the end, `evaluate`). None
+  where every process computes every stream: one process, or streams that are not a multiple of the
+  processes (then each computes all of them, as before 2026-12-07)."""
+  p = jax.process_count()
+  if p == 1 or streams % p:
+    return None
+  i = jax.process_index()
+  return i * streams // p, (i + 1) * streams // p
+
+
+def streams_here(streams: int) -> int:
+  """How many of `streams` this process evaluates (`process_streams`)."""
+  share = process_streams(streams)
+  return streams if share is None else share[1] - share[0]
+
+
 def eval_mesh(devices: int, streams: int, what: str = "eval.devices") -> jax.sharding.Mesh | None:
   """The mesh evaluation splits its `streams` (eval.batch_size) over: the first `devices` of this process's
-  devices (0 = all of them). None for one device: jit's default device, as the original's one GPU. Each process
-  evaluates on its own devices (its host reads every stream's scores and searches the datastore for them).
-  ConfigError when the count is not available or does not divide the streams (each device holds whole streams:
-  a stream's long-term store and state continue from step to step on the device that holds it)."""
+  devices (0 = all of them). None for one device: jit's default device, as the original's one GPU. In a run of
+  several processes each splits its share of the streams (`process_streams`) over its own devices. ConfigError
+  when the count is not available or does not divide the streams (each device holds whole streams: a stream's
+  long-term store and state continue from step to step on the device that holds it)."""
   local = jax.local_devices()
   n = device_count(devices, what) or len(local)
   if n == 1:
     return None
-  if streams % n:
-    raise ConfigError(f"eval.batch_size={streams} streams do not split over {what}={n} devices: make it a "
-                      f"multiple of {n} (a Transformer's scores do not depend on the number of streams)")
+  here = streams_here(streams)
+  if here % n:
+    of = "" if here == streams else f" ({here} of each of the {jax.process_count()} processes)"
+    raise ConfigError(f"eval.batch_size={streams} streams{of} do not split over {what}={n} devices: make it a "
+                      f"multiple of {n * (streams // here)} (a Transformer's scores do not depend on the number of "
+                      f"streams)")
   return mesh_of(local[:n])
 
 
 def eval_submesh(mesh: jax.sharding.Mesh, streams: int) -> jax.sharding.Mesh | None:
-  """Where training's dev evaluation runs on a training `mesh`: its first k devices, k the largest device count
-  that divides `streams` (eval.batch_size), so that no device computes another's streams again. None (jit
-  places it: replicated over the training mesh, every device computing every stream) where k is 1 or the mesh
-  spans processes (each process's host reads every score: `eval_mesh`)."""
-  devices = list(mesh.devices.flat)
-  if jax.process_count() > 1 or len(devices) == 1:
+  """Where training's dev evaluation runs on a training `mesh`: k of this process's devices of it, k the largest
+  count that divides the streams it evaluates (eval.batch_size, or its share of them in a run of several
+  processes: `process_streams`), so that no device computes another's streams again. None (jit places it) where
+  k is 1, or where every process computes every stream (the streams not a multiple of the processes): replicated
+  over the training mesh, every device computing every stream."""
+  if jax.process_count() > 1 and process_streams(streams) is None:
     return None
-  k = max(d for d in range(1, len(devices) + 1) if streams % d == 0)
+  devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  here = streams_here(streams)
+  k = max(d for d in range(1, len(devices) + 1) if here % d == 0)
   if k == 1:
     return None
   return mesh_of(devices[:k])
+
+
+def local_copy(tree):
+  """`tree` with each array that spans several processes (replicated over a multi-process mesh: a training
+  state's parameters) as this process's own copy of it, for work done on this process's devices alone."""
+  def one(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      return x
+    if not x.is_fully_replicated:
+      raise ValueError(f"an array of shape {x.shape} split over several processes has no copy on each of them")
+    return x.addressable_data(0)
+  return jax.tree_util.tree_map(one, tree)

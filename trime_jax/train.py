@@ -420,12 +420,14 @@ class LMTask(loop.Task):
 
   def dev_streams(self) -> tuple[int, object]:
     """(streams, mesh) of the dev evaluation. A Transformer's scores do not depend on the number of streams, so
-    on a mesh of n devices in one process its eval.batch_size is rounded up to a multiple of n, one share per
-    device (the 247M's one stream becomes n: n× faster, no device holding more than before); a stateful model's
-    streams are part of its dev protocol and stay, split over as many devices as divide them. None: jit's
-    placement (one device; or replicated over a multi-process mesh, every device computing every stream)."""
+    on a mesh of n devices its eval.batch_size is rounded up to a multiple of n, one share per device (the
+    247M's one stream becomes n: n× faster, no device holding more than before; over several processes, each
+    evaluates its devices' share, `sharding.process_streams`); a stateful model's streams are part of its dev
+    protocol and stay, split over as many devices as divide them (`sharding.eval_submesh`). None: jit's placement
+    (one device; or replicated over a multi-process mesh, every device computing every stream, where the
+    streams do not split over the processes)."""
     streams, n = int(self.config.eval.batch_size), self.mesh.size
-    if not self.stateful and n > 1 and jax.process_count() == 1:
+    if not self.stateful and n > 1:
       streams = -(-streams // n) * n
     return streams, sharding.eval_submesh(self.mesh, streams)
 

@@ -228,6 +228,23 @@ class ProgressLog:
     self.last = now
 
 
+def _gathered(arrays: dict) -> dict:
+  """Every process's `arrays` (numpy, the same names, shapes and dtypes on each), stacked [processes, ...]: one
+  all-gather of their bytes, so that float64 sums cross exactly (JAX would carry them as float32)."""
+  from jax.experimental import multihost_utils  # here: a run of several processes only
+
+  names = sorted(arrays)
+  parts = [np.ascontiguousarray(arrays[k]) for k in names]
+  every = np.asarray(multihost_utils.process_allgather(
+      np.concatenate([p.reshape(-1).view(np.uint8) for p in parts])))  # [processes, bytes]
+  out, a = {}, 0
+  for k, p in zip(names, parts):
+    b = a + p.nbytes
+    out[k] = np.stack([np.frombuffer(row[a:b].tobytes(), p.dtype).reshape(p.shape) for row in every])
+    a = b
+  return out
+
+
 def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, context_window: int, streams: int,
              long_term: StoreSpec = StoreSpec(),
              external: knn.ExternalMemory | exact_memory.DeviceDatastore | None = None, vocab_chunk: int = 0,
@@ -276,7 +293,11 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   `mesh` (config eval.devices, `sharding.eval_mesh`; None: one device): the streams are split over its `data`
   axis, each device holding whole streams (their windows, long-term stores and states) and the parameters
   replicated, so every step's work divides among the devices with no communication but the sums' (the streams
-  must be a multiple of the device count). The same numbers as on one device, up to float rounding."""
+  must be a multiple of the device count). The same numbers as on one device, up to float rounding. In a run
+  of several processes (`jax.distributed`) whose streams are a multiple of the processes, each process computes
+  its own contiguous share of them (`sharding.process_streams`; `mesh` then of its own devices, dividing its
+  share), searches the datastore for its own queries only, and the sums, retrieval counts and per-token nll
+  are gathered: every process returns the whole result."""
   points = tuple(points)
   if not points:
     raise ConfigError("nothing to evaluate: no points")
@@ -309,6 +330,12 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
     long_term = plan.long_term
   if (start is not None or keep_state_before) and streams != 1:
     raise ConfigError(f"evaluate(start=, keep_state_before=) take one stream, got streams={streams}")
+  # A run of several processes: each computes its own share of the streams on its own devices (`mesh` is of
+  # this process's devices), and the sums are gathered at the end (`_gathered`). Streams that do not split over
+  # the processes: each computes every one, on the parameters as they are.
+  share = sharding.process_streams(len(plan.schedule[0]))
+  if share is not None:
+    plan, params = plan.only_streams(*share), sharding.local_copy(params)
   n, store = plan.scored_targets, plan.store
   if plan.dropped_lines:
     (log or (lambda line: print(line, file=sys.stderr, flush=True)))(
@@ -443,12 +470,23 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
       pending = dispatch_group(g + 1, carry)
   bar.close()
   seconds = time.perf_counter() - t0
+  search = (external.search_seconds - search_s0) if external is not None else 0.0
+  if share is not None:  # every process's sums; each scored target's nll from the one process that scored it
+    mine = {"totals": totals, "bucket_totals": bucket_totals, "bucket_counts": bucket_counts,
+            "seconds": np.array([seconds, search]), "hits": hits, "token_nll": token_nll}
+    every = _gathered({k: v for k, v in mine.items() if v is not None})
+    totals, bucket_totals, bucket_counts, hits = (every[k].sum(axis=0) for k in ("totals", "bucket_totals",
+                                                                                  "bucket_counts", "hits"))
+    seconds, search = every["seconds"].max(axis=0)  # the slowest process's
+    if token_nll is not None:
+      scored_here = ~np.isnan(every["token_nll"])
+      token_nll = np.where(scored_here.any(axis=0), np.where(scored_here, every["token_nll"], 0).sum(axis=0),
+                           np.nan).astype(np.float32)
   if token_nll is not None and plan.scored_targets < plan.num_targets:  # the scored targets (dropped lines: none)
     token_nll = token_nll[:, np.concatenate([np.arange(w.score_start, w.end) for w in plan.wins])]
   is_bytes = corpus.vocab.kind == "bytes"
   scores = [Score(p, float(t / max(n, 1)), n, seconds, is_bytes) for p, t in zip(points, totals)]
   with np.errstate(invalid="ignore", divide="ignore"):
     bucket_nll = np.where(bucket_counts > 0, bucket_totals / bucket_counts, np.nan)
-  search = (external.search_seconds - search_s0) if external is not None else 0.0
   return EvalResult(scores, bucket_nll, bucket_counts, None if on_device else hits, seconds, search, token_nll,
                     state, first, ks)

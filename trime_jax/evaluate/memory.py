@@ -164,6 +164,15 @@ class StreamPlan:
             "doc_q": (np.searchsorted(self.doc_starts, qpos, side="right") - 1).astype(np.int32),
             "score": self.score[step], "insert": idx >= 0}
 
+  def only_streams(self, lo: int, hi: int) -> "StreamPlan":
+    """The plan of streams [lo, hi) alone (one process's share, `sharding.process_streams`): their columns of
+    the schedule and their stores, up to the last step any of them runs. Every stream runs as in the whole
+    plan; `scored_targets` stays the whole plan's."""
+    busy = np.flatnonzero((self.schedule[:, lo:hi] >= 0).any(axis=1))
+    steps = int(busy[-1]) + 1 if len(busy) else 0
+    return dataclasses.replace(self, schedule=self.schedule[:steps, lo:hi], score=self.score[:steps, lo:hi],
+                               store=jax.tree_util.tree_map(lambda x: x[lo:hi], self.store))
+
   def _store_view(self, start, offset, store_start) -> dict:
     # the span never reaches before the window's store start (a no-op without dropped lines: positions >= 0)
     if self.long_term.layout == "original":
