@@ -176,16 +176,22 @@ def check_eval(workdir):
 
   driver.forward_queries = counting_forward
   res = {}
-  for streams, devices in ((4, 2), (3, 1)):
+  # (streams, devices, tokens): 4 streams split 2 + 2; 8 streams over 3 windows leave process 1's 4 idle (its
+  # share has no step to run); 3 streams, not a multiple of the processes, are computed whole on each process
+  for streams, devices, tokens in ((4, 2, 2_000), (3, 1, 2_000), (8, 1, 48), (3, 1, 48)):
     rows.clear()
     r = evaluate.evaluate(graphdef, params, dev, points, block_len=32, context_window=16, streams=streams,
-                          long_term=evaluate.StoreSpec(mem_size=64), external=ext, max_tokens=2_000,
+                          long_term=evaluate.StoreSpec(mem_size=64), external=ext, max_tokens=tokens,
                           word_buckets_V=buckets, per_token=True, search_queries=0,
                           mesh=sharding.eval_mesh(devices, streams))
-    res[streams] = (r, sorted(set(rows)))
+    res[streams, tokens] = (r, sorted(set(rows)))
   driver.forward_queries = original_forward
-  (split, split_rows), (whole, whole_rows) = res[4], res[3]
-  return {"share": list(sharding.process_streams(4)), "rows_per_step": split_rows, "whole_rows": whole_rows,
+  (split, split_rows), (whole, whole_rows) = res[4, 2_000], res[3, 2_000]
+  (idle, idle_rows), (few, _) = res[8, 48], res[3, 48]
+  return {"idle": {"rows_per_step": idle_rows, "tokens": [idle.tokens, few.tokens],
+                   "nll": [[s.nll for s in idle.scores], [s.nll for s in few.scores]],
+                   "token_nll_err": float(np.abs(idle.token_nll - few.token_nll).max())},
+          "share": list(sharding.process_streams(4)), "rows_per_step": split_rows, "whole_rows": whole_rows,
           "tokens": [split.tokens, whole.tokens],
           "nll": [[s.nll for s in split.scores], [s.nll for s in whole.scores]],
           "token_nll_err": float(np.abs(split.token_nll - whole.token_nll).max()),

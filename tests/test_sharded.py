@@ -270,6 +270,13 @@ def test_two_processes_split_the_evaluation_streams(checks):
     assert r["bucket_tokens"][0] == r["bucket_tokens"][1] and r["bucket_nll_err"] <= 1e-5
     assert r["hits"][0] == r["hits"][1] and r["hits"][0][-1] > 0
   assert results[0]["nll"][0] == results[1]["nll"][0]  # every process returns the same gathered result
+  # 8 streams over 3 windows: process 1's 4 streams have nothing to run; it still joins the gather
+  assert results[0]["idle"]["rows_per_step"] == [4] and results[1]["idle"]["rows_per_step"] == []
+  for r in results:
+    idle = r["idle"]
+    assert idle["tokens"][0] == idle["tokens"][1] == 48
+    np.testing.assert_allclose(idle["nll"][0], idle["nll"][1], rtol=1e-5)
+    assert idle["token_nll_err"] <= 1e-4, idle["token_nll_err"]
 
 
 # ----------------------------------------------------------------------------------------------------------

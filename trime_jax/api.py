@@ -529,12 +529,7 @@ class Model:
     cap = max(1, int(self.config.eval.batch_size)) * block_len // length
     rows = min(cap, 1 << (len(ids_of) - 1).bit_length())
     n = self._device_count()
-    # whole rows per device (model.devices; of every process in a run of several, each scoring its share of the
-    # rows, `evaluate`); a row without a text scores nothing
-    import jax
-
-    per = n * jax.process_count()
-    rows = -(-rows // per) * per
+    rows = -(-rows // n) * n  # whole rows per device (model.devices); a row without a text scores nothing
     cfg = self.nnx_model.cfg
     corpus, plan, counts = evaluate.texts_plan(ids_of, self.vocab, block_len=block_len, context_window=ctx,
                                                rows=rows, d_model=cfg.d_model, dtype=cfg.dtype, break_mode=mode,
@@ -545,7 +540,8 @@ class Model:
                                context_window=ctx, streams=rows, external=external, vocab_chunk=vocab_chunk,
                                per_token=True, log=logger.info, plan=plan,
                                search_queries=evaluate.search_queries_of(self.config.eval),
-                               mesh=sharding.eval_mesh(n, rows, what="devices"))
+                               mesh=sharding.eval_mesh(n, rows, what="devices", split_over_processes=False),
+                               split_over_processes=False)  # each process scores its own texts
     return np.split(np.asarray(result.token_nll[0], np.float32), np.cumsum(counts)[:-1])
 
   def _score_with_memory(self, ids, prefix, point, mode: str, ctx: int, block_len: int, overlong: str,
@@ -561,7 +557,8 @@ class Model:
                                external=external,
                                vocab_chunk=vocab_chunk, per_token=True, break_mode=mode, complete_overlong=overlong,
                                log=logger.info, start=self.memory._states.get(key), keep_state_before=len(prefix),
-                               search_queries=evaluate.search_queries_of(self.config.eval))
+                               search_queries=evaluate.search_queries_of(self.config.eval),
+                               split_over_processes=False)
     if result.state is not None:
       self.memory._keep_state(key, result.state)
     return np.asarray(result.token_nll[0], np.float32)

@@ -318,9 +318,9 @@ def is_mt_export(directory: str) -> bool:
 
 
 def config_dir_problem(path: str, given: str = "") -> str | None:
-  """Why `path` gives no export config to read (None where it does): not found, a file, or a folder without
-  config.json (what else it is: `what_else_it_is`), in the words load_export says them. `given`: how the user
-  named it (e.g. "--checkpoint=runs/x"), for the line about a file."""
+  """Why `path` gives no export config to read (None where it does): not found (in load_export's words), a file,
+  or a folder without config.json (what else it is, as load_export says it: `what_else_it_is`). `given`: how
+  the user named it (e.g. "--checkpoint=runs/x"), for the line about a file."""
   if not os.path.exists(path):
     return f"checkpoint directory not found: {os.path.abspath(path)}"
   if not os.path.isdir(path):

@@ -75,17 +75,19 @@ def streams_here(streams: int) -> int:
   return streams if share is None else share[1] - share[0]
 
 
-def eval_mesh(devices: int, streams: int, what: str = "eval.devices") -> jax.sharding.Mesh | None:
+def eval_mesh(devices: int, streams: int, what: str = "eval.devices",
+              split_over_processes: bool = True) -> jax.sharding.Mesh | None:
   """The mesh evaluation splits its `streams` (eval.batch_size) over: the first `devices` of this process's
   devices (0 = all of them). None for one device: jit's default device, as the original's one GPU. In a run of
-  several processes each splits its share of the streams (`process_streams`) over its own devices. ConfigError
+  several processes each splits its share of the streams (`process_streams`) over its own devices (all of them
+  with `split_over_processes=False`, as `evaluate`'s). ConfigError
   when the count is not available or does not divide the streams (each device holds whole streams: a stream's
   long-term store and state continue from step to step on the device that holds it)."""
   local = jax.local_devices()
   n = device_count(devices, what) or len(local)
   if n == 1:
     return None
-  here = streams_here(streams)
+  here = streams_here(streams) if split_over_processes else streams
   if here % n:
     of = "" if here == streams else f" ({here} of each of the {jax.process_count()} processes)"
     raise ConfigError(f"eval.batch_size={streams} streams{of} do not split over {what}={n} devices: make it a "
@@ -97,9 +99,10 @@ def eval_mesh(devices: int, streams: int, what: str = "eval.devices") -> jax.sha
 def eval_submesh(mesh: jax.sharding.Mesh, streams: int) -> jax.sharding.Mesh | None:
   """Where training's dev evaluation runs on a training `mesh`: k of this process's devices of it, k the largest
   count that divides the streams it evaluates (eval.batch_size, or its share of them in a run of several
-  processes: `process_streams`), so that no device computes another's streams again. None (jit places it) where
-  k is 1, or where every process computes every stream (the streams not a multiple of the processes): replicated
-  over the training mesh, every device computing every stream."""
+  processes: `process_streams`), so that no device computes another's streams again. None where k is 1 (one
+  device: in a run of several processes, this process's first, the parameters copied there by `evaluate`), or
+  where every process computes every stream (the streams not a multiple of the processes): jit places it,
+  replicated over the training mesh, every device computing every stream."""
   if jax.process_count() > 1 and process_streams(streams) is None:
     return None
   devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]

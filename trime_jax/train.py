@@ -423,9 +423,8 @@ class LMTask(loop.Task):
     on a mesh of n devices its eval.batch_size is rounded up to a multiple of n, one share per device (the
     247M's one stream becomes n: n× faster, no device holding more than before; over several processes, each
     evaluates its devices' share, `sharding.process_streams`); a stateful model's streams are part of its dev
-    protocol and stay, split over as many devices as divide them (`sharding.eval_submesh`). None: jit's placement
-    (one device; or replicated over a multi-process mesh, every device computing every stream, where the
-    streams do not split over the processes)."""
+    protocol and stay, split over as many devices as divide them (`sharding.eval_submesh`, which also says what
+    a mesh of None means)."""
     streams, n = int(self.config.eval.batch_size), self.mesh.size
     if not self.stateful and n > 1:
       streams = -(-streams // n) * n

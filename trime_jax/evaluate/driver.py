@@ -252,7 +252,8 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
              break_mode: str = "none", per_token: bool = False, complete_overlong: str = "drop",
              log=None, overlap_search: bool = False, search_queries: int = SEARCH_QUERIES,
              start: StreamState | None = None,
-             keep_state_before: int = 0, plan: StreamPlan | None = None, mesh=None) -> EvalResult:
+             keep_state_before: int = 0, plan: StreamPlan | None = None, mesh=None,
+             split_over_processes: bool = True) -> EvalResult:
   """Score `corpus` under every point in one pass: `streams` parallel streams, each with a long-term store of
   `long_term.mem_size` tokens, plus one top-K search per scored token when `external` is given (a
   `knn.ExternalMemory`), or every datastore entry (an `exact_memory.DeviceDatastore`: exact sums on device,
@@ -293,11 +294,15 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   `mesh` (config eval.devices, `sharding.eval_mesh`; None: one device): the streams are split over its `data`
   axis, each device holding whole streams (their windows, long-term stores and states) and the parameters
   replicated, so every step's work divides among the devices with no communication but the sums' (the streams
-  must be a multiple of the device count). The same numbers as on one device, up to float rounding. In a run
-  of several processes (`jax.distributed`) whose streams are a multiple of the processes, each process computes
-  its own contiguous share of them (`sharding.process_streams`; `mesh` then of its own devices, dividing its
-  share), searches the datastore for its own queries only, and the sums, retrieval counts and per-token nll
-  are gathered: every process returns the whole result."""
+  must be a multiple of the device count). The same numbers as on one device, up to float rounding.
+
+  `split_over_processes`: in a run of several processes (`jax.distributed`) whose streams are a multiple of the
+  processes, each process computes its own contiguous share of them (`sharding.process_streams`; `mesh` then of
+  its own devices, dividing its share), searches a FAISS datastore for its own queries only, and the sums,
+  retrieval counts and per-token nll are gathered: every process returns the whole result. The call is then a
+  collective: every process must make it, with the same corpus and settings (training's dev evaluation does).
+  False, or an on-device datastore (`exact_memory.DeviceDatastore`, whose keys span every process's devices):
+  each process computes every stream, alone (the Python API, whose processes score texts of their own)."""
   points = tuple(points)
   if not points:
     raise ConfigError("nothing to evaluate: no points")
@@ -333,7 +338,8 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   # A run of several processes: each computes its own share of the streams on its own devices (`mesh` is of
   # this process's devices), and the sums are gathered at the end (`_gathered`). Streams that do not split over
   # the processes: each computes every one, on the parameters as they are.
-  share = sharding.process_streams(len(plan.schedule[0]))
+  share = sharding.process_streams(plan.schedule.shape[1]) if split_over_processes and not isinstance(
+      external, exact_memory.DeviceDatastore) else None
   if share is not None:
     plan, params = plan.only_streams(*share), sharding.local_copy(params)
   n, store = plan.scored_targets, plan.store
@@ -343,9 +349,10 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
         f"{plan.cut_block_len or block_len} ({plan.num_targets - plan.separators - n:,} of {plan.num_targets - plan.separators:,} tokens "
         f"not scored), as fairseq's eval_lm "
         f"does (eval.complete_overlong=drop; refuse: an error instead)")
-  carry = model.init_carry(len(plan.schedule[0]), block_len) if stateful else None
+  num_streams = plan.schedule.shape[1]  # (a process's share of them may have no step to run)
+  carry = model.init_carry(num_streams, block_len) if stateful else None
   del model
-  place = _stream_placement(mesh, len(plan.schedule[0]))
+  place = _stream_placement(mesh, num_streams)
   params, store, carry = place.replicated(params), place.streams(store), place.streams(carry)
   first = 0  # the first step run
   if start is not None and start.fits(plan, corpus, graphdef):
@@ -378,7 +385,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
 
   # Steps per FAISS search (`search_queries`): the forward passes of a group are dispatched together, their
   # queries searched in one call, and the steps scored in order; 1 step where nothing is searched on the host.
-  rows_q = len(plan.schedule[0]) * plan.queries
+  rows_q = num_streams * plan.queries
   group_len = max(1, search_queries // rows_q) if search_queries > 0 and external is not None and not on_device else 1
 
   def dispatch(step, carry):
@@ -477,7 +484,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
     every = _gathered({k: v for k, v in mine.items() if v is not None})
     totals, bucket_totals, bucket_counts, hits = (every[k].sum(axis=0) for k in ("totals", "bucket_totals",
                                                                                   "bucket_counts", "hits"))
-    seconds, search = every["seconds"].max(axis=0)  # the slowest process's
+    seconds, search = every["seconds"].max(axis=0)  # the slowest process's time, and the slowest search
     if token_nll is not None:
       scored_here = ~np.isnan(every["token_nll"])
       token_nll = np.where(scored_here.any(axis=0), np.where(scored_here, every["token_nll"], 0).sum(axis=0),

@@ -56,8 +56,9 @@ def devices_note(mesh, streams: int) -> str | None:
   n = len(jax.local_devices())
   if mesh is not None or n == 1:
     return None
+  per = n * (streams // sharding.streams_here(streams))  # (every process's devices where the processes split them)
   return (f"evaluating on 1 of this process's {n} devices: --config.eval.devices=0 splits the streams over all of "
-          f"them (eval.batch_size={streams} then a multiple of {n}; the same scores)")
+          f"them (eval.batch_size={streams} then a multiple of {per}; the same scores)")
 
 
 def frequency_split(e) -> str:
