@@ -20,7 +20,10 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from trime_jax.launch.common import check_export, check_output_path, config_given, refuse_target, run_main, validated
+from trime_jax.launch.checks import check_export, validated
+from trime_jax.launch.entry import run_main
+from trime_jax.launch.flags import config_given
+from trime_jax.launch.outputs import check_output_path, refuse_target
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")

@@ -21,7 +21,7 @@ def _run(module: str) -> None:
     print(f"error: trime_jax.launch.{module} is not part of this installation of trime-jax", file=sys.stderr,
           flush=True)
     sys.exit(2)
-  from trime_jax.launch.common import run_main
+  from trime_jax.launch.entry import run_main
 
   run_main(mod.main, checkpoint_is_export=getattr(mod, "CHECKPOINT_IS_EXPORT", True))
 

@@ -13,7 +13,8 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
-from trime_jax.launch.common import PACKAGE_ROOT, run_main
+from trime_jax.launch.entry import run_main
+from trime_jax.launch.flags import PACKAGE_ROOT
 
 # The default is the shipped file's absolute path: config_flags loads a default when the flag is defined, before
 # any --config value could be looked up, so a relative one fails outside the checkout.

@@ -20,8 +20,9 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from trime_jax.launch.common import (check_data_split, check_export, check_output_file, export_fingerprint, run_main,
-                                     validated)
+from trime_jax.launch.checks import check_data_split, check_export, validated
+from trime_jax.launch.entry import run_main
+from trime_jax.launch.outputs import check_output_file, export_fingerprint
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")

@@ -20,7 +20,7 @@ from trime_jax.errors import CheckpointError
 def get_config(export_dir: str = ""):
   # A translation export's config is of another schema (configs/ui_de_en.py): returned as stored, not over the
   # language model's defaults; build_datastore reads it, the language model's programs refuse it with the
-  # export named (launch.common.validated), not with the first LM field it lacks
+  # export named (launch.checks.validated), not with the first LM field it lacks
   if export_dir and exports.is_mt_export(export_dir):
     import ml_collections
 

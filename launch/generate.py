@@ -22,7 +22,9 @@ import math
 
 from absl import flags
 
-from trime_jax.launch.common import check_export, check_flag, run_main
+from trime_jax.launch.checks import check_export
+from trime_jax.launch.entry import run_main
+from trime_jax.launch.flags import check_flag
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
 _PROMPT = flags.DEFINE_multi_string("prompt", [], "A prompt (repeat for a batch); \\n is a newline.")

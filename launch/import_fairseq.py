@@ -11,7 +11,8 @@ evaluates it on the WikiText-103 token files with fairseq's token ids. Needs PyT
 
 from absl import flags
 
-from trime_jax.launch.common import refuse_target, run_main
+from trime_jax.launch.entry import run_main
+from trime_jax.launch.outputs import refuse_target
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "fairseq checkpoint (.pt) of a transformer_lm.")
 CHECKPOINT_IS_EXPORT = False  # run_main: --checkpoint is a fairseq .pt, not read as an export path

@@ -19,7 +19,9 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
-from trime_jax.launch.common import check_output_path, describe_target, run_main, validated
+from trime_jax.launch.checks import validated
+from trime_jax.launch.entry import run_main
+from trime_jax.launch.outputs import check_output_path, describe_target
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
 _KIND = flags.DEFINE_enum("kind", None, ["consecutive", "bm25"], "Batching method.")

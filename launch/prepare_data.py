@@ -11,7 +11,7 @@ Then train on it with --config.data.corpus=tfds:<corpus> --config.data.path= (pl
 
 from absl import flags
 
-from trime_jax.launch.common import run_main
+from trime_jax.launch.entry import run_main
 
 _CORPUS = flags.DEFINE_string("corpus", None, "wikitext103 | wikitext2 | enwik8 (a `tfds:` prefix is accepted).")
 _MANUAL_DIR = flags.DEFINE_string("manual_dir", "", "Directory with the released files (offline); empty: download.")

@@ -19,7 +19,8 @@ compiled plan of one train step at the configured batch) and exits without train
 from absl import flags
 from ml_collections import config_flags
 
-from trime_jax.launch.common import run_main, train_in_workdir, validated
+from trime_jax.launch.checks import validated
+from trime_jax.launch.entry import run_main, train_in_workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics.jsonl, export/); required "

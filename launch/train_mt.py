@@ -16,7 +16,7 @@ which checkpoint (if any) is on disk to resume from.
 from absl import flags
 from ml_collections import config_flags
 
-from trime_jax.launch.common import run_main, train_in_workdir
+from trime_jax.launch.entry import run_main, train_in_workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/ui_de_en.py, configs/iwslt_de_en.py).",
                                           lock_config=True)

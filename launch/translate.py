@@ -29,7 +29,9 @@ import time
 from absl import flags
 from ml_collections import config_flags
 
-from trime_jax.launch.common import check_flag, overlap_error, run_main
+from trime_jax.launch.checks import overlap_error
+from trime_jax.launch.entry import run_main
+from trime_jax.launch.flags import check_flag
 from trime_jax.mt import decode
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "MT export directory (<workdir>/export).")

@@ -155,11 +155,11 @@ def test_an_error_inside_a_progress_bar_starts_its_own_line():
 
   script = ("from tqdm import tqdm\n"
             "from trime_jax.errors import DataError\n"
-            "from trime_jax.launch import common\n"
+            "from trime_jax.launch import entry\n"
             "def main(argv):\n"
             "  tqdm(total=10, desc='reading').update(3)\n"
             "  raise DataError('the split is damaged')\n"
-            "common.run_main(main)\n")
+            "entry.run_main(main)\n")
   r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
   assert r.returncode == 2, r.stderr
   assert "3/10" in r.stderr and "\nerror: the split is damaged\n" in r.stderr

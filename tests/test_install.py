@@ -87,12 +87,12 @@ def test_old_top_level_names_say_the_new_ones():
 def test_checkout_without_install_finds_configs_and_launch(tmp_path):
   """PYTHONPATH=<checkout> with no install (the device scripts): trime_jax.configs / .launch are the checkout's."""
   code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
-          "import trime_jax.configs.demo, trime_jax.launch.common, trime_jax\n"
-          "print(trime_jax.configs.demo.__file__, trime_jax.launch.common.__file__)")
+          "import trime_jax.configs.demo, trime_jax.launch.entry, trime_jax\n"
+          "print(trime_jax.configs.demo.__file__, trime_jax.launch.entry.__file__)")
   r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(REPO), capture_output=True, text=True,
                      timeout=120)
   assert r.returncode == 0, r.stderr[-2000:]
-  assert r.stdout.split() == [os.path.join(REPO, "configs", "demo.py"), os.path.join(REPO, "launch", "common.py")]
+  assert r.stdout.split() == [os.path.join(REPO, "configs", "demo.py"), os.path.join(REPO, "launch", "entry.py")]
 
 
 def test_another_checkout_on_the_path_takes_its_own_configs_and_launch(tmp_path):
@@ -112,13 +112,13 @@ def test_another_checkout_on_the_path_takes_its_own_configs_and_launch(tmp_path)
           "      return importlib.util.spec_from_file_location(name, os.path.join(folder, '__init__.py'),\n"
           "                                                    submodule_search_locations=[folder])\n"
           "sys.meta_path.append(Editable())\n"
-          "import trime_jax.configs.demo, trime_jax.launch.common, trime_jax\n"
-          "print(trime_jax.__file__, trime_jax.configs.demo.__file__, trime_jax.launch.common.__file__)")
+          "import trime_jax.configs.demo, trime_jax.launch.entry, trime_jax\n"
+          "print(trime_jax.__file__, trime_jax.configs.demo.__file__, trime_jax.launch.entry.__file__)")
   r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(str(other)), capture_output=True,
                      text=True, timeout=120)
   assert r.returncode == 0, r.stderr[-2000:]
   assert r.stdout.split() == [str(other / "trime_jax" / "__init__.py"), str(other / "configs" / "demo.py"),
-                              str(other / "launch" / "common.py")]
+                              str(other / "launch" / "entry.py")]
 
 
 def test_commands_run_from_another_directory(installed, tmp_path):

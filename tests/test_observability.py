@@ -200,7 +200,7 @@ def test_progress_bar_only_where_someone_watches(capsys):
 
 
 def test_log_filter_quietens_orbax_and_faiss_info_only():
-  from trime_jax.launch.common import quiet_libraries
+  from trime_jax.launch.entry import quiet_libraries
 
   def record(path, level, msg="message"):
     return logging.LogRecord("absl", level, path, 1, msg, None, None)

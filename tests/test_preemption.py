@@ -194,10 +194,10 @@ def test_a_ctrl_c_that_lands_in_a_finaliser_is_not_lost():
 
 
 def test_a_ctrl_c_dropped_in_a_finaliser_is_delivered_again_by_the_clis():
-  """The CLIs (launch.common.run_main) hook unraisable exceptions: a KeyboardInterrupt Python dropped in a
+  """The CLIs (launch.entry.run_main) hook unraisable exceptions: a KeyboardInterrupt Python dropped in a
   finaliser (JAX's gc callback for one) is signalled to the main thread again and raised in its own code, so
   an evaluation or a datastore build stops on Ctrl-C as training does (there it was lost: the run went on)."""
-  from trime_jax.launch.common import redeliver_interrupts
+  from trime_jax.launch.entry import redeliver_interrupts
 
   class SignalsInItsFinaliser:
     def __del__(self):

@@ -784,7 +784,7 @@ def test_split_leakage_of_the_training_split_says_to_evaluate_another(base):
   from tests.helpers import tiny_config
   from trime_jax import evaluate, exports
   from trime_jax.errors import ConfigError
-  from trime_jax.launch import common
+  from trime_jax.launch import checks
 
   ds = _copy(b=base, what="ds", name="ds_as_train")
   splits = evaluate.load_eval_data(tiny_config(str(base["corpus"])), exports.read_export_vocab(str(base["export"])))
@@ -794,7 +794,7 @@ def test_split_leakage_of_the_training_split_says_to_evaluate_another(base):
                              ("test", base["ds"], "Build the datastore from the training split")):
     config = tiny_config(str(base["corpus"]), **{"eval.datastore": str(ds_dir), "eval.split": split})
     with pytest.raises(ConfigError, match=rf"^split leakage: .* built from bytes:{split}, .*{re.escape(fix)}"):
-      common.check_split_overlap(config, str(base["export"]))
+      checks.check_split_overlap(config, str(base["export"]))
 
 
 def test_build_datastore_refuses_before_any_work_and_overwrites_only_under_the_lock(base, tmp_path):
@@ -837,7 +837,7 @@ def test_an_empty_output_path_is_refused_not_the_working_directory(tmp_path, mon
   """`--out=` (an unset shell variable) is the working directory once made absolute: make_batches replaced it,
   deleting everything in it (found by a review). The CLI check and the library's own guards refuse it; run in a
   scratch working directory, so a regression deletes only that."""
-  from trime_jax.launch.common import check_output_path
+  from trime_jax.launch.outputs import check_output_path
   from trime_jax import data
   from trime_jax.batching import plan as batch_plan
   from trime_jax.errors import ConfigError

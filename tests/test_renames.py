@@ -113,7 +113,7 @@ def test_workdir_written_before_the_renames_resumes(tmp_path):
 
 
 def test_config_given_with_an_old_name_is_refused():
-  from trime_jax.launch.common import renamed_field_refused
+  from trime_jax.launch.flags import renamed_field_refused
   from trime_jax.mt.train_config import validate_config as validate_mt
   from trime_jax.configs import ui_de_en
   from trime_jax.train_config import validate_config

@@ -1,6 +1,6 @@
 """The language-model trainer's config checks (`validate_config`): every enum, range and consistency rule a
 locked ConfigDict cannot express, raised as one ConfigError before anything is compiled. The evaluation CLIs
-apply the same checks (launch/common.validated)."""
+apply the same checks (launch/checks.validated)."""
 
 from __future__ import annotations
 

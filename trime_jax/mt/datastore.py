@@ -228,7 +228,7 @@ def is_mt(config, checkpoint_dir: str) -> bool:
 
 def mt_config(config, checkpoint_dir: str):
   """The config to read data from: `config` when it is an MT config, else the export's stored config.json
-  (trime_jax.launch.common's implicit export config is the LM schema and would drop the MT fields)."""
+  (trime_jax.launch.flags's implicit export config is the LM schema and would drop the MT fields)."""
   import ml_collections
 
   from trime_jax.runtime.workdir import read_stored_config

@@ -135,7 +135,7 @@ ADDED_FIELDS = {
 # The one table of renamed fields: a stored config (a workdir's or an export's config.json, written before the
 # rename) reads under the new names (`migrate_config`, wherever a stored config is read); a config given now (a
 # --config file, a --config.x.y override, a ConfigDict built in code) that sets an old name is refused with one
-# line naming the new one (`renamed_field_message`; launch/common.py, `check_no_renamed_fields`). The language
+# line naming the new one (`renamed_field_message`; launch/flags.py, `check_no_renamed_fields`). The language
 # model's and the translation trainer's configs share these sections.
 RENAMED_FIELDS = {
     "trime.temperature": ("trime.tau", "τ on memory similarities during training"),
