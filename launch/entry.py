@@ -150,6 +150,11 @@ def run_main(main, *, checkpoint_is_export: bool = True):
       import faulthandler
 
       faulthandler.disable()
+    jax = sys.modules.get("jax")  # a run of several processes (trime_jax.distributed) imported it and started them
+    if jax is not None and jax.distributed.is_initialized() and jax.process_index() != 0:
+      # Several processes compute one result (a training, an evaluation split over them): process 0 prints it,
+      # once (every process still says its own errors, on stderr).
+      sys.stdout = open(os.devnull, "w")
 
     try:  # config_flags raises UnparsedFlagError for a --config that was not given
       given = "config" in flags.FLAGS and flags.FLAGS["config"].config_filename

@@ -46,6 +46,7 @@ def main(argv):
   from trime_jax import evaluate, sweep
   from trime_jax.data import atomic_write_json
   from trime_jax.errors import ConfigError
+  from trime_jax.runtime.workdir import chief
 
   # Everything the flags name is checked before the evaluation runs (an --output folder found only at the end
   # would lose the whole evaluation).
@@ -90,7 +91,7 @@ def main(argv):
     rows = evaluate.evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value, mem_sizes=sizes, label=_LABEL.value,
                                         progress=sys.stderr.isatty() or "log")["rows"]  # log files: lines
     print(evaluate.format_table(rows))
-    if _OUTPUT.value:
+    if _OUTPUT.value and chief():  # one writer in a run of several processes (each holds the whole result)
       os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)
       # whole or absent, even when interrupted; each row names its export, so another one's rerun is refused
       atomic_write_json(_OUTPUT.value, [{**r, "checkpoint_fingerprint": fingerprint} for r in rows])
@@ -100,7 +101,7 @@ def main(argv):
   if len(_MEM_SIZES.value) > 1 or _INCLUDE.value:
     print(sweep.sweep_table(rows))
     print(f"memory sizes (columns) = {evaluate.mem_size_axis_label(rows)}")
-  if _PLOT.value:
+  if _PLOT.value and chief():
     os.makedirs(os.path.dirname(os.path.abspath(_PLOT.value)), exist_ok=True)
     metric = "bpc" if any("bpc" in r for r in rows) else "ppl"
     title = f"{rows[0].get('split', '') if rows else ''} {metric} vs long-term memory size"

@@ -41,6 +41,7 @@ def main(argv):
   del argv
   from trime_jax import evaluate
   from trime_jax.data import atomic_write_json
+  from trime_jax.runtime.workdir import chief
 
   fingerprint = export_fingerprint(_CHECKPOINT.value)
   check_output_file(_OUTPUT.value, "output", json_results=True, program="eval_ext",  # before the evaluation
@@ -77,7 +78,7 @@ def main(argv):
     print(f"\nthroughput on {t['tokens']:,} tokens: {t['with_external_tok_s']:,.0f} tok/s with external memory "
           f"(K={out['k']}, {out['index']}, nprobe={out['nprobe']}) vs {t['without_tok_s']:,.0f} without: "
           f"ratio {t['ratio']:.3f} (search {t['search_share']:.0%} of the time)")
-  if _OUTPUT.value:
+  if _OUTPUT.value and chief():  # one writer in a run of several processes (each holds the whole result)
     os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)
     # whole or absent, even when interrupted; it names its export, so another one's rerun is refused
     atomic_write_json(_OUTPUT.value, {**out, "checkpoint_fingerprint": fingerprint})

@@ -16,14 +16,23 @@
 # `pip install -U "jax[cuda12]"`), --workdir on storage all hosts share (orbax writes one checkpoint from all
 # processes), train.batch_size divisible by the total number of GPUs. XLA's latency-hiding scheduler is
 # switched on so the all-gather / ring transfers of the memory keys can overlap compute.
+# PROGRAM=eval or PROGRAM=eval_ext runs that evaluation instead (--config=... --checkpoint=...): on one host
+# set --config.eval.devices=0 (every GPU, no jax.distributed needed); on several, each host evaluates its share
+# of eval.batch_size's streams (a multiple of the hosts) and searches the datastore for its own queries; the
+# NODE_RANK=0 host prints the table and writes --output.
 set -euo pipefail
 
 PYTHON="${PYTHON:-.venv/bin/python}"
+PROGRAM="${PROGRAM:-train}"
 
 if [[ $# -eq 0 ]]; then
-  sed -n '2,22p' "$0"
+  sed -n '2,/^set /{/^#/p}' "$0"  # the comment above
   exit 2
 fi
+case "$PROGRAM" in
+  train|eval|eval_ext) ;;
+  *) echo "error: PROGRAM=$PROGRAM: one of train, eval, eval_ext" >&2; exit 2 ;;
+esac
 
 cd "$(dirname "$0")/.."
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
@@ -35,4 +44,4 @@ if [[ "${NNODES:-1}" -gt 1 ]]; then
   export JAX_COORDINATOR_ADDRESS="$MASTER_ADDR:${MASTER_PORT:-29500}"
 fi
 
-exec "$PYTHON" -m trime_jax.distributed trime_jax.launch.train "$@"
+exec "$PYTHON" -m trime_jax.distributed "trime_jax.launch.$PROGRAM" "$@"

@@ -15,22 +15,30 @@
 #   * train.batch_size divisible by the number of chips (rows are sharded over all of them).
 # jax.distributed is started by jax's own Cloud TPU detection (TRIME_DISTRIBUTED=auto); rerunning the same
 # command resumes from the newest checkpoint.
+# PROGRAM=eval or PROGRAM=eval_ext runs that evaluation instead (--config=... --checkpoint=...): each host
+# evaluates its share of eval.batch_size's streams (a multiple of the hosts) and searches the datastore (on
+# storage every host sees) for its own queries; worker 0 prints the table and writes --output.
 set -euo pipefail
 
 REPO_DIR="${REPO_DIR:-~/trime-jax}"
 PYTHON="${PYTHON:-.venv/bin/python}"
+PROGRAM="${PROGRAM:-train}"
 
 if [[ $# -eq 0 ]]; then
-  sed -n '2,20p' "$0"
+  sed -n '2,/^set /{/^#/p}' "$0"  # the comment above
   exit 2
 fi
+case "$PROGRAM" in
+  train|eval|eval_ext) ;;
+  *) echo "error: PROGRAM=$PROGRAM: one of train, eval, eval_ext" >&2; exit 2 ;;
+esac
 
 if [[ -n "${TPU_NAME:-}" ]]; then
-  : "${ZONE:?set ZONE to the TPU's zone}"
+  : "${ZONE:?set ZONE to the zone of the TPU}"
   args=$(printf '%q ' "$@")
   exec gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" ${PROJECT:+--project="$PROJECT"} --worker=all \
-    --command="cd $REPO_DIR && TRIME_DISTRIBUTED=auto $PYTHON -m trime_jax.distributed trime_jax.launch.train $args"
+    --command="cd $REPO_DIR && TRIME_DISTRIBUTED=auto $PYTHON -m trime_jax.distributed trime_jax.launch.$PROGRAM $args"
 fi
 
 cd "$(dirname "$0")/.."
-TRIME_DISTRIBUTED=auto exec "$PYTHON" -m trime_jax.distributed trime_jax.launch.train "$@"
+TRIME_DISTRIBUTED=auto exec "$PYTHON" -m trime_jax.distributed "trime_jax.launch.$PROGRAM" "$@"

@@ -141,3 +141,46 @@ def test_checkpoint_is_read_as_load_reads_a_path(trained, tmp_path):
   line = _one_error_line(run_cli("trime_jax.launch.import_fairseq", "--checkpoint=demo",
                                  f"--dict={tmp_path}/dict.txt", f"--out={tmp_path}/imported"))
   assert line == "error: fairseq checkpoint not found: demo"
+
+
+def test_eval_ext_across_two_processes(trained):
+  """`python -m trime_jax.distributed trime_jax.launch.eval_ext` on 2 processes × 2 CPU devices (gloo
+  collectives): each process evaluates its 2 of the 4 streams on its devices and searches the datastore for its
+  own queries; process 0 alone prints the table and writes --output, whose rows are one process's."""
+  import socket
+  import subprocess
+  import sys
+
+  from tests.helpers import REPO
+
+  tmp, _, cfg, work = trained
+  ds = tmp / "ds_two"
+  r = run_cli("trime_jax.launch.build_datastore", f"--config={cfg}", f"--checkpoint={work}/export", f"--out={ds}",
+              "--index=flat")
+  assert r.returncode == 0, r.stderr[-3000:]
+  given = [f"--config={cfg}", f"--checkpoint={work}/export", f"--config.eval.datastore={ds}", "--config.eval.knn_k=16",
+           "--config.eval.split=test", "--config.eval.batch_size=4", "--config.eval.devices=0"]
+  r = run_cli("trime_jax.launch.eval_ext", *given, f"--output={tmp}/ext_one.json")
+  assert r.returncode == 0, r.stderr[-3000:]
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", JAX_NUM_PROCESSES="2",
+             JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  procs = [subprocess.Popen([sys.executable, "-m", "trime_jax.distributed", "trime_jax.launch.eval_ext", *given,
+                             f"--output={tmp}/ext_two.json"], cwd=REPO, env=dict(env, JAX_PROCESS_ID=str(i)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  outs = [p.communicate(timeout=600) for p in procs]
+  for p, (out, err) in zip(procs, outs):
+    assert p.returncode == 0, "\n---\n".join(e[-3000:] for _, e in outs)
+  # process 0 prints the table; process 1 prints nothing of ours (its stdout holds only gloo's own lines, written
+  # by its C++ side, which may interleave)
+  for printed in ("| family", "top-K retrieval accuracy", "external memory:"):
+    assert printed in outs[0][0] and printed not in outs[1][0], (printed, outs[1][0][-2000:])
+  one, two = (json.loads((tmp / f"ext_{n}.json").read_text()) for n in ("one", "two"))
+  assert one["devices"] == 1 and two["devices"] == 2 and two["processes"] == 2 and "processes" not in one
+  assert [r["variant"] for r in two["rows"]] == [r["variant"] for r in one["rows"]]
+  for a, b in zip(one["rows"], two["rows"]):
+    assert b["tokens"] == a["tokens"] > 0 and b["test_ppl"] == pytest.approx(a["test_ppl"], rel=1e-5), (a, b)
+  assert two["retrieval_accuracy"] == one["retrieval_accuracy"]

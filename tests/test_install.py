@@ -178,3 +178,21 @@ def test_readme_python_blocks_run_from_another_directory(installed, tmp_path):
     assert r.stdout.strip(), code  # each block prints what it shows
     if "trime_jax.load(\"demo\")" in code:  # the Python API's example: a perplexity, then generated text
       assert r.stdout.startswith("ppl ") and len(r.stdout.splitlines()) >= 2, r.stdout
+
+
+def test_every_shell_script_parses_and_the_launchers_say_their_usage():
+  """`bash -n` on every tracked shell script (launch/tpu_pod.sh did not parse until 2026-12-07: an apostrophe in
+  a `${VAR:?message}` opened a quote, so the TPU pod launcher stopped at once); the launchers without arguments
+  print their usage and exit 2, and refuse a PROGRAM they do not run."""
+  listed = subprocess.run(["git", "ls-files", "*.sh"], cwd=REPO, capture_output=True, text=True, check=True)
+  scripts = listed.stdout.split()
+  assert "launch/tpu_pod.sh" in scripts and "launch/multi_gpu.sh" in scripts and len(scripts) >= 10
+  for script in scripts:
+    r = subprocess.run(["bash", "-n", script], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, (script, r.stderr)
+  for launcher in ("launch/tpu_pod.sh", "launch/multi_gpu.sh"):
+    r = subprocess.run(["bash", launcher], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 2 and "PROGRAM=eval" in r.stdout and "set -euo" not in r.stdout, (launcher, r.stdout)
+    r = subprocess.run(["bash", launcher, "--config=x"], cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, PROGRAM="build_datastore"))
+    assert r.returncode == 2 and r.stderr == "error: PROGRAM=build_datastore: one of train, eval, eval_ext\n", r.stderr

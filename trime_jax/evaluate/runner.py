@@ -152,7 +152,10 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
   run = functools.partial(evaluate, graphdef, params, external=knn_memory, max_tokens=e.max_tokens,
                           word_buckets_V=buckets, progress=progress, **settings)
   out = {"checkpoint": checkpoint_dir, "split": e.split, "rows": [],
-         "devices": 1 if settings["mesh"] is None else settings["mesh"].size}  # the streams' (eval.devices)
+         "devices": 1 if settings["mesh"] is None else settings["mesh"].size,  # the streams' (eval.devices)
+         # each process of a run of several evaluating its share of the streams (`evaluate`)
+         **({"processes": jax.process_count()} if sharding.process_streams(int(e.batch_size)) is not None
+            and not isinstance(knn_memory, exact_memory.DeviceDatastore) else {})}
   if external_memory:
     on_device = isinstance(knn_memory, exact_memory.DeviceDatastore)
     out.update(datastore=e.datastore, index="on_device_exact" if on_device else knn_memory.index.kind,

@@ -19,7 +19,7 @@ Two input formats give the same `ParallelData`:
   easily, higher than the original's number.
 
 Ids: pad 0, unk 1, bos 2, eos 3 in both. fairseq's conventions for a pair (x, y):
-    source  = x + [eos]            (`source_tokens`)
+    source  = x + [eos]            (encoder input, `collate`)
     prev    = [eos] + y            (decoder input)
     targets = y + [eos]            (padding targets are -1: never scored, never memory)
 """
@@ -134,9 +134,6 @@ class SubwordVocab:
     if self.kind == "spm":
       return self.sp.decode(out)
     return remove_bpe(" ".join(self.tokens[i] for i in out))
-
-  def piece(self, i: int) -> str:
-    return self.sp.id_to_piece(int(i)) if self.kind == "spm" else self.tokens[int(i)]
 
   def _sides(self) -> dict:
     return {"target_size": self.target_size, "source_unseen": self.source_unseen.tolist()} if self.separate else {}
@@ -399,11 +396,6 @@ def load_parallel(config, split: str, vocab: SubwordVocab | None = None) -> Para
   references = refs if fairseq else [tgt_text[i] for i in keep]
   return ParallelData(src, tgt, [src_line(src_text[i]) for i in keep], [tgt_line(r) for r in references], vocab,
                       split, tgt_lang)
-
-
-def source_tokens(ids) -> np.ndarray:
-  """The encoder input of one sentence: ids + [eos] (fairseq appends eos to the source)."""
-  return np.concatenate([np.asarray(ids, np.int32), np.asarray([EOS], np.int32)])
 
 
 def collate(src_list, tgt_list, src_len: int, tgt_len: int, rows: int | None = None) -> dict:

@@ -24,7 +24,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from trime_jax import scoring
@@ -337,6 +336,3 @@ def build_mt_model(cfg: MTConfig, seed: int) -> TransformerMT:
   """A fresh model of `cfg` (from a config: `specs.mt_model_config(config, vocab_size)`)."""
   return TransformerMT(cfg, rngs=nnx.Rngs(params=seed, dropout=seed + 1))
 
-
-def as_numpy(tree):
-  return jax.tree_util.tree_map(np.asarray, tree)

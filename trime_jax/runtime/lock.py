@@ -141,9 +141,3 @@ def _read_holder(fd: int) -> str:
   host = "" if info.get("host") == socket.gethostname() else f" on host {info.get('host')}"
   return f"process {info['pid']}{host} (since {info.get('since', '?')})"
 
-
-def nothing():
-  """A context manager that does nothing (processes other than 0 of a multi-process run)."""
-  import contextlib
-
-  return contextlib.nullcontext()
