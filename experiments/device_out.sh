@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by the scripts that run on a lent GPU machine (gpu_speed.sh, orig_gpu_speed.sh). The device tool brings
 # back at most 8 files from $OUT (16 MiB each; ../.library/device/README.md), and a run of levers or configs
 # writes a .json and a .log per run. So every file goes to a scratch folder, and device_out_sync, called after

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced (bash) on the GPU machine by experiments/gpu_speed.sh faiss and experiments/docs_wt_device.sh ext3:
 # makes `import faiss` load PyPI's CUDA 12 GPU build of FAISS on the CUDA 13 image (see `gpu_speed.sh
 # prepare_faiss` for why it is carried this way). Unpacks .gpu_faiss/faiss_gpu_cu12_site.tar.xz into $FAISS_SITE

@@ -210,7 +210,7 @@ run_there() {
         if [ "$left" -lt 30 ]; then echo "orig $m $c skipped: budget" | tee -a "$OUT/orig_runs.txt"; continue; fi
         local s rc
         s=$(date +%s)
-        # shellcheck disable=SC2046 - the flags are words
+        # shellcheck disable=SC2046  # the flags are words
         (cd "$WORK" && timeout --foreground -k 10 "$left" $PYBIN train.py $(orig_flags "$m" "$c")) \
           > "$OUT/orig_${m}_${c}.log" 2>&1 && rc=0 || rc=$?
         echo "orig $m $c rc=$rc wall_s=$(( $(date +%s) - s ))" | tee -a "$OUT/orig_runs.txt"

