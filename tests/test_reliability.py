@@ -684,19 +684,13 @@ def test_multiprocess_peer_killed(tmp_path):
   """Two CPU processes train together; process 1 is killed: process 0 stops within the heartbeat timeout,
   saying another task died (JAX's coordination service), instead of hanging in a collective."""
   import signal
-  import socket
 
-  from tests.helpers import config_file, write_text_file
+  from tests.helpers import config_file, two_process_env, write_text_file
 
   corpus = write_text_file(tmp_path / "text.bin", 40_000)
   cfg = config_file(tmp_path, corpus, **{"train.num_steps": 10_000, "train.log_every": 2,
                                          "train.checkpoint_every": 1_000, "train.batch_size": 8})
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    port = s.getsockname()[1]
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", JAX_NUM_PROCESSES="2",
-             JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
-             XLA_FLAGS="--xla_force_host_platform_device_count=2", TRIME_HEARTBEAT_TIMEOUT_S="10")
+  env = two_process_env(2, TRIME_HEARTBEAT_TIMEOUT_S="10")
   work = tmp_path / "run"
   procs = [subprocess.Popen([sys.executable, "-m", "trime_jax.distributed", "trime_jax.launch.train", f"--config={cfg}",
                              f"--workdir={work}"], cwd=REPO, env=dict(env, JAX_PROCESS_ID=str(i)),

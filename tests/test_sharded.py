@@ -6,25 +6,19 @@ initialised jax with one device. The three groups start together and run concurr
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from tests.helpers import two_process_env
 from trime_jax import distributed, loss, sharding
 from trime_jax import sharded_loss as SL
 from trime_jax.errors import ConfigError
 from trime_jax.steps import LossSpec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +30,7 @@ def checks(tmp_path_factory):
   procs = {name: subprocess.Popen([sys.executable, os.path.join(HERE, "sharded_check.py"), name, workdir],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
            for name in ("loss", "model", "train", "placed", "datastore", "eval")}
-  cluster = dict(env, JAX_NUM_PROCESSES="2", JAX_COORDINATOR_ADDRESS=f"localhost:{_free_port()}")
+  cluster = two_process_env(4)
   multihost = str(tmp_path_factory.mktemp("multihost"))
   for i in range(2):
     procs[f"process{i}"] = subprocess.Popen(
@@ -268,7 +262,8 @@ def test_two_processes_split_the_evaluation_streams(checks):
     np.testing.assert_allclose(r["nll"][0], r["nll"][1], rtol=1e-5)
     assert r["token_nll_err"] <= 1e-4, r["token_nll_err"]
     assert r["bucket_tokens"][0] == r["bucket_tokens"][1] and r["bucket_nll_err"] <= 1e-5
-    assert r["hits"][0] == r["hits"][1] and r["hits"][0][-1] > 0
+    # retrieval counts: a near-tie may round the other way on another mesh
+    assert np.abs(np.subtract(*r["hits"])).max() <= 1 and r["hits"][0][-1] > 0
   assert results[0]["nll"][0] == results[1]["nll"][0]  # every process returns the same gathered result
   # 8 streams over 3 windows: process 1's 4 streams have nothing to run; it still joins the gather
   assert results[0]["idle"]["rows_per_step"] == [4] and results[1]["idle"]["rows_per_step"] == []

@@ -1,4 +1,4 @@
-"""Multi-process (multi-host) training: `jax.distributed` start-up and per-process slices of global batches.
+"""Multi-process (multi-host) runs: `jax.distributed` start-up and per-process slices of global batches.
 
 Every host runs the same program on its own devices; the `data` mesh spans all devices of all hosts. Each
 process loads only the rows of a global batch that its own devices hold (`process_rows`) and assembles the
@@ -11,6 +11,8 @@ Launch (see launch/tpu_pod.sh, launch/multi_gpu.sh):
   python -m trime_jax.distributed trime_jax.launch.train --config=configs/wiki103_247m.py --workdir=...
 
 starts `jax.distributed` from the environment (`initialize_from_env`), then runs the module like `python -m`.
+trime_jax.launch.eval and eval_ext run so too: each process evaluates its share of the streams
+(`evaluate.evaluate`), process 0 prints and writes the result.
 """
 
 from __future__ import annotations

@@ -89,10 +89,11 @@ def eval_mesh(devices: int, streams: int, what: str = "eval.devices",
     return None
   here = streams_here(streams) if split_over_processes else streams
   if here % n:
-    of = "" if here == streams else f" ({here} of each of the {jax.process_count()} processes)"
+    of = "" if here == streams else f" ({here} on each of the {jax.process_count()} processes)"
+    # over several processes: the multiple that splits them over every process's devices
+    per = n * (jax.process_count() if split_over_processes else 1)
     raise ConfigError(f"eval.batch_size={streams} streams{of} do not split over {what}={n} devices: make it a "
-                      f"multiple of {n * (streams // here)} (a Transformer's scores do not depend on the number of "
-                      f"streams)")
+                      f"multiple of {per} (a Transformer's scores do not depend on the number of streams)")
   return mesh_of(local[:n])
 
 

@@ -228,6 +228,15 @@ class ProgressLog:
     self.last = now
 
 
+def process_share(streams: int, external=None, split_over_processes: bool = True) -> tuple[int, int] | None:
+  """[lo, hi): the streams this process evaluates when `evaluate` splits them over the processes of a run of
+  several (`sharding.process_streams`), None where each process computes them all: `split_over_processes` off,
+  or an on-device datastore (its keys span every process's devices)."""
+  if not split_over_processes or isinstance(external, exact_memory.DeviceDatastore):
+    return None
+  return sharding.process_streams(streams)
+
+
 def _gathered(arrays: dict) -> dict:
   """Every process's `arrays` (numpy, the same names, shapes and dtypes on each), stacked [processes, ...]: one
   all-gather of their bytes, so that float64 sums cross exactly (JAX would carry them as float32)."""
@@ -338,8 +347,7 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   # A run of several processes: each computes its own share of the streams on its own devices (`mesh` is of
   # this process's devices), and the sums are gathered at the end (`_gathered`). Streams that do not split over
   # the processes: each computes every one, on the parameters as they are.
-  share = sharding.process_streams(plan.schedule.shape[1]) if split_over_processes and not isinstance(
-      external, exact_memory.DeviceDatastore) else None
+  share = process_share(plan.schedule.shape[1], external, split_over_processes)
   if share is not None:
     plan, params = plan.only_streams(*share), sharding.local_copy(params)
   n, store = plan.scored_targets, plan.store

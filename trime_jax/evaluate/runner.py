@@ -19,7 +19,7 @@ from trime_jax import exports
 from trime_jax import knn
 from trime_jax import sharding
 from trime_jax.errors import CheckpointError, ConfigError
-from trime_jax.evaluate.driver import SEARCH_QUERIES, EvalResult, evaluate
+from trime_jax.evaluate.driver import SEARCH_QUERIES, EvalResult, evaluate, process_share
 from trime_jax.evaluate.memory import StoreSpec
 from trime_jax.evaluate.points import INTERP_MEMORIES, NONE, Point, families_of, grid, configured_points, tune
 
@@ -154,8 +154,7 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
   out = {"checkpoint": checkpoint_dir, "split": e.split, "rows": [],
          "devices": 1 if settings["mesh"] is None else settings["mesh"].size,  # the streams' (eval.devices)
          # each process of a run of several evaluating its share of the streams (`evaluate`)
-         **({"processes": jax.process_count()} if sharding.process_streams(int(e.batch_size)) is not None
-            and not isinstance(knn_memory, exact_memory.DeviceDatastore) else {})}
+         **({"processes": jax.process_count()} if process_share(int(e.batch_size), knn_memory) is not None else {})}
   if external_memory:
     on_device = isinstance(knn_memory, exact_memory.DeviceDatastore)
     out.update(datastore=e.datastore, index="on_device_exact" if on_device else knn_memory.index.kind,
