@@ -27,7 +27,7 @@ demo: $(STAMP)
 	$(PY) -m trime_jax.launch.demo --workdir=runs/demo
 
 # The whole test suite (CPU; multi-device tests use virtual CPU devices), two test files at a time (pytest-xdist):
-# 991 tests (2026-12-06); 991 took 36.3 minutes on a 2-core machine with light work beside it (2026-12-06); docs/performance.md.
+# 994 tests (2026-12-07); 994 took 32.1 minutes on a 2-core machine (2026-12-07, commit 0c8728e); docs/performance.md.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
