@@ -28,28 +28,25 @@ def quiet_libraries(record) -> bool:
   return record.levelno >= 30 or not noisy  # 30: WARNING
 
 
-def _raised_in_orbax(record) -> bool:
-  exc = record.exc_info[1] if record.exc_info else None
+def _raised_in(exc, library: str) -> bool:
+  """Whether `exc` (None: no) passed through the code of `library` (a folder name in its frames' files)."""
   tb = exc.__traceback__ if exc is not None else None
   while tb is not None:
-    if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+    if f"{os.sep}{library}{os.sep}" in tb.tb_frame.f_code.co_filename:
       return True
     tb = tb.tb_next
   return False
+
+
+def _raised_in_orbax(record) -> bool:
+  return _raised_in(record.exc_info[1] if record.exc_info else None, "orbax")
 
 
 def _event_file_write_failed(exc) -> bool:
   """A full disk or file size limit met by tensorboardX's own writer thread, or by the close it registers with
   atexit: the training's next flush of the event file (event_writer, every logged update) raises the same error
   in the main thread, which the CLI reports as its one line with the folder's path."""
-  if not is_no_space(exc):
-    return False
-  tb = exc.__traceback__
-  while tb is not None:
-    if f"{os.sep}tensorboardX{os.sep}" in tb.tb_frame.f_code.co_filename:
-      return True
-    tb = tb.tb_next
-  return False
+  return is_no_space(exc) and _raised_in(exc, "tensorboardX")
 
 
 def _quiet_closed_loop(default_hook):
