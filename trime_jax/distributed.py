@@ -58,6 +58,23 @@ def sync_processes(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
+def from_chief(value):
+  """Process 0's `value` (anything JSON can carry) on every process of a multi-host run; `value` itself on one.
+  For a decision each process could take from files it reads at its own moment (process 0 may be rewriting
+  them): taken apart, processes could disagree and leave some in a collective the others never enter."""
+  if jax.process_count() == 1:
+    return value
+  import json
+
+  from jax.experimental import multihost_utils
+
+  mine = np.frombuffer(json.dumps(value).encode(), np.uint8)
+  size = int(multihost_utils.broadcast_one_to_all(np.int32(mine.size)))
+  padded = np.zeros(size, np.uint8)
+  padded[:min(size, mine.size)] = mine[:size]
+  return json.loads(np.asarray(multihost_utils.broadcast_one_to_all(padded)).tobytes().decode())
+
+
 def process_rows(sharding: jax.sharding.Sharding, global_shape, axis: int) -> np.ndarray:
   """Sorted global indices along `axis` of the rows this process's devices hold under `sharding`.
 

@@ -31,6 +31,7 @@ from absl import logging
 
 from trime_jax import checkpoint as ckpt
 from trime_jax import event_writer
+from trime_jax.distributed import from_chief
 from trime_jax.errors import CheckpointError, ConfigError, TrainingError
 from trime_jax.runtime import workdir as workdir_files
 from trime_jax.runtime.best import BestKeeper, host_copy
@@ -346,11 +347,13 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
                           f"fresh workdir (the checkpoints in {mgr.directory} hold these parameters).")
     # A rerun of a finished run reuses its final dev line instead of appending a duplicate, if it was measured
     # the same way (eval settings may change on a rerun: then dev is measured again, as the best is).
-    final = metrics.find(end, split) if start == end else None
-    if final is not None and final.get("dev_protocol", stored_protocol) == protocol:
-      final = {k: v for k, v in final.items() if k not in ("step", "split", "dev_protocol")}
-    else:
-      final = evaluate(end, params)
+    # Process 0 decides for all: the others read config.json after it may have rewritten it (starting()).
+    line = metrics.find(end, split) if start == end else None
+    reused = None
+    if line is not None and line.get("dev_protocol", stored_protocol) == protocol:
+      reused = {k: v for k, v in line.items() if k not in ("step", "split", "dev_protocol")}
+    reused = from_chief(reused)
+    final = reused if reused is not None else evaluate(end, params)
     export_dir = task.export(os.path.abspath(os.path.join(workdir, "export")), params, {"step": end, split: final})
     log(f"exported {export_dir}")
     best.update(end, params, final)
