@@ -122,8 +122,14 @@ def _interrupted(out: str, subset: bool = False) -> None:
 
 def main(argv):
   del argv
+  import jax
+
+  from trime_jax.errors import ConfigError
   from trime_jax.runtime.lock import beside as lock_beside
 
+  if jax.process_count() > 1:  # every process would write the same files (refused by each, so none waits)
+    raise ConfigError(f"build_datastore runs as one process (this is one of {jax.process_count()}): its key pass "
+                      "splits over the devices of one host (--devices); run it without trime_jax.distributed")
   _check_flag_combinations(_OUT.value)
   # One writer of --out from the first look at it (--overwrite removes what it holds only under the lock, so
   # never a build another process is running) to the index; the builders' own locks are the same one, reentrant.

@@ -45,17 +45,22 @@ def main(argv):
   del argv
   from trime_jax import evaluate, sweep
   from trime_jax.data import atomic_write_json
+  from trime_jax.distributed import on_chief
   from trime_jax.errors import ConfigError
   from trime_jax.runtime.workdir import chief
 
   # Everything the flags name is checked before the evaluation runs (an --output folder found only at the end
   # would lose the whole evaluation).
   fingerprint = export_fingerprint(_CHECKPOINT.value)
-  check_output_file(_OUTPUT.value, "output", json_results=True, program="eval", checkpoint_fingerprint=fingerprint,
-                    overwrite=_OVERWRITE.value)
-  check_output_file(_PLOT.value, "plot")
-  if _PLOT.value:
-    sweep.check_plot_path(_PLOT.value, overwrite=_OVERWRITE.value)
+
+  def check_outputs():  # process 0 writes them: its view decides, for every process (distributed.on_chief)
+    check_output_file(_OUTPUT.value, "output", json_results=True, program="eval", checkpoint_fingerprint=fingerprint,
+                      overwrite=_OVERWRITE.value)
+    check_output_file(_PLOT.value, "plot")
+    if _PLOT.value:
+      sweep.check_plot_path(_PLOT.value, overwrite=_OVERWRITE.value)
+
+  on_chief(check_outputs)
   included = []
   for path in _INCLUDE.value:
     try:

@@ -41,11 +41,13 @@ def main(argv):
   del argv
   from trime_jax import evaluate
   from trime_jax.data import atomic_write_json
+  from trime_jax.distributed import on_chief
   from trime_jax.runtime.workdir import chief
 
   fingerprint = export_fingerprint(_CHECKPOINT.value)
-  check_output_file(_OUTPUT.value, "output", json_results=True, program="eval_ext",  # before the evaluation
-                    checkpoint_fingerprint=fingerprint, overwrite=_OVERWRITE.value)
+  # Before the evaluation. Process 0 writes it: its view decides, for every process (distributed.on_chief).
+  on_chief(lambda: check_output_file(_OUTPUT.value, "output", json_results=True, program="eval_ext",
+                                     checkpoint_fingerprint=fingerprint, overwrite=_OVERWRITE.value))
   config = validated(_CONFIG.value, _CHECKPOINT.value)
   check_export(config, _CHECKPOINT.value)
   check_data_split(config, _CHECKPOINT.value, allow=_ALLOW_OVERLAP.value)

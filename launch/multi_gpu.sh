@@ -19,7 +19,10 @@
 # PROGRAM=eval or PROGRAM=eval_ext runs that evaluation instead (--config=... --checkpoint=...): on one host
 # set --config.eval.devices=0 (every GPU, no jax.distributed needed); on several, each host evaluates its share
 # of eval.batch_size's streams (a multiple of the hosts) and searches the datastore for its own queries; the
-# NODE_RANK=0 host prints the table and writes --output (on storage every host sees: each checks it first).
+# NODE_RANK=0 host prints the table and writes --output (on storage every host sees; the NODE_RANK=0 host checks
+# it first and a refusal stops every host). Stop a run of several hosts with SIGTERM on every host (a
+# preemption: each saves at the same update); a Ctrl-C on one host stops that host (exit 130) and JAX aborts the
+# others (measured with 2 CPU processes: at once when it is the NODE_RANK=0 host, 20 s after otherwise).
 set -euo pipefail
 
 PYTHON="${PYTHON:-.venv/bin/python}"

@@ -127,6 +127,18 @@ def main(workdir):
     out["train"] = [m for m in lines if "loss" in m]
     out["dev"] = [m for m in lines if "none_ppl" in m]
     out["export_ok"] = os.path.exists(os.path.join(run_dir, "export", "meta.json"))
+  # on_chief: process 0's value there, None on the others; its error raised on every process
+  from trime_jax.errors import ConfigError, TrimeError
+
+  out["on_chief"] = distributed.on_chief(lambda: jax.process_index() + 10)
+
+  def refuse():
+    raise ConfigError("refused by process 0")
+
+  try:
+    distributed.on_chief(refuse)
+  except TrimeError as e:
+    out["on_chief_error"] = [type(e).__name__, str(e)]
   print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -715,5 +715,47 @@ def test_multiprocess_peer_killed(tmp_path):
   assert waited < 60, waited
 
 
+def test_multiprocess_refusals_stop_every_process(tmp_path):
+  """What only process 0 checks (the files it writes: export/ and best/, the workdir's lock) stops every process
+  of a run with its error, at once: none goes on into a collective to wait there for a process 0 that is gone."""
+  from tests.helpers import config_file, two_process_env, write_text_file
+  from trime_jax.runtime.lock import DirLock
+
+  corpus = write_text_file(tmp_path / "text.bin", 20_000)
+  cfg = config_file(tmp_path, corpus, **{"train.num_steps": 2, "train.batch_size": 4})
+
+  def run_both(work):
+    env = two_process_env(2)
+    procs = [subprocess.Popen([sys.executable, "-m", "trime_jax.distributed", "trime_jax.launch.train",
+                               f"--config={cfg}", f"--workdir={work}"], cwd=REPO, env=dict(env, JAX_PROCESS_ID=str(i)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    t0 = time.time()
+    try:
+      errs = [p.communicate(timeout=240)[1] for p in procs]
+    finally:
+      for p in procs:
+        if p.poll() is None:
+          p.kill()
+          p.wait()
+    return [p.returncode for p in procs], [[l for l in e.splitlines() if l.startswith("error:")] for e in errs], \
+        time.time() - t0
+
+  junk = tmp_path / "junk"
+  (junk / "export").mkdir(parents=True)
+  (junk / "export" / "notes.txt").write_text("mine")
+  held = tmp_path / "held"
+  held.mkdir()
+  with DirLock(str(held / ".lock"), f"workdir {held}"):  # another run holds the workdir
+    for work, says in [(junk, "not an export"), (held, "in use")]:
+      codes, errors, took = run_both(work)
+      print(f"\n{work.name}: both processes ended in {took:.1f} s: {errors}")
+      assert codes == [2, 2], (codes, errors)
+      assert len(errors[0]) == 1 and says in errors[0][0], errors
+      assert len(errors[1]) == 1 and errors[1][0].startswith("error: process 0 stopped (")
+      assert errors[0][0][len("error: "):] in errors[1][0], errors  # process 0's own words
+      assert took < 120, took  # start-up included; a process left waiting would take the shutdown timeout or more
+  assert (junk / "export" / "notes.txt").read_text() == "mine" and not (junk / "checkpoints").exists()
+
+
 if __name__ == "__main__":
   _driver(sys.argv[1], sys.argv[2])

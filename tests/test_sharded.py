@@ -244,6 +244,9 @@ def test_two_processes_slice_batches_share_the_loss_and_checkpoint(checks):
   for r in results:
     assert r["dev_calls"] == [[8, 4]] * 2, r["dev_calls"]
     assert r["from_chief"] == {"process": 0, "text": "ab", "x": [0.1, float("inf"), None]}
+  assert [r["on_chief"] for r in results] == [10, None]
+  assert results[0]["on_chief_error"] == ["ConfigError", "refused by process 0"]
+  assert results[1]["on_chief_error"] == ["ChiefStopped", "process 0 stopped (ConfigError: refused by process 0)"]
   (a,), b = checks("train")["dev"]["1dev"], results[0]["dev"][-1]  # (the first invocation's end: update 2)
   assert [d["step"] for d in results[0]["dev"]] == [2, 3] and a["step"] == 3
   assert a["tokens"] == b["tokens"] > 0

@@ -22,7 +22,7 @@ from absl import logging as absl_logging
 import numpy as np
 
 from trime_jax import data
-from trime_jax.distributed import sync_processes
+from trime_jax.distributed import every_process, from_chief, on_chief, sync_processes
 from trime_jax.errors import CheckpointError, DamagedCheckpointError, DiskFullError, first_line, is_no_space
 from trime_jax.runtime import workdir as workdir_files
 from trime_jax.runtime.workdir import newest_step, step_dirs  # noqa: F401 - also checkpoint.newest_step
@@ -161,13 +161,16 @@ def restore_latest(mgr: ocp.CheckpointManager, abstract_state, log=print):
   A damaged checkpoint (a file missing, truncated or unreadable) is moved aside to
   `<checkpoints>_damaged/<step>` (kept for inspection, out of the manager's way) and the previous one is
   tried, saying so; one whose shapes do not match this config's model/optimizer is an error."""
-  steps = sorted(mgr.all_steps(), reverse=True)
+  # Multi-host: process 0's listing (another host's view of shared storage may lag), and a step one process
+  # finds damaged is damaged for all (each reads its files; apart, one would restore while another moved on)
+  steps = from_chief(sorted(mgr.all_steps(), reverse=True))
   for i, step in enumerate(steps):
     path = os.path.join(str(mgr.directory), str(step), "default")
+    what = f"checkpoint at step {step} in {mgr.directory}"
     try:
-      verify_step(str(mgr.directory), step, f"checkpoint at step {step} in {mgr.directory}")
-      state = restore_checked(path, abstract_state, f"checkpoint at step {step} in {mgr.directory}",
-                               lambda: mgr.restore(step, args=ocp.args.StandardRestore(abstract_state)))
+      _damaged_for_all(lambda: verify_step(str(mgr.directory), step, what))
+      state = _damaged_for_all(lambda: restore_checked(
+          path, abstract_state, what, lambda: mgr.restore(step, args=ocp.args.StandardRestore(abstract_state))))
     except DamagedCheckpointError as e:
       prev = steps[i + 1] if i + 1 < len(steps) else None
       aside = _move_aside(str(mgr.directory), step)
@@ -179,6 +182,18 @@ def restore_latest(mgr: ocp.CheckpointManager, abstract_state, log=print):
       continue
     return step, state
   return None, None
+
+
+def _damaged_for_all(fn):
+  """`fn()`, where a DamagedCheckpointError on any process is raised on every process (the first one's)."""
+  try:
+    value, problem = fn(), None
+  except DamagedCheckpointError as e:
+    value, problem = None, str(e)
+  problem = next((p for p in every_process(problem) if p is not None), None)
+  if problem is not None:
+    raise DamagedCheckpointError(problem)
+  return value
 
 
 def _move_aside(directory: str, step: int) -> str:
@@ -321,14 +336,19 @@ def check_resume_config(workdir: str, config: ml_collections.ConfigDict, *, writ
   written. `write=False` checks only (nothing on disk changes); call again with write=True when the run starts."""
   path = os.path.join(workdir, "config.json")
   new = json.loads(config.to_json_best_effort())
-  problem, diff, blocking = _resume_problem(workdir, path, config, new) if jax.process_index() == 0 else (None, {}, [])
-  _raise_on_every_process(problem, workdir)
-  if write and jax.process_index() == 0:
-    if diff:
-      _record_changes(workdir, diff, allowed=bool(blocking))
-      print(f"config changes recorded in {os.path.join(workdir, 'config_changes.jsonl')}: "
-            + ", ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in diff.items()), flush=True)
-    data.atomic_write_json(path, new)
+
+  def check_and_write():  # process 0 (hosts may differ in host-local fields such as data.path)
+    problem, diff, blocking = _resume_problem(workdir, path, config, new)
+    if problem:
+      raise CheckpointError(problem)
+    if write:
+      if diff:
+        _record_changes(workdir, diff, allowed=bool(blocking))
+        print(f"config changes recorded in {os.path.join(workdir, 'config_changes.jsonl')}: "
+              + ", ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in diff.items()), flush=True)
+      data.atomic_write_json(path, new)
+
+  on_chief(check_and_write)  # every process stops, or none
 
 
 def _resume_problem(workdir: str, path: str, config, new: dict):
@@ -389,27 +409,30 @@ def check_resume_data(workdir: str, config, identity: dict, *, write: bool = Tru
   without data.json (an older version's) gets one now, unchecked. Process 0 decides; every process stops or none
   does. `write=False` checks only (nothing on disk changes); call again with write=True when the run starts."""
   path = os.path.join(workdir, DATA_FILE)
-  problem, diff = None, {}
-  if jax.process_index() == 0:
+
+  def check_and_write():  # process 0
     old = None
     if _has_checkpoints(workdir) and os.path.exists(path):
       try:
         with open(path, encoding="utf-8") as f:
           old = json.load(f)
       except (OSError, ValueError, UnicodeDecodeError) as e:
-        problem = f"{path} cannot be read ({first_line(e)}): restore it or delete it to resume unchecked"
-    if isinstance(old, dict):
-      diff = {k: [old.get(k), v] for k, v in identity.items() if k in old and old[k] != v}
+        raise CheckpointError(f"{path} cannot be read ({first_line(e)}): restore it or delete it to resume "
+                              "unchecked") from None
+    diff = {k: [old.get(k), v] for k, v in identity.items() if k in old and old[k] != v} \
+        if isinstance(old, dict) else {}
     if diff and not config.train.get("allow_config_change", False):
       shown = "; ".join(f"{k}: {a} there, {b} now" for k, (a, b) in diff.items())
-      problem = (f"workdir {workdir} was trained on other data ({shown}): the training split or the batch plan "
-                 "(trime.batch_plan) changed since the run started. Restore them, use another --workdir, or pass "
-                 "--config.train.allow_config_change=True to go on with these (recorded in config_changes.jsonl)")
-  _raise_on_every_process(problem, workdir)
-  if write and jax.process_index() == 0:
-    if diff:
-      _record_changes(workdir, diff, allowed=True)
-    data.atomic_write_json(path, identity)
+      raise CheckpointError(
+          f"workdir {workdir} was trained on other data ({shown}): the training split or the batch plan "
+          "(trime.batch_plan) changed since the run started. Restore them, use another --workdir, or pass "
+          "--config.train.allow_config_change=True to go on with these (recorded in config_changes.jsonl)")
+    if write:
+      if diff:
+        _record_changes(workdir, diff, allowed=True)
+      data.atomic_write_json(path, identity)
+
+  on_chief(check_and_write)  # every process stops, or none
 
 
 def recorded_data_identity(workdir: str) -> dict:
@@ -426,17 +449,6 @@ def recorded_data_identity(workdir: str) -> dict:
 def _has_checkpoints(workdir: str) -> bool:
   """A complete checkpoint step exists: the run resumes rather than starts."""
   return bool(workdir_files.step_dirs(os.path.join(workdir, workdir_files.CHECKPOINTS)))
-
-
-def _raise_on_every_process(problem, workdir: str) -> None:
-  """Process 0 decided (hosts may differ in host-local fields such as data.path); every process stops or none."""
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-
-    if int(multihost_utils.broadcast_one_to_all(np.int32(problem is not None))) and problem is None:
-      problem = f"process 0 refused to resume workdir {workdir} (see its error line)"
-  if problem:
-    raise CheckpointError(problem)
 
 
 def _record_changes(workdir: str, diff: dict, allowed: bool) -> None:

@@ -13,16 +13,23 @@ Launch (see launch/tpu_pod.sh, launch/multi_gpu.sh):
 starts `jax.distributed` from the environment (`initialize_from_env`), then runs the module like `python -m`.
 trime_jax.launch.eval and eval_ext run so too: each process evaluates its share of the streams
 (`evaluate.evaluate`), process 0 prints and writes the result.
+
+What only process 0 checks or writes (a lock, the shared files of a workdir) runs under `on_chief`, so that its
+error stops every process instead of leaving the others waiting in the next collective; a decision taken from
+shared files is process 0's for all (`from_chief`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import sys
 
 import jax
 import numpy as np
+
+from trime_jax.errors import TrimeError
 
 
 def initialize_from_env() -> bool:
@@ -42,12 +49,21 @@ def initialize_from_env() -> bool:
     # "another task died" message (jax's default, 100 s, leaves them blocked in a collective that long).
     jax.distributed.initialize(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=n,
                                process_id=int(os.environ["JAX_PROCESS_ID"]),
-                               heartbeat_timeout_seconds=int(os.environ.get("TRIME_HEARTBEAT_TIMEOUT_S", "30")))
+                               heartbeat_timeout_seconds=int(os.environ.get("TRIME_HEARTBEAT_TIMEOUT_S", "30")),
+                               shutdown_timeout_seconds=_shutdown_timeout())
     return True
   if os.environ.get("TRIME_DISTRIBUTED") == "auto":
-    jax.distributed.initialize()
+    jax.distributed.initialize(shutdown_timeout_seconds=_shutdown_timeout())
     return True
   return False
+
+
+def _shutdown_timeout() -> int:
+  """How long a process that ends waits at exit for the others to end too. A process that stops on an error
+  while the others wait in a collective (an error only it met) stays alive in that wait, so its peers see no
+  missed heartbeat: all of them end when it times out (jax's default, 300 s). The processes of a run that
+  ends well reach it within seconds of each other (process 0 writes its outputs last)."""
+  return int(os.environ.get("TRIME_SHUTDOWN_TIMEOUT_S", "60"))
 
 
 def sync_processes(name: str) -> None:
@@ -58,21 +74,49 @@ def sync_processes(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-def from_chief(value):
-  """Process 0's `value` (anything JSON can carry) on every process of a multi-host run; `value` itself on one.
-  For a decision each process could take from files it reads at its own moment (process 0 may be rewriting
-  them): taken apart, processes could disagree and leave some in a collective the others never enter."""
+def every_process(value) -> list:
+  """Every process's `value` (anything JSON carries), in process order, on every process; [value] on one."""
   if jax.process_count() == 1:
-    return value
-  import json
-
+    return [value]
   from jax.experimental import multihost_utils
 
   mine = np.frombuffer(json.dumps(value).encode(), np.uint8)
-  size = int(multihost_utils.broadcast_one_to_all(np.int32(mine.size)))
-  padded = np.zeros(size, np.uint8)
-  padded[:min(size, mine.size)] = mine[:size]
-  return json.loads(np.asarray(multihost_utils.broadcast_one_to_all(padded)).tobytes().decode())
+  sizes = np.asarray(multihost_utils.process_allgather(np.int32(mine.size))).reshape(-1)
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[:mine.size] = mine
+  rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+  return [json.loads(row[:n].tobytes().decode()) for row, n in zip(rows, sizes)]
+
+
+def from_chief(value):
+  """Process 0's `value` on every process. For a decision each process could take from shared files read at its
+  own moment (process 0 may be rewriting them): taken apart, processes could disagree and leave some in a
+  collective the others never enter."""
+  return every_process(value)[0]
+
+
+class ChiefStopped(TrimeError):
+  """Process 0 stopped on an error (its own line names it) in something only it does: the others stop too."""
+
+
+def on_chief(fn):
+  """`fn()` on process 0 only (a check of shared files, a lock, a write); returns its value there, None on the
+  others. If it raises, every process raises: process 0 its error, the others ChiefStopped with its message.
+  Without this the others would go on into the next collective and wait there for process 0, which is gone."""
+  if jax.process_count() == 1:
+    return fn()
+  value = error = None
+  if jax.process_index() == 0:
+    try:
+      value = fn()
+    except Exception as e:  # noqa: BLE001 - raised again below, after the others are told
+      error = e
+  stopped = from_chief(None if error is None else f"{type(error).__name__}: {error}")
+  if error is not None:
+    raise error
+  if stopped is not None:
+    raise ChiefStopped(f"process 0 stopped ({stopped})")
+  return value
 
 
 def process_rows(sharding: jax.sharding.Sharding, global_shape, axis: int) -> np.ndarray:

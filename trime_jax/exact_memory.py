@@ -97,7 +97,8 @@ def load_datastore(ds: Datastore | str, mesh=None, *, axis: str = sharding.DATA,
   n = int(mesh.shape[axis])
   dtype = np.dtype(dtype or ds.keys.dtype)
   need = device_bytes(ds.count, ds.dimension, n, dtype.itemsize)
-  limit = device_memory_limit(mesh.devices.flat[0])
+  # a device of this process (another's does not report its memory here): every process takes the same verdict
+  limit = device_memory_limit(next(d for d in mesh.devices.flat if d.process_index == jax.process_index()))
   if limit is not None and need > MAX_MEMORY_SHARE * limit:
     raise ConfigError(
         f"eval.datastore_on_device: the datastore ({ds.count:,} keys x {ds.dimension} {dtype.name}) needs "

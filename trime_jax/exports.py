@@ -33,7 +33,7 @@ from flax import nnx
 
 from trime_jax import data
 from trime_jax.checkpoint import DIGEST_FILE, leaf_specs, ocp, restore_checked, specs_difference  # ocp: orbax
-from trime_jax.distributed import sync_processes
+from trime_jax.distributed import on_chief
 from trime_jax.errors import CheckpointError, ConfigError, DamagedCheckpointError, first_line
 from trime_jax.model import build_model, count_params
 from trime_jax.runtime.lock import beside as lock_beside
@@ -123,30 +123,33 @@ def write_export(directory: str, params, meta: dict, write_files, *, overwrite: 
   """The export writer both models use (`export`, `mt.export.export_mt`): under `<directory>.lock`, refuse a
   non-empty target of another kind or model (unless `overwrite`), write the parameters with orbax into
   `<directory>.tmp`, then (process 0) `write_files(tmp)` and meta.json, and rename it into place: the export is
-  complete or absent. (Multi-host: a refusal on process 0 stops the others at the next collective / heartbeat.)"""
+  complete or absent. (Multi-host: a refusal on process 0 stops every process: `distributed.on_chief`.)"""
   directory = os.path.abspath(directory)
   tmp = directory + ".tmp"
-  chief = jax.process_index() == 0
-  lock = lock_beside(directory, f"export directory {directory}") if chief else contextlib.nullcontext()
-  with lock:
-    if chief:
-      data.recover_replaced(directory)  # a writer killed mid-replacement: the previous export is compared, then replaced
-      problem = None if overwrite else export_target_problem(directory, meta)
-      if problem:
-        raise CheckpointError(f"export target {directory} {problem}: choose another directory, or overwrite it "
-                              "explicitly (exports.export(..., overwrite=True); the CLIs' --overwrite)")
-      shutil.rmtree(tmp, ignore_errors=True)
-      os.makedirs(tmp)
-    sync_processes("export:start")
+
+  def start(held: contextlib.ExitStack) -> None:
+    held.enter_context(lock_beside(directory, f"export directory {directory}"))
+    data.recover_replaced(directory)  # a writer killed mid-replacement: the previous export is compared, then replaced
+    problem = None if overwrite else export_target_problem(directory, meta)
+    if problem:
+      raise CheckpointError(f"export target {directory} {problem}: choose another directory, or overwrite it "
+                            "explicitly (exports.export(..., overwrite=True); the CLIs' --overwrite)")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+
+  with contextlib.ExitStack() as held:
+    on_chief(lambda: start(held))  # every process stops, or none
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(os.path.join(tmp, "params"), params)
     ckptr.wait_until_finished()
-    if chief:
+
+    def finish() -> None:
       write_files(tmp)
       data.atomic_write_json(os.path.join(tmp, "meta.json"),
                              {**meta, "params_files": params_file_sizes(os.path.join(tmp, "params"))})
       data.replace_directory(tmp, directory)
-    sync_processes("export:done")
+
+    on_chief(finish)  # the others wait for it: the export is in place (or every process stops) when this returns
   return directory
 
 

@@ -269,9 +269,9 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
                       f"{len(vocab)} tokens (set model.vocab_size=0 to take it from the data)")
   train_cfg = config.train
   identity = {"train_fingerprint": splits.train.fingerprint()}
-  if chief():  # export/ and best/ hold this run's exports or nothing (refused now, not after training)
-    for name in ("export", "best"):
-      exports.check_export_target(os.path.join(workdir, name), config, vocab, identity)
+  # export/ and best/ hold this run's exports or nothing (refused now, not after training; by every process)
+  distributed.on_chief(lambda: [exports.check_export_target(os.path.join(workdir, name), config, vocab, identity)
+                                for name in ("export", "best")])
   mesh = sharding.make_mesh(train_cfg.num_devices)
   if train_cfg.batch_size % mesh.size:
     raise ConfigError(f"train.batch_size={train_cfg.batch_size} is not divisible by the {mesh.size} devices")
@@ -286,20 +286,21 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
   if model.stateful:  # per-row state across segments: saved with the checkpoints, so a resume continues it
     state["carry"] = steps.init_train_carry(model, train_cfg.batch_size, config.data.segment_len)
-  resumed = workdir_files.newest_step(os.path.join(workdir, workdir_files.CHECKPOINTS))  # None: a new run
+  # None: a new run. Process 0's view (a listing of shared storage may lag on another host), as for data.json
+  resumed = distributed.from_chief(workdir_files.newest_step(os.path.join(workdir, workdir_files.CHECKPOINTS)))
+  recorded = distributed.from_chief(ckpt.recorded_data_identity(workdir) if resumed is not None else {})
   init_record = None
   if train_cfg.get("init_from"):
     if resumed is None:
       state, init_record = warm_start(state, train_cfg, mcfg, vocab, tx, log=_log)
     else:  # a resume: its checkpoint holds the run; the export it started from is not read again (it may be gone
       # or replaced by a later partial export), and data.json keeps the record of the one it started from
-      init_record = ckpt.recorded_data_identity(workdir).get("init_from")
+      init_record = recorded.get("init_from")
       _log(f"train.init_from={train_cfg.init_from}: not read, the run resumes from its checkpoints")
   state_sh = sharding.train_state_shardings(mesh, state)
   state = jax.device_put(state, state_sh)
   # The epoch layout: a resume keeps the one its run began with (data.json; a run of before 2026-12-06 has none)
-  epochs = ckpt.recorded_data_identity(workdir).get("epochs", EPOCHS_STRADDLING) if resumed is not None \
-      else EPOCHS_WHOLE
+  epochs = recorded.get("epochs", EPOCHS_STRADDLING) if resumed is not None else EPOCHS_WHOLE
   if epochs not in (EPOCHS_WHOLE, EPOCHS_STRADDLING):
     raise CheckpointError(f"{os.path.join(workdir, ckpt.DATA_FILE)} says epochs={epochs!r}, not an epoch layout this "
                           f"version knows ({EPOCHS_WHOLE!r}, {EPOCHS_STRADDLING!r}): restore the file")

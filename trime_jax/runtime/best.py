@@ -11,7 +11,7 @@ import numpy as np
 from absl import logging
 
 from trime_jax import data
-from trime_jax.distributed import sync_processes
+from trime_jax.distributed import on_chief
 from trime_jax.errors import DamagedCheckpointError
 
 
@@ -37,9 +37,7 @@ class BestKeeper:
     meta = os.path.join(directory, "meta.json")
     if enabled:  # a best being replaced when a run was killed: it is still the best so far (process 0 puts it
       # back; the others read it after)
-      if jax.process_index() == 0:
-        data.recover_replaced(directory)
-      sync_processes("best:recovered")
+      on_chief(lambda: data.recover_replaced(directory))
     if enabled and os.path.exists(meta):
       stored = data.read_json(meta, "best-by-dev export meta", DamagedCheckpointError,
                               fix=f"restore it, or remove {directory} (its best so far is then forgotten)")

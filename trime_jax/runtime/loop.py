@@ -31,7 +31,7 @@ from absl import logging
 
 from trime_jax import checkpoint as ckpt
 from trime_jax import event_writer
-from trime_jax.distributed import from_chief
+from trime_jax.distributed import from_chief, on_chief
 from trime_jax.errors import CheckpointError, ConfigError, TrainingError
 from trime_jax.runtime import workdir as workdir_files
 from trime_jax.runtime.best import BestKeeper, host_copy
@@ -228,7 +228,7 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
   # Metric lines past the checkpoint resumed from (step 0 when there is none: a run stopped before its first
   # checkpoint) are dropped; the rerun writes them again. TensorBoard drops its events past it likewise.
   metrics = workdir_files.MetricsFile(os.path.join(workdir, "metrics.jsonl"), enabled=chief)
-  dropped = metrics.truncate(restored_step or 0)
+  dropped = on_chief(lambda: metrics.truncate(restored_step or 0))  # a damaged line stops every process
   if restored is not None or dropped:
     tb.restart((restored_step or 0) + 1)
   if restored is not None:

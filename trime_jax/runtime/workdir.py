@@ -14,6 +14,7 @@ import os
 import jax
 
 from trime_jax import data
+from trime_jax.distributed import on_chief
 from trime_jax.errors import ConfigError
 from trime_jax.runtime.lock import DirLock
 
@@ -102,11 +103,13 @@ def run_in(workdir: str):
     raise
 
 
+@contextlib.contextmanager
 def lock(workdir: str):
-  """One run per workdir (process 0 holds `<workdir>/.lock`; the other processes of a run share it)."""
-  if not chief():
-    return contextlib.nullcontext()
-  return DirLock(os.path.join(workdir, LOCK_FILE), f"workdir {workdir}")
+  """One run per workdir (process 0 holds `<workdir>/.lock`; the other processes of a run share it, and stop
+  with it when another run holds it)."""
+  with contextlib.ExitStack() as held:
+    on_chief(lambda: held.enter_context(DirLock(os.path.join(workdir, LOCK_FILE), f"workdir {workdir}")))
+    yield
 
 
 def unknown_fields(stored: dict, known, prefix: str = "") -> list[str]:
