@@ -175,7 +175,11 @@ def _build(out: str) -> None:
   try:
     if _SUBSET_OF.value:
       # the source may be a build in progress; it must hold this model's keys (checked before writing)
-      subset_datastore(_SUBSET_OF.value, out, _ENTRIES.value, checkpoint_dir=checkpoint)
+      there = os.path.exists(os.path.join(out, "meta.json"))  # a finished subset: kept as it is
+      meta = subset_datastore(_SUBSET_OF.value, out, _ENTRIES.value, checkpoint_dir=checkpoint)
+      print(f"datastore {out}: the first {meta['count']:,} entries of {_SUBSET_OF.value} "
+            + ("(there already)" if there else f"(copied in {meta['build_seconds']:.1f} s, keys not recomputed)"),
+            flush=True)
     else:
       meta = build_datastore(checkpoint, corpus, out, block_len=e.block_len, context_window=e.context_window,
                              batch_size=e.batch_size, stop_at_tokens=_STOP_AT.value or None,

@@ -18,6 +18,12 @@ from trime_jax.errors import CheckpointError
 
 
 def get_config(export_dir: str = ""):
+  if not export_dir:  # `--config=launch/export_config.py` alone would read ./config.json
+    from trime_jax.errors import ConfigError
+
+    raise ConfigError("--config=launch/export_config.py needs the export after a colon: "
+                      "--config=launch/export_config.py:EXPORT_DIR (or leave --config out: --checkpoint=EXPORT_DIR "
+                      "evaluates with the export's config)")
   # A translation export's config is of another schema (configs/ui_de_en.py): returned as stored, not over the
   # language model's defaults; build_datastore reads it, the language model's programs refuse it with the
   # export named (launch.checks.validated), not with the first LM field it lacks

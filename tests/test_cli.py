@@ -101,6 +101,12 @@ def test_datastore_and_external_memory_eval_cli(trained):
                                    f"--checkpoint={work}/export", f"--out={tmp}/ds_devices", flag))
     assert line == f"error: {said} but only 1 devices are visible", line
     assert not (tmp / "ds_devices").exists()  # refused before anything is written
+  # a subset (the paper's datastore-size sweep) says what it wrote, and on a rerun that it was there
+  for said in ("copied in", "there already"):
+    r = run_cli("trime_jax.launch.build_datastore", f"--config={cfg}", f"--checkpoint={work}/export",
+                f"--out={tmp}/ds_sub", f"--subset_of={ds}", "--entries=100", "--index=none")
+    assert r.returncode == 0 and f"datastore {tmp}/ds_sub: the first 100 entries of {ds} (" in r.stdout, r.stderr
+    assert said in r.stdout, r.stdout
   out = tmp / "ext.json"
   r = run_cli("trime_jax.launch.eval_ext", f"--config={cfg}", f"--checkpoint={work}/export",
               f"--config.eval.datastore={ds}", "--config.eval.knn_k=16", "--config.eval.tune=True",

@@ -775,7 +775,9 @@ def test_memory_size_sweep_table_and_plot(tmp_path):
   # tokens of long-term memory, one without)
   assert evaluate.format_table(rows[n:]).startswith("| mem_size") and "| 16 " in evaluate.format_table(rows[n:])
   table = sweep.sweep_table(rows)
-  assert "| tiny | TRIME (local + long-term) |" in table and "| tiny | none |" in table
+  assert "| tiny | TRIME (local + long-term) |" in table
+  none = f"{rows[0]['ppl']:.3f}"
+  assert f"| tiny | none | {none} | {none} |" in table  # the model alone in every column, not an empty cell
   assert f"(tau={best[1]['params']['tau']:g})" in table  # the tuned parameter, from the rows' typed params
   unlabelled = sweep.sweep_table([{k: v for k, v in r.items() if k != "model"} for r in rows])
   assert "| (no --label) | none |" in unlabelled  # not an empty model column

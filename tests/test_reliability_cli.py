@@ -212,6 +212,11 @@ def e_export_config_unknown_field(b):  # 35.10
   return _case("eval", f"--checkpoint={x}"), [f"error: {x}/config.json", "eval.knn_kk (eval.knn_k?)"], [x]
 
 
+def e_export_config_without_export(b):  # it would read ./config.json: "config.json is missing"
+  case = _case("eval", "--config=launch/export_config.py", f"--checkpoint={b['export']}")
+  return case, ["error: --config=launch/export_config.py needs the export after a colon"], []
+
+
 def e_export_config_unknown_field_explicit_config(b):
   x = _copy(b, "work", "typo2") / "export"
   edit_json(x / "config.json", lambda c: c["model"].update(num_layer=2))
@@ -529,7 +534,7 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_import_fairseq_out_is_export, e_import_fairseq_checkpoint_folder, e_import_fairseq_text_checkpoint,
                e_translate_max_sentences, e_translate_batch_sentences, e_translate_nprobe, e_translate_tune_modes,
                e_generate_nprobe, e_generate_top_p, e_generate_bad_stored_tau, e_eval_architecture_override,
-               e_eval_architecture_override_explicit_config, e_eval_vocabulary_override, e_export_config_unknown_field,
+               e_eval_architecture_override_explicit_config, e_eval_vocabulary_override, e_export_config_unknown_field, e_export_config_without_export,
                e_export_config_unknown_field_explicit_config, e_eval_output_folder, e_eval_output_not_json, e_eval_output_is_an_exports_file,
                e_eval_ext_output_is_a_datastores_meta, e_eval_mt_export, e_eval_training_checkpoint,
                e_build_datastore_training_checkpoint, e_translate_lm_export, e_eval_ext_mt_config, e_eval_mem_sizes_without_memory, e_eval_ext_output_folder,

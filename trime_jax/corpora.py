@@ -302,7 +302,8 @@ def load_splits(cfg, vocab: data.Vocab | None = None) -> Splits:
   """
   reader = _reader(cfg.corpus)
   if reader is not _tfds and cfg.corpus != "stdlib" and not cfg.path:  # a tfds: corpus downloads without a path
-    raise ConfigError(f"data.path is required for corpus {cfg.corpus!r}")
+    raise ConfigError(f"data.path is required for corpus {cfg.corpus!r}: give --config.data.path=PATH (where "
+                      "its text is)")
   cache = os.path.join(resolve_path(cfg.cache_dir), _cache_key(cfg, vocab)) if cfg.cache_dir else ""
   out = None
   if cache and os.path.exists(os.path.join(cache, "COMPLETE")):

@@ -82,7 +82,8 @@ def sweep_table(rows: list[dict]) -> str:
   for (model, fam), cells in best.items():
     vals = []
     for m in sizes:
-      r = cells.get(m)
+      # the model alone does not read the store: its one value in every column (the plot's horizontal line)
+      r = cells.get(m) if fam != "none" else next(iter(cells.values()))
       vals.append("" if r is None else f"{r[metric]:.3f}" + (f" ({_params_text(r)})" if fam != "none" else ""))
     lines.append(f"| {model} | {_family_name(fam)} | " + " | ".join(vals) + " |")
   return "\n".join(lines)
