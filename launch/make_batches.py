@@ -35,11 +35,17 @@ flags.mark_flags_as_required(["config", "kind", "out"])
 def main(argv):
   del argv
   from trime_jax.batching import plan as batch_plan
+  from trime_jax.errors import ConfigError
   from trime_jax.runtime.lock import UnwritableError
 
   config = _CONFIG.value
   config.trime.batching = _KIND.value  # checked as the training that reads this plan will run (its batching)
-  config = validated(config, training=True)
+  try:
+    config = validated(config, training=True)
+  except ConfigError as e:  # trime.batching is --kind's here: said so (the user set no trime.batching)
+    if "trime.batching" not in str(e):
+      raise
+    raise ConfigError(f"--kind={_KIND.value} does not suit this config: {e}") from None
   check_output_path(_OUT.value, "out", reads=[("data.path", str(config.data.get("path", "") or "")),
                                               ("--config", config_flags.get_config_filename(flags.FLAGS["config"]))])
   with contextlib.ExitStack() as held:

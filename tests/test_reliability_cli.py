@@ -345,6 +345,12 @@ def e_token_file_folder(b):
   return case, ["wiki.test.tokens is a folder, not a file"], [wiki]
 
 
+def e_make_batches_kind_for_another_memory(b):  # said as trime.batching, a field the user never set
+  case = _case("make_batches", f"--config={b['cfg']}", "--kind=bm25", f"--out={b['tmp']}/cases/p_kind",
+               "--config.trime.memory=long", "--config.trime.consecutive_segments=2")
+  return case, ["error: --kind=bm25 does not suit this config: ", "--kind=consecutive"], []
+
+
 def e_make_batches_out_is_workdir(b):
   w = _copy(b, "work", "plan_into_work")
   case = _case("make_batches", f"--config={b['cfg']}", "--kind=consecutive", f"--out={w}",
@@ -538,7 +544,7 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_export_config_unknown_field_explicit_config, e_eval_output_folder, e_eval_output_not_json, e_eval_output_is_an_exports_file,
                e_eval_ext_output_is_a_datastores_meta, e_eval_mt_export, e_eval_training_checkpoint,
                e_build_datastore_training_checkpoint, e_translate_lm_export, e_eval_ext_mt_config, e_eval_mem_sizes_without_memory, e_eval_ext_output_folder,
-               e_byte_corpus_folder, e_token_file_folder, e_make_batches_out_is_workdir,
+               e_byte_corpus_folder, e_token_file_folder, e_make_batches_out_is_workdir, e_make_batches_kind_for_another_memory,
                e_make_batches_out_other_corpus, e_batch_plan_other_corpus, e_prepare_data_manual_dir,
                e_full_disk_output, e_make_batches_disk_full, e_renamed_config_override, e_renamed_config_file_field, e_renamed_flag_generate,
                e_renamed_flag_translate, e_train_workdir_is_an_export, e_build_datastore_overwrite_its_own_checkpoint,
