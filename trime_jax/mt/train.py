@@ -38,7 +38,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from trime_jax import checkpoint as ckpt, exports
+from trime_jax import checkpoint as ckpt, distributed, exports
 from trime_jax.errors import ConfigError
 from trime_jax import loss
 from trime_jax import scoring
@@ -310,8 +310,8 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
   def starting():  # the checkpoint restored and nothing refused: the run starts; config.json says what ran
     ckpt.check_resume_config(workdir, config)
     ckpt.check_resume_data(workdir, config, data_identity)
-    if made:
-      plan.save(os.path.join(workdir, "plan.npz"))
+    if made:  # one writer (several processes would each write the same file)
+      distributed.on_chief(lambda: plan.save(os.path.join(workdir, "plan.npz")))
 
   out = loop.run(task, state, loop.LoopSpec.from_train(r, total=task.total), workdir, schedule=schedule,
                  config=config, log=log, starting=starting)
