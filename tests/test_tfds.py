@@ -138,6 +138,8 @@ def test_tfds_errors_are_one_line(tmp_path, monkeypatch):
   (empty / "other").mkdir(parents=True)
   with pytest.raises(DataError, match="neither wikitext-2-v1.zip nor wiki"):
     corpora.load_splits(_data_cfg(corpus="tfds:wikitext2", path=str(empty), tfds_data_dir=str(tmp_path / "t")))
+  # the failed build's dataset folders are gone (later reads warned about a version folder without its info)
+  assert not (tmp_path / "t" / "wikitext2").exists()
 
   def offline(dl_manager, url):
     raise DataError(f"could not download {url} (offline)")

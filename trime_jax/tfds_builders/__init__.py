@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import zipfile
 
 import numpy as np
@@ -272,7 +273,18 @@ def prepare(name: str, data_dir: str = "", manual_dir: str = "", **kwargs):
     if manual_dir and not os.path.isdir(manual_dir):
       raise DataError(f"manual dir for {name} not found: {manual_dir}")
     cfg = tfds.download.DownloadConfig(manual_dir=manual_dir or None)
-    b.download_and_prepare(download_config=cfg, file_format="array_record")
+    # The dataset's folders this build makes (<data_dir>/<name>/<version>): removed again when it fails, so a
+    # failed build leaves no skeleton that later reads warn about (its downloads, beside them, are kept)
+    made, folder, root = [], os.path.abspath(b.data_dir), os.path.abspath(b.data_dir_root)
+    while folder.startswith(root + os.sep) and not os.path.exists(folder):
+      made.append(folder)
+      folder = os.path.dirname(folder)
+    try:
+      b.download_and_prepare(download_config=cfg, file_format="array_record")
+    except BaseException:
+      if made:
+        shutil.rmtree(made[-1], ignore_errors=True)
+      raise
   return b
 
 
