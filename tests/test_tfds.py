@@ -54,6 +54,11 @@ def test_wikitext2_from_shared_manual_dir_equals_plain_reader(tmp_path):
     corpora.load_splits(_data_cfg(corpus="tfds:wikitext2", path=WT2, tfds_data_dir=data_dir))
   # wikitext_mini without ../shared (a fresh clone: its default path missing) takes the same 124 articles from
   # the TFDS build.
+  # what would download is told before (train --dry_run's memory plan refuses it): a prepared build, or a manual
+  # dir, would not
+  assert not corpora.would_download(_data_cfg(corpus="tfds:wikitext2", path="", tfds_data_dir=data_dir))
+  assert not corpora.would_download(_data_cfg(corpus="tfds:wikitext103", path=WT2, tfds_data_dir=data_dir))
+  assert corpora.would_download(_data_cfg(corpus="tfds:wikitext103", path="", tfds_data_dir=data_dir))
   with _without_shared(tmp_path):
     fallback = corpora.load_splits(_data_cfg(corpus="wikitext_mini", path=corpora.WIKITEXT_MINI_PATH,
                                              tfds_data_dir=data_dir))
@@ -149,6 +154,20 @@ def test_tfds_errors_are_one_line(tmp_path, monkeypatch):
       DataError, match=r"not found: data.path='../shared/data/wikitext-2'.*could not download https://wikitext"):
     corpora.load_splits(_data_cfg(corpus="wikitext_mini", path=corpora.WIKITEXT_MINI_PATH,
                                   tfds_data_dir=str(tmp_path / "t2")))
+
+
+def test_a_dry_run_does_not_download(tmp_path):
+  """train --dry_run reads the vocabulary size from the training split: a corpus that would be downloaded for it
+  is one error naming prepare_data (it started TFDS's download), and nothing is written."""
+  from tests.helpers import run_cli
+
+  r = run_cli("trime_jax.launch.train", "--config=configs/wikitext_mini.py", "--config.data.corpus=tfds:wikitext103",
+              "--config.data.path=", f"--config.data.tfds_data_dir={tmp_path / 'tfds'}", "--dry_run")
+  assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+      "error: the memory plan reads the vocabulary size from the training split, and data.corpus='tfds:wikitext103' "
+      "is not prepared here (it would be downloaded): prepare it first (python -m trime_jax.launch.prepare_data "
+      f"--corpus=wikitext103 --data_dir={tmp_path / 'tfds'}) or give --config.model.vocab_size=N"), r.stderr
+  assert not (tmp_path / "tfds").exists()
 
 
 def test_prepare_data_cli(tmp_path):

@@ -191,6 +191,19 @@ def _tfds_data_dir(cfg) -> str:
   return resolve_path(cfg.get("tfds_data_dir", "") or "")  # configs exported before the field existed lack it
 
 
+def would_download(cfg) -> bool:
+  """Reading `cfg` (a config's data section) would download its corpus: a `tfds:` corpus without a manual
+  directory (data.path) whose build is not prepared in data.tfds_data_dir."""
+  from trime_jax import tfds_builders
+
+  name = cfg.corpus.split(":", 1)[1] if cfg.corpus.startswith("tfds:") else ""
+  if not name or cfg.path or name not in tfds_builders.NAMES:
+    return False
+  b = tfds_builders.builder(name, _tfds_data_dir(cfg))
+  # (TFDS warns about a version folder without its info: none is looked at when there is none)
+  return not (os.path.isdir(b.data_dir) and b.is_prepared())
+
+
 def _tfds(cfg, vocab):
   from trime_jax import tfds_builders
 

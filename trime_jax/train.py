@@ -190,6 +190,12 @@ def memory_plan(config, vocab_size: int = 0) -> dict:
   """
   validate_config(config)
   train_cfg = config.train
+  if not (vocab_size or config.model.vocab_size) and corpora.would_download(config.data):
+    raise ConfigError(f"the memory plan reads the vocabulary size from the training split, and "
+                      f"data.corpus={config.data.corpus!r} is not prepared here (it would be downloaded): prepare it "
+                      f"first (python -m trime_jax.launch.prepare_data --corpus={config.data.corpus[5:]}"
+                      + (f" --data_dir={config.data.tfds_data_dir}" if config.data.get("tfds_data_dir") else "")
+                      + ") or give --config.model.vocab_size=N")
   vocab_size = vocab_size or config.model.vocab_size or len(corpora.load_splits(config.data).vocab)
   mcfg, spec = specs.model_config(config, vocab_size=vocab_size), specs.loss_spec(config)
   graphdef, params = nnx.split(nnx.eval_shape(lambda: model_lib.build_model(mcfg, rngs=nnx.Rngs(params=0))),
