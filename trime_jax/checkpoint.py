@@ -124,16 +124,21 @@ def _file_digests(step_dir: str) -> dict:
 
 
 def seal(directory: str) -> None:
-  """Write `<step>/trime_digest.json` for every complete step without one (process 0; local paths only)."""
-  if jax.process_index() != 0:
-    return
-  for step in step_dirs(directory):
-    step_dir = os.path.join(directory, str(step))
-    if not os.path.exists(os.path.join(step_dir, DIGEST_FILE)):
-      try:
-        data.atomic_write_json(os.path.join(step_dir, DIGEST_FILE), {"step": step, "files": _file_digests(step_dir)})
-      except FileNotFoundError:  # orbax deleted the step meanwhile (train.keep_checkpoints): nothing to seal
-        continue
+  """Write `<step>/trime_digest.json` for every complete step without one (process 0; local paths only). The
+  other processes wait for it (`on_chief`): the next save's barrier would otherwise time out while it hashes a
+  large state, and a write of it that fails stops them too."""
+
+  def write_digests():
+    for step in step_dirs(directory):
+      step_dir = os.path.join(directory, str(step))
+      if not os.path.exists(os.path.join(step_dir, DIGEST_FILE)):
+        try:
+          data.atomic_write_json(os.path.join(step_dir, DIGEST_FILE),
+                                 {"step": step, "files": _file_digests(step_dir)})
+        except FileNotFoundError:  # orbax deleted the step meanwhile (train.keep_checkpoints): nothing to seal
+          continue
+
+  on_chief(write_digests)
 
 
 def verify_step(directory: str, step: int, what: str) -> None:
