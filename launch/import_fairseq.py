@@ -9,6 +9,8 @@ evaluates it on the WikiText-103 token files with fairseq's token ids. Needs PyT
 ".[fairseq]". docs/paper_models.md, "Importing the original checkpoints".
 """
 
+import os
+
 from absl import flags
 
 from trime_jax.launch.entry import run_main
@@ -23,8 +25,9 @@ _KEY_TYPE = flags.DEFINE_enum("key_type", "last_ffn_input", ["last_ffn_input", "
                               "evaluation) or final (model_output).")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                            "Compute dtype of the exported model (model.dtype); float32 reproduces fairseq's numbers.")
-_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace --out when it already holds something (an earlier "
-                               "import, a trained export, any files); without it that is refused.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace --out when it already holds something (an import "
+                               "of another checkpoint file, a trained export, any files); without it that is "
+                               "refused. A rerun replaces its own import (of the same checkpoint file) without it.")
 _TRUST = flags.DEFINE_bool("trust_pickle", False, "Unpickle the whole file (arbitrary Python objects). Only for "
                            "checkpoints you trust; by default only tensors, containers and argparse.Namespace load.")
 
@@ -38,17 +41,29 @@ def main(argv):
   for name, flag in (("checkpoint", _CHECKPOINT), ("dict", _DICT), ("out", _OUT)):
     if not flag.value:
       raise ConfigError(f"--{name} is required")
-  # Before reading anything: an export (a trained model's, say) at --out is not replaced without --overwrite.
-  refuse_target(_OUT.value, "out", "an empty folder for the import", overwrite=_OVERWRITE.value)
+  # Before reading anything: an export (a trained model's, say) at --out is not replaced without --overwrite,
+  # unless it is this command's own output (an import of the same checkpoint file): a rerun imports it again.
+  own = _imported_from(_OUT.value) == os.path.abspath(_CHECKPOINT.value)
+  refuse_target(_OUT.value, "out", "an empty folder for the import", overwrite=_OVERWRITE.value or own)
   out, imp = fairseq_import.import_to_export(_CHECKPOINT.value, _DICT.value, _OUT.value, key_type=_KEY_TYPE.value,
                                              dtype=_DTYPE.value, trust_pickle=_TRUST.value,
-                                             overwrite=_OVERWRITE.value)
+                                             overwrite=_OVERWRITE.value or own)
   c = imp.cfg
   print(f"imported {imp.flags.get('arch') or imp.flags.get('_name')}: {count_params(imp.params):,} parameters, "
         f"{c.num_layers} layers, d_model={c.d_model}, vocab={len(imp.vocab):,}, positions={c.positions}, "
         f"final_norm={c.final_norm}, adaptive_input={c.adaptive_input}, adaptive_softmax={c.adaptive_softmax} "
         f"cutoffs={c.adaptive_cutoffs}")
-  print(f"wrote {out}")
+  print(f"wrote {out}" + (" (replacing its earlier import of the same checkpoint file)" if own else ""))
+
+
+def _imported_from(directory: str) -> str | None:
+  """The checkpoint file an import at `directory` was made from (its meta.json's imported_from), else None."""
+  from trime_jax import exports
+
+  try:
+    return exports.read_export_meta(directory).get("imported_from") if os.path.isdir(directory) else None
+  except Exception:  # noqa: BLE001 - not an import (or no export at all): refuse_target says what it is
+    return None
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import functools
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -678,6 +679,16 @@ def test_cli_import_then_launch_eval(torch, tmp_path):
   assert "adaptive_softmax=True" in r.stdout and "wrote" in r.stdout
   meta = exports.read_export_meta(str(tmp_path / "export"))
   assert meta["fairseq_arch"] == "transformer_lm_wiki103" and meta["vocab_size"] == V
+  # a rerun imports into its own --out again (the same checkpoint file); another checkpoint's is refused there
+  r = _run(["trime_jax.launch.import_fairseq", f"--checkpoint={ckpt_path}", f"--dict={d}", f"--out={tmp_path / 'export'}"],
+           helpers.REPO)
+  assert r.returncode == 0 and "(replacing its earlier import of the same checkpoint file)" in r.stdout, r.stderr
+  assert exports.read_export_meta(str(tmp_path / "export"))["params_digest"] == meta["params_digest"]
+  other = tmp_path / "other.pt"
+  shutil.copy(ckpt_path, other)
+  r = _run(["trime_jax.launch.import_fairseq", f"--checkpoint={other}", f"--dict={d}", f"--out={tmp_path / 'export'}"],
+           helpers.REPO)
+  assert r.returncode == 2 and "already holds an export" in r.stderr, r.stderr
   root = helpers.write_wikitext_dir(tmp_path / "wiki")
   t, c = SIZE["tokens_per_sample"], 12
   r = _run(["trime_jax.launch.eval", "--config=configs/default.py", f"--checkpoint={tmp_path / 'export'}",
