@@ -36,7 +36,7 @@ def main(argv):
   data_dir = os.path.expanduser(_DATA_DIR.value) if _DATA_DIR.value else ""
   if data_dir and os.path.exists(data_dir) and not os.path.isdir(data_dir):
     raise ConfigError(f"--data_dir={_DATA_DIR.value} is a file, not a folder")
-  reused = tfds_builders.builder(name, _DATA_DIR.value).is_prepared()
+  reused = tfds_builders.is_prepared(tfds_builders.builder(name, _DATA_DIR.value))
   b = tfds_builders.prepare(name, _DATA_DIR.value, manual)
   if reused:  # said: a build is never made again, whatever --manual_dir holds now; its files read back first
     records = tfds_builders.check_build(name, b)

@@ -209,6 +209,17 @@ def test_prepare_data_cli(tmp_path):
                       f"--manual_dir={tmp_path}/no", f"--data_dir={tmp_path}"], capture_output=True, text=True, env=env,
                      cwd=corpora.REPO_ROOT, timeout=300)
   assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: manual dir for enwik8 not found")
+  # a manual dir without the release's files: the one error line alone (TFDS's "Downloading and preparing" line
+  # and its warnings about the empty build's folder came first), and no folder of the build is left
+  (tmp_path / "other_files").mkdir()
+  (tmp_path / "other_files" / "notes.txt").write_text("x")
+  r = subprocess.run([sys.executable, "-m", "trime_jax.launch.prepare_data", "--corpus=wikitext103",
+                      f"--manual_dir={tmp_path}/other_files", f"--data_dir={tmp_path}/t103"], capture_output=True,
+                     text=True, env=env, cwd=corpora.REPO_ROOT, timeout=300)
+  assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+      f"error: manual dir {tmp_path}/other_files has neither wikitext-103-v1.zip nor wiki.*.tokens files (in it or "
+      "in wikitext-103/)"], r.stderr
+  assert not (tmp_path / "t103" / "wikitext103").exists()
 
 
 def test_a_damaged_record_is_said_as_damage_and_nothing_else_is():

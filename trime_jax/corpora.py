@@ -199,9 +199,7 @@ def would_download(cfg) -> bool:
   name = cfg.corpus.split(":", 1)[1] if cfg.corpus.startswith("tfds:") else ""
   if not name or cfg.path or name not in tfds_builders.NAMES:
     return False
-  b = tfds_builders.builder(name, _tfds_data_dir(cfg))
-  # (TFDS warns about a version folder without its info: none is looked at when there is none)
-  return not (os.path.isdir(b.data_dir) and b.is_prepared())
+  return not tfds_builders.is_prepared(tfds_builders.builder(name, _tfds_data_dir(cfg)))
 
 
 def _tfds(cfg, vocab):

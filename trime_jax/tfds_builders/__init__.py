@@ -208,15 +208,10 @@ def _wikitext_sources(dl_manager, zip_dir: str, url: str) -> dict:
   folder, or its released zip), else in the downloaded zip."""
   files = _manual_files(dl_manager)
   if files:
-    root = str(next(iter(files.values())).parent)
-    for d in (root, os.path.join(root, zip_dir)):
-      found = {s: (os.path.join(d, f),) for s, f in WIKITEXT_FILES.items() if os.path.isfile(os.path.join(d, f))}
-      if found:
-        return found
-    if f"{zip_dir}-v1.zip" not in files:
-      raise DataError(f"manual dir {root} has neither {zip_dir}-v1.zip nor wiki.*.tokens files "
-                      f"(in it or in {zip_dir}/)")
-    archive = str(files[f"{zip_dir}-v1.zip"])
+    found = _manual_wikitext(str(next(iter(files.values())).parent), zip_dir)
+    if isinstance(found, dict):
+      return found
+    archive = found
   else:
     archive = _download(dl_manager, url)
   with zipfile.ZipFile(archive) as z:
@@ -225,6 +220,20 @@ def _wikitext_sources(dl_manager, zip_dir: str, url: str) -> dict:
   if not found:
     raise DataError(f"{archive} has no {zip_dir}/wiki.*.tokens files")
   return found
+
+
+def _manual_wikitext(root: str, zip_dir: str):
+  """A (non-empty) manual dir's WikiText: {split: (path,)} of its token files (in it or in its `zip_dir`/
+  folder), else the path of its released zip; a DataError when it has neither."""
+  for d in (root, os.path.join(root, zip_dir)):
+    found = {s: (os.path.join(d, f),) for s, f in WIKITEXT_FILES.items() if os.path.isfile(os.path.join(d, f))}
+    if found:
+      return found
+  archive = os.path.join(root, f"{zip_dir}-v1.zip")
+  if not os.path.exists(archive):
+    raise DataError(f"manual dir {root} has neither {zip_dir}-v1.zip nor wiki.*.tokens files "
+                    f"(in it or in {zip_dir}/)")
+  return archive
 
 
 def _download(dl_manager, url: str) -> str:
@@ -265,13 +274,21 @@ def builder(name: str, data_dir: str = "", **kwargs):
                        **kwargs)
 
 
+def is_prepared(b) -> bool:
+  """The builder's files are written (TFDS warns about a version folder without its info when asked about one
+  that does not exist: it is not asked then)."""
+  return os.path.isdir(b.data_dir) and b.is_prepared()
+
+
 def prepare(name: str, data_dir: str = "", manual_dir: str = "", **kwargs):
   """Download (or read `manual_dir`) and write the array_record files once; returns the builder."""
   tfds = import_tfds()
   b = builder(name, data_dir, **kwargs)
-  if not b.is_prepared():
+  if not is_prepared(b):
     if manual_dir and not os.path.isdir(manual_dir):
       raise DataError(f"manual dir for {name} not found: {manual_dir}")
+    if manual_dir and getattr(b, "ZIP_DIR", "") and os.listdir(manual_dir):  # said before TFDS starts a build
+      _manual_wikitext(manual_dir, b.ZIP_DIR)
     cfg = tfds.download.DownloadConfig(manual_dir=manual_dir or None)
     # The dataset's folders this build makes (<data_dir>/<name>/<version>): removed again when it fails, so a
     # failed build leaves no skeleton that later reads warn about (its downloads, beside them, are kept)
