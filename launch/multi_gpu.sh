@@ -22,7 +22,8 @@
 # NODE_RANK=0 host prints the table and writes --output (on storage every host sees; the NODE_RANK=0 host checks
 # it first and a refusal stops every host). Stop a run of several hosts with SIGTERM on every host (a
 # preemption: each saves at the same update); a Ctrl-C on one host stops that host (exit 130) and JAX aborts the
-# others (measured with 2 CPU processes: at once when it is the NODE_RANK=0 host, 20 s after otherwise).
+# others (2 CPU processes, experiments/multiprocess_ctrl_c.py: 0.2 s after when it is the NODE_RANK=0 host,
+# 16.5-20 s after otherwise).
 set -euo pipefail
 
 PYTHON="${PYTHON:-.venv/bin/python}"
