@@ -4,11 +4,10 @@ libraries' noise (orbax, faiss, tensorboardX) kept off the terminal."""
 
 from __future__ import annotations
 
-import errno as _errno
 import os
 import sys
 
-from trime_jax.errors import NO_SPACE_ERRNOS, TrimeError, is_no_space
+from trime_jax.errors import ENVIRONMENT_ERRNOS, TrimeError, is_no_space, os_error_line
 from trime_jax.launch.flags import missing_config_file, one_line, parse_flags
 
 
@@ -90,25 +89,6 @@ def redeliver_interrupts(default_hook):
     return default_hook(unraisable)
 
   return hook
-
-
-# OSErrors that come from the machine, not from a bug: a folder where a file belongs (or the reverse), no
-# permission, a full disk or quota, a read-only file system, a file too large for the limit.
-ENVIRONMENT_ERRNOS = NO_SPACE_ERRNOS + (_errno.EISDIR, _errno.ENOTDIR, _errno.EACCES, _errno.EPERM, _errno.EROFS,
-                                      _errno.ENOENT, _errno.EEXIST, _errno.ENAMETOOLONG)
-
-
-def os_error_line(e: OSError) -> str:
-  """One line for an OSError of the machine (ENVIRONMENT_ERRNOS): what failed, on which path, what to do."""
-  what = os.strerror(e.errno) if e.errno else str(e)
-  path = e.filename if e.filename is not None else ""
-  hint = {_errno.ENOSPC: "free space and rerun the same command", _errno.EDQUOT: "free space (quota) and rerun",
-          _errno.EACCES: "check the path's permissions", _errno.EPERM: "check the path's permissions",
-          _errno.EROFS: "write to another location", _errno.EISDIR: "give a file, not a folder",
-          _errno.ENOTDIR: "a part of the path is a file, not a folder",
-          _errno.EFBIG: "a file size limit (ulimit -f) was reached: raise it and rerun the same command"}.get(
-              e.errno, "")
-  return f"{what}: {path}" + (f" ({hint})" if hint else "")
 
 
 def _end_progress_lines() -> None:

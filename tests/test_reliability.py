@@ -716,8 +716,9 @@ def test_multiprocess_peer_killed(tmp_path):
 
 
 def test_multiprocess_refusals_stop_every_process(tmp_path):
-  """What only process 0 checks (the files it writes: export/ and best/, the workdir's lock) stops every process
-  of a run with its error, at once: none goes on into a collective to wait there for a process 0 that is gone."""
+  """What only process 0 checks or writes (export/ and best/, the workdir's lock, metrics.jsonl during training)
+  stops every process of a run with its error, at once: none goes on into a collective to wait there for a
+  process 0 that is gone."""
   from tests.helpers import config_file, two_process_env, write_text_file
   from trime_jax.runtime.lock import DirLock
 
@@ -745,8 +746,13 @@ def test_multiprocess_refusals_stop_every_process(tmp_path):
   (junk / "export" / "notes.txt").write_text("mine")
   held = tmp_path / "held"
   held.mkdir()
+  # metrics.jsonl, written by process 0 only, cannot be written (here: a link into a folder that is not there; a
+  # full disk alike): its first line fails after the first update, in the middle of training
+  records = tmp_path / "records"
+  records.mkdir()
+  (records / "metrics.jsonl").symlink_to(tmp_path / "gone" / "metrics.jsonl")
   with DirLock(str(held / ".lock"), f"workdir {held}"):  # another run holds the workdir
-    for work, says in [(junk, "not an export"), (held, "in use")]:
+    for work, says in [(junk, "not an export"), (held, "in use"), (records, "No such file or directory")]:
       codes, errors, took = run_both(work)
       print(f"\n{work.name}: both processes ended in {took:.1f} s: {errors}")
       assert codes == [2, 2], (codes, errors)

@@ -29,7 +29,7 @@ import sys
 import jax
 import numpy as np
 
-from trime_jax.errors import TrimeError
+from trime_jax.errors import ENVIRONMENT_ERRNOS, TrimeError, os_error_line
 
 
 def initialize_from_env() -> bool:
@@ -111,12 +111,20 @@ def on_chief(fn):
       value = fn()
     except Exception as e:  # noqa: BLE001 - raised again below, after the others are told
       error = e
-  stopped = from_chief(None if error is None else f"{type(error).__name__}: {error}")
+  stopped = from_chief(None if error is None else _one_line(error))
   if error is not None:
     raise error
   if stopped is not None:
     raise ChiefStopped(f"process 0 stopped ({stopped})")
   return value
+
+
+def _one_line(error: Exception) -> str:
+  """Process 0's error as the others say it: an OSError of the machine in the words process 0's `error:` line
+  uses (`errors.os_error_line`), anything else with its type."""
+  if isinstance(error, OSError) and error.errno in ENVIRONMENT_ERRNOS:
+    return os_error_line(error)
+  return f"{type(error).__name__}: {error}"
 
 
 def process_rows(sharding: jax.sharding.Sharding, global_shape, axis: int) -> np.ndarray:

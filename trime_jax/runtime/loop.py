@@ -224,13 +224,19 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
   stored_protocol = _stored_dev_protocol(task, workdir) if restored_step == spec.total else None
   starting()
   chief = workdir_files.chief()
-  tb = event_writer.EventWriter(os.path.join(workdir, "tb"), enabled=chief, config=config)
-  # Metric lines past the checkpoint resumed from (step 0 when there is none: a run stopped before its first
-  # checkpoint) are dropped; the rerun writes them again. TensorBoard drops its events past it likewise.
   metrics = workdir_files.MetricsFile(os.path.join(workdir, "metrics.jsonl"), enabled=chief)
-  dropped = on_chief(lambda: metrics.truncate(restored_step or 0))  # a damaged line stops every process
-  if restored is not None or dropped:
-    tb.restart((restored_step or 0) + 1)
+
+  def open_records() -> event_writer.EventWriter:
+    # Metric lines past the checkpoint resumed from (step 0 when there is none: a run stopped before its first
+    # checkpoint) are dropped; the rerun writes them again. TensorBoard drops its events past it likewise.
+    writer = event_writer.EventWriter(os.path.join(workdir, "tb"), config=config)
+    if metrics.truncate(restored_step or 0) or restored is not None:
+      writer.restart((restored_step or 0) + 1)
+    return writer
+
+  # Process 0's (the others' writer does nothing): a damaged metric line or a writer that cannot start stops
+  # every process (`on_chief`), not only process 0
+  tb = on_chief(open_records) or event_writer.EventWriter(os.path.join(workdir, "tb"), enabled=False)
   if restored is not None:
     state = restored
     log(f"resumed from step {restored_step} ({mgr.directory})")
@@ -259,12 +265,18 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
 
   interrupt = InterruptWatch()
 
+  def record(done: int, line: dict, scalars: dict) -> None:
+    """A metrics.jsonl line and its TensorBoard scalars, written by process 0. A write that fails there (a full
+    disk) stops every process (`on_chief`): the others would wait for it in the next update's collectives until
+    the shutdown timeout ended them."""
+    on_chief(lambda: (metrics.write(line), tb.scalars(done, scalars)))
+
   def evaluate(done: int, params) -> dict:
     interrupt.check()
     dev = task.evaluate(done, params)
-    metrics.write({"step": done, "split": split, **dev, "dev_protocol": protocol})
+    record(done, {"step": done, "split": split, **dev, "dev_protocol": protocol},
+           {f"{split}/{k}": v for k, v in dev.items() if k.endswith("_ppl")})
     log(f"{split} at update {done}: {task.describe_eval(dev)}")
-    tb.scalars(done, {f"{split}/{k}": v for k, v in dev.items() if k.endswith("_ppl")})
     return dev
 
   interrupt.__enter__()  # left in `finally`
@@ -310,14 +322,12 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
             if total is not None:
               last["skipped_total"] = total
               skipped_before = total
-            metrics.write(last)
+            record(done, last, {f"train/{k}": last[k] for k in TB_TRAIN_SCALARS if last.get(k) is not None})
           rate = f"{last['tokens_per_s']:,.0f}" if last["tokens_per_s"] is not None else "-"
           skips = f" | {last['skipped']} skipped (non-finite)" if last["skipped"] else ""
           log(f"step {done:>6}/{spec.total} [{objective:>5}] loss {last['loss']:.4f} | ce {last['ce_nll']:.4f}"
               f" | trime {last['trime_nll']:.4f} | lr {last['lr']:.2e} | |g| {last['grad_norm']:.3f}"
               f" | {rate} tok/s (+{clock.compile_s:.0f} s compiling){skips} | {progress.eta(done)}")
-          if recorded:
-            tb.scalars(done, {f"train/{k}": last[k] for k in TB_TRAIN_SCALARS if last.get(k) is not None})
           progress.update(done, loss=f"{last['loss']:.4f}")
         if spec.eval_every and done % spec.eval_every == 0 and done < spec.total:
           best.update(done, state["params"], evaluate(done, state["params"]))
