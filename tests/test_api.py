@@ -576,6 +576,10 @@ def test_score_uses_the_exports_sample_break_mode(word_model, capsys, caplog):
   assert "dropped" not in capsys.readouterr().err  # the API's note goes to logging, not to stderr
   assert any("dropped 1 lines" in r.getMessage() for r in caplog.records)
   n1, n2 = len(m.tokenize(LINES[1])) + 1, len(m.tokenize(long_line)) + 1
+  # a perplexity over part of the text is said at warning level (shown by default), with how much is left out
+  warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert len(warned) == 1 and warned[0].startswith(f"not scored (NaN in log_probs, left out of ppl): {n2} of "
+                                                   f"{len(dropped.ids)} tokens, in lines longer than eval.block_len="), warned
   assert n2 > m.config.eval.block_len
   assert np.isnan(dropped.log_probs[n1:n1 + n2]).all() and np.isfinite(np.delete(dropped.log_probs,
                                                                                  np.s_[n1:n1 + n2])).all()

@@ -538,6 +538,14 @@ def test_a_warm_restart_continues_a_partial_export_at_its_update(corpus, tmp_pat
   with pytest.raises(CheckpointError, match=r"^train.init_from=\S+nothere: checkpoint directory not found"):
     train.train_and_evaluate(tiny_config(corpus, **base, **{"train.init_from": str(tmp_path / "nothere")}),
                              str(tmp_path / "z"))
+  # Read as trime_jax.load reads a path: a shipped model's name (here of another model: refused as such, where the
+  # name was a missing folder before), a bare word that is neither, a training workdir (its export/)
+  with pytest.raises(ConfigError, match=r"^train.init_from=\S+pretrained/demo is an export of another architecture"):
+    train.train_and_evaluate(tiny_config(corpus, **base, **{"train.init_from": "demo"}), str(tmp_path / "d"))
+  with pytest.raises(ConfigError, match=r"^train.init_from=dmeo: 'dmeo' is neither a path nor a shipped model"):
+    train.train_and_evaluate(tiny_config(corpus, **base, **{"train.init_from": "dmeo"}), str(tmp_path / "d"))
+  with pytest.raises(ConfigError, match=r"^train.init_from=\S+/warm/export: its meta.json step 6 is not an update"):
+    train.train_and_evaluate(tiny_config(corpus, **base, **{"train.init_from": warm}), str(tmp_path / "w"))
 
 
 def test_an_srupp_dev_protocol_names_its_streams(corpus):

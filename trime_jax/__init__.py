@@ -3,6 +3,7 @@
     import trime_jax
     model = trime_jax.load("runs/mini/export")     # trime_jax.api: score, generate, memory
     trime_jax.train(config, "runs/x")              # train_and_evaluate
+    except trime_jax.TrimeError: ...                 # what a call refuses (ConfigError, CheckpointError, ...)
 
 The API's names load on first use, so `import trime_jax.data` (or any light module) does not pull in orbax,
 optax and the evaluator.
@@ -15,8 +16,13 @@ import os
 import sys
 import types
 
+from trime_jax.errors import CheckpointError, ConfigError, DataError, TrimeError  # light: errno and os only
+
 _API = ("load", "Model", "Memory", "TextScore", "Output")
-__all__ = ["api", "train", *_API]
+# What a call refuses is one of the errors, all TrimeErrors: ConfigError (an argument, a config field),
+# CheckpointError (an export, a datastore, an index), DataError (a corpus)
+__all__ = ["api", "train", "load", "Model", "Memory", "TextScore", "Output",
+           "TrimeError", "ConfigError", "CheckpointError", "DataError"]
 
 
 class _CallableTrainModule(types.ModuleType):

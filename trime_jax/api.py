@@ -43,7 +43,7 @@ import weakref
 import numpy as np
 
 from trime_jax import data, evaluate, exports, sharding
-from trime_jax.errors import ConfigError
+from trime_jax.errors import CheckpointError, ConfigError
 
 MEMORIES = ("none", "local", "long", "external")
 STORE_ROUND = 1024  # long-term store sizes are rounded up to this, so texts of similar length share one compile
@@ -439,7 +439,9 @@ class Model:
     another, as follows.
 
     memory="long" and "external" read `model.memory`'s documents before the text (an empty memory: local
-    memory alone, plus the text's own earlier windows), as if they were part of it. The documents' windows
+    memory alone, plus the text's own earlier windows), as if they were part of it. A text is one document: its
+    store is not emptied at document boundaries inside it, whatever the export's eval.reset_at_documents (the
+    evaluator empties it at each WikiText heading where that is True): score each document as its own text. The documents' windows
     run once per store size (the store holds every token: its size is the documents' and the text's length
     rounded up to STORE_ROUND) and memory content: the evaluator's state after them (`evaluate.StreamState`)
     is kept, and each later text of a similar length runs its own windows only, the same numbers as a whole
@@ -489,7 +491,7 @@ class Model:
     else:
       nll_of = [self._score_with_memory(ids, prefix, point, *mode_ctx, block_len, overlong, vocab_chunk, external)
                 for ids, mode_ctx in zip(ids_of, modes)]
-    out = []
+    out, unscored = [], []
     for i, (text, ids, (mode, ctx), nll) in enumerate(zip(texts, ids_of, modes, nll_of)):
       corpus_len = len(prefix) + len(ids)
       if len(nll) < corpus_len:  # lines were dropped: the evaluator lists the scored targets only, in order
@@ -501,7 +503,14 @@ class Model:
         full = np.full(corpus_len, np.nan, np.float32)
         full[np.concatenate([np.arange(w.score_start, w.end) for w in scored])] = nll
         nll = full
+        missing = int(np.isnan(nll[len(prefix):]).sum())
+        if missing:
+          unscored.append(f"{missing:,} of {len(ids):,} tokens" + ("" if single else f" of texts[{i}]"))
       out.append(TextScore(text, [self.vocab.tokens[i] for i in ids], ids, -nll[len(prefix):]))
+    if unscored:  # a perplexity over part of a text must not pass unnoticed
+      logger.warning("not scored (NaN in log_probs, left out of ppl): %s%s, in lines longer than eval.block_len=%d, "
+                     "which eval.sample_break_mode=complete drops as fairseq's eval_lm does", ", ".join(unscored[:5]),
+                     f" and {len(unscored) - 5} more texts" if len(unscored) > 5 else "", block_len)
     return out[0] if single else out
 
   def _text_windows(self, ids, prefix, break_mode: str, context: int, block_len: int) -> tuple[str, int]:
@@ -599,17 +608,9 @@ class Model:
     return out[0] if single else out
 
 
-# Models shipped inside the package (trime_jax/pretrained/NAME: an export), loaded by name from any directory.
-# demo: make demo's TrimeLM (configs/demo.py: byte-level, 3 layers, d 128, 628k parameters, 300 updates on this
-# interpreter's standard-library sources; how it was made: trime_jax/pretrained/README.md).
-PRETRAINED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pretrained")
-
-
-def pretrained_names() -> list[str]:
-  """The names `load` accepts besides paths: the exports shipped in trime_jax/pretrained/."""
-  if not os.path.isdir(PRETRAINED_DIR):
-    return []
-  return sorted(n for n in os.listdir(PRETRAINED_DIR) if os.path.isfile(os.path.join(PRETRAINED_DIR, n, "meta.json")))
+# Models shipped inside the package, loaded by name from any directory (`exports.pretrained_names`)
+PRETRAINED_DIR = exports.PRETRAINED_DIR
+pretrained_names = exports.pretrained_names
 
 
 def load(path: str, *, dictionary: str | None = None, out: str | None = None, trust_pickle: bool = False,
@@ -634,6 +635,11 @@ def load(path: str, *, dictionary: str | None = None, out: str | None = None, tr
   trust_pickle, overwrite = _flag(trust_pickle, "trust_pickle"), _flag(overwrite, "overwrite")
   if devices is not None:  # before an import is written: the caller's argument
     sharding.device_count(devices, "devices")
+  if dictionary is not None and not os.path.exists(path) and path.rstrip(os.sep) in pretrained_names():
+    raise ConfigError(f"dictionary= is for a fairseq checkpoint (a .pt file); {path!r} is a shipped model: "
+                      f"load({path!r}) without it")
+  if dictionary is None and path.endswith(".pt") and not os.path.exists(path):
+    raise CheckpointError(f"{path} not found (a fairseq checkpoint: load(path, dictionary=its dict.txt))")
   if dictionary is not None or os.path.isfile(path):
     if os.path.isdir(path):  # an export (or a shipped model's folder) given a dictionary
       raise ConfigError(f"dictionary= is for a fairseq checkpoint (a .pt file); {path} is a folder: "
@@ -677,42 +683,29 @@ def load(path: str, *, dictionary: str | None = None, out: str | None = None, tr
 
 
 def export_path(path: str, say=None) -> str:
-  """The export directory `path` names, as `load` and every CLI's `--checkpoint` read it: a shipped model's
-  name (unless a path of that name exists), a training workdir (its `export/`), or `path` itself (an export, a
-  file, or a path that does not exist, left for the reader to refuse). A bare word that is neither a path nor
-  a shipped model: one ConfigError listing the shipped ones. `~` is expanded; "demo/" is "demo". A workdir whose
-  export/ may not be the run's latest (`exports.stale_export_note`) is said with `say` (default: a logging
-  warning)."""
-  path = _path(path, "path")
-  if not os.path.exists(path):
-    names = pretrained_names()
-    if path.rstrip(os.sep) in names:
-      return os.path.join(PRETRAINED_DIR, path.rstrip(os.sep))
-    if os.sep not in path and "." not in path:  # a bare word: most likely meant as a shipped model's name
-      raise ConfigError(f"{path!r} is neither a path nor a shipped model (shipped: {', '.join(names) or 'none'})")
-    return path
-  if os.path.isdir(path) and not os.path.exists(os.path.join(path, "meta.json")) and os.path.exists(
-      os.path.join(path, "export", "meta.json")):
-    note = exports.stale_export_note(path)  # a training workdir: its export/, said when it is not the run's latest
-    if note:
-      (say or logger.warning)(note)
-    return os.path.join(path, "export")
-  return path
+  """`exports.export_path` of a path given as a string or path-like (`~` expanded): the export directory it names
+  (a shipped model's name, a training workdir's export/, or the path itself)."""
+  return exports.export_path(_path(path, "path"), say or logger.warning)
 
 
 def train(config, workdir: str, **kwargs) -> dict:
   """Train (or resume) in `workdir` and export: `trime_jax.train.train_and_evaluate(config, workdir, **kwargs)`.
   Returns its metrics; the export is at result["export"] (`load` it). `config`: an ml_collections ConfigDict (a
-  shipped config's `get_config()`, changed as you like) or a plain dict of one (`config.to_dict()`)."""
+  shipped config's `get_config()`, changed as you like) or a plain dict of one (`config.to_dict()`, a
+  config.json: a field it lacks keeps configs/default.py's value, `exports.config_from_dict`). A field that
+  configs/default.py does not have (a misspelling) is one ConfigError, in either."""
   import collections.abc
 
   import ml_collections
 
   from trime_jax.train import train_and_evaluate
 
-  if isinstance(config, collections.abc.Mapping) and not isinstance(config, ml_collections.ConfigDict):
-    config = ml_collections.ConfigDict(dict(config))
-  if not isinstance(config, ml_collections.ConfigDict):
+  if not isinstance(config, (collections.abc.Mapping, ml_collections.ConfigDict)):
     raise ConfigError(f"config must be an ml_collections ConfigDict (e.g. trime_jax.configs.demo.get_config()) or "
                       f"a dict of one, got {type(config).__name__}")
+  if exports.is_mt_config(config):
+    raise ConfigError("config is a translation config (configs/ui_de_en.py's schema): train it with "
+                      "trime_jax.mt.train.train_and_evaluate or python -m trime_jax.launch.train_mt")
+  if not isinstance(config, ml_collections.ConfigDict):  # fields it lacks: their defaults; misspelt ones refused
+    config = exports.config_from_dict(dict(config))
   return train_and_evaluate(config, _path(workdir, "workdir"), **kwargs)

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import shutil
 
@@ -387,6 +388,16 @@ def unknown_fields(stored: dict) -> list[str]:
   return workdir_files.unknown_fields(stored, default.get_config())
 
 
+def check_known_fields(fields: dict) -> None:
+  """ConfigError naming the fields of a config (as a dict) that configs/default.py lacks, each with the closest
+  known name: an unlocked ConfigDict (a config file's `c.train.num_stpes = 3`, a dict given to
+  `trime_jax.train`) takes any name set on it, and nothing would read it."""
+  bad = unknown_fields(fields)
+  if bad:
+    raise ConfigError(f"the config has field{'s' if len(bad) > 1 else ''} trime-jax does not know: "
+                      f"{', '.join(bad)}; correct or remove {'them' if len(bad) > 1 else 'it'}")
+
+
 def check_stored_config(export_dir: str, stored: dict | None = None) -> dict:
   """The export's config.json as a dict, with renamed fields under today's names (runtime.workdir.migrate_config),
   refused (CheckpointError naming the file) when it has fields this version does not know: they would be ignored
@@ -410,18 +421,35 @@ def check_stored_config(export_dir: str, stored: dict | None = None) -> dict:
   return stored
 
 
-def _overlay(dst, src: dict, path: str = "", prefix: str = "") -> None:
+def _overlay(dst, src: dict, path: str = "", prefix: str = "", error: type[Exception] = CheckpointError,
+             fix: str = "correct the file") -> None:
   for key, value in src.items():
     if key not in dst:
       continue  # a translation export's own fields (check_stored_config refused unknown LM fields)
     if hasattr(dst[key], "keys") and isinstance(value, dict):
-      _overlay(dst[key], value, path, f"{prefix}{key}.")
+      _overlay(dst[key], value, path, f"{prefix}{key}.", error, fix)
     else:
       try:
         dst[key] = tuple(value) if isinstance(dst[key], tuple) and isinstance(value, list) else value
       except (TypeError, ValueError):  # ConfigDict keeps each field's type: "x" for a float, a list for an int
-        raise CheckpointError(f"{path or 'the stored config'}: {prefix}{key}={value!r} is not a "
-                              f"{type(dst[key]).__name__} (the field's type); correct the file") from None
+        kind = type(dst[key]).__name__
+        raise error(f"{path or 'the stored config'}: {prefix}{key}={value!r} is not a{'n' * (kind[0] in 'aeiou')} "
+                    f"{kind} (the field's type); {fix}") from None
+
+
+def config_from_dict(fields: dict) -> ml_collections.ConfigDict:
+  """A language-model config from a plain dict (`trime_jax.train(dict)`, e.g. a config's `to_dict()` or a
+  config.json read back): configs/default.py with `fields` over it, as an export's stored config is read
+  (`stored_over_defaults`): a field the dict lacks keeps its default, a renamed one is read under today's name,
+  a misspelt one is refused, and each field keeps its type. One ConfigError for what is wrong."""
+  from trime_jax.configs import default
+
+  fields = workdir_files.migrate_config(fields, "the config")
+  check_known_fields(fields)
+  c = default.get_config()
+  with c.unlocked():
+    _overlay(c, fields, "the config", error=ConfigError, fix="give a value of that type")
+  return c
 
 
 def data_path_meta(config) -> dict:
@@ -495,3 +523,39 @@ def load_export(directory: str):
   graphdef, abstract_params = nnx.split(target, nnx.Param)
   params = restore_export_params(os.path.join(directory, "params"), abstract_params, meta, "exported parameters")
   return graphdef, params, config, vocab, meta
+
+
+# Models shipped inside the package (trime_jax/pretrained/NAME: an export), loaded by name from any directory.
+# demo: make demo's TrimeLM (configs/demo.py: byte-level, 3 layers, d 128, 628k parameters, 300 updates on this
+# interpreter's standard-library sources; how it was made: trime_jax/pretrained/README.md).
+PRETRAINED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pretrained")
+
+
+def pretrained_names() -> list[str]:
+  """The names `load` accepts besides paths: the exports shipped in trime_jax/pretrained/."""
+  if not os.path.isdir(PRETRAINED_DIR):
+    return []
+  return sorted(n for n in os.listdir(PRETRAINED_DIR) if os.path.isfile(os.path.join(PRETRAINED_DIR, n, "meta.json")))
+
+
+def export_path(path: str, say=None) -> str:
+  """The export directory `path` names, as `load` and every CLI's `--checkpoint` read it: a shipped model's
+  name (unless a path of that name exists), a training workdir (its `export/`), or `path` itself (an export, a
+  file, or a path that does not exist, left for the reader to refuse). A bare word that is neither a path nor
+  a shipped model: one ConfigError listing the shipped ones. "demo/" is "demo". A workdir whose
+  export/ may not be the run's latest (`stale_export_note`) is said with `say` (default: a warning of this
+  module's logger)."""
+  if not os.path.exists(path):
+    names = pretrained_names()
+    if path.rstrip(os.sep) in names:
+      return os.path.join(PRETRAINED_DIR, path.rstrip(os.sep))
+    if os.sep not in path and "." not in path:  # a bare word: most likely meant as a shipped model's name
+      raise ConfigError(f"{path!r} is neither a path nor a shipped model (shipped: {', '.join(names) or 'none'})")
+    return path
+  if os.path.isdir(path) and not os.path.exists(os.path.join(path, "meta.json")) and os.path.exists(
+      os.path.join(path, "export", "meta.json")):
+    note = stale_export_note(path)  # a training workdir: its export/, said when it is not the run's latest
+    if note:
+      (say or logging.getLogger(__name__).warning)(note)
+    return os.path.join(path, "export")
+  return path

@@ -345,14 +345,14 @@ def warm_start(state: dict, train_cfg, mcfg, vocab, tx, *, log) -> tuple[dict, d
   vocabulary, a step at or past train.num_steps, and stateful (SRU++) models, whose carry is not exported.
   Returns (state, record): record = the export's fingerprint and step, kept in the workdir's data.json. Called
   when the workdir has no checkpoint only: a resume continues from its own checkpoints."""
-  path = train_cfg.init_from
   if "carry" in state:
     raise ConfigError("train.init_from: a stateful model's carry across segments is not in an export; resume it "
                       "from its checkpoints instead")
-  try:
+  try:  # a shipped model's name, a training workdir (its export/) or an export, read as `trime_jax.load` reads them
+    path = exports.export_path(os.path.expanduser(str(train_cfg.init_from)), say=log)
     _, params, _, export_vocab, meta = exports.load_export(path)
-  except CheckpointError as e:  # "checkpoint directory not found: ..." did not say which setting named it
-    raise type(e)(f"train.init_from={path}: {e}") from None
+  except (CheckpointError, ConfigError) as e:  # "checkpoint directory not found: ..." did not say which setting
+    raise type(e)(f"train.init_from={train_cfg.init_from}: {e}") from None
   if meta.get("arch_digest") != exports.arch_digest(mcfg) or export_vocab.fingerprint() != vocab.fingerprint():
     raise ConfigError(f"train.init_from={path} is an export of another architecture or vocabulary than this "
                       "run's model")

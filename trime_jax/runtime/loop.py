@@ -262,6 +262,8 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
   else:  # an earlier version's lines: counted from the checkpoint resumed from, as they were
     skipped_before = skipped_so_far(state) or 0
   skip_watch = _SkipWatch()
+  if start >= stop and kept_lines:  # a finished run rerun: its result names the last train line it recorded
+    last = dict(kept_lines[-1])
 
   interrupt = InterruptWatch()
 
