@@ -34,6 +34,16 @@ def run(tmp_path_factory):
   return root, out
 
 
+def _unlocked_with(config, name: str, value):
+  """A copy of `config`, unlocked (as a config a user builds is), with `name` set: a new field if it has none."""
+  import ml_collections
+
+  copy = ml_collections.ConfigDict(config.to_dict())
+  section, leaf = name.split(".")
+  copy[section][leaf] = value
+  return copy
+
+
 @pytest.fixture(scope="module")
 def model(run):
   return trime_jax.load(run[1]["export"])
@@ -46,6 +56,13 @@ def test_train_and_load(run, model):
   from_workdir = trime_jax.load(str(root / "run"))  # a training workdir means its export
   assert from_workdir.directory == model.directory and model.meta["step"] == 3
   assert "16,800 parameters" in repr(model) and isinstance(model, trime_jax.Model)
+  # A plain dict of the config (fields it lacks: their defaults), rerun on the finished run: the same export and
+  # dev line, and the last train line it recorded (an empty one before)
+  given = model.config.to_dict()
+  del given["eval"]["tau"]
+  again = trime_jax.train(given, str(root / "run"))
+  assert again["export"] == out["export"] and again["dev"] == out["dev"]
+  assert again["train"]["step"] == 3 and again["train"]["loss"] == out["train"]["loss"]
 
 
 def test_api_paths_expand_the_home_directory(run, monkeypatch):
@@ -461,12 +478,27 @@ def test_bad_arguments_are_one_clear_error_naming_them(model):
       (lambda: trime_jax.load(model.directory, devices=-1), r"^devices must be a device count >= 0"),
       (lambda: model.score(["x", ""]), r"^cannot score an empty text \(texts\[1\]\)$"),
       (lambda: trime_jax.train(5, "x"), r"^config must be an ml_collections ConfigDict .* got int$"),
+      # a dict is read over configs/default.py: a misspelt field is refused (it trained without it before, and the
+      # export it wrote could not be loaded), a value of another type too; and a config set by hand alike
+      (lambda: trime_jax.train({"train": {"num_stpes": 3}}, "x"),
+       r"^the config has field trime-jax does not know: train.num_stpes \(train.num_steps\?\); correct or remove it$"),
+      (lambda: trime_jax.train({"train": {"num_steps": "3"}}, "x"),
+       r"^the config: train.num_steps='3' is not an int \(the field's type\)"),
+      (lambda: trime_jax.train(_unlocked_with(model.config, "eval.knn_kk", 8), "x"),
+       r"^the config has field trime-jax does not know: eval.knn_kk \(eval.knn_k\?\)"),
+      (lambda: trime_jax.load("demo", dictionary="dict.txt"), r"^dictionary= is for a fairseq checkpoint .*'demo' is a "
+                                                              r"shipped model: load\('demo'\) without it"),
       (lambda: trime_jax.train(model.config, None), r"^workdir must be a path \(str or os.PathLike\), got NoneType"),
   ]
   for call, message in cases:
     with pytest.raises(ConfigError, match=message):
       call()
+  assert not os.path.exists("x")
   assert len(model.memory) == 0
+  assert issubclass(trime_jax.ConfigError, trime_jax.TrimeError) and trime_jax.CheckpointError is CheckpointError
+  with pytest.raises(trime_jax.CheckpointError, match=r"^checkpoint_best.pt not found \(a fairseq checkpoint: "
+                                                      r"load\(path, dictionary=its dict.txt\)\)$"):
+    trime_jax.load("checkpoint_best.pt")
   # the devices score splits texts over: the export's eval.devices (1), all of them (0: the one here) alike
   assert model.devices == 1 and trime_jax.load(model.directory, devices=0).devices == 0
   # detokenize takes ids as a list, a NumPy or a JAX array
