@@ -510,6 +510,20 @@ def e_config_sets_a_field_it_lacks(b):  # "bad command-line flag: Key ... Other 
       '"num_steps" instead of "num_stesp"?)'], [path]
 
 
+def e_unlocked_config_with_an_unknown_field(b):  # trained without it before (a config unlocked takes any name)
+  path = _config_text(b, "unlocked_typo_config.py", "from trime_jax.configs import wikitext_mini\n\n\ndef get_config():\n"
+                      "  c = wikitext_mini.get_config()\n  with c.unlocked():\n    c.eval.knn_kk = 8\n  return c\n")
+  return _case("train", f"--config={path}", f"--workdir={b['tmp']}/cases/uf"), [
+      "the config has field trime-jax does not know: eval.knn_kk (eval.knn_k?); correct or remove it"], [path]
+
+
+def e_unlocked_translation_config_with_an_unknown_field(b):  # translation alike
+  path = _config_text(b, "unlocked_mt_config.py", "from trime_jax.configs import ui_de_en\n\n\ndef get_config():\n"
+                      "  c = ui_de_en.get_config()\n  with c.unlocked():\n    c.train.warmup_step = 8\n  return c\n")
+  return _case("train_mt", f"--config={path}", f"--workdir={b['tmp']}/cases/umf"), [
+      "the config has field trime-jax does not know: train.warmup_step (train.warmup_steps?)"], [path]
+
+
 def e_missing_config_with_an_override(b):  # ml_collections' "Configuration is not available because of ..."
   return _case("train", f"--config={b['tmp']}/wikitext_mni.py", f"--workdir={b['tmp']}/cases/mc",
                "--config.train.num_steps=2"), [f"--config file not found: {b['tmp']}/wikitext_mni.py",

@@ -388,16 +388,6 @@ def unknown_fields(stored: dict) -> list[str]:
   return workdir_files.unknown_fields(stored, default.get_config())
 
 
-def check_known_fields(fields: dict) -> None:
-  """ConfigError naming the fields of a config (as a dict) that configs/default.py lacks, each with the closest
-  known name: an unlocked ConfigDict (a config file's `c.train.num_stpes = 3`, a dict given to
-  `trime_jax.train`) takes any name set on it, and nothing would read it."""
-  bad = unknown_fields(fields)
-  if bad:
-    raise ConfigError(f"the config has field{'s' if len(bad) > 1 else ''} trime-jax does not know: "
-                      f"{', '.join(bad)}; correct or remove {'them' if len(bad) > 1 else 'it'}")
-
-
 def check_stored_config(export_dir: str, stored: dict | None = None) -> dict:
   """The export's config.json as a dict, with renamed fields under today's names (runtime.workdir.migrate_config),
   refused (CheckpointError naming the file) when it has fields this version does not know: they would be ignored
@@ -445,8 +435,8 @@ def config_from_dict(fields: dict) -> ml_collections.ConfigDict:
   from trime_jax.configs import default
 
   fields = workdir_files.migrate_config(fields, "the config")
-  check_known_fields(fields)
   c = default.get_config()
+  workdir_files.check_known_fields(fields, c)
   with c.unlocked():
     _overlay(c, fields, "the config", error=ConfigError, fix="give a value of that type")
   return c

@@ -12,7 +12,6 @@ from trime_jax import corpora
 from trime_jax.batching import consecutive
 from trime_jax import data
 from trime_jax import evaluate
-from trime_jax import exports
 from trime_jax import flash_attention
 from trime_jax import model as model_lib
 from trime_jax import sharded_loss
@@ -35,7 +34,9 @@ def validate_config(config, *, training: bool = True) -> None:
   programs, an export's stored config): not the checks of how a model is to be trained, which an export made
   before them must still pass to be evaluated."""
   workdir.check_no_renamed_fields(config)
-  exports.check_known_fields(config.to_dict())  # a misspelt field set on an unlocked ConfigDict: read by nothing
+  from trime_jax.configs import default
+
+  workdir.check_known_fields(config.to_dict(), default.get_config())  # a misspelt field of an unlocked config
   t, train_cfg, d = config.trime, config.train, config.data
   _choice(t.memory, MEMORY_MODES, "trime.memory")
   _choice(t.batching, BATCHINGS, "trime.batching")

@@ -27,7 +27,10 @@ BEST_METRICS = ("ce_ppl", "bleu")  # train.best_metric: what <workdir>/best keep
 
 
 def validate_config(config) -> None:
+  from trime_jax.configs import ui_de_en
+
   workdir.check_no_renamed_fields(config)  # a retired name (workdir.RENAMED_FIELDS) added by an unlocked config
+  workdir.check_known_fields(config.to_dict(), ui_de_en.get_config())  # a misspelt one (every MT config's fields)
   t, r = config.trime, config.train
   if t.memory not in MEMORIES:
     raise ConfigError(f"trime.memory must be one of {MEMORIES} for translation, got {t.memory!r}")

@@ -203,6 +203,16 @@ def read_stored_config(path: str, what: str, error: type[Exception]) -> dict:
   return migrate_config(data.read_json(path, what, error), path)
 
 
+def check_known_fields(fields: dict, known) -> None:
+  """ConfigError naming the fields of a config (as a dict) that `known` (its trainer's default config) lacks, each
+  with the closest known name: an unlocked ConfigDict (a config file's `c.train.num_stpes = 3`, a dict given to
+  `trime_jax.train`) takes any name set on it, and nothing would read it."""
+  bad = unknown_fields(fields, known)
+  if bad:
+    raise ConfigError(f"the config has field{'s' if len(bad) > 1 else ''} trime-jax does not know: "
+                      f"{', '.join(bad)}; correct or remove {'them' if len(bad) > 1 else 'it'}")
+
+
 def check_stored_config(path: str, stored: dict, config) -> None:
   """A workdir's config.json must not hold a field this config does not have: a misspelling there (an edit) would
   be ignored without a word. ConfigError naming the file and the fields."""
