@@ -567,6 +567,7 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_generate_stored_field_of_another_type, e_eval_output_of_another_export, e_eval_output_of_eval_ext,
                e_generate_empty_checkpoint, e_eval_checkpoint_is_a_file, e_train_config_is_a_folder,
                e_config_returns_a_dict, e_config_without_get_config, e_config_sets_a_field_it_lacks,
+               e_unlocked_config_with_an_unknown_field, e_unlocked_translation_config_with_an_unknown_field,
                e_missing_config_with_an_override, e_eval_mt_export_with_an_override,
                e_config_override_of_no_field]
 
