@@ -444,8 +444,9 @@ class Model:
     evaluator empties it at each WikiText heading where that is True): score each document as its own text.
     The documents' windows run once per store size (the store holds every token: its size is the documents'
     and the text's length rounded up to STORE_ROUND) and memory content: the evaluator's state after them
-    (`evaluate.StreamState`) is kept, and each later text of a similar length runs its own windows only, the same numbers as a whole
-    pass (`tests/test_api.py`). Every window still searches a store as long as the documents."""
+    (`evaluate.StreamState`) is kept, and each later text of a similar length runs its own windows only, the
+    same numbers as a whole pass (`tests/test_api.py`). Every window still searches a store as long as the
+    documents."""
     texts, single = _texts(texts, "texts")
     memory = self._memory(memory)
     tau = _positive(tau, "tau")
