@@ -484,6 +484,9 @@ def test_bad_arguments_are_one_clear_error_naming_them(model):
        r"^the config has field trime-jax does not know: train.num_stpes \(train.num_steps\?\); correct or remove it$"),
       (lambda: trime_jax.train({"train": {"num_steps": "3"}}, "x"),
        r"^the config: train.num_steps='3' is not an int \(the field's type\)"),
+      (lambda: trime_jax.train({"train": {"num_steps": None}}, "x"),
+       r"^the config: train.num_steps=None, where the field is an int"),
+      (lambda: trime_jax.train({"train": None}, "x"), r"^the config: train=None, where the field is a section"),
       (lambda: trime_jax.train(_unlocked_with(model.config, "eval.knn_kk", 8), "x"),
        r"^the config has field trime-jax does not know: eval.knn_kk \(eval.knn_k\?\)"),
       (lambda: trime_jax.load("demo", dictionary="dict.txt"), r"^dictionary= is for a fairseq checkpoint .*'demo' is a "

@@ -412,19 +412,31 @@ def check_stored_config(export_dir: str, stored: dict | None = None) -> dict:
 
 
 def _overlay(dst, src: dict, path: str = "", prefix: str = "", error: type[Exception] = CheckpointError,
-             fix: str = "correct the file") -> None:
+             fix: str = "correct the file", none_ok: bool = True) -> None:
+  """`src`'s fields over the config `dst`, each of its field's type. `none_ok=False`: None refused where the field
+  is not None (a ConfigDict takes None for any field, a section too, and the first read of it fails)."""
   for key, value in src.items():
     if key not in dst:
       continue  # a translation export's own fields (check_stored_config refused unknown LM fields)
+    if value is None and not none_ok and dst[key] is not None:
+      raise error(f"{path or 'the stored config'}: {prefix}{key}=None, where the field is {_field_kind(dst[key])}; "
+                  f"{fix}")
     if hasattr(dst[key], "keys") and isinstance(value, dict):
-      _overlay(dst[key], value, path, f"{prefix}{key}.", error, fix)
+      _overlay(dst[key], value, path, f"{prefix}{key}.", error, fix, none_ok)
     else:
       try:
         dst[key] = tuple(value) if isinstance(dst[key], tuple) and isinstance(value, list) else value
       except (TypeError, ValueError):  # ConfigDict keeps each field's type: "x" for a float, a list for an int
-        kind = type(dst[key]).__name__
-        raise error(f"{path or 'the stored config'}: {prefix}{key}={value!r} is not a{'n' * (kind[0] in 'aeiou')} "
-                    f"{kind} (the field's type); {fix}") from None
+        raise error(f"{path or 'the stored config'}: {prefix}{key}={value!r} is not {_field_kind(dst[key])} (the "
+                    f"field's type); {fix}") from None
+
+
+def _field_kind(value) -> str:
+  """What a config field holds, for messages: "a section", "an int", "a float", ..."""
+  if hasattr(value, "keys"):
+    return "a section"
+  name = type(value).__name__
+  return f"a{'n' * (name[0] in 'aeiou')} {name}"
 
 
 def config_from_dict(fields: dict) -> ml_collections.ConfigDict:
@@ -438,7 +450,7 @@ def config_from_dict(fields: dict) -> ml_collections.ConfigDict:
   c = default.get_config()
   workdir_files.check_known_fields(fields, c)
   with c.unlocked():
-    _overlay(c, fields, "the config", error=ConfigError, fix="give a value of that type")
+    _overlay(c, fields, "the config", error=ConfigError, fix="give a value of that type", none_ok=False)
   return c
 
 

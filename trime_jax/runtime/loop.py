@@ -229,8 +229,9 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
   def open_records() -> event_writer.EventWriter:
     # Metric lines past the checkpoint resumed from (step 0 when there is none: a run stopped before its first
     # checkpoint) are dropped; the rerun writes them again. TensorBoard drops its events past it likewise.
+    dropped = metrics.truncate(restored_step or 0)  # first: a damaged line stops the run before a writer starts
     writer = event_writer.EventWriter(os.path.join(workdir, "tb"), config=config)
-    if metrics.truncate(restored_step or 0) or restored is not None:
+    if dropped or restored is not None:
       writer.restart((restored_step or 0) + 1)
     return writer
 
