@@ -481,14 +481,14 @@ def test_bad_arguments_are_one_clear_error_naming_them(model):
       # a dict is read over configs/default.py: a misspelt field is refused (it trained without it before, and the
       # export it wrote could not be loaded), a value of another type too; and a config set by hand alike
       (lambda: trime_jax.train({"train": {"num_stpes": 3}}, "x"),
-       r"^the config has field trime-jax does not know: train.num_stpes \(train.num_steps\?\); correct or remove it$"),
+       r"^the config has field this version does not know: train.num_stpes \(train.num_steps\?\); correct or remove it$"),
       (lambda: trime_jax.train({"train": {"num_steps": "3"}}, "x"),
        r"^the config: train.num_steps='3' is not an int \(the field's type\)"),
       (lambda: trime_jax.train({"train": {"num_steps": None}}, "x"),
        r"^the config: train.num_steps=None, where the field is an int"),
       (lambda: trime_jax.train({"train": None}, "x"), r"^the config: train=None, where the field is a section"),
       (lambda: trime_jax.train(_unlocked_with(model.config, "eval.knn_kk", 8), "x"),
-       r"^the config has field trime-jax does not know: eval.knn_kk \(eval.knn_k\?\)"),
+       r"^the config has field this version does not know: eval.knn_kk \(eval.knn_k\?\)"),
       (lambda: trime_jax.load("demo", dictionary="dict.txt"), r"^dictionary= is for a fairseq checkpoint .*'demo' is a "
                                                               r"shipped model: load\('demo'\) without it"),
       (lambda: trime_jax.train(model.config, None), r"^workdir must be a path \(str or os.PathLike\), got NoneType"),

@@ -514,14 +514,14 @@ def e_unlocked_config_with_an_unknown_field(b):  # trained without it before (a 
   path = _config_text(b, "unlocked_typo_config.py", "from trime_jax.configs import wikitext_mini\n\n\ndef get_config():\n"
                       "  c = wikitext_mini.get_config()\n  with c.unlocked():\n    c.eval.knn_kk = 8\n  return c\n")
   return _case("train", f"--config={path}", f"--workdir={b['tmp']}/cases/uf"), [
-      "the config has field trime-jax does not know: eval.knn_kk (eval.knn_k?); correct or remove it"], [path]
+      "the config has field this version does not know: eval.knn_kk (eval.knn_k?); correct or remove it"], [path]
 
 
 def e_unlocked_translation_config_with_an_unknown_field(b):  # translation alike
   path = _config_text(b, "unlocked_mt_config.py", "from trime_jax.configs import ui_de_en\n\n\ndef get_config():\n"
                       "  c = ui_de_en.get_config()\n  with c.unlocked():\n    c.train.warmup_step = 8\n  return c\n")
   return _case("train_mt", f"--config={path}", f"--workdir={b['tmp']}/cases/umf"), [
-      "the config has field trime-jax does not know: train.warmup_step (train.warmup_steps?)"], [path]
+      "the config has field this version does not know: train.warmup_step (train.warmup_steps?)"], [path]
 
 
 def e_missing_config_with_an_override(b):  # ml_collections' "Configuration is not available because of ..."

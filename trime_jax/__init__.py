@@ -21,8 +21,7 @@ from trime_jax.errors import CheckpointError, ConfigError, DataError, TrimeError
 _API = ("load", "Model", "Memory", "TextScore", "Output")
 # What a call refuses is one of the errors, all TrimeErrors: ConfigError (an argument, a config field),
 # CheckpointError (an export, a datastore, an index), DataError (a corpus)
-__all__ = ["api", "train", "load", "Model", "Memory", "TextScore", "Output",
-           "TrimeError", "ConfigError", "CheckpointError", "DataError"]
+__all__ = ["api", "train", *_API, "TrimeError", "ConfigError", "CheckpointError", "DataError"]
 
 
 class _CallableTrainModule(types.ModuleType):

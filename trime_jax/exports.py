@@ -379,15 +379,6 @@ def is_mt_config(config) -> bool:
   return config.get("task") == "mt" or (hasattr(section, "get") and section.get("src_lang") is not None)
 
 
-def unknown_fields(stored: dict) -> list[str]:
-  """Dotted names of the fields of `stored` that configs/default.py does not have, each with the closest known
-  name when there is one ("eval.knn_kk (eval.knn_k?)"): the training workdir's check, against the
-  default config."""
-  from trime_jax.configs import default
-
-  return workdir_files.unknown_fields(stored, default.get_config())
-
-
 def check_stored_config(export_dir: str, stored: dict | None = None) -> dict:
   """The export's config.json as a dict, with renamed fields under today's names (runtime.workdir.migrate_config),
   refused (CheckpointError naming the file) when it has fields this version does not know: they would be ignored
@@ -404,10 +395,9 @@ def check_stored_config(export_dir: str, stored: dict | None = None) -> dict:
   if not isinstance(stored, dict):
     raise CheckpointError(f"{path} is not a config (a JSON object)")
   if not is_mt_config(stored):
-    bad = unknown_fields(stored)
-    if bad:
-      raise CheckpointError(f"{path} has field{'s' if len(bad) > 1 else ''} this version does not know: "
-                            f"{', '.join(bad)}; correct or remove {'them' if len(bad) > 1 else 'it'}")
+    from trime_jax.configs import default
+
+    workdir_files.check_known_fields(stored, default.get_config(), path, CheckpointError)
   return stored
 
 

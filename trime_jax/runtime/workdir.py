@@ -203,14 +203,17 @@ def read_stored_config(path: str, what: str, error: type[Exception]) -> dict:
   return migrate_config(data.read_json(path, what, error), path)
 
 
-def check_known_fields(fields: dict, known) -> None:
-  """ConfigError naming the fields of a config (as a dict) that `known` (its trainer's default config) lacks, each
-  with the closest known name: an unlocked ConfigDict (a config file's `c.train.num_stpes = 3`, a dict given to
-  `trime_jax.train`) takes any name set on it, and nothing would read it."""
+def check_known_fields(fields: dict, known, where: str = "the config", error: type[Exception] = ConfigError,
+                       advice: str = "") -> None:
+  """`error` naming the fields of a config (as a dict) that `known` (the default config it is read over) lacks,
+  each with the closest known name: an unlocked ConfigDict (a config file's `c.train.num_stpes = 3`, a dict given
+  to `trime_jax.train`) takes any name set on it, and a stored config.json any edit; nothing would read them.
+  `where` names the config in the message, `advice` ends it."""
   bad = unknown_fields(fields, known)
   if bad:
-    raise ConfigError(f"the config has field{'s' if len(bad) > 1 else ''} trime-jax does not know: "
-                      f"{', '.join(bad)}; correct or remove {'them' if len(bad) > 1 else 'it'}")
+    many = len(bad) > 1
+    raise error(f"{where} has field{'s' if many else ''} this version does not know: {', '.join(bad)}; "
+                f"correct or remove {'them' if many else 'it'}{advice}")
 
 
 def check_stored_config(path: str, stored: dict, config) -> None:
@@ -218,11 +221,8 @@ def check_stored_config(path: str, stored: dict, config) -> None:
   be ignored without a word. ConfigError naming the file and the fields."""
   if not isinstance(stored, dict):
     raise ConfigError(f"workdir config {path} is not a config (a JSON object): restore it or use another --workdir")
-  bad = unknown_fields(stored, config)
-  if bad:
-    raise ConfigError(f"workdir config {path} has field{'s' if len(bad) > 1 else ''} this version does not know: "
-                      f"{', '.join(bad)}; correct or remove {'them' if len(bad) > 1 else 'it'} (the run's settings "
-                      "come from --config; config.json records them)")
+  check_known_fields(stored, config, f"workdir config {path}",
+                     advice=" (the run's settings come from --config; config.json records them)")
 
 
 def read_metric_lines(path: str) -> list[tuple[str, dict]]:
