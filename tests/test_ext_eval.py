@@ -92,6 +92,11 @@ def test_external_memory_equals_brute_force_over_the_whole_datastore(setup):
   ext = knn.ExternalMemory(str(s["tmp"] / "ds"), checkpoint_dir=s["export"], k=10_000, log=said.append)
   assert ext.k == len(s["train"])  # K covers the datastore, and its line says K was cut to it
   assert f"K={ext.k} (K=10000 asked for, more than the datastore holds)" in said[0], said
+  # another K over the same index (the API's k=): cut alike, and said alike (it was cut without a word)
+  assert ext.with_k(10_000) is ext and ext.with_k(ext.k) is ext and len(said) == 1, said
+  assert ext.with_k(20_000) is ext and said[1:] == [f"external memory: K={ext.k} (K=20000 asked for, more than the "
+                                                    "datastore holds)"], said
+  assert ext.with_k(3).k == 3 and ext.k == len(s["train"]) and len(said) == 2, said
   P = evaluate.Point
   v = [evaluate.NONE, P("cache", cache_lambda=lam_k, cache_theta=theta), P("trime_local", tau=tau),
        P("trime", tau=tau),

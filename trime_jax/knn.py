@@ -68,7 +68,7 @@ class ExternalMemory:
     self.index = KnnIndex.load(path, datastore=self.datastore, nprobe=nprobe, gpu=gpu)
     if k < 1:
       raise ConfigError(f"eval.knn_k must be >= 1, got {k}")
-    self.k = int(min(k, self.datastore.count))
+    self.k, self.k_asked, self.log = int(min(k, self.datastore.count)), int(k), log
     ds = self.datastore
     kind = "exact IndexFlatIP" if self.index.kind == "flat" else f"IVF-PQ (nprobe={nprobe})"
     log(f"external memory: {kind} index {path} over {ds.count:,} × {ds.dimension} keys, K={self.k}"
@@ -85,14 +85,17 @@ class ExternalMemory:
 
   def with_k(self, k: int) -> "ExternalMemory":
     """This datastore and index (shared, not opened again) retrieving `k` entries per query (at most the
-    datastore's count), with search counters of its own; `self` when that is its K already."""
+    datastore's count, said in a line as the first opening says it), with search counters of its own; `self` when
+    that is its K already."""
     if k < 1:
       raise ConfigError(f"eval.knn_k must be >= 1, got {k}")
-    k = int(min(k, self.datastore.count))
+    asked, k = int(k), int(min(k, self.datastore.count))
+    if asked > k and asked != self.k_asked:
+      self.log(f"external memory: K={k} (K={asked} asked for, more than the datastore holds)")
     if k == self.k:
       return self
     other = copy.copy(self)
-    other.k, other.search_seconds, other.queries = k, 0.0, 0
+    other.k, other.k_asked, other.search_seconds, other.queries = k, asked, 0.0, 0
     return other
 
   def retrieve(self, queries_NxD) -> Retrieved:
