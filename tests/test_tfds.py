@@ -133,7 +133,7 @@ def test_enwik8_standard_split_in_chunks(tmp_path, monkeypatch):
   assert tfds_builders.ENWIK8_HOLDOUT == 5_000_000  # the real split: 90M / 5M / 5M of 10^8 bytes
 
 
-def test_tfds_errors_are_one_line(tmp_path, monkeypatch):
+def test_tfds_errors_are_one_line(tmp_path, monkeypatch, capfd):
   with pytest.raises(ConfigError, match="tfds:wikitext103"):
     corpora.load_splits(_data_cfg(corpus="tfds:wikitext3"))
   with pytest.raises(DataError, match="manual dir for wikitext2 not found"):
@@ -146,14 +146,26 @@ def test_tfds_errors_are_one_line(tmp_path, monkeypatch):
   # the failed build's dataset folders are gone (later reads warned about a version folder without its info)
   assert not (tmp_path / "t" / "wikitext2").exists()
 
-  def offline(dl_manager, url):
+  def offline(url):
     raise DataError(f"could not download {url} (offline)")
 
-  monkeypatch.setattr(tfds_builders, "_download", offline)  # no network in tests, whatever the machine has
+  monkeypatch.setattr(tfds_builders, "_probe", offline)  # no network in tests, whatever the machine has
   with _without_shared(tmp_path), pytest.raises(
       DataError, match=r"not found: data.path='../shared/data/wikitext-2'.*could not download https://wikitext"):
     corpora.load_splits(_data_cfg(corpus="wikitext_mini", path=corpora.WIKITEXT_MINI_PATH,
                                   tfds_data_dir=str(tmp_path / "t2")))
+  # Said before TFDS starts its build (its "Downloading and preparing" line came first): offline, a manual dir
+  # given but empty (TFDS took it for none and downloaded), enwik8's manual dir without its file (it downloaded)
+  capfd.readouterr()
+  with pytest.raises(DataError, match=r"^could not download http://mattmahoney.net/dc/enwik8.zip \(offline\)$"):
+    tfds_builders.prepare("enwik8", str(tmp_path / "t3"))
+  (tmp_path / "bare").mkdir()
+  with pytest.raises(DataError, match=rf"^manual dir for wikitext2 is empty: {tmp_path}/bare; put the released "
+                                      r"wikitext-\*-v1.zip, .* \(or give none to download the release\)$"):
+    tfds_builders.prepare("wikitext2", str(tmp_path / "t3"), manual_dir=str(tmp_path / "bare"))
+  with pytest.raises(DataError, match=rf"^manual dir {empty} has neither enwik8.zip nor enwik8$"):
+    tfds_builders.prepare("enwik8", str(tmp_path / "t3"), manual_dir=str(empty))
+  assert capfd.readouterr() == ("", "") and not (tmp_path / "t3").exists()
 
 
 def test_a_dry_run_does_not_download(tmp_path):

@@ -153,7 +153,7 @@ def _builders():
     code_path, pkg_dir_path = _HERE / "__init__.py", _HERE
     RELEASE_NOTES = {"1.0.0": "The standard 90M / 5M / 5M byte split, in 1 MiB chunks."}
     MANUAL_DOWNLOAD_INSTRUCTIONS = "Put enwik8.zip, or the unzipped enwik8 file, in the manual dir."
-    HOLDOUT = ENWIK8_HOLDOUT
+    HOLDOUT, URL = ENWIK8_HOLDOUT, ENWIK8_URL
 
     def _info(self):
       return tfds.core.DatasetInfo(
@@ -171,7 +171,7 @@ def _builders():
       if "enwik8" in manual:
         path = manual["enwik8"]
       else:
-        path = manual.get("enwik8.zip") or _download(dl_manager, ENWIK8_URL)
+        path = manual.get("enwik8.zip") or _download(dl_manager, self.URL)
       raw = _read_enwik8(str(path))
       n = len(raw)
       if n <= 2 * self.HOLDOUT:
@@ -195,7 +195,7 @@ def _manual_files(dl_manager) -> dict:
   """{file name: path} of the manual dir's files (and of its wikitext-*/ folders), {} when it is absent."""
   try:
     root = dl_manager.manual_dir
-  except AssertionError:  # no manual dir, or an empty one: download instead
+  except AssertionError:  # no manual dir (TFDS says so of an empty one too, which `prepare` refused): download
     return {}
   out = {}
   for p in sorted(root.iterdir()):
@@ -236,10 +236,9 @@ def _manual_wikitext(root: str, zip_dir: str):
   return archive
 
 
-def _download(dl_manager, url: str) -> str:
-  """The downloaded file (not extracted: TFDS's extractor needs TensorFlow; zips are read with zipfile).
-
-  The host is probed first with a 5 s connection: offline, TFDS's download manager would retry for minutes."""
+def _probe(url: str) -> None:
+  """A DataError unless `url`'s host takes a connection within 5 s: offline, TFDS's download manager would retry
+  for minutes (and `prepare` asks before TFDS starts, so the error is the only line)."""
   import socket
   import urllib.parse
 
@@ -250,6 +249,11 @@ def _download(dl_manager, url: str) -> str:
     raise DataError(f"could not download {url}: {u.hostname} is unreachable ({type(e).__name__}: {e}); offline, "
                     "put the released file(s) in a directory and pass it: prepare_data --manual_dir=DIR, or "
                     "data.path") from None
+
+
+def _download(dl_manager, url: str) -> str:
+  """The downloaded file (not extracted: TFDS's extractor needs TensorFlow; zips are read with zipfile)."""
+  _probe(url)
   try:
     return str(dl_manager.download(url))
   except Exception as e:  # noqa: BLE001 - offline, DNS, HTTP errors all mean: use a manual dir
@@ -280,15 +284,28 @@ def is_prepared(b) -> bool:
   return os.path.isdir(b.data_dir) and b.is_prepared()
 
 
+def _check_source(name: str, b, manual_dir: str) -> None:
+  """A DataError when the build could not read its source: a manual dir that is missing, empty (TFDS would take
+  it for none and download) or lacks the release's files, or, with none given, a download host out of reach."""
+  if not manual_dir:
+    _probe(b.URL)
+  elif not os.path.isdir(manual_dir):
+    raise DataError(f"manual dir for {name} not found: {manual_dir}")
+  elif not os.listdir(manual_dir):
+    raise DataError(f"manual dir for {name} is empty: {manual_dir}; {b.MANUAL_DOWNLOAD_INSTRUCTIONS[:1].lower()}"
+                    f"{b.MANUAL_DOWNLOAD_INSTRUCTIONS[1:-1]} (or give none to download the release)")
+  elif getattr(b, "ZIP_DIR", ""):
+    _manual_wikitext(manual_dir, b.ZIP_DIR)
+  elif not any(os.path.isfile(os.path.join(manual_dir, f)) for f in ("enwik8", "enwik8.zip")):
+    raise DataError(f"manual dir {manual_dir} has neither enwik8.zip nor enwik8")
+
+
 def prepare(name: str, data_dir: str = "", manual_dir: str = "", **kwargs):
   """Download (or read `manual_dir`) and write the array_record files once; returns the builder."""
   tfds = import_tfds()
   b = builder(name, data_dir, **kwargs)
   if not is_prepared(b):
-    if manual_dir and not os.path.isdir(manual_dir):
-      raise DataError(f"manual dir for {name} not found: {manual_dir}")
-    if manual_dir and getattr(b, "ZIP_DIR", "") and os.listdir(manual_dir):  # said before TFDS starts a build
-      _manual_wikitext(manual_dir, b.ZIP_DIR)
+    _check_source(name, b, manual_dir)  # what would fail inside TFDS's build is said before its first line
     cfg = tfds.download.DownloadConfig(manual_dir=manual_dir or None)
     # The dataset's folders this build makes (<data_dir>/<name>/<version>): removed again when it fails, so a
     # failed build leaves no skeleton that later reads warn about (its downloads, beside them, are kept)
