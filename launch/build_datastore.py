@@ -20,7 +20,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from trime_jax.launch.checks import check_export, validated
+from trime_jax.launch.checks import check_data_split, check_export, validated
 from trime_jax.launch.entry import run_main
 from trime_jax.launch.flags import config_given
 from trime_jax.launch.outputs import check_output_path, refuse_target
@@ -50,6 +50,10 @@ _TRAINED_INDEX = flags.DEFINE_string("trained_index", "", "A trained, empty IVF-
 _DEVICES = flags.DEFINE_integer("devices", None, "Devices the key pass splits its forward batches over (0: all "
                                 "visible; 1: the default device; default: the config's eval.devices, as "
                                 "evaluation).", lower_bound=0)
+_ALLOW_OVERLAP = flags.DEFINE_bool("allow_split_overlap", False, "Build although the data section draws the splits "
+                                   "otherwise than the export's training did (the stored split then holds the "
+                                   "export's dev / test text, which evaluation would retrieve). Refused without this "
+                                   "flag.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace what --out holds (another datastore, an export, any "
                                "files) instead of refusing it; without it a build of the same datastore resumes.")
 flags.mark_flags_as_required(["config", "checkpoint", "out"])
@@ -165,6 +169,11 @@ def _build(out: str) -> None:
     return
   config, checkpoint = validated(_CONFIG.value), _CHECKPOINT.value
   check_export(config, checkpoint)
+  # eval_ext compares the datastore's split with the scored ones by content: a train split drawn otherwise (another
+  # data.split_seed) holds the export's test text under another fingerprint, and only this check sees it
+  check_data_split(config, checkpoint, allow=_ALLOW_OVERLAP.value,
+                   effect=f"the datastore's {_SPLIT.value} split holds text of the export's other splits "
+                   "(evaluation would retrieve its dev / test text)")
   splits = evaluate.load_eval_data(config, exports.read_export_vocab(checkpoint))
   e = config.eval
   # One setting for both forward passes over a corpus, the key pass's and evaluation's (checked before --out is)

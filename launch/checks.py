@@ -113,11 +113,12 @@ SPLIT_FIELDS = {"wikitext_mini": ("split_fractions", "split_seed"), "bytes": ("s
                 "stdlib": ("split_fractions", "split_seed", "max_files", "max_bytes_per_file")}
 
 
-def check_data_split(config, checkpoint: str, allow: bool = False) -> None:
+def check_data_split(config, checkpoint: str, allow: bool = False,
+                     effect: str = "this run's dev / test hold training text") -> None:
   """Evaluating an export on the corpus it was trained on, with the splits drawn differently (another
   data.split_seed or split_fractions), puts training text into dev / test: refused, naming the fields and both
-  values, unless `allow` (--allow_split_overlap). The export's config.json records the data section it was
-  trained with."""
+  values, unless `allow` (--allow_split_overlap); `effect` says what that does to this program's run. The
+  export's config.json records the data section it was trained with."""
   import json
 
   from trime_jax.errors import ConfigError
@@ -141,5 +142,5 @@ def check_data_split(config, checkpoint: str, allow: bool = False) -> None:
           if f in stored and norm(d.get(f)) != norm(stored.get(f))]
   if diff:
     raise ConfigError(f"split leakage: {checkpoint} was trained on data.corpus={d.corpus!r} with its splits drawn "
-                      f"otherwise ({'; '.join(diff)}), so this run's dev / test hold training text. Use the export's "
+                      f"otherwise ({'; '.join(diff)}), so {effect}. Use the export's "
                       "data settings (omit --config, or match them), or pass --allow_split_overlap on purpose")

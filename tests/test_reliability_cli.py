@@ -98,6 +98,14 @@ def e_split_drawn_otherwise(b):  # another split_fractions puts training bytes i
                 "--allow_split_overlap"], [b["export"]]
 
 
+def e_build_datastore_split_drawn_otherwise(b):  # its train split then held the export's test text, unseen by
+  # eval_ext's check (another fingerprint): test perplexity 134 with the leak, 258 without (a helper's walk-through)
+  case = _case("build_datastore", f"--config={b['cfg']}", f"--checkpoint={b['export']}", f"--out={b['tmp']}/ds_other",
+               "--config.data.split_fractions=0.7,0.2,0.1")
+  return case, ["split leakage", "data.split_fractions=[0.7, 0.2, 0.1] now, [0.8, 0.1, 0.1] in training",
+                "--allow_split_overlap"], [b["export"]]
+
+
 def e_build_datastore_out_is_export(b):  # 35.4 + the misleading "format: None there"
   x = _copy(b, "work", "ds_into_export") / "export"
   case = _case("build_datastore", f"--config={b['cfg']}", f"--checkpoint={b['export']}", f"--out={x}")
@@ -560,6 +568,7 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_build_datastore_training_checkpoint, e_translate_lm_export, e_eval_ext_mt_config, e_eval_mem_sizes_without_memory, e_eval_ext_output_folder,
                e_byte_corpus_folder, e_token_file_folder, e_make_batches_out_is_workdir, e_make_batches_kind_for_another_memory,
                e_make_batches_out_other_corpus, e_batch_plan_other_corpus, e_prepare_data_manual_dir,
+               e_build_datastore_split_drawn_otherwise,
                e_full_disk_output, e_make_batches_disk_full, e_renamed_config_override, e_renamed_config_file_field, e_renamed_flag_generate,
                e_renamed_flag_translate, e_train_workdir_is_an_export, e_build_datastore_overwrite_its_own_checkpoint,
                e_make_batches_overwrite_its_own_corpus, e_train_translation_config, e_train_d_model_zero,
