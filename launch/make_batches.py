@@ -21,7 +21,7 @@ from ml_collections import config_flags
 
 from trime_jax.launch.checks import validated
 from trime_jax.launch.entry import run_main
-from trime_jax.launch.outputs import check_output_path, describe_target
+from trime_jax.launch.outputs import check_output_path, refuse_target
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
 _KIND = flags.DEFINE_enum("kind", None, ["consecutive", "bm25"], "Batching method.")
@@ -68,10 +68,8 @@ def _make(config, out_dir: str) -> None:
   from trime_jax.batching import plan as batch_plan
   from trime_jax.errors import ConfigError
 
-  what = describe_target(out_dir)
-  if what and what != "a batch plan" and not _OVERWRITE.value:  # a workdir, an export, ...: never replaced silently
-    raise ConfigError(f"--out={out_dir} already holds {what}, not a batch plan: choose another --out (or add "
-                      "--overwrite to replace it)")
+  # a workdir, an export, ...: never replaced silently, nor a running training's workdir at all
+  what = refuse_target(out_dir, "out", "a batch plan", ok=("a batch plan",), overwrite=_OVERWRITE.value)
   splits = corpora.load_splits(config.data)
   planner = importlib.import_module(f"trime_jax.batching.{_KIND.value}")
   old = None

@@ -70,14 +70,29 @@ def check_output_path(path: str, flag: str, *, reads=()) -> None:
 def refuse_target(path: str, flag: str, wanted: str, ok=(), overwrite: bool = False) -> str:
   """Refuse writing `wanted` (e.g. "an export") to `path` when it holds anything else than one of `ok`
   (describe_target's words), unless `overwrite`; returns describe_target(path). Raises ConfigError naming what
-  is there, so nothing is replaced silently."""
+  is there, so nothing is replaced silently, and LockedError for a running training's workdir (`refuse_in_use`)."""
   from trime_jax.errors import ConfigError
 
   what = describe_target(path)
   if what and what not in ok and not overwrite:
     raise ConfigError(f"--{flag}={path} already holds {what}, not {wanted}: choose another --{flag} "
                       f"(or add --overwrite to replace it)")
+  if what and overwrite:
+    refuse_in_use(path, flag)
   return what
+
+
+def refuse_in_use(path: str, flag: str) -> None:
+  """LockedError naming the process when `path` is the workdir of a training that is running (its lock,
+  runtime.workdir.LOCK_FILE, held), --overwrite or not: the run would go on writing into whatever replaced it.
+  (An export, datastore or plan being written is `<path>.lock`'s, which the writing command holds itself.)"""
+  from trime_jax.runtime.lock import DirLock
+  from trime_jax.runtime.workdir import LOCK_FILE
+
+  lock_file = os.path.join(path, LOCK_FILE)
+  if os.path.isdir(path) and os.path.isfile(lock_file):
+    with DirLock(lock_file, f"--{flag}={path} (a training workdir)"):
+      pass  # free: a run that stopped left it (removed again now, with the folder it is in)
 
 
 def export_fingerprint(checkpoint) -> str:

@@ -866,6 +866,22 @@ def test_build_datastore_refuses_before_any_work_and_overwrites_only_under_the_l
     _release(holder)
   assert f"datastore {ds} is in use by process {holder.pid}" in _line(proc)
   assert tree_hashes(ds) == before and "removing" not in proc.stdout
+  # a running training's workdir is never replaced, --overwrite or not (both commands removed it, and the training
+  # went on writing into what replaced it; found by a helper's walk-through)
+  work = tmp_path / "running"
+  shutil.copytree(base["work"], work)
+  before = tree_hashes(work)
+  holder = _hold(work / ".lock")
+  try:
+    procs = [run_cli("trime_jax.launch.build_datastore", *common, f"--out={work}", "--overwrite", "--index=flat"),
+             run_cli("trime_jax.launch.make_batches", f"--config={base['cfg']}", "--kind=consecutive", f"--out={work}",
+                     "--config.trime.memory=long", "--config.trime.consecutive_segments=2", "--overwrite")]
+  finally:
+    _release(holder)
+  for proc in procs:
+    assert _line(proc).startswith(f"error: --out={work} (a training workdir) is in use by process {holder.pid} "), \
+        proc.stderr
+  assert tree_hashes(work) == before and "removing" not in procs[0].stdout
 
 
 def test_an_empty_output_path_is_refused_not_the_working_directory(tmp_path, monkeypatch):
