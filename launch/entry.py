@@ -133,6 +133,13 @@ def run_main(main, *, checkpoint_is_export: bool = True):
       # once (every process still says its own errors, on stderr).
       sys.stdout = open(os.devnull, "w")
 
+    if len(argv) > 1:  # every input is a flag: a bare `eval runs/x/export` went unread
+      extra = argv[1]
+      hint = (f" (--checkpoint={extra}?)" if "checkpoint" in flags.FLAGS and os.path.exists(extra) else
+              f" (--config={extra}?)" if "config" in flags.FLAGS and extra.endswith(".py") else "")
+      print(f"error: unexpected argument {extra!r}{f' and {len(argv) - 2} more' if len(argv) > 2 else ''}: this "
+            f"command takes flags only{hint}; --help lists them", file=sys.stderr, flush=True)
+      sys.exit(2)
     try:  # config_flags raises UnparsedFlagError for a --config that was not given
       given = "config" in flags.FLAGS and flags.FLAGS["config"].config_filename
     except Exception:  # noqa: BLE001

@@ -256,6 +256,8 @@ def parse_flags(argv, module: str = "__main__", checkpoint_is_export: bool = Tru
     config_file = _given_config_file(argv)
     raised = (missing_config_file(config_file) or _config_file_error(str(e)) or _unknown_override(given, inner)
               or _field_missing_in_file(config_file, chain))
+    if not raised:
+      raised = _required_flag_missing(str(e))
     if not raised and "has no attribute 'get_config'" in str(e):
       raised = (f"--config={config_file}: the file has no get_config() (a config file defines "
                 "get_config() returning an ml_collections.ConfigDict, as configs/*.py)")
@@ -272,6 +274,21 @@ def parse_flags(argv, module: str = "__main__", checkpoint_is_export: bool = Tru
           "ml_collections.ConfigDict", file=sys.stderr, flush=True)
     sys.exit(2)
   return out
+
+
+def _required_flag_missing(message: str) -> str:
+  """absl's "flag --out=None: Flag --out must have a value other than None." as "--out is required: <its help>"
+  ("" for any other message)."""
+  import re
+
+  from absl import flags
+
+  m = re.search(r"Flag --(\w+) must have a value other than None", message)
+  if not m:
+    return ""
+  name = m.group(1)
+  about = (flags.FLAGS[name].help or "").strip() if name in flags.FLAGS else ""
+  return f"--{name} is required" + (f" ({about.rstrip('.')})" if about else "") + "; --help lists the flags"
 
 
 def _unknown_override(argv, error) -> str:

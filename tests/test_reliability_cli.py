@@ -106,6 +106,17 @@ def e_build_datastore_split_drawn_otherwise(b):  # its train split then held the
                 "--allow_split_overlap"], [b["export"]]
 
 
+def e_positional_argument(b):  # `eval runs/x/export` (no --checkpoint=): the path went unread
+  case = _case("eval", str(b["export"]))
+  return case, [f"unexpected argument '{b['export']}': this command takes flags only (--checkpoint={b['export']}?)"
+                ], [b["export"]]
+
+
+def e_required_flag_missing(b):  # absl's "flag --out=None: Flag --out must have a value other than None."
+  case = _case("make_batches", f"--config={b['cfg']}", "--kind=consecutive")
+  return case, ["--out is required (Output plan directory); --help lists the flags"], []
+
+
 def e_build_datastore_out_is_export(b):  # 35.4 + the misleading "format: None there"
   x = _copy(b, "work", "ds_into_export") / "export"
   case = _case("build_datastore", f"--config={b['cfg']}", f"--checkpoint={b['export']}", f"--out={x}")
@@ -568,7 +579,7 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_build_datastore_training_checkpoint, e_translate_lm_export, e_eval_ext_mt_config, e_eval_mem_sizes_without_memory, e_eval_ext_output_folder,
                e_byte_corpus_folder, e_token_file_folder, e_make_batches_out_is_workdir, e_make_batches_kind_for_another_memory,
                e_make_batches_out_other_corpus, e_batch_plan_other_corpus, e_prepare_data_manual_dir,
-               e_build_datastore_split_drawn_otherwise,
+               e_build_datastore_split_drawn_otherwise, e_positional_argument, e_required_flag_missing,
                e_full_disk_output, e_make_batches_disk_full, e_renamed_config_override, e_renamed_config_file_field, e_renamed_flag_generate,
                e_renamed_flag_translate, e_train_workdir_is_an_export, e_build_datastore_overwrite_its_own_checkpoint,
                e_make_batches_overwrite_its_own_corpus, e_train_translation_config, e_train_d_model_zero,
