@@ -143,7 +143,7 @@ def get_config():
   #   (model, data, seed, memory, ...): False refuses, naming them; True continues (recorded in config_changes.jsonl)
 
   c.eval = e = ml_collections.ConfigDict()
-  e.split = "dev"  # dev | test
+  e.split = "dev"  # dev | test | train (the split scored; eval.tune tunes on dev whatever this is)
   e.block_len = 256  # L_eval: model input length at evaluation
   e.context_window = 128  # C: tokens of each block that are context only (scored: L_eval - C)
   e.sample_break_mode = "none"  # fairseq --sample-break-mode of the scored blocks: none (L_eval - C tokens each)

@@ -13,7 +13,8 @@ from trime_jax.launch.flags import missing_config_file, one_line, parse_flags
 
 def quiet_libraries(record) -> bool:
   """Log filter: orbax logs some 40 INFO lines per checkpoint save, faiss 8 about CPU features it lacks at
-  import, jax one per backend it cannot start (libtpu.so on a CPU machine); keep their warnings and errors, and
+  import, bm25s one per index it builds (its progress bars say it), jax one per backend it cannot start (libtpu.so
+  on a CPU machine); keep their warnings and errors, and
   every other INFO line (ours). An exception raised in orbax's
   code is handed to its caller, which reports it (a damaged checkpoint: one line); the copies that orbax's
   worker threads and asyncio ("Task exception was never retrieved", for the sibling reads) log with a
@@ -23,7 +24,7 @@ def quiet_libraries(record) -> bool:
   if record.levelno < 30 and record.pathname.endswith("xla_bridge.py") and str(record.getMessage()).startswith(
       "Unable to initialize backend 'tpu'"):  # jax trying a TPU on every CPU run: "Failed to open libtpu.so"
     return False
-  noisy = any(f"{os.sep}{lib}{os.sep}" in record.pathname for lib in ("orbax", "faiss"))
+  noisy = any(f"{os.sep}{lib}{os.sep}" in record.pathname for lib in ("orbax", "faiss", "bm25s"))
   return record.levelno >= 30 or not noisy  # 30: WARNING
 
 

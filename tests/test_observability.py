@@ -208,6 +208,8 @@ def test_log_filter_quietens_orbax_and_faiss_info_only():
   site = os.path.join(os.sep, "venv", "lib", "site-packages")
   assert not quiet_libraries(record(os.path.join(site, "orbax", "checkpoint", "checkpoint_manager.py"), logging.INFO))
   assert not quiet_libraries(record(os.path.join(site, "faiss", "loader.py"), logging.INFO))
+  assert not quiet_libraries(record(os.path.join(site, "bm25s", "__init__.py"), logging.INFO,
+                                    "Building index from token IDs"))
   assert quiet_libraries(record(os.path.join(site, "orbax", "checkpoint", "checkpoint_manager.py"), logging.WARNING))
   assert quiet_libraries(record(os.path.join(os.sep, "repo", "trime_jax", "train.py"), logging.INFO))
   # jax's attempt at a TPU on a CPU machine, at INFO: dropped; its other lines stay

@@ -332,7 +332,7 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   n_params = count_params(params)
   _log(f"model: {n_params:,} parameters | vocab {len(vocab):,} | train tokens {len(splits.train):,} | "
        f"{len(task.source.segments):,} segments of {config.data.segment_len} | memory={spec.objective.memory} | "
-       f"CE warm-up {task.warm} updates | devices {mesh.size}")
+       f"{loop.warm_up_words(task.warm, task.report_trime)} | devices {mesh.size}")
   out = loop.run(task, state, loop.LoopSpec.from_train(train_cfg), workdir, schedule=schedule, config=config,
                  place=lambda s: jax.device_put(s, state_sh), log=_log, starting=starting)
   return {**out, "num_params": n_params}

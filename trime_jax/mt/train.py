@@ -303,7 +303,7 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
       f"{plan.num_updates:,} updates/epoch" + (f" of {plan.per_update} GPU batches ({plan.num_batches:,} GPU batches)"
                                                 if plan.per_update else "")
       + f" ({config.trime.batching}, shapes {plan.header['shapes']}) | "
-      f"memory={spec.memory} | CE warm-up {task.warm} | devices {mesh.size}")
+      f"memory={spec.memory} | {loop.warm_up_words(task.warm, task.report_trime)} | devices {mesh.size}")
   if "neighbour_in_batch" in plan.header:
     log(f"bm25 plan: top-k neighbours in the same batch {plan.header['neighbour_in_batch']:.1%} "
         f"(random batches {plan.header['neighbour_in_batch_random']:.1%})")
@@ -348,6 +348,7 @@ class MTTask(loop.Task):
                         f" train on that many devices (train.num_devices), on one (trime.memory_grad_groups), or "
                         f"with trime.memory_grad='all' ({mesh.size} devices here)")
     self.grad_groups = int(t.get("memory_grad_groups", 0))
+    self.report_trime = self.spec.memory != "none"
 
   def objective(self, step: int) -> str:
     return "trime" if self.spec.memory != "none" and step >= self.warm else "ce"

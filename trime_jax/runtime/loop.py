@@ -42,6 +42,12 @@ from trime_jax.runtime.progress import Progress, say
 TB_TRAIN_SCALARS = ("loss", "ce_nll", "trime_nll", "ppl", "lr", "grad_norm", "tokens_per_s")
 
 
+def warm_up_words(warm: int, trime: bool) -> str:
+  """The training header's words for the objective: "CE warm-up 1 update", "... 600 updates", or "objective CE"
+  for a model without memory (all of its updates are CE)."""
+  return f"CE warm-up {warm} update{'' if warm == 1 else 's'}" if trime else "objective CE"
+
+
 class Task:
   """What a trainer gives the loop. Subclasses set `eval_split` (the metrics.jsonl split of dev lines, as the
   task's data names it) and `best_metric` (the dev metric `train.keep_best` ranks by, lower is better unless
@@ -50,6 +56,7 @@ class Task:
   eval_split = "dev"
   best_metric = ""
   best_maximize = False
+  report_trime = True  # train lines show trime_nll; False for a model without memory (there it equals ce_nll)
 
   def objective(self, step: int) -> str:
     """"ce" or "trime": the objective update `step` (0-based) trains."""
@@ -328,8 +335,9 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
             record(done, last, {f"train/{k}": last[k] for k in TB_TRAIN_SCALARS if last.get(k) is not None})
           rate = f"{last['tokens_per_s']:,.0f}" if last["tokens_per_s"] is not None else "-"
           skips = f" | {last['skipped']} skipped (non-finite)" if last["skipped"] else ""
+          trime = f" | trime {last['trime_nll']:.4f}" if task.report_trime else ""
           log(f"step {done:>6}/{spec.total} [{objective:>5}] loss {last['loss']:.4f} | ce {last['ce_nll']:.4f}"
-              f" | trime {last['trime_nll']:.4f} | lr {last['lr']:.2e} | |g| {last['grad_norm']:.3f}"
+              f"{trime} | lr {last['lr']:.2e} | |g| {last['grad_norm']:.3f}"
               f" | {rate} tok/s (+{clock.compile_s:.0f} s compiling){skips} | {progress.eta(done)}")
           progress.update(done, loss=f"{last['loss']:.4f}")
         if spec.eval_every and done % spec.eval_every == 0 and done < spec.total:
