@@ -95,7 +95,11 @@ def main(argv):
     check_data_split(_CONFIG.value, _CHECKPOINT.value, allow=_ALLOW_OVERLAP.value)
     rows = evaluate.evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value, mem_sizes=sizes, label=_LABEL.value,
                                         progress=sys.stderr.isatty() or "log")["rows"]  # log files: lines
-    print(evaluate.format_table(rows))
+    split = _CONFIG.value.eval.split
+    tuned = any("dev_ppl" in r for r in rows)  # eval.tune: dev's perplexity at each best point beside the split's,
+    # as eval_ext shows them (the split's column named, so a test table is not read as dev's)
+    print(evaluate.format_table(rows, **({"columns": tuple(dict.fromkeys((
+        "variant", "dev_ppl", f"{split}_ppl", f"{split}_bpc", "nll", "tokens", "tokens_per_s")))} if tuned else {})))
     if _OUTPUT.value and chief():  # one writer in a run of several processes (each holds the whole result)
       os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)
       # whole or absent, even when interrupted; each row names its export, so another one's rerun is refused
