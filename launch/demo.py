@@ -49,10 +49,11 @@ def run_demo(config, workdir: str) -> list[dict]:
                  "dev bpb": math.log2(best["dev_ppl"]), "tokens": best["tokens"], "tokens/s": best["tokens_per_s"]})
   print("\nTest split: held-out stdlib files (bits per byte, lower is better; τ, λ, θ tuned on dev)")
   print(evaluate.format_table(rows, columns=("model", "test memory", "test bpb", "dev bpb", "tokens", "tokens/s")))
-  vanilla = rows[0]["test bpb"]
-  trime = rows[3]["test bpb"]
-  verdict = "beats" if trime < vanilla else "does NOT beat"
-  print(f"\nTrimeLM (local memory) {verdict} the vanilla LM: {trime:.4f} vs {vanilla:.4f} bits per byte")
+  vanilla, cache, trime = rows[0]["test bpb"], rows[1]["test bpb"], rows[3]["test bpb"]
+  verdict = lambda other: "beats" if trime < other else "does NOT beat"
+  # the paper's comparison is with both: the model alone and the same model with a continuous cache
+  print(f"\nTrimeLM (local memory) {verdict(vanilla)} the vanilla LM ({trime:.4f} vs {vanilla:.4f} bits per byte) "
+        f"and {verdict(cache)} the vanilla LM + continuous cache ({cache:.4f})")
   with open(os.path.join(workdir, "results.json"), "w") as f:
     json.dump(rows, f, indent=1)
   show_generation(*exports["local"], splits.test)
