@@ -356,7 +356,8 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
     ckpt.finish(mgr)  # the last save complete and its digest written
     end = int(state["step"])
     if end < spec.total:
-      log(f"stopped after update {end} (train.stop_after={spec.stop_after}); rerun the same command to continue")
+      log(f"stopped after update {end} (train.stop_after={spec.stop_after}: updates per invocation); rerun the same "
+          "command to continue")
       _export_partial(task, spec, workdir, state, end, log)
       return {"train": last, "step": end}
     params = host_copy(state["params"])
