@@ -458,6 +458,12 @@ def e_train_translation_config(b):  # an AttributeError traceback before
   return case, ["--config is a translation config", "train_mt"], []
 
 
+def e_train_mt_language_model_config(b):  # the reverse: a list of every field translation lacks before
+  case = _case("train_mt", f"--config={b['cfg']}", f"--workdir={b['tmp']}/cases/lm_as_mt")
+  return case, ["the config is a language-model config (configs/default.py's schema): train it with "
+                "trime_jax.launch.train"], []
+
+
 def e_train_d_model_zero(b):  # a ZeroDivisionError traceback before
   case = _case("train", f"--config={b['cfg']}", f"--workdir={b['tmp']}/cases/d0", "--config.model.d_model=0")
   return case, ["model.d_model must be >= 1, got 0"], []
@@ -582,7 +588,8 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_build_datastore_split_drawn_otherwise, e_positional_argument, e_required_flag_missing,
                e_full_disk_output, e_make_batches_disk_full, e_renamed_config_override, e_renamed_config_file_field, e_renamed_flag_generate,
                e_renamed_flag_translate, e_train_workdir_is_an_export, e_build_datastore_overwrite_its_own_checkpoint,
-               e_make_batches_overwrite_its_own_corpus, e_train_translation_config, e_train_d_model_zero,
+               e_make_batches_overwrite_its_own_corpus, e_train_translation_config, e_train_mt_language_model_config,
+               e_train_d_model_zero,
                e_train_clip_norm_nan, e_train_split_fractions_sum, e_config_file_raises,
                e_generate_stored_field_of_another_type, e_eval_output_of_another_export, e_eval_output_of_eval_ext,
                e_generate_empty_checkpoint, e_eval_checkpoint_is_a_file, e_train_config_is_a_folder,

@@ -28,7 +28,12 @@ BEST_METRICS = ("ce_ppl", "bleu")  # train.best_metric: what <workdir>/best keep
 
 def validate_config(config) -> None:
   from trime_jax.configs import ui_de_en
+  from trime_jax.exports import is_mt_config
 
+  if not is_mt_config(config):  # said as such, not as a list of every field translation lacks
+    raise ConfigError("the config is a language-model config (configs/default.py's schema): train it with "
+                      "trime_jax.launch.train; translation configs follow configs/ui_de_en.py (also "
+                      "configs/iwslt_de_en.py)")
   workdir.check_no_renamed_fields(config)  # a retired name (workdir.RENAMED_FIELDS) added by an unlocked config
   workdir.check_known_fields(config.to_dict(), ui_de_en.get_config())  # a misspelt one (every MT config's fields)
   t, r = config.trime, config.train
