@@ -57,6 +57,11 @@ def test_train_resume_export_round_trip(tmp_path):
   assert [l["objective"] for l in lines if "split" not in l] == ["ce", "trime", "trime", "trime", "trime", "trime"]
   dev = [l for l in lines if l.get("split") == "valid"]
   assert [l["step"] for l in dev] == [4, 6] and all(np.isfinite(l["trime_ppl"]) for l in dev)
+  # A rerun of the finished run trains nothing and returns: its export/ and best/ are its own (both were refused
+  # as "an export of another model" once exports carried arch_digest; found by a helper's walk-through)
+  assert sorted(d for d in ("export", "best") if os.path.isdir(os.path.join(work, d))) == ["best", "export"]
+  again = mt_train.train_and_evaluate(tiny_config(tmp_path / "d"), work, log=lambda s: None)
+  assert again["step"] == 6 and len(open(os.path.join(work, "metrics.jsonl")).readlines()) == len(lines)
 
   graphdef, params, config, vocab = mt_export.load_mt_export(out["export"])
   assert config.trime.memory == "ext" and vocab.kind == "spm"

@@ -24,15 +24,21 @@ from trime_jax.runtime.workdir import read_stored_config
 EXPORT_FILES = ("config.json", "meta.json", "params")  # + the vocabulary file (SubwordVocab.FILES)
 
 
+def identity(config, vocab) -> dict:
+  """The fields of a translation export's meta.json that say which model it is (exports.IDENTITY_FIELDS: its
+  architecture and vocabulary), for the trainer's check of export/ and best/ before training."""
+  mcfg = specs.mt_model_config(config, vocab_size=vocab.size, tgt_vocab_size=vocab.target_size)
+  return {"arch_digest": exports.arch_digest(mcfg), "vocab_fingerprint": vocab.fingerprint()}
+
+
 def export_mt(directory: str, params, config, vocab, extra=None, *, overwrite: bool = False) -> str:
   """Write params + config + the subword model + meta to `directory` atomically; returns the directory. The LM's
   writer (`exports.write_export`): one writer at a time, a target of another kind or model refused unless
   `overwrite`."""
   mcfg = specs.mt_model_config(config, vocab_size=vocab.size, tgt_vocab_size=vocab.target_size)
-  meta = {"params_digest": exports.params_digest(params), "vocab_fingerprint": vocab.fingerprint(),
-          "vocab_size": vocab.size, "target_vocab_size": vocab.target_size, "vocab_kind": vocab.kind,
-          "d_model": mcfg.d_model, "key_type": mcfg.key_type, "arch_digest": exports.arch_digest(mcfg),
-          "num_params": count_params(params), "model_family": "mt", **(extra or {})}
+  meta = {"params_digest": exports.params_digest(params), **identity(config, vocab), "vocab_size": vocab.size,
+          "target_vocab_size": vocab.target_size, "vocab_kind": vocab.kind, "d_model": mcfg.d_model,
+          "key_type": mcfg.key_type, "num_params": count_params(params), "model_family": "mt", **(extra or {})}
 
   def files(tmp):
     vocab.save(tmp)

@@ -280,7 +280,9 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
   vocab = mt_data.load_vocab(config)
   # export/ and best/ hold this run's exports or nothing: refused now, not after training.
   for name in ("export", "best"):
-    exports.check_export_target(os.path.join(workdir, name), config, vocab, meta={"vocab_fingerprint": vocab.fingerprint()})
+    # (its architecture too: exports carry arch_digest since 2026-12-06, and comparing it with none refused every
+    # rerun and every resume after a best/ was written)
+    exports.check_export_target(os.path.join(workdir, name), config, vocab, meta=mt_export.identity(config, vocab))
   train_pairs = mt_data.load_parallel(config, "train", vocab)
   valid_pairs = mt_data.load_parallel(config, "valid", vocab)
   plan, made = load_plan(workdir, train_pairs, config)
