@@ -134,6 +134,17 @@ def _check_flag_combinations(out: str) -> None:
                         "for --mode); drop them, or drop --settings")
   if _INDEX.value and not _DATASTORE.value:
     raise ConfigError(f"--index={_INDEX.value} is a datastore's FAISS index: it needs --datastore")
+  # what each mode's distribution reads (mt.decode.distributions.Distribution); the trime modes all of it but T
+  reads = {"model": (), "knn_mt": (_K, _KNN_LAMBDA, _KNN_MT_TEMPERATURE), "trime_release": (_K, _TAU)}.get(
+      _MODE.value, (_K, _KNN_LAMBDA, _TAU, _TAU_PRIME))
+  read_names = {h.name for h in reads}  # (a FlagHolder has no ==)
+  unread = given(*([_DATASTORE, _INDEX, _NPROBE] if _MODE.value == "model" else []),
+                 *(h for h in dist_flags if h.name not in read_names)) if not (_TUNE.value or _SETTINGS.value) else []
+  if unread:  # accepted before, and recorded in the results as if used
+    raise ConfigError(f"{', '.join(unread)}: not read by --mode={_MODE.value}"
+                      + (" (the model alone, no datastore)" if _MODE.value == "model" else "") + "; drop "
+                      + ("them" if len(unread) > 1 else "it") + " or choose the --mode that reads "
+                      + ("them" if len(unread) > 1 else "it"))
   checkpoint = _CHECKPOINT.value
   meta_path = os.path.join(checkpoint, "meta.json")
   meta = lm_data.read_json(meta_path, "MT export meta", CheckpointError) if os.path.isfile(meta_path) else {}

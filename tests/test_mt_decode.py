@@ -487,6 +487,10 @@ def test_cli_build_datastore_and_translate_tune(tiny):
        "--k: --settings="),
       ([f"--datastore={ds2}", "--tune", "--split=test", f"--out={root / 'o2'}"], "--split: not read by --tune"),
       (["--index=x.faiss", f"--out={root / 'o3'}"], "--index=x.faiss is a datastore's FAISS index: it needs --datastore"),
+      # flags the mode does not read: accepted, and recorded in the results as if used, before
+      ([f"--datastore={ds2}", "--knn_lambda=0.3", f"--out={root / 'o3b'}"],
+       "--datastore, --knn_lambda: not read by --mode=model (the model alone, no datastore)"),
+      ([f"--datastore={ds2}", "--mode=knn_mt", "--tau=2", f"--out={root / 'o3c'}"], "--tau: not read by --mode=knn_mt"),
       ([f"--out={root / 'a_file'}"], "is a file: give an output folder"),
       ([f"--datastore={ds2}", f"--settings={foreign}", "--mode=knn_mt", f"--out={root / 'o4'}"],
        "was tuned for another model"),
