@@ -289,14 +289,23 @@ def main(argv):
   if not str(out or "").strip():
     raise ConfigError("--out is empty: give the folder to write the translations to")
   _check_flag_combinations(out)
+  made = not os.path.lexists(out)
   try:  # writable before the model loads and the split is decoded, not after
     os.makedirs(out, exist_ok=True)
   except OSError as e:
     raise ConfigError(f"--out={out}: cannot create it ({os.strerror(e.errno)})") from None
-  if not os.access(out, os.W_OK | os.X_OK):
-    raise ConfigError(f"--out={out}: no permission to write in it")
-  with lock_beside(out, f"translation output --out={out}"):
-    _main(out)
+  try:
+    if not os.access(out, os.W_OK | os.X_OK):
+      raise ConfigError(f"--out={out}: no permission to write in it")
+    with lock_beside(out, f"translation output --out={out}"):
+      _main(out)
+  except BaseException:
+    if made:  # a run refused (or stopped) before it wrote anything leaves no empty --out behind
+      try:
+        os.rmdir(out)
+      except OSError:
+        pass  # it holds what the run wrote
+    raise
 
 
 def _main(out: str) -> None:

@@ -498,6 +498,8 @@ def test_cli_build_datastore_and_translate_tune(tiny):
     proc = subprocess.run(base + extra, capture_output=True, text=True, cwd=repo, env=env, timeout=300)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and lines[-1].startswith("error: ") and said in lines[-1], (extra, proc.stderr[-2000:])
+  # a refused run leaves no empty --out (o4 is refused after --out was made; it stayed, empty)
+  assert not any((root / o).exists() for o in ("o1", "o2", "o3", "o3b", "o3c", "o4"))
   # a language-model program given a real translation export (its stored config of the MT schema) says so
   proc = subprocess.run([py, "-m", "trime_jax.launch.eval", f"--checkpoint={tiny['ckpt']}"], capture_output=True,
                         text=True, cwd=repo, env=env, timeout=300)
