@@ -5,7 +5,7 @@
       --k=16 --knn_lambda=0.3 --knn_mt_temperature=10 --split=test --out=...
   python -m trime_jax.launch.translate --checkpoint=... --mode=trime --datastore=... --k=64 --tau=1 \\
       [--knn_lambda=0.2 --tau_prime=1] --split=test --out=...
-  python -m trime_jax.launch.translate --checkpoint=... --mode=trime_release --datastore=... --k=16 --tau=15 \
+  python -m trime_jax.launch.translate --checkpoint=... --mode=trime_release --datastore=... --k=16 --tau=15 \\
       --split=test --out=...     # TrimeMT_ext as the release's decoder combines model and datastore (its README's
                                  # k = 16, t = 15): (1 - λ)·p_model + p_kNN, λ = Z_c / (Z_t + Z_c), not normalised
   python -m trime_jax.launch.translate --checkpoint=... --datastore=... --tune --out=...      # tune on valid
