@@ -105,8 +105,9 @@ def _check_overlap(ds, pairs, split: str) -> None:
     return
   if ds.meta.get("corpus_fingerprint") == mt_datastore.corpus_fingerprint(pairs.src, pairs.tgt):
     role = "tunes on (--tune tunes on valid)" if split == "valid" and _TUNE.value else f"translates (--split={split})"
-    raise overlap_error(_DATASTORE.value, f"the {ds.meta.get('corpus_name') or split} pairs", split, role,
-                        "Build the datastore from the training pairs (trime_jax.launch.build_datastore --split=train)")
+    fix = ("Translate another split (--split=valid or test)" if split == "train" else  # as eval_ext says it
+           "Build the datastore from the training pairs (trime_jax.launch.build_datastore --split=train)")
+    raise overlap_error(_DATASTORE.value, f"the {ds.meta.get('corpus_name') or split} pairs", split, role, fix)
 
 
 def _check_flag_combinations(out: str) -> None:

@@ -491,6 +491,10 @@ def test_cli_build_datastore_and_translate_tune(tiny):
       ([f"--datastore={ds2}", "--knn_lambda=0.3", f"--out={root / 'o3b'}"],
        "--datastore, --knn_lambda: not read by --mode=model (the model alone, no datastore)"),
       ([f"--datastore={ds2}", "--mode=knn_mt", "--tau=2", f"--out={root / 'o3c'}"], "--tau: not read by --mode=knn_mt"),
+      # the training pairs translated with their own datastore: the advice is another split (it was to build the
+      # datastore from train, which it is)
+      ([f"--datastore={ds2}", "--mode=knn_mt", "--split=train", f"--out={root / 'o3d'}"],
+       "Translate another split (--split=valid or test), or pass --allow_split_overlap"),
       ([f"--out={root / 'a_file'}"], "is a file: give an output folder"),
       ([f"--datastore={ds2}", f"--settings={foreign}", "--mode=knn_mt", f"--out={root / 'o4'}"],
        "was tuned for another model"),
@@ -499,7 +503,7 @@ def test_cli_build_datastore_and_translate_tune(tiny):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and lines[-1].startswith("error: ") and said in lines[-1], (extra, proc.stderr[-2000:])
   # a refused run leaves no empty --out (o4 is refused after --out was made; it stayed, empty)
-  assert not any((root / o).exists() for o in ("o1", "o2", "o3", "o3b", "o3c", "o4"))
+  assert not any((root / o).exists() for o in ("o1", "o2", "o3", "o3b", "o3c", "o3d", "o4"))
   # a language-model program given a real translation export (its stored config of the MT schema) says so
   proc = subprocess.run([py, "-m", "trime_jax.launch.eval", f"--checkpoint={tiny['ckpt']}"], capture_output=True,
                         text=True, cwd=repo, env=env, timeout=300)
