@@ -346,6 +346,9 @@ def test_external_memory_with_a_datastore(model, run, tmp_path, capsys, caplog):
   shutil.copytree(ds_dir, no_index, ignore=shutil.ignore_patterns("index.faiss*"))
   with pytest.raises(CheckpointError, match=r"has no index \(built with --index=none\?\): rerun its build_datastore"):
     model.score(TEXT, memory="external", datastore=no_index)
+  (no_index / "index.faiss.trained.json").write_text("{}")  # an index build stopped midway: said as such
+  with pytest.raises(CheckpointError, match=r"has no index \(its index build was stopped before the end "):
+    model.score(TEXT, memory="external", datastore=no_index)
   # index=: another index file of the same datastore (here a copy) is the one searched
   shutil.copy(ds_dir / "index.faiss", tmp_path / "copy.faiss")
   shutil.copy(ds_dir / "index.faiss.json", tmp_path / "copy.faiss.json")  # its sidecar (what it indexes)

@@ -495,9 +495,13 @@ class KnnIndex:
     if not os.path.exists(path):
       folder = os.path.dirname(os.path.abspath(path))
       if os.path.isfile(os.path.join(folder, "meta.json")) and os.path.isfile(os.path.join(folder, "keys.npy")):
-        raise CheckpointError(f"FAISS index not found: {path}; the datastore in {folder} has no index (built with "
-                              "--index=none?): rerun its build_datastore command (the same flags, --subset_of and "
-                              "--entries included) with --index=auto, flat or ivfpq: its keys are reused")
+        base = os.path.basename(path)
+        stopped = any(n.startswith(base + TRAINED) or n.startswith(base + PARTIAL) for n in os.listdir(folder))
+        why = ("its index build was stopped before the end (the trained or partial files it resumes from are there)"
+               if stopped else "built with --index=none?")
+        raise CheckpointError(f"FAISS index not found: {path}; the datastore in {folder} has no index ({why}): "
+                              "rerun its build_datastore command (the same flags, --subset_of and --entries "
+                              "included) with --index=auto, flat or ivfpq: its keys are reused")
       raise CheckpointError(f"FAISS index not found: {path} (build one with `python -m trime_jax.launch.build_datastore`)")
     if os.path.isdir(path):
       inside = os.path.join(path, "index.faiss")
