@@ -12,7 +12,8 @@
   python -m trime_jax.launch.translate --checkpoint=... --datastore=... --settings=<out>/tuned.json --mode=trime ...
 
 Writes <out>/<split>.<mode>.hyp (one detokenised hypothesis per line) and <out>/<split>.<mode>.json (BLEU,
-sacrebleu signature, sentences/s, retrieval seconds, the settings); those of another run (another model,
+sacrebleu signature, sentences/s, retrieval seconds, the settings; another search than beam 4, lenpen 0.6 adds it
+to the name: test.trime.beam1.hyp is greedy); those of another run (another model,
 datastore, index or nprobe, data, setting or search) are replaced only with --overwrite. --tune: one
 teacher-forced pass over the valid targets retrieves the top-64 entries of every target token once (by inner product for TRIME, by L2 for kNN-MT);
 every K in {1, 2, 4, ..., 64} and every (τ, λ, T, τ′) of the grids is scored from it as valid token NLL; then beam search
@@ -382,7 +383,11 @@ def _main(out: str) -> None:
             f"16 · K = {16 * dist.k} inner-product candidates here, while the tuning re-ranked 16 · 64; tune again "
             "to decode with the neighbours the tuning measured", flush=True)
   split = mt_data.split_name(_SPLIT.value)  # --split=dev is valid, as build_datastore reads it
-  name = f"{split}.{_MODE.value}"
+  # another search than the paper's (beam 4, lenpen 0.6) is named in the files: greedy and beam translations of a
+  # split sit side by side in one --out (each was refused as the other's rerun)
+  name = f"{split}.{_MODE.value}" + "".join(
+      f".{k}{v:g}" for k, v in (("beam", options.beam), ("lenpen", options.lenpen))
+      if v != getattr(decode.EVAL_SEARCH, k))
   pairs = _data(_CONFIG.value, checkpoint, split, vocab, _MAX_SENTENCES.value, ds)
   record = {"setting": dataclasses.asdict(dist), "params_digest": params_digest,
             "datastore_fingerprint": ds.meta.get("fingerprint") if ds is not None else None,

@@ -749,7 +749,7 @@ def test_sweep_table_reads_rows_written_before_the_config_names():
   assert evaluate.Point("knnlm", knn_lambda=0.25, knn_theta=0.5).name == "knnlm(lambda=0.25,theta=0.5)"
 
 
-def test_memory_size_sweep_table_and_plot(tmp_path):
+def test_memory_size_sweep_table_and_plot(tmp_path, capsys):
   """`evaluate_checkpoint(mem_sizes=...)` rows, the summary table, and `trime_jax.launch.eval --include --plot`."""
   config = _config(**{"data.corpus": "wikitext", "data.path": str(_wiki_dir(tmp_path)), "eval.block_len": 16,
                       "eval.context_window": 8, "eval.batch_size": 2, "eval.tune": True})
@@ -821,6 +821,11 @@ def test_memory_size_sweep_table_and_plot(tmp_path):
   out = evaluate.evaluate_checkpoint(config, export, mem_sizes=[16])
   assert out["dev_tokens"] == 24 and all(r["tokens"] > 24 and "dev_ppl" in r for r in out["rows"][1:])
   assert len(out["rows"]) == 2 and out["rows"][0]["family"] == "none"  # the best point, applied
+  # eval.memory=none has nothing to tune: said, and no dev pass (it ran one and reported nothing from it)
+  config.eval.update(memory="none", split="test")
+  out = evaluate.evaluate_checkpoint(config, export, progress=True)
+  assert "dev_tokens" not in out and [r["family"] for r in out["rows"]] == ["none"]
+  assert "warning: eval.tune: nothing to tune: eval.memory=none" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("split", ["dev", "train"])

@@ -515,52 +515,56 @@ def test_cli_build_datastore_and_translate_tune(tiny):
   for extra in ([], []):
     proc = subprocess.run(plain + extra, capture_output=True, text=True, cwd=repo, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-  first = json.loads((root / "o5" / "test.model.json").read_text())
-  proc = subprocess.run(plain + ["--lenpen=0.5"], capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+  first = json.loads((root / "o5" / "test.model.beam2.json").read_text())
+  proc = subprocess.run(plain + ["--max_len_b=6"], capture_output=True, text=True, cwd=repo, env=env, timeout=300)
   lines = proc.stderr.strip().splitlines()
-  assert proc.returncode == 2 and "another translation (lenpen differ)" in lines[-1] and "--overwrite" in lines[-1], (
+  assert proc.returncode == 2 and "another translation (max_len_b differ)" in lines[-1] and "--overwrite" in lines[-1], (
       proc.stderr[-2000:])
-  assert json.loads((root / "o5" / "test.model.json").read_text()) == first  # untouched
+  # another beam or length penalty than the paper's is in the files' names: the searches sit side by side (the
+  # second was refused as another translation)
+  proc = subprocess.run(plain + ["--lenpen=0.5"], capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+  assert proc.returncode == 0 and (root / "o5" / "test.model.beam2.lenpen0.5.hyp").exists(), proc.stderr[-2000:]
+  assert json.loads((root / "o5" / "test.model.beam2.json").read_text()) == first  # untouched
   # ... so is one over other data (the split's texts, recorded by digest) or another search of the index
-  (root / "o5" / "test.model.json").write_text(json.dumps({**first, "data_digest": "0123456789abcdef"}))
+  (root / "o5" / "test.model.beam2.json").write_text(json.dumps({**first, "data_digest": "0123456789abcdef"}))
   proc = subprocess.run(plain, capture_output=True, text=True, cwd=repo, env=env, timeout=300)
   assert proc.returncode == 2 and "(data_digest differ)" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
   knn = base + [f"--datastore={ds2}", "--mode=knn_mt", "--k=2", "--max_sentences=2", f"--out={root / 'o8'}"]
   proc = subprocess.run(knn, capture_output=True, text=True, cwd=repo, env=env, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  searched = json.loads((root / "o8" / "test.knn_mt.json").read_text())
+  searched = json.loads((root / "o8" / "test.knn_mt.beam2.json").read_text())
   assert searched["index"]["kind"] == "flat" and "nprobe" not in searched["index"], searched["index"]
   assert searched["data_digest"] == first["data_digest"]
   # an exact index searches every key whatever --nprobe says: the same run (and so is a result of 2026-12-04,
   # which recorded nprobe for it)
-  (root / "o8" / "test.knn_mt.json").write_text(json.dumps({**searched, "index": {**searched["index"], "nprobe": 32}}))
+  (root / "o8" / "test.knn_mt.beam2.json").write_text(json.dumps({**searched, "index": {**searched["index"], "nprobe": 32}}))
   proc = subprocess.run(knn + ["--nprobe=8"], capture_output=True, text=True, cwd=repo, env=env, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  assert json.loads((root / "o8" / "test.knn_mt.json").read_text())["index"] == searched["index"]
+  assert json.loads((root / "o8" / "test.knn_mt.beam2.json").read_text())["index"] == searched["index"]
   # another index file is another run, and the result is left untouched
   moved = {**searched, "index": {**searched["index"], "file_digest": "0123456789abcdef"}}
-  (root / "o8" / "test.knn_mt.json").write_text(json.dumps(moved))
+  (root / "o8" / "test.knn_mt.beam2.json").write_text(json.dumps(moved))
   proc = subprocess.run(knn, capture_output=True, text=True, cwd=repo, env=env, timeout=300)
   assert proc.returncode == 2 and "(index differ)" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
-  assert json.loads((root / "o8" / "test.knn_mt.json").read_text()) == moved  # untouched
+  assert json.loads((root / "o8" / "test.knn_mt.beam2.json").read_text()) == moved  # untouched
   # a result written before translate recorded the index and the data: refused as such (it may be another
   # translation), not as one whose index and data "differ"; another setting is still named; --overwrite replaces it
   older = {k: v for k, v in searched.items() if k not in ("index", "data_digest")}
-  (root / "o8" / "test.knn_mt.json").write_text(json.dumps(older))
+  (root / "o8" / "test.knn_mt.beam2.json").write_text(json.dumps(older))
   proc = subprocess.run(knn, capture_output=True, text=True, cwd=repo, env=env, timeout=300)
   last = proc.stderr.strip().splitlines()[-1]
   assert proc.returncode == 2 and "earlier version, which did not record index, data_digest" in last, proc.stderr
-  assert json.loads((root / "o8" / "test.knn_mt.json").read_text()) == older  # untouched
-  proc = subprocess.run(knn + ["--lenpen=0.5"], capture_output=True, text=True, cwd=repo, env=env, timeout=300)
-  assert proc.returncode == 2 and "(lenpen differ)" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+  assert json.loads((root / "o8" / "test.knn_mt.beam2.json").read_text()) == older  # untouched
+  proc = subprocess.run(knn + ["--max_len_b=6"], capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+  assert proc.returncode == 2 and "(max_len_b differ)" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
   proc = subprocess.run(knn + ["--overwrite"], capture_output=True, text=True, cwd=repo, env=env, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  assert json.loads((root / "o8" / "test.knn_mt.json").read_text())["data_digest"] == first["data_digest"]
+  assert json.loads((root / "o8" / "test.knn_mt.beam2.json").read_text())["data_digest"] == first["data_digest"]
   # --split=dev is valid (the language models' name for it, as build_datastore reads it for MT)
   proc = subprocess.run(base + ["--max_sentences=2", "--split=dev", f"--out={root / 'o7'}"], capture_output=True,
                         text=True, cwd=repo, env=env, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  assert json.loads((root / "o7" / "valid.model.json").read_text())["split"] == "valid"
+  assert json.loads((root / "o7" / "valid.model.beam2.json").read_text())["split"] == "valid"
   # --tune into an --out holding another model's tuned.json: refused, --overwrite named
   (root / "o6").mkdir()
   (root / "o6" / "tuned.json").write_text(foreign.read_text())
@@ -590,10 +594,10 @@ def test_translate_holds_its_out_and_checks_it_before_decoding(tiny, tmp_path):
   with lock_beside(str(out), "a test's hold"):
     r = run(out)
   assert r.returncode == 2 and "is in use by" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
-  assert not (out / "test.model.json").exists()
+  assert not (out / "test.model.beam1.json").exists()
   r = run("")
   assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == "error: --out is empty: give the folder to write the translations to"
   (tmp_path / "a_file").write_text("x")  # a folder that cannot be made (as root, permissions would not stop it)
   r = run(tmp_path / "a_file" / "x")
   assert r.returncode == 2 and "cannot create it (Not a directory)" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
-  assert run(out).returncode == 0 and (out / "test.model.json").exists()
+  assert run(out).returncode == 0 and (out / "test.model.beam1.json").exists()

@@ -85,7 +85,7 @@ def test_a_longer_run_is_a_resumable_change_only_when_nothing_else_depends_on_nu
     assert train.train_and_evaluate(longer, workdir)["step"] == 3
     return
   why = {"cosine": "the cosine schedule decays over train.num_steps",
-         "derived_ce_warmup": "the CE warm-up is 5% of train.num_steps: 1 updates there, 2 now"}[case]
+         "derived_ce_warmup": "the CE warm-up is 5% of train.num_steps: 1 update there, 2 now"}[case]
   with pytest.raises(CheckpointError, match=rf"train.num_steps: 20 there, 40 now \({why}\)"):
     train.train_and_evaluate(longer, workdir)
 

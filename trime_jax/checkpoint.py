@@ -477,7 +477,7 @@ def _num_steps_shapes_training(old: dict, config) -> str:
     before = math.ceil(0.05 * int(old["train.num_steps"]))
     after = math.ceil(0.05 * int(t.num_steps))
     if before != after:
-      return f"the CE warm-up is 5% of train.num_steps: {before} updates there, {after} now"
+      return f"the CE warm-up is 5% of train.num_steps: {before} update{'s' * (before != 1)} there, {after} now"
   return ""
 
 

@@ -437,10 +437,18 @@ def config_from_dict(fields: dict) -> ml_collections.ConfigDict:
   from trime_jax.configs import default
 
   fields = workdir_files.migrate_config(fields, "the config")
+  workdir_files.check_known_fields(fields, default.get_config())
+  return _over_defaults(fields, "the config", error=ConfigError, fix="give a value of that type", none_ok=False)
+
+
+def _over_defaults(fields: dict, where: str, **overlay) -> ml_collections.ConfigDict:
+  """configs/default.py with `fields` over it (`_overlay`'s checks): the one reading of a dict as an LM config,
+  for a dict given in Python (`config_from_dict`) and an export's config.json (`stored_over_defaults`)."""
+  from trime_jax.configs import default
+
   c = default.get_config()
-  workdir_files.check_known_fields(fields, c)
   with c.unlocked():
-    _overlay(c, fields, "the config", error=ConfigError, fix="give a value of that type", none_ok=False)
+    _overlay(c, fields, where, **overlay)
   return c
 
 
@@ -474,12 +482,8 @@ def stored_over_defaults(export_dir: str, stored: dict | None = None) -> ml_coll
   `trime_jax.load`): configs/default.py with the export's stored fields over it (`check_stored_config`), so a
   field added after the export was written keeps its default and a misspelt one is refused. `stored`: the
   export's config.json already read (load_export's config), else it is read here."""
-  from trime_jax.configs import default
-
   stored = check_stored_config(export_dir, stored)
-  c = default.get_config()
-  with c.unlocked():
-    _overlay(c, stored, os.path.join(export_dir, "config.json"))
+  c = _over_defaults(stored, os.path.join(export_dir, "config.json"))
   if export_dir:
     c.data.path = _recorded_data_path(export_dir, c.data.path)
   return c

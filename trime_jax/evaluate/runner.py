@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import sys
 
 import jax
 import numpy as np
@@ -141,7 +142,11 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
     # words by their frequency on the development set, as the paper groups them (eval.frequency_split)
     buckets = (knn.frequency_buckets(splits.get(frequency_split(e)).tokens, len(vocab)) if vocab.kind == "words"
                else None)
-  points = grid(families) if e.tune else configured_points(e, families)
+  tuned = bool(e.tune) and families != ("none",)
+  if e.tune and not tuned and progress:  # (the Python API and training's evaluations pass progress=False)
+    print("warning: eval.tune: nothing to tune: eval.memory=none scores the model alone (no tau, lambda or theta); "
+          "evaluated without the dev grid", file=sys.stderr)
+  points = grid(families) if tuned else configured_points(e, families)
   sizes = [int(m) for m in mem_sizes] if mem_sizes else [int(e.mem_size)]
   if families == ("none",):
     sizes = [0]  # nothing reads the store
@@ -163,7 +168,7 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
   for mem_size in sizes:
     long_term = store_spec(e, mem_size)
     best = dev_best = None
-    if e.tune:  # on the first eval.tune_max_tokens dev targets (0: eval.max_tokens)
+    if tuned:  # on the first eval.tune_max_tokens dev targets (0: eval.max_tokens)
       tune_cap = int(e.get("tune_max_tokens", 0)) or int(e.max_tokens)
       dev = run(splits.dev, points, long_term=long_term, max_tokens=tune_cap)
       out["dev_tokens"] = dev.tokens

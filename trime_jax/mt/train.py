@@ -353,7 +353,7 @@ class MTTask(loop.Task):
     self.report_trime = self.spec.memory != "none"
 
   def objective(self, step: int) -> str:
-    return "trime" if self.spec.memory != "none" and step >= self.warm else "ce"
+    return "trime" if self.report_trime and step >= self.warm else "ce"
 
   def step_fn(self, objective: str):
     return _step_fn(self.graphdef, self.train_json, self.spec, objective == "trime", self.sharded, self.grad_groups)
