@@ -8,6 +8,7 @@ it. Every sharded computation of a group is compiled as one jitted function to k
 """
 
 import os
+import subprocess
 import sys
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -322,8 +323,19 @@ def check_train(workdir):
     out[name] = [x for x in lines if "loss" in x]  # training lines (not the dev evaluation)
     dev[name] = [x for x in lines if "none_ppl" in x]  # the dev evaluations
   evaluate_pkg.evaluate = original_evaluate
+  # A local_only run on every device (train.num_devices=0, 8 here) stopped after 1 update, resumed by a process
+  # with 4 devices: its key gradients would be cut every 4 rows instead of 2 (another objective): refused
+  overrides = {**common, "trime.memory_grad": "local_only", "train.num_devices": 0, "train.stop_after": 1}
+  train_and_evaluate(tiny_config(corpus, **overrides), os.path.join(workdir, "all_local_only"))
+  code = ("import sys; from tests.helpers import tiny_config; from trime_jax.train import train_and_evaluate\n"
+          "try: train_and_evaluate(tiny_config(sys.argv[1], **eval(sys.argv[2])), sys.argv[3])\n"
+          "except Exception as e: print(f'{type(e).__name__}: {e}')")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  resumed_elsewhere = subprocess.run([sys.executable, "-c", code, corpus, repr(overrides),
+                                      os.path.join(workdir, "all_local_only")], capture_output=True, text=True,
+                                     env=env, timeout=600).stdout.strip().splitlines()
   return {"runs": out, "dev": dev, "dev_calls": dev_calls, "devices": jax.device_count(), "srupp": check_srupp_train(workdir, corpus),
-          "mt": check_mt_train(workdir)}
+          "mt": check_mt_train(workdir), "local_only_resumed_on_4": resumed_elsewhere[-1:]}
 
 
 def check_mt_train(workdir):

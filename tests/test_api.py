@@ -624,6 +624,12 @@ def test_score_uses_the_exports_sample_break_mode(word_model, capsys, caplog):
   assert dropped.nll == pytest.approx(-np.nanmean(dropped.log_probs.astype(np.float64)))
   with pytest.raises(ConfigError, match="one line of 26 tokens"):
     m.score(long_line + " the", memory="local")
+  # words outside the vocabulary: one warning for all the texts of a call (it was one per text)
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="trime_jax.api"):
+    m.score(["the zebra sat", "a yak ran", "the cat sat"], memory="none")
+  warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert warned == ["2 word(s) of the 3 texts are not in the model's vocabulary and read as <unk>: yak, zebra"], warned
 
 
 def test_complete_mode_texts_of_short_lines_share_one_compile(word_model):

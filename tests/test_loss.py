@@ -358,6 +358,9 @@ def test_bad_arguments_raise_clear_errors():
   rows = jnp.zeros((4, 3), jnp.int32)
   np.testing.assert_array_equal(loss.trime_nll(lg, x, t, memory="ext", rows=rows),
                                 loss.trime_nll_from_vocab_stats(loss.vocab_stats(lg, t), x, t, memory="ext", rows=rows))
+  np.testing.assert_array_equal(  # ... and so does sharded_trime_nll (it took no rows=)
+      sharded_loss.sharded_trime_nll(lg, x, t, mesh=sharding.make_mesh(1), memory="ext", rows=rows),
+      loss.trime_nll(lg, x, t, memory="ext", rows=rows))
   with pytest.raises(ValueError, match="tau must be a positive finite number"):
     scoring.memory_log_probs(lg[0], x[0], x[0], t[0], jnp.ones((3, 3), bool), tau=0)
   with pytest.raises(ValueError, match=r"targets must lie in \[0, 5\)"):
@@ -374,6 +377,40 @@ def test_bad_arguments_raise_clear_errors():
     loss.memory_nll(lg[0], x[0], t[0], x[0], t[0], jnp.ones((3, 2), bool))
   # a traced τ is not checked (it is the caller's to keep positive) and still works
   assert np.isfinite(jax.jit(lambda tau: loss.trime_nll(lg, x, t, memory="local", tau=tau).sum())(0.5))
+  # Found by a walk-through of the loss API: a memory target ≥ V added to memory_nll's normaliser (a wrong nll),
+  # sharded_memory_log_probs and memory_log_weights dropped it; τ ≤ 0 gave NaN (or finite nonsense) on the
+  # sharded and test-time paths; each of the rest was a bare ZeroDivisionError / TypeError / KeyError / math domain
+  # error, or a probability taken for a drop decision
+  mesh = sharding.make_mesh(1)
+  mask = jnp.ones((3, 3), bool)
+  bad_memory = t[0].at[0].set(7)
+  for call in (lambda: loss.memory_nll(lg[0], x[0], t[0], x[0], bad_memory, mask),
+               lambda: scoring.memory_log_weights(lg[0], x[0], x[0], bad_memory, mask),
+               lambda: scoring.sharded_memory_log_probs(lg[0], x[0], x[0], bad_memory, mask, mesh=mesh)):
+    with pytest.raises(ValueError, match=r"memory_targets must lie in \[0, 5\) \(negative: padding\), got 7"):
+      call()
+  block = scoring.MemoryBlock(sim=jnp.zeros((3, 3)), visible=mask, positive=mask)
+  for call in (lambda: scoring.sharded_memory_log_probs(lg[0], x[0], x[0], t[0], mask, mesh=mesh, tau=0.0),
+               lambda: scoring.trime_log_prob(jnp.zeros(3), jnp.zeros(3), [block], -1.0),
+               lambda: scoring.similarity_scale(2, 0.0, jnp.float32)):
+    with pytest.raises(ValueError, match="tau must be a positive finite number"):
+      call()
+  for kwargs, said in [(dict(memory="local", consecutive_segments=0), "consecutive_segments must be >= 1, got 0"),
+                       (dict(memory="local", memory_chunk=0), "memory_chunk must be >= 1"),
+                       (dict(memory="local", memory_chunk=-3), "memory_chunk must be >= 1"),
+                       (dict(memory="local", block_elems=0), "block_elems must be >= 1"),
+                       (dict(memory="ext", drop_local=0.9), r"drop_local must be a bool or a \[B=4\] bool array \(the "
+                                                            r"drop decisions, not their probability\), got 0.9"),
+                       (dict(memory="long", documents=jnp.zeros((4, 4), jnp.int32)),
+                        r"documents must be \[B, L\] = \[4, 3\] like the targets, got \[4, 4\]")]:
+    with pytest.raises(ValueError, match=said):
+      loss.trime_nll(lg, x, t, **kwargs)
+  with pytest.raises(ValueError, match=r"the mesh has no axis 'batch' \(its axes: 'data'"):
+    sharded_loss.sharded_trime_nll(lg, x, t, mesh=mesh, memory="ext", axis="batch")
+  with pytest.raises(ValueError, match=r"shapes do not fit: .* memory_mask \[N, M\] \(3, 2\)"):
+    scoring.memory_log_probs(lg[0], x[0], x[0], t[0], jnp.ones((3, 2), bool))
+  with pytest.raises(ValueError, match=r"the interpolation weight lambda must lie in \[0, 1\], got 1.5"):
+    scoring.trime_log_probs(lg[0], x[0], x[0], t[0], mask, tau=1.0, knn_lambda=1.5)
 
 
 def test_no_memories_is_the_vocabulary_softmax():

@@ -84,7 +84,7 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_bit_identically(corpus
   # INFO lines off; no progress bar in a log file, the rate and ETA in the log lines instead.
   assert f"preemption signal: checkpoint of update {stopped} saved" in stderr
   assert "Saving checkpoint at step" not in stderr and "Finished saving checkpoint" not in stderr
-  assert "\r" not in stdout and re.search(r"updates/s \| ETA \d+:\d\d:\d\d", stdout)
+  assert "\r" not in stdout and re.search(r"ETA \d+:\d\d:\d\d \([\d.]+ updates/s overall\)", stdout)
 
   resumed = _train_cli(cfg, work, tmp_path)  # the same command
   assert resumed.wait(timeout=300) == 0, (tmp_path / "stderr.txt").read_text()[-3000:]

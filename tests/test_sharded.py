@@ -180,6 +180,24 @@ def test_parameter_gradients_through_the_model_match(checks):
     assert c["grad_err"] <= 1e-5 * c["grad_scale"], c
 
 
+def test_device_cut_rows_is_where_local_only_changes_the_gradient():
+  """`sharded_loss.device_cut_rows`: rows per device where memory_grad='local_only' cuts a key gradient that would
+  otherwise flow (what a resume on another device count must keep), 0 where the cut does not act."""
+  from trime_jax.loss import ObjectiveSpec
+  from trime_jax.sharded_loss import device_cut_rows
+
+  ext, long = ObjectiveSpec(memory="ext"), ObjectiveSpec(memory="long", consecutive_segments=4)
+  assert device_cut_rows(ext, "local_only", 16, 8) == 2 and device_cut_rows(ext, "local_only", 16, 4) == 4
+  assert device_cut_rows(ext, "all", 16, 8) == device_cut_rows(ext, "local_only", 16, 1) == 0
+  assert device_cut_rows(ObjectiveSpec(memory="ext", stop_gradient_memory=True), "local_only", 16, 8) == 0
+  assert device_cut_rows(ObjectiveSpec(memory="local"), "local_only", 16, 8) == 0  # within a row
+  assert device_cut_rows(long, "local_only", 16, 8) == 2  # runs of 4 rows span 2 devices
+  assert device_cut_rows(long, "local_only", 16, 2) == 0  # whole runs on each device: nothing crosses
+  # memory_grad_group_rows cuts by rows already: the device cut adds nothing where groups lie on one device
+  assert device_cut_rows(ObjectiveSpec(memory="ext", memory_grad_group_rows=1), "local_only", 16, 8) == 0
+  assert device_cut_rows(ObjectiveSpec(memory="ext", memory_grad_group_rows=4), "local_only", 16, 8) == 2
+
+
 def test_training_on_8_devices_matches_1_device_step_for_step(checks):
   """`train_and_evaluate` (ext memory, drop-local draws, 2 micro-batches) on 8 devices: the metrics of every
   step match the 1-device run for gather and ring, and with every dropout on through hash masks; local_only (the
@@ -207,6 +225,12 @@ def test_training_on_8_devices_matches_1_device_step_for_step(checks):
   assert lo[0]["loss"] == pytest.approx(base[0]["loss"], rel=2e-5)
   assert abs(lo[0]["grad_norm"] - base[0]["grad_norm"]) > 0.05 * base[0]["grad_norm"]
   assert abs(lo[-1]["loss"] - base[-1]["loss"]) > 1e-5 * base[-1]["loss"]
+  # ... so a resume on 4 devices of such a run on all 8 (train.num_devices=0), which would cut them every 4 rows
+  # instead of 2, is refused (it ran on with another objective, nothing said)
+  said = result["local_only_resumed_on_4"]
+  assert said and said[0].startswith("ConfigError: ") and (
+      "'local_only' cut key gradients between devices every 2 rows when the run began, and would cut key gradients "
+      "between devices every 4 rows on the 4 devices here") in said[0], said
   # The dev evaluations (eval.batch_size=4 streams on 1 device; on 8 devices 8 streams, one each: LMTask.dev_streams)
   dev = result["dev"]
   assert [d["step"] for d in dev["1dev"]] == [3] and [d["step"] for d in dev["8dev_ring"]] == [3]

@@ -465,7 +465,9 @@ class Model:
     overlong = str(e.get("complete_overlong", "drop"))
     vocab_chunk = int(self.config.get("train", {}).get("vocab_chunk", 0))
     prefix = self.memory.tokens() if memory in ("long", "external") else np.zeros((0,), np.int32)
-    ids_of = [np.asarray(self.tokenize(text), np.int32) for text in texts]  # every text checked before scoring
+    unknown = set()  # one warning for all the texts (it was one per text)
+    ids_of = [np.asarray(self._text.tokenize(text, "text", unknown), np.int32) for text in texts]  # all, first
+    self._text.warn_unknown(unknown, "the text" if single else f"the {len(texts)} texts")
     empty = [i for i, ids in enumerate(ids_of) if not len(ids)]
     if empty:
       raise ConfigError("cannot score an empty text" + ("" if single else f" (texts[{empty[0]}])"))

@@ -85,6 +85,9 @@ def per_query_causal(memory: str, drop_local, b: int, l: int):
       # (training passes an all-False drop_local whatever the memory: only a drop asked for is refused)
       raise ValueError(f"drop_local drops ext memory's local part; memory={memory!r} has no drop")
     return jnp.ones((b, l), bool)
+  if jnp.asarray(drop_local).dtype != jnp.bool_:  # 0.9 (a probability) read as True would drop every row
+    raise ValueError(f"drop_local must be a bool or a [B={b}] bool array (the drop decisions, not their "
+                     f"probability), got {drop_local!r}")
   drop = jnp.asarray(drop_local, bool)
   if drop.ndim not in (0, 1) or (drop.ndim == 1 and drop.shape[0] != b):
     raise ValueError(f"drop_local must be a bool or a [B={b}] bool array, got shape {drop.shape}")
@@ -117,6 +120,8 @@ def memory_nll(token_logits, keys, targets, memory_keys, memory_targets, memory_
   ignored; queries with a negative target get nll 0.
   """
   stats = vocab_stats(token_logits, targets)
+  # a memory target ≥ V would add to the normaliser and never match (memory_nll_from_vocab_stats knows no V)
+  scoring.check_targets(memory_targets, jnp.shape(token_logits)[-1], "memory_targets")
   return memory_nll_from_vocab_stats(
       stats, keys, targets, memory_keys, memory_targets, memory_mask, tau=tau
   )
@@ -147,11 +152,17 @@ class ObjectiveSpec:
 
   def __post_init__(self):
     if self.memory not in MEMORY_MODES:
-      raise ValueError(f"memory must be one of {MEMORY_MODES}, got {self.memory!r}")
+      hint = " (the in-batch memory of other segments is 'ext' here; 'external' is the API's datastore)" \
+          if self.memory == "external" else ""
+      raise ValueError(f"memory must be one of {MEMORY_MODES}, got {self.memory!r}{hint}")
     if self.implementation not in IMPLEMENTATIONS:
       raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}")
-    if self.memory == "long" and self.consecutive_segments < 1:
+    if self.consecutive_segments < 1:  # (read by memory="long"; 0 is no layout for any memory)
       raise ValueError(f"consecutive_segments must be >= 1, got {self.consecutive_segments}")
+    if self.memory_chunk is not None and self.memory_chunk < 1:
+      raise ValueError(f"memory_chunk must be >= 1 (None: from block_elems), got {self.memory_chunk}")
+    if self.block_elems < 1:
+      raise ValueError(f"block_elems must be >= 1, got {self.block_elems}")
     if self.memory_topk < 0:
       raise ValueError(f"memory_topk must be >= 0, got {self.memory_topk}")
     if self.memory_grad_group_rows < 0:
@@ -216,6 +227,9 @@ def trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: Objective
   b, l, d = keys.shape
   if documents is not None and memory != "long":
     raise ValueError(f"documents restrict long-term memory (packed runs); memory={memory!r} takes none")
+  for name, ids in (("documents", documents), ("rows", rows)):
+    if ids is not None and jnp.shape(ids) != (b, l):
+      raise ValueError(f"{name} must be [B, L] = {[b, l]} like the targets, got {list(jnp.shape(ids))}")
   if rows is not None and jnp.ndim(drop_local):
     raise ValueError("packed rows take a scalar drop_local (per-row draws would split packed segments alike)")
   cut = spec.key_grad_group_rows  # with rows= (packed segments): groups of that many consecutive segment ids
@@ -278,6 +292,11 @@ def trime_nll(token_logits, keys, targets, spec: ObjectiveSpec | None = None, *,
   blocks when they fit `block_elems`, else blockwise), "blockwise" (always the chunked custom-VJP kernel),
   "dense" (one full `[BL, BL]` mask; tests, small batches). `rows`, `row_offset`: see
   `trime_nll_from_vocab_stats`.
+
+  Values are checked where they are concrete (ValueError: a target ≥ V, τ ≤ 0). Inside `jax.jit` they are
+  traced and not checked (the check would wait for the device at every step): a target ≥ V there gives NaN.
+  Check a data pipeline's batches once outside jit (`scoring.check_targets(targets, V)`). The mean over real
+  tokens is `nll.sum() / max((targets >= 0).sum(), 1)` (padding's nll is 0).
   """
   return trime_nll_from_vocab_stats(vocab_stats(token_logits, targets), keys, targets,
                                     resolve_spec(spec, options), drop_local=drop_local, documents=documents,

@@ -211,6 +211,7 @@ def static_scale(d: int, tau):
 
 def similarity_scale(d: int, tau, dtype):
   """1 / (√d · τ) in `dtype` (τ may be traced): the factor on q·k of the blockwise paths."""
+  check_tau(tau)  # (a traced τ is not checked)
   return jnp.asarray(static_scale(d, 1.0), dtype) / jnp.asarray(tau, dtype)
 
 
@@ -503,6 +504,7 @@ def block_similarities(queries_SxQxD, keys_SxMxD):
 
 def trime_log_prob(log_normalizer, target_logit, blocks, tau):
   """log P_trime(target) `[..., Q]` at τ = `tau` over the memories of `blocks` (vocabulary + memories)."""
+  check_tau(tau)
   z, p = log_terms(log_normalizer, target_logit, [(blk.sim / tau, blk.visible, blk.positive) for blk in blocks])
   return p - z
 
@@ -521,6 +523,8 @@ def log_p_mem(blocks, scale, targets):
 def mix(log_p_model, log_p_memory, has_mem, lam):
   """log((1-λ)·p_model + λ·p_mem) where a query has memory, else log p_model (any shapes that broadcast); λ a
   number in [0, 1] (0: the model alone, 1: the memory alone where there is memory)."""
+  if not 0 <= lam <= 1:  # (log1p / log of it: a math domain error, or NaN)
+    raise ValueError(f"the interpolation weight lambda must lie in [0, 1], got {lam!r}")
   if lam == 0:
     return log_p_model
   if lam == 1:
@@ -579,15 +583,27 @@ def memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mas
   with a jit-compiled segment sum and added to exp(logits) before normalising. The same law with the memory
   sharded over devices: `sharded_memory_log_probs`. Memory targets ≥ V: ValueError where concrete.
   """
-  check_targets(memory_targets, token_logits.shape[-1], "memory_targets")
-  scale = jnp.asarray(static_scale(keys.shape[-1], tau), accumulation_dtype(keys))
-  return _memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask, scale)
+  return _memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask,
+                           _checked_scale(token_logits, keys, memory_keys, memory_targets, memory_mask, tau))
+
+
+def _checked_scale(token_logits, keys, memory_keys, memory_targets, memory_mask, tau):
+  """`memory_log_probs`' arguments checked (ValueError: shapes that do not fit, memory targets ≥ V where
+  concrete, τ), and its similarity scale."""
+  (n, v), m = jnp.shape(token_logits), jnp.shape(memory_targets)[0]
+  if (jnp.shape(keys)[0] != n or jnp.shape(memory_keys) != (m, jnp.shape(keys)[-1])
+      or jnp.shape(memory_mask) != (n, m)):
+    raise ValueError(f"shapes do not fit: token_logits [N, V] {jnp.shape(token_logits)}, keys [N, D] "
+                     f"{jnp.shape(keys)}, memory_keys [M, D] {jnp.shape(memory_keys)}, memory_targets [M] "
+                     f"{jnp.shape(memory_targets)}, memory_mask [N, M] {jnp.shape(memory_mask)}")
+  check_targets(memory_targets, v, "memory_targets")
+  return jnp.asarray(static_scale(keys.shape[-1], tau), accumulation_dtype(keys))
 
 
 def memory_log_weights(token_logits, keys, memory_keys, memory_targets, memory_mask, *, tau=1.0):
   """`memory_log_probs` before normalising: log(exp(logit_w) + Σ_{visible j, x_j = w} exp(sim_j)) `[N, V]`, as
   logits to which further memories can be added (generation adds an on-device datastore's)."""
-  scale = jnp.asarray(static_scale(keys.shape[-1], tau), accumulation_dtype(keys))
+  scale = _checked_scale(token_logits, keys, memory_keys, memory_targets, memory_mask, tau)
   return _memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask, scale, normalise=False)
 
 
@@ -645,6 +661,13 @@ def log_contributions(logits_NxV, q_NxD, mem_keys_MxD, mem_targets_M, mem_mask_N
   return mix(log_vocab, no_prime, has, knn_lambda), mix(log_mem, log_prime, has[:, None], knn_lambda)
 
 
+def mesh_axis_size(mesh, axis: str) -> int:
+  """Devices on `axis` of `mesh`; ValueError naming the mesh's axes where it has no such axis."""
+  if axis not in mesh.shape:
+    raise ValueError(f"the mesh has no axis {axis!r} (its axes: {', '.join(map(repr, mesh.shape))}): give axis= one of them")
+  return mesh.shape[axis]
+
+
 def on_mesh(mesh, spec, x):
   """`x` placed as `spec` on `mesh` (eagerly a transfer, under jit a sharding constraint): what a shard_map's
   in_specs need whatever placement the caller's array has, on meshes with explicit axes too."""
@@ -700,7 +723,10 @@ def sharded_memory_log_probs(token_logits, keys, memory_keys, memory_targets, me
     memory_mask = jnp.asarray(memory_mask, bool)
     if memory_mask.shape != (n_q, m):
       raise ValueError(f"memory_mask must be [N={n_q}, M={m}], got {memory_mask.shape}")
-  n = mesh.shape[axis]
+  check_targets(memory_targets, v, "memory_targets")  # (the segment sum would drop one ≥ V without a word)
+  if not isinstance(memory_chunk, int) or memory_chunk < 0:
+    raise ValueError(f"memory_chunk must be an int >= 0 (0: from the block budget), got {memory_chunk!r}")
+  n = mesh_axis_size(mesh, axis)
   memory_keys, memory_targets, memory_mask = pad_memory(n, memory_keys, memory_targets, memory_mask)
   acc = accumulation_dtype(token_logits, keys)
   scale = similarity_scale(d, tau, acc)

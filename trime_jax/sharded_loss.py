@@ -54,6 +54,22 @@ VARIANTS = ("gather", "ring")
 MEMORY_GRADS = ("all", "local_only")
 
 
+def device_cut_rows(spec: loss.ObjectiveSpec, memory_grad: str, batch_rows: int, devices: int) -> int:
+  """Rows per device between which memory_grad="local_only" cuts key gradients *and the cut changes the
+  gradient* (some key lives on another device than a query that sees it, beyond what stop_gradient_memory and
+  memory_grad_group_rows cut anyway); 0 where it does not act. The objective's gradient depends on the device
+  count exactly through this number: a resume on another count that changes it trains another objective."""
+  if (memory_grad != "local_only" or devices <= 1 or spec.memory not in ("long", "ext") or spec.stop_gradient_memory
+      or batch_rows % devices):
+    return 0
+  rows = batch_rows // devices
+  if spec.memory_grad_group_rows and rows % spec.memory_grad_group_rows == 0:
+    return 0  # every row group lies on one device: the device cut adds nothing
+  if spec.memory == "long" and rows % spec.consecutive_segments == 0:
+    return 0  # every run lies on one device: no memory crosses a device boundary
+  return rows
+
+
 class _Static(NamedTuple):
   """Everything the per-device function needs that is not an array (hashable, part of the trace)."""
 
@@ -87,7 +103,7 @@ def sharded_trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: l
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
   if memory_grad not in MEMORY_GRADS:
     raise ValueError(f"memory_grad must be one of {MEMORY_GRADS}, got {memory_grad!r}")
-  n = mesh.shape[axis]
+  n = scoring.mesh_axis_size(mesh, axis)
   if spec.memory == "none" or n == 1:
     return loss.trime_nll_from_vocab_stats(stats, keys, targets, spec, drop_local=drop_local, documents=documents,
                                            rows=rows)
@@ -133,13 +149,14 @@ def sharded_trime_nll_from_vocab_stats(stats: VocabStats, keys, targets, spec: l
 
 
 def sharded_trime_nll(token_logits, keys, targets, spec: loss.ObjectiveSpec | None = None, *, mesh, drop_local=False,
-                      documents=None, variant: str = "gather", memory_grad: str = "all", axis: str = DATA, **options):
+                      documents=None, rows=None, variant: str = "gather", memory_grad: str = "all", axis: str = DATA,
+                      **options):
   """`loss.trime_nll` on a global batch sharded over `axis` of `mesh`: token_logits `[B, L, V]`, keys
   `[B, L, D]`, targets `[B, L]`, rows sharded over `axis`. Equals `trime_nll` on the same global batch (with
   memory_grad="all"); see `sharded_trime_nll_from_vocab_stats` for the options."""
   return sharded_trime_nll_from_vocab_stats(
       scoring.vocab_stats(token_logits, targets), keys, targets, loss.resolve_spec(spec, options), mesh=mesh,
-      drop_local=drop_local, documents=documents, variant=variant, memory_grad=memory_grad, axis=axis)
+      drop_local=drop_local, documents=documents, rows=rows, variant=variant, memory_grad=memory_grad, axis=axis)
 
 
 # ----------------------------------------------------------------------------------------------------------

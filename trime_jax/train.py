@@ -28,6 +28,7 @@ from trime_jax import corpora
 from trime_jax import data
 from trime_jax import distributed
 from trime_jax import evaluate
+from trime_jax import sharded_loss
 from trime_jax import sharding
 from trime_jax import specs
 from trime_jax import steps
@@ -318,6 +319,12 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   if init_record is not None:  # the export a warm restart started from (its fingerprint and update)
     data_identity["init_from"] = init_record
   data_identity["epochs"] = epochs
+  # trime.memory_grad='local_only' cuts key gradients at device boundaries: where that cut acts, the objective's
+  # gradient depends on the device count, and a resume on another count would train another objective
+  cut = sharded_loss.device_cut_rows(spec.objective, spec.memory_grad, train_cfg.batch_size, mesh.size)
+  data_identity["memory_grad_cut_rows"] = cut
+  if resumed is not None:
+    check_resume_gradient_cut(workdir, config, recorded.get("memory_grad_cut_rows", cut), cut, mesh.size)
   ckpt.check_resume_data(workdir, config, data_identity, write=False)
   changed_at = task.source.first_update_of_another_layout()
   if epochs == EPOCHS_STRADDLING and changed_at is not None and max(changed_at, resumed) < train_cfg.num_steps:
@@ -336,6 +343,22 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   out = loop.run(task, state, loop.LoopSpec.from_train(train_cfg), workdir, schedule=schedule, config=config,
                  place=lambda s: jax.device_put(s, state_sh), log=_log, starting=starting)
   return {**out, "num_params": n_params}
+
+
+def check_resume_gradient_cut(workdir: str, config, before: int, now: int, devices: int) -> None:
+  """ConfigError when trime.memory_grad='local_only' cuts key gradients otherwise than when the run began
+  (`sharded_loss.device_cut_rows`: rows per device, 0 = no cut acting): resuming on another device count would
+  change the objective halfway through the run without a word. train.allow_config_change goes on (the change is
+  then recorded in config_changes.jsonl with data.json's)."""
+  if before == now or config.train.get("allow_config_change", False):
+    return
+  cut = lambda rows: (f"cut key gradients between devices every {rows} rows" if rows
+                      else "cut no key gradient (no memory across devices)")
+  raise ConfigError(
+      f"workdir {workdir}: trime.memory_grad='local_only' {cut(before)} when the run began, and would "
+      f"{cut(now)} on the {devices} device{'s' * (devices != 1)} here: resuming would change the objective "
+      f"halfway. Resume on the device count it began with (train.num_devices), or pass "
+      f"--config.train.allow_config_change=True to go on (recorded in config_changes.jsonl)")
 
 
 def warm_start(state: dict, train_cfg, mcfg, vocab, tx, *, log) -> tuple[dict, dict]:

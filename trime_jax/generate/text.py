@@ -14,9 +14,10 @@ class Text:
   def __init__(self, vocab: data.Vocab, log: Callable[[str], None]):
     self.vocab, self.log = vocab, log
 
-  def tokenize(self, text: str, what: str = "prompt") -> list[int]:
+  def tokenize(self, text: str, what: str = "prompt", unknown: set | None = None) -> list[int]:
     """Token ids of `text`: bytes of its UTF-8, or WikiText-style words with `</s>` at each line end (the
-    last line's only if the text ends with a newline). Unknown words map to <unk>, with one warning."""
+    last line's only if the text ends with a newline). Unknown words map to <unk>, with one warning; or, given
+    `unknown`, are added to it (one warning for many texts: `warn_unknown`)."""
     if self.vocab.kind == "bytes":
       try:
         return list(text.encode("utf-8"))
@@ -30,12 +31,19 @@ class Text:
       if i < len(lines) - 1:
         words.append(data.EOS)
     ids = self.vocab.encode_words(words)
-    unknown = sorted({w for w, i in zip(words, ids) if i == self.vocab.unk and w != data.UNK})
-    if unknown:
-      shown = ", ".join(unknown[:8]) + (", ..." if len(unknown) > 8 else "")
-      self.log(f"warning: {len(unknown)} word(s) of the {what} are not in the model's vocabulary and read as "
-               f"{data.UNK}: {shown}")
+    found = {w for w, i in zip(words, ids) if i == self.vocab.unk and w != data.UNK}
+    if unknown is not None:
+      unknown |= found
+    else:
+      self.warn_unknown(found, f"the {what}")
     return ids
+
+  def warn_unknown(self, unknown: set, where: str) -> None:
+    """One warning naming the words of `where` outside the vocabulary (nothing if there are none)."""
+    if unknown:
+      shown = ", ".join(sorted(unknown)[:8]) + (", ..." if len(unknown) > 8 else "")
+      self.log(f"warning: {len(unknown)} word(s) of {where} are not in the model's vocabulary and read as "
+               f"{data.UNK}: {shown}")
 
   def detokenize(self, ids) -> str:
     if self.vocab.kind == "bytes":

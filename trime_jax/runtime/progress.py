@@ -76,7 +76,9 @@ class Progress:
     if self.t0 is None or done <= self.n0:
       return "ETA ?"
     rate = (done - self.n0) / max(time.perf_counter() - self.t0, 1e-9)
-    return f"{rate:.2f} updates/s | ETA {_hms((self.total - done) / rate)}"
+    # overall: wall clock since the first update, evaluations and checkpoints included (the line's tok/s is
+    # the updates' own, since the last line)
+    return f"ETA {_hms((self.total - done) / rate)} ({rate:.2f} updates/s overall)"
 
   def close(self) -> None:
     if self.bar is not None:
