@@ -13,8 +13,9 @@ ending in </s>, documents of ~3,600 tokens, WikiText-103's mean), through the re
   key_pass    `datastore.build.build_datastore` over the same corpus (the config's entries and key dtype): the
               forward pass of every window and the keys written to the memmaps
 Tokens/s = scored tokens (stored entries for key_pass) / wall seconds. Compilation is excluded: each evaluation
-first runs over a few windows untimed (as `evaluate_checkpoint`'s throughput does), the key pass is timed from
-a resumed build whose first chunk compiled. Random tokens: the cost depends on the shapes only.
+first runs untimed over the same tokens (its step shapes follow the windows evaluated: complete mode's query
+count is the longest block's, so a shorter untimed run can leave the timed one a compile; it did, 13x at
+wiki103_7m --tiny), the key pass is timed from a resumed build whose first chunk compiled. Random tokens: the cost depends on the shapes only.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from bench.common import check_flags, check_out, run
 from bench.mfu import CONFIGS, apply_set, load_config, parse_set
 from trime_jax import data, exports, specs
 from trime_jax.datastore import build as ds_build
@@ -98,7 +100,7 @@ def measure(name: str, a, on_row=lambda out, row: None) -> dict:
   graphdef, params = nnx.split(model, nnx.Param)
   del model
   stride, streams = int(e.block_len) - int(e.context_window), int(e.batch_size)
-  warm = a.warm_tokens or 2 * stride * streams
+  warm = a.warm_tokens or a.tokens
   line_len = min(a.line_len, max(2, int(e.block_len) // 8))  # complete mode drops lines longer than a block
   corpus = synthetic_corpus(vocab, max(a.tokens, a.key_pass_tokens) + warm + int(e.block_len), line_len)
   tau = float(e.tau)
@@ -138,15 +140,23 @@ def main(argv=None):
   p.add_argument("--tiny", action="store_true", help="every config shrunk (bench.mfu's --tiny): a CPU smoke run")
   p.add_argument("--tokens", type=int, default=0, help="scored tokens per timed evaluation (default 65,536; "
                  "--tiny 2,048)")
-  p.add_argument("--warm_tokens", type=int, default=0, help="tokens of the untimed compiling run (default: 2 "
-                 "windows' scored tokens x streams)")
+  p.add_argument("--warm_tokens", type=int, default=0, help="tokens of the untimed compiling run (default: "
+                 "--tokens, the timed run's own shapes; fewer may leave the timed run a compile)")
   p.add_argument("--mem_size", type=int, default=-1, help="long-term store size (-1: the config's eval.mem_size)")
   p.add_argument("--key_pass_tokens", type=int, default=-1, help="entries the timed key pass stores (default "
                  "--tokens; 0: no key pass)")
   p.add_argument("--line_len", type=int, default=100, help="mean line length of the synthetic corpus")
   p.add_argument("--set", action="append", default=[], help="SECTION.FIELD=VALUE (bench.mfu's --set)")
   p.add_argument("--out", default="")
+  p.add_argument("--overwrite", action="store_true", help="replace an --out that is not this benchmark's result")
   a = p.parse_args(argv)
+  check_flags((a.tokens >= 0, f"--tokens must be >= 0 (0: the default), got {a.tokens}"),
+              (a.warm_tokens >= 0, f"--warm_tokens must be >= 0 (0: --tokens), got {a.warm_tokens}"),
+              (a.line_len >= 1, f"--line_len must be >= 1, got {a.line_len}"),
+              (a.mem_size >= -1, f"--mem_size must be >= 0 (-1: the config's), got {a.mem_size}"))
+  check_out(a.out, "eval_speed", a.overwrite)
+  for name in a.configs.split(","):  # every name and --set field checked before the first measurement
+    apply_set(load_config(name, a.tiny), parse_set(a.set))
   a.tokens = a.tokens or (2_048 if a.tiny else 65_536)
   if a.key_pass_tokens < 0:
     a.key_pass_tokens = a.tokens
@@ -159,7 +169,7 @@ def main(argv=None):
   def write():  # after every row: a config cut at its budget (gpu_speed.sh's timeout) keeps what it measured
     if a.out:
       with open(a.out, "w", encoding="utf-8") as f:
-        json.dump({"device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+        json.dump({"bench": "eval_speed", "device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(),
                    "args": vars(a), "results": results}, f, indent=1)
 
   def on_row(out, row):
@@ -184,4 +194,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  run(main)

@@ -18,6 +18,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from bench.common import check_flags, fail, run
+
 
 def _export(tmp):
   from trime_jax.configs import demo
@@ -32,7 +34,7 @@ def _export(tmp):
   return exports.export(os.path.join(tmp, "export"), nnx.state(net, nnx.Param), cfg, vocab)
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--checkpoint", default="")
   ap.add_argument("--batch", default="1,8")
@@ -40,14 +42,29 @@ def main():
   ap.add_argument("--store_tokens", type=int, default=16_384)
   ap.add_argument("--datastore_tokens", type=int, default=200_000)
   ap.add_argument("--knn_k", type=int, default=1024)
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
+  try:
+    batches = [int(b) for b in args.batch.split(",")]
+  except ValueError:
+    fail(f"--batch takes batch sizes separated by commas (e.g. 1,8), got {args.batch!r}")
+  check_flags((min(batches) >= 1, f"--batch sizes must be >= 1, got {args.batch}"),
+              (args.new_tokens >= 1, f"--new_tokens must be >= 1, got {args.new_tokens}"),
+              (args.store_tokens >= 1, f"--store_tokens must be >= 1, got {args.store_tokens}"),
+              (args.datastore_tokens >= 1, f"--datastore_tokens must be >= 1, got {args.datastore_tokens}"),
+              (args.knn_k >= 1, f"--knn_k must be >= 1, got {args.knn_k}"))
 
+  from trime_jax import exports
+
+  checkpoint = exports.export_path(args.checkpoint) if args.checkpoint else ""  # a shipped model's name too
+  with tempfile.TemporaryDirectory(prefix="bench_generate_") as tmp:  # the datastore: removed at the end
+    _measure(args, batches, checkpoint or _export(tmp), tmp)
+
+
+def _measure(args, batches, checkpoint, tmp):
   from trime_jax import data
   from trime_jax import generate as G
   from trime_jax.datastore import Datastore, build_datastore, build_index
 
-  tmp = tempfile.mkdtemp(prefix="bench_generate_")
-  checkpoint = args.checkpoint or _export(tmp)
   gen = G.Generator(checkpoint, log=lambda m: None)
   docs = data.stdlib_documents(400)
   text = b"".join(d for _, d in docs)
@@ -70,7 +87,7 @@ def main():
   settings = [("none", {}, "0"), ("local", {}, "prompt + generated"),
               ("long", {"store": store}, f"local + {len(store):,} stored"),
               ("external", {"external": external}, f"local + top-{external.k} of {external.datastore.count:,}")]
-  for b in map(int, args.batch.split(",")):
+  for b in batches:
     for kind, extra, what in settings:
       run = lambda: gen.generate([prompt] * b, max_new_tokens=args.new_tokens, memory=G.MemorySpec(kind),
                                  sampling=G.Sampling(1.0, seed=0), stop_at_eos=False, remember=False, **extra)
@@ -83,4 +100,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  run(main)

@@ -1,6 +1,6 @@
 """Model FLOPs utilisation (MFU) of the paper configs' real train step, CE and TRIME (issue 37).
 
-  python -m bench.mfu --tiny --out=/tmp/mfu.json                 # CPU, every config shrunk (well under a minute)
+  python -m bench.mfu --tiny --out=/tmp/mfu.json                 # CPU, every config shrunk (about 4 min on 2 CPU cores)
   python -m bench.mfu --configs=wiki103_247m --out=mfu.json       # an accelerator, the paper's shapes
   python -m bench.mfu --configs=wiki103_7m --max_batch            # also the largest per-device batch that fits
   python -m bench.mfu --configs=wiki103_247m --set model.remat=block --set train.batch_size=16   # a lever
@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench.common import zipf_tokens
+from bench.common import check_flags, check_out, fail, run, zipf_tokens
 from trime_jax import data, steps
 from trime_jax import model as model_lib
 from trime_jax import train as train_lib
@@ -179,7 +179,12 @@ def flops_per_token(mcfg, l: int, objective: str, memory: str, b: int, m: int, p
 # Configs, at their shapes or shrunk (--tiny)
 # ----------------------------------------------------------------------------------------------------------
 def load_config(name: str, tiny: bool):
-  c = importlib.import_module(f"trime_jax.configs.{name}").get_config()
+  try:
+    c = importlib.import_module(f"trime_jax.configs.{name}").get_config()
+  except ModuleNotFoundError as e:
+    if e.name != f"trime_jax.configs.{name}":
+      raise
+    fail(f"--configs: no config {name!r} (configs/{name}.py); the paper's: {','.join(CONFIGS)}")
   if not c.model.vocab_size:
     c.model.vocab_size = DOCS_WT_VOCAB
   if tiny:  # every dimension shrunk; the structure (adaptive bands, memory kind, accumulation, dtype) kept
@@ -209,7 +214,7 @@ def parse_set(items) -> dict:
   for item in items:
     key, sep, value = item.partition("=")
     if not sep or key.count(".") != 1:
-      raise SystemExit(f"--set takes SECTION.FIELD=VALUE (e.g. model.remat=block), got {item!r}")
+      fail(f"--set takes SECTION.FIELD=VALUE (e.g. model.remat=block), got {item!r}")
     out[key.strip()] = value.strip()
   return out
 
@@ -233,15 +238,15 @@ def _typed(text: str, current):
 
 def apply_set(config, settings: dict):
   """The config with `settings` ({"section.field": text}) applied; an unknown field or a value of the wrong type
-  is a SystemExit naming it."""
+  is one error line naming it (exit status 2)."""
   for key, text in settings.items():
     section, field = key.split(".")
     if section not in config or field not in config[section]:
-      raise SystemExit(f"--set {key}: no such config field")
+      fail(f"--set {key}: no such config field")
     try:
       config[section][field] = _typed(text, config[section][field])
     except (ValueError, SyntaxError, TypeError) as e:
-      raise SystemExit(f"--set {key}={text}: {e}") from None
+      fail(f"--set {key}={text}: {e}")
   return config
 
 
@@ -370,7 +375,7 @@ def measure(config, objective: str, rows: int, n_steps: int, warmup: int, peak):
   """One row of the table: the config's real train step at `rows` segments per device."""
   mcfg = specs.model_config(config, vocab_size=config.model.vocab_size)
   if not isinstance(mcfg, model_lib.ModelConfig):
-    raise SystemExit(f"bench.mfu counts FLOPs of the Transformer backbone only, not {type(mcfg).__name__}")
+    fail(f"bench.mfu counts FLOPs of the Transformer backbone only, not {type(mcfg).__name__}")
   graphdef, params = nnx.split(model_lib.build_model(mcfg, rngs=nnx.Rngs(params=0)), nnx.Param)
   tx, _ = make_optimizer(config.train)  # train.py's optimizer (trime_jax/runtime/optim.py)
   spec = specs.loss_spec(config)
@@ -480,14 +485,26 @@ def main(argv=None):
   ap.add_argument("--check_attention", action="store_true",
                   help="first compare the config's attention_impl with XLA's on a small model (GPU levers)")
   ap.add_argument("--out", default="")
+  ap.add_argument("--overwrite", action="store_true", help="replace an --out that is not this benchmark's result")
   args = ap.parse_args(argv)
+  check_flags((args.steps >= 1, f"--steps must be >= 1, got {args.steps}"),
+              (args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}"),
+              (args.rows >= 0, f"--rows must be >= 0 (0: the config's), got {args.rows}"),
+              (args.peak_tflops >= 0, f"--peak_tflops must be >= 0 (0: the device's), got {args.peak_tflops}"),
+              (args.pipeline_steps >= 0, f"--pipeline_steps must be >= 0, got {args.pipeline_steps}"),
+              (args.max_batch_limit >= 1, f"--max_batch_limit must be >= 1, got {args.max_batch_limit}"),
+              (set(args.objectives.split(",")) <= {"ce", "trime"}, f"--objectives takes ce,trime, got {args.objectives!r}"))
+  check_out(args.out, "mfu", args.overwrite)
   settings = parse_set(args.set)
+  names = [x for x in args.configs.split(",") if x]
+  for name in names:  # every name and --set field checked before the first measurement
+    apply_set(load_config(name, args.tiny), settings)
 
   dev = jax.devices()[0]
   print(f"backend {jax.default_backend()} | device {dev.device_kind} × {jax.device_count()} | jax {jax.__version__}")
   print(FORMULA)
   print(f"XLA cost analysis counts a scan body once: {loop_body_counted_once()} (then × grad_accum)\n")
-  results = {"backend": jax.default_backend(), "device_kind": dev.device_kind, "devices": jax.device_count(),
+  results = {"bench": "mfu", "backend": jax.default_backend(), "device_kind": dev.device_kind, "devices": jax.device_count(),
              "jax": jax.__version__, "tiny": args.tiny, "formula": FORMULA, "configs": {},
              "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv[1:],
              "set": settings}
@@ -502,7 +519,7 @@ def main(argv=None):
       with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 
-  for name in [x for x in args.configs.split(",") if x]:
+  for name in names:
     config = apply_set(load_config(name, args.tiny), settings)
     check_speed_options(config)  # train.py's check: an option this backend cannot run is one ConfigError
     peak, peak_src = peak_tflops(dev.device_kind, config.model.dtype, args.peak_tflops)
@@ -573,9 +590,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  from trime_jax.errors import TrimeError
-
-  try:
-    main()
-  except TrimeError as e:  # a config this backend cannot run (e.g. attention_impl=cudnn on a CPU): one line
-    raise SystemExit(f"error: {e}") from None
+  run(main)  # a config this backend cannot run (e.g. attention_impl=cudnn on a CPU): one error line, exit 2

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 import trime_jax
+from bench.common import check_flags, fail, run
 
 DEFAULT_TEXTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data",
                              "wikitext-2", "wiki.test.tokens")  # ../shared beside the repository
@@ -53,10 +54,16 @@ def main(argv=None) -> int:
   p.add_argument("--k", type=int, default=None, help="memory=external: entries retrieved per token (eval.knn_k)")
   p.add_argument("--repeats", type=int, default=3)
   a = p.parse_args(argv)
+  check_flags((a.texts >= 1, f"--texts must be >= 1, got {a.texts}"),
+              (a.repeats >= 1, f"--repeats must be >= 1, got {a.repeats}"),
+              (os.path.isfile(a.text_file), f"--text_file={a.text_file} is not a file"),
+              (a.memory == "external" or (a.datastore is None and a.k is None),
+               f"--datastore and --k are read with --memory=external only (--memory={a.memory})"))
   model = trime_jax.load(a.model)
   texts = read_lines(a.text_file, a.texts)
   if not texts:
-    raise SystemExit(f"error: no lines to score in {a.text_file}")
+    fail(f"no lines to score in {a.text_file}")
+  # (the API refuses k= and datastore= without external memory, and external memory without a datastore)
   kw = dict(memory=a.memory, datastore=a.datastore, k=a.k) if a.memory == "external" else dict(memory=a.memory)
   one_by_one = lambda: [model.score(t, **kw) for t in texts]
   together = lambda: model.score(texts, **kw)
@@ -86,4 +93,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  raise SystemExit(main())
+  raise SystemExit(run(main))

@@ -103,11 +103,15 @@ def _end_progress_lines() -> None:
       pass
 
 
-def run_main(main, *, checkpoint_is_export: bool = True):
+INTERRUPTED = "output files are written whole or not at all; rerun the same command"
+
+
+def run_main(main, *, checkpoint_is_export: bool = True, interrupted: str = INTERRUPTED):
   """Run an absl `main`; input errors (TrimeError) print one `error: ...` line and exit with status 2, as do
   errors of the machine (a folder for a file, no permission, a full disk: ENVIRONMENT_ERRNOS).
   checkpoint_is_export: a `--checkpoint` flag names an export, read as `trime_jax.load` reads a path
-  (`launch.flags.parse_flags`); False where it names something else (import_fairseq: a fairseq .pt)."""
+  (`launch.flags.parse_flags`); False where it names something else (import_fairseq: a fairseq .pt).
+  interrupted: what a Ctrl-C leaves, said after "interrupted (Ctrl-C): " (exit status 130)."""
   import functools
   import threading
 
@@ -166,8 +170,7 @@ def run_main(main, *, checkpoint_is_export: bool = True):
       sys.exit(2)
     except KeyboardInterrupt:  # training and datastore builds say what is on disk themselves
       _end_progress_lines()
-      print("interrupted (Ctrl-C): output files are written whole or not at all; rerun the same command",
-            file=sys.stderr, flush=True)
+      print(f"interrupted (Ctrl-C): {interrupted}", file=sys.stderr, flush=True)
       sys.exit(130)
 
   app.run(wrapped, flags_parser=functools.partial(parse_flags, module=main.__module__,

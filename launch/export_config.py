@@ -24,6 +24,8 @@ def get_config(export_dir: str = ""):
     raise ConfigError("--config=launch/export_config.py needs the export after a colon: "
                       "--config=launch/export_config.py:EXPORT_DIR (or leave --config out: --checkpoint=EXPORT_DIR "
                       "evaluates with the export's config)")
+  # read as --checkpoint and trime_jax.load read it: a shipped model's name ("demo"), a workdir (its export/)
+  export_dir = exports.export_path(export_dir)
   # A translation export's config is of another schema (configs/ui_de_en.py): returned as stored, not over the
   # language model's defaults; build_datastore reads it, the language model's programs refuse it with the
   # export named (launch.checks.validated), not with the first LM field it lacks

@@ -172,4 +172,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  run_main(main)
+  run_main(main, interrupted="nothing was printed (the texts are printed when every prompt is done): rerun with "
+                             "fewer --max_new_tokens")

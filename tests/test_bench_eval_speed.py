@@ -1,4 +1,4 @@
-"""bench.eval_speed at tiny shapes on CPU: the rows it times, the JSON it writes, a failing config reported."""
+"""bench.eval_speed at tiny shapes on CPU: the rows it times, the JSON it writes, a config failing midway reported."""
 
 import contextlib
 import io
@@ -15,20 +15,17 @@ def result(tmp_path_factory):
   out = tmp_path_factory.mktemp("eval_speed") / "eval_speed.json"
   stdout = io.StringIO()
   with contextlib.redirect_stdout(stdout):
-    # wiki103_150m: local, long-term (its 15,000-token store, 256 when tiny) and the key pass; a config that
-    # does not exist first: its failure is reported and the run goes on
-    eval_speed.main(["--tiny", "--configs=no_such_config,wiki103_150m", "--tokens=384", "--key_pass_tokens=300",
-                     f"--out={out}"])
+    # wiki103_150m: local, long-term (its 15,000-token store, 256 when tiny) and the key pass (a config that
+    # does not exist is refused before any: tests/test_bench_flags.py; one failing midway: below)
+    eval_speed.main(["--tiny", "--configs=wiki103_150m", "--tokens=384", "--key_pass_tokens=300", f"--out={out}"])
   result = json.loads(out.read_text())
   result["stdout"] = stdout.getvalue()
   return result
 
 
 def test_rows(result):
-  failed, ok = result["results"]
-  assert failed["config"] == "no_such_config" and failed["error"].startswith("ModuleNotFoundError")
-  assert "| no_such_config | failed: ModuleNotFoundError: " in result["stdout"]
-  assert ok["config"] == "wiki103_150m" and "error" not in ok
+  [ok] = result["results"]
+  assert result["bench"] == "eval_speed" and ok["config"] == "wiki103_150m" and "error" not in ok
   rows = ok["rows"]
   assert set(rows) == {"eval_local", "eval_long", "key_pass"}
   for name, r in rows.items():

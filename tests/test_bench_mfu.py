@@ -55,7 +55,7 @@ def test_set_is_recorded_and_printed(result):
     assert (r["attention_impl"], r["remat"]) == ("xla", "none")
 
 
-def test_set_types_and_refusals():
+def test_set_types_and_refusals(capsys):
   c = default.get_config()
   mfu.apply_set(c, mfu.parse_set(["model.remat=block", "train.batch_size=8", "train.learning_rate=1",
                                   "model.final_norm=false", "data.split_fractions=(0.8, 0.1, 0.1)"]))
@@ -64,8 +64,10 @@ def test_set_types_and_refusals():
   assert c.data.split_fractions == (0.8, 0.1, 0.1)
   for bad, match in (["model.remat"], "SECTION.FIELD=VALUE"), (["model.rematt=block"], "no such config field"), \
                     (["train.batch_size=eight"], "batch_size=eight"):
-    with pytest.raises(SystemExit, match=match):
+    with pytest.raises(SystemExit) as e:
       mfu.apply_set(c, mfu.parse_set(bad))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: --set ") and match in err, err
 
 
 def test_cudnn_on_cpu_is_refused_before_compiling():

@@ -323,3 +323,13 @@ def test_loaded_parameters_live_on_the_device():
   assert leaves and all(isinstance(x, jax.Array) for x in leaves)
   with jax.transfer_guard_host_to_device("disallow"):
     jax.jit(lambda p: sum(x.sum() for x in jax.tree_util.tree_leaves(p)))(params).block_until_ready()
+
+
+def test_export_config_reads_a_shipped_models_name():
+  """`--config=launch/export_config.py:demo` reads the shipped model as `--checkpoint=demo` does (it looked for
+  ./demo/config.json; found by a walk-through)."""
+  from trime_jax.launch import export_config
+  from trime_jax import exports as E
+
+  shipped = E.stored_over_defaults(E.export_path("demo"))
+  assert export_config.get_config("demo").to_dict() == shipped.to_dict()

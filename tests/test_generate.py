@@ -524,6 +524,9 @@ def test_bad_input_is_a_clear_error(byte_gen):
       (lambda: byte_gen.generate([b"abc"]), r"^prompt 0 is bytes"),
       (lambda: byte_gen.generate([3.5]), r"^prompt 0 must be a string or a list of token ids, got float"),
       (lambda: byte_gen.generate(["a"], max_new_tokens=2.5), r"^max_new_tokens must be an integer >= 1"),
+      # a memory larger than the machine: one error, not NumPy's MemoryError (found by a walk-through)
+      (lambda: byte_gen.generate(["a"], max_new_tokens=10**12),
+       r"^max_new_tokens=1,000,000,000,000: the local memory of 1 row\(s\) x .* GiB, more than half of this machine"),
       (lambda: byte_gen.generate(["a"], sampling={"temperature": 0}), r"^sampling must be a generate.Sampling"),
       (lambda: G.Sampling(seed=2**31), r"^seed must be an integer in \[-2\*\*31, 2\*\*31\)"),
       (lambda: G.Sampling(seed=-2**31 - 1), r"^seed must be an integer"),

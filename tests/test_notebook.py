@@ -29,7 +29,9 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
   assert "colab.research.google.com" in nb.cells[0].source  # the Open in Colab badge
   assert not any("find_spec(\"trime_jax.launch.generate\")" in c.source for c in nb.cells)  # generation is not optional
   nb.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(CI_PARAMETERS, metadata={"tags": ["injected-parameters"]}))
-  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+  # As a user runs it: trime-jax installed, the kernel elsewhere than the repository root (Colab's /content), no
+  # PYTHONPATH to the clone (with one, its top-level configs/ hid an install check that failed everywhere else)
+  monkeypatch.delenv("PYTHONPATH", raising=False)
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                    resources={"metadata": {"path": str(tmp_path)}})

@@ -17,6 +17,7 @@ import numpy as np
 
 from trime_jax import exact_memory
 from trime_jax import knn
+from trime_jax.datastore.index import host_memory_bytes
 from trime_jax.errors import ConfigError
 
 MEMORIES = ("none", "local", "long", "external")
@@ -109,6 +110,11 @@ class Memories:
     self.store, self.external = store, external
     cap = max(len(s) for s in seqs) - 1 + max_new
     self.cap = -(-cap // 64) * 64  # fewer recompilations across calls
+    need, have = b * self.cap * d_model * 4, host_memory_bytes()
+    if need > have // 2:  # (and as much again on the device): refused before NumPy's MemoryError traceback
+      raise ConfigError(f"max_new_tokens={max_new:,}: the local memory of {b} row(s) x {self.cap:,} tokens x "
+                        f"{d_model} float32 would take {need / 2**30:,.1f} GiB, more than half of this machine's "
+                        f"{have / 2**30:,.1f} GiB; generate fewer tokens per call (continue from the output)")
     self.local_keys = np.zeros((b, self.cap, d_model), np.float32)
     self.local_targets = np.full((b, self.cap), -1, np.int32)
     self.n_mem = np.array([len(s) - 1 for s in seqs])
