@@ -339,7 +339,7 @@ def test_bad_arguments_raise_clear_errors():
   with pytest.raises(ValueError, match="documents restrict long-term memory"):
     loss.trime_nll(lg, x, t, memory="ext", documents=jnp.zeros((4, 3), jnp.int32))
   # τ ≤ 0 used to give finite wrong values (or inf, or a ZeroDivisionError); a target ≥ V NaN or a clamped id
-  for tau in (-1.0, 0.0, float("inf")):
+  for tau in (-1.0, 0.0, float("inf"), True, "1.0"):
     with pytest.raises(ValueError, match="tau must be a positive finite number"):
       loss.trime_nll(lg, x, t, memory="local", tau=tau)
   # an array of one τ broadcast unchecked (inf / NaN / a negative τ); a drop asked of a memory that has none

@@ -181,6 +181,8 @@ def check_tau(tau):
   gives finite but meaningless similarities, or inf / a division by zero, never an error."""
   if isinstance(tau, jax.core.Tracer):
     return
+  if isinstance(tau, (bool, np.bool_, str, bytes)):  # True read as 1.0, "1.0" parsed: neither is a τ
+    raise ValueError(f"tau must be a positive finite number, got {tau!r}")
   try:
     t = np.asarray(tau, np.float64)  # a number, a NumPy or JAX scalar; an array of several is refused below
   except (TypeError, ValueError):
