@@ -331,11 +331,17 @@ def check_train(workdir):
           "try: train_and_evaluate(tiny_config(sys.argv[1], **eval(sys.argv[2])), sys.argv[3])\n"
           "except Exception as e: print(f'{type(e).__name__}: {e}')")
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  resumed_elsewhere = subprocess.run([sys.executable, "-c", code, corpus, repr(overrides),
-                                      os.path.join(workdir, "all_local_only")], capture_output=True, text=True,
-                                     env=env, timeout=600).stdout.strip().splitlines()
+  on_4 = lambda settings: subprocess.run(
+      [sys.executable, "-c", code + "\nelse: print('ran')", corpus, repr(settings),
+       os.path.join(workdir, "all_local_only")], capture_output=True, text=True, env=env,
+      timeout=600).stdout.strip().splitlines()[-1:]
+  resumed_elsewhere = on_4(overrides)
+  # ... and once finished here, its rerun there trains nothing: it runs (re-evaluates, exports)
+  finished = {**overrides, "train.stop_after": 0}
+  train_and_evaluate(tiny_config(corpus, **finished), os.path.join(workdir, "all_local_only"))
+  resumed_elsewhere += on_4(finished)
   return {"runs": out, "dev": dev, "dev_calls": dev_calls, "devices": jax.device_count(), "srupp": check_srupp_train(workdir, corpus),
-          "mt": check_mt_train(workdir), "local_only_resumed_on_4": resumed_elsewhere[-1:]}
+          "mt": check_mt_train(workdir), "local_only_resumed_on_4": resumed_elsewhere}
 
 
 def check_mt_train(workdir):

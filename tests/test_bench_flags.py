@@ -37,12 +37,14 @@ def test_bad_flags_are_one_error_line(tmp_path, capsys):
                      (["--tiny", "--configs=nosuch"], "no config 'nosuch'"),
                      (["--tiny", f"--out={precious}"], "is not a result of bench.eval_speed")]:
     _refused(capsys, eval_speed.main, argv, said)
+  lines = tmp_path / "lines.txt"
+  lines.write_text("a b c\n")
   for argv, said in [(["--texts=0"], "--texts must be >= 1, got 0"),
                      (["--repeats=0"], "--repeats must be >= 1"),
                      ([f"--text_file={tmp_path / 'none.txt'}"], "none.txt is not a file"),
-                     (["--k=5"], "--datastore and --k are read with --memory=external only"),
-                     (["--memory=external", "--texts=1"], "datastore"),  # the API's ConfigError, as one line
-                     (["--model=nosuch"], "nosuch")]:
+                     ([f"--text_file={lines}", "--k=5"], "--datastore and --k are read with --memory=external only"),
+                     ([f"--text_file={lines}", "--memory=external"], "datastore"),  # the API's ConfigError, one line
+                     ([f"--text_file={lines}", "--model=nosuch"], "nosuch")]:
     _refused(capsys, score_texts.main, argv, said)
   for argv, said in [(["--batch=0"], "--batch sizes must be >= 1"), (["--batch=x"], "--batch takes batch sizes"),
                      (["--knn_k=0"], "--knn_k must be >= 1")]:

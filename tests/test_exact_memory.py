@@ -97,6 +97,10 @@ def test_exact_external_log_probs_is_the_trime_distribution(setup):  # noqa: F81
     np.testing.assert_allclose(np.exp(lp[i]), want, rtol=2e-5, atol=1e-7)
   with pytest.raises(CheckpointError, match="dimension"):
     exact_memory.exact_external_log_probs(logits, q[:, :3], store)
+  # the stored targets are checked against V once, at load (max_target), not read back at every call
+  assert store.max_target == int(np.max(values))
+  with pytest.raises(CheckpointError, match=rf"holds target id {store.max_target}, outside the model's vocabulary"):
+    exact_memory.exact_external_log_probs(logits[:, :store.max_target], q, store)
 
 
 def test_on_device_config_is_checked(setup, monkeypatch):  # noqa: F811

@@ -405,6 +405,8 @@ def test_bad_arguments_raise_clear_errors():
                         r"documents must be \[B, L\] = \[4, 3\] like the targets, got \[4, 4\]")]:
     with pytest.raises(ValueError, match=said):
       loss.trime_nll(lg, x, t, **kwargs)
+  np.testing.assert_array_equal(loss.trime_nll(lg, x, t, memory="ext", drop_local=np.array([1, 0, 0, 1])),
+                                loss.trime_nll(lg, x, t, memory="ext", drop_local=np.array([1, 0, 0, 1], bool)))
   with pytest.raises(ValueError, match=r"the mesh has no axis 'batch' \(its axes: 'data'"):
     sharded_loss.sharded_trime_nll(lg, x, t, mesh=mesh, memory="ext", axis="batch")
   with pytest.raises(ValueError, match=r"shapes do not fit: .* memory_mask \[N, M\] \(3, 2\)"):

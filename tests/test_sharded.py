@@ -228,9 +228,11 @@ def test_training_on_8_devices_matches_1_device_step_for_step(checks):
   # ... so a resume on 4 devices of such a run on all 8 (train.num_devices=0), which would cut them every 4 rows
   # instead of 2, is refused (it ran on with another objective, nothing said)
   said = result["local_only_resumed_on_4"]
-  assert said and said[0].startswith("ConfigError: ") and (
+  assert len(said) == 2 and said[0].startswith("ConfigError: ") and (
       "'local_only' cut key gradients between devices every 2 rows when the run began, and would cut key gradients "
-      "between devices every 4 rows on the 4 devices here") in said[0], said
+      "between devices every 4 rows on the 4 devices here: resuming would change the objective halfway. Resume on "
+      "the device count it began with (train.num_devices=8)") in said[0], said
+  assert said[1] == "ran", said  # the finished run's rerun on 4 devices trains nothing: not refused
   # The dev evaluations (eval.batch_size=4 streams on 1 device; on 8 devices 8 streams, one each: LMTask.dev_streams)
   dev = result["dev"]
   assert [d["step"] for d in dev["1dev"]] == [3] and [d["step"] for d in dev["8dev_ring"]] == [3]

@@ -62,6 +62,7 @@ class DeviceDatastore:
   count: int
   mesh: jax.sharding.Mesh
   axis: str = sharding.DATA
+  max_target: int = -1  # the largest target id stored (read once at load: checked against V per call on the host)
   search_seconds: float = 0.0  # time spent in `log_terms` (the counterpart of FAISS search time)
   queries: int = 0
 
@@ -107,7 +108,8 @@ def load_datastore(ds: Datastore | str, mesh=None, *, axis: str = sharding.DATA,
   rows = -(-ds.count // n) * n
   keys = rows_to_devices(ds.keys, ds.count, rows, 0, dtype, NamedSharding(mesh, P(axis, None)), chunk_bytes)
   targets = rows_to_devices(ds.values, ds.count, rows, -1, np.int32, NamedSharding(mesh, P(axis)), chunk_bytes)
-  return DeviceDatastore(keys, targets, ds.count, mesh, axis)
+  top = max((int(np.max(ds.values[i:i + (1 << 24)])) for i in range(0, ds.count, 1 << 24)), default=-1)
+  return DeviceDatastore(keys, targets, ds.count, mesh, axis, max_target=top)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -148,7 +150,8 @@ def from_arrays(keys_MxD, targets_M, mesh, *, axis: str = sharding.DATA) -> Devi
   keys = np.pad(keys, ((0, pad), (0, 0)))
   targets = np.pad(targets, (0, pad), constant_values=-1)
   return DeviceDatastore(jax.device_put(keys, NamedSharding(mesh, P(axis, None))),
-                         jax.device_put(targets, NamedSharding(mesh, P(axis))), int(len(targets_M)), mesh, axis)
+                         jax.device_put(targets, NamedSharding(mesh, P(axis))), int(len(targets_M)), mesh, axis,
+                         max_target=int(targets.max(initial=-1)))
 
 
 def replicated(store: DeviceDatastore, x) -> jax.Array:
@@ -215,5 +218,8 @@ def exact_external_log_probs(token_logits_NxV, queries_NxD, store: DeviceDatasto
   if queries_NxD.shape[-1] != store.dimension:
     raise CheckpointError(f"queries of dimension {queries_NxD.shape[-1]} cannot score a datastore of dimension "
                           f"{store.dimension}")
+  if store.max_target >= token_logits_NxV.shape[-1]:  # (checked here, not by reading the targets back each call)
+    raise CheckpointError(f"the datastore holds target id {store.max_target}, outside the model's vocabulary of "
+                          f"{token_logits_NxV.shape[-1]}: it was built for another model")
   return scoring.sharded_memory_log_probs(token_logits_NxV, queries_NxD, store.keys, store.targets, None, mesh=store.mesh,
-                                  tau=tau, axis=store.axis, memory_chunk=memory_chunk)
+                                          tau=tau, axis=store.axis, memory_chunk=memory_chunk, targets_checked=True)

@@ -85,7 +85,7 @@ def per_query_causal(memory: str, drop_local, b: int, l: int):
       # (training passes an all-False drop_local whatever the memory: only a drop asked for is refused)
       raise ValueError(f"drop_local drops ext memory's local part; memory={memory!r} has no drop")
     return jnp.ones((b, l), bool)
-  if jnp.asarray(drop_local).dtype != jnp.bool_:  # 0.9 (a probability) read as True would drop every row
+  if jnp.issubdtype(jnp.asarray(drop_local).dtype, jnp.inexact):  # 0.9 (a probability) read as True: every row
     raise ValueError(f"drop_local must be a bool or a [B={b}] bool array (the drop decisions, not their "
                      f"probability), got {drop_local!r}")
   drop = jnp.asarray(drop_local, bool)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -589,23 +590,27 @@ def memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mas
                            _checked_scale(token_logits, keys, memory_keys, memory_targets, memory_mask, tau))
 
 
-def _checked_scale(token_logits, keys, memory_keys, memory_targets, memory_mask, tau):
+def _checked_scale(token_logits, keys, memory_keys, memory_targets, memory_mask, tau, targets_checked=False):
   """`memory_log_probs`' arguments checked (ValueError: shapes that do not fit, memory targets ≥ V where
-  concrete, τ), and its similarity scale."""
+  concrete and not `targets_checked`, τ), and its similarity scale."""
   (n, v), m = jnp.shape(token_logits), jnp.shape(memory_targets)[0]
   if (jnp.shape(keys)[0] != n or jnp.shape(memory_keys) != (m, jnp.shape(keys)[-1])
       or jnp.shape(memory_mask) != (n, m)):
     raise ValueError(f"shapes do not fit: token_logits [N, V] {jnp.shape(token_logits)}, keys [N, D] "
                      f"{jnp.shape(keys)}, memory_keys [M, D] {jnp.shape(memory_keys)}, memory_targets [M] "
                      f"{jnp.shape(memory_targets)}, memory_mask [N, M] {jnp.shape(memory_mask)}")
-  check_targets(memory_targets, v, "memory_targets")
+  if not targets_checked:
+    check_targets(memory_targets, v, "memory_targets")
   return jnp.asarray(static_scale(keys.shape[-1], tau), accumulation_dtype(keys))
 
 
-def memory_log_weights(token_logits, keys, memory_keys, memory_targets, memory_mask, *, tau=1.0):
+def memory_log_weights(token_logits, keys, memory_keys, memory_targets, memory_mask, *, tau=1.0,
+                       targets_checked: bool = False):
   """`memory_log_probs` before normalising: log(exp(logit_w) + Σ_{visible j, x_j = w} exp(sim_j)) `[N, V]`, as
-  logits to which further memories can be added (generation adds an on-device datastore's)."""
-  scale = _checked_scale(token_logits, keys, memory_keys, memory_targets, memory_mask, tau)
+  logits to which further memories can be added (generation adds an on-device datastore's). `targets_checked`:
+  the caller knows the memory targets lie below V (tokens the model wrote or read), so a device array of them is
+  not read back at every call (eager generation, once per token)."""
+  scale = _checked_scale(token_logits, keys, memory_keys, memory_targets, memory_mask, tau, targets_checked)
   return _memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask, scale, normalise=False)
 
 
@@ -701,7 +706,7 @@ def pad_memory(n: int, memory_keys, memory_targets, memory_mask=None):
 
 
 def sharded_memory_log_probs(token_logits, keys, memory_keys, memory_targets, memory_mask=None, *, mesh,
-                             tau=1.0, axis: str = DATA, memory_chunk: int = 0):
+                             tau=1.0, axis: str = DATA, memory_chunk: int = 0, targets_checked: bool = False):
   """`memory_log_probs` with the memory sharded over `axis` of `mesh`: log-probabilities `[N, V]` at τ = `tau`.
 
   token_logits `[N, V]`, keys `[N, D]` (replicated: every device scores every query), memory_keys `[M, D]`,
@@ -712,7 +717,8 @@ def sharded_memory_log_probs(token_logits, keys, memory_keys, memory_targets, me
   `DEFAULT_BLOCK_ELEMS` similarities per chunk), keeping per vocabulary bucket a running max and a segment sum
   of exp(similarity - max); the devices' buckets are then combined with one `pmax` and one `psum` of `[V, N]`,
   so no bucket's mass underflows however far it lies below the others, and a device with no visible memory
-  contributes exactly nothing. Returns a replicated array.
+  contributes exactly nothing. Returns a replicated array. Memory targets ≥ V: ValueError where concrete, unless
+  `targets_checked` (checked once by the caller: a datastore on the devices is not read back at every call).
   """
   token_logits, keys = jnp.asarray(token_logits), jnp.asarray(keys)
   memory_keys, memory_targets = jnp.asarray(memory_keys), jnp.asarray(memory_targets, jnp.int32)
@@ -725,14 +731,15 @@ def sharded_memory_log_probs(token_logits, keys, memory_keys, memory_targets, me
     memory_mask = jnp.asarray(memory_mask, bool)
     if memory_mask.shape != (n_q, m):
       raise ValueError(f"memory_mask must be [N={n_q}, M={m}], got {memory_mask.shape}")
-  check_targets(memory_targets, v, "memory_targets")  # (the segment sum would drop one ≥ V without a word)
-  if not isinstance(memory_chunk, int) or memory_chunk < 0:
+  if not targets_checked:  # (the segment sum would drop one ≥ V without a word)
+    check_targets(memory_targets, v, "memory_targets")
+  if isinstance(memory_chunk, bool) or not isinstance(memory_chunk, numbers.Integral) or memory_chunk < 0:
     raise ValueError(f"memory_chunk must be an int >= 0 (0: from the block budget), got {memory_chunk!r}")
   n = mesh_axis_size(mesh, axis)
   memory_keys, memory_targets, memory_mask = pad_memory(n, memory_keys, memory_targets, memory_mask)
   acc = accumulation_dtype(token_logits, keys)
   scale = similarity_scale(d, tau, acc)
-  chunk = memory_chunk or chunk_len(n_q, memory_keys.shape[0] // n)
+  chunk = int(memory_chunk) or chunk_len(n_q, memory_keys.shape[0] // n)
   return _sharded_log_probs(mesh, axis, chunk, token_logits.astype(acc), keys, memory_keys, memory_targets,
                             memory_mask, scale)
 

@@ -322,9 +322,12 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   # trime.memory_grad='local_only' cuts key gradients at device boundaries: where that cut acts, the objective's
   # gradient depends on the device count, and a resume on another count would train another objective
   cut = sharded_loss.device_cut_rows(spec.objective, spec.memory_grad, train_cfg.batch_size, mesh.size)
+  if resumed is not None and resumed >= train_cfg.num_steps:  # a finished run's rerun trains nothing: its record
+    cut = recorded.get("memory_grad_cut_rows", cut)  # stays (it re-evaluates and exports on any device count)
   data_identity["memory_grad_cut_rows"] = cut
-  if resumed is not None:
-    check_resume_gradient_cut(workdir, config, recorded.get("memory_grad_cut_rows", cut), cut, mesh.size)
+  if resumed is not None:  # (a run from before this record: its first resume records the cut it resumes with)
+    check_resume_gradient_cut(workdir, config, recorded.get("memory_grad_cut_rows", cut), cut, mesh.size,
+                              train_cfg.batch_size)
   ckpt.check_resume_data(workdir, config, data_identity, write=False)
   changed_at = task.source.first_update_of_another_layout()
   if epochs == EPOCHS_STRADDLING and changed_at is not None and max(changed_at, resumed) < train_cfg.num_steps:
@@ -345,19 +348,20 @@ def _train_and_evaluate(config, workdir: str, splits) -> dict:
   return {**out, "num_params": n_params}
 
 
-def check_resume_gradient_cut(workdir: str, config, before: int, now: int, devices: int) -> None:
+def check_resume_gradient_cut(workdir: str, config, before: int, now: int, devices: int, batch_rows: int) -> None:
   """ConfigError when trime.memory_grad='local_only' cuts key gradients otherwise than when the run began
   (`sharded_loss.device_cut_rows`: rows per device, 0 = no cut acting): resuming on another device count would
-  change the objective halfway through the run without a word. train.allow_config_change goes on (the change is
-  then recorded in config_changes.jsonl with data.json's)."""
+  change the objective halfway through the run without a word (within the CE warm-up too: the record is the
+  run's). train.allow_config_change goes on (recorded in config_changes.jsonl with data.json's changes)."""
   if before == now or config.train.get("allow_config_change", False):
     return
   cut = lambda rows: (f"cut key gradients between devices every {rows} rows" if rows
                       else "cut no key gradient (no memory across devices)")
+  began = f"train.num_devices={batch_rows // before}" if before else "one where no memory crosses devices"
   raise ConfigError(
       f"workdir {workdir}: trime.memory_grad='local_only' {cut(before)} when the run began, and would "
       f"{cut(now)} on the {devices} device{'s' * (devices != 1)} here: resuming would change the objective "
-      f"halfway. Resume on the device count it began with (train.num_devices), or pass "
+      f"halfway. Resume on the device count it began with ({began}), or pass "
       f"--config.train.allow_config_change=True to go on (recorded in config_changes.jsonl)")
 
 

@@ -104,7 +104,8 @@ def _exact_next_token(graphdef, params, f_BxD, g_BxD, local_keys, local_targets,
     targets = jnp.concatenate([targets, store_targets])
     mask = jnp.concatenate([mask, jnp.ones((b, store_targets.shape[0]), bool)], axis=1)
   # the unnormalised TRIME weights of the local / long-term memories, to which every datastore entry is added
-  base = scoring.memory_log_weights(logits, q, keys.astype(jnp.float32), targets, mask, tau=memory.tau)
+  base = scoring.memory_log_weights(logits, q, keys.astype(jnp.float32), targets, mask, tau=memory.tau,
+                                   targets_checked=True)  # tokens the model read or wrote: below V
   log_p = exact_memory.exact_external_log_probs(base, q, device_store, tau=memory.tau)
   tokens = sample(jnp.asarray(log_p), keys_B, sampling)
   local_keys, local_targets = _remember(local_keys, local_targets, g_BxD, tokens, slot_B, active_B)
