@@ -205,7 +205,8 @@ def test_a_resume_on_a_rewritten_corpus_or_batch_plan_is_refused(corpus, tmp_pat
   train.train_and_evaluate(tiny_config(str(text), **kw), workdir)
   with open(os.path.join(workdir, "data.json")) as f:
     recorded = json.load(f)
-  assert set(recorded) == {"train_fingerprint", "batch_plan_digest", "epochs"} and recorded["batch_plan_digest"]
+  assert set(recorded) == {"train_fingerprint", "batch_plan_digest", "epochs", "memory_grad_cut_rows"}
+  assert recorded["batch_plan_digest"] and recorded["memory_grad_cut_rows"] == 0  # one device: no cut
   assert recorded["epochs"] == "whole updates"
   write_plan(seed_shift=1)  # the same corpus, its batches in another order
   with pytest.raises(CheckpointError, match=r"was trained on other data \(batch_plan_digest: "):
