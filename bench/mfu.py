@@ -52,6 +52,7 @@ import ast
 import functools
 import importlib
 import json
+import math
 import statistics
 import sys
 import time
@@ -67,7 +68,7 @@ from trime_jax import model as model_lib
 from trime_jax import train as train_lib
 from trime_jax.runtime.optim import make_optimizer
 from trime_jax import specs
-from trime_jax.train_config import check_speed_options
+from trime_jax.train_config import check_speed_options, validate_config
 
 CONFIGS = ("wiki103_247m", "wiki103_150m", "wiki103_7m", "enwik8_38m", "docs_wt")
 DOCS_WT_VOCAB = 82_548  # docs-wt's vocabulary (docs/docs_wt.md); its config takes it from the data
@@ -199,10 +200,13 @@ def load_config(name: str, tiny: bool):
       c.model.num_layers, c.model.d_model, c.model.num_heads, c.model.d_ff = 1, 64, 4, 128  # 1 layer: compile time
       c.data.segment_len = min(c.data.segment_len, 64)
       c.model.max_len = c.data.segment_len
+      c.eval.block_len = min(c.eval.block_len, c.model.max_len)  # unused here; kept valid for validate_config
+      c.eval.context_window = min(c.eval.context_window, c.eval.block_len - 1)
       m = c.trime.consecutive_segments if c.trime.memory == "long" else 1
       c.trime.consecutive_segments = min(m, 4)
       c.train.batch_size = 4 if c.trime.memory == "long" else min(c.train.batch_size, 4)
       c.train.grad_accum = min(c.train.grad_accum, 2)
+      c.trime.consecutive_gpus = math.gcd(c.trime.consecutive_gpus, c.train.grad_accum)  # must divide it
       if c.train.vocab_chunk:
         c.train.vocab_chunk = 512
   return c
@@ -497,8 +501,8 @@ def main(argv=None):
   check_out(args.out, "mfu", args.overwrite)
   settings = parse_set(args.set)
   names = [x for x in args.configs.split(",") if x]
-  for name in names:  # every name and --set field checked before the first measurement
-    apply_set(load_config(name, args.tiny), settings)
+  for name in names:  # every name and --set field checked before the first measurement, values as train.py
+    validate_config(apply_set(load_config(name, args.tiny), settings))  # checks them (a ConfigError: `run`)
 
   dev = jax.devices()[0]
   print(f"backend {jax.default_backend()} | device {dev.device_kind} × {jax.device_count()} | jax {jax.__version__}")

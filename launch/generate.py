@@ -125,6 +125,7 @@ def main(argv):
                       + ("" if _MEMORY.value else " (the default for this export, trained without memory)"))
   # A word model's file: its final newline would end the line (</s>) to continue; bytes are the text itself
   prompts += [t.rstrip("\n") if gen.vocab.kind == "words" else t for t in files]
+  gen.prompt_ids(prompts)  # an empty prompt is refused before the memories load and the settings line is printed
   tau = gen.default_tau if _TAU.value is None else _TAU.value
   if _TAU.value is None and not (math.isfinite(tau) and tau > 0):
     # The export's own evaluation τ is broken: say so, not "--tau must be > 0" for a flag nobody passed.

@@ -26,6 +26,9 @@ def test_bad_flags_are_one_error_line(tmp_path, capsys):
       (["--tiny", "--objectives=ce,xent"], "--objectives takes ce,trime"),
       (["--tiny", "--configs=nosuch"], "--configs: no config 'nosuch' (configs/nosuch.py)"),
       (["--tiny", "--configs=wiki103_7m", "--set", "model.nosuch=3"], "--set model.nosuch: no such config field"),
+      # a value train.py's validation refuses (it reached the step as a NumPy traceback)
+      (["--tiny", "--configs=wiki103_7m", "--set", "train.batch_size=-3"], "train.batch_size must be >= 1, got -3"),
+      (["--tiny", "--configs=wiki103_7m", "--set", "model.remat=sometimes"], "model.remat"),
       (["--tiny", f"--out={tmp_path}"], "is a folder: give the JSON file to write"),
       (["--tiny", f"--out={tmp_path / 'no' / 'x.json'}"], "does not exist"),
       (["--tiny", f"--out={precious}"], "exists and is not a result of bench.mfu: pass --overwrite"),

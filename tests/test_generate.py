@@ -560,6 +560,11 @@ def test_cli_generates_with_a_memory_file_and_reports_errors_in_one_line(tmp_pat
   r = run_cli("trime_jax.launch.generate", f"--checkpoint={byte_gen.checkpoint_dir}", "--prompt=", "--memory=none")
   assert r.returncode == 2 and "Traceback" not in r.stderr
   assert [l for l in r.stderr.splitlines() if l.startswith("error:")] == ["error: the prompt is empty"]
+  # refused before the long-term memory is read and the settings line printed (it came after both)
+  r = run_cli("trime_jax.launch.generate", f"--checkpoint={byte_gen.checkpoint_dir}", "--prompt=x", "--prompt=",
+              "--memory=long", f"--memory_file={mem}")
+  assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == "error: the prompt is empty"
+  assert "long-term memory" not in r.stdout and "memory=long" not in r.stdout, r.stdout
   # --datastore_on_device conflicts are refused before the datastore is read (it does not even exist here).
   missing = tmp_path / "no_such_ds"
   for extra, want in ((("--memory=external", "--trace"), "--trace needs a FAISS index"),

@@ -199,15 +199,22 @@ class Generator:
         memory.knn_lambda or trace):
       raise ConfigError("the on-device datastore gives exact sums over every entry, not retrieved entries: the "
                         "interpolation and the retrieval trace need a FAISS index (Generator.external)")
+    ids = self.prompt_ids(prompts)
+    return self._generate(ids, [p if isinstance(p, str) else self.detokenize(p) for p in prompts], max_new_tokens,
+                          sampling, memory, store, external if memory.kind == "external" else None, trace,
+                          remember, stop_at_eos)
+
+  def prompt_ids(self, prompts) -> list[list[int]]:
+    """Each prompt's token ids (a string is tokenized; a list of ids is checked against the vocabulary); an empty
+    prompt is a ConfigError. `generate` calls it; a caller that loads memories first can call it before them."""
+    prompts = _prompt_list(prompts)
     ids = [self.tokenize(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
     for p, row in zip(prompts, ids):
       if not row:
         raise ConfigError("the prompt is empty" + (f": {p!r}" if isinstance(p, str) and p else ""))
       if min(row) < 0 or max(row) >= len(self.vocab):
         raise ConfigError(f"prompt token ids must be in [0, {len(self.vocab)})")
-    return self._generate(ids, [p if isinstance(p, str) else self.detokenize(p) for p in prompts], max_new_tokens,
-                          sampling, memory, store, external if memory.kind == "external" else None, trace,
-                          remember, stop_at_eos)
+    return ids
 
   def _generate(self, ids, prompts, max_new, sampling, memory, store, external, trace, remember, stop_at_eos):
     b, keep, max_len = len(ids), self.keep(), self.cfg.max_len
