@@ -14,7 +14,7 @@ import os
 from absl import flags
 
 from trime_jax.launch.entry import run_main
-from trime_jax.launch.outputs import refuse_target
+from trime_jax.launch.outputs import check_output_path, refuse_target
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "fairseq checkpoint (.pt) of a transformer_lm.")
 CHECKPOINT_IS_EXPORT = False  # run_main: --checkpoint is a fairseq .pt, not read as an export path
@@ -41,6 +41,9 @@ def main(argv):
   for name, flag in (("checkpoint", _CHECKPOINT), ("dict", _DICT), ("out", _OUT)):
     if not flag.value:
       raise ConfigError(f"--{name} is required")
+  # --out must not be, or hold, the files the import reads: --overwrite replaced a checkpoint given as --out (or
+  # kept in the --out folder) by the export made from it (found by a review).
+  check_output_path(_OUT.value, "out", reads=[("--checkpoint", _CHECKPOINT.value), ("--dict", _DICT.value)])
   # Before reading anything: an export (a trained model's, say) at --out is not replaced without --overwrite,
   # unless it is this command's own output (an import of the same checkpoint file): a rerun imports it again.
   own = _imported_from(_OUT.value) == os.path.abspath(_CHECKPOINT.value)

@@ -105,3 +105,48 @@ def test_docs_wt_configs_validate_and_hold_out_the_same_domain():
     assert cfgs[name].train.num_steps * cfgs[name].train.batch_size * cfgs[name].data.segment_len == 4_915_200
   assert (cfgs["trime_jax.configs.docs_wt_long"].trime.memory,
           cfgs["trime_jax.configs.docs_wt_ext"].trime.memory) == ("long", "ext")
+
+
+def test_a_package_selection_on_a_corpus_without_docs_tsv_is_an_error_not_ignored(tmp_path):
+  """Only the wikitext reader reads docs.tsv; the others dropped data.only_packages / exclude_packages silently,
+  so a "held-out domain" on wikitext_mini or bytes trained on every document."""
+  raw = tmp_path / "bytes.txt"
+  raw.write_bytes(b"some text to split into three parts " * 20)
+  c = default.get_config().data
+  c.corpus, c.path, c.split_fractions = "bytes", str(raw), (0.8, 0.1, 0.1)
+  assert len(corpora.load_splits(c).train) > 0
+  c.exclude_packages = ("linux-doc-6.1",)
+  with pytest.raises(ConfigError, match=r"data.exclude_packages selects documents by source package .* needs "
+                                        r"data.corpus='wikitext', got 'bytes'"):
+    corpora.load_splits(c)
+  wt2 = _cfg(os.path.join(os.path.dirname(corpora.REPO_ROOT), "shared", "data", "wikitext-2"))
+  wt2.corpus, wt2.only_packages = "wikitext_mini", ("kern",)
+  with pytest.raises(ConfigError, match="data.only_packages selects .* got 'wikitext_mini'"):
+    corpora.load_splits(wt2)
+
+
+def test_a_package_both_kept_and_held_out_is_an_error_and_names_are_checked_before_reading(tmp_path, monkeypatch):
+  root = _write_tiny(tmp_path / "wt")
+  with pytest.raises(ConfigError, match=r"only_packages and data.exclude_packages both name \['kern'\]"):
+    corpora.load_splits(_cfg(root, only_packages=("kern", "py"), exclude_packages=("kern",)))
+  # a misspelt name is reported before the token files are read (WikiText-103-sized ones take a minute), with
+  # the closest package
+  monkeypatch.setattr(corpora, "_iter_articles", lambda *a, **k: pytest.fail("read the corpus first"))
+  with pytest.raises(ConfigError, match=r"unknown package\(s\) \['kernn'\] \(did you mean 'kern'\?\); .* lists 2: "
+                                        r"kern, py$"):
+    corpora.load_splits(_cfg(root, exclude_packages=("kernn",)))
+
+
+def test_docs_wt_training_and_new_domain_splits_are_disjoint_and_deterministic():
+  """configs/docs_wt*.py (kernel held out) and docs_wt_kernel.py (kernel only) select complementary documents
+  of every split, in file order, the same on every call."""
+  articles = {s: D.read_wikitext_articles(os.path.join(DOCS_WT, f"wiki.{t}.tokens"))
+              for s, t in corpora.TSV_SPLITS.items()}
+  tsv = os.path.join(DOCS_WT, "docs.tsv")
+  n = {s: len(a) for s, a in articles.items()}
+  kept = corpora.package_selection(n, tsv, exclude=("linux-doc-6.1",))
+  kernel = corpora.package_selection(n, tsv, only=("linux-doc-6.1",))
+  assert kept == corpora.package_selection(n, tsv, exclude=("linux-doc-6.1",))
+  for s in corpora.SPLITS:
+    assert kept[s] == sorted(kept[s]) and kernel[s] == sorted(kernel[s])
+    assert not set(kept[s]) & set(kernel[s]) and len(kept[s]) + len(kernel[s]) == n[s]

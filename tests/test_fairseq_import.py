@@ -735,3 +735,47 @@ def test_import_refuses_a_non_empty_out_unless_overwrite(torch, tmp_path):
   assert (out / "meta.json").read_bytes() == before
   FI.import_to_export(path, d, str(out), overwrite=True)
   assert (out / "meta.json").is_file()
+
+
+def test_truncated_checkpoints_say_so(torch, tmp_path):
+  """A checkpoint cut short (zip, or the pre-1.6 pickle format) is "truncated", wherever it was cut: before, torch's
+  first complaint came through as "OSError: [Errno 22] Invalid argument", an empty "EOFError: " or miniz's
+  message cut mid-sentence at 200 characters."""
+  d = write_dict(tmp_path / "dict.txt")
+  path = write_checkpoint(torch, tmp_path / "c.pt", "plain_shared")
+  legacy = str(tmp_path / "legacy.pt")
+  torch.save(torch.load(path, weights_only=False), legacy, _use_new_zipfile_serialization=False)
+  for src, pattern in ((path, "is truncated or damaged: its zip archive has no end record"),
+                       (legacy, "is truncated: the file ends before its last tensor")):
+    raw = open(src, "rb").read()
+    for n in (100, 5000, len(raw) // 2, len(raw) - 10):
+      cut = tmp_path / f"cut{n}.pt"
+      cut.write_bytes(raw[:n])
+      with pytest.raises(FI.ImportError_, match=pattern) as e:
+        FI.load_checkpoint(str(cut))
+      assert "trust_pickle" not in str(e.value) and "copy the checkpoint again" in str(e.value)
+    assert FI.load_checkpoint(src)[1]  # the whole file reads
+
+
+def test_out_that_is_or_holds_an_input_is_refused_even_with_overwrite(torch, tmp_path):
+  """--out=the checkpoint file, or a folder holding the checkpoint or dict.txt: --overwrite replaced the
+  checkpoint by the export made from it. Now one error line, exit 2, and the inputs stay."""
+  folder = tmp_path / "model"
+  folder.mkdir()
+  d = write_dict(folder / "dict.txt")
+  path = write_checkpoint(torch, folder / "c.pt", "plain_shared")
+  before = open(path, "rb").read()
+  for out, what in ((path, "checkpoint"), (str(folder), "checkpoint"), (d, "dictionary")):
+    with pytest.raises(FI.ImportError_, match=f"is or holds the {what}"):
+      FI.import_to_export(path, d, out, overwrite=True)
+  other = tmp_path / "elsewhere.pt"
+  shutil.copy(path, other)
+  with pytest.raises(FI.ImportError_, match="is or holds the dictionary"):
+    FI.import_to_export(str(other), d, str(folder), overwrite=True)
+  for out in (path, folder):
+    r = _run(["trime_jax.launch.import_fairseq", f"--checkpoint={path}", f"--dict={d}", f"--out={out}", "--overwrite"],
+             str(tmp_path))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"error: --out={out} holds this command's own input --checkpoint="), r.stderr
+  assert os.path.isfile(path) and open(path, "rb").read() == before and sorted(os.listdir(folder)) == ["c.pt",
+                                                                                                         "dict.txt"]

@@ -15,6 +15,7 @@ test words unseen in training become `<unk>`.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import os
@@ -100,10 +101,11 @@ def _wikitext(cfg, vocab):
   paths = {s: data.require_file(os.path.join(root, f), "WikiText token file") for s, f in files.items()}
   keep = {s: None for s in paths}
   if cfg.get("only_packages") or cfg.get("exclude_packages"):
+    only, exclude, tsv = tuple(cfg.get("only_packages", ())), tuple(cfg.get("exclude_packages", ())), \
+        os.path.join(root, "docs.tsv")
+    rows = package_table(tsv, only, exclude)  # a misspelt package fails here, not after reading every split
     counts = {s: sum(1 for _ in _iter_articles(p)) for s, p in paths.items()}
-    keep = {s: set(k) for s, k in package_selection(counts, os.path.join(root, "docs.tsv"),
-                                                     tuple(cfg.get("only_packages", ())),
-                                                     tuple(cfg.get("exclude_packages", ()))).items()}
+    keep = {s: set(k) for s, k in package_selection(counts, tsv, only, exclude, rows=rows).items()}
   # Articles are read one at a time, twice for train (count, then encode): never all as word lists (WikiText-103's
   # training split would be ~5.5 GB of them; its int32 ids are 413 MB).
   vocab = vocab or data.Vocab.build(_iter_articles(paths["train"], keep["train"]), cfg.vocab_min_count)
@@ -121,8 +123,9 @@ def select_packages(articles: dict, tsv_path: str, only: tuple = (), exclude: tu
   return {s: [articles[s][i] for i in k] for s, k in keep.items()}
 
 
-def package_selection(num_docs: dict, tsv_path: str, only: tuple = (), exclude: tuple = ()) -> dict:
-  """{split: the indices of the documents `select_packages` keeps}, for splits of `num_docs[split]` documents."""
+def package_table(tsv_path: str, only: tuple = (), exclude: tuple = ()) -> list[dict]:
+  """The rows of docs.tsv, once `only` and `exclude` are checked against its packages: each name must be one
+  of them (a misspelt held-out domain would otherwise hold out nothing), and no name may be in both."""
   if not os.path.isfile(tsv_path):
     raise DataError(f"data.only_packages / exclude_packages need a docs.tsv beside the token files: {tsv_path} "
                     f"not found")
@@ -136,8 +139,21 @@ def package_selection(num_docs: dict, tsv_path: str, only: tuple = (), exclude: 
   for name, pkgs in (("only_packages", only), ("exclude_packages", exclude)):
     unknown = sorted(set(pkgs) - set(known))
     if unknown:
-      raise ConfigError(f"data.{name}: unknown package(s) {unknown}; {tsv_path} lists {len(known)}: "
-                        f"{', '.join(known[:6])}, ...")
+      close = [m for u in unknown for m in difflib.get_close_matches(u, known, n=1)]
+      hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+      listed = ", ".join(known[:6]) + (", ..." if len(known) > 6 else "")
+      raise ConfigError(f"data.{name}: unknown package(s) {unknown}{hint}; {tsv_path} lists {len(known)}: {listed}")
+  both = sorted(set(only) & set(exclude))
+  if both:  # "keep only X" and "drop X" at once: a held-out domain in both the training and the evaluation config
+    raise ConfigError(f"data.only_packages and data.exclude_packages both name {both}: a package is either kept or "
+                      "held out")
+  return rows
+
+
+def package_selection(num_docs: dict, tsv_path: str, only: tuple = (), exclude: tuple = (), *, rows=None) -> dict:
+  """{split: the indices of the documents `select_packages` keeps}, for splits of `num_docs[split]` documents
+  (`rows`: `package_table`'s, when already read)."""
+  rows = package_table(tsv_path, only, exclude) if rows is None else rows
   out = {}
   for split, n in num_docs.items():
     pkg = {int(r["doc_index"]): r["package"] for r in rows if r["split"] == TSV_SPLITS[split]}
@@ -312,6 +328,10 @@ def load_splits(cfg, vocab: data.Vocab | None = None) -> Splits:
   later runs, so a 103M-token corpus is tokenized once and never loaded whole.
   """
   reader = _reader(cfg.corpus)
+  picked = [f for f in ("only_packages", "exclude_packages") if cfg.get(f)]
+  if picked and reader is not _wikitext:  # the other readers have no docs.tsv: the selection was ignored
+    raise ConfigError(f"data.{picked[0]} selects documents by source package (a docs.tsv beside wiki.*.tokens, "
+                      f"docs-wt's layout): it needs data.corpus='wikitext', got {cfg.corpus!r}")
   if reader is not _tfds and cfg.corpus != "stdlib" and not cfg.path:  # a tfds: corpus downloads without a path
     raise ConfigError(f"data.path is required for corpus {cfg.corpus!r}: give --config.data.path=PATH (where "
                       "its text is)")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import zipfile
 
 import numpy as np
 
@@ -171,6 +172,11 @@ def load_checkpoint(path: str, *, trust_pickle: bool = False):
   if not (magic.startswith(b"PK\x03\x04") or magic[:1] == b"\x80"):
     raise ImportError_(f"{path} is not a torch checkpoint: it is neither a zip archive nor a pickle (it starts "
                        f"with {magic!r}); give the .pt file fairseq saved")
+  # A file cut short (an interrupted download or copy) otherwise reads as whatever torch trips over first:
+  # "OSError: [Errno 22] Invalid argument", an empty "EOFError: ", or miniz's message cut mid-sentence.
+  if magic.startswith(b"PK\x03\x04") and not zipfile.is_zipfile(path):  # its end record (written last) is missing
+    raise ImportError_(f"{path} is truncated or damaged: its zip archive has no end record ({os.path.getsize(path):,} "
+                       "bytes; an interrupted download or copy?): copy the checkpoint again")
   try:
     if trust_pickle:
       state = torch.load(path, map_location="cpu", weights_only=False)
@@ -179,6 +185,9 @@ def load_checkpoint(path: str, *, trust_pickle: bool = False):
       state = torch.load(path, map_location="cpu", weights_only=True)
   except Exception as e:  # noqa: BLE001 - torch raises many types; one line says which file and why
     # Only a refused global (weights_only) is what --trust_pickle changes; a damaged file stays damaged.
+    if isinstance(e, EOFError) or "unexpected EOF" in str(e):  # a pre-1.6 (pickle) checkpoint cut short
+      raise ImportError_(f"{path} is truncated: the file ends before its last tensor ({os.path.getsize(path):,} "
+                         "bytes; an interrupted download or copy?): copy the checkpoint again") from None
     refused = "weights_only" in str(e) or "Unsupported global" in str(e) or "GLOBAL" in str(e)
     hint = (" (if it holds other Python objects and you trust the file: --trust_pickle, or trust_pickle=True)"
             if refused and not trust_pickle else "")
@@ -532,6 +541,10 @@ def import_to_export(checkpoint: str, dict_path: str, out: str, *, key_type: str
 
   from trime_jax import exports
 
+  inside = lambda path, folder: path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+  for what, path in (("checkpoint", checkpoint), ("dictionary", dict_path)):
+    if inside(os.path.realpath(path), os.path.realpath(out)):  # replacing `out` would delete what is read
+      raise ImportError_(f"{out} is or holds the {what} {path} this import reads: choose another output directory")
   if os.path.lexists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
     raise ImportError_(f"{out} already exists and is not empty: the import would replace it; choose another "
                        "output directory (or pass overwrite=True / --overwrite)")

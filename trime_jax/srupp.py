@@ -67,7 +67,9 @@ class SRUppConfig:
   attention_every: int = 1  # attention in layer i when (i + 1) % k == 0
   highway_bias: float = -2.0  # initial b_r
   weight_c_init: float = 1.0  # v_f, v_r ~ U(-w, w)
-  layer_norm: bool = False  # pre-LN of each layer's input (reference default: off)
+  layer_norm: bool = False  # pre-LN of each layer's input (reference default: off). The reference enwik8 script's
+  # --layer_norm is not this on sru's 3.0.0-dev-tao branch: its SRUpp stores layer_norm unused (the LNs come from
+  # normalization_type, default 1 = attn_layer_norm only), so there the flag picks the U(±√(3/d)) init alone
   normalize_memory: bool = False  # with layer_norm: the previous segment's inputs go through the LN too (ours;
   # the reference attends to them un-normalised)
   attn_layer_norm: bool = True  # post-LN inside attention / projection (reference default: on)
