@@ -7,10 +7,14 @@ is L = 2,048 (long-term memory 12,228, the paper's number). Vanilla SRU++: `--co
 What the paper fixes: batch 16, 400k updates, L, the test memory, "other hyper-parameters and the optimizer as
 the SRU++ implementation's defaults". Those defaults are read from the SRU++ enwik8 script (asappresearch/sru,
 experiments/srupp_experiments/train_enwik8.py, and its README's commands; those pass --layer_norm on the
-3.0.0-dev-tao branch, May 2021, not on the later 3.0.0-dev / -codeclean / -apex, where the flag stays off: we
-follow the tao branch's commands, the SRU++ paper's runs, and the paper does not say which TRIME used): RAdam,
-lr 3e-4, weight decay 0.1, gradient clip 1.0, linear warm-up 16k then cosine to 0 over max_iter, dropout and
-attention dropout 0.22, highway bias -2, one head, layer norm on, attn_layer_norm on, an untied output layer.
+3.0.0-dev-tao branch, May 2021, not on the later 3.0.0-dev / -codeclean / -apex; we follow the tao branch's
+commands, the SRU++ paper's runs, and the paper does not say which TRIME used): RAdam, lr 3e-4, weight decay 0.1,
+gradient clip 1.0, linear warm-up 16k then cosine to 0 over max_iter, dropout and attention dropout 0.22, highway
+bias -2, one head, attn_layer_norm on (SRUpp's normalization_type=1: the post-LN inside each layer's attention
+or projection), no per-layer pre-LN, U(±√(3/d)) embedding / output init, an untied output layer. The script's
+--layer_norm picks that init only: in every branch SRUpp stores its layer_norm argument and builds its LNs from
+normalization_type alone (sru/modules.py, SRUpp.__init__), so srupp_layer_norm stays off (until 2026-12-07 this
+config set it, adding a pre-LN per layer that no SRU++ run had).
 The script's default shape is the 108M base (d = 3,072, d' = 768, 10 layers, attention in every layer); the 42M
 shape is not published, so it is an assumption made to land on 42M: d = 2,048, d' = 512 (the base's d/d' = 4),
 10 layers, attention in the last layer only (attention_every = 10; Lei 2021 shows one attention layer keeps most
@@ -40,8 +44,8 @@ def get_config(segment_len: str = "512"):
   c.model.srupp_attention_every = 10  # attention in layer 10 only (see the docstring)
   c.model.srupp_num_heads = 1
   c.model.srupp_highway_bias = -2.0  # --bias
-  c.model.srupp_layer_norm = True  # --layer_norm (every command of the 3.0.0-dev-tao branch's README; off in the
-  #   later 3.0.0-dev branch's commands)
+  c.model.srupp_layer_norm = False  # no pre-LN: the script's --layer_norm only picks the U(±√(3/d)) init (which
+  #   trime_jax's SRU++ LM always uses); SRUpp's LNs come from normalization_type=1 = srupp's attn_layer_norm
   c.model.max_len = max(seg, 2048)
   c.model.dropout = 0.22  # the script's --dropout
   c.model.attention_dropout = 0.22  # --attn_dropout

@@ -233,6 +233,10 @@ def test_enwik8_srupp_config_is_about_42m_parameters():
     c = enwik8_srupp.get_config(arg)
     assert c.data.segment_len == int(arg) and c.train.batch_size == 16 and c.train.num_steps == 400_000
     assert c.eval.mem_size == (6_144 if arg == "512" else 12_228)
+    # the reference's SRUpp has no per-layer pre-LN in any branch (its layer_norm argument is stored, unused; the
+    # script's --layer_norm picks the init only): only the post-LN inside attention / projection
+    assert c.model.srupp_layer_norm is False and specs.model_config(c).layer_norm is False
+    assert specs.model_config(c).attn_layer_norm is True
     n = M.abstract_param_count(specs.model_config(c))
     assert abs(n - 42e6) / 42e6 < 0.05, n
   tiny_s, tiny_t = (M.abstract_param_count(specs.model_config(bytes_srupp.get_config(b)))
