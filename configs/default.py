@@ -81,7 +81,8 @@ def get_config():
   t.memory = "local"  # training memory: none (vanilla LM) | local | long | ext
   t.batching = "random"  # random | consecutive (long) | bm25 (ext); non-random read t.batch_plan
   t.batch_plan = ""  # batch-plan file written by launch/make_batches.py (consecutive / bm25 batching)
-  t.bm25_k = 20  # BM25 batching: neighbours retrieved per segment (Algorithm 1's k)
+  t.bm25_k = 20  # BM25 batching: hits retrieved per segment, its own among them (Algorithm 1's k; followed from
+  #   the second hit on, the original's hits[1:])
   t.bm25_exclude_same_document = False  # False: Algorithm 1 as published; True: neighbours from other documents
   t.consecutive_segments = 1  # m: consecutive segments per run in a batch (memory=long)
   t.consecutive_layout = "stream"  # stream (original: runs of the concatenated stream, memory crosses

@@ -221,7 +221,11 @@ PYEOF
         *) echo "unknown job name $NAME"; BAD=1; P="" ;;
       esac
       if [ -n "$P" ] && [ ! -f "$P/plan.json" ]; then
-        echo "missing: $P for $JOB (SEED=$S bash experiments/docs_wt.sh plans)"; BAD=1; fi
+        echo "missing: $P for $JOB (SEED=$S bash experiments/docs_wt.sh plans)"; BAD=1
+      elif [ "$NAME" != long ] && [ -n "$P" ] && ! grep -q '"hits_include_query"' "$P/plan.json"; then
+        # a BM25 plan of before 2026-12-07 (20 hits besides each segment; the original's rule is hits[1:] of 20)
+        echo "stale: $P for $JOB was made before 2026-12-07: remove it, then SEED=$S bash experiments/docs_wt.sh plans"
+        BAD=1; fi
     done
     if [ "$BAD" = 0 ]; then bash experiments/carry_size.sh .gpu/whl .gpu/cache runs/plans || BAD=1; fi
     [ "$BAD" = 0 ] && echo "ready: carry [\".gpu/whl\", \".gpu/cache\", \"runs/plans\"]"

@@ -89,6 +89,7 @@ def _make(config, out_dir: str) -> None:
                   layout=config.trime.get("consecutive_layout", "stream"))
     else:
       want.update(planner.neighbour_settings(config))  # k, exclude_same_document
+      want["hits_include_query"] = planner.HITS_INCLUDE_QUERY  # a plan whose k were k others is another plan
       if want["exclude_same_document"]:
         want["exclude_by"] = planner.EXCLUDE_BY  # a plan of the earlier rule is another plan
     differ = [f"{k} {h.get(k)!r} != {v!r}" for k, v in want.items() if h.get(k) != v]

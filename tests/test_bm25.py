@@ -229,11 +229,12 @@ def test_same_document_neighbours_can_be_excluded():
 
 
 def _simseg(scores_SxS, k):
-  """SimSeg(I, c, k) by brute force: the k other segments with the highest positive BM25 score, best first."""
+  """SimSeg(I, c, k) by brute force, c's own hit among them as it is in I (the original: top-20 hits, then
+  `hits[1:]`): the k segments with the highest positive BM25 score, best first, less c itself."""
   out = []
   for c, row in enumerate(scores_SxS.astype(np.float64)):
-    cand = [j for j in np.argsort(-row, kind="stable").tolist() if j != c and row[j] > 0]
-    out.append(cand[:k])
+    hits = [j for j in np.argsort(-row, kind="stable").tolist() if row[j] > 0][:k]
+    out.append([j for j in hits if j != c])
   return out
 
 
@@ -284,9 +285,11 @@ def test_default_and_paper_configs_run_algorithm_1_unchanged(corpus):
   simseg = _simseg(scores, k)
   # Ties would make "best first" ambiguous between bm25s's top-k and the brute force: this corpus has none.
   for c, row in enumerate(scores):
-    top = np.sort(np.delete(row, c))[::-1][:k + 1]
+    top = np.sort(row)[::-1][:k + 1]  # the segment's own score included: it takes one of the k places
     assert len(np.unique(top[top > 0])) == (top > 0).sum()
-  assert all(len(n) == k for n in simseg)  # shared function words: every segment has k positive neighbours
+    assert row[c] == row.max()  # its own hit is its best here, so SimSeg leaves k - 1 others
+  assert all(len(n) == k - 1 for n in simseg)  # shared function words: every segment has k positive hits
+  assert header["hits_include_query"] is True
   want = _algorithm_1(simseg, np.random.default_rng([4, 23]).permutation(len(scores)), B)
   np.testing.assert_array_equal(batches, want)
   assert header["exclude_same_document"] is False and header["shuffle"] is True
@@ -448,3 +451,96 @@ def test_training_refuses_a_plan_of_other_neighbours(corpus, tmp_path, caplog):
     BatchSource(corpus, excluding)
   assert "first document only" not in caplog.text
 
+
+
+def test_k_hits_count_the_query_itself():
+  # SimSeg(I, c, k) ranks every segment of I, c included (the original searched 20 hits and followed hits[1:]):
+  # a plan's k = 20 are 19 other segments at most, not 20. Until 2026-12-07 the planner followed 20 others.
+  corpus, _ = _corpus(seed=2)
+  docs = bm25.segment_token_ids(corpus, D.make_segments(corpus, SEG))
+  scores = _dense_scores(corpus)
+  k = 6
+  ids, sc = bm25.neighbours(docs, k, backend="numpy", hits_include_query=True)
+  for c, row in enumerate(scores.astype(np.float64)):
+    hits = [j for j in np.argsort(-row, kind="stable").tolist() if row[j] > 0][:k]
+    got = ids[c][ids[c] >= 0].tolist()
+    assert got == [j for j in hits[1:] if j != c], c
+  assert (ids[:, k - 1] == -1).all() and np.isinf(sc[:, k - 1]).all()  # each segment is its own best hit here
+  others, _ = bm25.neighbours(docs, k, backend="numpy")  # the MT planner's reading: k besides the query
+  assert (others >= 0).all()
+  np.testing.assert_array_equal(others[:, :k - 1], ids[:, :k - 1])
+  # Where another document outscores the query (a longer one holding its rare word more often), the original's
+  # hits[1:] drops that best other hit, and skips the query itself further down.
+  few = [np.array([5, 0]), np.array([5, 5, 5, 5, 0, 0, 1]), np.array([1, 2, 3]), np.array([1, 4])]
+  retriever, lut = bm25.bm25_index(few, backend="numpy")
+  dense = np.stack([retriever.get_scores(lut[d].tolist()) for d in few])
+  assert dense[0, 1] > dense[0, 0] > dense[0, 2]  # the premise: segment 1 ranks above 0's own hit
+  top1, _ = bm25.neighbours(few, 1, backend="numpy", hits_include_query=True)
+  assert (top1 == -1).all()  # k = 1: hits[1:] of one hit is nothing
+  top3, _ = bm25.neighbours(few, 3, backend="numpy", hits_include_query=True)
+  assert top3[0].tolist() == [-1, -1, -1]  # 0's hits: 1, then itself (no other shares a token): none follows
+  assert top3[2].tolist() == [3, 1, -1]  # 2's hits: itself, 3, 1
+
+
+def test_make_batches_treats_a_plan_of_k_others_as_another_plan(tmp_path, caplog):
+  # A plan made before 2026-12-07 (header without hits_include_query: its k were k others) at --out is another
+  # plan: a rerun says so before planning instead of keeping it or replacing it; a training reading it is told.
+  import subprocess
+  import sys
+  import textwrap
+
+  from trime_jax.train import BatchSource
+
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  data = tmp_path / "wiki"
+  data.mkdir()
+  text = "".join(f" = Article {i} = \n\n" + f" alpha beta w{i} gamma delta .\n" * (i + 3) for i in range(6))
+  for name in ("wiki.train.tokens", "wiki.valid.tokens", "wiki.test.tokens"):
+    (data / name).write_text(text)
+  cfg = tmp_path / "cfg.py"
+  cfg.write_text(textwrap.dedent(f"""
+      from trime_jax.configs import default
+      def get_config():
+        c = default.get_config()
+        c.data.corpus, c.data.path = "wikitext", {str(data)!r}
+        c.data.segment_len, c.data.segmentation = 8, "stream"
+        c.train.batch_size = 4
+        return c
+      """))
+  out = tmp_path / "plan"
+  env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu")
+
+  def make(*extra):
+    return subprocess.run([sys.executable, "-m", "trime_jax.launch.make_batches", f"--config={cfg}", "--kind=bm25",
+                           f"--out={out}", *extra], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+
+  first = make()
+  assert first.returncode == 0, first.stderr
+  plan = batch_plan.load(str(out))
+  assert plan.header["hits_include_query"] is True
+  old_header = {k: v for k, v in plan.header.items() if k not in ("hits_include_query", "format", "num_batches",
+                                                                  "batch_size", "batches_sha256", "header_sha256")}
+  batch_plan.save(str(out), {**old_header, "batch_size": 4}, np.asarray(plan.batches))
+  digest = batch_plan.load(str(out)).digest()
+  again = make()
+  assert again.returncode == 2 and again.stderr.strip().splitlines()[-1].startswith("error: "), again.stderr
+  assert "hits_include_query None != True" in again.stderr and "--overwrite" in again.stderr
+  assert "bm25:" not in again.stdout  # refused before the planning
+  assert batch_plan.load(str(out)).digest() == digest  # untouched
+  spec = importlib.util.spec_from_file_location("cfg_k_others", str(cfg))  # the config file make_batches read
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  config.trime.batching, config.trime.batch_plan = "bm25", str(out)
+  from trime_jax import corpora
+
+  train = corpora.load_splits(config.data).train
+  with caplog.at_level("WARNING"):  # a run that trained on it resumes on its batches; a new one is told
+    BatchSource(train, config)
+  assert "one more candidate per step" in caplog.text and "make_batches --overwrite" in caplog.text
+  replaced = make("--overwrite")
+  assert replaced.returncode == 0, replaced.stderr
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    BatchSource(train, config)
+  assert "one more candidate" not in caplog.text

@@ -389,8 +389,9 @@ def test_an_update_is_the_originals_gpu_batches(order):
     from trime_jax.batching import bm25
 
     nbrs, _ = bm25.neighbours([t if len(t) else np.asarray([mt_data.EOS], np.int32) for t in pairs.tgt], 5,
-                              backend="numpy")
+                              backend="numpy", hits_include_query=True)  # the original's top-5 hits, hits[1:]
     assert np.array_equal(plan.indices, bm25.pack(nbrs, 3))  # the chain, kept in order
+    assert plan.header["hits_include_query"] is True
   if order == "length":  # fairseq's ordered_indices: np.random.seed(seed); permutation; stable sorts
     np.random.seed(3)
     want = np.random.permutation(len(pairs))

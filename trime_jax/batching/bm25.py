@@ -5,10 +5,13 @@ looks like the kNN neighbours the external datastore returns at test time.
 
   1. Index every training segment (`make_segments(corpus, data.segment_len, data.segmentation)`) with bm25s,
      straight from token ids (no string round trip). Each segment is a BM25 "document" of its target tokens.
-  2. Query every segment with its own tokens (batched, numba backend) and keep its top-k neighbours, the
-     segment itself excluded: `neighbours [S, k]` int64 (-1 where fewer than k exist). Only hits with a
-     positive score count: bm25s fills a top-k with score-0 documents (no shared token), which Lucene never
-     returns, so those are dropped and Algorithm 1 falls back to a random segment instead of following them.
+  2. Query every segment with its own tokens (batched, numba backend) and keep its top-k hits but the first,
+     as the original (it searched 20 hits and followed `hits[1:]`: Algorithm 1's SimSeg(I, c, k) ranks c, which
+     is in I, and c is its own best hit but where another segment outscores it; the query is skipped wherever
+     it ranks): `neighbours [S, k]` int64, k - 1 others at most (-1 where fewer exist; header
+     `hits_include_query`). Only hits with a positive score count: bm25s fills
+     a top-k with score-0 documents (no shared token), which Lucene never returns, so those are dropped and
+     Algorithm 1 falls back to a random segment instead of following them.
   3. Algorithm 1 as published: start at a random segment; repeatedly move to its best-scoring neighbour not
      used yet; when all its neighbours are used, jump to a random unused segment. The chain visits every
      segment exactly once. Same-document neighbours are allowed (the paper relies on BM25 bringing segments
@@ -48,7 +51,7 @@ from tqdm import tqdm
 from trime_jax import data
 from trime_jax.errors import ConfigError
 
-DEFAULT_K = 20  # neighbours per segment (the paper's k)
+DEFAULT_K = 20  # BM25 hits per segment, its own among them (the paper's k)
 QUERY_BATCH = 4096  # segments per bm25s.retrieve call (one progress-bar step)
 MAX_GROUP_EXTRA = 256  # extra hits retrieved to replace excluded same-document neighbours
 
@@ -111,10 +114,16 @@ def _share(ranges_a: np.ndarray, ranges_b: np.ndarray) -> np.ndarray:
 
 def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_batch: int = QUERY_BATCH,
                n_threads: int = 0, progress: bool = False, timing: dict | None = None,
-               groups: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+               groups: np.ndarray | None = None, hits_include_query: bool = False) -> tuple[np.ndarray, np.ndarray]:
   """Top-k most BM25-similar other documents of every document: (ids [S, k] int64, scores [S, k] float32),
   best first; -1 / -inf where fewer than k other documents share a token with it. Each document queries with
   its own tokens (repeated tokens count once per occurrence, as in a Lucene query).
+
+  hits_include_query: the original's rule: the query's top-k hits, the document itself among them, are
+  followed from the second on (`hits[1:]`: the first is the query itself but where another document outscores
+  it, and the original drops the first whatever it is), the query skipped wherever it ranks: k - 1 others at
+  most (k - 2 where another outranks the query). False: k hits besides the query (wherever it ranks). With
+  `groups` the query is one of its group's excluded members either way.
 
   A Lucene BM25 term score is positive (idf = log(1 + (N - df + 0.5) / (df + 0.5)) > 0), so a score of 0 means
   no shared token: bm25s still returns such documents to fill its top-k, Lucene does not; they are dropped.
@@ -129,7 +138,8 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
   timing = {} if timing is None else timing
   t0 = time.perf_counter()
   s = len(docs)
-  k_eff = min(k, s - 1)
+  # the query's own hit takes one of the k places (without groups: with them it is one of the excluded, below)
+  k_eff = min(k - 1 if hits_include_query else k, s - 1)
   if groups is not None:
     groups = _ranges(groups)
     touching = np.zeros(int(groups[:, 1].max()) + 2, np.int64)  # segments touching each document
@@ -140,9 +150,11 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
     most = int((upto[groups[:, 1] + 1] - upto[groups[:, 0]]).max())
   extra = 1 if groups is None else 1 + min(most, MAX_GROUP_EXTRA)
   k_ret = min(k_eff + extra, s)
+  keep = k_eff
+  first_dropped = hits_include_query and groups is None  # the original's hits[1:] of its top-k hits
   ids = np.full((s, k), -1, np.int64)
   scores = np.full((s, k), -np.inf, np.float32)
-  if k_eff <= 0:
+  if keep <= 0:
     return ids, scores
   retriever, lut = bm25_index(docs, backend=backend, progress=progress)
   # bm25s's numpy backend would pick JAX for its per-query top-k when JAX is importable: keep it on numpy.
@@ -159,14 +171,16 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
                              backend_selection=selection)
     got, sc = np.asarray(res.documents, np.int64), np.asarray(res.scores, np.float32)
     # Drop the query itself wherever it ranks (another segment may outscore it), score-0 hits (no shared token)
-    # and its group's members; keep the best k of the rest in order.
+    # and its group's members (or, by the original's rule, the first hit too); keep the best of the rest in order.
     excluded = (got == np.arange(a, b)[:, None]) | ~(sc > 0)
+    if first_dropped:
+      excluded[:, 0] = True
     if groups is not None:
       excluded |= _share(groups[got], groups[a:b, None])
-    order = np.argsort(excluded, axis=1, kind="stable")[:, :k_eff]
+    order = np.argsort(excluded, axis=1, kind="stable")[:, :keep]
     gone = np.take_along_axis(excluded, order, axis=1)
-    ids[a:b, :k_eff] = np.where(gone, -1, np.take_along_axis(got, order, axis=1))
-    scores[a:b, :k_eff] = np.where(gone, -np.inf, np.take_along_axis(sc, order, axis=1))
+    ids[a:b, :keep] = np.where(gone, -1, np.take_along_axis(got, order, axis=1))
+    scores[a:b, :keep] = np.where(gone, -np.inf, np.take_along_axis(sc, order, axis=1))
   timing.update(index_s=round(t1 - t0, 3), compile_s=round(t2 - t1, 3),
                 retrieve_s=round(time.perf_counter() - t2, 3))
   return ids, scores
@@ -260,6 +274,13 @@ def neighbour_settings(config) -> dict:
           "exclude_same_document": bool(t.get("bm25_exclude_same_document", False))}
 
 
+# A plan's k counts the query's own hit (see `neighbours`), as the paper's SimSeg and the original's top-20 did.
+# Plans made before 2026-12-07 have no such field: their k = 20 were 20 hits besides the segment itself (one
+# more candidate per step than the paper). make_batches treats such a plan as another plan (--overwrite makes
+# it again); a training reading one is told so and goes on (a run that trained on it resumes on its batches).
+HITS_INCLUDE_QUERY = True
+
+
 # With the exclusion, what "the same document" means, recorded in a plan's header: every document a segment's
 # targets touch. Plans made before 2026-12-06 have no such field: they keyed a segment on its first target's
 # document only, so a stream segment holding the start of a document could be batched with that document's
@@ -295,7 +316,7 @@ def make_plan(corpus: data.Corpus, config, *, progress: bool = True, k: int | No
   exclude_same = settings["exclude_same_document"]
   ranges = document_ranges(corpus, segments)  # every document a segment's targets touch (stream segments cross)
   nbrs, _ = neighbours(docs, k, backend=backend, progress=progress, timing=timing,
-                       groups=ranges if exclude_same else None)
+                       groups=ranges if exclude_same else None, hits_include_query=HITS_INCLUDE_QUERY)
   t0 = time.perf_counter()
   order = pack(nbrs, seed, groups=ranges if exclude_same else None, batch_size=batch_size)
   batches = to_batches(order, batch_size)
@@ -315,6 +336,7 @@ def make_plan(corpus: data.Corpus, config, *, progress: bool = True, k: int | No
       "seed": seed,
       "shuffle": True,  # every epoch (the first included) visits the batches in a seeded permutation
       "k": k,
+      "hits_include_query": HITS_INCLUDE_QUERY,  # k counts the segment's own hit (SimSeg(I, c, k) ranks c)
       "exclude_same_document": exclude_same,
       **({"exclude_by": EXCLUDE_BY} if exclude_same else {}),
       "same_document_pairs": same_document_pairs(batches, ranges),

@@ -111,6 +111,15 @@ class BatchPlan:
     if problems:
       where = f" {self.directory}" if self.directory else ""
       raise DataError(f"batch plan{where} does not match this run: " + "; ".join(problems))
+    if kind == "bm25" and h.get("kind") == "bm25" and "hits_include_query" not in h:
+      # made before 2026-12-07 (batching/bm25.py, HITS_INCLUDE_QUERY): told, not refused, so a run that trained on
+      # it resumes on its batches
+      from absl import logging
+
+      logging.warning("batch plan %s was made before 2026-12-07: its k = %s BM25 neighbours were k hits besides "
+                      "each segment, one more candidate per step than the paper's SimSeg(I, c, k), which counts the "
+                      "segment's own hit. A new run should use a plan made again (make_batches --overwrite); a run "
+                      "that trained on this one goes on with it", self.directory or "(in memory)", h.get("k"))
 
 
 def _sha256(batches: np.ndarray, prefix: bytes = b"") -> str:

@@ -253,9 +253,11 @@ def make_plan(pairs: mt_data.ParallelData, *, order: str, max_tokens: int, seed:
     from trime_jax.batching import bm25
 
     nbrs, _ = bm25.neighbours([np.asarray(t, np.int32) if len(t) else np.asarray([mt_data.EOS], np.int32)
-                               for t in pairs.tgt], bm25_k, backend=bm25_backend)
+                               for t in pairs.tgt], bm25_k, backend=bm25_backend,
+                              hits_include_query=bm25.HITS_INCLUDE_QUERY)  # the original's top-20, hits[1:]
     seq = bm25.pack(nbrs, seed)
     header["k"] = bm25_k
+    header["hits_include_query"] = bm25.HITS_INCLUDE_QUERY  # (a run's plan.npz of before 2026-12-07 resumes as is)
   else:
     seq = rng.permutation(len(pairs))
   seq = np.asarray(seq, np.int64)
