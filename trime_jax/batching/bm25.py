@@ -351,7 +351,7 @@ def make_plan(corpus: data.Corpus, config, *, progress: bool = True, k: int | No
   if progress:
     print(f"bm25: {len(segments):,} segments, {len(batches):,} batches of {batch_size}, "
           f"{timing['segments_per_s']:,.0f} segments/s (+{timing.get('compile_s', 0):.1f} s numba compile); "
-          f"top-{k} neighbours in the same batch: "
+          f"neighbours (of the top-{k} hits) in the same batch: "
           f"{header['neighbour_in_batch']:.1%} (random batches: {header['neighbour_in_batch_random']:.1%}); "
           f"same-document pairs {header['same_document_pairs']:.1%} (random {header['same_document_pairs_random']:.1%})",
           flush=True)
