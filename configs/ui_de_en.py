@@ -60,6 +60,7 @@ def get_config():
   t.memory = "none"  # none (vanilla, CE) | ext (TrimeMT_ext: every target token of the other pairs in the batch)
   t.batching = "length"  # length (fairseq) | bm25 (Algorithm 1 over target sentences) | random
   t.bm25_k = 20  # hits per target sentence, its own among them (Algorithm 1's k; hits[1:] followed)
+  t.bm25_k1, t.bm25_b = 0.9, 0.4  # BM25 scoring: the original's (Pyserini's LuceneSearcher defaults)
   t.bm25_backend = "numba"  # bm25s backend: numba (fast; ~20 s JIT compile once) | numpy (no compile, slower)
   t.tau = 10.0  # τ on memory similarities g·g_j/√D (the original MT run's --temp 10)
   t.memory_topk = 8  # only the 8 most similar in-batch memories per target token (the original's --topk-mem 8;

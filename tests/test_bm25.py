@@ -12,7 +12,7 @@ from trime_jax.configs import default
 from trime_jax import data as D
 from trime_jax.batching import bm25
 from trime_jax.batching import plan as batch_plan
-from trime_jax.errors import DataError
+from trime_jax.errors import ConfigError, DataError
 
 SEG, B, TOPICS = 32, 8, 6
 
@@ -544,3 +544,42 @@ def test_make_batches_treats_a_plan_of_k_others_as_another_plan(tmp_path, caplog
   with caplog.at_level("WARNING"):
     BatchSource(train, config)
   assert "one more candidate" not in caplog.text
+
+
+def test_scores_are_lucene_bm25_at_the_originals_k1_and_b():
+  """The planner scores with Lucene's BM25 at Pyserini's LuceneSearcher defaults k1 = 0.9, b = 0.4 (the original
+  searched with them; until 2026-12-07 bm25s's 1.5 / 0.75): a float64 NumPy reference of the formula,
+  idf = log(1 + (N - df + 0.5) / (df + 0.5)) times tf / (tf + k1·(1 - b + b·|d| / avgdl)), per query token
+  (Lucene since 8 drops the classic formula's constant factor k1 + 1: the same ranking)."""
+  rng = np.random.default_rng(4)
+  docs = [rng.integers(0, 30, int(n)).astype(np.int32) for n in rng.integers(5, 40, 25)]
+
+  def reference(k1, b):
+    n, avgdl = len(docs), np.mean([len(d) for d in docs])
+    df = {t: sum(t in set(d.tolist()) for d in docs) for t in range(30)}
+    out = np.zeros((n, n))
+    for q, query in enumerate(docs):
+      for j, d in enumerate(docs):
+        for t in query.tolist():  # a repeated query token counts once per occurrence
+          tf = int((d == t).sum())
+          idf = np.log(1 + (n - df[t] + 0.5) / (df[t] + 0.5))
+          out[q, j] += idf * tf / (tf + k1 * (1 - b + b * len(d) / avgdl)) if tf else 0.0
+    return out
+
+  assert (bm25.DEFAULT_K1, bm25.DEFAULT_B) == (0.9, 0.4)
+  for kw, (k1, b) in (({}, (0.9, 0.4)), ({"k1": 1.5, "b": 0.75}, (1.5, 0.75))):
+    retriever, lut = bm25.bm25_index(docs, backend="numpy", **kw)
+    got = np.stack([retriever.get_scores(lut[d].tolist()) for d in docs])
+    np.testing.assert_allclose(got, reference(k1, b), rtol=1e-5, atol=1e-5)
+  # The two settings rank some neighbours differently here (else the option would be untested)
+  a, _ = bm25.neighbours(docs, 6, backend="numpy", hits_include_query=True)
+  o, _ = bm25.neighbours(docs, 6, backend="numpy", hits_include_query=True, k1=1.5, b=0.75)
+  assert (a != o).any()
+  c = default.get_config()
+  assert (c.trime.bm25_k1, c.trime.bm25_b) == (0.9, 0.4)
+  settings = bm25.neighbour_settings(c)
+  assert (settings["bm25_k1"], settings["bm25_b"]) == (0.9, 0.4)
+  for k1, b, said in ((-1.0, 0.4, "bm25_k1 must be a number >= 0"), (0.9, 1.5, r"bm25_b must be in \[0, 1\]"),
+                      (True, 0.4, "bm25_k1"), (0.9, "0.4", "bm25_b")):
+    with pytest.raises(ConfigError, match=said):
+      bm25.check_scoring(k1, b)

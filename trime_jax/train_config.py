@@ -40,6 +40,10 @@ def validate_config(config, *, training: bool = True) -> None:
   t, train_cfg, d = config.trime, config.train, config.data
   _choice(t.memory, MEMORY_MODES, "trime.memory")
   _choice(t.batching, BATCHINGS, "trime.batching")
+  if t.batching == "bm25":  # (bm25s is imported by BM25 runs only)
+    from trime_jax.batching import bm25
+
+    bm25.check_scoring(t.bm25_k1, t.bm25_b)
   check_train_section(train_cfg)  # the section both trainers share (runtime.config)
   _choice(d.segmentation, data.SEGMENTATIONS, "data.segmentation")
   _choice(config.eval.memory, tuple(evaluate.EVAL_MEMORIES), "eval.memory")

@@ -52,6 +52,9 @@ from trime_jax import data
 from trime_jax.errors import ConfigError
 
 DEFAULT_K = 20  # BM25 hits per segment, its own among them (the paper's k)
+# BM25's k1 and b: the original searched with Pyserini's LuceneSearcher at its defaults (Anserini's BM25Similarity
+# 0.9 / 0.4), not bm25s's 1.5 / 0.75 (which plans of before 2026-12-07 used)
+DEFAULT_K1, DEFAULT_B = 0.9, 0.4
 QUERY_BATCH = 4096  # segments per bm25s.retrieve call (one progress-bar step)
 MAX_GROUP_EXTRA = 256  # extra hits retrieved to replace excluded same-document neighbours
 
@@ -69,11 +72,12 @@ def segment_token_ids(corpus: data.Corpus, segments: data.Segments) -> list[np.n
   return [tokens[s:s + n] for s, n in zip(segments.start.tolist(), segments.length.tolist())]
 
 
-def bm25_index(docs: list[np.ndarray], *, backend: str = "numba",
-               progress: bool = False) -> tuple[bm25s.BM25, np.ndarray]:
-  """(retriever, lut): a bm25s index (Lucene's BM25 formula at bm25s's defaults k1=1.5, b=0.75) of token-id
-  documents. Not the original's settings: it searched text with Pyserini's LuceneSearcher (k1=0.9, b=0.4, its
-  English analyzer: stemming, stop words), so its neighbours can differ from these.
+def bm25_index(docs: list[np.ndarray], *, backend: str = "numba", progress: bool = False,
+               k1: float = DEFAULT_K1, b: float = DEFAULT_B) -> tuple[bm25s.BM25, np.ndarray]:
+  """(retriever, lut): a bm25s index (Lucene's BM25 formula at `k1`, `b`: by default Pyserini's LuceneSearcher's,
+  which the original searched with) of token-id documents. What stays apart from the original: it searched the
+  text through Lucene's English analyzer (lower case, stop words dropped, Porter stems), these are the corpus's
+  token ids as they are, so its neighbours can differ from these.
 
   bm25s uses the ids it is given as score-matrix columns, so they are first relabelled to 0..n_distinct-1
   (BM25 only compares ids: no score changes). Queries must be relabelled the same way: `lut[token_ids]`
@@ -85,7 +89,7 @@ def bm25_index(docs: list[np.ndarray], *, backend: str = "numba",
   for d in docs:
     present[d] = True
   lut = np.where(present, np.cumsum(present) - 1, -1).astype(np.int32)
-  retriever = bm25s.BM25(backend=backend)
+  retriever = bm25s.BM25(k1=float(k1), b=float(b), backend=backend)
   retriever.index([lut[d].tolist() for d in docs], show_progress=progress)
   # bm25s keys document frequencies by its own labels but reads columns by the given ids: they must agree.
   if any(key != label for key, label in retriever.vocab_dict.items()):
@@ -114,7 +118,8 @@ def _share(ranges_a: np.ndarray, ranges_b: np.ndarray) -> np.ndarray:
 
 def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_batch: int = QUERY_BATCH,
                n_threads: int = 0, progress: bool = False, timing: dict | None = None,
-               groups: np.ndarray | None = None, hits_include_query: bool = False) -> tuple[np.ndarray, np.ndarray]:
+               groups: np.ndarray | None = None, hits_include_query: bool = False, k1: float = DEFAULT_K1,
+               b: float = DEFAULT_B) -> tuple[np.ndarray, np.ndarray]:
   """Top-k most BM25-similar other documents of every document: (ids [S, k] int64, scores [S, k] float32),
   best first; -1 / -inf where fewer than k other documents share a token with it. Each document queries with
   its own tokens (repeated tokens count once per occurrence, as in a Lucene query).
@@ -156,7 +161,7 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
   scores = np.full((s, k), -np.inf, np.float32)
   if keep <= 0:
     return ids, scores
-  retriever, lut = bm25_index(docs, backend=backend, progress=progress)
+  retriever, lut = bm25_index(docs, backend=backend, progress=progress, k1=k1, b=b)
   # bm25s's numpy backend would pick JAX for its per-query top-k when JAX is importable: keep it on numpy.
   selection = "numba" if backend == "numba" else "numpy"
   n_threads = n_threads or _threads()
@@ -267,11 +272,22 @@ def same_document_pairs(batches_NxB: np.ndarray, doc_S: np.ndarray) -> float:
 
 def neighbour_settings(config) -> dict:
   """What a BM25 plan's neighbours depend on in the config, as its header records them: `k`
-  (trime.bm25_k, else the paper's 20) and `exclude_same_document` (trime.bm25_exclude_same_document, else
-  False). make_plan writes them, make_batches compares them before planning, training refuses a plan of others."""
+  (trime.bm25_k, else the paper's 20), `exclude_same_document` (trime.bm25_exclude_same_document, else
+  False) and BM25's `bm25_k1`, `bm25_b` (trime.bm25_k1 / bm25_b, else the original's 0.9 / 0.4). make_plan writes
+  them, make_batches compares them before planning, training refuses a plan of others (k1 / b where the plan
+  records them: plans of before 2026-12-07 do not, and are warned about)."""
   t = config.trime
   return {"k": int(t.get("bm25_k", DEFAULT_K)),
-          "exclude_same_document": bool(t.get("bm25_exclude_same_document", False))}
+          "exclude_same_document": bool(t.get("bm25_exclude_same_document", False)),
+          "bm25_k1": float(t.get("bm25_k1", DEFAULT_K1)), "bm25_b": float(t.get("bm25_b", DEFAULT_B))}
+
+
+def check_scoring(k1, b, where: str = "trime") -> None:
+  """ConfigError unless BM25's k1 >= 0 and b in [0, 1] (bm25s would score anything)."""
+  if isinstance(k1, bool) or not isinstance(k1, (int, float)) or not k1 >= 0:
+    raise ConfigError(f"{where}.bm25_k1 must be a number >= 0 (the original's: {DEFAULT_K1}), got {k1!r}")
+  if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b <= 1:
+    raise ConfigError(f"{where}.bm25_b must be in [0, 1] (the original's: {DEFAULT_B}), got {b!r}")
 
 
 # A plan's k counts the query's own hit (see `neighbours`), as the paper's SimSeg and the original's top-20 did.
@@ -304,6 +320,7 @@ def make_plan(corpus: data.Corpus, config, *, progress: bool = True, k: int | No
   batch_size, seed = int(config.train.batch_size), int(config.train.seed)
   settings = neighbour_settings(config)
   k = int(k if k is not None else settings["k"])
+  check_scoring(settings["bm25_k1"], settings["bm25_b"])
   if k < 1:
     raise ConfigError(f"BM25 batching needs k >= 1 neighbours, got {k}")
   if batch_size < 1:
@@ -316,7 +333,8 @@ def make_plan(corpus: data.Corpus, config, *, progress: bool = True, k: int | No
   exclude_same = settings["exclude_same_document"]
   ranges = document_ranges(corpus, segments)  # every document a segment's targets touch (stream segments cross)
   nbrs, _ = neighbours(docs, k, backend=backend, progress=progress, timing=timing,
-                       groups=ranges if exclude_same else None, hits_include_query=HITS_INCLUDE_QUERY)
+                       groups=ranges if exclude_same else None, hits_include_query=HITS_INCLUDE_QUERY,
+                       k1=settings["bm25_k1"], b=settings["bm25_b"])
   t0 = time.perf_counter()
   order = pack(nbrs, seed, groups=ranges if exclude_same else None, batch_size=batch_size)
   batches = to_batches(order, batch_size)
@@ -337,6 +355,7 @@ def make_plan(corpus: data.Corpus, config, *, progress: bool = True, k: int | No
       "shuffle": True,  # every epoch (the first included) visits the batches in a seeded permutation
       "k": k,
       "hits_include_query": HITS_INCLUDE_QUERY,  # k counts the segment's own hit (SimSeg(I, c, k) ranks c)
+      "bm25_k1": settings["bm25_k1"], "bm25_b": settings["bm25_b"],
       "exclude_same_document": exclude_same,
       **({"exclude_by": EXCLUDE_BY} if exclude_same else {}),
       "same_document_pairs": same_document_pairs(batches, ranges),

@@ -93,9 +93,11 @@ class BatchPlan:
 
   def check(self, *, corpus_fingerprint: str, segment_len: int, segmentation: str, batch_size: int,
             consecutive_segments: int | None = None, kind: str | None = None, layout: str | None = None,
-            k: int | None = None, exclude_same_document: bool | None = None) -> None:
+            k: int | None = None, exclude_same_document: bool | None = None, bm25_k1: float | None = None,
+            bm25_b: float | None = None) -> None:
     """Clear errors when the plan was made for other data or another batch layout (or, for BM25 plans, other
-    neighbours: `k`, `exclude_same_document`); a field passed as None is not compared."""
+    neighbours: `k`, `exclude_same_document`, and BM25's `bm25_k1` / `bm25_b` where the plan records them); a
+    field passed as None is not compared."""
     h = self.header
     problems = []
     if h.get("corpus_fingerprint") != corpus_fingerprint:
@@ -105,7 +107,10 @@ class BatchPlan:
                       "trime_jax.launch.make_batches)")
     for name, want in [("segment_len", segment_len), ("segmentation", segmentation), ("batch_size", batch_size),
                        ("consecutive_segments", consecutive_segments), ("kind", kind), ("layout", layout),
-                       ("k", k), ("exclude_same_document", exclude_same_document)]:
+                       ("k", k), ("exclude_same_document", exclude_same_document),
+                       ("bm25_k1", bm25_k1), ("bm25_b", bm25_b)]:
+      if name in ("bm25_k1", "bm25_b") and name not in h:  # a plan of before 2026-12-07: warned below
+        continue
       if want is not None and h.get(name) != want:
         problems.append(f"{name} {h.get(name)!r} != {want!r}")
     if problems:
@@ -118,8 +123,9 @@ class BatchPlan:
 
       logging.warning("batch plan %s was made before 2026-12-07: its k = %s BM25 neighbours were k hits besides "
                       "each segment, one more candidate per step than the paper's SimSeg(I, c, k), which counts the "
-                      "segment's own hit. A new run should use a plan made again (make_batches --overwrite); a run "
-                      "that trained on this one goes on with it", self.directory or "(in memory)", h.get("k"))
+                      "segment's own hit, scored at bm25s's k1 = 1.5, b = 0.75 (the original's: 0.9, 0.4). A new "
+                      "run should use a plan made again (make_batches --overwrite); a run that trained on this one "
+                      "goes on with it", self.directory or "(in memory)", h.get("k"))
 
 
 def _sha256(batches: np.ndarray, prefix: bytes = b"") -> str:

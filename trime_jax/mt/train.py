@@ -245,19 +245,21 @@ def load_plan(workdir: str, pairs, config) -> tuple[batching.Plan, bool]:
   want = {"order": t.batching, "seed": int(config.train.seed), "max_tokens": int(d.max_tokens),
           "max_sentences": int(d.max_sentences), "num_pairs": len(pairs), "pairs_fingerprint": pairs.fingerprint()}
   if t.batching == "bm25":
-    want["k"] = int(t.bm25_k)
+    want.update(k=int(t.bm25_k), bm25_k1=float(t.bm25_k1), bm25_b=float(t.bm25_b))
   path = os.path.join(workdir, "plan.npz")
   if os.path.exists(path):
     plan = batching.Plan.load(path)
     # A plan written before plans recorded their pairs' fingerprint is kept when the rest matches: a run resumed
     # across versions goes on with its batches (its data are checked against <workdir>/data.json instead)
+    # (BM25's k1 / b likewise: a plan of before 2026-12-07 has none, made at bm25s's 1.5 / 0.75)
     if all(plan.header.get(k) == v for k, v in want.items()
-           if k != "pairs_fingerprint" or "pairs_fingerprint" in plan.header) and \
+           if k not in ("pairs_fingerprint", "bm25_k1", "bm25_b") or k in plan.header) and \
         all(plan.header.get(k, 0) == v for k, v in composition.items()):
       return plan, False
   t0 = time.perf_counter()
   plan = batching.make_plan(pairs, order=t.batching, max_tokens=int(d.max_tokens), seed=int(config.train.seed),
-                            max_sentences=int(d.max_sentences), bm25_k=int(t.bm25_k),
+                            max_sentences=int(d.max_sentences), bm25_k=int(t.bm25_k), bm25_k1=float(t.bm25_k1),
+                            bm25_b=float(t.bm25_b),
                             bm25_backend=t.get("bm25_backend", "numba"), batches_per_update=per_update,
                             batch_size_multiple=int(d.get("batch_size_multiple", 8)))
   plan.header["plan_s"] = round(time.perf_counter() - t0, 2)

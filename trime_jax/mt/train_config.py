@@ -41,6 +41,10 @@ def validate_config(config) -> None:
     raise ConfigError(f"trime.memory must be one of {MEMORIES} for translation, got {t.memory!r}")
   if t.batching not in batching.ORDERS:
     raise ConfigError(f"trime.batching must be one of {batching.ORDERS}, got {t.batching!r}")
+  if t.batching == "bm25":
+    from trime_jax.batching import bm25
+
+    bm25.check_scoring(t.bm25_k1, t.bm25_b)
   check_train_section(r)  # the section both trainers share (runtime.config): optimizer, schedule, cadences, ranges
   for name in ("eval_max_pairs", "target_token_budget", "stop_after", "num_epochs"):  # 0: all / none / no limit
     if int(r.get(name, 0)) < 0:
