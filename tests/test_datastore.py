@@ -366,6 +366,22 @@ def test_index_mismatches_are_clear_errors(setup, tmp_path):
     KnnIndex.load(path)
 
 
+def test_a_mistyped_index_path_beside_a_datastore_names_the_indexes_there(setup, tmp_path):
+  """eval.index naming a file that is not there, in a datastore folder that has its index: the error names the
+  index that is there (it said "the datastore has no index (built with --index=none?)" and told to rebuild it)."""
+  out = str(tmp_path / "store")
+  build_datastore(setup["export"], setup["corpus"], out, chunk_tokens=100, progress=False)
+  build_index(Datastore(out), progress=False)
+  with pytest.raises(CheckpointError) as e:
+    KnnIndex.load(os.path.join(out, "idnex.faiss"))
+  msg = str(e.value)
+  assert f"FAISS index not found: {out}/idnex.faiss" in msg and f"{out}/index.faiss" in msg, msg
+  assert "has no index" not in msg and "--index=none" not in msg, msg
+  os.remove(os.path.join(out, "index.faiss.json"))  # no sidecar: not a finished index, so none is named
+  with pytest.raises(CheckpointError, match="has no index"):
+    KnnIndex.load(os.path.join(out, "idnex.faiss"))
+
+
 @pytest.mark.skipif(gpu_available(), reason="a GPU build of faiss is present")
 def test_gpu_export_without_gpu_support_says_so(setup, tmp_path):
   build_index(setup["ds"], str(tmp_path / "flat.faiss"), progress=False)

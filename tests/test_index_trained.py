@@ -329,3 +329,37 @@ def test_ctrl_c_whose_save_fails_still_stops_the_build_as_an_interrupt(store, tm
   err = capsys.readouterr().err
   assert "warning: could not save the partial index" in err and "No space left on device" in err, err
   assert not os.path.exists(out + ".partial.json") and os.path.exists(out + ".trained.json")
+
+
+def test_a_build_resumes_and_its_index_is_kept_after_the_trained_file_or_the_datastore_moved(store, tmp_path,
+                                                                                            monkeypatch, capsys):
+  """Where the trained file and the datastore lie is no part of what a build made (their digest and fingerprint
+  say which they are): a resume after either moved (WikiText-103's adding takes hours) goes on from the keys
+  added, and a finished index is kept; until 2026-12-07 both paths were compared, so a rerun with the
+  original's knn.index.ip.trained copied elsewhere threw the added keys away and started again."""
+  ds, keys = store
+  first = str(tmp_path / "first" / "knn.index.ip.trained")
+  os.makedirs(os.path.dirname(first))
+  _trained(first, train_keys=keys[:2000])
+  out = str(tmp_path / "index.faiss")
+  hook = _Interrupt(monkeypatch, after=3)
+  with pytest.raises(KeyboardInterrupt):
+    build_index(ds, out, trained_index=first, save_every_s=0.0, progress=False)
+  assert json.load(open(out + ".partial.json"))["ntotal"] == 600
+  moved = str(tmp_path / "moved.trained")
+  os.rename(first, moved)
+  moved_ds = str(tmp_path / "moved_ds")  # the datastore's directory moved too (e.g. to a larger disk)
+  os.rename(ds.directory, moved_ds)
+  try:
+    ds2 = Datastore(moved_ds)
+    hook = _Interrupt(monkeypatch)
+    capsys.readouterr()
+    built = build_index(ds2, out, trained_index=moved, reuse=True)
+    said = capsys.readouterr().out
+    assert "600 of 4,000 keys already added" in said and "ignoring" not in said, said
+    assert hook.calls == [200] * 17 and built.index.ntotal == N
+    hook.calls.clear()
+    again = build_index(ds2, out, trained_index=moved, reuse=True)  # the rerun of the same command
+    assert hook.calls == [] and "kept" in capsys.readouterr().out and again.index.ntotal == N
+  finally:
+    os.rename(moved_ds, ds.directory)

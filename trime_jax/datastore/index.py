@@ -70,6 +70,10 @@ IVF_SEARCH_OPS_PER_S = 2e9
 TRAINED, PARTIAL = ".trained", ".partial"
 SAVE_EVERY_S = 1800.0  # adding 100M keys takes hours on a CPU; a save of the partial index costs a write of it
 HEARTBEAT_S = 30.0  # an index being trained says every this many seconds how long it has taken and should take
+# Sidecar fields that say where the datastore and a --trained_index lay, not what was built: a kept index or a
+# resumed state is matched without them (the datastore's fingerprint and the trained file's digest say which
+# they are), so moving either between an interrupted build and its rerun does not throw hours of adding away.
+LOCATION_FIELDS = ("datastore", "trained_from")
 
 
 def pq_seconds_per_distance(dsub: int) -> float:
@@ -327,12 +331,33 @@ def _complete_index(path: str, belongs: dict, ds: Datastore, say):
   except (CheckpointError, OSError, KeyError, TypeError, ValueError, AttributeError) as e:
     say(f"{path} cannot be kept ({first_line(e)}): building it again")
     return None
-  differ = sorted(k for k, v in belongs.items() if k != "datastore" and index.info.get(k) != v)
+  differ = _differing(index.info, belongs, only=belongs)
   if differ:
     say(f"{path} was built with other {', '.join(differ)}: building it again")
     return None
   say(f"{path} already holds this datastore's keys with these parameters: kept (delete it to build it again)")
   return index
+
+
+def _indexes_in(folder: str) -> list:
+  """The finished indexes in `folder`: files with a sidecar of this format beside them."""
+  found = []
+  for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+    index = os.path.join(folder, name[:-len(".json")])
+    if name.endswith(".json") and os.path.isfile(index):
+      try:
+        with open(os.path.join(folder, name)) as f:
+          if json.load(f).get("format") == FORMAT:
+            found.append(index)
+      except (OSError, ValueError, AttributeError):
+        continue
+  return found
+
+
+def _differing(recorded: dict, belongs: dict, only=None) -> list:
+  """The fields (of `only`, else of either) in which `recorded` and `belongs` differ, LOCATION_FIELDS aside."""
+  names = set(only if only is not None else {*recorded, *belongs}) - set(LOCATION_FIELDS)
+  return sorted(k for k in names if recorded.get(k) != belongs.get(k))
 
 
 def saved_state(path: str) -> str:
@@ -414,7 +439,7 @@ def _resume_state(state: str, belongs: dict, say, spent: dict):
   try:
     with open(_sidecar(state)) as f:
       meta = json.load(f)
-    if meta.get("belongs_to") != belongs:
+    if not isinstance(meta.get("belongs_to"), dict) or _differing(meta["belongs_to"], belongs):
       say(f"ignoring {state}: left by a build of other keys or parameters; this build replaces it")
       return None
     file = _state_file(state)
@@ -494,6 +519,12 @@ class KnnIndex:
     """Read an index; with `datastore`, refuse one built over other keys. gpu=True moves it to `device`."""
     if not os.path.exists(path):
       folder = os.path.dirname(os.path.abspath(path))
+      # finished indexes there (a sidecar beside the file): a mistyped eval.index is not a datastore without one
+      there = _indexes_in(folder)
+      if there:
+        raise CheckpointError(f"FAISS index not found: {path}; the index{'es' if len(there) > 1 else ''} in "
+                              f"{folder}: {', '.join(there)} (eval.index names the file; \"\" takes "
+                              "<datastore>/index.faiss)")
       if os.path.isfile(os.path.join(folder, "meta.json")) and os.path.isfile(os.path.join(folder, "keys.npy")):
         base = os.path.basename(path)
         stopped = any(n.startswith(base + TRAINED) or n.startswith(base + PARTIAL) for n in os.listdir(folder))
