@@ -72,6 +72,8 @@ def main(argv):
       raise ConfigError(f"--include {path}: not the rows of a trime_jax.launch.eval --output file "
                         "(a JSON list of objects)")
     included += loaded
+  if included:  # the summary's cells, checked before any work (a cell it cannot choose honestly is refused)
+    sweep.sweep_best(included)
   try:
     sizes = [int(m) for m in _MEM_SIZES.value]
   except ValueError:
@@ -95,20 +97,28 @@ def main(argv):
     check_data_split(_CONFIG.value, _CHECKPOINT.value, allow=_ALLOW_OVERLAP.value)
     rows = evaluate.evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value, mem_sizes=sizes, label=_LABEL.value,
                                         progress=sys.stderr.isatty() or "log")["rows"]  # log files: lines
+    # each row names its export (so another one's rerun is refused, and the summary keeps exports apart)
+    rows = [{**r, "checkpoint_fingerprint": fingerprint} for r in rows]
     split = _CONFIG.value.eval.split
-    tuned = any("dev_ppl" in r for r in rows)  # eval.tune: dev's perplexity at each best point beside the split's,
-    # as eval_ext shows them (the split's column named, so a test table is not read as dev's)
+    # eval.tune: dev's perplexity at each best point beside the split's, as eval_ext shows them (the split's column
+    # named, so a test table is not read as dev's); split=dev with eval.tune_max_tokens: the grid's, tune_ppl
+    tuned = any("dev_ppl" in r or "tune_ppl" in r for r in rows)
     print(evaluate.format_table(rows, **({"columns": tuple(dict.fromkeys((
-        "variant", "dev_ppl", f"{split}_ppl", f"{split}_bpc", "nll", "tokens", "tokens_per_s")))} if tuned else {})))
+        "variant", "tune_ppl", "dev_ppl", f"{split}_ppl", f"{split}_bpc", "nll", "tokens", "tokens_per_s")))}
+        if tuned else {})))
     if _OUTPUT.value and chief():  # one writer in a run of several processes (each holds the whole result)
       os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)
-      # whole or absent, even when interrupted; each row names its export, so another one's rerun is refused
-      atomic_write_json(_OUTPUT.value, [{**r, "checkpoint_fingerprint": fingerprint} for r in rows])
+      atomic_write_json(_OUTPUT.value, rows)  # whole or absent, even when interrupted
   elif not _INCLUDE.value:
     raise ConfigError("nothing to do: give --config and --checkpoint, or --include files to summarise")
   rows += included
   if len(_MEM_SIZES.value) > 1 or _INCLUDE.value:
-    print(sweep.sweep_table(rows))
+    try:
+      table = sweep.sweep_table(rows)
+    except ConfigError as err:  # this evaluation's rows against the included ones (each alone was checked)
+      kept = f" (this evaluation's rows are in --output={_OUTPUT.value})" if _OUTPUT.value and _CHECKPOINT.value else ""
+      raise ConfigError(f"{err}{kept}") from None
+    print(table)
     print(f"memory sizes (columns) = {evaluate.mem_size_axis_label(rows)}")
   if _PLOT.value and chief():
     os.makedirs(os.path.dirname(os.path.abspath(_PLOT.value)), exist_ok=True)

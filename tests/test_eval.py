@@ -10,6 +10,7 @@ from flax import nnx
 from tests import reference as ref
 from trime_jax import data as D
 from trime_jax import evaluate
+from trime_jax.errors import ConfigError
 from trime_jax.model import ModelConfig, TransformerLM
 
 
@@ -220,3 +221,45 @@ def test_one_device_evaluation_says_nothing_about_devices():
   assert jax.local_device_count() == 1
   assert devices_note(None, 8) is None
   assert sharding.eval_mesh(1, 8) is None and sharding.eval_mesh(0, 3) is None
+
+
+def test_the_sweep_never_chooses_a_cell_by_test_perplexity():
+  """Rows of a test split at different settings (e.g. --include of two runs at τ = 1 and τ = 2) are chosen between
+  by their dev perplexity (eval.tune's rows), never by the test numbers; without dev numbers it is one error
+  (found by a review: the lowest test nll won, so the table tuned τ on test cell by cell)."""
+  from trime_jax import sweep
+
+  row = lambda tau, nll, mem=16, **kw: {"model": "m", "family": "trime_local", "mem_size": mem, "split": "test",
+                                        "variant": f"trime_local(tau={tau:g})", "params": {"tau": tau}, "nll": nll,
+                                        "ppl": 2.0 ** nll, **kw}
+  with pytest.raises(ConfigError, match=r"cell \(m, TRIME \(local \+ long-term\), memory size 16\) has 2 rows of split "
+                                        r"test at different settings .*would tune on it"):
+    sweep.sweep_best([row(1.0, 3.0), row(2.0, 2.0)])
+  # eval.tune's rows: the lower dev perplexity wins, though its test nll is the higher
+  best = sweep.sweep_best([row(1.0, 3.0, dev_ppl=5.0), row(2.0, 2.0, dev_ppl=6.0)])
+  assert best[("m", "trime_local")][16]["params"] == {"tau": 1.0}
+  # the same point twice (a file included twice): no choice to make
+  assert sweep.sweep_best([row(1.0, 3.0), row(1.0, 3.0)])[("m", "trime_local")][16]["nll"] == 3.0
+  # dev rows: the grid itself, chosen by its nll (the tuning)
+  dev = [dict(row(1.0, 3.0), split="dev"), dict(row(2.0, 2.0), split="dev")]
+  assert sweep.sweep_best(dev)[("m", "trime_local")][16]["params"] == {"tau": 2.0}
+
+
+def test_the_sweep_keeps_other_windows_and_exports_apart_and_shows_the_model_alone():
+  """Rows of other windows (block, context, break mode) or of another export are other measurements: series of
+  their own, not candidates for one cell; the model alone is shown where no memory size 0 was run (it was left
+  out of the table: only its rows of size 0 were read)."""
+  from trime_jax import sweep
+
+  row = lambda fam, mem, nll, **kw: {"model": "m", "family": fam, "mem_size": mem, "split": "dev", "nll": nll,
+                                     "ppl": 2.0 ** nll, "params": {"tau": 1.0} if fam != "none" else {},
+                                     "block_len": 32, "context_window": 16, "sample_break_mode": "none", **kw}
+  rows = [row("trime_local", 16, 3.0), row("trime_local", 16, 2.0, context_window=8),
+          row("trime_local", 16, 2.5, checkpoint_fingerprint="v-abcdef0123-a"),
+          row("trime_local", 16, 2.6, checkpoint_fingerprint="v-99999999aa-a")]
+  got = {k: v[16]["nll"] for k, v in sweep.sweep_best(rows).items()}
+  assert got == {("m [context 16]", "trime_local"): 3.0, ("m [context 8]", "trime_local"): 2.0,
+                 ("m [context 16, export abcdef01]", "trime_local"): 2.5,
+                 ("m [context 16, export 99999999]", "trime_local"): 2.6}
+  rows = [row("none", 512, 8.0), row("trime_local", 512, 3.0), row("none", 1024, 8.0), row("trime_local", 1024, 2.0)]
+  assert "| m | none | 256.000 | 256.000 |" in sweep.sweep_table(rows)

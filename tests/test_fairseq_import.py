@@ -741,7 +741,7 @@ def test_truncated_checkpoints_say_so(torch, tmp_path):
   """A checkpoint cut short (zip, or the pre-1.6 pickle format) is "truncated", wherever it was cut: before, torch's
   first complaint came through as "OSError: [Errno 22] Invalid argument", an empty "EOFError: " or miniz's
   message cut mid-sentence at 200 characters."""
-  d = write_dict(tmp_path / "dict.txt")
+  write_dict(tmp_path / "dict.txt")
   path = write_checkpoint(torch, tmp_path / "c.pt", "plain_shared")
   legacy = str(tmp_path / "legacy.pt")
   torch.save(torch.load(path, weights_only=False), legacy, _use_new_zipfile_serialization=False)

@@ -857,3 +857,53 @@ def test_frequency_buckets_count_words_on_the_development_set(tmp_path, split):
   assert out["buckets"]["tokens"] == want.tolist()
   delta = splits.vocab.index["delta"]
   assert knn.FREQ_BUCKETS[by[delta]][2] == ("<=10" if split == "dev" else "10-100")  # the splits disagree on it
+
+
+def test_tuned_dev_rows_report_their_own_perplexity_and_name_their_windows(tmp_path, capsys):
+  """split=dev with eval.tune_max_tokens: the rows cover eval.max_tokens, and their dev_ppl is theirs (it was the
+  grid's, over the first tune_max_tokens targets, so launch.eval's table showed the grid's perplexity beside the
+  rows' token count); the grid's is tune_ppl. Rows name their windows; a negative tune_max_tokens is one error
+  (it was an IndexError); a dev optimum at an end of its grid is said; progress lines name the corpus."""
+  config = _config(**{"data.corpus": "wikitext", "data.path": str(_wiki_dir(tmp_path)), "eval.block_len": 16,
+                      "eval.context_window": 8, "eval.batch_size": 2, "eval.tune": True, "eval.tune_max_tokens": 24,
+                      "eval.split": "dev"})
+  vocab = corpora.load_splits(config.data).vocab
+  model = TransformerLM(specs.model_config(config, vocab_size=len(vocab)), rngs=nnx.Rngs(params=0))
+  export = exports.export(str(tmp_path / "export"), nnx.split(model, nnx.Param)[1], config, vocab)
+  out = evaluate.evaluate_checkpoint(config, export, mem_sizes=[16], progress="log")
+  assert out["dev_tokens"] == 24
+  err = capsys.readouterr().err  # the progress lines name the corpus: the grid's pass is told from the rows'
+  assert "eval wikitext:dev mem=16: step 1/" in err
+  for r in out["rows"]:
+    assert r["tokens"] > 24 and r["dev_ppl"] == r["ppl"] and "tune_ppl" in r and r["tune_ppl"] != r["ppl"]
+    assert (r["block_len"], r["context_window"], r["sample_break_mode"]) == (16, 8, "none")
+  best = out["rows"][1]
+  edges = evaluate.grid_edges(evaluate.Point("trime_local", tau=best["params"]["tau"]))
+  assert ("note: eval.tune: trime_local(" in err) == bool(edges)
+  assert evaluate.grid_edges(evaluate.Point("cache", cache_lambda=0.75, cache_theta=2.0)) == [
+      "lambda=0.75 (grid 0.02 … 0.75)"]
+  assert evaluate.grid_edges(evaluate.Point("trime_local", tau=1.25)) == []
+  config.eval.update(tune_max_tokens=-5)
+  with pytest.raises(ConfigError, match=r"eval.tune_max_tokens must be >= 0 \(0: as eval.max_tokens\), got -5"):
+    evaluate.evaluate_checkpoint(config, export)
+
+
+def test_eval_cli_refuses_a_summary_that_would_tune_on_test(tmp_path):
+  """`launch.eval --include` of two test evaluations at τ = 1 and τ = 2 under one label: one error line, exit 2,
+  before anything is written (its table showed the better test perplexity of the two, cell by cell)."""
+  row = lambda tau, mem, nll: {"model": "m", "family": "trime_local", "mem_size": mem, "split": "test",
+                               "variant": f"trime_local(tau={tau:g})", "params": {"tau": tau}, "nll": nll,
+                               "ppl": float(np.exp(nll)), "tokens": 10}
+  (tmp_path / "a.json").write_text(json.dumps([row(1.0, 0, 3.0), row(1.0, 16, 2.9)]))
+  (tmp_path / "b.json").write_text(json.dumps([row(2.0, 0, 3.1), row(2.0, 16, 2.8)]))
+  out = _cli("trime_jax.launch.eval", f"--include={tmp_path / 'a.json'},{tmp_path / 'b.json'}",
+             f"--plot={tmp_path / 'p.png'}")
+  assert out.returncode == 2 and "| model |" not in out.stdout and not (tmp_path / "p.png").exists()
+  lines = out.stderr.strip().splitlines()
+  assert len([l for l in lines if l.startswith("error:")]) == 1 and lines[-1].startswith(
+      "error: the sweep table's cell (m, TRIME (local + long-term), memory size 0) has 2 rows of split test"), \
+      out.stderr
+  # each file alone (or one file twice) is a table
+  out = _cli("trime_jax.launch.eval", f"--include={tmp_path / 'a.json'},{tmp_path / 'a.json'}")
+  assert out.returncode == 0 and "| m | TRIME (local + long-term) | 20.086 (tau=1) | 18.174 (tau=1) |" in out.stdout, \
+      out.stderr

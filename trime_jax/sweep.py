@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from trime_jax import evaluate
+from trime_jax.errors import ConfigError
 
 FAMILY_NAMES = {"none": "none", "trime_local": "TRIME (local + long-term)", "cache": "continuous cache",
                 "trime": "TRIME (local + long-term + external)", "interp": "TRIME + interpolation",
@@ -12,10 +13,16 @@ FAMILY_NAMES = {"none": "none", "trime_local": "TRIME (local + long-term)", "cac
 
 
 # What sets a row's series apart besides its model and memory family: rows of another split, store layout or
-# document setting (rows merged with --include) are other measurements, never candidates for the same cell.
+# document setting (rows merged with --include) are other measurements, never candidates for the same cell; so are
+# rows of other windows or of another export (rows written before they recorded these fields join any series).
 _SERIES_FIELDS = ("split", "long_term_layout", "reset_at_documents")
+_SETTING_FIELDS = ("block_len", "context_window", "sample_break_mode", "checkpoint_fingerprint")
 _SERIES_TEXT = {"long_term_layout": lambda v: f"{v} layout",
-                "reset_at_documents": lambda v: "store per document" if v else "store across documents"}
+                "reset_at_documents": lambda v: "store per document" if v else "store across documents",
+                "block_len": lambda v: f"block {v}", "context_window": lambda v: f"context {v}",
+                "sample_break_mode": lambda v: f"{v} blocks",
+                # exports.fingerprint: vocabulary-parameters[-architecture]; the parameters' digest tells them apart
+                "checkpoint_fingerprint": lambda v: f"export {(str(v).split('-') + [''])[1][:8] or str(v)[:8]}"}
 
 
 def _group(row: dict) -> str:
@@ -28,8 +35,10 @@ NO_LABEL = "(no --label)"  # the table's model column for rows evaluated without
 
 
 def _series_names(rows: list[dict]) -> list[str]:
-  """Each row's series: its model, with the _SERIES_FIELDS values that differ among `rows` in brackets."""
+  """Each row's series: its model, with the _SERIES_FIELDS / _SETTING_FIELDS values that differ among `rows` in
+  brackets."""
   varying = [f for f in _SERIES_FIELDS if len({r.get(f) for r in rows}) > 1]
+  varying += [f for f in _SETTING_FIELDS if len({r[f] for r in rows if r.get(f) is not None}) > 1]
   names = []
   for r in rows:
     tags = [_SERIES_TEXT.get(f, str)(r.get(f)) for f in varying if r.get(f) is not None]
@@ -37,19 +46,46 @@ def _series_names(rows: list[dict]) -> list[str]:
   return names
 
 
+def _choose(cands: list[dict], where: str) -> dict:
+  """The row of a cell among several: on dev the lowest nll (τ or λ, θ tuned on dev); on another split the lowest
+  dev perplexity where every row has it (eval.tune's rows), never the split's own numbers (that would tune on
+  test: it did, e.g. between --include files of two τ); rows of one point measured again (a file included twice)
+  the first; otherwise ConfigError."""
+  if len(cands) == 1:
+    return cands[0]
+  # (rows that do not name their split, written before rows did, as before: by nll)
+  key = "nll" if all(r.get("split", "dev") == "dev" for r in cands) else "dev_ppl" if all(
+      "dev_ppl" in r for r in cands) else None
+  if key is None:
+    points = {r.get("variant") or repr(sorted(r.get("params", {}).items())) for r in cands}
+    if len(points) == 1:
+      return cands[0]
+    splits = sorted({str(r.get("split")) for r in cands})
+    raise ConfigError(f"the sweep table's cell {where} has {len(cands)} rows of split {'/'.join(splits)} at "
+                      f"different settings ({', '.join(sorted(points))}) and no dev perplexity to choose between "
+                      f"them (choosing by {'/'.join(splits)} perplexity would tune on it): tune on dev "
+                      "(--config.eval.tune=True), or give each evaluation its own --label")
+  best = cands[0]
+  for r in cands[1:]:
+    if evaluate.nll_improves(float(r[key]), float(best[key])):  # NaN never wins
+      best = r
+  return best
+
+
 def sweep_best(rows: list[dict]) -> dict:
-  """{(series, family): {mem_size: best row}}: the lowest nll per memory size (τ or λ, θ tuned on the rows'
-  split); the vanilla softmax ("none") is taken once per series, at memory size 0. A series is a model, told
-  apart by split, store layout and document setting where the rows hold more than one (_series_names)."""
-  best = {}
+  """{(series, family): {mem_size: best row}}: per memory size the row `_choose` picks (τ or λ, θ tuned on dev);
+  the vanilla softmax ("none") is taken once per series, at its smallest memory size (it does not read the
+  store). A series is a model, told apart by split, store layout, document setting, windows and export where
+  the rows hold more than one (_series_names)."""
+  cands = {}
   for r, series in zip(rows, _series_names(rows)):
-    fam = _group(r)
-    if fam == "none" and r.get("mem_size", 0):
-      continue
-    cell = best.setdefault((series, fam), {})
-    mem = r.get("mem_size", 0)
-    if mem not in cell or evaluate.nll_improves(float(r["nll"]), float(cell[mem]["nll"])):  # NaN never wins
-      cell[mem] = r
+    cands.setdefault((series, _group(r)), {}).setdefault(r.get("mem_size", 0), []).append(r)
+  best = {}
+  for (series, fam), cells in cands.items():
+    if fam == "none":
+      cells = {min(cells): cells[min(cells)]}
+    best[(series, fam)] = {m: _choose(c, f"({series}, {_family_name(fam)}, memory size {m:,})")
+                           for m, c in sorted(cells.items())}
   return best
 
 
@@ -99,8 +135,6 @@ def check_plot_path(path: str, flag: str = "plot", overwrite: bool = False) -> N
   """ConfigError unless `path` ends in an image format matplotlib writes (.png, .pdf, .svg, ...), or when it is a
   file that is not a plot of ours (`PLOT_CREATOR`) and not `overwrite`: checked before an evaluation, whose plot
   is drawn only at its end."""
-  from trime_jax.errors import ConfigError
-
   import matplotlib
 
   matplotlib.use("Agg")
@@ -153,7 +187,7 @@ def plot_sweep(rows: list[dict], path: str, title: str = "") -> str:
     color = f"C{models.index(model) % 10}"  # one colour per model, one line style per memory family
     prefix = f"{model}: " if model and not model.startswith(NO_LABEL) else ""
     if fam == "none":
-      ax.axhline(cells[0][metric], ls=":", lw=1, color=color, label=f"{prefix}no memory")
+      ax.axhline(next(iter(cells.values()))[metric], ls=":", lw=1, color=color, label=f"{prefix}no memory")
       continue
     ms = sorted(cells)
     ax.plot([x[m] for m in ms], [cells[m][metric] for m in ms], color=color, label=prefix + _family_name(fam),

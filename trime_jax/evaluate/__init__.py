@@ -50,7 +50,7 @@ earlier tokens).
 from trime_jax.evaluate.points import (DISPLAY_NAMES, EVAL_MEMORIES, EXTERNAL_FAMILIES, FAMILIES, FAMILY_PARAMS,
                                        GRIDS, INTERP_MEMORIES, LAMBDA_GRID, NONE, TAU_GRID, TAU_PRIME_GRID,
                                        THETA_GRID, Point, configured_points, exact_scales, families_of, grid,
-                                       point_nlls, tune, nll_improves)
+                                       grid_edges, point_nlls, tune, nll_improves)
 from trime_jax.evaluate.memory import (LONG_TERM_LAYOUTS, MEM_SIZE_AXIS_LABELS, QueryStats, StoreSpec, StreamPlan,
                                        external_block, local_block, long_term_block, mem_size_axis_label,
                                        row_length, stream_plan, text_windows, texts_plan)
@@ -63,7 +63,8 @@ from trime_jax.scoring import MemoryBlock
 __all__ = [
     "DISPLAY_NAMES", "EVAL_MEMORIES", "EXTERNAL_FAMILIES", "FAMILIES", "FAMILY_PARAMS", "GRIDS", "INTERP_MEMORIES",
     "LAMBDA_GRID", "NONE", "TAU_GRID", "TAU_PRIME_GRID", "THETA_GRID", "Point", "configured_points", "exact_scales",
-    "families_of", "grid", "point_nlls", "tune", "LONG_TERM_LAYOUTS", "MEM_SIZE_AXIS_LABELS", "QueryStats",
+    "families_of", "grid", "grid_edges", "point_nlls", "tune", "LONG_TERM_LAYOUTS", "MEM_SIZE_AXIS_LABELS",
+    "QueryStats",
     "StoreSpec", "StreamPlan", "external_block", "local_block", "long_term_block", "mem_size_axis_label",
     "row_length", "stream_plan", "text_windows", "texts_plan", "EvalResult", "ProgressLog", "Score", "StreamState", "evaluate", "forward_queries",
     "score_step",

@@ -387,7 +387,9 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
   overlap_search = overlap_search and not on_device
   scales = exact_scales(points)
   t0 = time.perf_counter()
-  desc = "eval" + (" (external)" if external else "") + (f" mem={long_term.mem_size}" if long_term.mem_size else "")
+  # the corpus's name tells eval.tune's dev pass from the split's (e.g. wikitext_mini:dev, wikitext_mini:test)
+  desc = ("eval" + (f" {corpus.name}" if corpus.name else "") + (" (external)" if external else "")
+          + (f" mem={long_term.mem_size}" if long_term.mem_size else ""))
   log = ProgressLog(desc, len(plan.schedule)) if progress == "log" else None
   n_steps = len(plan.schedule)
 

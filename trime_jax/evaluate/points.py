@@ -223,6 +223,17 @@ def nll_improves(nll: float, best: float) -> bool:
   return not math.isnan(nll) and (math.isnan(best) or nll < best)
 
 
+def grid_edges(point: Point) -> list[str]:
+  """The numeric parameters of a tuned `point` that lie at an end of their grid, e.g. ['lambda=0.75 (grid 0.02 …
+  0.75)']: the dev optimum may lie beyond it (a baseline tuned there is under-tuned)."""
+  out = []
+  for name, v in point.params.items():
+    g = GRIDS[name]
+    if not isinstance(v, str) and len(g) > 1 and v in (min(g), max(g)):
+      out.append(f"{DISPLAY_NAMES[name]}={v:g} (grid {min(g):g} … {max(g):g})")
+  return out
+
+
 def tune(result) -> dict:
   """{group: Score} of the lowest-nll point of each group (family; `interp`: each P′ memory) of an `EvalResult`;
   the first of equal ones. A non-finite nll (a diverged point) never wins over a finite one."""

@@ -22,7 +22,8 @@ from trime_jax import sharding
 from trime_jax.errors import CheckpointError, ConfigError
 from trime_jax.evaluate.driver import SEARCH_QUERIES, EvalResult, evaluate, process_share
 from trime_jax.evaluate.memory import StoreSpec
-from trime_jax.evaluate.points import INTERP_MEMORIES, NONE, Point, families_of, grid, configured_points, tune
+from trime_jax.evaluate.points import (INTERP_MEMORIES, NONE, Point, families_of, grid, grid_edges, configured_points,
+                                       tune)
 
 # ----------------------------------------------------------------------------------------------------------
 # A whole evaluation of an exported checkpoint (trime_jax.launch.eval, trime_jax.launch.eval_ext and trime_jax.launch.demo wrap this).
@@ -76,19 +77,28 @@ def store_spec(e, mem_size: int) -> StoreSpec:
   return StoreSpec(mem_size, bool(e.reset_at_documents), str(e.long_term_layout))
 
 
+def window_settings(e) -> dict:
+  """What a result row records of the windows that scored it (besides its store): rows of other windows are other
+  measurements (`sweep` keeps them apart)."""
+  return {"block_len": int(e.block_len), "context_window": int(e.context_window),
+          "sample_break_mode": str(e.get("sample_break_mode", "none"))}
+
+
 def _rows(result: EvalResult, *, split: str, long_term: StoreSpec, best: dict | None, dev_best: dict | None,
-          label: str) -> list[dict]:
+          label: str, windows: dict | None = None) -> list[dict]:
   rows = []
   for s in result.scores:
     row = {**s.as_dict(), "family": s.point.family, "params": s.point.params, "mem_size": long_term.mem_size,
            "long_term_layout": long_term.layout, "reset_at_documents": long_term.reset_at_documents, "split": split,
-           f"{split}_ppl": s.ppl}
+           **(windows or {}), f"{split}_ppl": s.ppl}
     if s.point.family == "interp":
       row["interp_memory"] = s.point.interp_memory  # "external" (the original's P′) or "all" (the paper's text)
     if s.bytes_level:
       row[f"{split}_bpc"] = s.bits_per_token
     if dev_best is not None:
-      row["dev_ppl"] = dev_best[s.point.group].ppl
+      # the grid's perplexity at the chosen point; on split=dev (a grid of eval.tune_max_tokens targets) under a
+      # name of its own: it replaced the row's dev_ppl (its split's perplexity), so tables showed the grid's
+      row["tune_ppl" if split == "dev" else "dev_ppl"] = dev_best[s.point.group].ppl
     if best is not None and s.point.family != "none" and best[s.point.group] is s:
       row["best"] = True  # format_table marks it where its group had a choice (a grid)
     if label:
@@ -119,8 +129,10 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
   With eval.tune every family's parameters are grid-searched on dev (the interpolation for both P′ memories):
   when the split is dev and the grid covered eval.max_tokens of it the grid's rows are the result (the best of
   each group marked), otherwise the best points are applied to the split (rows carry dev_ppl; dev with
-  eval.tune_max_tokens: the grid on that many dev targets, the rows on eval.max_tokens). Returns {"rows": [...], ...}: rows with family, params,
-  variant, nll, ppl, <split>_ppl, tokens, mem_size, split (+ model, dev_ppl, best); with external memory also
+  eval.tune_max_tokens: the grid on that many dev targets, its perplexity the rows' tune_ppl, the rows on
+  eval.max_tokens). Returns {"rows": [...], ...}: rows with family, params, variant, nll, ppl, <split>_ppl,
+  tokens, mem_size, long_term_layout, reset_at_documents, block_len, context_window, sample_break_mode, split
+  (+ model, dev_ppl or tune_ppl, best); with external memory also
   retrieval accuracy, frequency-bucket perplexities and (if `throughput_tokens`) throughput with vs without
   external memory."""
   checkpoint_dir = os.path.abspath(checkpoint_dir)
@@ -143,6 +155,9 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
     buckets = (knn.frequency_buckets(splits.get(frequency_split(e)).tokens, len(vocab)) if vocab.kind == "words"
                else None)
   tuned = bool(e.tune) and families != ("none",)
+  tune_max_tokens = int(e.get("tune_max_tokens", 0))
+  if tune_max_tokens < 0:  # (a negative cap reached the windows as an empty split: an IndexError traceback)
+    raise ConfigError(f"eval.tune_max_tokens must be >= 0 (0: as eval.max_tokens), got {tune_max_tokens}")
   if e.tune and not tuned and progress:  # (the Python API and training's evaluations pass progress=False)
     print("warning: eval.tune: nothing to tune: eval.memory=none scores the model alone (no tau, lambda or theta); "
           "evaluated without the dev grid", file=sys.stderr)
@@ -169,10 +184,16 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
     long_term = store_spec(e, mem_size)
     best = dev_best = None
     if tuned:  # on the first eval.tune_max_tokens dev targets (0: eval.max_tokens)
-      tune_cap = int(e.get("tune_max_tokens", 0)) or int(e.max_tokens)
+      tune_cap = tune_max_tokens or int(e.max_tokens)
       dev = run(splits.dev, points, long_term=long_term, max_tokens=tune_cap)
       out["dev_tokens"] = dev.tokens
       best = tune(dev)
+      if progress:  # a command's run: a dev optimum at an end of its grid is said (it may lie beyond)
+        for b in best.values():
+          if grid_edges(b.point):
+            print(f"note: eval.tune: {b.name} is the dev optimum at memory size {mem_size:,}, with "
+                  f"{' and '.join(grid_edges(b.point))} at an end of its grid (evaluate.GRIDS): the optimum may "
+                  "lie beyond it", file=sys.stderr, flush=True)
       if e.split == "dev" and tune_cap == int(e.max_tokens):  # the grid covered what dev's rows report
         result = dev
       else:
@@ -184,7 +205,8 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
         best = {s.point.group: s for s in result.scores}
     else:
       result = run(splits.get(e.split), points, long_term=long_term)
-    out["rows"] += _rows(result, split=e.split, long_term=long_term, best=best, dev_best=dev_best, label=label)
+    out["rows"] += _rows(result, split=e.split, long_term=long_term, best=best, dev_best=dev_best, label=label,
+                         windows=window_settings(e))
   if external_memory:  # of the last memory size
     out["retrieval_accuracy"] = result.retrieval_accuracy()
     out["search_seconds"], out["seconds"] = result.search_seconds, result.seconds
