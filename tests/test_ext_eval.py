@@ -392,6 +392,10 @@ def test_knn_theta_and_cache_theta_are_two_fields():
   c.eval.knn_theta = 0.0
   with pytest.raises(ConfigError, match="eval.knn_theta must be > 0"):
     train_config.validate_config(c)
+  c = default.get_config()
+  c.eval.tune_max_tokens = -3  # refused with the config, before the evaluation (the runner's check comes later)
+  with pytest.raises(ConfigError, match="eval.tune_max_tokens must be >= 0, got -3"):
+    train_config.validate_config(c)
 
 
 def test_points_are_checked():

@@ -181,7 +181,8 @@ def _check_ranges(config) -> None:
               ("eval.batch_size", e.batch_size, 1), ("eval.max_tokens", e.max_tokens, 0),
               ("eval.context_window", e.context_window, 0), ("eval.mem_size", e.mem_size, 0),
               ("eval.block_len", e.block_len, 1), ("eval.knn_k", e.knn_k, 1), ("eval.nprobe", e.nprobe, 1),
-              ("eval.search_queries", e.get("search_queries", 4096), 0)]
+              ("eval.search_queries", e.get("search_queries", 4096), 0),
+              ("eval.tune_max_tokens", e.get("tune_max_tokens", 0), 0)]
   for name, value, low in at_least:
     if value < low:
       raise ConfigError(f"{name} must be >= {low}, got {value}")
