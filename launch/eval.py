@@ -55,7 +55,7 @@ def main(argv):
 
   def check_outputs():  # process 0 writes them: its view decides, for every process (distributed.on_chief)
     check_output_file(_OUTPUT.value, "output", json_results=True, program="eval", checkpoint_fingerprint=fingerprint,
-                      overwrite=_OVERWRITE.value)
+                      split=_CONFIG.value.eval.split if _CONFIG.value else "", overwrite=_OVERWRITE.value)
     check_output_file(_PLOT.value, "plot")
     if _PLOT.value:
       sweep.check_plot_path(_PLOT.value, overwrite=_OVERWRITE.value)

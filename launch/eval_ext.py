@@ -47,7 +47,8 @@ def main(argv):
   fingerprint = export_fingerprint(_CHECKPOINT.value)
   # Before the evaluation. Process 0 writes it: its view decides, for every process (distributed.on_chief).
   on_chief(lambda: check_output_file(_OUTPUT.value, "output", json_results=True, program="eval_ext",
-                                     checkpoint_fingerprint=fingerprint, overwrite=_OVERWRITE.value))
+                                     checkpoint_fingerprint=fingerprint, overwrite=_OVERWRITE.value,
+                                     split=_CONFIG.value.eval.split if _CONFIG.value else ""))
   config = validated(_CONFIG.value, _CHECKPOINT.value)
   check_export(config, _CHECKPOINT.value)
   check_data_split(config, _CHECKPOINT.value, allow=_ALLOW_OVERLAP.value)

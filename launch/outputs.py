@@ -114,15 +114,24 @@ def results_checkpoint(held) -> str | None:
   return next(iter(found)) if len(found) == 1 else None
 
 
+def results_split(held) -> str | None:
+  """The split an evaluation's results file scored (eval: on every row; eval_ext: at the top), or None where it
+  does not say (or says several)."""
+  rows = held if isinstance(held, list) else [held] if isinstance(held, dict) else []
+  found = {r.get("split") for r in rows if isinstance(r, dict)} - {None}
+  return next(iter(found)) if len(found) == 1 else None
+
+
 def check_output_file(path: str, flag: str, *, json_results: bool = False, program: str = "",
-                      checkpoint_fingerprint: str = "", overwrite: bool = False) -> None:
+                      checkpoint_fingerprint: str = "", split: str = "", overwrite: bool = False) -> None:
   """An output file the program writes at the end: refused up front (before the work) when it is a folder, when
   a folder on its way is a file, or when it cannot be created for lack of permission. `json_results`: an
   existing file is replaced only when it holds an earlier evaluation's results (eval's list of rows, eval_ext's
   object with "rows"), never a config, script, text or another program's JSON (a datastore's or an export's
   meta.json, a config.json) a mistyped name points at; and unless `overwrite` (--overwrite), only results of the
   same `program` ("eval": a list, "eval_ext": an object) and, where the file records it, the same export
-  (`checkpoint_fingerprint`): a rerun replaces its own results, not another model's or program's."""
+  (`checkpoint_fingerprint`) and split (`split`): a rerun replaces its own results, not another model's or
+  program's, nor a dev sweep by a test evaluation."""
   import json
 
   from trime_jax.errors import ConfigError
@@ -155,6 +164,10 @@ def check_output_file(path: str, flag: str, *, json_results: bool = False, progr
       raise ConfigError(f"--{flag}={path} holds results of another export (fingerprint {there}; this one's "
                         f"{checkpoint_fingerprint}), which would be replaced: choose another file name (or add "
                         "--overwrite)")
+    held_split = results_split(held)
+    if split and held_split and held_split != split and not overwrite:
+      raise ConfigError(f"--{flag}={path} holds this export's results on split {held_split}, which this evaluation "
+                        f"of {split} would replace: choose another file name (or add --overwrite)")
   parent = os.path.dirname(os.path.abspath(path))
   probe = parent
   while not os.path.exists(probe):

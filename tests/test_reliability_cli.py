@@ -568,6 +568,17 @@ def e_eval_output_of_another_export(b):  # eval replaced another model's results
   return case, [f"--output={path} holds results of another export (fingerprint another-model", "--overwrite"], [path]
 
 
+def e_eval_output_of_another_split(b):  # this export's dev sweep replaced by a test evaluation (a walk-through)
+  from trime_jax.launch.outputs import export_fingerprint
+
+  path = _results_file(b, "dev_results.json", [{"variant": "none", "split": "dev",
+                                                "checkpoint_fingerprint": export_fingerprint(str(b["export"]))}])
+  case = _case("eval", f"--config={b['cfg']}", f"--checkpoint={b['export']}", f"--output={path}",
+               "--config.eval.split=test")
+  return case, [f"--output={path} holds this export's results on split dev, which this evaluation of test would "
+                "replace", "--overwrite"], [path]
+
+
 def e_eval_output_of_eval_ext(b):  # ... or eval_ext's (tuned parameters, retrieval accuracy) with eval's rows
   path = _results_file(b, "ext_results.json", {"rows": [{"variant": "none"}], "retrieval_accuracy": {}})
   case = _case("eval", f"--config={b['cfg']}", f"--checkpoint={b['export']}", f"--output={path}")
@@ -592,6 +603,7 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_train_d_model_zero,
                e_train_clip_norm_nan, e_train_split_fractions_sum, e_config_file_raises,
                e_generate_stored_field_of_another_type, e_eval_output_of_another_export, e_eval_output_of_eval_ext,
+               e_eval_output_of_another_split,
                e_generate_empty_checkpoint, e_eval_checkpoint_is_a_file, e_train_config_is_a_folder,
                e_config_returns_a_dict, e_config_without_get_config, e_config_sets_a_field_it_lacks,
                e_unlocked_config_with_an_unknown_field, e_unlocked_translation_config_with_an_unknown_field,
