@@ -86,15 +86,16 @@ def _check_flag_combinations(out: str) -> None:
                                        ("--trained_index", _TRAINED_INDEX.value)])
 
 
-def _check_out(out: str, d_model: int | None = None) -> None:
+def _check_out(out: str, d_model: int | None = None, *, remove: bool = True) -> None:
   """Under --out's lock: a --trained_index that cannot be used (keys of `d_model`) and an --out that holds
-  something else, before any work; --overwrite removes what --out holds only now."""
+  something else, before any work; --overwrite removes what --out holds only now (`remove`: False checks only,
+  before the corpus is read; the removal waits until it has been read)."""
   if _TRAINED_INDEX.value and d_model:  # read now, not after the key pass
     from trime_jax.datastore.index import check_trained_index
 
     check_trained_index(_TRAINED_INDEX.value, int(d_model))
   what = refuse_target(out, "out", "a datastore", ok=("a datastore",), overwrite=_OVERWRITE.value)
-  if what and _OVERWRITE.value:  # asked for; the old contents go only now, after every flag was checked
+  if what and _OVERWRITE.value and remove:  # asked for; the old contents go only now, after every flag was checked
     print(f"--overwrite: removing {out} ({what})", flush=True)
     if os.path.isdir(out) and not os.path.islink(out):
       shutil.rmtree(out)
@@ -174,12 +175,14 @@ def _build(out: str) -> None:
   check_data_split(config, checkpoint, allow=_ALLOW_OVERLAP.value,
                    effect=f"the datastore's {_SPLIT.value} split holds text of the export's other splits "
                    "(evaluation would retrieve its dev / test text)")
+  d_model = exports.read_export_meta(checkpoint).get("d_model")
+  _check_out(out, d_model, remove=False)  # before the corpus is read (WikiText-103's: minutes), removed after
   splits = evaluate.load_eval_data(config, exports.read_export_vocab(checkpoint))
   e = config.eval
   # One setting for both forward passes over a corpus, the key pass's and evaluation's (checked before --out is)
   devices = _DEVICES.value if _DEVICES.value is not None else e.get("devices", 1)
   sharding.make_mesh(devices, what="--devices" if _DEVICES.value is not None else "eval.devices")
-  _check_out(out, exports.read_export_meta(checkpoint).get("d_model"))
+  _check_out(out, d_model)
   corpus = splits.get(_SPLIT.value)
   try:
     if _SUBSET_OF.value:

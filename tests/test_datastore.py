@@ -595,3 +595,18 @@ def test_disk_full_states_the_size_of_the_keys_dtype(tmp_path, key_dtype, mib):
   with pytest.raises(CheckpointError, match=rf"the files need {mib} MiB"):
     with build._no_space_is_an_error(str(tmp_path), 1 << 20, 2, np.dtype(key_dtype).itemsize):
       raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_build_datastore_refuses_its_out_before_reading_the_corpus(tmp_path):
+  """An --out holding something else is refused before the corpus is read (WikiText-103's takes minutes; it was
+  read, and cached, first: found by a walk-through); --overwrite still removes it only after the corpus loads."""
+  from tests.helpers import run_cli
+
+  out, cache = tmp_path / "out", tmp_path / "cache"
+  out.mkdir()
+  (out / "notes.txt").write_text("precious")
+  r = run_cli("trime_jax.launch.build_datastore", "--checkpoint=trime_jax/pretrained/demo", f"--out={out}",
+              f"--config.data.cache_dir={cache}")
+  assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(f"error: --out={out} already holds"), \
+      r.stderr[-2000:]
+  assert not cache.exists() and (out / "notes.txt").read_text() == "precious"
