@@ -122,6 +122,29 @@ def two_process_env(devices_per_process: int, **extra) -> dict:
               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}", **extra)
 
 
+def wikitext_dir(tmp_path, line=lambda i: " alpha beta gamma delta .\n", lines=lambda i: i + 1, articles=6):
+  """A tiny corpus in WikiText's layout (tmp_path/wiki/wiki.{train,valid,test}.tokens, the same text in each):
+  `articles` articles, article i holding `lines(i)` copies of `line(i)`."""
+  data = tmp_path / "wiki"
+  data.mkdir()
+  text = "".join(f" = Article {i} = \n\n" + line(i) * lines(i) for i in range(articles))
+  for name in ("wiki.train.tokens", "wiki.valid.tokens", "wiki.test.tokens"):
+    (data / name).write_text(text)
+  return data
+
+
+def wikitext_config_file(tmp_path, data, extra: str = "") -> str:
+  """tmp_path/cfg.py: default.py over the corpus at `data`, 8-token stream segments, 4 rows (`extra`: more
+  `c.x = y` lines of get_config)."""
+  cfg = tmp_path / "cfg.py"
+  body = "".join(f"  {line.strip()}\n" for line in extra.strip().splitlines())
+  cfg.write_text("from trime_jax.configs import default\n\n\ndef get_config():\n  c = default.get_config()\n"
+                 f"  c.data.corpus, c.data.path = 'wikitext', {str(data)!r}\n"
+                 "  c.data.segment_len, c.data.segmentation = 8, 'stream'\n  c.train.batch_size = 4\n"
+                 f"{body}  return c\n")
+  return str(cfg)
+
+
 def run_cli(module, *args, timeout=300):
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True,

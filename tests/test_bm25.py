@@ -487,26 +487,13 @@ def test_make_batches_treats_a_plan_of_k_others_as_another_plan(tmp_path, caplog
   # plan: a rerun says so before planning instead of keeping it or replacing it; a training reading it is told.
   import subprocess
   import sys
-  import textwrap
 
+  from tests.helpers import wikitext_config_file, wikitext_dir
   from trime_jax.train import BatchSource
 
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  data = tmp_path / "wiki"
-  data.mkdir()
-  text = "".join(f" = Article {i} = \n\n" + f" alpha beta w{i} gamma delta .\n" * (i + 3) for i in range(6))
-  for name in ("wiki.train.tokens", "wiki.valid.tokens", "wiki.test.tokens"):
-    (data / name).write_text(text)
-  cfg = tmp_path / "cfg.py"
-  cfg.write_text(textwrap.dedent(f"""
-      from trime_jax.configs import default
-      def get_config():
-        c = default.get_config()
-        c.data.corpus, c.data.path = "wikitext", {str(data)!r}
-        c.data.segment_len, c.data.segmentation = 8, "stream"
-        c.train.batch_size = 4
-        return c
-      """))
+  data = wikitext_dir(tmp_path, line=lambda i: f" alpha beta w{i} gamma delta .\n", lines=lambda i: i + 3)
+  cfg = wikitext_config_file(tmp_path, data)
   out = tmp_path / "plan"
   env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu")
 

@@ -7,7 +7,6 @@ import re
 import shutil
 import subprocess
 import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ from flax import nnx
 
 from trime_jax.configs import default
 from tests import reference as ref
+from tests.helpers import wikitext_config_file, wikitext_dir
 from trime_jax import exports
 from trime_jax import corpora
 from trime_jax import data as D
@@ -354,12 +354,7 @@ def test_plan_errors_and_batch_source_reads_it(tmp_path):
 
 
 def _wiki_dir(tmp_path):
-  data = tmp_path / "wiki"
-  data.mkdir()
-  text = "".join(f" = Article {i} = \n\n" + " alpha beta gamma delta .\n" * (i + 1) for i in range(6))
-  for name in ("wiki.train.tokens", "wiki.valid.tokens", "wiki.test.tokens"):
-    (data / name).write_text(text)
-  return data
+  return wikitext_dir(tmp_path)
 
 
 def _cli(*args):
@@ -370,16 +365,7 @@ def _cli(*args):
 
 def test_make_batches_cli(tmp_path):
   data = _wiki_dir(tmp_path)
-  cfg = tmp_path / "cfg.py"
-  cfg.write_text(textwrap.dedent(f"""
-      from trime_jax.configs import default
-      def get_config():
-        c = default.get_config()
-        c.data.corpus, c.data.path = "wikitext", {str(data)!r}
-        c.data.segment_len, c.data.segmentation = 8, "stream"
-        c.train.batch_size, c.trime.consecutive_segments = 4, 2
-        return c
-      """))
+  cfg = wikitext_config_file(tmp_path, data, "c.trime.consecutive_segments = 2")
   out = _cli("trime_jax.launch.make_batches", f"--config={cfg}", "--kind=consecutive", f"--out={tmp_path / 'plan'}")
   assert out.returncode == 0, out.stderr
   plan = batch_plan.load(str(tmp_path / "plan"))
@@ -396,16 +382,7 @@ def test_make_batches_keeps_the_same_plan_and_refuses_another_without_overwrite(
   resumes only on its digest, and BM25's header records its timing); another plan over it (here another batch
   size) is refused before planning, with the field named, unless --overwrite; --overwrite replaces a file."""
   data = _wiki_dir(tmp_path)
-  cfg = tmp_path / "cfg.py"
-  cfg.write_text(textwrap.dedent(f"""
-      from trime_jax.configs import default
-      def get_config():
-        c = default.get_config()
-        c.data.corpus, c.data.path = "wikitext", {str(data)!r}
-        c.data.segment_len, c.data.segmentation = 8, "stream"
-        c.train.batch_size = 4
-        return c
-      """))
+  cfg = wikitext_config_file(tmp_path, data)
   plan_dir = tmp_path / "plan"
   args = ("trime_jax.launch.make_batches", f"--config={cfg}", "--kind=bm25", f"--out={plan_dir}")
   first = _cli(*args)
