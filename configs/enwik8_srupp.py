@@ -11,10 +11,12 @@ experiments/srupp_experiments/train_enwik8.py, and its README's commands; those 
 commands, the SRU++ paper's runs, and the paper does not say which TRIME used): RAdam, lr 3e-4, weight decay 0.1,
 gradient clip 1.0, linear warm-up 16k then cosine to 0 over max_iter, dropout and attention dropout 0.22, highway
 bias -2, one head, attn_layer_norm on (SRUpp's normalization_type=1: the post-LN inside each layer's attention
-or projection), no per-layer pre-LN, U(±√(3/d)) embedding / output init, an untied output layer. The script's
---layer_norm picks that init only: in every branch SRUpp stores its layer_norm argument and builds its LNs from
-normalization_type alone (sru/modules.py, SRUpp.__init__), so srupp_layer_norm stays off (until 2026-12-07 this
-config set it, adding a pre-LN per layer that no SRU++ run had).
+or projection), no per-layer pre-LN, U(±√(3/d)) embedding / output init, an untied output layer. On the tao
+branch the script's --layer_norm picks that init only: its SRUpp stores the layer_norm argument unused and builds
+its LNs from normalization_type (sru/modules.py, SRUpp.__init__); the later branches pass it on as a pre-LN of
+each cell, but their commands do not give --layer_norm. So no README command trains a pre-LN, and
+srupp_layer_norm stays off (until 2026-12-07 this config set it, adding a pre-LN per layer that no SRU++ run
+had).
 The script's default shape is the 108M base (d = 3,072, d' = 768, 10 layers, attention in every layer); the 42M
 shape is not published, so it is an assumption made to land on 42M: d = 2,048, d' = 512 (the base's d/d' = 4),
 10 layers, attention in the last layer only (attention_every = 10; Lei 2021 shows one attention layer keeps most
@@ -44,8 +46,9 @@ def get_config(segment_len: str = "512"):
   c.model.srupp_attention_every = 10  # attention in layer 10 only (see the docstring)
   c.model.srupp_num_heads = 1
   c.model.srupp_highway_bias = -2.0  # --bias
-  c.model.srupp_layer_norm = False  # no pre-LN: the script's --layer_norm only picks the U(±√(3/d)) init (which
-  #   trime_jax's SRU++ LM always uses); SRUpp's LNs come from normalization_type=1 = srupp's attn_layer_norm
+  c.model.srupp_layer_norm = False  # no pre-LN: the tao branch's --layer_norm only picks the U(±√(3/d)) init
+  #   (trime_jax's SRU++ LM always uses it; its LNs: normalization_type=1 = attn_layer_norm); the later branches'
+  #   commands do not pass it
   c.model.max_len = max(seg, 2048)
   c.model.dropout = 0.22  # the script's --dropout
   c.model.attention_dropout = 0.22  # --attn_dropout

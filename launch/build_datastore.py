@@ -179,7 +179,7 @@ def _build(out: str) -> None:
   _check_out(out, d_model, remove=False)  # before the corpus is read (WikiText-103's: minutes), removed after
   splits = evaluate.load_eval_data(config, exports.read_export_vocab(checkpoint))
   e = config.eval
-  # One setting for both forward passes over a corpus, the key pass's and evaluation's (checked before --out is)
+  # One setting for both forward passes over a corpus, the key pass's and evaluation's
   devices = _DEVICES.value if _DEVICES.value is not None else e.get("devices", 1)
   sharding.make_mesh(devices, what="--devices" if _DEVICES.value is not None else "eval.devices")
   _check_out(out, d_model)

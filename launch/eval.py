@@ -22,7 +22,7 @@ from ml_collections import config_flags
 
 from trime_jax.launch.checks import check_data_split, check_export, validated
 from trime_jax.launch.entry import run_main
-from trime_jax.launch.outputs import check_output_file, export_fingerprint
+from trime_jax.launch.outputs import check_output_file, export_fingerprint, scored_split
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
@@ -55,7 +55,7 @@ def main(argv):
 
   def check_outputs():  # process 0 writes them: its view decides, for every process (distributed.on_chief)
     check_output_file(_OUTPUT.value, "output", json_results=True, program="eval", checkpoint_fingerprint=fingerprint,
-                      split=_CONFIG.value.eval.split if _CONFIG.value else "", overwrite=_OVERWRITE.value)
+                      split=scored_split(_CONFIG.value), overwrite=_OVERWRITE.value)
     check_output_file(_PLOT.value, "plot")
     if _PLOT.value:
       sweep.check_plot_path(_PLOT.value, overwrite=_OVERWRITE.value)

@@ -22,7 +22,7 @@ from ml_collections import config_flags
 
 from trime_jax.launch.checks import check_data_split, check_export, check_split_overlap, validated
 from trime_jax.launch.entry import run_main
-from trime_jax.launch.outputs import check_output_file, export_fingerprint
+from trime_jax.launch.outputs import check_output_file, export_fingerprint, scored_split
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (data + eval sections).", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Exported checkpoint directory (<workdir>/export).")
@@ -48,7 +48,7 @@ def main(argv):
   # Before the evaluation. Process 0 writes it: its view decides, for every process (distributed.on_chief).
   on_chief(lambda: check_output_file(_OUTPUT.value, "output", json_results=True, program="eval_ext",
                                      checkpoint_fingerprint=fingerprint, overwrite=_OVERWRITE.value,
-                                     split=_CONFIG.value.eval.split if _CONFIG.value else ""))
+                                     split=scored_split(_CONFIG.value)))
   config = validated(_CONFIG.value, _CHECKPOINT.value)
   check_export(config, _CHECKPOINT.value)
   check_data_split(config, _CHECKPOINT.value, allow=_ALLOW_OVERLAP.value)
@@ -57,8 +57,8 @@ def main(argv):
                                      progress=sys.stderr.isatty() or "log",  # log files: plain lines
                                      throughput_tokens=_THROUGHPUT.value)
   split = out["split"]
-  cols = dict.fromkeys(("family", "interp_memory", "variant", "dev_ppl", f"{split}_ppl", f"{split}_bpc", "tokens",
-                        "tokens_per_s"))  # one dev_ppl column when split=dev
+  cols = dict.fromkeys(("family", "interp_memory", "variant", "tune_ppl", "dev_ppl", f"{split}_ppl", f"{split}_bpc",
+                        "tokens", "tokens_per_s"))  # one dev_ppl column when split=dev (tune_ppl: the grid's there)
   tuned = any(r.get("best") for r in out["rows"])  # a grid on dev: show the best point of each group
   shown = [r for r in out["rows"] if not tuned or r.get("best") or r["family"] == "none"]
   print(evaluate.format_table(shown, columns=cols))

@@ -53,16 +53,15 @@ def check_output_path(path: str, flag: str, *, reads=()) -> None:
   shell variable: "" is the working directory once made absolute, which a replacement would delete), when it is
   the working directory or a folder holding it, and when it is, or holds, one of the command's own inputs
   (`reads`: paths it reads, e.g. --checkpoint, the corpus, --config), whatever --overwrite says."""
+  from trime_jax.data import within
   from trime_jax.errors import ConfigError
 
   if not str(path or "").strip():
     raise ConfigError(f"--{flag} is empty: give the folder to write")
-  out = os.path.realpath(path)
-  inside = lambda child, parent: child == parent or child.startswith(parent.rstrip(os.sep) + os.sep)
-  if inside(os.path.realpath(os.getcwd()), out):
+  if within(os.getcwd(), path):
     raise ConfigError(f"--{flag}={path} is the working directory or a folder holding it: give a folder of its own")
   for name, given in reads:
-    if given and inside(os.path.realpath(given), out):
+    if given and within(given, path):
       raise ConfigError(f"--{flag}={path} holds this command's own input {name}={given}: writing there would "
                         f"replace what it reads; choose another --{flag}")
 
@@ -120,6 +119,15 @@ def results_split(held) -> str | None:
   rows = held if isinstance(held, list) else [held] if isinstance(held, dict) else []
   found = {r.get("split") for r in rows if isinstance(r, dict)} - {None}
   return next(iter(found)) if len(found) == 1 else None
+
+
+def scored_split(config) -> str:
+  """The split an evaluation config scores (eval.split), or "" where the config has none or names no split (a
+  translation config, a misspelt split: its own check says so later, not the output file's)."""
+  from trime_jax.corpora import SPLITS
+
+  split = (config.get("eval") or {}).get("split", "") if config is not None else ""
+  return split if split in SPLITS else ""
 
 
 def check_output_file(path: str, flag: str, *, json_results: bool = False, program: str = "",

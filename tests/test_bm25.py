@@ -466,7 +466,7 @@ def test_k_hits_count_the_query_itself():
     got = ids[c][ids[c] >= 0].tolist()
     assert got == [j for j in hits[1:] if j != c], c
   assert (ids[:, k - 1] == -1).all() and np.isinf(sc[:, k - 1]).all()  # each segment is its own best hit here
-  others, _ = bm25.neighbours(docs, k, backend="numpy")  # the MT planner's reading: k besides the query
+  others, _ = bm25.neighbours(docs, k, backend="numpy")  # the earlier reading: k besides the query
   assert (others >= 0).all()
   np.testing.assert_array_equal(others[:, :k - 1], ids[:, :k - 1])
   # Where another document outscores the query (a longer one holding its rare word more often), the original's
@@ -525,12 +525,22 @@ def test_make_batches_treats_a_plan_of_k_others_as_another_plan(tmp_path, caplog
   with caplog.at_level("WARNING"):  # a run that trained on it resumes on its batches; a new one is told
     BatchSource(train, config)
   assert "one more candidate per step" in caplog.text and "make_batches --overwrite" in caplog.text
+  assert "scored at bm25s's k1 = 1.5" not in caplog.text  # this plan records its k1 / b
   replaced = make("--overwrite")
   assert replaced.returncode == 0, replaced.stderr
   caplog.clear()
   with caplog.at_level("WARNING"):
     BatchSource(train, config)
-  assert "one more candidate" not in caplog.text
+  assert "made before 2026-12-07" not in caplog.text
+  # a plan with the hits rule but no k1 / b (made between the two changes): told of its scoring alone
+  new = batch_plan.load(str(out))
+  unscored = {k: v for k, v in new.header.items() if k not in ("bm25_k1", "bm25_b", "format", "num_batches",
+                                                               "batch_size", "batches_sha256", "header_sha256")}
+  batch_plan.save(str(out), {**unscored, "batch_size": 4}, np.asarray(new.batches))
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    BatchSource(train, config)
+  assert "scored at bm25s's k1 = 1.5" in caplog.text and "one more candidate" not in caplog.text
 
 
 def test_scores_are_lucene_bm25_at_the_originals_k1_and_b():

@@ -377,6 +377,12 @@ def test_a_mistyped_index_path_beside_a_datastore_names_the_indexes_there(setup,
   msg = str(e.value)
   assert f"FAISS index not found: {out}/idnex.faiss" in msg and f"{out}/index.faiss" in msg, msg
   assert "has no index" not in msg and "--index=none" not in msg, msg
+  # an interrupted build of the named index is said as such, not taken for a typo of the finished one
+  with open(os.path.join(out, "big.faiss.partial"), "wb") as f:
+    f.write(b"state")
+  with pytest.raises(CheckpointError, match="its index build was stopped before the end"):
+    KnnIndex.load(os.path.join(out, "big.faiss"))
+  os.remove(os.path.join(out, "big.faiss.partial"))
   os.remove(os.path.join(out, "index.faiss.json"))  # no sidecar: not a finished index, so none is named
   with pytest.raises(CheckpointError, match="has no index"):
     KnnIndex.load(os.path.join(out, "idnex.faiss"))

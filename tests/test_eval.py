@@ -261,5 +261,9 @@ def test_the_sweep_keeps_other_windows_and_exports_apart_and_shows_the_model_alo
   assert got == {("m [context 16]", "trime_local"): 3.0, ("m [context 8]", "trime_local"): 2.0,
                  ("m [context 16, export abcdef01]", "trime_local"): 2.5,
                  ("m [context 16, export 99999999]", "trime_local"): 2.6}
+  # models of their own exports and windows (a sweep of several models) are not tagged for what sets them apart
+  other = [dict(r, model="n", checkpoint_fingerprint="v-1111111111-a", block_len=64) for r in rows[:1]]
+  mine = [dict(r, checkpoint_fingerprint="v-2222222222-a") for r in rows[:1]]
+  assert {k[0] for k in sweep.sweep_best(mine + other)} == {"m", "n"}
   rows = [row("none", 512, 8.0), row("trime_local", 512, 3.0), row("none", 1024, 8.0), row("trime_local", 1024, 2.0)]
   assert "| m | none | 256.000 | 256.000 |" in sweep.sweep_table(rows)

@@ -337,6 +337,11 @@ def e_eval_ext_mt_config(b):  # a translation config for a language model's eval
   return case, ["--config is a translation config", "launch.translate"], []
 
 
+def e_eval_mt_config(b):  # eval too (its --output check read eval.split first: an AttributeError traceback)
+  case = _case("eval", "--config=configs/ui_de_en.py", f"--checkpoint={b['export']}")
+  return case, ["--config is a translation config", "launch.translate"], []
+
+
 def e_eval_mem_sizes_without_memory(b):  # a sweep nothing would read: refused, not one silent "0" column
   case = _case("eval", f"--config={b['cfg']}", f"--checkpoint={b['export']}", "--mem_sizes=0,64",
                "--config.eval.memory=none")
@@ -593,7 +598,7 @@ ERROR_CASES = [e_split_leakage, e_split_leakage_tuning, e_split_drawn_otherwise,
                e_eval_architecture_override_explicit_config, e_eval_vocabulary_override, e_export_config_unknown_field, e_export_config_without_export,
                e_export_config_unknown_field_explicit_config, e_eval_output_folder, e_eval_output_not_json, e_eval_output_is_an_exports_file,
                e_eval_ext_output_is_a_datastores_meta, e_eval_mt_export, e_eval_training_checkpoint,
-               e_build_datastore_training_checkpoint, e_translate_lm_export, e_eval_ext_mt_config, e_eval_mem_sizes_without_memory, e_eval_ext_output_folder,
+               e_build_datastore_training_checkpoint, e_translate_lm_export, e_eval_ext_mt_config, e_eval_mt_config, e_eval_mem_sizes_without_memory, e_eval_ext_output_folder,
                e_byte_corpus_folder, e_token_file_folder, e_make_batches_out_is_workdir, e_make_batches_kind_for_another_memory,
                e_make_batches_out_other_corpus, e_batch_plan_other_corpus, e_prepare_data_manual_dir,
                e_build_datastore_split_drawn_otherwise, e_positional_argument, e_required_flag_missing,

@@ -228,14 +228,19 @@ def atomic_write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def within(path: str, folder: str) -> bool:
+  """Whether `path` is `folder` or lies under it, links resolved (replacing or deleting `folder` would take it)."""
+  path, folder = os.path.realpath(path), os.path.realpath(folder)
+  return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
 def replace_directory(tmp: str, directory: str) -> None:
   """Move the finished `tmp` to `directory`, replacing what is there (an older directory, or a symlink, which is
   replaced by the new directory; its target is left as it is). Two renames: the old entry to `<directory>.old`,
   then `tmp` to `directory`. A reader sees the old or the new one, except after a kill between the two: then the
   old one is at `<directory>.old` and `recover_replaced` (which every writer and best-keeper calls first) puts it
   back, so an interrupted replacement never loses the previous one (for a best/ export, the only copy of the best)."""
-  here, target = os.path.realpath(os.getcwd()), os.path.realpath(directory)
-  if not str(directory).strip() or here == target or here.startswith(target.rstrip(os.sep) + os.sep):
+  if not str(directory).strip() or within(os.getcwd(), directory):
     # "" is the working directory once made absolute: an unset path would replace it and everything under it
     raise ConfigError(f"refusing to replace {directory!r}: it is the working directory or a folder holding it")
   recover_replaced(directory)

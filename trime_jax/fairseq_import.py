@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import struct
 import zipfile
 
 import numpy as np
@@ -185,7 +186,9 @@ def load_checkpoint(path: str, *, trust_pickle: bool = False):
       state = torch.load(path, map_location="cpu", weights_only=True)
   except Exception as e:  # noqa: BLE001 - torch raises many types; one line says which file and why
     # Only a refused global (weights_only) is what --trust_pickle changes; a damaged file stays damaged.
-    if isinstance(e, EOFError) or "unexpected EOF" in str(e):  # a pre-1.6 (pickle) checkpoint cut short
+    legacy_cut = magic[:1] == b"\x80" and (not _pickles_complete(path, LEGACY_PICKLES) or "truncated" in str(e)
+                                           or isinstance(e, (struct.error, IndexError)))
+    if isinstance(e, EOFError) or "unexpected EOF" in str(e) or legacy_cut:  # a pre-1.6 (pickle) checkpoint cut short
       raise ImportError_(f"{path} is truncated: the file ends before its last tensor ({os.path.getsize(path):,} "
                          "bytes; an interrupted download or copy?): copy the checkpoint again") from None
     refused = "weights_only" in str(e) or "Unsupported global" in str(e) or "GLOBAL" in str(e)
@@ -210,6 +213,25 @@ def load_checkpoint(path: str, *, trust_pickle: bool = False):
       v = v.detach().float().numpy() if v.is_floating_point() else v.detach().numpy()
     params[k] = np.asarray(v)
   return flags, params
+
+
+LEGACY_PICKLES = 5  # a pre-1.6 torch.save: magic number, protocol, system info, the object, its storage keys
+
+
+def _pickles_complete(path: str, count: int) -> bool:
+  """Whether `path` begins with `count` whole pickles (each to its STOP), read by pickletools, which executes
+  nothing: a cut in a legacy checkpoint's pickles otherwise reads as torch's first complaint (an IndexError, a
+  struct error, or the weights-only unpickler's refusal, which would point at --trust_pickle)."""
+  import pickletools
+
+  with open(path, "rb") as f:
+    try:
+      for _ in range(count):
+        for _op in pickletools.genops(f):
+          pass
+    except Exception:  # noqa: BLE001 - any malformed or cut stream is "not complete"
+      return False
+  return True
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -541,9 +563,8 @@ def import_to_export(checkpoint: str, dict_path: str, out: str, *, key_type: str
 
   from trime_jax import exports
 
-  inside = lambda path, folder: path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
   for what, path in (("checkpoint", checkpoint), ("dictionary", dict_path)):
-    if inside(os.path.realpath(path), os.path.realpath(out)):  # replacing `out` would delete what is read
+    if data.within(path, out):  # replacing `out` would delete what is read
       raise ImportError_(f"{out} is or holds the {what} {path} this import reads: choose another output directory")
   if os.path.lexists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
     raise ImportError_(f"{out} already exists and is not empty: the import would replace it; choose another "

@@ -35,13 +35,18 @@ NO_LABEL = "(no --label)"  # the table's model column for rows evaluated without
 
 
 def _series_names(rows: list[dict]) -> list[str]:
-  """Each row's series: its model, with the _SERIES_FIELDS / _SETTING_FIELDS values that differ among `rows` in
-  brackets."""
+  """Each row's series: its model, with the _SERIES_FIELDS values that differ among `rows`, and the
+  _SETTING_FIELDS values that differ among the rows of its model (models differ in exports: not tagged for
+  that), in brackets."""
   varying = [f for f in _SERIES_FIELDS if len({r.get(f) for r in rows}) > 1]
-  varying += [f for f in _SETTING_FIELDS if len({r[f] for r in rows if r.get(f) is not None}) > 1]
+  of_model = {}
+  for r in rows:
+    of_model.setdefault(r.get("model"), []).append(r)
+  settings = {m: [f for f in _SETTING_FIELDS if len({r[f] for r in rs if r.get(f) is not None}) > 1]
+              for m, rs in of_model.items()}
   names = []
   for r in rows:
-    tags = [_SERIES_TEXT.get(f, str)(r.get(f)) for f in varying if r.get(f) is not None]
+    tags = [_SERIES_TEXT.get(f, str)(r.get(f)) for f in varying + settings[r.get("model")] if r.get(f) is not None]
     names.append((r.get("model") or NO_LABEL) + (f" [{', '.join(tags)}]" if tags else ""))
   return names
 

@@ -519,15 +519,17 @@ class KnnIndex:
     """Read an index; with `datastore`, refuse one built over other keys. gpu=True moves it to `device`."""
     if not os.path.exists(path):
       folder = os.path.dirname(os.path.abspath(path))
+      base = os.path.basename(path)
+      stopped = os.path.isdir(folder) and any(n.startswith(base + TRAINED) or n.startswith(base + PARTIAL)
+                                              for n in os.listdir(folder))
       # finished indexes there (a sidecar beside the file): a mistyped eval.index is not a datastore without one
-      there = _indexes_in(folder)
+      # (unless this index's own build was stopped: said below)
+      there = [] if stopped else _indexes_in(folder)
       if there:
         raise CheckpointError(f"FAISS index not found: {path}; the index{'es' if len(there) > 1 else ''} in "
                               f"{folder}: {', '.join(there)} (eval.index names the file; \"\" takes "
                               "<datastore>/index.faiss)")
       if os.path.isfile(os.path.join(folder, "meta.json")) and os.path.isfile(os.path.join(folder, "keys.npy")):
-        base = os.path.basename(path)
-        stopped = any(n.startswith(base + TRAINED) or n.startswith(base + PARTIAL) for n in os.listdir(folder))
         why = ("its index build was stopped before the end (the trained or partial files it resumes from are there)"
                if stopped else "built with --index=none?")
         raise CheckpointError(f"FAISS index not found: {path}; the datastore in {folder} has no index ({why}): "

@@ -207,7 +207,7 @@ def fairseq_batches(order: np.ndarray, n_tokens: np.ndarray, max_tokens: int, mu
 
 def make_plan(pairs: mt_data.ParallelData, *, order: str, max_tokens: int, seed: int, max_sentences: int = 0,
               bm25_k: int = 20, bm25_backend: str = "numpy", batches_per_update: int = 0,
-              batch_size_multiple: int = 8, bm25_k1: float = 0.9, bm25_b: float = 0.4) -> Plan:
+              batch_size_multiple: int = 8, bm25_k1: float | None = None, bm25_b: float | None = None) -> Plan:
   """A batch plan over every training pair (each exactly once). batches_per_update = G > 0: the original's
   composition (module docstring), GPU batches of max_tokens // G tokens, max_sentences a cap per such batch."""
   if order not in ORDERS:
@@ -252,6 +252,8 @@ def make_plan(pairs: mt_data.ParallelData, *, order: str, max_tokens: int, seed:
   elif order == "bm25":
     from trime_jax.batching import bm25
 
+    bm25_k1 = bm25.DEFAULT_K1 if bm25_k1 is None else bm25_k1  # the original's (Pyserini's) unless given
+    bm25_b = bm25.DEFAULT_B if bm25_b is None else bm25_b
     nbrs, _ = bm25.neighbours([np.asarray(t, np.int32) if len(t) else np.asarray([mt_data.EOS], np.int32)
                                for t in pairs.tgt], bm25_k, backend=bm25_backend,
                               hits_include_query=bm25.HITS_INCLUDE_QUERY, k1=bm25_k1, b=bm25_b)  # top-20, hits[1:]

@@ -309,8 +309,11 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
       + f" ({config.trime.batching}, shapes {plan.header['shapes']}) | "
       f"memory={spec.memory} | {loop.warm_up_words(task.warm, task.report_trime)} | devices {mesh.size}")
   if "neighbour_in_batch" in plan.header:
-    log(f"bm25 plan: top-k neighbours in the same batch {plan.header['neighbour_in_batch']:.1%} "
+    log(f"bm25 plan: neighbours (of the top-k hits) in the same batch {plan.header['neighbour_in_batch']:.1%} "
         f"(random batches {plan.header['neighbour_in_batch_random']:.1%})")
+    if not made and not {"hits_include_query", "bm25_k1"} <= set(plan.header):
+      log(f"note: {workdir}/plan.npz was made before 2026-12-07 (k hits besides each sentence at bm25s's k1 = 1.5, "
+          "b = 0.75; since: the original's hits[1:] of the top k at 0.9 / 0.4): this run goes on with it")
   def starting():  # the checkpoint restored and nothing refused: the run starts; config.json says what ran
     ckpt.check_resume_config(workdir, config)
     ckpt.check_resume_data(workdir, config, data_identity)
