@@ -209,5 +209,13 @@ def get_config():
   #   long-term + retrieved, the paper's text)
   e.knn_lambda = 0.3  # λ of (1-λ)·P + λ·P′ (TrimeLM_ext) and of kNN-LM's (1-λ)·p_LM + λ·p_kNN
   e.knn_theta = 1.0  # θ of kNN-LM: p_kNN ∝ Σ exp(θ · g·g_j / √D) over the retrieved (knnlm_cache: and local) keys
+  #   (eval.knnlm_metric=l2: exp(θ · -|g - g_j|²), θ = 1 / the original's --softmax-temp)
+  e.knnlm_metric = "ip"  # the kNN-LM families' (knnlm, knnlm_cache) retrieval and similarity: ip (the top-K of the
+  #   one inner-product search every family shares, sim = g·g_j/√D; ours, the default: one index per datastore,
+  #   what every datastore built so far has and `make demo` uses) | l2 (the original release's kNN-LM baseline,
+  #   fairseq/knnlm.py with its default --faiss-metric-type l2: the top-K of the datastore's L2 index
+  #   <datastore>/index_l2.faiss, built by build_datastore --index_metric=l2, and sim = -|g - g_j|² recomputed
+  #   from the stored float16 keys, no √D; the TRIME families keep the inner-product search). The paper quotes
+  #   its kNN-LM numbers from Khandelwal et al. (L2): a faithful kNN-LM baseline sets l2 (docs/external_memory.md)
   c.lock()  # typos in field names are errors, in code as on the command line
   return c

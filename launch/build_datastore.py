@@ -2,11 +2,15 @@
 
   python -m trime_jax.launch.build_datastore --config=configs/wikitext_mini.py --checkpoint=runs/mini/export \\
       --out=runs/mini/datastore [--split=train] [--index=auto|flat|ivfpq|none] [--nlist=4096] [--pq_m=64]
+      [--index_metric=ip|l2]
 
 The model and vocabulary come from the checkpoint; `--config` supplies the data and the evaluation windows
 (eval.block_len, eval.context_window, eval.batch_size). Rerunning the same command resumes an interrupted
 datastore build; a complete one is reused, and so is a complete index of it with the same parameters (other
-parameters: the index is built again).
+parameters: the index is built again). --index_metric=l2 builds the datastore's L2 index instead
+(<out>/index_l2.faiss; the original release's build_dstore.py --dist l2), which eval.knnlm_metric=l2 (the
+original's kNN-LM baseline) reads beside the inner-product <out>/index.faiss: rerun the datastore's command with
+it, without --overwrite, to add it (the keys are reused).
 
 Translation (a config with task="mt", or an MT export): the teacher-forced decoder keys of every target token of
 the training pairs (trime_jax/mt/datastore.py), same files and index; --split=train|dev|test (dev = valid).
@@ -33,6 +37,11 @@ _INDEX = flags.DEFINE_enum("index", "auto", ["auto", "flat", "ivfpq", "none"],
                            "FAISS index: auto = the cheaper of exact IndexFlatIP and IVF-PQ for the searches "
                            "trime_jax.launch.eval_ext runs (dev + test tokens, eval.knn_k, eval.nprobe); it says which "
                            "and why.")
+_INDEX_METRIC = flags.DEFINE_enum("index_metric", "ip", ["ip", "l2"],
+                                  "Metric of the FAISS index: ip = inner product (<out>/index.faiss: every family, "
+                                  "TRIME's similarity) | l2 (<out>/index_l2.faiss: the original release's kNN-LM "
+                                  "baseline, read by eval.knnlm_metric=l2; rerun the datastore's command with it "
+                                  "without --overwrite to add it, the keys are reused).")
 _NLIST = flags.DEFINE_integer("nlist", 4096, "IVF-PQ inverted lists (clamped for small stores).", lower_bound=1)
 _SUBSET_OF = flags.DEFINE_string("subset_of", "", "A datastore (complete, or a build in progress that has finished "
                                  "--entries tokens): --out gets its first --entries entries "
@@ -45,8 +54,9 @@ _STOP_AT = flags.DEFINE_integer("stop_at_tokens", 0, "Stop the build once its fi
 _PQ_M = flags.DEFINE_integer("pq_m", 64, "IVF-PQ sub-quantizers (clamped to a divisor of the key dimension).",
                              lower_bound=1)
 _TRAINED_INDEX = flags.DEFINE_string("trained_index", "", "A trained, empty IVF-PQ faiss file (e.g. the original "
-                                     "release's knn.index.ip.trained): its centroids and codebooks are used as "
-                                     "they are and only the keys are added (implies --index=ivfpq).")
+                                     "release's knn.index.ip.trained; its knn.index.l2.trained with --index_metric=l2): "
+                                     "its centroids and codebooks are used as they are and only the keys are added "
+                                     "(implies --index=ivfpq).")
 _DEVICES = flags.DEFINE_integer("devices", None, "Devices the key pass splits its forward batches over (0: all "
                                 "visible; 1: the default device; default: the config's eval.devices, as "
                                 "evaluation).", lower_bound=0)
@@ -70,6 +80,8 @@ def _check_flag_combinations(out: str) -> None:
     raise ConfigError("--entries is read with --subset_of (a datastore to take the first entries of)")
   if _SUBSET_OF.value and _STOP_AT.value:
     raise ConfigError("--stop_at_tokens stops a build; --subset_of copies entries and builds nothing")
+  if _INDEX_METRIC.value == "l2" and _INDEX.value == "none":
+    raise ConfigError("--index_metric=l2 sets the metric of the index to build; --index=none builds none")
   for name in ("nlist", "pq_m"):
     if flags.FLAGS[name].present and _INDEX.value in ("flat", "none"):
       raise ConfigError(f"--{name} sets the IVF-PQ index; --index={_INDEX.value} builds none")
@@ -93,8 +105,15 @@ def _check_out(out: str, d_model: int | None = None, *, remove: bool = True) -> 
   if _TRAINED_INDEX.value and d_model:  # read now, not after the key pass
     from trime_jax.datastore.index import check_trained_index
 
-    check_trained_index(_TRAINED_INDEX.value, int(d_model))
+    check_trained_index(_TRAINED_INDEX.value, int(d_model), _metric())
+  from trime_jax.errors import ConfigError
+
   what = refuse_target(out, "out", "a datastore", ok=("a datastore",), overwrite=_OVERWRITE.value)
+  if what == "a datastore" and _OVERWRITE.value and _INDEX_METRIC.value == "l2":
+    # the advice for adding an L2 index is to rerun the datastore's command: with its --overwrite that would
+    # delete the datastore and its inner-product index, and compute every key again
+    raise ConfigError(f"--index_metric=l2 adds the L2 index to the datastore at --out={out}; --overwrite would "
+                      "remove that datastore (its keys and inner-product index) first: drop --overwrite")
   if what and _OVERWRITE.value and remove:  # asked for; the old contents go only now, after every flag was checked
     print(f"--overwrite: removing {out} ({what})", flush=True)
     if os.path.isdir(out) and not os.path.islink(out):
@@ -103,10 +122,15 @@ def _check_out(out: str, d_model: int | None = None, *, remove: bool = True) -> 
       os.remove(out)
 
 
+def _metric() -> str:
+  """--index_metric as the index builder names it."""
+  return "l2" if _INDEX_METRIC.value == "l2" else "inner_product"
+
+
 def _interrupted(out: str, subset: bool = False) -> None:
   """Ctrl-C: say what the datastore build or, once the datastore is complete, the index build left to resume
   from (a subset copy: nothing, it restarts); exit 130."""
-  from trime_jax.datastore.index import saved_state
+  from trime_jax.datastore.index import default_index_path, saved_state
 
   try:
     with open(os.path.join(out, "meta.json")) as f:
@@ -114,7 +138,7 @@ def _interrupted(out: str, subset: bool = False) -> None:
   except (OSError, ValueError, AttributeError):
     complete = False
   if complete:
-    kept = f"the index build of {out} keeps {saved_state(os.path.join(out, 'index.faiss'))}"
+    kept = f"the index build of {out} keeps {saved_state(default_index_path(out, _metric()))}"
   elif subset:
     print(f"interrupted: the subset copy into {out} was removed (a copy keeps nothing to resume from); rerun the "
           "same command to copy it again", file=sys.stderr, flush=True)
@@ -158,6 +182,7 @@ def _build(out: str) -> None:
                         "override) a language-model config: give a translation config (configs/ui_de_en.py's "
                         "schema) or no --config (the export's own)")
     lm_only = [f"--{h.name}" for h in (_SUBSET_OF, _ENTRIES, _STOP_AT, _TRAINED_INDEX, _DEVICES) if h.present]
+    lm_only += ["--index_metric=l2"] if _INDEX_METRIC.value == "l2" else []
     if lm_only:  # read by the language model's build only: refused, not ignored
       raise ConfigError(f"{', '.join(lm_only)}: not supported for a translation datastore (the language model's "
                         "builds only); a translation build takes --split, --index, --nlist, --pq_m, --overwrite")
@@ -206,7 +231,8 @@ def _build(out: str) -> None:
     queries = sum(min(len(splits.get(s)), cap or len(splits.get(s))) for s in ("dev", "test"))
     try:
       build_index(Datastore(out), kind=_INDEX.value, nlist=_NLIST.value, pq_m=_PQ_M.value, queries=queries,
-                  k=e.knn_k, nprobe=e.nprobe, trained_index=_TRAINED_INDEX.value or None, reuse=True)
+                  k=e.knn_k, nprobe=e.nprobe, trained_index=_TRAINED_INDEX.value or None, reuse=True,
+                  metric=_metric())
     except KeyboardInterrupt:
       _interrupted(out)
 

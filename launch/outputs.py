@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 
 
-DATASTORE_FILES = ("keys.npy", "values.npy", "meta.json", "index.faiss", "index.faiss.json")
+DATASTORE_FILES = ("keys.npy", "values.npy", "meta.json", "index.faiss", "index.faiss.json", "index_l2.faiss",
+                   "index_l2.faiss.json")
 
 
 def describe_target(path: str) -> str:
@@ -105,20 +106,22 @@ def export_fingerprint(checkpoint) -> str:
     return ""
 
 
-def results_checkpoint(held) -> str | None:
-  """The export fingerprint an evaluation's results file records (eval: on every row; eval_ext: at the top), or
-  None for results written before 2026-12-06."""
+def _results_field(held, name: str):
+  """The one value of `name` an evaluation's results file records (eval: on every row; eval_ext: at the top), or
+  None where it does not say or says several."""
   rows = held if isinstance(held, list) else [held] if isinstance(held, dict) else []
-  found = {r.get("checkpoint_fingerprint") for r in rows if isinstance(r, dict)} - {None}
+  found = {r.get(name) for r in rows if isinstance(r, dict)} - {None}
   return next(iter(found)) if len(found) == 1 else None
+
+
+def results_checkpoint(held) -> str | None:
+  """The export fingerprint an evaluation's results file records, or None (results written before 2026-12-06)."""
+  return _results_field(held, "checkpoint_fingerprint")
 
 
 def results_split(held) -> str | None:
-  """The split an evaluation's results file scored (eval: on every row; eval_ext: at the top), or None where it
-  does not say (or says several)."""
-  rows = held if isinstance(held, list) else [held] if isinstance(held, dict) else []
-  found = {r.get("split") for r in rows if isinstance(r, dict)} - {None}
-  return next(iter(found)) if len(found) == 1 else None
+  """The split an evaluation's results file scored, or None where it does not say (or says several)."""
+  return _results_field(held, "split")
 
 
 def scored_split(config) -> str:

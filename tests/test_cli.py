@@ -40,6 +40,17 @@ def test_train_then_eval_cli(trained):
   assert [x["variant"] for x in rows][0] == "none" and rows[1]["variant"].startswith("cache(")
   assert all(x["tokens"] > 0 and x["ppl"] > 1 and "bpc" in x for x in rows)
   assert "| variant" in r.stdout
+  # --include of rows the summary cannot choose between with this run's (the cache at another λ, θ on test, no dev
+  # perplexity): found after the evaluation, one error line that says where this evaluation's rows are
+  other = {k: v for k, v in rows[1].items() if k not in ("checkpoint_fingerprint", "best")}
+  other.update(variant="cache(lambda=0.5,theta=9)", params={"cache_lambda": 0.5, "cache_theta": 9.0})
+  (tmp / "other.json").write_text(json.dumps([other]))
+  r = run_cli("trime_jax.launch.eval", f"--config={cfg}", f"--checkpoint={work}/export", "--config.eval.memory=cache",
+              "--config.eval.split=test", f"--include={tmp / 'other.json'}")
+  line = _one_error_line(r)
+  assert "no dev perplexity to choose between them" in line and line.endswith(
+      "(this evaluation's rows are in the table above; --output would keep them as a file)"), line
+  assert "| variant" in r.stdout  # the table above
 
 
 def test_unknown_config_field(trained):
@@ -124,6 +135,43 @@ def test_datastore_and_external_memory_eval_cli(trained):
   assert res["throughput"]["ratio"] > 0 and "top-K retrieval accuracy" in r.stdout
   line = _one_error_line(run_cli("trime_jax.launch.eval_ext", f"--config={cfg}", f"--checkpoint={work}/export"))
   assert "eval.datastore" in line
+
+
+def test_knnlm_by_l2_needs_the_l2_index_and_build_datastore_adds_it(trained):
+  """eval.knnlm_metric=l2 (the original's kNN-LM): without the datastore's L2 index, one `error:` line naming the
+  command that builds it; build_datastore --index_metric=l2 adds it to the datastore (keys reused), and eval_ext
+  then scores the kNN-LM families by L2."""
+  tmp, _, cfg, work = trained
+  ds = tmp / "ds_l2"
+  build = ("trime_jax.launch.build_datastore", f"--config={cfg}", f"--checkpoint={work}/export", f"--out={ds}",
+           "--index=flat")
+  r = run_cli(*build)
+  assert r.returncode == 0, r.stderr[-3000:]
+  ext = ("trime_jax.launch.eval_ext", f"--config={cfg}", f"--checkpoint={work}/export",
+         f"--config.eval.datastore={ds}", "--config.eval.knn_k=16", "--config.eval.split=test",
+         "--config.eval.max_tokens=200",
+         "--config.eval.knnlm_metric=l2")
+  r = run_cli(*ext)
+  line = _one_error_line(r)
+  assert r.returncode == 2 and line.startswith(f"error: eval.knnlm_metric=l2: the datastore {ds} has no L2 index"), line
+  assert "trime_jax.launch.build_datastore" in line and "--index_metric=l2" in line, line
+  line = _one_error_line(run_cli(*build[:-1], "--index=none", "--index_metric=l2"))
+  assert line == "error: --index_metric=l2 sets the metric of the index to build; --index=none builds none", line
+  # the datastore's command rerun with its --overwrite would delete the datastore and its inner-product index
+  line = _one_error_line(run_cli(*build, "--index_metric=l2", "--overwrite"))
+  assert line == (f"error: --index_metric=l2 adds the L2 index to the datastore at --out={ds}; --overwrite would "
+                  "remove that datastore (its keys and inner-product index) first: drop --overwrite"), line
+  assert (ds / "index.faiss").exists() and (ds / "keys.npy").exists()
+  r = run_cli(*build, "--index_metric=l2")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert json.loads((ds / "index_l2.faiss.json").read_text())["metric"] == "l2"
+  assert json.loads((ds / "index.faiss.json").read_text())["metric"] == "inner_product"
+  out = tmp / "ext_l2.json"
+  r = run_cli(*ext, f"--output={out}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  res = json.loads(out.read_text())
+  assert res["knnlm_metric"] == "l2" and "kNN-LM by L2" in r.stdout
+  assert {row["family"] for row in res["rows"]} >= {"trime", "knnlm", "knnlm_cache"}
 
 
 def test_checkpoint_is_read_as_load_reads_a_path(trained, tmp_path):

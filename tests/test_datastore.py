@@ -2,7 +2,9 @@
 
 import json
 import os
+import shutil
 
+import faiss
 import jax
 import numpy as np
 import pytest
@@ -616,3 +618,70 @@ def test_build_datastore_refuses_its_out_before_reading_the_corpus(tmp_path):
   assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(f"error: --out={out} already holds"), \
       r.stderr[-2000:]
   assert not cache.exists() and (out / "notes.txt").read_text() == "precious"
+
+
+def test_an_l2_index_searches_by_squared_distance_and_rescore_recomputes_it(setup, tmp_path):
+  """metric="l2" (the original's kNN-LM index, build_dstore.py --dist l2): IndexFlatL2, scores -|q - k|² best
+  first; `rescore(metric="l2")` recomputes them from the stored float16 keys (the original's dist_func)."""
+  ds = setup["ds"]
+  index = build_index(ds, str(tmp_path / "l2.faiss"), kind="flat", metric="l2", progress=False)
+  assert index.kind == "flat" and index.metric == "l2" and isinstance(index.index, faiss.IndexFlatL2)
+  rng = np.random.default_rng(0)
+  queries = rng.normal(size=(20, ds.dimension)).astype(np.float32)
+  scores, ids = index.search(queries, 8)
+  keys = np.asarray(ds.keys, np.float64)
+  brute = -((queries.astype(np.float64)[:, None, :] - keys[None]) ** 2).sum(-1)
+  expected = np.argsort(-brute, axis=1, kind="stable")[:, :8]  # (the byte corpus repeats contexts: tied keys)
+  np.testing.assert_allclose(scores, np.take_along_axis(brute, expected, 1), rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.take_along_axis(brute, ids, 1), scores, rtol=1e-5, atol=1e-4)
+  exact, ids2 = rescore(ds, queries, ids[:, ::-1], metric="l2")  # re-sorted best first
+  np.testing.assert_allclose(exact, np.take_along_axis(brute, ids2, 1), rtol=1e-6, atol=1e-5)
+  np.testing.assert_allclose(exact, scores, rtol=1e-5, atol=1e-4)
+  with pytest.raises(ConfigError, match="index metric must be one of"):
+    rescore(ds, queries, ids, metric="cos")
+  # IVF-PQ with the L2 metric and an L2 coarse quantizer, as the original's --dist l2
+  ivf = build_index(ds, str(tmp_path / "l2ivf.faiss"), kind="ivfpq", nlist=4, pq_m=4, pq_bits=4, metric="l2",
+                    progress=False)
+  assert ivf.index.metric_type == faiss.METRIC_L2 and ivf.info["metric"] == "l2"
+  assert isinstance(faiss.downcast_index(ivf.index.quantizer), faiss.IndexFlatL2)
+  s, i = ivf.search(queries, 8, nprobe=4)
+  assert (i >= 0).all() and (np.diff(s, axis=1) <= 1e-4).all() and (s <= 0).all()
+
+
+def test_the_index_metric_is_recorded_in_its_sidecar_and_checked_on_load(setup, tmp_path):
+  """Each metric's index beside the datastore (default paths index.faiss / index_l2.faiss); the sidecar's
+  metric is checked on load against the one expected (and against the faiss file's own); a sidecar without the
+  field (written before it existed) is an inner-product index."""
+  from trime_jax.datastore.index import default_index_path
+
+  src = setup["ds"]
+  out = str(tmp_path / "store")
+  shutil.copytree(src.directory, out)
+  ds = Datastore(out)
+  ip, l2 = build_index(ds, progress=False), build_index(ds, metric="l2", progress=False)
+  assert (ip.path, l2.path) == (default_index_path(out), default_index_path(out, "l2"))
+  assert (ip.path, l2.path) == (os.path.join(out, "index.faiss"), os.path.join(out, "index_l2.faiss"))
+  assert json.load(open(ip.path + ".json"))["metric"] == "inner_product"
+  assert json.load(open(l2.path + ".json"))["metric"] == "l2"
+  assert KnnIndex.load(l2.path, datastore=ds, metric="l2").metric == "l2"
+  with pytest.raises(CheckpointError, match=r"index_l2.faiss is an index of metric 'l2' \(its sidecar\), not the "
+                                            "'inner_product' index expected here"):
+    KnnIndex.load(l2.path, datastore=ds)
+  with pytest.raises(CheckpointError, match="metric 'inner_product'.*not the 'l2' index expected here.*"
+                                            "--index_metric=l2"):
+    KnnIndex.load(ip.path, datastore=ds, metric="l2")
+  # a sidecar claiming the other metric is refused by the faiss file's own metric
+  info = json.load(open(ip.path + ".json"))
+  with open(ip.path + ".json", "w") as f:
+    json.dump(dict(info, metric="l2"), f)
+  with pytest.raises(CheckpointError, match="not the 'l2' index expected here"):
+    KnnIndex.load(ip.path, datastore=ds, metric="l2")
+  # written before the field: an inner-product index
+  with open(ip.path + ".json", "w") as f:
+    json.dump({k: v for k, v in info.items() if k != "metric"}, f)
+  assert KnnIndex.load(ip.path, datastore=ds).metric == "inner_product"
+  # a rebuild of the other metric at the same path is a rebuild, not a reuse
+  again = build_index(ds, l2.path, metric="inner_product", reuse=True, progress=False)
+  assert again.metric == "inner_product" and json.load(open(l2.path + ".json"))["metric"] == "inner_product"
+  with pytest.raises(ConfigError, match="index metric must be one of"):
+    build_index(ds, str(tmp_path / "x.faiss"), metric="cos", progress=False)

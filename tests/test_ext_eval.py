@@ -24,7 +24,18 @@ BLOCK, CTX, V, DIM = 16, 8, 9, 8
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-  tmp = tmp_path_factory.mktemp("ext")
+  return _setup(tmp_path_factory.mktemp("ext"))
+
+
+@pytest.fixture(scope="module")
+def l2_setup(tmp_path_factory):
+  """As `setup`, with a random scale and bias in the last layer's feed-forward LayerNorm: its keys' norms vary,
+  so L2 and inner-product neighbours differ (a fresh LayerNorm gives every key the norm √D, and the two orders
+  coincide)."""
+  return _setup(tmp_path_factory.mktemp("ext_l2"), random_key_norms=True)
+
+
+def _setup(tmp, random_key_norms=False):
   rng = np.random.default_rng(0)
   vocab = D.Vocab([f"w{i}" for i in range(V)])
   train = D.Corpus.from_docs([rng.integers(0, 5, 40), rng.integers(0, 5, 27)], vocab, "train")
@@ -33,11 +44,16 @@ def setup(tmp_path_factory):
   cfg.model.num_layers, cfg.model.d_model, cfg.model.num_heads, cfg.model.d_ff = 1, DIM, 2, 16
   cfg.model.max_len, cfg.eval.block_len, cfg.eval.context_window, cfg.eval.batch_size = 32, BLOCK, CTX, 2
   model = TransformerLM(specs.model_config(cfg, vocab_size=V), rngs=nnx.Rngs(5))
+  if random_key_norms:
+    norm = model.blocks[-1].ffn_norm
+    norm.scale[...] = norm.scale[...] * (1.0 + rng.uniform(-0.8, 0.8, DIM)).astype(np.float32)
+    norm.bias[...] = norm.bias[...] + rng.normal(0.0, 0.7, DIM).astype(np.float32)
   graphdef, params = nnx.split(model, nnx.Param)
   export = exports.export(str(tmp / "export"), params, cfg, vocab)
   build_datastore(export, train, str(tmp / "ds"), progress=False)
   ds = Datastore(str(tmp / "ds"))
   build_index(ds, kind="flat", progress=False)
+  build_index(ds, kind="flat", metric="l2", progress=False)  # eval.knnlm_metric="l2": <ds>/index_l2.faiss
   return dict(tmp=tmp, vocab=vocab, train=train, dev=dev, graphdef=graphdef, params=params, model=model,
               export=export, ds=ds, cfg=cfg)
 
@@ -413,3 +429,124 @@ def test_points_are_checked():
     evaluate.Point("trime", tau=0.0)
   with pytest.raises(ConfigError, match="mem_size"):
     evaluate.StoreSpec(-1)
+
+
+def _brute_force_l2(s, lam, theta, k=None):
+  """Per scored token of `dev`, float64: -log P of the original's kNN-LM (fairseq/knnlm.py, metric l2, no
+  knn_sim_func): p_kNN(w) = Σ_{x_j = w} exp(θ·s_j) / Σ_j exp(θ·s_j), s_j = -|q - k_j|² from the float16 keys,
+  over the k nearest entries by L2 (all: None), mixed (1-λ)·p_LM + λ·p_kNN; and knnlm_cache: the same
+  similarity over the window's earlier tokens + those entries."""
+  model, dev, ds = s["model"], s["dev"], s["ds"]
+  mem_k, mem_t = np.asarray(ds.keys, np.float64), np.asarray(ds.values)
+  out = {"knnlm": [], "knnlm_cache": []}
+  for w in D.windows(len(dev), BLOCK, CTX):
+    inputs, targets, scored = D.window_batch(dev, [w], BLOCK)
+    logits, keys = (np.asarray(x, np.float64)[0] for x in model(inputs))
+    for t in np.nonzero(scored[0])[0]:
+      y, q = targets[0, t], keys[t]
+      p_lm = ref.distribution(logits[t], q, mem_k[:0], mem_t[:0], np.ones(0, bool))[y]
+      dist = ((mem_k - q) ** 2).sum(-1)
+      near = np.argsort(dist, kind="stable")[:k]
+      ext_s, ext_t = -dist[near], mem_t[near]
+      loc_s, loc_t = -((keys[:t] - q) ** 2).sum(-1), targets[0, :t]
+
+      def p_knn(sims, tt):
+        wgt = np.exp(theta * (sims - sims.max()))
+        return wgt[tt == y].sum() / wgt.sum()
+
+      out["knnlm"].append(-math.log((1 - lam) * p_lm + lam * p_knn(ext_s, ext_t)))
+      out["knnlm_cache"].append(-math.log((1 - lam) * p_lm + lam * p_knn(np.concatenate([loc_s, ext_s]),
+                                                                           np.concatenate([loc_t, ext_t]))))
+  return {f: np.mean(v) for f, v in out.items()}
+
+
+def _l2_points(lam, theta, tau=0.8, tau_prime=2.0):
+  P = evaluate.Point
+  return [evaluate.NONE, P("trime", tau=tau), P("interp", tau=tau, tau_prime=tau_prime, knn_lambda=lam,
+                                                interp_memory="external"),
+          P("cache", cache_lambda=lam, cache_theta=theta),
+          P("knnlm", knn_lambda=lam, knn_theta=theta), P("knnlm_cache", knn_lambda=lam, knn_theta=theta)]
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_knnlm_by_l2_equals_brute_force_over_the_whole_datastore(l2_setup, exact):
+  """eval.knnlm_metric="l2": knnlm / knnlm_cache as the original's kNN-LM scores them (an L2 index, -|q - k|²
+  recomputed from the stored keys, no √D, θ its scale), against float64 over the whole datastore; the other
+  families (the inner-product search) score exactly what they score with knnlm_metric="ip"."""
+  s = l2_setup
+  lam, theta = 0.25, 1.0  # θ = 1: the original's --softmax-temp 1 (its kNN-LM default)
+  said = []
+  ext = knn.ExternalMemory(str(s["tmp"] / "ds"), checkpoint_dir=s["export"], k=10_000, exact=exact,
+                           knnlm_metric="l2", log=said.append)
+  assert ext.k == len(s["train"]) and "kNN-LM by L2" in said[-1] and "index_l2.faiss" in said[-1], said
+  points = _l2_points(lam, theta)
+  run = lambda e, streams: evaluate.evaluate(s["graphdef"], s["params"], s["dev"], points, block_len=BLOCK,
+                                             context_window=CTX, streams=streams, external=e)
+  res = run(ext, 2)
+  got = {r.point.family: r.nll for r in res.scores}
+  want = _brute_force_l2(s, lam, theta)
+  for fam in want:
+    assert got[fam] == pytest.approx(want[fam], rel=2e-5), fam
+  ip = run(knn.ExternalMemory(str(s["tmp"] / "ds"), k=10_000, exact=exact), 2)
+  got_ip = {r.point.family: r.nll for r in ip.scores}
+  for fam in ("none", "trime", "interp", "cache"):  # the inner-product families: unchanged
+    assert got[fam] == pytest.approx(got_ip[fam], rel=1e-6), fam
+  for fam in ("knnlm", "knnlm_cache"):  # and the metric matters
+    assert got[fam] != pytest.approx(got_ip[fam], rel=1e-3), fam
+  np.testing.assert_array_equal(res.retrieval_hits, ip.retrieval_hits)  # retrieval accuracy: the IP search's
+  one = run(knn.ExternalMemory(str(s["tmp"] / "ds"), k=10_000, exact=exact, knnlm_metric="l2"), 1)
+  np.testing.assert_allclose([r.nll for r in one.scores], [r.nll for r in res.scores], rtol=1e-5)
+
+
+def test_knnlm_by_l2_reads_the_l2_indexs_top_k(l2_setup):
+  """K below the datastore: the kNN-LM families' K entries are the L2 index's nearest, not the inner-product
+  search's top-K (which the test tells apart)."""
+  s = l2_setup
+  lam, theta, k = 0.3, 0.5, 6
+  points = [evaluate.Point("knnlm", knn_lambda=lam, knn_theta=theta),
+            evaluate.Point("knnlm_cache", knn_lambda=lam, knn_theta=theta)]
+  ext = knn.ExternalMemory(str(s["tmp"] / "ds"), k=k, knnlm_metric="l2")
+  res = evaluate.evaluate(s["graphdef"], s["params"], s["dev"], points, block_len=BLOCK, context_window=CTX,
+                          streams=2, external=ext, search_queries=0)
+  got = {r.point.family: r.nll for r in res.scores}
+  want = _brute_force_l2(s, lam, theta, k=k)
+  for fam in want:
+    assert got[fam] == pytest.approx(want[fam], rel=2e-5), fam
+  # the whole datastore's L2 distribution differs: K matters, so the entries above are the top-K by L2 ...
+  assert want["knnlm"] != pytest.approx(_brute_force_l2(s, lam, theta)["knnlm"], rel=1e-3)
+  # ... and not the inner-product search's top-K, re-scored by L2
+  q = np.concatenate([np.asarray(s["model"](D.window_batch(s["dev"], [w], BLOCK)[0])[1][0])[
+      np.nonzero(D.window_batch(s["dev"], [w], BLOCK)[2][0])[0]] for w in D.windows(len(s["dev"]), BLOCK, CTX)])
+  by_ip = ext.index.search(q, k)[1]
+  by_l2 = ext.l2_index.search(q, k)[1]
+  assert np.mean([set(a) != set(b) for a, b in zip(by_ip, by_l2)]) > 0.3
+
+
+def test_knnlm_by_l2_without_an_l2_index_is_one_error_naming_its_command(setup, tmp_path):
+  import shutil
+
+  from trime_jax import train_config
+
+  s = setup
+  ds = str(tmp_path / "ds")
+  shutil.copytree(s["tmp"] / "ds", ds, ignore=shutil.ignore_patterns("index_l2.faiss*"))
+  knn.ExternalMemory(ds, k=4)  # the inner-product default needs no L2 index
+  with pytest.raises(ConfigError, match=r"eval.knnlm_metric=l2: the datastore .* has no L2 index "
+                                        r"\(.*index_l2.faiss not found\): rerun .*trime_jax.launch.build_datastore"
+                                        r".* with --index_metric=l2"):
+    knn.ExternalMemory(ds, k=4, knnlm_metric="l2")
+  with pytest.raises(ConfigError, match="eval.knnlm_metric must be one of"):
+    knn.ExternalMemory(ds, k=4, knnlm_metric="cos")
+  # the config field: "ip" by default, checked with the other eval fields
+  c = default.get_config()
+  assert c.eval.knnlm_metric == "ip"
+  train_config.validate_config(c)
+  c.eval.knnlm_metric = "l2"
+  train_config.validate_config(c)
+  c.eval.knnlm_metric = "L2"
+  with pytest.raises(ConfigError, match=r"eval.knnlm_metric must be one of \('ip', 'l2'\), got 'L2'"):
+    train_config.validate_config(c)
+  c.eval.knnlm_metric, c.eval.datastore_on_device = "l2", True
+  with pytest.raises(ConfigError, match="eval.knnlm_metric=l2 .* not supported with eval.datastore_on_device"):
+    train_config.validate_config(c)
+  assert evaluate.knnlm_metric_of(ml_collections.ConfigDict({})) == "ip"  # a config stored before the field

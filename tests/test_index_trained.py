@@ -93,6 +93,32 @@ def test_an_unusable_trained_index_is_one_clear_error(store, tmp_path, case, mes
   assert not os.path.exists(out)
 
 
+def test_an_l2_trained_index_fills_an_l2_index_and_the_metrics_must_agree(store, tmp_path):
+  """build_dstore.py --dist l2 writes `knn.index.l2.trained` (L2 coarse quantizer, METRIC_L2): build_index(...,
+  metric="l2") fills it, and refuses a trained index of the other metric (either way round)."""
+  ds, keys = store
+  l2 = str(tmp_path / "knn.index.l2.trained")
+  ref = faiss.IndexIVFPQ(faiss.IndexFlatL2(D), D, 16, 4, 6, faiss.METRIC_L2)
+  ref.train(keys[:2000])
+  faiss.write_index(ref, l2)
+  out = str(tmp_path / "index_l2.faiss")
+  built = build_index(ds, out, trained_index=l2, metric="l2", progress=False)
+  assert built.metric == "l2" and json.load(open(out + ".json"))["metric"] == "l2"
+  ref.add(keys)
+  queries = keys[:32] + 0.01
+  ref.nprobe = 8
+  want_d, want_i = ref.search(queries, 10)
+  got_s, got_i = KnnIndex.load(out, datastore=ds, metric="l2").search(queries, 10, nprobe=8)
+  np.testing.assert_array_equal(got_i, want_i)
+  np.testing.assert_array_equal(got_s, -want_d)  # scores -|q - k|², best first
+  with pytest.raises(ConfigError, match="its metric is not inner product"):
+    build_index(ds, str(tmp_path / "ip.faiss"), trained_index=l2, progress=False)
+  ip = str(tmp_path / "ip.trained")
+  _trained(ip)
+  with pytest.raises(ConfigError, match="its metric is not L2"):
+    build_index(ds, str(tmp_path / "l2b.faiss"), trained_index=ip, metric="l2", progress=False)
+
+
 _REAL_ADD = faiss.IndexIVFPQ.add
 
 

@@ -200,6 +200,7 @@ def _check_ranges(config) -> None:
       raise ConfigError(f"eval.{name} must be > 0, got {e[name]}")
   _choice(e.split, corpora.SPLITS, "eval.split")
   _choice(e.interp_memory, tuple(evaluate.INTERP_MEMORIES), "eval.interp_memory")
+  evaluate.knnlm_metric_of(e)  # one of knn.KNNLM_METRICS; l2 not with eval.datastore_on_device
   for name in ("dropout", "attention_dropout", "activation_dropout"):
     if not 0.0 <= m[name] < 1.0:
       raise ConfigError(f"model.{name} must be in [0, 1), got {m[name]}")

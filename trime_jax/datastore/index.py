@@ -1,26 +1,33 @@
-"""FAISS inner-product index over a datastore's keys, with a JSON sidecar and exact re-scoring.
+"""FAISS index (inner product, or L2 for the original's kNN-LM) over a datastore's keys, with a JSON sidecar and
+exact re-scoring.
 
 Files: `<path>` (faiss.write_index) and `<path>.json` (format, index_type, metric, dimension, count,
 datastore_fingerprint, the IVF-PQ parameters actually used, timings). The sidecar is written last, so an index
 without one is incomplete and refused. While a build runs (it resumes): `<path>.trained.*` and `<path>.partial.*`
 (`build_index`).
 
-  build_index(ds, path=None, kind="auto", queries=Q, k=K, nprobe=P, ...)
+  build_index(ds, path=None, kind="auto", queries=Q, k=K, nprobe=P, metric="inner_product", ...)
                                                    auto: the cheaper of exact IndexFlatIP and IVF-PQ
                                                    (kNN-LM: 4096 lists, 64 sub-quantizers × 8 bits, trained on
                                                    a seeded sample) for Q searches of K neighbours, stated when
                                                    chosen (`index_choice`); without Q: exact while N·D ≤ 2^27
-  KnnIndex.load(path, datastore=ds, nprobe=32, gpu=False)
+  KnnIndex.load(path, datastore=ds, nprobe=32, gpu=False, metric="inner_product")
   index.search(queries [n, D] float32, k) -> (scores [n, k] float32, ids [n, k] int64), best first;
                                                    ids index the datastore (-1 / -inf: fewer than k found)
-  rescore(ds, queries, ids) -> (scores, ids)       exact inner products from the stored float16 keys, re-sorted
+  rescore(ds, queries, ids, metric=...) -> (scores, ids)
+                                                   exact q·k ("inner_product") or -|q - k|² ("l2") from the
+                                                   stored float16 keys, re-sorted
+  default_index_path(datastore_dir, metric)        <datastore>/index.faiss (inner product) | index_l2.faiss (L2)
   gpu_available()                                  whether this faiss build can move indexes to a GPU
 
 Verified on load: the sidecar parses, the index file matches the digest the sidecar recorded (`file_digest`,
-the datastore's), and its dimension and count match the sidecar and the datastore.
+the datastore's), its dimension and count match the sidecar and the datastore, and its metric (the sidecar's
+`metric`; sidecars without one are inner-product indexes) is the one the caller expects.
 
-Scores are raw inner products q·k; TRIME's similarity is q·k / √D (the evaluator applies the scale and its
-τ). IVF-PQ scores are approximate (PQ codes); `rescore` recovers the exact ones for the retrieved ids.
+Scores are raw inner products q·k (metric "inner_product"); TRIME's similarity is q·k / √D (the evaluator
+applies the scale and its τ). An L2 index (metric "l2": the original release's kNN-LM, build_dstore.py
+--dist l2) scores -|q - k|² (faiss's squared distances negated, so that larger is better with either metric).
+IVF-PQ scores are approximate (PQ codes); `rescore` recovers the exact ones for the retrieved ids.
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ from trime_jax.errors import NO_SPACE_ERRNOS, CheckpointError, ConfigError, Dama
 
 FORMAT = "trime-faiss-index/1"
 KINDS = ("auto", "flat", "ivfpq")
+# The sidecar's `metric` of each index metric ("inner_product": TRIME's, the default; "l2": the original's kNN-LM)
+METRICS = ("inner_product", "l2")
+INDEX_FILES = {"inner_product": "index.faiss", "l2": "index_l2.faiss"}  # default_index_path's file names
 EXACT_MAX_FLOATS = 1 << 27  # auto: exact IndexFlatIP while its float32 copy of the keys (N·D) fits 512 MiB
 MIN_POINTS_PER_CENTROID = 39  # below this faiss k-means warns that clustering is unreliable
 RESCORE_FLOATS = 1 << 22  # float32 keys gathered at a time by `rescore` (16 MiB)
@@ -186,6 +196,26 @@ def _sidecar(path: str) -> str:
   return path + ".json"
 
 
+def _check_metric(metric: str) -> str:
+  if metric not in METRICS:
+    raise ConfigError(f"index metric must be one of {METRICS}, got {metric!r}")
+  return metric
+
+
+def _faiss_metric(metric: str):
+  return faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT
+
+
+def _metric_words(metric: str) -> str:
+  return "L2" if metric == "l2" else "inner product"
+
+
+def default_index_path(datastore_dir: str, metric: str = "inner_product") -> str:
+  """Where build_index writes (and evaluation looks for) a datastore's index of `metric` by default:
+  `<datastore>/index.faiss` (inner product) or `<datastore>/index_l2.faiss` (L2)."""
+  return os.path.join(os.fspath(datastore_dir), INDEX_FILES[_check_metric(metric)])
+
+
 def _largest_divisor_at_most(n: int, cap: int) -> int:
   return max(m for m in range(1, max(1, min(n, cap)) + 1) if n % m == 0)
 
@@ -200,13 +230,18 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
                 nlist: int = 4096, pq_m: int = 64, pq_bits: int = 8, train_size: int = 1_000_000,
                 add_chunk: int = 1 << 20, seed: int = 0, progress: bool = True,
                 trained_index: str | None = None, save_every_s: float = SAVE_EVERY_S,
-                reuse: bool = False) -> "KnnIndex":
-  """Build, save (`path`, default `<datastore>/index.faiss`) and return an inner-product index over `ds.keys`.
+                reuse: bool = False, metric: str = "inner_product") -> "KnnIndex":
+  """Build, save (`path`, default `default_index_path`: `<datastore>/index.faiss`, or `index_l2.faiss` for
+  metric="l2") and return an index over `ds.keys`.
+
+  metric: "inner_product" (TRIME's, the evaluation's one search; the default) or "l2" (IndexFlatL2 / IVF-PQ
+  with METRIC_L2 and an L2 coarse quantizer, as the original release's build_dstore.py --dist l2: its kNN-LM
+  baseline, `eval.knnlm_metric="l2"`). Recorded in the sidecar and checked on load.
 
   IVF-PQ parameters are clamped for small stores: nlist ≤ train_points / 39, pq_m the largest divisor of D
   not above pq_m, pq_bits ≤ log2(train_points / 39); the sidecar records the values used.
 
-  trained_index: a faiss file holding an already trained, empty inner-product IVF-PQ index (e.g. the
+  trained_index: a faiss file holding an already trained, empty IVF-PQ index of `metric` (e.g. the
   `knn.index.ip.trained` the original release's build_dstore.py writes). Its coarse centroids and PQ codebooks
   are used as they are and only the keys are added, so the index equals one built by that code from the same
   keys: k-means and PQ training are not reproducible across faiss versions, adding is. Implies kind="ivfpq".
@@ -225,9 +260,10 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
   """
   if kind not in KINDS:
     raise ConfigError(f"index kind must be one of {KINDS}, got {kind!r}")
+  _check_metric(metric)
   if trained_index:
     kind = "ivfpq"
-  path = path or os.path.join(ds.directory, "index.faiss")
+  path = path or default_index_path(ds.directory, metric)
   n, d = ds.count, ds.dimension
   if kind == "auto" and queries is None:  # no search cost to weigh: exact while the keys fit
     kind = "flat" if n * d <= exact_max_floats else "ivfpq"
@@ -240,12 +276,12 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
     raise ConfigError(f"an exact (flat) index of {n:,} x {d} keys holds {n * d * 4 / 2**30:,.1f} GiB of float32 "
                       f"keys in memory, more than this machine's {host_memory_bytes() / 2**30:,.1f} GiB: use "
                       "--index=ivfpq (or auto), or eval.datastore_on_device=True to score every key on accelerators")
-  info = {"format": FORMAT, "index_type": kind, "metric": "inner_product", "dimension": d, "count": n,
+  info = {"format": FORMAT, "index_type": kind, "metric": metric, "dimension": d, "count": n,
           "datastore_fingerprint": ds.fingerprint, "datastore": ds.directory}
   say = (lambda msg: print(f"index: {msg}", flush=True)) if progress else (lambda msg: None)
   t0 = time.perf_counter()
   spent = {"train_seconds": 0.0, "add_seconds": 0.0}  # carried over from resumed states
-  trained = _read_trained_ivfpq(trained_index, d) if trained_index else None
+  trained = _read_trained_ivfpq(trained_index, d, metric) if trained_index else None
   if trained is not None:
     info.update(nlist=int(trained.nlist), pq_m=int(trained.pq.M), pq_bits=int(trained.pq.nbits),
                 trained_from=os.path.abspath(trained_index), trained_digest=file_digest(trained_index))
@@ -261,14 +297,15 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
   index = _first_state(path, (PARTIAL, TRAINED) if kind == "ivfpq" and trained is None else (PARTIAL,), belongs,
                        say, spent)
   if index is None and kind == "flat":
-    index = faiss.IndexFlatIP(d)
+    index = faiss.IndexFlatL2(d) if metric == "l2" else faiss.IndexFlatIP(d)
   elif index is None and trained is not None:
     index = trained
     say(f"IVF-PQ (nlist={trained.nlist}, m={trained.pq.M}, bits={trained.pq.nbits}) trained by {trained_index}; "
         f"adding {n:,} keys")
   elif index is None:
     nlist_used, m_used, bits_used, n_train = info["nlist"], info["pq_m"], info["pq_bits"], info["train_size"]
-    index = faiss.IndexIVFPQ(faiss.IndexFlatIP(d), d, nlist_used, m_used, bits_used, faiss.METRIC_INNER_PRODUCT)
+    quantizer = faiss.IndexFlatL2(d) if metric == "l2" else faiss.IndexFlatIP(d)
+    index = faiss.IndexIVFPQ(quantizer, d, nlist_used, m_used, bits_used, _faiss_metric(metric))
     sample = np.sort(np.random.default_rng(seed).choice(n, size=n_train, replace=False))
     train = _f32(ds.keys[sample])
     est = ivfpq_build_seconds(n, d, nlist=nlist_used, pq_m=m_used, pq_bits=bits_used, train_size=train_size)
@@ -318,7 +355,7 @@ def build_index(ds: Datastore, path: str | None = None, *, kind: str = "auto",
   data.atomic_write_json(_sidecar(path), info)
   for state in (path + PARTIAL, path + TRAINED):
     _remove_state(state)
-  say(f"{kind} over {n:,} × {d} keys in {info['build_seconds']:.1f} s -> {path}")
+  say(f"{kind} ({_metric_words(metric)}) over {n:,} × {d} keys in {info['build_seconds']:.1f} s -> {path}")
   return KnnIndex(index, info, path)
 
 
@@ -327,7 +364,7 @@ def _complete_index(path: str, belongs: dict, ds: Datastore, say):
   if not os.path.exists(path):
     return None
   try:
-    index = KnnIndex.load(path, datastore=ds)
+    index = KnnIndex.load(path, datastore=ds, metric=belongs["metric"])
   except (CheckpointError, OSError, KeyError, TypeError, ValueError, AttributeError) as e:
     say(f"{path} cannot be kept ({first_line(e)}): building it again")
     return None
@@ -459,14 +496,14 @@ def _resume_state(state: str, belongs: dict, say, spent: dict):
   return index
 
 
-def check_trained_index(path: str, d: int) -> None:
-  """ConfigError unless `path` is a trained, empty inner-product IndexIVFPQ of dimension `d` (build_index's
+def check_trained_index(path: str, d: int, metric: str = "inner_product") -> None:
+  """ConfigError unless `path` is a trained, empty IndexIVFPQ of dimension `d` and `metric` (build_index's
   `trained_index`): checked before a datastore build, not after its key pass."""
-  _read_trained_ivfpq(path, d)
+  _read_trained_ivfpq(path, d, metric)
 
 
-def _read_trained_ivfpq(path: str, d: int):
-  """The trained, empty inner-product IndexIVFPQ in `path`, or one ConfigError saying what it is instead."""
+def _read_trained_ivfpq(path: str, d: int, metric: str = "inner_product"):
+  """The trained, empty IndexIVFPQ of `metric` in `path`, or one ConfigError saying what it is instead."""
   if not os.path.isfile(path):
     raise ConfigError(f"trained index {path} is not a file")
   try:
@@ -479,8 +516,8 @@ def _read_trained_ivfpq(path: str, d: int):
   else:
     if index.d != d:
       problems.append(f"its dimension is {index.d}, the datastore's {d}")
-    if index.metric_type != faiss.METRIC_INNER_PRODUCT:
-      problems.append("its metric is not inner product")
+    if index.metric_type != _faiss_metric(metric):
+      problems.append(f"its metric is not {_metric_words(metric)}")
     if not index.is_trained:
       problems.append("it is not trained")
     if index.ntotal:
@@ -513,10 +550,17 @@ class KnnIndex:
   def kind(self) -> str:
     return self.info["index_type"]
 
+  @property
+  def metric(self) -> str:
+    """"inner_product" | "l2" (sidecars written before the field existed: inner product, the only metric then)."""
+    return self.info.get("metric", "inner_product")
+
   @classmethod
   def load(cls, path: str, datastore: Datastore | None = None, *, nprobe: int = 32, gpu: bool = False,
-           device: int = 0) -> "KnnIndex":
-    """Read an index; with `datastore`, refuse one built over other keys. gpu=True moves it to `device`."""
+           device: int = 0, metric: str = "inner_product") -> "KnnIndex":
+    """Read an index; with `datastore`, refuse one built over other keys; refuse one of another metric than
+    `metric` (its sidecar's). gpu=True moves it to `device`."""
+    _check_metric(metric)
     if not os.path.exists(path):
       folder = os.path.dirname(os.path.abspath(path))
       base = os.path.basename(path)
@@ -557,6 +601,12 @@ class KnnIndex:
       raise CheckpointError(f"FAISS index {path} holds {index.ntotal} × {index.d} keys, its sidecar says "
                             f"{info['count']} × {info['dimension']}; rebuild it")
     out = cls(index, info, path, nprobe)
+    if out.metric != metric or index.metric_type != _faiss_metric(metric):
+      raise CheckpointError(f"FAISS index {path} is an index of metric {out.metric!r} (its sidecar), not the "
+                            f"{metric!r} index expected here"
+                            + (" (eval.knnlm_metric=l2 reads <datastore>/index_l2.faiss: build it with "
+                               "`python -m trime_jax.launch.build_datastore ... --index_metric=l2`)"
+                               if metric == "l2" else ""))
     if datastore is not None:
       out.check_datastore(datastore)
     if gpu:
@@ -591,7 +641,8 @@ class KnnIndex:
     return self
 
   def search(self, queries_NxD, k: int, *, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(scores [n, k] float32, ids [n, k] int64) of the k largest inner products, best first."""
+    """(scores [n, k] float32, ids [n, k] int64) of the k largest inner products (an L2 index: the k smallest
+    squared distances, as scores -|q - k|²), best first."""
     q = _f32(queries_NxD)
     if q.ndim != 2 or q.shape[1] != self.dimension:
       raise CheckpointError(f"queries of shape {tuple(q.shape)} do not match the index dimension {self.dimension}"
@@ -602,14 +653,20 @@ class KnnIndex:
     if self.kind == "ivfpq":
       params = faiss.SearchParametersIVF(nprobe=int(nprobe or self.nprobe))
     scores, ids = self.index.search(q, int(k), params=params)
+    if self.metric == "l2":  # faiss's squared distances (ascending; +FLT_MAX where none) as scores: larger better
+      scores = np.where(ids >= 0, -scores, -np.inf).astype(np.float32)
     return scores, ids.astype(np.int64, copy=False)
 
 
-def rescore(ds: Datastore, queries_NxD, ids_NxK, *, sort: bool = True, with_keys: bool = False):
-  """Exact inner products [n, k] float32 of each query with its retrieved keys (float16 keys read back as
-  float32; -inf where ids is -1), re-sorted best first (stable: ties keep the index's order) unless sort=False.
+def rescore(ds: Datastore, queries_NxD, ids_NxK, *, sort: bool = True, with_keys: bool = False,
+            metric: str = "inner_product"):
+  """Exact scores [n, k] float32 of each query with its retrieved keys (float16 keys read back as float32; -inf
+  where ids is -1): inner products q·k (metric "inner_product") or -|q - k|² (metric "l2": the original's
+  kNN-LM recomputes its L2 distances so, knnlm.py `dist_func`), re-sorted best first (stable: ties keep the
+  index's order) unless sort=False.
   Returns (scores, ids), and with_keys=True (scores, ids, keys): the float32 keys [n, k, D] in that order (zeros
   where ids is -1), from the one gather the scores were computed from."""
+  _check_metric(metric)
   q = _f32(queries_NxD)
   ids = np.asarray(ids_NxK, np.int64)
   if q.ndim != 2 or q.shape[1] != ds.dimension or ids.ndim != 2 or ids.shape[0] != q.shape[0]:
@@ -620,7 +677,10 @@ def rescore(ds: Datastore, queries_NxD, ids_NxK, *, sort: bool = True, with_keys
   rows = max(1, RESCORE_FLOATS // max(ids.shape[1] * ds.dimension, 1))  # bounds the gathered [rows, k, D]
   for a in range(0, len(q), rows):
     gathered = ds.gather_keys(ids[a:a + rows])
-    scores[a:a + rows] = np.einsum("nd,nkd->nk", q[a:a + rows], gathered)
+    if metric == "l2":
+      scores[a:a + rows] = -np.sum(np.square(q[a:a + rows][:, None, :] - gathered), axis=-1)
+    else:
+      scores[a:a + rows] = np.einsum("nd,nkd->nk", q[a:a + rows], gathered)
     if with_keys:
       keys[a:a + rows] = gathered
   scores[ids < 0] = -np.inf

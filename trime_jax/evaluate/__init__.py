@@ -29,7 +29,9 @@ A family's memory is a union of these blocks, and every family (`points.FAMILIES
 trime, interp, knnlm, knnlm_cache) comes out of one pass (a grid over τ, τ′, λ, θ costs one pass, not one
 per point).
 
-sim = g(c)·g(c_j)/√D throughout; p_mem(θ)(w) ∝ Σ_{x_j = w} exp(θ·sim). Where a query has no memory at all the
+sim = g(c)·g(c_j)/√D throughout (but for the kNN-LM families under eval.knnlm_metric="l2", the original's
+kNN-LM: their entries from an L2 index and every memory of theirs at sim = -|g(c) - g(c_j)|²);
+p_mem(θ)(w) ∝ Σ_{x_j = w} exp(θ·sim). Where a query has no memory at all the
 mixtures fall back to the model (P_trime or p_LM). The original's --interp-temp has no √D (its P′ is
 softmax(g·k_j / τ′_orig) over the top-K): τ′_orig = √D·τ′ (D = 1,024: its 10.5 is our τ′ = 0.328).
 
@@ -52,11 +54,11 @@ from trime_jax.evaluate.points import (DISPLAY_NAMES, EVAL_MEMORIES, EXTERNAL_FA
                                        THETA_GRID, Point, configured_points, exact_scales, families_of, grid,
                                        grid_edges, point_nlls, tune, nll_improves)
 from trime_jax.evaluate.memory import (LONG_TERM_LAYOUTS, MEM_SIZE_AXIS_LABELS, QueryStats, StoreSpec, StreamPlan,
-                                       external_block, local_block, long_term_block, mem_size_axis_label,
+                                       external_block, l2_block, local_block, long_term_block, mem_size_axis_label,
                                        row_length, stream_plan, text_windows, texts_plan)
 from trime_jax.evaluate.driver import (EvalResult, ProgressLog, Score, StreamState, evaluate, forward_queries,
                                        score_step)
-from trime_jax.evaluate.runner import (evaluate_checkpoint, format_table, load_eval_data,
+from trime_jax.evaluate.runner import (evaluate_checkpoint, format_table, knnlm_metric_of, load_eval_data,
                                        on_device_datastore, search_queries_of)
 from trime_jax.scoring import MemoryBlock
 
@@ -65,9 +67,10 @@ __all__ = [
     "LAMBDA_GRID", "NONE", "TAU_GRID", "TAU_PRIME_GRID", "THETA_GRID", "Point", "configured_points", "exact_scales",
     "families_of", "grid", "grid_edges", "point_nlls", "tune", "LONG_TERM_LAYOUTS", "MEM_SIZE_AXIS_LABELS",
     "QueryStats",
-    "StoreSpec", "StreamPlan", "external_block", "local_block", "long_term_block", "mem_size_axis_label",
+    "StoreSpec", "StreamPlan", "external_block", "l2_block", "local_block", "long_term_block", "mem_size_axis_label",
     "row_length", "stream_plan", "text_windows", "texts_plan", "EvalResult", "ProgressLog", "Score", "StreamState", "evaluate", "forward_queries",
     "score_step",
-    "evaluate_checkpoint", "format_table", "load_eval_data", "on_device_datastore", "search_queries_of",
+    "evaluate_checkpoint", "format_table", "knnlm_metric_of", "load_eval_data", "on_device_datastore",
+    "search_queries_of",
     "MemoryBlock",
 ]

@@ -27,7 +27,7 @@ from trime_jax import sharding
 from trime_jax import steps
 from trime_jax.errors import CheckpointError, ConfigError
 from trime_jax.evaluate.memory import (QueryStats, StoreSpec, StreamPlan, check_break_mode_of_stateful,
-                                       external_block, local_block, long_term_block, stream_plan)
+                                       external_block, l2_block, local_block, long_term_block, stream_plan)
 from trime_jax.evaluate.points import Point, exact_scales, point_nlls
 
 SEARCH_QUERIES = 4096  # evaluate's search_queries (config eval.search_queries; exports before 2026-12-04 lack it)
@@ -59,11 +59,15 @@ def forward_queries(graphdef, params, inputs_SxL, targets_SxL, qstart_S, carry=N
 
 @functools.partial(jax.jit, static_argnames=("points", "long_term", "n_buckets"), donate_argnames=("store",))
 def score_step(store: long_memory.Store, keys, targets, q_keys, q_stats, q_targets, qpos, batch, ext_sim,
-               ext_targets, bucket_q, ext_exact=None, *, points: tuple, long_term: StoreSpec, n_buckets: int):
+               ext_targets, bucket_q, ext_exact=None, knn_sim=None, knn_targets=None, *, points: tuple,
+               long_term: StoreSpec, n_buckets: int):
   """(nll sums [P], per-bucket nll sums [P, n_buckets], per-bucket token counts [n_buckets], the store with
   this step's queries inserted, every query's nll [P, S, Q] (0 where not scored), its global target position
   [S, Q] (-1 where not scored)). External memory: top-K retrieved (`ext_sim`, `ext_targets` [S, Q, K]) or the
-  exact on-device sums (`ext_exact`: (lse_neg, lse_pos) [C, S, Q] at `exact_scales(points)`)."""
+  exact on-device sums (`ext_exact`: (lse_neg, lse_pos) [C, S, Q] at `exact_scales(points)`). The kNN-LM
+  families' own entries where they differ (eval.knnlm_metric="l2": `knn_sim` = -|q - k|², `knn_targets` [S, Q, K]
+  of the L2 index's top-K, and their local and long-term memories by -|q - k|² too: `memory.l2_block`); None:
+  they read the blocks every family reads."""
   pos = batch["start"][:, None] + qpos  # global target positions
   real = batch["own"] & (q_targets >= 0)
   local = [local_block(q_keys, q_targets, qpos, keys, targets)]
@@ -73,7 +77,13 @@ def score_step(store: long_memory.Store, keys, targets, q_keys, q_stats, q_targe
   ext = external_block(ext_sim, ext_targets, q_targets) if ext_sim is not None else None
   if ext_exact is not None:
     ext = exact_memory.summary_blocks(*ext_exact, exact_scales(points))
-  nll = point_nlls(q_stats, q_targets, local, ext, points)  # [P, S, Q]
+  knn_memory = None
+  if knn_sim is not None:  # eval.knnlm_metric="l2": every memory of the kNN-LM families by -|q - k|²
+    knn_local = [l2_block(local[0], q_keys, keys)]
+    if long_term.mem_size:
+      knn_local.append(l2_block(local[1], q_keys, store.keys))
+    knn_memory = (knn_local, external_block(knn_sim, knn_targets, q_targets))
+  nll = point_nlls(q_stats, q_targets, local, ext, points, knn_memory=knn_memory)  # [P, S, Q]
   scored = real & batch["score"][:, None]
   nll = jnp.where(scored[None], nll, 0.0)
   onehot = jax.nn.one_hot(bucket_q, n_buckets, dtype=nll.dtype) * scored[..., None]
@@ -425,28 +435,41 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
       carry = steps_g[-1].out[5] if stateful else None
     return steps_g
 
+  # eval.knnlm_metric="l2": the kNN-LM families' entries come from a second search, of the L2 index
+  knn_l2 = (external is not None and not on_device and getattr(external, "l2_index", None) is not None
+            and any(p.family in ("knnlm", "knnlm_cache") for p in points))
+
   def search_group(steps_g):
-    """Each step's (ext_sim, ext_targets, ext_exact) [S, Q, K]: one search of the group's scored queries."""
+    """Each step's (ext_sim, ext_targets, ext_exact, knn_sim, knn_targets) [S, Q, K]: one search of the group's
+    scored queries (and with eval.knnlm_metric="l2" one of the L2 index: knn_sim, knn_targets, else None)."""
     nonlocal hits
     if external is None:
-      return [(None, None, None)] * len(steps_g)
+      return [(None, None, None, None, None)] * len(steps_g)
     if on_device:  # every datastore entry, on the devices (retrieval accuracy does not apply)
-      return [(None, None, external.log_terms(d.out[1], d.out[3], scales)) for d in steps_g]
+      return [(None, None, external.log_terms(d.out[1], d.out[3], scales), None, None) for d in steps_g]
     q_targets_np = [np.asarray(d.out[3]) for d in steps_g]
     scored = [d.batch["own"] & (t >= 0) & d.batch["score"][:, None] for d, t in zip(steps_g, q_targets_np)]
-    got = None
+    got = got_knn = None
     if any(m.any() for m in scored):  # one search per scored token; warm-up windows only fill the store
-      got = external.retrieve(np.concatenate([np.asarray(d.out[1])[m] for d, m in zip(steps_g, scored)]))
+      queries = np.concatenate([np.asarray(d.out[1])[m] for d, m in zip(steps_g, scored)])
+      got = external.retrieve(queries)
       hits += knn.retrieval_hits(got.targets, np.concatenate([t[m] for t, m in zip(q_targets_np, scored)]), ks)
+      got_knn = external.retrieve_knnlm(queries) if knn_l2 else None
+
+    def per_step(m, a, b, found):
+      sim = np.zeros(m.shape + (external.k,), np.float32)
+      tgt = np.full(m.shape + (external.k,), -1, np.int32)
+      if m.any():
+        sim[m], tgt[m] = found.sim[a:b], found.targets[a:b]
+      return sim, tgt
+
     res, a = [], 0
     for m in scored:
-      ext_sim = np.zeros(m.shape + (external.k,), np.float32)
-      ext_targets = np.full(m.shape + (external.k,), -1, np.int32)
-      if m.any():
-        b = a + int(m.sum())
-        ext_sim[m], ext_targets[m] = got.sim[a:b], got.targets[a:b]
-        a = b
-      res.append((ext_sim, ext_targets, None))
+      b = a + int(m.sum())
+      ext_sim, ext_targets = per_step(m, a, b, got)
+      knn_sim, knn_targets = per_step(m, a, b, got_knn) if knn_l2 else (None, None)
+      res.append((ext_sim, ext_targets, None, knn_sim, knn_targets))
+      a = b
     return res
 
   bar = tqdm(total=n_steps - first, desc=desc, disable=progress is not True, unit="step")
@@ -461,14 +484,16 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
       pending = dispatch_group(g + 1, steps_g[-1].out[5] if stateful else None)
     searched = search_group(steps_g)
     for step in range(g0, g0 + len(steps_g)):
-      (_, placed, out), (ext_sim, ext_targets, ext_exact) = steps_g.pop(0), searched.pop(0)  # freed once scored
+      # freed once scored
+      (_, placed, out), (ext_sim, ext_targets, ext_exact, knn_sim, knn_targets) = steps_g.pop(0), searched.pop(0)
       keys, q_keys, q_stats, q_targets, qpos = out[:5]
       carry = out[5] if stateful else None
       bucket_q = buckets[np.maximum(np.asarray(q_targets), 0)]
-      ext_sim, ext_targets, bucket_q = place.streams((ext_sim, ext_targets, bucket_q))
+      ext_sim, ext_targets, bucket_q, knn_sim, knn_targets = place.streams(
+          (ext_sim, ext_targets, bucket_q, knn_sim, knn_targets))
       sums, bucket_sums, bucket_count, store, step_nll, step_pos = score_step(
           store, keys, placed["targets"], q_keys, q_stats, q_targets, qpos, placed, ext_sim, ext_targets, bucket_q,
-          ext_exact, points=points, long_term=long_term, n_buckets=n_buckets)
+          ext_exact, knn_sim, knn_targets, points=points, long_term=long_term, n_buckets=n_buckets)
       if token_nll is not None:
         step_pos = np.asarray(step_pos)
         token_nll[:, step_pos[step_pos >= 0]] = np.asarray(step_nll)[:, step_pos >= 0]
@@ -482,7 +507,8 @@ def evaluate(graphdef, params, corpus: data.Corpus, points, *, block_len: int, c
       bar.update(1)
       if log is not None:
         log.step(step + 1)
-    del placed, out, keys, q_keys, q_stats, q_targets, qpos, ext_sim, ext_targets, ext_exact  # before the next group
+    # before the next group
+    del placed, out, keys, q_keys, q_stats, q_targets, qpos, ext_sim, ext_targets, ext_exact, knn_sim, knn_targets
     if not overlap_search and g + 1 < len(groups):
       pending = dispatch_group(g + 1, carry)
   bar.close()

@@ -7,6 +7,7 @@ streams, the empty long-term store).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -99,6 +100,16 @@ def long_term_block(store: long_memory.Store, queries_SxQxD, targets_SxQ, doc_Sx
   mem = _meta(store.targets, order=store.pos, doc=doc_m)
   return _block(scoring.block_similarities(queries_SxQxD, store.keys), query, mem, causal=True, cross_rows=False,
                 span=jnp.broadcast_to(span_S[:, None], targets_SxQ.shape))
+
+
+def l2_block(block: MemoryBlock, queries_SxQxD, keys_SxMxD) -> MemoryBlock:
+  """`block` (local or long-term: sim = g·k/√D of `queries` with `keys`) with sim = -|g - k|² instead, the
+  kNN-LM families' similarity under eval.knnlm_metric="l2" (so that knnlm_cache's one p_mem has one similarity
+  over local, long-term and L2-retrieved memories): 2·√D·sim - |g|² - |k|²."""
+  d = queries_SxQxD.shape[-1]
+  qq = jnp.sum(jnp.square(queries_SxQxD.astype(jnp.float32)), -1)[..., :, None]
+  kk = jnp.sum(jnp.square(keys_SxMxD.astype(jnp.float32)), -1)[..., None, :]
+  return block._replace(sim=2.0 * math.sqrt(d) * block.sim - qq - kk)  # (a Python float: weakly typed)
 
 
 def external_block(sim_SxQxK, retrieved_targets_SxQxK, targets_SxQ) -> MemoryBlock:

@@ -13,6 +13,10 @@ Families (P′, p_mem and the mixtures are `scoring`'s; sim = g(c)·g(c_j)/√D)
                 long-term + retrieved (the paper's Appendix A text)
   knnlm         kNN-LM: (1-λ)·p_LM + λ·p_mem(θ), memory = retrieved only
   knnlm_cache   kNN-LM + continuous cache: (1-λ)·p_LM + λ·p_mem(θ), memory = local + long-term + retrieved
+
+eval.knnlm_metric="l2" (the original release's kNN-LM): knnlm and knnlm_cache read their retrieved memories from
+an L2 index instead, with sim = -|g(c) - g(c_j)|² (no √D), and knnlm_cache its local (+ long-term) memories with
+that similarity too (`point_nlls`' knn_memory); θ stays the scale of sim.
 """
 
 from __future__ import annotations
@@ -167,16 +171,21 @@ def exact_scales(points) -> tuple:
   return tuple(sorted(out))
 
 
-def point_nlls(stats, targets, local_blocks, ext_block, points):
+def point_nlls(stats, targets, local_blocks, ext_block, points, knn_memory=None):
   """[P, ..., Q] nll of every query under every point. `stats`: the queries' `memory.QueryStats` (or a plain
   `scoring.VocabStats`: one target term); `local_blocks`: local (+ long-term) memory;
   `ext_block`: the retrieved entries, or None, or (exact on-device memory, `exact_memory.summary_blocks`) one
-  block per scale at which the points read it. Shared terms (a TRIME softmax at τ, a p_mem at θ) are computed
-  once per pass."""
+  block per scale at which the points read it. `knn_memory`: the kNN-LM families' own memories, (local blocks,
+  retrieved block), which they read instead (eval.knnlm_metric="l2": the L2 index's top-K, and the local /
+  long-term memories, all with sim = -|q - k|²); None: they read `local_blocks` and `ext_block`. Shared terms
+  (a TRIME softmax at τ, a p_mem at θ) are computed once per pass."""
 
   def blocks_of(which, scale):
     if which == "local":  # (exact memory holds sums only at the scales the external readers use)
       return local_blocks
+    if which in ("knn_external", "knn_all"):  # the kNN-LM families' own memories (eval.knnlm_metric="l2")
+      knn_local, knn_ext = knn_memory
+      return ([] if which == "knn_external" else list(knn_local)) + [knn_ext]
     ext = [] if ext_block is None else [ext_block[scale] if isinstance(ext_block, dict) else ext_block]
     return ext if which == "external" else local_blocks + ext
 
@@ -208,6 +217,8 @@ def point_nlls(stats, targets, local_blocks, ext_block, points):
       lp = scoring.mix(lt, lm, has, pt.knn_lambda)
     else:  # cache | knnlm | knnlm_cache: the model mixed with a memory-only distribution at θ
       which = {"cache": "local", "knnlm": "external", "knnlm_cache": "all"}[pt.family]
+      if knn_memory is not None and pt.family != "cache":
+        which = "knn_" + which
       lam, theta = (pt.cache_lambda, pt.cache_theta) if pt.family == "cache" else (pt.knn_lambda, pt.knn_theta)
       lm, has = once(("mem", which, theta), lambda: scoring.log_p_mem(blocks_of(which, theta), theta, targets))
       lp = scoring.mix(log_p_vocab, lm, has, lam)

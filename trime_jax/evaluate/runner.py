@@ -44,6 +44,18 @@ def search_queries_of(e) -> int:
   return int(e.get("search_queries", SEARCH_QUERIES))
 
 
+def knnlm_metric_of(e) -> str:
+  """eval.knnlm_metric, checked ("ip" for configs stored before the field existed: the only metric then), also
+  against eval.datastore_on_device (validate_config and evaluate_checkpoint both ask)."""
+  metric = e.get("knnlm_metric", "ip")
+  if metric not in knn.KNNLM_METRICS:
+    raise ConfigError(f"eval.knnlm_metric must be one of {knn.KNNLM_METRICS}, got {metric!r}")
+  if metric == "l2" and e.get("datastore_on_device", False):
+    raise ConfigError("eval.knnlm_metric=l2 (kNN-LM over an L2 index's top-K) is not supported with "
+                      "eval.datastore_on_device (exact inner-product sums over every key): use one of them")
+  return str(metric)
+
+
 def evaluator_settings(e, vocab_chunk: int) -> dict:
   """`driver.evaluate`'s keyword arguments that come from a config's eval section (and the model's
   train.vocab_chunk): the windows, the streams, the devices they are split over and how the steps run."""
@@ -143,6 +155,7 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
   if e.interp_memory not in INTERP_MEMORIES:
     raise ConfigError(f"eval.interp_memory must be one of {INTERP_MEMORIES}, got {e.interp_memory!r}")
   knn_memory = buckets = None
+  knnlm_metric = knnlm_metric_of(e)
   if external_memory:
     if not e.datastore:
       raise ConfigError("eval.datastore is not set: build one with `python -m trime_jax.launch.build_datastore`")
@@ -150,7 +163,7 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
       knn_memory = on_device_datastore(e, checkpoint_dir)
     else:
       knn_memory = knn.ExternalMemory(e.datastore, index_path=e.index, checkpoint_dir=checkpoint_dir, k=e.knn_k,
-                                      nprobe=e.nprobe, exact=e.knn_exact, gpu=e.knn_gpu)
+                                      nprobe=e.nprobe, exact=e.knn_exact, gpu=e.knn_gpu, knnlm_metric=knnlm_metric)
     # words by their frequency on the development set, as the paper groups them (eval.frequency_split)
     buckets = (knn.frequency_buckets(splits.get(frequency_split(e)).tokens, len(vocab)) if vocab.kind == "words"
                else None)
@@ -178,7 +191,8 @@ def evaluate_checkpoint(config, checkpoint_dir: str, *, external_memory: bool = 
   if external_memory:
     on_device = isinstance(knn_memory, exact_memory.DeviceDatastore)
     out.update(datastore=e.datastore, index="on_device_exact" if on_device else knn_memory.index.kind,
-               k=knn_memory.k, nprobe=e.nprobe, exact=bool(e.knn_exact or on_device), mem_size=sizes[0],
+               k=knn_memory.k, nprobe=e.nprobe, exact=bool(e.knn_exact or on_device), knnlm_metric=knnlm_metric,
+               mem_size=sizes[0],
                search_queries=0 if on_device else search_queries_of(e))  # 0: no FAISS call to group
   for mem_size in sizes:
     long_term = store_spec(e, mem_size)
