@@ -7,7 +7,8 @@
 Rerunning the same command resumes from the newest checkpoint in the workdir (`--config.train.stop_after=N`
 trains at most N updates per invocation). SIGTERM checkpoints the current update and exits with status 143.
 Exit status 0: trained, evaluated on valid and exported to <workdir>/export (trime_jax.mt.export.load_mt_export);
-with train.keep_best, the lowest-valid-perplexity parameters to <workdir>/best. TensorBoard: <workdir>/tb.
+with train.keep_best, the best valid parameters to <workdir>/best (train.best_metric: the lowest perplexity,
+or the highest BLEU). TensorBoard: <workdir>/tb.
 `--workdir` is required; one run per workdir (a second exits with status 2 naming the process that holds it);
 Ctrl-C stops at the end of the update in progress (a second one at once) and exits with status 130 saying
 which checkpoint (if any) is on disk to resume from.

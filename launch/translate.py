@@ -17,7 +17,8 @@ to the name: test.trime.beam1.hyp is greedy); those of another run (another mode
 datastore, index or nprobe, data, setting or search) are replaced only with --overwrite. --tune: one
 teacher-forced pass over the valid targets retrieves the top-64 entries of every target token once (by inner product for TRIME, by L2 for kNN-MT);
 every K in {1, 2, 4, ..., 64} and every (τ, λ, T, τ′) of the grids is scored from it as valid token NLL; then beam search
-on valid runs only the --tune_beam best settings per mode, and the best valid BLEU is written to <out>/tuned.json.
+on valid runs only the --tune_beam best settings per mode, and the best valid BLEU is written to <out>/tuned.json
+(another tuning's there, of other modes, search or valid pairs, is replaced only with --overwrite).
 The data comes from the export's stored config (--config=an MT config, task='mt', overrides it).
 """
 
@@ -25,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import time
 
 from absl import flags
@@ -140,8 +142,10 @@ def _check_flag_combinations(out: str) -> None:
   reads = {"model": (), "knn_mt": (_K, _KNN_LAMBDA, _KNN_MT_TEMPERATURE), "trime_release": (_K, _TAU)}.get(
       _MODE.value, (_K, _KNN_LAMBDA, _TAU, _TAU_PRIME))
   read_names = {h.name for h in reads}  # (a FlagHolder has no ==)
-  unread = given(*([_DATASTORE, _INDEX, _NPROBE] if _MODE.value == "model" else []),
-                 *(h for h in dist_flags if h.name not in read_names)) if not (_TUNE.value or _SETTINGS.value) else []
+  # the model alone reads no datastore, with --settings too (its results recorded the datastore and index as if
+  # searched, so the same translation without them was refused as another one)
+  unread = given(*([_DATASTORE, _INDEX, _NPROBE] if _MODE.value == "model" and not _TUNE.value else []),
+                 *(h for h in dist_flags if h.name not in read_names and not (_TUNE.value or _SETTINGS.value)))
   if unread:  # accepted before, and recorded in the results as if used
     raise ConfigError(f"{', '.join(unread)}: not read by --mode={_MODE.value}"
                       + (" (the model alone, no datastore)" if _MODE.value == "model" else "") + "; drop "
@@ -183,9 +187,10 @@ def _check_settings_are_this_models(path: str, params_digest, ds) -> None:
 
 
 # What makes two translations of a split the same run: a rerun of it recomputes its files, another replaces them
-# only with --overwrite
+# only with --overwrite. The pairs translated are data_digest's (max_sentences is recorded, not compared: a
+# --max_sentences at or above the split's size translates the whole split, as 0 does)
 SAME_RUN_FIELDS = ("params_digest", "datastore_fingerprint", "index", "data_digest", "setting", "beam", "lenpen",
-                   "max_len_a", "max_len_b", "max_sentences")
+                   "max_len_a", "max_len_b")
 
 
 # SAME_RUN_FIELDS that earlier versions of translate did not record: a result without one is refused as such
@@ -250,6 +255,33 @@ def _check_replaces_only_the_same_run(out: str, name: str, record: dict) -> None
     differ = ["not a result of trime_jax.launch.translate"]
   raise ConfigError(f"--out={out} already holds {name}.json of another translation ({', '.join(differ)} differ): "
                     "choose another --out, or give --overwrite to replace it")
+
+
+TUNE_FILE = re.compile(r"valid\.tune\.[a-z_]+\.[0-9]+\.(hyp|json)")  # a tuning's finalists (translate_split)
+
+
+def _check_replaces_only_the_same_tuning(out: str, tuning: dict) -> None:
+  """A tuned.json of this model and datastore is replaced only by the same tuning (modes, finalists, search,
+  valid pairs, index: `tuning`) unless --overwrite: another one silently replaced it, and left the earlier
+  tuning's finalists beside the new ones. Those finalists (valid.tune.*) are removed before the tuning writes its
+  own. A tuned.json of before 2026-12-07 records no tuning and is replaced as before."""
+  from trime_jax.errors import ConfigError
+
+  path = os.path.join(out, "tuned.json")
+  if not _OVERWRITE.value and os.path.isfile(path):
+    try:
+      with open(path) as f:
+        earlier = json.load(f).get("tuning")
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+      earlier = None
+    if isinstance(earlier, dict):
+      differ = [k for k in tuning if k in earlier and _compared(k, earlier[k]) != tuning[k]]
+      if differ:
+        raise ConfigError(f"--out={out} already holds tuned settings of another tuning ({', '.join(differ)} "
+                          "differ): choose another --out, or give --overwrite to replace them")
+  for name in os.listdir(out):
+    if TUNE_FILE.fullmatch(name):
+      os.remove(os.path.join(out, name))
 
 
 def _data(config, checkpoint, split, vocab, limit, ds=None):
@@ -343,8 +375,12 @@ def _main(out: str) -> None:
         raise ConfigError(f"--out={out} already holds tuned settings of another model or datastore ({e}); "
                           "choose another --out, or give --overwrite to replace them") from None
     pairs = _data(_CONFIG.value, checkpoint, "valid", vocab, _MAX_SENTENCES.value, ds)
-    t0 = time.perf_counter()
     modes = tuple(_TUNE_MODES.value)
+    tuning = {"tune_modes": sorted(set(modes)), "tune_beam": _TUNE_BEAM.value, "beam": options.beam,
+              "lenpen": options.lenpen, "max_len_a": options.max_len_a, "max_len_b": options.max_len_b,
+              "data_digest": _data_digest(pairs), "index": _index_record(index)}
+    _check_replaces_only_the_same_tuning(out, tuning)
+    t0 = time.perf_counter()
     tp = decode.tune_pass(graphdef, params, pairs, ds, index, k_max=max(decode.KS), modes=modes)
     trime_cfg = config.get("trime")
     rows = decode.tune(tp, modes=modes, train_tau=float(trime_cfg.get("tau", 1.0)) if trime_cfg else 1.0)
@@ -365,7 +401,7 @@ def _main(out: str) -> None:
 
     lm_data.atomic_write_json(os.path.join(out, "tuned.json"), {
         "checkpoint": os.path.abspath(checkpoint), "params_digest": params_digest,
-        "datastore_fingerprint": ds.meta.get("fingerprint"), "chosen": tuned, "nll_grid": [{**{k: v for k, v in r.items() if k != "setting"},
+        "datastore_fingerprint": ds.meta.get("fingerprint"), "tuning": tuning, "chosen": tuned, "nll_grid": [{**{k: v for k, v in r.items() if k != "setting"},
                                        "setting": dataclasses.asdict(r["setting"])} for r in rows]})
     print(f"tune: best settings -> {os.path.join(out, 'tuned.json')}", flush=True)
     return

@@ -575,6 +575,91 @@ def test_cli_build_datastore_and_translate_tune(tiny):
   assert "--overwrite" in lines[-1]
 
 
+def test_tune_replaces_only_the_same_tuning_and_leaves_no_stale_finalists(tiny, tmp_path):
+  """A second --tune of the same model and datastore into one --out with other options (modes, search, valid
+  pairs) silently replaced tuned.json and left the first tuning's valid.tune.* finalists beside its own (found by
+  a walk-through): it is refused unless --overwrite; a rerun of the same tuning, or --overwrite, replaces
+  tuned.json and the finalists, and no earlier finalist remains."""
+  import json
+  import os
+  import subprocess
+  import sys
+
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "PYTHONPATH": repo, "JAX_PLATFORMS": "cpu"}
+  out = tmp_path / "tune"
+  base = [sys.executable, "-m", "trime_jax.launch.translate", f"--checkpoint={tiny['ckpt']}",
+          f"--datastore={tiny['ds_dir']}", "--tune", "--tune_beam=1", "--max_len_b=4", f"--out={out}"]
+  run = lambda *extra: subprocess.run(base + list(extra), capture_output=True, text=True, cwd=repo, env=env,
+                                      timeout=300)
+  finalists = lambda: sorted(f for f in os.listdir(out) if f.startswith("valid.tune."))
+  r = run("--tune_modes=knn_mt,trime", "--beam=1")
+  assert r.returncode == 0, r.stderr[-2000:]
+  first, names = (out / "tuned.json").read_text(), finalists()
+  assert set(json.loads(first)["chosen"]) == {"model", "knn_mt", "trime", "trime_interp"}
+  assert json.loads(first)["tuning"]["beam"] == 1
+  r = run("--tune_modes=knn_mt", "--beam=2")  # another tuning: refused, nothing touched
+  last = (r.stderr.strip().splitlines() or [""])[-1]
+  assert r.returncode == 2 and "another tuning (tune_modes, beam differ)" in last and "--overwrite" in last, r.stderr
+  assert (out / "tuned.json").read_text() == first and finalists() == names
+  # the same tuning again (modes in another order) replaces it; a finalist of an earlier tuning (as one with
+  # --overwrite, or of before tuned.json recorded its tuning, would have left) is removed
+  (out / "valid.tune.trime_release.9.json").write_text("{}")
+  r = run("--tune_modes=trime,knn_mt", "--beam=1")
+  assert r.returncode == 0 and finalists() == names, r.stderr[-2000:]
+  assert json.loads((out / "tuned.json").read_text())["tuning"] == json.loads(first)["tuning"]
+
+
+def test_model_mode_with_settings_refuses_the_datastore_it_does_not_read(tiny, tmp_path):
+  """--mode=model --settings=tuned.json --datastore=...: the model alone searched nothing, but its result
+  recorded the datastore and index, so the same translation without them (the documented model-alone command)
+  into that --out was refused as another one (found by a walk-through). Refused before the model loads, as
+  without --settings."""
+  import json
+  import os
+  import subprocess
+  import sys
+
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "PYTHONPATH": repo, "JAX_PLATFORMS": "cpu"}
+  settings = tmp_path / "tuned.json"
+  settings.write_text(json.dumps({"chosen": {"model": {"setting": {"mode": "model"}}}}))
+  r = subprocess.run([sys.executable, "-m", "trime_jax.launch.translate", f"--checkpoint={tiny['ckpt']}",
+                      f"--datastore={tiny['ds_dir']}", f"--settings={settings}", "--mode=model", "--nprobe=8",
+                      f"--out={tmp_path / 'o'}"], capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+  lines = r.stderr.strip().splitlines()
+  assert r.returncode == 2 and lines and lines[-1].startswith(
+      "error: --datastore, --nprobe: not read by --mode=model (the model alone, no datastore)"), r.stderr[-2000:]
+  assert not (tmp_path / "o").exists()
+
+
+def test_max_sentences_beyond_the_split_is_the_same_translation(tiny, tmp_path):
+  """--max_sentences at or above the split's size translates the whole split, as 0 does: the rerun without it
+  was refused as "another translation (max_sentences differ)" (found by a walk-through); the pairs translated
+  are compared by data_digest, so a real prefix is still another translation."""
+  import json
+  import os
+  import subprocess
+  import sys
+
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "PYTHONPATH": repo, "JAX_PLATFORMS": "cpu"}
+  run = lambda *extra: subprocess.run([sys.executable, "-m", "trime_jax.launch.translate",
+                                       f"--checkpoint={tiny['ckpt']}", f"--out={tmp_path / 'o'}", "--beam=1",
+                                       "--max_len_b=4", *extra], capture_output=True, text=True, cwd=repo, env=env,
+                                      timeout=300)
+  r = run("--max_sentences=1000")
+  assert r.returncode == 0, r.stderr[-2000:]
+  first = json.loads((tmp_path / "o" / "test.model.beam1.json").read_text())
+  assert first["sentences"] == len(tiny["test"].src) and first["max_sentences"] == 1000
+  r = run()
+  assert r.returncode == 0, r.stderr[-2000:]
+  again = json.loads((tmp_path / "o" / "test.model.beam1.json").read_text())
+  assert again["data_digest"] == first["data_digest"] and again["max_sentences"] == 0
+  r = run("--max_sentences=1")  # a prefix: other pairs
+  assert r.returncode == 2 and "(data_digest differ)" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+
+
 def test_translate_holds_its_out_and_checks_it_before_decoding(tiny, tmp_path):
   """Two translations into one --out could leave the .hyp of one and the .json of the other: a second one is
   refused while the first holds --out's lock; an --out that cannot be written is refused before the model loads

@@ -62,6 +62,20 @@ def test_train_resume_export_round_trip(tmp_path):
   assert sorted(d for d in ("export", "best") if os.path.isdir(os.path.join(work, d))) == ["best", "export"]
   again = mt_train.train_and_evaluate(tiny_config(tmp_path / "d"), work, log=lambda s: None)
   assert again["step"] == 6 and len(open(os.path.join(work, "metrics.jsonl")).readlines()) == len(lines)
+  # A plan.npz of before 2026-12-07 (no hits rule, no k1 / b in its header) is kept, and the run is told how it
+  # differs (batching.bm25.older_rules, the LM plan's check's words)
+  plan_path = os.path.join(work, "plan.npz")
+  held_plan = open(plan_path, "rb").read()
+  old = batching.Plan.load(plan_path)
+  old.header = {k: v for k, v in old.header.items() if k not in ("hits_include_query", "bm25_k1", "bm25_b")}
+  os.remove(plan_path)
+  old.save(plan_path)
+  said = []
+  mt_train.train_and_evaluate(tiny_config(tmp_path / "d"), work, log=said.append)
+  note = [s for s in said if "plan.npz was made before 2026-12-07" in s]
+  assert len(note) == 1 and "one more candidate per step" in note[0] and "k1 = 1.5, b = 0.75" in note[0], said
+  assert "bm25_k1" not in batching.Plan.load(plan_path).header  # kept, not made again
+  open(plan_path, "wb").write(held_plan)
 
   graphdef, params, config, vocab = mt_export.load_mt_export(out["export"])
   assert config.trime.memory == "ext" and vocab.kind == "spm"
@@ -133,6 +147,43 @@ def test_train_section_is_checked(field, value):
   c.train[field] = value
   with pytest.raises(ConfigError, match=f"train.{field} must be"):
     mt_train.validate_config(c)
+
+
+@pytest.mark.parametrize("section,field,value,match", [
+    ("data", "max_sentences", -1, "data.max_sentences must be >= 0"),  # a ValueError traceback at the first batch
+    ("data", "max_len", -1, "data.max_len must be >= 0"),  # "no usable sentence pairs"
+    ("model", "num_heads", 0, "model.num_heads must be >= 1"),  # ZeroDivisionError
+    ("model", "d_ff", 0, "model.d_ff must be >= 1"),  # ZeroDivisionError in the initialiser
+    ("model", "num_heads", 3, "not divisible by num_heads=3"),  # ValueError tracebacks from MTConfig
+    ("model", "key_type", "foo", "model.key_type must be one of"),
+    ("model", "encoder_layers", 0, "model.encoder_layers and model.decoder_layers must be >= 1"),
+    ("model", "dtype", "float8", "model.dtype must be a floating dtype"),  # TypeError
+    ("model", "dropout", 1.5, r"model.dropout must be in \[0, 1\)"),  # trained silently
+    ("model", "attention_dropout", -0.1, r"model.attention_dropout must be in \[0, 1\)"),
+    ("model", "max_len", 16, "model.max_len=16 positions are fewer than the longest batch's 128"),  # traceback
+    ("trime", "bm25_k", 0, "trime.bm25_k must be >= 2"),  # a "BM25" plan with no neighbours, trained silently
+    ("data", "pack_len", 2048, "model.max_len=1024 positions are fewer than data.pack_len=2048"),  # traceback
+])
+def test_model_and_length_fields_are_checked(section, field, value, match):
+  """The model section and data lengths are refused by the validator, naming the field, before the workdir is
+  written (found by a walk-through: tracebacks once training started, or silent training)."""
+  c = ui_de_en.get_config()
+  c.trime.batching = "bm25"
+  c[section][field] = value
+  with pytest.raises(ConfigError, match=match):
+    mt_train.validate_config(c)
+  mt_train.validate_config(ui_de_en.get_config())  # the shipped config passes
+
+
+def test_bad_model_field_is_one_error_line_and_leaves_no_workdir(tmp_path):
+  """The CLI: exit 2, one `error:` line, and no workdir left to refuse the corrected rerun."""
+  r = subprocess.run([sys.executable, "-m", "trime_jax.launch.train_mt", "--config=configs/ui_de_en.py",
+                      f"--workdir={tmp_path / 'w'}", "--config.data.path=/nonexistent/mt", "--config.model.num_heads=3"],
+                     cwd=REPO, capture_output=True, text=True, timeout=120,
+                     env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"))
+  errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+  assert r.returncode == 2 and len(errors) == 1 and "not divisible by num_heads=3" in errors[0], r.stderr[-2000:]
+  assert "Traceback" not in r.stderr and not (tmp_path / "w").exists()
 
 
 @pytest.mark.parametrize("field", ["optimizer", "schedule"])
@@ -297,7 +348,7 @@ def test_translation_trains_in_the_shared_loop(tmp_path):
 def test_best_by_valid_bleu_keeps_the_highest_as_the_original(tmp_path):
   """train.best_metric="bleu" (configs/iwslt_de_en.py: the original's --best-checkpoint-metric bleu with
   --eval-bleu beam 5, max length 1.2·x + 10): every valid line has the BLEU of beam-search translations, best/
-  holds the parameters of the highest (ties: the first), and its BLEU is what mt.train.valid_bleu gives for those
+  holds the parameters of the highest (ties: the last, as fairseq's is_better, a >= b), and its BLEU is what mt.train.valid_bleu gives for those
   parameters; the protocol names the search."""
   import dataclasses
 
@@ -313,7 +364,8 @@ def test_best_by_valid_bleu_keeps_the_highest_as_the_original(tmp_path):
   assert [l["step"] for l in valid] == [2, 4, 6] and all(0 <= l["bleu"] <= 100 for l in valid)
   assert valid[0]["dev_protocol"]["bleu_search"] == dataclasses.asdict(mt_train.VALID_BLEU_SEARCH)
   best = json.load(open(work / "best" / "meta.json"))
-  i = int(np.argmax([l["bleu"] for l in valid]))
+  bleus = [l["bleu"] for l in valid]
+  i = len(bleus) - 1 - int(np.argmax(bleus[::-1]))  # the last of the highest
   assert best["best_metric"] == "bleu" and (best["step"], best["dev_ppl"]) == (valid[i]["step"], valid[i]["bleu"])
   graphdef, params, config, vocab = mt_export.load_mt_export(str(work / "best"))
   pairs = mt_data.load_parallel(c, "valid", vocab)

@@ -26,6 +26,47 @@ def batches_per_update_of(config) -> int:
 BEST_METRICS = ("ce_ppl", "bleu")  # train.best_metric: what <workdir>/best keeps (lowest ce_ppl, highest bleu)
 
 
+def _check_model_and_lengths(config) -> None:
+  """The model section (`mt.model.MTConfig`'s own checks, as a ConfigError, and the ranges it does not check),
+  data.max_len / data.max_sentences, and positions for the longest batch: refused before the workdir is written
+  (they were tracebacks once training had started, or trained silently: dropout 1.5, bm25_k 0)."""
+  import jax.numpy as jnp
+
+  from trime_jax import specs
+
+  m, d = config.model, config.data
+  for name in ("d_model", "num_heads", "d_ff", "max_len"):
+    if int(m[name]) < 1:
+      raise ConfigError(f"model.{name} must be >= 1, got {m[name]}")
+  for name in ("dropout", "attention_dropout", "activation_dropout"):
+    if not 0.0 <= float(m.get(name, 0.0)) < 1.0:
+      raise ConfigError(f"model.{name} must be in [0, 1), got {m[name]}")
+  try:
+    ok = jnp.issubdtype(jnp.dtype(str(m.get("dtype", "float32"))), jnp.floating)
+  except TypeError:
+    ok = False
+  if not ok:
+    raise ConfigError(f"model.dtype must be a floating dtype (float32, bfloat16, float16), got {m.dtype!r}")
+  try:  # key_type, d_model % num_heads, layers >= 1, ... (vocabulary sizes are checked once it is read)
+    specs.mt_model_config(config, vocab_size=max(int(m.get("pad_id", 0)) + 1, 4))
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  if int(d.max_len) < 0:
+    raise ConfigError(f"data.max_len must be >= 0 (0: no limit), got {d.max_len}")
+  if int(d.max_sentences) < 0:
+    raise ConfigError(f"data.max_sentences must be >= 0 (0: no cap), got {d.max_sentences}")
+  if int(d.max_len) and batching.bucket(int(d.max_len)) > int(m.max_len):
+    raise ConfigError(f"model.max_len={m.max_len} positions are fewer than the longest batch's "
+                      f"{batching.bucket(int(d.max_len))} (data.max_len={d.max_len}, rounded up to its length "
+                      "bucket): raise model.max_len or lower data.max_len")
+  if pack_len_of(config) > int(m.max_len):  # packed rows are pack_len long
+    raise ConfigError(f"model.max_len={m.max_len} positions are fewer than data.pack_len={pack_len_of(config)} "
+                      "(packed rows): raise model.max_len or lower data.pack_len")
+  if config.trime.batching == "bm25" and int(config.trime.bm25_k) < 2:
+    raise ConfigError(f"trime.bm25_k must be >= 2 (the sentence's own hit and at least one neighbour), got "
+                      f"{config.trime.bm25_k}")
+
+
 def validate_config(config) -> None:
   from trime_jax.configs import ui_de_en
   from trime_jax.exports import is_mt_config
@@ -67,6 +108,7 @@ def validate_config(config) -> None:
       raise ConfigError("model.share_all_embeddings needs one joint vocabulary: data.dictionaries='joint'")
   if int(config.data.max_tokens) < 8:
     raise ConfigError(f"data.max_tokens must be >= 8, got {config.data.max_tokens}")
+  _check_model_and_lengths(config)
   per_update, multiple = batches_per_update_of(config), int(config.data.get("batch_size_multiple", 8))
   if per_update < 0 or multiple < 1:
     raise ConfigError(f"data.batches_per_update must be >= 0 and data.batch_size_multiple >= 1, got "
