@@ -116,7 +116,8 @@ def main(argv):
     try:
       table = sweep.sweep_table(rows)
     except ConfigError as err:  # this evaluation's rows against the included ones (each alone was checked)
-      kept = f" (this evaluation's rows are in --output={_OUTPUT.value})" if _OUTPUT.value and _CHECKPOINT.value else ""
+      kept = "" if not _CHECKPOINT.value else f" (this evaluation's rows are in --output={_OUTPUT.value})" if \
+          _OUTPUT.value else " (this evaluation's rows are in the table above; --output would keep them as a file)"
       raise ConfigError(f"{err}{kept}") from None
     print(table)
     print(f"memory sizes (columns) = {evaluate.mem_size_axis_label(rows)}")

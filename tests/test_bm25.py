@@ -482,6 +482,14 @@ def test_k_hits_count_the_query_itself():
   assert top3[2].tolist() == [3, 1, -1]  # 2's hits: itself, 3, 1
 
 
+def test_older_rules_name_what_a_plan_of_before_the_fidelity_change_did():
+  assert bm25.older_rules({"k": 20, "hits_include_query": True, "bm25_k1": 0.9, "bm25_b": 0.4}) == []
+  both = bm25.older_rules({"k": 20})
+  assert len(both) == 2 and "k = 20 BM25 neighbours were k hits besides each query" in both[0]
+  assert "k1 = 1.5, b = 0.75 (the original's: 0.9, 0.4)" in both[1]
+  assert bm25.older_rules({"k": 20, "hits_include_query": True}) == both[1:]  # made between the two changes
+
+
 def test_make_batches_treats_a_plan_of_k_others_as_another_plan(tmp_path, caplog):
   # A plan made before 2026-12-07 (header without hits_include_query: its k were k others) at --out is another
   # plan: a rerun says so before planning instead of keeping it or replacing it; a training reading it is told.

@@ -1,5 +1,6 @@
 """Training: the loss goes down, CE warm-up then TRIME, exact resume, accumulation, non-finite losses."""
 
+import math
 import os
 import shutil
 
@@ -364,6 +365,15 @@ def test_an_export_killed_between_its_renames_is_put_back_not_lost(tmp_path):
   assert not os.path.lexists(str(best) + ".old")
   keeper.update(5, params, {"none_ppl": 13.0})  # worse than the best put back: not exported
   assert written == []
+  keeper.update(4, params, {"none_ppl": 12.5})  # the best's own update measured again (a rerun): not a new best
+  keeper.update(6, params, {"none_ppl": math.nan})  # NaN and inf never win
+  keeper.update(6, params, {"none_ppl": math.inf})
+  assert written == []
+  keeper.update(6, params, {"none_ppl": 12.5})  # a tie: the later update, as fairseq's is_better (a <= b)
+  assert [w["step"] for w in written] == [6]
+  keeper.update(6, params, {"none_ppl": 12.5})  # the same update measured again: not a new best
+  keeper.update(6, params, {"none_ppl": 12.0})  # ... a better value there is (a resumed run whose evaluation changed)
+  assert [(w["step"], w["dev_ppl"]) for w in written] == [(6, 12.5), (6, 12.0)]
   # a kill after the new one was in place leaves the previous one at .old beside it: removed at the next look, so
   # it is never put back over a newer best (were best/ removed later)
   shutil.copytree(best, str(best) + ".old")
@@ -433,3 +443,27 @@ def test_an_all_padding_micro_batch_changes_nothing(memory):
     assert int(metrics["skipped"]) == 0 and float(metrics["loss"]) == pytest.approx(float(alone[0]["loss"]), rel=1e-6)
     for g, want in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(alone[1])):
       np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-7)
+
+
+def test_throughput_leaves_out_evaluations_and_saves_between_updates():
+  """tokens_per_s counts the updates' time, not a dev evaluation or a checkpoint save between two log lines (the
+  line after an evaluation read 166 tokens/s against 6-10k; found by a helper's walk-through)."""
+  import time
+
+  import jax.numpy as jnp
+
+  from trime_jax.runtime.loop import _Throughput
+
+  def update(state, batch, rng):
+    return state + 1, {"tokens": jnp.asarray(1000), "skipped": jnp.asarray(0)}
+
+  clock = _Throughput()
+  state = jnp.zeros(())
+  state, _ = clock.run("k", update, state, None, None)  # compiles: left out, as before
+  clock.read()
+  for _ in range(3):
+    state, _ = clock.run("k", update, state, None, None)
+  with clock.outside(state):  # e.g. the dev evaluation of this update
+    time.sleep(1.0)
+  rate, timed, _ = clock.read()
+  assert timed == 3 and rate > 3000 / 0.5, rate  # the second of evaluation is not in it (it read < 3,000/s)

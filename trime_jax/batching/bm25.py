@@ -297,6 +297,19 @@ def check_scoring(k1, b, where: str = "trime") -> None:
 HITS_INCLUDE_QUERY = True
 
 
+def older_rules(header: dict) -> list[str]:
+  """How a BM25 plan made before 2026-12-07 differs from the rules above (its header lacks
+  `hits_include_query` and / or `bm25_k1`): one phrase per difference, [] for a plan made since. The LM plan's
+  check and an MT run's reused plan.npz say these to a run that goes on with such a plan."""
+  old = []
+  if "hits_include_query" not in header:
+    old.append(f"its k = {header.get('k')} BM25 neighbours were k hits besides each query (segment or sentence), one more candidate "
+               "per step than the paper's SimSeg(I, c, k), which counts the segment's own hit")
+  if "bm25_k1" not in header:
+    old.append(f"it was scored at bm25s's k1 = 1.5, b = 0.75 (the original's: {DEFAULT_K1}, {DEFAULT_B})")
+  return old
+
+
 # With the exclusion, what "the same document" means, recorded in a plan's header: every document a segment's
 # targets touch. Plans made before 2026-12-06 have no such field: they keyed a segment on its first target's
 # document only, so a stream segment holding the start of a document could be batched with that document's

@@ -116,18 +116,15 @@ class BatchPlan:
     if problems:
       where = f" {self.directory}" if self.directory else ""
       raise DataError(f"batch plan{where} does not match this run: " + "; ".join(problems))
-    if kind == "bm25" and h.get("kind") == "bm25" and not {"hits_include_query", "bm25_k1"} <= set(h):
-      # made before 2026-12-07 (batching/bm25.py: HITS_INCLUDE_QUERY, then DEFAULT_K1 / DEFAULT_B): told, not
-      # refused, so a run that trained on it resumes on its batches
-      from absl import logging
+    if kind == "bm25" and h.get("kind") == "bm25":
+      from trime_jax.batching import bm25  # bm25s only where a BM25 plan is read
 
-      old = ([] if "hits_include_query" in h else [
-          f"its k = {h.get('k')} BM25 neighbours were k hits besides each segment, one more candidate per step than "
-          "the paper's SimSeg(I, c, k), which counts the segment's own hit"]) + ([] if "bm25_k1" in h else [
-          "it was scored at bm25s's k1 = 1.5, b = 0.75 (the original's: 0.9, 0.4)"])
-      logging.warning("batch plan %s was made before 2026-12-07: %s. A new run should use a plan made again "
-                      "(make_batches --overwrite); a run that trained on this one goes on with it",
-                      self.directory or "(in memory)", "; ".join(old))
+      if old := bm25.older_rules(h):  # told, not refused, so a run that trained on it resumes on its batches
+        from absl import logging
+
+        logging.warning("batch plan %s was made before 2026-12-07: %s. A new run should use a plan made again "
+                        "(make_batches --overwrite); a run that trained on this one goes on with it",
+                        self.directory or "(in memory)", "; ".join(old))
 
 
 def _sha256(batches: np.ndarray, prefix: bytes = b"") -> str:

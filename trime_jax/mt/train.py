@@ -311,9 +311,10 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
   if "neighbour_in_batch" in plan.header:
     log(f"bm25 plan: neighbours (of the top-k hits) in the same batch {plan.header['neighbour_in_batch']:.1%} "
         f"(random batches {plan.header['neighbour_in_batch_random']:.1%})")
-    if not made and not {"hits_include_query", "bm25_k1"} <= set(plan.header):
-      log(f"note: {workdir}/plan.npz was made before 2026-12-07 (k hits besides each sentence at bm25s's k1 = 1.5, "
-          "b = 0.75; since: the original's hits[1:] of the top k at 0.9 / 0.4): this run goes on with it")
+    from trime_jax.batching import bm25  # bm25s only where a BM25 plan was read
+
+    if not made and (old := bm25.older_rules(plan.header)):
+      log(f"note: {workdir}/plan.npz was made before 2026-12-07 ({'; '.join(old)}): this run goes on with it")
   def starting():  # the checkpoint restored and nothing refused: the run starts; config.json says what ran
     ckpt.check_resume_config(workdir, config)
     ckpt.check_resume_data(workdir, config, data_identity)

@@ -34,6 +34,7 @@ class BestKeeper:
     self.split = split  # the task's name of its dev split in log lines ("valid" for translation)
     self.protocol = dict(protocol or {})
     self.ppl = math.inf
+    self.step = None  # the update of the best so far (a rerun's equal value at that update is not a new best)
     meta = os.path.join(directory, "meta.json")
     if enabled:  # a best being replaced when a run was killed: it is still the best so far (process 0 puts it
       # back; the others read it after)
@@ -54,14 +55,21 @@ class BestKeeper:
                      self.protocol, again)
         value = again
       self.ppl = self.sign * value if math.isfinite(value) else math.inf
+      self.step = stored.get("step") if math.isfinite(value) else None
 
   def update(self, step: int, params, dev: dict) -> None:
+    """A tie goes to the later update, as the original's checkpoint_best.pt (fairseq's checkpoint_utils
+    is_better: a <= b, or a >= b for a metric to maximise; an early translation run's valid BLEU ties at 0)."""
     value = dev.get(self.metric, math.nan)
-    if not (self.enabled and self.sign * value < self.ppl):  # NaN never wins
+    # NaN and inf never win; a tie at the best's own update (a rerun of a finished run measuring it again) is not
+    # a new best, a better value there is (a resumed run whose evaluation changed)
+    if not (self.enabled and math.isfinite(value)):
+      return
+    if not (self.sign * value < self.ppl or (self.sign * value == self.ppl and step != self.step)):
       return
     self.export(self.directory, host_copy(params), {"step": step, "best_metric": self.metric, "dev_ppl": value,
                                                     "dev_protocol": self.protocol})
-    self.ppl = self.sign * value
+    self.ppl, self.step = self.sign * value, step
     logging.info("best %s %s %.4f at update %d: exported to %s", self.split, self.metric, value, step, self.directory)
 
 

@@ -14,11 +14,14 @@ The task owns what differs: its batches, its jitted update, its dev evaluation a
 
 Throughput (`tokens_per_s`) leaves out every update that compiled a program (the first of each objective and
 batch shape; translation batches come in several shapes): the loop waits for the device only around those, and
-reports their seconds as `compile_s`. A line whose interval held no other update has tokens_per_s = null.
+reports their seconds as `compile_s`. It leaves out the dev evaluations, `best/` exports and checkpoint saves
+between updates as well (the line after an evaluation read 166 tokens/s against 6-10k; found by a helper's
+walk-through). A line whose interval held no other update has tokens_per_s = null.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -134,7 +137,7 @@ class _Throughput:
 
   def __init__(self):
     self.seen, self.compile_s = set(), 0.0
-    self._tokens, self._start, self._compiling = [], time.perf_counter(), 0.0
+    self._tokens, self._start, self._excluded = [], time.perf_counter(), 0.0  # compiling, evaluating, saving
     self._skipped = []  # every update's `skipped` flag since the last read (on the device until then)
 
   def run(self, key, fn, state, batch, rng):
@@ -150,7 +153,7 @@ class _Throughput:
     dt = time.perf_counter() - t0
     self.seen.add(key)
     self.compile_s += dt
-    self._compiling += dt
+    self._excluded += dt
     self._skipped.append(m["skipped"])
     return state, m
 
@@ -159,11 +162,22 @@ class _Throughput:
     interval."""
     now = time.perf_counter()
     timed = len(self._tokens)
-    seconds = now - self._start - self._compiling
+    seconds = now - self._start - self._excluded
     rate = float(np.sum(jax.device_get(self._tokens))) / seconds if timed and seconds > 0 else None
     flags = [int(f) for f in jax.device_get(self._skipped)]
-    self._tokens, self._start, self._compiling, self._skipped = [], now, 0.0, []
+    self._tokens, self._start, self._excluded, self._skipped = [], now, 0.0, []
     return rate, timed, flags
+
+  @contextlib.contextmanager
+  def outside(self, state):
+    """Work between updates (a dev evaluation, a checkpoint save) left out of the interval: the updates before it
+    finish first (their time is training time; the work would wait for them anyway)."""
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    try:
+      yield
+    finally:
+      self._excluded += time.perf_counter() - t0
 
 
 # Updates skipped in a row (a non-finite loss or gradient each) after which training stops: one such update
@@ -340,12 +354,15 @@ def run(task: Task, state, spec: LoopSpec, workdir: str, *, schedule, config, pl
               f"{trime} | lr {last['lr']:.2e} | |g| {last['grad_norm']:.3f}"
               f" | {rate} tok/s (+{clock.compile_s:.0f} s compiling){skips} | {progress.eta(done)}")
           progress.update(done, loss=f"{last['loss']:.4f}")
-        if spec.eval_every and done % spec.eval_every == 0 and done < spec.total:
-          best.update(done, state["params"], evaluate(done, state["params"]))
+        evaluated = spec.eval_every and done % spec.eval_every == 0 and done < spec.total
         saved = done % spec.checkpoint_every == 0 or done == stop
-        if saved:
-          ckpt.save(mgr, done, state)
-          logging.info("checkpoint of update %d: saving to %s", done, mgr.directory)
+        if evaluated or saved:
+          with clock.outside(state):  # not training time: left out of tokens_per_s
+            if evaluated:
+              best.update(done, state["params"], evaluate(done, state["params"]))
+            if saved:
+              ckpt.save(mgr, done, state)
+              logging.info("checkpoint of update %d: saving to %s", done, mgr.directory)
         if preemption.reached(done) and done < spec.total:
           if not saved:
             ckpt.save(mgr, done, state)
