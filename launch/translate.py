@@ -19,7 +19,8 @@ teacher-forced pass over the valid targets retrieves the top-64 entries of every
 every K in {1, 2, 4, ..., 64} and every (τ, λ, T, τ′) of the grids is scored from it as valid token NLL; then beam search
 on valid runs only the --tune_beam best settings per mode, and the best valid BLEU is written to <out>/tuned.json
 (another tuning's there, of other modes, search or valid pairs, is replaced only with --overwrite).
-The data comes from the export's stored config (--config=an MT config, task='mt', overrides it).
+The data comes from the export's stored config (--config=an MT config, task='mt', overrides it; of its overrides
+only --config.data.* are read, others are refused: the model and its TRIME settings are the export's).
 """
 
 import dataclasses
@@ -27,6 +28,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 
 from absl import flags
@@ -138,6 +140,12 @@ def _check_flag_combinations(out: str) -> None:
                         "for --mode); drop them, or drop --settings")
   if _INDEX.value and not _DATASTORE.value:
     raise ConfigError(f"--index={_INDEX.value} is a datastore's FAISS index: it needs --datastore")
+  unread = sorted({a.partition("=")[0] for a in sys.argv[1:] if a.startswith("--config.")
+                   and not a.startswith("--config.data.")})
+  if unread:  # (a --config.model.* / trime.* override was accepted and silently ignored: the export's are read)
+    raise ConfigError(f"{', '.join(unread)}: not read: translate reads only the data settings of --config "
+                      "(--config.data.*); the model and its TRIME settings are the export's, the decoding the flags' "
+                      "(--beam, --mode, --k, --tau, ...)")
   # what each mode's distribution reads (mt.decode.distributions.Distribution); the trime modes all of it but T
   reads = {"model": (), "knn_mt": (_K, _KNN_LAMBDA, _KNN_MT_TEMPERATURE), "trime_release": (_K, _TAU)}.get(
       _MODE.value, (_K, _KNN_LAMBDA, _TAU, _TAU_PRIME))
@@ -263,8 +271,8 @@ TUNE_FILE = re.compile(r"valid\.tune\.[a-z_]+\.[0-9]+\.(hyp|json)")  # a tuning'
 def _check_replaces_only_the_same_tuning(out: str, tuning: dict) -> None:
   """A tuned.json of this model and datastore is replaced only by the same tuning (modes, finalists, search,
   valid pairs, index: `tuning`) unless --overwrite: another one silently replaced it, and left the earlier
-  tuning's finalists beside the new ones. Those finalists (valid.tune.*) are removed before the tuning writes its
-  own. A tuned.json of before 2026-12-07 records no tuning and is replaced as before."""
+  tuning's finalists beside the new ones (`_remove_stale_finalists`). A tuned.json of before 2026-12-07 records
+  no tuning and is replaced as before."""
   from trime_jax.errors import ConfigError
 
   path = os.path.join(out, "tuned.json")
@@ -279,8 +287,13 @@ def _check_replaces_only_the_same_tuning(out: str, tuning: dict) -> None:
       if differ:
         raise ConfigError(f"--out={out} already holds tuned settings of another tuning ({', '.join(differ)} "
                           "differ): choose another --out, or give --overwrite to replace them")
+
+
+def _remove_stale_finalists(out: str, written) -> None:
+  """An earlier tuning's finalists (valid.tune.*) this one did not write again, once its tuned.json is written (a
+  tuning stopped before that leaves the earlier tuned.json with finalists of its own)."""
   for name in os.listdir(out):
-    if TUNE_FILE.fullmatch(name):
+    if TUNE_FILE.fullmatch(name) and name.rsplit(".", 1)[0] not in written:
       os.remove(os.path.join(out, name))
 
 
@@ -386,11 +399,12 @@ def _main(out: str) -> None:
     rows = decode.tune(tp, modes=modes, train_tau=float(trime_cfg.get("tau", 1.0)) if trime_cfg else 1.0)
     print(f"tune: one teacher-forced pass over {len(tp.targets):,} valid target tokens + {len(rows)} settings in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
-    tuned, table = {}, []
+    tuned, table, written = {}, [], set()
     for mode in ("model", "knn_mt", "trime", "trime_interp", "trime_release"):
       best = [r for r in rows if r["mode"] == mode][:_TUNE_BEAM.value]
       for r in best:
         name = f"valid.tune.{mode}.{len(table)}"
+        written.add(name)
         res = translate_split(make(r["setting"]), pairs, vocab, out, name, {"setting": dataclasses.asdict(r["setting"]),
                                                                              "valid_nll": r["nll"]})
         table.append(res)
@@ -403,6 +417,7 @@ def _main(out: str) -> None:
         "checkpoint": os.path.abspath(checkpoint), "params_digest": params_digest,
         "datastore_fingerprint": ds.meta.get("fingerprint"), "tuning": tuning, "chosen": tuned, "nll_grid": [{**{k: v for k, v in r.items() if k != "setting"},
                                        "setting": dataclasses.asdict(r["setting"])} for r in rows]})
+    _remove_stale_finalists(out, written)
     print(f"tune: best settings -> {os.path.join(out, 'tuned.json')}", flush=True)
     return
   if _MODE.value in ("trime_interp", "trime_best") and not _SETTINGS.value:

@@ -686,3 +686,24 @@ def test_translate_holds_its_out_and_checks_it_before_decoding(tiny, tmp_path):
   r = run(tmp_path / "a_file" / "x")
   assert r.returncode == 2 and "cannot create it (Not a directory)" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
   assert run(out).returncode == 0 and (out / "test.model.beam1.json").exists()
+
+
+def test_config_overrides_other_than_data_are_refused_not_ignored(tiny, tmp_path):
+  """translate reads only --config's data settings (the model and TRIME settings are the export's): a
+  --config.model.* or --config.trime.* override was accepted and silently ignored (found by a read-through); it is
+  one error naming it, before the model loads. A --config.data.* override is read."""
+  import os
+  import subprocess
+  import sys
+
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "PYTHONPATH": repo, "JAX_PLATFORMS": "cpu"}
+  r = subprocess.run([sys.executable, "-m", "trime_jax.launch.translate", f"--checkpoint={tiny['ckpt']}",
+                      f"--config={repo}/configs/ui_de_en.py", "--config.model.dropout=0.5", "--config.trime.tau=2",
+                      "--config.data.max_len=64", f"--out={tmp_path / 'o'}"],
+                     capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+  lines = r.stderr.strip().splitlines()
+  assert r.returncode == 2 and lines and lines[-1].startswith(
+      "error: --config.model.dropout, --config.trime.tau: not read: translate reads only the data settings"), \
+      r.stderr[-2000:]
+  assert not (tmp_path / "o").exists()

@@ -380,6 +380,7 @@ class Model:
     stored eval.index (a path of the machine that evaluated) is not read, `index` names the file; the exact
     on-device memory (eval.datastore_on_device) is trime_jax.launch.eval_ext's, not the API's."""
     from trime_jax import knn
+    from trime_jax.datastore import default_index_path
 
     e = self.config.eval
     datastore, index, k = _path(datastore, "datastore"), _path(index, "index"), self._k(k)
@@ -391,7 +392,7 @@ class Model:
 
     # One open datastore + index per path, whatever k (a k sweep must not hold a copy of the index per k)
     key = (os.path.abspath(datastore), os.path.abspath(index) if index else "",
-           stamp(os.path.join(datastore, "meta.json")), stamp(index or os.path.join(datastore, "index.faiss")))
+           stamp(os.path.join(datastore, "meta.json")), stamp(index or default_index_path(datastore)))
     if key not in self._external:
       self._external = {c: v for c, v in self._external.items() if c[:2] != key[:2]}  # not the stale one
       if e.get("datastore_on_device", False):

@@ -40,6 +40,13 @@ BUILD_L2_INDEX = ("rerun the datastore's `python -m trime_jax.launch.build_datas
                   "--checkpoint and --out: its keys are reused) with --index_metric=l2 and without --overwrite")
 
 
+def check_knnlm_metric(metric) -> str:
+  """`metric` if one of KNNLM_METRICS (eval.knnlm_metric), else one ConfigError."""
+  if metric not in KNNLM_METRICS:
+    raise ConfigError(f"eval.knnlm_metric must be one of {KNNLM_METRICS}, got {metric!r}")
+  return str(metric)
+
+
 def retrieval_ks(k: int) -> tuple:
   """The ranks of RETRIEVAL_KS that a top-`k` search can tell apart: those below `k`, then `k` itself. With
   k = 100 a "top1024" would count the top 100 under another name, so it becomes "top100"."""
@@ -78,13 +85,11 @@ class ExternalMemory:
     self.datastore = Datastore(datastore_dir)
     if checkpoint_dir:
       self.datastore.check_checkpoint(checkpoint_dir)
-    path = index_path or f"{datastore_dir.rstrip('/')}/index.faiss"
+    path = index_path or default_index_path(datastore_dir)
     self.index = KnnIndex.load(path, datastore=self.datastore, nprobe=nprobe, gpu=gpu)
     if k < 1:
       raise ConfigError(f"eval.knn_k must be >= 1, got {k}")
-    if knnlm_metric not in KNNLM_METRICS:
-      raise ConfigError(f"eval.knnlm_metric must be one of {KNNLM_METRICS}, got {knnlm_metric!r}")
-    self.knnlm_metric, self.l2_index = knnlm_metric, None
+    self.knnlm_metric, self.l2_index = check_knnlm_metric(knnlm_metric), None
     if knnlm_metric == "l2":
       l2_path = os.fspath(knnlm_index_path) or default_index_path(datastore_dir, "l2")
       if not os.path.exists(l2_path):

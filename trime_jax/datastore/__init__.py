@@ -16,6 +16,7 @@ See `build.py` and `index.py` for the file formats and guarantees.
 """
 
 from trime_jax.datastore.build import Datastore, build_datastore, subset_datastore
-from trime_jax.datastore.index import KnnIndex, build_index, gpu_available, rescore
+from trime_jax.datastore.index import KnnIndex, build_index, default_index_path, gpu_available, rescore
 
-__all__ = ["Datastore", "KnnIndex", "build_datastore", "build_index", "gpu_available", "rescore", "subset_datastore"]
+__all__ = ["Datastore", "KnnIndex", "build_datastore", "build_index", "default_index_path", "gpu_available", "rescore",
+           "subset_datastore"]

@@ -47,13 +47,11 @@ def search_queries_of(e) -> int:
 def knnlm_metric_of(e) -> str:
   """eval.knnlm_metric, checked ("ip" for configs stored before the field existed: the only metric then), also
   against eval.datastore_on_device (validate_config and evaluate_checkpoint both ask)."""
-  metric = e.get("knnlm_metric", "ip")
-  if metric not in knn.KNNLM_METRICS:
-    raise ConfigError(f"eval.knnlm_metric must be one of {knn.KNNLM_METRICS}, got {metric!r}")
+  metric = knn.check_knnlm_metric(e.get("knnlm_metric", "ip"))
   if metric == "l2" and e.get("datastore_on_device", False):
     raise ConfigError("eval.knnlm_metric=l2 (kNN-LM over an L2 index's top-K) is not supported with "
                       "eval.datastore_on_device (exact inner-product sums over every key): use one of them")
-  return str(metric)
+  return metric
 
 
 def evaluator_settings(e, vocab_chunk: int) -> dict:

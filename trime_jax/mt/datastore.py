@@ -204,11 +204,11 @@ def open_mt_datastore(datastore_dir: str, checkpoint_dir: str, *, index_path: st
                       gpu: bool = False):
   """(Datastore, KnnIndex) of an MT datastore, refused unless built by `checkpoint_dir` (same parameters,
   vocabulary, key type and dimension) and indexed over these keys."""
-  from trime_jax.datastore import Datastore, KnnIndex
+  from trime_jax.datastore import Datastore, KnnIndex, default_index_path
 
   ds = Datastore(datastore_dir)
   ds.check_checkpoint(checkpoint_dir)  # another model's datastore: one error saying so
-  index = KnnIndex.load(index_path or os.path.join(datastore_dir, "index.faiss"), datastore=ds, nprobe=nprobe,
+  index = KnnIndex.load(index_path or default_index_path(datastore_dir), datastore=ds, nprobe=nprobe,
                         gpu=gpu)
   return ds, index
 

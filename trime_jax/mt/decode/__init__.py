@@ -18,10 +18,10 @@ uses distributions and retrieval (and `evaluate`'s public points); beam knows no
 from trime_jax.mt.decode.beam import EVAL_SEARCH, Hypothesis, NextLogProbs, SearchOptions, beam_search, greedy, search
 from trime_jax.mt.decode.distributions import (MODES, Distribution, knn_mt_log_probs, l2_as_inner_product,
                                                release_trime_log_probs, trime_log_probs)
-from trime_jax.mt.decode.retrieval import GATHER_FLOATS, Neighbours, retrieve
+from trime_jax.mt.decode.retrieval import Neighbours, retrieve
 from trime_jax.mt.decode.translator import Translator
 from trime_jax.mt.decode.tuning import KNN_T_GRID, KS, TunePass, tune, tune_pass
 
 __all__ = ["MODES", "Distribution", "knn_mt_log_probs", "l2_as_inner_product", "release_trime_log_probs",
-           "trime_log_probs", "GATHER_FLOATS", "Neighbours", "retrieve", "EVAL_SEARCH", "Hypothesis", "NextLogProbs", "SearchOptions", "beam_search",
+           "trime_log_probs", "Neighbours", "retrieve", "EVAL_SEARCH", "Hypothesis", "NextLogProbs", "SearchOptions", "beam_search",
            "greedy", "search", "Translator", "KNN_T_GRID", "KS", "TunePass", "tune", "tune_pass"]

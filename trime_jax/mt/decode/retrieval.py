@@ -21,9 +21,6 @@ class Neighbours:
   keys: np.ndarray | None = None  # [N, K, D] float32 (zeros where ids < 0), when asked for
 
 
-GATHER_FLOATS = 1 << 24  # float32 keys gathered at a time by `retrieve`'s L2 candidates (64 MiB)
-
-
 def retrieve(ds: Datastore, index: KnnIndex, q_NxD, k: int, *, metric: str, candidates: int = 0,
              with_keys: bool = True) -> Neighbours:
   """Top-k entries by exact inner product (TRIME's similarity) or exact squared L2 distance (kNN-MT's).
@@ -45,25 +42,13 @@ def retrieve(ds: Datastore, index: KnnIndex, q_NxD, k: int, *, metric: str, cand
     _, ids_all = index.search(q, c)
   finally:
     faiss.omp_set_num_threads(threads)
-  if metric == "ip":  # the index's top-k, re-scored exactly and re-sorted: the datastore's `rescore`
-    out = rescore(ds, q, ids_all, with_keys=with_keys)
-    out_score, out_ids, out_keys = out if with_keys else (*out, None)
-    return Neighbours(out_ids, _targets(ds, out_ids), out_score, out_keys)
-  n = len(q)
-  out_ids, out_score = np.empty((n, k), np.int64), np.empty((n, k), np.float32)
-  out_keys = np.empty((n, k, ds.dimension), np.float32) if with_keys else None
-  rows = max(1, GATHER_FLOATS // (c * ds.dimension))
-  for a in range(0, n, rows):
-    ids = ids_all[a:a + rows]
-    keys = ds.gather_keys(ids)
-    score = -np.sum((q[a:a + rows][:, None, :] - keys) ** 2, -1)
-    score[ids < 0] = -np.inf
-    order = np.argsort(-score, axis=1, kind="stable")[:, :k]
-    out_ids[a:a + rows] = np.take_along_axis(ids, order, 1)
-    out_score[a:a + rows] = np.take_along_axis(score, order, 1)
-    if with_keys:
-      out_keys[a:a + rows] = np.take_along_axis(keys, order[..., None], 1)
-  return Neighbours(out_ids, _targets(ds, out_ids), out_score, out_keys)
+  # exact scores of the index's candidates from the stored keys, re-sorted (stable): the datastore's `rescore`;
+  # "l2" keeps the k nearest of its c candidates and gathers those k keys again (not all c: [N, 16·k, D] floats)
+  same = with_keys and c == k  # the keys from the scores' own gather
+  score, ids, *keys = rescore(ds, q, ids_all, metric="inner_product" if metric == "ip" else "l2", with_keys=same)
+  score, ids = score[:, :k], ids[:, :k]
+  keys = keys[0] if same else ds.gather_keys(ids) if with_keys else None
+  return Neighbours(ids, _targets(ds, ids), score, keys)
 
 
 def _targets(ds: Datastore, ids_NxK) -> np.ndarray:
