@@ -269,8 +269,9 @@ def external_scores(models, test_split, datastore_fp32):
   return out
 
 
-def _boundary_gaps(models, test_split, index, positions) -> np.ndarray:
-  """Inner product of the 1,024th minus the 1,025th neighbour in `index` of the query of each target position."""
+def _boundary_gaps(models, test_split, index, positions, sign: float = 1.0) -> np.ndarray:
+  """Inner product of the 1,024th minus the 1,025th neighbour in `index` of the query of each target position
+  (an L2 index, sign=-1: the 1,025th's squared distance minus the 1,024th's)."""
   from flax import nnx
   from trime_jax import data as D
   graphdef, params = models["trime"][:2]
@@ -282,7 +283,7 @@ def _boundary_gaps(models, test_split, index, positions) -> np.ndarray:
     inputs, _, _ = D.window_batch(test_split, [w], BLOCK)
     q = np.asarray(model.features(inputs)[1][0, p - w.start], np.float32)[None]
     scores, _ = index.search(q, 1025)
-    gaps.append(scores[0, 1023] - scores[0, 1024])
+    gaps.append(sign * (scores[0, 1023] - scores[0, 1024]))
   return np.asarray(gaps)
 
 
@@ -309,6 +310,30 @@ def test_external_memory_every_token_equals_the_original(external_scores, mode):
   ours = external_scores[mode]
   _check_near_ties(ours, fx, external_scores["_boundary_gap"])
   assert fairseq_printed_ppl(ours, fx["win_offset"], fx["win_count"]) == f"{float(fx['ppl']):.2f}"
+
+
+def test_knnlm_by_l2_every_token_equals_the_original(models, test_split, datastore_fp32, tmp_path):
+  """eval_lm.py --knnlm --faiss-metric-type l2 --k 1024 --lmbda 0.25 --softmax-temp 1 over an exact IndexFlatL2
+  of the same keys, loaded (no --knn-sim-func: knnlm.py's dist_func recomputes -|q - k|² from them), the
+  original's own kNN-LM baseline: eval.knnlm_metric="l2" with the datastore's L2 index (build_datastore
+  --index_metric=l2), θ = 1 / --softmax-temp on -|q - k|². Every token of the test split within 1e-4 nats but
+  top-K near-ties (the 1,024th and 1,025th neighbours' squared distances within K_TIE), and the printed
+  perplexity equal. The same entries ranked by inner product (the default, eval.knnlm_metric="ip") give 692.62,
+  L2 781.08 (the original prints both): the metric matters."""
+  from trime_jax import knn
+  from trime_jax.datastore import Datastore, build_index
+  path = str(tmp_path / "index_l2.faiss")
+  build_index(Datastore(datastore_fp32[0]), path, kind="flat", metric="l2", progress=False)
+  ext = knn.ExternalMemory(datastore_fp32[0], checkpoint_dir=datastore_fp32[1], k=1024, knnlm_metric="l2",
+                           knnlm_index_path=path)
+  graphdef, params = models["trime"][:2]
+  res = E.evaluate(graphdef, params, test_split, [E.Point("knnlm", knn_lambda=0.25, knn_theta=1.0)],
+                   block_len=BLOCK, context_window=CONTEXT, streams=1, external=ext, per_token=True)
+  ours = -res.token_nll[0].astype(np.float64)
+  fx = np.load(fixture_path("trime", "knnlml2_flat_k1024_l0.25", "none"))
+  _check_near_ties(ours, fx, functools.partial(_boundary_gaps, models, test_split, ext.l2_index, sign=-1.0))
+  printed = fairseq_printed_ppl(ours, fx["win_offset"], fx["win_count"])
+  assert printed == f"{float(fx['ppl']):.2f}" != f"{float(np.load(fixture_path('trime', 'knnlm_flat_k1024_l0.25', 'none'))['ppl']):.2f}"
 
 
 INTERP = EXT_POINTS["ext_flat_T1.0_mem512_it10.5_l0.3"]

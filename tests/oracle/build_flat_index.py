@@ -1,5 +1,5 @@
-# Exact faiss.IndexFlatIP over a TRIME/kNN-LM datastore's keys (helper, not part of TRIME).
-# usage: python build_flat_index.py DSTORE_PREFIX SIZE DIM OUT_INDEX [--fp16]
+# Exact faiss.IndexFlatIP (or with --l2 IndexFlatL2) over a TRIME/kNN-LM datastore's keys (helper, not part of TRIME).
+# usage: python build_flat_index.py DSTORE_PREFIX SIZE DIM OUT_INDEX [--fp16] [--l2]
 #   fp32: keys = DSTORE_PREFIX_keys.npy (raw float32 memmap [SIZE, DIM])
 #   fp16: keys = DSTORE_PREFIX-fp16_keys.npy (raw float16 memmap), cast to float32 exactly as build_dstore.py does
 #         (`keys[...].astype(np.float32)`; faiss does not take fp16 vectors).
@@ -14,7 +14,8 @@ if fp16:
 else:
     keys = np.memmap(prefix + '_keys.npy', dtype=np.float32, mode='r', shape=(size, dim))
 x = np.ascontiguousarray(keys[:].astype(np.float32))
-index = faiss.IndexFlatIP(dim)
+l2 = '--l2' in sys.argv[5:]
+index = faiss.IndexFlatL2(dim) if l2 else faiss.IndexFlatIP(dim)
 index.add(x)
 faiss.write_index(index, out)
-print('IndexFlatIP', dim, 'ntotal', index.ntotal, 'fp16 keys' if fp16 else 'fp32 keys', '->', out)
+print('IndexFlatL2' if l2 else 'IndexFlatIP', dim, 'ntotal', index.ntotal, 'fp16 keys' if fp16 else 'fp32 keys', '->', out)

@@ -65,6 +65,7 @@ $PY eval_lm.py $DATA --path $T --sample-break-mode none --max-tokens 1024 --cont
    --knn-keytype last_ffn_input --cpu --num-workers 0 \
    --gen-subset train --dstore-mmap $WORK/dstore/dstore --dstore-size 217536 --save-knnlm-dstore > $WORK/logs/build_dstore_keys.txt 2>&1
 $PY $HERE/build_flat_index.py $WORK/dstore/dstore 217536 64 $WORK/dstore/knn_flat.index.ip
+$PY $HERE/build_flat_index.py $WORK/dstore/dstore 217536 64 $WORK/dstore/knn_flat.index.l2 --l2   # kNN-LM by L2 (g)
 $PY build_dstore.py --dstore_mmap $WORK/dstore/dstore --dstore_size 217536 --dimension 64 --faiss_index $WORK/dstore/knn.index \
    --ncentroids 256 --code_size 16 --probe 32 --num_keys_to_add_at_a_time 500000 --starting_point 0 --dist ip > $WORK/logs/build_dstore_faiss_ivfpq.txt 2>&1
 # fp16 keys (same command + --dstore-fp16) -> dstore-fp16_keys.npy (float16) + dstore_vals.npy (int64)
@@ -113,6 +114,10 @@ $D --ckpt $T --ckpt-name trime --dstore-dir $WORK/dstore \
 # f. IVF-PQ + interp; fp16-key flat index + interp
 $D --ckpt $T --ckpt-name trime --dstore-dir $WORK/dstore --dstore-fp16-dir $WORK/dstore_fp16 \
    ext_ivfpq_T1.0_mem512_it10.5_l0.3 ext_flatfp16_T1.0_mem512_it10.5_l0.3 > $WORK/logs/dump_f.txt 2>&1
+
+# g. the kNN-LM baseline as the original's kNN-LM code defaults to it: --faiss-metric-type l2 over the exact L2 index,
+#    keys loaded, -|q - k|^2 recomputed (added 2026-12-07; 5 min)
+$D --ckpt $T --ckpt-name trime --dstore-dir $WORK/dstore knnlml2_flat_k1024_l0.25 > $WORK/logs/dump_l2.txt 2>&1
 
 # adaptive softmax quirk (ids 2001/8001 lose their tail term in trime_generate)
 $PY $HERE/check_adaptive_tail_pad.py $DATA $A $OUT/scores_adaptive_local_T1.0.npz $OUT/scores_adaptive_plain.npz
