@@ -319,13 +319,19 @@ def test_knnlm_by_l2_every_token_equals_the_original(models, test_split, datasto
   --index_metric=l2), θ = 1 / --softmax-temp on -|q - k|². Every token of the test split within 1e-4 nats but
   top-K near-ties (the 1,024th and 1,025th neighbours' squared distances within K_TIE), and the printed
   perplexity equal. The same entries ranked by inner product (the default, eval.knnlm_metric="ip") give 692.62,
-  L2 781.08 (the original prints both): the metric matters."""
+  L2 781.08 (the original prints both): the metric matters. The inner-product index beside it (which the TRIME
+  families and the retrieval accuracy read) is deliberately a poor one here, the original's trained IVF-PQ
+  searched with nprobe=1: the kNN-LM rows read the L2 index only (and the pass spends no time on an exact
+  inner-product search it does not use)."""
   from trime_jax import knn
   from trime_jax.datastore import Datastore, build_index
-  path = str(tmp_path / "index_l2.faiss")
-  build_index(Datastore(datastore_fp32[0]), path, kind="flat", metric="l2", progress=False)
-  ext = knn.ExternalMemory(datastore_fp32[0], checkpoint_dir=datastore_fp32[1], k=1024, knnlm_metric="l2",
-                           knnlm_index_path=path)
+  ds = Datastore(datastore_fp32[0])
+  path, poor_ip = str(tmp_path / "index_l2.faiss"), str(tmp_path / "ivfpq.faiss")
+  build_index(ds, path, kind="flat", metric="l2", progress=False)
+  build_index(ds, poor_ip, trained_index=os.path.join(FIXTURES, "ivfpq_trained.index"), progress=False)
+  ext = knn.ExternalMemory(datastore_fp32[0], index_path=poor_ip, checkpoint_dir=datastore_fp32[1], k=1024,
+                           nprobe=1, knnlm_metric="l2", knnlm_index_path=path)
+  assert ext.index.kind == "ivfpq" and ext.l2_index.kind == "flat"
   graphdef, params = models["trime"][:2]
   res = E.evaluate(graphdef, params, test_split, [E.Point("knnlm", knn_lambda=0.25, knn_theta=1.0)],
                    block_len=BLOCK, context_window=CONTEXT, streams=1, external=ext, per_token=True)
