@@ -342,6 +342,34 @@ def test_knnlm_by_l2_every_token_equals_the_original(models, test_split, datasto
   assert printed == f"{float(fx['ppl']):.2f}" != f"{float(np.load(fixture_path('trime', 'knnlm_flat_k1024_l0.25', 'none'))['ppl']):.2f}"
 
 
+def test_knnlm_by_l2_over_the_originals_ivfpq_index_prints_its_perplexity(models, test_split, datastore_fp32,
+                                                                          tmp_path):
+  """The original's kNN-LM as its commands build it: build_dstore.py --dist l2 (IVF-PQ with an L2 quantizer, 256
+  lists, 16 × 8-bit codes; its trained file, faiss 1.7.4's k-means, reused as tests/fixtures/oracle/
+  ivfpq_l2_trained.index: `build_datastore --index_metric=l2 --trained_index`), eval_lm.py --knnlm
+  --faiss-metric-type l2 --probe 32 --k 1024 --lmbda 0.25, -|q - k|² recomputed from the keys. Our float32 keys
+  differ from the original's by ~1e-6, which can move a key's list or code at a boundary, so a few tokens differ
+  (bounded as the inner-product IVF-PQ test's); the printed perplexity is equal."""
+  from trime_jax import knn
+  from trime_jax.datastore import Datastore, build_index
+  ds = Datastore(datastore_fp32[0])
+  path, poor_ip = str(tmp_path / "index_l2.faiss"), str(tmp_path / "ivfpq.faiss")
+  build_index(ds, path, trained_index=os.path.join(FIXTURES, "ivfpq_l2_trained.index"), metric="l2",
+              progress=False)
+  build_index(ds, poor_ip, trained_index=os.path.join(FIXTURES, "ivfpq_trained.index"), progress=False)
+  ext = knn.ExternalMemory(datastore_fp32[0], index_path=poor_ip, checkpoint_dir=datastore_fp32[1], k=1024,
+                           nprobe=32, knnlm_metric="l2", knnlm_index_path=path)
+  assert ext.l2_index.kind == "ivfpq" and ext.l2_index.info["nlist"] == 256 and ext.l2_index.info["pq_m"] == 16
+  graphdef, params = models["trime"][:2]
+  res = E.evaluate(graphdef, params, test_split, [E.Point("knnlm", knn_lambda=0.25, knn_theta=1.0)],
+                   block_len=BLOCK, context_window=CONTEXT, streams=1, external=ext, per_token=True)
+  ours = -res.token_nll[0].astype(np.float64)
+  fx = np.load(fixture_path("trime", "knnlml2_ivfpq_k1024_l0.25", "none"))
+  diff = np.abs(ours - fx["logp"])
+  assert (diff >= TOKEN_ATOL).mean() < 0.002 and diff.max() < 0.05, ((diff >= TOKEN_ATOL).sum(), diff.max())
+  assert fairseq_printed_ppl(ours, fx["win_offset"], fx["win_count"]) == f"{float(fx['ppl']):.2f}"
+
+
 INTERP = EXT_POINTS["ext_flat_T1.0_mem512_it10.5_l0.3"]
 
 

@@ -21,7 +21,7 @@
 #       [--dstore-dir DIR] [--dstore-fp16-dir DIR] [--break-mode none|complete] [--max-windows N] MODE [MODE ...]
 # MODE names: plain | local_T<t> | long_T<t>_mem<M> | ext_flat_noint_T<t>_mem<M> | ext_flat_T<t>_mem<M>_it<it>_l<l>
 #             | ext_ivfpq_T<t>_mem<M>_it<it>_l<l> | ext_flatfp16_T<t>_mem<M>_it<it>_l<l> | knnlm_flat_k<K>_l<l>[_T<t>]
-#             | knnlml2_flat_k<K>_l<l>[_T<t>] (kNN-LM over an exact L2 index, -|q - k|^2 recomputed)
+#             | knnlml2_{flat,ivfpq}_k<K>_l<l>[_T<t>] (kNN-LM over an L2 index, -|q - k|^2 recomputed)
 # Output: OUT/scores_<ckpt-name>_<MODE>[_complete].npz (np.savez_compressed) with
 #   logp       float32 [N]  natural-log prob of every scored target, in stream order (N = scored test tokens)
 #   target     int32   [N]  the scored target ids (same order)   [only with --save-targets]
@@ -96,15 +96,17 @@ def mode_args(name):
                          '--no-load-keys', '--k', m[1], '--use-faiss-cpu', '--lmbda', m[2],
                          '--indexfile', os.path.join(cli.dstore_dir, 'knn_flat.index.ip'),
                          '--softmax-temp', m[3] or '1.0']
-    m = re.fullmatch(r'knnlml2_flat_k(\d+)_l' + F + r'(?:_T' + F + ')?', name)
+    m = re.fullmatch(r'knnlml2_(flat|ivfpq)_k(\d+)_l' + F + r'(?:_T' + F + ')?', name)
     if m:
-        # eval_lm.py --knnlm over an exact L2 index (IndexFlatL2, build_flat_index.py --l2), keys loaded: with metric
-        # 'l2' and knn_sim_func unset, dist_func recomputes -|q - k|^2 from the stored keys (its default for L2).
+        # eval_lm.py --knnlm over an L2 index (flat: IndexFlatL2, build_flat_index.py --l2; ivfpq: build_dstore.py
+        # --dist l2), keys loaded: with metric 'l2' and knn_sim_func unset, dist_func recomputes -|q - k|^2 from
+        # the stored keys (its default for L2).
+        index = {'flat': 'knn_flat.index.l2', 'ivfpq': 'knn.index.l2'}[m[1]]
         return 'knnlm', ['--knnlm', '--dstore-filename', os.path.join(cli.dstore_dir, 'dstore'),
                          '--dstore-size', str(cli.dstore_size), '--probe', '32', '--faiss-metric-type', 'l2',
-                         '--k', m[1], '--use-faiss-cpu', '--lmbda', m[2],
-                         '--indexfile', os.path.join(cli.dstore_dir, 'knn_flat.index.l2'),
-                         '--softmax-temp', m[3] or '1.0']
+                         '--k', m[2], '--use-faiss-cpu', '--lmbda', m[3],
+                         '--indexfile', os.path.join(cli.dstore_dir, index),
+                         '--softmax-temp', m[4] or '1.0']
     raise SystemExit('unknown mode ' + name)
 
 

@@ -118,6 +118,10 @@ $D --ckpt $T --ckpt-name trime --dstore-dir $WORK/dstore --dstore-fp16-dir $WORK
 # g. the kNN-LM baseline as the original's kNN-LM code defaults to it: --faiss-metric-type l2 over the exact L2 index,
 #    keys loaded, -|q - k|^2 recomputed (added 2026-12-07; 5 min)
 $D --ckpt $T --ckpt-name trime --dstore-dir $WORK/dstore knnlml2_flat_k1024_l0.25 > $WORK/logs/dump_l2.txt 2>&1
+#    and over the original's own IVF-PQ L2 index (build_dstore.py --dist l2; its trained file is a fixture)
+$PY build_dstore.py --dstore_mmap $WORK/dstore/dstore --dstore_size 217536 --dimension 64 --faiss_index $WORK/dstore/knn.index \
+   --ncentroids 256 --code_size 16 --probe 32 --num_keys_to_add_at_a_time 500000 --starting_point 0 --dist l2 > $WORK/logs/build_dstore_faiss_ivfpq_l2.txt 2>&1
+$D --ckpt $T --ckpt-name trime --dstore-dir $WORK/dstore knnlml2_ivfpq_k1024_l0.25 > $WORK/logs/dump_l2_ivfpq.txt 2>&1
 
 # adaptive softmax quirk (ids 2001/8001 lose their tail term in trime_generate)
 $PY $HERE/check_adaptive_tail_pad.py $DATA $A $OUT/scores_adaptive_local_T1.0.npz $OUT/scores_adaptive_plain.npz
@@ -126,5 +130,6 @@ $PY $HERE/check_adaptive_tail_pad.py $DATA $A $OUT/scores_adaptive_local_T1.0.np
 $PY $HERE/finalize_fixtures.py $OUT $FIX
 # the original's trained (empty) IVF-PQ index: tests add our keys to it (build_index(trained_index=...))
 cp $WORK/dstore/knn.index.ip.trained $FIX/ivfpq_trained.index
+cp $WORK/dstore/knn.index.l2.trained $FIX/ivfpq_l2_trained.index
 $PY $HERE/results_table.py $FIX     # the README's table
 du -sh $FIX
