@@ -4,7 +4,7 @@ trime_mt_loss --dist-func ip --temp 10 --topk-mem 8), run in float64 on a tiny m
 tests/oracle/dump_mt_model.py: its parameters loaded into `TransformerMT` (configs/iwslt_de_en.py's layout:
 separate dictionaries, post-norm encoder, pre-norm decoder, key = the decoder output), the same four sentence
 pairs through `mt.train.mt_nll`: every target token's log-probability, the summed loss and every parameter's
-gradient equal the original's."""
+gradient equal the original's, to float32 rounding (ATOL)."""
 
 import os
 
