@@ -84,7 +84,9 @@ def get_config():
   t.bm25_k = 20  # BM25 batching: hits retrieved per segment, its own among them (Algorithm 1's k; followed from
   #   the second hit on, the original's hits[1:])
   t.bm25_k1, t.bm25_b = 0.9, 0.4  # BM25 scoring (make_batches): the original's, Pyserini's LuceneSearcher defaults
-  #   (plans of before 2026-12-07: bm25s's 1.5 / 0.75); its English analyzer (stems, stop words) is not applied
+  #   (plans of before 2026-12-07: bm25s's 1.5 / 0.75)
+  t.bm25_analyzer = "english"  # english: the segments' words through Lucene's English analysis, searched as the
+  #   original's Pyserini (batching/lucene.py; plans of before 2026-12-08 searched token ids) | none: token ids
   t.bm25_exclude_same_document = False  # False: Algorithm 1 as published; True: neighbours from other documents
   t.consecutive_segments = 1  # m: consecutive segments per run in a batch (memory=long)
   t.consecutive_layout = "stream"  # stream (original: runs of the concatenated stream, memory crosses

@@ -222,10 +222,10 @@ PYEOF
       esac
       if [ -n "$P" ] && [ ! -f "$P/plan.json" ]; then
         echo "missing: $P for $JOB (SEED=$S bash experiments/docs_wt.sh plans)"; BAD=1
-      elif [ "$NAME" != long ] && [ -n "$P" ] && ! grep -q '"bm25_k1"' "$P/plan.json"; then
-        # a BM25 plan of before 2026-12-07 (trime_jax.batching.bm25.older_rules; 20 hits besides each segment at bm25s's k1 / b; the original's: hits[1:]
-        # of 20 at k1 = 0.9, b = 0.4)
-        echo "stale: $P for $JOB was made before 2026-12-07: remove it, then SEED=$S bash experiments/docs_wt.sh plans"
+      elif [ "$NAME" != long ] && [ -n "$P" ] && ! grep -q '"bm25_analyzer"' "$P/plan.json"; then
+        # a BM25 plan of before 2026-12-08 (trime_jax.batching.bm25.older_rules: token ids with bm25s's lengths and order,
+        # before 2026-12-07 also 20 hits besides each segment at bm25s's k1 / b; the original's: Lucene's search of the words)
+        echo "stale: $P for $JOB was made before 2026-12-08: remove it, then SEED=$S bash experiments/docs_wt.sh plans"
         BAD=1; fi
     done
     if [ "$BAD" = 0 ]; then bash experiments/carry_size.sh .gpu/whl .gpu/cache runs/plans || BAD=1; fi

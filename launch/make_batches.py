@@ -88,7 +88,8 @@ def _make(config, out_dir: str) -> None:
       want.update(consecutive_segments=int(config.trime.consecutive_segments),
                   layout=config.trime.get("consecutive_layout", "stream"))
     else:
-      want.update(planner.neighbour_settings(config))  # k, exclude_same_document, bm25_k1, bm25_b
+      want.update(planner.neighbour_settings(config))  # k, exclude_same_document, bm25_k1, bm25_b, bm25_analyzer
+      want["bm25_search"] = "lucene"  # a plan searched by the rule of before 2026-12-08 is another plan
       want["hits_include_query"] = planner.HITS_INCLUDE_QUERY  # a plan whose k were k others is another plan
       if want["exclude_same_document"]:
         want["exclude_by"] = planner.EXCLUDE_BY  # a plan of the earlier rule is another plan

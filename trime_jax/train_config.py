@@ -44,6 +44,7 @@ def validate_config(config, *, training: bool = True) -> None:
     from trime_jax.batching import bm25
 
     bm25.check_scoring(t.bm25_k1, t.bm25_b)
+    bm25.check_analyzer(t.bm25_analyzer)
   check_train_section(train_cfg)  # the section both trainers share (runtime.config)
   _choice(d.segmentation, data.SEGMENTATIONS, "data.segmentation")
   _choice(config.eval.memory, tuple(evaluate.EVAL_MEMORIES), "eval.memory")

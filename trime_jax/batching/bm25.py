@@ -3,9 +3,13 @@
 Segments that share many words are packed into the same batch, so the in-batch memory at training time
 looks like the kNN neighbours the external datastore returns at test time.
 
-  1. Index every training segment (`make_segments(corpus, data.segment_len, data.segmentation)`) with bm25s,
-     straight from token ids (no string round trip). Each segment is a BM25 "document" of its target tokens.
-  2. Query every segment with its own tokens (batched, numba backend) and keep its top-k hits but the first,
+  1. Index every training segment (`make_segments(corpus, data.segment_len, data.segmentation)`) with bm25s.
+     Each segment's BM25 "document" is what the original indexed (`trime.bm25_analyzer="english"`): Lucene's
+     English analysis of its input words (`segment_terms`, `batching/lucene.py`), with Lucene's one-byte
+     document lengths; "none": its target token ids (no string round trip).
+  2. Query every segment with its own document (batched, numba backend), take the top-k hits as the original's
+     Pyserini search returned them (Lucene's scores and top-k, Anserini's four-decimal order) and keep them but
+     the first,
      as the original (it searched 20 hits and followed `hits[1:]`: Algorithm 1's SimSeg(I, c, k) ranks c, which
      is in I, and c is its own best hit but where another segment outscores it; the query is skipped wherever
      it ranks): `neighbours [S, k]` int64, k - 1 others at most (-1 where fewer exist; header
@@ -43,13 +47,19 @@ from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING
 
-import bm25s
 import numpy as np
 from tqdm import tqdm
 
 from trime_jax import data
 from trime_jax.errors import ConfigError
+
+if TYPE_CHECKING:
+  import bm25s
+
+# bm25s and batching/lucene.py (regex, nltk) are imported where a plan is made, not where one is read: a training
+# checks its plan's settings with this module on machines without them (the GPU machine: experiments/)
 
 DEFAULT_K = 20  # BM25 hits per segment, its own among them (the paper's k)
 # BM25's k1 and b: the original searched with Pyserini's LuceneSearcher at its defaults (Anserini's BM25Similarity
@@ -57,6 +67,8 @@ DEFAULT_K = 20  # BM25 hits per segment, its own among them (the paper's k)
 DEFAULT_K1, DEFAULT_B = 0.9, 0.4
 QUERY_BATCH = 4096  # segments per bm25s.retrieve call (one progress-bar step)
 MAX_GROUP_EXTRA = 256  # extra hits retrieved to replace excluded same-document neighbours
+LUCENE_MARGIN = 8  # extra hits retrieved so that equal scores at the k-th place go to the lower segment index
+ANALYZERS = ("english", "none")  # trime.bm25_analyzer: Lucene's English analysis of the words (the original's) | ids
 
 
 def _threads() -> int:
@@ -72,24 +84,45 @@ def segment_token_ids(corpus: data.Corpus, segments: data.Segments) -> list[np.n
   return [tokens[s:s + n] for s, n in zip(segments.start.tolist(), segments.length.tolist())]
 
 
+def segment_terms(corpus: data.Corpus, segments: data.Segments) -> list[np.ndarray]:
+  """Each segment's document as the original indexed it: the words of its inputs (its targets shifted right by
+  one: fairseq's src_tokens), end-of-sentence symbols dropped (Dictionary.string), through Lucene's English
+  analysis (`lucene.english_terms`), as int32 term ids."""
+  from trime_jax.batching.lucene import document_terms, vocabulary_terms
+
+  vocab = corpus.vocab
+  if vocab.kind != "words":
+    raise ConfigError(f"trime.bm25_analyzer='english' analyses words; this corpus has a {vocab.kind} vocabulary "
+                      "(use trime.bm25_analyzer='none': BM25 over its token ids)")
+  offsets, term_ids, _ = vocabulary_terms(vocab.tokens, skip=(vocab.eos,))
+  tokens = corpus.tokens
+  return [document_terms(tokens[max(s - 1, 0):s + n - 1], offsets, term_ids)
+          for s, n in zip(segments.start.tolist(), segments.length.tolist())]
+
+
 def bm25_index(docs: list[np.ndarray], *, backend: str = "numba", progress: bool = False,
-               k1: float = DEFAULT_K1, b: float = DEFAULT_B) -> tuple[bm25s.BM25, np.ndarray]:
+               k1: float = DEFAULT_K1, b: float = DEFAULT_B, lucene: bool = False) -> tuple["bm25s.BM25", np.ndarray]:
   """(retriever, lut): a bm25s index (Lucene's BM25 formula at `k1`, `b`: by default Pyserini's LuceneSearcher's,
-  which the original searched with) of token-id documents. What stays apart from the original: it searched the
-  text through Lucene's English analyzer (lower case, stop words dropped, Porter stems), these are the corpus's
-  token ids as they are, so its neighbours can differ from these.
+  which the original searched with) of documents of integer ids (token or term ids). lucene: with Lucene's
+  one-byte document lengths and float32 term scores (`lucene.LuceneBM25`), as the original's index had them;
+  else bm25s's exact lengths.
 
   bm25s uses the ids it is given as score-matrix columns, so they are first relabelled to 0..n_distinct-1
   (BM25 only compares ids: no score changes). Queries must be relabelled the same way: `lut[token_ids]`
   (-1 for an id no document contains).
   """
+  import bm25s
+
+  from trime_jax.batching.lucene import LuceneBM25
+
   # marked document by document: a concatenation (and bincount's int64 cast of it) would be a transient
   # 12 bytes per token, 1.2 GB over WikiText-103's training split
   present = np.zeros(max((int(d.max()) + 1 for d in docs if len(d)), default=1), bool)
   for d in docs:
     present[d] = True
   lut = np.where(present, np.cumsum(present) - 1, -1).astype(np.int32)
-  retriever = bm25s.BM25(k1=float(k1), b=float(b), backend=backend)
+  retriever = (LuceneBM25(float(k1), float(b), backend=backend) if lucene
+               else bm25s.BM25(k1=float(k1), b=float(b), backend=backend))
   retriever.index([lut[d].tolist() for d in docs], show_progress=progress)
   # bm25s keys document frequencies by its own labels but reads columns by the given ids: they must agree.
   if any(key != label for key, label in retriever.vocab_dict.items()):
@@ -119,7 +152,7 @@ def _share(ranges_a: np.ndarray, ranges_b: np.ndarray) -> np.ndarray:
 def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_batch: int = QUERY_BATCH,
                n_threads: int = 0, progress: bool = False, timing: dict | None = None,
                groups: np.ndarray | None = None, hits_include_query: bool = False, k1: float = DEFAULT_K1,
-               b: float = DEFAULT_B) -> tuple[np.ndarray, np.ndarray]:
+               b: float = DEFAULT_B, lucene: bool = False) -> tuple[np.ndarray, np.ndarray]:
   """Top-k most BM25-similar other documents of every document: (ids [S, k] int64, scores [S, k] float32),
   best first; -1 / -inf where fewer than k other documents share a token with it. Each document queries with
   its own tokens (repeated tokens count once per occurrence, as in a Lucene query).
@@ -136,6 +169,10 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
   groups [S] (e.g. the corpus document of each segment) or [S, 2] document ranges (`document_ranges`):
   neighbours that share a group (a document) with the query are excluded too (up to `MAX_GROUP_EXTRA` extra
   hits are retrieved to make up for them).
+
+  lucene: rank as the original's Pyserini search did (`search`): Lucene's one-byte lengths, the top hits by
+  score then index, reordered by Anserini's four-decimal scores and string ids. False: bm25s's exact lengths
+  and order.
 
   backend: "numba" (fast, but its first call in a process JIT-compiles for 15-30 s) or "numpy".
   n_threads: 0 = every core this process may use. timing: filled with index_s, compile_s, retrieve_s.
@@ -161,7 +198,7 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
   scores = np.full((s, k), -np.inf, np.float32)
   if keep <= 0:
     return ids, scores
-  retriever, lut = bm25_index(docs, backend=backend, progress=progress, k1=k1, b=b)
+  retriever, lut = bm25_index(docs, backend=backend, progress=progress, k1=k1, b=b, lucene=lucene)
   # bm25s's numpy backend would pick JAX for its per-query top-k when JAX is importable: keep it on numpy.
   selection = "numba" if backend == "numba" else "numpy"
   n_threads = n_threads or _threads()
@@ -172,9 +209,11 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
   for a in tqdm(range(0, s, query_batch), desc="bm25 retrieve", unit="batch", disable=not progress):
     b = min(a + query_batch, s)
     queries = [lut[d].tolist() for d in docs[a:b]]
-    res = retriever.retrieve(queries, k=k_ret, show_progress=False, n_threads=n_threads,
-                             backend_selection=selection)
+    res = retriever.retrieve(queries, k=min(k_ret + LUCENE_MARGIN, s) if lucene else k_ret, show_progress=False,
+                             n_threads=n_threads, backend_selection=selection)
     got, sc = np.asarray(res.documents, np.int64), np.asarray(res.scores, np.float32)
+    if lucene:
+      got, sc = _lucene_hits(*_lucene_candidates(retriever, lut, docs[a:b], got, sc, k_ret), k_ret)
     # Drop the query itself wherever it ranks (another segment may outscore it), score-0 hits (no shared token)
     # and its group's members (or, by the original's rule, the first hit too); keep the best of the rest in order.
     excluded = (got == np.arange(a, b)[:, None]) | ~(sc > 0)
@@ -189,6 +228,43 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
   timing.update(index_s=round(t1 - t0, 3), compile_s=round(t2 - t1, 3),
                 retrieve_s=round(time.perf_counter() - t2, 3))
   return ids, scores
+
+
+def _lucene_candidates(retriever, lut: np.ndarray, queries: list[np.ndarray], got: np.ndarray, sc: np.ndarray,
+                       k: int) -> tuple[np.ndarray, np.ndarray]:
+  """bm25s's hits `got` [n, m > k] rescored as Lucene scores them (`lucene.lucene_scores`), with every document
+  where bm25s's m hits may have left out one that Lucene ranks among the top k: where the m-th hit scores
+  within float32 error of the k-th (a tie across the cut goes to the lower index in Lucene, to any in bm25s),
+  the query's scores for all documents, ([n, m'] ids, [n, m'] scores; -1 / -inf pad)."""
+  from trime_jax.batching.lucene import lucene_scores
+
+  exact = [lucene_scores(retriever, lut[q], g) for q, g in zip(queries, got)]
+  every = np.arange(retriever.scores["num_docs"])
+  rows = []
+  for q, g, e, approx in zip(queries, got, exact, sc):
+    kth = np.sort(e)[::-1][k - 1] if len(e) >= k else -np.inf
+    if len(g) < len(every) and approx[-1] >= kth - 1e-4 * max(abs(kth), 1.0):  # the cut may split a tie
+      g, e = every, lucene_scores(retriever, lut[q], every)
+    rows.append((g, e))
+  width = max(len(g) for g, _ in rows)
+  ids = np.full((len(rows), width), -1, np.int64)
+  scores = np.full((len(rows), width), -np.inf, np.float32)
+  for r, (g, e) in enumerate(rows):
+    ids[r, :len(g)], scores[r, :len(g)] = g, e
+  return ids, scores
+
+
+def _lucene_hits(got: np.ndarray, sc: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+  """The top k of bm25s's hits (`got`, `sc` [n, >= k]) as the original's Pyserini search returned them: Lucene
+  keeps the k best scores, equal scores by lower document number (indexing order: the segment index), and
+  Anserini reorders those k by score rounded to four decimals, ties by id as a string (`anserini_order`).
+  Hits of score 0 are kept here (they go with the rest)."""
+  from trime_jax.batching.lucene import anserini_order
+
+  top = np.lexsort((np.where(got < 0, np.iinfo(np.int64).max, got), -sc.astype(np.float64)), axis=-1)[:, :k]
+  got, sc = np.take_along_axis(got, top, 1), np.take_along_axis(sc, top, 1)
+  order = anserini_order(np.where(sc > 0, got, -1), sc)  # Lucene returns no score-0 hit: last
+  return np.take_along_axis(got, order, 1), np.take_along_axis(sc, order, 1)
 
 
 def pack(neighbours_Sxk: np.ndarray, seed: int, *, groups: np.ndarray | None = None,
@@ -273,13 +349,22 @@ def same_document_pairs(batches_NxB: np.ndarray, doc_S: np.ndarray) -> float:
 def neighbour_settings(config) -> dict:
   """What a BM25 plan's neighbours depend on in the config, as its header records them: `k`
   (trime.bm25_k, else the paper's 20), `exclude_same_document` (trime.bm25_exclude_same_document, else
-  False) and BM25's `bm25_k1`, `bm25_b` (trime.bm25_k1 / bm25_b, else the original's 0.9 / 0.4). make_plan writes
-  them, make_batches compares them before planning, training refuses a plan of others (k1 / b where the plan
-  records them: plans of before 2026-12-07 do not, and are warned about)."""
+  False), BM25's `bm25_k1`, `bm25_b` (trime.bm25_k1 / bm25_b, else the original's 0.9 / 0.4) and `bm25_analyzer`
+  (trime.bm25_analyzer, else the original's "english"). make_plan writes them, make_batches compares them before
+  planning, training refuses a plan of others (k1 / b / analyzer where the plan records them: plans of before
+  2026-12-07 / 2026-12-08 do not, and are warned about)."""
   t = config.trime
   return {"k": int(t.get("bm25_k", DEFAULT_K)),
           "exclude_same_document": bool(t.get("bm25_exclude_same_document", False)),
-          "bm25_k1": float(t.get("bm25_k1", DEFAULT_K1)), "bm25_b": float(t.get("bm25_b", DEFAULT_B))}
+          "bm25_k1": float(t.get("bm25_k1", DEFAULT_K1)), "bm25_b": float(t.get("bm25_b", DEFAULT_B)),
+          "bm25_analyzer": str(t.get("bm25_analyzer", ANALYZERS[0]))}
+
+
+def check_analyzer(analyzer, where: str = "trime") -> None:
+  """ConfigError unless `analyzer` is one of ANALYZERS."""
+  if analyzer not in ANALYZERS:
+    raise ConfigError(f"{where}.bm25_analyzer must be one of {ANALYZERS} ('english': Lucene's English analysis "
+                      f"of the segments' words, as the original; 'none': their token ids), got {analyzer!r}")
 
 
 def check_scoring(k1, b, where: str = "trime") -> None:
@@ -297,9 +382,10 @@ def check_scoring(k1, b, where: str = "trime") -> None:
 HITS_INCLUDE_QUERY = True
 
 
-def older_rules(header: dict) -> list[str]:
-  """How a BM25 plan made before 2026-12-07 differs from the rules above (its header lacks
-  `hits_include_query` and / or `bm25_k1`): one phrase per difference, [] for a plan made since. The LM plan's
+def older_rules(header: dict, lm: bool = True) -> list[str]:
+  """How a BM25 plan made before 2026-12-08 differs from the rules above (its header lacks
+  `hits_include_query`, `bm25_k1` (2026-12-07) and / or `bm25_analyzer` (2026-12-08)): one phrase per
+  difference, [] for a plan made since. lm=False (an MT plan): the 2026-12-08 rule is the LM's only. The LM plan's
   check and an MT run's reused plan.npz say these to a run that goes on with such a plan."""
   old = []
   if "hits_include_query" not in header:
@@ -307,6 +393,10 @@ def older_rules(header: dict) -> list[str]:
                "per step than the paper's SimSeg(I, c, k), which counts the segment's own hit")
   if "bm25_k1" not in header:
     old.append(f"it was scored at bm25s's k1 = 1.5, b = 0.75 (the original's: {DEFAULT_K1}, {DEFAULT_B})")
+  if lm and "bm25_analyzer" not in header:  # (MT plans search target subword ids with bm25s, as before)
+    old.append("it searched each segment's target token ids with exact lengths and bm25s's order, not as the "
+               "original's Lucene search (English analysis of the segment's input words, one-byte lengths, "
+               "Anserini's order)")
   return old
 
 
@@ -334,26 +424,29 @@ def make_plan(corpus: data.Corpus, config, *, progress: bool = True, k: int | No
   settings = neighbour_settings(config)
   k = int(k if k is not None else settings["k"])
   check_scoring(settings["bm25_k1"], settings["bm25_b"])
+  check_analyzer(settings["bm25_analyzer"])
   if k < 1:
     raise ConfigError(f"BM25 batching needs k >= 1 neighbours, got {k}")
   if batch_size < 1:
     raise ConfigError(f"train.batch_size must be >= 1, got {batch_size}")
   segments = data.make_segments(corpus, seg_len, mode)
-  docs = segment_token_ids(corpus, segments)
-  timing = {}
+  analyzer = settings["bm25_analyzer"]
+  t0 = time.perf_counter()
+  docs = segment_terms(corpus, segments) if analyzer == "english" else segment_token_ids(corpus, segments)
+  timing = {"analysis_s": round(time.perf_counter() - t0, 3)}
   # Default: Algorithm 1 as published. Optionally neighbours come from other documents only, like the test
   # datastore (on short documents most BM25 neighbours are the same article: see the module docstring).
   exclude_same = settings["exclude_same_document"]
   ranges = document_ranges(corpus, segments)  # every document a segment's targets touch (stream segments cross)
   nbrs, _ = neighbours(docs, k, backend=backend, progress=progress, timing=timing,
                        groups=ranges if exclude_same else None, hits_include_query=HITS_INCLUDE_QUERY,
-                       k1=settings["bm25_k1"], b=settings["bm25_b"])
+                       k1=settings["bm25_k1"], b=settings["bm25_b"], lucene=True)
   t0 = time.perf_counter()
   order = pack(nbrs, seed, groups=ranges if exclude_same else None, batch_size=batch_size)
   batches = to_batches(order, batch_size)
   timing["pack_s"] = round(time.perf_counter() - t0, 3)
   # Throughput of indexing + retrieval + packing; the one-off numba compile is reported apart.
-  work = timing.get("index_s", 0) + timing.get("retrieve_s", 0) + timing["pack_s"]
+  work = timing["analysis_s"] + timing.get("index_s", 0) + timing.get("retrieve_s", 0) + timing["pack_s"]
   timing["segments_per_s"] = round(len(segments) / max(work, 1e-9), 1)
   random_batches = to_batches(np.random.default_rng([seed, 29]).permutation(len(segments)), batch_size)
   header = {
@@ -369,6 +462,9 @@ def make_plan(corpus: data.Corpus, config, *, progress: bool = True, k: int | No
       "k": k,
       "hits_include_query": HITS_INCLUDE_QUERY,  # k counts the segment's own hit (SimSeg(I, c, k) ranks c)
       "bm25_k1": settings["bm25_k1"], "bm25_b": settings["bm25_b"],
+      # what each segment's BM25 document is ("english": Lucene's terms of its input words; "none": its target
+      # ids), searched as the original's Pyserini search (Lucene's one-byte lengths, Anserini's order)
+      "bm25_analyzer": analyzer, "bm25_search": "lucene",
       "exclude_same_document": exclude_same,
       **({"exclude_by": EXCLUDE_BY} if exclude_same else {}),
       "same_document_pairs": same_document_pairs(batches, ranges),

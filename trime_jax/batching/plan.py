@@ -94,9 +94,10 @@ class BatchPlan:
   def check(self, *, corpus_fingerprint: str, segment_len: int, segmentation: str, batch_size: int,
             consecutive_segments: int | None = None, kind: str | None = None, layout: str | None = None,
             k: int | None = None, exclude_same_document: bool | None = None, bm25_k1: float | None = None,
-            bm25_b: float | None = None) -> None:
+            bm25_b: float | None = None, bm25_analyzer: str | None = None) -> None:
     """Clear errors when the plan was made for other data or another batch layout (or, for BM25 plans, other
-    neighbours: `k`, `exclude_same_document`, and BM25's `bm25_k1` / `bm25_b` where the plan records them); a
+    neighbours: `k`, `exclude_same_document`, and BM25's `bm25_k1` / `bm25_b` / `bm25_analyzer` where the plan
+    records them); a
     field passed as None is not compared."""
     h = self.header
     problems = []
@@ -108,8 +109,8 @@ class BatchPlan:
     for name, want in [("segment_len", segment_len), ("segmentation", segmentation), ("batch_size", batch_size),
                        ("consecutive_segments", consecutive_segments), ("kind", kind), ("layout", layout),
                        ("k", k), ("exclude_same_document", exclude_same_document),
-                       ("bm25_k1", bm25_k1), ("bm25_b", bm25_b)]:
-      if name in ("bm25_k1", "bm25_b") and name not in h:  # a plan of before 2026-12-07: warned below
+                       ("bm25_k1", bm25_k1), ("bm25_b", bm25_b), ("bm25_analyzer", bm25_analyzer)]:
+      if name in ("bm25_k1", "bm25_b", "bm25_analyzer") and name not in h:  # made before 2026-12-07/08: warned below
         continue
       if want is not None and h.get(name) != want:
         problems.append(f"{name} {h.get(name)!r} != {want!r}")
@@ -122,7 +123,7 @@ class BatchPlan:
       if old := bm25.older_rules(h):  # told, not refused, so a run that trained on it resumes on its batches
         from absl import logging
 
-        logging.warning("batch plan %s was made before 2026-12-07: %s. A new run should use a plan made again "
+        logging.warning("batch plan %s was made by an older rule: %s. A new run should use a plan made again "
                         "(make_batches --overwrite); a run that trained on this one goes on with it",
                         self.directory or "(in memory)", "; ".join(old))
 

@@ -313,7 +313,7 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
         f"(random batches {plan.header['neighbour_in_batch_random']:.1%})")
     from trime_jax.batching import bm25  # bm25s only where a BM25 plan was read
 
-    if not made and (old := bm25.older_rules(plan.header)):
+    if not made and (old := bm25.older_rules(plan.header, lm=False)):
       log(f"note: {workdir}/plan.npz was made before 2026-12-07 ({'; '.join(old)}): this run goes on with it")
   def starting():  # the checkpoint restored and nothing refused: the run starts; config.json says what ran
     ckpt.check_resume_config(workdir, config)

@@ -1,0 +1,129 @@
+"""BM25 batching searches as the original's Pyserini search did (batching/lucene.py), checked against Lucene itself.
+
+The fixture (tests/oracle/dump_bm25_lucene.py, Pyserini 0.22.1 = Anserini 0.22.1 / Lucene 9.5 on Java 17) holds
+  - hits [1467, 20]: the original's bm25_search.py, run as it is, over the original's index of wikitext-mini's
+    training segments (configs/wikitext_mini_ext.py: 256 tokens, each segment's input words, </s> dropped);
+  - words / terms: Lucene's English analysis (Anserini's default analyzer) of wikitext-mini's 9,526 words and of
+    docs-wt's 32,256 other words with a character outside A-Z / a-z;
+  - norms, large_norms, length_table: Lucene's SmallFloat.intToByte4 of the lengths 0 .. 2^20 - 1 (and three
+    larger) and byte4ToInt of every byte.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from trime_jax import corpora
+from trime_jax import data as D
+from trime_jax.batching import bm25, lucene
+from trime_jax.batching import plan as batch_plan
+from trime_jax.configs import wikitext_mini_ext
+from trime_jax.errors import ConfigError, DataError
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "oracle", "bm25_lucene_wikitext_mini.npz")
+
+
+@pytest.fixture(scope="module")
+def oracle():
+  fx = np.load(FIXTURE)
+  text = lambda name: bytes(fx[name]).decode("utf-8").split("\n")  # noqa: E731
+  return {"hits": fx["hits"], "words": text("words"), "terms": text("terms"), "norms": fx["norms"],
+          "large_lengths": fx["large_lengths"], "large_norms": fx["large_norms"], "length_table": fx["length_table"]}
+
+
+@pytest.fixture(scope="module")
+def train():
+  return corpora.load_splits(wikitext_mini_ext.get_config().data).train
+
+
+def test_english_analysis_equals_lucenes_on_every_word(oracle):
+  assert len(oracle["words"]) == len(oracle["terms"]) == 41_782
+  differ = [(w, t, lucene.english_terms(w)) for w, t in zip(oracle["words"], oracle["terms"])
+            if lucene.english_terms(w) != t.split()]
+  assert differ == []
+  # what the fixture exercises: stop words, possessives, Porter's reference-version rules, WikiText's @-@, emoji
+  said = dict(zip(oracle["words"], oracle["terms"]))
+  assert said["the"] == "" and said["'s"] == "s" and said["@-@"] == "" and said["<unk>"] == "unk"
+  assert said["possibly"] == "possibl" and said["technology"] == "technolog" and said["us"] == "us"
+
+
+def test_lengths_are_lucenes_one_byte_norms(oracle):
+  np.testing.assert_array_equal(lucene.length_norm(np.arange(1 << 20)), oracle["norms"])
+  np.testing.assert_array_equal(lucene.length_norm(oracle["large_lengths"]), oracle["large_norms"])
+  # (a float array in Lucene too: BM25Similarity.LENGTH_TABLE)
+  np.testing.assert_array_equal(lucene.LENGTH_TABLE, oracle["length_table"].astype(np.float32))
+  assert lucene.LENGTH_TABLE[lucene.length_norm([23, 24, 40, 513])].tolist() == [23, 24, 40, 504]
+
+
+def test_search_equals_the_originals_pyserini_search_on_every_segment(oracle, train):
+  """Every segment's 20 hits, in order, as the original's bm25_search.py got them from Lucene; the neighbours
+  Algorithm 1 follows are hits[1:] less the segment itself."""
+  config = wikitext_mini_ext.get_config()
+  segs = D.make_segments(train, int(config.data.segment_len), config.data.segmentation)
+  docs = bm25.segment_terms(train, segs)
+  want = [[h for h in row[1:].tolist() if h >= 0 and h != c] for c, row in enumerate(oracle["hits"])]
+  assert len(docs) == len(want) == 1467
+  for backend in ("numpy", "numba"):
+    ids, scores = bm25.neighbours(docs, 20, backend=backend, hits_include_query=True, lucene=True)
+    got = [row[row >= 0].tolist() for row in ids]
+    assert sum(g == w for g, w in zip(got, want)) == len(want), backend
+    assert (np.diff(np.where(ids >= 0, scores, -1e9), axis=1) <= 1e-4).all()  # best first (to four decimals)
+  # Without the analysis (token ids) or with bm25s's own lengths and order, the hits differ from the original's
+  ids_plain, _ = bm25.neighbours(bm25.segment_token_ids(train, segs), 20, backend="numpy", hits_include_query=True)
+  assert sum(row[row >= 0].tolist() == w for row, w in zip(ids_plain, want)) < 0.5 * len(want)
+  ids_bm25s, _ = bm25.neighbours(docs, 20, backend="numpy", hits_include_query=True)
+  assert sum(row[row >= 0].tolist() == w for row, w in zip(ids_bm25s, want)) < len(want)
+
+
+def test_ties_go_by_rounded_score_then_id_as_a_string():
+  # Anserini, measured: five documents of equal contents, ids 9, 10, 2, 100, 3 -> 10, 100, 2, 3, 9
+  ids = np.array([[9, 10, 2, 100, 3, -1]])
+  order = lucene.anserini_order(ids, np.array([[0.202, 0.202, 0.202, 0.202, 0.202, 0.0]], np.float32))
+  assert ids[0, order[0]].tolist() == [10, 100, 2, 3, 9, -1]
+  # four decimals: 0.29996 and 0.30004 are a tie ("21" before "3"); 0.3002 is not
+  order = lucene.anserini_order(np.array([[3, 21, 5]]), np.array([[0.30004, 0.29996, 0.3002]], np.float32))
+  assert np.array([3, 21, 5])[order[0]].tolist() == [5, 21, 3]
+
+
+def test_lucene_scores_are_the_formula_with_one_byte_lengths():
+  """lucene_scores: a float64 reference of Lucene's BM25 (k1 = 0.9, b = 0.4, idf = log(1 + (N - df + 0.5) /
+  (df + 0.5)), lengths decoded from their norm byte, a query term's weight its count times its idf)."""
+  rng = np.random.default_rng(3)
+  docs = [rng.integers(0, 40, int(n)).astype(np.int32) for n in rng.integers(1, 300, 30)]
+  retriever, lut = bm25.bm25_index(docs, backend="numpy", lucene=True)
+  n, avgdl = len(docs), np.mean([len(d) for d in docs])
+  length = lucene.LENGTH_TABLE[lucene.length_norm([len(d) for d in docs])].astype(np.float64)
+  assert (length != [len(d) for d in docs]).any()  # some lengths are stored inexactly
+  for q in docs[:6]:
+    want = np.zeros(n)
+    for t, c in zip(*np.unique(q, return_counts=True)):
+      df = sum(t in d for d in docs)
+      idf = np.log(1 + (n - df + 0.5) / (df + 0.5))
+      for j, d in enumerate(docs):
+        tf = int((d == t).sum())
+        want[j] += c * idf * tf / (tf + 0.9 * (1 - 0.4 + 0.4 * length[j] / avgdl))
+    got = lucene.lucene_scores(retriever, lut[q], np.arange(n))
+    np.testing.assert_allclose(got, want, rtol=2e-6)
+    np.testing.assert_allclose(retriever.get_scores(lut[q].tolist()), want, rtol=1e-4)  # bm25s: float32 sums
+
+
+def test_plans_record_the_analyzer_and_refuse_another(train, tmp_path):
+  config = wikitext_mini_ext.get_config()
+  assert config.trime.bm25_analyzer == "english"  # the original's
+  header, batches = bm25.make_plan(train, config, progress=False, backend="numpy")
+  assert header["bm25_analyzer"] == "english" and header["bm25_search"] == "lucene"
+  assert bm25.older_rules(header) == []
+  batch_plan.save(str(tmp_path / "p"), header, batches)
+  plan = batch_plan.load(str(tmp_path / "p"))
+  args = dict(corpus_fingerprint=train.fingerprint(), segment_len=256, segmentation="stream",
+              batch_size=int(config.train.batch_size))
+  plan.check(**args, **bm25.neighbour_settings(config))
+  config.trime.bm25_analyzer = "none"
+  with pytest.raises(DataError, match="bm25_analyzer 'english' != 'none'"):
+    plan.check(**args, **bm25.neighbour_settings(config))
+  with pytest.raises(ConfigError, match="bm25_analyzer must be one of"):
+    bm25.check_analyzer("lucene")
+  byte_corpus = D.Corpus.from_docs([np.arange(60) % 256], D.Vocab([chr(i) for i in range(256)], kind="bytes"))
+  with pytest.raises(ConfigError, match="bytes vocabulary"):
+    bm25.segment_terms(byte_corpus, D.make_segments(byte_corpus, 16))
