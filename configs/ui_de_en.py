@@ -61,6 +61,8 @@ def get_config():
   t.batching = "length"  # length (fairseq) | bm25 (Algorithm 1 over target sentences) | random
   t.bm25_k = 20  # hits per target sentence, its own among them (Algorithm 1's k; hits[1:] followed)
   t.bm25_k1, t.bm25_b = 0.9, 0.4  # BM25 scoring: the original's (Pyserini's LuceneSearcher defaults)
+  t.bm25_analyzer = "english"  # english: each target sentence's words through Lucene's English analysis, searched
+  #   as the original's Pyserini (batching/lucene.py; plans of before 2026-12-08 searched subword ids) | none: ids
   t.bm25_backend = "numba"  # bm25s backend: numba (fast; ~20 s JIT compile once) | numpy (no compile, slower)
   t.tau = 10.0  # τ on memory similarities g·g_j/√D (the original MT run's --temp 10)
   t.memory_topk = 8  # only the 8 most similar in-batch memories per target token (the original's --topk-mem 8;

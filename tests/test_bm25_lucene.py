@@ -127,3 +127,13 @@ def test_plans_record_the_analyzer_and_refuse_another(train, tmp_path):
   byte_corpus = D.Corpus.from_docs([np.arange(60) % 256], D.Vocab([chr(i) for i in range(256)], kind="bytes"))
   with pytest.raises(ConfigError, match="bytes vocabulary"):
     bm25.segment_terms(byte_corpus, D.make_segments(byte_corpus, 16))
+
+
+def test_documents_without_terms_have_no_neighbours_and_are_none():
+  # A sentence of stop words ("It is.") analyses to nothing: Lucene returns no hit for it, and it matches nothing
+  docs = [np.array([], np.int32), np.array([1, 2]), np.array([2, 3]), np.array([], np.int32), np.array([3, 1])]
+  for lucene_search in (True, False):
+    ids, scores = bm25.neighbours(docs, 3, backend="numpy", hits_include_query=True, lucene=lucene_search)
+    assert (ids[[0, 3]] == -1).all() and not np.isin(ids, [0, 3]).any()
+    assert (ids[[1, 2, 4]] >= 0).any(axis=1).all()
+  assert lucene.text_terms(["It is.", "Is it the cats' cat?"])[0].tolist() == []

@@ -123,7 +123,11 @@ def bm25_index(docs: list[np.ndarray], *, backend: str = "numba", progress: bool
   lut = np.where(present, np.cumsum(present) - 1, -1).astype(np.int32)
   retriever = (LuceneBM25(float(k1), float(b), backend=backend) if lucene
                else bm25s.BM25(k1=float(k1), b=float(b), backend=backend))
-  retriever.index([lut[d].tolist() for d in docs], show_progress=progress)
+  # ids with their vocabulary given (bm25s would otherwise infer the corpus's kind from its first document,
+  # and take ids for strings where that document is empty); no empty-token entry: every query is a document
+  n_ids = int(present.sum())
+  retriever.index(([lut[d].tolist() for d in docs], {i: i for i in range(n_ids)}), create_empty_token=False,
+                  show_progress=progress)
   # bm25s keys document frequencies by its own labels but reads columns by the given ids: they must agree.
   if any(key != label for key, label in retriever.vocab_dict.items()):
     raise RuntimeError("bm25s relabelled contiguous token ids; its BM25 scores would be wrong")
@@ -196,22 +200,26 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
   first_dropped = hits_include_query and groups is None  # the original's hits[1:] of its top-k hits
   ids = np.full((s, k), -1, np.int64)
   scores = np.full((s, k), -np.inf, np.float32)
-  if keep <= 0:
+  if keep <= 0 or not any(len(d) for d in docs):  # (no document has a term: no neighbours)
     return ids, scores
   retriever, lut = bm25_index(docs, backend=backend, progress=progress, k1=k1, b=b, lucene=lucene)
   # bm25s's numpy backend would pick JAX for its per-query top-k when JAX is importable: keep it on numpy.
   selection = "numba" if backend == "numba" else "numpy"
   n_threads = n_threads or _threads()
   t1 = time.perf_counter()
-  retriever.retrieve([lut[docs[0]].tolist()], k=1, show_progress=False, n_threads=n_threads,
+  some = lut[next(d for d in docs if len(d))].tolist()  # a query bm25s accepts (a document's terms)
+  retriever.retrieve([some], k=1, show_progress=False, n_threads=n_threads,
                      backend_selection=selection)  # compiles the numba kernels (once per process)
   t2 = time.perf_counter()
   for a in tqdm(range(0, s, query_batch), desc="bm25 retrieve", unit="batch", disable=not progress):
     b = min(a + query_batch, s)
-    queries = [lut[d].tolist() for d in docs[a:b]]
+    # (a document without a term, e.g. a sentence of stop words, has no hit; bm25s refuses an empty query)
+    empty = np.asarray([len(d) == 0 for d in docs[a:b]])
+    queries = [lut[d].tolist() if len(d) else some for d in docs[a:b]]
     res = retriever.retrieve(queries, k=min(k_ret + LUCENE_MARGIN, s) if lucene else k_ret, show_progress=False,
                              n_threads=n_threads, backend_selection=selection)
     got, sc = np.asarray(res.documents, np.int64), np.asarray(res.scores, np.float32)
+    sc[empty] = 0
     if lucene:
       got, sc = _lucene_hits(*_lucene_candidates(retriever, lut, docs[a:b], got, sc, k_ret), k_ret)
     # Drop the query itself wherever it ranks (another segment may outscore it), score-0 hits (no shared token)
@@ -235,16 +243,18 @@ def _lucene_candidates(retriever, lut: np.ndarray, queries: list[np.ndarray], go
   """bm25s's hits `got` [n, m > k] rescored as Lucene scores them (`lucene.lucene_scores`), with every document
   where bm25s's m hits may have left out one that Lucene ranks among the top k: where the m-th hit scores
   within float32 error of the k-th (a tie across the cut goes to the lower index in Lucene, to any in bm25s),
-  the query's scores for all documents, ([n, m'] ids, [n, m'] scores; -1 / -inf pad)."""
-  from trime_jax.batching.lucene import lucene_scores
+  the query's scores for every document that holds one of its terms, ([n, m'] ids, [n, m'] scores; -1 / -inf
+  pad)."""
+  from trime_jax.batching.lucene import lucene_scores, matching_documents
 
   exact = [lucene_scores(retriever, lut[q], g) for q, g in zip(queries, got)]
-  every = np.arange(retriever.scores["num_docs"])
+  n_docs = retriever.scores["num_docs"]
   rows = []
   for q, g, e, approx in zip(queries, got, exact, sc):
     kth = np.sort(e)[::-1][k - 1] if len(e) >= k else -np.inf
-    if len(g) < len(every) and approx[-1] >= kth - 1e-4 * max(abs(kth), 1.0):  # the cut may split a tie
-      g, e = every, lucene_scores(retriever, lut[q], every)
+    if len(q) and len(g) < n_docs and approx[-1] >= kth - 1e-4 * max(abs(kth), 1.0):  # the cut may split a tie
+      g = matching_documents(retriever, lut[q])
+      e = lucene_scores(retriever, lut[q], g)
     rows.append((g, e))
   width = max(len(g) for g, _ in rows)
   ids = np.full((len(rows), width), -1, np.int64)
@@ -382,10 +392,10 @@ def check_scoring(k1, b, where: str = "trime") -> None:
 HITS_INCLUDE_QUERY = True
 
 
-def older_rules(header: dict, lm: bool = True) -> list[str]:
+def older_rules(header: dict) -> list[str]:
   """How a BM25 plan made before 2026-12-08 differs from the rules above (its header lacks
   `hits_include_query`, `bm25_k1` (2026-12-07) and / or `bm25_analyzer` (2026-12-08)): one phrase per
-  difference, [] for a plan made since. lm=False (an MT plan): the 2026-12-08 rule is the LM's only. The LM plan's
+  difference, [] for a plan made since. The LM plan's
   check and an MT run's reused plan.npz say these to a run that goes on with such a plan."""
   old = []
   if "hits_include_query" not in header:
@@ -393,10 +403,9 @@ def older_rules(header: dict, lm: bool = True) -> list[str]:
                "per step than the paper's SimSeg(I, c, k), which counts the segment's own hit")
   if "bm25_k1" not in header:
     old.append(f"it was scored at bm25s's k1 = 1.5, b = 0.75 (the original's: {DEFAULT_K1}, {DEFAULT_B})")
-  if lm and "bm25_analyzer" not in header:  # (MT plans search target subword ids with bm25s, as before)
-    old.append("it searched each segment's target token ids with exact lengths and bm25s's order, not as the "
-               "original's Lucene search (English analysis of the segment's input words, one-byte lengths, "
-               "Anserini's order)")
+  if "bm25_analyzer" not in header:
+    old.append("it searched target token ids with bm25s's exact lengths and order, not as the original's Lucene "
+               "search (Lucene's English analysis of the words, one-byte lengths, Anserini's order)")
   return old
 
 

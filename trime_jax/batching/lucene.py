@@ -89,6 +89,22 @@ def vocabulary_terms(words: list[str], skip: tuple[int, ...] = ()) -> tuple[np.n
   return offsets, np.asarray(flat, np.int32), list(term_index)
 
 
+def text_terms(texts: list[str]) -> list[np.ndarray]:
+  """Each text's terms as int32 ids (shared across the texts): its whitespace-separated words through
+  `english_terms` (each distinct word analysed once). What the original's MT indexed: its target sentences."""
+  term_index: dict[str, int] = {}
+  word_terms: dict[str, list[int]] = {}
+  out = []
+  for text in texts:
+    ids = []
+    for w in text.split():
+      if (got := word_terms.get(w)) is None:
+        got = word_terms[w] = [term_index.setdefault(t, len(term_index)) for t in english_terms(w)]
+      ids.extend(got)
+    out.append(np.asarray(ids, np.int32))
+  return out
+
+
 def document_terms(token_ids: np.ndarray, offsets: np.ndarray, term_ids: np.ndarray) -> np.ndarray:
   """[n] int32: the terms of a run of vocabulary ids, in order (`vocabulary_terms`'s map)."""
   token_ids = np.asarray(token_ids, np.int64)
@@ -155,8 +171,9 @@ class LuceneBM25(bm25s.BM25):
     scores = (weight - weight / (f32(1) + tf * norm_inverse[length_norm(lengths)][doc])).astype(f32)
     self.nonoccurrence_array = None  # (read by bm25s's scoring: BM25L / BM25+ only)
     # what `lucene_scores` needs: term frequencies by document, each document's 1 / norm, each term's idf
-    self.lucene_stats = (sp.csr_matrix((tf, (doc, term)), shape=(n_docs, n_vocab), dtype=np.float32),
-                         norm_inverse[length_norm(lengths)], idf)
+    tf_by_doc = sp.csr_matrix((tf, (doc, term)), shape=(n_docs, n_vocab), dtype=np.float32)
+    self.lucene_stats = (tf_by_doc, norm_inverse[length_norm(lengths)], idf)
+    self.docs_by_term = tf_by_doc.tocsc()  # `matching_documents`
     matrix = sp.csc_matrix((scores, (doc, term)), shape=(n_docs, n_vocab), dtype=np.float32)
     return {"data": matrix.data, "indices": matrix.indices, "indptr": matrix.indptr, "num_docs": n_docs}
 
@@ -173,6 +190,12 @@ def lucene_scores(retriever: LuceneBM25, query: np.ndarray, docs: np.ndarray) ->
   tf = tf_by_doc[np.asarray(docs, np.int64)][:, terms].toarray()  # [n, terms]
   clause = (weight - weight / (f32(1) + tf * norm_inverse[np.asarray(docs, np.int64)][:, None])).astype(f32)
   return np.where(tf > 0, clause, 0).astype(np.float64).sum(1).astype(f32)
+
+
+def matching_documents(retriever: LuceneBM25, query: np.ndarray) -> np.ndarray:
+  """The documents that hold at least one of the query's terms (those Lucene scores), ascending."""
+  terms = np.unique(np.asarray(query, np.int64))
+  return np.unique(retriever.docs_by_term[:, terms].indices).astype(np.int64)
 
 
 def anserini_order(ids_NxK: np.ndarray, scores_NxK: np.ndarray) -> np.ndarray:

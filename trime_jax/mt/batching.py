@@ -207,7 +207,8 @@ def fairseq_batches(order: np.ndarray, n_tokens: np.ndarray, max_tokens: int, mu
 
 def make_plan(pairs: mt_data.ParallelData, *, order: str, max_tokens: int, seed: int, max_sentences: int = 0,
               bm25_k: int = 20, bm25_backend: str = "numpy", batches_per_update: int = 0,
-              batch_size_multiple: int = 8, bm25_k1: float | None = None, bm25_b: float | None = None) -> Plan:
+              batch_size_multiple: int = 8, bm25_k1: float | None = None, bm25_b: float | None = None,
+              bm25_analyzer: str = "english") -> Plan:
   """A batch plan over every training pair (each exactly once). batches_per_update = G > 0: the original's
   composition (module docstring), GPU batches of max_tokens // G tokens, max_sentences a cap per such batch."""
   if order not in ORDERS:
@@ -254,11 +255,18 @@ def make_plan(pairs: mt_data.ParallelData, *, order: str, max_tokens: int, seed:
 
     bm25_k1 = bm25.DEFAULT_K1 if bm25_k1 is None else bm25_k1  # the original's (Pyserini's) unless given
     bm25_b = bm25.DEFAULT_B if bm25_b is None else bm25_b
-    nbrs, _ = bm25.neighbours([np.asarray(t, np.int32) if len(t) else np.asarray([mt_data.EOS], np.int32)
-                               for t in pairs.tgt], bm25_k, backend=bm25_backend,
-                              hits_include_query=bm25.HITS_INCLUDE_QUERY, k1=bm25_k1, b=bm25_b)  # top-20, hits[1:]
+    bm25.check_analyzer(bm25_analyzer)
+    if bm25_analyzer == "english":  # the original: each target sentence's text (detokenised, subwords joined)
+      from trime_jax.batching import lucene
+
+      docs = lucene.text_terms(pairs.tgt_text)
+    else:
+      docs = [np.asarray(t, np.int32) if len(t) else np.asarray([mt_data.EOS], np.int32) for t in pairs.tgt]
+    nbrs, _ = bm25.neighbours(docs, bm25_k, backend=bm25_backend, hits_include_query=bm25.HITS_INCLUDE_QUERY,
+                              k1=bm25_k1, b=bm25_b, lucene=True)  # top-20 as Pyserini returned them, hits[1:]
     seq = bm25.pack(nbrs, seed)
-    header.update(k=bm25_k, bm25_k1=float(bm25_k1), bm25_b=float(bm25_b))
+    header.update(k=bm25_k, bm25_k1=float(bm25_k1), bm25_b=float(bm25_b), bm25_analyzer=bm25_analyzer,
+                  bm25_search="lucene")
     header["hits_include_query"] = bm25.HITS_INCLUDE_QUERY  # (a run's plan.npz of before 2026-12-07 resumes as is)
   else:
     seq = rng.permutation(len(pairs))

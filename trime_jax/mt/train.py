@@ -245,21 +245,23 @@ def load_plan(workdir: str, pairs, config) -> tuple[batching.Plan, bool]:
   want = {"order": t.batching, "seed": int(config.train.seed), "max_tokens": int(d.max_tokens),
           "max_sentences": int(d.max_sentences), "num_pairs": len(pairs), "pairs_fingerprint": pairs.fingerprint()}
   if t.batching == "bm25":
-    want.update(k=int(t.bm25_k), bm25_k1=float(t.bm25_k1), bm25_b=float(t.bm25_b))
+    want.update(k=int(t.bm25_k), bm25_k1=float(t.bm25_k1), bm25_b=float(t.bm25_b),
+                bm25_analyzer=t.get("bm25_analyzer", "english"))
   path = os.path.join(workdir, "plan.npz")
   if os.path.exists(path):
     plan = batching.Plan.load(path)
     # A plan written before plans recorded their pairs' fingerprint is kept when the rest matches: a run resumed
     # across versions goes on with its batches (its data are checked against <workdir>/data.json instead)
-    # (BM25's k1 / b likewise: a plan of before 2026-12-07 has none, made at bm25s's 1.5 / 0.75)
+    # (BM25's k1 / b likewise: a plan of before 2026-12-07 has none, made at bm25s's 1.5 / 0.75; its analyzer:
+    # a plan of before 2026-12-08 searched target subword ids)
     if all(plan.header.get(k) == v for k, v in want.items()
-           if k not in ("pairs_fingerprint", "bm25_k1", "bm25_b") or k in plan.header) and \
+           if k not in ("pairs_fingerprint", "bm25_k1", "bm25_b", "bm25_analyzer") or k in plan.header) and \
         all(plan.header.get(k, 0) == v for k, v in composition.items()):
       return plan, False
   t0 = time.perf_counter()
   plan = batching.make_plan(pairs, order=t.batching, max_tokens=int(d.max_tokens), seed=int(config.train.seed),
                             max_sentences=int(d.max_sentences), bm25_k=int(t.bm25_k), bm25_k1=float(t.bm25_k1),
-                            bm25_b=float(t.bm25_b),
+                            bm25_b=float(t.bm25_b), bm25_analyzer=t.get("bm25_analyzer", "english"),
                             bm25_backend=t.get("bm25_backend", "numba"), batches_per_update=per_update,
                             batch_size_multiple=int(d.get("batch_size_multiple", 8)))
   plan.header["plan_s"] = round(time.perf_counter() - t0, 2)
@@ -313,7 +315,7 @@ def _train_and_evaluate(config, workdir: str, log) -> dict:
         f"(random batches {plan.header['neighbour_in_batch_random']:.1%})")
     from trime_jax.batching import bm25  # bm25s only where a BM25 plan was read
 
-    if not made and (old := bm25.older_rules(plan.header, lm=False)):
+    if not made and (old := bm25.older_rules(plan.header)):
       log(f"note: {workdir}/plan.npz was made before 2026-12-07 ({'; '.join(old)}): this run goes on with it")
   def starting():  # the checkpoint restored and nothing refused: the run starts; config.json says what ran
     ckpt.check_resume_config(workdir, config)

@@ -86,6 +86,7 @@ def validate_config(config) -> None:
     from trime_jax.batching import bm25
 
     bm25.check_scoring(t.bm25_k1, t.bm25_b)
+    bm25.check_analyzer(t.get("bm25_analyzer", "english"))
   check_train_section(r)  # the section both trainers share (runtime.config): optimizer, schedule, cadences, ranges
   for name in ("eval_max_pairs", "target_token_budget", "stop_after", "num_epochs"):  # 0: all / none / no limit
     if int(r.get(name, 0)) < 0:
