@@ -232,13 +232,11 @@ def test_same_document_neighbours_can_be_excluded():
 
 def _simseg(scores_SxS, k):
   """SimSeg(I, c, k) by brute force, c's own hit among them as it is in I (the original: top-20 hits, then
-  `hits[1:]`): the k segments with the highest positive BM25 score (equal scores: the lower index first, as
-  Lucene's top-k), best first as Anserini orders them (score to four decimals, then the id as a string), from the
-  second on, less c."""
+  `hits[1:]`): the k segments with the highest positive BM25 score (equal scores: the lower id as a string
+  first, as Anserini's search sorts them), best first, from the second on, less c."""
   out = []
   for c, row in enumerate(scores_SxS.astype(np.float64)):
-    hits = [j for j in np.argsort(-row, kind="stable").tolist() if row[j] > 0][:k]
-    hits.sort(key=lambda j: (-round(row[j], 4), str(j)))
+    hits = sorted((j for j in range(len(row)) if row[j] > 0), key=lambda j: (-row[j], str(j)))[:k]
     out.append([j for j in hits[1:] if j != c])  # (c is its own first hit but where another ties or beats it)
   return out
 
@@ -291,11 +289,10 @@ def test_default_and_paper_configs_run_algorithm_1_unchanged(corpus):
   header, batches = bm25.make_plan(corpus, config, progress=False, backend="numpy")
   scores = _dense_scores(corpus)
   simseg = _simseg(scores, k)
-  # Ties would make "best first" ambiguous between bm25s's top-k and the brute force: this corpus has none, not
-  # even at Anserini's four decimals (where the original's order breaks ties by id as a string)
+  # Ties would make "best first" ambiguous between bm25s's top-k and the brute force: this corpus has none
   for c, row in enumerate(scores):
     top = np.sort(row)[::-1][:k + 1]  # the segment's own score included: it takes one of the k places
-    assert len(np.unique(np.round(top[top > 0], 4))) == (top > 0).sum()
+    assert len(np.unique(top[top > 0])) == (top > 0).sum()
     assert row[c] == row.max()  # its own hit is its best here, so SimSeg leaves k - 1 others
   assert all(len(n) == k - 1 for n in simseg)  # shared function words: every segment has k positive hits
   assert header["hits_include_query"] is True

@@ -311,7 +311,8 @@ def synthetic_pairs(n=300, seed=0, topics=12):
     tgt.append(np.concatenate([rng.choice(words[k], rng.integers(1, 20)), rng.integers(4, 500, rng.integers(0, 10))]))
     src.append(rng.integers(4, 500, rng.integers(1, 31)))
   vocab = mt_data.SubwordVocab(tokens=list(mt_data.SPECIALS) + [f"w{i}" for i in range(500)])
-  return mt_data.ParallelData(src, [t.astype(np.int32) for t in tgt], [""] * n, [""] * n, vocab)
+  text = [" ".join(vocab.tokens[j] for j in t.tolist()) for t in tgt]  # (BM25 plans search the target texts)
+  return mt_data.ParallelData(src, [t.astype(np.int32) for t in tgt], [""] * n, text, vocab)
 
 
 @pytest.mark.parametrize("order", ["length", "random", "bm25"])

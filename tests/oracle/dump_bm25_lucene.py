@@ -13,6 +13,14 @@
   python tests/oracle/dump_bm25_lucene.py codepoints --out=trime_jax/batching/_lucene_chars.py  # its token chars
   # 3. (trime-jax's environment) the fixture
   python tests/oracle/dump_bm25_lucene.py fixture --out=$W --fixture=tests/fixtures/oracle/bm25_lucene_wikitext_mini.npz
+
+  # MT (the release's machine_translation/ scripts): the first 4,000 target sentences of ui-de-en
+  python tests/oracle/dump_bm25_lucene.py mt_samples --data=../shared/data/ui-de-en/train.en --out=$M
+  python -m pyserini.index.lucene --collection JsonCollection --input $M/samples --index $M/bm25_index \
+      --generator DefaultLuceneDocumentGenerator --threads 1 --storePositions --storeDocvectors --storeRaw
+  python $TRIME/machine_translation/bm25_search.py --index_path $M/bm25_index/ \
+      --samples_path $M/samples/samples.json --results_path $M/bm25_results
+  python tests/oracle/dump_bm25_lucene.py mt_fixture --out=$M --fixture=tests/fixtures/oracle/bm25_lucene_ui_de_en.npz
 """
 
 import argparse
@@ -66,6 +74,30 @@ def analyze(out, more):
                "decoded": [small_float.byte4ToInt(b) for b in range(-128, 128)]}, f)
 
 
+def mt_samples(data, n, out):
+  """The original MT's `--output-samples-to-file` for the first n training pairs of a text-format corpus: each
+  target sentence's detokenised text (fairseq's target string, subwords joined, Moses-detokenised), which for raw
+  text is the line itself (trime-jax's ParallelData.tgt_text)."""
+  with open(data, encoding="utf-8") as f:
+    lines = f.read().split("\n")[:n]
+  os.makedirs(os.path.join(out, "samples"), exist_ok=True)
+  with open(os.path.join(out, "samples", "samples.json"), "w") as f:
+    json.dump([{"id": i, "contents": t} for i, t in enumerate(lines)], f)
+  print(f"{len(lines)} target sentences of {data} -> {out}")
+
+
+def mt_fixture(out, path):
+  import numpy as np
+
+  with open(os.path.join(out, "bm25_results", "shard0.json")) as f:
+    results = sorted(json.load(f), key=lambda r: int(r["id"]))
+  hits = np.full((len(results), 20), -1, np.int32)
+  for r in results:
+    hits[int(r["id"]), :len(r["retrieval"])] = r["retrieval"]  # (the MT script's ids are ints already)
+  np.savez_compressed(path, hits=hits)
+  print(f"{path}: hits {hits.shape}")
+
+
 def codepoints(path):
   """trime_jax/batching/_lucene_chars.py: the code points StandardTokenizer keeps as (part of) a token when
   one stands alone between spaces, as ranges (Lucene's own Unicode tables, older than Python's)."""
@@ -115,12 +147,15 @@ def fixture(out, path):
 
 if __name__ == "__main__":
   p = argparse.ArgumentParser()
-  p.add_argument("mode", choices=["segments", "analyze", "codepoints", "fixture"])
+  p.add_argument("mode", choices=["segments", "analyze", "codepoints", "fixture", "mt_samples", "mt_fixture"])
+  p.add_argument("--data", help="mt_samples: the target side of the training pairs (e.g. train.en)")
+  p.add_argument("--n", type=int, default=4000, help="mt_samples: how many pairs")
   p.add_argument("--config")
   p.add_argument("--out", required=True)
   p.add_argument("--fixture")
   p.add_argument("--more", help="analyze: a file of more words to analyse, one a line")
   a = p.parse_args()
   {"segments": lambda: segments(a.config, a.out), "analyze": lambda: analyze(a.out, a.more),
-   "codepoints": lambda: codepoints(a.out), "fixture": lambda: fixture(a.out, a.fixture)}[a.mode]()
+   "codepoints": lambda: codepoints(a.out), "fixture": lambda: fixture(a.out, a.fixture),
+   "mt_samples": lambda: mt_samples(a.data, a.n, a.out), "mt_fixture": lambda: mt_fixture(a.out, a.fixture)}[a.mode]()
   sys.exit(0)

@@ -8,7 +8,7 @@ looks like the kNN neighbours the external datastore returns at test time.
      English analysis of its input words (`segment_terms`, `batching/lucene.py`), with Lucene's one-byte
      document lengths; "none": its target token ids (no string round trip).
   2. Query every segment with its own document (batched, numba backend), take the top-k hits as the original's
-     Pyserini search returned them (Lucene's scores and top-k, Anserini's four-decimal order) and keep them but
+     Pyserini search returned them (Lucene's scores, best first, equal scores by id as a string) and keep them but
      the first,
      as the original (it searched 20 hits and followed `hits[1:]`: Algorithm 1's SimSeg(I, c, k) ranks c, which
      is in I, and c is its own best hit but where another segment outscores it; the query is skipped wherever
@@ -67,7 +67,7 @@ DEFAULT_K = 20  # BM25 hits per segment, its own among them (the paper's k)
 DEFAULT_K1, DEFAULT_B = 0.9, 0.4
 QUERY_BATCH = 4096  # segments per bm25s.retrieve call (one progress-bar step)
 MAX_GROUP_EXTRA = 256  # extra hits retrieved to replace excluded same-document neighbours
-LUCENE_MARGIN = 8  # extra hits retrieved so that equal scores at the k-th place go to the lower segment index
+LUCENE_MARGIN = 8  # extra hits retrieved, rescored exactly: where a tie crosses them all, every match is rescored
 ANALYZERS = ("english", "none")  # trime.bm25_analyzer: Lucene's English analysis of the words (the original's) | ids
 
 
@@ -174,8 +174,8 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
   neighbours that share a group (a document) with the query are excluded too (up to `MAX_GROUP_EXTRA` extra
   hits are retrieved to make up for them).
 
-  lucene: rank as the original's Pyserini search did (`search`): Lucene's one-byte lengths, the top hits by
-  score then index, reordered by Anserini's four-decimal scores and string ids. False: bm25s's exact lengths
+  lucene: rank as the original's Pyserini search did: Lucene's one-byte lengths and float32 scores, the hits by
+  score then id as a string (Anserini's sort: "10" before "9"). False: bm25s's exact lengths
   and order.
 
   backend: "numba" (fast, but its first call in a process JIT-compiles for 15-30 s) or "numpy".
@@ -203,6 +203,9 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
   if keep <= 0 or not any(len(d) for d in docs):  # (no document has a term: no neighbours)
     return ids, scores
   retriever, lut = bm25_index(docs, backend=backend, progress=progress, k1=k1, b=b, lucene=lucene)
+  if lucene:  # each document's place among the ids as strings (the original's ids: "10" before "9")
+    name_rank = np.empty(s, np.int64)
+    name_rank[sorted(range(s), key=str)] = np.arange(s)
   # bm25s's numpy backend would pick JAX for its per-query top-k when JAX is importable: keep it on numpy.
   selection = "numba" if backend == "numba" else "numpy"
   n_threads = n_threads or _threads()
@@ -221,7 +224,7 @@ def neighbours(docs: list[np.ndarray], k: int, *, backend: str = "numba", query_
     got, sc = np.asarray(res.documents, np.int64), np.asarray(res.scores, np.float32)
     sc[empty] = 0
     if lucene:
-      got, sc = _lucene_hits(*_lucene_candidates(retriever, lut, docs[a:b], got, sc, k_ret), k_ret)
+      got, sc = _lucene_hits(*_lucene_candidates(retriever, lut, docs[a:b], got, sc, k_ret), k_ret, name_rank)
     # Drop the query itself wherever it ranks (another segment may outscore it), score-0 hits (no shared token)
     # and its group's members (or, by the original's rule, the first hit too); keep the best of the rest in order.
     excluded = (got == np.arange(a, b)[:, None]) | ~(sc > 0)
@@ -242,7 +245,8 @@ def _lucene_candidates(retriever, lut: np.ndarray, queries: list[np.ndarray], go
                        k: int) -> tuple[np.ndarray, np.ndarray]:
   """bm25s's hits `got` [n, m > k] rescored as Lucene scores them (`lucene.lucene_scores`), with every document
   where bm25s's m hits may have left out one that Lucene ranks among the top k: where the m-th hit scores
-  within float32 error of the k-th (a tie across the cut goes to the lower index in Lucene, to any in bm25s),
+  within float32 error of the k-th (a tie across the cut goes to the lower id as a string in Anserini's
+  search, to any in bm25s),
   the query's scores for every document that holds one of its terms, ([n, m'] ids, [n, m'] scores; -1 / -inf
   pad)."""
   from trime_jax.batching.lucene import lucene_scores, matching_documents
@@ -264,17 +268,14 @@ def _lucene_candidates(retriever, lut: np.ndarray, queries: list[np.ndarray], go
   return ids, scores
 
 
-def _lucene_hits(got: np.ndarray, sc: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-  """The top k of bm25s's hits (`got`, `sc` [n, >= k]) as the original's Pyserini search returned them: Lucene
-  keeps the k best scores, equal scores by lower document number (indexing order: the segment index), and
-  Anserini reorders those k by score rounded to four decimals, ties by id as a string (`anserini_order`).
-  Hits of score 0 are kept here (they go with the rest)."""
-  from trime_jax.batching.lucene import anserini_order
-
-  top = np.lexsort((np.where(got < 0, np.iinfo(np.int64).max, got), -sc.astype(np.float64)), axis=-1)[:, :k]
-  got, sc = np.take_along_axis(got, top, 1), np.take_along_axis(sc, top, 1)
-  order = anserini_order(np.where(sc > 0, got, -1), sc)  # Lucene returns no score-0 hit: last
-  return np.take_along_axis(got, order, 1), np.take_along_axis(sc, order, 1)
+def _lucene_hits(got: np.ndarray, sc: np.ndarray, k: int, name_rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """The top k of the candidate hits (`got`, `sc` [n, >= k]) as the original's Pyserini search returned them:
+  Anserini asks Lucene for the k best by score, equal scores sorted by the id field as a string (`name_rank`: each
+  document's place in that order; "10" before "9"), and returns them in that order (its ScoreTiesAdjusterReranker
+  rounds and perturbs the scores it reports, not the order). Hits of score 0 (none in Lucene) are kept here."""
+  tie = np.where(got < 0, np.iinfo(np.int64).max, name_rank[np.maximum(got, 0)])
+  top = np.lexsort((tie, -sc.astype(np.float64)), axis=-1)[:, :k]
+  return np.take_along_axis(got, top, 1), np.take_along_axis(sc, top, 1)
 
 
 def pack(neighbours_Sxk: np.ndarray, seed: int, *, groups: np.ndarray | None = None,

@@ -13,8 +13,9 @@ there that a BM25 over token ids does not do:
   2. **Lengths**: Lucene stores a document's length (its number of terms) in one byte (SmallFloat.intToByte4:
      exact below 24, then four significant bits) and BM25 normalises by the decoded length, not the true one.
      `LuceneBM25` builds bm25s's score matrix that way.
-  3. **Order**: Anserini rounds the scores of the hits to four decimals and orders ties by their document ids
-     as strings ("10" before "9"): `anserini_order`.
+  3. **Order**: Anserini sorts Lucene's hits by score and equal scores by their document ids as strings ("10"
+     before "9"; its reranker then rounds the scores it reports, not the order): `bm25._lucene_hits`, with the
+     scores recomputed as Lucene sums them (`lucene_scores`).
 
 Analysis works word by word: the original's documents are the segments' words joined by single spaces
 (fairseq's `Dictionary.string`, end-of-sentence symbols dropped), and the tokenizer never joins across a space,
@@ -182,7 +183,7 @@ def lucene_scores(retriever: LuceneBM25, query: np.ndarray, docs: np.ndarray) ->
   """[n] float32: the scores Lucene gives `docs` for a query of term ids `query` (repeats allowed), computed as
   Lucene 9 does: a term's clause weight is its count (Anserini's bag-of-words boost) times its idf, each clause
   score weight - weight / (1 + tf / norm) in float32, their sum in float64, then float32. bm25s's float32 sums
-  of the same terms are ~1e-6 relative apart, enough to reorder hits that Anserini rounds to four decimals."""
+  of the same terms are ~1e-6 relative apart, enough to reorder near-equal hits."""
   f32 = np.float32
   tf_by_doc, norm_inverse, idf = retriever.lucene_stats
   terms, counts = np.unique(np.asarray(query, np.int64), return_counts=True)
@@ -196,15 +197,3 @@ def matching_documents(retriever: LuceneBM25, query: np.ndarray) -> np.ndarray:
   """The documents that hold at least one of the query's terms (those Lucene scores), ascending."""
   terms = np.unique(np.asarray(query, np.int64))
   return np.unique(retriever.docs_by_term[:, terms].indices).astype(np.int64)
-
-
-def anserini_order(ids_NxK: np.ndarray, scores_NxK: np.ndarray) -> np.ndarray:
-  """[N, K] int64 positions into each row: its hits as Anserini returns them (ScoreTiesAdjusterReranker):
-  scores rounded to four decimals, best first, ties by document id as a string (the original's JSON ids are the
-  segment numbers: "10" comes before "9"). Hits with id -1 (none) go last."""
-  ids = np.asarray(ids_NxK, np.int64)
-  rounded = np.round(np.asarray(scores_NxK, np.float64), 4)
-  out = np.empty(ids.shape, np.int64)
-  for r in range(len(ids)):
-    out[r] = sorted(range(ids.shape[1]), key=lambda j: (ids[r, j] < 0, -rounded[r, j], str(ids[r, j])))
-  return out
