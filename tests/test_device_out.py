@@ -72,3 +72,26 @@ def test_the_device_entry_points_start_without_what_is_not_there():
                  "trime_jax.batching.bm25"):  # one process each: absl flags; bm25: a training reads BM25 plans there
     code = f"import sys; sys.modules.update(bm25s=None, nltk=None, regex=None); import {module}"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_a_training_reads_a_bm25_plan_without_what_planning_needs(tmp_path):
+  """The GPU machine trains TrimeLM_ext on BM25 plans made here: reading and checking one (BatchSource: the plan's
+  settings against the config, its older rules) must not import bm25s / nltk / regex."""
+  from tests.helpers import wikitext_config_file, wikitext_dir
+
+  data = wikitext_dir(tmp_path, line=lambda i: f" alpha beta w{i} gamma delta .\n", lines=lambda i: i + 3)
+  cfg = wikitext_config_file(tmp_path, data, "c.trime.batching = 'bm25'\nc.trime.memory = 'ext'")
+  out = tmp_path / "plan"
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  subprocess.run([sys.executable, "-m", "trime_jax.launch.make_batches", f"--config={cfg}", "--kind=bm25",
+                  f"--out={out}"], cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
+  code = ("import sys, importlib.util; sys.modules.update(bm25s=None, nltk=None, regex=None)\n"
+          f"spec = importlib.util.spec_from_file_location('cfg', {str(cfg)!r}); m = importlib.util.module_from_spec(spec)\n"
+          "spec.loader.exec_module(m); config = m.get_config()\n"
+          f"config.trime.batch_plan = {str(out)!r}\n"
+          "from trime_jax import corpora\nfrom trime_jax.train import BatchSource\n"
+          "source = BatchSource(corpora.load_splits(config.data).train, config)\n"
+          "assert source.plan.header['bm25_analyzer'] == 'english'\n"
+          "assert all(sys.modules.get(n) is None for n in ('bm25s', 'nltk', 'regex')); print('read')\n")
+  got = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert got.returncode == 0 and got.stdout.strip().endswith("read"), got.stderr[-2000:]
