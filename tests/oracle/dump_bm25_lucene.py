@@ -10,7 +10,7 @@
   python $TRIME/bm25_search.py --index_path $W/bm25_index/ --segments_path $W/segments/segments.json \
       --results_path $W/bm25_results
   python tests/oracle/dump_bm25_lucene.py analyze --out=$W --more=$MORE  # Lucene's analysis of the words, its lengths
-  python tests/oracle/dump_bm25_lucene.py codepoints --out=trime_jax/batching/_lucene_chars.py  # its token chars
+  python tests/oracle/dump_bm25_lucene.py codepoints --out=trime_jax/batching/lucene_chars.py  # its token chars
   # 3. (trime-jax's environment) the fixture
   python tests/oracle/dump_bm25_lucene.py fixture --out=$W --fixture=tests/fixtures/oracle/bm25_lucene_wikitext_mini.npz
 
@@ -99,7 +99,7 @@ def mt_fixture(out, path):
 
 
 def codepoints(path):
-  """trime_jax/batching/_lucene_chars.py: the code points StandardTokenizer keeps as (part of) a token when
+  """trime_jax/batching/lucene_chars.py: the code points StandardTokenizer keeps as (part of) a token when
   one stands alone between spaces, as ranges (Lucene's own Unicode tables, older than Python's)."""
   from pyserini.analysis import Analyzer, get_lucene_analyzer
 

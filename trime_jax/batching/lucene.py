@@ -32,7 +32,7 @@ import regex
 import scipy.sparse as sp
 from nltk.stem.porter import PorterStemmer
 
-from trime_jax.batching import _lucene_chars
+from trime_jax.batching import lucene_chars
 
 # Lucene's EnglishAnalyzer.ENGLISH_STOP_WORDS_SET, Anserini's default stop words
 STOP_WORDS = frozenset(
@@ -40,9 +40,9 @@ STOP_WORDS = frozenset(
     "this to was will with".split())
 
 # Pieces between Unicode word boundaries that StandardTokenizer emits: those holding a code point it makes tokens
-# of (letters, digits, ideographs, emoji, ... by Lucene's own, older, Unicode tables: _lucene_chars.py)
+# of (letters, digits, ideographs, emoji, ... by Lucene's own, older, Unicode tables: lucene_chars.py)
 _EMITTED = regex.compile("[" + "".join(f"\\U{int(a, 16):08x}-\\U{int(b, 16):08x}" for a, b in
-                                       (r.split("-") for r in _lucene_chars.RANGES.split())) + "]")
+                                       (r.split("-") for r in lucene_chars.RANGES.split())) + "]")
 _BOUNDARY = regex.compile(r"(?V1w)\b")  # the `w` flag: Unicode default word boundaries (UAX #29)
 _APOSTROPHES = ("'", "\u2019", "\uff07")  # EnglishPossessiveFilter's
 _MAX_TOKEN = 255  # StandardTokenizer's default maximum token length (longer tokens are split)
