@@ -27,11 +27,11 @@ demo: $(STAMP)
 	$(PY) -m trime_jax.launch.demo --workdir=runs/demo
 
 # The whole test suite (CPU; multi-device tests use virtual CPU devices), two test files at a time (pytest-xdist):
-# 1,060 tests (2026-12-07); 994 took 32.1 minutes on a 2-core machine (2026-12-07, commit 0c8728e), 998 took 50.0 on a
+# 1,069 tests (2026-12-08); 994 took 32.1 minutes on a 2-core machine (2026-12-07, commit 0c8728e), 998 took 50.0 on a
 # slower one (commit 38ea7c1), 1,000 took 42.3 (commit 044ed71), 1,004 took 50.7 (commit 3784647, with make demo beside
 # it for 15 minutes), 1,008 took 55.3 (commit 23822c0, make demo beside it for 16 minutes), 1,025 took 54.7
 # (commit 6aaa0be, make demo beside it for 15 minutes), 1,054 took 39.8 (commit dc41713, make demo beside it for 9
-# minutes), 1,056 took 40.1 (commit 2109ac6); docs/performance.md.
+# minutes), 1,056 took 40.1 (commit 2109ac6), 1,069 took 42.2 (commit 217c0e3, 2026-12-08); docs/performance.md.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
